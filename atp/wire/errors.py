@@ -1,0 +1,97 @@
+"""ATP error model (spec §10) and the exception tree.
+
+Every failure the router reports on the wire carries one of the spec's codes::
+
+    EPROTO      bad frame / schema / version          -> RST
+    ESEQ_RETRY  missing or late fragment              -> request retransmit
+    EWINDOW     window exceeded (tokens/$/parallel)   -> NACK + WINDOW_UPDATE
+    EBUDGET     budget exhausted                      -> FIN
+    ETIMEOUT    agent timeout                         -> retry + AIMD decrease
+    EAGENTDOWN  next-hop unhealthy                    -> circuit break, reroute
+    ESEC        data-scope / authentication violation -> RST, audit
+    ECONSENSUS  no quorum                             -> escalate
+    EPREEMPT    bronze stream preempted (spec §9)     -> RST
+
+Exception tree (ours versus theirs, as h11 and httpx draw it)::
+
+    ATPError(code, reason)
+    ├── LocalProtocolError   the peer sent us something invalid; we answer with ERROR/RST
+    ├── RemoteProtocolError  the peer told us (an ERROR payload) that *we* erred
+    ├── PolicyError          a RIB document was refused (file, key, reason)
+    └── AgentError           a next-hop failed (ETIMEOUT, EAGENTDOWN, ...)
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    """The error codes of spec §10 (plus EPREEMPT of §9)."""
+
+    EPROTO = "EPROTO"
+    ESEQ_RETRY = "ESEQ_RETRY"
+    EWINDOW = "EWINDOW"
+    EBUDGET = "EBUDGET"
+    ETIMEOUT = "ETIMEOUT"
+    EAGENTDOWN = "EAGENTDOWN"
+    ESEC = "ESEC"
+    ECONSENSUS = "ECONSENSUS"
+    EPREEMPT = "EPREEMPT"
+
+
+#: What the router does on each code (spec §10 "Router action").
+ROUTER_ACTION: dict[ErrorCode, str] = {
+    ErrorCode.EPROTO: "RST",
+    ErrorCode.ESEQ_RETRY: "request retransmit",
+    ErrorCode.EWINDOW: "NACK + WINDOW_UPDATE",
+    ErrorCode.EBUDGET: "FIN",
+    ErrorCode.ETIMEOUT: "retries + AIMD decrease",
+    ErrorCode.EAGENTDOWN: "circuit break, reroute",
+    ErrorCode.ESEC: "RST, audit",
+    ErrorCode.ECONSENSUS: "escalate",
+    ErrorCode.EPREEMPT: "RST",
+}
+
+
+class ATPError(Exception):
+    """Base of every ATP error: a spec code plus a human-readable reason.
+
+    ``retry_after_ms`` is the backoff hint sent in the ERROR payload, if any.
+    """
+
+    def __init__(self, code: ErrorCode | str, reason: str, *, retry_after_ms: int | None = None):
+        self.code = ErrorCode(code)
+        self.reason = reason
+        self.retry_after_ms = retry_after_ms
+        super().__init__(f"{self.code}: {reason}")
+
+
+class LocalProtocolError(ATPError):
+    """The peer sent a frame we cannot accept (we detected it)."""
+
+
+class RemoteProtocolError(ATPError):
+    """The peer reported an error about what we sent."""
+
+
+class PolicyError(ATPError):
+    """A RIB document was refused. ``file`` and ``key`` locate the fault.
+
+    ``reason`` reads ``<file>: <key>: <detail>``; ``key`` is a dotted path
+    such as ``policies[1].match.diff_loc``; ``detail`` is the bare reason.
+    """
+
+    def __init__(self, file: str, key: str, reason: str):
+        self.file = file
+        self.key = key
+        self.detail = reason
+        super().__init__(ErrorCode.EPROTO, f"{file}: {key}: {reason}")
+
+
+class AgentError(ATPError):
+    """A next-hop (provider adapter) failed; ``agent`` names it."""
+
+    def __init__(self, code: ErrorCode | str, reason: str, *, agent: str = "", retry_after_ms: int | None = None):
+        self.agent = agent
+        super().__init__(code, reason, retry_after_ms=retry_after_ms)
