@@ -1,0 +1,308 @@
+"""Budget governor: reserve → commit ledger in tokens and integer USD micros
+(spec §5.1 budget window, §4.3 BUDGET_UPDATE, §10 EBUDGET). Sans-IO.
+
+Money is integer USD micros (1 USD = 1_000_000) everywhere inside; float USD
+is converted at the edge with :func:`usd_to_micros` (round half-even).
+
+Accounts are hierarchical: a stream's account has its client's account as
+parent, and so on up. Amounts held or spent by a child are also held or spent
+by every ancestor, so a reservation must fit the whole chain.
+
+The protocol for one agent call::
+
+    r = ledger.reserve(stream, est_tokens, est_usd_micros)    # before the call
+    if isinstance(r, Refusal): ...                             # EBUDGET → FIN
+    ...stream the call, cutting it when usage would pass r...
+    ledger.commit(r, actual_tokens, actual_usd_micros)         # after it
+    # or ledger.release(r) when nothing was consumed
+
+Why nobody can overspend: every method is synchronous and checks and applies
+in one step (no checkpoint in between), so concurrent tasks cannot both pass a
+check on the same headroom (the check-then-spend race of LLM gateways).
+:meth:`BudgetLedger.reserve` holds the estimate up front against the whole
+chain; the caller watches streamed usage and cuts the call before it passes
+the reservation. :meth:`BudgetLedger.commit` then charges ``actual``, but
+never more than the account chain can still take (its free headroom plus this
+reservation); any excess — the tail that was already generated when the call
+was cut, or a provider billing above its estimate — is recorded as
+``overage`` and never charged. Hence, for every account and axis, always::
+
+    committed + reserved <= limit
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+from typing import Annotated
+
+from msgspec import Meta, Struct
+
+from atp.wire.errors import ErrorCode
+from atp.wire.frame import Budget
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+_MICROS = Decimal(1_000_000)
+
+
+def usd_to_micros(usd: float | str | Decimal) -> int:
+    """USD (float, int, decimal string or Decimal) → integer USD micros,
+    rounded half-even. A float is read through its shortest repr, so
+    ``0.91`` is exactly 910_000 and not 909_999. Raises ``ValueError`` for a
+    negative, NaN or infinite amount."""
+    try:
+        d = Decimal(repr(usd)) if isinstance(usd, float) else Decimal(usd)
+    except InvalidOperation:
+        raise ValueError(f"not a USD amount: {usd!r}") from None
+    if not d.is_finite() or d < 0:
+        raise ValueError(f"USD amount must be finite and >= 0, got {usd!r}")
+    return int((d * _MICROS).to_integral_value(rounding=ROUND_HALF_EVEN))
+
+
+def micros_to_usd(micros: int) -> float:
+    """Integer USD micros → float USD, for the wire fields that carry float USD
+    (``telemetry.usd``, ``cost_est.usd``)."""
+    return micros / 1_000_000
+
+
+class Allowance(Struct, frozen=True, forbid_unknown_fields=True):
+    """Tokens and USD micros on one account; ``None`` means unlimited on that axis."""
+
+    tokens: NonNegInt | None = None
+    usd_micros: NonNegInt | None = None
+
+    @classmethod
+    def from_budget(cls, budget: Budget) -> Allowance:
+        """The wire :class:`~atp.wire.frame.Budget` (float USD) as an allowance."""
+        return cls(tokens=budget.tokens, usd_micros=None if budget.usd is None else usd_to_micros(budget.usd))
+
+
+class Reservation(Struct, frozen=True, forbid_unknown_fields=True):
+    """Held headroom on ``key`` and its ancestors; settle it once with
+    :meth:`BudgetLedger.commit` or :meth:`BudgetLedger.release`."""
+
+    id: int
+    key: str
+    tokens: int
+    usd_micros: int
+
+
+class Refusal(Struct, frozen=True, forbid_unknown_fields=True):
+    """A reservation (or limit change) that does not fit. ``key`` is the account
+    that refused (the stream's or an ancestor's); ``remaining`` what it had."""
+
+    key: str
+    reason: str
+    remaining: Allowance
+    code: ErrorCode = ErrorCode.EBUDGET
+
+
+class Charge(Struct, frozen=True, forbid_unknown_fields=True):
+    """What :meth:`BudgetLedger.commit` charged and what it could not (overage)."""
+
+    tokens: int
+    usd_micros: int
+    overage_tokens: int = 0
+    overage_usd_micros: int = 0
+
+
+class AccountState(Struct, frozen=True, forbid_unknown_fields=True):
+    """A snapshot of one account; ``limit`` axes of ``None`` are unlimited."""
+
+    key: str
+    parent: str | None
+    limit: Allowance
+    reserved_tokens: int
+    reserved_usd_micros: int
+    committed_tokens: int
+    committed_usd_micros: int
+    overage_tokens: int
+    overage_usd_micros: int
+    open_reservations: int
+
+
+@dataclass(slots=True)
+class _Account:
+    key: str
+    parent: _Account | None
+    limit_tokens: int | None
+    limit_usd: int | None
+    reserved_tokens: int = 0
+    reserved_usd: int = 0
+    committed_tokens: int = 0
+    committed_usd: int = 0
+    overage_tokens: int = 0
+    overage_usd: int = 0
+    open: int = 0
+    children: int = 0
+    chain: list[_Account] = field(default_factory=list)
+
+    def free_tokens(self) -> float:
+        if self.limit_tokens is None:
+            return math.inf
+        return self.limit_tokens - self.committed_tokens - self.reserved_tokens
+
+    def free_usd(self) -> float:
+        if self.limit_usd is None:
+            return math.inf
+        return self.limit_usd - self.committed_usd - self.reserved_usd
+
+
+class BudgetLedger:
+    """Hierarchical reserve/commit ledger (see the module docstring).
+
+    Keys are opaque strings (e.g. a client id and its stream ids). Errors in
+    *use* (unknown key, settling a reservation twice, negative amounts) raise
+    ``ValueError``; a budget that does not fit is a :class:`Refusal`, not an
+    exception, because it is an ordinary outcome (spec §10 EBUDGET → FIN).
+    """
+
+    def __init__(self) -> None:
+        self._accounts: dict[str, _Account] = {}
+        self._open: dict[int, Reservation] = {}
+        self._next_id = 1
+
+    def open(self, key: str, limit: Allowance, *, parent: str | None = None) -> None:
+        """Create account ``key`` with ``limit`` under ``parent`` (which must exist).
+        Raises ``ValueError`` if ``key`` exists or ``parent`` does not."""
+        if key in self._accounts:
+            raise ValueError(f"budget account {key!r} already open")
+        up = self._get(parent) if parent is not None else None
+        acct = _Account(key, up, limit.tokens, limit.usd_micros)
+        acct.chain = [acct, *(up.chain if up is not None else [])]
+        if up is not None:
+            up.children += 1
+        self._accounts[key] = acct
+
+    def close(self, key: str) -> AccountState:
+        """Forget account ``key`` (its spend stays in its ancestors) and return its
+        final state. Raises ``ValueError`` while it has open reservations or
+        child accounts."""
+        acct = self._get(key)
+        if acct.open or acct.children:
+            raise ValueError(
+                f"budget account {key!r} has {acct.open} open reservation(s) and {acct.children} child account(s)"
+            )
+        state = self.state(key)
+        if acct.parent is not None:
+            acct.parent.children -= 1
+        del self._accounts[key]
+        return state
+
+    def reserve(self, key: str, tokens: int, usd_micros: int) -> Reservation | Refusal:
+        """Hold ``tokens`` and ``usd_micros`` on ``key`` and every ancestor, all or
+        nothing (spec §5.2 preflight). Returns a :class:`Refusal` (``EBUDGET``)
+        naming the first account in the chain (nearest first) that cannot take
+        it. Raises ``ValueError`` on an unknown key or a negative amount."""
+        _check_amounts(tokens, usd_micros)
+        acct = self._get(key)
+        for a in acct.chain:
+            if tokens > a.free_tokens() or usd_micros > a.free_usd():
+                return self._refusal(a, f"reserve {tokens} tokens / {usd_micros} usd_micros on {key!r}")
+        for a in acct.chain:
+            a.reserved_tokens += tokens
+            a.reserved_usd += usd_micros
+        acct.open += 1
+        r = Reservation(id=self._next_id, key=key, tokens=tokens, usd_micros=usd_micros)
+        self._next_id += 1
+        self._open[r.id] = r
+        return r
+
+    def commit(self, reservation: Reservation, actual_tokens: int, actual_usd_micros: int) -> Charge:
+        """Settle ``reservation`` with the call's actual usage and return the
+        :class:`Charge`. The charge on each axis is ``min(actual, what the chain
+        can take)`` once the reservation's hold is lifted — at least the
+        reserved amount, so usage within the reservation is always charged in
+        full. The rest is recorded as overage on the account and its ancestors.
+        Raises ``ValueError`` if the reservation is not open or an amount is
+        negative."""
+        _check_amounts(actual_tokens, actual_usd_micros)
+        acct = self._settle(reservation)
+        room_t = min(a.free_tokens() for a in acct.chain)
+        room_u = min(a.free_usd() for a in acct.chain)
+        charge_t = int(min(actual_tokens, room_t))
+        charge_u = int(min(actual_usd_micros, room_u))
+        over_t, over_u = actual_tokens - charge_t, actual_usd_micros - charge_u
+        for a in acct.chain:
+            a.committed_tokens += charge_t
+            a.committed_usd += charge_u
+            a.overage_tokens += over_t
+            a.overage_usd += over_u
+        return Charge(charge_t, charge_u, over_t, over_u)
+
+    def release(self, reservation: Reservation) -> None:
+        """Settle ``reservation`` with no usage (the call never ran or consumed
+        nothing). Raises ``ValueError`` if it is not open."""
+        self._settle(reservation)
+
+    def remaining(self, key: str) -> Allowance:
+        """What ``key`` could still reserve right now: per axis the smallest free
+        headroom along its chain (``limit - committed - reserved``); ``None``
+        where no account in the chain has a limit."""
+        acct = self._get(key)
+        t = min(a.free_tokens() for a in acct.chain)
+        u = min(a.free_usd() for a in acct.chain)
+        return Allowance(tokens=None if t == math.inf else int(t), usd_micros=None if u == math.inf else int(u))
+
+    def set_limit(self, key: str, limit: Allowance) -> Refusal | None:
+        """Change ``key``'s own limit (BUDGET_UPDATE, spec §4.3; raising it is the
+        client's answer to EBUDGET). A limit below what the account already
+        holds (committed + reserved) is refused and nothing changes."""
+        acct = self._get(key)
+        too_low_t = limit.tokens is not None and limit.tokens < acct.committed_tokens + acct.reserved_tokens
+        too_low_u = limit.usd_micros is not None and limit.usd_micros < acct.committed_usd + acct.reserved_usd
+        if too_low_t or too_low_u:
+            return self._refusal(acct, f"limit {limit.tokens} tokens / {limit.usd_micros} usd_micros below use")
+        acct.limit_tokens, acct.limit_usd = limit.tokens, limit.usd_micros
+        return None
+
+    def state(self, key: str) -> AccountState:
+        """Snapshot of account ``key``. Raises ``ValueError`` on an unknown key."""
+        a = self._get(key)
+        return AccountState(
+            key=a.key,
+            parent=a.parent.key if a.parent is not None else None,
+            limit=Allowance(tokens=a.limit_tokens, usd_micros=a.limit_usd),
+            reserved_tokens=a.reserved_tokens,
+            reserved_usd_micros=a.reserved_usd,
+            committed_tokens=a.committed_tokens,
+            committed_usd_micros=a.committed_usd,
+            overage_tokens=a.overage_tokens,
+            overage_usd_micros=a.overage_usd,
+            open_reservations=a.open,
+        )
+
+    def _get(self, key: str) -> _Account:
+        try:
+            return self._accounts[key]
+        except KeyError:
+            raise ValueError(f"no budget account {key!r}") from None
+
+    def _settle(self, reservation: Reservation) -> _Account:
+        if self._open.get(reservation.id) != reservation:
+            raise ValueError(f"reservation {reservation.id} on {reservation.key!r} is not open")
+        del self._open[reservation.id]
+        acct = self._accounts[reservation.key]
+        for a in acct.chain:
+            a.reserved_tokens -= reservation.tokens
+            a.reserved_usd -= reservation.usd_micros
+        acct.open -= 1
+        return acct
+
+    def _refusal(self, a: _Account, what: str) -> Refusal:
+        free = self.remaining(a.key)
+        return Refusal(
+            key=a.key,
+            reason=f"{what}: budget {a.key!r} has {_fmt(free.tokens)} tokens / {_fmt(free.usd_micros)} usd_micros left",
+            remaining=free,
+        )
+
+
+def _fmt(v: int | None) -> str:
+    return "unlimited" if v is None else str(v)
+
+
+def _check_amounts(tokens: int, usd_micros: int) -> None:
+    if tokens < 0 or usd_micros < 0:
+        raise ValueError(f"amounts must be >= 0, got {tokens} tokens / {usd_micros} usd_micros")
