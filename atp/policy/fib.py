@@ -1,0 +1,287 @@
+"""FIB: the RIB compiled for the data plane, looked up per task (spec §6.2).
+
+:func:`compile_fib` turns a validated :class:`~atp.policy.rib.Rib` into a
+:class:`Fib` (pure; matchers compiled, per-agent constants folded).
+:meth:`Fib.lookup` routes one task:
+
+1. **Policy selection, ACL-style**: the policies are tried in RIB order and the
+   *first* whose ``match`` accepts the task meta wins; later policies are not
+   consulted. Put specific policies (``diff_loc: ">400"``) before general ones.
+2. **Weighted ECMP over the policy's fanout** (spec §6.2). Each next-hop scores::
+
+       fit × win30d × 1/(1 + usd_per_mtok) × 1/(1 + p95_ms/1000) × (1 − error_rate)
+
+   * ``fit``: the fraction of the wanted strengths — the meta ``task_type`` plus
+     any meta ``strengths_wanted`` (a string or a list) — found in the agent's
+     ``strengths`` ∪ its model's; 1.0 when the task asks for nothing. Floored at
+     :data:`FIT_FLOOR` so next-hops that fit nothing are still ordered by the
+     other factors instead of collapsing into a zero-weight tie.
+   * ``usd_per_mtok``: the model's blended USD per 1M tokens (tools: 0).
+   * ``p95_ms``: live ``Health.p95_ms`` when given and > 0, else the RIB's.
+   * ``error_rate``: live ``Health.error_rate`` (clamped to 0..1), else 0; a
+     next-hop whose ``Health.up`` is False is excluded.
+
+   Next-hops are ordered by descending score, ties by agent name (so a lookup
+   is deterministic), then cut to ``fanout_k`` when the policy sets it — after
+   exclusion, so a down next-hop's slot fails over to the next best.
+
+Lookup failures raise :class:`~atp.wire.errors.AgentError` with ``EAGENTDOWN``
+(no policy matches; every next-hop down). The router answers them with an ERROR
+frame (spec §10: EAGENTDOWN → circuit break / reroute; the client fails over).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+from msgspec import Struct
+
+from atp.adapters.base import Health
+from atp.policy.match import CompiledMatch, compile_match
+from atp.policy.rib import AgentSpec, Budget, EscalationSpec, PolicySpec, Rib, SpecError, reference_errors
+from atp.wire.errors import AgentError, ErrorCode, PolicyError
+from atp.wire.frame import QoS, RouteEntry, RouteUpdate, Window
+
+__all__ = ["FIT_FLOOR", "Fib", "NextHop", "Route", "compile_fib"]
+
+#: Lowest capability fit a next-hop gets (see the module doc).
+FIT_FLOOR = 0.01
+
+#: RouteEntry.task_type of a policy that does not pin ``task_type`` to values.
+ANY_TASK_TYPE = "*"
+
+
+class NextHop(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One selected agent of a route.
+
+    ``weight`` is its ECMP score (unnormalized, ≥ 0); ``timeout_ms`` its overall
+    per-call deadline; ``model`` the RIB model name (``Rib.models`` key) or ``tool``
+    the tool name; costs are USD micros per input / output token (0 for tools),
+    for preflight estimates (spec §5.2).
+    """
+
+    agent: str
+    weight: float
+    qos: QoS
+    timeout_ms: int
+    model: str | None = None
+    tool: str | None = None
+    in_usd_micros_per_token: float = 0.0
+    out_usd_micros_per_token: float = 0.0
+
+
+class Route(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """The result of a FIB lookup: the policy that matched and what it says.
+
+    ``next_hops`` is ordered by weight (best first; top-K applied);
+    ``escalation_hop`` is the escalation target as a next-hop (weight 0 when its
+    health says down: the dispatcher decides what to do then); ``budget`` and
+    ``window`` are the policy's (None: the router's default); ``qos`` is the
+    policy's override or None (keep the stream's); ``deadline_ms`` the overall
+    stream deadline.
+    """
+
+    policy: str
+    next_hops: list[NextHop]
+    escalation: EscalationSpec | None
+    escalation_hop: NextHop | None
+    budget: Budget | None
+    window: Window | None
+    consensus: str
+    qos: QoS | None
+    deadline_ms: int
+
+
+class _Candidate:
+    """Per-agent constants of the score, folded at compile time."""
+
+    __slots__ = ("agent", "hop", "p95_ms", "static", "strengths")
+
+    def __init__(self, name: str, agent: AgentSpec, rib: Rib):
+        self.agent = name
+        self.p95_ms = agent.p95_ms
+        strengths = set(agent.strengths)
+        usd_per_mtok = 0.0
+        cost_in = cost_out = 0.0
+        if agent.model is not None:
+            model = rib.models[agent.model]
+            strengths.update(model.strengths)
+            usd_per_mtok = model.usd_per_mtok
+            # USD per 1M tokens is numerically USD micros per token.
+            cost_in, cost_out = model.usd_per_mtok_in, model.usd_per_mtok_out
+        self.strengths = frozenset(strengths)
+        self.static = agent.win30d / (1.0 + usd_per_mtok)
+        self.hop = NextHop(
+            agent=name,
+            weight=0.0,
+            qos=agent.qos,
+            timeout_ms=agent.timeout_ms,
+            model=agent.model,
+            tool=agent.tool,
+            in_usd_micros_per_token=cost_in,
+            out_usd_micros_per_token=cost_out,
+        )
+
+    def score(self, wanted: frozenset[str], health: Health | None) -> float:
+        fit = len(wanted & self.strengths) / len(wanted) if wanted else 1.0
+        p95 = self.p95_ms
+        ok = 1.0
+        if health is not None:
+            if health.p95_ms > 0:
+                p95 = health.p95_ms
+            ok = 1.0 - min(max(health.error_rate, 0.0), 1.0)
+        return max(fit, FIT_FLOOR) * self.static / (1.0 + p95 / 1000.0) * ok
+
+
+class _Policy:
+    __slots__ = ("candidates", "escalation", "fanout_k", "match", "name", "spec")
+
+    def __init__(
+        self,
+        name: str,
+        spec: PolicySpec,
+        match: CompiledMatch,
+        candidates: tuple[_Candidate, ...],
+        escalation: _Candidate | None,
+    ):
+        self.name = name
+        self.spec = spec
+        self.match = match
+        self.candidates = candidates
+        self.fanout_k = spec.fanout_k
+        self.escalation = escalation
+
+
+def _wanted(meta: Mapping[str, Any]) -> frozenset[str]:
+    wanted: set[str] = set()
+    task_type = meta.get("task_type")
+    if isinstance(task_type, str):
+        wanted.add(task_type)
+    extra = meta.get("strengths_wanted")
+    if isinstance(extra, str):
+        wanted.add(extra)
+    elif isinstance(extra, (list, tuple)):
+        wanted.update(s for s in extra if isinstance(s, str))
+    return frozenset(wanted)
+
+
+class Fib:
+    """A compiled, immutable FIB of RIB generation ``version`` (see module doc).
+
+    ``rib`` is the RIB it was compiled from (adapters are built from its
+    ``models`` / ``agents``).
+    """
+
+    __slots__ = ("_policies", "rib", "version")
+
+    def __init__(self, rib: Rib, version: int, policies: tuple[_Policy, ...]):
+        self.rib = rib
+        self.version = version
+        self._policies = policies
+
+    @property
+    def policy_names(self) -> list[str]:
+        """Policy names in lookup (RIB) order."""
+        return [p.name for p in self._policies]
+
+    def lookup(self, meta: Mapping[str, Any], *, health: Mapping[str, Health] | None = None) -> Route:
+        """Route a task by its frame ``meta`` (spec §6.2).
+
+        ``health`` maps agent names to live :class:`~atp.adapters.base.Health`;
+        agents absent from it count as healthy with their RIB figures.
+        Raises AgentError(EAGENTDOWN) when no policy matches or when every
+        next-hop of the matching policy is down."""
+        for policy in self._policies:
+            if policy.match(meta):
+                break
+        else:
+            raise AgentError(ErrorCode.EAGENTDOWN, f"no route for task_type={meta.get('task_type')!r}")
+        wanted = _wanted(meta)
+        scored: list[tuple[float, str, _Candidate]] = []
+        for c in policy.candidates:
+            h = health.get(c.agent) if health is not None else None
+            if h is not None and not h.up:
+                continue
+            scored.append((-c.score(wanted, h), c.agent, c))
+        if not scored:
+            raise AgentError(ErrorCode.EAGENTDOWN, f"no healthy next-hop for policy {policy.name}")
+        scored.sort(key=lambda t: (t[0], t[1]))
+        if policy.fanout_k is not None:
+            del scored[policy.fanout_k :]
+        escalation_hop = None
+        if policy.escalation is not None:
+            e = policy.escalation
+            h = health.get(e.agent) if health is not None else None
+            weight = 0.0 if h is not None and not h.up else e.score(wanted, h)
+            escalation_hop = msgspec.structs.replace(e.hop, weight=weight)
+        spec = policy.spec
+        return Route(
+            policy=policy.name,
+            next_hops=[msgspec.structs.replace(c.hop, weight=-neg) for neg, _, c in scored],
+            escalation=spec.escalation,
+            escalation_hop=escalation_hop,
+            budget=spec.budget,
+            window=spec.window,
+            consensus=spec.consensus,
+            qos=spec.qos,
+            deadline_ms=spec.deadline_ms,
+        )
+
+    def routes(self) -> list[RouteEntry]:
+        """The FIB as ROUTE_UPDATE entries (spec §4.3), in lookup order: one per
+        (policy, task_type) — ``"*"`` when the policy does not pin task_type to
+        values — with the next-hops and weights a task of that type gets with no
+        health data. Several entries may share a task_type (e.g. a large-diff
+        policy before the general one); the first matching one wins."""
+        entries = []
+        for policy in self._policies:
+            task_types = policy.match.equals_values("task_type") or [ANY_TASK_TYPE]
+            for tt in task_types:
+                meta = {} if tt == ANY_TASK_TYPE else {"task_type": tt}
+                wanted = _wanted(meta)
+                scored = sorted((-c.score(wanted, None), c.agent) for c in policy.candidates)
+                if policy.fanout_k is not None:
+                    del scored[policy.fanout_k :]
+                entries.append(
+                    RouteEntry(task_type=str(tt), next_hops=[a for _, a in scored], weights=[-s for s, _ in scored])
+                )
+        return entries
+
+    def route_update(self, previous: Fib | None = None) -> RouteUpdate:
+        """A ROUTE_UPDATE of this FIB; ``withdrawn`` lists the task types routed
+        by ``previous`` and by no entry of this one."""
+        routes = self.routes()
+        current = {r.task_type for r in routes}
+        withdrawn = sorted({r.task_type for r in previous.routes()} - current) if previous is not None else []
+        return RouteUpdate(version=self.version, routes=routes, withdrawn=withdrawn)
+
+
+def compile_fib(rib: Rib, *, version: int) -> Fib:
+    """Compile ``rib`` into a FIB of generation ``version`` (pure; spec §6).
+
+    ``rib`` is normally the output of :func:`atp.policy.loader.load_rib`; a Rib
+    built in code is checked here too: raises PolicyError("<rib>", key, reason)
+    on a dangling reference or a malformed ``match``."""
+    for ref in reference_errors(rib):
+        entry = f".{ref.entry}" if ref.section == "agents" else ("" if ref.entry == -1 else f"[{ref.entry}]")
+        raise PolicyError("<rib>", f"{ref.section}{entry}{ref.field}", ref.reason)
+    candidates = {name: _Candidate(name, agent, rib) for name, agent in rib.agents.items()}
+    policies = []
+    for i, spec in enumerate(rib.policies):
+        try:
+            match = compile_match(spec.match)
+        except SpecError as e:
+            raise PolicyError("<rib>", f"policies[{i}].match.{e.field}", e.reason) from None
+        escalation = candidates[spec.escalation.to] if spec.escalation is not None else None
+        policies.append(
+            _Policy(
+                spec.name or f"policy[{i}]",
+                spec,
+                match,
+                tuple(candidates[a] for a in spec.fanout),
+                escalation,
+            )
+        )
+    return Fib(rib, version, tuple(policies))

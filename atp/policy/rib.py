@@ -1,0 +1,296 @@
+"""The RIB schema: models, agents and policies as strict msgspec Structs (spec §6.1, §23).
+
+The RIB is the declarative control-plane table an operator writes in YAML (or
+posts to the control API); :mod:`atp.policy.loader` parses and cross-checks it,
+:mod:`atp.policy.fib` compiles it into the FIB the data plane looks up.
+
+Shape (every Struct forbids unknown fields)::
+
+    Rib
+    ├── models:   {name: ModelSpec}    provider, ctx (tokens), cost (USD / 1M tokens), ...
+    ├── agents:   {name: AgentSpec}    layer, model | tool, qos, p95_ms, win30d, ...
+    └── policies: [PolicySpec]         match, fanout, escalation, budget, window, ...
+
+Units: ``ctx`` and ``max_out_tokens`` are tokens; ``cost``/``cost_in``/``cost_out``
+are USD per 1M tokens (which is numerically USD micros per token); latencies and
+timeouts are ms; ``window.max_usd_micros`` is USD micros; ``budget.usd`` is float USD.
+
+Checks that need only one entry live here (``__post_init__`` raises
+:class:`SpecError`, which msgspec wraps in a ``ValidationError``); checks across
+entries (an agent's model exists, a fanout names known agents) are
+:func:`reference_errors`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from atp.wire.frame import Budget, QoS, Window
+
+__all__ = [
+    "PROVIDERS",
+    "TOOLS",
+    "TRIGGERS",
+    "AgentSpec",
+    "Budget",
+    "EscalationSpec",
+    "ModelSpec",
+    "PolicySpec",
+    "RefError",
+    "Rib",
+    "SpecError",
+    "Window",
+    "parse_tokens",
+    "reference_errors",
+]
+
+#: Model providers an adapter exists for (spec §14).
+PROVIDERS: tuple[str, ...] = ("openai", "openai_compat", "ollama", "google")
+
+#: Local tools usable as ``agents.<name>.tool``. Add a name here when its
+#: adapter lands in :mod:`atp.adapters.tools`.
+TOOLS: frozenset[str] = frozenset({"ruff", "bandit"})
+
+#: Escalation triggers (spec §6.1, §15, §23): raised by the consensus engine.
+TRIGGERS: tuple[str, ...] = (
+    "low_conf",
+    "test_fail",
+    "disagree_high",
+    "disagreement",
+    "weak_citations",
+    "no_findings",
+)
+
+Provider = Literal["openai", "openai_compat", "ollama", "google"]
+Speed = Literal["fast", "medium", "slow"]
+Layer = Literal["L0", "L1", "L2", "L3", "L4", "L5"]
+Scope = Literal["changed", "file"]
+Trigger = Literal["low_conf", "test_fail", "disagree_high", "disagreement", "weak_citations", "no_findings"]
+
+UsdPerMTok = Annotated[float, Meta(ge=0.0)]
+Confidence = Annotated[float, Meta(ge=0.0, le=1.0)]
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+Ms = Annotated[float, Meta(ge=0.0)]
+# Names of env vars only: a value that looks like a key ("sk-...") is refused.
+EnvName = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+NonEmptyStr = Annotated[str, Meta(min_length=1)]
+
+Scalar = str | int | float | bool
+#: A ``match`` value: a scalar (equality / membership), a comparison string
+#: such as ``">150"`` or a list meaning "any of" (see :mod:`atp.policy.match`).
+MatchValue = Scalar | list[Scalar]
+
+#: Names of models, agents and policies (brackets for the default "policy[i]").
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+\[\]-]{0,127}$")
+
+_TOKENS_RE = re.compile(r"^\s*(\d+(?:_\d+)*(?:\.\d+)?)\s*([kKmM]?)\s*$")
+_SUFFIX = {"": 1, "k": 1024, "m": 1024 * 1024}
+
+
+class SpecError(ValueError):
+    """One entry of the RIB is invalid. ``field`` is the dotted key below the
+    entry (``"ctx"``, ``"fanout[2]"``) so the loader can report a precise key."""
+
+    def __init__(self, field: str, reason: str):
+        self.field = field
+        self.reason = reason
+        super().__init__(reason)
+
+
+def parse_tokens(value: int | str) -> int:
+    """A token count: an int, or a string like ``"32k"``, ``"2M"``, ``"1.5k"``,
+    ``"128_000"``. ``k`` is 1024 and ``M`` is 1024² (context windows are powers of
+    two: ``32k`` = 32768). Raises ValueError on anything else or a negative count."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a token count, got {value!r}")  # noqa: TRY004 (callers catch ValueError)
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"expected a non-negative token count, got {value}")
+        return value
+    m = _TOKENS_RE.match(value)
+    if m is None:
+        raise ValueError(f"expected a token count like 32768, '32k' or '2M', got {value!r}")
+    return int(float(m.group(1).replace("_", "")) * _SUFFIX[m.group(2).lower()])
+
+
+class ModelSpec(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A model registry entry (spec §6.1).
+
+    ``ctx`` accepts ``"32k"``-style strings and is an int (tokens) after
+    construction. ``cost`` is the blended USD per 1M tokens; ``cost_in`` /
+    ``cost_out`` override it for input / output tokens (``cost`` may then be
+    omitted, when both are given). ``model`` is the provider's model id (the
+    loader defaults it to the registry key). ``api_key_env`` names the env var
+    holding the key, never the key. ``openai_compat`` requires ``base_url``.
+    """
+
+    provider: Provider
+    ctx: int | str
+    cost: UsdPerMTok | None = None
+    cost_in: UsdPerMTok | None = None
+    cost_out: UsdPerMTok | None = None
+    speed: Speed = "medium"
+    strengths: list[str] = msgspec.field(default_factory=list)
+    base_url: NonEmptyStr | None = None
+    model: NonEmptyStr | None = None
+    api_key_env: EnvName | None = None
+    max_out_tokens: PosInt = 512
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 0.0
+
+    def __post_init__(self) -> None:
+        try:
+            self.ctx = parse_tokens(self.ctx)
+        except ValueError as e:
+            raise SpecError("ctx", str(e)) from None
+        if self.cost is None and (self.cost_in is None or self.cost_out is None):
+            raise SpecError("cost", "cost is required unless both cost_in and cost_out are given")
+        if self.provider == "openai_compat" and self.base_url is None:
+            raise SpecError("base_url", "required for provider openai_compat")
+
+    @property
+    def usd_per_mtok_in(self) -> float:
+        """USD per 1M input tokens (= USD micros per input token)."""
+        return self.cost_in if self.cost_in is not None else self.cost  # type: ignore[return-value]
+
+    @property
+    def usd_per_mtok_out(self) -> float:
+        """USD per 1M output tokens (= USD micros per output token)."""
+        return self.cost_out if self.cost_out is not None else self.cost  # type: ignore[return-value]
+
+    @property
+    def usd_per_mtok(self) -> float:
+        """Blended USD per 1M tokens: ``cost``, else the mean of in and out."""
+        if self.cost is not None:
+            return self.cost
+        return (self.usd_per_mtok_in + self.usd_per_mtok_out) / 2
+
+
+class AgentSpec(Struct, forbid_unknown_fields=True, kw_only=True):
+    """An agent registry entry (spec §6.1): exactly one of ``model`` (a key of
+    ``Rib.models``) or ``tool`` (one of :data:`TOOLS`).
+
+    ``p95_ms`` is the configured p95 latency (ms), ``win30d`` the 30-day win rate
+    (0..1) that seeds ECMP weights, ``timeout_ms`` the overall per-call deadline,
+    ``scope`` whether findings are kept only on changed lines (``changed``) or on
+    the whole file (``file``); ``options`` is passed to the tool / model adapter.
+    """
+
+    layer: Layer
+    p95_ms: Ms
+    model: NonEmptyStr | None = None
+    tool: NonEmptyStr | None = None
+    qos: QoS = QoS.SILVER
+    win30d: Confidence = 0.5
+    strengths: list[str] = msgspec.field(default_factory=list)
+    timeout_ms: PosInt = 60_000
+    scope: Scope = "changed"
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model is None and self.tool is None:
+            raise SpecError("model", "exactly one of 'model' or 'tool' is required")
+        if self.model is not None and self.tool is not None:
+            raise SpecError("tool", "give either 'model' or 'tool', not both")
+        if self.tool is not None and self.tool not in TOOLS:
+            raise SpecError("tool", f"unknown tool {self.tool!r} (known: {', '.join(sorted(TOOLS))})")
+
+
+class EscalationSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Escalate to agent ``to`` when any trigger in ``on`` fires (spec §6.1);
+    ``threshold`` is the confidence under which ``low_conf`` fires."""
+
+    on: Annotated[list[Trigger], Meta(min_length=1)]
+    to: NonEmptyStr
+    threshold: Confidence = 0.5
+
+
+class PolicySpec(Struct, forbid_unknown_fields=True, kw_only=True):
+    """One policy (spec §6.1, §23). Policies are tried in RIB order; the first
+    whose ``match`` accepts the task meta routes it.
+
+    ``name`` defaults to ``policy[i]`` (i = position in the merged RIB);
+    ``fanout_k`` keeps the top-K next-hops by score (default all);
+    ``window`` is the initial window triplet (spec §5.1, §15.1: in-flight calls,
+    tokens, USD micros; all three given, ``max_parallel`` ≥ 1) or None for the
+    router's default; ``deadline_ms`` is the overall stream deadline.
+    """
+
+    match: dict[str, MatchValue]
+    fanout: Annotated[list[NonEmptyStr], Meta(min_length=1)]
+    name: NonEmptyStr | None = None
+    fanout_k: PosInt | None = None
+    escalation: EscalationSpec | None = None
+    budget: Budget | None = None
+    window: Window | None = None
+    consensus: NonEmptyStr = "union_tiebreak"
+    qos: QoS | None = None
+    deadline_ms: PosInt = 120_000
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for i, agent in enumerate(self.fanout):
+            if agent in seen:
+                raise SpecError(f"fanout[{i}]", f"duplicate agent {agent!r} in fanout")
+            seen.add(agent)
+        if self.fanout_k is not None and self.fanout_k > len(self.fanout):
+            raise SpecError("fanout_k", f"fanout_k {self.fanout_k} exceeds the fanout size {len(self.fanout)}")
+        if self.window is not None and self.window.max_parallel < 1:
+            raise SpecError("window.max_parallel", "max_parallel must be >= 1 (0 would never admit a call)")
+        if self.escalation is not None and self.escalation.to in seen:
+            raise SpecError(
+                "escalation.to",
+                f"escalation target {self.escalation.to!r} is already in the fanout (escalate to an agent outside it)",
+            )
+
+
+class Rib(Struct, forbid_unknown_fields=True, kw_only=True):
+    """The routing information base (spec §6.1): registries plus ordered policies."""
+
+    models: dict[str, ModelSpec] = msgspec.field(default_factory=dict)
+    agents: dict[str, AgentSpec] = msgspec.field(default_factory=dict)
+    policies: list[PolicySpec] = msgspec.field(default_factory=list)
+
+
+class RefError(Struct, frozen=True):
+    """A dangling or invalid cross-reference: ``section`` is ``"agents"`` or
+    ``"policies"``, ``entry`` the agent name or policy index, ``field`` the key
+    below it (``".model"``, ``".fanout[1]"``)."""
+
+    section: str
+    entry: str | int
+    field: str
+    reason: str
+
+
+def _known(names: Any) -> str:
+    listed = sorted(names)
+    return ", ".join(listed) if listed else "none defined"
+
+
+def reference_errors(rib: Rib) -> Iterator[RefError]:
+    """Yield every cross-reference fault of ``rib`` in document order: an agent's
+    model missing; a fanout or escalation agent missing; no policies at all."""
+    for name, agent in rib.agents.items():
+        if agent.model is not None and agent.model not in rib.models:
+            yield RefError("agents", name, ".model", f"unknown model {agent.model!r} (known: {_known(rib.models)})")
+    for i, policy in enumerate(rib.policies):
+        for j, agent_name in enumerate(policy.fanout):
+            if agent_name not in rib.agents:
+                yield RefError(
+                    "policies", i, f".fanout[{j}]", f"unknown agent {agent_name!r} (known: {_known(rib.agents)})"
+                )
+        if policy.escalation is not None and policy.escalation.to not in rib.agents:
+            yield RefError(
+                "policies",
+                i,
+                ".escalation.to",
+                f"unknown agent {policy.escalation.to!r} (known: {_known(rib.agents)})",
+            )
+    if not rib.policies:
+        yield RefError("policies", -1, "", "no policies: a RIB needs at least one")
