@@ -1,0 +1,114 @@
+"""Findings and results: what review agents produce and what the router returns
+(spec §7.3). Strict msgspec Structs, shared by adapters, consensus and the API.
+
+Lines are 1-based in the file *after* the diff; ``end`` is inclusive.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta, Struct
+
+Line = Annotated[int, Meta(ge=1)]
+Confidence = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class Severity(enum.StrEnum):
+    CRITICAL = "critical"
+    HIGH = "high"
+    MEDIUM = "medium"
+    LOW = "low"
+    INFO = "info"
+
+    @property
+    def rank(self) -> int:
+        """4 for critical … 0 for info, for ordering and thresholds."""
+        return _RANK[self]
+
+
+_RANK = {Severity.CRITICAL: 4, Severity.HIGH: 3, Severity.MEDIUM: 2, Severity.LOW: 1, Severity.INFO: 0}
+
+
+class AgentFinding(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One finding as an agent reports it. ``ref`` is the agent's own local id
+    (provenance is ``"<agent>#<ref>"``); ``rule`` the analyser's rule code."""
+
+    file: str
+    start: Line
+    end: Line
+    severity: Severity
+    claim: str
+    confidence: Confidence = 0.5
+    ref: str = ""
+    rule: str | None = None
+    cwe: str | None = None
+    patch: str | None = None
+    tests: list[str] = msgspec.field(default_factory=list)
+
+
+class Usage(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Actual consumption of one call: tokens and USD micros (1 USD = 1_000_000)."""
+
+    in_tokens: Annotated[int, Meta(ge=0)] = 0
+    out_tokens: Annotated[int, Meta(ge=0)] = 0
+    usd_micros: Annotated[int, Meta(ge=0)] = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.in_tokens + self.out_tokens
+
+    def __add__(self, other: "Usage") -> "Usage":
+        return Usage(
+            self.in_tokens + other.in_tokens, self.out_tokens + other.out_tokens, self.usd_micros + other.usd_micros
+        )
+
+
+class AgentReport(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """The content of an agent's FINAL fragment for a review task."""
+
+    findings: list[AgentFinding] = msgspec.field(default_factory=list)
+    summary: str = ""
+    confidence: Confidence | None = None
+
+
+class Finding(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A merged finding in the FINAL result (spec §7.3). ``span`` is ``"start-end"``."""
+
+    id: str
+    severity: Severity
+    file: str
+    span: str
+    claim: str
+    confidence: Confidence
+    provenance: list[str]
+    patch: str | None = None
+    tests: list[str] = msgspec.field(default_factory=list)
+
+
+class ConsensusInfo(Struct, forbid_unknown_fields=True):
+    strategy: str
+    agreement: Annotated[float, Meta(ge=0.0, le=1.0)]
+    uncertainties: list[str] = msgspec.field(default_factory=list)
+
+
+class Result(Struct, forbid_unknown_fields=True):
+    findings: list[Finding]
+    consensus: ConsensusInfo
+
+
+class Telemetry(Struct, forbid_unknown_fields=True):
+    """Totals of a stream: tokens (in+out), float USD, wall time SYN → FINAL in ms."""
+
+    tokens: Annotated[int, Meta(ge=0)]
+    usd: Annotated[float, Meta(ge=0.0)]
+    latency_ms: Annotated[float, Meta(ge=0.0)]
+
+
+class FinalResult(Struct, forbid_unknown_fields=True):
+    """The FINAL payload content, exactly the shape of spec §7.3."""
+
+    result: Result
+    telemetry: Telemetry
