@@ -1,0 +1,546 @@
+"""OpenAI-compatible chat-completions next-hop (spec §14, §5.2, §7.3).
+
+One adapter speaks to any server of the ``POST {base_url}/chat/completions`` shape
+(OpenAI, Ollama's ``/v1``, llama.cpp / llama-cpp-python, vLLM, ...). A call:
+
+1. builds a code-review conversation from ``content["diff"]``: hunks rendered with
+   after-diff line numbers so the model can cite ``file:line``; the prompt is cut
+   to fit ``ctx_tokens - max_out_tokens``;
+2. streams the answer over SSE (``stream: true``, ``stream_options.include_usage``),
+   yielding a PARTIAL :class:`Fragment` per text delta with the cumulative usage so
+   far (estimated until the server reports it);
+3. parses the answer tolerantly into an :class:`AgentReport` (JSON in code fences
+   or prose; invalid entries dropped; lines must exist in the given files) and
+   yields it as the FINAL fragment with the server's usage, priced from the RIB.
+
+Errors (``AgentError``)::
+
+    connect failure, 5xx, 429, 401/403/404   EAGENTDOWN (retry_after_ms from Retry-After)
+    read/write/pool timeout, 408             ETIMEOUT
+    other 4xx, non-SSE answer, bad SSE JSON  EPROTO
+
+The whole-call deadline is the router's ``trio.fail_after``; ``timeout_ms`` only
+bounds each network wait. Money: costs are USD per 1M tokens, which is USD micros
+per token, so ``usd_micros = ceil(in_tokens * cost_in + out_tokens * cost_out)``
+computed exactly on the decimal costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import json
+import math
+import os
+import re
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Mapping
+from fractions import Fraction
+from typing import Any
+
+import httpx
+import httpx_sse
+import msgspec
+import trio
+
+from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
+from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
+from atp.review.diff import FileDiff, parse_diff
+from atp.wire.errors import AgentError, ErrorCode
+from atp.wire.frame import Capabilities, CostEstimate, PayloadType
+
+__all__ = [
+    "CallStats",
+    "OpenAICompatAdapter",
+    "SYSTEM_PROMPT",
+    "estimate_tokens",
+    "parse_review",
+    "render_diff",
+    "usd_micros",
+]
+
+#: Tokens are estimated as characters / 4 where no tokenizer is at hand (the
+#: usual rule of thumb for English and code with BPE vocabularies).
+CHARS_PER_TOKEN = 4
+#: Per-message framing tokens of the chat template (role markers, separators).
+_MSG_OVERHEAD = 4
+_MAX_FINDINGS = 100
+_MAX_CLAIM = 1000
+_MAX_SUMMARY = 2000
+
+SYSTEM_PROMPT = (
+    "You are a meticulous code reviewer. Report only real defects introduced by the diff: "
+    "bugs, security flaws, broken error handling, wrong logic. Line numbers are shown on the left "
+    "of each diff line; cite the number of the line in the new file. Answer with JSON only, in "
+    'this shape: {"findings": [{"file": "<path>", "line": <number>, "severity": '
+    '"critical|high|medium|low", "claim": "<one sentence>", "confidence": <0.0-1.0>}]}. '
+    'If there is nothing to report, answer {"findings": []}.'
+)
+
+
+def estimate_tokens(chars: int) -> int:
+    """Tokens for ``chars`` characters by the chars/4 rule, rounded up."""
+    return -(-chars // CHARS_PER_TOKEN)
+
+
+def usd_micros(in_tokens: int, out_tokens: int, cost_in_per_mtok: float, cost_out_per_mtok: float) -> int:
+    """Price of a call in USD micros. A cost in USD per 1M tokens is numerically USD
+    micros per token; the decimal costs are taken exactly (``Fraction(str(x))``) and
+    the total is rounded up, so the budget governor never under-counts spend."""
+    return math.ceil(in_tokens * Fraction(str(cost_in_per_mtok)) + out_tokens * Fraction(str(cost_out_per_mtok)))
+
+
+class CallStats:
+    """Outcomes of the last ``size`` calls of a next-hop, summarised as
+    :class:`Health` (p95 latency in ms by nearest rank, error rate 0..1). Pure:
+    callers pass the measured latency."""
+
+    def __init__(self, size: int = 100) -> None:
+        self._calls: deque[tuple[float, bool]] = deque(maxlen=size)
+        self._up = True
+
+    def record(self, latency_ms: float, *, ok: bool, down: bool = False) -> None:
+        """Add one call; ``down`` marks the next-hop unreachable until a call that
+        is not ``down`` is recorded."""
+        self._calls.append((latency_ms, ok))
+        self._up = not down
+
+    def health(self) -> Health:
+        if not self._calls:
+            return Health(up=self._up)
+        lat = sorted(ms for ms, _ in self._calls)
+        p95 = lat[max(0, math.ceil(0.95 * len(lat)) - 1)]
+        errors = sum(1 for _, ok in self._calls if not ok)
+        return Health(p95_ms=p95, error_rate=errors / len(self._calls), up=self._up)
+
+
+class OpenAICompatAdapter(ProviderAdapter):
+    """A chat-completions model as a review next-hop.
+
+    ``base_url`` ends before ``/chat/completions`` (e.g. ``http://127.0.0.1:11434/v1``);
+    ``model`` is the server's model id; costs are USD per 1M tokens; ``max_out_tokens``
+    and ``ctx_tokens`` are tokens; ``timeout_ms`` bounds each network wait (connect,
+    each read). The API key is ``api_key``, else read from the environment variable
+    ``api_key_env`` at each call (rotation needs no reload; a missing key is
+    EAGENTDOWN, not a refused RIB). ``json_mode`` asks the server to constrain the
+    answer to a JSON object (``response_format``); small models need it.
+    ``transport`` replaces httpx's network transport (e.g. to share one).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        api_key_env: str | None = None,
+        cost_in_per_mtok: float = 0.0,
+        cost_out_per_mtok: float = 0.0,
+        max_out_tokens: int = 512,
+        temperature: float = 0.0,
+        timeout_ms: int = 60_000,
+        ctx_tokens: int = 8192,
+        strengths: Iterable[str] = (),
+        json_mode: bool = False,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if cost_in_per_mtok < 0 or cost_out_per_mtok < 0:
+            raise ValueError("costs must be >= 0 USD per 1M tokens")
+        if not 0 < max_out_tokens < ctx_tokens:
+            raise ValueError(f"max_out_tokens ({max_out_tokens}) must be > 0 and below ctx_tokens ({ctx_tokens})")
+        if timeout_ms <= 0:
+            raise ValueError("timeout_ms must be > 0")
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.cost_in_per_mtok = cost_in_per_mtok
+        self.cost_out_per_mtok = cost_out_per_mtok
+        self.max_out_tokens = max_out_tokens
+        self.temperature = temperature
+        self.timeout_ms = timeout_ms
+        self.ctx_tokens = ctx_tokens
+        self.strengths = list(strengths)
+        self.json_mode = json_mode
+        self._api_key = api_key
+        self._api_key_env = api_key_env
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._stats = CallStats()
+
+    # -- ProviderAdapter -----------------------------------------------------------
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(agent=self.name, skills=list(self.strengths), max_ctx=self.ctx_tokens)
+
+    def estimate(self, prompt: Prompt) -> CostEstimate:
+        """Preflight (spec §5.2): input tokens from the rendered conversation
+        (chars/4, at most ``ctx_tokens - max_out_tokens``), output tokens =
+        ``max_out_tokens`` (the worst case), USD from the configured costs."""
+        in_tokens = self._count(self.messages(prompt))
+        micros = usd_micros(in_tokens, self.max_out_tokens, self.cost_in_per_mtok, self.cost_out_per_mtok)
+        return CostEstimate(in_tokens=in_tokens, out_tokens=self.max_out_tokens, usd=micros / 1_000_000)
+
+    def health(self) -> Health:
+        """p95 latency (ms) and error rate over the last ~100 calls; ``up`` is false
+        after a call found the server unreachable."""
+        return self._stats.health()
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
+        """PARTIAL fragments (text deltas) then one FINAL ``AgentReport``; see the
+        module docstring for usage accounting and the errors raised."""
+        messages = self.messages(prompt)
+        est_in = self._count(messages)
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": self.max_out_tokens,
+            "temperature": self.temperature,
+        }
+        if self.json_mode:
+            body["response_format"] = {"type": "json_object"}
+        parts: list[str] = []
+        chars = 0
+        reported: tuple[int, int] | None = None
+        t0 = trio.current_time()
+        try:
+            headers = self._auth()
+            async with httpx_sse.aconnect_sse(
+                self._http(), "POST", "/chat/completions", json=body, headers=headers
+            ) as source:
+                await self._check_status(source.response)
+                async with contextlib.aclosing(source.aiter_sse()) as events:
+                    async for event in events:
+                        if event.data.strip() == "[DONE]":
+                            break
+                        delta, usage = self._decode_chunk(event.data)
+                        if usage is not None:
+                            reported = usage
+                        if delta:
+                            parts.append(delta)
+                            chars += len(delta)
+                            yield Fragment(
+                                type=PayloadType.PARTIAL, content=delta, usage=self._usage(est_in, chars, None)
+                            )
+        except AgentError as e:
+            self._fail(e, t0)
+            raise
+        except httpx_sse.SSEError as e:
+            raise self._fail(AgentError(ErrorCode.EPROTO, f"not an SSE stream: {e}"), t0) from None
+        except httpx.ConnectTimeout as e:
+            raise self._fail(
+                AgentError(ErrorCode.EAGENTDOWN, f"cannot connect to {self.base_url}: {e!r}"), t0
+            ) from None
+        except httpx.TimeoutException as e:
+            raise self._fail(
+                AgentError(ErrorCode.ETIMEOUT, f"{type(e).__name__} after {self.timeout_ms} ms"), t0
+            ) from None
+        except httpx.ConnectError as e:
+            raise self._fail(AgentError(ErrorCode.EAGENTDOWN, f"cannot connect to {self.base_url}: {e}"), t0) from None
+        except httpx.HTTPError as e:
+            raise self._fail(AgentError(ErrorCode.EAGENTDOWN, f"{type(e).__name__}: {e}"), t0) from None
+        self._stats.record((trio.current_time() - t0) * 1000, ok=True)
+        text = "".join(parts)
+        findings, summary = parse_review(text, prompt.content)
+        yield Fragment(
+            type=PayloadType.FINAL,
+            content=AgentReport(findings=findings, summary=summary),
+            usage=self._usage(est_in, chars, reported),
+        )
+
+    # -- prompt --------------------------------------------------------------------
+
+    def messages(self, prompt: Prompt) -> list[dict[str, str]]:
+        """The chat messages for ``prompt``: the review system prompt and the
+        numbered diff (``code_review``), or the instruction and JSON content
+        (other task types), cut to ``ctx_tokens - max_out_tokens``."""
+        diff = prompt.content.get("diff")
+        if isinstance(diff, str):
+            system = SYSTEM_PROMPT
+            head = (prompt.instruction + "\n\n" if prompt.instruction else "") + "Review this diff:\n\n"
+            body = render_diff(parse_diff(diff))
+        else:
+            system = "You are a precise assistant. Answer concisely."
+            head = (prompt.instruction or prompt.task_type) + "\n\n"
+            body = json.dumps(prompt.content, ensure_ascii=False, indent=1)
+        room = (self.ctx_tokens - self.max_out_tokens - 2 * _MSG_OVERHEAD) * CHARS_PER_TOKEN - len(system) - len(head)
+        return [{"role": "system", "content": system}, {"role": "user", "content": head + _cut(body, max(room, 0))}]
+
+    def _count(self, messages: list[dict[str, str]]) -> int:
+        chars = sum(len(m["content"]) for m in messages)
+        return min(estimate_tokens(chars) + _MSG_OVERHEAD * len(messages), self.ctx_tokens - self.max_out_tokens)
+
+    # -- HTTP ----------------------------------------------------------------------
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            t = self.timeout_ms / 1000
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url,
+                timeout=httpx.Timeout(t, connect=min(t, 10.0)),
+                transport=self._transport,
+            )
+        return self._client
+
+    def _auth(self) -> dict[str, str]:
+        key = self._api_key
+        if key is None and self._api_key_env is not None:
+            key = os.environ.get(self._api_key_env)
+            if not key:
+                raise AgentError(ErrorCode.EAGENTDOWN, f"API key variable {self._api_key_env} is not set")
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def _check_status(self, response: httpx.Response) -> None:
+        status = response.status_code
+        if status < 400:
+            return
+        detail = (await response.aread()).decode("utf-8", "replace").strip()[:300]
+        reason = f"HTTP {status} from {self.base_url}: {detail or response.reason_phrase}"
+        if status == 408:
+            raise AgentError(ErrorCode.ETIMEOUT, reason)
+        if status >= 500 or status in (401, 403, 404, 429):
+            raise AgentError(ErrorCode.EAGENTDOWN, reason, retry_after_ms=_retry_after_ms(response.headers))
+        raise AgentError(ErrorCode.EPROTO, reason)
+
+    def _decode_chunk(self, data: str) -> tuple[str, tuple[int, int] | None]:
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise AgentError(ErrorCode.EPROTO, f"bad JSON in SSE data: {data[:120]!r}") from None
+        if not isinstance(obj, dict):
+            raise AgentError(ErrorCode.EPROTO, f"SSE data is not a JSON object: {data[:120]!r}")
+        if "error" in obj:
+            # Servers report failures that happen mid-stream in-band.
+            err = obj["error"]
+            msg = err.get("message") if isinstance(err, dict) else err
+            raise AgentError(ErrorCode.EAGENTDOWN, f"server error in stream: {str(msg)[:300]}")
+        usage = None
+        u = obj.get("usage")
+        if (
+            isinstance(u, dict)
+            and isinstance(u.get("prompt_tokens"), int)
+            and isinstance(u.get("completion_tokens"), int)
+        ):
+            usage = (u["prompt_tokens"], u["completion_tokens"])
+        delta = ""
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                d = choice.get("delta") if isinstance(choice, dict) else None
+                if isinstance(d, dict) and isinstance(d.get("content"), str):
+                    delta += d["content"]
+        return delta, usage
+
+    def _usage(self, est_in: int, out_chars: int, reported: tuple[int, int] | None) -> Usage:
+        # Until (or unless) the server reports usage, count the prompt as estimated
+        # and the output as chars/4: a stream cut short is still charged.
+        in_tok, out_tok = reported if reported is not None else (est_in, estimate_tokens(out_chars))
+        return Usage(in_tok, out_tok, usd_micros(in_tok, out_tok, self.cost_in_per_mtok, self.cost_out_per_mtok))
+
+    def _fail(self, e: AgentError, t0: float) -> AgentError:
+        e.agent = e.agent or self.name
+        self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=e.code is ErrorCode.EAGENTDOWN)
+        return e
+
+
+def _retry_after_ms(headers: httpx.Headers) -> int | None:
+    """``retry-after-ms`` (ms), else ``Retry-After`` as seconds or an HTTP-date."""
+    raw_ms = headers.get("retry-after-ms")
+    if raw_ms:
+        with contextlib.suppress(ValueError):
+            return max(0, int(float(raw_ms)))
+    raw = headers.get("retry-after")
+    if not raw:
+        return None
+    try:
+        return max(0, int(float(raw) * 1000))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError):
+        return None
+    # An HTTP-date is wall-clock time, so the wall clock is the reference here.
+    return max(0, int((when.timestamp() - time.time()) * 1000))
+
+
+# -- rendering -----------------------------------------------------------------------
+
+
+def render_diff(diffs: Iterable[FileDiff]) -> str:
+    """The diff as the model sees it: per file a header, per hunk its lines with
+    the after-diff line number on the left (blank for removed lines)::
+
+        ### auth.py (modified)
+        @@ def check(token):
+          41   if not token:
+          42 +     return True
+             -     return False
+    """
+    out: list[str] = []
+    for fd in diffs:
+        moved = f" (from {fd.old_path})" if fd.status == "renamed" else ""
+        out.append(f"### {fd.path} ({fd.status}{moved})")
+        for h in fd.hunks:
+            out.append(f"@@ {h.section}".rstrip())
+            for dl in h.lines:
+                num = "" if dl.new is None else str(dl.new)
+                out.append(f"{num:>5} {dl.kind} {dl.text}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    marker = "\n[diff truncated: {} more lines]"
+    head = text[: max(0, limit - len(marker) - 12)]
+    head = head[: head.rfind("\n") + 1] if "\n" in head else ""
+    return head + marker.format(text.count("\n", len(head)) + 1)
+
+
+# -- answer parsing ------------------------------------------------------------------
+
+_FENCE_RE = re.compile(r"```[A-Za-z0-9_-]*[ \t]*\n(.*?)```", re.S)
+_LINE_RE = re.compile(r"^\s*L?(\d+)\s*(?:[-–:]\s*L?(\d+))?\s*$")
+_SEVERITY = {
+    "critical": Severity.CRITICAL, "blocker": Severity.CRITICAL,
+    "high": Severity.HIGH, "error": Severity.HIGH, "major": Severity.HIGH, "severe": Severity.HIGH,
+    "medium": Severity.MEDIUM, "warning": Severity.MEDIUM, "moderate": Severity.MEDIUM,
+    "low": Severity.LOW, "minor": Severity.LOW, "note": Severity.LOW, "nit": Severity.LOW, "style": Severity.LOW,
+    "info": Severity.INFO, "informational": Severity.INFO,
+}  # fmt: skip
+
+
+def parse_review(text: str, content: Mapping[str, Any]) -> tuple[list[AgentFinding], str]:
+    """Findings and a summary from a model's free-form answer to a review prompt.
+
+    Looks for ``{"findings": [...]}`` (or a bare list of findings) in code fences,
+    then anywhere in the text; failing that, gathers standalone finding objects (an
+    answer cut off by ``max_tokens`` keeps its complete entries). Entries without a
+    known ``file``, a ``line`` inside that file (``content["files"]``, else inside a
+    hunk of ``content["diff"]``) or a ``claim`` are dropped. When nothing parses,
+    returns no findings and the text (up to 2000 chars) as the summary.
+    """
+    known = _known_lines(content)
+    entries, summary = _json_findings(text)
+    if entries is None:
+        return [], text.strip()[:_MAX_SUMMARY]
+    findings: list[AgentFinding] = []
+    for entry in entries:
+        f = _finding(entry, known)
+        if f is not None and f not in findings:
+            findings.append(f)
+        if len(findings) == _MAX_FINDINGS:
+            break
+    for i, f in enumerate(findings, 1):
+        f.ref = str(i)
+    return findings, summary
+
+
+def _known_lines(content: Mapping[str, Any]) -> dict[str, range | set[int]]:
+    """Path → the lines a finding may cite."""
+    known: dict[str, range | set[int]] = {}
+    files = content.get("files")
+    if isinstance(files, dict):
+        for path, text in files.items():
+            if isinstance(path, str) and isinstance(text, str):
+                n = text.count("\n") + (0 if text.endswith("\n") or not text else 1)
+                known[path] = range(1, n + 1)
+    diff = content.get("diff")
+    if isinstance(diff, str):
+        for fd in parse_diff(diff):
+            if fd.path not in known and fd.status != "deleted":
+                known[fd.path] = {n for h in fd.hunks for n in h.new_range}
+    return known
+
+
+def _json_findings(text: str) -> tuple[list[Any] | None, str]:
+    candidates = [m.group(1) for m in _FENCE_RE.finditer(text)] + [text]
+    decoder = json.JSONDecoder()
+    loose: list[Any] = []
+    for blob in candidates:
+        for start in (i for i, c in enumerate(blob) if c in "{["):
+            try:
+                obj, _ = decoder.raw_decode(blob, start)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and isinstance(obj.get("findings"), list):
+                summary = obj.get("summary")
+                return obj["findings"], summary.strip()[:_MAX_SUMMARY] if isinstance(summary, str) else ""
+            if isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):
+                return obj, ""
+            if isinstance(obj, dict) and ("claim" in obj or "message" in obj or "issue" in obj):
+                loose.append(obj)
+    return (loose, "") if loose else (None, "")
+
+
+def _finding(entry: Any, known: Mapping[str, range | set[int]]) -> AgentFinding | None:
+    if not isinstance(entry, dict):
+        return None
+    path = entry.get("file") or entry.get("path")
+    if path is None and len(known) == 1:
+        path = next(iter(known))  # one file under review: the citation is unambiguous
+    if not isinstance(path, str):
+        return None
+    path = path.strip()
+    for prefix in ("a/", "b/", "./"):
+        if path not in known and path.startswith(prefix):
+            path = path[len(prefix) :]
+    if path not in known:
+        return None
+    span = _span(entry)
+    if span is None or span[0] not in known[path]:
+        return None
+    start, end = span
+    if end not in known[path]:
+        end = start
+    claim = next((entry[k] for k in ("claim", "message", "issue", "description") if isinstance(entry.get(k), str)), "")
+    claim = claim.strip()
+    if not claim:
+        return None
+    sev = entry.get("severity")
+    severity = _SEVERITY.get(sev.strip().lower(), Severity.MEDIUM) if isinstance(sev, str) else Severity.MEDIUM
+    conf = entry.get("confidence")
+    if isinstance(conf, bool) or not isinstance(conf, (int, float)) or conf < 0:
+        conf = 0.5
+    elif conf > 1:
+        conf = conf / 100 if conf <= 100 else 0.5  # a percentage
+    try:
+        return AgentFinding(
+            file=path, start=start, end=end, severity=severity, claim=claim[:_MAX_CLAIM], confidence=float(conf)
+        )
+    except msgspec.ValidationError:
+        return None
+
+
+def _span(entry: Mapping[str, Any]) -> tuple[int, int] | None:
+    raw = entry.get("line", entry.get("start", entry.get("lines")))
+    end_raw = entry.get("end")
+    start = end = None
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, int):
+        start = raw
+    elif isinstance(raw, str):
+        m = _LINE_RE.match(raw)
+        if m:
+            start = int(m[1])
+            end = int(m[2]) if m[2] else None
+    elif isinstance(raw, list) and raw and all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
+        start, end = raw[0], raw[-1]
+    if start is None:
+        return None
+    if isinstance(end_raw, int) and not isinstance(end_raw, bool):
+        end = end_raw
+    if end is None or end < start:
+        end = start
+    return start, end

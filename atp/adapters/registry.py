@@ -1,0 +1,149 @@
+"""From RIB entries to live next-hops (spec §6.1, §14).
+
+:func:`build_adapter` turns one ``agents.<name>`` entry (and its ``models.<key>``
+entry, for model agents) into a :class:`ProviderAdapter`:
+
+    tool: ruff | bandit                     → RuffAdapter / BanditAdapter
+    model provider: openai_compat           → OpenAICompatAdapter at model.base_url
+                    openai                  → same, base_url default https://api.openai.com/v1
+                    ollama                  → same, base_url default http://127.0.0.1:11434/v1
+
+``agent.options`` carries adapter settings; each factory accepts a fixed set and
+refuses the rest. Every refusal is a ``ValueError`` whose message names the field
+and the reason; the router reports it as ``PolicyError(file, "agents.<name>", …)``
+and keeps the running RIB. :func:`register_tool` / :func:`register_provider` add
+factories for further next-hop kinds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from atp.adapters.base import ProviderAdapter
+from atp.adapters.openai_compat import OpenAICompatAdapter
+from atp.adapters.tools.bandit import BanditAdapter
+from atp.adapters.tools.ruff import RuffAdapter
+from atp.policy.rib import AgentSpec, ModelSpec
+
+__all__ = [
+    "PROVIDER_FACTORIES",
+    "TOOL_FACTORIES",
+    "ProviderFactory",
+    "ToolFactory",
+    "build_adapter",
+    "register_provider",
+    "register_tool",
+]
+
+ToolFactory = Callable[[str, AgentSpec], ProviderAdapter]
+ProviderFactory = Callable[[str, AgentSpec, ModelSpec], ProviderAdapter]
+
+OPENAI_BASE_URL = "https://api.openai.com/v1"
+OLLAMA_BASE_URL = "http://127.0.0.1:11434/v1"
+
+_STR_LIST = (list, str)
+
+
+def _options(agent: AgentSpec, allowed: Mapping[str, tuple[type, ...]], what: str) -> dict[str, Any]:
+    """``agent.options`` checked against ``allowed`` (key → accepted types; a
+    ``(list, str)`` entry means a list of strings)."""
+    out: dict[str, Any] = {}
+    for key, value in agent.options.items():
+        types = allowed.get(key)
+        if types is None:
+            known = ", ".join(sorted(allowed)) or "none"
+            raise ValueError(f"options.{key}: unknown option for {what} (known: {known})")
+        if types == _STR_LIST:
+            ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        else:
+            ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+        if not ok:
+            names = "list of strings" if types == _STR_LIST else " or ".join(t.__name__ for t in types)
+            raise ValueError(f"options.{key}: expected {names}, got {value!r:.80}")
+        out[key] = value
+    return out
+
+
+def _ruff(name: str, agent: AgentSpec) -> ProviderAdapter:
+    opts = _options(
+        agent, {"select": _STR_LIST, "ignore": _STR_LIST, "target_version": (str,), "context": (int,)}, "tool ruff"
+    )
+    return RuffAdapter(name, scope=agent.scope, strengths=agent.strengths or None, **opts)
+
+
+def _bandit(name: str, agent: AgentSpec) -> ProviderAdapter:
+    opts = _options(agent, {"skip": _STR_LIST, "context": (int,)}, "tool bandit")
+    return BanditAdapter(name, scope=agent.scope, strengths=agent.strengths or None, **opts)
+
+
+def _chat(default_base_url: str | None) -> ProviderFactory:
+    def factory(name: str, agent: AgentSpec, model: ModelSpec) -> ProviderAdapter:
+        opts = _options(agent, {"json_mode": (bool,)}, f"provider {model.provider}")
+        base_url = model.base_url or default_base_url
+        if base_url is None:
+            raise ValueError(f"base_url: required for provider {model.provider}")
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url: expected an http(s) URL, got {base_url!r}")
+        return OpenAICompatAdapter(
+            name,
+            base_url=base_url,
+            model=model.model or agent.model or name,
+            api_key_env=model.api_key_env,
+            cost_in_per_mtok=model.usd_per_mtok_in,
+            cost_out_per_mtok=model.usd_per_mtok_out,
+            max_out_tokens=model.max_out_tokens,
+            temperature=model.temperature,
+            timeout_ms=agent.timeout_ms,
+            ctx_tokens=int(model.ctx),
+            strengths=agent.strengths or model.strengths,
+            **opts,
+        )
+
+    return factory
+
+
+TOOL_FACTORIES: dict[str, ToolFactory] = {"ruff": _ruff, "bandit": _bandit}
+PROVIDER_FACTORIES: dict[str, ProviderFactory] = {
+    "openai_compat": _chat(None),
+    "openai": _chat(OPENAI_BASE_URL),
+    "ollama": _chat(OLLAMA_BASE_URL),
+}
+
+
+def register_tool(tool: str, factory: ToolFactory) -> None:
+    """Make ``agents.<x>.tool: <tool>`` build with ``factory(agent_name, agent)``."""
+    TOOL_FACTORIES[tool] = factory
+
+
+def register_provider(provider: str, factory: ProviderFactory) -> None:
+    """Make ``models.<x>.provider: <provider>`` build with
+    ``factory(agent_name, agent, model)``."""
+    PROVIDER_FACTORIES[provider] = factory
+
+
+def build_adapter(agent_name: str, agent: AgentSpec, model: ModelSpec | None = None) -> ProviderAdapter:
+    """The next-hop for RIB agent ``agent_name``.
+
+    ``model`` is the agent's ``models.<agent.model>`` entry (``None`` for tool
+    agents). Raises ``ValueError`` with ``<field>: <reason>`` when the entry cannot
+    be served: unknown tool, provider without an adapter (``google`` for now),
+    missing ``base_url``, unknown or mistyped ``options``, ``max_out_tokens`` not
+    below ``ctx``. Reads no secrets: API keys are read from ``api_key_env`` per call.
+    """
+    if agent.tool is not None:
+        tool_factory = TOOL_FACTORIES.get(agent.tool)
+        if tool_factory is None:
+            raise ValueError(
+                f"tool: no adapter for tool {agent.tool!r} (available: {', '.join(sorted(TOOL_FACTORIES))})"
+            )
+        return tool_factory(agent_name, agent)
+    if model is None:
+        raise ValueError(f"model: agent names model {agent.model!r} but no model entry was given")
+    factory = PROVIDER_FACTORIES.get(model.provider)
+    if factory is None:
+        raise ValueError(
+            f"model: provider {model.provider!r} of model {agent.model!r} has no adapter yet "
+            f"(available: {', '.join(sorted(PROVIDER_FACTORIES))})"
+        )
+    return factory(agent_name, agent, model)

@@ -1,0 +1,357 @@
+"""ruff and bandit next-hops against real code with known defects, real git diffs,
+and the golden review tasks. Every analyser run here is the real binary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+
+from atp.adapters.base import Fragment, Prompt
+from atp.adapters.registry import build_adapter
+from atp.adapters.tools.bandit import BanditAdapter
+from atp.adapters.tools.base import find_executable
+from atp.adapters.tools.ruff import RuffAdapter, grade
+from atp.consensus.types import AgentReport, Severity
+from atp.policy.rib import AgentSpec, ModelSpec
+from atp.review.diff import changed_lines, parse_diff
+from atp.wire.errors import AgentError, ErrorCode
+from atp.wire.frame import CostEstimate, PayloadType
+
+H, M, L = Severity.HIGH, Severity.MEDIUM, Severity.LOW
+
+BUGGY = """\
+import pickle
+import subprocess
+
+import yaml
+
+PASSWORD = "hunter2"
+
+
+def load_config(path):
+    with open(path) as fh:
+        return yaml.load(fh)
+
+
+def run(cmd):
+    try:
+        subprocess.call(cmd, shell=True)
+    except:
+        pass
+    return undefined_name
+
+
+def restore(blob):
+    return pickle.loads(blob)
+"""
+
+# The same module before a change that introduced the bugs in run() (lines 14-19).
+BEFORE = BUGGY.replace(
+    "    try:\n        subprocess.call(cmd, shell=True)\n    except:\n        pass\n    return undefined_name\n",
+    "    return subprocess.call(cmd)\n",
+)
+
+
+async def _report(adapter, prompt: Prompt) -> tuple[AgentReport, list[Fragment]]:
+    frags = [f async for f in adapter.stream(prompt)]
+    assert [f.type for f in frags] == [PayloadType.FINAL]
+    assert frags[0].usage is not None and frags[0].usage.tokens == 0 and frags[0].usage.usd_micros == 0
+    assert isinstance(frags[0].content, AgentReport)
+    return frags[0].content, frags
+
+
+def _rows(report: AgentReport) -> set[tuple]:
+    return {(f.file, f.start, f.rule, f.severity) for f in report.findings}
+
+
+def _git_diff(tmp: Path, files_before: dict[str, str], files_after: dict[str, str]) -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp, check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    for path, text in files_before.items():
+        (tmp / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / path).write_text(text)
+    git("add", "-A")
+    git("-c", "user.email=t@example.invalid", "-c", "user.name=t", "commit", "-q", "-m", "base")
+    for path, text in files_after.items():
+        (tmp / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / path).write_text(text)
+    return git("diff")
+
+
+def test_binaries_come_from_the_venv() -> None:
+    import sys
+
+    for tool in ("ruff", "bandit"):
+        assert find_executable(tool) == str(Path(sys.executable).parent / tool)
+
+
+async def test_ruff_finds_the_known_defects() -> None:
+    prompt = Prompt(task_type="code_review", content={"files": {"app/buggy.py": BUGGY}})
+    report, _ = await _report(RuffAdapter("ruff", scope="file"), prompt)
+    assert _rows(report) == {
+        ("app/buggy.py", 6, "S105", M),  # hardcoded password
+        ("app/buggy.py", 11, "S506", H),  # yaml.load
+        ("app/buggy.py", 16, "S602", H),  # shell=True
+        ("app/buggy.py", 17, "E722", M),  # bare except
+        ("app/buggy.py", 17, "S110", L),  # try-except-pass
+        ("app/buggy.py", 19, "F821", H),  # undefined name
+        ("app/buggy.py", 23, "S301", M),  # pickle.loads
+    }
+    f821 = next(f for f in report.findings if f.rule == "F821")
+    assert f821.claim == "F821: Undefined name `undefined_name`" and f821.confidence == 0.8
+    assert [f.ref for f in report.findings] == [str(i) for i in range(1, 8)]
+    assert report.summary == "ruff: 7 finding(s) in 1 file(s)"
+
+
+async def test_bandit_finds_the_known_defects() -> None:
+    prompt = Prompt(task_type="code_review", content={"files": {"app/buggy.py": BUGGY}})
+    report, _ = await _report(BanditAdapter("bandit", scope="file"), prompt)
+    got = {(f.start, f.rule, f.severity, f.cwe, f.confidence) for f in report.findings}
+    assert got == {
+        (1, "B403", L, "CWE-502", 0.85),  # import pickle
+        (6, "B105", L, "CWE-259", 0.65),  # hardcoded password
+        (11, "B506", M, "CWE-20", 0.85),  # yaml.load
+        (16, "B602", H, "CWE-78", 0.85),  # shell=True
+        (17, "B110", L, "CWE-703", 0.85),  # try-except-pass
+        (23, "B301", M, "CWE-502", 0.85),  # pickle.loads
+    }
+    b602 = next(f for f in report.findings if f.rule == "B602")
+    assert b602.claim == "B602: subprocess call with shell=True identified, security issue."
+    assert all(f.file == "app/buggy.py" for f in report.findings)
+
+
+@pytest.mark.parametrize("adapter_cls", [RuffAdapter, BanditAdapter])
+async def test_scope_changed_keeps_only_changed_lines(tmp_path: Path, adapter_cls) -> None:
+    diff = _git_diff(tmp_path, {"app/buggy.py": BEFORE}, {"app/buggy.py": BUGGY})
+    assert changed_lines(parse_diff(diff)) == {"app/buggy.py": {15, 16, 17, 18, 19}}
+    prompt = Prompt(task_type="code_review", content={"diff": diff, "files": {"app/buggy.py": BUGGY}})
+    changed, _ = await _report(adapter_cls("t", scope="changed"), prompt)
+    whole, _ = await _report(adapter_cls("t", scope="file"), prompt)
+    assert {f.start for f in changed.findings} == {16, 17, 19} & {f.start for f in whole.findings}
+    assert len(whole.findings) > len(changed.findings)
+    # context widens the kept lines: the yaml.load on line 11 is 4 lines above line 15.
+    wide, _ = await _report(adapter_cls("t", scope="changed", context=4), prompt)
+    assert 11 in {f.start for f in wide.findings} and 6 not in {f.start for f in wide.findings}
+
+
+async def test_scope_changed_skips_untouched_and_non_python_files(tmp_path: Path) -> None:
+    other = "import os\nprint(undefined)\n"
+    diff = _git_diff(
+        tmp_path,
+        {"a.py": BEFORE, "b.py": other, "README.md": "x\n"},
+        {"a.py": BUGGY, "b.py": other, "README.md": "y = undefined\n"},
+    )
+    files = {"a.py": BUGGY, "b.py": other, "README.md": "y = undefined\n"}
+    report, _ = await _report(
+        RuffAdapter("ruff"), Prompt(task_type="code_review", content={"diff": diff, "files": files})
+    )
+    assert {f.file for f in report.findings} == {"a.py"}
+    assert report.summary == "ruff: 4 finding(s) in 1 file(s); 1 non-Python file(s) skipped"
+
+
+async def test_scope_changed_needs_a_diff() -> None:
+    with pytest.raises(AgentError) as e:
+        await _report(RuffAdapter("ruff"), Prompt(task_type="code_review", content={"files": {"a.py": BUGGY}}))
+    assert e.value.code is ErrorCode.EPROTO and "content.diff" in e.value.reason and e.value.agent == "ruff"
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["../evil.py", "/etc/evil.py", "a/../../evil.py", "a/../b.py", "C:evil.py", "./a.py", "a//b.py", "a\\b.py", ""],
+)
+async def test_path_traversal_is_refused(path: str) -> None:
+    before = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("atp-tool-")}
+    with pytest.raises(AgentError) as e:
+        await _report(
+            RuffAdapter("ruff", scope="file"), Prompt(task_type="code_review", content={"files": {path: "x = 1\n"}})
+        )
+    assert e.value.code is ErrorCode.EPROTO
+    # Nothing written, not even the work dir.
+    assert {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("atp-tool-")} == before
+    assert not Path("/etc/evil.py").exists()
+
+
+async def test_malformed_files_are_refused() -> None:
+    for content in (
+        {"files": ["a.py"]},
+        {"files": {"a.py": b"x"}},
+        {},
+        {"files": {"a.py": "x", "a.py/b.py": "y"}},
+        {"files": {"a.py/b.py": "y", "a.py": "x"}},
+    ):
+        with pytest.raises(AgentError) as e:
+            await _report(BanditAdapter("b", scope="file"), Prompt(task_type="code_review", content=content))
+        assert e.value.code is ErrorCode.EPROTO
+
+
+async def test_odd_but_legal_names_and_crlf_text() -> None:
+    # A file named like an option must not be read as one; CRLF text keeps its lines.
+    files = {"-s.py": "import yaml\r\nyaml.load(open('f'))\r\n", "dir with space/é.py": "print(nope)\n"}
+    report, _ = await _report(
+        RuffAdapter("ruff", scope="file"), Prompt(task_type="code_review", content={"files": files})
+    )
+    assert _rows(report) == {("-s.py", 2, "S506", H), ("dir with space/é.py", 1, "F821", H)}
+
+
+class _ScriptTool(RuffAdapter):
+    """A real subprocess (the venv's python) standing in for an analyser that
+    misbehaves: exits non-zero with its cwd on stderr, or prints non-JSON."""
+
+    tool = "python"
+
+    def __init__(self, code: str) -> None:
+        super().__init__("script", scope="file")
+        self.code = code
+
+    def argv(self, paths: list[str]) -> list[str]:
+        return ["-c", self.code, *paths]
+
+
+async def test_analyser_crash_is_agentdown_without_workdir_paths() -> None:
+    tool = _ScriptTool("import os, sys; sys.stderr.write('boom in ' + os.getcwd() + '/x.py'); sys.exit(3)")
+    with pytest.raises(AgentError) as e:
+        await _report(tool, Prompt(task_type="code_review", content={"files": {"a.py": "x = 1\n"}}))
+    assert e.value.code is ErrorCode.EAGENTDOWN
+    assert e.value.reason.startswith("python exited with status 3: boom in ")
+    assert "atp-tool-" not in e.value.reason and tempfile.gettempdir() not in e.value.reason
+    assert tool.health().error_rate == 1.0 and not tool.health().up
+
+
+async def test_analyser_bad_json_is_eproto() -> None:
+    tool = _ScriptTool("print('not json')")
+    with pytest.raises(AgentError) as e:
+        await _report(tool, Prompt(task_type="code_review", content={"files": {"a.py": "x = 1\n"}}))
+    assert e.value.code is ErrorCode.EPROTO
+
+
+async def test_ruff_rejecting_its_arguments_is_agentdown() -> None:
+    with pytest.raises(AgentError) as e:
+        await _report(
+            RuffAdapter("ruff", scope="file", select=["ZZZ999"]),
+            Prompt(task_type="code_review", content={"files": {"a.py": "x = 1\n"}}),
+        )
+    assert e.value.code is ErrorCode.EAGENTDOWN and "ZZZ999" in e.value.reason
+
+
+async def test_cancellation_removes_the_work_dir(tmp_path: Path) -> None:
+    marker = tmp_path / "cwd"
+    tool = _ScriptTool(f"import os, time; open({str(marker)!r}, 'w').write(os.getcwd()); time.sleep(30)")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_report, tool, Prompt(task_type="code_review", content={"files": {"a.py": "x = 1\n"}}))
+        with trio.fail_after(20):
+            while not marker.exists() or not marker.read_text():
+                await trio.sleep(0.02)
+        workdir = Path(marker.read_text())
+        assert (workdir / "a.py").read_text() == "x = 1\n"
+        nursery.cancel_scope.cancel()
+    assert not workdir.exists()
+    assert tool.health().error_rate == 0  # a cancelled run is the caller's deadline, not a tool failure
+
+
+async def test_parallel_runs_do_not_share_state() -> None:
+    ruff = RuffAdapter("ruff", scope="file")
+    results: dict[int, AgentReport] = {}
+
+    async def one(i: int) -> None:
+        src = "x = 1\n" * i + "print(missing)\n"
+        results[i], _ = await _report(ruff, Prompt(task_type="code_review", content={"files": {"m.py": src}}))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(1, 7):
+            nursery.start_soon(one, i)
+    assert {i: [(f.start, f.rule) for f in r.findings] for i, r in results.items()} == {
+        i: [(i + 1, "F821")] for i in range(1, 7)
+    }
+    assert ruff.health().error_rate == 0 and ruff.health().p95_ms > 0
+
+
+def test_estimate_capabilities_and_grades() -> None:
+    prompt = Prompt(task_type="code_review", content={"files": {"a.py": BUGGY * 100}})
+    assert RuffAdapter().estimate(prompt) == CostEstimate() == BanditAdapter().estimate(prompt)
+    caps = BanditAdapter("sec", strengths=["security"]).capabilities()
+    assert (caps.agent, caps.skills, caps.tools) == ("sec", ["security"], ["bandit"])
+    assert "bug_detection" in RuffAdapter().capabilities().skills
+    assert grade("F821") == (H, 0.8) and grade("F401") == (L, 0.7) and grade("F999") == (M, 0.75)
+    assert grade("S506")[0] is H and grade("S112")[0] is L and grade("XYZ1") == (L, 0.5)
+    with pytest.raises(ValueError):
+        RuffAdapter(scope="everything")
+    with pytest.raises(ValueError):
+        RuffAdapter(select=["E9; rm -rf /"])
+
+
+def test_registry_builds_tools_from_rib_entries() -> None:
+    agent = msgspec.convert(
+        {"layer": "L1", "p95_ms": 200, "tool": "ruff", "scope": "file", "options": {"select": ["F"], "context": 2}},
+        AgentSpec,
+    )
+    ruff = build_adapter("lint.ruff", agent)
+    assert isinstance(ruff, RuffAdapter) and (ruff.name, ruff.scope, ruff.select, ruff.context) == (
+        "lint.ruff",
+        "file",
+        ["F"],
+        2,
+    )
+    bandit = build_adapter("sec.bandit", AgentSpec(layer="L1", p95_ms=900, tool="bandit", options={"skip": []}))
+    assert isinstance(bandit, BanditAdapter) and bandit.skip == [] and bandit.scope == "changed"
+    with pytest.raises(ValueError, match=r"options\.selekt: unknown option for tool ruff \(known: context, ignore"):
+        build_adapter("x", AgentSpec(layer="L1", p95_ms=1, tool="ruff", options={"selekt": ["F"]}))
+    with pytest.raises(ValueError, match=r"options\.context: expected int"):
+        build_adapter("x", AgentSpec(layer="L1", p95_ms=1, tool="bandit", options={"context": True}))
+    google = ModelSpec(provider="google", ctx="2M", cost=3.0)
+    with pytest.raises(ValueError, match=r"provider 'google' of model 'gemini-pro' has no adapter yet"):
+        build_adapter("reviewer.gemini", AgentSpec(layer="L3", p95_ms=1200, model="gemini-pro"), google)
+
+
+# --- the golden review tasks ------------------------------------------------------
+
+GOLDEN = [json.loads(line) for line in Path("/work/shared/golden/dev.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("scope", ["changed", "file"])
+async def test_tools_run_cleanly_on_every_golden_task(scope: str) -> None:
+    ruff, bandit = RuffAdapter("ruff", scope=scope), BanditAdapter("bandit", scope=scope)
+    catches: list[str] = []
+
+    async def review(task: dict) -> None:
+        prompt = Prompt(task_type="code_review", content={"diff": task["diff"], "files": task["files"]})
+        touched = changed_lines(parse_diff(task["diff"]))
+        for adapter in (ruff, bandit):
+            report, _ = await _report(adapter, prompt)
+            for f in report.findings:
+                n_lines = len(task["files"][f.file].splitlines())
+                assert 1 <= f.start <= f.end <= n_lines
+                if scope == "changed":
+                    assert any(f.start <= n <= f.end for n in touched[f.file])
+                hit = any(
+                    e["file"] == f.file and e["start"] - 3 <= f.end and f.start <= e["end"] + 3
+                    for e in task["expected"]
+                )
+                mark = " <- expected" if hit else ""
+                catches.append(f"{task['id']} {adapter.name} {f.file}:{f.start} {f.severity} {f.claim}{mark}")
+
+    async with trio.open_nursery() as nursery:
+        limiter = trio.CapacityLimiter(4)
+
+        async def limited(task: dict) -> None:
+            async with limiter:
+                await review(task)
+
+        for task in GOLDEN:
+            nursery.start_soon(limited, task)
+    assert len(GOLDEN) == 26
+    assert ruff.health().error_rate == 0 and bandit.health().error_rate == 0
+    print(f"\n{scope}: {len(catches)} finding(s) on the golden tasks")
+    print("\n".join(sorted(catches)))
+    if scope == "changed":
+        # thefuck-23 swaps a safe cache for pickle on a changed line: both tools see it.
+        assert any(c.startswith("bugsinpy-thefuck-23 ruff thefuck/utils.py:183 medium S301") for c in catches)
+        assert any(c.startswith("bugsinpy-thefuck-23 bandit thefuck/utils.py:183 medium B301") for c in catches)
