@@ -1,0 +1,46 @@
+"""Prometheus metrics of one router (spec §12), on a private registry.
+
+Label values are bounded: ``agent`` only takes names from the running RIB,
+``outcome`` / ``code`` only the fixed sets below, so cardinality cannot grow with
+traffic.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["RouterMetrics", "CONTENT_TYPE_LATEST"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.streams_opened = Counter("atp_streams_opened", "Streams opened (SYN accepted)", ["qos"], registry=r)
+        self.streams_closed = Counter(
+            "atp_streams_closed", "Streams closed, by outcome (final, rst, error code)", ["outcome"], registry=r
+        )
+        self.open_streams = Gauge("atp_open_streams", "Streams currently open", registry=r)
+        self.stream_latency = Histogram(
+            "atp_stream_latency_seconds", "SYN to FINAL wall time", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.frames = Counter("atp_frames", "Frames by direction and kind", ["direction", "kind"], registry=r)
+        self.errors = Counter("atp_errors", "ERROR frames sent, by spec code", ["code"], registry=r)
+        self.agent_calls = Counter("atp_agent_calls", "Next-hop calls by outcome", ["agent", "outcome"], registry=r)
+        self.agent_latency = Histogram(
+            "atp_agent_latency_seconds", "Next-hop call wall time", ["agent"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tokens = Counter("atp_tokens", "Tokens consumed (in+out) by next-hop", ["agent"], registry=r)
+        self.usd_micros = Counter("atp_usd_micros", "USD micros spent by next-hop", ["agent"], registry=r)
+        self.escalations = Counter("atp_escalations", "Escalations by trigger", ["trigger"], registry=r)
+        self.agreement = Histogram(
+            "atp_consensus_agreement", "Consensus agreement of FINAL results",
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r,
+        )
+        self.policy_reloads = Counter("atp_policy_reloads", "RIB reloads by result", ["result"], registry=r)
+        self.rib_version = Gauge("atp_rib_version", "Generation of the running RIB", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

