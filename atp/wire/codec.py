@@ -131,7 +131,8 @@ def _seal(frame: Frame, mac: _HmacSha256 | None) -> tuple[Frame, bytes | None]:
 
 def seal(frame: Frame, hmac_key: bytes | None = None) -> Frame:
     """Return a copy of ``frame`` with payload checksum, whole-frame checksum and
-    (when a key is given) ``sig`` filled in. Call again after any mutation (§4.5).
+    (when a key is given) ``sig`` filled in (spec §4.5, §11). Call again after any
+    mutation, e.g. a ttl decrement.
 
     Raises ``msgspec.EncodeError``/``TypeError`` if ``content`` or ``meta`` holds a
     value JSON cannot carry (the frame is ours, so that is a programming error).
@@ -177,7 +178,7 @@ def _verify(frame: Frame, mac: _HmacSha256 | None, require_checksum: bool) -> No
 
 
 def verify(frame: Frame, *, hmac_key: bytes | None = None, require_checksum: bool = True) -> None:
-    """Check payload checksum, whole-frame checksum and signature.
+    """Check payload checksum, whole-frame checksum and signature (spec §4.5, §11).
 
     Raises ``LocalProtocolError(EPROTO)`` on a mismatch or a missing checksum (when
     ``require_checksum``), and ``LocalProtocolError(ESEC)`` on a missing or bad
