@@ -319,6 +319,12 @@ def _cbor_md() -> str:
     return "\n".join(out) + "\n"
 
 
+def _openapi() -> str:
+    from atp.router.openapi import openapi_document
+
+    return json_text(openapi_document())
+
+
 #: Every artefact this generator owns, in README order.
 REGISTRY: list[Artefact] = [
     Artefact(
@@ -354,6 +360,12 @@ REGISTRY: list[Artefact] = [
         "atp/wire/frame.py, atp/wire/codec.py",
         _cbor_md,
     ),
+    Artefact(
+        "openapi.json",
+        "OpenAPI 3.1 document of the HTTP control API (spec §22).",
+        "atp/router/openapi.py `openapi_document`",
+        _openapi,
+    ),
 ]
 
 #: Files in ``proto/`` that other generators write: (filename, what it is, how to regenerate).
@@ -362,11 +374,6 @@ EXTERNAL: list[tuple[str, str, str]] = [
         "session-states.md",
         "Stream state diagrams and the full transition table (spec §4.4, §8).",
         "`python -m atp.wire.diagram > proto/session-states.md` (tests/unit/test_session.py checks it)",
-    ),
-    (
-        "openapi.json",
-        "OpenAPI document of the HTTP control API (spec §22).",
-        "generated from the control API's Structs (atp/router/api.py)",
     ),
 ]
 

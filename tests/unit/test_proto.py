@@ -104,3 +104,21 @@ def test_cbor_md_example_is_what_it_claims() -> None:
     assert value["sig"] == base64.b64encode(hmac.new(key, frame_canon, hashlib.sha256).digest()).decode()
     frame = FrameCodec("cbor", hmac_key=key).decode(bytes.fromhex(cbor_hex))
     assert msgspec.json.encode(msgspec.structs.replace(frame, sig=None, checksum=None), order="sorted") == frame_canon
+
+
+def test_openapi_paths_match_the_control_api_routes(tmp_path):
+    """Every route the Starlette app serves is in proto/openapi.json and vice versa."""
+    import shutil
+
+    from starlette.routing import Route
+
+    from atp.router.api import build_app
+    from atp.router.core import Router, RouterConfig
+    from atp.router.openapi import openapi_document
+
+    policies = tmp_path / "policies"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "policies", policies)
+    app = build_app(Router(RouterConfig(policies=policies)))
+    served = {(r.path, m.lower()) for r in app.routes if isinstance(r, Route) for m in r.methods if m != "HEAD"}
+    documented = {(p, m) for p, ops in openapi_document()["paths"].items() for m in ops}
+    assert served == documented

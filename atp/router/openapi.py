@@ -1,0 +1,112 @@
+"""The OpenAPI 3.1 document of the HTTP control API (spec §22), built from the
+same msgspec Structs the API decodes and encodes (``atp.router.api``), so it cannot
+drift from the code; ``python -m atp.protogen`` writes it to ``proto/openapi.json``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from atp.consensus.types import FinalResult
+from atp.router.api import (
+    ErrorResponse,
+    FramesResponse,
+    Health,
+    ReloadResponse,
+    StreamOpenRequest,
+    StreamOpenResponse,
+)
+from atp.wire.frame import Control, Frame, RouteUpdate
+
+_STRUCTS = (
+    StreamOpenRequest, StreamOpenResponse, FramesResponse, ReloadResponse, ErrorResponse, Health,
+    Frame, RouteUpdate, FinalResult,
+)
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json_body(name: str, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    text = {
+        400: "EPROTO: malformed body, frame or schema",
+        401: "ESEC: missing or unknown bearer token",
+        403: "ESEC: the stream belongs to another client, or a signature failed",
+        404: "unknown stream",
+        409: "EWINDOW: the router is at its stream limit",
+        422: "the RIB was refused (`file`, `key`, `reason`); the running RIB stays",
+        503: "EAGENTDOWN: no route, or no healthy next-hop",
+    }
+    return {str(c): _json_body("ErrorResponse", text[c]) for c in codes}
+
+
+def openapi_document() -> dict[str, Any]:
+    """The control API as an OpenAPI 3.1 dict (JSON-ready)."""
+    _, components = msgspec.json.schema_components(_STRUCTS + (Control,), ref_template="#/components/schemas/{name}")
+    stream_id = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+    paths = {
+        "/v1/streams": {"post": {
+            "summary": "Open a stream (SYN → SYN-ACK, spec §8 steps 1-2); the task starts when `content` is given",
+            "operationId": "openStream",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("StreamOpenRequest")}}},
+            "responses": {"201": _json_body("StreamOpenResponse", "stream opened"), **_errors(400, 401, 409, 503)},
+        }},
+        "/v1/streams/{id}/frames": {"post": {
+            "summary": "Send one frame on a stream (HTTP fallback to the WebSocket ingress)",
+            "operationId": "postFrame",
+            "parameters": [stream_id],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("Frame")}}},
+            "responses": {"200": _json_body("FramesResponse", "frames the router answered with"),
+                          **_errors(400, 401, 403, 404)},
+        }},
+        "/v1/streams/{id}/events": {"get": {
+            "summary": "The stream's frames as Server-Sent Events (`event:` SYN_ACK, ACK, WINDOW_UPDATE, PARTIAL, "
+                       "ERROR, FINAL, FIN, RST; `data:` the frame as JSON; `id:` resumable with Last-Event-ID)",
+            "operationId": "streamEvents",
+            "parameters": [stream_id, {"name": "Last-Event-ID", "in": "header", "required": False,
+                                       "schema": {"type": "integer", "minimum": 0}}],
+            "responses": {"200": {"description": "event stream", "content": {"text/event-stream": {
+                "schema": {"type": "string"}, "x-atp-event-data": _ref("Frame")}}},
+                **_errors(401, 403, 404)},
+        }},
+        "/v1/policies/reload": {"post": {
+            "summary": "Hot-reload the RIB from the router's policy path, or from a YAML/JSON body",
+            "operationId": "reloadPolicies",
+            "requestBody": {"required": False, "content": {"application/yaml": {"schema": {"type": "string"}}}},
+            "responses": {"200": _json_body("ReloadResponse", "the new RIB generation"), **_errors(400, 401, 422)},
+        }},
+        "/v1/routes": {"get": {
+            "summary": "The running FIB (ROUTE_UPDATE shape, spec §4.3)",
+            "operationId": "getRoutes",
+            "responses": {"200": _json_body("RouteUpdate", "routes"), **_errors(401)},
+        }},
+        "/v1/metrics": {"get": {
+            "summary": "Prometheus metrics (spec §12)",
+            "operationId": "getMetrics",
+            "responses": {"200": {"description": "Prometheus text exposition",
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}}},
+        }},
+        "/v1/health": {"get": {
+            "summary": "Liveness and RIB generation",
+            "operationId": "getHealth",
+            "responses": {"200": _json_body("Health", "router health")},
+        }},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "ATP router control API", "version": "0.1.0",
+                 "description": "Control API of the ATP router (Agent Transport Protocol draft v0.1, §22)."},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+    }
