@@ -14,7 +14,9 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 
-stamp=$(cat pyproject.toml sdk/python/pyproject.toml sdk/python/atp/*.py scripts/setup.sh | sha256sum | cut -c1-16)
+# The editable install maps the packages that exist when it runs: a new subpackage
+# of atp/ needs a reinstall, so the package list is part of the stamp.
+stamp=$( (cat pyproject.toml sdk/python/pyproject.toml sdk/python/atp/*.py scripts/setup.sh; ls -d atp/*/) | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.atp-stamp 2>/dev/null)" != "$stamp" ]; then
   echo "setup: installing the SDK and the router into .venv" >&2
   pip install --upgrade pip
