@@ -12,7 +12,8 @@ want_test=0
 PY=${PYTHON:-python3}
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "python3 >= 3.11 is required" >&2; exit 1; }
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+# pip's build back-ends are chatty; keep their output in a log shown only on failure.
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" >>.venv/setup.log 2>&1 || { cat .venv/setup.log >&2; exit 1; }; }
 
 # The editable install maps the packages that exist when it runs: a new subpackage
 # of atp/ needs a reinstall, so the package list is part of the stamp.
