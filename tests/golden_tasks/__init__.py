@@ -1,0 +1,1 @@
+"""Golden code-review tasks: the harness (``harness.py``) and its test."""
