@@ -16,15 +16,20 @@
 =====================================  =========================================
 
 Errors are ``{"error": {"code": <spec §10 code>, "reason": ..., [file, key]}}``
-with HTTP 400 (EPROTO), 401/403 (ESEC), 404 (unknown stream), 409 (EWINDOW),
-422 (refused policy), 503 (EAGENTDOWN: no route).
+with HTTP 400 (EPROTO), 401 (ESEC: missing or unknown bearer token, on every
+endpoint when the router has tokens), 403 (ESEC: another client's stream or a
+bad frame signature), 404 (unknown stream), 409 (EWINDOW), 422 (refused policy),
+503 (EAGENTDOWN: no route).
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -129,13 +134,24 @@ def build_app(router: Router) -> Starlette:
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or token not in tokens:
             raise ATPError(ErrorCode.ESEC, "missing or unknown bearer token")
-        import hashlib
-
         return "tok_" + hashlib.sha256(token.encode()).hexdigest()[:12]
 
-    async def open_stream(request: Request) -> Response:
+    def authenticated(
+        handler: Callable[[Request, str], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """Every endpoint answers 401 ESEC before anything else without a valid token."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                client = client_of(request)
+            except ATPError as e:
+                return _error(e, 401)
+            return await handler(request, client)
+
+        return endpoint
+
+    async def open_stream(request: Request, client: str) -> Response:
         try:
-            client = client_of(request)
             try:
                 req = msgspec.json.decode(await request.body(), type=StreamOpenRequest)
             except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -145,17 +161,16 @@ def build_app(router: Router) -> Starlette:
                 idempotency_key=req.idempotency_key, client=client,
             )
         except ATPError as e:
-            return _error(e, 401 if e.code is ErrorCode.ESEC else None)
+            return _error(e)
         route = ctx.route
         return _json(StreamOpenResponse(
             session_id=ctx.session_id, stream_id=ctx.stream_id, window=ctx.window,
-            route=RouteInfo(route.policy, [h.agent for h in route.next_hops], router.gen.version),
+            route=RouteInfo(route.policy, [h.agent for h in route.next_hops], ctx.gen.version if ctx.gen else router.gen.version),
         ), 201)
 
-    async def post_frame(request: Request) -> Response:
+    async def post_frame(request: Request, client: str) -> Response:
         sid = request.path_params["id"]
         try:
-            client = client_of(request)
             ctx = router.streams.get(sid)
             if ctx is None:
                 return _json(ErrorResponse(ErrorBody(code="EPROTO", reason=f"unknown stream {sid!r}")), 404)
@@ -165,20 +180,14 @@ def build_app(router: Router) -> Starlette:
             if frame.stream_id != sid or frame.session_id != ctx.session_id:
                 raise ATPError(ErrorCode.EPROTO, "frame session_id/stream_id do not match the URL's stream")
             before = len(ctx.log.events)
-            import trio
-
             direct = router.receive_frame(frame, client=client, now=trio.current_time())
         except ATPError as e:
             return _error(e)
         replies = direct + [ev.frame for ev in ctx.log.events[before:]]
         return _json(FramesResponse(frames=replies))
 
-    async def events(request: Request) -> Response:
+    async def events(request: Request, client: str) -> Response:
         sid = request.path_params["id"]
-        try:
-            client = client_of(request)
-        except ATPError as e:
-            return _error(e, 401)
         ctx = router.streams.get(sid)
         if ctx is None:
             return _json(ErrorResponse(ErrorBody(code="EPROTO", reason=f"unknown stream {sid!r}")), 404)
@@ -195,9 +204,8 @@ def build_app(router: Router) -> Starlette:
 
         return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def reload(request: Request) -> Response:
+    async def reload(request: Request, client: str) -> Response:
         try:
-            client_of(request)
             body = await request.body()
             text = body.decode("utf-8") if body.strip() else None
             return _json(msgspec.convert(router.reload(text), ReloadResponse))
@@ -206,23 +214,22 @@ def build_app(router: Router) -> Starlette:
         except ATPError as e:
             return _error(e)
 
-    async def routes(request: Request) -> Response:
+    async def routes(request: Request, client: str) -> Response:
         fib = router.gen.fib
         return _json(RouteUpdate(version=fib.version, routes=fib.routes()))
 
-    async def metrics(request: Request) -> Response:
+    async def metrics(request: Request, client: str) -> Response:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def health(request: Request) -> Response:
-        open_streams = sum(1 for c in router.streams.values() if c.closed_at is None)
-        return _json(Health(status="ok", rib_version=router.gen.version, open_streams=open_streams))
+    async def health(request: Request, client: str) -> Response:
+        return _json(Health(status="ok", rib_version=router.gen.version, open_streams=router.open_count))
 
     return Starlette(routes=[
-        Route("/v1/streams", open_stream, methods=["POST"]),
-        Route("/v1/streams/{id}/frames", post_frame, methods=["POST"]),
-        Route("/v1/streams/{id}/events", events, methods=["GET"]),
-        Route("/v1/policies/reload", reload, methods=["POST"]),
-        Route("/v1/routes", routes, methods=["GET"]),
-        Route("/v1/metrics", metrics, methods=["GET"]),
-        Route("/v1/health", health, methods=["GET"]),
+        Route("/v1/streams", authenticated(open_stream), methods=["POST"]),
+        Route("/v1/streams/{id}/frames", authenticated(post_frame), methods=["POST"]),
+        Route("/v1/streams/{id}/events", authenticated(events), methods=["GET"]),
+        Route("/v1/policies/reload", authenticated(reload), methods=["POST"]),
+        Route("/v1/routes", authenticated(routes), methods=["GET"]),
+        Route("/v1/metrics", authenticated(metrics), methods=["GET"]),
+        Route("/v1/health", authenticated(health), methods=["GET"]),
     ])

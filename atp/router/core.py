@@ -89,6 +89,9 @@ class StreamCtx:
     task_started: bool = False
     closed_at: float | None = None
     cancel_scope: trio.CancelScope | None = None
+    #: The RIB generation the stream was routed by at SYN; its task runs on it even
+    #: after a reload (spec §22 hot reload).
+    gen: Generation | None = None
 
     @property
     def session_id(self) -> str:
@@ -99,9 +102,23 @@ class StreamCtx:
         for f in frames if isinstance(frames, list) else [frames]:
             ev = self.log.append(f)
             self.router.metrics.frames.labels("out", ev.type).inc()
-            if ev.type in ("FIN", "RST") and self.closed_at is None:
-                self.closed_at = trio.current_time()
-                self.router.metrics.open_streams.dec()
+            if ev.type in ("FIN", "RST"):
+                self._mark_closed()
+
+    def _mark_closed(self) -> None:
+        if self.closed_at is None:
+            self.closed_at = trio.current_time()
+            self.router.metrics.open_streams.dec()
+            self.router.open_count -= 1
+
+    def peer_reset(self) -> None:
+        """The client reset the stream: stop its task (spend is still committed) and
+        end the log. Nothing is sent back: an RST is never answered (spec §4.4)."""
+        if self.cancel_scope is not None:
+            self.cancel_scope.cancel()
+        if not self.log.closed:
+            self.log.close()
+            self._mark_closed()
 
     def emit_partial(self, agent: str, content: dict[str, Any], *, confidence: float | None = None) -> None:
         if self.log.closed:
@@ -157,6 +174,10 @@ class Router:
         self.ledger = BudgetLedger()
         self.sessions: dict[str, S.Session] = {}
         self.streams: dict[str, StreamCtx] = {}
+        #: Streams not yet closed (``streams`` also keeps closed ones for replay).
+        self.open_count = 0
+        #: session_id → the client that opened it: nobody else may send on it.
+        self._owners: dict[str, str] = {}
         self.idempotency: dict[tuple[str, str], str] = {}
         self._nursery: trio.Nursery | None = None
         self._adapter_cache: dict[tuple[str, bytes], ProviderAdapter] = {}
@@ -230,34 +251,52 @@ class Router:
 
         Returns frames that must be sent back immediately to this sender and are
         not part of any stream log (errors about unknown streams). Protocol errors
-        reset only the stream concerned.
+        reset only the stream concerned. A frame on a session another client
+        opened is refused with an ERROR ``ESEC`` and touches nothing (spec §11).
         """
-        sess = self.session_for(frame.session_id)
         self.metrics.frames.labels("in", _kind(frame)).inc()
+        owner = self._owners.setdefault(frame.session_id, client)
+        if owner != client:
+            self.metrics.errors.labels(str(ErrorCode.ESEC)).inc()
+            return [connection_error(frame.session_id, frame.stream_id, ErrorCode.ESEC,
+                                     "session_id belongs to another client")]
+        sess = self.session_for(frame.session_id)
         direct: list[Frame] = []
+
+        def stream_of(stream_id: str) -> StreamCtx | None:
+            # Stream ids are chosen by clients: only this session's stream is addressed.
+            ctx = self.streams.get(stream_id)
+            return ctx if ctx is not None and ctx.session is sess else None
+
         for ev in sess.receive_frame(frame, now):
             match ev:
                 case S.StreamOpened():
                     self._on_syn(sess, ev, client=client, direct=direct)
                 case S.MessageReceived():
-                    ctx = self.streams.get(ev.stream_id)
+                    ctx = stream_of(ev.stream_id)
                     if ctx is not None:
                         self._on_message(ctx, ev.payload)
                 case S.ControlReceived():
-                    ctx = self.streams.get(ev.stream_id)
+                    ctx = stream_of(ev.stream_id)
                     if ctx is not None:
                         self._on_control(ctx, ev.control)
                 case S.StreamFinished():
-                    ctx = self.streams.get(ev.stream_id)
+                    ctx = stream_of(ev.stream_id)
                     if ctx is not None and not ctx.task_started:
                         ctx.finish(None)
                 case S.StreamReset():
-                    ctx = self.streams.get(ev.stream_id)
+                    ctx = stream_of(ev.stream_id)
+                    if ctx is not None:
+                        ctx.peer_reset()
+                case S.ProtocolViolation():
+                    # The session resets the stream (its RST follows in SendFrames):
+                    # stop the task so it spends nothing more.
+                    ctx = stream_of(ev.stream_id)
                     if ctx is not None and ctx.cancel_scope is not None:
                         ctx.cancel_scope.cancel()
                 case S.SendFrames():
-                    ctx = self.streams.get(ev.frames[0].stream_id) if ev.frames else None
-                    if ctx is not None:
+                    ctx = stream_of(ev.frames[0].stream_id) if ev.frames else None
+                    if ctx is not None and not ctx.log.closed:
                         ctx.push(ev.frames)
                     else:
                         direct.extend(ev.frames)
@@ -270,15 +309,28 @@ class Router:
         content = None
         if ev.payload is not None and ev.payload.type is PayloadType.TASK:
             content = ev.payload.content
-        if isinstance(content, dict) and "diff" in content and "diff_loc" not in meta:
-            meta["diff_loc"] = diff_loc(parse_diff(content["diff"]))
         try:
-            if len(self.streams) >= self.config.max_streams:
+            if isinstance(content, dict):
+                _check_task(content)
+                if "diff" in content and "diff_loc" not in meta:
+                    meta["diff_loc"] = diff_loc(parse_diff(content["diff"]))
+            if self.open_count >= self.config.max_streams:
                 raise ATPError(ErrorCode.EWINDOW, f"router is at its limit of {self.config.max_streams} open streams")
-            if ev.stream_id in self.streams:
-                raise LocalProtocolError(ErrorCode.EPROTO, f"stream_id {ev.stream_id!r} is already in use")
+            old = self.streams.get(ev.stream_id)
+            if old is not None:
+                if old.closed_at is None:
+                    raise LocalProtocolError(ErrorCode.EPROTO, f"stream_id {ev.stream_id!r} is already in use")
+                # A closed stream's id may be reused; its retained log is dropped.
+                try:
+                    self.ledger.close(ev.stream_id)
+                except ValueError:
+                    raise LocalProtocolError(
+                        ErrorCode.EPROTO, f"stream_id {ev.stream_id!r} is still settling its spend; retry"
+                    ) from None
+                del self.streams[ev.stream_id]
             client_budget = _client_budget(meta)
-            route = self.gen.fib.lookup(meta)
+            gen = self.gen
+            route = gen.fib.lookup(meta)
         except ATPError as e:
             self.metrics.errors.labels(str(e.code)).inc()
             direct.append(sess.reset(ev.stream_id, e.code, e.reason))
@@ -286,8 +338,9 @@ class Router:
         window = _min_window(ev.window, route.window or DEFAULT_WINDOW)
         budget = _min_budget(client_budget, route.budget)
         qos = ev.qos if ev.qos is not None else (route.qos or QoS.SILVER)
-        ctx = StreamCtx(self, sess, ev.stream_id, client, meta, qos, window, budget, route, trio.current_time())
+        ctx = StreamCtx(self, sess, ev.stream_id, client, meta, qos, window, budget, route, trio.current_time(), gen=gen)
         self.streams[ev.stream_id] = ctx
+        self.open_count += 1
         self.ledger.open(ev.stream_id, Allowance.from_budget(budget))
         self.metrics.streams_opened.labels(str(qos)).inc()
         self.metrics.open_streams.inc()
@@ -295,7 +348,7 @@ class Router:
         synack.meta["route"] = {
             "policy": route.policy,
             "next_hops": [h.agent for h in route.next_hops],
-            "rib_version": self.gen.version,
+            "rib_version": gen.version,
         }
         ctx.push(synack)
         if content is not None:
@@ -315,13 +368,17 @@ class Router:
             except msgspec.DecodeError as e:
                 ctx.reset(ErrorCode.EPROTO, f"fragmented task body is not JSON: {e}")
                 return
-        if not isinstance(content, dict):
-            ctx.reset(ErrorCode.EPROTO, "task content must be an object")
+        try:
+            _check_task(content)
+        except LocalProtocolError as e:
+            ctx.reset(e.code, e.reason)
             return
         ctx.task_started = True
         prompt = Prompt(task_type=str(ctx.meta.get("task_type", "")), content=content, meta=ctx.meta)
         assert self._nursery is not None, "router is not serving"
-        self._nursery.start_soon(self._run_task, ctx, prompt, self.gen)
+        # The scope exists before the task runs, so an RST arriving first still stops it.
+        ctx.cancel_scope = scope = trio.CancelScope()
+        self._nursery.start_soon(self._run_task, ctx, prompt, ctx.gen or self.gen, scope)
 
     def _on_control(self, ctx: StreamCtx, control: Any) -> None:
         from atp.wire.frame import BudgetUpdate
@@ -334,7 +391,7 @@ class Router:
             else:
                 ctx.budget = b
 
-    async def _run_task(self, ctx: StreamCtx, prompt: Prompt, gen: Generation) -> None:
+    async def _run_task(self, ctx: StreamCtx, prompt: Prompt, gen: Generation, scope: trio.CancelScope) -> None:
         plan = TaskPlan(
             prompt=prompt,
             route=ctx.route,
@@ -344,13 +401,18 @@ class Router:
             started=ctx.started,
             deadline=ctx.started + ctx.route.deadline_ms / 1000,
         )
-        with trio.CancelScope() as scope:
-            ctx.cancel_scope = scope
+        with scope:
             try:
                 final = await gen.dispatcher.run(ctx, plan)
             except AgentError as e:
                 self.metrics.streams_closed.labels(str(e.code)).inc()
                 ctx.reset(e.code, e.reason)
+                return
+            except Exception:
+                # A fault in one stream's task must not take the appliance down.
+                log.exception("stream %s: task failed", ctx.stream_id)
+                self.metrics.streams_closed.labels("internal").inc()
+                ctx.reset(ErrorCode.EAGENTDOWN, "internal router error while running the task")
                 return
             self.metrics.agreement.observe(final.result.consensus.agreement)
             self.metrics.stream_latency.observe(final.telemetry.latency_ms / 1000)
@@ -412,11 +474,44 @@ class Router:
             now = trio.current_time()
             for sid, ctx in list(self.streams.items()):
                 if ctx.closed_at is not None and now - ctx.closed_at > self.config.retain_closed_s:
+                    try:
+                        self.ledger.close(sid)
+                    except ValueError:
+                        continue  # a cancelled leg has not committed yet: next round
                     del self.streams[sid]
-                    self.ledger.close(sid)
             for key, sid in list(self.idempotency.items()):
                 if sid not in self.streams:
                     del self.idempotency[key]
+            live = {ctx.session_id for ctx in self.streams.values()}
+            for session_id in [s for s in self.sessions if s not in live]:
+                del self.sessions[session_id]
+                self._owners.pop(session_id, None)
+
+
+def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: str) -> Frame:
+    """An ERROR (spec §10) outside any session's sequence: for a frame the router
+    could not attribute to a stream of the sender (undecodable, or another
+    client's session). ``stream_id`` ``"0"`` means the connection itself."""
+    return Frame(
+        v=1, session_id=session_id, stream_id=stream_id, msg_seq=0, flags=[Flag.CTRL],
+        payload=Payload(type=PayloadType.CONTROL, content=ErrorPayload(code=code, reason=reason)),
+    )
+
+
+def _check_task(content: Any) -> None:
+    """The task body fields the router itself reads (``diff`` for ``diff_loc``,
+    ``files`` for consensus evidence) must have their documented shapes:
+    ``{"diff": str, "files": {path: text}}``. Raises LocalProtocolError(EPROTO)."""
+    if not isinstance(content, dict):
+        raise LocalProtocolError(ErrorCode.EPROTO, "task content must be an object")
+    diff = content.get("diff")
+    if diff is not None and not isinstance(diff, str):
+        raise LocalProtocolError(ErrorCode.EPROTO, "task content.diff must be a string (a unified diff)")
+    files = content.get("files")
+    if files is not None and not (
+        isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+    ):
+        raise LocalProtocolError(ErrorCode.EPROTO, "task content.files must map paths to file text")
 
 
 def _kind(frame: Frame) -> str:

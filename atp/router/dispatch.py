@@ -4,9 +4,17 @@ For one stream the dispatcher
 
 1. calls every next-hop of the route in parallel, each call admitted against the
    stream's window (parallel / tokens / USD micros, §5.1) from the adapter's
-   preflight ``estimate`` (§5.2) and against the budget ledger (reserve → commit);
+   preflight ``estimate`` (§5.2) and against the budget ledger (reserve → commit).
+   A fan-out wider than the window is queued inside the router: next-hops are
+   admitted in route order (best first), and one that does not fit waits, under
+   the stream deadline, until a call in flight completes. It is refused with
+   ``EWINDOW`` (plus the WINDOW_UPDATE in force) only when its estimate alone
+   exceeds the window, i.e. it could never fit;
 2. runs each call under its own overall deadline (``trio.fail_after``) and the
-   stream's deadline; the adapter's fragments travel as a leg of PARTIAL frames
+   stream's deadline; a call whose streamed usage passes what the budget can
+   still take (its reservation plus the free headroom) is cut with ``EBUDGET``;
+   what a call used is committed whatever its outcome. The adapter's fragments
+   travel as a leg of PARTIAL frames
    with ``MORE`` through a :class:`~atp.wire.reassembly.Reassembler` (the same path
    a remote agent's frames take) and are forwarded to the client as PARTIAL events;
 3. merges the agents' reports by the route's consensus strategy (§7.2) and, when an
@@ -33,8 +41,8 @@ from atp.adapters.base import Fragment, ProviderAdapter, Prompt
 from atp.consensus.escalation import should_escalate
 from atp.consensus.strategies import merge
 from atp.consensus.types import AgentReport, FinalResult, Telemetry, Usage
-from atp.flow.budget import BudgetLedger, Refusal, usd_to_micros
-from atp.flow.window import Estimate, Window as FlowWindow
+from atp.flow.budget import BudgetLedger, Refusal, Reservation, usd_to_micros
+from atp.flow.window import Estimate, InFlight, Window as FlowWindow
 from atp.wire.errors import AgentError, ATPError, ErrorCode
 from atp.wire.frame import Flag, Frame, Payload, PayloadType
 from atp.wire.reassembly import MessageComplete, Reassembler
@@ -63,6 +71,8 @@ class LegOutcome:
     usage: Usage = field(default_factory=Usage)
     error: ATPError | None = None
     latency_ms: float = 0.0
+    #: Cancelled (stream deadline or reset) before it answered; no ERROR emitted yet.
+    cancelled: bool = False
 
 
 @dataclass(slots=True)
@@ -76,6 +86,10 @@ class TaskPlan:
     qos: Any  # atp.wire.frame.QoS
     started: float  # trio.current_time() at SYN
     deadline: float  # absolute trio time
+    #: Woken whenever a call leaves the window or a next-hop's turn passes.
+    slot_freed: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
+    #: Index (in route order) of the next-hop whose admission is being decided.
+    admit_turn: int = 0
 
 
 class Dispatcher:
@@ -109,23 +123,25 @@ class Dispatcher:
         outcomes: dict[str, LegOutcome] = {}
         with trio.move_on_at(plan.deadline) as scope:
             async with trio.open_nursery() as nursery:
-                for hop in route.next_hops:
-                    nursery.start_soon(self._leg, io, plan, hop, outcomes)
+                for turn, hop in enumerate(route.next_hops):
+                    nursery.start_soon(self._leg, io, plan, hop, outcomes, turn)
         if scope.cancelled_caught:
             for hop in route.next_hops:
-                if hop.agent not in outcomes:
-                    io.emit_error(ErrorCode.ETIMEOUT, "stream deadline reached before the next-hop answered", agent=hop.agent)
-                    outcomes[hop.agent] = LegOutcome(hop.agent, error=AgentError(ErrorCode.ETIMEOUT, "stream deadline", agent=hop.agent))
+                self._deadline_error(io, hop.agent, outcomes)
 
         result, reports = self._merge(plan, outcomes)
         esc = getattr(route, "escalation", None)
         triggers: list[str] = []
         if esc is not None and esc.to not in outcomes and trio.current_time() < plan.deadline:
-            triggers = should_escalate(result, reports, list(esc.on), threshold=esc.threshold)
+            triggers = should_escalate(
+                result, reports, list(esc.on), threshold=esc.threshold, files=plan.prompt.content.get("files")
+            )
             if triggers:
                 hop = route.escalation_hop
-                with trio.move_on_at(plan.deadline):
-                    await self._leg(io, plan, hop, outcomes)
+                with trio.move_on_at(plan.deadline) as esc_scope:
+                    await self._leg(io, plan, hop, outcomes, len(route.next_hops))
+                if esc_scope.cancelled_caught:
+                    self._deadline_error(io, hop.agent, outcomes)
                 result, reports = self._merge(plan, outcomes)
         if not reports:
             errors = "; ".join(f"{o.agent}: {o.error.code} {o.error.reason}" for o in outcomes.values() if o.error)
@@ -143,6 +159,19 @@ class Dispatcher:
         self.last_triggers = triggers
         return FinalResult(result=result, telemetry=telemetry)
 
+    @staticmethod
+    def _deadline_error(io: StreamIO, agent: str, outcomes: dict[str, LegOutcome]) -> None:
+        """ETIMEOUT for a next-hop the stream deadline cut (queued or in its call)."""
+        out = outcomes.get(agent)
+        if out is not None and not out.cancelled:
+            return  # it finished (report or error) before the deadline
+        reason = "stream deadline reached before the next-hop answered"
+        if out is None:
+            out = outcomes[agent] = LegOutcome(agent)
+        out.error = AgentError(ErrorCode.ETIMEOUT, reason, agent=agent)
+        out.cancelled = False
+        io.emit_error(ErrorCode.ETIMEOUT, f"{agent}: {reason}", agent=agent)
+
     def _merge(self, plan: TaskPlan, outcomes: Mapping[str, LegOutcome]):
         reports = {a: o.report for a, o in outcomes.items() if o.report is not None}
         costs = {a: o.usage.usd_micros for a, o in outcomes.items()}
@@ -155,52 +184,38 @@ class Dispatcher:
         )
         return result, reports
 
-    async def _leg(self, io: StreamIO, plan: TaskPlan, hop: Any, outcomes: dict[str, LegOutcome]) -> None:
+    async def _leg(self, io: StreamIO, plan: TaskPlan, hop: Any, outcomes: dict[str, LegOutcome], turn: int) -> None:
         agent = hop.agent
         out = LegOutcome(agent)
         outcomes[agent] = out
-        adapter = self.adapters.get(agent)
-        if adapter is None:
-            out.error = AgentError(ErrorCode.EAGENTDOWN, "next-hop has no adapter in the running RIB", agent=agent)
-            io.emit_error(out.error.code, out.error.reason, agent=agent)
-            return
         try:
-            est = adapter.estimate(plan.prompt)
-        except ATPError as e:
-            out.error = e
-            io.emit_error(e.code, e.reason, agent=agent)
+            admitted = await self._admit(io, plan, agent, out, turn)
+        except trio.Cancelled:
+            out.cancelled = True
+            raise
+        if admitted is None:
             return
-        est_tokens = est.in_tokens + est.out_tokens
-        est_usd = usd_to_micros(est.usd)
-        estimate = Estimate(tokens=est_tokens, usd_micros=est_usd)
-        admission = plan.window.admit(estimate, qos=plan.qos)
-        if not admission.admitted:
-            out.error = AgentError(ErrorCode.EWINDOW, admission.reason, agent=agent)
-            io.emit_error(ErrorCode.EWINDOW, f"{agent}: {admission.reason}", agent=agent)
-            if admission.window_update is not None:
-                io.emit_window_update(admission.window_update)
-            return
-        reservation = self.ledger.reserve(plan.ledger_key, est_tokens, est_usd)
-        if isinstance(reservation, Refusal):
-            out.error = AgentError(ErrorCode.EBUDGET, reservation.reason, agent=agent)
-            io.emit_error(ErrorCode.EBUDGET, f"{agent} not called: {reservation.reason}", agent=agent)
-            return
-        in_flight = plan.window.on_send(estimate, qos=plan.qos)
+        adapter, reservation, in_flight = admitted
         t0 = trio.current_time()
         timely = False
         try:
             with trio.fail_after(hop.timeout_ms / 1000):
-                await self._pump(io, plan, agent, adapter, out)
+                await self._pump(io, plan, agent, adapter, out, reservation)
             timely = True
         except trio.TooSlowError:
             out.error = AgentError(ErrorCode.ETIMEOUT, f"no answer within {hop.timeout_ms} ms", agent=agent)
         except ATPError as e:
             out.error = e
+        except trio.Cancelled:
+            out.cancelled = True
+            out.error = AgentError(ErrorCode.ETIMEOUT, "cancelled before the next-hop answered", agent=agent)
+            raise
         finally:
             out.latency_ms = (trio.current_time() - t0) * 1000
             # Commit what was actually used, even on failure or cancellation (§5, DESIGN principle 4).
             self.ledger.commit(reservation, out.usage.tokens, out.usage.usd_micros)
             plan.window.on_complete(in_flight, out.usage.tokens, out.usage.usd_micros, ok=out.error is None, timely=timely)
+            plan.slot_freed.unpark_all()
             if self.on_leg is not None:
                 self.on_leg(out)
         if out.error is not None:
@@ -208,8 +223,59 @@ class Dispatcher:
                 out.error.code, f"{agent}: {out.error.reason}", agent=agent, retry_after_ms=out.error.retry_after_ms
             )
 
-    async def _pump(self, io: StreamIO, plan: TaskPlan, agent: str, adapter: ProviderAdapter, out: LegOutcome) -> None:
-        """Iterate the adapter's fragments as one reassembled leg message."""
+    async def _admit(
+        self, io: StreamIO, plan: TaskPlan, agent: str, out: LegOutcome, turn: int
+    ) -> tuple[ProviderAdapter, Reservation, InFlight] | None:
+        """Admit one next-hop call: wait for its ``turn`` (next-hops are admitted in
+        route order, best first, so the same task queues the same way every time),
+        then for room in the stream's window, then reserve its estimate on the
+        budget ledger. Returns ``None`` after emitting the ERROR when it is refused:
+        EAGENTDOWN (no adapter), the estimate's error, EWINDOW (the estimate alone
+        exceeds the window), EBUDGET (the reservation does not fit)."""
+        while plan.admit_turn != turn:
+            await plan.slot_freed.park()
+        try:
+            adapter = self.adapters.get(agent)
+            if adapter is None:
+                out.error = AgentError(ErrorCode.EAGENTDOWN, "next-hop has no adapter in the running RIB", agent=agent)
+                io.emit_error(out.error.code, f"{agent}: {out.error.reason}", agent=agent)
+                return None
+            try:
+                est = adapter.estimate(plan.prompt)
+            except ATPError as e:
+                out.error = e
+                io.emit_error(e.code, f"{agent}: {e.reason}", agent=agent)
+                return None
+            estimate = Estimate(tokens=est.in_tokens + est.out_tokens, usd_micros=usd_to_micros(est.usd))
+            while True:
+                admission = plan.window.admit(estimate, qos=plan.qos)
+                if admission.admitted:
+                    break
+                if plan.window.in_flight == 0:
+                    # Nothing in flight and still refused: this call can never fit.
+                    out.error = AgentError(ErrorCode.EWINDOW, admission.reason, agent=agent)
+                    io.emit_error(ErrorCode.EWINDOW, f"{agent}: {admission.reason}", agent=agent)
+                    if admission.window_update is not None:
+                        io.emit_window_update(admission.window_update)
+                    return None
+                await plan.slot_freed.park()
+            reservation = self.ledger.reserve(plan.ledger_key, estimate.tokens, estimate.usd_micros)
+            if isinstance(reservation, Refusal):
+                out.error = AgentError(ErrorCode.EBUDGET, reservation.reason, agent=agent)
+                io.emit_error(ErrorCode.EBUDGET, f"{agent} not called: {reservation.reason}", agent=agent)
+                return None
+            return adapter, reservation, plan.window.on_send(estimate, qos=plan.qos)
+        finally:
+            plan.admit_turn += 1
+            plan.slot_freed.unpark_all()
+
+    async def _pump(self, io: StreamIO, plan: TaskPlan, agent: str, adapter: ProviderAdapter, out: LegOutcome,
+                    reservation: Reservation) -> None:
+        """Iterate the adapter's fragments as one reassembled leg message.
+
+        Raises AgentError(EBUDGET) as soon as the cumulative usage of a PARTIAL
+        passes what the stream's budget can still take: this call's reservation plus the free
+        headroom of the account chain (the call is cut, §5 / DESIGN principle 4)."""
         reasm = Reassembler()
         frag_seq = 0
         final: Fragment | None = None
@@ -217,6 +283,18 @@ class Dispatcher:
             async for frag in fragments:
                 if frag.usage is not None:
                     out.usage = frag.usage
+                if frag.usage is not None and frag.type is not PayloadType.FINAL:
+                    # A FINAL means the call is over: its spend is committed as is.
+                    free = self.ledger.remaining(plan.ledger_key)
+                    over_t = free.tokens is not None and out.usage.tokens > reservation.tokens + free.tokens
+                    over_u = free.usd_micros is not None and out.usage.usd_micros > reservation.usd_micros + free.usd_micros
+                    if over_t or over_u:
+                        raise AgentError(
+                            ErrorCode.EBUDGET,
+                            f"call cut: usage {out.usage.tokens} tokens / {out.usage.usd_micros} usd_micros "
+                            "passes what the budget can take",
+                            agent=agent,
+                        )
                 if frag.type is PayloadType.FINAL:
                     final = frag
                     break

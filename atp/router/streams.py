@@ -75,6 +75,14 @@ class EventLog:
         self._changed = trio.Event()
         return ev
 
+    def close(self) -> None:
+        """End the log without a closing frame of ours: the peer reset the stream
+        (an RST is never answered, spec §4.4). Followers drain and stop."""
+        if not self.closed:
+            self.closed = True
+            self._changed.set()
+            self._changed = trio.Event()
+
     async def follow(self, after: int = 0) -> AsyncIterator[LoggedEvent]:
         """Yield events with id > ``after`` as they come; ends after FIN/RST."""
         i = max(after, 0)
