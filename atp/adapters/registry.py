@@ -7,6 +7,9 @@ entry, for model agents) into a :class:`ProviderAdapter`:
     model provider: openai_compat           → OpenAICompatAdapter at model.base_url
                     openai                  → same, base_url default https://api.openai.com/v1
                     ollama                  → same, base_url default http://127.0.0.1:11434/v1
+    remote protocol: mqtt2389 | a2a | agent_api
+                                            → the adapter named in REMOTE_FACTORIES, imported
+                                              on first use ("module:callable")
 
 ``agent.options`` carries adapter settings; each factory accepts a fixed set and
 refuses the rest. Every refusal is a ``ValueError`` whose message names the field
@@ -17,6 +20,7 @@ factories for further next-hop kinds.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,11 +32,13 @@ from atp.policy.rib import AgentSpec, ModelSpec
 
 __all__ = [
     "PROVIDER_FACTORIES",
+    "REMOTE_FACTORIES",
     "TOOL_FACTORIES",
     "ProviderFactory",
     "ToolFactory",
     "build_adapter",
     "register_provider",
+    "register_remote",
     "register_tool",
 ]
 
@@ -111,6 +117,37 @@ PROVIDER_FACTORIES: dict[str, ProviderFactory] = {
 }
 
 
+RemoteFactory = Callable[[str, AgentSpec], ProviderAdapter]
+
+#: Remote agent adapters by protocol, as ``"module:callable"`` imported on first use
+#: so a RIB without remote agents never imports their client libraries. The callable
+#: takes ``(agent_name, agent)`` and reads ``agent.remote``.
+REMOTE_FACTORIES: dict[str, str | RemoteFactory] = {
+    "mqtt2389": "atp.adapters.mqtt2389:from_spec",
+    "a2a": "atp.adapters.a2a:from_spec",
+    "agent_api": "atp.adapters.agent_api:from_spec",
+}
+
+
+def register_remote(protocol: str, factory: str | RemoteFactory) -> None:
+    """Make ``agents.<x>.remote.protocol: <protocol>`` build with ``factory``."""
+    REMOTE_FACTORIES[protocol] = factory
+
+
+def _remote_factory(protocol: str) -> RemoteFactory:
+    factory = REMOTE_FACTORIES.get(protocol)
+    if factory is None:
+        raise ValueError(f"remote.protocol: no adapter for {protocol!r} (available: {', '.join(sorted(REMOTE_FACTORIES))})")
+    if isinstance(factory, str):
+        module, _, attr = factory.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"remote.protocol: the {protocol} adapter is not available in this build ({e})") from None
+        REMOTE_FACTORIES[protocol] = factory
+    return factory
+
+
 def register_tool(tool: str, factory: ToolFactory) -> None:
     """Make ``agents.<x>.tool: <tool>`` build with ``factory(agent_name, agent)``."""
     TOOL_FACTORIES[tool] = factory
@@ -131,6 +168,8 @@ def build_adapter(agent_name: str, agent: AgentSpec, model: ModelSpec | None = N
     missing ``base_url``, unknown or mistyped ``options``, ``max_out_tokens`` not
     below ``ctx``. Reads no secrets: API keys are read from ``api_key_env`` per call.
     """
+    if agent.remote is not None:
+        return _remote_factory(agent.remote.protocol)(agent_name, agent)
     if agent.tool is not None:
         tool_factory = TOOL_FACTORIES.get(agent.tool)
         if tool_factory is None:

@@ -171,9 +171,34 @@ class ModelSpec(Struct, forbid_unknown_fields=True, kw_only=True):
         return (self.usd_per_mtok_in + self.usd_per_mtok_out) / 2
 
 
+#: Network protocols a remote agent can be reached by (spec §14 adapters).
+REMOTE_PROTOCOLS: tuple[str, ...] = ("mqtt2389", "a2a", "agent_api")
+
+
+class RemoteSpec(Struct, forbid_unknown_fields=True, kw_only=True):
+    """How to reach a remote agent (spec §14): ``protocol`` is one of
+    :data:`REMOTE_PROTOCOLS`; ``url`` the peer's address (``mqtt://host:port`` for a
+    2389 broker, the JSON-RPC endpoint for A2A, the base URL for the Agent API);
+    ``agent_id`` the peer's own name for the agent (2389 agent id, A2A agent name);
+    ``version`` a protocol version where the protocol has several (A2A ``0.3`` /
+    ``1.0``); ``auth_env`` the env var holding a credential (never the credential);
+    ``cost_usd_per_call`` a flat price charged when the peer reports no usage;
+    ``options`` protocol-specific settings, validated by the adapter.
+    """
+
+    protocol: Literal["mqtt2389", "a2a", "agent_api"]
+    url: NonEmptyStr
+    agent_id: NonEmptyStr | None = None
+    version: NonEmptyStr | None = None
+    auth_env: NonEmptyStr | None = None
+    cost_usd_per_call: Annotated[float, Meta(ge=0.0)] = 0.0
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
 class AgentSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     """An agent registry entry (spec §6.1): exactly one of ``model`` (a key of
-    ``Rib.models``) or ``tool`` (one of :data:`TOOLS`).
+    ``Rib.models``), ``tool`` (one of :data:`TOOLS`) or ``remote`` (a
+    :class:`RemoteSpec`).
 
     ``p95_ms`` is the configured p95 latency (ms), ``win30d`` the 30-day win rate
     (0..1) that seeds ECMP weights, ``timeout_ms`` the overall per-call deadline,
@@ -185,6 +210,7 @@ class AgentSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     p95_ms: Ms
     model: NonEmptyStr | None = None
     tool: NonEmptyStr | None = None
+    remote: RemoteSpec | None = None
     qos: QoS = QoS.SILVER
     win30d: Confidence = 0.5
     strengths: list[str] = msgspec.field(default_factory=list)
@@ -193,10 +219,11 @@ class AgentSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     options: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.model is None and self.tool is None:
-            raise SpecError("model", "exactly one of 'model' or 'tool' is required")
-        if self.model is not None and self.tool is not None:
-            raise SpecError("tool", "give either 'model' or 'tool', not both")
+        given = [k for k in ("model", "tool", "remote") if getattr(self, k) is not None]
+        if not given:
+            raise SpecError("model", "exactly one of 'model', 'tool' or 'remote' is required")
+        if len(given) > 1:
+            raise SpecError(given[1], f"give only one of 'model', 'tool' or 'remote', not {' and '.join(given)}")
         if self.tool is not None and self.tool not in TOOLS:
             raise SpecError("tool", f"unknown tool {self.tool!r} (known: {', '.join(sorted(TOOLS))})")
 

@@ -44,6 +44,7 @@ def _agent(layer, model, qos, p95_ms, win30d):
         "p95_ms": p95_ms,
         "model": model,
         "tool": None,
+        "remote": None,
         "qos": qos,
         "win30d": win30d,
         "strengths": [],
