@@ -29,7 +29,9 @@ import trio
 
 import atp
 
-GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden" / "dev.jsonl"
+#: The golden set: ``$ATP_SHARED/golden/dev.jsonl``, by default ``../shared`` beside the repository.
+SHARED = Path(os.environ.get("ATP_SHARED") or Path(__file__).resolve().parents[2].parent / "shared")
+GOLDEN = SHARED / "golden" / "dev.jsonl"
 _PLUS = re.compile(r"^\+\+\+ (?:b/)?(.+?)\s*$")
 
 
@@ -107,6 +109,9 @@ async def main_async(args: argparse.Namespace) -> int:
     budget = {"usd": args.budget_usd, "tokens": args.budget_tokens}
     async with atp.Client(args.router, args.token) as client:
         if args.golden:
+            if not GOLDEN.is_file():
+                print(f"no golden set at {GOLDEN} (set ATP_SHARED to the shared/ folder)", file=sys.stderr)
+                return 2
             tasks = [json.loads(line) for line in GOLDEN.read_text().splitlines() if line.strip()]
             if args.golden != "all":
                 tasks = [t for t in tasks if t["id"] == args.golden]
