@@ -4,5 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
+# Real peers for the adapter tests (brokers, A2A / Agent API servers): each script
+# installs one peer, idempotently, into .peers/ or from Debian, and prints what it did.
+for peer in scripts/peers/*.sh; do
+  [ -e "$peer" ] && bash "$peer"
+done
 export ATP_REQUIRE_MODEL=${ATP_REQUIRE_MODEL:-1}
 exec .venv/bin/python -m pytest "$@"
