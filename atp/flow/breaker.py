@@ -1,0 +1,432 @@
+"""Per-next-hop circuit breakers and bounded retries (spec §5.3 "circuit breakers:
+open on repeated 5xx/timeouts; exponential backoff per agent", §10 ETIMEOUT,
+EAGENTDOWN). Sans-IO.
+
+A :class:`CircuitBreaker` guards one next-hop; a :class:`BreakerBoard` holds one
+per agent name. Every transition is a row of :data:`TRANSITIONS`::
+
+    CLOSED ──TRIP──────────────► OPEN        failure_threshold peer failures within window_s
+    OPEN ──BACKOFF_ELAPSED─────► HALF_OPEN   after backoff_k = min(max, base·2^k) · (1 ± jitter)
+    HALF_OPEN ──PROBE_SUCCEEDED► CLOSED      k := 0
+    HALF_OPEN ──PROBE_FAILED───► OPEN        k := k + 1 (the backoff doubles)
+
+``k`` counts the openings since the breaker last closed. CLOSED admits every
+call, OPEN none, HALF_OPEN at most ``half_open_probes`` calls at once. Only
+failures that say something about the peer's health count (:data:`PEER_FAILURES`:
+``ETIMEOUT``, ``EAGENTDOWN``, ``EPROTO`` from the peer, and an unclassified
+failure such as a 5xx or a reset connection, given as ``code=None``); our own
+limits (``EBUDGET``, ``EWINDOW``, ``EPREEMPT``, …) do not.
+
+Jitter comes from an injected :class:`random.Random`, so a seeded one makes
+backoffs reproducible. Time is an argument (``now``, seconds, non-decreasing);
+the OPEN → HALF_OPEN deadline is exposed by ``get_timer()`` and taken lazily
+by whatever method runs next, so no timer task is needed.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from typing import Annotated
+
+from msgspec import Meta, Struct
+
+from atp.wire.errors import ErrorCode
+
+
+class BreakerState(enum.StrEnum):
+    """States of a circuit breaker (spec §5.3)."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class BreakerEvent(enum.StrEnum):
+    """What moves a breaker: the rows of :data:`TRANSITIONS`."""
+
+    TRIP = "trip"
+    BACKOFF_ELAPSED = "backoff_elapsed"
+    PROBE_SUCCEEDED = "probe_succeeded"
+    PROBE_FAILED = "probe_failed"
+
+
+#: Every legal (state, event) → new state. An event absent for a state does
+#: not move the breaker (e.g. a failure while OPEN, a success while CLOSED).
+TRANSITIONS: dict[tuple[BreakerState, BreakerEvent], BreakerState] = {
+    (BreakerState.CLOSED, BreakerEvent.TRIP): BreakerState.OPEN,
+    (BreakerState.OPEN, BreakerEvent.BACKOFF_ELAPSED): BreakerState.HALF_OPEN,
+    (BreakerState.HALF_OPEN, BreakerEvent.PROBE_SUCCEEDED): BreakerState.CLOSED,
+    (BreakerState.HALF_OPEN, BreakerEvent.PROBE_FAILED): BreakerState.OPEN,
+}
+
+#: Failure codes that count against a next-hop's health.
+PEER_FAILURES: frozenset[ErrorCode] = frozenset({ErrorCode.ETIMEOUT, ErrorCode.EAGENTDOWN, ErrorCode.EPROTO})
+
+_BUCKETS = 10  # error-rate window resolution: window_s / 10
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+
+
+def _backoff(base: float, cap: float, k: int, jitter: float, rng: random.Random) -> float:
+    """``min(cap, base·2^k)`` scaled by ``1 + U(-jitter, +jitter)``, never above ``cap``."""
+    nominal = min(cap, base * 2.0 ** min(k, 1000))  # 2.0**1024 would raise; by then the cap rules anyway
+    return min(cap, nominal * (1.0 + rng.uniform(-jitter, jitter)))
+
+
+class BreakerStatistics(Struct, frozen=True):
+    """Snapshot of a breaker. ``openings``: consecutive openings since it last
+    closed (the ``k`` of the backoff). ``reopen_at``: OPEN → HALF_OPEN deadline
+    (s), ``None`` unless OPEN. ``error_rate``: peer failures / outcomes over the
+    last ``window_s`` (0..1). Counts are since creation; ``ignored``: failures
+    whose code does not count against the peer."""
+
+    state: BreakerState
+    openings: int
+    reopen_at: float | None
+    probes_in_flight: int
+    error_rate: float
+    successes: int
+    failures: int
+    ignored: int
+    trips: int
+
+
+class BreakerHealth(Struct, frozen=True):
+    """Health of a next-hop as breakers see it (feeds FIB health exclusion):
+    ``up`` unless OPEN; ``error_rate`` over the breaker window (0..1);
+    ``retry_after_ms`` until the next probe may go, ``None`` unless OPEN."""
+
+    up: bool
+    error_rate: float
+    retry_after_ms: int | None
+
+
+class _Rolling:
+    """Outcome counts over the last ``window_s`` in ``_BUCKETS`` buckets: O(1)
+    memory per breaker whatever the call rate."""
+
+    __slots__ = ("_epochs", "_fail", "_ok", "_width")
+
+    def __init__(self, window_s: float) -> None:
+        self._width = window_s / _BUCKETS
+        self._epochs = [-1] * _BUCKETS
+        self._ok = [0] * _BUCKETS
+        self._fail = [0] * _BUCKETS
+
+    def add(self, now: float, ok: bool) -> None:
+        epoch = math.floor(now / self._width)
+        i = epoch % _BUCKETS
+        if self._epochs[i] != epoch:
+            self._epochs[i], self._ok[i], self._fail[i] = epoch, 0, 0
+        if ok:
+            self._ok[i] += 1
+        else:
+            self._fail[i] += 1
+
+    def error_rate(self, now: float) -> float:
+        oldest = math.floor(now / self._width) - _BUCKETS + 1
+        ok = fail = 0
+        for i in range(_BUCKETS):
+            if self._epochs[i] >= oldest:
+                ok += self._ok[i]
+                fail += self._fail[i]
+        return fail / (ok + fail) if ok + fail else 0.0
+
+
+class CircuitBreaker:
+    """Circuit breaker of one next-hop (see the module docstring).
+
+    ``failure_threshold``: peer failures within ``window_s`` (s) that open it.
+    ``base_backoff_s`` / ``max_backoff_s``: first OPEN period and its cap (s).
+    ``jitter``: relative spread of each backoff, ``0 <= jitter < 1``.
+    ``half_open_probes``: calls admitted at once while HALF_OPEN. ``rng``:
+    source of jitter (default: a fresh ``random.Random()``). Raises
+    ``ValueError`` on an invalid configuration.
+
+    Every call that :meth:`allow` admitted must end in exactly one of
+    :meth:`on_success`, :meth:`on_failure` or :meth:`on_cancel`, or a
+    HALF_OPEN probe slot stays taken.
+    """
+
+    def __init__(
+        self,
+        *,
+        failure_threshold: int = 5,
+        window_s: float = 30.0,
+        base_backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
+        jitter: float = 0.2,
+        half_open_probes: int = 1,
+        rng: random.Random | None = None,
+    ) -> None:
+        if failure_threshold < 1 or half_open_probes < 1:
+            raise ValueError("failure_threshold and half_open_probes must be >= 1")
+        if not (window_s > 0 and 0 < base_backoff_s <= max_backoff_s and 0 <= jitter < 1):
+            raise ValueError("need window_s > 0, 0 < base_backoff_s <= max_backoff_s and 0 <= jitter < 1")
+        self.failure_threshold = failure_threshold
+        self.window_s = window_s
+        self.base_backoff_s = base_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.jitter = jitter
+        self.half_open_probes = half_open_probes
+        # Jitter only de-synchronises probes: no cryptographic randomness needed.
+        self._rng = rng if rng is not None else random.Random()  # nosec B311
+        self._state = BreakerState.CLOSED
+        # Only the newest failure_threshold failure times can decide a trip.
+        self._recent: list[float] = []
+        self._openings = 0
+        self._reopen_at: float | None = None
+        self._probes = 0
+        self._rolling = _Rolling(window_s)
+        self._successes = 0
+        self._failures = 0
+        self._ignored = 0
+        self._trips = 0
+        self._last_at = 0.0  # latest `now` seen, to age the error rate in statistics()
+
+    def state(self, now: float) -> BreakerState:
+        """The state at ``now`` (takes OPEN → HALF_OPEN once the backoff elapsed)."""
+        self._last_at = max(self._last_at, now)
+        if self._state is BreakerState.OPEN and self._reopen_at is not None and now >= self._reopen_at:
+            self._fire(BreakerEvent.BACKOFF_ELAPSED, now)
+        return self._state
+
+    def allow(self, now: float) -> bool:
+        """May a call go to this next-hop at ``now``? CLOSED: yes. OPEN: no
+        (answer ``EAGENTDOWN`` with :meth:`retry_after_ms`, reroute).
+        HALF_OPEN: yes while fewer than ``half_open_probes`` probes are out;
+        a ``True`` here takes a probe slot."""
+        match self.state(now):
+            case BreakerState.CLOSED:
+                return True
+            case BreakerState.HALF_OPEN if self._probes < self.half_open_probes:
+                self._probes += 1
+                return True
+            case _:
+                return False
+
+    def on_success(self, now: float) -> None:
+        """A call to this next-hop succeeded at ``now``. HALF_OPEN → CLOSED (any
+        outcome while HALF_OPEN is taken as the probe's)."""
+        self._successes += 1
+        self._rolling.add(now, True)
+        if self.state(now) is BreakerState.HALF_OPEN:
+            self._fire(BreakerEvent.PROBE_SUCCEEDED, now)
+
+    def on_failure(self, now: float, code: ErrorCode | None = None) -> None:
+        """A call to this next-hop failed at ``now`` with ``code`` (``None``: an
+        unclassified failure such as HTTP 5xx or a reset connection). Codes
+        outside :data:`PEER_FAILURES` only give back a probe slot. A peer
+        failure trips CLOSED → OPEN when it is the ``failure_threshold``-th
+        within ``window_s``, and sends HALF_OPEN → OPEN with a doubled backoff;
+        while OPEN it is only counted."""
+        state = self.state(now)
+        if code is not None and ErrorCode(code) not in PEER_FAILURES:
+            self._ignored += 1
+            self.on_cancel(now)
+            return
+        self._failures += 1
+        self._rolling.add(now, False)
+        if state is BreakerState.HALF_OPEN:
+            self._fire(BreakerEvent.PROBE_FAILED, now)
+        elif state is BreakerState.CLOSED:
+            recent = self._recent
+            recent.append(now)
+            if len(recent) > self.failure_threshold:
+                del recent[0]
+            if len(recent) == self.failure_threshold and now - recent[0] <= self.window_s:
+                self._fire(BreakerEvent.TRIP, now)
+
+    def on_cancel(self, now: float) -> None:
+        """An admitted call ended without telling anything about the peer
+        (cancelled by RST, cut by our budget): frees its HALF_OPEN probe slot."""
+        if self.state(now) is BreakerState.HALF_OPEN and self._probes:
+            self._probes -= 1
+
+    def retry_after_ms(self, now: float) -> int | None:
+        """Milliseconds until the next probe may go (the ``retry_after_ms`` of an
+        ``EAGENTDOWN``, spec §10), ``None`` unless OPEN."""
+        if self.state(now) is not BreakerState.OPEN or self._reopen_at is None:
+            return None
+        return max(0, math.ceil((self._reopen_at - now) * 1000.0))
+
+    def get_timer(self) -> float | None:
+        """The OPEN → HALF_OPEN deadline (s), ``None`` unless OPEN."""
+        return self._reopen_at if self._state is BreakerState.OPEN else None
+
+    def error_rate(self, now: float) -> float:
+        """Peer failures / outcomes over the last ``window_s`` to a tenth of it
+        (0..1, 0 with no calls)."""
+        return self._rolling.error_rate(now)
+
+    def statistics(self, now: float | None = None) -> BreakerStatistics:
+        """Snapshot; pass ``now`` to take a due OPEN → HALF_OPEN first and to age
+        the error rate (without it: as of the latest ``now`` seen)."""
+        if now is not None:
+            self.state(now)
+        return BreakerStatistics(
+            state=self._state,
+            openings=self._openings,
+            reopen_at=self.get_timer(),
+            probes_in_flight=self._probes,
+            error_rate=self._rolling.error_rate(self._last_at),
+            successes=self._successes,
+            failures=self._failures,
+            ignored=self._ignored,
+            trips=self._trips,
+        )
+
+    def _fire(self, event: BreakerEvent, now: float) -> None:
+        new = TRANSITIONS[(self._state, event)]
+        match event:
+            case BreakerEvent.TRIP | BreakerEvent.PROBE_FAILED:
+                delay = _backoff(self.base_backoff_s, self.max_backoff_s, self._openings, self.jitter, self._rng)
+                self._openings += 1
+                self._trips += 1
+                self._reopen_at = now + delay
+                self._recent.clear()
+            case BreakerEvent.PROBE_SUCCEEDED:
+                self._openings = 0
+                self._reopen_at = None
+            case BreakerEvent.BACKOFF_ELAPSED:
+                self._reopen_at = None
+        self._probes = 0
+        self._state = new
+
+
+class BreakerBoard:
+    """One :class:`CircuitBreaker` per next-hop agent name, created on first use
+    with the same settings (keywords as :class:`CircuitBreaker`) and one
+    shared ``rng``. Memory: one breaker per agent seen; :meth:`forget` drops
+    agents removed from the RIB."""
+
+    def __init__(
+        self,
+        *,
+        failure_threshold: int = 5,
+        window_s: float = 30.0,
+        base_backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
+        jitter: float = 0.2,
+        half_open_probes: int = 1,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._settings = {
+            "failure_threshold": failure_threshold,
+            "window_s": window_s,
+            "base_backoff_s": base_backoff_s,
+            "max_backoff_s": max_backoff_s,
+            "jitter": jitter,
+            "half_open_probes": half_open_probes,
+        }
+        # Jitter only de-synchronises probes: no cryptographic randomness needed.
+        self._rng = rng if rng is not None else random.Random()  # nosec B311
+        CircuitBreaker(**self._settings, rng=self._rng)  # validate now, not at first use
+        self._breakers: dict[str, CircuitBreaker] = {}
+
+    def breaker(self, agent: str) -> CircuitBreaker:
+        """The breaker of ``agent`` (created CLOSED on first use)."""
+        b = self._breakers.get(agent)
+        if b is None:
+            b = self._breakers[agent] = CircuitBreaker(**self._settings, rng=self._rng)
+        return b
+
+    def allow(self, agent: str, now: float) -> bool:
+        """:meth:`CircuitBreaker.allow` of ``agent``."""
+        return self.breaker(agent).allow(now)
+
+    def on_result(self, agent: str, now: float, ok: bool, code: ErrorCode | None = None) -> None:
+        """Report a call's outcome: ``ok`` → success; else a failure with ``code``
+        (``None``: unclassified, e.g. a 5xx), see :meth:`CircuitBreaker.on_failure`."""
+        b = self.breaker(agent)
+        if ok:
+            b.on_success(now)
+        else:
+            b.on_failure(now, code)
+
+    def on_cancel(self, agent: str, now: float) -> None:
+        """:meth:`CircuitBreaker.on_cancel` of ``agent``."""
+        self.breaker(agent).on_cancel(now)
+
+    def open_agents(self, now: float) -> set[str]:
+        """Agents whose breaker is OPEN at ``now``: exclude them from the FIB.
+        HALF_OPEN agents stay in, so that probes can reach them; :meth:`allow`
+        limits how many."""
+        return {a for a, b in self._breakers.items() if b.state(now) is BreakerState.OPEN}
+
+    def health(self, agent: str, now: float) -> BreakerHealth:
+        """:class:`BreakerHealth` of ``agent`` (up with no errors if never seen)."""
+        b = self._breakers.get(agent)
+        if b is None:
+            return BreakerHealth(up=True, error_rate=0.0, retry_after_ms=None)
+        return BreakerHealth(
+            up=b.state(now) is not BreakerState.OPEN, error_rate=b.error_rate(now), retry_after_ms=b.retry_after_ms(now)
+        )
+
+    def retry_after_ms(self, agent: str, now: float) -> int | None:
+        """:meth:`CircuitBreaker.retry_after_ms` of ``agent`` (``None`` if never seen)."""
+        b = self._breakers.get(agent)
+        return b.retry_after_ms(now) if b is not None else None
+
+    def get_timer(self) -> float | None:
+        """The earliest OPEN → HALF_OPEN deadline (s) of any agent, or ``None``."""
+        return min((t for b in self._breakers.values() if (t := b.get_timer()) is not None), default=None)
+
+    def forget(self, agent: str) -> None:
+        """Drop ``agent``'s breaker (it left the RIB). Unknown agents are ignored."""
+        self._breakers.pop(agent, None)
+
+    def statistics(self, now: float | None = None) -> dict[str, BreakerStatistics]:
+        """:meth:`CircuitBreaker.statistics` of every agent seen, by name."""
+        return {a: b.statistics(now) for a, b in self._breakers.items()}
+
+
+class RetryPolicy(Struct, frozen=True, forbid_unknown_fields=True):
+    """Bounded retries of one agent call (spec §10: ``ETIMEOUT`` → retries + AIMD
+    decrease; ``EAGENTDOWN`` → circuit break, reroute).
+
+    ``max_attempts`` counts every attempt, the first included, so a call is
+    tried at most ``max_attempts`` times and then given up: this policy never
+    loops. Backoff before retry ``i`` (1-based) is
+    ``min(max_backoff_s, base_backoff_s·2^(i-1)) · (1 ± jitter)``, never above
+    ``max_backoff_s``. Only ``ETIMEOUT``, and ``EAGENTDOWN`` that carries a
+    ``retry_after_ms`` no longer than ``max_backoff_s``, are retried on the same
+    next-hop; every other code (``EPROTO``, ``EBUDGET``, ``ESEC``, ``EPREEMPT``,
+    …) is final. Rerouting to the next FIB candidate is the dispatcher's, and a
+    cyclic fallback graph is refused when the policy loads.
+    """
+
+    max_attempts: PositiveInt = 2
+    base_backoff_s: NonNegFloat = 0.2
+    max_backoff_s: NonNegFloat = 2.0
+    jitter: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.2
+
+    def __post_init__(self) -> None:
+        if self.base_backoff_s > self.max_backoff_s:
+            raise ValueError(f"base_backoff_s {self.base_backoff_s} > max_backoff_s {self.max_backoff_s}")
+
+    def delays(self, rng: random.Random) -> list[float]:
+        """The ``max_attempts - 1`` backoffs (s) before each retry, jittered by ``rng``."""
+        return [self.delay(i, rng) for i in range(1, self.max_attempts)]
+
+    def delay(self, attempt: int, rng: random.Random, *, retry_after_ms: int | None = None) -> float:
+        """Backoff (s) after failed attempt ``attempt`` (1-based), at least the
+        peer's ``retry_after_ms`` when it sent one."""
+        d = _backoff(self.base_backoff_s, self.max_backoff_s, attempt - 1, self.jitter, rng)
+        return max(d, retry_after_ms / 1000.0) if retry_after_ms is not None else d
+
+    def should_retry(self, code: ErrorCode, attempt: int, *, retry_after_ms: int | None = None) -> bool:
+        """Retry after attempt ``attempt`` (1-based) failed with ``code``? True
+        only while ``attempt < max_attempts`` and for ``ETIMEOUT``, or
+        ``EAGENTDOWN`` with a ``retry_after_ms`` ≤ ``max_backoff_s``."""
+        if attempt >= self.max_attempts:
+            return False
+        match ErrorCode(code):
+            case ErrorCode.ETIMEOUT:
+                return True
+            case ErrorCode.EAGENTDOWN:
+                return retry_after_ms is not None and retry_after_ms <= self.max_backoff_s * 1000.0
+            case _:
+                return False
