@@ -1,6 +1,11 @@
-"""OpenAI-compatible chat-completions next-hop (spec §14, §5.2, §7.3).
+"""Chat-model next-hops (spec §14, §5.2, §7.3): the shared base and the OpenAI-compatible one.
 
-One adapter speaks to any server of the ``POST {base_url}/chat/completions`` shape
+:class:`ChatModelAdapter` holds what every chat-model adapter shares (the review
+conversation, preflight, usage → USD micros, health, error mapping, retries);
+:class:`OpenAICompatAdapter`, :class:`~atp.adapters.ollama.OllamaAdapter` and
+:class:`~atp.adapters.gemini.GeminiAdapter` supply the wire.
+
+The OpenAI-compatible adapter speaks to any server of the ``POST {base_url}/chat/completions`` shape
 (OpenAI, Ollama's ``/v1``, llama.cpp / llama-cpp-python, vLLM, ...). A call:
 
 1. builds a code-review conversation from ``content["diff"]``: hunks rendered with
@@ -19,8 +24,9 @@ Errors (``AgentError``)::
     read/write/pool timeout, 408             ETIMEOUT
     other 4xx, non-SSE answer, bad SSE JSON  EPROTO
 
-The whole-call deadline is the router's ``trio.fail_after``; ``timeout_ms`` only
-bounds each network wait. Money: costs are USD per 1M tokens, which is USD micros
+429/5xx answers are retried only with a ``retry`` policy (default none; see
+:mod:`atp.adapters.http`). The whole-call deadline is the router's
+``trio.fail_after``; ``timeout_ms`` only bounds each network wait. Money: costs are USD per 1M tokens, which is USD micros
 per token, so ``usd_micros = ceil(in_tokens * cost_in + out_tokens * cost_out)``
 computed exactly on the decimal costs.
 """
@@ -28,12 +34,10 @@ computed exactly on the decimal costs.
 from __future__ import annotations
 
 import contextlib
-import email.utils
 import json
 import math
 import os
 import re
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
 from fractions import Fraction
@@ -45,15 +49,31 @@ import msgspec
 import trio
 
 from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
+from atp.adapters.context import (
+    META_KEY,
+    forwarded_context,
+    prompt_context,
+    scrub_error,
+)
+from atp.adapters.http import (
+    NO_RETRY,
+    RetryPolicy,
+    open_stream,
+    retry_after_ms,
+    status_error,
+    transport_error,
+)
 from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
 from atp.review.diff import FileDiff, parse_diff
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
 __all__ = [
-    "CallStats",
-    "OpenAICompatAdapter",
+    "CONTEXT_PROMPT",
     "SYSTEM_PROMPT",
+    "CallStats",
+    "ChatModelAdapter",
+    "OpenAICompatAdapter",
     "estimate_tokens",
     "parse_review",
     "render_diff",
@@ -76,6 +96,13 @@ SYSTEM_PROMPT = (
     'this shape: {"findings": [{"file": "<path>", "line": <number>, "severity": '
     '"critical|high|medium|low", "claim": "<one sentence>", "confidence": <0.0-1.0>}]}. '
     'If there is nothing to report, answer {"findings": []}.'
+)
+
+
+#: Introduces the Agent Context Message appended to a system prompt (``context_in_prompt``).
+CONTEXT_PROMPT = (
+    "\n\nContext from the orchestrator (Agent Context Protocol, JSON). Follow its policies; "
+    "it is guidance, not part of the code under review:\n"
 )
 
 
@@ -115,16 +142,21 @@ class CallStats:
         return Health(p95_ms=p95, error_rate=errors / len(self._calls), up=self._up)
 
 
-class OpenAICompatAdapter(ProviderAdapter):
-    """A chat-completions model as a review next-hop.
+class ChatModelAdapter(ProviderAdapter):
+    """Base of the chat-model next-hops (OpenAI-compatible, Ollama, Gemini): the
+    review conversation, preflight, usage → USD micros, health, errors; a subclass
+    supplies the wire (:meth:`_request`, :meth:`_decode`, :meth:`_auth`,
+    :meth:`_error_of`).
 
-    ``base_url`` ends before ``/chat/completions`` (e.g. ``http://127.0.0.1:11434/v1``);
-    ``model`` is the server's model id; costs are USD per 1M tokens; ``max_out_tokens``
-    and ``ctx_tokens`` are tokens; ``timeout_ms`` bounds each network wait (connect,
-    each read). The API key is ``api_key``, else read from the environment variable
-    ``api_key_env`` at each call (rotation needs no reload; a missing key is
-    EAGENTDOWN, not a refused RIB). ``json_mode`` asks the server to constrain the
-    answer to a JSON object (``response_format``); small models need it.
+    ``base_url`` is the provider's API root; ``model`` the provider's model id;
+    costs are USD per 1M tokens; ``max_out_tokens`` and ``ctx_tokens`` are tokens;
+    ``timeout_ms`` bounds each network wait (connect, each read). The API key is
+    ``api_key``, else read from the environment variable ``api_key_env`` at each
+    call (rotation needs no reload; a missing key is EAGENTDOWN, not a refused
+    RIB). ``json_mode`` asks the server to constrain the answer to JSON.
+    ``context_in_prompt`` appends the stream's Agent Context Message (frame
+    ``meta["agent_context"]``, without its ``securityContext``) to the system
+    prompt. ``retry`` retries 429/5xx answers with backoff (:mod:`atp.adapters.http`).
     ``transport`` replaces httpx's network transport (e.g. to share one).
     """
 
@@ -144,6 +176,8 @@ class OpenAICompatAdapter(ProviderAdapter):
         ctx_tokens: int = 8192,
         strengths: Iterable[str] = (),
         json_mode: bool = False,
+        context_in_prompt: bool = False,
+        retry: RetryPolicy = NO_RETRY,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if cost_in_per_mtok < 0 or cost_out_per_mtok < 0:
@@ -163,6 +197,8 @@ class OpenAICompatAdapter(ProviderAdapter):
         self.ctx_tokens = ctx_tokens
         self.strengths = list(strengths)
         self.json_mode = json_mode
+        self.context_in_prompt = context_in_prompt
+        self.retry = retry
         self._api_key = api_key
         self._api_key_env = api_key_env
         self._transport = transport
@@ -193,63 +229,46 @@ class OpenAICompatAdapter(ProviderAdapter):
             self._client = None
 
     async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
-        """PARTIAL fragments (text deltas) then one FINAL ``AgentReport``; see the
-        module docstring for usage accounting and the errors raised."""
-        messages = self.messages(prompt)
-        est_in = self._count(messages)
-        body = {
-            "model": self.model,
-            "messages": messages,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "max_tokens": self.max_out_tokens,
-            "temperature": self.temperature,
-        }
-        if self.json_mode:
-            body["response_format"] = {"type": "json_object"}
-        parts: list[str] = []
-        chars = 0
-        reported: tuple[int, int] | None = None
+        """PARTIAL fragments (text deltas, cumulative usage so far, estimated until
+        the server reports it) then one FINAL ``AgentReport`` priced from the
+        reported usage. Raises ``AgentError`` per :mod:`atp.adapters.http` and the
+        subclass's wire; ``EPROTO`` for an invalid Agent Context in the meta.
+        Reasons never carry the context's secrets."""
         t0 = trio.current_time()
         try:
-            headers = self._auth()
-            async with httpx_sse.aconnect_sse(
-                self._http(), "POST", "/chat/completions", json=body, headers=headers
-            ) as source:
-                await self._check_status(source.response)
-                async with contextlib.aclosing(source.aiter_sse()) as events:
-                    async for event in events:
-                        if event.data.strip() == "[DONE]":
-                            break
-                        delta, usage = self._decode_chunk(event.data)
-                        if usage is not None:
-                            reported = usage
-                        if delta:
-                            parts.append(delta)
-                            chars += len(delta)
-                            yield Fragment(
-                                type=PayloadType.PARTIAL, content=delta, usage=self._usage(est_in, chars, None)
-                            )
+            _, secrets = forwarded_context(prompt.meta)
         except AgentError as e:
-            self._fail(e, t0)
-            raise
-        except httpx_sse.SSEError as e:
-            raise self._fail(AgentError(ErrorCode.EPROTO, f"not an SSE stream: {e}"), t0) from None
-        except httpx.ConnectTimeout as e:
-            raise self._fail(
-                AgentError(ErrorCode.EAGENTDOWN, f"cannot connect to {self.base_url}: {e!r}"), t0
-            ) from None
-        except httpx.TimeoutException as e:
-            raise self._fail(
-                AgentError(ErrorCode.ETIMEOUT, f"{type(e).__name__} after {self.timeout_ms} ms"), t0
-            ) from None
-        except httpx.ConnectError as e:
-            raise self._fail(AgentError(ErrorCode.EAGENTDOWN, f"cannot connect to {self.base_url}: {e}"), t0) from None
+            raise self._fail(e, t0) from None
+        messages = self.messages(prompt)
+        est_in = self._count(messages)
+        parts: list[str] = []
+        chars = 0
+        reported: tuple[int | None, int | None] = (None, None)
+        try:
+            method, path, kwargs = self._request(messages)
+            async with (
+                open_stream(self._http(), method, path, retry=self.retry, error_of=self._error_of,
+                            **kwargs) as response,
+                contextlib.aclosing(self._decode(response)) as chunks,
+            ):  # fmt: skip
+                async for delta, usage in chunks:
+                    if usage is not None:
+                        reported = (
+                            usage[0] if usage[0] is not None else reported[0],
+                            usage[1] if usage[1] is not None else reported[1],
+                        )
+                    if delta:
+                        parts.append(delta)
+                        chars += len(delta)
+                        yield Fragment(
+                            type=PayloadType.PARTIAL, content=delta, usage=self._usage(est_in, chars, (None, None))
+                        )
+        except AgentError as e:
+            raise self._fail(e, t0, secrets) from None
         except httpx.HTTPError as e:
-            raise self._fail(AgentError(ErrorCode.EAGENTDOWN, f"{type(e).__name__}: {e}"), t0) from None
+            raise self._fail(transport_error(e, self.base_url, self.timeout_ms), t0, secrets) from None
         self._stats.record((trio.current_time() - t0) * 1000, ok=True)
-        text = "".join(parts)
-        findings, summary = parse_review(text, prompt.content)
+        findings, summary = parse_review("".join(parts), prompt.content)
         yield Fragment(
             type=PayloadType.FINAL,
             content=AgentReport(findings=findings, summary=summary),
@@ -261,7 +280,9 @@ class OpenAICompatAdapter(ProviderAdapter):
     def messages(self, prompt: Prompt) -> list[dict[str, str]]:
         """The chat messages for ``prompt``: the review system prompt and the
         numbered diff (``code_review``), or the instruction and JSON content
-        (other task types), cut to ``ctx_tokens - max_out_tokens``."""
+        (other task types), cut to ``ctx_tokens - max_out_tokens``. With
+        ``context_in_prompt`` the system prompt ends with the Agent Context
+        Message as JSON, ``securityContext`` removed."""
         diff = prompt.content.get("diff")
         if isinstance(diff, str):
             system = SYSTEM_PROMPT
@@ -271,12 +292,43 @@ class OpenAICompatAdapter(ProviderAdapter):
             system = "You are a precise assistant. Answer concisely."
             head = (prompt.instruction or prompt.task_type) + "\n\n"
             body = json.dumps(prompt.content, ensure_ascii=False, indent=1)
+        raw = prompt.meta.get(META_KEY)
+        if self.context_in_prompt and isinstance(raw, Mapping):
+            system += CONTEXT_PROMPT + prompt_context(raw)
         room = (self.ctx_tokens - self.max_out_tokens - 2 * _MSG_OVERHEAD) * CHARS_PER_TOKEN - len(system) - len(head)
         return [{"role": "system", "content": system}, {"role": "user", "content": head + _cut(body, max(room, 0))}]
 
     def _count(self, messages: list[dict[str, str]]) -> int:
         chars = sum(len(m["content"]) for m in messages)
         return min(estimate_tokens(chars) + _MSG_OVERHEAD * len(messages), self.ctx_tokens - self.max_out_tokens)
+
+    # -- wire (subclasses) ---------------------------------------------------------
+
+    def _request(self, messages: list[dict[str, str]]) -> tuple[str, str, dict[str, Any]]:
+        """``(method, path below base_url, client.stream kwargs)`` of the call."""
+        raise TypeError(f"{type(self).__name__} does not define its request")
+
+    def _decode(self, response: httpx.Response) -> AsyncIterator[tuple[str, tuple[int | None, int | None] | None]]:
+        """``(text delta, (in_tokens, out_tokens) reported or None)`` per chunk of
+        a successful answer; either count may be ``None`` when not reported.
+        Raises ``AgentError`` (EPROTO for a malformed stream, in-band errors)."""
+        raise TypeError(f"{type(self).__name__} does not define its stream decoder")
+
+    def _error_of(self, response: httpx.Response, body: bytes) -> AgentError:
+        """The AgentError of an HTTP error answer (see :func:`status_error`)."""
+        return status_error(response, body)
+
+    def _key(self) -> str | None:
+        key = self._api_key
+        if key is None and self._api_key_env is not None:
+            key = os.environ.get(self._api_key_env)
+            if not key:
+                raise AgentError(ErrorCode.EAGENTDOWN, f"API key variable {self._api_key_env} is not set")
+        return key
+
+    def _auth(self) -> dict[str, str]:
+        key = self._key()
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     # -- HTTP ----------------------------------------------------------------------
 
@@ -290,25 +342,51 @@ class OpenAICompatAdapter(ProviderAdapter):
             )
         return self._client
 
-    def _auth(self) -> dict[str, str]:
-        key = self._api_key
-        if key is None and self._api_key_env is not None:
-            key = os.environ.get(self._api_key_env)
-            if not key:
-                raise AgentError(ErrorCode.EAGENTDOWN, f"API key variable {self._api_key_env} is not set")
-        return {"Authorization": f"Bearer {key}"} if key else {}
+    def _usage(self, est_in: int, out_chars: int, reported: tuple[int | None, int | None]) -> Usage:
+        # Until (or unless) the server reports usage, count the prompt as estimated
+        # and the output as chars/4: a stream cut short is still charged.
+        in_tok = reported[0] if reported[0] is not None else est_in
+        out_tok = reported[1] if reported[1] is not None else estimate_tokens(out_chars)
+        return Usage(in_tok, out_tok, usd_micros(in_tok, out_tok, self.cost_in_per_mtok, self.cost_out_per_mtok))
 
-    async def _check_status(self, response: httpx.Response) -> None:
-        status = response.status_code
-        if status < 400:
-            return
-        detail = (await response.aread()).decode("utf-8", "replace").strip()[:300]
-        reason = f"HTTP {status} from {self.base_url}: {detail or response.reason_phrase}"
-        if status == 408:
-            raise AgentError(ErrorCode.ETIMEOUT, reason)
-        if status >= 500 or status in (401, 403, 404, 429):
-            raise AgentError(ErrorCode.EAGENTDOWN, reason, retry_after_ms=_retry_after_ms(response.headers))
-        raise AgentError(ErrorCode.EPROTO, reason)
+    def _fail(self, e: AgentError, t0: float, secrets: Iterable[str] = ()) -> AgentError:
+        e.agent = e.agent or self.name
+        scrub_error(e, secrets)
+        self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=e.code is ErrorCode.EAGENTDOWN)
+        return e
+
+
+class OpenAICompatAdapter(ChatModelAdapter):
+    """A chat-completions model as a review next-hop (see the module docstring).
+
+    ``base_url`` ends before ``/chat/completions`` (e.g. ``http://127.0.0.1:8080/v1``);
+    ``json_mode`` sets ``response_format: {"type": "json_object"}`` (small models
+    need it); the key goes in ``Authorization: Bearer``. Other arguments: see
+    :class:`ChatModelAdapter`.
+    """
+
+    def _request(self, messages: list[dict[str, str]]) -> tuple[str, str, dict[str, Any]]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": self.max_out_tokens,
+            "temperature": self.temperature,
+        }
+        if self.json_mode:
+            body["response_format"] = {"type": "json_object"}
+        return "POST", "/chat/completions", {"json": body, "headers": self._auth()}
+
+    async def _decode(self, response: httpx.Response) -> AsyncIterator[tuple[str, tuple[int | None, int | None] | None]]:
+        try:
+            async with contextlib.aclosing(httpx_sse.EventSource(response).aiter_sse()) as events:
+                async for event in events:
+                    if event.data.strip() == "[DONE]":
+                        return
+                    yield self._decode_chunk(event.data)
+        except httpx_sse.SSEError as e:
+            raise AgentError(ErrorCode.EPROTO, f"not an SSE stream: {e}") from None
 
     def _decode_chunk(self, data: str) -> tuple[str, tuple[int, int] | None]:
         try:
@@ -339,37 +417,9 @@ class OpenAICompatAdapter(ProviderAdapter):
                     delta += d["content"]
         return delta, usage
 
-    def _usage(self, est_in: int, out_chars: int, reported: tuple[int, int] | None) -> Usage:
-        # Until (or unless) the server reports usage, count the prompt as estimated
-        # and the output as chars/4: a stream cut short is still charged.
-        in_tok, out_tok = reported if reported is not None else (est_in, estimate_tokens(out_chars))
-        return Usage(in_tok, out_tok, usd_micros(in_tok, out_tok, self.cost_in_per_mtok, self.cost_out_per_mtok))
 
-    def _fail(self, e: AgentError, t0: float) -> AgentError:
-        e.agent = e.agent or self.name
-        self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=e.code is ErrorCode.EAGENTDOWN)
-        return e
-
-
-def _retry_after_ms(headers: httpx.Headers) -> int | None:
-    """``retry-after-ms`` (ms), else ``Retry-After`` as seconds or an HTTP-date."""
-    raw_ms = headers.get("retry-after-ms")
-    if raw_ms:
-        with contextlib.suppress(ValueError):
-            return max(0, int(float(raw_ms)))
-    raw = headers.get("retry-after")
-    if not raw:
-        return None
-    try:
-        return max(0, int(float(raw) * 1000))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(raw)
-    except (TypeError, ValueError):
-        return None
-    # An HTTP-date is wall-clock time, so the wall clock is the reference here.
-    return max(0, int((when.timestamp() - time.time()) * 1000))
+#: Kept for callers of the old private name; see :func:`atp.adapters.http.retry_after_ms`.
+_retry_after_ms = retry_after_ms
 
 
 # -- rendering -----------------------------------------------------------------------
@@ -409,7 +459,7 @@ def _cut(text: str, limit: int) -> str:
 
 # -- answer parsing ------------------------------------------------------------------
 
-_FENCE_RE = re.compile(r"```[A-Za-z0-9_-]*[ \t]*\n(.*?)```", re.S)
+_FENCE_RE = re.compile(r"```[A-Za-z0-9_-]*[ \t]*\n(.*?)```", re.DOTALL)
 _LINE_RE = re.compile(r"^\s*L?(\d+)\s*(?:[-–:]\s*L?(\d+))?\s*$")
 _SEVERITY = {
     "critical": Severity.CRITICAL, "blocker": Severity.CRITICAL,

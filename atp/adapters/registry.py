@@ -4,9 +4,13 @@
 entry, for model agents) into a :class:`ProviderAdapter`:
 
     tool: ruff | bandit                     → RuffAdapter / BanditAdapter
-    model provider: openai_compat           → OpenAICompatAdapter at model.base_url
+    model provider: openai_compat           → OpenAICompatAdapter at model.base_url (also
+                                              Ollama's OpenAI-compatible /v1, vLLM, llama.cpp)
                     openai                  → same, base_url default https://api.openai.com/v1
-                    ollama                  → same, base_url default http://127.0.0.1:11434/v1
+                    ollama                  → OllamaAdapter (native /api/chat), base_url
+                                              default http://127.0.0.1:11434
+                    google                  → GeminiAdapter, base_url default
+                                              https://generativelanguage.googleapis.com/v1beta
     remote protocol: mqtt2389 | a2a | agent_api
                                             → the adapter named in REMOTE_FACTORIES, imported
                                               on first use ("module:callable")
@@ -25,7 +29,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from atp.adapters.base import ProviderAdapter
-from atp.adapters.openai_compat import OpenAICompatAdapter
+from atp.adapters.gemini import DEFAULT_BASE_URL as GEMINI_BASE_URL
+from atp.adapters.gemini import GeminiAdapter
+from atp.adapters.http import RetryPolicy
+from atp.adapters.ollama import DEFAULT_BASE_URL as OLLAMA_BASE_URL
+from atp.adapters.ollama import OllamaAdapter
+from atp.adapters.openai_compat import ChatModelAdapter, OpenAICompatAdapter
 from atp.adapters.tools.bandit import BanditAdapter
 from atp.adapters.tools.ruff import RuffAdapter
 from atp.policy.rib import AgentSpec, ModelSpec
@@ -46,7 +55,6 @@ ToolFactory = Callable[[str, AgentSpec], ProviderAdapter]
 ProviderFactory = Callable[[str, AgentSpec, ModelSpec], ProviderAdapter]
 
 OPENAI_BASE_URL = "https://api.openai.com/v1"
-OLLAMA_BASE_URL = "http://127.0.0.1:11434/v1"
 
 _STR_LIST = (list, str)
 
@@ -83,15 +91,28 @@ def _bandit(name: str, agent: AgentSpec) -> ProviderAdapter:
     return BanditAdapter(name, scope=agent.scope, strengths=agent.strengths or None, **opts)
 
 
-def _chat(default_base_url: str | None) -> ProviderFactory:
+#: ``agent.options`` every chat-model provider accepts; ``retries`` (429/5xx answers
+#: retried with backoff) only where the adapter retries.
+_CHAT_OPTIONS: dict[str, tuple[type, ...]] = {"json_mode": (bool,), "context_in_prompt": (bool,)}
+
+
+def _chat(
+    default_base_url: str | None, cls: type[ChatModelAdapter] = OpenAICompatAdapter, *, retries: bool = False
+) -> ProviderFactory:
+    allowed = {**_CHAT_OPTIONS, "retries": (int,)} if retries else _CHAT_OPTIONS
+
     def factory(name: str, agent: AgentSpec, model: ModelSpec) -> ProviderAdapter:
-        opts = _options(agent, {"json_mode": (bool,)}, f"provider {model.provider}")
+        opts = _options(agent, allowed, f"provider {model.provider}")
         base_url = model.base_url or default_base_url
         if base_url is None:
             raise ValueError(f"base_url: required for provider {model.provider}")
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url: expected an http(s) URL, got {base_url!r}")
-        return OpenAICompatAdapter(
+        if "retries" in opts:
+            if opts["retries"] < 0:
+                raise ValueError("options.retries: must be >= 0")
+            opts["retry"] = RetryPolicy(retries=opts.pop("retries"))
+        return cls(
             name,
             base_url=base_url,
             model=model.model or agent.model or name,
@@ -113,7 +134,8 @@ TOOL_FACTORIES: dict[str, ToolFactory] = {"ruff": _ruff, "bandit": _bandit}
 PROVIDER_FACTORIES: dict[str, ProviderFactory] = {
     "openai_compat": _chat(None),
     "openai": _chat(OPENAI_BASE_URL),
-    "ollama": _chat(OLLAMA_BASE_URL),
+    "ollama": _chat(OLLAMA_BASE_URL, OllamaAdapter, retries=True),
+    "google": _chat(GEMINI_BASE_URL, GeminiAdapter, retries=True),
 }
 
 
@@ -164,7 +186,7 @@ def build_adapter(agent_name: str, agent: AgentSpec, model: ModelSpec | None = N
 
     ``model`` is the agent's ``models.<agent.model>`` entry (``None`` for tool
     agents). Raises ``ValueError`` with ``<field>: <reason>`` when the entry cannot
-    be served: unknown tool, provider without an adapter (``google`` for now),
+    be served: unknown tool, provider without an adapter,
     missing ``base_url``, unknown or mistyped ``options``, ``max_out_tokens`` not
     below ``ctx``. Reads no secrets: API keys are read from ``api_key_env`` per call.
     """

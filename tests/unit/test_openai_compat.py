@@ -514,7 +514,7 @@ def test_registry_builds_chat_adapters() -> None:
     qwen = build_adapter(
         "summarizer.local", _agent(), ModelSpec(provider="ollama", ctx="32k", cost=0, model="qwen2.5:7b")
     )
-    assert (qwen.base_url, qwen.model, qwen.cost_in_per_mtok) == ("http://127.0.0.1:11434/v1", "qwen2.5:7b", 0)
+    assert (qwen.base_url, qwen.model, qwen.cost_in_per_mtok) == ("http://127.0.0.1:11434", "qwen2.5:7b", 0)
     with pytest.raises(ValueError, match=r"options\.temperature: unknown option for provider ollama"):
         build_adapter("x", _agent(options={"temperature": 1}), ModelSpec(provider="ollama", ctx="32k", cost=0))
     with pytest.raises(ValueError, match="max_out_tokens"):
