@@ -106,3 +106,303 @@ def start_llama_server(*, n_ctx: int = 2048, timeout_s: float = 120.0) -> Iterat
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+# ============================================================ mosquitto / 2389
+# A real MQTT broker for the 2389 adapter and agent-runtime tests: Debian's mosquitto
+# 2.0.x (installed by scripts/peers/mosquitto.sh), one private broker per fixture on
+# a free loopback port, with its own config and persistence directory.
+#
+#     with start_mosquitto() as broker:        # broker.url == "mqtt://127.0.0.1:<port>"
+#         ...
+#         broker.restart()                     # SIGTERM (the db is saved), then start again
+#
+# A missing mosquitto skips the test, unless ATP_REQUIRE_PEERS=1 (CI), where it fails.
+
+import shutil as _shutil
+import signal as _signal
+
+MOSQUITTO_PATHS = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
+
+
+def _peer_unavailable(peer: str, reason: str) -> None:
+    if os.environ.get("ATP_REQUIRE_PEERS") == "1":
+        pytest.fail(f"ATP_REQUIRE_PEERS=1 but {peer} cannot run: {reason}", pytrace=False)
+    pytest.skip(f"{peer} unavailable: {reason}")
+
+
+def find_mosquitto() -> str | None:
+    """The mosquitto binary: on PATH, else where Debian puts it (``/usr/sbin`` is not
+    on a normal user's PATH)."""
+    found = _shutil.which("mosquitto")
+    if found:
+        return found
+    return next((p for p in MOSQUITTO_PATHS if os.access(p, os.X_OK)), None)
+
+
+class Mosquitto:
+    """One mosquitto process on ``127.0.0.1:port`` with config and persistence under
+    ``workdir`` (owned by the ``mosquitto`` user when we run as root, because the
+    broker drops root to it). ``extra_config`` lines are appended to the listener's
+    config (TLS files, password file, ...)."""
+
+    def __init__(self, exe: str, workdir: Path, port: int, extra_config: str = ""):
+        self.exe = exe
+        self.workdir = workdir
+        self.port = port
+        self.host = "127.0.0.1"
+        self.extra_config = extra_config
+        self.proc: subprocess.Popen | None = None
+        self.log_path = workdir / "mosquitto.log"
+        self.config_path = workdir / "mosquitto.conf"
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://{self.host}:{self.port}"
+
+    def _write_config(self) -> None:
+        data = self.workdir / "data"
+        data.mkdir(exist_ok=True)
+        self.config_path.write_text(
+            f"listener {self.port} {self.host}\n"
+            + ("" if "allow_anonymous" in self.extra_config else "allow_anonymous true\n")
+            + "persistence true\n"
+            + f"persistence_location {data}/\n"
+            + "log_dest stderr\n"
+            + "log_type error\nlog_type warning\nlog_type notice\n"
+            + self.extra_config
+        )
+        if os.geteuid() == 0:
+            for path in [self.workdir, *self.workdir.rglob("*")]:
+                _shutil.chown(path, "mosquitto", "mosquitto")
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start the broker and return once it accepts TCP connections; fail the test
+        with the broker's log if it exits or does not listen within ``timeout_s``."""
+        self._write_config()
+        log = open(self.log_path, "ab")  # noqa: SIM115 (kept open by the child)
+        try:
+            self.proc = subprocess.Popen([self.exe, "-c", str(self.config_path)], stdout=log, stderr=log,
+                                         stdin=subprocess.DEVNULL)
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"mosquitto exited with {self.proc.returncode}:\n{self.log()[-2000:]}", pytrace=False)
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"mosquitto not listening on {self.port} after {timeout_s:.0f} s:\n{self.log()[-2000:]}",
+                            pytrace=False)
+            time.sleep(0.02)
+
+    def stop(self, sig: int = _signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        """Stop the broker (SIGTERM saves its persistence db; SIGKILL does not)."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def restart(self) -> None:
+        """SIGTERM then start again on the same port with the same persistence."""
+        self.stop()
+        self.start()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+@contextlib.contextmanager
+def start_mosquitto(*, extra_config: str = "", files: dict[str, bytes] | None = None) -> Iterator[Mosquitto]:
+    """A running :class:`Mosquitto` for the block, stopped after it. ``files`` are
+    written into the broker's directory first (certificates, password files), and
+    ``{dir}`` in ``extra_config`` is replaced by that directory."""
+    exe = find_mosquitto()
+    if exe is None:
+        _peer_unavailable("mosquitto", "not installed (scripts/peers/mosquitto.sh installs it)")
+    with tempfile.TemporaryDirectory(prefix="atp-mosquitto-") as d:
+        workdir = Path(d)
+        for name, data in (files or {}).items():
+            (workdir / name).write_bytes(data)
+        broker = Mosquitto(exe, workdir, free_port(), extra_config.replace("{dir}", d))
+        broker.start()
+        try:
+            yield broker
+        finally:
+            broker.stop()
+
+
+def mosquitto_passwd(path: Path, user: str, password: str) -> None:
+    """Write a mosquitto password file with one user (``mosquitto_passwd -b -c``)."""
+    exe = _shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
+    if not os.access(exe, os.X_OK):
+        _peer_unavailable("mosquitto_passwd", "not installed (part of the mosquitto package)")
+    subprocess.run([exe, "-b", "-c", str(path), user, password], check=True, capture_output=True)
+
+
+# ============================================================ A2A peers
+# Real A2A servers for the A2A adapter and the router's A2A server tests, each in its
+# own venv made by scripts/peers/a2a.sh and started on a free loopback port:
+#
+#     with start_jaf_server() as base:        # jaf-py 2.6: JSON-RPC at base + "/a2a"
+#     with start_a2a_sdk_server() as base:    # a2a-sdk 1.3 (1.0 + v0.3 compat): base + "/"
+#
+# The servers are tests/peer_servers/{jaf,a2a_sdk}_server.py. A missing venv skips
+# the test, unless ATP_REQUIRE_PEERS=1 (CI), where it fails.
+
+A2A_PEERS = Path(__file__).resolve().parents[1] / ".peers"
+A2A_PEER_SERVERS = Path(__file__).resolve().parent / "peer_servers"
+
+
+def a2a_peer_python(venv: str) -> Path:
+    """The interpreter of peer venv ``.peers/<venv>`` (``jaf`` or ``a2a-sdk``); skips,
+    or fails under ``ATP_REQUIRE_PEERS=1``, when scripts/peers/a2a.sh has not made it."""
+    python = A2A_PEERS / venv / "bin" / "python"
+    if not (A2A_PEERS / venv / ".atp-stamp").is_file() or not python.exists():
+        reason = f".peers/{venv} is not installed (run scripts/peers/a2a.sh)"
+        if os.environ.get("ATP_REQUIRE_PEERS") == "1":
+            pytest.fail(f"ATP_REQUIRE_PEERS=1 but the A2A peer cannot run: {reason}", pytrace=False)
+        pytest.skip(f"A2A peer unavailable: {reason}")
+    return python
+
+
+@contextlib.contextmanager
+def _start_a2a_peer(venv: str, script: str, ready_path: str, timeout_s: float) -> Iterator[str]:
+    """Run ``script --port P`` with the venv's python; yield ``http://127.0.0.1:P``
+    once ``GET ready_path`` answers 200; terminate (then kill) it on exit."""
+    python = a2a_peer_python(venv)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    argv = [str(python), str(A2A_PEER_SERVERS / script), "--port", str(port)]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    tail = log.read().decode("utf-8", "replace")[-2000:]
+                    pytest.fail(f"{script} exited with {proc.returncode}:\n{tail}", pytrace=False)
+                try:
+                    if httpx.get(base + ready_path, timeout=2.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{script} not answering on {base} after {timeout_s:.0f} s", pytrace=False)
+                time.sleep(0.1)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def start_jaf_server(*, timeout_s: float = 60.0) -> contextlib.AbstractContextManager[str]:
+    """jaf-py's A2A server with the deterministic ``reviewer`` agent; yields its base
+    URL (card ``/.well-known/agent-card``, JSON-RPC ``/a2a``). Importing jaf takes
+    ~7 s (litellm)."""
+    return _start_a2a_peer("jaf", "jaf_server.py", "/a2a/health", timeout_s)
+
+
+def start_a2a_sdk_server(*, timeout_s: float = 30.0) -> contextlib.AbstractContextManager[str]:
+    """a2a-sdk's server (A2A 1.0 with v0.3 compatibility) with the compile reviewer;
+    yields its base URL (card ``/.well-known/agent-card.json``, JSON-RPC ``/``)."""
+    return _start_a2a_peer("a2a-sdk", "a2a_sdk_server.py", "/.well-known/agent-card.json", timeout_s)
+
+
+# ============================================================ agentscope (Agent API)
+# agentscope-runtime 1.1 (scripts/peers/agentscope.sh makes .peers/agentscope) serving
+# tests/peer_servers/agentscope_server.py, a real AgentApp with a deterministic
+# code-review Runner: POST /process (Agent API, SSE), /a2a (A2A 0.3), agent card.
+#
+#     with start_agentscope_server() as base:     # http://127.0.0.1:<port>
+#
+# A missing venv skips the test, unless ATP_REQUIRE_PEERS=1 (CI), where it fails.
+
+AGENTSCOPE_VENV = Path(__file__).resolve().parents[1] / ".peers" / "agentscope"
+AGENTSCOPE_SERVER = Path(__file__).resolve().parent / "peer_servers" / "agentscope_server.py"
+
+
+def agentscope_python() -> Path:
+    """The interpreter of ``.peers/agentscope``; skips (fails under
+    ``ATP_REQUIRE_PEERS=1``) when scripts/peers/agentscope.sh has not made it."""
+    python = AGENTSCOPE_VENV / "bin" / "python"
+    if not (AGENTSCOPE_VENV / ".atp-stamp").is_file() or not python.exists():
+        _peer_unavailable("agentscope-runtime", ".peers/agentscope is not installed (run scripts/peers/agentscope.sh)")
+    return python
+
+
+@contextlib.contextmanager
+def start_agentscope_server(*, timeout_s: float = 60.0) -> Iterator[str]:
+    """Start the agentscope-runtime review server on a free port and yield its base
+    URL once ``GET /health`` answers 200; terminate (then kill) it on exit. Fails
+    with the server's log if it exits or does not come up within ``timeout_s``."""
+    python = agentscope_python()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    argv = [str(python), str(AGENTSCOPE_SERVER), "--port", str(port)]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    tail = log.read().decode("utf-8", "replace")[-2000:]
+                    pytest.fail(f"agentscope server exited with {proc.returncode}:\n{tail}", pytrace=False)
+                try:
+                    if httpx.get(base + "/health", timeout=2.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    pytest.fail(f"agentscope server not answering on {base} after {timeout_s:.0f} s", pytrace=False)
+                time.sleep(0.1)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def make_test_pki(directory: Path) -> dict[str, bytes]:
+    """A throw-away CA and a server certificate for ``localhost`` / ``127.0.0.1``
+    (EC P-256, one day), made with the ``openssl`` command. Returns the files
+    ``ca.pem``, ``server.pem``, ``server.key`` by name (for ``start_mosquitto(files=...)``)."""
+    if _shutil.which("openssl") is None:
+        _peer_unavailable("openssl", "not installed (needed to make test certificates)")
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=atp test CA")
+    run("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
+    (directory / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.pem", "-days", "1", "-extfile", "san.ext")
+    return {n: (directory / n).read_bytes() for n in ("ca.pem", "server.pem", "server.key")}
+
+
+#: mosquitto listener lines for the files of :func:`make_test_pki`.
+MOSQUITTO_TLS = "cafile {dir}/ca.pem\ncertfile {dir}/server.pem\nkeyfile {dir}/server.key\n"
