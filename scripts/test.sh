@@ -10,4 +10,6 @@ for peer in scripts/peers/*.sh; do
   [ -e "$peer" ] && bash "$peer"
 done
 export ATP_REQUIRE_MODEL=${ATP_REQUIRE_MODEL:-1}
+# Peers installed above must be there: a missing one fails its tests instead of skipping.
+export ATP_REQUIRE_PEERS=${ATP_REQUIRE_PEERS:-1}
 exec .venv/bin/python -m pytest "$@"
