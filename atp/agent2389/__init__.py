@@ -1,0 +1,10 @@
+"""The 2389 Agent Protocol agent runtime (``specs/agent-protocol-2389-mqtt.txt``):
+exposes any ATP next-hop (:class:`~atp.adapters.base.ProviderAdapter`) as a
+conformant 2389 agent over MQTT.
+
+* :mod:`atp.agent2389.protocol` — topics, messages, steps 2-6 of §7.4 (sans-IO);
+* :mod:`atp.agent2389.config` — ``agent.toml``;
+* :mod:`atp.agent2389.tools` — the §8 tool interface and schema validation;
+* :mod:`atp.agent2389.runtime` — the agent (:class:`AgentRuntime`);
+* :mod:`atp.agent2389.cli` — ``atp-agent2389 --config agent.toml``.
+"""
