@@ -66,6 +66,11 @@ class ProviderAdapter(abc.ABC):
     """Base class of every next-hop adapter (spec §14)."""
 
     name: str
+    #: True when ``health().up`` follows the peer's own announcements and recovers by
+    #: itself (a 2389 agent's retained status and LWT): the FIB then excludes the
+    #: next-hop while it is down. Otherwise only the router's circuit breaker does,
+    #: since nothing would call a self-declared-down adapter again to find it back.
+    live_health: bool = False
 
     @abc.abstractmethod
     def capabilities(self) -> Capabilities:

@@ -12,7 +12,9 @@ The protocol for one agent call::
 
     r = ledger.reserve(stream, est_tokens, est_usd_micros)    # before the call
     if isinstance(r, Refusal): ...                             # EBUDGET → FIN
-    ...stream the call, cutting it when usage would pass r...
+    ...stream the call; when its usage passes r:
+    r = ledger.extend(r, more_tokens, more_usd_micros)         # hold more, or
+    if isinstance(r, Refusal): ...cut the call...              # EBUDGET
     ledger.commit(r, actual_tokens, actual_usd_micros)         # after it
     # or ledger.release(r) when nothing was consumed
 
@@ -25,7 +27,10 @@ the reservation. :meth:`BudgetLedger.commit` then charges ``actual``, but
 never more than the account chain can still take (its free headroom plus this
 reservation); any excess — the tail that was already generated when the call
 was cut, or a provider billing above its estimate — is recorded as
-``overage`` and never charged. Hence, for every account and axis, always::
+``overage`` and never charged. A call streaming past its estimate grows its
+reservation with :meth:`BudgetLedger.extend` (checked and held in one step, so
+two concurrent calls cannot both count on the same free headroom); the
+overage of a cut call is then at most the one usage report that passed. Hence, for every account and axis, always::
 
     committed + reserved <= limit
 """
@@ -231,6 +236,28 @@ class BudgetLedger:
             a.overage_usd += over_u
         return Charge(charge_t, charge_u, over_t, over_u)
 
+    def extend(self, reservation: Reservation, tokens: int, usd_micros: int) -> Reservation | Refusal:
+        """Hold ``tokens`` and ``usd_micros`` more on an open ``reservation`` (a
+        streaming call whose usage passed its estimate), all or nothing along
+        the account chain. Returns the grown reservation (same id: settle that
+        one from now on) or a :class:`Refusal` (``EBUDGET``: cut the call);
+        a refusal leaves the reservation as it was. Raises ``ValueError`` if
+        the reservation is not open or an amount is negative."""
+        _check_amounts(tokens, usd_micros)
+        if self._open.get(reservation.id) != reservation:
+            raise ValueError(f"reservation {reservation.id} on {reservation.key!r} is not open")
+        acct = self._accounts[reservation.key]
+        for a in acct.chain:
+            if tokens > a.free_tokens() or usd_micros > a.free_usd():
+                return self._refusal(a, f"extend by {tokens} tokens / {usd_micros} usd_micros on {reservation.key!r}")
+        for a in acct.chain:
+            a.reserved_tokens += tokens
+            a.reserved_usd += usd_micros
+        grown = Reservation(id=reservation.id, key=reservation.key, tokens=reservation.tokens + tokens,
+                            usd_micros=reservation.usd_micros + usd_micros)
+        self._open[grown.id] = grown
+        return grown
+
     def release(self, reservation: Reservation) -> None:
         """Settle ``reservation`` with no usage (the call never ran or consumed
         nothing). Raises ``ValueError`` if it is not open."""
@@ -245,17 +272,42 @@ class BudgetLedger:
         u = min(a.free_usd() for a in acct.chain)
         return Allowance(tokens=None if t == math.inf else int(t), usd_micros=None if u == math.inf else int(u))
 
-    def set_limit(self, key: str, limit: Allowance) -> Refusal | None:
+    def set_limit(self, key: str, limit: Allowance, *, clamp: bool = False) -> Refusal | None:
         """Change ``key``'s own limit (BUDGET_UPDATE, spec §4.3; raising it is the
         client's answer to EBUDGET). A limit below what the account already
-        holds (committed + reserved) is refused and nothing changes."""
+        holds (committed + reserved) is refused and nothing changes — unless
+        ``clamp``, which sets that axis to exactly what is held instead (a
+        live "lower": calls in flight finish within their reservations,
+        nothing more can be reserved) and never refuses."""
         acct = self._get(key)
-        too_low_t = limit.tokens is not None and limit.tokens < acct.committed_tokens + acct.reserved_tokens
-        too_low_u = limit.usd_micros is not None and limit.usd_micros < acct.committed_usd + acct.reserved_usd
-        if too_low_t or too_low_u:
-            return self._refusal(acct, f"limit {limit.tokens} tokens / {limit.usd_micros} usd_micros below use")
-        acct.limit_tokens, acct.limit_usd = limit.tokens, limit.usd_micros
+        held_t = acct.committed_tokens + acct.reserved_tokens
+        held_u = acct.committed_usd + acct.reserved_usd
+        tokens, usd = limit.tokens, limit.usd_micros
+        if clamp:
+            tokens = None if tokens is None else max(tokens, held_t)
+            usd = None if usd is None else max(usd, held_u)
+        elif (tokens is not None and tokens < held_t) or (usd is not None and usd < held_u):
+            return self._refusal(acct, f"limit {tokens} tokens / {usd} usd_micros below use")
+        acct.limit_tokens, acct.limit_usd = tokens, usd
         return None
+
+    def exhausted(self, key: str) -> str | None:
+        """Why ``key`` can spend nothing more, or ``None``: the first account of
+        its chain (nearest first) whose *committed* spend reached a positive
+        limit on an axis, as ``"<account> <axis> <committed>/<limit>"``.
+        Reservations do not count (they may still be settled below the
+        estimate). This is the spec §10 EBUDGET condition that ends a stream.
+        Raises ``ValueError`` on an unknown key."""
+        for a in self._get(key).chain:
+            if a.limit_tokens and a.committed_tokens >= a.limit_tokens:
+                return f"{a.key!r} tokens {a.committed_tokens}/{a.limit_tokens}"
+            if a.limit_usd and a.committed_usd >= a.limit_usd:
+                return f"{a.key!r} usd_micros {a.committed_usd}/{a.limit_usd}"
+        return None
+
+    def has(self, key: str) -> bool:
+        """Whether account ``key`` is open."""
+        return key in self._accounts
 
     def state(self, key: str) -> AccountState:
         """Snapshot of account ``key``. Raises ``ValueError`` on an unknown key."""

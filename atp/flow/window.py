@@ -7,8 +7,16 @@ managers do — it *returns decisions* instead of acting:
 
 * :meth:`Window.admit` → :class:`Admission` (refused: ``EWINDOW`` plus the
   WINDOW_UPDATE to send with the NACK);
-* :meth:`Window.on_send` / :meth:`Window.on_complete` account a call and run AIMD;
+* :meth:`Window.on_send` / :meth:`Window.on_complete` account a call and run AIMD
+  (:meth:`Window.on_cancel` takes a call out without AIMD: an RST or a preemption
+  says nothing about the next-hop's congestion);
+* :meth:`Window.admit_when_idle` → could the call fit at all (else NACK without
+  queueing: it would wait forever);
 * :meth:`Window.update_due` → the WINDOW_UPDATE to send now, or ``None``.
+
+:class:`WindowTable` keeps one window per next-hop agent, shared by every stream
+that calls it, with the agent's own triplet (the RIB's ``agents.<name>.window``)
+or a default, and survives RIB reloads (AIMD state is kept; limits are adopted).
 
 The *effective window* is ``(min(floor(cwnd), max_parallel), max_tokens,
 max_usd_micros)``: limits on what may be outstanding, which is what a
@@ -34,6 +42,7 @@ Time is an argument (``now``, seconds); nothing here reads a clock.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from fractions import Fraction
 from typing import Annotated
 
@@ -70,6 +79,9 @@ class Admission(Struct, frozen=True):
     reason: str = ""
     code: ErrorCode | None = None
     window_update: WindowUpdate | None = None
+
+
+_ADMITTED = Admission(admitted=True)
 
 
 class InFlight(Struct, frozen=True):
@@ -158,6 +170,10 @@ class Window:
             ("tokens", self.tokens_in_flight + est.tokens, eff.max_tokens, held.max_tokens),
             ("usd_micros", self.usd_micros_in_flight + est.usd_micros, eff.max_usd_micros, held.max_usd_micros),
         )
+        return self._decide(checks, eff)
+
+    @staticmethod
+    def _decide(checks: tuple[tuple[str, int, int, int], ...], eff: WireWindow) -> Admission:
         for axis, need, limit, reserve in checks:
             if need > limit - reserve:
                 note = f" ({reserve} held for gold)" if reserve else ""
@@ -167,7 +183,7 @@ class Window:
                     code=ErrorCode.EWINDOW,
                     window_update=WindowUpdate(window=eff),
                 )
-        return Admission(admitted=True)
+        return _ADMITTED
 
     def on_send(self, est: Estimate, *, qos: QoS = QoS.SILVER) -> InFlight:
         """Account a call of ``est`` as in flight and return its handle.
@@ -211,6 +227,30 @@ class Window:
         elif call.seq >= self._recover_seq:
             self.ssthresh = self.cwnd = self._clamp(self.cwnd * 0.5)
             self._recover_seq = self._next_seq
+
+    def on_cancel(self, call: InFlight) -> None:
+        """Take ``call`` out of flight without AIMD: it was cancelled (RST, QoS
+        preemption, stream deadline) and says nothing about congestion at the
+        next-hop. Raises ``ValueError`` if ``call`` is not in flight here."""
+        est = self._calls.pop(call.seq, None)
+        if est is None:
+            raise ValueError(f"call {call.seq} is not in flight on this window")
+        self.in_flight -= 1
+        self.tokens_in_flight -= est.tokens
+        self.usd_micros_in_flight -= est.usd_micros
+
+    def admit_when_idle(self, est: Estimate, *, qos: QoS = QoS.SILVER) -> Admission:
+        """:meth:`admit` as if nothing were in flight, at the current limits and
+        ``cwnd``. Refused means waiting cannot help (the estimate alone exceeds
+        the window): NACK with EWINDOW at once instead of queueing."""
+        eff = self.effective()
+        held = self.gold_minimum if self.gold_minimum is not None and qos != QoS.GOLD else _NOTHING_HELD
+        checks = (
+            ("parallel", 1, eff.max_parallel, held.max_parallel),
+            ("tokens", est.tokens, eff.max_tokens, held.max_tokens),
+            ("usd_micros", est.usd_micros, eff.max_usd_micros, held.max_usd_micros),
+        )
+        return self._decide(checks, eff)
 
     def set_limits(self, limits: WireWindow) -> None:
         """Adopt new limits (a peer's new window, or a budget cap); ``cwnd`` is
@@ -266,3 +306,58 @@ class Window:
             if a != b and (a == 0 or abs(b - a) >= self._delta * a):
                 return True
         return False
+
+
+class WindowTable:
+    """One :class:`Window` per next-hop agent (spec §5.1 "per agent next-hop"),
+    shared by every stream that calls it.
+
+    ``default``: the triplet of an agent without its own; ``limits``: agent
+    name → its own triplet (RIB ``agents.<name>.window``), ``None`` for the
+    default. Windows are created on first use and keep their AIMD state
+    (``cwnd``, ``ssthresh``) and calls in flight across :meth:`configure`,
+    which only adopts new limits.
+    """
+
+    def __init__(
+        self,
+        default: WireWindow,
+        limits: Mapping[str, WireWindow | None] | None = None,
+        *,
+        update_interval_ms: int = 1000,
+        update_delta: float = 0.2,
+    ) -> None:
+        self.default = default
+        self._limits: dict[str, WireWindow | None] = dict(limits or {})
+        self._interval = update_interval_ms
+        self._delta = update_delta
+        self._windows: dict[str, Window] = {}
+
+    def limits_of(self, agent: str) -> WireWindow:
+        """The triplet ``agent``'s window uses (its own, else the default)."""
+        return self._limits.get(agent) or self.default
+
+    def window(self, agent: str) -> Window:
+        """The window of ``agent`` (created with its limits on first use)."""
+        w = self._windows.get(agent)
+        if w is None:
+            w = self._windows[agent] = Window(
+                self.limits_of(agent), update_interval_ms=self._interval, update_delta=self._delta
+            )
+        return w
+
+    def configure(self, limits: Mapping[str, WireWindow | None]) -> None:
+        """Adopt a new RIB: ``limits`` names every agent (value ``None``: the
+        default triplet). Existing windows keep their AIMD state and in-flight
+        calls (``cwnd`` is clamped into the new limits); idle windows of agents
+        gone from the RIB are dropped."""
+        self._limits = dict(limits)
+        for agent, w in list(self._windows.items()):
+            if agent not in self._limits and w.in_flight == 0:
+                del self._windows[agent]
+            else:
+                w.set_limits(self.limits_of(agent))
+
+    def statistics(self) -> dict[str, WindowStatistics]:
+        """:meth:`Window.statistics` of every agent window in use, by name."""
+        return {a: w.statistics() for a, w in self._windows.items()}

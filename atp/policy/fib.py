@@ -23,11 +23,20 @@
 
    Next-hops are ordered by descending score, ties by agent name (so a lookup
    is deterministic), then cut to ``fanout_k`` when the policy sets it — after
-   exclusion, so a down next-hop's slot fails over to the next best.
+   exclusion, so a down next-hop's slot fails over to the next best. The
+   candidates past ``fanout_k`` are kept, in the same order, as the route's
+   ``alternates``: the dispatcher reroutes a failing call (``EAGENTDOWN``) to
+   the first one not yet tried, after the failing agent's RIB ``fallback``
+   (:meth:`Fib.next_hop`).
+3. **Data scope** (spec §11): a task whose ``meta.data_scope`` carries labels
+   goes only to agents cleared for all of them (``agents.<name>.data_scope``;
+   an agent without the key takes any). When no candidate of the matching
+   policy is cleared, the lookup refuses with ``ESEC``.
 
 Lookup failures raise :class:`~atp.wire.errors.AgentError` with ``EAGENTDOWN``
-(no policy matches; every next-hop down). The router answers them with an ERROR
-frame (spec §10: EAGENTDOWN → circuit break / reroute; the client fails over).
+(no policy matches; every next-hop down) or ``ESEC`` (no next-hop cleared for
+the task's data scope). The router answers them with an RST (spec §10:
+EAGENTDOWN → circuit break / reroute, the client fails over; ESEC → RST, audit).
 """
 
 from __future__ import annotations
@@ -40,11 +49,19 @@ from msgspec import Struct
 
 from atp.adapters.base import Health
 from atp.policy.match import CompiledMatch, compile_match
-from atp.policy.rib import AgentSpec, Budget, EscalationSpec, PolicySpec, Rib, SpecError, reference_errors
+from atp.policy.rib import (
+    AgentSpec,
+    Budget,
+    EscalationSpec,
+    PolicySpec,
+    Rib,
+    SpecError,
+    reference_errors,
+)
 from atp.wire.errors import AgentError, ErrorCode, PolicyError
 from atp.wire.frame import QoS, RouteEntry, RouteUpdate, Window
 
-__all__ = ["FIT_FLOOR", "Fib", "NextHop", "Route", "compile_fib"]
+__all__ = ["FIT_FLOOR", "Fib", "NextHop", "Route", "compile_fib", "data_scope_labels"]
 
 #: Lowest capability fit a next-hop gets (see the module doc).
 FIT_FLOOR = 0.01
@@ -76,8 +93,11 @@ class Route(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """The result of a FIB lookup: the policy that matched and what it says.
 
     ``next_hops`` is ordered by weight (best first; top-K applied);
+    ``alternates`` are the healthy, cleared candidates that top-K left out, in
+    the same order (reroute targets);
     ``escalation_hop`` is the escalation target as a next-hop (weight 0 when its
-    health says down: the dispatcher decides what to do then); ``budget`` and
+    health says down: the dispatcher decides what to do then; None when the
+    task's data scope does not clear it); ``budget`` and
     ``window`` are the policy's (None: the router's default); ``qos`` is the
     policy's override or None (keep the stream's); ``deadline_ms`` the overall
     stream deadline.
@@ -92,15 +112,18 @@ class Route(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     consensus: str
     qos: QoS | None
     deadline_ms: int
+    alternates: list[NextHop] = msgspec.field(default_factory=list)
 
 
 class _Candidate:
     """Per-agent constants of the score, folded at compile time."""
 
-    __slots__ = ("agent", "hop", "p95_ms", "static", "strengths")
+    __slots__ = ("agent", "data_scope", "fallback", "hop", "p95_ms", "static", "strengths")
 
     def __init__(self, name: str, agent: AgentSpec, rib: Rib):
         self.agent = name
+        self.fallback = agent.fallback
+        self.data_scope = frozenset(agent.data_scope) if agent.data_scope is not None else None
         self.p95_ms = agent.p95_ms
         strengths = set(agent.strengths)
         usd_per_mtok = 0.0
@@ -133,6 +156,10 @@ class _Candidate:
                 p95 = health.p95_ms
             ok = 1.0 - min(max(health.error_rate, 0.0), 1.0)
         return max(fit, FIT_FLOOR) * self.static / (1.0 + p95 / 1000.0) * ok
+
+    def cleared(self, labels: frozenset[str]) -> bool:
+        """May a task with these ``data_scope`` labels go to this agent (§11)?"""
+        return self.data_scope is None or labels <= self.data_scope
 
 
 class _Policy:
@@ -167,6 +194,16 @@ def _wanted(meta: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(wanted)
 
 
+def data_scope_labels(meta: Mapping[str, Any]) -> frozenset[str]:
+    """The task's ``meta.data_scope`` labels (a string or a list of strings)."""
+    scope = meta.get("data_scope")
+    if isinstance(scope, str):
+        return frozenset({scope})
+    if isinstance(scope, (list, tuple)):
+        return frozenset(s for s in scope if isinstance(s, str))
+    return frozenset()
+
+
 class Fib:
     """A compiled, immutable FIB of RIB generation ``version`` (see module doc).
 
@@ -174,12 +211,28 @@ class Fib:
     ``models`` / ``agents``).
     """
 
-    __slots__ = ("_policies", "rib", "version")
+    __slots__ = ("_candidates", "_policies", "rib", "version")
 
-    def __init__(self, rib: Rib, version: int, policies: tuple[_Policy, ...]):
+    def __init__(self, rib: Rib, version: int, policies: tuple[_Policy, ...],
+                 candidates: Mapping[str, _Candidate] | None = None):
         self.rib = rib
         self.version = version
         self._policies = policies
+        self._candidates = dict(candidates or {})
+
+    def next_hop(self, agent: str, meta: Mapping[str, Any] | None = None) -> NextHop | None:
+        """``agent`` as a next-hop (weight 0: it is chosen by name, not by score),
+        for a reroute; ``None`` when the RIB has no such agent or the task's
+        ``data_scope`` (in ``meta``) does not clear it."""
+        c = self._candidates.get(agent)
+        if c is None or (meta is not None and not c.cleared(data_scope_labels(meta))):
+            return None
+        return c.hop
+
+    def fallback(self, agent: str) -> str | None:
+        """``agents.<agent>.fallback`` of the RIB (acyclic, checked at load)."""
+        c = self._candidates.get(agent)
+        return c.fallback if c is not None else None
 
     @property
     def policy_names(self) -> list[str]:
@@ -192,15 +245,24 @@ class Fib:
         ``health`` maps agent names to live :class:`~atp.adapters.base.Health`;
         agents absent from it count as healthy with their RIB figures.
         Raises AgentError(EAGENTDOWN) when no policy matches or when every
-        next-hop of the matching policy is down."""
+        next-hop of the matching policy is down, AgentError(ESEC) when none is
+        cleared for the task's ``data_scope`` labels."""
         for policy in self._policies:
             if policy.match(meta):
                 break
         else:
             raise AgentError(ErrorCode.EAGENTDOWN, f"no route for task_type={meta.get('task_type')!r}")
         wanted = _wanted(meta)
+        labels = data_scope_labels(meta)
+        cleared = [c for c in policy.candidates if c.cleared(labels)] if labels else policy.candidates
+        if not cleared:
+            raise AgentError(
+                ErrorCode.ESEC,
+                f"data_scope {sorted(labels)} is not cleared for any next-hop of policy {policy.name} "
+                f"({', '.join(c.agent for c in policy.candidates)})",
+            )
         scored: list[tuple[float, str, _Candidate]] = []
-        for c in policy.candidates:
+        for c in cleared:
             h = health.get(c.agent) if health is not None else None
             if h is not None and not h.up:
                 continue
@@ -208,10 +270,12 @@ class Fib:
         if not scored:
             raise AgentError(ErrorCode.EAGENTDOWN, f"no healthy next-hop for policy {policy.name}")
         scored.sort(key=lambda t: (t[0], t[1]))
+        alternates: list[tuple[float, str, _Candidate]] = []
         if policy.fanout_k is not None:
+            alternates = scored[policy.fanout_k :]
             del scored[policy.fanout_k :]
         escalation_hop = None
-        if policy.escalation is not None:
+        if policy.escalation is not None and policy.escalation.cleared(labels):
             e = policy.escalation
             h = health.get(e.agent) if health is not None else None
             weight = 0.0 if h is not None and not h.up else e.score(wanted, h)
@@ -227,6 +291,7 @@ class Fib:
             consensus=spec.consensus,
             qos=spec.qos,
             deadline_ms=spec.deadline_ms,
+            alternates=[msgspec.structs.replace(c.hop, weight=-neg) for neg, _, c in alternates],
         )
 
     def routes(self) -> list[RouteEntry]:
@@ -284,4 +349,4 @@ def compile_fib(rib: Rib, *, version: int) -> Fib:
                 escalation,
             )
         )
-    return Fib(rib, version, tuple(policies))
+    return Fib(rib, version, tuple(policies), candidates)

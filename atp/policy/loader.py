@@ -29,7 +29,16 @@ import msgspec
 import yaml
 
 from atp.policy.match import compile_match
-from atp.policy.rib import NAME_RE, AgentSpec, ModelSpec, PolicySpec, Rib, SpecError, reference_errors
+from atp.policy.rib import (
+    NAME_RE,
+    AgentSpec,
+    ClientSpec,
+    ModelSpec,
+    PolicySpec,
+    Rib,
+    SpecError,
+    reference_errors,
+)
 from atp.wire.errors import PolicyError
 
 __all__ = ["load_rib", "load_rib_text"]
@@ -38,7 +47,7 @@ __all__ = ["load_rib", "load_rib_text"]
 #: expanded is refused (a "billion laughs" document would otherwise hang the loader).
 MAX_NODES = 200_000
 
-_SECTIONS = ("models", "agents", "policies")
+_SECTIONS = ("models", "agents", "policies", "clients")
 
 
 # libyaml's parser when built in (~5x faster); the resolvers below are Python either way.
@@ -239,7 +248,9 @@ def _parse_document(data: Any, file: str) -> Rib:
 
     models: dict[str, ModelSpec] = {}
     agents: dict[str, AgentSpec] = {}
-    for section, tp, out in (("models", ModelSpec, models), ("agents", AgentSpec, agents)):
+    clients: dict[str, ClientSpec] = {}
+    for section, tp, out in (("models", ModelSpec, models), ("agents", AgentSpec, agents),
+                             ("clients", ClientSpec, clients)):
         entries = data.get(section)
         if entries is None:
             continue
@@ -269,22 +280,28 @@ def _parse_document(data: Any, file: str) -> Rib:
             if policy.name is not None:
                 _check_name(policy.name, f"{key}.name", "policy", file)
             policies.append(policy)
-    return Rib(models=models, agents=agents, policies=policies)
+    return Rib(models=models, agents=agents, policies=policies, clients=clients)
 
 
 # -- merge and cross-references ------------------------------------------------
 
 
 def _merge(parts: list[tuple[str, Rib]], origin: str) -> Rib:
-    """Merge per-file RIBs: registries by name (a duplicate is refused, naming
-    both files), policies concatenated in file order; then check references."""
+    """Merge per-file RIBs: registries and clients by name (a duplicate is
+    refused, naming both files), policies concatenated in file order; then
+    check references."""
     models: dict[str, ModelSpec] = {}
     agents: dict[str, AgentSpec] = {}
+    clients: dict[str, ClientSpec] = {}
     policies: list[PolicySpec] = []
-    where: dict[str, dict[Any, str]] = {"models": {}, "agents": {}}
+    where: dict[str, dict[Any, str]] = {"models": {}, "agents": {}, "clients": {}}
     policy_at: list[tuple[str, int]] = []  # global index -> (file, index in file)
     for file, rib in parts:
-        for section, merged, entries in (("models", models, rib.models), ("agents", agents, rib.agents)):
+        for section, merged, entries in (
+            ("models", models, rib.models),
+            ("agents", agents, rib.agents),
+            ("clients", clients, rib.clients),
+        ):
             for name, spec in entries.items():
                 if name in merged:
                     raise PolicyError(
@@ -313,7 +330,7 @@ def _merge(parts: list[tuple[str, Rib]], origin: str) -> Rib:
             )
         names[policy.name] = g
 
-    rib = Rib(models=models, agents=agents, policies=policies)
+    rib = Rib(models=models, agents=agents, policies=policies, clients=clients)
     for ref in reference_errors(rib):
         if ref.section == "agents":
             raise PolicyError(where["agents"][ref.entry], f"agents.{ref.entry}{ref.field}", ref.reason)

@@ -8,8 +8,9 @@ Shape (every Struct forbids unknown fields)::
 
     Rib
     ├── models:   {name: ModelSpec}    provider, ctx (tokens), cost (USD / 1M tokens), ...
-    ├── agents:   {name: AgentSpec}    layer, model | tool, qos, p95_ms, win30d, ...
-    └── policies: [PolicySpec]         match, fanout, escalation, budget, window, ...
+    ├── agents:   {name: AgentSpec}    layer, model | tool, qos, p95_ms, win30d, window, fallback, ...
+    ├── policies: [PolicySpec]         match, fanout, escalation, budget, window, ...
+    └── clients:  {name: ClientSpec}   budget (across all the client's streams), qos_max
 
 Units: ``ctx`` and ``max_out_tokens`` are tokens; ``cost``/``cost_in``/``cost_out``
 are USD per 1M tokens (which is numerically USD micros per token); latencies and
@@ -17,8 +18,8 @@ timeouts are ms; ``window.max_usd_micros`` is USD micros; ``budget.usd`` is floa
 
 Checks that need only one entry live here (``__post_init__`` raises
 :class:`SpecError`, which msgspec wraps in a ``ValidationError``); checks across
-entries (an agent's model exists, a fanout names known agents) are
-:func:`reference_errors`.
+entries (an agent's model exists, a fanout names known agents, the fallback
+graph has no cycle) are :func:`reference_errors`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "TRIGGERS",
     "AgentSpec",
     "Budget",
+    "ClientSpec",
     "EscalationSpec",
     "ModelSpec",
     "PolicySpec",
@@ -45,6 +47,7 @@ __all__ = [
     "Rib",
     "SpecError",
     "Window",
+    "fallback_cycle",
     "parse_tokens",
     "reference_errors",
 ]
@@ -204,6 +207,15 @@ class AgentSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     (0..1) that seeds ECMP weights, ``timeout_ms`` the overall per-call deadline,
     ``scope`` whether findings are kept only on changed lines (``changed``) or on
     the whole file (``file``); ``options`` is passed to the tool / model adapter.
+
+    Flow control and failure handling (spec §5.1, §5.3, §10): ``window`` is this
+    next-hop's own triplet (calls in flight, tokens, USD micros), shared by
+    every stream that calls it (None: the router's default agent window);
+    ``fallback`` the agent a call is rerouted to when this one is down
+    (``EAGENTDOWN``, circuit open, retries spent), tried before the FIB's other
+    candidates — the fallback graph must be acyclic; ``data_scope`` the
+    ``meta.data_scope`` labels this agent is cleared to receive (None: any;
+    a task with a label outside the list never goes to it, spec §11).
     """
 
     layer: Layer
@@ -217,8 +229,13 @@ class AgentSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     timeout_ms: PosInt = 60_000
     scope: Scope = "changed"
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+    window: Window | None = None
+    fallback: NonEmptyStr | None = None
+    data_scope: list[NonEmptyStr] | None = None
 
     def __post_init__(self) -> None:
+        if self.window is not None and self.window.max_parallel < 1:
+            raise SpecError("window.max_parallel", "max_parallel must be >= 1 (0 would never admit a call)")
         given = [k for k in ("model", "tool", "remote") if getattr(self, k) is not None]
         if not given:
             raise SpecError("model", "exactly one of 'model', 'tool' or 'remote' is required")
@@ -276,12 +293,31 @@ class PolicySpec(Struct, forbid_unknown_fields=True, kw_only=True):
             )
 
 
+class ClientSpec(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A client of the router (spec §5.1 budget window, §9, §11 AuthZ): the
+    identity a bearer token maps to (``ATP_ROUTER_TOKENS=name:token``; a bare
+    token is the client ``tok_<sha256 prefix>``, no authentication is the
+    client ``anonymous``).
+
+    ``budget`` caps the client's committed spend across all its streams, over
+    the router's lifetime (float USD and tokens; None: no client cap, each
+    stream still has its own); the operator raises it with a RIB reload.
+    ``qos_max`` is the highest QoS class the client's streams get: a SYN asking
+    above it is served (and confirmed at SYN+ACK) at ``qos_max``.
+    """
+
+    budget: Budget | None = None
+    qos_max: QoS = QoS.GOLD
+
+
 class Rib(Struct, forbid_unknown_fields=True, kw_only=True):
-    """The routing information base (spec §6.1): registries plus ordered policies."""
+    """The routing information base (spec §6.1): registries, ordered policies,
+    and the clients' budgets."""
 
     models: dict[str, ModelSpec] = msgspec.field(default_factory=dict)
     agents: dict[str, AgentSpec] = msgspec.field(default_factory=dict)
     policies: list[PolicySpec] = msgspec.field(default_factory=list)
+    clients: dict[str, ClientSpec] = msgspec.field(default_factory=dict)
 
 
 class RefError(Struct, frozen=True):
@@ -300,12 +336,41 @@ def _known(names: Any) -> str:
     return ", ".join(listed) if listed else "none defined"
 
 
+def fallback_cycle(agents: dict[str, AgentSpec], start: str) -> list[str] | None:
+    """The fallback cycle reached from ``start`` as ``[a, b, …, a]``, or None.
+
+    Each agent has at most one ``fallback``, so following them from ``start``
+    either ends (an agent without one, or an unknown name) or enters a cycle."""
+    seen: dict[str, int] = {}
+    path: list[str] = []
+    name: str | None = start
+    while name is not None and name in agents:
+        if name in seen:
+            return path[seen[name] :] + [name]
+        seen[name] = len(path)
+        path.append(name)
+        name = agents[name].fallback
+    return None
+
+
 def reference_errors(rib: Rib) -> Iterator[RefError]:
     """Yield every cross-reference fault of ``rib`` in document order: an agent's
-    model missing; a fanout or escalation agent missing; no policies at all."""
+    model or fallback missing; a fallback cycle (reported once, at its first
+    agent in document order, naming the whole cycle: a reroute along it would
+    never end); a fanout or escalation agent missing; no policies at all."""
+    reported: set[str] = set()
     for name, agent in rib.agents.items():
         if agent.model is not None and agent.model not in rib.models:
             yield RefError("agents", name, ".model", f"unknown model {agent.model!r} (known: {_known(rib.models)})")
+        if agent.fallback is not None:
+            if agent.fallback not in rib.agents:
+                yield RefError(
+                    "agents", name, ".fallback", f"unknown agent {agent.fallback!r} (known: {_known(rib.agents)})"
+                )
+            elif name not in reported and (cycle := fallback_cycle(rib.agents, name)) is not None and cycle[0] == name:
+                # ``name`` is on the cycle (not merely leading into it): report it here, once.
+                reported.update(cycle)
+                yield RefError("agents", name, ".fallback", "cyclic fallback " + " → ".join(cycle))
     for i, policy in enumerate(rib.policies):
         for j, agent_name in enumerate(policy.fanout):
             if agent_name not in rib.agents:

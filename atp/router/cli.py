@@ -2,9 +2,11 @@
 
     atp-router --policies policies/ [--host 127.0.0.1] [--http-port 7070] [--ws-port 7071]
 
-Bearer tokens come from ``ATP_ROUTER_TOKENS`` (comma-separated; unset means
-authentication off, for a local appliance), the frame HMAC key from
-``ATP_HMAC_KEY`` (never from the command line, so it stays out of ``ps``).
+Bearer tokens come from ``ATP_ROUTER_TOKENS`` (comma-separated; each entry
+``name:token`` — the client ``name`` whose budget and ``qos_max`` the RIB's
+``clients`` section sets — or a bare token; unset means authentication off, for
+a local appliance), the frame HMAC key from ``ATP_HMAC_KEY`` (never from the
+command line, so they stay out of ``ps``).
 Prints one ``listening`` line per ingress when ready; SIGINT/SIGTERM stop it.
 """
 
@@ -22,7 +24,7 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
 from atp.router.api import build_app
-from atp.router.core import Router, RouterConfig
+from atp.router.core import Router, RouterConfig, parse_tokens_env
 from atp.router.ws import serve_ws
 from atp.wire.errors import PolicyError
 
@@ -53,16 +55,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--http-port", type=int, default=7070, help="control API (0 = any free port)")
     ap.add_argument("--ws-port", type=int, default=7071, help="WebSocket ingress (0 = any free port)")
+    ap.add_argument("--slots", type=int, default=64,
+                    help="next-hop calls in flight across all streams (QoS capacity, spec §9)")
+    ap.add_argument("--gold-reserved", type=int, default=8, help="slots only gold streams may use")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
+    if not 0 <= args.gold_reserved < args.slots:
+        ap.error(f"need 0 <= --gold-reserved < --slots, got {args.gold_reserved} and {args.slots}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    tokens = frozenset(t.strip() for t in os.environ.get("ATP_ROUTER_TOKENS", "").split(",") if t.strip())
+    try:
+        tokens, client_tokens = parse_tokens_env(os.environ.get("ATP_ROUTER_TOKENS", ""))
+    except ValueError as e:
+        print(f"atp-router: {e}", file=sys.stderr)
+        return 2
     key = os.environ.get("ATP_HMAC_KEY")
     config = RouterConfig(
         policies=args.policies, host=args.host, http_port=args.http_port, ws_port=args.ws_port,
-        tokens=tokens, hmac_key=key.encode() if key else None,
+        tokens=tokens, client_tokens=client_tokens, hmac_key=key.encode() if key else None,
+        slots=args.slots, gold_reserved=args.gold_reserved,
     )
-    if not tokens:
+    if not tokens and not client_tokens:
         logging.getLogger("atp.router").warning("ATP_ROUTER_TOKENS is unset: authentication is off")
 
     async def main_async() -> None:

@@ -7,12 +7,34 @@ WebSocket server (:mod:`atp.router.ws`) and the HTTP control API
 :class:`~atp.wire.session.Session` and send what the stream's
 :class:`~atp.router.streams.EventLog` holds, so a stream behaves the same whichever
 way it was opened.
+
+Flow control (spec §5, §9, §10) is router-wide state in :class:`FlowGates`: one
+AIMD window per next-hop agent, the QoS slot scheduler (gold / silver / bronze,
+bronze preempted with RST ``EPREEMPT``), the circuit breakers (their health feeds
+the FIB lookup: an open circuit is excluded) and the retry policy. The budget
+ledger has one account per client (``client:<name>``, limit from the RIB's
+``clients`` section) and, under it, one per stream (``stream:<stream_id>``), so a
+client's streams together never spend more than the client's budget.
+
+Connections and streams (spec §8 resumption): a stream belongs to its client, not
+to the connection that opened it. When its last follower (a WebSocket connection
+or an SSE request) goes away — closed, or declared dead by the heartbeat watchdog
+— the stream is *detached*: its task goes on, its events are logged, and for
+``resume_grace_s`` the client may re-open it with the same idempotency key (WS
+SYN, or ``POST /v1/streams``) and get the events it missed. A stream still
+detached after the grace period is reset with ``ETIMEOUT`` (what its calls
+streamed so far is committed).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
+import random
+import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,21 +42,32 @@ from typing import Any
 import msgspec
 import trio
 
-from atp.adapters.base import Prompt, ProviderAdapter
+from atp.adapters.base import Health, Prompt, ProviderAdapter
 from atp.adapters.registry import build_adapter
 from atp.consensus.types import FinalResult
+from atp.flow.breaker import BreakerBoard, RetryPolicy
 from atp.flow.budget import Allowance, BudgetLedger
+from atp.flow.qos import Preempt, QosScheduler
 from atp.flow.window import Window as FlowWindow
+from atp.flow.window import WindowTable
 from atp.policy.fib import Fib, compile_fib
 from atp.policy.loader import load_rib, load_rib_text
-from atp.policy.rib import Rib
+from atp.policy.rib import ClientSpec, Rib
 from atp.review.diff import diff_loc, parse_diff
-from atp.router.dispatch import Dispatcher, LegOutcome, TaskPlan
+from atp.router.dispatch import Dispatcher, FlowGates, LegOutcome, SlotGate, TaskPlan
 from atp.router.metrics import RouterMetrics
 from atp.router.streams import EventLog
-from atp.wire.errors import AgentError, ATPError, ErrorCode, LocalProtocolError, PolicyError
+from atp.wire import session as S
+from atp.wire.errors import (
+    AgentError,
+    ATPError,
+    ErrorCode,
+    LocalProtocolError,
+    PolicyError,
+)
 from atp.wire.frame import (
     Budget,
+    BudgetUpdate,
     ErrorPayload,
     Flag,
     Frame,
@@ -44,21 +77,72 @@ from atp.wire.frame import (
     Window,
     WindowUpdate,
 )
-from atp.wire import session as S
 
 log = logging.getLogger("atp.router")
+#: Security audit trail (spec §11 "audit"): ESEC refusals.
+audit = logging.getLogger("atp.audit")
 
 #: Window granted when neither the client nor the policy set one (spec §15.1 defaults).
 DEFAULT_WINDOW = Window(max_parallel=4, max_tokens=120_000, max_usd_micros=1_250_000)
+#: Per-next-hop window of an agent without ``agents.<name>.window`` in the RIB.
+DEFAULT_AGENT_WINDOW = Window(max_parallel=16, max_tokens=2_000_000, max_usd_micros=20_000_000)
+
+_CLIENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_QOS_RANK = {QoS.GOLD: 0, QoS.SILVER: 1, QoS.BRONZE: 2}
+_NO_CLIENT_SPEC = ClientSpec()
+
+
+def parse_tokens_env(value: str) -> tuple[frozenset[str], dict[str, str]]:
+    """``ATP_ROUTER_TOKENS``: comma-separated entries, each ``name:token`` (the
+    client ``name`` of the RIB's ``clients`` section) or a bare token (the client
+    ``tok_<sha256 prefix>``). Returns ``(bare tokens, {name: token})``. Raises
+    ``ValueError`` on an empty name or token, a bad name (letters, digits,
+    ``._-``, at most 64) or a name or token given twice."""
+    bare: set[str] = set()
+    named: dict[str, str] = {}
+    for entry in (e.strip() for e in value.split(",")):
+        if not entry:
+            continue
+        name, sep, token = entry.partition(":")
+        if not sep:
+            bare.add(entry)
+            continue
+        if not _CLIENT_NAME.match(name) or not token:
+            raise ValueError(f"ATP_ROUTER_TOKENS entry {name!r}: expected name:token with a name of "
+                             "letters, digits and ._- (at most 64)")
+        if name in named:
+            raise ValueError(f"ATP_ROUTER_TOKENS: client {name!r} given twice")
+        named[name] = token
+    if len(set(named.values()) | bare) != len(named) + len(bare):
+        raise ValueError("ATP_ROUTER_TOKENS: the same token is given twice")
+    return frozenset(bare), named
 
 
 @dataclass
 class RouterConfig:
     """Static configuration of one router process.
 
-    ``tokens`` are the accepted bearer tokens (empty: authentication off, for a
-    local appliance only); ``hmac_key`` makes signed frames mandatory on the
-    WebSocket ingress (spec §11).
+    Authentication (spec §11): ``tokens`` are accepted bearer tokens whose client
+    is ``tok_<sha256 prefix>``; ``client_tokens`` maps client names (the RIB's
+    ``clients`` keys) to their token. Both empty: authentication off, every
+    caller is the client ``anonymous`` (a local appliance only). ``hmac_key``
+    makes signed frames mandatory on the WebSocket ingress.
+
+    Flow control (spec §5, §9, §10): ``window_update_interval_ms`` /
+    ``window_update_delta`` are the WINDOW_UPDATE cadence (every N ms, or when
+    the window moved by that fraction); ``agent_window`` the per-next-hop triplet
+    of agents without their own; ``slots`` the router-wide number of next-hop
+    calls in flight, ``gold_reserved`` of them for gold only; gold waiting
+    ``preempt_after_ms`` for a slot preempts a bronze call (RST ``EPREEMPT``),
+    ``gold_sla_ms`` is gold's queueing SLA; ``retry`` bounds retries;
+    ``breaker_*`` configure the per-agent circuit breakers (failures within
+    ``breaker_window_s`` that open it, first backoff and its cap in s).
+
+    Liveness and resumption (spec §4.4 HB, §8): the WebSocket ingress sends HB
+    every ``hb_interval_s`` and declares a connection dead after
+    ``hb_timeout_s`` without a frame from it; a stream left without a follower
+    stays resumable for ``resume_grace_s``. ``seed`` seeds backoff jitter
+    (reproducible tests).
     """
 
     policies: Path
@@ -66,16 +150,33 @@ class RouterConfig:
     http_port: int = 7070
     ws_port: int = 7071
     tokens: frozenset[str] = frozenset()
+    client_tokens: Mapping[str, str] = field(default_factory=dict)
     hmac_key: bytes | None = None
     retain_closed_s: float = 300.0
     max_streams: int = 10_000
+    window_update_interval_ms: int = 1000
+    window_update_delta: float = 0.2
+    agent_window: Window = DEFAULT_AGENT_WINDOW
+    slots: int = 64
+    gold_reserved: int = 8
+    gold_sla_ms: float = 2000.0
+    preempt_after_ms: float = 250.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    breaker_failures: int = 5
+    breaker_window_s: float = 30.0
+    breaker_backoff_s: float = 1.0
+    breaker_max_backoff_s: float = 60.0
+    hb_interval_s: float = 10.0
+    hb_timeout_s: float = 30.0
+    resume_grace_s: float = 60.0
+    seed: int | None = None
 
 
 @dataclass(eq=False)
 class StreamCtx:
     """One stream inside the router; implements the dispatcher's ``StreamIO``."""
 
-    router: "Router"
+    router: Router
     session: S.Session
     stream_id: str
     client: str
@@ -92,10 +193,33 @@ class StreamCtx:
     #: The RIB generation the stream was routed by at SYN; its task runs on it even
     #: after a reload (spec §22 hot reload).
     gen: Generation | None = None
+    #: ``ttl`` the stream's task carries to next-hops: the SYN's, less this hop
+    #: (:func:`~atp.wire.session.forward_ttl`, §4.2).
+    ttl: int = 7
+    #: Ledger account of the stream (its parent is the client's).
+    account: str = ""
+    #: Connections / SSE requests sending this stream's events right now.
+    followers: int = 0
+    #: When the last follower went away (None while followed, or never followed).
+    detached_at: float | None = None
 
     @property
     def session_id(self) -> str:
         return self.session.session_id
+
+    # --- followers (spec §8 resumption) ---
+    def attach(self) -> None:
+        """A connection or SSE request starts sending this stream's events."""
+        self.followers += 1
+        self.detached_at = None
+
+    def detach(self) -> None:
+        """A follower went away; the last one leaves the stream detached (it stays
+        resumable for ``resume_grace_s``, then is reset)."""
+        self.followers -= 1
+        if self.followers == 0 and not self.log.closed:
+            self.detached_at = trio.current_time()
+            self.router._on_detached(self)
 
     # --- outbound (every frame goes through the session machine, then the log) ---
     def push(self, frames: Frame | list[Frame]) -> None:
@@ -168,6 +292,10 @@ class Generation:
 
 
 class Router:
+    """One ATP router: control plane (RIB → FIB, reload) and data plane (sessions,
+    streams, dispatch, flow control). Built synchronously; :meth:`serve` runs its
+    background tasks."""
+
     def __init__(self, config: RouterConfig):
         self.config = config
         self.metrics = RouterMetrics()
@@ -178,20 +306,85 @@ class Router:
         self.open_count = 0
         #: session_id → the client that opened it: nobody else may send on it.
         self._owners: dict[str, str] = {}
+        #: (client, idempotency key) → stream_id (spec §8 resumption).
         self.idempotency: dict[tuple[str, str], str] = {}
         self._nursery: trio.Nursery | None = None
         self._adapter_cache: dict[tuple[str, bytes], ProviderAdapter] = {}
+        self._token_clients = {tok: name for name, tok in config.client_tokens.items()}
+        self._clients: set[str] = set()
+        self._detached: set[StreamCtx] = set()
+        self._detached_changed = trio.Event()
+        rng = random.Random(config.seed)  # backoff jitter only
+        self.gates = FlowGates(
+            WindowTable(
+                config.agent_window,
+                update_interval_ms=config.window_update_interval_ms,
+                update_delta=config.window_update_delta,
+            ),
+            SlotGate(
+                QosScheduler(
+                    config.slots,
+                    gold_reserved=config.gold_reserved,
+                    gold_sla_ms=config.gold_sla_ms,
+                    preempt_after_ms=config.preempt_after_ms,
+                ),
+                self._on_preempt,
+            ),
+            BreakerBoard(
+                failure_threshold=config.breaker_failures,
+                window_s=config.breaker_window_s,
+                base_backoff_s=config.breaker_backoff_s,
+                max_backoff_s=config.breaker_max_backoff_s,
+                rng=rng,
+            ),
+            config.retry,
+            rng=rng,
+        )
         self.gen = self._compile(load_rib(config.policies), version=1, source=str(config.policies))
+        self._activate(self.gen)
         self.metrics.rib_version.set(1)
+
+    # ------------------------------------------------------------------ identity
+    def authenticate(self, token: str | None) -> str | None:
+        """The client a bearer token belongs to (spec §11): its RIB name
+        (``ATP_ROUTER_TOKENS=name:token``), ``tok_<sha256 prefix>`` for a bare
+        token, ``anonymous`` when authentication is off; ``None`` when refused."""
+        if not self.config.tokens and not self._token_clients:
+            return "anonymous"
+        if token is None:
+            return None
+        name = self._token_clients.get(token)
+        if name is not None:
+            return name
+        if token in self.config.tokens:
+            return "tok_" + hashlib.sha256(token.encode()).hexdigest()[:12]
+        return None
+
+    def client_spec(self, client: str) -> ClientSpec:
+        """The RIB's ``clients.<client>`` entry (defaults when absent)."""
+        return self.gen.rib.clients.get(client, _NO_CLIENT_SPEC)
+
+    def client_account(self, client: str) -> str:
+        """The ledger account of ``client`` (opened with its RIB budget on first use)."""
+        key = "client:" + client
+        if client not in self._clients:
+            budget = self.client_spec(client).budget
+            self.ledger.open(key, Allowance.from_budget(budget) if budget is not None else Allowance())
+            self._clients.add(client)
+        return key
 
     # ------------------------------------------------------------------ control plane
     def _compile(self, rib: Rib, *, version: int, source: str) -> Generation:
         """RIB → FIB + adapters. Raises PolicyError without touching the running state."""
         fib = compile_fib(rib, version=version)
         adapters: dict[str, ProviderAdapter] = {}
+        keys: dict[str, tuple[str, bytes]] = {}
         for name, agent in rib.agents.items():
             model = rib.models.get(agent.model) if agent.model else None
-            key = (name, msgspec.json.encode([agent, model]))
+            # The window and fallback are the router's, not the adapter's: an edit
+            # of them keeps the live adapter (and its connections).
+            adapter_spec = msgspec.structs.replace(agent, window=None, fallback=None, data_scope=None)
+            key = keys[name] = (name, msgspec.json.encode([adapter_spec, model]))
             adapter = self._adapter_cache.get(key)
             if adapter is None:
                 try:
@@ -203,11 +396,24 @@ class Router:
             if adapters.get(key[0]) is not adapter:
                 del self._adapter_cache[key]
         for name, adapter in adapters.items():
-            self._adapter_cache[(name, msgspec.json.encode([rib.agents[name], rib.models.get(rib.agents[name].model) if rib.agents[name].model else None]))] = adapter
+            self._adapter_cache[keys[name]] = adapter
         dispatcher = Dispatcher(
-            adapters, self.ledger, win_rates={n: a.win30d for n, a in rib.agents.items()}, on_leg=self._on_leg
+            adapters, self.ledger, win_rates={n: a.win30d for n, a in rib.agents.items()},
+            gates=self.gates, on_leg=self._on_leg,
         )
         return Generation(version, rib, fib, adapters, dispatcher, source)
+
+    def _activate(self, gen: Generation) -> None:
+        """Adopt ``gen``'s per-agent windows, client budgets and agent set."""
+        self.gates.agent_windows.configure({n: a.window for n, a in gen.rib.agents.items()})
+        for client in self._clients:
+            budget = gen.rib.clients.get(client, _NO_CLIENT_SPEC).budget
+            # clamp: a budget lowered below what the client already spent stops it, never fails.
+            self.ledger.set_limit("client:" + client, Allowance.from_budget(budget) if budget else Allowance(),
+                                  clamp=True)
+        for agent in self.gates.breakers.statistics():
+            if agent not in gen.rib.agents:
+                self.gates.breakers.forget(agent)
 
     def reload(self, text: str | None = None) -> dict[str, Any]:
         """Hot-reload the RIB from the configured path or from YAML ``text`` (§22).
@@ -223,6 +429,7 @@ class Router:
             self.metrics.policy_reloads.labels("refused").inc()
             raise
         self.gen = gen
+        self._activate(gen)
         self.metrics.policy_reloads.labels("ok").inc()
         self.metrics.rib_version.set(gen.version)
         log.info("RIB generation %d loaded from %s", gen.version, gen.source)
@@ -243,16 +450,51 @@ class Router:
     def session_for(self, session_id: str) -> S.Session:
         sess = self.sessions.get(session_id)
         if sess is None:
-            sess = self.sessions[session_id] = S.Session(S.Role.ROUTER, session_id, now=trio.current_time())
+            # The router's sessions outlive connections (streams are resumable, §8),
+            # so the session machine never declares its peer dead (hb_timeout
+            # infinite): liveness is per connection, in the WebSocket ingress.
+            sess = self.sessions[session_id] = S.Session(
+                S.Role.ROUTER, session_id, now=trio.current_time(),
+                hb_interval=self.config.hb_interval_s, hb_timeout=math.inf,
+            )
         return sess
 
-    def receive_frame(self, frame: Frame, *, client: str, now: float) -> list[StreamCtx | Frame]:
+    def resume_point(self, frame: Frame, *, client: str) -> tuple[StreamCtx, int] | None:
+        """Whether ``frame`` re-opens a stream (spec §8 Resumption), and from where.
+
+        A SYN whose ``meta.idempotency_key`` names a stream ``client`` opened
+        before (over WS or HTTP, still running or closed but retained) re-opens
+        it: returns the stream and the event id to replay *after*. Without
+        ``meta.resume_after`` everything is replayed, the SYN+ACK first (a client
+        that lost its state starts over on the stream's original ids); with
+        ``resume_after = N`` (the last router ``msg_seq`` the client received)
+        only what followed message N. ``None``: not a resumption (a new key, a
+        ttl-expired SYN, another client's key)."""
+        if Flag.SYN not in frame.flags or frame.ttl == 0:
+            return None
+        key = frame.meta.get("idempotency_key")
+        if not isinstance(key, str):
+            return None
+        sid = self.idempotency.get((client, key))
+        ctx = self.streams.get(sid) if sid is not None else None
+        if ctx is None or ctx.client != client:
+            return None
+        after = frame.meta.get("resume_after")
+        if isinstance(after, int) and not isinstance(after, bool) and after >= 0:
+            return ctx, ctx.log.after_message(after)
+        return ctx, 0
+
+    def receive_frame(self, frame: Frame, *, client: str, now: float) -> list[Frame]:
         """Feed one inbound frame (already decoded and verified) to its session.
 
         Returns frames that must be sent back immediately to this sender and are
         not part of any stream log (errors about unknown streams). Protocol errors
         reset only the stream concerned. A frame on a session another client
         opened is refused with an ERROR ``ESEC`` and touches nothing (spec §11).
+        A SYN re-opening a stream by idempotency key (:meth:`resume_point`) is
+        not fed to the session: the stream and its session state are unchanged.
+        A SYN above the client's ``qos_max`` is served at ``qos_max`` (the
+        SYN+ACK confirms the class, §8 step 2).
         """
         self.metrics.frames.labels("in", _kind(frame)).inc()
         owner = self._owners.setdefault(frame.session_id, client)
@@ -260,6 +502,12 @@ class Router:
             self.metrics.errors.labels(str(ErrorCode.ESEC)).inc()
             return [connection_error(frame.session_id, frame.stream_id, ErrorCode.ESEC,
                                      "session_id belongs to another client")]
+        if Flag.SYN in frame.flags:
+            if self.resume_point(frame, client=client) is not None:
+                return []
+            qos_max = self.client_spec(client).qos_max
+            if _QOS_RANK[frame.qos] < _QOS_RANK[qos_max]:
+                frame = msgspec.structs.replace(frame, qos=qos_max)
         sess = self.session_for(frame.session_id)
         direct: list[Frame] = []
 
@@ -271,7 +519,8 @@ class Router:
         for ev in sess.receive_frame(frame, now):
             match ev:
                 case S.StreamOpened():
-                    self._on_syn(sess, ev, client=client, direct=direct)
+                    # The session dropped a SYN at ttl 0; this hop takes one off the rest (§4.2).
+                    self._on_syn(sess, ev, client=client, direct=direct, ttl=S.forward_ttl(frame).ttl)
                 case S.MessageReceived():
                     ctx = stream_of(ev.stream_id)
                     if ctx is not None:
@@ -304,7 +553,24 @@ class Router:
                     pass
         return direct
 
-    def _on_syn(self, sess: S.Session, ev: Any, *, client: str, direct: list[Frame]) -> None:
+    def _health(self, gen: Generation) -> dict[str, Health]:
+        """Live next-hop health for the FIB (spec §5.3, §6.2): the adapter's p95 and
+        the worse of its and the breaker's error rate score the next-hop; the
+        circuit breaker decides that it is down (open), and so does the adapter's
+        own flag when it is ``live_health`` (it recovers by itself, e.g. a 2389
+        agent re-announcing); other adapters' "unreachable" flags are not used:
+        nothing would ever call them again to find them back, whereas an open
+        breaker half-opens for a probe."""
+        now = trio.current_time()
+        out: dict[str, Health] = {}
+        for name, adapter in gen.adapters.items():
+            h = adapter.health()
+            b = self.gates.breakers.health(name, now)
+            up = b.up and (h.up or not adapter.live_health)
+            out[name] = Health(p95_ms=h.p95_ms, error_rate=max(h.error_rate, b.error_rate), up=up)
+        return out
+
+    def _on_syn(self, sess: S.Session, ev: Any, *, client: str, direct: list[Frame], ttl: int) -> None:
         meta = dict(ev.meta)
         content = None
         if ev.payload is not None and ev.payload.type is PayloadType.TASK:
@@ -322,7 +588,7 @@ class Router:
                     raise LocalProtocolError(ErrorCode.EPROTO, f"stream_id {ev.stream_id!r} is already in use")
                 # A closed stream's id may be reused; its retained log is dropped.
                 try:
-                    self.ledger.close(ev.stream_id)
+                    self.ledger.close(old.account)
                 except ValueError:
                     raise LocalProtocolError(
                         ErrorCode.EPROTO, f"stream_id {ev.stream_id!r} is still settling its spend; retry"
@@ -330,18 +596,24 @@ class Router:
                 del self.streams[ev.stream_id]
             client_budget = _client_budget(meta)
             gen = self.gen
-            route = gen.fib.lookup(meta)
+            route = gen.fib.lookup(meta, health=self._health(gen))
         except ATPError as e:
             self.metrics.errors.labels(str(e.code)).inc()
+            if e.code is ErrorCode.ESEC:
+                audit.warning("ESEC stream %s/%s of client %s refused: %s", sess.session_id, ev.stream_id, client,
+                              e.reason)
             direct.append(sess.reset(ev.stream_id, e.code, e.reason))
             return
         window = _min_window(ev.window, route.window or DEFAULT_WINDOW)
         budget = _min_budget(client_budget, route.budget)
         qos = ev.qos if ev.qos is not None else (route.qos or QoS.SILVER)
-        ctx = StreamCtx(self, sess, ev.stream_id, client, meta, qos, window, budget, route, trio.current_time(), gen=gen)
+        ctx = StreamCtx(self, sess, ev.stream_id, client, meta, qos, window, budget, route, trio.current_time(),
+                        gen=gen, ttl=ttl, account="stream:" + ev.stream_id)
         self.streams[ev.stream_id] = ctx
         self.open_count += 1
-        self.ledger.open(ev.stream_id, Allowance.from_budget(budget))
+        self.ledger.open(ctx.account, Allowance.from_budget(budget), parent=self.client_account(client))
+        if ev.idempotency_key is not None:
+            self.idempotency[(client, ev.idempotency_key)] = ev.stream_id
         self.metrics.streams_opened.labels(str(qos)).inc()
         self.metrics.open_streams.inc()
         synack = sess.accept(ev.stream_id, window)
@@ -374,39 +646,51 @@ class Router:
             ctx.reset(e.code, e.reason)
             return
         ctx.task_started = True
-        prompt = Prompt(task_type=str(ctx.meta.get("task_type", "")), content=content, meta=ctx.meta)
+        # Next-hops get the stream's meta with the hop-decremented ttl (§4.2): an
+        # agent that is itself an ATP router forwards with it, and drops at 0.
+        prompt = Prompt(task_type=str(ctx.meta.get("task_type", "")), content=content,
+                        meta={**ctx.meta, "ttl": ctx.ttl})
         assert self._nursery is not None, "router is not serving"
         # The scope exists before the task runs, so an RST arriving first still stops it.
         ctx.cancel_scope = scope = trio.CancelScope()
         self._nursery.start_soon(self._run_task, ctx, prompt, ctx.gen or self.gen, scope)
 
     def _on_control(self, ctx: StreamCtx, control: Any) -> None:
-        from atp.wire.frame import BudgetUpdate
-
+        """BUDGET_UPDATE (spec §4.3) raises or lowers the stream's budget live, up to
+        the policy's budget on each axis; a limit below what the stream already
+        spent and holds is clamped to it (no further call is admitted)."""
         if isinstance(control, BudgetUpdate):
-            b = control.budget
-            refusal = self.ledger.set_limit(ctx.stream_id, Allowance.from_budget(b))
-            if refusal is not None:
-                ctx.emit_error(refusal.code, refusal.reason)
-            else:
-                ctx.budget = b
+            b = _min_budget(control.budget, ctx.route.budget)
+            self.ledger.set_limit(ctx.account, Allowance.from_budget(b), clamp=True)
+            ctx.budget = b
 
     async def _run_task(self, ctx: StreamCtx, prompt: Prompt, gen: Generation, scope: trio.CancelScope) -> None:
+        cfg = self.config
+        window = FlowWindow(ctx.window, update_interval_ms=cfg.window_update_interval_ms,
+                            update_delta=cfg.window_update_delta)
+        window.update_due(trio.current_time())  # the SYN+ACK carried this window
         plan = TaskPlan(
             prompt=prompt,
             route=ctx.route,
-            window=FlowWindow(ctx.window),
-            ledger_key=ctx.stream_id,
+            window=window,
+            ledger_key=ctx.account,
+            stream_id=ctx.stream_id,
             qos=ctx.qos,
             started=ctx.started,
             deadline=ctx.started + ctx.route.deadline_ms / 1000,
+            fib=gen.fib,
         )
         with scope:
             try:
                 final = await gen.dispatcher.run(ctx, plan)
             except AgentError as e:
                 self.metrics.streams_closed.labels(str(e.code)).inc()
-                ctx.reset(e.code, e.reason)
+                if e.code is ErrorCode.EBUDGET:
+                    # Spec §10: EBUDGET → FIN (the ERROR says why, the FIN ends it cleanly).
+                    ctx.emit_error(e.code, e.reason)
+                    ctx.finish(None)
+                else:
+                    ctx.reset(e.code, e.reason)
                 return
             except Exception:
                 # A fault in one stream's task must not take the appliance down.
@@ -416,18 +700,37 @@ class Router:
                 return
             self.metrics.agreement.observe(final.result.consensus.agreement)
             self.metrics.stream_latency.observe(final.telemetry.latency_ms / 1000)
-            for t in getattr(gen.dispatcher, "last_triggers", []):
+            for t in gen.dispatcher.last_triggers:
                 self.metrics.escalations.labels(t).inc()
             self.metrics.streams_closed.labels("final").inc()
             ctx.finish(final)
         if scope.cancelled_caught:
             self.metrics.streams_closed.labels("rst").inc()
 
+    def _on_preempt(self, p: Preempt) -> None:
+        """The QoS scheduler preempts a bronze call (spec §9): RST the stream with
+        ``EPREEMPT`` and stop its task (its slot goes to the waiting gold call)."""
+        ctx = self.streams.get(p.stream_id)
+        if ctx is None or ctx.log.closed:
+            if p.running:
+                self.gates.slots.cancel(p.ticket)
+            return
+        log.info("stream %s preempted: %s", p.stream_id, p.reason)
+        ctx.reset(p.code, p.reason)
+        if ctx.cancel_scope is not None:
+            ctx.cancel_scope.cancel()
+
+    def _on_detached(self, ctx: StreamCtx) -> None:
+        self._detached.add(ctx)
+        self._detached_changed.set()
+
     # ------------------------------------------------------------------ HTTP helpers
     def open_stream(self, *, task: dict[str, Any], content: dict[str, Any] | None, budget: Budget | None,
                     qos: QoS | None, window: Window | None, idempotency_key: str | None, client: str) -> StreamCtx:
         """Open a stream for the HTTP API by synthesising the client's SYN frame.
 
+        The same ``idempotency_key`` (per client) returns the stream it opened
+        before — over HTTP or WebSocket — without a second task or charge (§8).
         Raises :class:`ATPError` with the code the SYN was reset with.
         """
         if idempotency_key is not None:
@@ -439,6 +742,8 @@ class Router:
         meta = dict(task)
         if budget is not None:
             meta["budget"] = msgspec.to_builtins(budget)
+        if idempotency_key is not None:
+            meta["idempotency_key"] = idempotency_key
         syn = Frame(
             v=1, session_id=session_id, stream_id=stream_id, msg_seq=0, flags=[Flag.SYN],
             qos=qos or QoS.SILVER, window=window, meta=meta,
@@ -449,16 +754,17 @@ class Router:
         if ctx is None:
             err = _error_of(direct)
             raise ATPError(err.code if err else ErrorCode.EPROTO, err.reason if err else "stream refused")
-        if idempotency_key is not None:
-            self.idempotency[(client, idempotency_key)] = stream_id
         return ctx
 
     # ------------------------------------------------------------------ lifecycle
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Run the router's background work (stream tasks, reaper) until cancelled."""
+        """Run the router's background work (stream tasks, QoS preemption, the
+        resumption grace period, the reaper) until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._reaper)
+            nursery.start_soon(self.gates.slots.run)
+            nursery.start_soon(self._grace_reaper)
             task_status.started(self)
             try:
                 await trio.sleep_forever()
@@ -468,6 +774,29 @@ class Router:
                     for adapter in self._adapter_cache.values():
                         await adapter.aclose()
 
+    async def _grace_reaper(self) -> None:
+        """Reset streams left detached for ``resume_grace_s`` (spec §8: the client
+        did not come back), with ``ETIMEOUT``; their task stops, spend so far
+        is committed."""
+        grace = self.config.resume_grace_s
+        while True:
+            now = trio.current_time()
+            due = math.inf
+            for ctx in list(self._detached):
+                if ctx.log.closed or ctx.detached_at is None:
+                    self._detached.discard(ctx)
+                elif now >= ctx.detached_at + grace:
+                    self._detached.discard(ctx)
+                    log.info("stream %s: client gone for %g s, reset", ctx.stream_id, now - ctx.detached_at)
+                    ctx.reset(ErrorCode.ETIMEOUT, f"client gone: stream not resumed within {grace:g} s")
+                    if ctx.cancel_scope is not None:
+                        ctx.cancel_scope.cancel()
+                else:
+                    due = min(due, ctx.detached_at + grace)
+            with trio.move_on_at(due):
+                await self._detached_changed.wait()
+            self._detached_changed = trio.Event()
+
     async def _reaper(self) -> None:
         while True:
             await trio.sleep(min(self.config.retain_closed_s, 30.0))
@@ -475,7 +804,7 @@ class Router:
             for sid, ctx in list(self.streams.items()):
                 if ctx.closed_at is not None and now - ctx.closed_at > self.config.retain_closed_s:
                     try:
-                        self.ledger.close(sid)
+                        self.ledger.close(ctx.account)
                     except ValueError:
                         continue  # a cancelled leg has not committed yet: next round
                     del self.streams[sid]

@@ -1,34 +1,71 @@
-"""Dispatcher: fan a task out to its next-hops and merge what comes back (spec §5, §7, §8 steps 3-6).
+"""Dispatcher: fan a task out to its next-hops and merge what comes back (spec §5, §7,
+§8 steps 3-6, §9, §10).
 
 For one stream the dispatcher
 
-1. calls every next-hop of the route in parallel, each call admitted against the
-   stream's window (parallel / tokens / USD micros, §5.1) from the adapter's
-   preflight ``estimate`` (§5.2) and against the budget ledger (reserve → commit).
-   A fan-out wider than the window is queued inside the router: next-hops are
-   admitted in route order (best first), and one that does not fit waits, under
-   the stream deadline, until a call in flight completes. It is refused with
-   ``EWINDOW`` (plus the WINDOW_UPDATE in force) only when its estimate alone
-   exceeds the window, i.e. it could never fit;
+1. calls every next-hop of the route in parallel. Each call is admitted, in route
+   order (best first, so the same task queues the same way every time), through
+
+   a. the next-hop's **circuit breaker** (:class:`~atp.flow.breaker.BreakerBoard`):
+      an open circuit is ``EAGENTDOWN`` with its ``retry_after_ms``, no call;
+   b. the **windows** (§5.1, §5.2): the adapter's preflight ``estimate`` must fit
+      the stream's window *and* the next-hop's own window (shared by every
+      stream calling that agent). A call that does not fit now is answered with a
+      NACK — ERROR ``EWINDOW`` "…; queued until the window opens" — and a
+      WINDOW_UPDATE carrying the refusing window, then waits (under the stream
+      deadline) and goes when a call in flight completes: never a silent queue.
+      A call whose estimate alone exceeds a window could never fit: NACK +
+      WINDOW_UPDATE and no call;
+   c. a router-wide **QoS slot** (§9, :class:`~atp.flow.qos.QosScheduler`):
+      gold has reserved slots, silver and bronze share by WFQ, and a gold call
+      kept waiting makes the router RST a bronze stream with ``EPREEMPT``
+      (:class:`SlotGate`);
+   d. the **budget ledger** (reserve the estimate on the stream's account and its
+      client's; a refusal is ``EBUDGET``, no call).
+
 2. runs each call under its own overall deadline (``trio.fail_after``) and the
    stream's deadline; a call whose streamed usage passes what the budget can
-   still take (its reservation plus the free headroom) is cut with ``EBUDGET``;
-   what a call used is committed whatever its outcome. The adapter's fragments
-   travel as a leg of PARTIAL frames
-   with ``MORE`` through a :class:`~atp.wire.reassembly.Reassembler` (the same path
-   a remote agent's frames take) and are forwarded to the client as PARTIAL events;
-3. merges the agents' reports by the route's consensus strategy (§7.2) and, when an
-   escalation trigger fires (§8 step 6), calls the escalation next-hop and merges
-   again;
-4. returns the FINAL result in the shape of §7.3 with telemetry.
+   still take (its reservation plus the free headroom of the account chain) is
+   cut with ``EBUDGET``. What a call used is committed whatever its outcome
+   (success, failure, cut, RST, preemption). The adapter's fragments travel as a
+   leg of PARTIAL frames with ``MORE`` through a
+   :class:`~atp.wire.reassembly.Reassembler` and reach the client as PARTIALs.
+   AIMD runs on both windows: a timely answer grows ``cwnd``, ``ETIMEOUT`` /
+   ``EAGENTDOWN`` halve it; a cancelled call leaves it alone.
 
-Failures of one next-hop never end the stream: they are reported as ERROR events
-(``ETIMEOUT``, ``EAGENTDOWN``, ``EWINDOW``, ``EBUDGET``) and the merge goes on with
-the others.
+3. handles failures per call (§10): ``ETIMEOUT`` is retried on the same next-hop
+   with backoff (:class:`~atp.flow.breaker.RetryPolicy`), then rerouted;
+   ``EAGENTDOWN`` is rerouted at once — to the failing agent's RIB ``fallback``,
+   else the route's next FIB ``alternate`` not yet tried — and retried on the same
+   agent only when nothing is left to reroute to and the peer gave a short
+   ``retry_after_ms``. Attempts are bounded and every agent is tried at most once
+   per reroute chain, so a stream never loops. Every failed attempt is reported
+   as one ERROR event saying what happens next ("; retry 2/2 in 200 ms",
+   "; rerouted to X").
+
+4. merges the reports by the route's consensus strategy (§7.2); ``two_phase_commit``
+   without quorum is reported as ERROR ``ECONSENSUS`` and escalated (§10); when
+   an escalation trigger fires (§8 step 6) the escalation next-hop is called and
+   the merge runs again; returns the FINAL result of §7.3 with telemetry.
+
+Budget exhaustion (§10 ``EBUDGET`` → FIN): once the committed spend of the stream's
+account or of its client's reaches a limit, no further call is admitted (queued
+next-hops and the escalation get ERROR ``EBUDGET`` "not called: budget exhausted");
+calls in flight finish within their reservations. The router then sends the FINAL
+of what was gathered and FIN; with nothing gathered, :meth:`Dispatcher.run` raises
+``AgentError(EBUDGET)`` and the router ends the stream with ERROR ``EBUDGET`` + FIN.
+
+The stream's WINDOW_UPDATE cadence (§5.4) is driven here too: one is sent when the
+window moved by ≥ ``update_delta`` (checked after every send and completion) and
+at least every ``update_interval_ms`` while the task runs
+(:meth:`Window.update_due <atp.flow.window.Window.update_due>`).
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import random
 from collections.abc import Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -37,15 +74,25 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
-from atp.adapters.base import Fragment, ProviderAdapter, Prompt
-from atp.consensus.escalation import should_escalate
+from atp.adapters.base import Fragment, Prompt, ProviderAdapter
+from atp.consensus.escalation import consensus_error, should_escalate
 from atp.consensus.strategies import merge
 from atp.consensus.types import AgentReport, FinalResult, Telemetry, Usage
+from atp.flow.breaker import BreakerBoard, RetryPolicy
 from atp.flow.budget import BudgetLedger, Refusal, Reservation, usd_to_micros
-from atp.flow.window import Estimate, InFlight, Window as FlowWindow
+from atp.flow.qos import Grant, Preempt, QosScheduler, Refused
+from atp.flow.window import Estimate, InFlight, WindowTable
+from atp.flow.window import Window as FlowWindow
 from atp.wire.errors import AgentError, ATPError, ErrorCode
-from atp.wire.frame import Flag, Frame, Payload, PayloadType
+from atp.wire.frame import Flag, Frame, Payload, PayloadType, QoS, WindowUpdate
 from atp.wire.reassembly import MessageComplete, Reassembler
+
+log = logging.getLogger("atp.router.dispatch")
+
+#: Failures that say the next-hop is congested or down: AIMD decreases on them.
+CONGESTION = frozenset({ErrorCode.ETIMEOUT, ErrorCode.EAGENTDOWN})
+#: Failures that a reroute to another next-hop can cure.
+REROUTABLE = frozenset({ErrorCode.ETIMEOUT, ErrorCode.EAGENTDOWN})
 
 
 class StreamIO(Protocol):
@@ -58,12 +105,12 @@ class StreamIO(Protocol):
     def emit_error(self, code: ErrorCode, reason: str, *, agent: str | None = None,
                    retry_after_ms: int | None = None) -> None: ...
 
-    def emit_window_update(self, update: Any) -> None: ...
+    def emit_window_update(self, update: WindowUpdate) -> None: ...
 
 
 @dataclass(slots=True)
 class LegOutcome:
-    """What one next-hop call produced."""
+    """What one attempt of one next-hop call produced."""
 
     agent: str
     report: AgentReport | None = None
@@ -71,8 +118,17 @@ class LegOutcome:
     usage: Usage = field(default_factory=Usage)
     error: ATPError | None = None
     latency_ms: float = 0.0
-    #: Cancelled (stream deadline or reset) before it answered; no ERROR emitted yet.
+    #: Cancelled (stream deadline, RST, preemption) before it answered; no ERROR emitted yet.
     cancelled: bool = False
+    #: 1-based attempt on this agent (a retry is attempt 2).
+    attempt: int = 1
+    #: The call reached the adapter (admitted through breaker, windows, QoS and budget).
+    called: bool = False
+    #: The WINDOW_UPDATE to send after this attempt's EWINDOW NACK.
+    window_update: WindowUpdate | None = None
+    #: What the ledger charged for it (``usage`` less any overage the budget could not take).
+    charged_tokens: int = 0
+    charged_usd_micros: int = 0
 
 
 @dataclass(slots=True)
@@ -83,21 +139,151 @@ class TaskPlan:
     route: Any  # atp.policy.fib.Route
     window: FlowWindow
     ledger_key: str
-    qos: Any  # atp.wire.frame.QoS
+    qos: QoS
     started: float  # trio.current_time() at SYN
     deadline: float  # absolute trio time
-    #: Woken whenever a call leaves the window or a next-hop's turn passes.
-    slot_freed: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
+    #: The stream's id (QoS tickets name it; ``ledger_key`` is its budget account).
+    stream_id: str = ""
+    #: The FIB of the stream's RIB generation: fallbacks and data-scope clearance.
+    fib: Any = None  # atp.policy.fib.Fib
+    #: Wake-ups of calls waiting for room in this stream's window.
+    waiters: set[trio.Event] = field(default_factory=set)
     #: Index (in route order) of the next-hop whose admission is being decided.
     admit_turn: int = 0
+    #: Woken whenever a next-hop's admission turn passes.
+    turn_passed: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
+    #: Every attempt, in order (telemetry sums their usage).
+    attempts: list[LegOutcome] = field(default_factory=list)
+    #: Agents called or chosen for this stream: a reroute never goes back to one.
+    tried: set[str] = field(default_factory=set)
+    #: Why the budget is exhausted (spec §10 EBUDGET), once it is.
+    exhausted: str | None = None
+
+
+class SlotGate:
+    """The trio side of the router-wide :class:`~atp.flow.qos.QosScheduler` (spec §9).
+
+    :meth:`acquire` waits for a call slot; :meth:`release` / :meth:`cancel` give
+    it back. :meth:`run` (a router task) takes the scheduler's timer and hands
+    every :class:`~atp.flow.qos.Preempt` (a running bronze call when gold waited
+    too long, or a queued bronze call shed under congestion) to ``on_preempt``,
+    which RSTs the stream with ``EPREEMPT``.
+    """
+
+    def __init__(self, scheduler: QosScheduler, on_preempt: Callable[[Preempt], None]):
+        self.scheduler = scheduler
+        self.on_preempt = on_preempt
+        self._waiting: dict[int, trio.Event] = {}
+        self._dropped: dict[int, Preempt] = {}
+        self._changed = trio.Event()
+
+    async def acquire(self, stream_id: str, qos: QoS) -> int:
+        """A slot for one call of ``stream_id`` in class ``qos``; returns its ticket.
+        Raises AgentError(EWINDOW) when the class queue is full, AgentError
+        (EPREEMPT) when the queued call was shed."""
+        decision = self.scheduler.request(stream_id, qos, trio.current_time())
+        if isinstance(decision, Grant):
+            return decision.ticket
+        if isinstance(decision, Refused):
+            raise AgentError(decision.code, decision.reason)
+        ticket = decision.ticket
+        ev = self._waiting[ticket] = trio.Event()
+        self._poke()  # a queued gold call may move the preemption deadline
+        try:
+            await ev.wait()
+        except BaseException:
+            # Cancelled while queued, or granted just before: either way give it back.
+            self._waiting.pop(ticket, None)
+            self._grant(self.scheduler.cancel(ticket, trio.current_time()))
+            raise
+        dropped = self._dropped.pop(ticket, None)
+        if dropped is not None:
+            raise AgentError(dropped.code, dropped.reason)
+        return ticket
+
+    def release(self, ticket: int) -> None:
+        """The call holding ``ticket`` ended: its slot goes to the next in line."""
+        self._grant(self.scheduler.release(ticket, trio.current_time()))
+
+    def cancel(self, ticket: int) -> None:
+        """The call holding ``ticket`` was cancelled (RST, preemption, deadline)."""
+        self._grant(self.scheduler.cancel(ticket, trio.current_time()))
+
+    def _grant(self, grants: list[Grant]) -> None:
+        for g in grants:
+            ev = self._waiting.pop(g.ticket, None)
+            if ev is not None:
+                ev.set()
+        self._poke()
+
+    def _poke(self) -> None:
+        self._changed.set()
+
+    async def run(self) -> None:
+        """Preempt and shed at the scheduler's deadlines, forever (a router task)."""
+        while True:
+            deadline = self.scheduler.get_timer()
+            with trio.move_on_at(math.inf if deadline is None else deadline):
+                await self._changed.wait()
+            self._changed = trio.Event()
+            now = trio.current_time()
+            for p in self.scheduler.preemptions(now) + self.scheduler.shed(now):
+                if not p.running:
+                    # Already out of the queue: wake its waiter with the refusal.
+                    ev = self._waiting.pop(p.ticket, None)
+                    if ev is not None:
+                        self._dropped[p.ticket] = p
+                        ev.set()
+                self.on_preempt(p)
+
+
+class FlowGates:
+    """Router-wide flow state shared by every stream and RIB generation: the
+    per-next-hop windows (AIMD), their wake-ups, the QoS slots, the circuit
+    breakers and the retry policy (spec §5, §9, §10)."""
+
+    def __init__(
+        self,
+        agent_windows: WindowTable,
+        slots: SlotGate,
+        breakers: BreakerBoard,
+        retry: RetryPolicy,
+        *,
+        rng: random.Random | None = None,
+    ):
+        self.agent_windows = agent_windows
+        self.slots = slots
+        self.breakers = breakers
+        self.retry = retry
+        self.rng = rng if rng is not None else random.Random()  # backoff jitter only
+        self._waiters: dict[str, set[trio.Event]] = {}
+
+    def wake(self, agent: str) -> None:
+        """Room may have opened in ``agent``'s window: wake the calls waiting for it."""
+        for ev in self._waiters.get(agent, ()):
+            ev.set()
+
+    def waiters(self, agent: str) -> set[trio.Event]:
+        """Wake-ups of the calls (of any stream) waiting for room in ``agent``'s window."""
+        return self._waiters.setdefault(agent, set())
+
+
+@dataclass(slots=True)
+class _Admitted:
+    adapter: ProviderAdapter
+    estimate: Estimate
+    stream_call: InFlight
+    agent_call: InFlight
+    ticket: int
+    reservation: Reservation
 
 
 class Dispatcher:
-    """Runs tasks over the adapters of the running RIB.
+    """Runs tasks over the adapters of one RIB generation.
 
-    ``adapters`` maps agent names to live adapters; ``win_rates`` and per-agent costs
-    come from the RIB. ``on_leg`` is called after every next-hop call (metrics, FIB
-    health feedback).
+    ``adapters`` maps agent names to live adapters; ``win_rates`` come from the
+    RIB; ``gates`` is the router-wide :class:`FlowGates`. ``on_leg`` is called
+    after every attempt (metrics).
     """
 
     def __init__(
@@ -106,101 +292,234 @@ class Dispatcher:
         ledger: BudgetLedger,
         *,
         win_rates: Mapping[str, float],
+        gates: FlowGates,
         on_leg: Callable[[LegOutcome], None] | None = None,
     ):
         self.adapters = adapters
         self.ledger = ledger
         self.win_rates = win_rates
+        self.gates = gates
         self.on_leg = on_leg
+        self.last_triggers: list[str] = []
 
     async def run(self, io: StreamIO, plan: TaskPlan) -> FinalResult:
         """Fan out, merge, escalate; returns the FINAL result (spec §7.3).
 
-        Raises :class:`AgentError` (``EAGENTDOWN``) only when no next-hop produced
-        a report at all.
+        Raises :class:`AgentError` when no next-hop produced a report at all:
+        ``EBUDGET`` when the budget stopped it (the router ends the stream with
+        ERROR + FIN), else ``EAGENTDOWN`` (RST).
         """
+        failure: AgentError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._window_ticker, io, plan)
+            try:
+                final = await self._run(io, plan)
+            except AgentError as e:
+                failure = e  # raised outside the nursery, so not wrapped in an ExceptionGroup
+            finally:
+                nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        return final
+
+    async def _run(self, io: StreamIO, plan: TaskPlan) -> FinalResult:
         route = plan.route
-        outcomes: dict[str, LegOutcome] = {}
+        plan.tried.update(h.agent for h in route.next_hops)
+        legs: dict[int, LegOutcome] = {}
         with trio.move_on_at(plan.deadline) as scope:
             async with trio.open_nursery() as nursery:
                 for turn, hop in enumerate(route.next_hops):
-                    nursery.start_soon(self._leg, io, plan, hop, outcomes, turn)
+                    nursery.start_soon(self._leg, io, plan, hop, legs, turn)
         if scope.cancelled_caught:
-            for hop in route.next_hops:
-                self._deadline_error(io, hop.agent, outcomes)
+            for turn, hop in enumerate(route.next_hops):
+                self._deadline_error(io, plan, legs, turn, hop.agent)
 
-        result, reports = self._merge(plan, outcomes)
-        esc = getattr(route, "escalation", None)
+        result, reports = self._merge(plan)
         triggers: list[str] = []
-        if esc is not None and esc.to not in outcomes and trio.current_time() < plan.deadline:
+        no_quorum = consensus_error(result) is not None
+        esc = getattr(route, "escalation", None)
+        hop = route.escalation_hop
+        can_escalate = (
+            esc is not None and hop is not None and esc.to not in {o.agent for o in plan.attempts}
+            and trio.current_time() < plan.deadline
+        )
+        if can_escalate:
             triggers = should_escalate(
                 result, reports, list(esc.on), threshold=esc.threshold, files=plan.prompt.content.get("files")
             )
-            if triggers:
-                hop = route.escalation_hop
-                with trio.move_on_at(plan.deadline) as esc_scope:
-                    await self._leg(io, plan, hop, outcomes, len(route.next_hops))
-                if esc_scope.cancelled_caught:
-                    self._deadline_error(io, hop.agent, outcomes)
-                result, reports = self._merge(plan, outcomes)
+        if no_quorum:
+            # Spec §10 ECONSENSUS: no quorum → escalate.
+            if triggers and plan.exhausted is None:
+                what = f"escalating to {esc.to}"
+            elif esc is None or hop is None:
+                what = "no escalation target"
+            else:
+                what = f"not escalated: {esc.to} already called, budget exhausted or deadline passed"
+            io.emit_error(ErrorCode.ECONSENSUS, f"{result.consensus.strategy}: no quorum ({what})")
+        if triggers and plan.exhausted is None:
+            turn = len(route.next_hops)
+            plan.tried.add(hop.agent)
+            with trio.move_on_at(plan.deadline) as esc_scope:
+                await self._leg(io, plan, hop, legs, turn)
+            if esc_scope.cancelled_caught:
+                self._deadline_error(io, plan, legs, turn, hop.agent)
+            result, reports = self._merge(plan)
+        elif triggers:
+            io.emit_error(ErrorCode.EBUDGET, f"{hop.agent} not called: budget exhausted ({plan.exhausted})",
+                          agent=hop.agent)
+            triggers = []
         if not reports:
-            errors = "; ".join(f"{o.agent}: {o.error.code} {o.error.reason}" for o in outcomes.values() if o.error)
-            raise AgentError(ErrorCode.EAGENTDOWN, f"no next-hop produced a result ({errors or 'none ran'})")
+            failed = "; ".join(f"{o.agent}: {o.error.code} {o.error.reason}" for o in plan.attempts if o.error)
+            if plan.exhausted is not None or any(
+                o.error is not None and o.error.code is ErrorCode.EBUDGET for o in plan.attempts
+            ):
+                raise AgentError(ErrorCode.EBUDGET, f"budget exhausted before any next-hop answered ({failed})")
+            raise AgentError(ErrorCode.EAGENTDOWN, f"no next-hop produced a result ({failed or 'none ran'})")
         if triggers:
             result.consensus.uncertainties.append("escalated on " + ", ".join(triggers))
-        usage = Usage()
-        for o in outcomes.values():
-            usage = usage + o.usage
+        # Telemetry is what the stream was charged (§7.3 cost), never above its budget.
+        tokens = sum(o.charged_tokens for o in plan.attempts)
+        usd_micros = sum(o.charged_usd_micros for o in plan.attempts)
         telemetry = Telemetry(
-            tokens=usage.tokens,
-            usd=usage.usd_micros / 1_000_000,
+            tokens=tokens,
+            usd=usd_micros / 1_000_000,
             latency_ms=round((trio.current_time() - plan.started) * 1000, 3),
         )
         self.last_triggers = triggers
         return FinalResult(result=result, telemetry=telemetry)
 
     @staticmethod
-    def _deadline_error(io: StreamIO, agent: str, outcomes: dict[str, LegOutcome]) -> None:
-        """ETIMEOUT for a next-hop the stream deadline cut (queued or in its call)."""
-        out = outcomes.get(agent)
+    def _deadline_error(io: StreamIO, plan: TaskPlan, legs: dict[int, LegOutcome], turn: int, agent: str) -> None:
+        """ETIMEOUT for a next-hop the stream deadline cut (queued, backing off, or in its call)."""
+        out = legs.get(turn)
         if out is not None and not out.cancelled:
             return  # it finished (report or error) before the deadline
         reason = "stream deadline reached before the next-hop answered"
         if out is None:
-            out = outcomes[agent] = LegOutcome(agent)
-        out.error = AgentError(ErrorCode.ETIMEOUT, reason, agent=agent)
+            out = legs[turn] = LegOutcome(agent)
+            plan.attempts.append(out)
+        out.error = AgentError(ErrorCode.ETIMEOUT, reason, agent=out.agent)
         out.cancelled = False
-        io.emit_error(ErrorCode.ETIMEOUT, f"{agent}: {reason}", agent=agent)
+        io.emit_error(ErrorCode.ETIMEOUT, f"{out.agent}: {reason}", agent=out.agent)
 
-    def _merge(self, plan: TaskPlan, outcomes: Mapping[str, LegOutcome]):
-        reports = {a: o.report for a, o in outcomes.items() if o.report is not None}
-        costs = {a: o.usage.usd_micros for a, o in outcomes.items()}
+    def _merge(self, plan: TaskPlan):
+        reports: dict[str, AgentReport] = {}
+        costs: dict[str, int] = {}
+        for o in plan.attempts:
+            costs[o.agent] = costs.get(o.agent, 0) + o.usage.usd_micros
+            if o.report is not None:
+                reports[o.agent] = o.report
         result = merge(
             reports,
             strategy=plan.route.consensus,
             win_rates={a: self.win_rates.get(a, 0.5) for a in reports},
-            costs_usd_micros=costs,
+            costs_usd_micros={a: costs.get(a, 0) for a in reports},
             files=plan.prompt.content.get("files"),
         )
         return result, reports
 
-    async def _leg(self, io: StreamIO, plan: TaskPlan, hop: Any, outcomes: dict[str, LegOutcome], turn: int) -> None:
+    async def _window_ticker(self, io: StreamIO, plan: TaskPlan) -> None:
+        """WINDOW_UPDATE every ``update_interval_ms`` while the task runs (§5.4)."""
+        while True:
+            await trio.sleep_until(plan.window.next_update_at())
+            self._window_moved(io, plan)
+
+    @staticmethod
+    def _window_moved(io: StreamIO, plan: TaskPlan) -> None:
+        update = plan.window.update_due(trio.current_time())
+        if update is not None:
+            io.emit_window_update(update)
+
+    # ------------------------------------------------------------------ one next-hop
+
+    async def _leg(self, io: StreamIO, plan: TaskPlan, hop: Any, legs: dict[int, LegOutcome], turn: int) -> None:
+        """One next-hop of the route: attempts, retries and reroutes (module doc, 3)."""
+        attempt = 1
+        first = True
+        while True:
+            out = LegOutcome(hop.agent, attempt=attempt)
+            legs[turn] = out
+            plan.attempts.append(out)
+            try:
+                await self._attempt(io, plan, hop, out, turn if first else None)
+            except trio.Cancelled:
+                out.cancelled = True
+                raise
+            first = False
+            if out.error is None:
+                return
+            err = out.error
+            agent = out.agent
+            retry = self.gates.retry
+            retry_hint = err.retry_after_ms
+            # EAGENTDOWN: fail over first; ETIMEOUT: retry first (spec §10 rows).
+            nxt = self._reroute(plan, agent) if err.code is ErrorCode.EAGENTDOWN else None
+            if nxt is None and out.called and retry.should_retry(err.code, attempt, retry_after_ms=retry_hint):
+                delay = retry.delay(attempt, self.gates.rng, retry_after_ms=retry_hint)
+                if trio.current_time() + delay < plan.deadline:
+                    self._report(io, out, f"; retry {attempt + 1}/{retry.max_attempts} in {round(delay * 1000)} ms")
+                    attempt += 1
+                    try:
+                        await trio.sleep(delay)
+                    except trio.Cancelled:
+                        # Cut while backing off: the retry is what the deadline cut.
+                        legs[turn] = pending = LegOutcome(agent, attempt=attempt, cancelled=True)
+                        plan.attempts.append(pending)
+                        raise
+                    continue
+            if nxt is None and err.code in REROUTABLE:
+                nxt = self._reroute(plan, agent)
+            if nxt is None:
+                self._report(io, out, "")
+                return
+            self._report(io, out, f"; rerouted to {nxt.agent}")
+            hop, attempt = nxt, 1
+
+    def _report(self, io: StreamIO, out: LegOutcome, what_next: str) -> None:
+        err = out.error
+        assert err is not None
+        reason = err.reason if err.reason.startswith(out.agent) else f"{out.agent}: {err.reason}"
+        io.emit_error(err.code, reason + what_next, agent=out.agent, retry_after_ms=err.retry_after_ms)
+        if out.window_update is not None:
+            io.emit_window_update(out.window_update)
+
+    def _reroute(self, plan: TaskPlan, agent: str) -> Any | None:
+        """The next-hop to fail over to from ``agent``: its RIB fallback chain
+        first, then the route's alternates, skipping agents already tried, open
+        circuits and agents without an adapter. Marks the choice as tried."""
+        fib = plan.fib
+        meta = plan.prompt.meta
+        candidates: list[Any] = []
+        if fib is not None:
+            name = fib.fallback(agent)
+            while name is not None and name not in {c.agent for c in candidates} and name != agent:
+                hop = fib.next_hop(name, meta)
+                if hop is not None:
+                    candidates.append(hop)
+                name = fib.fallback(name)
+        candidates.extend(getattr(plan.route, "alternates", ()))
+        open_now = self.gates.breakers.open_agents(trio.current_time())
+        for hop in candidates:
+            if hop.agent in plan.tried or hop.agent in open_now or hop.agent not in self.adapters:
+                continue
+            plan.tried.add(hop.agent)
+            return hop
+        return None
+
+    async def _attempt(self, io: StreamIO, plan: TaskPlan, hop: Any, out: LegOutcome, turn: int | None) -> None:
+        """One call to ``hop``: admit it, run it, settle windows, slot, budget and
+        breaker. Sets ``out.error`` on any refusal or failure (the caller reports it)."""
         agent = hop.agent
-        out = LegOutcome(agent)
-        outcomes[agent] = out
-        try:
-            admitted = await self._admit(io, plan, agent, out, turn)
-        except trio.Cancelled:
-            out.cancelled = True
-            raise
+        gates = self.gates
+        admitted = await self._admit(io, plan, agent, out, turn)
         if admitted is None:
             return
-        adapter, reservation, in_flight = admitted
+        out.called = True
         t0 = trio.current_time()
         timely = False
         try:
             with trio.fail_after(hop.timeout_ms / 1000):
-                await self._pump(io, plan, agent, adapter, out, reservation)
+                await self._pump(io, plan, agent, admitted, out)
             timely = True
         except trio.TooSlowError:
             out.error = AgentError(ErrorCode.ETIMEOUT, f"no answer within {hop.timeout_ms} ms", agent=agent)
@@ -208,93 +527,204 @@ class Dispatcher:
             out.error = e
         except trio.Cancelled:
             out.cancelled = True
-            out.error = AgentError(ErrorCode.ETIMEOUT, "cancelled before the next-hop answered", agent=agent)
             raise
+        except Exception as e:
+            # An adapter that breaks its contract fails its own call, not the stream.
+            log.exception("next-hop %s: adapter raised", agent)
+            out.error = AgentError(ErrorCode.EAGENTDOWN, f"adapter error: {type(e).__name__}", agent=agent)
         finally:
-            out.latency_ms = (trio.current_time() - t0) * 1000
+            now = trio.current_time()
+            out.latency_ms = (now - t0) * 1000
             # Commit what was actually used, even on failure or cancellation (§5, DESIGN principle 4).
-            self.ledger.commit(reservation, out.usage.tokens, out.usage.usd_micros)
-            plan.window.on_complete(in_flight, out.usage.tokens, out.usage.usd_micros, ok=out.error is None, timely=timely)
-            plan.slot_freed.unpark_all()
+            charge = self.ledger.commit(admitted.reservation, out.usage.tokens, out.usage.usd_micros)
+            out.charged_tokens, out.charged_usd_micros = charge.tokens, charge.usd_micros
+            if plan.exhausted is None:
+                plan.exhausted = self.ledger.exhausted(plan.ledger_key)
+            if (charge.overage_tokens or charge.overage_usd_micros) and out.error is None and not out.cancelled:
+                # It answered, but billed past what the budget could still take (its
+                # FINAL's usage is not checked before it arrives): say so.
+                io.emit_error(
+                    ErrorCode.EBUDGET,
+                    f"{agent}: usage {out.usage.tokens} tokens / {out.usage.usd_micros} usd_micros passes what the "
+                    f"budget can take: {charge.tokens} / {charge.usd_micros} charged, the rest not",
+                    agent=agent,
+                )
+            agent_window = gates.agent_windows.window(agent)
+            if out.cancelled:
+                plan.window.on_cancel(admitted.stream_call)
+                agent_window.on_cancel(admitted.agent_call)
+                gates.slots.cancel(admitted.ticket)
+                gates.breakers.on_cancel(agent, now)
+            else:
+                ok = out.error is None or out.error.code not in CONGESTION
+                for w, call in ((plan.window, admitted.stream_call), (agent_window, admitted.agent_call)):
+                    w.on_complete(call, out.usage.tokens, out.usage.usd_micros, ok=ok, timely=timely)
+                gates.slots.release(admitted.ticket)
+                gates.breakers.on_result(agent, now, out.error is None, out.error.code if out.error else None)
+                self._window_moved(io, plan)
+            self._wake(plan, agent)
             if self.on_leg is not None:
                 self.on_leg(out)
-        if out.error is not None:
-            io.emit_error(
-                out.error.code, f"{agent}: {out.error.reason}", agent=agent, retry_after_ms=out.error.retry_after_ms
-            )
 
-    async def _admit(
-        self, io: StreamIO, plan: TaskPlan, agent: str, out: LegOutcome, turn: int
-    ) -> tuple[ProviderAdapter, Reservation, InFlight] | None:
-        """Admit one next-hop call: wait for its ``turn`` (next-hops are admitted in
-        route order, best first, so the same task queues the same way every time),
-        then for room in the stream's window, then reserve its estimate on the
-        budget ledger. Returns ``None`` after emitting the ERROR when it is refused:
-        EAGENTDOWN (no adapter), the estimate's error, EWINDOW (the estimate alone
-        exceeds the window), EBUDGET (the reservation does not fit)."""
-        while plan.admit_turn != turn:
-            await plan.slot_freed.park()
+    def _wake(self, plan: TaskPlan, agent: str) -> None:
+        """Room may have opened in the stream's window and in ``agent``'s."""
+        for ev in plan.waiters:
+            ev.set()
+        self.gates.wake(agent)
+
+    async def _admit(self, io: StreamIO, plan: TaskPlan, agent: str, out: LegOutcome,
+                     turn: int | None) -> _Admitted | None:
+        """Admit one call (module doc, 1a-d). ``turn``: its place in route order
+        (``None`` for a retry or reroute, which does not queue behind the route);
+        the turn passes once the windows admitted or refused it. Returns ``None``
+        with ``out.error`` set when the call is refused; on refusal or
+        cancellation everything taken so far is given back."""
+        gates = self.gates
+        undo: list[Callable[[], None]] = []
+        holds_turn = False
+
+        def pass_turn() -> None:
+            nonlocal holds_turn
+            if holds_turn:
+                holds_turn = False
+                plan.admit_turn += 1
+                plan.turn_passed.unpark_all()
+
         try:
+            while turn is not None and plan.admit_turn != turn:
+                await plan.turn_passed.park()
+            holds_turn = turn is not None
             adapter = self.adapters.get(agent)
             if adapter is None:
                 out.error = AgentError(ErrorCode.EAGENTDOWN, "next-hop has no adapter in the running RIB", agent=agent)
-                io.emit_error(out.error.code, f"{agent}: {out.error.reason}", agent=agent)
+                return None
+            if plan.exhausted is None:
+                plan.exhausted = self.ledger.exhausted(plan.ledger_key)
+            if plan.exhausted is not None:
+                out.error = AgentError(
+                    ErrorCode.EBUDGET, f"{agent} not called: budget exhausted ({plan.exhausted})", agent=agent
+                )
                 return None
             try:
                 est = adapter.estimate(plan.prompt)
             except ATPError as e:
                 out.error = e
-                io.emit_error(e.code, f"{agent}: {e.reason}", agent=agent)
                 return None
             estimate = Estimate(tokens=est.in_tokens + est.out_tokens, usd_micros=usd_to_micros(est.usd))
-            while True:
-                admission = plan.window.admit(estimate, qos=plan.qos)
-                if admission.admitted:
-                    break
-                if plan.window.in_flight == 0:
-                    # Nothing in flight and still refused: this call can never fit.
-                    out.error = AgentError(ErrorCode.EWINDOW, admission.reason, agent=agent)
-                    io.emit_error(ErrorCode.EWINDOW, f"{agent}: {admission.reason}", agent=agent)
-                    if admission.window_update is not None:
-                        io.emit_window_update(admission.window_update)
+
+            # a. circuit breaker
+            now = trio.current_time()
+            if not gates.breakers.allow(agent, now):
+                retry_ms = gates.breakers.retry_after_ms(agent, now)
+                hint = f" (next probe in {retry_ms} ms)" if retry_ms is not None else ""
+                out.error = AgentError(ErrorCode.EAGENTDOWN, f"circuit open{hint}", agent=agent,
+                                       retry_after_ms=retry_ms)
+                return None
+            undo.append(lambda: gates.breakers.on_cancel(agent, trio.current_time()))
+
+            # b. windows: the stream's and the next-hop's
+            agent_window = gates.agent_windows.window(agent)
+            windows = ((plan.window, ""), (agent_window, "next-hop window: "))
+            for w, label in windows:
+                never = w.admit_when_idle(estimate, qos=plan.qos)
+                if not never.admitted:
+                    out.error = AgentError(ErrorCode.EWINDOW, f"{label}{never.reason}", agent=agent)
+                    out.window_update = never.window_update
                     return None
-                await plan.slot_freed.park()
+            nacked = False
+            while True:
+                refused = next(
+                    ((adm, label) for w, label in windows if not (adm := w.admit(estimate, qos=plan.qos)).admitted),
+                    None,
+                )
+                if refused is None:
+                    break
+                if not nacked:
+                    # Spec §10 EWINDOW: NACK + WINDOW_UPDATE, then wait visibly.
+                    adm, label = refused
+                    io.emit_error(ErrorCode.EWINDOW, f"{agent}: {label}{adm.reason}; queued until the window opens",
+                                  agent=agent)
+                    if adm.window_update is not None:
+                        io.emit_window_update(adm.window_update)
+                    nacked = True
+                ev = trio.Event()
+                plan.waiters.add(ev)
+                gates.waiters(agent).add(ev)
+                try:
+                    await ev.wait()
+                finally:
+                    plan.waiters.discard(ev)
+                    gates.waiters(agent).discard(ev)
+            stream_call = plan.window.on_send(estimate, qos=plan.qos)
+            agent_call = agent_window.on_send(estimate, qos=plan.qos)
+
+            def unsend() -> None:
+                plan.window.on_cancel(stream_call)
+                agent_window.on_cancel(agent_call)
+                self._wake(plan, agent)
+
+            undo.append(unsend)
+            self._window_moved(io, plan)
+            pass_turn()
+
+            # c. a router-wide QoS slot
+            try:
+                ticket = await gates.slots.acquire(plan.stream_id or plan.ledger_key, plan.qos)
+            except AgentError as e:
+                out.error = AgentError(e.code, e.reason, agent=agent)
+                return None
+            undo.append(lambda: gates.slots.cancel(ticket))
+
+            # d. the budget: reserve the estimate on the stream's account chain (the
+            # calls that ran while this one waited may have exhausted it meanwhile)
+            if plan.exhausted is None:
+                plan.exhausted = self.ledger.exhausted(plan.ledger_key)
+            if plan.exhausted is not None:
+                out.error = AgentError(
+                    ErrorCode.EBUDGET, f"{agent} not called: budget exhausted ({plan.exhausted})", agent=agent
+                )
+                return None
             reservation = self.ledger.reserve(plan.ledger_key, estimate.tokens, estimate.usd_micros)
             if isinstance(reservation, Refusal):
-                out.error = AgentError(ErrorCode.EBUDGET, reservation.reason, agent=agent)
-                io.emit_error(ErrorCode.EBUDGET, f"{agent} not called: {reservation.reason}", agent=agent)
+                out.error = AgentError(ErrorCode.EBUDGET, f"{agent} not called: {reservation.reason}", agent=agent)
                 return None
-            return adapter, reservation, plan.window.on_send(estimate, qos=plan.qos)
+            undo.clear()
+            return _Admitted(adapter, estimate, stream_call, agent_call, ticket, reservation)
         finally:
-            plan.admit_turn += 1
-            plan.slot_freed.unpark_all()
+            pass_turn()
+            for f in reversed(undo):
+                f()
 
-    async def _pump(self, io: StreamIO, plan: TaskPlan, agent: str, adapter: ProviderAdapter, out: LegOutcome,
-                    reservation: Reservation) -> None:
+    async def _pump(self, io: StreamIO, plan: TaskPlan, agent: str, admitted: _Admitted, out: LegOutcome) -> None:
         """Iterate the adapter's fragments as one reassembled leg message.
 
-        Raises AgentError(EBUDGET) as soon as the cumulative usage of a PARTIAL
-        passes what the stream's budget can still take: this call's reservation plus the free
-        headroom of the account chain (the call is cut, §5 / DESIGN principle 4)."""
+        When the cumulative usage of a PARTIAL passes the call's reservation, the
+        reservation is extended by the difference (held on the whole account
+        chain at once, so concurrent calls never count on the same headroom);
+        when the budget cannot take it, raises AgentError(EBUDGET): the call is
+        cut (§5 / DESIGN principle 4) and the stream's budget is exhausted."""
         reasm = Reassembler()
         frag_seq = 0
         final: Fragment | None = None
-        async with aclosing(adapter.stream(plan.prompt)) as fragments:
+        async with aclosing(admitted.adapter.stream(plan.prompt)) as fragments:
             async for frag in fragments:
                 if frag.usage is not None:
                     out.usage = frag.usage
                 if frag.usage is not None and frag.type is not PayloadType.FINAL:
                     # A FINAL means the call is over: its spend is committed as is.
-                    free = self.ledger.remaining(plan.ledger_key)
-                    over_t = free.tokens is not None and out.usage.tokens > reservation.tokens + free.tokens
-                    over_u = free.usd_micros is not None and out.usage.usd_micros > reservation.usd_micros + free.usd_micros
-                    if over_t or over_u:
-                        raise AgentError(
-                            ErrorCode.EBUDGET,
-                            f"call cut: usage {out.usage.tokens} tokens / {out.usage.usd_micros} usd_micros "
-                            "passes what the budget can take",
-                            agent=agent,
-                        )
+                    r = admitted.reservation
+                    more_t = max(0, out.usage.tokens - r.tokens)
+                    more_u = max(0, out.usage.usd_micros - r.usd_micros)
+                    if more_t or more_u:
+                        grown = self.ledger.extend(r, more_t, more_u)
+                        if isinstance(grown, Refusal):
+                            raise AgentError(
+                                ErrorCode.EBUDGET,
+                                f"call cut: usage {out.usage.tokens} tokens / {out.usage.usd_micros} usd_micros "
+                                "passes what the budget can take",
+                                agent=agent,
+                            )
+                        admitted.reservation = grown
                 if frag.type is PayloadType.FINAL:
                     final = frag
                     break

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from atp.wire.frame import Flag, Frame, PayloadType, WindowUpdate, ErrorPayload
+from atp.wire.frame import ErrorPayload, Flag, Frame, PayloadType, WindowUpdate
 
 
 def event_type(frame: Frame) -> str:
@@ -74,6 +74,22 @@ class EventLog:
         self._changed.set()
         self._changed = trio.Event()
         return ev
+
+    def after_message(self, msg_seq: int) -> int:
+        """The event id to replay after for a client that received the router's
+        messages up to ``msg_seq`` (spec §8 resumption): the event carrying the
+        last fragment of the newest DATA message with ``msg_seq`` ≤ that (SYN+ACK
+        at msg_seq 0 counts as message 0). ACK and NACK frames after it are
+        replayed (their msg_seq counts the client's messages, not ours)."""
+        for ev in reversed(self.events):
+            f = ev.frame
+            if Flag.ACK in f.flags and Flag.SYN not in f.flags:
+                continue
+            if Flag.MORE in f.flags or Flag.RST in f.flags or Flag.FIN in f.flags or Flag.HB in f.flags:
+                continue
+            if f.msg_seq <= msg_seq:
+                return ev.id
+        return 0
 
     def close(self) -> None:
         """End the log without a closing frame of ours: the peer reset the stream

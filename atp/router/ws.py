@@ -12,12 +12,31 @@ connection, else as a lone ERROR frame — or on stream ``"0"`` (the connection
 itself) when it names none; the connection and every other stream carry on.
 Outbound frames of every stream the connection opened are sent from the stream's
 event log.
+
+Liveness (spec §4.4 HB): a watchdog task drives the router sessions the connection
+carries (``Session.get_timer`` / ``handle_timer``), sending their HB frames on
+stream ``"0"`` every ``hb_interval_s``; a connection that sent no frame for
+``hb_timeout_s`` is dead: it is closed (code 1001) and its streams are detached,
+not reset — they keep running and stay resumable for ``resume_grace_s``.
+
+Resumption (spec §8): a SYN with a known ``meta.idempotency_key`` of this client
+(optionally ``meta.resume_after``: the last router ``msg_seq`` received) re-opens
+the stream on this connection: its logged events are replayed from that point
+and the stream continues live, with no second task and no second charge (see
+:meth:`Router.resume_point <atp.router.core.Router.resume_point>`). Two client
+kinds: one that lost its state sends a fresh SYN on the stream's ids and gets
+everything from the SYN+ACK on (its task should ride on its first SYN, as over
+the HTTP API, since the replay includes the router's ACKs of its earlier
+messages); one that kept its session sends the SYN as a raw frame with
+``resume_after`` and its session continues in sequence. A duplicate of a frame
+already delivered (the task re-sent after a reconnect) is dropped by the
+session's reassembler.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+from dataclasses import dataclass, field
 
 import cbor2
 import msgspec
@@ -30,6 +49,7 @@ from trio_websocket import (
 )
 
 from atp.router.core import Router, StreamCtx, connection_error
+from atp.wire import session as S
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ErrorCode, LocalProtocolError
 from atp.wire.frame import Flag, Frame
@@ -51,16 +71,12 @@ def _token(request: WebSocketRequest) -> str | None:
 async def serve_ws(router: Router, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the WebSocket ingress; ``task_status.started`` gets the WebSocketServer
     (its ``.port`` is the bound port when ``port`` is 0)."""
-    tokens = router.config.tokens
 
     async def handler(request: WebSocketRequest) -> None:
-        client = "anonymous"
-        if tokens:
-            tok = _token(request)
-            if tok not in tokens:
-                await request.reject(401, body=b'{"error":{"code":"ESEC","reason":"missing or unknown bearer token"}}')
-                return
-            client = "tok_" + hashlib.sha256(tok.encode()).hexdigest()[:12]
+        client = router.authenticate(_token(request))
+        if client is None:
+            await request.reject(401, body=b'{"error":{"code":"ESEC","reason":"missing or unknown bearer token"}}')
+            return
         offered = request.proposed_subprotocols
         chosen = next((p for p in SUBPROTOCOLS if p in offered), None)  # cbor first, as documented
         ws = await request.accept(subprotocol=chosen)
@@ -80,32 +96,96 @@ async def _send(ws: WebSocketConnection, codec: FrameCodec, frame: Frame) -> Non
     await ws.send_message(data.decode("utf-8") if codec.encoding == "json" else data)
 
 
-async def _follow(ws: WebSocketConnection, codec: FrameCodec, ctx: StreamCtx) -> None:
+@dataclass(eq=False)
+class _Conn:
+    """One WebSocket connection: who it is, what it carries, when it last spoke."""
+
+    ws: WebSocketConnection
+    codec: FrameCodec
+    client: str
+    last_recv: float
+    #: Router sessions whose frames came on this connection (their HBs go out here).
+    sessions: set[str] = field(default_factory=set)
+    #: stream_id → (the stream, the cancel scope of this connection's follower).
+    followed: dict[str, tuple[StreamCtx, trio.CancelScope]] = field(default_factory=dict)
+    #: The watchdog declared the peer dead.
+    dead: bool = False
+
+
+async def _follow(conn: _Conn, ctx: StreamCtx, after: int, scope: trio.CancelScope) -> None:
+    ctx.attach()
     try:
-        async for ev in ctx.log.follow():
-            await _send(ws, codec, ev.frame)
+        with scope:
+            async for ev in ctx.log.follow(after):
+                await _send(conn.ws, conn.codec, ev.frame)
     except ConnectionClosed:
         pass
+    finally:
+        ctx.detach()
+
+
+def _start_follow(conn: _Conn, nursery: trio.Nursery, ctx: StreamCtx, after: int) -> None:
+    """Send ``ctx``'s events after event ``after`` on this connection (restarting
+    a follower this connection already runs for it: a re-open replays)."""
+    old = conn.followed.get(ctx.stream_id)
+    if old is not None:
+        old[1].cancel()
+    scope = trio.CancelScope()
+    conn.followed[ctx.stream_id] = (ctx, scope)
+    nursery.start_soon(_follow, conn, ctx, after, scope)
+
+
+async def _watchdog(router: Router, conn: _Conn, dead: trio.CancelScope) -> None:
+    """HB every ``hb_interval_s`` from the sessions this connection carries; after
+    ``hb_timeout_s`` without a frame from the peer, cancel ``dead`` (the
+    connection's scope): followers stop, so its streams are detached."""
+    cfg = router.config
+    while True:
+        sessions = [router.sessions[s] for s in conn.sessions if s in router.sessions]
+        timers = [t for s in sessions if (t := s.get_timer()) is not None]
+        now = trio.current_time()
+        # New sessions may join meanwhile: look again at least every hb_interval_s.
+        wake = min([conn.last_recv + cfg.hb_timeout_s, now + cfg.hb_interval_s, *timers])
+        await trio.sleep_until(wake)
+        now = trio.current_time()
+        if now >= conn.last_recv + cfg.hb_timeout_s:
+            log.info("WebSocket peer %s silent for %.1f s (hb_timeout %g s): connection dead, streams detached",
+                     conn.client, now - conn.last_recv, cfg.hb_timeout_s)
+            conn.dead = True
+            dead.cancel()
+            return
+        for sess in sessions:
+            t = sess.get_timer()
+            if t is not None and now >= t:
+                for ev in sess.handle_timer(now):
+                    if isinstance(ev, S.SendFrames):
+                        for f in ev.frames:
+                            await _send(conn.ws, conn.codec, f)
 
 
 async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec, client: str) -> None:
-    followed: dict[str, StreamCtx] = {}  # stream_id → the stream this connection opened
+    conn = _Conn(ws, codec, client, trio.current_time())
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watchdog, router, conn, nursery.cancel_scope)
         try:
             while True:
                 message = await ws.get_message()
+                conn.last_recv = trio.current_time()
                 try:
                     frame = codec.decode(message)  # str only on JSON; CBOR refuses text messages
                 except LocalProtocolError as e:
                     session_id, stream_id = _ids_of(message, codec)
-                    ctx = followed.get(stream_id)
+                    followed = conn.followed.get(stream_id)
+                    ctx = followed[0] if followed is not None else None
                     if ctx is not None and ctx.session_id == session_id and not ctx.log.closed:
                         ctx.emit_error(e.code, e.reason)  # sent by the stream's follower, in sequence
                     else:
                         await _send(ws, codec, connection_error(session_id, stream_id, e.code, e.reason))
                     continue
+                conn.sessions.add(frame.session_id)
+                resumed = router.resume_point(frame, client=client)
                 try:
-                    replies = router.receive_frame(frame, client=client, now=trio.current_time())
+                    replies = router.receive_frame(frame, client=client, now=conn.last_recv)
                 except Exception:
                     # One frame must not take the ingress (and with it the router) down.
                     log.exception("frame on %s/%s could not be processed", frame.session_id, frame.stream_id)
@@ -113,15 +193,22 @@ async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec
                                                 "the router could not process this frame")]
                 for f in replies:
                     await _send(ws, codec, f)
+                if resumed is not None:
+                    _start_follow(conn, nursery, *resumed)
+                    continue
                 ctx = router.streams.get(frame.stream_id)
                 if (Flag.SYN in frame.flags and ctx is not None and ctx.session_id == frame.session_id
-                        and followed.get(frame.stream_id) is not ctx):
-                    followed[frame.stream_id] = ctx
-                    nursery.start_soon(_follow, ws, codec, ctx)
+                        and conn.followed.get(frame.stream_id, (None,))[0] is not ctx):
+                    _start_follow(conn, nursery, ctx, 0)
         except ConnectionClosed:
             pass
-        # Streams outlive the connection (resumable over SSE); only stop writing.
+        # Streams outlive the connection (detached, resumable); only stop writing.
         nursery.cancel_scope.cancel()
+    if conn.dead:
+        # The watchdog declared the peer dead: close with "going away".
+        with trio.move_on_after(1.0) as cleanup:
+            cleanup.shield = True
+            await ws.aclose(1001, "peer dead: heartbeat timeout")
 
 
 def _ids_of(message: bytes | str, codec: FrameCodec) -> tuple[str, str]:

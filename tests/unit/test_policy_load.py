@@ -51,6 +51,9 @@ def _agent(layer, model, qos, p95_ms, win30d):
         "timeout_ms": 60000,
         "scope": "changed",
         "options": {},
+        "window": None,
+        "fallback": None,
+        "data_scope": None,
     }
 
 
@@ -103,6 +106,7 @@ def test_spec_6_1_snapshot():
                 {"usd": 0.1, "tokens": 60000},
             ),
         ],
+        "clients": {},
     }
 
 
@@ -348,7 +352,7 @@ def test_rib_round_trips_through_builtins_and_has_a_json_schema():
     schema = msgspec.json.schema(Rib)
     defs = schema["$defs"]
     assert set(defs["ModelSpec"]["properties"]["provider"]["enum"]) == {"openai", "openai_compat", "ollama", "google"}
-    assert set(defs["Rib"]["properties"]) == {"models", "agents", "policies"}
+    assert set(defs["Rib"]["properties"]) == {"models", "agents", "policies", "clients"}
 
 
 @pytest.mark.parametrize(

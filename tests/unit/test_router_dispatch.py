@@ -106,16 +106,22 @@ async def test_agentdown_next_hop_is_an_error_and_the_others_make_the_final(nurs
                             fanout=["lint.ruff", "sec.bandit", "review.down"])
     events, _ = await run_stream(env)
     errs = errors(events)
-    assert len(errs) == 1
-    assert errs[0]["code"] == "EAGENTDOWN" and errs[0]["retry_after_ms"] == 500
-    assert errs[0]["reason"] == "review.down: HTTP 503 from upstream"
+    # The failure halved the stream's window (AIMD): the retry may be NACKed and
+    # queued until ruff or bandit leaves it.
+    assert all(e["reason"].endswith("; queued until the window opens") for e in errs if e["code"] == "EWINDOW")
+    errs = [e for e in errs if e["code"] != "EWINDOW"]
+    # Nothing to reroute to and a short Retry-After: retried once (RetryPolicy), then given up.
+    assert [(e["code"], e["reason"], e["retry_after_ms"]) for e in errs] == [
+        ("EAGENTDOWN", "review.down: HTTP 503 from upstream; retry 2/2 in 500 ms", 500),
+        ("EAGENTDOWN", "review.down: HTTP 503 from upstream", 500),
+    ]
     final = final_of(events)
     assert {p.split("#")[0] for f in final["result"]["findings"] for p in f["provenance"]} == {"lint.ruff", "sec.bandit"}
     assert reporters(events) == {"lint.ruff", "sec.bandit"}
-    assert len(scripted["review.down"].calls) == 1
+    assert len(scripted["review.down"].calls) == 2
     async with atp.Client(env.url) as c:
         metrics = await c.metrics()
-    assert 'atp_agent_calls_total{agent="review.down",outcome="EAGENTDOWN"} 1.0' in metrics
+    assert 'atp_agent_calls_total{agent="review.down",outcome="EAGENTDOWN"} 2.0' in metrics
 
 
 async def test_all_next_hops_failing_resets_the_stream_with_eagentdown(nursery, tmp_path, scripted):
@@ -145,13 +151,20 @@ async def test_hanging_next_hop_times_out_after_its_timeout_ms(nursery, tmp_path
     t0 = trio.current_time()
     events, _ = await run_stream(env)
     elapsed = trio.current_time() - t0
-    errs = errors(events)
-    assert [(e["code"], e["reason"]) for e in errs] == [("ETIMEOUT", "review.hang: no answer within 400 ms")]
+    # The timeout halved the stream's window: the retry may be NACKed (EWINDOW,
+    # queued) while ruff or bandit still run.
+    errs = [e for e in errors(events) if e["code"] != "EWINDOW"]
+    # ETIMEOUT → one retry after a backoff (spec §10: retries + AIMD decrease), then given up.
+    assert [e["code"] for e in errs] == ["ETIMEOUT", "ETIMEOUT"]
+    assert errs[0]["reason"].startswith("review.hang: no answer within 400 ms; retry 2/2 in ")
+    assert errs[1]["reason"] == "review.hang: no answer within 400 ms"
     assert reporters(events) == {"lint.ruff", "sec.bandit"}
     final = final_of(events)
-    assert final["telemetry"]["latency_ms"] >= 400
-    assert 0.4 <= elapsed < 10
-    assert len(hang.calls) == 1
+    assert final["telemetry"]["latency_ms"] >= 800
+    assert 0.8 <= elapsed < 10
+    assert len(hang.calls) == 2
+    # Both timeouts halved the next-hop's window (cwnd 16 → 8 → 4; one decrease per window of calls).
+    assert env.router.gates.agent_windows.window("review.hang").cwnd == 4
 
 
 async def test_stream_deadline_cuts_running_and_queued_next_hops(nursery, tmp_path, scripted):
@@ -177,9 +190,12 @@ async def test_stream_deadline_cuts_running_and_queued_next_hops(nursery, tmp_pa
     env = await router_with(nursery, tmp_path, agents, fanout=["review.hang", "review.hang2"], deadline_ms=500,
                             window={"max_parallel": 1, "max_tokens": 100_000, "max_usd_micros": 100_000})
     events, _ = await run_stream(env)
+    # The queued one is told so at once (spec §10 EWINDOW: NACK + WINDOW_UPDATE), never silently.
     assert sorted((e["code"], e["reason"].split(":")[0]) for e in errors(events)) == [
-        ("ETIMEOUT", "review.hang"), ("ETIMEOUT", "review.hang2")
+        ("ETIMEOUT", "review.hang"), ("ETIMEOUT", "review.hang2"), ("EWINDOW", "review.hang2")
     ]
+    nack = next(e for e in errors(events) if e["code"] == "EWINDOW")
+    assert nack["reason"] == "review.hang2: parallel: 2 would exceed window 1; queued until the window opens"
     assert events[-1].type == "RST" and events[-1].payload["code"] == "EAGENTDOWN"
     # Admission follows the route order (equal weights: by name), so the first is the one called.
     assert (len(scripted["review.hang"].calls), len(scripted["review.hang2"].calls)) == (2, 0)
@@ -199,7 +215,7 @@ async def test_budget_too_small_for_an_estimate_skips_that_call(nursery, tmp_pat
     assert pricey.calls == []
     assert reporters(events) == {"lint.ruff", "sec.bandit"}
     final_of(events)
-    state = env.router.ledger.state(sid)
+    state = env.router.ledger.state(f"stream:{sid}")
     assert state.committed_tokens == 0 and state.reserved_tokens == 0 and state.open_reservations == 0
 
 
@@ -236,7 +252,7 @@ async def test_committed_spend_never_exceeds_the_budget(nursery, tmp_path, scrip
         assert all("passes what the budget can take" in e["reason"] for e in cut)
         assert reporters(events) == {"lint.ruff"}
         final_of(events)
-        state = env.router.ledger.state(sid)
+        state = env.router.ledger.state(f"stream:{sid}")
         assert state.limit.tokens == 1_000
         assert state.reserved_tokens == 0 and state.open_reservations == 0
         # Both calls were cut once past the budget: it is spent to the token and
@@ -288,9 +304,11 @@ class _Probe(ScriptedAdapter):
 
 
 async def test_fanout_wider_than_the_window_is_queued_not_dropped(nursery, tmp_path, scripted):
-    """§5.1: with a window of one call the router runs the three next-hops one
-    after the other (never two at once) and every one of them reports; no
-    EWINDOW. With the policy's window of three they run together."""
+    """§5.1, §10: with a window of one call the router runs the three next-hops one
+    after the other (never two at once) and every one of them reports; each
+    queued call is announced with a NACK (EWINDOW "queued") followed by a
+    WINDOW_UPDATE, never queued silently. With the policy's window of three
+    they run together, without NACKs."""
     group = {"now": 0, "peak": 0}
     for name in ("q.a", "q.b", "q.c"):
         scripted[name] = _Probe(name, group, delay_s=0.1)
@@ -300,7 +318,14 @@ async def test_fanout_wider_than_the_window_is_queued_not_dropped(nursery, tmp_p
     t0 = trio.current_time()
     events, _ = await run_stream(env, window={"max_parallel": 1, "max_tokens": 100_000, "max_usd_micros": 100_000})
     assert trio.current_time() - t0 >= 0.3
-    assert errors(events) == []
+    assert [(e["code"], e["reason"]) for e in errors(events)] == [
+        ("EWINDOW", f"{name}: parallel: 2 would exceed window 1; queued until the window opens")
+        for name in ("q.b", "q.c")
+    ]
+    for i, ev in enumerate(events):
+        if ev.type == "ERROR":
+            assert events[i + 1].type == "WINDOW_UPDATE"
+            assert events[i + 1].payload["window"]["max_parallel"] == 1
     assert reporters(events) == {"q.a", "q.b", "q.c"}
     assert group["peak"] == 1
     final_of(events)
@@ -324,9 +349,10 @@ async def test_estimate_larger_than_the_window_is_refused_with_ewindow(nursery, 
     errs = errors(events)
     assert len(errs) == 1 and errs[0]["code"] == "EWINDOW"
     assert errs[0]["reason"] == "review.huge: tokens: 11000 would exceed window 10000"
-    updates = [ev.payload for ev in events if ev.type == "WINDOW_UPDATE"]
-    assert updates == [{"kind": "WINDOW_UPDATE", "window": {"max_parallel": 2, "max_tokens": 10_000,
-                                                            "max_usd_micros": 100_000}}]
+    i = next(i for i, ev in enumerate(events) if ev.type == "ERROR")
+    assert events[i + 1].type == "WINDOW_UPDATE"
+    assert events[i + 1].payload == {"kind": "WINDOW_UPDATE", "window": {"max_parallel": 2, "max_tokens": 10_000,
+                                                                         "max_usd_micros": 100_000}}
     assert huge.calls == []
     assert reporters(events) == {"lint.ruff"}
     final_of(events)

@@ -13,6 +13,13 @@ Works under trio and asyncio alike (httpx picks the running event loop)::
 Errors: :class:`ATPClientError` carries the router's error ``code`` (``EPROTO``,
 ``EBUDGET``, ``EAGENTDOWN``, … spec §10) and ``reason``; transport failures are
 raised as ``ATPClientError(code="ETRANSPORT")`` after the SDK's retries.
+
+Budgets and resumption (spec §4.3, §8)::
+
+    await c.budget_update(st, usd=0.50)              # raise (or lower) the stream's budget live
+    # after a crash or a dropped connection, in a new process:
+    _, st = await c.open_stream(task=meta, content=body, idempotency_key="review-42")  # the same stream
+    async for event in c.events(st, last_event_id=last_seen_id): ...                  # what was missed
 """
 
 from __future__ import annotations
@@ -98,6 +105,8 @@ class Client:
         self._http = httpx.AsyncClient(
             base_url=url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
         )
+        #: stream_id → msg_seq of the client's next message on it (the SYN was 0).
+        self._next_seq: dict[str, int] = {}
 
     async def __aenter__(self) -> "Client":
         return self
@@ -132,7 +141,10 @@ class Client:
         ``task`` is the task meta (``task_type`` plus match keys such as ``diff_loc``,
         ``languages``); ``budget`` is ``{"usd": float, "tokens": int}``; ``content``
         is the task body (for ``code_review``: ``{"diff": str, "files": {path: text}}``).
-        Re-sending the same ``idempotency_key`` returns the same stream.
+        Re-sending the same ``idempotency_key`` returns the same stream — also
+        from another ``Client`` after a crash or a dropped connection (spec §8):
+        the task is not run twice nor charged twice; follow it with
+        ``events(handle, last_event_id=...)`` to get what was missed.
         Raises :class:`ATPClientError` (``EPROTO`` bad request, ``EAGENTDOWN`` no
         route, ``ESEC`` bad token).
         """
@@ -149,13 +161,59 @@ class Client:
             body["idempotency_key"] = idempotency_key
         data = (await self._request("POST", "/v1/streams", json=body)).json()
         handle = StreamHandle(data["session_id"], data["stream_id"], data.get("window") or {}, data.get("route") or {})
+        self._next_seq.setdefault(handle.stream_id, 1)
         return handle.session_id, handle
 
     async def send_frame(self, stream: StreamHandle | str, frame: Mapping[str, Any]) -> list[dict[str, Any]]:
         """POST one frame on a stream (HTTP fallback to WebSocket, §22); returns the
         frames the router answered with (ACK, ERROR, …)."""
         sid = str(stream)
-        return (await self._request("POST", f"/v1/streams/{sid}/frames", json=dict(frame))).json()["frames"]
+        frames = (await self._request("POST", f"/v1/streams/{sid}/frames", json=dict(frame))).json()["frames"]
+        flags = set(frame.get("flags") or ())
+        if not flags & {"SYN", "ACK", "FIN", "RST", "HB", "MORE"} and isinstance(frame.get("msg_seq"), int):
+            self._seen_message(sid, frame["msg_seq"])
+        for f in frames:
+            self._note_ack(sid, f)
+        return frames
+
+    async def budget_update(
+        self,
+        stream: StreamHandle,
+        *,
+        usd: float | None = None,
+        tokens: int | None = None,
+        msg_seq: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Raise or lower the stream's budget while it runs (BUDGET_UPDATE, spec
+        §4.3): ``usd`` (float USD) and ``tokens`` are the new limits of the
+        stream, ``None`` meaning no limit of the stream's own on that axis (the
+        policy's and the client's budgets still cap it). A limit below what the
+        stream already spent stops further calls. Sent as a control message on
+        the stream's sequence; ``msg_seq`` is this client's next message number,
+        tracked by the SDK from ``open_stream``/``send_frame`` and the router's
+        ACKs (pass it after resuming from another process). Returns the router's
+        answer frames (an ACK)."""
+        sid = stream.stream_id
+        seq = msg_seq if msg_seq is not None else self._next_seq.get(sid, 1)
+        budget: dict[str, Any] = {}
+        if usd is not None:
+            budget["usd"] = usd
+        if tokens is not None:
+            budget["tokens"] = tokens
+        frame = {
+            "v": 1, "session_id": stream.session_id, "stream_id": sid, "msg_seq": seq, "flags": ["CTRL"],
+            "payload": {"type": "control", "content": {"kind": "BUDGET_UPDATE", "budget": budget}},
+        }
+        return await self.send_frame(stream, frame)
+
+    def _seen_message(self, stream_id: str, msg_seq: int) -> None:
+        self._next_seq[stream_id] = max(self._next_seq.get(stream_id, 1), msg_seq + 1)
+
+    def _note_ack(self, stream_id: str, frame: Mapping[str, Any]) -> None:
+        """A router ACK names the last client message it delivered (cumulative, §4.4)."""
+        flags = frame.get("flags") or ()
+        if "ACK" in flags and "SYN" not in flags and isinstance(frame.get("msg_seq"), int):
+            self._seen_message(stream_id, frame["msg_seq"])
 
     async def events(self, stream: StreamHandle | str, *, last_event_id: int | None = None) -> AsyncIterator[Event]:
         """Follow a stream's events over SSE until FIN or RST.
@@ -176,6 +234,7 @@ class Client:
                     frame = json.loads(sse.data)
                     payload = (frame.get("payload") or {}).get("content")
                     ev = Event(type=sse.event or "message", payload=payload, frame=frame, id=int(sse.id or 0))
+                    self._note_ack(str(stream), frame)
                     yield ev
                     if ev.type in _TERMINAL:
                         return
