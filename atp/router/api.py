@@ -4,9 +4,12 @@
 ``POST /v1/streams``                   open a stream (SYN → SYN-ACK); body
                                        :class:`StreamOpenRequest`
 ``POST /v1/streams/{id}/frames``       send a frame on a stream (HTTP fallback to
-                                       the WebSocket ingress)
+                                       the WebSocket ingress), e.g. a
+                                       BUDGET_UPDATE (spec §4.3) or an RST
 ``GET  /v1/streams/{id}/events``       the stream's frames as Server-Sent Events;
-                                       ``Last-Event-ID`` resumes
+                                       ``Last-Event-ID`` resumes (with the same
+                                       ``idempotency_key`` on ``POST /v1/streams``
+                                       after a dropped client, spec §8)
 ``POST /v1/policies/reload``           hot-reload the RIB (from the policy path, or
                                        a YAML body); a refused RIB answers 422 and
                                        the running one stays
@@ -24,7 +27,6 @@ bad frame signature), 404 (unknown stream), 409 (EWINDOW), 422 (refused policy),
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -35,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from atp.router.a2a_server import a2a_routes
 from atp.router.core import Router
 from atp.router.metrics import CONTENT_TYPE_LATEST
 from atp.wire.codec import FrameCodec
@@ -123,18 +126,17 @@ def _error(e: ATPError, status: int | None = None) -> Response:
 
 def build_app(router: Router) -> Starlette:
     """The control API of ``router`` as an ASGI app."""
-    tokens = router.config.tokens
     codec = FrameCodec("json", hmac_key=router.config.hmac_key, require_checksum=False)
 
     def client_of(request: Request) -> str:
-        """Authenticate the bearer token; the client key is the token's hash prefix."""
-        if not tokens:
-            return "anonymous"
+        """Authenticate the bearer token: the client it names (see
+        :meth:`Router.authenticate <atp.router.core.Router.authenticate>`)."""
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or token not in tokens:
+        client = router.authenticate(token if scheme.lower() == "bearer" else None)
+        if client is None:
             raise ATPError(ErrorCode.ESEC, "missing or unknown bearer token")
-        return "tok_" + hashlib.sha256(token.encode()).hexdigest()[:12]
+        return client
 
     def authenticated(
         handler: Callable[[Request, str], Awaitable[Response]],
@@ -199,8 +201,14 @@ def build_app(router: Router) -> Starlette:
             after = 0
 
         async def gen():
-            async for ev in ctx.log.follow(after):
-                yield b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.id, ev.type.encode(), _enc.encode(ev.frame))
+            # An SSE request is a follower: when the last one goes, the stream is
+            # detached and stays resumable for the grace period (spec §8).
+            ctx.attach()
+            try:
+                async for ev in ctx.log.follow(after):
+                    yield b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.id, ev.type.encode(), _enc.encode(ev.frame))
+            finally:
+                ctx.detach()
 
         return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -232,4 +240,5 @@ def build_app(router: Router) -> Starlette:
         Route("/v1/routes", authenticated(routes), methods=["GET"]),
         Route("/v1/metrics", authenticated(metrics), methods=["GET"]),
         Route("/v1/health", authenticated(health), methods=["GET"]),
+        *a2a_routes(router),
     ])

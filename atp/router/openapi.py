@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from atp.consensus.types import FinalResult
+from atp.router.a2a_server import A2A_PATH, CARD_PATHS
 from atp.router.api import (
     ErrorResponse,
     FramesResponse,
@@ -92,6 +93,25 @@ def openapi_document() -> dict[str, Any]:
             "operationId": "getMetrics",
             "responses": {"200": {"description": "Prometheus text exposition",
                                   "content": {"text/plain": {"schema": {"type": "string"}}}}},
+        }},
+        **{path: {"get": {
+            "summary": "A2A agent card (one skill per routed task type); the router answers as an A2A server",
+            "operationId": "getAgentCard" + ("Json" if path.endswith(".json") else ""),
+            "security": [],
+            "responses": {"200": {"description": "A2A agent card (v0.3 shape; 1.0 fields included)",
+                                  "content": {"application/json": {"schema": {"type": "object"}}}}},
+        }} for path in CARD_PATHS},
+        A2A_PATH: {"post": {
+            "summary": "A2A JSON-RPC 2.0: message/send, message/stream (SSE), tasks/get, tasks/cancel, "
+                       "tasks/resubscribe, and the A2A 1.0 methods with header A2A-Version: 1.0; each message "
+                       "enters the router as an ATP stream",
+            "operationId": "a2aRpc",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}},
+            "responses": {"200": {"description": "JSON-RPC response, or an SSE stream for message/stream",
+                                  "content": {"application/json": {"schema": {"type": "object"}},
+                                              "text/event-stream": {"schema": {"type": "string"}}}},
+                          "401": {"description": "ESEC: missing or unknown bearer token (JSON-RPC error)",
+                                  "content": {"application/json": {"schema": {"type": "object"}}}}},
         }},
         "/v1/health": {"get": {
             "summary": "Liveness and RIB generation",
