@@ -216,6 +216,8 @@ class Mqtt2389Adapter(ProviderAdapter):
     ``cost_usd_per_call`` is float USD; ``discovery_timeout_s`` how long a call
     waits for the broker connection and the retained statuses."""
 
+    live_health = True  # retained status / LWT: down and back up are announced by the agent
+
     def __init__(
         self,
         name: str,
