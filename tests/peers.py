@@ -11,6 +11,11 @@ a session-scoped fixture::
 
 When the peer cannot run here (llama_cpp or the GGUF missing) the fixture skips,
 unless ``ATP_REQUIRE_MODEL=1`` (CI), where it fails with the reason.
+
+Every peer section below starts its server through the same helpers:
+:func:`serve_http_peer` (a subprocess on a free port, ready once ``GET`` of a
+path answers 200, stopped on exit) or, for a peer that is not HTTP,
+:func:`wait_until_up` and :func:`stop_process`.
 """
 
 from __future__ import annotations
@@ -18,18 +23,21 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-__all__ = ["GGUF_NAME", "find_smollm2_gguf", "free_port", "start_llama_server"]
+__all__ = ["GGUF_NAME", "find_smollm2_gguf", "free_port", "serve_http_peer", "start_llama_server", "stop_process",
+           "wait_until_up"]
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Model id the server announces (``--model_alias``) and the tests request.
@@ -41,6 +49,68 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_up(proc: subprocess.Popen, is_up: Callable[[], bool], *, name: str, where: str, timeout_s: float,
+                  poll_s: float, log: Callable[[], str], log_on_timeout: bool = False) -> None:
+    """Poll ``is_up()`` every ``poll_s`` seconds until it is true. Fails the test
+    with the last 2000 characters of ``log()`` if ``proc`` exits first, or (after
+    stopping ``proc``) with ``"<name> <where> after <timeout_s> s"`` — plus the log
+    with ``log_on_timeout`` — when ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"{name} exited with {proc.returncode}:\n{log()[-2000:]}", pytrace=False)
+        if is_up():
+            return
+        if time.monotonic() > deadline:
+            stop_process(proc)
+            tail = f":\n{log()[-2000:]}" if log_on_timeout else ""
+            pytest.fail(f"{name} {where} after {timeout_s:.0f} s{tail}", pytrace=False)
+        time.sleep(poll_s)
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+    """Send ``sig`` to ``proc`` unless it has ended; kill it if it has not ended
+    ``timeout_s`` seconds later."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def http_ok(url: str) -> bool:
+    """Whether ``GET url`` answers 200 within 2 s."""
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def serve_http_peer(argv: list[str], *, name: str, base: str, ready_path: str, timeout_s: float,
+                    poll_s: float = 0.1) -> Iterator[str]:
+    """Run ``argv`` (a server listening at ``base``, its output kept for the
+    failure message) and yield ``base`` once ``GET base + ready_path`` answers 200;
+    terminate (then kill) it on exit. Fails the test, named ``name``, when it exits
+    or does not answer within ``timeout_s``."""
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+        def output() -> str:
+            log.seek(0)
+            return log.read().decode("utf-8", "replace")
+
+        try:
+            wait_until_up(proc, lambda: http_ok(base + ready_path), name=name, where=f"not answering on {base}",
+                          timeout_s=timeout_s, poll_s=poll_s, log=output)
+            yield base
+        finally:
+            stop_process(proc)
 
 
 def find_smollm2_gguf() -> Path | None:
@@ -62,8 +132,7 @@ def _unavailable(reason: str) -> None:
     pytest.skip(f"model peer unavailable: {reason}")
 
 
-@contextlib.contextmanager
-def start_llama_server(*, n_ctx: int = 2048, timeout_s: float = 120.0) -> Iterator[str]:
+def start_llama_server(*, n_ctx: int = 2048, timeout_s: float = 120.0) -> contextlib.AbstractContextManager[str]:
     """Start ``python -m llama_cpp.server`` with SmolLM2 and yield its OpenAI base
     URL (``http://127.0.0.1:<port>/v1``) once ``GET /v1/models`` answers; stop it
     on exit. Skips (or fails under ``ATP_REQUIRE_MODEL=1``) if it cannot run; fails
@@ -80,32 +149,8 @@ def start_llama_server(*, n_ctx: int = 2048, timeout_s: float = 120.0) -> Iterat
         "--host", "127.0.0.1", "--port", str(port),
         "--n_ctx", str(n_ctx), "--verbose", "False",
     ]  # fmt: skip
-    base = f"http://127.0.0.1:{port}/v1"
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    tail = log.read().decode("utf-8", "replace")[-2000:]
-                    pytest.fail(f"llama_cpp.server exited with {proc.returncode}:\n{tail}", pytrace=False)
-                try:
-                    if httpx.get(f"{base}/models", timeout=2.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    pytest.fail(f"llama_cpp.server not answering on {base} after {timeout_s:.0f} s", pytrace=False)
-                time.sleep(0.25)
-            yield base
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    return serve_http_peer(argv, name="llama_cpp.server", base=f"http://127.0.0.1:{port}/v1", ready_path="/models",
+                           timeout_s=timeout_s, poll_s=0.25)
 
 
 # ============================================================ mosquitto / 2389
@@ -119,9 +164,6 @@ def start_llama_server(*, n_ctx: int = 2048, timeout_s: float = 120.0) -> Iterat
 #
 # A missing mosquitto skips the test, unless ATP_REQUIRE_PEERS=1 (CI), where it fails.
 
-import shutil as _shutil
-import signal as _signal
-
 MOSQUITTO_PATHS = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
 
 
@@ -134,7 +176,7 @@ def _peer_unavailable(peer: str, reason: str) -> None:
 def find_mosquitto() -> str | None:
     """The mosquitto binary: on PATH, else where Debian puts it (``/usr/sbin`` is not
     on a normal user's PATH)."""
-    found = _shutil.which("mosquitto")
+    found = shutil.which("mosquitto")
     if found:
         return found
     return next((p for p in MOSQUITTO_PATHS if os.access(p, os.X_OK)), None)
@@ -174,7 +216,7 @@ class Mosquitto:
         )
         if os.geteuid() == 0:
             for path in [self.workdir, *self.workdir.rglob("*")]:
-                _shutil.chown(path, "mosquitto", "mosquitto")
+                shutil.chown(path, "mosquitto", "mosquitto")
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Start the broker and return once it accepts TCP connections; fail the test
@@ -186,32 +228,21 @@ class Mosquitto:
                                          stdin=subprocess.DEVNULL)
         finally:
             log.close()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"mosquitto exited with {self.proc.returncode}:\n{self.log()[-2000:]}", pytrace=False)
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.5):
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"mosquitto not listening on {self.port} after {timeout_s:.0f} s:\n{self.log()[-2000:]}",
-                            pytrace=False)
-            time.sleep(0.02)
+        wait_until_up(self.proc, self._listening, name="mosquitto", where=f"not listening on {self.port}",
+                      timeout_s=timeout_s, poll_s=0.02, log=self.log, log_on_timeout=True)
 
-    def stop(self, sig: int = _signal.SIGTERM, timeout_s: float = 10.0) -> None:
+    def _listening(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         """Stop the broker (SIGTERM saves its persistence db; SIGKILL does not)."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            stop_process(proc, sig, timeout_s)
 
     def restart(self) -> None:
         """SIGTERM then start again on the same port with the same persistence."""
@@ -247,7 +278,7 @@ def start_mosquitto(*, extra_config: str = "", files: dict[str, bytes] | None = 
 
 def mosquitto_passwd(path: Path, user: str, password: str) -> None:
     """Write a mosquitto password file with one user (``mosquitto_passwd -b -c``)."""
-    exe = _shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
+    exe = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
     if not os.access(exe, os.X_OK):
         _peer_unavailable("mosquitto_passwd", "not installed (part of the mosquitto package)")
     subprocess.run([exe, "-b", "-c", str(path), user, password], check=True, capture_output=True)
@@ -279,39 +310,14 @@ def a2a_peer_python(venv: str) -> Path:
     return python
 
 
-@contextlib.contextmanager
-def _start_a2a_peer(venv: str, script: str, ready_path: str, timeout_s: float) -> Iterator[str]:
+def _start_a2a_peer(venv: str, script: str, ready_path: str, timeout_s: float) -> contextlib.AbstractContextManager[str]:
     """Run ``script --port P`` with the venv's python; yield ``http://127.0.0.1:P``
     once ``GET ready_path`` answers 200; terminate (then kill) it on exit."""
     python = a2a_peer_python(venv)
     port = free_port()
-    base = f"http://127.0.0.1:{port}"
     argv = [str(python), str(A2A_PEER_SERVERS / script), "--port", str(port)]
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    tail = log.read().decode("utf-8", "replace")[-2000:]
-                    pytest.fail(f"{script} exited with {proc.returncode}:\n{tail}", pytrace=False)
-                try:
-                    if httpx.get(base + ready_path, timeout=2.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{script} not answering on {base} after {timeout_s:.0f} s", pytrace=False)
-                time.sleep(0.1)
-            yield base
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    return serve_http_peer(argv, name=script, base=f"http://127.0.0.1:{port}", ready_path=ready_path,
+                           timeout_s=timeout_s)
 
 
 def start_jaf_server(*, timeout_s: float = 60.0) -> contextlib.AbstractContextManager[str]:
@@ -349,47 +355,22 @@ def agentscope_python() -> Path:
     return python
 
 
-@contextlib.contextmanager
-def start_agentscope_server(*, timeout_s: float = 60.0) -> Iterator[str]:
+def start_agentscope_server(*, timeout_s: float = 60.0) -> contextlib.AbstractContextManager[str]:
     """Start the agentscope-runtime review server on a free port and yield its base
     URL once ``GET /health`` answers 200; terminate (then kill) it on exit. Fails
     with the server's log if it exits or does not come up within ``timeout_s``."""
     python = agentscope_python()
     port = free_port()
-    base = f"http://127.0.0.1:{port}"
     argv = [str(python), str(AGENTSCOPE_SERVER), "--port", str(port)]
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    tail = log.read().decode("utf-8", "replace")[-2000:]
-                    pytest.fail(f"agentscope server exited with {proc.returncode}:\n{tail}", pytrace=False)
-                try:
-                    if httpx.get(base + "/health", timeout=2.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    pytest.fail(f"agentscope server not answering on {base} after {timeout_s:.0f} s", pytrace=False)
-                time.sleep(0.1)
-            yield base
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    return serve_http_peer(argv, name="agentscope server", base=f"http://127.0.0.1:{port}", ready_path="/health",
+                           timeout_s=timeout_s)
 
 
 def make_test_pki(directory: Path) -> dict[str, bytes]:
     """A throw-away CA and a server certificate for ``localhost`` / ``127.0.0.1``
     (EC P-256, one day), made with the ``openssl`` command. Returns the files
     ``ca.pem``, ``server.pem``, ``server.key`` by name (for ``start_mosquitto(files=...)``)."""
-    if _shutil.which("openssl") is None:
+    if shutil.which("openssl") is None:
         _peer_unavailable("openssl", "not installed (needed to make test certificates)")
 
     def run(*args: str) -> None:

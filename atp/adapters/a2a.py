@@ -72,12 +72,10 @@ import contextlib
 import json
 import logging
 import math
-import os
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -85,16 +83,16 @@ import httpx
 import httpx_sse
 import trio
 
-from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
-from atp.adapters.context import forwarded_context, scrub, scrub_error
-from atp.adapters.http import retry_after_ms
-from atp.adapters.openai_compat import (
-    SYSTEM_PROMPT,
-    CallStats,
+from atp.adapters.base import (
+    Fragment,
+    Prompt,
+    ProviderAdapter,
     estimate_tokens,
-    parse_review,
-    render_diff,
+    usd_micros_ceil,
 )
+from atp.adapters.context import forwarded_context, scrub
+from atp.adapters.http import HTTPNextHop, env_secret, retry_after_ms
+from atp.adapters.openai_compat import SYSTEM_PROMPT, parse_review, render_diff
 from atp.consensus.types import AgentFinding, AgentReport, Usage
 from atp.policy.rib import AgentSpec
 from atp.review.diff import parse_diff
@@ -518,11 +516,11 @@ def _usage_of(reported: Mapping[str, Any] | None, flat_micros: int) -> Usage:
     tin = num("input_tokens", "prompt_tokens", "in_tokens")
     tout = num("output_tokens", "completion_tokens", "out_tokens")
     usd = num("usd", "cost_usd")
-    micros = math.ceil(Fraction(str(usd)) * 1_000_000) if usd is not None else flat_micros
+    micros = usd_micros_ceil(usd) if usd is not None else flat_micros
     return Usage(int(tin or 0), int(tout or 0), micros)
 
 
-class A2AAdapter(ProviderAdapter):
+class A2AAdapter(HTTPNextHop):
     """A remote A2A agent as a next-hop (see the module docstring).
 
     ``url`` is the JSON-RPC endpoint; ``dialect`` one of :data:`DIALECTS`;
@@ -577,9 +575,8 @@ class A2AAdapter(ProviderAdapter):
         self.auth_env = auth_env
         self.auth = auth
         self.header = header or ("X-API-Key" if auth == "api_key" else "Authorization")
-        self.flat_micros = math.ceil(Fraction(str(cost_usd_per_call)) * 1_000_000)
+        self.flat_micros = usd_micros_ceil(cost_usd_per_call)
         self.force_stream = stream
-        self.timeout_ms = timeout_ms
         self.poll_ms = poll_ms
         self.max_out_tokens = max_out_tokens
         self.strengths = list(strengths)
@@ -593,9 +590,8 @@ class A2AAdapter(ProviderAdapter):
         self.methods = _METHODS[dialect]
         self.card: AgentCardInfo | None = None
         self._card_checked = False
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
-        self._stats = CallStats()
+        # No base URL: requests go to the configured URL and the card's origin.
+        self._init_http(timeout_ms=timeout_ms, transport=transport)
 
     # -- ProviderAdapter -----------------------------------------------------------
 
@@ -610,18 +606,9 @@ class A2AAdapter(ProviderAdapter):
         """Preflight (spec §5.2): input tokens = chars/4 of the message sent,
         output tokens = ``max_out_tokens``, USD = the flat per-call price."""
         chars = len(self.render(prompt)) + len(json.dumps(prompt.content, ensure_ascii=False))
-        return CostEstimate(in_tokens=estimate_tokens(chars), out_tokens=self.max_out_tokens,
-                            usd=self.flat_micros / 1_000_000)
-
-    def health(self) -> Health:
-        """p95 latency (ms) and error rate of the last ~100 calls; ``up`` is false
-        after a call found the agent unreachable."""
-        return self._stats.health()
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        in_tokens = estimate_tokens(chars)
+        return CostEstimate(in_tokens=in_tokens, out_tokens=self.max_out_tokens,
+                            usd=self._price(in_tokens, self.max_out_tokens) / 1_000_000)
 
     async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
         """PARTIAL (text) and LOG (task status) fragments, then one FINAL
@@ -671,7 +658,7 @@ class A2AAdapter(ProviderAdapter):
                 # that will never come: stop the remote work too.
                 with trio.move_on_after(CANCEL_TIMEOUT_S, shield=True):
                     await self._cancel_quietly(reply.task_id)
-        self._stats.record((trio.current_time() - t0) * 1000, ok=True)
+        self._succeeded(t0)
         yield Fragment(
             type=PayloadType.FINAL,
             content=report_of(reply.parts(), prompt.content),
@@ -771,19 +758,14 @@ class A2AAdapter(ProviderAdapter):
 
     # -- HTTP ----------------------------------------------------------------------
 
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            t = self.timeout_ms / 1000
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(t, connect=min(t, 10.0)),
-                                             transport=self._transport)
-        return self._client
+    def _price(self, in_tokens: int, out_tokens: int) -> int:
+        # The flat per-call price: usage the agent reports is priced by _usage_of.
+        return self.flat_micros
 
     def _headers(self) -> dict[str, str]:
         headers = {"A2A-Version": "1.0"} if self.dialect == "1.0" else {}
         if self.auth_env is not None:
-            secret = os.environ.get(self.auth_env)
-            if not secret:
-                raise AgentError(ErrorCode.EAGENTDOWN, f"credential variable {self.auth_env} is not set")
+            secret = env_secret(self.auth_env)
             headers[self.header] = f"Bearer {secret}" if self.auth == "bearer" else secret
         return headers
 
@@ -815,13 +797,6 @@ class A2AAdapter(ProviderAdapter):
                     if not event.data.strip():
                         continue
                     yield decode_response(event.data.encode(), self.dialect, request_id=rid, secrets=secrets)
-
-    def _fail(self, e: AgentError, t0: float, secrets: frozenset[str]) -> AgentError:
-        # A peer may echo the request (its Agent Context secrets included) in an error.
-        scrub_error(e, secrets)
-        e.agent = e.agent or self.name
-        self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=e.code is ErrorCode.EAGENTDOWN)
-        return e
 
 
 def _check_status(response: httpx.Response, url: str, secrets: Iterable[str] = ()) -> None:

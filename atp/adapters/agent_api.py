@@ -55,30 +55,33 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import os
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 import httpx
-import httpx_sse
 import trio
 
-from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
-from atp.adapters.context import META_KEY, forwarded_context, scrub_error
-from atp.adapters.http import RetryPolicy, open_stream, transport_error
-from atp.adapters.openai_compat import (
-    SYSTEM_PROMPT,
-    CallStats,
+from atp.adapters.base import (
+    Fragment,
+    Prompt,
+    ProviderAdapter,
     estimate_tokens,
-    parse_review,
-    render_diff,
     usd_micros,
+    usd_micros_ceil,
 )
-from atp.consensus.types import AgentReport, Usage
+from atp.adapters.context import META_KEY, forwarded_context
+from atp.adapters.http import (
+    HTTPNextHop,
+    RetryPolicy,
+    env_secret,
+    open_stream,
+    sse_data,
+    transport_error,
+)
+from atp.adapters.openai_compat import SYSTEM_PROMPT, parse_review, render_diff
+from atp.consensus.types import AgentReport
 from atp.policy.rib import AgentSpec
 from atp.review.diff import parse_diff
 from atp.wire.errors import AgentError, ErrorCode
@@ -371,7 +374,7 @@ def _usage(event: Mapping[str, Any]) -> tuple[int, int] | None:
     return None
 
 
-class AgentApiAdapter(ProviderAdapter):
+class AgentApiAdapter(HTTPNextHop):
     """A remote agent behind the Agent API protocol (see the module docstring).
 
     ``url`` is the server's base URL and ``endpoint`` the path below it
@@ -416,13 +419,10 @@ class AgentApiAdapter(ProviderAdapter):
         self.max_out_tokens = max_out_tokens
         self.ctx_tokens = ctx_tokens
         self.model = model
-        self.timeout_ms = timeout_ms
         self.strengths = list(strengths)
         self.retry = retry
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
-        self._stats = CallStats()
-        self._flat_micros = math.ceil(Fraction(str(cost_usd_per_call)) * 1_000_000)
+        self._flat_micros = usd_micros_ceil(cost_usd_per_call)
+        self._init_http(timeout_ms=timeout_ms, transport=transport, base_url=self.url)
 
     # -- ProviderAdapter -----------------------------------------------------------
 
@@ -436,16 +436,6 @@ class AgentApiAdapter(ProviderAdapter):
         in_tokens = estimate_tokens(len(json.dumps(self.request(prompt), ensure_ascii=False)))
         micros = self._price(in_tokens, self.max_out_tokens)
         return CostEstimate(in_tokens=in_tokens, out_tokens=self.max_out_tokens, usd=micros / 1_000_000)
-
-    def health(self) -> Health:
-        """p95 latency (ms) and error rate over the last ~100 calls; ``up`` is false
-        after a call found the agent unreachable or failing."""
-        return self._stats.health()
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
 
     async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
         """PARTIAL fragments (joined text deltas of the answer, with the usage so
@@ -467,15 +457,13 @@ class AgentApiAdapter(ProviderAdapter):
                 async for event in events:
                     for delta in decoder.receive(event):
                         chars += len(delta.text)
-                        yield Fragment(
-                            type=PayloadType.PARTIAL, content=delta.text, usage=self._usage(est_in, chars, None)
-                        )
+                        yield Fragment(type=PayloadType.PARTIAL, content=delta.text, usage=self._usage(est_in, chars))
             answer = decoder.finish()
         except AgentError as e:
             raise self._fail(e, t0, secrets) from None
         except httpx.HTTPError as e:
             raise self._fail(transport_error(e, self.url, self.timeout_ms), t0, secrets) from None
-        self._stats.record((trio.current_time() - t0) * 1000, ok=True)
+        self._succeeded(t0)
         findings, summary = parse_review(answer.text, prompt.content)
         for data in answer.data:
             if not findings and isinstance(data.get("findings"), list):
@@ -518,21 +506,10 @@ class AgentApiAdapter(ProviderAdapter):
 
     # -- HTTP ----------------------------------------------------------------------
 
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            t = self.timeout_ms / 1000
-            self._client = httpx.AsyncClient(
-                base_url=self.url, timeout=httpx.Timeout(t, connect=min(t, 10.0)), transport=self._transport
-            )
-        return self._client
-
     def _auth(self) -> dict[str, str]:
         if self.auth_env is None:
             return {}
-        token = os.environ.get(self.auth_env)
-        if not token:
-            raise AgentError(ErrorCode.EAGENTDOWN, f"credential variable {self.auth_env} is not set")
-        return {"Authorization": f"Bearer {token}"}
+        return {"Authorization": f"Bearer {env_secret(self.auth_env)}"}
 
     @staticmethod
     async def _events(response: httpx.Response) -> AsyncIterator[Any]:
@@ -545,17 +522,15 @@ class AgentApiAdapter(ProviderAdapter):
             except ValueError:
                 raise AgentError(ErrorCode.EPROTO, f"bad JSON answer: {body[:120]!r}") from None
             return
-        try:
-            async with contextlib.aclosing(httpx_sse.EventSource(response).aiter_sse()) as events:
-                async for event in events:
-                    if not event.data.strip():
-                        continue
-                    try:
-                        yield json.loads(event.data)
-                    except ValueError:
-                        raise AgentError(ErrorCode.EPROTO, f"bad JSON in SSE data: {event.data[:120]!r}") from None
-        except httpx_sse.SSEError as e:
-            raise AgentError(ErrorCode.EPROTO, f"not an SSE stream: {e}") from None
+        async with contextlib.aclosing(sse_data(response)) as events:
+            async for data in events:
+                if not data.strip():
+                    continue
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    raise AgentError(ErrorCode.EPROTO, f"bad JSON in SSE data: {data[:120]!r}") from None
+                yield event
 
     # -- accounting ----------------------------------------------------------------
 
@@ -563,17 +538,6 @@ class AgentApiAdapter(ProviderAdapter):
         if self.cost_in or self.cost_out:
             return usd_micros(in_tokens, out_tokens, self.cost_in, self.cost_out)
         return self._flat_micros
-
-    def _usage(self, est_in: int, out_chars: int, reported: tuple[int, int] | None) -> Usage:
-        in_tok, out_tok = reported if reported is not None else (est_in, estimate_tokens(out_chars))
-        return Usage(in_tok, out_tok, self._price(in_tok, out_tok))
-
-    def _fail(self, e: AgentError, t0: float, secrets: Iterable[str]) -> AgentError:
-        e.agent = e.agent or self.name
-        scrub_error(e, secrets)
-        down = e.code is ErrorCode.EAGENTDOWN
-        self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=down)
-        return e
 
 
 _OPTIONS: dict[str, tuple[type, ...]] = {

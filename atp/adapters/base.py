@@ -14,12 +14,19 @@ Contract for ``stream``:
   short still tells the budget governor what was spent;
 * raise :class:`~atp.wire.errors.AgentError` with ``ETIMEOUT`` / ``EAGENTDOWN`` /
   ``EPROTO`` on failure (never a bare ``httpx`` or ``OSError``).
+
+Also the accounting every adapter shares: :func:`estimate_tokens` (chars/4),
+:func:`usd_micros` (token prices → USD micros), :func:`usd_micros_ceil` (a USD
+price → USD micros) and :class:`CallStats` (recent calls → :class:`Health`).
 """
 
 from __future__ import annotations
 
 import abc
+import math
+from collections import deque
 from collections.abc import AsyncIterator
+from fractions import Fraction
 from typing import Any
 
 import msgspec
@@ -60,6 +67,53 @@ class Health(Struct, forbid_unknown_fields=True):
     p95_ms: float = 0.0
     error_rate: float = 0.0
     up: bool = True
+
+
+#: Tokens are estimated as characters / 4 where no tokenizer is at hand (the
+#: usual rule of thumb for English and code with BPE vocabularies).
+CHARS_PER_TOKEN = 4
+
+
+def estimate_tokens(chars: int) -> int:
+    """Tokens for ``chars`` characters by the chars/4 rule, rounded up."""
+    return -(-chars // CHARS_PER_TOKEN)
+
+
+def usd_micros(in_tokens: int, out_tokens: int, cost_in_per_mtok: float, cost_out_per_mtok: float) -> int:
+    """Price of a call in USD micros. A cost in USD per 1M tokens is numerically USD
+    micros per token; the decimal costs are taken exactly (``Fraction(str(x))``) and
+    the total is rounded up, so the budget governor never under-counts spend."""
+    return math.ceil(in_tokens * Fraction(str(cost_in_per_mtok)) + out_tokens * Fraction(str(cost_out_per_mtok)))
+
+
+def usd_micros_ceil(usd: float) -> int:
+    """A price of ``usd`` USD in USD micros, taken exactly and rounded up (like
+    :func:`usd_micros`)."""
+    return math.ceil(Fraction(str(usd)) * 1_000_000)
+
+
+class CallStats:
+    """Outcomes of the last ``size`` calls of a next-hop, summarised as
+    :class:`Health` (p95 latency in ms by nearest rank, error rate 0..1). Pure:
+    callers pass the measured latency."""
+
+    def __init__(self, size: int = 100) -> None:
+        self._calls: deque[tuple[float, bool]] = deque(maxlen=size)
+        self._up = True
+
+    def record(self, latency_ms: float, *, ok: bool, down: bool = False) -> None:
+        """Add one call; ``down`` marks the next-hop unreachable until a call that
+        is not ``down`` is recorded."""
+        self._calls.append((latency_ms, ok))
+        self._up = not down
+
+    def health(self) -> Health:
+        if not self._calls:
+            return Health(up=self._up)
+        lat = sorted(ms for ms, _ in self._calls)
+        p95 = lat[max(0, math.ceil(0.95 * len(lat)) - 1)]
+        errors = sum(1 for _, ok in self._calls if not ok)
+        return Health(p95_ms=p95, error_rate=errors / len(self._calls), up=self._up)
 
 
 class ProviderAdapter(abc.ABC):

@@ -45,9 +45,16 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
-import httpx_sse
 
-from atp.adapters.http import DETAIL_CHARS, RetryPolicy, status_error
+from atp.adapters.http import (
+    DETAIL_CHARS,
+    RetryPolicy,
+    code_of_status,
+    json_object,
+    sse_data,
+    status_error,
+    token_count,
+)
 from atp.adapters.openai_compat import ChatModelAdapter
 from atp.wire.errors import AgentError, ErrorCode
 
@@ -121,24 +128,16 @@ class GeminiAdapter(ChatModelAdapter):
 
     async def _decode(self, response: httpx.Response) -> AsyncIterator[tuple[str, tuple[int | None, int | None] | None]]:
         finished = False
-        try:
-            async with contextlib.aclosing(httpx_sse.EventSource(response).aiter_sse()) as events:
-                async for event in events:
-                    if not event.data.strip():
-                        continue
-                    try:
-                        obj = json.loads(event.data)
-                    except ValueError:
-                        raise AgentError(ErrorCode.EPROTO, f"bad JSON in SSE data: {event.data[:120]!r}") from None
-                    if not isinstance(obj, dict):
-                        raise AgentError(ErrorCode.EPROTO, f"SSE data is not a JSON object: {event.data[:120]!r}")
-                    if isinstance(obj.get("error"), dict):
-                        raise _stream_error(obj["error"])
-                    delta, done = _chunk(obj)
-                    finished = finished or done
-                    yield delta, _usage(obj.get("usageMetadata"))
-        except httpx_sse.SSEError as e:
-            raise AgentError(ErrorCode.EPROTO, f"not an SSE stream: {e}") from None
+        async with contextlib.aclosing(sse_data(response)) as events:
+            async for data in events:
+                if not data.strip():
+                    continue
+                obj = json_object(data)
+                if isinstance(obj.get("error"), dict):
+                    raise _stream_error(obj["error"])
+                delta, done = _chunk(obj)
+                finished = finished or done
+                yield delta, _usage(obj.get("usageMetadata"))
         if not finished:
             raise AgentError(ErrorCode.EPROTO, "stream ended without a finishReason")
 
@@ -169,14 +168,10 @@ def _chunk(obj: Mapping[str, Any]) -> tuple[str, bool]:
 def _usage(meta: Any) -> tuple[int | None, int | None] | None:
     if not isinstance(meta, dict):
         return None
-    prompt = _count(meta.get("promptTokenCount"))
-    cand, thoughts = _count(meta.get("candidatesTokenCount")), _count(meta.get("thoughtsTokenCount"))
+    prompt = token_count(meta.get("promptTokenCount"))
+    cand, thoughts = token_count(meta.get("candidatesTokenCount")), token_count(meta.get("thoughtsTokenCount"))
     out = None if cand is None and thoughts is None else (cand or 0) + (thoughts or 0)
     return prompt, out
-
-
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _describe(err: Mapping[str, Any]) -> str:
@@ -221,11 +216,5 @@ def _stream_error(err: Mapping[str, Any]) -> AgentError:
     """An error object sent inside a 200 stream, mapped as if it were the status."""
     http = err.get("code")
     http = http if isinstance(http, int) and 400 <= http <= 599 else 500
-    reason = f"error in stream (HTTP {http}): {_describe(err)}"
-    if http == 408:
-        base = AgentError(ErrorCode.ETIMEOUT, reason)
-    elif http >= 500 or http in (401, 403, 404, 429):
-        base = AgentError(ErrorCode.EAGENTDOWN, reason)
-    else:
-        base = AgentError(ErrorCode.EPROTO, reason)
+    base = AgentError(code_of_status(http), f"error in stream (HTTP {http}): {_describe(err)}")
     return _refine(base, err)

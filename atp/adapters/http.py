@@ -15,31 +15,50 @@
   response is 2xx and handed to the caller, its failures are the caller's. A wait
   longer than ``cap_ms`` is not slept: the error goes up with its
   ``retry_after_ms`` so the router can reroute (spec §10, EAGENTDOWN).
+* :func:`sse_data` / :func:`json_object`: the ``data`` of a Server-Sent Events
+  answer and one JSON object of a stream, EPROTO when malformed;
+* :class:`HTTPNextHop`: the base of the HTTP next-hops (chat models, Agent API,
+  A2A): one httpx client made on first use, health from the recent calls, usage
+  priced by :meth:`HTTPNextHop._price`, failures stamped with the agent and
+  scrubbed of the Agent Context's secrets.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import email.utils
+import json
+import os
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import httpx_sse
 import trio
 
+from atp.adapters.base import CallStats, Health, ProviderAdapter, estimate_tokens
+from atp.adapters.context import scrub_error
+from atp.consensus.types import Usage
 from atp.wire.errors import AgentError, ErrorCode
 
 __all__ = [
     "DETAIL_CHARS",
     "NO_RETRY",
     "ErrorOf",
+    "HTTPNextHop",
     "RetryPolicy",
+    "code_of_status",
+    "env_secret",
+    "json_object",
     "open_stream",
     "retry_after_ms",
+    "sse_data",
     "status_error",
+    "token_count",
     "transport_error",
 ]
 
@@ -82,11 +101,20 @@ def status_error(response: httpx.Response, body: bytes, *, detail: str | None = 
         detail = body.decode("utf-8", "replace").strip()[:DETAIL_CHARS]
     origin = f"{response.request.url.scheme}://{response.request.url.netloc.decode()}"
     reason = f"HTTP {status} from {origin}: {detail or response.reason_phrase}"
+    code = code_of_status(status)
+    if code is ErrorCode.EAGENTDOWN:
+        return AgentError(code, reason, retry_after_ms=retry_after_ms(response.headers))
+    return AgentError(code, reason)
+
+
+def code_of_status(status: int) -> ErrorCode:
+    """The ATP error code of an HTTP error status (≥ 400), per the table in the
+    module docstring: 408 ETIMEOUT; 5xx, 429, 401/403/404 EAGENTDOWN; else EPROTO."""
     if status == 408:
-        return AgentError(ErrorCode.ETIMEOUT, reason)
+        return ErrorCode.ETIMEOUT
     if status >= 500 or status in (401, 403, 404, 429):
-        return AgentError(ErrorCode.EAGENTDOWN, reason, retry_after_ms=retry_after_ms(response.headers))
-    return AgentError(ErrorCode.EPROTO, reason)
+        return ErrorCode.EAGENTDOWN
+    return ErrorCode.EPROTO
 
 
 def transport_error(e: httpx.HTTPError, base_url: str, timeout_ms: int) -> AgentError:
@@ -169,3 +197,111 @@ async def open_stream(
             raise error
         await trio.sleep(wait / 1000)
         attempt += 1
+
+
+def env_secret(variable: str, what: str = "credential") -> str:
+    """The value of the environment variable ``variable``, read at each call so a
+    rotated secret needs no reload. Raises AgentError(EAGENTDOWN) ``"<what> variable
+    <variable> is not set"`` when it is unset or empty."""
+    value = os.environ.get(variable)
+    if not value:
+        raise AgentError(ErrorCode.EAGENTDOWN, f"{what} variable {variable} is not set")
+    return value
+
+
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The ``data`` of each Server-Sent Event of ``response``, in order. Raises
+    AgentError(EPROTO) ``"not an SSE stream: …"`` when the answer is not one."""
+    try:
+        async with contextlib.aclosing(httpx_sse.EventSource(response).aiter_sse()) as events:
+            async for event in events:
+                yield event.data
+    except httpx_sse.SSEError as e:
+        raise AgentError(ErrorCode.EPROTO, f"not an SSE stream: {e}") from None
+
+
+def json_object(text: str, *, bad_json: str = "bad JSON in SSE data",
+                not_object: str = "SSE data is not a JSON object") -> dict[str, Any]:  # fmt: skip
+    """``text`` (one SSE ``data``, one NDJSON line) decoded as a JSON object. Raises
+    AgentError(EPROTO) ``"<bad_json>: <text>"`` for invalid JSON and ``"<not_object>:
+    <text>"`` for another JSON value (the text quoted up to 120 characters)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        raise AgentError(ErrorCode.EPROTO, f"{bad_json}: {text[:120]!r}") from None
+    if not isinstance(obj, dict):
+        raise AgentError(ErrorCode.EPROTO, f"{not_object}: {text[:120]!r}")
+    return obj
+
+
+def token_count(value: Any) -> int | None:
+    """``value`` when it is a token count a server may report (an int ≥ 0, not a
+    bool), else ``None``."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+class HTTPNextHop(ProviderAdapter):
+    """Base of the next-hops that speak HTTP (chat models, Agent API, A2A).
+
+    A subclass's ``__init__`` sets ``name`` and calls :meth:`_init_http`; it
+    records each call with :meth:`_succeeded` or raises ``self._fail(error, t0,
+    secrets)``, and defines :meth:`_price` (USD micros of a call).
+    """
+
+    timeout_ms: int
+
+    def _init_http(self, *, timeout_ms: int, transport: httpx.AsyncBaseTransport | None,
+                   base_url: str = "") -> None:  # fmt: skip
+        """``timeout_ms`` bounds each network wait (connect at most 10 s);
+        ``base_url`` prefixes relative request URLs; ``transport`` replaces httpx's
+        network transport."""
+        self.timeout_ms = timeout_ms
+        self._base_url = base_url
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._stats = CallStats()
+
+    def health(self) -> Health:
+        """p95 latency (ms) and error rate over the last ~100 calls; ``up`` is false
+        after a call found the next-hop unreachable (EAGENTDOWN)."""
+        return self._stats.health()
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            t = self.timeout_ms / 1000
+            self._client = httpx.AsyncClient(
+                base_url=self._base_url,
+                timeout=httpx.Timeout(t, connect=min(t, 10.0)),
+                transport=self._transport,
+            )
+        return self._client
+
+    @abc.abstractmethod
+    def _price(self, in_tokens: int, out_tokens: int) -> int:
+        """USD micros of a call that used ``in_tokens`` + ``out_tokens``."""
+
+    def _usage(self, est_in: int, out_chars: int, reported: tuple[int | None, int | None] | None = None) -> Usage:
+        # Until (or unless) the server reports usage, count the prompt as estimated
+        # and the output as chars/4: a stream cut short is still charged.
+        rep_in, rep_out = reported if reported is not None else (None, None)
+        in_tok = rep_in if rep_in is not None else est_in
+        out_tok = rep_out if rep_out is not None else estimate_tokens(out_chars)
+        return Usage(in_tok, out_tok, self._price(in_tok, out_tok))
+
+    def _succeeded(self, t0: float) -> None:
+        """Record a call started at ``t0`` (trio time, s) that succeeded."""
+        self._stats.record((trio.current_time() - t0) * 1000, ok=True)
+
+    def _fail(self, e: AgentError, t0: float, secrets: Iterable[str] = ()) -> AgentError:
+        """``e`` stamped with this agent and with ``secrets`` masked (a peer may echo
+        the request, Agent Context included), recorded as a failed call started at
+        ``t0``; returned for the caller to raise."""
+        e.agent = e.agent or self.name
+        scrub_error(e, secrets)
+        self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=e.code is ErrorCode.EAGENTDOWN)
+        return e

@@ -72,11 +72,16 @@ from typing import Any
 import msgspec
 import trio
 
-from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
-from atp.adapters.openai_compat import CallStats
+from atp.adapters.base import CallStats, Fragment, Health, Prompt, ProviderAdapter
 from atp.agent2389 import protocol as P
 from atp.consensus.types import AgentFinding, AgentReport, Usage
-from atp.mqtt.client import MQTTClient, MQTTError, parse_broker_url, tls_context
+from atp.mqtt.client import (
+    MQTTClient,
+    MQTTError,
+    first_of,
+    parse_broker_url,
+    tls_context,
+)
 from atp.policy.rib import AgentSpec
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
@@ -393,7 +398,7 @@ class Mqtt2389Adapter(ProviderAdapter):
                     raise AgentError(ErrorCode.EAGENTDOWN, f"2389 agent {down!r} {link.describe(down)}",
                                      agent=self.name)
             with trio.move_on_at(deadline):
-                await _wait_any(call.done, call.changed)
+                await first_of(call.done, call.changed)
 
     async def _call(self, prompt: Prompt) -> tuple[AgentReport, Usage]:
         try:
@@ -440,15 +445,6 @@ class Mqtt2389Adapter(ProviderAdapter):
         if usage.usd_micros == 0 and flat:
             usage = Usage(usage.in_tokens, usage.out_tokens, flat)
         return report, usage
-
-
-async def _wait_any(*events: trio.Event) -> None:
-    async with trio.open_nursery() as nursery:
-        for ev in events:
-            async def wait(ev: trio.Event = ev) -> None:
-                await ev.wait()
-                nursery.cancel_scope.cancel()
-            nursery.start_soon(wait)
 
 
 def parse_report(text: str) -> tuple[AgentReport, Usage | None]:

@@ -32,7 +32,13 @@ from typing import Any
 
 import httpx
 
-from atp.adapters.http import DETAIL_CHARS, RetryPolicy, status_error
+from atp.adapters.http import (
+    DETAIL_CHARS,
+    RetryPolicy,
+    json_object,
+    status_error,
+    token_count,
+)
 from atp.adapters.openai_compat import ChatModelAdapter
 from atp.wire.errors import AgentError, ErrorCode
 
@@ -86,26 +92,17 @@ class OllamaAdapter(ChatModelAdapter):
         async for line in response.aiter_lines():
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                raise AgentError(ErrorCode.EPROTO, f"bad JSON line in stream: {line[:120]!r}") from None
-            if not isinstance(obj, dict):
-                raise AgentError(ErrorCode.EPROTO, f"stream line is not a JSON object: {line[:120]!r}")
+            obj = json_object(line, bad_json="bad JSON line in stream", not_object="stream line is not a JSON object")
             if "error" in obj:
                 raise AgentError(ErrorCode.EAGENTDOWN, f"server error in stream: {_error_text(line.encode())}")
             msg = obj.get("message")
             delta = msg.get("content") if isinstance(msg, dict) else None
             delta = delta if isinstance(delta, str) else ""
             if obj.get("done") is True:
-                yield delta, (_count(obj.get("prompt_eval_count")), _count(obj.get("eval_count")))
+                yield delta, (token_count(obj.get("prompt_eval_count")), token_count(obj.get("eval_count")))
                 return
             yield delta, None
         raise AgentError(ErrorCode.EPROTO, "stream ended without a done: true line")
-
-
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _error_text(body: bytes) -> str:

@@ -35,40 +35,42 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import os
 import re
-from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
-from fractions import Fraction
 from typing import Any
 
 import httpx
-import httpx_sse
 import msgspec
 import trio
 
-from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
-from atp.adapters.context import (
-    META_KEY,
-    forwarded_context,
-    prompt_context,
-    scrub_error,
+from atp.adapters.base import (
+    CHARS_PER_TOKEN,
+    CallStats,
+    Fragment,
+    Prompt,
+    estimate_tokens,
+    usd_micros,
 )
+from atp.adapters.context import META_KEY, forwarded_context, prompt_context
 from atp.adapters.http import (
     NO_RETRY,
+    HTTPNextHop,
     RetryPolicy,
+    env_secret,
+    json_object,
     open_stream,
     retry_after_ms,
+    sse_data,
     status_error,
     transport_error,
 )
-from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
+from atp.consensus.types import AgentFinding, AgentReport, Severity
 from atp.review.diff import FileDiff, parse_diff
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
 __all__ = [
+    "CHARS_PER_TOKEN",
     "CONTEXT_PROMPT",
     "SYSTEM_PROMPT",
     "CallStats",
@@ -80,9 +82,6 @@ __all__ = [
     "usd_micros",
 ]
 
-#: Tokens are estimated as characters / 4 where no tokenizer is at hand (the
-#: usual rule of thumb for English and code with BPE vocabularies).
-CHARS_PER_TOKEN = 4
 #: Per-message framing tokens of the chat template (role markers, separators).
 _MSG_OVERHEAD = 4
 _MAX_FINDINGS = 100
@@ -106,43 +105,7 @@ CONTEXT_PROMPT = (
 )
 
 
-def estimate_tokens(chars: int) -> int:
-    """Tokens for ``chars`` characters by the chars/4 rule, rounded up."""
-    return -(-chars // CHARS_PER_TOKEN)
-
-
-def usd_micros(in_tokens: int, out_tokens: int, cost_in_per_mtok: float, cost_out_per_mtok: float) -> int:
-    """Price of a call in USD micros. A cost in USD per 1M tokens is numerically USD
-    micros per token; the decimal costs are taken exactly (``Fraction(str(x))``) and
-    the total is rounded up, so the budget governor never under-counts spend."""
-    return math.ceil(in_tokens * Fraction(str(cost_in_per_mtok)) + out_tokens * Fraction(str(cost_out_per_mtok)))
-
-
-class CallStats:
-    """Outcomes of the last ``size`` calls of a next-hop, summarised as
-    :class:`Health` (p95 latency in ms by nearest rank, error rate 0..1). Pure:
-    callers pass the measured latency."""
-
-    def __init__(self, size: int = 100) -> None:
-        self._calls: deque[tuple[float, bool]] = deque(maxlen=size)
-        self._up = True
-
-    def record(self, latency_ms: float, *, ok: bool, down: bool = False) -> None:
-        """Add one call; ``down`` marks the next-hop unreachable until a call that
-        is not ``down`` is recorded."""
-        self._calls.append((latency_ms, ok))
-        self._up = not down
-
-    def health(self) -> Health:
-        if not self._calls:
-            return Health(up=self._up)
-        lat = sorted(ms for ms, _ in self._calls)
-        p95 = lat[max(0, math.ceil(0.95 * len(lat)) - 1)]
-        errors = sum(1 for _, ok in self._calls if not ok)
-        return Health(p95_ms=p95, error_rate=errors / len(self._calls), up=self._up)
-
-
-class ChatModelAdapter(ProviderAdapter):
+class ChatModelAdapter(HTTPNextHop):
     """Base of the chat-model next-hops (OpenAI-compatible, Ollama, Gemini): the
     review conversation, preflight, usage → USD micros, health, errors; a subclass
     supplies the wire (:meth:`_request`, :meth:`_decode`, :meth:`_auth`,
@@ -193,7 +156,6 @@ class ChatModelAdapter(ProviderAdapter):
         self.cost_out_per_mtok = cost_out_per_mtok
         self.max_out_tokens = max_out_tokens
         self.temperature = temperature
-        self.timeout_ms = timeout_ms
         self.ctx_tokens = ctx_tokens
         self.strengths = list(strengths)
         self.json_mode = json_mode
@@ -201,9 +163,7 @@ class ChatModelAdapter(ProviderAdapter):
         self.retry = retry
         self._api_key = api_key
         self._api_key_env = api_key_env
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
-        self._stats = CallStats()
+        self._init_http(timeout_ms=timeout_ms, transport=transport, base_url=self.base_url)
 
     # -- ProviderAdapter -----------------------------------------------------------
 
@@ -215,18 +175,8 @@ class ChatModelAdapter(ProviderAdapter):
         (chars/4, at most ``ctx_tokens - max_out_tokens``), output tokens =
         ``max_out_tokens`` (the worst case), USD from the configured costs."""
         in_tokens = self._count(self.messages(prompt))
-        micros = usd_micros(in_tokens, self.max_out_tokens, self.cost_in_per_mtok, self.cost_out_per_mtok)
+        micros = self._price(in_tokens, self.max_out_tokens)
         return CostEstimate(in_tokens=in_tokens, out_tokens=self.max_out_tokens, usd=micros / 1_000_000)
-
-    def health(self) -> Health:
-        """p95 latency (ms) and error rate over the last ~100 calls; ``up`` is false
-        after a call found the server unreachable."""
-        return self._stats.health()
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
 
     async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
         """PARTIAL fragments (text deltas, cumulative usage so far, estimated until
@@ -260,14 +210,12 @@ class ChatModelAdapter(ProviderAdapter):
                     if delta:
                         parts.append(delta)
                         chars += len(delta)
-                        yield Fragment(
-                            type=PayloadType.PARTIAL, content=delta, usage=self._usage(est_in, chars, (None, None))
-                        )
+                        yield Fragment(type=PayloadType.PARTIAL, content=delta, usage=self._usage(est_in, chars))
         except AgentError as e:
             raise self._fail(e, t0, secrets) from None
         except httpx.HTTPError as e:
             raise self._fail(transport_error(e, self.base_url, self.timeout_ms), t0, secrets) from None
-        self._stats.record((trio.current_time() - t0) * 1000, ok=True)
+        self._succeeded(t0)
         findings, summary = parse_review("".join(parts), prompt.content)
         yield Fragment(
             type=PayloadType.FINAL,
@@ -319,41 +267,16 @@ class ChatModelAdapter(ProviderAdapter):
         return status_error(response, body)
 
     def _key(self) -> str | None:
-        key = self._api_key
-        if key is None and self._api_key_env is not None:
-            key = os.environ.get(self._api_key_env)
-            if not key:
-                raise AgentError(ErrorCode.EAGENTDOWN, f"API key variable {self._api_key_env} is not set")
-        return key
+        if self._api_key is None and self._api_key_env is not None:
+            return env_secret(self._api_key_env, "API key")
+        return self._api_key
 
     def _auth(self) -> dict[str, str]:
         key = self._key()
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    # -- HTTP ----------------------------------------------------------------------
-
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            t = self.timeout_ms / 1000
-            self._client = httpx.AsyncClient(
-                base_url=self.base_url,
-                timeout=httpx.Timeout(t, connect=min(t, 10.0)),
-                transport=self._transport,
-            )
-        return self._client
-
-    def _usage(self, est_in: int, out_chars: int, reported: tuple[int | None, int | None]) -> Usage:
-        # Until (or unless) the server reports usage, count the prompt as estimated
-        # and the output as chars/4: a stream cut short is still charged.
-        in_tok = reported[0] if reported[0] is not None else est_in
-        out_tok = reported[1] if reported[1] is not None else estimate_tokens(out_chars)
-        return Usage(in_tok, out_tok, usd_micros(in_tok, out_tok, self.cost_in_per_mtok, self.cost_out_per_mtok))
-
-    def _fail(self, e: AgentError, t0: float, secrets: Iterable[str] = ()) -> AgentError:
-        e.agent = e.agent or self.name
-        scrub_error(e, secrets)
-        self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=e.code is ErrorCode.EAGENTDOWN)
-        return e
+    def _price(self, in_tokens: int, out_tokens: int) -> int:
+        return usd_micros(in_tokens, out_tokens, self.cost_in_per_mtok, self.cost_out_per_mtok)
 
 
 class OpenAICompatAdapter(ChatModelAdapter):
@@ -379,22 +302,14 @@ class OpenAICompatAdapter(ChatModelAdapter):
         return "POST", "/chat/completions", {"json": body, "headers": self._auth()}
 
     async def _decode(self, response: httpx.Response) -> AsyncIterator[tuple[str, tuple[int | None, int | None] | None]]:
-        try:
-            async with contextlib.aclosing(httpx_sse.EventSource(response).aiter_sse()) as events:
-                async for event in events:
-                    if event.data.strip() == "[DONE]":
-                        return
-                    yield self._decode_chunk(event.data)
-        except httpx_sse.SSEError as e:
-            raise AgentError(ErrorCode.EPROTO, f"not an SSE stream: {e}") from None
+        async with contextlib.aclosing(sse_data(response)) as events:
+            async for data in events:
+                if data.strip() == "[DONE]":
+                    return
+                yield self._decode_chunk(data)
 
     def _decode_chunk(self, data: str) -> tuple[str, tuple[int, int] | None]:
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            raise AgentError(ErrorCode.EPROTO, f"bad JSON in SSE data: {data[:120]!r}") from None
-        if not isinstance(obj, dict):
-            raise AgentError(ErrorCode.EPROTO, f"SSE data is not a JSON object: {data[:120]!r}")
+        obj = json_object(data)
         if "error" in obj:
             # Servers report failures that happen mid-stream in-band.
             err = obj["error"]

@@ -42,10 +42,13 @@ Errors::
 
     MQTTError            a refused operation (SUBACK/PUBACK failure code, payload too large)
     └── ConnectError     could not connect (refused, TLS failure, CONNACK failure code)
+
+Also :func:`first_of`, which returns as soon as one of several ``trio.Event`` s is set.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import ssl
@@ -75,6 +78,7 @@ __all__ = [
     "MQTTError",
     "Message",
     "Will",
+    "first_of",
     "open_mqtt_client",
     "parse_broker_url",
     "tls_context",
@@ -312,7 +316,7 @@ class MQTTClient:
         while not (self._connected.is_set() and self._connections > newer_than):
             if self._closing:
                 raise MQTTError("client is closed")
-            await _first_of(self._connected if not self._connected.is_set() else self._new_connection, self._closed)
+            await first_of(self._connected if not self._connected.is_set() else self._new_connection, self._closed)
         return self._connections
 
     def statistics(self) -> ClientStatistics:
@@ -376,32 +380,17 @@ class MQTTClient:
         did not keep the session. Raises MQTTError on a SUBACK failure code."""
         sub = _Sub(qos, no_local, retain_as_published)
         self._subs[topic] = sub
-        while True:
-            await self.wait_connected()
-            rc, mid = self._paho.subscribe(topic, options=self._options(sub))
-            if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
-                await trio.lowlevel.checkpoint()
-                continue
-            waiter = await self._await_ack(self._sub_waiters, mid)
-            if waiter.lost:
-                continue  # connection dropped before the SUBACK: subscribe again
-            code: ReasonCode = waiter.result[0]
-            if code.is_failure:
-                self._subs.pop(topic, None)
-                raise MQTTError(f"subscription to {topic!r} refused: {code.getName()}")
-            return int(code.value)
+        waiter = await self._acked(lambda: self._paho.subscribe(topic, options=self._options(sub)))
+        code: ReasonCode = waiter.result[0]
+        if code.is_failure:
+            self._subs.pop(topic, None)
+            raise MQTTError(f"subscription to {topic!r} refused: {code.getName()}")
+        return int(code.value)
 
     async def unsubscribe(self, topic: str) -> None:
         """Remove the subscription ``topic``; returns after the UNSUBACK."""
         self._subs.pop(topic, None)
-        while True:
-            await self.wait_connected()
-            rc, mid = self._paho.unsubscribe(topic)
-            if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
-                await trio.lowlevel.checkpoint()
-                continue
-            if not (await self._await_ack(self._sub_waiters, mid)).lost:
-                return
+        await self._acked(lambda: self._paho.unsubscribe(topic))
 
     async def round_trip(self) -> None:
         """One request/answer exchange with the broker (an UNSUBSCRIBE of a filter
@@ -409,14 +398,7 @@ class MQTTClient:
         this returns every message it sent before — e.g. the retained messages that
         follow a SUBACK — has been read and queued for :attr:`messages`."""
         topic = f"atp/round-trip/{uuid.uuid4().hex}"
-        while True:
-            await self.wait_connected()
-            rc, mid = self._paho.unsubscribe(topic)
-            if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
-                await trio.lowlevel.checkpoint()
-                continue
-            if not (await self._await_ack(self._sub_waiters, mid)).lost:
-                return
+        await self._acked(lambda: self._paho.unsubscribe(topic))
 
     async def disconnect(self, timeout_s: float = 2.0) -> None:
         """Graceful close: send DISCONNECT (the broker then drops the Will), stop the
@@ -511,7 +493,7 @@ class MQTTClient:
                 nursery.start_soon(self._writer, sock)
                 nursery.start_soon(self._misc, sock)
                 with trio.move_on_after(self.connect_timeout_s) as timer:
-                    await _first_of(self._connack, self._conn_lost)
+                    await first_of(self._connack, self._conn_lost)
                 rc = self._connack_rc
                 if rc is None or rc.is_failure:
                     why = rc.getName() if rc is not None else ("no CONNACK in time" if timer.cancelled_caught
@@ -603,6 +585,20 @@ class MQTTClient:
                 w.lost = lost
                 w.event.set()
 
+    async def _acked(self, send: Callable[[], tuple[MQTTErrorCode, int | None]]) -> _Waiter:
+        """Send a SUBSCRIBE or UNSUBSCRIBE with ``send`` once connected and return
+        the waiter its SUBACK / UNSUBACK answered; sent again on the next connection
+        when the connection drops before the answer."""
+        while True:
+            await self.wait_connected()
+            rc, mid = send()
+            if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
+                await trio.lowlevel.checkpoint()
+                continue
+            waiter = await self._await_ack(self._sub_waiters, mid)
+            if not waiter.lost:
+                return waiter
+
     async def _await_ack(self, table: dict[int, _Waiter], mid: int) -> _Waiter:
         waiter = table.setdefault(mid, _Waiter())
         try:
@@ -621,12 +617,12 @@ class MQTTClient:
         if self._overflow:
             self._overflow.append(msg)
             return
-        try:
-            self._send.send_nowait(msg)
-        except trio.WouldBlock:
-            self._overflow.append(msg)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # nobody consumes any more: the client is closing
+        # A closed channel means nobody consumes any more: the client is closing.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            try:
+                self._send.send_nowait(msg)
+            except trio.WouldBlock:
+                self._overflow.append(msg)
 
     # ------------------------------------------------------------------ paho callbacks
     # All but the socket ones run in the trio thread (inside loop_read/loop_write/
@@ -645,7 +641,7 @@ class MQTTClient:
             ev.set()
 
     def _on_socket_unregister_write(self, client: Any, userdata: Any, sock: Any) -> None:
-        pass  # the writer re-checks want_write() itself
+        """Nothing to do: the writer re-checks ``want_write()`` itself."""
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, rc: ReasonCode, properties: Any) -> None:
         self._connack_rc = rc
@@ -686,7 +682,7 @@ class MQTTClient:
     _on_unsubscribe = _on_subscribe
 
 
-async def _first_of(*events: trio.Event) -> None:
+async def first_of(*events: trio.Event) -> None:
     """Return as soon as any of ``events`` is set."""
     async with trio.open_nursery() as nursery:
         for ev in events:

@@ -15,8 +15,6 @@ with that one fault.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import json
 import math
@@ -50,6 +48,7 @@ from atp.policy.rib import AgentSpec
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import PayloadType
 from tests.conftest import start_router
+from tests.replay_server import Replay, serve
 
 EXAMPLE = json.loads(Path("/work/shared/specs/agent-context-message.example.json").read_text())
 AFTER = "import os\n\n\ndef run(cmd, seen=[]):\n    seen.append(cmd)\n    return os.system(cmd)\n"
@@ -338,55 +337,19 @@ def test_decoder_bare_error_first_is_a_refused_request() -> None:
 # --- HTTP layer: retries and answers that are not SSE (loopback replay) --------------------
 
 
-class Replay:
-    """A loopback HTTP/1.1 server answering each request with the next scripted
-    answer (raw bytes after the status line's headers are built here)."""
-
-    def __init__(self) -> None:
-        self.answers: list[tuple[int, dict[str, str], bytes]] = []
-        self.requests: list[dict[str, Any]] = []
-        self.times: list[float] = []
-        self.port = 0
-
-    async def handle(self, stream: trio.SocketStream) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = await stream.receive_some(65536)
-            if not chunk:
-                return
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        m = re.search(rb"content-length:\s*(\d+)", head, re.IGNORECASE)
-        while m and len(body) < int(m[1]):
-            body += await stream.receive_some(65536)
-        self.requests.append(json.loads(body))
-        self.times.append(trio.current_time())
-        status, headers, payload = self.answers.pop(0)
-        lines = [f"HTTP/1.1 {status} X", f"content-length: {len(payload)}", "connection: close"]
-        lines += [f"{k}: {v}" for k, v in headers.items()]
-        # A client that gives up early closes first: not a server fault.
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await stream.send_all(("\r\n".join(lines) + "\r\n\r\n").encode() + payload)
-            await stream.aclose()
-
-
 def sse_body(events: list[dict[str, Any]]) -> bytes:
     return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events)
 
 
 @pytest.fixture
 async def replay(nursery: trio.Nursery) -> Replay:
-    r = Replay()
-    listeners = await nursery.start(functools.partial(trio.serve_tcp, r.handle, 0, host="127.0.0.1"))
-    r.port = listeners[0].socket.getsockname()[1]
-    return r
+    """Replays agentscope's wire shape: each answer one ``content-length`` body."""
+    return await serve(nursery, Replay(chunked=False))
 
 
 async def test_503_is_retried_with_backoff_then_succeeds(replay: Replay) -> None:
-    replay.answers = [
-        (503, {"retry-after": "0.3"}, b"busy"),
-        (200, {"content-type": "text/event-stream"}, sse_body(GOOD)),
-    ]
+    replay.add(503, {"retry-after": "0.3"}, [b"busy"])
+    replay.add(200, {"content-type": "text/event-stream"}, [sse_body(GOOD)])
     adapter = AgentApiAdapter("r", url=f"http://127.0.0.1:{replay.port}",
                               retry=RetryPolicy(retries=2, base_ms=10, jitter=False))  # fmt: skip
     [*_, final] = await collect(adapter)
@@ -396,7 +359,7 @@ async def test_503_is_retried_with_backoff_then_succeeds(replay: Replay) -> None
 
 
 async def test_long_retry_after_is_passed_up_not_slept(replay: Replay) -> None:
-    replay.answers = [(429, {"retry-after": "30"}, b'{"detail":"slow down"}')]
+    replay.add(429, {"retry-after": "30"}, [b'{"detail":"slow down"}'])
     adapter = AgentApiAdapter("r", url=f"http://127.0.0.1:{replay.port}")
     with trio.fail_after(5):
         with pytest.raises(AgentError) as e:
@@ -406,7 +369,7 @@ async def test_long_retry_after_is_passed_up_not_slept(replay: Replay) -> None:
 
 
 async def test_500_is_not_retried_and_json_answers_are_events(replay: Replay) -> None:
-    replay.answers = [(500, {}, b"run crashed")]
+    replay.add(500, {}, [b"run crashed"])
     adapter = AgentApiAdapter(
         "r", url=f"http://127.0.0.1:{replay.port}", retry=RetryPolicy(base_ms=1, statuses=DEFAULT_RETRY.statuses)
     )
@@ -415,7 +378,7 @@ async def test_500_is_not_retried_and_json_answers_are_events(replay: Replay) ->
     assert e.value.code is ErrorCode.EAGENTDOWN and len(replay.requests) == 1  # the run may have happened
     # A non-streamed answer (one JSON AgentResponse) is decoded as a single event.
     done = resp(None, "completed", output=[message(None, "completed", '{"findings": []}')])
-    replay.answers = [(200, {"content-type": "application/json"}, json.dumps(done).encode())]
+    replay.add(200, {"content-type": "application/json"}, [json.dumps(done).encode()])
     [final] = await collect(adapter)
     await adapter.aclose()
     assert final.type is PayloadType.FINAL and final.content == AgentReport()

@@ -18,12 +18,9 @@ loopback socket that replays the shapes the Gemini API documents, event by event
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import math
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +37,7 @@ from atp.consensus.types import Severity, Usage
 from atp.policy.rib import AgentSpec, ModelSpec
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import PayloadType
+from tests.replay_server import Replay, serve
 
 EXAMPLE = json.loads(Path("/work/shared/specs/agent-context-message.example.json").read_text())
 AFTER = "def load(path):\n    return eval(open(path).read())\n"
@@ -84,54 +82,9 @@ KEY_INVALID = {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "A
                "domain": "googleapis.com", "metadata": {"service": "generativelanguage.googleapis.com"}}  # fmt: skip
 
 
-class Replay:
-    """Loopback HTTP/1.1 server: each request gets the next scripted answer
-    ``(status, headers, chunks)``, chunk by chunk (chunked transfer encoding)."""
-
-    def __init__(self) -> None:
-        self.answers: list[tuple[int, dict[str, str], Sequence[bytes]]] = []
-        self.requests: list[tuple[str, dict[str, Any]]] = []
-        self.times: list[float] = []
-        self.port = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1beta"
-
-    def add(self, status: int, headers: dict[str, str], chunks: Sequence[bytes]) -> None:
-        self.answers.append((status, headers, chunks))
-
-    async def handle(self, stream: trio.SocketStream) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = await stream.receive_some(65536)
-            if not chunk:
-                return
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        m = re.search(rb"content-length:\s*(\d+)", head, re.IGNORECASE)
-        while m and len(body) < int(m[1]):
-            body += await stream.receive_some(65536)
-        self.requests.append((head.decode("latin-1"), json.loads(body or b"{}")))
-        self.times.append(trio.current_time())
-        status, headers, chunks = self.answers.pop(0)
-        lines = [f"HTTP/1.1 {status} X", "transfer-encoding: chunked", "connection: close"]
-        lines += [f"{k}: {v}" for k, v in headers.items()]
-        # A client that gives up early (a refused content type) closes first: not a server fault.
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await stream.send_all(("\r\n".join(lines) + "\r\n\r\n").encode())
-            for c in chunks:
-                await stream.send_all(b"%x\r\n%s\r\n" % (len(c), c))
-            await stream.send_all(b"0\r\n\r\n")
-            await stream.aclose()
-
-
 @pytest.fixture
 async def peer(nursery: trio.Nursery) -> Replay:
-    r = Replay()
-    listeners = await nursery.start(functools.partial(trio.serve_tcp, r.handle, 0, host="127.0.0.1"))
-    r.port = listeners[0].socket.getsockname()[1]
-    return r
+    return await serve(nursery, Replay(path="/v1beta"))
 
 
 @pytest.fixture(autouse=True)

@@ -16,12 +16,8 @@ chunk by chunk (``transfer-encoding: chunked``, one NDJSON line per chunk):
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import math
-import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +34,7 @@ from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
 from atp.policy.rib import AgentSpec, ModelSpec
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import PayloadType
+from tests.replay_server import Replay, serve
 
 EXAMPLE = json.loads(Path("/work/shared/specs/agent-context-message.example.json").read_text())
 AFTER = "import os\n\n\ndef run(cmd):\n    return os.system(cmd)\n"
@@ -76,57 +73,9 @@ def done(prompt_eval_count: int | None = 26, eval_count: int = 282) -> bytes:
     return json.dumps(obj).encode() + b"\n"
 
 
-class Replay:
-    """Loopback HTTP/1.1 server: each request gets the next scripted answer
-    ``(status, headers, chunks, stall)``; chunks go out one by one with chunked
-    transfer encoding; ``stall`` keeps the connection open afterwards."""
-
-    def __init__(self) -> None:
-        self.answers: list[tuple[int, dict[str, str], Sequence[bytes], bool]] = []
-        self.requests: list[tuple[str, dict[str, Any]]] = []
-        self.times: list[float] = []
-        self.port = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def add(self, status: int, headers: dict[str, str], chunks: Sequence[bytes], *, stall: bool = False) -> None:
-        self.answers.append((status, headers, chunks, stall))
-
-    async def handle(self, stream: trio.SocketStream) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = await stream.receive_some(65536)
-            if not chunk:
-                return
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        m = re.search(rb"content-length:\s*(\d+)", head, re.IGNORECASE)
-        while m and len(body) < int(m[1]):
-            body += await stream.receive_some(65536)
-        self.requests.append((head.decode("latin-1"), json.loads(body or b"{}")))
-        self.times.append(trio.current_time())
-        status, headers, chunks, stall = self.answers.pop(0)
-        lines = [f"HTTP/1.1 {status} X", "transfer-encoding: chunked", "connection: close"]
-        lines += [f"{k}: {v}" for k, v in headers.items()]
-        # A client that gives up early (a refused content type) closes first: not a server fault.
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await stream.send_all(("\r\n".join(lines) + "\r\n\r\n").encode())
-            for c in chunks:
-                await stream.send_all(b"%x\r\n%s\r\n" % (len(c), c))
-            if stall:
-                await trio.sleep_forever()
-            await stream.send_all(b"0\r\n\r\n")
-            await stream.aclose()
-
-
 @pytest.fixture
 async def peer(nursery: trio.Nursery) -> Replay:
-    r = Replay()
-    listeners = await nursery.start(functools.partial(trio.serve_tcp, r.handle, 0, host="127.0.0.1"))
-    r.port = listeners[0].socket.getsockname()[1]
-    return r
+    return await serve(nursery, Replay())
 
 
 def adapter(peer: Replay, **kw: Any) -> OllamaAdapter:

@@ -11,11 +11,10 @@ Also here: the registry's model factories and the ScriptedAdapter test helper.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -40,6 +39,7 @@ from atp.policy.rib import AgentSpec, ModelSpec
 from atp.review.diff import parse_diff
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import CostEstimate, PayloadType
+from tests.replay_server import Behaviour, LoopbackHTTP, serve
 
 AFTER = "import os\n\n\ndef run(cmd):\n    return os.system(cmd)\n\n\ndef main():\n    run(input())\n"
 DIFF = """\
@@ -176,40 +176,6 @@ async def test_connect_error_is_agentdown() -> None:
 
 # --- a raw HTTP peer for failure shapes -------------------------------------------------
 
-Behaviour = Callable[[trio.SocketStream], Awaitable[None]]
-
-
-class RawPeer:
-    """A minimal HTTP/1.1 server on a real socket: records each request (head,
-    JSON body) and answers with the current ``behaviour``."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, dict]] = []
-        self.behaviour: Behaviour = sse([])
-        self.port = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    async def handle(self, stream: trio.SocketStream) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = await stream.receive_some(65536)
-            if not chunk:
-                return
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        m = re.search(rb"content-length:\s*(\d+)", head, re.I)
-        while m and len(body) < int(m[1]):
-            body += await stream.receive_some(65536)
-        self.requests.append((head.decode("latin-1"), json.loads(body or b"{}")))
-        try:
-            await self.behaviour(stream)
-        finally:
-            await stream.aclose()
-
-
 def sse(events: list[str], *, close: bool = True) -> Behaviour:
     async def behaviour(stream: trio.SocketStream) -> None:
         await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
@@ -242,14 +208,12 @@ def chunk(content: str | None = None, usage: dict | None = None) -> str:
 
 
 @pytest.fixture
-async def peer(nursery: trio.Nursery) -> RawPeer:
-    p = RawPeer()
-    listeners = await nursery.start(functools.partial(trio.serve_tcp, p.handle, 0, host="127.0.0.1"))
-    p.port = listeners[0].socket.getsockname()[1]
-    return p
+async def peer(nursery: trio.Nursery) -> LoopbackHTTP:
+    """A raw HTTP/1.1 peer: records each request and answers with ``peer.behaviour``."""
+    return await serve(nursery, LoopbackHTTP(sse([]), path="/v1"))
 
 
-def _adapter(peer: RawPeer, **kw: Any) -> OpenAICompatAdapter:
+def _adapter(peer: LoopbackHTTP, **kw: Any) -> OpenAICompatAdapter:
     args: dict[str, Any] = dict(
         base_url=peer.url, model="m", cost_in_per_mtok=2.5, cost_out_per_mtok=10.0, max_out_tokens=256,
         timeout_ms=2000, ctx_tokens=4096,
@@ -258,7 +222,7 @@ def _adapter(peer: RawPeer, **kw: Any) -> OpenAICompatAdapter:
     return OpenAICompatAdapter("peer", **args)
 
 
-async def test_request_shape_and_reported_usage(peer: RawPeer) -> None:
+async def test_request_shape_and_reported_usage(peer: LoopbackHTTP) -> None:
     answer = json.dumps(
         {
             "findings": [
@@ -327,7 +291,7 @@ async def test_request_shape_and_reported_usage(peer: RawPeer) -> None:
     ids=["429-s", "429-ms", "503", "401", "408", "400", "not-sse", "bad-json", "in-band-error", "stall"],
 )
 async def test_failures_map_to_spec_codes(
-    peer: RawPeer, behaviour: Behaviour, code: ErrorCode, retry_ms: int | None
+    peer: LoopbackHTTP, behaviour: Behaviour, code: ErrorCode, retry_ms: int | None
 ) -> None:
     peer.behaviour = behaviour
     adapter = _adapter(peer, timeout_ms=500)
@@ -338,7 +302,7 @@ async def test_failures_map_to_spec_codes(
     assert adapter.health().error_rate == 1.0 and adapter.health().up is (code is not ErrorCode.EAGENTDOWN)
 
 
-async def test_dropped_connection_mid_stream_is_agentdown(peer: RawPeer) -> None:
+async def test_dropped_connection_mid_stream_is_agentdown(peer: LoopbackHTTP) -> None:
     async def drop(stream: trio.SocketStream) -> None:
         # Chunked encoding cut before its terminating chunk: the peer died mid-answer.
         await stream.send_all(
@@ -360,7 +324,7 @@ async def test_dropped_connection_mid_stream_is_agentdown(peer: RawPeer) -> None
 
 
 async def test_missing_api_key_variable_is_agentdown_at_call_time(
-    peer: RawPeer, monkeypatch: pytest.MonkeyPatch
+    peer: LoopbackHTTP, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("ATP_TEST_KEY", raising=False)
     adapter = _adapter(peer, api_key_env="ATP_TEST_KEY")

@@ -20,32 +20,18 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import atp
-import atp.policy.rib
-from atp.adapters.registry import TOOL_FACTORIES
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentFinding, FinalResult, Severity
-from tests.conftest import SHARED, start_router
+from tests.helpers import golden, serve_scripted, start_router_on
 
-GOLDEN = SHARED / "golden" / "dev.jsonl"
 META = {"task_type": "code_review", "languages": ["py"]}
-
-
-def golden(task_id: str = "bugsinpy-thefuck-23") -> dict:
-    for line in GOLDEN.read_text().splitlines():
-        t = json.loads(line)
-        if t["id"] == task_id:
-            return {"diff": t["diff"], "files": t["files"]}
-    raise LookupError(task_id)
 
 
 @pytest.fixture
 def scripted(monkeypatch) -> dict[str, ScriptedAdapter]:
     """Agents ``tool: scripted`` in a RIB are served by the ScriptedAdapter put in
     this dict under the agent's name."""
-    adapters: dict[str, ScriptedAdapter] = {}
-    monkeypatch.setattr(atp.policy.rib, "TOOLS", atp.policy.rib.TOOLS | {"scripted"})
-    monkeypatch.setitem(TOOL_FACTORIES, "scripted", lambda name, agent: adapters[name])
-    return adapters
+    return serve_scripted(monkeypatch)
 
 
 def finding(line: int = 183, claim: str = "scripted finding") -> AgentFinding:
@@ -166,8 +152,7 @@ async def test_running_streams_finish_on_their_generation(nursery, tmp_path, scr
     slow = scripted["review.slow"] = ScriptedAdapter.returning(
         "review.slow", [finding(claim="from generation 1")], partials=["thinking"], delay_s=0.3
     )
-    rib = tmp_path / "rib.yaml"
-    rib.write_text("""
+    env = await start_router_on(nursery, tmp_path, """
 agents:
   review.slow: {layer: L2, tool: scripted, p95_ms: 300, timeout_ms: 10000, strengths: [code_review]}
 policies:
@@ -175,7 +160,6 @@ policies:
     match: {task_type: code_review}
     fanout: [review.slow]
 """)
-    env = await start_router(nursery, rib)
     async with atp.Client(env.url) as c:
         _, running = await c.open_stream(task=META, content=golden())
         _, syn_only = await c.open_stream(task=META)
@@ -232,8 +216,7 @@ async def test_concurrent_subscribers_see_the_same_events(nursery, tmp_path, scr
     scripted["review.slow"] = ScriptedAdapter.returning(
         "review.slow", [finding()], partials=["a", "b", "c"], delay_s=0.05
     )
-    rib = tmp_path / "rib.yaml"
-    rib.write_text("""
+    env = await start_router_on(nursery, tmp_path, """
 agents:
   review.slow: {layer: L2, tool: scripted, p95_ms: 300, strengths: [code_review]}
   lint.ruff: {layer: L1, tool: ruff, p95_ms: 200, strengths: [code_review]}
@@ -241,7 +224,6 @@ policies:
   - match: {task_type: code_review}
     fanout: [review.slow, lint.ruff]
 """)
-    env = await start_router(nursery, rib)
     seen: dict[int, list] = {}
 
     async def follow(i: int, c: atp.Client, st) -> None:
@@ -274,8 +256,7 @@ async def test_client_rst_stops_the_task_and_ends_the_stream(nursery, tmp_path, 
     """An RST from the client (spec §4.4) cancels the running next-hop call, ends
     the event log (followers return) and frees the stream; nothing answers it."""
     hang = scripted["review.hang"] = ScriptedAdapter.returning("review.hang", [], delay_s=3600)
-    rib = tmp_path / "rib.yaml"
-    rib.write_text("""
+    env = await start_router_on(nursery, tmp_path, """
 agents:
   review.hang: {layer: L2, tool: scripted, p95_ms: 300, timeout_ms: 3600000, strengths: [code_review]}
 policies:
@@ -283,7 +264,6 @@ policies:
     fanout: [review.hang]
     deadline_ms: 3600000
 """)
-    env = await start_router(nursery, rib)
     async with atp.Client(env.url) as c:
         _, st = await c.open_stream(task=META, content=golden())
         with trio.fail_after(5):

@@ -27,9 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import atp
-import atp.policy.rib
 from atp.adapters.base import Fragment, Prompt
-from atp.adapters.registry import TOOL_FACTORIES
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentReport, Usage
 from atp.policy.loader import load_rib_text
@@ -45,7 +43,7 @@ from atp.wire.frame import (
     PayloadType,
     QoS,
 )
-from tests.conftest import start_router
+from tests.helpers import serve_scripted, start_router_on
 from tests.unit.test_router_dispatch import CLEAN, META, scripted_agent
 from tests.unit.test_router_flow import (
     content_of,
@@ -61,10 +59,7 @@ from tests.unit.test_router_flow import (
 def scripted(monkeypatch) -> dict[str, ScriptedAdapter]:
     """RIB agents ``tool: scripted`` are served by the ScriptedAdapter stored here
     under the agent's name (built by the adapter registry like any tool next-hop)."""
-    adapters: dict[str, ScriptedAdapter] = {}
-    monkeypatch.setattr(atp.policy.rib, "TOOLS", atp.policy.rib.TOOLS | {"scripted"})
-    monkeypatch.setitem(TOOL_FACTORIES, "scripted", lambda name, agent: adapters[name])
-    return adapters
+    return serve_scripted(monkeypatch)
 
 
 BIG_WINDOW = {"max_parallel": 64, "max_tokens": 100_000_000, "max_usd_micros": 1_000_000_000}
@@ -171,8 +166,7 @@ async def _play(tmp_path, schedule: Schedule) -> None:
                     for i, t in enumerate(schedule.client_budgets)},
     }
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(atp.policy.rib, "TOOLS", atp.policy.rib.TOOLS | {"scripted"})
-        mp.setitem(TOOL_FACTORIES, "scripted", lambda name, agent: adapters[name])
+        serve_scripted(mp, adapters)
         async with serving(tmp_path, doc, slots=32, gold_reserved=4) as router:
             results: dict[int, list] = {}
             ctxs = {}
@@ -310,11 +304,9 @@ async def test_client_rst_mid_stream_commits_what_was_streamed(nursery, tmp_path
              for i in range(50)]
     frags.append(Fragment(type=PayloadType.FINAL, content=AgentReport(), usage=Usage(in_tokens=5000)))
     slow = scripted["m.slow"] = ScriptedAdapter("m.slow", frags, delay_s=0.05)
-    path = tmp_path / "rib.yaml"
-    path.write_text(json.dumps({"agents": {"m.slow": scripted_agent()},
-                                "policies": [{"name": "p", "match": {"task_type": "code_review"},
-                                              "fanout": ["m.slow"]}]}))
-    env = await start_router(nursery, path)
+    env = await start_router_on(nursery, tmp_path, {"agents": {"m.slow": scripted_agent()},
+                                                    "policies": [{"name": "p", "match": {"task_type": "code_review"},
+                                                                  "fanout": ["m.slow"]}]})
     async with atp.Client(env.url) as c:
         _, st = await c.open_stream(task=META, content=CLEAN)
         partials = 0
@@ -389,9 +381,7 @@ async def test_named_tokens_get_their_rib_budget_and_qos_max_and_reload_raises_i
     rib = {"agents": {"m.cost": scripted_agent()},
            "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.cost"]}],
            "clients": {"alice": {"budget": {"tokens": 500}, "qos_max": "silver"}}}
-    path = tmp_path / "rib.yaml"
-    path.write_text(json.dumps(rib))
-    env = await start_router(nursery, path, client_tokens={"alice": "tok-a"})
+    env = await start_router_on(nursery, tmp_path, rib, client_tokens={"alice": "tok-a"})
     async with atp.Client(env.url, "tok-a") as c:
         _, st = await c.open_stream(task=META, content=CLEAN, qos="gold")
         events = [ev async for ev in c.events(st)]

@@ -11,7 +11,6 @@ report), which no real local analyser can be made to do on demand.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import AsyncIterator
 
@@ -19,16 +18,14 @@ import pytest
 import trio
 
 import atp
-import atp.policy.rib
 from atp.adapters.base import Fragment, Prompt
-from atp.adapters.registry import TOOL_FACTORIES
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentFinding, Severity, Usage
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import CostEstimate, PayloadType
-from tests.conftest import SHARED, RouterEnv, start_router
+from tests.conftest import RouterEnv
+from tests.helpers import golden, serve_scripted, start_router_on
 
-GOLDEN = SHARED / "golden" / "dev.jsonl"
 META = {"task_type": "code_review", "languages": ["py"]}
 RUFF = {"layer": "L1", "tool": "ruff", "p95_ms": 200, "strengths": ["code_review"]}
 BANDIT = {"layer": "L1", "tool": "bandit", "p95_ms": 900, "strengths": ["code_review"]}
@@ -40,14 +37,6 @@ CLEAN = {
 }
 
 
-def golden(task_id: str = "bugsinpy-thefuck-23") -> dict:
-    for line in GOLDEN.read_text().splitlines():
-        t = json.loads(line)
-        if t["id"] == task_id:
-            return {"diff": t["diff"], "files": t["files"]}
-    raise LookupError(task_id)
-
-
 def scripted_agent(timeout_ms: int = 30_000) -> dict:
     return {"layer": "L2", "tool": "scripted", "p95_ms": 300, "timeout_ms": timeout_ms, "strengths": ["code_review"]}
 
@@ -56,18 +45,13 @@ def scripted_agent(timeout_ms: int = 30_000) -> dict:
 def scripted(monkeypatch) -> dict[str, ScriptedAdapter]:
     """RIB agents ``tool: scripted`` are served by the adapter stored here under
     the agent's name (built by the registry like any tool next-hop)."""
-    adapters: dict[str, ScriptedAdapter] = {}
-    monkeypatch.setattr(atp.policy.rib, "TOOLS", atp.policy.rib.TOOLS | {"scripted"})
-    monkeypatch.setitem(TOOL_FACTORIES, "scripted", lambda name, agent: adapters[name])
-    return adapters
+    return serve_scripted(monkeypatch)
 
 
 async def router_with(nursery, tmp_path, agents: dict, **policy) -> RouterEnv:
     """A router whose RIB has ``agents`` and one code_review policy (JSON is YAML)."""
     doc = {"agents": agents, "policies": [{"name": "p", "match": {"task_type": "code_review"}, **policy}]}
-    path = tmp_path / "rib.yaml"
-    path.write_text(json.dumps(doc))
-    return await start_router(nursery, path)
+    return await start_router_on(nursery, tmp_path, doc)
 
 
 async def run_stream(env: RouterEnv, content: dict | None = None, **open_kw) -> tuple[list[atp.Event], str]:

@@ -25,19 +25,10 @@ from peers import (  # tests/peers.py (tests/ is on sys.path via its conftest)
 
 import atp
 from atp.consensus.types import FinalResult
-from tests.conftest import SHARED, start_router
+from tests.helpers import golden, start_router_on
 
-GOLDEN = SHARED / "golden" / "dev.jsonl"
 COST_IN, COST_OUT = 0.5, 1.5  # USD per 1M tokens, i.e. USD micros per token
 META = {"task_type": "code_review", "languages": ["py"]}
-
-
-def golden(task_id: str = "bugsinpy-thefuck-23") -> dict:
-    for line in GOLDEN.read_text().splitlines():
-        t = json.loads(line)
-        if t["id"] == task_id:
-            return {"diff": t["diff"], "files": t["files"]}
-    raise LookupError(task_id)
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +59,7 @@ def rib(base_url: str) -> str:
 
 @pytest.mark.model
 async def test_model_next_hop_streams_partials_and_is_priced(nursery, tmp_path, llama_base_url):
-    path = tmp_path / "rib.yaml"
-    path.write_text(rib(llama_base_url))
-    env = await start_router(nursery, path)
+    env = await start_router_on(nursery, tmp_path, rib(llama_base_url))
     async with atp.Client(env.url) as c:
         _, st = await c.open_stream(task=META, content=golden())
         assert set(st.route["next_hops"]) == {"reviewer.local", "lint.ruff"}

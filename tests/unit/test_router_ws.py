@@ -24,20 +24,12 @@ from atp.wire import session as S
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import ErrorPayload, Flag, Frame, Payload, PayloadType, Window
-from tests.conftest import SHARED, start_router
+from tests.conftest import start_router
+from tests.helpers import golden
 
-GOLDEN = SHARED / "golden" / "dev.jsonl"
 META = {"task_type": "code_review", "languages": ["py"]}
 WINDOW = Window(max_parallel=4, max_tokens=100_000, max_usd_micros=1_000_000)
 SUBPROTOCOL = {"json": "atp.v1.json", "cbor": "atp.v1.cbor"}
-
-
-def golden(task_id: str = "bugsinpy-thefuck-23") -> dict:
-    for line in GOLDEN.read_text().splitlines():
-        t = json.loads(line)
-        if t["id"] == task_id:
-            return {"diff": t["diff"], "files": t["files"]}
-    raise LookupError(task_id)
 
 
 class Peer:

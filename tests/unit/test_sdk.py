@@ -27,19 +27,11 @@ import atp
 from atp.consensus.types import FinalResult
 from atp.wire.codec import FrameCodec
 from atp.wire.frame import Flag, Frame
-from tests.conftest import SHARED, start_router
+from tests.conftest import start_router
+from tests.helpers import golden
 
-GOLDEN = SHARED / "golden" / "dev.jsonl"
 META = {"task_type": "code_review", "languages": ["py"]}
 BUDGET = {"usd": 0.10, "tokens": 200_000}
-
-
-def golden(task_id: str) -> dict:
-    for line in GOLDEN.read_text().splitlines():
-        t = json.loads(line)
-        if t["id"] == task_id:
-            return {"diff": t["diff"], "files": t["files"]}
-    raise LookupError(task_id)
 
 
 async def test_golden_task_events_and_final_shape(router_env):
