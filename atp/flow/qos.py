@@ -22,6 +22,18 @@ The three classes of spec §9:
 * **bronze** shares by weight too, is preempted for gold, and may be dropped
   from the queue under congestion (:meth:`~QosScheduler.shed`).
 
+A slot is the first gate of a call, not the last: a call holding one may still
+wait for room at its next-hop (its per-agent window, spec §5.1). The caller says
+so with :meth:`~QosScheduler.block` / :meth:`~QosScheduler.unblock` and names
+the next-hop as the ticket's ``key``: a gold ticket blocked for
+``preempt_after_ms`` counts as gold kept waiting, and
+:meth:`~QosScheduler.preemptions` relieves it by preempting the youngest bronze
+call *running at the same next-hop* (a bronze ticket that is itself blocked holds
+no room there and is no such victim). A slot held by a blocked silver or bronze
+call is idle, so gold does not queue behind it: :meth:`~QosScheduler.reclaim`
+takes it back (:class:`Revoke` — no RST, nothing of the call had started; the
+ticket goes back to the head of its class queue) and grants it to gold.
+
 Weighted fair queuing by virtual finish times: each class ``c`` has a
 virtual finish time ``F_c``; every grant to ``c`` adds ``1 / weight_c``, and a
 freed slot goes to the eligible backlogged class with the smallest next
@@ -48,7 +60,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -104,8 +116,21 @@ class Preempt(Struct, frozen=True):
     code: ErrorCode = ErrorCode.EPREEMPT
 
 
+class Revoke(Struct, frozen=True):
+    """The slot of ``ticket`` — a silver or bronze call blocked at its next-hop,
+    not started — was given to gold (:meth:`QosScheduler.reclaim`). Not a
+    preemption: the ticket is queued again at the head of its class queue and
+    comes back as a :class:`Grant`; the caller withdraws the call from its
+    next-hop's queue and waits for that grant."""
+
+    ticket: int
+    stream_id: str
+    qos: QoS
+
+
 class ClassStatistics(Struct, frozen=True):
-    """One class: slots held and tickets waiting now; counts since creation."""
+    """One class: slots held and tickets waiting now (``blocked``: holding a
+    slot, waiting for their next-hop); counts since creation."""
 
     running: int
     queued: int
@@ -114,6 +139,8 @@ class ClassStatistics(Struct, frozen=True):
     cancelled: int
     preempted: int
     shed: int
+    blocked: int = 0
+    revoked: int = 0
 
 
 class QosStatistics(Struct, frozen=True):
@@ -139,6 +166,8 @@ class _Ticket:
     qos: QoS
     since: float  # request time while queued, grant time once running
     running: bool = False
+    key: str | None = None  # the next-hop the call goes to
+    blocked_since: float | None = None  # running, waiting for room at the next-hop
 
 
 @dataclass(slots=True)
@@ -148,6 +177,7 @@ class _Counts:
     cancelled: int = 0
     preempted: int = 0
     shed: int = 0
+    revoked: int = 0
 
 
 class QosScheduler:
@@ -200,13 +230,17 @@ class QosScheduler:
         self._running: dict[QoS, OrderedDict[int, _Ticket]] = {c: OrderedDict() for c in _CLASSES}
         self._tickets: dict[int, _Ticket] = {}
         self._preempting: set[int] = set()
+        # Gold tickets blocked at their next-hop, in blocking order (FIFO).
+        self._blocked_gold: OrderedDict[int, _Ticket] = OrderedDict()
+        self._n_blocked = dict.fromkeys(_CLASSES, 0)
         self._n_running = 0
         self._counts = {c: _Counts() for c in _CLASSES}
         self._sla_misses = 0
         self._next_ticket = itertools.count(1)
 
-    def request(self, stream_id: str, qos: QoS, now: float) -> Grant | Queued | Refused:
-        """Ask for one call slot for ``stream_id`` in class ``qos`` at ``now`` (s).
+    def request(self, stream_id: str, qos: QoS, now: float, *, key: str | None = None) -> Grant | Queued | Refused:
+        """Ask for one call slot for ``stream_id`` in class ``qos`` at ``now`` (s);
+        ``key`` names the next-hop the call goes to (see :meth:`block`).
 
         :class:`Grant` when a slot is free for the class and nobody of that
         class waits; else :class:`Queued` (FIFO in the class queue); else,
@@ -215,7 +249,7 @@ class QosScheduler:
         qos = QoS(qos)
         queue = self._queues[qos]
         if not queue and self._fits(qos):
-            t = _Ticket(next(self._next_ticket), stream_id, qos, now)
+            t = _Ticket(next(self._next_ticket), stream_id, qos, now, key=key)
             self._tickets[t.ticket] = t
             self._charge(qos)
             return self._start(t, now)
@@ -226,10 +260,79 @@ class QosScheduler:
             # The class becomes backlogged: it starts no earlier than the
             # virtual time, so credit is not hoarded while idle.
             self._finish[qos] = max(self._finish[qos], self._vtime)
-        t = _Ticket(next(self._next_ticket), stream_id, qos, now)
+        t = _Ticket(next(self._next_ticket), stream_id, qos, now, key=key)
         self._tickets[t.ticket] = t
         queue[t.ticket] = t
         return Queued(ticket=t.ticket, stream_id=stream_id, qos=qos)
+
+    def block(self, ticket: int, now: float) -> None:
+        """The call holding running ``ticket`` waits for room at its next-hop
+        (``key``) from ``now``: a blocked gold ticket is relieved by
+        :meth:`preemptions` after ``preempt_after_ms``. No-op if it is blocked
+        already, or not running: a preempted call's ticket may be cancelled
+        before the call itself sees its RST."""
+        t = self._tickets.get(ticket)
+        if t is not None and t.running and t.blocked_since is None:
+            t.blocked_since = now
+            self._n_blocked[t.qos] += 1
+            if t.qos is QoS.GOLD:
+                self._blocked_gold[ticket] = t
+
+    def unblock(self, ticket: int, now: float) -> None:
+        """The call holding ``ticket`` got its room at the next-hop at ``now``
+        (a gold ticket blocked longer than ``gold_sla_ms`` counts as an SLA
+        miss). No-op when it is not blocked or not known."""
+        t = self._tickets.get(ticket)
+        if t is None or t.blocked_since is None:
+            return
+        if t.qos is QoS.GOLD and (now - t.blocked_since) * 1000.0 > self.gold_sla_ms:
+            self._sla_misses += 1
+        self._clear_block(t)
+
+    def reclaim(self, now: float) -> tuple[list[Revoke], list[Grant]]:
+        """Give gold the slots of blocked silver and bronze calls (see the module
+        docstring): while gold waits for a slot and such a call exists, the
+        youngest blocked bronze (else silver) ticket not being preempted is
+        revoked — back at the head of its class queue, its WFQ charge refunded —
+        and its slot granted to the head gold ticket. Returns both lists."""
+        revoked: list[Revoke] = []
+        grants: list[Grant] = []
+        gold = self._queues[QoS.GOLD]
+        while gold and self._n_running >= self.capacity:
+            t = self._idle_victim()
+            if t is None:
+                break
+            self._clear_block(t)
+            del self._running[t.qos][t.ticket]
+            self._n_running -= 1
+            queue = self._queues[t.qos]
+            self._finish[t.qos] -= self._cost[t.qos]
+            if not queue:
+                self._finish[t.qos] = max(self._finish[t.qos], self._vtime)
+            t.running, t.since = False, now
+            queue[t.ticket] = t
+            queue.move_to_end(t.ticket, last=False)
+            self._counts[t.qos].revoked += 1
+            revoked.append(Revoke(ticket=t.ticket, stream_id=t.stream_id, qos=t.qos))
+            g = gold.popitem(last=False)[1]
+            self._finish[QoS.GOLD] += self._cost[QoS.GOLD]
+            grants.append(self._start(g, now))
+        self._advance_vtime()
+        return revoked, grants
+
+    def _idle_victim(self) -> _Ticket | None:
+        for c in (QoS.BRONZE, QoS.SILVER):
+            if self._n_blocked[c]:
+                for t in reversed(self._running[c].values()):
+                    if t.blocked_since is not None and t.ticket not in self._preempting:
+                        return t
+        return None
+
+    def _clear_block(self, t: _Ticket) -> None:
+        if t.blocked_since is not None:
+            t.blocked_since = None
+            self._n_blocked[t.qos] -= 1
+            self._blocked_gold.pop(t.ticket, None)
 
     def release(self, ticket: int, now: float) -> list[Grant]:
         """The call holding ``ticket`` ended at ``now``: free its slot and return
@@ -250,6 +353,7 @@ class QosScheduler:
         if t is None:
             return []
         self._counts[t.qos].cancelled += 1
+        self._clear_block(t)
         if t.running:
             return self._free(t, now)
         del self._queues[t.qos][ticket]
@@ -266,15 +370,16 @@ class QosScheduler:
         bronze ticket not yet preempted; none when no gold has waited that
         long. The caller RSTs each stream and calls :meth:`cancel` (or
         :meth:`release`) for the ticket; that slot then goes to gold first.
+        Then, for each gold ticket :meth:`block` ed at its next-hop for ≥
+        ``preempt_after_ms`` (and not covered by a preemption on its way at
+        that next-hop), the youngest bronze call running at that next-hop.
         """
         pending = len(self._preempting)
         available = len(self._running[QoS.BRONZE]) - pending
-        if available <= 0:
-            return []
         limit = self.preempt_after_ms / 1000.0
         # The first ``pending`` queued gold tickets are covered by slots
         # already on their way back.
-        candidates = itertools.islice(self._queues[QoS.GOLD].values(), pending, pending + available)
+        candidates = itertools.islice(self._queues[QoS.GOLD].values(), pending, pending + max(available, 0))
         victims = (t for t in reversed(self._running[QoS.BRONZE].values()) if t.ticket not in self._preempting)
         out: list[Preempt] = []
         for gold in candidates:
@@ -294,8 +399,52 @@ class QosScheduler:
             )
         # Marked only now: the generator above skips members of _preempting.
         self._preempting.update(p.ticket for p in out)
+        for gold, victim in self._relief():
+            if now < gold.blocked_since + limit:
+                break  # FIFO: everyone behind it was blocked later
+            out.append(
+                Preempt(
+                    stream_id=victim.stream_id,
+                    ticket=victim.ticket,
+                    reason=(
+                        f"preempted for gold stream {gold.stream_id!r}, waiting {(now - gold.blocked_since) * 1000.0:.0f}"
+                        f" ms for next-hop {gold.key} (preempt after {self.preempt_after_ms:g} ms, "
+                        f"SLA {self.gold_sla_ms:g} ms)"
+                    ),
+                    running=True,
+                )
+            )
+            self._preempting.add(victim.ticket)
         self._counts[QoS.BRONZE].preempted += len(out)
         return out
+
+    def _relief(self) -> Iterator[tuple[_Ticket, _Ticket]]:
+        """``(blocked gold, bronze victim)`` pairs, in blocking order: each gold
+        ticket blocked at next-hop ``key`` and not covered by a preemption still
+        on its way at that key, with the youngest bronze ticket running there
+        (not blocked, not preempted, not paired already). Gold without such a
+        victim is skipped: only silver or gold hold its next-hop."""
+        if not self._blocked_gold:
+            return
+        covered: dict[str | None, int] = {}
+        for ticket in self._preempting:
+            t = self._tickets.get(ticket)
+            if t is not None:
+                covered[t.key] = covered.get(t.key, 0) + 1
+        paired: set[int] = set()
+        for gold in self._blocked_gold.values():
+            if covered.get(gold.key, 0) > 0:
+                covered[gold.key] -= 1
+                continue
+            victim = next(
+                (t for t in reversed(self._running[QoS.BRONZE].values())
+                 if t.key == gold.key and t.blocked_since is None and t.ticket not in self._preempting
+                 and t.ticket not in paired),
+                None,
+            )
+            if victim is not None:
+                paired.add(victim.ticket)
+                yield gold, victim
 
     def shed(self, now: float) -> list[Preempt]:
         """Drop queued bronze tickets that have waited ≥ ``shed_after_ms`` while
@@ -329,8 +478,8 @@ class QosScheduler:
     def get_timer(self) -> float | None:
         """When (seconds, the clock of ``now``) :meth:`preemptions` or
         :meth:`shed` could next return something, or ``None`` if neither can
-        until the next ``request``/``release``/``cancel``. May lie in the
-        past: call them at once."""
+        until the next ``request``/``release``/``cancel``/``block``/``unblock``.
+        May lie in the past: call them at once."""
         deadlines: list[float] = []
         if len(self._running[QoS.BRONZE]) > len(self._preempting):
             gold = next(itertools.islice(self._queues[QoS.GOLD].values(), len(self._preempting), None), None)
@@ -339,6 +488,11 @@ class QosScheduler:
         bronze = self._queues[QoS.BRONZE]
         if self.shed_after_ms is not None and bronze and (self._queues[QoS.GOLD] or self._queues[QoS.SILVER]):
             deadlines.append(next(iter(bronze.values())).since + self.shed_after_ms / 1000.0)
+        # Only a blocked gold ticket with a victim at its next-hop: one without
+        # would be a deadline in the past that preemptions() never acts on.
+        relief = next(self._relief(), None)
+        if relief is not None:
+            deadlines.append(relief[0].blocked_since + self.preempt_after_ms / 1000.0)
         return min(deadlines, default=None)
 
     def statistics(self) -> QosStatistics:
@@ -351,6 +505,8 @@ class QosScheduler:
                 cancelled=n.cancelled,
                 preempted=n.preempted,
                 shed=n.shed,
+                blocked=self._n_blocked[c],
+                revoked=n.revoked,
             )
             for c, n in self._counts.items()
         }
@@ -398,6 +554,7 @@ class QosScheduler:
         return Grant(ticket=t.ticket, stream_id=t.stream_id, qos=t.qos, waited_ms=waited_ms)
 
     def _free(self, t: _Ticket, now: float) -> list[Grant]:
+        self._clear_block(t)
         del self._running[t.qos][t.ticket]
         del self._tickets[t.ticket]
         self._n_running -= 1

@@ -17,6 +17,9 @@ managers do — it *returns decisions* instead of acting:
 :class:`WindowTable` keeps one window per next-hop agent, shared by every stream
 that calls it, with the agent's own triplet (the RIB's ``agents.<name>.window``)
 or a default, and survives RIB reloads (AIMD state is kept; limits are adopted).
+Calls waiting for room in a next-hop window wait in its :class:`WindowQueue`
+(spec §9): gold first, then silver and bronze by weighted fair queuing, handed
+the room one at a time as it opens.
 
 The *effective window* is ``(min(floor(cwnd), max_parallel), max_tokens,
 max_usd_micros)``: limits on what may be outstanding, which is what a
@@ -42,13 +45,15 @@ Time is an argument (``now``, seconds); nothing here reads a clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping
 from fractions import Fraction
 from typing import Annotated
 
 from msgspec import Meta, Struct
 
 from atp.flow.budget import usd_to_micros
+from atp.flow.qos import DEFAULT_WEIGHTS
 from atp.wire.errors import ATPError, ErrorCode
 from atp.wire.frame import CostEstimate, QoS, WindowUpdate
 from atp.wire.frame import Window as WireWindow
@@ -308,6 +313,96 @@ class Window:
         return False
 
 
+_CLASSES = (QoS.GOLD, QoS.SILVER, QoS.BRONZE)
+
+
+class WindowQueue:
+    """Calls waiting for room in one :class:`Window`, admitted in class order
+    (spec §9): **gold first**; silver and bronze by weighted fair queuing (virtual
+    finish tags with ``weights``, as :class:`~atp.flow.qos.QosScheduler`: a class
+    that becomes backlogged starts at the virtual time, so idle time earns no
+    credit and neither class starves); FIFO within a class.
+
+    A hand-off, not a wake-up: :meth:`pump` accounts each call it admits on the
+    window itself (:meth:`Window.on_send`) and returns it, so the waiter it names
+    already holds its room and nobody else can take it first — one waiter per
+    freed room, no thundering herd. The pump stops at the first head that does
+    not fit, so a large call is not overtaken forever by smaller ones.
+    Call :meth:`pump` whenever room may have opened (a call completed or was
+    cancelled, the limits moved) and after :meth:`enqueue`.
+    """
+
+    def __init__(self, window: Window, *, weights: Mapping[QoS, float] = DEFAULT_WEIGHTS) -> None:
+        self.window = window
+        self._cost = {c: 1.0 / float(weights[c]) for c in _CLASSES}
+        self._finish = dict.fromkeys(_CLASSES, 0.0)
+        self._vtime = 0.0
+        self._queues: dict[QoS, OrderedDict[Hashable, Estimate]] = {c: OrderedDict() for c in _CLASSES}
+        self._class_of: dict[Hashable, QoS] = {}
+
+    def __len__(self) -> int:
+        return len(self._class_of)
+
+    def waiting(self, qos: QoS) -> int:
+        """Calls of class ``qos`` waiting now."""
+        return len(self._queues[qos])
+
+    def enqueue(self, key: Hashable, est: Estimate, qos: QoS) -> None:
+        """Queue a call of ``est`` in class ``qos`` under ``key`` (unique among the
+        waiting ones; raises ``ValueError`` if it waits already). It is admitted
+        by a later :meth:`pump`."""
+        if key in self._class_of:
+            raise ValueError(f"{key!r} is already waiting")
+        qos = QoS(qos)
+        queue = self._queues[qos]
+        if not queue:
+            self._finish[qos] = max(self._finish[qos], self._vtime)
+        queue[key] = est
+        self._class_of[key] = qos
+
+    def cancel(self, key: Hashable) -> bool:
+        """Withdraw a waiting call; ``False`` if ``key`` is not waiting (admitted
+        already, or unknown)."""
+        qos = self._class_of.pop(key, None)
+        if qos is None:
+            return False
+        del self._queues[qos][key]
+        self._advance_vtime()
+        return True
+
+    def pump(self) -> list[tuple[Hashable, InFlight]]:
+        """Admit waiting calls in class order while the head fits the window;
+        each is accounted on the window (its :class:`InFlight` returned with its
+        key, in admission order)."""
+        out: list[tuple[Hashable, InFlight]] = []
+        while (c := self._pick()) is not None:
+            queue = self._queues[c]
+            key, est = next(iter(queue.items()))
+            if not self.window.admit(est, qos=c).admitted:
+                break
+            del queue[key]
+            del self._class_of[key]
+            if c is not QoS.GOLD:
+                self._finish[c] += self._cost[c]
+            out.append((key, self.window.on_send(est, qos=c)))
+        self._advance_vtime()
+        return out
+
+    def _pick(self) -> QoS | None:
+        if self._queues[QoS.GOLD]:
+            return QoS.GOLD
+        best: QoS | None = None
+        best_tag = math.inf
+        for c in (QoS.SILVER, QoS.BRONZE):
+            if self._queues[c] and (tag := self._finish[c] + self._cost[c]) < best_tag:
+                best, best_tag = c, tag
+        return best
+
+    def _advance_vtime(self) -> None:
+        self._vtime = min((self._finish[c] for c in (QoS.SILVER, QoS.BRONZE) if self._queues[c]),
+                          default=self._vtime)
+
+
 class WindowTable:
     """One :class:`Window` per next-hop agent (spec §5.1 "per agent next-hop"),
     shared by every stream that calls it.
@@ -332,6 +427,7 @@ class WindowTable:
         self._interval = update_interval_ms
         self._delta = update_delta
         self._windows: dict[str, Window] = {}
+        self._queues: dict[str, WindowQueue] = {}
 
     def limits_of(self, agent: str) -> WireWindow:
         """The triplet ``agent``'s window uses (its own, else the default)."""
@@ -346,17 +442,31 @@ class WindowTable:
             )
         return w
 
+    def queue(self, agent: str) -> WindowQueue:
+        """The :class:`WindowQueue` of ``agent``'s window (created on first use)."""
+        q = self._queues.get(agent)
+        if q is None:
+            q = self._queues[agent] = WindowQueue(self.window(agent))
+        return q
+
     def configure(self, limits: Mapping[str, WireWindow | None]) -> None:
         """Adopt a new RIB: ``limits`` names every agent (value ``None``: the
-        default triplet). Existing windows keep their AIMD state and in-flight
-        calls (``cwnd`` is clamped into the new limits); idle windows of agents
-        gone from the RIB are dropped."""
+        default triplet). Existing windows keep their AIMD state, in-flight calls
+        and waiting calls (``cwnd`` is clamped into the new limits); idle windows
+        of agents gone from the RIB are dropped. Pump the queues afterwards: the
+        new limits may admit waiting calls."""
         self._limits = dict(limits)
         for agent, w in list(self._windows.items()):
-            if agent not in self._limits and w.in_flight == 0:
+            q = self._queues.get(agent)
+            if agent not in self._limits and w.in_flight == 0 and not q:
                 del self._windows[agent]
+                self._queues.pop(agent, None)
             else:
                 w.set_limits(self.limits_of(agent))
+
+    def agents(self) -> list[str]:
+        """Agents whose window exists now."""
+        return list(self._windows)
 
     def statistics(self) -> dict[str, WindowStatistics]:
         """:meth:`Window.statistics` of every agent window in use, by name."""

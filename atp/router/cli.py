@@ -2,12 +2,44 @@
 
     atp-router --policies policies/ [--host 127.0.0.1] [--http-port 7070] [--ws-port 7071]
 
+Flow control, liveness and resumption (defaults: :class:`~atp.router.core.RouterConfig`'s;
+spec §4.4, §5, §8, §9, §10):
+
+=============================  =======  ==================================================
+flag                           default  what
+=============================  =======  ==================================================
+``--window-update-ms N``       1000     WINDOW_UPDATE period (§5.4), ms
+``--window-update-delta F``    0.2      …or when the window moved by this fraction
+``--hb-interval-s S``          10       HB period on every WebSocket (§4.4), s
+``--hb-timeout-s S``           30       a WebSocket silent this long is dead (streams detached), s
+``--resume-grace-s S``         60       a detached stream stays resumable this long (§8), s
+``--breaker-failures N``       5        failures within the breaker window that open a circuit
+``--breaker-window-s S``       30       the breaker's failure-counting window, s
+``--breaker-backoff-s S``      1        first open → half-open backoff, s (doubles, jittered)
+``--breaker-max-backoff-s S``  60       cap of that backoff, s
+``--retry-attempts N``         2        attempts per next-hop call, the first included (§10)
+``--retry-backoff-s S``        0.2      first retry backoff, s
+``--retry-max-backoff-s S``    2        cap of the retry backoff, s
+``--slots N``                  64       next-hop calls in flight across all streams (§9)
+``--gold-reserved N``          8        slots only gold may use (``< --slots``)
+``--preempt-after-ms N``       250      gold kept waiting this long preempts bronze (EPREEMPT)
+``--gold-sla-ms N``            2000     gold's queueing SLA, ms (``>= --preempt-after-ms``)
+=============================  =======  ==================================================
+
+The conformance suite run against a remote ``atp-router`` needs the timings it
+is told with ``ATP_CONFORMANCE_*`` (tests/conformance/README.md), e.g. its local
+profile: ``--window-update-ms 300 --hb-interval-s 0.3 --hb-timeout-s 1.5
+--breaker-failures 3 --breaker-backoff-s 0.5 --breaker-max-backoff-s 2
+--retry-attempts 2 --retry-backoff-s 0.05 --retry-max-backoff-s 0.5 --slots 6
+--gold-reserved 1 --preempt-after-ms 100 --gold-sla-ms 500 --resume-grace-s 10``.
+
 Bearer tokens come from ``ATP_ROUTER_TOKENS`` (comma-separated; each entry
 ``name:token`` — the client ``name`` whose budget and ``qos_max`` the RIB's
 ``clients`` section sets — or a bare token; unset means authentication off, for
 a local appliance), the frame HMAC key from ``ATP_HMAC_KEY`` (never from the
-command line, so they stay out of ``ps``).
-Prints one ``listening`` line per ingress when ready; SIGINT/SIGTERM stop it.
+command line, so they stay out of ``ps``). Logs go to stderr with Agent Context
+secrets masked (:func:`atp.adapters.context.install_log_redaction`).
+Prints one ``listening`` line when ready; SIGINT/SIGTERM stop it.
 """
 
 from __future__ import annotations
@@ -17,12 +49,15 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
+from atp.adapters.context import install_log_redaction
+from atp.flow.breaker import RetryPolicy
 from atp.router.api import build_app
 from atp.router.core import Router, RouterConfig, parse_tokens_env
 from atp.router.ws import serve_ws
@@ -49,37 +84,120 @@ async def run(config: RouterConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> 
         task_status.started((router, http_port, ws_server.port))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    d = RouterConfig(policies=Path("policies"))
     ap = argparse.ArgumentParser(prog="atp-router", description="ATP router appliance (Agent Transport Protocol v0.1)")
     ap.add_argument("--policies", type=Path, default=Path("policies"), help="RIB file or directory of *.yaml")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--http-port", type=int, default=7070, help="control API (0 = any free port)")
-    ap.add_argument("--ws-port", type=int, default=7071, help="WebSocket ingress (0 = any free port)")
-    ap.add_argument("--slots", type=int, default=64,
-                    help="next-hop calls in flight across all streams (QoS capacity, spec §9)")
-    ap.add_argument("--gold-reserved", type=int, default=8, help="slots only gold streams may use")
+    ap.add_argument("--host", default=d.host)
+    ap.add_argument("--http-port", type=int, default=d.http_port, help="control API (0 = any free port)")
+    ap.add_argument("--ws-port", type=int, default=d.ws_port, help="WebSocket ingress (0 = any free port)")
     ap.add_argument("--log-level", default="INFO")
+    f = ap.add_argument_group("flow control, liveness, resumption (spec §4.4, §5, §8, §9, §10)")
+    f.add_argument("--window-update-ms", type=_positive(int), default=d.window_update_interval_ms,
+                   help="WINDOW_UPDATE period, ms")
+    f.add_argument("--window-update-delta", type=_positive(float), default=d.window_update_delta,
+                   help="...or when the window moved by this fraction")
+    f.add_argument("--hb-interval-s", type=_positive(float), default=d.hb_interval_s, help="HB period, s")
+    f.add_argument("--hb-timeout-s", type=_positive(float), default=d.hb_timeout_s,
+                   help="a WebSocket silent this long is dead, s")
+    f.add_argument("--resume-grace-s", type=_positive(float), default=d.resume_grace_s,
+                   help="a detached stream stays resumable this long, s")
+    f.add_argument("--breaker-failures", type=_positive(int), default=d.breaker_failures,
+                   help="failures within --breaker-window-s that open a circuit")
+    f.add_argument("--breaker-window-s", type=_positive(float), default=d.breaker_window_s)
+    f.add_argument("--breaker-backoff-s", type=_positive(float), default=d.breaker_backoff_s,
+                   help="first open → half-open backoff, s")
+    f.add_argument("--breaker-max-backoff-s", type=_positive(float), default=d.breaker_max_backoff_s)
+    f.add_argument("--retry-attempts", type=_positive(int), default=d.retry.max_attempts,
+                   help="attempts per next-hop call, the first included")
+    f.add_argument("--retry-backoff-s", type=_non_negative(float), default=d.retry.base_backoff_s)
+    f.add_argument("--retry-max-backoff-s", type=_non_negative(float), default=d.retry.max_backoff_s)
+    f.add_argument("--slots", type=_positive(int), default=d.slots,
+                   help="next-hop calls in flight across all streams (QoS capacity)")
+    f.add_argument("--gold-reserved", type=_non_negative(int), default=d.gold_reserved,
+                   help="slots only gold streams may use")
+    f.add_argument("--preempt-after-ms", type=_non_negative(float), default=d.preempt_after_ms,
+                   help="gold kept waiting this long preempts a bronze call (RST EPREEMPT)")
+    f.add_argument("--gold-sla-ms", type=_non_negative(float), default=d.gold_sla_ms,
+                   help="gold's queueing SLA, ms")
+    return ap
+
+
+def _positive(kind: type):
+    def convert(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    convert.__name__ = kind.__name__  # argparse names the type in its error
+    return convert
+
+
+def _non_negative(kind: type):
+    def convert(text: str):
+        value = kind(text)
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        return value
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def config_from_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> RouterConfig:
+    """The :class:`RouterConfig` of an ``atp-router`` command line (module
+    docstring) and environment (``ATP_ROUTER_TOKENS``, ``ATP_HMAC_KEY``;
+    default ``os.environ``). Exits with status 2 (argparse) on a bad flag or
+    token list."""
+    return _parse(argv, os.environ if environ is None else environ)[1]
+
+
+def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Namespace, RouterConfig]:
+    ap = _parser()
     args = ap.parse_args(argv)
-    if not 0 <= args.gold_reserved < args.slots:
+    if not args.gold_reserved < args.slots:
         ap.error(f"need 0 <= --gold-reserved < --slots, got {args.gold_reserved} and {args.slots}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.preempt_after_ms > args.gold_sla_ms:
+        ap.error(f"need --preempt-after-ms <= --gold-sla-ms, got {args.preempt_after_ms:g} and {args.gold_sla_ms:g}")
+    if args.retry_backoff_s > args.retry_max_backoff_s:
+        ap.error("need --retry-backoff-s <= --retry-max-backoff-s")
     try:
-        tokens, client_tokens = parse_tokens_env(os.environ.get("ATP_ROUTER_TOKENS", ""))
+        tokens, client_tokens = parse_tokens_env(env.get("ATP_ROUTER_TOKENS", ""))
     except ValueError as e:
-        print(f"atp-router: {e}", file=sys.stderr)
-        return 2
-    key = os.environ.get("ATP_HMAC_KEY")
-    config = RouterConfig(
+        ap.error(str(e))
+    key = env.get("ATP_HMAC_KEY")
+    return args, RouterConfig(
         policies=args.policies, host=args.host, http_port=args.http_port, ws_port=args.ws_port,
         tokens=tokens, client_tokens=client_tokens, hmac_key=key.encode() if key else None,
+        window_update_interval_ms=args.window_update_ms, window_update_delta=args.window_update_delta,
+        hb_interval_s=args.hb_interval_s, hb_timeout_s=args.hb_timeout_s, resume_grace_s=args.resume_grace_s,
+        breaker_failures=args.breaker_failures, breaker_window_s=args.breaker_window_s,
+        breaker_backoff_s=args.breaker_backoff_s, breaker_max_backoff_s=args.breaker_max_backoff_s,
+        retry=RetryPolicy(max_attempts=args.retry_attempts, base_backoff_s=args.retry_backoff_s,
+                          max_backoff_s=args.retry_max_backoff_s),
         slots=args.slots, gold_reserved=args.gold_reserved,
+        preempt_after_ms=args.preempt_after_ms, gold_sla_ms=args.gold_sla_ms,
     )
-    if not tokens and not client_tokens:
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = _parse(argv, os.environ)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    install_log_redaction()  # Agent Context secrets never reach the log output
+    if not config.tokens and not config.client_tokens:
         logging.getLogger("atp.router").warning("ATP_ROUTER_TOKENS is unset: authentication is off")
 
+    refused: PolicyError | None = None
+
     async def main_async() -> None:
+        nonlocal refused
         async with trio.open_nursery() as nursery:
-            router, http_port, ws_port = await nursery.start(run, config)
+            try:
+                router, http_port, ws_port = await nursery.start(run, config)
+            except PolicyError as e:
+                # Caught here: out of the nursery it would come wrapped in an ExceptionGroup.
+                refused = e
+                nursery.cancel_scope.cancel()
+                return
             print(f"atp-router listening http://{config.host}:{http_port} ws://{config.host}:{ws_port} "
                   f"(RIB generation {router.gen.version}: {', '.join(router.rib_summary()['agents'])})", flush=True)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -87,10 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                     nursery.cancel_scope.cancel()
                     break
 
-    try:
-        trio.run(main_async)
-    except PolicyError as e:
-        print(f"atp-router: policy refused: {e.reason}", file=sys.stderr)
+    trio.run(main_async)
+    if refused is not None:
+        print(f"atp-router: policy refused: {refused.reason}", file=sys.stderr)
         return 2
     return 0
 

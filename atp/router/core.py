@@ -9,8 +9,9 @@ WebSocket server (:mod:`atp.router.ws`) and the HTTP control API
 way it was opened.
 
 Flow control (spec §5, §9, §10) is router-wide state in :class:`FlowGates`: one
-AIMD window per next-hop agent, the QoS slot scheduler (gold / silver / bronze,
-bronze preempted with RST ``EPREEMPT``), the circuit breakers (their health feeds
+AIMD window per next-hop agent with its class-ordered queue, the QoS slot
+scheduler (gold / silver / bronze, bronze preempted with RST ``EPREEMPT``; it
+also sees calls held up at a next-hop's window), the circuit breakers (their health feeds
 the FIB lookup: an open circuit is excluded) and the retry policy. The budget
 ledger has one account per client (``client:<name>``, limit from the RIB's
 ``clients`` section) and, under it, one per stream (``stream:<stream_id>``), so a
@@ -34,6 +35,7 @@ import math
 import random
 import re
 import secrets
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +45,7 @@ import msgspec
 import trio
 
 from atp.adapters.base import Health, Prompt, ProviderAdapter
+from atp.adapters.context import with_context_scope
 from atp.adapters.registry import build_adapter
 from atp.consensus.types import FinalResult
 from atp.flow.breaker import BreakerBoard, RetryPolicy
@@ -89,6 +92,8 @@ DEFAULT_AGENT_WINDOW = Window(max_parallel=16, max_tokens=2_000_000, max_usd_mic
 
 _CLIENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _QOS_RANK = {QoS.GOLD: 0, QoS.SILVER: 1, QoS.BRONZE: 2}
+#: Refused SYNs remembered for dropping their late frames (bounded memory).
+_REFUSED_KEPT = 4096
 _NO_CLIENT_SPEC = ClientSpec()
 
 
@@ -202,6 +207,8 @@ class StreamCtx:
     followers: int = 0
     #: When the last follower went away (None while followed, or never followed).
     detached_at: float | None = None
+    #: The stream counts among the users of ``gen`` (its adapters stay open).
+    holds_gen: bool = False
 
     @property
     def session_id(self) -> str:
@@ -234,6 +241,8 @@ class StreamCtx:
             self.closed_at = trio.current_time()
             self.router.metrics.open_streams.dec()
             self.router.open_count -= 1
+            if not self.task_started:
+                self.router._release_gen(self)  # else the task releases it when it ends
 
     def peer_reset(self) -> None:
         """The client reset the stream: stop its task (spend is still committed) and
@@ -314,6 +323,8 @@ class Router:
         self._clients: set[str] = set()
         self._detached: set[StreamCtx] = set()
         self._detached_changed = trio.Event()
+        #: (session_id, stream_id) of SYNs refused lately: their late frames are dropped.
+        self._refused: OrderedDict[tuple[str, str], None] = OrderedDict()
         rng = random.Random(config.seed)  # backoff jitter only
         self.gates = FlowGates(
             WindowTable(
@@ -340,7 +351,14 @@ class Router:
             config.retry,
             rng=rng,
         )
+        #: Generations not yet retired (the running one and older ones streams still
+        #: run on), and how many streams use each: adapters are closed when the
+        #: last generation using them is retired (spec §22 hot reload).
+        self._gens: dict[int, Generation] = {}
+        self._gen_users: dict[int, int] = {}
+        self._unclosed: list[tuple[str, ProviderAdapter]] = []  # dropped while not serving
         self.gen = self._compile(load_rib(config.policies), version=1, source=str(config.policies))
+        self._gens[1] = self.gen
         self._activate(self.gen)
         self.metrics.rib_version.set(1)
 
@@ -406,6 +424,7 @@ class Router:
     def _activate(self, gen: Generation) -> None:
         """Adopt ``gen``'s per-agent windows, client budgets and agent set."""
         self.gates.agent_windows.configure({n: a.window for n, a in gen.rib.agents.items()})
+        self.gates.wake_all()  # wider limits may admit calls waiting at a next-hop
         for client in self._clients:
             budget = gen.rib.clients.get(client, _NO_CLIENT_SPEC).budget
             # clamp: a budget lowered below what the client already spent stops it, never fails.
@@ -420,7 +439,9 @@ class Router:
 
         Returns ``{"version", "policies", "agents"}``. Raises :class:`PolicyError`
         (file, key, reason) and keeps the running RIB when the new one is refused.
-        Streams already running finish on the generation they started with.
+        Streams already running finish on the generation they started with; an
+        adapter the new RIB dropped (or rebuilt) is closed once no stream runs
+        on a generation that uses it.
         """
         try:
             rib = load_rib_text(text, file="<request body>") if text is not None else load_rib(self.config.policies)
@@ -429,11 +450,58 @@ class Router:
             self.metrics.policy_reloads.labels("refused").inc()
             raise
         self.gen = gen
+        self._gens[gen.version] = gen
         self._activate(gen)
+        for version in [v for v in self._gens if v != gen.version and not self._gen_users.get(v)]:
+            self._retire(version)
         self.metrics.policy_reloads.labels("ok").inc()
         self.metrics.rib_version.set(gen.version)
         log.info("RIB generation %d loaded from %s", gen.version, gen.source)
         return self.rib_summary()
+
+    def _hold_gen(self, ctx: StreamCtx) -> None:
+        if ctx.gen is not None and not ctx.holds_gen:
+            ctx.holds_gen = True
+            self._gen_users[ctx.gen.version] = self._gen_users.get(ctx.gen.version, 0) + 1
+
+    def _release_gen(self, ctx: StreamCtx) -> None:
+        """``ctx`` no longer uses its generation (its task ended, or it closed
+        without one); the last user of a replaced generation retires it."""
+        if not ctx.holds_gen or ctx.gen is None:
+            return
+        ctx.holds_gen = False
+        v = ctx.gen.version
+        left = self._gen_users[v] = self._gen_users[v] - 1
+        if left == 0:
+            del self._gen_users[v]
+            if v != self.gen.version:
+                self._retire(v)
+
+    def _retire(self, version: int) -> None:
+        """Forget a replaced generation nobody runs on and close its adapters
+        that no live generation uses (a removed 2389 agent drops its broker
+        connection, a changed model its HTTP pool)."""
+        gen = self._gens.pop(version, None)
+        if gen is None:
+            return
+        live = {id(a) for g in self._gens.values() for a in g.adapters.values()}
+        for name, adapter in gen.adapters.items():
+            if id(adapter) in live:
+                continue
+            live.add(id(adapter))  # close once, even if two names shared it
+            log.info("agent %s dropped by RIB generation %d: adapter closed", name, self.gen.version)
+            if self._nursery is not None:
+                self._nursery.start_soon(self._close_adapter, name, adapter)
+            else:
+                self._unclosed.append((name, adapter))
+
+    @staticmethod
+    async def _close_adapter(name: str, adapter: ProviderAdapter) -> None:
+        try:
+            await adapter.aclose()
+        except Exception:
+            # A failing close must not take the router down; the adapter is gone anyway.
+            log.exception("agent %s: closing its adapter failed", name)
 
     def rib_summary(self) -> dict[str, Any]:
         g = self.gen
@@ -495,6 +563,15 @@ class Router:
         not fed to the session: the stream and its session state are unchanged.
         A SYN above the client's ``qos_max`` is served at ``qos_max`` (the
         SYN+ACK confirms the class, §8 step 2).
+
+        A frame other than SYN on a stream of this session that the router
+        closed (RST/FIN sent, or refused at SYN) and has freed is *late* — an
+        ACK, FIN or control frame the client sent before it saw the close: it
+        is dropped silently (counted as ``atp_frames{direction="dropped"}``),
+        never answered with an RST, which would overtake the stream's own
+        closing frame with a wrong cause. A late message (task data) is
+        answered with a lone ERROR ``EPROTO`` (no RST) saying the stream is
+        closed; the WebSocket ingress sends it after the stream's own frames.
         """
         self.metrics.frames.labels("in", _kind(frame)).inc()
         owner = self._owners.setdefault(frame.session_id, client)
@@ -509,6 +586,8 @@ class Router:
             if _QOS_RANK[frame.qos] < _QOS_RANK[qos_max]:
                 frame = msgspec.structs.replace(frame, qos=qos_max)
         sess = self.session_for(frame.session_id)
+        if Flag.SYN not in frame.flags and self._closed_by_us(sess, frame.stream_id):
+            return self._late_frame(frame)
         direct: list[Frame] = []
 
         def stream_of(stream_id: str) -> StreamCtx | None:
@@ -553,6 +632,24 @@ class Router:
                     pass
         return direct
 
+    def _closed_by_us(self, sess: S.Session, stream_id: str) -> bool:
+        """``stream_id`` is a stream of ``sess`` the router closed and freed
+        (retained for ``retain_closed_s``, or refused at SYN recently)."""
+        if stream_id == S.HB_STREAM_ID or sess.stream_state(stream_id) is not S.StreamState.IDLE:
+            return False
+        ctx = self.streams.get(stream_id)
+        if ctx is not None and ctx.session is sess:
+            return ctx.log.closed
+        return (sess.session_id, stream_id) in self._refused
+
+    def _late_frame(self, frame: Frame) -> list[Frame]:
+        self.metrics.frames.labels("dropped", _kind(frame)).inc()
+        p = frame.payload
+        if p is None or p.type is PayloadType.CONTROL:
+            return []
+        return [connection_error(frame.session_id, frame.stream_id, ErrorCode.EPROTO,
+                                 f"stream is closed: message msg_seq={frame.msg_seq} not delivered")]
+
     def _health(self, gen: Generation) -> dict[str, Health]:
         """Live next-hop health for the FIB (spec §5.3, §6.2): the adapter's p95 and
         the worse of its and the breaker's error rate score the next-hop; the
@@ -576,6 +673,10 @@ class Router:
         if ev.payload is not None and ev.payload.type is PayloadType.TASK:
             content = ev.payload.content
         try:
+            # Agent Context Protocol (atp.adapters.context): a bad meta.agent_context
+            # is EPROTO naming the field; its secrets are registered for the log
+            # filter; its policyContext labels join meta.data_scope for the FIB.
+            meta = with_context_scope(meta)
             if isinstance(content, dict):
                 _check_task(content)
                 if "diff" in content and "diff_loc" not in meta:
@@ -603,12 +704,16 @@ class Router:
                 audit.warning("ESEC stream %s/%s of client %s refused: %s", sess.session_id, ev.stream_id, client,
                               e.reason)
             direct.append(sess.reset(ev.stream_id, e.code, e.reason))
+            self._refused[(sess.session_id, ev.stream_id)] = None
+            if len(self._refused) > _REFUSED_KEPT:
+                self._refused.popitem(last=False)
             return
         window = _min_window(ev.window, route.window or DEFAULT_WINDOW)
         budget = _min_budget(client_budget, route.budget)
         qos = ev.qos if ev.qos is not None else (route.qos or QoS.SILVER)
         ctx = StreamCtx(self, sess, ev.stream_id, client, meta, qos, window, budget, route, trio.current_time(),
                         gen=gen, ttl=ttl, account="stream:" + ev.stream_id)
+        self._hold_gen(ctx)
         self.streams[ev.stream_id] = ctx
         self.open_count += 1
         self.ledger.open(ctx.account, Allowance.from_budget(budget), parent=self.client_account(client))
@@ -665,6 +770,12 @@ class Router:
             ctx.budget = b
 
     async def _run_task(self, ctx: StreamCtx, prompt: Prompt, gen: Generation, scope: trio.CancelScope) -> None:
+        try:
+            await self._run_task_on(ctx, prompt, gen, scope)
+        finally:
+            self._release_gen(ctx)
+
+    async def _run_task_on(self, ctx: StreamCtx, prompt: Prompt, gen: Generation, scope: trio.CancelScope) -> None:
         cfg = self.config
         window = FlowWindow(ctx.window, update_interval_ms=cfg.window_update_interval_ms,
                             update_delta=cfg.window_update_delta)
@@ -765,14 +876,18 @@ class Router:
             nursery.start_soon(self._reaper)
             nursery.start_soon(self.gates.slots.run)
             nursery.start_soon(self._grace_reaper)
+            for name, adapter in self._unclosed:
+                nursery.start_soon(self._close_adapter, name, adapter)
+            self._unclosed.clear()
             task_status.started(self)
             try:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
                 with trio.CancelScope(shield=True):
-                    for adapter in self._adapter_cache.values():
-                        await adapter.aclose()
+                    live = {id(a): (n, a) for g in self._gens.values() for n, a in g.adapters.items()}
+                    for name, adapter in live.values():
+                        await self._close_adapter(name, adapter)
 
     async def _grace_reaper(self) -> None:
         """Reset streams left detached for ``resume_grace_s`` (spec §8: the client
@@ -844,7 +959,7 @@ def _check_task(content: Any) -> None:
 
 
 def _kind(frame: Frame) -> str:
-    for f in (Flag.SYN, Flag.RST, Flag.FIN, Flag.HB, Flag.CTRL):
+    for f in (Flag.SYN, Flag.RST, Flag.FIN, Flag.HB, Flag.CTRL, Flag.ACK):
         if f in frame.flags:
             return f.value
     return "DATA"

@@ -8,19 +8,26 @@ For one stream the dispatcher
 
    a. the next-hop's **circuit breaker** (:class:`~atp.flow.breaker.BreakerBoard`):
       an open circuit is ``EAGENTDOWN`` with its ``retry_after_ms``, no call;
-   b. the **windows** (§5.1, §5.2): the adapter's preflight ``estimate`` must fit
-      the stream's window *and* the next-hop's own window (shared by every
-      stream calling that agent). A call that does not fit now is answered with a
-      NACK — ERROR ``EWINDOW`` "…; queued until the window opens" — and a
-      WINDOW_UPDATE carrying the refusing window, then waits (under the stream
-      deadline) and goes when a call in flight completes: never a silent queue.
-      A call whose estimate alone exceeds a window could never fit: NACK +
-      WINDOW_UPDATE and no call;
+   b. the **stream's window** (§5.1, §5.2): the adapter's preflight ``estimate``
+      must fit it. A call that does not fit now is answered with a NACK — ERROR
+      ``EWINDOW`` "…; queued until the window opens" — and a WINDOW_UPDATE
+      carrying the refusing window, then waits (under the stream deadline) and
+      goes when one of the stream's calls completes: never a silent queue. A
+      call whose estimate alone exceeds the stream's or the next-hop's window
+      could never fit: NACK + WINDOW_UPDATE and no call;
    c. a router-wide **QoS slot** (§9, :class:`~atp.flow.qos.QosScheduler`):
       gold has reserved slots, silver and bronze share by WFQ, and a gold call
       kept waiting makes the router RST a bronze stream with ``EPREEMPT``
-      (:class:`SlotGate`);
-   d. the **budget ledger** (reserve the estimate on the stream's account and its
+      (:class:`SlotGate`). This is where the classes compete, so the slot comes
+      before the next-hop's window: a call holds its slot while it waits there;
+   d. the **next-hop's window** (shared by every stream calling that agent,
+      AIMD): a call that does not fit waits in the window's
+      :class:`~atp.flow.window.WindowQueue` — gold first, then silver and
+      bronze by WFQ — with NACK + WINDOW_UPDATE as in b; room that opens is
+      handed to one waiter at a time. The wait is reported to the QoS scheduler
+      (:meth:`SlotGate.block`), so a gold call held up at a next-hop makes the
+      router preempt a bronze call running *at that next-hop*;
+   e. the **budget ledger** (reserve the estimate on the stream's account and its
       client's; a refusal is ``EBUDGET``, no call).
 
 2. runs each call under its own overall deadline (``trio.fail_after``) and the
@@ -80,8 +87,8 @@ from atp.consensus.strategies import merge
 from atp.consensus.types import AgentReport, FinalResult, Telemetry, Usage
 from atp.flow.breaker import BreakerBoard, RetryPolicy
 from atp.flow.budget import BudgetLedger, Refusal, Reservation, usd_to_micros
-from atp.flow.qos import Grant, Preempt, QosScheduler, Refused
-from atp.flow.window import Estimate, InFlight, WindowTable
+from atp.flow.qos import Grant, Preempt, QosScheduler, Refused, Revoke
+from atp.flow.window import Admission, Estimate, InFlight, WindowTable
 from atp.flow.window import Window as FlowWindow
 from atp.wire.errors import AgentError, ATPError, ErrorCode
 from atp.wire.frame import Flag, Frame, Payload, PayloadType, QoS, WindowUpdate
@@ -164,31 +171,50 @@ class SlotGate:
     """The trio side of the router-wide :class:`~atp.flow.qos.QosScheduler` (spec §9).
 
     :meth:`acquire` waits for a call slot; :meth:`release` / :meth:`cancel` give
-    it back. :meth:`run` (a router task) takes the scheduler's timer and hands
-    every :class:`~atp.flow.qos.Preempt` (a running bronze call when gold waited
-    too long, or a queued bronze call shed under congestion) to ``on_preempt``,
+    it back; :meth:`block` / :meth:`unblock` say that the call holding a slot
+    waits for room at its next-hop. :meth:`run` (a router task) takes the
+    scheduler's timer and hands every :class:`~atp.flow.qos.Preempt` (a running
+    bronze call when gold waited too long for a slot or at that bronze call's
+    next-hop, or a queued bronze call shed under congestion) to ``on_preempt``,
     which RSTs the stream with ``EPREEMPT``.
     """
 
     def __init__(self, scheduler: QosScheduler, on_preempt: Callable[[Preempt], None]):
         self.scheduler = scheduler
         self.on_preempt = on_preempt
+        #: Told when a blocked call's slot is given to gold (:meth:`QosScheduler.reclaim`);
+        #: :class:`FlowGates` withdraws the call from its next-hop's queue.
+        self.on_revoke: Callable[[Revoke], None] = lambda r: None
         self._waiting: dict[int, trio.Event] = {}
+        self._regrants: dict[int, trio.Event] = {}
         self._dropped: dict[int, Preempt] = {}
         self._changed = trio.Event()
 
-    async def acquire(self, stream_id: str, qos: QoS) -> int:
-        """A slot for one call of ``stream_id`` in class ``qos``; returns its ticket.
-        Raises AgentError(EWINDOW) when the class queue is full, AgentError
-        (EPREEMPT) when the queued call was shed."""
-        decision = self.scheduler.request(stream_id, qos, trio.current_time())
+    async def acquire(self, stream_id: str, qos: QoS, *, key: str | None = None) -> int:
+        """A slot for one call of ``stream_id`` in class ``qos`` to next-hop
+        ``key``; returns its ticket. The request is placed before the first
+        checkpoint. Raises AgentError(EWINDOW) when the class queue is full,
+        AgentError(EPREEMPT) when the queued call was shed."""
+        decision = self.scheduler.request(stream_id, qos, trio.current_time(), key=key)
         if isinstance(decision, Grant):
+            self._poke()  # a bronze call may now be running where gold is blocked
             return decision.ticket
         if isinstance(decision, Refused):
             raise AgentError(decision.code, decision.reason)
         ticket = decision.ticket
         ev = self._waiting[ticket] = trio.Event()
         self._poke()  # a queued gold call may move the preemption deadline
+        if qos is QoS.GOLD:
+            self._reclaim()
+        await self._await_grant(ticket, ev)
+        return ticket
+
+    async def regain(self, ticket: int) -> None:
+        """Wait until ``ticket``, revoked for gold (:meth:`on_revoke`), holds a
+        slot again. Raises like :meth:`acquire`."""
+        await self._await_grant(ticket, self._regrants.pop(ticket))
+
+    async def _await_grant(self, ticket: int, ev: trio.Event) -> None:
         try:
             await ev.wait()
         except BaseException:
@@ -199,15 +225,39 @@ class SlotGate:
         dropped = self._dropped.pop(ticket, None)
         if dropped is not None:
             raise AgentError(dropped.code, dropped.reason)
-        return ticket
+
+    def _reclaim(self) -> None:
+        revoked, grants = self.scheduler.reclaim(trio.current_time())
+        for r in revoked:
+            # Registered now: the grant that gives the slot back may come before
+            # the call is back at regain().
+            self._waiting[r.ticket] = self._regrants[r.ticket] = trio.Event()
+            self.on_revoke(r)
+        self._grant(grants)
 
     def release(self, ticket: int) -> None:
         """The call holding ``ticket`` ended: its slot goes to the next in line."""
         self._grant(self.scheduler.release(ticket, trio.current_time()))
 
     def cancel(self, ticket: int) -> None:
-        """The call holding ``ticket`` was cancelled (RST, preemption, deadline)."""
+        """The call holding ``ticket`` was cancelled (RST, preemption, deadline),
+        also while it waited to regain a revoked slot."""
+        self._waiting.pop(ticket, None)
+        self._regrants.pop(ticket, None)
         self._grant(self.scheduler.cancel(ticket, trio.current_time()))
+
+    def block(self, ticket: int) -> None:
+        """The call holding ``ticket`` waits for room at its next-hop. A silver or
+        bronze call may lose its slot to a waiting gold call at once
+        (:meth:`on_revoke`)."""
+        self.scheduler.block(ticket, trio.current_time())
+        self._reclaim()
+        self._poke()
+
+    def unblock(self, ticket: int) -> None:
+        """The call holding ``ticket`` has its room at the next-hop (or gave up)."""
+        self.scheduler.unblock(ticket, trio.current_time())
+        self._poke()
 
     def _grant(self, grants: list[Grant]) -> None:
         for g in grants:
@@ -237,10 +287,21 @@ class SlotGate:
                 self.on_preempt(p)
 
 
+@dataclass(slots=True, eq=False)
+class _HopWaiter:
+    """A call waiting in ``agent``'s :class:`~atp.flow.window.WindowQueue`;
+    ``call`` is set when the queue hands it the room, ``event`` also when its
+    slot is revoked for gold."""
+
+    agent: str
+    event: trio.Event = field(default_factory=trio.Event)
+    call: InFlight | None = None
+
+
 class FlowGates:
     """Router-wide flow state shared by every stream and RIB generation: the
-    per-next-hop windows (AIMD), their wake-ups, the QoS slots, the circuit
-    breakers and the retry policy (spec §5, §9, §10)."""
+    per-next-hop windows (AIMD) and their class-ordered queues, the QoS slots,
+    the circuit breakers and the retry policy (spec §5, §9, §10)."""
 
     def __init__(
         self,
@@ -256,16 +317,85 @@ class FlowGates:
         self.breakers = breakers
         self.retry = retry
         self.rng = rng if rng is not None else random.Random()  # backoff jitter only
-        self._waiters: dict[str, set[trio.Event]] = {}
+        #: slot ticket → the call it holds, waiting for room at its next-hop.
+        self._hop_waiters: dict[int, _HopWaiter] = {}
+        slots.on_revoke = self._on_revoke
 
     def wake(self, agent: str) -> None:
-        """Room may have opened in ``agent``'s window: wake the calls waiting for it."""
-        for ev in self._waiters.get(agent, ()):
-            ev.set()
+        """Room may have opened in ``agent``'s window: hand it to the waiting
+        calls, in class order, as far as it goes (one per call completed, as a rule)."""
+        queue = self.agent_windows.queue(agent)
+        for ticket, call in queue.pump():
+            w = self._hop_waiters.get(ticket)
+            if w is None:  # unreachable: a waiter leaves the queue before it leaves this map
+                queue.window.on_cancel(call)
+                continue
+            w.call = call
+            w.event.set()
+            self.slots.unblock(ticket)  # at once: a call handed its room is no idle slot to reclaim
 
-    def waiters(self, agent: str) -> set[trio.Event]:
-        """Wake-ups of the calls (of any stream) waiting for room in ``agent``'s window."""
-        return self._waiters.setdefault(agent, set())
+    def _on_revoke(self, r: Revoke) -> None:
+        w = self._hop_waiters.get(r.ticket)
+        if w is not None and w.call is None:
+            self.agent_windows.queue(w.agent).cancel(r.ticket)
+            w.event.set()
+
+    def wake_all(self) -> None:
+        """Limits may have moved (RIB reload): pump every next-hop queue."""
+        for agent in self.agent_windows.agents():
+            self.wake(agent)
+
+    async def enter_hop(self, agent: str, ticket: int, estimate: Estimate, qos: QoS,
+                        on_wait: Callable[[Admission], None]) -> InFlight:
+        """Room for one call (slot ``ticket``, class ``qos``) in ``agent``'s window:
+        at once when nothing of its class order waits ahead and it fits, else
+        after ``on_wait(refusal)`` (the NACK, sent once) in the class-ordered
+        queue, with the slot reported blocked to the QoS scheduler meanwhile;
+        a silver or bronze call whose slot is revoked for gold leaves the queue,
+        waits for its slot again, and queues again. Returns the call accounted
+        on the window; on cancellation nothing stays taken. Raises AgentError
+        (``EPREEMPT``) when the call is shed while it waits for its slot again."""
+        queue = self.agent_windows.queue(agent)
+        w = self._hop_waiters[ticket] = _HopWaiter(agent)
+        nacked = False
+        try:
+            while True:
+                # Looked up each round: a reload may drop an idle window while we regain a slot.
+                queue = self.agent_windows.queue(agent)
+                queue.enqueue(ticket, estimate, qos)
+                self.wake(agent)
+                if w.call is not None:
+                    return w.call
+                if not nacked:
+                    refusal = queue.window.admit(estimate, qos=qos)
+                    if refusal.admitted:
+                        # It fits, but calls of its class order came first.
+                        refusal = Admission(
+                            admitted=False, code=ErrorCode.EWINDOW,
+                            reason=f"{len(queue) - 1} calls queued ahead in the next-hop's window",
+                            window_update=WindowUpdate(window=queue.window.effective()),
+                        )
+                    on_wait(refusal)
+                    nacked = True
+                self.slots.block(ticket)  # may revoke this very slot at once
+                try:
+                    await w.event.wait()
+                finally:
+                    self.slots.unblock(ticket)
+                if w.call is not None:
+                    return w.call
+                w.event = trio.Event()
+                await self.slots.regain(ticket)
+        except BaseException:
+            if w.call is not None:
+                # Handed the room as it was cancelled: give it back to the next in line.
+                queue.window.on_cancel(w.call)
+                self.wake(agent)
+            else:
+                queue.cancel(ticket)
+            raise
+        finally:
+            self._hop_waiters.pop(ticket, None)
 
 
 @dataclass(slots=True)
@@ -568,15 +698,20 @@ class Dispatcher:
 
     def _wake(self, plan: TaskPlan, agent: str) -> None:
         """Room may have opened in the stream's window and in ``agent``'s."""
+        self._wake_stream(plan)
+        self.gates.wake(agent)
+
+    @staticmethod
+    def _wake_stream(plan: TaskPlan) -> None:
+        # Only this stream's own calls wait here (at most its fan-out).
         for ev in plan.waiters:
             ev.set()
-        self.gates.wake(agent)
 
     async def _admit(self, io: StreamIO, plan: TaskPlan, agent: str, out: LegOutcome,
                      turn: int | None) -> _Admitted | None:
-        """Admit one call (module doc, 1a-d). ``turn``: its place in route order
+        """Admit one call (module doc, 1a-e). ``turn``: its place in route order
         (``None`` for a retry or reroute, which does not queue behind the route);
-        the turn passes once the windows admitted or refused it. Returns ``None``
+        the turn passes once its slot is requested, or it is refused. Returns ``None``
         with ``out.error`` set when the call is refused; on refusal or
         cancellation everything taken so far is given back."""
         gates = self.gates
@@ -589,6 +724,13 @@ class Dispatcher:
                 holds_turn = False
                 plan.admit_turn += 1
                 plan.turn_passed.unpark_all()
+
+        def nack(refusal: Admission, label: str) -> None:
+            # Spec §10 EWINDOW: NACK + WINDOW_UPDATE, then wait visibly.
+            io.emit_error(ErrorCode.EWINDOW, f"{agent}: {label}{refusal.reason}; queued until the window opens",
+                          agent=agent)
+            if refusal.window_update is not None:
+                io.emit_window_update(refusal.window_update)
 
         try:
             while turn is not None and plan.admit_turn != turn:
@@ -622,60 +764,61 @@ class Dispatcher:
                 return None
             undo.append(lambda: gates.breakers.on_cancel(agent, trio.current_time()))
 
-            # b. windows: the stream's and the next-hop's
+            # b. the stream's window (never-fit checked on the next-hop's too)
             agent_window = gates.agent_windows.window(agent)
-            windows = ((plan.window, ""), (agent_window, "next-hop window: "))
-            for w, label in windows:
+            for w, label in ((plan.window, ""), (agent_window, "next-hop window: ")):
                 never = w.admit_when_idle(estimate, qos=plan.qos)
                 if not never.admitted:
                     out.error = AgentError(ErrorCode.EWINDOW, f"{label}{never.reason}", agent=agent)
                     out.window_update = never.window_update
                     return None
             nacked = False
-            while True:
-                refused = next(
-                    ((adm, label) for w, label in windows if not (adm := w.admit(estimate, qos=plan.qos)).admitted),
-                    None,
-                )
-                if refused is None:
-                    break
+            while not (adm := plan.window.admit(estimate, qos=plan.qos)).admitted:
                 if not nacked:
-                    # Spec §10 EWINDOW: NACK + WINDOW_UPDATE, then wait visibly.
-                    adm, label = refused
-                    io.emit_error(ErrorCode.EWINDOW, f"{agent}: {label}{adm.reason}; queued until the window opens",
-                                  agent=agent)
-                    if adm.window_update is not None:
-                        io.emit_window_update(adm.window_update)
+                    nack(adm, "")
                     nacked = True
                 ev = trio.Event()
                 plan.waiters.add(ev)
-                gates.waiters(agent).add(ev)
                 try:
                     await ev.wait()
                 finally:
                     plan.waiters.discard(ev)
-                    gates.waiters(agent).discard(ev)
             stream_call = plan.window.on_send(estimate, qos=plan.qos)
-            agent_call = agent_window.on_send(estimate, qos=plan.qos)
 
-            def unsend() -> None:
+            def unsend_stream() -> None:
                 plan.window.on_cancel(stream_call)
-                agent_window.on_cancel(agent_call)
-                self._wake(plan, agent)
+                self._wake_stream(plan)
 
-            undo.append(unsend)
+            undo.append(unsend_stream)
             self._window_moved(io, plan)
-            pass_turn()
 
-            # c. a router-wide QoS slot
+            # c. a router-wide QoS slot; its request is placed before the next leg's
+            # (no checkpoint between passing the turn and the request)
+            pass_turn()
             try:
-                ticket = await gates.slots.acquire(plan.stream_id or plan.ledger_key, plan.qos)
+                ticket = await gates.slots.acquire(plan.stream_id or plan.ledger_key, plan.qos, key=agent)
             except AgentError as e:
                 out.error = AgentError(e.code, e.reason, agent=agent)
                 return None
             undo.append(lambda: gates.slots.cancel(ticket))
 
-            # d. the budget: reserve the estimate on the stream's account chain (the
+            # d. the next-hop's window, class-ordered (gold first), holding the slot
+            try:
+                agent_call = await gates.enter_hop(agent, ticket, estimate, plan.qos,
+                                                   lambda refusal: nack(refusal, "next-hop window: "))
+            except AgentError as e:
+                out.error = AgentError(e.code, e.reason, agent=agent)
+                return None
+            # The window holding the call (a reload may have replaced an idle one while we waited).
+            agent_window = gates.agent_windows.window(agent)
+
+            def unsend_hop() -> None:
+                agent_window.on_cancel(agent_call)
+                gates.wake(agent)
+
+            undo.append(unsend_hop)
+
+            # e. the budget: reserve the estimate on the stream's account chain (the
             # calls that ran while this one waited may have exhausted it meanwhile)
             if plan.exhausted is None:
                 plan.exhausted = self.ledger.exhausted(plan.ledger_key)

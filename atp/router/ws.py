@@ -11,7 +11,9 @@ names — in that stream's sequence, as a NACK, when the stream was opened on th
 connection, else as a lone ERROR frame — or on stream ``"0"`` (the connection
 itself) when it names none; the connection and every other stream carry on.
 Outbound frames of every stream the connection opened are sent from the stream's
-event log.
+event log; a reply about a stream the router has closed (a late message, see
+:meth:`Router.receive_frame <atp.router.core.Router.receive_frame>`) goes out
+only after that stream's own last frames, so its RST/FIN arrives first.
 
 Liveness (spec §4.4 HB): a watchdog task drives the router sessions the connection
 carries (``Session.get_timer`` / ``handle_timer``), sending their HB frames on
@@ -97,6 +99,15 @@ async def _send(ws: WebSocketConnection, codec: FrameCodec, frame: Frame) -> Non
 
 
 @dataclass(eq=False)
+class _Follower:
+    """This connection sending one stream's events: ``done`` once it stopped."""
+
+    ctx: StreamCtx
+    scope: trio.CancelScope
+    done: trio.Event = field(default_factory=trio.Event)
+
+
+@dataclass(eq=False)
 class _Conn:
     """One WebSocket connection: who it is, what it carries, when it last spoke."""
 
@@ -106,21 +117,23 @@ class _Conn:
     last_recv: float
     #: Router sessions whose frames came on this connection (their HBs go out here).
     sessions: set[str] = field(default_factory=set)
-    #: stream_id → (the stream, the cancel scope of this connection's follower).
-    followed: dict[str, tuple[StreamCtx, trio.CancelScope]] = field(default_factory=dict)
+    #: stream_id → this connection's follower of the stream.
+    followed: dict[str, _Follower] = field(default_factory=dict)
     #: The watchdog declared the peer dead.
     dead: bool = False
 
 
-async def _follow(conn: _Conn, ctx: StreamCtx, after: int, scope: trio.CancelScope) -> None:
+async def _follow(conn: _Conn, fol: _Follower, after: int) -> None:
+    ctx = fol.ctx
     ctx.attach()
     try:
-        with scope:
+        with fol.scope:
             async for ev in ctx.log.follow(after):
                 await _send(conn.ws, conn.codec, ev.frame)
     except ConnectionClosed:
         pass
     finally:
+        fol.done.set()
         ctx.detach()
 
 
@@ -129,38 +142,52 @@ def _start_follow(conn: _Conn, nursery: trio.Nursery, ctx: StreamCtx, after: int
     a follower this connection already runs for it: a re-open replays)."""
     old = conn.followed.get(ctx.stream_id)
     if old is not None:
-        old[1].cancel()
-    scope = trio.CancelScope()
-    conn.followed[ctx.stream_id] = (ctx, scope)
-    nursery.start_soon(_follow, conn, ctx, after, scope)
+        old.scope.cancel()
+    fol = conn.followed[ctx.stream_id] = _Follower(ctx, trio.CancelScope())
+    nursery.start_soon(_follow, conn, fol, after)
+
+
+async def _reply(conn: _Conn, frame: Frame) -> None:
+    """Send a reply that is not part of a stream's log. About a stream this
+    connection follows and the router closed, it waits until the follower sent
+    the stream's last frames: its own RST/FIN must reach the client first."""
+    fol = conn.followed.get(frame.stream_id)
+    if fol is not None and fol.ctx.session_id == frame.session_id and fol.ctx.log.closed:
+        await fol.done.wait()
+    await _send(conn.ws, conn.codec, frame)
 
 
 async def _watchdog(router: Router, conn: _Conn, dead: trio.CancelScope) -> None:
     """HB every ``hb_interval_s`` from the sessions this connection carries; after
     ``hb_timeout_s`` without a frame from the peer, cancel ``dead`` (the
-    connection's scope): followers stop, so its streams are detached."""
+    connection's scope): followers stop, so its streams are detached. Ends
+    quietly when the peer closes the connection under an HB (the receive loop
+    sees the close too and ends the connection)."""
     cfg = router.config
-    while True:
-        sessions = [router.sessions[s] for s in conn.sessions if s in router.sessions]
-        timers = [t for s in sessions if (t := s.get_timer()) is not None]
-        now = trio.current_time()
-        # New sessions may join meanwhile: look again at least every hb_interval_s.
-        wake = min([conn.last_recv + cfg.hb_timeout_s, now + cfg.hb_interval_s, *timers])
-        await trio.sleep_until(wake)
-        now = trio.current_time()
-        if now >= conn.last_recv + cfg.hb_timeout_s:
-            log.info("WebSocket peer %s silent for %.1f s (hb_timeout %g s): connection dead, streams detached",
-                     conn.client, now - conn.last_recv, cfg.hb_timeout_s)
-            conn.dead = True
-            dead.cancel()
-            return
-        for sess in sessions:
-            t = sess.get_timer()
-            if t is not None and now >= t:
-                for ev in sess.handle_timer(now):
-                    if isinstance(ev, S.SendFrames):
-                        for f in ev.frames:
-                            await _send(conn.ws, conn.codec, f)
+    try:
+        while True:
+            sessions = [router.sessions[s] for s in conn.sessions if s in router.sessions]
+            timers = [t for s in sessions if (t := s.get_timer()) is not None]
+            now = trio.current_time()
+            # New sessions may join meanwhile: look again at least every hb_interval_s.
+            wake = min([conn.last_recv + cfg.hb_timeout_s, now + cfg.hb_interval_s, *timers])
+            await trio.sleep_until(wake)
+            now = trio.current_time()
+            if now >= conn.last_recv + cfg.hb_timeout_s:
+                log.info("WebSocket peer %s silent for %.1f s (hb_timeout %g s): connection dead, streams detached",
+                         conn.client, now - conn.last_recv, cfg.hb_timeout_s)
+                conn.dead = True
+                dead.cancel()
+                return
+            for sess in sessions:
+                t = sess.get_timer()
+                if t is not None and now >= t:
+                    for ev in sess.handle_timer(now):
+                        if isinstance(ev, S.SendFrames):
+                            for f in ev.frames:
+                                await _send(conn.ws, conn.codec, f)
+    except ConnectionClosed:
+        pass
 
 
 async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec, client: str) -> None:
@@ -176,11 +203,11 @@ async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec
                 except LocalProtocolError as e:
                     session_id, stream_id = _ids_of(message, codec)
                     followed = conn.followed.get(stream_id)
-                    ctx = followed[0] if followed is not None else None
+                    ctx = followed.ctx if followed is not None else None
                     if ctx is not None and ctx.session_id == session_id and not ctx.log.closed:
                         ctx.emit_error(e.code, e.reason)  # sent by the stream's follower, in sequence
                     else:
-                        await _send(ws, codec, connection_error(session_id, stream_id, e.code, e.reason))
+                        await _reply(conn, connection_error(session_id, stream_id, e.code, e.reason))
                     continue
                 conn.sessions.add(frame.session_id)
                 resumed = router.resume_point(frame, client=client)
@@ -192,13 +219,14 @@ async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec
                     replies = [connection_error(frame.session_id, frame.stream_id, ErrorCode.EPROTO,
                                                 "the router could not process this frame")]
                 for f in replies:
-                    await _send(ws, codec, f)
+                    await _reply(conn, f)
                 if resumed is not None:
                     _start_follow(conn, nursery, *resumed)
                     continue
                 ctx = router.streams.get(frame.stream_id)
+                followed = conn.followed.get(frame.stream_id)
                 if (Flag.SYN in frame.flags and ctx is not None and ctx.session_id == frame.session_id
-                        and conn.followed.get(frame.stream_id, (None,))[0] is not ctx):
+                        and (followed is None or followed.ctx is not ctx)):
                     _start_follow(conn, nursery, ctx, 0)
         except ConnectionClosed:
             pass

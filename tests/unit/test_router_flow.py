@@ -22,6 +22,7 @@ real peer can be made to fail on demand.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import secrets
 from collections.abc import AsyncIterator
@@ -43,6 +44,7 @@ from atp.policy.loader import load_rib_text
 from atp.router.core import Router, RouterConfig, StreamCtx
 from atp.router.streams import LoggedEvent
 from atp.wire import session as S
+from atp.wire.codec import FrameCodec
 from atp.wire.errors import ErrorCode, PolicyError
 from atp.wire.frame import (
     Budget,
@@ -54,6 +56,7 @@ from atp.wire.frame import (
     QoS,
     Window,
 )
+from tests.conftest import SHARED, start_router
 from tests.unit.test_router_dispatch import (
     CLEAN,
     META,
@@ -620,3 +623,161 @@ def test_window_table_keeps_aimd_state_and_calls_in_flight_across_reloads():
     assert not a.admit_when_idle(Estimate(101, 0)).admitted and a.admit_when_idle(Estimate(100, 0)).admitted
     a.on_cancel(call)  # a cancelled call: out of flight, no AIMD
     assert (a.in_flight, a.cwnd) == (0, 2)
+
+
+# ------------------------------------------------------------------ atp-router flags (conformance against a remote router)
+
+def test_cli_flags_configure_flow_control_as_the_conformance_profile_documents(tmp_path):
+    """``atp-router`` sets every timing and capacity the conformance suite needs
+    from a remote target (tests/conformance/README.md, ATP_CONFORMANCE_*): the
+    command line the CLI documents for the suite's local profile yields the very
+    RouterConfig the suite's local router runs with. Without flags: the
+    RouterConfig defaults. Inconsistent values are refused (exit status 2)."""
+    import re
+    import shlex
+
+    from atp.router import cli
+    from tests.conformance.conftest import local_config
+
+    documented = re.search(r"its local\s+profile: ``(.+?)``", cli.__doc__, re.DOTALL).group(1)
+    got = cli.config_from_args(["--policies", str(tmp_path), *shlex.split(documented)], environ={})
+    want = local_config(tmp_path)
+    fields = ("window_update_interval_ms", "window_update_delta", "hb_interval_s", "hb_timeout_s", "resume_grace_s",
+              "breaker_failures", "breaker_window_s", "breaker_backoff_s", "breaker_max_backoff_s", "slots",
+              "gold_reserved", "preempt_after_ms", "gold_sla_ms")
+    assert {f: getattr(got, f) for f in fields} == {f: getattr(want, f) for f in fields}
+    assert (got.retry.max_attempts, got.retry.base_backoff_s, got.retry.max_backoff_s) == (
+        want.retry.max_attempts, want.retry.base_backoff_s, want.retry.max_backoff_s)
+
+    defaults = RouterConfig(policies=tmp_path)
+    plain = cli.config_from_args(["--policies", str(tmp_path)], environ={"ATP_ROUTER_TOKENS": "alice:tok-a"})
+    assert {f: getattr(plain, f) for f in (*fields, "retry")} == {f: getattr(defaults, f) for f in (*fields, "retry")}
+    assert plain.client_tokens == {"alice": "tok-a"}
+    for bad in (["--gold-reserved", "64"], ["--preempt-after-ms", "3000"], ["--hb-interval-s", "0"],
+                ["--retry-backoff-s", "5"]):
+        with pytest.raises(SystemExit) as ei:
+            cli.config_from_args(bad, environ={})
+        assert ei.value.code == 2
+
+
+def test_cli_installs_log_redaction_after_configuring_logging(tmp_path, caplog):
+    """``atp-router`` masks Agent Context secrets in every log handler: after
+    ``main`` (here it stops at once: no RIB there), a record carrying a secret a
+    client sent is printed with ``[REDACTED]``."""
+    from atp.adapters.context import REDACTED, RedactingFilter, register_secrets
+    from atp.router import cli
+
+    root = logging.getLogger()
+    try:
+        assert cli.main(["--policies", str(tmp_path / "missing")]) == 2
+        secret = "tok-" + secrets.token_hex(8)
+        register_secrets([secret])
+        logging.getLogger("atp.router").warning("client sent %s", secret)
+        assert caplog.records[-1].getMessage() == f"client sent {REDACTED}"
+    finally:
+        for h in root.handlers:
+            for f in [f for f in h.filters if isinstance(f, RedactingFilter)]:
+                h.removeFilter(f)
+
+
+# ------------------------------------------------------------------ Agent Context Protocol at ingress
+
+CONTEXT_EXAMPLE = SHARED / "specs" / "agent-context-message.example.json"
+
+
+async def test_syn_with_an_agent_context_routes_by_its_policy_labels_and_never_leaks_its_secrets(
+        nursery, tmp_path, scripted, caplog):
+    """The example Agent Context Message of the draft in ``meta.agent_context``:
+    its policyContext labels (``acp.policy:P001``, ``P002``) join the task's
+    data_scope, so the stream goes to the agent cleared for them, and is refused
+    (RST ESEC) where only ``public`` is cleared; the next-hop receives the message
+    as sent. A context with a misspelt sub-context is reset with EPROTO naming
+    the field. The securityContext token is registered for the log filter and
+    appears in no frame the router sends and no log record."""
+    from atp.adapters.context import known_secrets
+
+    caplog.set_level(logging.DEBUG)
+    message = json.loads(CONTEXT_EXAMPLE.read_text())
+    token = message["agentContext"]["securityContext"]["authenticationInfo"]["token"]
+    scripted["m.cleared"] = ScriptedAdapter.returning("m.cleared")
+    scripted["m.public"] = ScriptedAdapter.returning("m.public")
+    doc = {"agents": {"m.cleared": agent(data_scope=["acp.policy:P001", "acp.policy:P002"]),
+                      "m.public": agent(data_scope=["public"])},
+           "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.cleared"]},
+                        {"name": "q", "match": {"task_type": "public_review"}, "fanout": ["m.public"]}]}
+    path = tmp_path / "rib.yaml"
+    path.write_text(json.dumps(doc))
+    env = await start_router(nursery, path)
+    bad = json.loads(json.dumps(message))
+    bad["agentContext"]["securityContex"] = bad["agentContext"].pop("securityContext")
+    async with connect(env.ws_url, "json", "s-acp") as peer:
+        await peer.send(peer.session.open_stream("t1", {**META, "agent_context": message}, WINDOW,
+                                                 payload=Payload(type=PayloadType.TASK, content=CLEAN)))
+        await peer.send(peer.session.open_stream("t2", {"task_type": "public_review", "agent_context": message},
+                                                 WINDOW, payload=Payload(type=PayloadType.TASK, content=CLEAN)))
+        await peer.send(peer.session.open_stream("t3", {**META, "agent_context": bad}, WINDOW,
+                                                 payload=Payload(type=PayloadType.TASK, content=CLEAN)))
+        await peer.pump_until(lambda: all(peer.closed(t) for t in ("t1", "t2", "t3")))
+        peer.final("t1")
+    prompt = scripted["m.cleared"].calls[0]
+    assert prompt.meta["agent_context"] == message
+    assert prompt.meta["data_scope"] == ["acp.policy:P001", "acp.policy:P002"]
+    refusals = {t: next(e.error for e in peer.events[t] if isinstance(e, S.StreamReset)) for t in ("t2", "t3")}
+    assert refusals["t2"].code is ErrorCode.ESEC and "acp.policy:P001" in refusals["t2"].reason
+    assert refusals["t3"].code is ErrorCode.EPROTO and "agent_context" in refusals["t3"].reason
+    assert "securityContex" in refusals["t3"].reason and scripted["m.public"].calls == []
+    assert token in known_secrets()
+    sent = b"".join(FrameCodec("json").encode(f) for f in peer.raw)
+    assert token.encode() not in sent
+    assert all(token not in r.getMessage() and token not in (r.exc_text or "") for r in caplog.records)
+
+
+# ------------------------------------------------------------------ hot reload closes the adapters it dropped
+
+class ClosingAdapter(ScriptedAdapter):
+    """A ScriptedAdapter that records ``aclose`` (what drops a 2389 agent's broker
+    connection or a model adapter's HTTP pool)."""
+
+    def __init__(self, name: str, **kw: Any):
+        super().__init__(name, [Fragment(type=PayloadType.FINAL, content={"findings": []}, usage=Usage())], **kw)
+        self.closed = 0
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
+async def test_reload_closes_a_dropped_adapter_once_no_stream_of_its_generation_runs(
+        tmp_path, scripted, autojump_clock):
+    """Generation 1 has ``m.old`` and ``m.keep``; a stream runs on both. A reload
+    drops ``m.old``: it stays open while that stream's call runs (the stream
+    finishes on its generation), and is closed — once — when it ends. ``m.keep``,
+    unchanged, is the same adapter in generation 2 and stays open. A second
+    reload that drops ``m.keep`` with no stream running closes it at once."""
+    old = scripted["m.old"] = ClosingAdapter("m.old", delay_s=2.0)
+    keep = scripted["m.keep"] = ClosingAdapter("m.keep")
+
+    def rib(*agents: str) -> str:
+        return json.dumps({"agents": {a: agent() for a in agents},
+                           "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": list(agents)}]})
+
+    path = tmp_path / "rib.yaml"
+    path.write_text(rib("m.old", "m.keep"))
+    router = Router(RouterConfig(policies=path))
+    async with trio.open_nursery() as n:
+        await n.start(router.serve)
+        ctx = open_inproc(router)
+        await trio.sleep(0.5)
+        scripted["m.new"] = ClosingAdapter("m.new")
+        assert router.reload(rib("m.keep", "m.new"))["version"] == 2
+        await trio.sleep(1.0)
+        assert (old.closed, keep.closed) == (0, 0)  # generation 1 still runs a call on m.old
+        events = await drain(ctx)
+        await trio.testing.wait_all_tasks_blocked()
+        assert types(events)[-2:] == ["FINAL", "FIN"] and len(old.calls) == 1
+        assert (old.closed, keep.closed) == (1, 0)
+        assert router.gen.adapters["m.keep"] is keep
+        router.reload(rib("m.new"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert (old.closed, keep.closed, scripted["m.new"].closed) == (1, 1, 0)
+        n.cancel_scope.cancel()
+    assert scripted["m.new"].closed == 1  # the router closes what it still holds when it stops

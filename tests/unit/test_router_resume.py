@@ -31,6 +31,7 @@ from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentReport, Usage
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec
+from atp.wire.errors import ErrorCode
 from atp.wire.frame import Flag, Frame, Payload, PayloadType
 from tests.conftest import start_router
 from tests.unit.test_router_dispatch import CLEAN, META, scripted_agent
@@ -259,3 +260,117 @@ async def test_another_clients_key_does_not_resume(nursery, tmp_path, scripted):
             [ev async for ev in a.events(sb)]
     assert sa.stream_id != sb.stream_id and ei.value.code == "ESEC"
     assert env.router.streams[sa.stream_id].client == "alice" and env.router.streams[sb.stream_id].client == "bob"
+
+
+# ------------------------------------------------------------------ frames after the router closed a stream
+
+def _frames_of(peer: Peer, stream_id: str) -> list[tuple[list[Flag], dict | None]]:
+    """(flags, ERROR content) of every frame the router sent on ``stream_id``, in order."""
+    out = []
+    for f in peer.raw:
+        if f.stream_id == stream_id:
+            c = f.payload.content if f.payload is not None and f.payload.type is PayloadType.CONTROL else None
+            out.append((f.flags, c if isinstance(c, dict) and c.get("kind") == "ERROR" else None))
+    return out
+
+
+async def test_late_frames_on_a_stream_the_router_closed_never_draw_an_rst(nursery, tmp_path, scripted):
+    """The router resets a stream (its only next-hop is down: RST EAGENTDOWN)
+    while the client, not having read that RST yet, still ACKs, sends a
+    BUDGET_UPDATE and a message on it; and ACKs a SYN the router refused. The
+    client must see each stream's own RST as its only close, with its real
+    cause: the late ACK and control frames are dropped (counted in
+    ``atp_frames{direction="dropped"}``), the late message draws a lone ERROR
+    EPROTO "stream is closed" — after the RST, never an RST of its own."""
+    from atp.wire.frame import Budget, BudgetUpdate
+
+    scripted["m.down"] = ScriptedAdapter("m.down", fail_with=ErrorCode.EAGENTDOWN, fail_reason="HTTP 503")
+    doc = {"agents": {"m.down": scripted_agent()},
+           "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.down"]}]}
+    path = tmp_path / "rib.yaml"
+    path.write_text(json.dumps(doc))
+    env = await start_router(nursery, path)
+    async with connect(env.ws_url, "json", "s-late") as peer:
+        await peer.open("t1")
+        await peer.send(peer.session.send_message("t1", Payload(type=PayloadType.TASK, content=CLEAN)))
+        ctx = env.router.streams["t1"]
+        with trio.fail_after(5):
+            while not ctx.log.closed:  # reset in the router; the client has not read it
+                await trio.sleep(0.01)
+        await peer.send(peer.session.ack("t1"))
+        await peer.send(peer.session.send_control("t1", BudgetUpdate(budget=Budget(tokens=10))))
+        await peer.send(peer.session.send_message("t1", Payload(type=PayloadType.TASK, content=CLEAN)))
+        # A SYN the router refuses (meta.budget is not a budget), and the client's ACK sent right after it.
+        await peer.send(peer.session.open_stream("t0", {**META, "budget": "lots"}, WINDOW))
+        await peer.send(Frame(v=1, session_id="s-late", stream_id="t0", msg_seq=0, flags=[Flag.ACK]))
+        await peer.pump_until(lambda: peer.closed("t1") and peer.closed("t0"))
+        await peer.send(Frame(v=1, session_id="s-late", stream_id="t0", msg_seq=0, flags=[Flag.ACK]))
+        with trio.move_on_after(0.5):  # the reply to the late message, and anything else, comes now
+            await peer.pump_until(lambda: False)
+    t1 = _frames_of(peer, "t1")
+    closes = [(flags, e) for flags, e in t1 if Flag.RST in flags or Flag.FIN in flags]
+    assert len(closes) == 1 and closes[0][1]["code"] == "EAGENTDOWN", t1
+    late = [(i, flags, e) for i, (flags, e) in enumerate(t1) if e is not None and "stream is closed" in e["reason"]]
+    assert len(late) == 1 and late[0][2]["code"] == "EPROTO" and Flag.RST not in late[0][1]
+    assert late[0][0] > t1.index(closes[0])  # the stream's own RST came first
+    t0 = _frames_of(peer, "t0")
+    assert [e["code"] for flags, e in t0 if Flag.RST in flags] == ["EPROTO"] and len(t0) == 1
+    assert "meta.budget" in t0[0][1]["reason"]
+    dropped = {kind: env.router.metrics.frames.labels("dropped", kind)._value.get() for kind in ("ACK", "CTRL", "DATA")}
+    # Our three ACKs (and the client session's own ACKs of what it read before the
+    # RST), the BUDGET_UPDATE, the message.
+    assert dropped["ACK"] >= 3 and dropped["CTRL"] == 1 and dropped["DATA"] == 1, dropped
+
+
+# ------------------------------------------------------------------ a client leaving under a heartbeat
+
+async def test_peer_gone_while_a_heartbeat_is_sent_ends_the_connection_without_a_traceback(tmp_path, scripted,
+                                                                                            caplog):
+    """The WebSocket watchdog sends HB on the sessions a connection carries. A
+    client that goes away makes that send fail with ConnectionClosed while the
+    receive loop still waits: a normal disconnect — the connection ends, its
+    stream is detached (still resumable), and nothing is logged as an error.
+    Real trio-websocket connections over an in-memory stream pair: the client's
+    side stops reading, as a vanished TCP peer does, so the watchdog's HB is the
+    first write to fail, deterministically."""
+    from trio.testing import memory_stream_pair
+    from trio_websocket import wrap_client_stream, wrap_server_stream
+
+    from atp.router.core import Router, RouterConfig
+    from atp.router.ws import _connection
+
+    scripted["m.stream"] = Streamer("m.stream")
+    doc = {"agents": {"m.stream": scripted_agent()},
+           "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.stream"]}]}
+    path = tmp_path / "rib.yaml"
+    path.write_text(json.dumps(doc))
+    router = Router(RouterConfig(policies=path, hb_interval_s=0.05, hb_timeout_s=30.0))
+    codec = FrameCodec("json")
+    client_end, server_end = memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(router.serve)
+        client_ws = None
+
+        async def dial() -> None:
+            nonlocal client_ws
+            client_ws = await wrap_client_stream(nursery, client_end, "localhost", "/")
+
+        nursery.start_soon(dial)
+        server_ws = await (await wrap_server_stream(nursery, server_end)).accept()
+        session = S.Session(S.Role.CLIENT, "s-gone", now=trio.current_time())
+        with trio.fail_after(5):
+            while client_ws is None:
+                await trio.sleep(0.01)
+        await client_ws.send_message(codec.encode(syn_task(session, "t1", "k-gone")).decode())
+        caplog.set_level("DEBUG")
+        with trio.fail_after(5):
+            async with trio.open_nursery() as conn:
+                conn.start_soon(_connection, router, server_ws, codec, "anonymous")
+                while "t1" not in router.streams:
+                    await trio.sleep(0.01)
+                await client_end.receive_stream.aclose()  # the client stops reading: it is gone
+        ctx = router.streams["t1"]
+        assert ctx.detached_at is not None and not ctx.log.closed
+        nursery.cancel_scope.cancel()
+    assert [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")] == []
+    assert not any(r.exc_info for r in caplog.records)
