@@ -2,6 +2,6 @@
 paho-mqtt (see :mod:`atp.mqtt.client`, whose public API this package re-exports)."""
 
 from atp.mqtt import client
-from atp.mqtt.client import *
+from atp.mqtt.client import *  # noqa: F403  (re-export: __all__ below is the client's)
 
 __all__ = client.__all__
