@@ -39,3 +39,13 @@ def policies_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 async def router_env(nursery, policies_dir: Path) -> RouterEnv:
     return await start_router(nursery, policies_dir)
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """RIB agents ``tool: scripted`` are served by the ScriptedAdapter stored in the
+    returned dict under the agent's name (built by the adapter registry like any
+    tool next-hop); see :func:`tests.helpers.serve_scripted`."""
+    from tests.helpers import serve_scripted
+
+    return serve_scripted(monkeypatch)

@@ -32,10 +32,8 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 from peers import a2a_peer_python
 
-import atp.policy.rib
 from atp.adapters.a2a import A2AAdapter
 from atp.adapters.base import Prompt
-from atp.adapters.registry import TOOL_FACTORIES
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import Severity
 from atp.router.a2a_server import a2a_routes, agent_card
@@ -43,6 +41,7 @@ from atp.router.api import build_app
 from atp.router.core import Router, RouterConfig
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import PayloadType
+from tests.helpers import serve_scripted
 
 CONTEXT_EXAMPLE = Path(__file__).resolve().parents[3] / "shared" / "specs" / "agent-context-message.example.json"
 TOKEN = "a2a-test-token"
@@ -81,9 +80,7 @@ def scripted(monkeypatch) -> dict[str, ScriptedAdapter]:
         "review.down": ScriptedAdapter("review.down", fail_with=ErrorCode.EAGENTDOWN, fail_reason="model host gone"),
         "review.echo": ScriptedAdapter.returning("review.echo", [], summary="echo"),
     }
-    monkeypatch.setattr(atp.policy.rib, "TOOLS", atp.policy.rib.TOOLS | {"scripted"})
-    monkeypatch.setitem(TOOL_FACTORIES, "scripted", lambda name, agent: adapters[name])
-    return adapters
+    return serve_scripted(monkeypatch, adapters)
 
 
 async def start_a2a_router(nursery: trio.Nursery, tmp_path: Path, **config: Any) -> tuple[Router, str]:

@@ -22,16 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import atp
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentFinding, FinalResult, Severity
-from tests.helpers import golden, serve_scripted, start_router_on
+from tests.helpers import golden, start_router_on
 
 META = {"task_type": "code_review", "languages": ["py"]}
-
-
-@pytest.fixture
-def scripted(monkeypatch) -> dict[str, ScriptedAdapter]:
-    """Agents ``tool: scripted`` in a RIB are served by the ScriptedAdapter put in
-    this dict under the agent's name."""
-    return serve_scripted(monkeypatch)
 
 
 def finding(line: int = 183, claim: str = "scripted finding") -> AgentFinding:

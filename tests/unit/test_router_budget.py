@@ -55,13 +55,6 @@ from tests.unit.test_router_flow import (
 )
 
 
-@pytest.fixture
-def scripted(monkeypatch) -> dict[str, ScriptedAdapter]:
-    """RIB agents ``tool: scripted`` are served by the ScriptedAdapter stored here
-    under the agent's name (built by the adapter registry like any tool next-hop)."""
-    return serve_scripted(monkeypatch)
-
-
 BIG_WINDOW = {"max_parallel": 64, "max_tokens": 100_000_000, "max_usd_micros": 1_000_000_000}
 
 

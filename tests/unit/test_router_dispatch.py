@@ -24,7 +24,7 @@ from atp.consensus.types import AgentFinding, Severity, Usage
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import CostEstimate, PayloadType
 from tests.conftest import RouterEnv
-from tests.helpers import golden, serve_scripted, start_router_on
+from tests.helpers import golden, start_router_on
 
 META = {"task_type": "code_review", "languages": ["py"]}
 RUFF = {"layer": "L1", "tool": "ruff", "p95_ms": 200, "strengths": ["code_review"]}
@@ -39,13 +39,6 @@ CLEAN = {
 
 def scripted_agent(timeout_ms: int = 30_000) -> dict:
     return {"layer": "L2", "tool": "scripted", "p95_ms": 300, "timeout_ms": timeout_ms, "strengths": ["code_review"]}
-
-
-@pytest.fixture
-def scripted(monkeypatch) -> dict[str, ScriptedAdapter]:
-    """RIB agents ``tool: scripted`` are served by the adapter stored here under
-    the agent's name (built by the registry like any tool next-hop)."""
-    return serve_scripted(monkeypatch)
 
 
 async def router_with(nursery, tmp_path, agents: dict, **policy) -> RouterEnv:

@@ -36,7 +36,6 @@ import trio
 import atp
 import atp.policy.rib
 from atp.adapters.base import Fragment
-from atp.adapters.registry import TOOL_FACTORIES
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentFinding, Severity, Usage
 from atp.flow.breaker import RetryPolicy
@@ -67,16 +66,6 @@ from tests.unit.test_router_dispatch import (
     scripted_agent,
 )
 from tests.unit.test_router_ws import WINDOW, connect, task_payload
-
-
-@pytest.fixture
-def scripted(monkeypatch) -> dict[str, ScriptedAdapter]:
-    """RIB agents ``tool: scripted`` are served by the ScriptedAdapter stored here
-    under the agent's name (built by the adapter registry like any tool next-hop)."""
-    adapters: dict[str, ScriptedAdapter] = {}
-    monkeypatch.setattr(atp.policy.rib, "TOOLS", atp.policy.rib.TOOLS | {"scripted"})
-    monkeypatch.setitem(TOOL_FACTORIES, "scripted", lambda name, agent: adapters[name])
-    return adapters
 
 
 BIG_WINDOW = {"max_parallel": 64, "max_tokens": 10_000_000, "max_usd_micros": 100_000_000}

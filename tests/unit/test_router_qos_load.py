@@ -23,8 +23,6 @@ from __future__ import annotations
 import pytest
 import trio
 
-import atp.policy.rib
-from atp.adapters.registry import TOOL_FACTORIES
 from atp.adapters.testing import ScriptedAdapter
 from atp.flow.qos import Grant, QosScheduler, Queued, Revoke
 from atp.flow.window import Estimate, Window, WindowQueue
@@ -44,16 +42,6 @@ from tests.unit.test_router_flow import (
 
 G, S, B = QoS.GOLD, QoS.SILVER, QoS.BRONZE
 ONE = Estimate(tokens=10, usd_micros=10)
-
-
-@pytest.fixture
-def scripted(monkeypatch) -> dict[str, ScriptedAdapter]:
-    """RIB agents ``tool: scripted`` are served by the ScriptedAdapter stored here
-    under the agent's name (built by the adapter registry like any tool next-hop)."""
-    adapters: dict[str, ScriptedAdapter] = {}
-    monkeypatch.setattr(atp.policy.rib, "TOOLS", atp.policy.rib.TOOLS | {"scripted"})
-    monkeypatch.setitem(TOOL_FACTORIES, "scripted", lambda name, agent: adapters[name])
-    return adapters
 
 
 # ------------------------------------------------------------------ the next-hop queue (sans-IO)

@@ -26,7 +26,6 @@ from trio_websocket import ConnectionClosed, open_websocket_url
 import atp
 import atp.policy.rib
 from atp.adapters.base import Fragment, Prompt
-from atp.adapters.registry import TOOL_FACTORIES
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentReport, Usage
 from atp.wire import session as S
@@ -36,16 +35,6 @@ from atp.wire.frame import Flag, Frame, Payload, PayloadType
 from tests.conftest import start_router
 from tests.unit.test_router_dispatch import CLEAN, META, scripted_agent
 from tests.unit.test_router_ws import WINDOW, Peer, connect
-
-
-@pytest.fixture
-def scripted(monkeypatch) -> dict[str, ScriptedAdapter]:
-    """RIB agents ``tool: scripted`` are served by the ScriptedAdapter stored here
-    under the agent's name (built by the adapter registry like any tool next-hop)."""
-    adapters: dict[str, ScriptedAdapter] = {}
-    monkeypatch.setattr(atp.policy.rib, "TOOLS", atp.policy.rib.TOOLS | {"scripted"})
-    monkeypatch.setitem(TOOL_FACTORIES, "scripted", lambda name, agent: adapters[name])
-    return adapters
 
 
 STEPS = 8  # PARTIALs per call, 100 tokens each (cumulative usage)
