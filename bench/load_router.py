@@ -377,7 +377,7 @@ def ledger_overshoot(router: Any, records: list[dict[str, Any]]) -> list[str]:
     over: list[str] = []
     per_client: Counter[str] = Counter()
     for r in records:
-        ctx = router.streams.get(r["stream_id"])
+        ctx = router.streams.find(r["client"], r["stream_id"])
         if ctx is None:
             continue  # refused at SYN: no account
         st = router.ledger.state(ctx.account)

@@ -187,9 +187,9 @@ def map_rpc_error(error: Any, dialect: str, secrets: Iterable[str] = ()) -> Agen
     known Agent Context secret) are masked in the peer's message before it is
     shortened, so no part of one survives. Never raises."""
     if not isinstance(error, Mapping):
-        return AgentError(ErrorCode.EPROTO, f"malformed JSON-RPC error: {scrub(str(error), secrets)[:200]}")
+        return AgentError(ErrorCode.EPROTO, f"malformed JSON-RPC error: {scrub(str(error), secrets=secrets)[:200]}")
     code = error.get("code")
-    message = scrub(str(error.get("message") or ""), secrets)[:300]
+    message = scrub(str(error.get("message") or ""), secrets=secrets)[:300]
     known = ERROR_CODES[dialect].get(code) if isinstance(code, int) and not isinstance(code, bool) else None
     if known is None:
         return AgentError(ErrorCode.EAGENTDOWN, f"JSON-RPC error {code}: {message}")
@@ -205,7 +205,7 @@ def decode_response(body: bytes, dialect: str, *, request_id: str | None = None,
     try:
         obj = json.loads(body)
     except ValueError:
-        quoted = scrub(body.decode("utf-8", "replace"), secrets)[:120]
+        quoted = scrub(body.decode("utf-8", "replace"), secrets=secrets)[:120]
         raise AgentError(ErrorCode.EPROTO, f"response is not JSON: {quoted!r}") from None
     if not isinstance(obj, dict):
         raise AgentError(ErrorCode.EPROTO, f"response is not a JSON-RPC object ({type(obj).__name__})")
@@ -644,7 +644,7 @@ class A2AAdapter(HTTPNextHop):
                     reply.apply(await self._rpc(self.methods["get"], {"id": reply.task_id}, secrets), "task")
             error = _STATE_ERRORS.get(reply.state)
             if error is not None:
-                detail = scrub(_text(reply.status_parts), secrets).strip()[:300]
+                detail = scrub(_text(reply.status_parts), secrets=secrets).strip()[:300]
                 raise AgentError(error[0], error[1] + (f": {detail}" if detail else ""))
         except AgentError as e:
             raise self._fail(e, t0, secrets) from None
@@ -807,7 +807,7 @@ def _check_status(response: httpx.Response, url: str, secrets: Iterable[str] = (
     if status < 400:
         return
     body = response.content.decode("utf-8", "replace") if response.is_stream_consumed else ""
-    detail = scrub(body, secrets).strip()[:300]
+    detail = scrub(body, secrets=secrets).strip()[:300]
     reason = f"HTTP {status} from {url}" + (f": {detail}" if detail else "")
     if status == 408:
         raise AgentError(ErrorCode.ETIMEOUT, reason)

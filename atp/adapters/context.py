@@ -36,9 +36,12 @@ Secrets: every string (and number) under ``securityContext.authenticationInfo``
 is a secret; ``accessControl`` (role, permissions) and ``dataProtection`` are
 authorisation facts, not secrets. :func:`redact_context` masks the secrets in a
 copy for logs and traces; :func:`parse_context` also records them in a bounded
-process-wide set that :class:`RedactingFilter` (a ``logging.Filter``) and
-:func:`redact_event` (a structlog-style processor, without structlog) mask in any
-log record, and :func:`scrub` / :func:`scrub_error` mask in error reasons. Values
+process-wide set (:func:`register_secrets`). The one scrubber,
+:func:`atp.security.redact.scrub` (re-exported here with :func:`scrub_error`,
+:func:`register_secrets`, :func:`known_secrets` and :data:`REDACTED`), masks them
+— and whatever detect-secrets flags — in every adapter's error reasons, in any log
+record through :class:`RedactingFilter` (a ``logging.Filter``) and
+:func:`redact_event` (a structlog-style processor, without structlog). Values
 shorter than :data:`MIN_SECRET_LEN` characters are not treated as secrets (masking
 every ``"1"`` in a log would hide nothing and garble everything).
 
@@ -50,18 +53,26 @@ labels (spec §11) — ``acp.policy:<policyId>`` — that a RIB ``match`` on
 from __future__ import annotations
 
 import logging
-import re
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta, Struct
 
-from atp.wire.errors import AgentError, ATPError, ErrorCode, LocalProtocolError
+from atp.security.redact import (
+    MAX_KNOWN_SECRETS,
+    MIN_SECRET_LEN,
+    REDACTED,
+    known_secrets,
+    register_secrets,
+    scrub,
+    scrub_error,
+)
+from atp.wire.errors import AgentError, ErrorCode, LocalProtocolError
 
 __all__ = [
+    "MAX_KNOWN_SECRETS",
+    "MAX_LOG_CHARS",
     "META_KEY",
     "MIN_SECRET_LEN",
     "REDACTED",
@@ -97,12 +108,8 @@ __all__ = [
 
 #: Where the message travels in a frame's meta.
 META_KEY = "agent_context"
-#: What a secret is replaced with.
-REDACTED = "[REDACTED]"
-#: Shortest value treated as a secret (characters).
-MIN_SECRET_LEN = 4
-#: How many distinct secrets the process-wide set remembers (oldest dropped first).
-MAX_KNOWN_SECRETS = 4096
+#: How much of one log record the filter scrubs and keeps (characters).
+MAX_LOG_CHARS = 64 * 1024
 
 Id = Annotated[str, Meta(min_length=1)]
 Scalar = str | int | float | bool
@@ -235,7 +242,7 @@ def parse_context(obj: Mapping[str, Any] | bytes | str) -> AgentContext:
     try:
         return msgspec.convert(obj, _Message).agent_context
     except msgspec.ValidationError as e:
-        raise LocalProtocolError(ErrorCode.EPROTO, scrub(f"{META_KEY}: {e}", secrets)) from None
+        raise LocalProtocolError(ErrorCode.EPROTO, scrub(f"{META_KEY}: {e}", secrets=secrets)) from None
 
 
 def context_of(meta: Mapping[str, Any]) -> tuple[Any, AgentContext | None]:
@@ -360,86 +367,19 @@ def _mask(value: Any) -> Any:
     return REDACTED
 
 
-class _SecretSet:
-    """Bounded, thread-safe set of secrets seen by this process, with one compiled
-    pattern matching any of them (longest first, so a secret containing another
-    is masked whole)."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._items: OrderedDict[str, None] = OrderedDict()
-        self._lock = threading.Lock()
-        self._pattern: re.Pattern[str] | None = None
-
-    def add(self, secrets: Iterable[str]) -> None:
-        with self._lock:
-            changed = False
-            for s in secrets:
-                if len(s) < MIN_SECRET_LEN:
-                    continue
-                if s in self._items:
-                    self._items.move_to_end(s)
-                    continue
-                self._items[s] = None
-                changed = True
-                if len(self._items) > self._size:
-                    self._items.popitem(last=False)
-            if changed:
-                self._pattern = None
-
-    def snapshot(self) -> frozenset[str]:
-        with self._lock:
-            return frozenset(self._items)
-
-    def pattern(self) -> re.Pattern[str] | None:
-        with self._lock:
-            if self._pattern is None and self._items:
-                alts = sorted(self._items, key=len, reverse=True)
-                self._pattern = re.compile("|".join(map(re.escape, alts)))
-            return self._pattern
-
-
-_KNOWN = _SecretSet(MAX_KNOWN_SECRETS)
-
-
-def register_secrets(secrets: Iterable[str]) -> None:
-    """Remember ``secrets`` so that :class:`RedactingFilter`, :func:`redact_event`
-    and :func:`scrub` mask them (the :data:`MAX_KNOWN_SECRETS` most recent)."""
-    _KNOWN.add(secrets)
-
-
-def known_secrets() -> frozenset[str]:
-    """The secrets currently remembered by the process."""
-    return _KNOWN.snapshot()
-
-
-def scrub(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` with every occurrence of ``secrets`` and of every remembered
-    secret replaced by :data:`REDACTED`."""
-    extra = sorted((s for s in secrets if len(s) >= MIN_SECRET_LEN), key=len, reverse=True)
-    for s in extra:
-        text = text.replace(s, REDACTED)
-    pattern = _KNOWN.pattern()
-    return pattern.sub(REDACTED, text) if pattern is not None else text
-
-
-def scrub_error(e: ATPError, secrets: Iterable[str] = ()) -> ATPError:
-    """Mask secrets in ``e``'s reason (and so in ``str(e)``), in place; returns ``e``."""
-    reason = scrub(e.reason, secrets)
-    if reason != e.reason:
-        e.reason = reason
-        e.args = (f"{e.code}: {reason}",)
-    return e
-
-
 # -- logs ------------------------------------------------------------------------------
+
+
+def _scrub_log(text: str) -> str:
+    """:func:`~atp.security.redact.scrub` with the log bound (:data:`MAX_LOG_CHARS`)."""
+    return scrub(text, max_chars=MAX_LOG_CHARS)
 
 
 def _clean(value: Any) -> Any:
     """A log value with secrets masked: context messages are redacted
     structurally, strings scrubbed, containers walked."""
     if isinstance(value, str):
-        return scrub(value)
+        return _scrub_log(value)
     if isinstance(value, AgentContext):
         return redact_context(value)
     if isinstance(value, Mapping):
@@ -452,7 +392,7 @@ def _clean(value: Any) -> Any:
         return tuple(_clean(v) for v in value)
     if isinstance(value, BaseException):
         text = str(value)
-        cleaned = scrub(text)
+        cleaned = _scrub_log(text)
         return value if cleaned == text else f"{type(value).__name__}: {cleaned}"
     return value
 
@@ -475,7 +415,7 @@ class RedactingFilter(logging.Filter):
             except (TypeError, ValueError, KeyError):
                 # A bad format string: keep what the handler would have reported, cleaned.
                 message = f"{record.msg!r} % {_clean(record.args)!r}"
-            record.msg, record.args = scrub(message), None
+            record.msg, record.args = _scrub_log(message), None
         else:
             record.msg = _clean(record.msg)
         for key, value in list(record.__dict__.items()):
@@ -483,13 +423,13 @@ class RedactingFilter(logging.Filter):
                 setattr(record, key, _clean(value))
         if record.exc_info and record.exc_info[1] is not None:
             text = record.exc_text or logging.Formatter().formatException(record.exc_info)
-            record.exc_text = scrub(text)
+            record.exc_text = _scrub_log(text)
             if record.exc_text != text:
                 # The exception object itself still holds the secret: formatters
                 # print exc_text, so the record keeps only that.
                 record.exc_info = None
         if record.stack_info:
-            record.stack_info = scrub(record.stack_info)
+            record.stack_info = _scrub_log(record.stack_info)
         return True
 
 

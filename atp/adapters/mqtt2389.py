@@ -14,7 +14,7 @@ RIB entry (``atp.policy.rib.RemoteSpec``)::
           cost_usd_per_call: 0.0              # flat price when the agent reports no cost
           options:
             pipeline: [triage, {agent: summarizer, instruction: "..."}]   # the `next` chain
-            max_depth: 16                     # longest chain this policy may send (1..16)
+            max_depth: 16                     # most nested `next` objects this policy may send (0..16)
             instruction: "..."                # the first agent's `instruction`
             username: router | username_env: MQTT_USERNAME
             ca_file / cert_file / key_file    # TLS trust anchors, client certificate
@@ -43,20 +43,31 @@ message of its last agent (the reference's ``{"response", "task_id"}``; agents t
 forward do not reply, and mint a new ``task_id``, so replies are matched by
 conversation and agent). The session is persistent across reconnects (``clean_start``
 off, ``session_expiry_s``), so a broker restart loses neither the task nor the reply.
+Pipeline depth is the spec's (§2): the number of nested ``next`` objects, at most 16.
 
-Results: a ``response`` holding JSON ``{"findings": [...], "summary"?, "confidence"?,
-"usage"?}`` (what :mod:`atp.agent2389` agents send) becomes that
-:class:`~atp.consensus.types.AgentReport`; any other text (an LLM agent's prose) an
-empty report whose ``summary`` is the text. Usage: the tokens and USD micros the agent
-reported, else ``cost_usd_per_call`` as a flat price.
+Results: the spec defines no success shape; :func:`~atp.agent2389.protocol.decode_reply`
+takes the reference's ``response`` or ``result``/``output``/``content``/``text``/``answer``,
+a findings object or a bare list. JSON ``{"findings": [...], "summary"?, "confidence"?,
+"usage"?}`` (what :mod:`atp.agent2389` agents send; a bare list is the findings)
+becomes that :class:`~atp.consensus.types.AgentReport`: findings in the ATP schema are
+taken as they are, others through the parser the A2A path uses
+(:func:`~atp.adapters.openai_compat.parse_review`: ``line`` or ``start``/``end``,
+``path``, ``message``, … with cited lines checked against the task's content); any
+other text (an LLM agent's prose) is an empty report whose ``summary`` is the text.
+Usage: the tokens and USD micros the agent reported, else ``cost_usd_per_call`` as a
+flat price.
 
 Errors (``AgentError``)::
 
     agent down / not announced / broker unreachable   EAGENTDOWN
     invalid_input, pipeline_depth_exceeded             EPROTO
     tool_execution_failed, llm_error, internal_error   EAGENTDOWN
-    findings that are not the ATP findings schema      EPROTO
+    a reply of no known shape, unreadable findings     EPROTO
     envelope larger than 256 KB                        EPROTO
+
+Every error reason goes through :func:`atp.security.redact.scrub` (with the Agent
+Context secrets of the task): an agent that echoes the ``securityContext`` token, or
+any credential, in its error text does not reach the client's ERROR with it.
 """
 
 from __future__ import annotations
@@ -73,6 +84,8 @@ import msgspec
 import trio
 
 from atp.adapters.base import CallStats, Fragment, Health, Prompt, ProviderAdapter
+from atp.adapters.context import META_KEY, scrub_error, secret_values
+from atp.adapters.openai_compat import parse_review
 from atp.agent2389 import protocol as P
 from atp.consensus.types import AgentFinding, AgentReport, Usage
 from atp.mqtt.client import (
@@ -189,8 +202,8 @@ class _Link:
                 reply = P.decode_reply(payload)
             except ValueError as e:
                 if parts[3] == call.chain[-1]:
-                    call.finish(failure=AgentError(ErrorCode.EPROTO, f"2389 agent {parts[3]!r} sent an "
-                                                   f"unreadable reply: {e}", agent=self.name))
+                    call.finish(failure=AgentError(ErrorCode.EPROTO, f"2389 agent {parts[3]!r} sent a reply "
+                                                   f"of no known shape: {e}", agent=self.name))
                 return
             if isinstance(reply, P.ErrorReply) or parts[3] == call.chain[-1]:
                 call.finish(reply=reply, replier=parts[3])
@@ -217,7 +230,8 @@ class _Link:
 class Mqtt2389Adapter(ProviderAdapter):
     """A 2389 agent (or pipeline of agents) reached through an MQTT broker (see
     the module docstring). ``pipeline`` are the later stages of the ``next``
-    chain; ``max_depth`` bounds the chain (1..16, ValueError otherwise);
+    chain; ``max_depth`` bounds its nested ``next`` objects, i.e. ``len(pipeline)``
+    (0..16, ValueError otherwise);
     ``cost_usd_per_call`` is float USD; ``discovery_timeout_s`` how long a call
     waits for the broker connection and the retained statuses."""
 
@@ -250,10 +264,10 @@ class Mqtt2389Adapter(ProviderAdapter):
         self.pipeline = tuple(pipeline)
         for st in self.pipeline:
             P.check_agent_id(st.agent_id)
-        if not 1 <= max_depth <= P.MAX_DEPTH:
-            raise ValueError(f"max_depth must be in 1..{P.MAX_DEPTH}, got {max_depth}")
-        if 1 + len(self.pipeline) > max_depth:
-            raise ValueError(f"a chain of {1 + len(self.pipeline)} agents exceeds max_depth {max_depth}")
+        if not 0 <= max_depth <= P.MAX_DEPTH:
+            raise ValueError(f"max_depth must be in 0..{P.MAX_DEPTH}, got {max_depth}")
+        if len(self.pipeline) > max_depth:
+            raise ValueError(f"a pipeline of {len(self.pipeline)} nested next objects exceeds max_depth {max_depth}")
         self.chain = (self.agent_id, *(s.agent_id for s in self.pipeline))
         self.max_depth = max_depth
         self.instruction = instruction
@@ -357,6 +371,8 @@ class Mqtt2389Adapter(ProviderAdapter):
             report, usage = await self._call(prompt)
         except AgentError as e:
             e.agent = e.agent or self.name
+            ctx = prompt.meta.get(META_KEY)
+            scrub_error(e, secret_values(ctx) if ctx is not None else ())
             self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=e.code is ErrorCode.EAGENTDOWN)
             raise
         self._stats.record((trio.current_time() - t0) * 1000, ok=True)
@@ -439,7 +455,7 @@ class Mqtt2389Adapter(ProviderAdapter):
             raise AgentError(code, f"2389 agent {call.replier!r}: {reply.code}: {P.sanitize(reply.message)}",
                              agent=self.name)
         assert isinstance(reply, P.Reply)
-        report, reported = parse_report(reply.response)
+        report, reported = parse_report(reply.response, prompt.content)
         flat = round(self.cost_usd_per_call * 1_000_000)
         usage = reported or Usage()
         if usage.usd_micros == 0 and flat:
@@ -447,20 +463,25 @@ class Mqtt2389Adapter(ProviderAdapter):
         return report, usage
 
 
-def parse_report(text: str) -> tuple[AgentReport, Usage | None]:
-    """A 2389 ``response`` as an AgentReport and the usage it reported (see the
-    module docstring). Raises AgentError(EPROTO) when it claims findings that do not
-    match the ATP findings schema."""
+_FINDING_SHAPE = ("expected the ATP findings schema {file, start, end, severity, claim, ...} or what the A2A "
+                  "path accepts ({file|path, line|start[, end], claim|message|issue|description, severity}), "
+                  "citing a line of the reviewed content")
+
+
+def parse_report(text: str, content: Mapping[str, Any] | None = None) -> tuple[AgentReport, Usage | None]:
+    """A 2389 answer as an AgentReport and the usage it reported (see the module
+    docstring); ``content`` is the task's (``{"diff", "files"}``), against which
+    findings in a non-ATP shape are checked. Raises AgentError(EPROTO) naming the
+    expected shape when a finding fits neither."""
     try:
         data = msgspec.json.decode(text)
     except msgspec.DecodeError:
         data = None
+    if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
+        data = {"findings": data}
     if not (isinstance(data, dict) and isinstance(data.get("findings"), list)):
         return AgentReport(summary=text.strip()[:_MAX_SUMMARY]), None
-    try:
-        findings = msgspec.convert(data["findings"], list[AgentFinding])
-    except msgspec.ValidationError as e:
-        raise AgentError(ErrorCode.EPROTO, f"findings do not match the ATP findings schema: {e}") from None
+    findings = [_finding(entry, i, content or {}) for i, entry in enumerate(data["findings"])]
     summary = data.get("summary") if isinstance(data.get("summary"), str) else ""
     conf = data.get("confidence")
     ok_conf = isinstance(conf, int | float) and not isinstance(conf, bool) and 0.0 <= conf <= 1.0
@@ -473,9 +494,23 @@ def parse_report(text: str) -> tuple[AgentReport, Usage | None]:
     return AgentReport(findings=findings, summary=summary[:_MAX_SUMMARY], confidence=conf if ok_conf else None), usage
 
 
+def _finding(entry: Any, i: int, content: Mapping[str, Any]) -> AgentFinding:
+    try:
+        return msgspec.convert(entry, AgentFinding)
+    except msgspec.ValidationError as e:
+        strict = str(e)
+    found, _ = parse_review(msgspec.json.encode({"findings": [entry]}).decode(), content)
+    if not found:
+        raise AgentError(ErrorCode.EPROTO, f"finding [{i}] ({strict}): {_FINDING_SHAPE}")
+    f = found[0]
+    extra = {k: entry[k] for k in ("rule", "cwe", "patch") if isinstance(entry.get(k), str)}
+    ref = entry.get("ref")
+    return msgspec.structs.replace(f, ref=ref if isinstance(ref, str) and ref else str(i + 1), **extra)
+
+
 # ---------------------------------------------------------------------- from the RIB
 _STR_OPTS = ("instruction", "client_id", "ca_file", "cert_file", "key_file", "username", "username_env")
-_INT_OPTS = {"max_depth": (1, P.MAX_DEPTH), "session_expiry_s": (0, 2**32 - 1), "keepalive_s": (5, 65535),
+_INT_OPTS = {"max_depth": (0, P.MAX_DEPTH), "session_expiry_s": (0, 2**32 - 1), "keepalive_s": (5, 65535),
              "discovery_timeout_ms": (1, 600_000), "down_grace_ms": (0, 600_000)}
 
 

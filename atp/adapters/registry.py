@@ -24,6 +24,7 @@ factories for further next-hop kinds.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,6 +37,7 @@ from atp.adapters.ollama import DEFAULT_BASE_URL as OLLAMA_BASE_URL
 from atp.adapters.ollama import OllamaAdapter
 from atp.adapters.openai_compat import ChatModelAdapter, OpenAICompatAdapter
 from atp.adapters.tools.bandit import BanditAdapter
+from atp.adapters.tools.base import DEFAULT_LIMITS, LIMIT_OPTIONS, ToolLimits
 from atp.adapters.tools.ruff import RuffAdapter
 from atp.policy.rib import AgentSpec, ModelSpec
 
@@ -79,16 +81,31 @@ def _options(agent: AgentSpec, allowed: Mapping[str, tuple[type, ...]], what: st
     return out
 
 
+#: Resource limits every local tool takes in ``agent.options`` (:class:`ToolLimits`).
+_LIMIT_TYPES: dict[str, tuple[type, ...]] = {
+    k: ((int, float) if k == "timeout_s" else (int,)) for k in LIMIT_OPTIONS
+}
+
+
+def _tool_options(agent: AgentSpec, allowed: Mapping[str, tuple[type, ...]], what: str) -> tuple[dict[str, Any], ToolLimits]:
+    """The tool's own options and its :class:`ToolLimits` (defaults, the agent's
+    ``timeout_ms`` as the tool's wall-clock limit, then ``options`` overrides)."""
+    opts = _options(agent, {**allowed, **_LIMIT_TYPES}, what)
+    base = dataclasses.replace(DEFAULT_LIMITS, timeout_s=agent.timeout_ms / 1000)
+    limits = ToolLimits.from_options(opts, base=base)
+    return {k: v for k, v in opts.items() if k not in LIMIT_OPTIONS}, limits
+
+
 def _ruff(name: str, agent: AgentSpec) -> ProviderAdapter:
-    opts = _options(
+    opts, limits = _tool_options(
         agent, {"select": _STR_LIST, "ignore": _STR_LIST, "target_version": (str,), "context": (int,)}, "tool ruff"
     )
-    return RuffAdapter(name, scope=agent.scope, strengths=agent.strengths or None, **opts)
+    return RuffAdapter(name, scope=agent.scope, strengths=agent.strengths or None, limits=limits, **opts)
 
 
 def _bandit(name: str, agent: AgentSpec) -> ProviderAdapter:
-    opts = _options(agent, {"skip": _STR_LIST, "context": (int,)}, "tool bandit")
-    return BanditAdapter(name, scope=agent.scope, strengths=agent.strengths or None, **opts)
+    opts, limits = _tool_options(agent, {"skip": _STR_LIST, "context": (int,)}, "tool bandit")
+    return BanditAdapter(name, scope=agent.scope, strengths=agent.strengths or None, limits=limits, **opts)
 
 
 #: ``agent.options`` every chat-model provider accepts; ``retries`` (429/5xx answers

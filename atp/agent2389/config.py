@@ -6,7 +6,7 @@
     id = "sec-bandit"            # [a-zA-Z0-9._-]+
     description = "..."
     capabilities = ["security"]  # published in the status message (OPT-001)
-    max_pipeline_depth = 16      # §7.4 step 5
+    max_pipeline_depth = 16      # §7.4 step 5: nested `next` objects allowed (0..16)
     max_message_bytes = 262144   # §6.4
     idempotency_cache = 10000    # task ids remembered (§7.5)
     max_concurrency = 4          # tasks processed at once
@@ -91,7 +91,7 @@ class AgentSection(Struct, forbid_unknown_fields=True, kw_only=True):
     id: AgentId
     description: str = ""
     capabilities: list[str] = msgspec.field(default_factory=list)
-    max_pipeline_depth: Annotated[int, Meta(ge=1, le=MAX_DEPTH)] = MAX_DEPTH
+    max_pipeline_depth: Annotated[int, Meta(ge=0, le=MAX_DEPTH)] = MAX_DEPTH
     max_message_bytes: Annotated[int, Meta(ge=1024, le=MAX_MESSAGE_BYTES)] = MAX_MESSAGE_BYTES
     idempotency_cache: PosInt = 10_000
     max_concurrency: Annotated[int, Meta(ge=1, le=256)] = 4

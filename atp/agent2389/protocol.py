@@ -11,10 +11,15 @@ No I/O and no clock here: times come in as ``now`` (seconds since the epoch).
 Decoding follows §6.2 FR-008: consumers ignore unknown fields, so the envelope and
 status Structs do not forbid them (unlike the project's own config Structs).
 
-Pipeline depth (FR-013): the number of agents the envelope addresses — 1 for the
-receiving agent plus one per nested ``next`` object, as the reference counts it.
-A depth above the maximum (16) is refused with ``pipeline_depth_exceeded``: an
-envelope with 16 nested ``next`` objects has depth 17.
+Pipeline depth (§2, FR-013): "the count of nested next objects in a task envelope"
+— 0 for an envelope without ``next``, 16 for a chain of 17 agents. A depth above the
+maximum (default 16, §7.4 step 5) is refused with ``pipeline_depth_exceeded``: 16
+nested ``next`` objects pass, 17 are refused.
+
+Success replies (:func:`decode_reply`): the spec defines none. The reference sends
+``{"response": "...", "task_id": ...}``; a spec-only agent may as well answer with
+``result``, ``output``, ``content``, ``text`` or ``answer``, with a findings object
+``{"findings": [...]}`` or with a bare JSON list: all are accepted.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ __all__ = [
     "ERROR_CODES",
     "MAX_DEPTH",
     "MAX_MESSAGE_BYTES",
+    "RESULT_KEYS",
     "Accept",
     "AgentStatus",
     "ErrorReply",
@@ -63,7 +69,7 @@ __all__ = [
 
 #: §5.1 RULE-001.
 AGENT_ID_RE = re.compile(r"^[a-zA-Z0-9._-]+$")
-#: §7.4 step 5: the default maximum pipeline depth.
+#: §7.4 step 5: the default maximum pipeline depth (nested ``next`` objects).
 MAX_DEPTH = 16
 #: §6.4 NFR-003.
 MAX_MESSAGE_BYTES = 256 * 1024
@@ -236,25 +242,41 @@ class ErrorReply:
     message: str
 
 
+#: Keys a success message may carry its answer in, in order of preference.
+RESULT_KEYS = ("response", "result", "output", "content", "text", "answer")
+_EXPECTED = ('expected {"response": ...} (or result, output, content, text, answer), {"findings": [...]}, '
+             'a JSON list, or a §6.3 {"error": {"code", "message"}}')
+
+
 def decode_reply(payload: bytes) -> Reply | ErrorReply:
     """A message from ``/conversations/{conversation_id}/{agent_id}``: the §6.3
-    error shape or the reference's ``{"response", "task_id"}``. A ``response`` that
-    is not a string (an agent that answers with a JSON value) is kept as its JSON
-    text. Unknown fields are ignored. Raises ValueError for anything else."""
+    error shape (also ``{"error": "text"}``, as ``internal_error``) or a success
+    message — the value of the first of :data:`RESULT_KEYS` present, a findings
+    object ``{"findings": [...], ...}`` (the whole object) or a bare JSON list. An
+    answer that is not a string is kept as its JSON text. Unknown fields are
+    ignored. Raises ValueError naming what was expected for anything else."""
     try:
         data = msgspec.json.decode(payload)
     except msgspec.DecodeError as e:
-        raise ValueError(f"not JSON: {e}") from None
+        raise ValueError(f"not JSON ({e}); {_EXPECTED}") from None
+    if isinstance(data, list):
+        return Reply(None, msgspec.json.encode(data).decode())
     if not isinstance(data, dict):
-        raise ValueError("not a JSON object")  # noqa: TRY004 (callers catch ValueError)
+        raise ValueError(f"a JSON {type(data).__name__}; {_EXPECTED}")  # noqa: TRY004 (callers catch ValueError)
     task_id = data.get("task_id") if isinstance(data.get("task_id"), str) else None
     err = data.get("error")
     if isinstance(err, dict):
         return ErrorReply(task_id, str(err.get("code") or "internal_error"), str(err.get("message") or ""))
-    if "response" in data:
-        resp = data["response"]
-        return Reply(task_id, resp if isinstance(resp, str) else msgspec.json.encode(resp).decode())
-    raise ValueError("neither a 'response' nor an 'error' message")
+    if isinstance(err, str) and err:
+        return ErrorReply(task_id, "internal_error", err)
+    for key in RESULT_KEYS:
+        if key in data and data[key] is not None:
+            value = data[key]
+            return Reply(task_id, value if isinstance(value, str) else msgspec.json.encode(value).decode())
+    if isinstance(data.get("findings"), list):
+        return Reply(task_id, msgspec.json.encode(data).decode())
+    keys = ", ".join(sorted(map(str, data))[:8]) or "none"
+    raise ValueError(f"an object with keys [{keys}]; {_EXPECTED}")
 
 
 # ---------------------------------------------------------------------- safety (§6.3)
@@ -282,9 +304,9 @@ def sanitize(message: str) -> str:
 
 # ---------------------------------------------------------------------- steps 2-6 (§7.4)
 def pipeline_depth(envelope: Any, *, limit: int = 1000) -> int:
-    """1 + the number of nested ``next`` objects of a decoded envelope (a dict);
-    counting stops past ``limit``."""
-    depth = 1
+    """The number of nested ``next`` objects of a decoded envelope (a dict): §2's
+    pipeline depth, 0 without ``next``; counting stops past ``limit``."""
+    depth = 0
     cur = envelope.get("next") if isinstance(envelope, dict) else None
     while isinstance(cur, dict) and depth <= limit:
         depth += 1
@@ -371,7 +393,8 @@ def screen_task(
        ``topic`` cannot match either);
     4. ``task_id`` (a UUID) already in ``cache`` → Ignore; else it is recorded;
        then a message larger than ``max_bytes`` → Reject ``invalid_input`` (NFR-003);
-    5. depth above ``max_depth`` → Reject ``pipeline_depth_exceeded`` (FR-013);
+    5. depth (nested ``next`` objects) above ``max_depth`` → Reject
+       ``pipeline_depth_exceeded`` (FR-013);
     6. the envelope must parse (types of §6.1; every ``next.topic`` an agent input
        topic, so an agent never publishes a task elsewhere) → else Reject
        ``invalid_input``.
@@ -408,7 +431,8 @@ def screen_task(
         return reject(4, "invalid_input", f"message of {len(payload)} bytes exceeds the {max_bytes}-byte limit")
     depth = pipeline_depth(data, limit=max_depth + 1)
     if depth > max_depth:
-        return reject(5, "pipeline_depth_exceeded", f"pipeline depth exceeds the maximum of {max_depth}")
+        return reject(5, "pipeline_depth_exceeded",
+                      f"pipeline depth (nested next objects) exceeds the maximum of {max_depth}")
     if not routable:
         return Ignore(6, "conversation_id missing or not usable as a topic level")
     try:

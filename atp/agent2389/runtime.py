@@ -13,8 +13,9 @@ A hard kill leaves the broker to publish the LWT: a retained "unavailable".
 
 Each message on ``/control/agents/{id}/input`` goes through the nine steps of §7.4:
 steps 2-6 are :func:`~atp.agent2389.protocol.screen_task` (retained ignored, topic
-canonicalized and matched, duplicate ``task_id`` discarded, depth > 16 refused with
-``pipeline_depth_exceeded``, envelope parsed); step 7 maps ``input`` to a tool call —
+canonicalized and matched, duplicate ``task_id`` discarded, more than 16 nested
+``next`` objects refused with ``pipeline_depth_exceeded``, envelope parsed); step 7
+maps ``input`` to a tool call —
 ``{"tool": name, "parameters": {...}}`` or, for any other object, the default tool
 (the ``[adapter]``) with ``input`` as its parameters — checked against the allow-list
 and the tool's JSON Schema, then executed under ``task_timeout_s``; step 8 forwards
@@ -67,6 +68,7 @@ from atp.mqtt.client import (
     parse_broker_url,
     tls_context,
 )
+from atp.security.redact import scrub
 
 __all__ = ["AgentRuntime", "RuntimeStats", "StartupError"]
 
@@ -348,7 +350,9 @@ class AgentRuntime:
             self.stats.duplicates += 1
         else:
             self.stats.unroutable += 1
-        log.info("agent %s: discarded a message (step %d): %s", self.agent_id, step, P.sanitize(reason))
+        # Not P.sanitize (which is for the wire and turns topics into "<path>"): the
+        # log keeps both topics of a mismatch, with only secret-looking parts masked.
+        log.info("agent %s: discarded a message (step %d): %s", self.agent_id, step, scrub(reason, max_chars=1024))
 
     async def _reject(self, r: P.Reject, msg: Message) -> None:
         if await self._publish_error(r.conversation_id, r.task_id, r.code, r.message):

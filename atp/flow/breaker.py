@@ -15,7 +15,11 @@ call, OPEN none, HALF_OPEN at most ``half_open_probes`` calls at once. Only
 failures that say something about the peer's health count (:data:`PEER_FAILURES`:
 ``ETIMEOUT``, ``EAGENTDOWN``, ``EPROTO`` from the peer, and an unclassified
 failure such as a 5xx or a reset connection, given as ``code=None``); our own
-limits (``EBUDGET``, ``EWINDOW``, ``EPREEMPT``, …) do not.
+limits (``EBUDGET``, ``EWINDOW``, ``EPREEMPT``, …) do not, and neither does a
+failure the client's input caused (``client_fault=True``, from a
+:class:`~atp.wire.errors.ClientInputError`: a refused file path, a task over a
+size limit), whatever its code: one tenant's bad input must not take a next-hop
+out of the FIB for every tenant.
 
 Jitter comes from an injected :class:`random.Random`, so a seeded one makes
 backoffs reproducible. Time is an argument (``now``, seconds, non-decreasing);
@@ -80,7 +84,7 @@ class BreakerStatistics(Struct, frozen=True):
     closed (the ``k`` of the backoff). ``reopen_at``: OPEN → HALF_OPEN deadline
     (s), ``None`` unless OPEN. ``error_rate``: peer failures / outcomes over the
     last ``window_s`` (0..1). Counts are since creation; ``ignored``: failures
-    whose code does not count against the peer."""
+    whose code does not count against the peer, or that the client caused."""
 
     state: BreakerState
     openings: int
@@ -215,15 +219,17 @@ class CircuitBreaker:
         if self.state(now) is BreakerState.HALF_OPEN:
             self._fire(BreakerEvent.PROBE_SUCCEEDED, now)
 
-    def on_failure(self, now: float, code: ErrorCode | None = None) -> None:
+    def on_failure(self, now: float, code: ErrorCode | None = None, *, client_fault: bool = False) -> None:
         """A call to this next-hop failed at ``now`` with ``code`` (``None``: an
         unclassified failure such as HTTP 5xx or a reset connection). Codes
-        outside :data:`PEER_FAILURES` only give back a probe slot. A peer
+        outside :data:`PEER_FAILURES`, and any failure with ``client_fault``
+        (the client's input caused it), are counted as ``ignored`` and only give
+        back a probe slot. A peer
         failure trips CLOSED → OPEN when it is the ``failure_threshold``-th
         within ``window_s``, and sends HALF_OPEN → OPEN with a doubled backoff;
         while OPEN it is only counted."""
         state = self.state(now)
-        if code is not None and ErrorCode(code) not in PEER_FAILURES:
+        if client_fault or (code is not None and ErrorCode(code) not in PEER_FAILURES):
             self._ignored += 1
             self.on_cancel(now)
             return
@@ -337,14 +343,17 @@ class BreakerBoard:
         """:meth:`CircuitBreaker.allow` of ``agent``."""
         return self.breaker(agent).allow(now)
 
-    def on_result(self, agent: str, now: float, ok: bool, code: ErrorCode | None = None) -> None:
+    def on_result(
+        self, agent: str, now: float, ok: bool, code: ErrorCode | None = None, *, client_fault: bool = False
+    ) -> None:
         """Report a call's outcome: ``ok`` → success; else a failure with ``code``
-        (``None``: unclassified, e.g. a 5xx), see :meth:`CircuitBreaker.on_failure`."""
+        (``None``: unclassified, e.g. a 5xx) that ``client_fault`` says the
+        client's input caused (then ignored), see :meth:`CircuitBreaker.on_failure`."""
         b = self.breaker(agent)
         if ok:
             b.on_success(now)
         else:
-            b.on_failure(now, code)
+            b.on_failure(now, code, client_fault=client_fault)
 
     def on_cancel(self, agent: str, now: float) -> None:
         """:meth:`CircuitBreaker.on_cancel` of ``agent``."""

@@ -33,6 +33,12 @@ two concurrent calls cannot both count on the same free headroom); the
 overage of a cut call is then at most the one usage report that passed. Hence, for every account and axis, always::
 
     committed + reserved <= limit
+
+Durability stays out of this module (no I/O): a :class:`LedgerJournal` given as
+``BudgetLedger(journal=...)`` is told of every mutation right after it
+succeeded in memory, so a store can persist it (``atp.store.StoreJournal``);
+:meth:`BudgetLedger.snapshot` and :meth:`BudgetLedger.restore` rebuild a ledger
+from what was persisted, committed spend included.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
-from typing import Annotated
+from typing import Annotated, Protocol
 
 from msgspec import Meta, Struct
 
@@ -127,6 +133,47 @@ class AccountState(Struct, frozen=True, forbid_unknown_fields=True):
     open_reservations: int
 
 
+class LedgerSnapshot(Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything needed to rebuild a :class:`BudgetLedger`: its open accounts in
+    canonical order (by depth, then key: every parent before its children), its
+    open reservations by id, and the next reservation id to hand out. The
+    ``reserved_*`` and ``open_reservations`` fields of each account are what its
+    reservations hold (checked by :meth:`BudgetLedger.restore`)."""
+
+    accounts: tuple[AccountState, ...]
+    reservations: tuple[Reservation, ...]
+    next_id: Annotated[int, Meta(ge=1)] = 1
+
+
+class LedgerJournal(Protocol):
+    """Observer of ledger mutations, for durable state (issue 7). Each method is
+    called by :class:`BudgetLedger` after the change succeeded in memory, never
+    for a refusal or an error; an exception it raises propagates to the
+    ledger's caller (the in-memory change has then already happened)."""
+
+    def on_open(self, key: str, parent: str | None, limit: Allowance) -> None:
+        """Account ``key`` was opened under ``parent`` with ``limit``."""
+
+    def on_close(self, key: str) -> None:
+        """Account ``key`` was closed (its spend stays in its ancestors)."""
+
+    def on_reserve(self, reservation: Reservation) -> None:
+        """``reservation`` now holds its tokens / USD micros on its chain."""
+
+    def on_extend(self, reservation: Reservation) -> None:
+        """Open reservation ``reservation.id`` grew to these totals."""
+
+    def on_commit(self, reservation: Reservation, charge: Charge) -> None:
+        """``reservation`` was settled and ``charge`` (with its overage) applied
+        to its account and every ancestor."""
+
+    def on_release(self, reservation: Reservation) -> None:
+        """``reservation`` was settled with no usage."""
+
+    def on_set_limit(self, key: str, limit: Allowance) -> None:
+        """``key``'s own limit is now ``limit`` (after any clamp)."""
+
+
 @dataclass(slots=True)
 class _Account:
     key: str
@@ -163,10 +210,12 @@ class BudgetLedger:
     exception, because it is an ordinary outcome (spec §10 EBUDGET → FIN).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, journal: LedgerJournal | None = None) -> None:
         self._accounts: dict[str, _Account] = {}
         self._open: dict[int, Reservation] = {}
         self._next_id = 1
+        #: Told of every successful mutation (see :class:`LedgerJournal`); may be set later.
+        self.journal = journal
 
     def open(self, key: str, limit: Allowance, *, parent: str | None = None) -> None:
         """Create account ``key`` with ``limit`` under ``parent`` (which must exist).
@@ -179,6 +228,8 @@ class BudgetLedger:
         if up is not None:
             up.children += 1
         self._accounts[key] = acct
+        if self.journal is not None:
+            self.journal.on_open(key, parent, limit)
 
     def close(self, key: str) -> AccountState:
         """Forget account ``key`` (its spend stays in its ancestors) and return its
@@ -193,6 +244,8 @@ class BudgetLedger:
         if acct.parent is not None:
             acct.parent.children -= 1
         del self._accounts[key]
+        if self.journal is not None:
+            self.journal.on_close(key)
         return state
 
     def reserve(self, key: str, tokens: int, usd_micros: int) -> Reservation | Refusal:
@@ -212,6 +265,8 @@ class BudgetLedger:
         r = Reservation(id=self._next_id, key=key, tokens=tokens, usd_micros=usd_micros)
         self._next_id += 1
         self._open[r.id] = r
+        if self.journal is not None:
+            self.journal.on_reserve(r)
         return r
 
     def commit(self, reservation: Reservation, actual_tokens: int, actual_usd_micros: int) -> Charge:
@@ -234,7 +289,10 @@ class BudgetLedger:
             a.committed_usd += charge_u
             a.overage_tokens += over_t
             a.overage_usd += over_u
-        return Charge(charge_t, charge_u, over_t, over_u)
+        charge = Charge(charge_t, charge_u, over_t, over_u)
+        if self.journal is not None:
+            self.journal.on_commit(reservation, charge)
+        return charge
 
     def extend(self, reservation: Reservation, tokens: int, usd_micros: int) -> Reservation | Refusal:
         """Hold ``tokens`` and ``usd_micros`` more on an open ``reservation`` (a
@@ -256,12 +314,16 @@ class BudgetLedger:
         grown = Reservation(id=reservation.id, key=reservation.key, tokens=reservation.tokens + tokens,
                             usd_micros=reservation.usd_micros + usd_micros)
         self._open[grown.id] = grown
+        if self.journal is not None:
+            self.journal.on_extend(grown)
         return grown
 
     def release(self, reservation: Reservation) -> None:
         """Settle ``reservation`` with no usage (the call never ran or consumed
         nothing). Raises ``ValueError`` if it is not open."""
         self._settle(reservation)
+        if self.journal is not None:
+            self.journal.on_release(reservation)
 
     def remaining(self, key: str) -> Allowance:
         """What ``key`` could still reserve right now: per axis the smallest free
@@ -289,6 +351,8 @@ class BudgetLedger:
         elif (tokens is not None and tokens < held_t) or (usd is not None and usd < held_u):
             return self._refusal(acct, f"limit {tokens} tokens / {usd} usd_micros below use")
         acct.limit_tokens, acct.limit_usd = tokens, usd
+        if self.journal is not None:
+            self.journal.on_set_limit(key, Allowance(tokens=tokens, usd_micros=usd))
         return None
 
     def exhausted(self, key: str) -> str | None:
@@ -324,6 +388,68 @@ class BudgetLedger:
             overage_usd_micros=a.overage_usd,
             open_reservations=a.open,
         )
+
+    def snapshot(self) -> LedgerSnapshot:
+        """The whole ledger as a :class:`LedgerSnapshot` (accounts by depth then
+        key, reservations by id): what :meth:`restore` rebuilds from."""
+        accts = sorted(self._accounts.values(), key=lambda a: (len(a.chain), a.key))
+        return LedgerSnapshot(
+            accounts=tuple(self.state(a.key) for a in accts),
+            reservations=tuple(self._open[i] for i in sorted(self._open)),
+            next_id=self._next_id,
+        )
+
+    def restore(self, snapshot: LedgerSnapshot) -> None:
+        """Rebuild this (empty) ledger from ``snapshot``: accounts with their
+        limits, committed spend and overage, and the open reservations held on
+        their chains. The journal is not told (nothing changed). Raises
+        ``ValueError`` if the ledger is not empty, an account's parent is not
+        before it, a reservation names an unknown account or reuses an id, or
+        an account's ``reserved_*`` / ``open_reservations`` differ from what
+        its reservations hold — then the ledger is left empty."""
+        if self._accounts or self._open:
+            raise ValueError("restore needs an empty ledger")
+        try:
+            self._restore(snapshot)
+        except ValueError:
+            self._accounts.clear()
+            self._open.clear()
+            self._next_id = 1
+            raise
+
+    def _restore(self, snapshot: LedgerSnapshot) -> None:
+        for s in snapshot.accounts:
+            if s.key in self._accounts:
+                raise ValueError(f"snapshot: budget account {s.key!r} appears twice")
+            if s.parent is not None and s.parent not in self._accounts:
+                raise ValueError(f"snapshot: parent {s.parent!r} of {s.key!r} is not before it")
+            up = self._accounts[s.parent] if s.parent is not None else None
+            acct = _Account(s.key, up, s.limit.tokens, s.limit.usd_micros,
+                            committed_tokens=s.committed_tokens, committed_usd=s.committed_usd_micros,
+                            overage_tokens=s.overage_tokens, overage_usd=s.overage_usd_micros)
+            acct.chain = [acct, *(up.chain if up is not None else [])]
+            if up is not None:
+                up.children += 1
+            self._accounts[s.key] = acct
+        for r in snapshot.reservations:
+            _check_amounts(r.tokens, r.usd_micros)
+            if r.id in self._open:
+                raise ValueError(f"snapshot: reservation id {r.id} appears twice")
+            if r.key not in self._accounts:
+                raise ValueError(f"snapshot: reservation {r.id} names unknown account {r.key!r}")
+            acct = self._accounts[r.key]
+            for a in acct.chain:
+                a.reserved_tokens += r.tokens
+                a.reserved_usd += r.usd_micros
+            acct.open += 1
+            self._open[r.id] = r
+        for s in snapshot.accounts:
+            a = self._accounts[s.key]
+            if (a.reserved_tokens, a.reserved_usd, a.open) != (
+                s.reserved_tokens, s.reserved_usd_micros, s.open_reservations
+            ):
+                raise ValueError(f"snapshot: account {s.key!r} holds other reservations than it lists")
+        self._next_id = max(snapshot.next_id, max(self._open, default=0) + 1)
 
     def _get(self, key: str) -> _Account:
         try:

@@ -28,10 +28,16 @@
    ``alternates``: the dispatcher reroutes a failing call (``EAGENTDOWN``) to
    the first one not yet tried, after the failing agent's RIB ``fallback``
    (:meth:`Fib.next_hop`).
-3. **Data scope** (spec §11): a task whose ``meta.data_scope`` carries labels
-   goes only to agents cleared for all of them (``agents.<name>.data_scope``;
-   an agent without the key takes any). When no candidate of the matching
-   policy is cleared, the lookup refuses with ``ESEC``.
+3. **Data scope** (spec §11; grammar in :mod:`atp.security.redact`): labels whose
+   category a detector covers (``secrets``/``no_secrets``, ``pii``,
+   ``<region>_personal_data``, in ``redact`` or ``forbidden`` mode) exclude no
+   next-hop: at dispatch the :class:`~atp.security.redact.DataScopeGuard` gives an
+   agent not cleared for them redacted content, or refuses it (``ESEC``) when a
+   ``forbidden`` category is found in the content. Every other label (opaque: no
+   detector can enforce it, e.g. ``acp.policy:P001``) fails closed here: the task
+   goes only to agents cleared for it (``agents.<name>.data_scope`` lists it; an
+   agent without the key takes any opaque label). When no candidate of the
+   matching policy is cleared, the lookup refuses with ``ESEC``.
 
 Lookup failures raise :class:`~atp.wire.errors.AgentError` with ``EAGENTDOWN``
 (no policy matches; every next-hop down) or ``ESEC`` (no next-hop cleared for
@@ -58,6 +64,7 @@ from atp.policy.rib import (
     SpecError,
     reference_errors,
 )
+from atp.security.redact import clearance_of, parse_label
 from atp.wire.errors import AgentError, ErrorCode, PolicyError
 from atp.wire.frame import QoS, RouteEntry, RouteUpdate, Window
 
@@ -118,12 +125,13 @@ class Route(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
 class _Candidate:
     """Per-agent constants of the score, folded at compile time."""
 
-    __slots__ = ("agent", "data_scope", "fallback", "hop", "p95_ms", "static", "strengths")
+    __slots__ = ("agent", "clearance", "fallback", "hop", "p95_ms", "static", "strengths")
 
     def __init__(self, name: str, agent: AgentSpec, rib: Rib):
         self.agent = name
         self.fallback = agent.fallback
-        self.data_scope = frozenset(agent.data_scope) if agent.data_scope is not None else None
+        #: Normalised categories of ``agents.<name>.data_scope`` (None: no key).
+        self.clearance = clearance_of(agent.data_scope)
         self.p95_ms = agent.p95_ms
         strengths = set(agent.strengths)
         usd_per_mtok = 0.0
@@ -158,8 +166,13 @@ class _Candidate:
         return max(fit, FIT_FLOOR) * self.static / (1.0 + p95 / 1000.0) * ok
 
     def cleared(self, labels: frozenset[str]) -> bool:
-        """May a task with these ``data_scope`` labels go to this agent (§11)?"""
-        return self.data_scope is None or labels <= self.data_scope
+        """May a task with these ``data_scope`` labels be routed to this agent
+        (§11)? Yes for labels a detector covers (the dispatcher's guard redacts or
+        refuses per agent); an opaque label needs the agent's clearance (an agent
+        without ``data_scope`` takes any)."""
+        if self.clearance is None:
+            return True
+        return all(p.detector is not None or p.category in self.clearance for p in map(parse_label, labels))
 
 
 class _Policy:
@@ -229,6 +242,14 @@ class Fib:
             return None
         return c.hop
 
+    def clearance(self, agent: str) -> frozenset[str] | None:
+        """The data-scope categories ``agent`` is cleared for (normalised
+        ``agents.<agent>.data_scope``, see :func:`atp.security.redact.clearance_of`),
+        for :meth:`~atp.security.redact.DataScopeGuard.for_agent`; None when the
+        agent has no ``data_scope`` or the RIB no such agent."""
+        c = self._candidates.get(agent)
+        return c.clearance if c is not None else None
+
     def fallback(self, agent: str) -> str | None:
         """``agents.<agent>.fallback`` of the RIB (acyclic, checked at load)."""
         c = self._candidates.get(agent)
@@ -246,7 +267,7 @@ class Fib:
         agents absent from it count as healthy with their RIB figures.
         Raises AgentError(EAGENTDOWN) when no policy matches or when every
         next-hop of the matching policy is down, AgentError(ESEC) when none is
-        cleared for the task's ``data_scope`` labels."""
+        cleared for the task's opaque ``data_scope`` labels (see the module doc)."""
         for policy in self._policies:
             if policy.match(meta):
                 break
@@ -256,9 +277,10 @@ class Fib:
         labels = data_scope_labels(meta)
         cleared = [c for c in policy.candidates if c.cleared(labels)] if labels else policy.candidates
         if not cleared:
+            opaque = sorted(lb for lb in labels if parse_label(lb).detector is None)
             raise AgentError(
                 ErrorCode.ESEC,
-                f"data_scope {sorted(labels)} is not cleared for any next-hop of policy {policy.name} "
+                f"data_scope {opaque} is not cleared for any next-hop of policy {policy.name} "
                 f"({', '.join(c.agent for c in policy.candidates)})",
             )
         scored: list[tuple[float, str, _Candidate]] = []

@@ -10,7 +10,8 @@ Shape (every Struct forbids unknown fields)::
     ├── models:   {name: ModelSpec}    provider, ctx (tokens), cost (USD / 1M tokens), ...
     ├── agents:   {name: AgentSpec}    layer, model | tool, qos, p95_ms, win30d, window, fallback, ...
     ├── policies: [PolicySpec]         match, fanout, escalation, budget, window, ...
-    └── clients:  {name: ClientSpec}   budget (across all the client's streams), qos_max
+    └── clients:  {name: ClientSpec}   budget (across all the client's streams), qos_max, scopes:
+                                       task_types, max_stream_budget, max_streams, rate, data_categories
 
 Units: ``ctx`` and ``max_out_tokens`` are tokens; ``cost``/``cost_in``/``cost_out``
 are USD per 1M tokens (which is numerically USD micros per token); latencies and
@@ -43,6 +44,7 @@ __all__ = [
     "EscalationSpec",
     "ModelSpec",
     "PolicySpec",
+    "RateSpec",
     "RefError",
     "Rib",
     "SpecError",
@@ -293,21 +295,48 @@ class PolicySpec(Struct, forbid_unknown_fields=True, kw_only=True):
             )
 
 
+class RateSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A token bucket (spec §11 AuthZ, §19 resource abuse): ``per_s`` tokens added
+    per second (float > 0), at most ``burst`` held (int ≥ 1). One stream open
+    takes one token; a full bucket lets ``burst`` opens through at once."""
+
+    per_s: Annotated[float, Meta(gt=0.0)]
+    burst: PosInt
+
+
 class ClientSpec(Struct, forbid_unknown_fields=True, kw_only=True):
-    """A client of the router (spec §5.1 budget window, §9, §11 AuthZ): the
-    identity a bearer token maps to (``ATP_ROUTER_TOKENS=name:token``; a bare
-    token is the client ``tok_<sha256 prefix>``, no authentication is the
-    client ``anonymous``).
+    """A client of the router — a tenant (spec §5.1 budget window, §9, §11 AuthZ):
+    the identity a bearer token, JWT or certificate maps to (see
+    :mod:`atp.security.identity`; without authentication the client is
+    ``anonymous``).
 
     ``budget`` caps the client's committed spend across all its streams, over
     the router's lifetime (float USD and tokens; None: no client cap, each
     stream still has its own); the operator raises it with a RIB reload.
     ``qos_max`` is the highest QoS class the client's streams get: a SYN asking
     above it is served (and confirmed at SYN+ACK) at ``qos_max``.
+
+    Scopes (enforced by :class:`atp.security.authz.StreamAdmission`):
+    ``task_types`` the ``task_type`` values the client may open streams for
+    (None: any; a task type outside it is refused with ``ESEC``);
+    ``max_stream_budget`` caps each stream's budget on each axis (float USD,
+    tokens; a SYN asking for more gets the cap, one asking for nothing gets the
+    cap); ``max_streams`` the client's concurrently open streams and ``rate``
+    its stream opens per second (a token bucket; beyond either the SYN is
+    refused with ``EWINDOW`` and a retry hint in ms) — None for either means the
+    router's default (1000 streams, 50 opens/s with a burst of 100 unless the
+    router is configured otherwise), so no tenant can take every stream slot;
+    ``data_categories`` the ``meta.data_scope`` labels the client may send
+    (None: any; a label outside it is refused with ``ESEC``).
     """
 
     budget: Budget | None = None
     qos_max: QoS = QoS.GOLD
+    task_types: list[NonEmptyStr] | None = None
+    max_stream_budget: Budget | None = None
+    max_streams: PosInt | None = None
+    rate: RateSpec | None = None
+    data_categories: list[NonEmptyStr] | None = None
 
 
 class Rib(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -48,8 +48,13 @@ An A2A task does not depend on a connection (A2A clients poll or resubscribe), s
 its SSE requests are not stream followers: a dropped ``message/stream`` leaves the
 task running to its end, its deadline or ``tasks/cancel``.
 
-Authentication: with router tokens, ``POST /a2a`` needs ``Authorization: Bearer``
-(HTTP 401 otherwise); a task is visible only to the client that sent it. Errors:
+Authentication: ``POST /a2a`` is authenticated once per request
+(:meth:`Router.authenticate <atp.router.core.Router.authenticate>`; HTTP 401 when
+refused) and authorized (:meth:`Router.authorize
+<atp.router.core.Router.authorize>`: ``stream_open`` to send, ``stream_access``
+to get, cancel or subscribe; HTTP 403). Task ids are scoped by tenant like
+stream ids (spec §11): another tenant's task id answers ``-32001`` exactly like
+one that never existed. Errors:
 ``-32700`` bad JSON, ``-32600`` not a JSON-RPC request, ``-32601`` unknown method,
 ``-32602`` bad params or a task the router refuses as malformed (EPROTO),
 ``-32001`` unknown task, ``-32002`` cancel of a finished task, ``-32009`` an
@@ -75,6 +80,7 @@ from starlette.routing import Route
 from atp.adapters.a2a import parts_of, restore_ints
 from atp.router.core import Router, StreamCtx
 from atp.router.streams import LoggedEvent
+from atp.security.identity import Identity
 from atp.wire.errors import ATPError, ErrorCode
 from atp.wire.frame import Budget, ErrorPayload, Flag, Frame, Payload, PayloadType
 
@@ -89,7 +95,8 @@ _V10 = {"SendMessage": "send", "SendStreamingMessage": "stream", "GetTask": "get
         "SubscribeToTask": "subscribe"}
 _TERMINAL = frozenset({"completed", "failed", "canceled"})
 _MODES = ["text/plain", "application/json"]
-#: A2A task records kept (the oldest go first); pruned of reaped streams past _PRUNE_AT.
+#: A2A task records kept per tenant (its oldest go first); pruned of streams the
+#: router's table dropped once a tenant has _PRUNE_AT.
 _MAX_TASKS = 10_000
 _PRUNE_AT = 1024
 
@@ -303,40 +310,59 @@ def agent_card(router: Router, base_url: str) -> dict[str, Any]:
         "defaultOutputModes": _MODES,
         "skills": skills,
     }
-    if router.authenticate(None) is None:
+    if _auth_required(router):
         card["securitySchemes"] = {"bearer": {"httpAuthSecurityScheme": {"scheme": "Bearer"}}}
         card["securityRequirements"] = [{"schemes": {"bearer": {"list": []}}}]
     return card
 
 
+def _auth_required(router: Router) -> bool:
+    try:
+        router.authenticate(None)
+    except ATPError:
+        return True
+    return False
+
+
 def a2a_routes(router: Router) -> list[Route]:
     """The A2A server of ``router`` as Starlette routes (see the module docstring),
     to mount beside :func:`atp.router.api.build_app`'s."""
-    tasks: dict[str, _Task] = {}
+    #: tenant → task id (the stream id) → the task: one tenant's tasks never
+    #: displace another's.
+    tasks: dict[str, dict[str, _Task]] = {}
 
-    def client_of(request: Request) -> str:
-        # The same clients as the control API (Router.authenticate), so a token
-        # sees its streams and spends its client's budget whichever way it came in.
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        client = router.authenticate(token if scheme.lower() == "bearer" else None)
-        if client is None:
-            raise _RpcError(-32600, "authentication required: missing or unknown bearer token",
-                            {"code": "ESEC"}, status=401)
-        return client
+    def identity_of(request: Request) -> Identity:
+        # The same identities as the control API (Router.authenticate), so a token
+        # sees its streams and spends its tenant's budget whichever way it came in.
+        try:
+            return router.authenticate(request.headers.get("authorization"))
+        except ATPError as e:
+            raise _RpcError(-32600, f"authentication required: {e.reason}", {"code": "ESEC"}, status=401) from None
+
+    def authorize(identity: Identity, action: str) -> None:
+        try:
+            router.authorize(identity, action)
+        except ATPError as e:
+            raise _RpcError(-32600, f"forbidden: {e.reason}", {"code": "ESEC"}, status=403) from None
+
+    def current(task: _Task) -> bool:
+        """The task's stream is still in the router's table (not reaped)."""
+        ctx = task.ctx
+        return router.streams.get(ctx.tenant, ctx.session_id, ctx.stream_id) is ctx
 
     async def card(request: Request) -> Response:
         return JSONResponse(agent_card(router, str(request.base_url)))
 
-    def find(params: Mapping[str, Any], client: str) -> _Task:
+    def find(params: Mapping[str, Any], identity: Identity) -> _Task:
         tid = params.get("id")
         if not isinstance(tid, str):
             raise _RpcError(-32602, "params.id (the task id) is required")
-        task = tasks.get(tid)
-        if task is None or task.ctx.client != client or router.streams.get(tid) is not task.ctx:
+        task = tasks.get(identity.tenant, {}).get(tid)
+        if task is None or not current(task):
             raise _RpcError(-32001, f"task {tid!r} not found")
         return task
 
-    def open_task(params: Mapping[str, Any], client: str) -> _Task:
+    def open_task(params: Mapping[str, Any], identity: Identity) -> _Task:
         message = params.get("message")
         if not isinstance(message, dict):
             raise _RpcError(-32602, "params.message must be an object")
@@ -346,23 +372,24 @@ def a2a_routes(router: Router) -> list[Route]:
         message_id = message.get("messageId") if isinstance(message.get("messageId"), str) else uuid.uuid4().hex
         try:
             ctx = router.open_stream(task=meta, content=content, budget=budget, qos=None, window=None,
-                                     idempotency_key=f"a2a:{message_id}", client=client)
+                                     idempotency_key=f"a2a:{message_id}", identity=identity)
         except ATPError as e:
             code = -32602 if e.code is ErrorCode.EPROTO else -32603
             raise _RpcError(code, f"{e.code}: {e.reason}", {"code": str(e.code), "reason": e.reason}) from None
-        task = tasks.get(ctx.stream_id)
-        if task is None:
-            if len(tasks) >= _PRUNE_AT:
-                # Streams the router's reaper dropped take their A2A task with them.
-                for tid in [t for t, old in tasks.items() if router.streams.get(t) is not old.ctx]:
-                    del tasks[tid]
-                while len(tasks) >= _MAX_TASKS:
-                    del tasks[next(iter(tasks))]
+        mine = tasks.setdefault(identity.tenant, {})
+        task = mine.get(ctx.stream_id)
+        if task is None or task.ctx is not ctx:
+            if len(mine) >= _PRUNE_AT:
+                # Streams the router's table dropped take their A2A task with them.
+                for tid in [t for t, old in mine.items() if not current(old)]:
+                    del mine[tid]
+                while len(mine) >= _MAX_TASKS:
+                    del mine[next(iter(mine))]
             context_id = message.get("contextId") if isinstance(message.get("contextId"), str) else ctx.session_id
             stored = {"messageId": message_id, "parts": parts_of(message.get("parts"))}
             if isinstance(message.get("metadata"), dict):
                 stored["metadata"] = message["metadata"]
-            task = tasks[ctx.stream_id] = _Task(ctx, context_id, stored)
+            task = mine[ctx.stream_id] = _Task(ctx, context_id, stored)
         return task
 
     async def follow(task: _Task, render: _Render, *, after: int, first: dict[str, Any] | None,
@@ -387,7 +414,7 @@ def a2a_routes(router: Router) -> list[Route]:
     async def rpc(request: Request) -> Response:
         rid: Any = None
         try:
-            client = client_of(request)
+            identity = identity_of(request)
             try:
                 body = json.loads(await request.body())
             except ValueError as e:
@@ -411,20 +438,21 @@ def a2a_routes(router: Router) -> list[Route]:
             params = body.get("params") if body.get("params") is not None else {}
             if not isinstance(params, dict):
                 raise _RpcError(-32602, "params must be an object")
+            authorize(identity, "stream_open" if op in ("send", "stream") else "stream_access")
             if op in ("stream", "subscribe"):
-                task = open_task(params, client) if op == "stream" else find(params, client)
+                task = open_task(params, identity) if op == "stream" else find(params, identity)
                 # The Task snapshot stands for what happened so far; the updates follow.
                 first = render.wrap_task(render.task(task))
                 gen = follow(task, render, after=len(task.ctx.log.events), first=first, rid=rid)
                 return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             if op == "send":
-                task = open_task(params, client)
+                task = open_task(params, identity)
                 config = params.get("configuration") or {}
                 if not (config.get("returnImmediately") is True if render.v1 else config.get("blocking") is False):
                     async for _ in task.ctx.log.follow():
                         pass
                 return _result(rid, render.wrap_task(render.task(task)))
-            task = find(params, client)
+            task = find(params, identity)
             if op == "cancel":
                 if task.ctx.log.closed:
                     raise _RpcError(-32002, f"task {task.ctx.stream_id!r} is finished and cannot be canceled")
@@ -434,7 +462,7 @@ def a2a_routes(router: Router) -> list[Route]:
                     payload=Payload(type=PayloadType.CONTROL, content=ErrorPayload(
                         code=ErrorCode.EPREEMPT, reason="canceled by the A2A client (tasks/cancel)")),
                 )
-                router.receive_frame(rst, client=client, now=trio.current_time())
+                router.receive_frame(rst, identity=identity, now=trio.current_time())
                 return _result(rid, render.task(task))
             hl = params.get("historyLength")
             return _result(rid, render.task(task, hl if isinstance(hl, int) and not isinstance(hl, bool) else None))

@@ -18,9 +18,28 @@
 ``GET  /v1/health``                    liveness and RIB generation
 =====================================  =========================================
 
+Every request is authenticated once (:meth:`Router.authenticate
+<atp.router.core.Router.authenticate>`, the ``Authorization`` header) and its
+action authorized (:meth:`Router.authorize <atp.router.core.Router.authorize>`):
+
+====================================  ==========================================
+action                                endpoints
+====================================  ==========================================
+``stream_open`` (role client)         ``POST /v1/streams``
+``stream_access`` (role client)       ``/v1/streams/{id}/frames``, ``/events``
+``policy_reload`` (role admin)        ``POST /v1/policies/reload``
+``routes_read`` (role admin)          ``GET /v1/routes``
+``metrics_read`` (operator, admin)    ``GET /v1/metrics``
+``health_read`` (anyone)              ``GET /v1/health``
+====================================  ==========================================
+
+Streams are looked up within the caller's tenant only (spec §11): the id of
+another tenant's stream answers exactly like an id that never existed (404, the
+same body).
+
 Errors are ``{"error": {"code": <spec §10 code>, "reason": ..., [file, key]}}``
 with HTTP 400 (EPROTO), 401 (ESEC: missing or unknown bearer token, on every
-endpoint when the router has tokens), 403 (ESEC: another client's stream or a
+endpoint when the router has tokens), 403 (ESEC: a role the action needs, or a
 bad frame signature), 404 (unknown stream), 409 (EWINDOW), 422 (refused policy),
 503 (EAGENTDOWN: no route).
 """
@@ -40,6 +59,7 @@ from starlette.routing import Route
 from atp.router.a2a_server import a2a_routes
 from atp.router.core import Router
 from atp.router.metrics import CONTENT_TYPE_LATEST
+from atp.security.identity import Identity
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ATPError, ErrorCode, PolicyError
 from atp.wire.frame import Budget, Frame, QoS, RouteUpdate, Window
@@ -128,31 +148,30 @@ def build_app(router: Router) -> Starlette:
     """The control API of ``router`` as an ASGI app."""
     codec = FrameCodec("json", hmac_key=router.config.hmac_key, require_checksum=False)
 
-    def client_of(request: Request) -> str:
-        """Authenticate the bearer token: the client it names (see
-        :meth:`Router.authenticate <atp.router.core.Router.authenticate>`)."""
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        client = router.authenticate(token if scheme.lower() == "bearer" else None)
-        if client is None:
-            raise ATPError(ErrorCode.ESEC, "missing or unknown bearer token")
-        return client
-
-    def authenticated(
-        handler: Callable[[Request, str], Awaitable[Response]],
+    def authorized(
+        action: str, handler: Callable[[Request, Identity], Awaitable[Response]],
     ) -> Callable[[Request], Awaitable[Response]]:
-        """Every endpoint answers 401 ESEC before anything else without a valid token."""
+        """Every endpoint answers 401 ESEC before anything else without a valid
+        identity, then 403 ESEC when the identity may not do ``action``."""
 
         async def endpoint(request: Request) -> Response:
             try:
-                client = client_of(request)
+                identity = router.authenticate(request.headers.get("authorization"))
             except ATPError as e:
                 return _error(e, 401)
-            return await handler(request, client)
+            try:
+                router.authorize(identity, action)
+            except ATPError as e:
+                return _error(e, 403)
+            return await handler(request, identity)
 
         return endpoint
 
-    async def open_stream(request: Request, client: str) -> Response:
+    def unknown_stream(sid: str) -> Response:
+        # One answer for an id that never existed and an id of another tenant.
+        return _json(ErrorResponse(ErrorBody(code="EPROTO", reason=f"unknown stream {sid!r}")), 404)
+
+    async def open_stream(request: Request, identity: Identity) -> Response:
         try:
             try:
                 req = msgspec.json.decode(await request.body(), type=StreamOpenRequest)
@@ -160,7 +179,7 @@ def build_app(router: Router) -> Starlette:
                 raise ATPError(ErrorCode.EPROTO, f"bad request body: {e}") from None
             ctx = router.open_stream(
                 task=req.task, content=req.content, budget=req.budget, qos=req.qos, window=req.window,
-                idempotency_key=req.idempotency_key, client=client,
+                idempotency_key=req.idempotency_key, identity=identity,
             )
         except ATPError as e:
             return _error(e)
@@ -170,31 +189,27 @@ def build_app(router: Router) -> Starlette:
             route=RouteInfo(route.policy, [h.agent for h in route.next_hops], ctx.gen.version if ctx.gen else router.gen.version),
         ), 201)
 
-    async def post_frame(request: Request, client: str) -> Response:
+    async def post_frame(request: Request, identity: Identity) -> Response:
         sid = request.path_params["id"]
         try:
-            ctx = router.streams.get(sid)
+            ctx = router.streams.find(identity.tenant, sid)
             if ctx is None:
-                return _json(ErrorResponse(ErrorBody(code="EPROTO", reason=f"unknown stream {sid!r}")), 404)
-            if ctx.client != client:
-                raise ATPError(ErrorCode.ESEC, "stream belongs to another client")
+                return unknown_stream(sid)
             frame = codec.decode(await request.body())
             if frame.stream_id != sid or frame.session_id != ctx.session_id:
                 raise ATPError(ErrorCode.EPROTO, "frame session_id/stream_id do not match the URL's stream")
             before = len(ctx.log.events)
-            direct = router.receive_frame(frame, client=client, now=trio.current_time())
+            direct = router.receive_frame(frame, identity=identity, now=trio.current_time())
         except ATPError as e:
             return _error(e)
         replies = direct + [ev.frame for ev in ctx.log.events[before:]]
         return _json(FramesResponse(frames=replies))
 
-    async def events(request: Request, client: str) -> Response:
+    async def events(request: Request, identity: Identity) -> Response:
         sid = request.path_params["id"]
-        ctx = router.streams.get(sid)
+        ctx = router.streams.find(identity.tenant, sid)
         if ctx is None:
-            return _json(ErrorResponse(ErrorBody(code="EPROTO", reason=f"unknown stream {sid!r}")), 404)
-        if ctx.client != client:
-            return _error(ATPError(ErrorCode.ESEC, "stream belongs to another client"))
+            return unknown_stream(sid)
         try:
             after = int(request.headers.get("last-event-id", "0"))
         except ValueError:
@@ -212,7 +227,7 @@ def build_app(router: Router) -> Starlette:
 
         return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def reload(request: Request, client: str) -> Response:
+    async def reload(request: Request, identity: Identity) -> Response:
         try:
             body = await request.body()
             text = body.decode("utf-8") if body.strip() else None
@@ -222,23 +237,23 @@ def build_app(router: Router) -> Starlette:
         except ATPError as e:
             return _error(e)
 
-    async def routes(request: Request, client: str) -> Response:
+    async def routes(request: Request, identity: Identity) -> Response:
         fib = router.gen.fib
         return _json(RouteUpdate(version=fib.version, routes=fib.routes()))
 
-    async def metrics(request: Request, client: str) -> Response:
+    async def metrics(request: Request, identity: Identity) -> Response:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def health(request: Request, client: str) -> Response:
+    async def health(request: Request, identity: Identity) -> Response:
         return _json(Health(status="ok", rib_version=router.gen.version, open_streams=router.open_count))
 
     return Starlette(routes=[
-        Route("/v1/streams", authenticated(open_stream), methods=["POST"]),
-        Route("/v1/streams/{id}/frames", authenticated(post_frame), methods=["POST"]),
-        Route("/v1/streams/{id}/events", authenticated(events), methods=["GET"]),
-        Route("/v1/policies/reload", authenticated(reload), methods=["POST"]),
-        Route("/v1/routes", authenticated(routes), methods=["GET"]),
-        Route("/v1/metrics", authenticated(metrics), methods=["GET"]),
-        Route("/v1/health", authenticated(health), methods=["GET"]),
+        Route("/v1/streams", authorized("stream_open", open_stream), methods=["POST"]),
+        Route("/v1/streams/{id}/frames", authorized("stream_access", post_frame), methods=["POST"]),
+        Route("/v1/streams/{id}/events", authorized("stream_access", events), methods=["GET"]),
+        Route("/v1/policies/reload", authorized("policy_reload", reload), methods=["POST"]),
+        Route("/v1/routes", authorized("routes_read", routes), methods=["GET"]),
+        Route("/v1/metrics", authorized("metrics_read", metrics), methods=["GET"]),
+        Route("/v1/health", authorized("health_read", health), methods=["GET"]),
         *a2a_routes(router),
     ])

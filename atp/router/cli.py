@@ -34,9 +34,10 @@ profile: ``--window-update-ms 300 --hb-interval-s 0.3 --hb-timeout-s 1.5
 --gold-reserved 1 --preempt-after-ms 100 --gold-sla-ms 500 --resume-grace-s 10``.
 
 Bearer tokens come from ``ATP_ROUTER_TOKENS`` (comma-separated; each entry
-``name:token`` — the client ``name`` whose budget and ``qos_max`` the RIB's
-``clients`` section sets — or a bare token; unset means authentication off, for
-a local appliance), the frame HMAC key from ``ATP_HMAC_KEY`` (never from the
+``name:token`` — the tenant ``name`` whose budget and ``qos_max`` the RIB's
+``clients`` section sets, role ``client`` —, ``name:token:admin+operator`` with
+its roles, or a bare token; unset means authentication off, for a local
+appliance; see :func:`~atp.router.core.parse_tokens_env`), the frame HMAC key from ``ATP_HMAC_KEY`` (never from the
 command line, so they stay out of ``ps``). Logs go to stderr with Agent Context
 secrets masked (:func:`atp.adapters.context.install_log_redaction`).
 Prints one ``listening`` line when ready; SIGINT/SIGTERM stop it.
@@ -161,13 +162,13 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
     if args.retry_backoff_s > args.retry_max_backoff_s:
         ap.error("need --retry-backoff-s <= --retry-max-backoff-s")
     try:
-        tokens, client_tokens = parse_tokens_env(env.get("ATP_ROUTER_TOKENS", ""))
+        tokens, client_tokens, client_roles = parse_tokens_env(env.get("ATP_ROUTER_TOKENS", ""))
     except ValueError as e:
         ap.error(str(e))
     key = env.get("ATP_HMAC_KEY")
     return args, RouterConfig(
         policies=args.policies, host=args.host, http_port=args.http_port, ws_port=args.ws_port,
-        tokens=tokens, client_tokens=client_tokens, hmac_key=key.encode() if key else None,
+        tokens=tokens, client_tokens=client_tokens, client_roles=client_roles, hmac_key=key.encode() if key else None,
         window_update_interval_ms=args.window_update_ms, window_update_delta=args.window_update_delta,
         hb_interval_s=args.hb_interval_s, hb_timeout_s=args.hb_timeout_s, resume_grace_s=args.resume_grace_s,
         breaker_failures=args.breaker_failures, breaker_window_s=args.breaker_window_s,

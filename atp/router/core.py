@@ -1,73 +1,86 @@
-"""The router: RIB/FIB, adapters, sessions and streams, wired to trio.
+"""The router: the control plane, the stream table and the data plane, composed.
 
-:class:`Router` owns the control plane (the running RIB compiled into a FIB, hot
-reload) and the data plane (sessions, streams, dispatch). Ingresses — the
-WebSocket server (:mod:`atp.router.ws`) and the HTTP control API
-(:mod:`atp.router.api`) — only move frames: both feed inbound frames to a sans-IO
-:class:`~atp.wire.session.Session` and send what the stream's
-:class:`~atp.router.streams.EventLog` holds, so a stream behaves the same whichever
-way it was opened.
+:class:`Router` is thin; the parts it composes are split the agentgateway way:
+
+=================================  ==============================================
+:mod:`atp.router.control`          control plane: the running RIB compiled into a
+                                   FIB, its generations, hot reload (§22), the
+                                   next-hop adapters and their retirement
+:mod:`atp.router.streams`          stream table keyed by (tenant, session_id,
+                                   stream_id): lifecycle, idempotency, resumption,
+                                   retention, grace and idle expiry
+this module                        identity (:meth:`Router.authenticate`, one call
+                                   for every ingress), authorization
+                                   (:meth:`Router.authorize`), and the data plane:
+                                   frames in (:meth:`Router.receive_frame`), SYN
+                                   handling, task running
+=================================  ==============================================
+
+Ingresses — the WebSocket server (:mod:`atp.router.ws`), the HTTP control API
+(:mod:`atp.router.api`) and the A2A server (:mod:`atp.router.a2a_server`) —
+authenticate once per connection or request, check the action with
+:meth:`Router.authorize`, and only move frames: they feed inbound frames to the
+sans-IO :class:`~atp.wire.session.Session` of the caller's tenant and send what
+the stream's :class:`~atp.router.streams.EventLog` holds, so a stream behaves the
+same whichever way it was opened.
+
+Tenants (spec §11): every :class:`~atp.security.identity.Identity` names a
+tenant — the RIB's ``clients.<tenant>``, whose budget and ``qos_max`` apply.
+Sessions and streams are the tenant's: the same client-chosen ids in two tenants
+are two unrelated streams, and no lookup crosses tenants.
 
 Flow control (spec §5, §9, §10) is router-wide state in :class:`FlowGates`: one
 AIMD window per next-hop agent with its class-ordered queue, the QoS slot
 scheduler (gold / silver / bronze, bronze preempted with RST ``EPREEMPT``; it
 also sees calls held up at a next-hop's window), the circuit breakers (their health feeds
 the FIB lookup: an open circuit is excluded) and the retry policy. The budget
-ledger has one account per client (``client:<name>``, limit from the RIB's
-``clients`` section) and, under it, one per stream (``stream:<stream_id>``), so a
-client's streams together never spend more than the client's budget.
+ledger has one account per tenant (``client:<name>``, limit from the RIB's
+``clients`` section) and, under it, one per stream
+(:func:`~atp.router.streams.stream_account`), so a tenant's streams together
+never spend more than its budget.
 
-Connections and streams (spec §8 resumption): a stream belongs to its client, not
+Connections and streams (spec §8 resumption): a stream belongs to its tenant, not
 to the connection that opened it. When its last follower (a WebSocket connection
 or an SSE request) goes away — closed, or declared dead by the heartbeat watchdog
 — the stream is *detached*: its task goes on, its events are logged, and for
-``resume_grace_s`` the client may re-open it with the same idempotency key (WS
+``resume_grace_s`` the tenant may re-open it with the same idempotency key (WS
 SYN, or ``POST /v1/streams``) and get the events it missed. A stream still
 detached after the grace period is reset with ``ETIMEOUT`` (what its calls
-streamed so far is committed).
+streamed so far is committed), and so is a stream opened without a task that
+gets none within ``idle_task_s``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import random
-import re
 import secrets
-from collections import OrderedDict
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import trio
 
-from atp.adapters.base import Health, Prompt, ProviderAdapter
+from atp.adapters.base import Prompt
 from atp.adapters.context import with_context_scope
-from atp.adapters.registry import build_adapter
-from atp.consensus.types import FinalResult
 from atp.flow.breaker import BreakerBoard, RetryPolicy
 from atp.flow.budget import Allowance, BudgetLedger
 from atp.flow.qos import Preempt, QosScheduler
 from atp.flow.window import Window as FlowWindow
 from atp.flow.window import WindowTable
-from atp.policy.fib import Fib, compile_fib
-from atp.policy.loader import load_rib, load_rib_text
-from atp.policy.rib import ClientSpec, Rib
+from atp.policy.rib import ClientSpec
 from atp.review.diff import diff_loc, parse_diff
-from atp.router.dispatch import Dispatcher, FlowGates, LegOutcome, SlotGate, TaskPlan
+from atp.router.control import ControlPlane, Generation
+from atp.router.dispatch import FlowGates, LegOutcome, SlotGate, TaskPlan
 from atp.router.metrics import RouterMetrics
-from atp.router.streams import EventLog
+from atp.router.streams import StreamCtx, StreamTable, stream_account
+from atp.security.identity import ANONYMOUS, TENANT_RE, Identity, Role
 from atp.wire import session as S
-from atp.wire.errors import (
-    AgentError,
-    ATPError,
-    ErrorCode,
-    LocalProtocolError,
-    PolicyError,
-)
+from atp.wire.errors import AgentError, ATPError, ErrorCode, LocalProtocolError
 from atp.wire.frame import (
     Budget,
     BudgetUpdate,
@@ -78,8 +91,19 @@ from atp.wire.frame import (
     PayloadType,
     QoS,
     Window,
-    WindowUpdate,
 )
+
+__all__ = [
+    "ACTIONS",
+    "Authenticator",
+    "Generation",
+    "Router",
+    "RouterConfig",
+    "StreamCtx",
+    "TokenAuthenticator",
+    "connection_error",
+    "parse_tokens_env",
+]
 
 log = logging.getLogger("atp.router")
 #: Security audit trail (spec §11 "audit"): ESEC refusals.
@@ -90,21 +114,40 @@ DEFAULT_WINDOW = Window(max_parallel=4, max_tokens=120_000, max_usd_micros=1_250
 #: Per-next-hop window of an agent without ``agents.<name>.window`` in the RIB.
 DEFAULT_AGENT_WINDOW = Window(max_parallel=16, max_tokens=2_000_000, max_usd_micros=20_000_000)
 
-_CLIENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _QOS_RANK = {QoS.GOLD: 0, QoS.SILVER: 1, QoS.BRONZE: 2}
-#: Refused SYNs remembered for dropping their late frames (bounded memory).
-_REFUSED_KEPT = 4096
-_NO_CLIENT_SPEC = ClientSpec()
+_CLIENT_ROLES = frozenset({Role.CLIENT})
+
+#: Actions the ingresses authorize (:meth:`Router.authorize`) → the roles that
+#: may do them (any one suffices; an empty set: any authenticated caller).
+ACTIONS: Mapping[str, frozenset[Role]] = {
+    "stream_open": _CLIENT_ROLES,
+    "stream_access": _CLIENT_ROLES,
+    "policy_reload": frozenset({Role.ADMIN}),
+    "policy_read": frozenset({Role.ADMIN}),
+    "routes_read": frozenset({Role.ADMIN}),
+    "audit_read": frozenset({Role.ADMIN}),
+    "tenant_admin": frozenset({Role.ADMIN}),
+    "metrics_read": frozenset({Role.OPERATOR, Role.ADMIN}),
+    "health_read": frozenset(),
+}
 
 
-def parse_tokens_env(value: str) -> tuple[frozenset[str], dict[str, str]]:
+def parse_tokens_env(value: str) -> tuple[frozenset[str], dict[str, str], dict[str, frozenset[Role]]]:
     """``ATP_ROUTER_TOKENS``: comma-separated entries, each ``name:token`` (the
-    client ``name`` of the RIB's ``clients`` section) or a bare token (the client
-    ``tok_<sha256 prefix>``). Returns ``(bare tokens, {name: token})``. Raises
-    ``ValueError`` on an empty name or token, a bad name (letters, digits,
-    ``._-``, at most 64) or a name or token given twice."""
+    tenant ``name`` of the RIB's ``clients`` section, role ``client``),
+    ``name:token:role+role`` (those roles, among ``admin``, ``operator``,
+    ``client``) or a bare token (tenant ``tok_<sha256 prefix>``, role
+    ``client``). A token may contain ``:``; a last ``:``-part made only of role
+    names is the role list (the grammar of
+    :func:`atp.security.authn.parse_tokens_env`).
+
+    Returns ``(bare tokens, {name: token}, {name: roles})`` (names without a role
+    list are absent from the last). Raises ``ValueError`` (never quoting a token)
+    on an empty name or token, a bad name (letters, digits, ``._-``, at most 64),
+    or a name or token given twice."""
     bare: set[str] = set()
     named: dict[str, str] = {}
+    roles: dict[str, frozenset[Role]] = {}
     for entry in (e.strip() for e in value.split(",")):
         if not entry:
             continue
@@ -112,26 +155,79 @@ def parse_tokens_env(value: str) -> tuple[frozenset[str], dict[str, str]]:
         if not sep:
             bare.add(entry)
             continue
-        if not _CLIENT_NAME.match(name) or not token:
-            raise ValueError(f"ATP_ROUTER_TOKENS entry {name!r}: expected name:token with a name of "
+        head, sep, tail = token.rpartition(":")
+        parts = tail.split("+")
+        if sep and head and all(p in Role._value2member_map_ for p in parts):
+            token, roles[name] = head, frozenset(Role(p) for p in parts)
+        if not TENANT_RE.match(name) or not token:
+            raise ValueError(f"ATP_ROUTER_TOKENS entry {name!r}: expected name:token[:role+role] with a name of "
                              "letters, digits and ._- (at most 64)")
         if name in named:
             raise ValueError(f"ATP_ROUTER_TOKENS: client {name!r} given twice")
         named[name] = token
     if len(set(named.values()) | bare) != len(named) + len(bare):
         raise ValueError("ATP_ROUTER_TOKENS: the same token is given twice")
-    return frozenset(bare), named
+    return frozenset(bare), named, roles
+
+
+class Authenticator(Protocol):
+    """Who is calling (spec §11 AuthN): one call per connection or request.
+
+    ``authorization`` is the request's ``Authorization`` header value (None when
+    absent), ``now`` wall-clock seconds since the epoch (token expiry),
+    ``peer_cert`` the TLS client certificate as :meth:`ssl.SSLSocket.getpeercert`
+    gives it. Raises :class:`ATPError` ``ESEC`` when the caller is refused."""
+
+    def authenticate(self, authorization: str | None, *, now: float,
+                     peer_cert: dict | None = None) -> Identity: ...
+
+
+class TokenAuthenticator:
+    """Static bearer tokens (``ATP_ROUTER_TOKENS``, :func:`parse_tokens_env`).
+
+    ``client_tokens`` maps tenant names to their token (roles from
+    ``client_roles``, default ``client``); a bare token of ``tokens`` is tenant
+    ``tok_<sha256 prefix>`` with role ``client``. No token at all: authentication
+    is off and every caller is :data:`~atp.security.identity.ANONYMOUS` (a local
+    appliance only). Tokens are looked up by their SHA-256, so the lookup's
+    timing says nothing about a token's characters."""
+
+    def __init__(self, tokens: frozenset[str] = frozenset(), client_tokens: Mapping[str, str] | None = None,
+                 client_roles: Mapping[str, frozenset[Role]] | None = None):
+        roles = client_roles or {}
+        self._ids: dict[bytes, Identity] = {}
+        for name, token in (client_tokens or {}).items():
+            self._ids[_digest(token)] = Identity(name, roles.get(name, _CLIENT_ROLES), f"env:{name}", "api_key")
+        for token in tokens:
+            tenant = "tok_" + hashlib.sha256(token.encode()).hexdigest()[:12]
+            self._ids[_digest(token)] = Identity(tenant, _CLIENT_ROLES, f"env:{tenant}", "api_key")
+
+    def authenticate(self, authorization: str | None, *, now: float, peer_cert: dict | None = None) -> Identity:
+        """The identity of ``Authorization: Bearer <token>``; raises
+        :class:`ATPError` ``ESEC`` for a missing, malformed or unknown token."""
+        if not self._ids:
+            return ANONYMOUS
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        identity = self._ids.get(_digest(token.strip())) if scheme.lower() == "bearer" and token.strip() else None
+        if identity is None:
+            raise ATPError(ErrorCode.ESEC, "missing or unknown bearer token")
+        return identity
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
 
 
 @dataclass
 class RouterConfig:
     """Static configuration of one router process.
 
-    Authentication (spec §11): ``tokens`` are accepted bearer tokens whose client
-    is ``tok_<sha256 prefix>``; ``client_tokens`` maps client names (the RIB's
-    ``clients`` keys) to their token. Both empty: authentication off, every
-    caller is the client ``anonymous`` (a local appliance only). ``hmac_key``
-    makes signed frames mandatory on the WebSocket ingress.
+    Authentication (spec §11): ``tokens`` are accepted bearer tokens whose tenant
+    is ``tok_<sha256 prefix>``; ``client_tokens`` maps tenant names (the RIB's
+    ``clients`` keys) to their token, ``client_roles`` their roles (default
+    ``client``; see :func:`parse_tokens_env`). Both empty: authentication off,
+    every caller is the tenant ``anonymous`` with every role (a local appliance
+    only). ``hmac_key`` makes signed frames mandatory on the WebSocket ingress.
 
     Flow control (spec §5, §9, §10): ``window_update_interval_ms`` /
     ``window_update_delta`` are the WINDOW_UPDATE cadence (every N ms, or when
@@ -142,6 +238,12 @@ class RouterConfig:
     ``gold_sla_ms`` is gold's queueing SLA; ``retry`` bounds retries;
     ``breaker_*`` configure the per-agent circuit breakers (failures within
     ``breaker_window_s`` that open it, first backoff and its cap in s).
+
+    Stream table (spec §8): at most ``max_streams`` open streams router-wide; a
+    closed stream stays readable for ``retain_closed_s`` and each tenant keeps at
+    most ``retain_closed_max`` closed streams (the oldest go first); a stream
+    opened without a task that gets none within ``idle_task_s`` is reset with
+    ``ETIMEOUT``.
 
     Liveness and resumption (spec §4.4 HB, §8): the WebSocket ingress sends HB
     every ``hb_interval_s`` and declares a connection dead after
@@ -156,9 +258,12 @@ class RouterConfig:
     ws_port: int = 7071
     tokens: frozenset[str] = frozenset()
     client_tokens: Mapping[str, str] = field(default_factory=dict)
+    client_roles: Mapping[str, frozenset[Role]] = field(default_factory=dict)
     hmac_key: bytes | None = None
     retain_closed_s: float = 300.0
+    retain_closed_max: int = 1000
     max_streams: int = 10_000
+    idle_task_s: float = 30.0
     window_update_interval_ms: int = 1000
     window_update_delta: float = 0.2
     agent_window: Window = DEFAULT_AGENT_WINDOW
@@ -177,154 +282,20 @@ class RouterConfig:
     seed: int | None = None
 
 
-@dataclass(eq=False)
-class StreamCtx:
-    """One stream inside the router; implements the dispatcher's ``StreamIO``."""
-
-    router: Router
-    session: S.Session
-    stream_id: str
-    client: str
-    meta: dict[str, Any]
-    qos: QoS
-    window: Window
-    budget: Budget
-    route: Any
-    started: float
-    log: EventLog = field(default_factory=EventLog)
-    task_started: bool = False
-    closed_at: float | None = None
-    cancel_scope: trio.CancelScope | None = None
-    #: The RIB generation the stream was routed by at SYN; its task runs on it even
-    #: after a reload (spec §22 hot reload).
-    gen: Generation | None = None
-    #: ``ttl`` the stream's task carries to next-hops: the SYN's, less this hop
-    #: (:func:`~atp.wire.session.forward_ttl`, §4.2).
-    ttl: int = 7
-    #: Ledger account of the stream (its parent is the client's).
-    account: str = ""
-    #: Connections / SSE requests sending this stream's events right now.
-    followers: int = 0
-    #: When the last follower went away (None while followed, or never followed).
-    detached_at: float | None = None
-    #: The stream counts among the users of ``gen`` (its adapters stay open).
-    holds_gen: bool = False
-
-    @property
-    def session_id(self) -> str:
-        return self.session.session_id
-
-    # --- followers (spec §8 resumption) ---
-    def attach(self) -> None:
-        """A connection or SSE request starts sending this stream's events."""
-        self.followers += 1
-        self.detached_at = None
-
-    def detach(self) -> None:
-        """A follower went away; the last one leaves the stream detached (it stays
-        resumable for ``resume_grace_s``, then is reset)."""
-        self.followers -= 1
-        if self.followers == 0 and not self.log.closed:
-            self.detached_at = trio.current_time()
-            self.router._on_detached(self)
-
-    # --- outbound (every frame goes through the session machine, then the log) ---
-    def push(self, frames: Frame | list[Frame]) -> None:
-        for f in frames if isinstance(frames, list) else [frames]:
-            ev = self.log.append(f)
-            self.router.metrics.frames.labels("out", ev.type).inc()
-            if ev.type in ("FIN", "RST"):
-                self._mark_closed()
-
-    def _mark_closed(self) -> None:
-        if self.closed_at is None:
-            self.closed_at = trio.current_time()
-            self.router.metrics.open_streams.dec()
-            self.router.open_count -= 1
-            if not self.task_started:
-                self.router._release_gen(self)  # else the task releases it when it ends
-
-    def peer_reset(self) -> None:
-        """The client reset the stream: stop its task (spend is still committed) and
-        end the log. Nothing is sent back: an RST is never answered (spec §4.4)."""
-        if self.cancel_scope is not None:
-            self.cancel_scope.cancel()
-        if not self.log.closed:
-            self.log.close()
-            self._mark_closed()
-
-    def emit_partial(self, agent: str, content: dict[str, Any], *, confidence: float | None = None) -> None:
-        if self.log.closed:
-            return
-        self.push(self.session.send_message(
-            self.stream_id, Payload(type=PayloadType.PARTIAL, content=content, confidence=confidence)
-        ))
-
-    def emit_error(self, code: ErrorCode, reason: str, *, agent: str | None = None,
-                   retry_after_ms: int | None = None) -> None:
-        if self.log.closed:
-            return
-        self.router.metrics.errors.labels(str(code)).inc()
-        self.push(self.session.send_error(self.stream_id, code, reason, retry_after_ms=retry_after_ms))
-
-    def emit_window_update(self, update: WindowUpdate) -> None:
-        if not self.log.closed:
-            self.push(self.session.send_control(self.stream_id, update))
-
-    def finish(self, final: FinalResult | None) -> None:
-        if self.log.closed:
-            return
-        if final is not None:
-            self.push(self.session.send_message(
-                self.stream_id,
-                Payload(type=PayloadType.FINAL, content=msgspec.to_builtins(final)),
-            ))
-        self.push(self.session.finish(self.stream_id))
-
-    def reset(self, code: ErrorCode, reason: str) -> None:
-        if self.log.closed:
-            return
-        self.router.metrics.errors.labels(str(code)).inc()
-        self.push(self.session.reset(self.stream_id, code, reason))
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One compiled RIB with its adapters and dispatcher (swapped atomically on reload)."""
-
-    version: int
-    rib: Rib
-    fib: Fib
-    adapters: dict[str, ProviderAdapter]
-    dispatcher: Dispatcher
-    source: str
-
-
 class Router:
-    """One ATP router: control plane (RIB → FIB, reload) and data plane (sessions,
-    streams, dispatch, flow control). Built synchronously; :meth:`serve` runs its
-    background tasks."""
+    """One ATP router: the control plane (:attr:`control`), the stream table
+    (:attr:`streams`) and the data plane (frames, SYNs, tasks, flow control).
+    Built synchronously (raises :class:`~atp.wire.errors.PolicyError` if the RIB
+    is refused); :meth:`serve` runs its background tasks. ``authenticator``
+    replaces the :class:`TokenAuthenticator` built from ``config``."""
 
-    def __init__(self, config: RouterConfig):
+    def __init__(self, config: RouterConfig, *, authenticator: Authenticator | None = None):
         self.config = config
         self.metrics = RouterMetrics()
         self.ledger = BudgetLedger()
-        self.sessions: dict[str, S.Session] = {}
-        self.streams: dict[str, StreamCtx] = {}
-        #: Streams not yet closed (``streams`` also keeps closed ones for replay).
-        self.open_count = 0
-        #: session_id → the client that opened it: nobody else may send on it.
-        self._owners: dict[str, str] = {}
-        #: (client, idempotency key) → stream_id (spec §8 resumption).
-        self.idempotency: dict[tuple[str, str], str] = {}
+        self.authenticator: Authenticator = authenticator or TokenAuthenticator(
+            config.tokens, config.client_tokens, config.client_roles)
         self._nursery: trio.Nursery | None = None
-        self._adapter_cache: dict[tuple[str, bytes], ProviderAdapter] = {}
-        self._token_clients = {tok: name for name, tok in config.client_tokens.items()}
-        self._clients: set[str] = set()
-        self._detached: set[StreamCtx] = set()
-        self._detached_changed = trio.Event()
-        #: (session_id, stream_id) of SYNs refused lately: their late frames are dropped.
-        self._refused: OrderedDict[tuple[str, str], None] = OrderedDict()
         rng = random.Random(config.seed)  # backoff jitter only
         self.gates = FlowGates(
             WindowTable(
@@ -351,218 +322,105 @@ class Router:
             config.retry,
             rng=rng,
         )
-        #: Generations not yet retired (the running one and older ones streams still
-        #: run on), and how many streams use each: adapters are closed when the
-        #: last generation using them is retired (spec §22 hot reload).
-        self._gens: dict[int, Generation] = {}
-        self._gen_users: dict[int, int] = {}
-        self._unclosed: list[tuple[str, ProviderAdapter]] = []  # dropped while not serving
-        self.gen = self._compile(load_rib(config.policies), version=1, source=str(config.policies))
-        self._gens[1] = self.gen
-        self._activate(self.gen)
-        self.metrics.rib_version.set(1)
-
-    # ------------------------------------------------------------------ identity
-    def authenticate(self, token: str | None) -> str | None:
-        """The client a bearer token belongs to (spec §11): its RIB name
-        (``ATP_ROUTER_TOKENS=name:token``), ``tok_<sha256 prefix>`` for a bare
-        token, ``anonymous`` when authentication is off; ``None`` when refused."""
-        if not self.config.tokens and not self._token_clients:
-            return "anonymous"
-        if token is None:
-            return None
-        name = self._token_clients.get(token)
-        if name is not None:
-            return name
-        if token in self.config.tokens:
-            return "tok_" + hashlib.sha256(token.encode()).hexdigest()[:12]
-        return None
-
-    def client_spec(self, client: str) -> ClientSpec:
-        """The RIB's ``clients.<client>`` entry (defaults when absent)."""
-        return self.gen.rib.clients.get(client, _NO_CLIENT_SPEC)
-
-    def client_account(self, client: str) -> str:
-        """The ledger account of ``client`` (opened with its RIB budget on first use)."""
-        key = "client:" + client
-        if client not in self._clients:
-            budget = self.client_spec(client).budget
-            self.ledger.open(key, Allowance.from_budget(budget) if budget is not None else Allowance())
-            self._clients.add(client)
-        return key
+        self.control = ControlPlane(config.policies, ledger=self.ledger, gates=self.gates, metrics=self.metrics,
+                                    on_leg=self._on_leg)
+        self.streams = StreamTable(
+            self.metrics, max_streams=config.max_streams, retain_closed_s=config.retain_closed_s,
+            retain_closed_max=config.retain_closed_max, resume_grace_s=config.resume_grace_s,
+            idle_task_s=config.idle_task_s, hb_interval_s=config.hb_interval_s,
+            release=self._release_stream, on_closed=self._on_stream_closed,
+        )
 
     # ------------------------------------------------------------------ control plane
-    def _compile(self, rib: Rib, *, version: int, source: str) -> Generation:
-        """RIB → FIB + adapters. Raises PolicyError without touching the running state."""
-        fib = compile_fib(rib, version=version)
-        adapters: dict[str, ProviderAdapter] = {}
-        keys: dict[str, tuple[str, bytes]] = {}
-        for name, agent in rib.agents.items():
-            model = rib.models.get(agent.model) if agent.model else None
-            # The window and fallback are the router's, not the adapter's: an edit
-            # of them keeps the live adapter (and its connections).
-            adapter_spec = msgspec.structs.replace(agent, window=None, fallback=None, data_scope=None)
-            key = keys[name] = (name, msgspec.json.encode([adapter_spec, model]))
-            adapter = self._adapter_cache.get(key)
-            if adapter is None:
-                try:
-                    adapter = build_adapter(name, agent, model)
-                except (ValueError, KeyError) as e:
-                    raise PolicyError(source, f"agents.{name}", str(e)) from None
-            adapters[name] = adapter
-        for key, adapter in list(self._adapter_cache.items()):
-            if adapters.get(key[0]) is not adapter:
-                del self._adapter_cache[key]
-        for name, adapter in adapters.items():
-            self._adapter_cache[keys[name]] = adapter
-        dispatcher = Dispatcher(
-            adapters, self.ledger, win_rates={n: a.win30d for n, a in rib.agents.items()},
-            gates=self.gates, on_leg=self._on_leg,
-        )
-        return Generation(version, rib, fib, adapters, dispatcher, source)
+    @property
+    def gen(self) -> Generation:
+        """The running RIB generation (:attr:`ControlPlane.gen <atp.router.control.ControlPlane.gen>`)."""
+        return self.control.gen
 
-    def _activate(self, gen: Generation) -> None:
-        """Adopt ``gen``'s per-agent windows, client budgets and agent set."""
-        self.gates.agent_windows.configure({n: a.window for n, a in gen.rib.agents.items()})
-        self.gates.wake_all()  # wider limits may admit calls waiting at a next-hop
-        for client in self._clients:
-            budget = gen.rib.clients.get(client, _NO_CLIENT_SPEC).budget
-            # clamp: a budget lowered below what the client already spent stops it, never fails.
-            self.ledger.set_limit("client:" + client, Allowance.from_budget(budget) if budget else Allowance(),
-                                  clamp=True)
-        for agent in self.gates.breakers.statistics():
-            if agent not in gen.rib.agents:
-                self.gates.breakers.forget(agent)
+    @gen.setter
+    def gen(self, gen: Generation) -> None:
+        self.control.gen = gen
+
+    @property
+    def open_count(self) -> int:
+        """Streams open now, all tenants."""
+        return self.streams.open_count
 
     def reload(self, text: str | None = None) -> dict[str, Any]:
-        """Hot-reload the RIB from the configured path or from YAML ``text`` (§22).
-
-        Returns ``{"version", "policies", "agents"}``. Raises :class:`PolicyError`
-        (file, key, reason) and keeps the running RIB when the new one is refused.
-        Streams already running finish on the generation they started with; an
-        adapter the new RIB dropped (or rebuilt) is closed once no stream runs
-        on a generation that uses it.
-        """
-        try:
-            rib = load_rib_text(text, file="<request body>") if text is not None else load_rib(self.config.policies)
-            gen = self._compile(rib, version=self.gen.version + 1, source="<request body>" if text else str(self.config.policies))
-        except PolicyError:
-            self.metrics.policy_reloads.labels("refused").inc()
-            raise
-        self.gen = gen
-        self._gens[gen.version] = gen
-        self._activate(gen)
-        for version in [v for v in self._gens if v != gen.version and not self._gen_users.get(v)]:
-            self._retire(version)
-        self.metrics.policy_reloads.labels("ok").inc()
-        self.metrics.rib_version.set(gen.version)
-        log.info("RIB generation %d loaded from %s", gen.version, gen.source)
-        return self.rib_summary()
-
-    def _hold_gen(self, ctx: StreamCtx) -> None:
-        if ctx.gen is not None and not ctx.holds_gen:
-            ctx.holds_gen = True
-            self._gen_users[ctx.gen.version] = self._gen_users.get(ctx.gen.version, 0) + 1
-
-    def _release_gen(self, ctx: StreamCtx) -> None:
-        """``ctx`` no longer uses its generation (its task ended, or it closed
-        without one); the last user of a replaced generation retires it."""
-        if not ctx.holds_gen or ctx.gen is None:
-            return
-        ctx.holds_gen = False
-        v = ctx.gen.version
-        left = self._gen_users[v] = self._gen_users[v] - 1
-        if left == 0:
-            del self._gen_users[v]
-            if v != self.gen.version:
-                self._retire(v)
-
-    def _retire(self, version: int) -> None:
-        """Forget a replaced generation nobody runs on and close its adapters
-        that no live generation uses (a removed 2389 agent drops its broker
-        connection, a changed model its HTTP pool)."""
-        gen = self._gens.pop(version, None)
-        if gen is None:
-            return
-        live = {id(a) for g in self._gens.values() for a in g.adapters.values()}
-        for name, adapter in gen.adapters.items():
-            if id(adapter) in live:
-                continue
-            live.add(id(adapter))  # close once, even if two names shared it
-            log.info("agent %s dropped by RIB generation %d: adapter closed", name, self.gen.version)
-            if self._nursery is not None:
-                self._nursery.start_soon(self._close_adapter, name, adapter)
-            else:
-                self._unclosed.append((name, adapter))
-
-    @staticmethod
-    async def _close_adapter(name: str, adapter: ProviderAdapter) -> None:
-        try:
-            await adapter.aclose()
-        except Exception:
-            # A failing close must not take the router down; the adapter is gone anyway.
-            log.exception("agent %s: closing its adapter failed", name)
+        """Hot-reload the RIB (:meth:`ControlPlane.reload <atp.router.control.ControlPlane.reload>`, §22)."""
+        return self.control.reload(text)
 
     def rib_summary(self) -> dict[str, Any]:
-        g = self.gen
-        return {"version": g.version, "policies": len(g.rib.policies), "agents": sorted(g.rib.agents)}
+        return self.control.rib_summary()
 
-    def _on_leg(self, out: LegOutcome) -> None:
-        m = self.metrics
-        m.agent_calls.labels(out.agent, "ok" if out.error is None else str(out.error.code)).inc()
-        m.agent_latency.labels(out.agent).observe(out.latency_ms / 1000)
-        m.tokens.labels(out.agent).inc(out.usage.tokens)
-        m.usd_micros.labels(out.agent).inc(out.usage.usd_micros)
+    def client_spec(self, tenant: str) -> ClientSpec:
+        """The RIB's ``clients.<tenant>`` entry (defaults when absent)."""
+        return self.control.client_spec(tenant)
+
+    def client_account(self, tenant: str) -> str:
+        """The ledger account of ``tenant`` (opened with its RIB budget on first use)."""
+        return self.control.client_account(tenant)
+
+    # ------------------------------------------------------------------ identity
+    def authenticate(self, authorization: str | None, *, peer_cert: dict | None = None) -> Identity:
+        """Who is calling (spec §11): the :class:`~atp.security.identity.Identity`
+        of an ``Authorization`` header value (and TLS client certificate), by
+        :attr:`authenticator`. Every ingress calls it once per connection or
+        request. Raises :class:`ATPError` ``ESEC`` when the caller is refused."""
+        return self.authenticator.authenticate(authorization, now=time.time(), peer_cert=peer_cert)
+
+    def authorize(self, identity: Identity, action: str) -> None:
+        """May ``identity`` do ``action`` (a key of :data:`ACTIONS`: policy,
+        routes, audit and tenant actions need ``admin``; metrics ``operator`` or
+        ``admin``; stream actions ``client``; health anyone)? Raises
+        :class:`ATPError` ``ESEC`` (audited) when not, ``ValueError`` for an
+        unknown action."""
+        try:
+            needed = ACTIONS[action]
+        except KeyError:
+            raise ValueError(f"unknown action {action!r}") from None
+        if needed and not (identity.roles & needed):
+            audit.warning("ESEC %s refused to %s of tenant %s (roles %s)", action, identity.subject, identity.tenant,
+                          ",".join(sorted(identity.roles)) or "none")
+            self.metrics.errors.labels(str(ErrorCode.ESEC)).inc()
+            raise ATPError(ErrorCode.ESEC, f"{action} needs role {' or '.join(sorted(needed))}")
 
     # ------------------------------------------------------------------ data plane
-    def session_for(self, session_id: str) -> S.Session:
-        sess = self.sessions.get(session_id)
-        if sess is None:
-            # The router's sessions outlive connections (streams are resumable, §8),
-            # so the session machine never declares its peer dead (hb_timeout
-            # infinite): liveness is per connection, in the WebSocket ingress.
-            sess = self.sessions[session_id] = S.Session(
-                S.Role.ROUTER, session_id, now=trio.current_time(),
-                hb_interval=self.config.hb_interval_s, hb_timeout=math.inf,
-            )
-        return sess
-
-    def resume_point(self, frame: Frame, *, client: str) -> tuple[StreamCtx, int] | None:
+    def resume_point(self, frame: Frame, *, identity: Identity) -> tuple[StreamCtx, int] | None:
         """Whether ``frame`` re-opens a stream (spec §8 Resumption), and from where.
 
-        A SYN whose ``meta.idempotency_key`` names a stream ``client`` opened
-        before (over WS or HTTP, still running or closed but retained) re-opens
-        it: returns the stream and the event id to replay *after*. Without
-        ``meta.resume_after`` everything is replayed, the SYN+ACK first (a client
-        that lost its state starts over on the stream's original ids); with
-        ``resume_after = N`` (the last router ``msg_seq`` the client received)
-        only what followed message N. ``None``: not a resumption (a new key, a
-        ttl-expired SYN, another client's key)."""
+        A SYN whose ``meta.idempotency_key`` names a stream ``identity``'s tenant
+        opened before (over WS or HTTP, still running or closed but retained)
+        re-opens it: returns the stream and the event id to replay *after*.
+        Without ``meta.resume_after`` everything is replayed, the SYN+ACK first (a
+        client that lost its state starts over on the stream's original ids);
+        with ``resume_after = N`` (the last router ``msg_seq`` the client
+        received) only what followed message N. ``None``: not a resumption (a
+        new key, a ttl-expired SYN, a key of another tenant)."""
         if Flag.SYN not in frame.flags or frame.ttl == 0:
             return None
         key = frame.meta.get("idempotency_key")
         if not isinstance(key, str):
             return None
-        sid = self.idempotency.get((client, key))
-        ctx = self.streams.get(sid) if sid is not None else None
-        if ctx is None or ctx.client != client:
+        ctx = self.streams.resumable(identity.tenant, key)
+        if ctx is None:
             return None
         after = frame.meta.get("resume_after")
         if isinstance(after, int) and not isinstance(after, bool) and after >= 0:
             return ctx, ctx.log.after_message(after)
         return ctx, 0
 
-    def receive_frame(self, frame: Frame, *, client: str, now: float) -> list[Frame]:
-        """Feed one inbound frame (already decoded and verified) to its session.
+    def receive_frame(self, frame: Frame, *, identity: Identity, now: float) -> list[Frame]:
+        """Feed one inbound frame (already decoded and verified) from ``identity``
+        to its session: the session ``frame.session_id`` *of identity's tenant*
+        (another tenant's session of the same id is another session, §11).
 
         Returns frames that must be sent back immediately to this sender and are
         not part of any stream log (errors about unknown streams). Protocol errors
-        reset only the stream concerned. A frame on a session another client
-        opened is refused with an ERROR ``ESEC`` and touches nothing (spec §11).
-        A SYN re-opening a stream by idempotency key (:meth:`resume_point`) is
-        not fed to the session: the stream and its session state are unchanged.
-        A SYN above the client's ``qos_max`` is served at ``qos_max`` (the
-        SYN+ACK confirms the class, §8 step 2).
+        reset only the stream concerned. A SYN re-opening a stream by idempotency
+        key (:meth:`resume_point`) is not fed to the session: the stream and its
+        session state are unchanged. A SYN above the tenant's ``qos_max`` is
+        served at ``qos_max`` (the SYN+ACK confirms the class, §8 step 2).
 
         A frame other than SYN on a stream of this session that the router
         closed (RST/FIN sent, or refused at SYN) and has freed is *late* — an
@@ -574,32 +432,26 @@ class Router:
         closed; the WebSocket ingress sends it after the stream's own frames.
         """
         self.metrics.frames.labels("in", _kind(frame)).inc()
-        owner = self._owners.setdefault(frame.session_id, client)
-        if owner != client:
-            self.metrics.errors.labels(str(ErrorCode.ESEC)).inc()
-            return [connection_error(frame.session_id, frame.stream_id, ErrorCode.ESEC,
-                                     "session_id belongs to another client")]
+        tenant = identity.tenant
         if Flag.SYN in frame.flags:
-            if self.resume_point(frame, client=client) is not None:
+            if self.resume_point(frame, identity=identity) is not None:
                 return []
-            qos_max = self.client_spec(client).qos_max
+            qos_max = self.client_spec(tenant).qos_max
             if _QOS_RANK[frame.qos] < _QOS_RANK[qos_max]:
                 frame = msgspec.structs.replace(frame, qos=qos_max)
-        sess = self.session_for(frame.session_id)
-        if Flag.SYN not in frame.flags and self._closed_by_us(sess, frame.stream_id):
+        sess = self.streams.session(tenant, frame.session_id, now=now)
+        if Flag.SYN not in frame.flags and self._closed_by_us(tenant, sess, frame.stream_id):
             return self._late_frame(frame)
         direct: list[Frame] = []
 
         def stream_of(stream_id: str) -> StreamCtx | None:
-            # Stream ids are chosen by clients: only this session's stream is addressed.
-            ctx = self.streams.get(stream_id)
-            return ctx if ctx is not None and ctx.session is sess else None
+            return self.streams.get(tenant, sess.session_id, stream_id)
 
         for ev in sess.receive_frame(frame, now):
             match ev:
                 case S.StreamOpened():
                     # The session dropped a SYN at ttl 0; this hop takes one off the rest (§4.2).
-                    self._on_syn(sess, ev, client=client, direct=direct, ttl=S.forward_ttl(frame).ttl)
+                    self._on_syn(sess, ev, identity=identity, direct=direct, ttl=S.forward_ttl(frame).ttl)
                 case S.MessageReceived():
                     ctx = stream_of(ev.stream_id)
                     if ctx is not None:
@@ -632,15 +484,15 @@ class Router:
                     pass
         return direct
 
-    def _closed_by_us(self, sess: S.Session, stream_id: str) -> bool:
-        """``stream_id`` is a stream of ``sess`` the router closed and freed
-        (retained for ``retain_closed_s``, or refused at SYN recently)."""
+    def _closed_by_us(self, tenant: str, sess: S.Session, stream_id: str) -> bool:
+        """``stream_id`` is a stream of ``tenant``'s ``sess`` the router closed
+        and freed (retained for ``retain_closed_s``, or refused at SYN recently)."""
         if stream_id == S.HB_STREAM_ID or sess.stream_state(stream_id) is not S.StreamState.IDLE:
             return False
-        ctx = self.streams.get(stream_id)
-        if ctx is not None and ctx.session is sess:
+        ctx = self.streams.get(tenant, sess.session_id, stream_id)
+        if ctx is not None:
             return ctx.log.closed
-        return (sess.session_id, stream_id) in self._refused
+        return self.streams.was_refused(tenant, sess.session_id, stream_id)
 
     def _late_frame(self, frame: Frame) -> list[Frame]:
         self.metrics.frames.labels("dropped", _kind(frame)).inc()
@@ -650,24 +502,8 @@ class Router:
         return [connection_error(frame.session_id, frame.stream_id, ErrorCode.EPROTO,
                                  f"stream is closed: message msg_seq={frame.msg_seq} not delivered")]
 
-    def _health(self, gen: Generation) -> dict[str, Health]:
-        """Live next-hop health for the FIB (spec §5.3, §6.2): the adapter's p95 and
-        the worse of its and the breaker's error rate score the next-hop; the
-        circuit breaker decides that it is down (open), and so does the adapter's
-        own flag when it is ``live_health`` (it recovers by itself, e.g. a 2389
-        agent re-announcing); other adapters' "unreachable" flags are not used:
-        nothing would ever call them again to find them back, whereas an open
-        breaker half-opens for a probe."""
-        now = trio.current_time()
-        out: dict[str, Health] = {}
-        for name, adapter in gen.adapters.items():
-            h = adapter.health()
-            b = self.gates.breakers.health(name, now)
-            up = b.up and (h.up or not adapter.live_health)
-            out[name] = Health(p95_ms=h.p95_ms, error_rate=max(h.error_rate, b.error_rate), up=up)
-        return out
-
-    def _on_syn(self, sess: S.Session, ev: Any, *, client: str, direct: list[Frame], ttl: int) -> None:
+    def _on_syn(self, sess: S.Session, ev: Any, *, identity: Identity, direct: list[Frame], ttl: int) -> None:
+        tenant = identity.tenant
         meta = dict(ev.meta)
         content = None
         if ev.payload is not None and ev.payload.type is PayloadType.TASK:
@@ -681,46 +517,28 @@ class Router:
                 _check_task(content)
                 if "diff" in content and "diff_loc" not in meta:
                     meta["diff_loc"] = diff_loc(parse_diff(content["diff"]))
-            if self.open_count >= self.config.max_streams:
-                raise ATPError(ErrorCode.EWINDOW, f"router is at its limit of {self.config.max_streams} open streams")
-            old = self.streams.get(ev.stream_id)
-            if old is not None:
-                if old.closed_at is None:
-                    raise LocalProtocolError(ErrorCode.EPROTO, f"stream_id {ev.stream_id!r} is already in use")
-                # A closed stream's id may be reused; its retained log is dropped.
-                try:
-                    self.ledger.close(old.account)
-                except ValueError:
-                    raise LocalProtocolError(
-                        ErrorCode.EPROTO, f"stream_id {ev.stream_id!r} is still settling its spend; retry"
-                    ) from None
-                del self.streams[ev.stream_id]
+            self.streams.admit(tenant, ev.stream_id)
             client_budget = _client_budget(meta)
             gen = self.gen
-            route = gen.fib.lookup(meta, health=self._health(gen))
+            route = gen.fib.lookup(meta, health=self.control.health(gen, trio.current_time()))
         except ATPError as e:
             self.metrics.errors.labels(str(e.code)).inc()
             if e.code is ErrorCode.ESEC:
-                audit.warning("ESEC stream %s/%s of client %s refused: %s", sess.session_id, ev.stream_id, client,
+                audit.warning("ESEC stream %s/%s of tenant %s refused: %s", sess.session_id, ev.stream_id, tenant,
                               e.reason)
             direct.append(sess.reset(ev.stream_id, e.code, e.reason))
-            self._refused[(sess.session_id, ev.stream_id)] = None
-            if len(self._refused) > _REFUSED_KEPT:
-                self._refused.popitem(last=False)
+            self.streams.refused(tenant, sess.session_id, ev.stream_id)
             return
         window = _min_window(ev.window, route.window or DEFAULT_WINDOW)
         budget = _min_budget(client_budget, route.budget)
         qos = ev.qos if ev.qos is not None else (route.qos or QoS.SILVER)
-        ctx = StreamCtx(self, sess, ev.stream_id, client, meta, qos, window, budget, route, trio.current_time(),
-                        gen=gen, ttl=ttl, account="stream:" + ev.stream_id)
-        self._hold_gen(ctx)
-        self.streams[ev.stream_id] = ctx
-        self.open_count += 1
-        self.ledger.open(ctx.account, Allowance.from_budget(budget), parent=self.client_account(client))
-        if ev.idempotency_key is not None:
-            self.idempotency[(client, ev.idempotency_key)] = ev.stream_id
+        ctx = StreamCtx(self.streams, sess, ev.stream_id, identity, meta, qos, window, budget, route,
+                        trio.current_time(), gen=gen, ttl=ttl, account=stream_account(tenant, ev.stream_id),
+                        idempotency_key=ev.idempotency_key)
+        self.control.hold(ctx)
+        self.ledger.open(ctx.account, Allowance.from_budget(budget), parent=self.client_account(tenant))
+        self.streams.insert(ctx)
         self.metrics.streams_opened.labels(str(qos)).inc()
-        self.metrics.open_streams.inc()
         synack = sess.accept(ev.stream_id, window)
         synack.meta["route"] = {
             "policy": route.policy,
@@ -773,7 +591,7 @@ class Router:
         try:
             await self._run_task_on(ctx, prompt, gen, scope)
         finally:
-            self._release_gen(ctx)
+            self.control.release(ctx)
 
     async def _run_task_on(self, ctx: StreamCtx, prompt: Prompt, gen: Generation, scope: trio.CancelScope) -> None:
         cfg = self.config
@@ -785,7 +603,7 @@ class Router:
             route=ctx.route,
             window=window,
             ledger_key=ctx.account,
-            stream_id=ctx.stream_id,
+            stream_id=ctx.account,  # QoS tickets name the stream: unique across tenants
             qos=ctx.qos,
             started=ctx.started,
             deadline=ctx.started + ctx.route.deadline_ms / 1000,
@@ -821,33 +639,49 @@ class Router:
     def _on_preempt(self, p: Preempt) -> None:
         """The QoS scheduler preempts a bronze call (spec §9): RST the stream with
         ``EPREEMPT`` and stop its task (its slot goes to the waiting gold call)."""
-        ctx = self.streams.get(p.stream_id)
+        ctx = self.streams.by_account(p.stream_id)
         if ctx is None or ctx.log.closed:
             if p.running:
                 self.gates.slots.cancel(p.ticket)
             return
-        log.info("stream %s preempted: %s", p.stream_id, p.reason)
-        ctx.reset(p.code, p.reason)
-        if ctx.cancel_scope is not None:
-            ctx.cancel_scope.cancel()
+        log.info("stream %s of %s preempted: %s", ctx.stream_id, ctx.tenant, p.reason)
+        ctx.stop(p.code, p.reason)
 
-    def _on_detached(self, ctx: StreamCtx) -> None:
-        self._detached.add(ctx)
-        self._detached_changed.set()
+    def _on_stream_closed(self, ctx: StreamCtx) -> None:
+        if not ctx.task_started:
+            self.control.release(ctx)  # else the task releases it when it ends
+
+    def _release_stream(self, ctx: StreamCtx) -> bool:
+        """Close the ledger account of a closed stream leaving the table; False
+        while a cancelled call has not committed its spend yet."""
+        try:
+            self.ledger.close(ctx.account)
+        except ValueError:
+            return False
+        return True
+
+    def _on_leg(self, out: LegOutcome) -> None:
+        m = self.metrics
+        m.agent_calls.labels(out.agent, "ok" if out.error is None else str(out.error.code)).inc()
+        m.agent_latency.labels(out.agent).observe(out.latency_ms / 1000)
+        m.tokens.labels(out.agent).inc(out.usage.tokens)
+        m.usd_micros.labels(out.agent).inc(out.usage.usd_micros)
 
     # ------------------------------------------------------------------ HTTP helpers
     def open_stream(self, *, task: dict[str, Any], content: dict[str, Any] | None, budget: Budget | None,
-                    qos: QoS | None, window: Window | None, idempotency_key: str | None, client: str) -> StreamCtx:
-        """Open a stream for the HTTP API by synthesising the client's SYN frame.
+                    qos: QoS | None, window: Window | None, idempotency_key: str | None,
+                    identity: Identity) -> StreamCtx:
+        """Open a stream for ``identity`` (HTTP API, A2A server) by synthesising
+        its SYN frame on a new session.
 
-        The same ``idempotency_key`` (per client) returns the stream it opened
+        The same ``idempotency_key`` (per tenant) returns the stream it opened
         before — over HTTP or WebSocket — without a second task or charge (§8).
         Raises :class:`ATPError` with the code the SYN was reset with.
         """
         if idempotency_key is not None:
-            sid = self.idempotency.get((client, idempotency_key))
-            if sid is not None and sid in self.streams:
-                return self.streams[sid]
+            ctx = self.streams.resumable(identity.tenant, idempotency_key)
+            if ctx is not None:
+                return ctx
         session_id = "sess_" + secrets.token_hex(8)
         stream_id = "task_" + secrets.token_hex(8)
         meta = dict(task)
@@ -860,8 +694,8 @@ class Router:
             qos=qos or QoS.SILVER, window=window, meta=meta,
             payload=Payload(type=PayloadType.TASK, content=content) if content is not None else None,
         )
-        direct = self.receive_frame(syn, client=client, now=trio.current_time())
-        ctx = self.streams.get(stream_id)
+        direct = self.receive_frame(syn, identity=identity, now=trio.current_time())
+        ctx = self.streams.get(identity.tenant, session_id, stream_id)
         if ctx is None:
             err = _error_of(direct)
             raise ATPError(err.code if err else ErrorCode.EPROTO, err.reason if err else "stream refused")
@@ -869,73 +703,26 @@ class Router:
 
     # ------------------------------------------------------------------ lifecycle
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Run the router's background work (stream tasks, QoS preemption, the
-        resumption grace period, the reaper) until cancelled."""
+        """Run the router's background work until cancelled: stream tasks, QoS
+        preemption, the stream table's timers (grace, idle expiry, retention) and
+        the control plane's adapter retirement (adapters closed when cancelled)."""
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._reaper)
+            await nursery.start(self.control.serve)
             nursery.start_soon(self.gates.slots.run)
-            nursery.start_soon(self._grace_reaper)
-            for name, adapter in self._unclosed:
-                nursery.start_soon(self._close_adapter, name, adapter)
-            self._unclosed.clear()
+            nursery.start_soon(self.streams.run)
+            self._nursery = nursery
             task_status.started(self)
             try:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
-                with trio.CancelScope(shield=True):
-                    live = {id(a): (n, a) for g in self._gens.values() for n, a in g.adapters.items()}
-                    for name, adapter in live.values():
-                        await self._close_adapter(name, adapter)
-
-    async def _grace_reaper(self) -> None:
-        """Reset streams left detached for ``resume_grace_s`` (spec §8: the client
-        did not come back), with ``ETIMEOUT``; their task stops, spend so far
-        is committed."""
-        grace = self.config.resume_grace_s
-        while True:
-            now = trio.current_time()
-            due = math.inf
-            for ctx in list(self._detached):
-                if ctx.log.closed or ctx.detached_at is None:
-                    self._detached.discard(ctx)
-                elif now >= ctx.detached_at + grace:
-                    self._detached.discard(ctx)
-                    log.info("stream %s: client gone for %g s, reset", ctx.stream_id, now - ctx.detached_at)
-                    ctx.reset(ErrorCode.ETIMEOUT, f"client gone: stream not resumed within {grace:g} s")
-                    if ctx.cancel_scope is not None:
-                        ctx.cancel_scope.cancel()
-                else:
-                    due = min(due, ctx.detached_at + grace)
-            with trio.move_on_at(due):
-                await self._detached_changed.wait()
-            self._detached_changed = trio.Event()
-
-    async def _reaper(self) -> None:
-        while True:
-            await trio.sleep(min(self.config.retain_closed_s, 30.0))
-            now = trio.current_time()
-            for sid, ctx in list(self.streams.items()):
-                if ctx.closed_at is not None and now - ctx.closed_at > self.config.retain_closed_s:
-                    try:
-                        self.ledger.close(ctx.account)
-                    except ValueError:
-                        continue  # a cancelled leg has not committed yet: next round
-                    del self.streams[sid]
-            for key, sid in list(self.idempotency.items()):
-                if sid not in self.streams:
-                    del self.idempotency[key]
-            live = {ctx.session_id for ctx in self.streams.values()}
-            for session_id in [s for s in self.sessions if s not in live]:
-                del self.sessions[session_id]
-                self._owners.pop(session_id, None)
 
 
 def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: str) -> Frame:
     """An ERROR (spec §10) outside any session's sequence: for a frame the router
-    could not attribute to a stream of the sender (undecodable, or another
-    client's session). ``stream_id`` ``"0"`` means the connection itself."""
+    could not attribute to an open stream of the sender (undecodable, a late
+    message on a closed stream, a frame the ingress could not process).
+    ``stream_id`` ``"0"`` means the connection itself."""
     return Frame(
         v=1, session_id=session_id, stream_id=stream_id, msg_seq=0, flags=[Flag.CTRL],
         payload=Payload(type=PayloadType.CONTROL, content=ErrorPayload(code=code, reason=reason)),

@@ -38,7 +38,8 @@ For one stream the dispatcher
    leg of PARTIAL frames with ``MORE`` through a
    :class:`~atp.wire.reassembly.Reassembler` and reach the client as PARTIALs.
    AIMD runs on both windows: a timely answer grows ``cwnd``, ``ETIMEOUT`` /
-   ``EAGENTDOWN`` halve it; a cancelled call leaves it alone.
+   ``EAGENTDOWN`` halve it; a cancelled call leaves it alone, and so does a call
+   that failed on the client's input (below).
 
 3. handles failures per call (§10): ``ETIMEOUT`` is retried on the same next-hop
    with backoff (:class:`~atp.flow.breaker.RetryPolicy`), then rerouted;
@@ -49,6 +50,14 @@ For one stream the dispatcher
    per reroute chain, so a stream never loops. Every failed attempt is reported
    as one ERROR event saying what happens next ("; retry 2/2 in 200 ms",
    "; rerouted to X").
+
+   A failure the client's input caused (:class:`~atp.wire.errors.ClientInputError`,
+   ``client_fault``: a refused file path, a task over a next-hop's size limit) is
+   not the next-hop's: it is not counted by the circuit breaker, halves no window,
+   and is neither retried nor rerouted nor escalated (the same input would fail
+   everywhere). When no next-hop produced a report and one failed that way,
+   :meth:`Dispatcher.run` raises a ``ClientInputError`` (``EPROTO``, reason naming
+   the agents and what they refused) and the router resets the stream with it.
 
 4. merges the reports by the route's consensus strategy (§7.2); ``two_phase_commit``
    without quorum is reported as ERROR ``ECONSENSUS`` and escalated (§10); when
@@ -90,7 +99,7 @@ from atp.flow.budget import BudgetLedger, Refusal, Reservation, usd_to_micros
 from atp.flow.qos import Grant, Preempt, QosScheduler, Refused, Revoke
 from atp.flow.window import Admission, Estimate, InFlight, WindowTable
 from atp.flow.window import Window as FlowWindow
-from atp.wire.errors import AgentError, ATPError, ErrorCode
+from atp.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode
 from atp.wire.frame import Flag, Frame, Payload, PayloadType, QoS, WindowUpdate
 from atp.wire.reassembly import MessageComplete, Reassembler
 
@@ -436,8 +445,9 @@ class Dispatcher:
         """Fan out, merge, escalate; returns the FINAL result (spec §7.3).
 
         Raises :class:`AgentError` when no next-hop produced a report at all:
-        ``EBUDGET`` when the budget stopped it (the router ends the stream with
-        ERROR + FIN), else ``EAGENTDOWN`` (RST).
+        :class:`~atp.wire.errors.ClientInputError` (``EPROTO``, RST) when a
+        next-hop refused the client's input, ``EBUDGET`` when the budget stopped
+        it (the router ends the stream with ERROR + FIN), else ``EAGENTDOWN`` (RST).
         """
         failure: AgentError | None = None
         async with trio.open_nursery() as nursery:
@@ -469,9 +479,11 @@ class Dispatcher:
         no_quorum = consensus_error(result) is not None
         esc = getattr(route, "escalation", None)
         hop = route.escalation_hop
+        # The input a next-hop refused would be refused by the escalation too.
+        refused = [o for o in plan.attempts if _client_fault(o.error)]
         can_escalate = (
             esc is not None and hop is not None and esc.to not in {o.agent for o in plan.attempts}
-            and trio.current_time() < plan.deadline
+            and trio.current_time() < plan.deadline and not (refused and not reports)
         )
         if can_escalate:
             triggers = should_escalate(
@@ -499,6 +511,10 @@ class Dispatcher:
                           agent=hop.agent)
             triggers = []
         if not reports:
+            if refused:
+                raise ClientInputError(
+                    "task refused: " + "; ".join(_agent_reason(o.agent, o.error) for o in refused if o.error)
+                )
             failed = "; ".join(f"{o.agent}: {o.error.code} {o.error.reason}" for o in plan.attempts if o.error)
             if plan.exhausted is not None or any(
                 o.error is not None and o.error.code is ErrorCode.EBUDGET for o in plan.attempts
@@ -578,6 +594,9 @@ class Dispatcher:
             first = False
             if out.error is None:
                 return
+            if _client_fault(out.error):
+                self._report(io, out, "")  # not retried nor rerouted: the same input fails everywhere
+                return
             err = out.error
             agent = out.agent
             retry = self.gates.retry
@@ -608,7 +627,7 @@ class Dispatcher:
     def _report(self, io: StreamIO, out: LegOutcome, what_next: str) -> None:
         err = out.error
         assert err is not None
-        reason = err.reason if err.reason.startswith(out.agent) else f"{out.agent}: {err.reason}"
+        reason = _agent_reason(out.agent, err)
         io.emit_error(err.code, reason + what_next, agent=out.agent, retry_after_ms=err.retry_after_ms)
         if out.window_update is not None:
             io.emit_window_update(out.window_update)
@@ -685,6 +704,14 @@ class Dispatcher:
                 agent_window.on_cancel(admitted.agent_call)
                 gates.slots.cancel(admitted.ticket)
                 gates.breakers.on_cancel(agent, now)
+            elif _client_fault(out.error):
+                # The client's input failed, not the next-hop: no AIMD, no breaker failure.
+                assert out.error is not None
+                plan.window.on_cancel(admitted.stream_call)
+                agent_window.on_cancel(admitted.agent_call)
+                gates.slots.release(admitted.ticket)
+                gates.breakers.on_result(agent, now, False, out.error.code, client_fault=True)
+                self._window_moved(io, plan)
             else:
                 ok = out.error is None or out.error.code not in CONGESTION
                 for w, call in ((plan.window, admitted.stream_call), (agent_window, admitted.agent_call)):
@@ -891,6 +918,16 @@ class Dispatcher:
             {"agent": agent, "report": msgspec.to_builtins(out.report), "usage": msgspec.to_builtins(out.usage)},
             confidence=final.confidence,
         )
+
+
+def _client_fault(err: ATPError | None) -> bool:
+    """Did the client's input cause ``err`` (:class:`~atp.wire.errors.ClientInputError`)?"""
+    return isinstance(err, AgentError) and err.client_fault
+
+
+def _agent_reason(agent: str, err: ATPError) -> str:
+    """``err.reason`` prefixed with ``agent`` unless it already starts with it."""
+    return err.reason if err.reason.startswith(agent) else f"{agent}: {err.reason}"
 
 
 def _leg_frame(plan: TaskPlan, agent: str, frag_seq: int, text: str, *, more: bool) -> Frame:

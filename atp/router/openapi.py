@@ -39,7 +39,7 @@ def _errors(*codes: int) -> dict[str, Any]:
     text = {
         400: "EPROTO: malformed body, frame or schema",
         401: "ESEC: missing or unknown bearer token",
-        403: "ESEC: the stream belongs to another client, or a signature failed",
+        403: "ESEC: the caller lacks the role this action needs, or a signature failed",
         404: "unknown stream",
         409: "EWINDOW: the router is at its stream limit",
         422: "the RIB was refused (`file`, `key`, `reason`); the running RIB stays",

@@ -1,23 +1,95 @@
-"""Per-stream outbound event log (trio side).
+"""The stream table (trio side): every stream the router carries, its outbound
+event log, and its lifecycle (spec §4.4, §8).
 
-Every frame the router sends on a stream is appended here once, with an event
-type and an increasing id; the WebSocket writer and any number of SSE followers
-read from it. A follower that connects late, or reconnects with ``Last-Event-ID``,
-replays what it missed (spec §8 resumption), so nothing depends on who was
-listening when a frame was produced.
+:class:`EventLog` — every frame the router sends on a stream is appended once,
+with an event type and an increasing id; the WebSocket writer and any number of
+SSE followers read from it. A follower that connects late, or reconnects with
+``Last-Event-ID``, replays what it missed (spec §8 resumption), so nothing
+depends on who was listening when a frame was produced.
 
-The log of a closed stream is kept for ``retain_s`` so clients can still fetch the
-FINAL, then dropped by the router's reaper (bounded memory).
+:class:`StreamCtx` — one stream: its session, tenant, route, budget account,
+log, followers; it implements the dispatcher's ``StreamIO``.
+
+:class:`StreamTable` — the streams and sessions of every tenant, keyed by
+**(tenant, session_id, stream_id)** (spec §11 "streams are scoped to the
+authenticated principal"). Ids are chosen by clients, so a session or stream id
+another tenant uses is simply another session or stream: lookups never cross
+tenants, and nothing tells a tenant whether an id exists elsewhere. Within a
+tenant a stream id is unique (the HTTP API addresses a stream by its id alone).
+The table owns:
+
+==================  =============================================================
+lifecycle           open count (router-wide ``max_streams``), closing, removal
+idempotency         ``(tenant, idempotency_key)`` → the stream it opened (§8)
+resumption          :meth:`StreamTable.resumable`
+retention           a closed stream's log stays readable for ``retain_closed_s``
+                    and at most ``retain_closed_max`` closed streams per tenant
+                    are kept (the oldest go first), then it is removed
+grace               a stream left without a follower (*detached*) is reset with
+                    ``ETIMEOUT`` after ``resume_grace_s``
+idle expiry         a stream opened without a task (SYN without payload) that
+                    gets none within ``idle_task_s`` is reset with ``ETIMEOUT``
+refused SYNs        remembered (bounded) so their late frames are dropped
+==================  =============================================================
+
+Timed work follows aioquic's shape: :meth:`StreamTable.get_timer` is the next
+deadline (trio seconds), :meth:`StreamTable.handle_timer` does what is due at
+``now``; :meth:`StreamTable.run` drives both from the router's nursery.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import heapq
+import itertools
+import logging
+import math
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import trio
 
-from atp.wire.frame import ErrorPayload, Flag, Frame, PayloadType, WindowUpdate
+from atp.security.identity import Identity
+from atp.wire import session as S
+from atp.wire.errors import ATPError, ErrorCode, LocalProtocolError
+from atp.wire.frame import (
+    Budget,
+    ErrorPayload,
+    Flag,
+    Frame,
+    Payload,
+    PayloadType,
+    QoS,
+    Window,
+    WindowUpdate,
+)
+
+if TYPE_CHECKING:
+    from atp.consensus.types import FinalResult
+    from atp.router.control import Generation
+    from atp.router.metrics import RouterMetrics
+
+__all__ = ["EventLog", "LoggedEvent", "StreamCtx", "StreamKey", "StreamTable", "event_type", "stream_account"]
+
+log = logging.getLogger("atp.router")
+
+#: A stream's identity in the table: (tenant, session_id, stream_id).
+StreamKey = tuple[str, str, str]
+
+#: Refused SYNs remembered for dropping their late frames (bounded memory).
+_REFUSED_KEPT = 4096
+#: A closed stream whose spend is still settling is tried again this much later, s.
+_SETTLE_RETRY_S = 1.0
+
+
+def stream_account(tenant: str, stream_id: str) -> str:
+    """The budget-ledger account of ``tenant``'s stream ``stream_id`` (its parent
+    is the tenant's ``client:<tenant>``): ``stream:<tenant>:<stream_id>``. A
+    stream id is unique within its tenant while its stream is in the table, and
+    a tenant name holds no ``:``, so no two streams share an account."""
+    return f"stream:{tenant}:{stream_id}"
 
 
 def event_type(frame: Frame) -> str:
@@ -110,3 +182,378 @@ class EventLog:
             if self.closed:
                 return
             await self._changed.wait()
+
+
+@dataclass(eq=False)
+class StreamCtx:
+    """One stream inside the router; implements the dispatcher's ``StreamIO``.
+
+    Every outbound frame goes through the stream's sans-IO session, then its
+    :class:`EventLog`; a FIN or RST closes it (the table is told, see
+    :meth:`StreamTable.closed`)."""
+
+    table: StreamTable
+    session: S.Session
+    stream_id: str
+    identity: Identity
+    meta: dict[str, Any]
+    qos: QoS
+    window: Window
+    budget: Budget
+    route: Any  # atp.policy.fib.Route
+    started: float  # trio.current_time() at SYN, s
+    log: EventLog = field(default_factory=EventLog)
+    task_started: bool = False
+    closed_at: float | None = None
+    cancel_scope: trio.CancelScope | None = None
+    #: The RIB generation the stream was routed by at SYN; its task runs on it even
+    #: after a reload (spec §22 hot reload).
+    gen: Generation | None = None
+    #: ``ttl`` the stream's task carries to next-hops: the SYN's, less this hop
+    #: (:func:`~atp.wire.session.forward_ttl`, §4.2).
+    ttl: int = 7
+    #: Ledger account of the stream (its parent is the tenant's): :func:`stream_account`.
+    account: str = ""
+    #: The SYN's ``meta.idempotency_key`` (resumption, §8), if any.
+    idempotency_key: str | None = None
+    #: Connections / SSE requests sending this stream's events right now.
+    followers: int = 0
+    #: When the last follower went away (None while followed, or never followed).
+    detached_at: float | None = None
+    #: The stream counts among the users of ``gen`` (its adapters stay open).
+    holds_gen: bool = False
+
+    @property
+    def tenant(self) -> str:
+        """The tenant (RIB client) the stream belongs to."""
+        return self.identity.tenant
+
+    @property
+    def session_id(self) -> str:
+        return self.session.session_id
+
+    @property
+    def key(self) -> StreamKey:
+        return (self.identity.tenant, self.session.session_id, self.stream_id)
+
+    # --- followers (spec §8 resumption) ---
+    def attach(self) -> None:
+        """A connection or SSE request starts sending this stream's events."""
+        self.followers += 1
+        self.detached_at = None
+
+    def detach(self) -> None:
+        """A follower went away; the last one leaves the stream detached (it stays
+        resumable for ``resume_grace_s``, then is reset)."""
+        self.followers -= 1
+        if self.followers == 0 and not self.log.closed:
+            self.detached_at = trio.current_time()
+            self.table.detached(self)
+
+    # --- outbound (every frame goes through the session machine, then the log) ---
+    def push(self, frames: Frame | list[Frame]) -> None:
+        for f in frames if isinstance(frames, list) else [frames]:
+            ev = self.log.append(f)
+            self.table.metrics.frames.labels("out", ev.type).inc()
+            if ev.type in ("FIN", "RST"):
+                self._mark_closed()
+
+    def _mark_closed(self) -> None:
+        if self.closed_at is None:
+            self.closed_at = trio.current_time()
+            self.table.closed(self)
+
+    def peer_reset(self) -> None:
+        """The client reset the stream: stop its task (spend is still committed) and
+        end the log. Nothing is sent back: an RST is never answered (spec §4.4)."""
+        if self.cancel_scope is not None:
+            self.cancel_scope.cancel()
+        if not self.log.closed:
+            self.log.close()
+            self._mark_closed()
+
+    def emit_partial(self, agent: str, content: dict[str, Any], *, confidence: float | None = None) -> None:
+        if self.log.closed:
+            return
+        self.push(self.session.send_message(
+            self.stream_id, Payload(type=PayloadType.PARTIAL, content=content, confidence=confidence)
+        ))
+
+    def emit_error(self, code: ErrorCode, reason: str, *, agent: str | None = None,
+                   retry_after_ms: int | None = None) -> None:
+        if self.log.closed:
+            return
+        self.table.metrics.errors.labels(str(code)).inc()
+        self.push(self.session.send_error(self.stream_id, code, reason, retry_after_ms=retry_after_ms))
+
+    def emit_window_update(self, update: WindowUpdate) -> None:
+        if not self.log.closed:
+            self.push(self.session.send_control(self.stream_id, update))
+
+    def finish(self, final: FinalResult | None) -> None:
+        if self.log.closed:
+            return
+        if final is not None:
+            self.push(self.session.send_message(
+                self.stream_id,
+                Payload(type=PayloadType.FINAL, content=msgspec.to_builtins(final)),
+            ))
+        self.push(self.session.finish(self.stream_id))
+
+    def reset(self, code: ErrorCode, reason: str) -> None:
+        if self.log.closed:
+            return
+        self.table.metrics.errors.labels(str(code)).inc()
+        self.push(self.session.reset(self.stream_id, code, reason))
+
+    def stop(self, code: ErrorCode, reason: str) -> None:
+        """Reset the stream (RST ``code``) and stop its task; what its calls used
+        so far is committed by the dispatcher."""
+        self.reset(code, reason)
+        if self.cancel_scope is not None:
+            self.cancel_scope.cancel()
+
+
+class StreamTable:
+    """The streams and sessions of every tenant (module docstring).
+
+    ``release(ctx)`` frees a closed stream's resources before it leaves the table
+    (the router closes its ledger account) and returns False while that is not
+    yet possible (a cancelled call has not committed its spend: tried again
+    later). ``on_closed(ctx)`` is called once when a stream closes (FIN/RST sent
+    or received). Durations are in seconds of trio time.
+    """
+
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        *,
+        max_streams: int,
+        retain_closed_s: float,
+        retain_closed_max: int,
+        resume_grace_s: float,
+        idle_task_s: float,
+        hb_interval_s: float,
+        release: Callable[[StreamCtx], bool],
+        on_closed: Callable[[StreamCtx], None],
+    ):
+        self.metrics = metrics
+        self.max_streams = max_streams
+        self.retain_closed_s = retain_closed_s
+        self.retain_closed_max = retain_closed_max
+        self.resume_grace_s = resume_grace_s
+        self.idle_task_s = idle_task_s
+        self.hb_interval_s = hb_interval_s
+        self._release = release
+        self._on_closed = on_closed
+        #: Streams not yet closed (the table also keeps closed ones for replay).
+        self.open_count = 0
+        self._streams: dict[StreamKey, StreamCtx] = {}
+        #: (tenant, stream_id) → stream: a stream id is unique within its tenant.
+        self._by_id: dict[tuple[str, str], StreamCtx] = {}
+        self._by_account: dict[str, StreamCtx] = {}
+        self._sessions: dict[tuple[str, str], S.Session] = {}
+        self._session_streams: Counter[tuple[str, str]] = Counter()
+        self._idempotency: dict[tuple[str, str], StreamCtx] = {}
+        self._refused: OrderedDict[StreamKey, None] = OrderedDict()
+        #: tenant → its closed streams still in the table, oldest first.
+        self._closed: dict[str, OrderedDict[StreamCtx, None]] = {}
+        #: (deadline, seq, kind, stream key): timed work, checked again when due (lazy
+        #: removal). Keys, not streams: a removed stream's log is not kept alive here.
+        self._timers: list[tuple[float, int, str, StreamKey | None]] = []
+        self._seq = itertools.count()
+        self._sleeping_until = math.inf
+        self._changed = trio.Event()
+        self._sweeping = False
+
+    # ------------------------------------------------------------------ lookups
+    def get(self, tenant: str, session_id: str, stream_id: str) -> StreamCtx | None:
+        """The stream ``stream_id`` of ``tenant``'s session ``session_id``, or None."""
+        return self._streams.get((tenant, session_id, stream_id))
+
+    def find(self, tenant: str, stream_id: str) -> StreamCtx | None:
+        """``tenant``'s stream ``stream_id`` (in whichever of its sessions), or
+        None — also when another tenant has a stream of that id."""
+        return self._by_id.get((tenant, stream_id))
+
+    def by_account(self, account: str) -> StreamCtx | None:
+        """The stream whose ledger account (and QoS ticket name) is ``account``."""
+        return self._by_account.get(account)
+
+    def resumable(self, tenant: str, idempotency_key: str) -> StreamCtx | None:
+        """The stream ``tenant`` opened with ``idempotency_key`` (open, or closed
+        and retained), or None (spec §8 resumption)."""
+        return self._idempotency.get((tenant, idempotency_key))
+
+    def values(self) -> Iterator[StreamCtx]:
+        """Every stream in the table, of every tenant (open and retained closed)."""
+        return iter(list(self._streams.values()))
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ sessions
+    def session(self, tenant: str, session_id: str, *, now: float) -> S.Session:
+        """``tenant``'s session ``session_id``, created on first use. Router
+        sessions outlive connections (streams are resumable, §8), so the session
+        machine never declares its peer dead (``hb_timeout`` infinite): liveness
+        is per connection, in the WebSocket ingress."""
+        key = (tenant, session_id)
+        sess = self._sessions.get(key)
+        if sess is None:
+            sess = self._sessions[key] = S.Session(
+                S.Role.ROUTER, session_id, now=now, hb_interval=self.hb_interval_s, hb_timeout=math.inf,
+            )
+            if not self._sweeping:
+                self._sweeping = True
+                self._schedule(now + self._sweep_s, "sweep", None)
+        return sess
+
+    def get_session(self, tenant: str, session_id: str) -> S.Session | None:
+        """``tenant``'s session ``session_id`` if it exists."""
+        return self._sessions.get((tenant, session_id))
+
+    @property
+    def _sweep_s(self) -> float:
+        return max(min(self.retain_closed_s, 30.0), 1.0)
+
+    # ------------------------------------------------------------------ lifecycle
+    def admit(self, tenant: str, stream_id: str) -> None:
+        """Check that ``tenant`` may open a stream ``stream_id`` now (at SYN,
+        before anything is reserved for it). A closed stream of the tenant with
+        that id is removed (its retained log is dropped). Raises
+        :class:`ATPError` ``EWINDOW`` when the router holds ``max_streams`` open
+        streams; :class:`LocalProtocolError` ``EPROTO`` when the tenant has an
+        open stream of that id, or a closed one still settling its spend."""
+        if self.open_count >= self.max_streams:
+            raise ATPError(ErrorCode.EWINDOW, f"router is at its limit of {self.max_streams} open streams")
+        old = self._by_id.get((tenant, stream_id))
+        if old is None:
+            return
+        if old.closed_at is None:
+            raise LocalProtocolError(ErrorCode.EPROTO, f"stream_id {stream_id!r} is already in use")
+        if not self._remove(old):
+            raise LocalProtocolError(ErrorCode.EPROTO, f"stream_id {stream_id!r} is still settling its spend; retry")
+
+    def insert(self, ctx: StreamCtx) -> None:
+        """Add a stream just accepted (after :meth:`admit`): it counts as open,
+        its idempotency key (if any) now resumes it, and it is reset if it gets
+        no task within ``idle_task_s``."""
+        key = ctx.key
+        self._streams[key] = ctx
+        self._by_id[(key[0], key[2])] = ctx
+        self._by_account[ctx.account] = ctx
+        self._session_streams[key[:2]] += 1
+        if ctx.idempotency_key is not None:
+            self._idempotency[(key[0], ctx.idempotency_key)] = ctx
+        self.open_count += 1
+        self.metrics.open_streams.inc()
+        self._schedule(ctx.started + self.idle_task_s, "idle", key)
+
+    def refused(self, tenant: str, session_id: str, stream_id: str) -> None:
+        """A SYN was refused: its stream's late frames are dropped (bounded memory)."""
+        self._refused[(tenant, session_id, stream_id)] = None
+        if len(self._refused) > _REFUSED_KEPT:
+            self._refused.popitem(last=False)
+
+    def was_refused(self, tenant: str, session_id: str, stream_id: str) -> bool:
+        return (tenant, session_id, stream_id) in self._refused
+
+    def closed(self, ctx: StreamCtx) -> None:
+        """``ctx`` closed (FIN/RST): it stops counting as open and is retained
+        for ``retain_closed_s`` — unless its tenant already holds
+        ``retain_closed_max`` closed streams, then its oldest go first."""
+        self.open_count -= 1
+        self.metrics.open_streams.dec()
+        retained = self._closed.setdefault(ctx.tenant, OrderedDict())
+        retained[ctx] = None
+        assert ctx.closed_at is not None
+        self._schedule(ctx.closed_at + self.retain_closed_s, "retain", ctx.key)
+        for old in list(retained):
+            if len(retained) <= self.retain_closed_max:
+                break
+            self._remove(old)  # one still settling stays; its retention timer tries again
+        self._on_closed(ctx)
+
+    def detached(self, ctx: StreamCtx) -> None:
+        """``ctx`` lost its last follower: reset it unless one comes back within
+        ``resume_grace_s``."""
+        assert ctx.detached_at is not None
+        self._schedule(ctx.detached_at + self.resume_grace_s, "grace", ctx.key)
+
+    def _remove(self, ctx: StreamCtx) -> bool:
+        """Drop closed ``ctx`` from the table once ``release`` frees it."""
+        key = ctx.key
+        if self._streams.get(key) is not ctx:
+            return True
+        if not self._release(ctx):
+            return False
+        del self._streams[key]
+        del self._by_id[(key[0], key[2])]
+        self._by_account.pop(ctx.account, None)
+        if ctx.idempotency_key is not None and self._idempotency.get((key[0], ctx.idempotency_key)) is ctx:
+            del self._idempotency[(key[0], ctx.idempotency_key)]
+        retained = self._closed.get(key[0])
+        if retained is not None:
+            retained.pop(ctx, None)
+            if not retained:
+                del self._closed[key[0]]
+        left = self._session_streams[key[:2]] = self._session_streams[key[:2]] - 1
+        if left <= 0:
+            del self._session_streams[key[:2]]
+        return True
+
+    # ------------------------------------------------------------------ timers
+    def _schedule(self, deadline: float, kind: str, key: StreamKey | None) -> None:
+        heapq.heappush(self._timers, (deadline, next(self._seq), kind, key))
+        if deadline < self._sleeping_until:
+            self._changed.set()
+
+    def get_timer(self) -> float | None:
+        """When :meth:`handle_timer` next has work (trio time, s), or None."""
+        return self._timers[0][0] if self._timers else None
+
+    def handle_timer(self, now: float) -> None:
+        """Do what is due at ``now``: reset streams without a task after
+        ``idle_task_s`` and detached streams after ``resume_grace_s`` (RST
+        ``ETIMEOUT``, their task stops, spend so far is committed); remove closed
+        streams past ``retain_closed_s``; drop sessions left without streams."""
+        while self._timers and self._timers[0][0] <= now:
+            _, _, kind, key = heapq.heappop(self._timers)
+            if kind == "sweep":
+                for skey in [k for k in self._sessions if k not in self._session_streams]:
+                    del self._sessions[skey]
+                self._sweeping = bool(self._sessions)
+                if self._sweeping:
+                    self._schedule(now + self._sweep_s, "sweep", None)
+                continue
+            assert key is not None
+            ctx = self._streams.get(key)
+            if ctx is None:
+                continue
+            if kind == "retain":
+                # The key may name a newer stream since: only one closed long enough goes.
+                if ctx.closed_at is not None and ctx.closed_at + self.retain_closed_s <= now and not self._remove(ctx):
+                    self._schedule(now + _SETTLE_RETRY_S, "retain", key)
+            elif ctx.log.closed:
+                continue
+            elif kind == "idle" and not ctx.task_started and ctx.started + self.idle_task_s <= now:
+                log.info("stream %s of %s: no task within %g s, reset", ctx.stream_id, ctx.tenant, self.idle_task_s)
+                ctx.stop(ErrorCode.ETIMEOUT, f"no task within {self.idle_task_s:g} s")
+            elif (kind == "grace" and ctx.detached_at is not None
+                  and ctx.detached_at + self.resume_grace_s <= now):
+                log.info("stream %s of %s: client gone for %g s, reset", ctx.stream_id, ctx.tenant,
+                         now - ctx.detached_at)
+                ctx.stop(ErrorCode.ETIMEOUT, f"client gone: stream not resumed within {self.resume_grace_s:g} s")
+
+    async def run(self) -> None:
+        """Drive :meth:`handle_timer` at :meth:`get_timer` until cancelled."""
+        while True:
+            due = self.get_timer()
+            self._sleeping_until = math.inf if due is None else due
+            with trio.move_on_at(self._sleeping_until):
+                await self._changed.wait()
+            self._changed = trio.Event()
+            # Not sleeping: what is scheduled while handling is seen by the next get_timer.
+            self._sleeping_until = -math.inf
+            self.handle_timer(trio.current_time())

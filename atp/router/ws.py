@@ -2,18 +2,25 @@
 
 The encoding is chosen per connection at the WebSocket handshake by subprotocol:
 ``atp.v1.cbor`` (binary messages) when the client offers it, else ``atp.v1.json``
-(text messages). One WebSocket message carries exactly one frame. Authentication
-is the same bearer token as the control API (``Authorization`` header).
+(text messages). One WebSocket message carries exactly one frame. The
+handshake's ``Authorization`` header is authenticated once
+(:meth:`Router.authenticate <atp.router.core.Router.authenticate>`: HTTP 401
+when refused) and the identity must be allowed to open streams
+(``stream_open``: HTTP 403); every frame of the connection then acts for that
+identity's tenant. Sessions and streams are the tenant's (spec §11): a session
+or stream id another tenant uses names another, unrelated stream here.
 
 Inbound frames are decoded and verified by :class:`~atp.wire.codec.FrameCodec`; a
 frame that fails is answered with an ERROR (``EPROTO``/``ESEC``) on the stream it
 names — in that stream's sequence, as a NACK, when the stream was opened on this
 connection, else as a lone ERROR frame — or on stream ``"0"`` (the connection
 itself) when it names none; the connection and every other stream carry on.
-Outbound frames of every stream the connection opened are sent from the stream's
-event log; a reply about a stream the router has closed (a late message, see
-:meth:`Router.receive_frame <atp.router.core.Router.receive_frame>`) goes out
-only after that stream's own last frames, so its RST/FIN arrives first.
+Outbound frames of every stream whose SYN this connection got accepted (for its
+tenant), or re-opened by idempotency key, are sent from the stream's event log;
+a refused SYN attaches nothing. A reply about a stream the router has closed (a
+late message, see :meth:`Router.receive_frame
+<atp.router.core.Router.receive_frame>`) goes out only after that stream's own
+last frames, so its RST/FIN arrives first.
 
 Liveness (spec §4.4 HB): a watchdog task drives the router sessions the connection
 carries (``Session.get_timer`` / ``handle_timer``), sending their HB frames on
@@ -21,7 +28,7 @@ stream ``"0"`` every ``hb_interval_s``; a connection that sent no frame for
 ``hb_timeout_s`` is dead: it is closed (code 1001) and its streams are detached,
 not reset — they keep running and stay resumable for ``resume_grace_s``.
 
-Resumption (spec §8): a SYN with a known ``meta.idempotency_key`` of this client
+Resumption (spec §8): a SYN with a known ``meta.idempotency_key`` of this tenant
 (optionally ``meta.resume_after``: the last router ``msg_seq`` received) re-opens
 the stream on this connection: its logged events are replayed from that point
 and the stream continues live, with no second task and no second charge (see
@@ -51,9 +58,10 @@ from trio_websocket import (
 )
 
 from atp.router.core import Router, StreamCtx, connection_error
+from atp.security.identity import Identity
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec
-from atp.wire.errors import ErrorCode, LocalProtocolError
+from atp.wire.errors import ATPError, ErrorCode, LocalProtocolError
 from atp.wire.frame import Flag, Frame
 
 log = logging.getLogger("atp.router.ws")
@@ -62,12 +70,15 @@ SUBPROTOCOLS = {"atp.v1.cbor": "cbor", "atp.v1.json": "json"}
 CONNECTION_STREAM = "0"
 
 
-def _token(request: WebSocketRequest) -> str | None:
+def _authorization(request: WebSocketRequest) -> str | None:
     for k, v in request.headers:
         if k.lower() == b"authorization":
-            scheme, _, tok = v.decode("latin-1").partition(" ")
-            return tok if scheme.lower() == "bearer" else None
+            return v.decode("latin-1")
     return None
+
+
+def _refusal(e: ATPError) -> bytes:
+    return msgspec.json.encode({"error": {"code": str(e.code), "reason": e.reason}})
 
 
 async def serve_ws(router: Router, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -75,20 +86,26 @@ async def serve_ws(router: Router, host: str, port: int, *, task_status=trio.TAS
     (its ``.port`` is the bound port when ``port`` is 0)."""
 
     async def handler(request: WebSocketRequest) -> None:
-        client = router.authenticate(_token(request))
-        if client is None:
-            await request.reject(401, body=b'{"error":{"code":"ESEC","reason":"missing or unknown bearer token"}}')
+        try:
+            identity = router.authenticate(_authorization(request))
+        except ATPError as e:
+            await request.reject(401, body=_refusal(e))
+            return
+        try:
+            router.authorize(identity, "stream_open")
+        except ATPError as e:
+            await request.reject(403, body=_refusal(e))
             return
         offered = request.proposed_subprotocols
         chosen = next((p for p in SUBPROTOCOLS if p in offered), None)  # cbor first, as documented
         ws = await request.accept(subprotocol=chosen)
         codec = FrameCodec(SUBPROTOCOLS.get(chosen or "", "json"), hmac_key=router.config.hmac_key)
         try:
-            await _connection(router, ws, codec, client)
+            await _connection(router, ws, codec, identity)
         except Exception:
             # trio-websocket lets a handler's exception end the whole server: one
             # connection's fault must only end that connection.
-            log.exception("WebSocket connection of %s failed", client)
+            log.exception("WebSocket connection of %s failed", identity.tenant)
 
     await serve_websocket(handler, host, port, None, task_status=task_status)
 
@@ -113,12 +130,13 @@ class _Conn:
 
     ws: WebSocketConnection
     codec: FrameCodec
-    client: str
+    identity: Identity
     last_recv: float
-    #: Router sessions whose frames came on this connection (their HBs go out here).
+    #: Session ids (of the identity's tenant) whose frames came on this connection
+    #: (their HBs go out here).
     sessions: set[str] = field(default_factory=set)
-    #: stream_id → this connection's follower of the stream.
-    followed: dict[str, _Follower] = field(default_factory=dict)
+    #: (session_id, stream_id) → this connection's follower of the stream.
+    followed: dict[tuple[str, str], _Follower] = field(default_factory=dict)
     #: The watchdog declared the peer dead.
     dead: bool = False
 
@@ -140,10 +158,10 @@ async def _follow(conn: _Conn, fol: _Follower, after: int) -> None:
 def _start_follow(conn: _Conn, nursery: trio.Nursery, ctx: StreamCtx, after: int) -> None:
     """Send ``ctx``'s events after event ``after`` on this connection (restarting
     a follower this connection already runs for it: a re-open replays)."""
-    old = conn.followed.get(ctx.stream_id)
+    old = conn.followed.get((ctx.session_id, ctx.stream_id))
     if old is not None:
         old.scope.cancel()
-    fol = conn.followed[ctx.stream_id] = _Follower(ctx, trio.CancelScope())
+    fol = conn.followed[(ctx.session_id, ctx.stream_id)] = _Follower(ctx, trio.CancelScope())
     nursery.start_soon(_follow, conn, fol, after)
 
 
@@ -151,8 +169,8 @@ async def _reply(conn: _Conn, frame: Frame) -> None:
     """Send a reply that is not part of a stream's log. About a stream this
     connection follows and the router closed, it waits until the follower sent
     the stream's last frames: its own RST/FIN must reach the client first."""
-    fol = conn.followed.get(frame.stream_id)
-    if fol is not None and fol.ctx.session_id == frame.session_id and fol.ctx.log.closed:
+    fol = conn.followed.get((frame.session_id, frame.stream_id))
+    if fol is not None and fol.ctx.log.closed:
         await fol.done.wait()
     await _send(conn.ws, conn.codec, frame)
 
@@ -166,7 +184,8 @@ async def _watchdog(router: Router, conn: _Conn, dead: trio.CancelScope) -> None
     cfg = router.config
     try:
         while True:
-            sessions = [router.sessions[s] for s in conn.sessions if s in router.sessions]
+            tenant = conn.identity.tenant
+            sessions = [s for sid in conn.sessions if (s := router.streams.get_session(tenant, sid)) is not None]
             timers = [t for s in sessions if (t := s.get_timer()) is not None]
             now = trio.current_time()
             # New sessions may join meanwhile: look again at least every hb_interval_s.
@@ -175,7 +194,7 @@ async def _watchdog(router: Router, conn: _Conn, dead: trio.CancelScope) -> None
             now = trio.current_time()
             if now >= conn.last_recv + cfg.hb_timeout_s:
                 log.info("WebSocket peer %s silent for %.1f s (hb_timeout %g s): connection dead, streams detached",
-                         conn.client, now - conn.last_recv, cfg.hb_timeout_s)
+                         conn.identity.tenant, now - conn.last_recv, cfg.hb_timeout_s)
                 conn.dead = True
                 dead.cancel()
                 return
@@ -190,8 +209,9 @@ async def _watchdog(router: Router, conn: _Conn, dead: trio.CancelScope) -> None
         pass
 
 
-async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec, client: str) -> None:
-    conn = _Conn(ws, codec, client, trio.current_time())
+async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec, identity: Identity) -> None:
+    conn = _Conn(ws, codec, identity, trio.current_time())
+    tenant = identity.tenant
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watchdog, router, conn, nursery.cancel_scope)
         try:
@@ -202,17 +222,19 @@ async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec
                     frame = codec.decode(message)  # str only on JSON; CBOR refuses text messages
                 except LocalProtocolError as e:
                     session_id, stream_id = _ids_of(message, codec)
-                    followed = conn.followed.get(stream_id)
+                    followed = conn.followed.get((session_id, stream_id))
                     ctx = followed.ctx if followed is not None else None
-                    if ctx is not None and ctx.session_id == session_id and not ctx.log.closed:
+                    if ctx is not None and not ctx.log.closed:
                         ctx.emit_error(e.code, e.reason)  # sent by the stream's follower, in sequence
                     else:
                         await _reply(conn, connection_error(session_id, stream_id, e.code, e.reason))
                     continue
                 conn.sessions.add(frame.session_id)
-                resumed = router.resume_point(frame, client=client)
+                resumed = router.resume_point(frame, identity=identity)
+                syn = Flag.SYN in frame.flags
+                before = router.streams.get(tenant, frame.session_id, frame.stream_id) if syn else None
                 try:
-                    replies = router.receive_frame(frame, client=client, now=conn.last_recv)
+                    replies = router.receive_frame(frame, identity=identity, now=conn.last_recv)
                 except Exception:
                     # One frame must not take the ingress (and with it the router) down.
                     log.exception("frame on %s/%s could not be processed", frame.session_id, frame.stream_id)
@@ -223,10 +245,10 @@ async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec
                 if resumed is not None:
                     _start_follow(conn, nursery, *resumed)
                     continue
-                ctx = router.streams.get(frame.stream_id)
-                followed = conn.followed.get(frame.stream_id)
-                if (Flag.SYN in frame.flags and ctx is not None and ctx.session_id == frame.session_id
-                        and (followed is None or followed.ctx is not ctx)):
+                # Only a stream this very SYN opened, in this connection's tenant: a
+                # refused SYN (or one naming a stream already open) attaches nothing.
+                ctx = router.streams.get(tenant, frame.session_id, frame.stream_id) if syn else None
+                if ctx is not None and ctx is not before:
                     _start_follow(conn, nursery, ctx, 0)
         except ConnectionClosed:
             pass

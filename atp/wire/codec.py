@@ -8,7 +8,12 @@
 * **Payload checksum** ``"sha256:<hex>"`` of the canonical encoding of the payload
   without its own ``checksum``: lets a receiver verify the payload before anything
   else (§4.5).
-* **Signature** ``sig = base64(HMAC-SHA256(key, canonical bytes))`` (§11).
+* **Signature** ``sig = "<kid>:" + base64(HMAC-SHA256(key, canonical bytes))`` (§11),
+  keyed by a :class:`KeyRing`: several keys verify (rotation), one signs. A ``sig``
+  without ``<kid>:`` is verified against the signing key, and a ring made from one
+  raw key (``hmac_key=``, ``ATP_HMAC_KEY``) writes its sigs without a kid — exactly
+  the frames of routers before key ids. Replay protection (``meta.nonce``,
+  ``meta.ts``) sits above the codec: :class:`atp.security.signing.ReplayGuard`.
 
 :class:`FrameCodec` works on whole messages (one WebSocket message = one frame).
 :class:`StreamDecoder` adds length-prefixed framing for byte streams (TCP, stdio,
@@ -23,15 +28,19 @@ How the checks stay cheap: the payload is encoded once (sorted keys). Its
 ``checksum`` is the first key in sorted order, so the bytes without it are a slice of
 that encoding; the same bytes are spliced into the frame's canonical encoding as
 :class:`msgspec.Raw`, so no byte of the payload is encoded twice. HMAC-SHA256 keeps
-the key's inner and outer pad states and copies them per frame (RFC 2104).
+each key's inner and outer pad states and copies them per frame (RFC 2104); the key
+id picks the state, so a ring of many keys costs one HMAC per frame.
 """
 
 from __future__ import annotations
 
+import base64
 import binascii
 import hashlib
 import hmac
 import os
+import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import cbor2
@@ -111,7 +120,139 @@ class _HmacSha256:
         return binascii.b2a_base64(outer.digest(), newline=False).decode("ascii")
 
 
-def _seal(frame: Frame, mac: _HmacSha256 | None) -> tuple[Frame, bytes | None]:
+#: A key id: letters, digits and ``._-``, at most 32 (no ``:``, which ends it in ``sig``).
+KID_RE = re.compile(r"^[A-Za-z0-9._-]{1,32}$")
+#: The key id of a ring made from one raw key (``hmac_key=``, ``ATP_HMAC_KEY``).
+LEGACY_KID = "k0"
+#: Shortest key accepted from ``ATP_HMAC_KEYS`` (bytes): 128 bits.
+MIN_KEY_BYTES = 16
+
+
+class KeyRing:
+    """HMAC-SHA256 keys by key id, one of them signing (spec §11 frame signatures).
+
+    ``keys`` maps kid → key bytes; ``signing_kid`` (default: the first kid) signs,
+    every key verifies. ``sign(raw)`` gives the ``sig`` value ``"<kid>:<base64>"``
+    (``"<base64>"`` alone when ``kid_in_sig`` is false, the single-key rings of
+    :meth:`single`); ``check(sig, raw)`` verifies one in constant time, a ``sig``
+    without a kid against the signing key. Immutable; its ``repr`` names kids only.
+
+    Raises ``ValueError`` for no keys, a bad kid, an empty key or an unknown
+    ``signing_kid``.
+    """
+
+    __slots__ = ("_keys", "_macs", "_prefix", "_signer", "signing_kid")
+
+    def __init__(self, keys: Mapping[str, bytes], signing_kid: str | None = None, *, kid_in_sig: bool = True):
+        if not keys:
+            raise ValueError("a key ring needs at least one key")
+        for kid, key in keys.items():
+            if not isinstance(kid, str) or not KID_RE.match(kid):
+                raise ValueError(f"key id {kid!r:.40}: expected 1-32 of letters, digits and ._-")
+            if not key:
+                raise ValueError(f"key {kid!r}: empty key")
+        if signing_kid is None:
+            signing_kid = next(iter(keys))
+        if signing_kid not in keys:
+            raise ValueError(f"signing key id {signing_kid!r} is not in the ring ({', '.join(keys)})")
+        self._keys = {kid: bytes(key) for kid, key in keys.items()}
+        self._macs = {kid: _HmacSha256(key) for kid, key in self._keys.items()}
+        self.signing_kid = signing_kid
+        self._signer = self._macs[signing_kid]
+        self._prefix = signing_kid + ":" if kid_in_sig else ""
+
+    @classmethod
+    def single(cls, key: bytes) -> KeyRing:
+        """The ring of one raw key, kid :data:`LEGACY_KID`, signing without a kid in
+        ``sig`` (frames as before key ids); ``"k0:<base64>"`` sigs verify too."""
+        return cls({LEGACY_KID: key}, kid_in_sig=False)
+
+    @classmethod
+    def from_env(cls, keys: str | None, legacy_key: str | None = None) -> KeyRing | None:
+        """The ring of ``ATP_HMAC_KEYS`` (``keys``: ``"kid1:base64key,kid2:base64key"``,
+        standard or URL-safe base64, each key at least :data:`MIN_KEY_BYTES` bytes;
+        the first signs, all verify) and/or ``ATP_HMAC_KEY`` (``legacy_key``: a raw
+        UTF-8 key, kid :data:`LEGACY_KID`). Only the legacy key: :meth:`single`. Both:
+        the legacy key verifies as ``k0`` beside the others. Neither (unset or
+        blank): None. Raises ``ValueError`` naming the entry (never a key).
+        """
+        legacy = legacy_key.encode() if legacy_key else None
+        if keys is None or not keys.strip():
+            return None if legacy is None else cls.single(legacy)
+        ring: dict[str, bytes] = {}
+        for i, entry in enumerate(e.strip() for e in keys.split(",")):
+            if not entry:
+                continue
+            kid, sep, b64 = entry.partition(":")
+            if not sep or not KID_RE.match(kid):
+                raise ValueError(f"ATP_HMAC_KEYS entry {i}: expected kid:base64key with a kid of 1-32 letters, "
+                                 "digits and ._-")
+            if kid in ring:
+                raise ValueError(f"ATP_HMAC_KEYS: key id {kid!r} given twice")
+            try:
+                key = base64.b64decode(b64.replace("-", "+").replace("_", "/") + "=" * (-len(b64) % 4),
+                                       validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError(f"ATP_HMAC_KEYS: key {kid!r} is not base64") from None
+            if len(key) < MIN_KEY_BYTES:
+                raise ValueError(f"ATP_HMAC_KEYS: key {kid!r} has {len(key)} bytes; at least {MIN_KEY_BYTES} needed")
+            ring[kid] = key
+        if not ring:
+            return None if legacy is None else cls.single(legacy)
+        if legacy is not None:
+            if LEGACY_KID in ring:
+                raise ValueError(f"ATP_HMAC_KEYS names key id {LEGACY_KID!r}, which ATP_HMAC_KEY also is")
+            ring[LEGACY_KID] = legacy
+        return cls(ring)
+
+    @property
+    def kids(self) -> tuple[str, ...]:
+        """Every key id, the signing one included."""
+        return tuple(self._keys)
+
+    @property
+    def signing_key(self) -> bytes:
+        return self._keys[self.signing_kid]
+
+    def sign(self, raw: bytes) -> str:
+        """The ``sig`` value of canonical bytes ``raw`` under the signing key."""
+        return self._prefix + self._signer.sig(raw)
+
+    def check(self, sig: str | None, raw: bytes) -> None:
+        """Verify ``sig`` over canonical bytes ``raw`` in constant time (spec §11).
+
+        Raises ``LocalProtocolError(ESEC)``: missing sig, unknown key id (named when
+        it is a valid kid), or a mismatch."""
+        if sig is None:
+            raise LocalProtocolError(
+                ErrorCode.ESEC, "missing sig at `$.sig`: this connection requires HMAC-SHA256 signatures"
+            )
+        kid, sep, mac_b64 = sig.partition(":")
+        if sep:
+            mac = self._macs.get(kid)
+            if mac is None:
+                if KID_RE.match(kid):
+                    raise LocalProtocolError(ErrorCode.ESEC, f"unknown key id {kid!r} at `$.sig`")
+                raise LocalProtocolError(ErrorCode.ESEC, "malformed key id at `$.sig`: expected '<kid>:<base64>'")
+        else:
+            mac, mac_b64 = self._signer, sig
+        # Constant-time compare; compare_digest refuses non-ASCII str, which cannot match anyway.
+        if not (mac_b64.isascii() and hmac.compare_digest(mac_b64, mac.sig(raw))):
+            raise LocalProtocolError(ErrorCode.ESEC, "bad sig at `$.sig`: HMAC-SHA256 does not match")
+
+    def __repr__(self) -> str:
+        return f"KeyRing(kids={self.kids!r}, signing_kid={self.signing_kid!r})"
+
+
+def _ring(hmac_key: bytes | None, keyring: KeyRing | None) -> KeyRing | None:
+    if hmac_key is not None:
+        if keyring is not None:
+            raise ValueError("give hmac_key or keyring, not both")
+        return KeyRing.single(hmac_key)
+    return keyring
+
+
+def _seal(frame: Frame, ring: KeyRing | None) -> tuple[Frame, bytes | None]:
     """Sealed copy of ``frame`` and its payload's sorted encoding (with checksum)."""
     p = frame.payload
     praw = None
@@ -124,23 +265,26 @@ def _seal(frame: Frame, mac: _HmacSha256 | None) -> tuple[Frame, bytes | None]:
     raw = _json_encoder.encode(sealed)
     sealed.payload = p
     sealed.checksum = _SHA_PREFIX + _sha256(raw).hexdigest()
-    if mac is not None:
-        sealed.sig = mac.sig(raw)
+    if ring is not None:
+        sealed.sig = ring.sign(raw)
     return sealed, praw
 
 
-def seal(frame: Frame, hmac_key: bytes | None = None) -> Frame:
+def seal(frame: Frame, hmac_key: bytes | None = None, *, keyring: KeyRing | None = None) -> Frame:
     """Return a copy of ``frame`` with payload checksum, whole-frame checksum and
     (when a key is given) ``sig`` filled in (spec §4.5, §11). Call again after any
-    mutation, e.g. a ttl decrement.
+    mutation, e.g. a ttl decrement. ``hmac_key`` is a raw key (a
+    :meth:`KeyRing.single` ring: ``sig`` without a kid); ``keyring`` signs with its
+    signing kid.
 
     Raises ``msgspec.EncodeError``/``TypeError`` if ``content`` or ``meta`` holds a
-    value JSON cannot carry (the frame is ours, so that is a programming error).
+    value JSON cannot carry (the frame is ours, so that is a programming error), and
+    ``ValueError`` when both ``hmac_key`` and ``keyring`` are given.
     """
-    return _seal(frame, None if hmac_key is None else _HmacSha256(hmac_key))[0]
+    return _seal(frame, _ring(hmac_key, keyring))[0]
 
 
-def _verify(frame: Frame, mac: _HmacSha256 | None, require_checksum: bool) -> None:
+def _verify(frame: Frame, ring: KeyRing | None, require_checksum: bool) -> None:
     cs = frame.checksum
     if cs is None and require_checksum:
         raise LocalProtocolError(ErrorCode.EPROTO, "missing frame checksum at `$.checksum`")
@@ -150,12 +294,12 @@ def _verify(frame: Frame, mac: _HmacSha256 | None, require_checksum: bool) -> No
             praw = None
         else:
             pcs = p.checksum
-            if pcs is None and cs is None and mac is None:
+            if pcs is None and cs is None and ring is None:
                 return
             praw = _json_encoder.encode(p)
             if pcs is not None and pcs != _SHA_PREFIX + _sha256(_strip_checksum(praw, pcs)).hexdigest():
                 raise LocalProtocolError(ErrorCode.EPROTO, "payload checksum mismatch at `$.payload.checksum`")
-        if cs is None and mac is None:
+        if cs is None and ring is None:
             return
         raw = _json_encoder.encode(
             _replace(frame, payload=None if praw is None else _Raw(praw), sig=None, checksum=None)
@@ -166,25 +310,21 @@ def _verify(frame: Frame, mac: _HmacSha256 | None, require_checksum: bool) -> No
         if not cs.startswith(_SHA_PREFIX):
             raise LocalProtocolError(ErrorCode.EPROTO, "`$.checksum` must be 'sha256:<hex>'")
         raise LocalProtocolError(ErrorCode.EPROTO, "frame checksum mismatch at `$.checksum`")
-    if mac is not None:
-        sig = frame.sig
-        if sig is None:
-            raise LocalProtocolError(
-                ErrorCode.ESEC, "missing sig at `$.sig`: this connection requires HMAC-SHA256 signatures"
-            )
-        # Constant-time compare; compare_digest refuses non-ASCII str, which cannot match anyway.
-        if not (sig.isascii() and hmac.compare_digest(sig, mac.sig(raw))):
-            raise LocalProtocolError(ErrorCode.ESEC, "bad sig at `$.sig`: HMAC-SHA256 does not match")
+    if ring is not None:
+        ring.check(frame.sig, raw)
 
 
-def verify(frame: Frame, *, hmac_key: bytes | None = None, require_checksum: bool = True) -> None:
+def verify(
+    frame: Frame, *, hmac_key: bytes | None = None, keyring: KeyRing | None = None, require_checksum: bool = True
+) -> None:
     """Check payload checksum, whole-frame checksum and signature (spec §4.5, §11).
 
     Raises ``LocalProtocolError(EPROTO)`` on a mismatch or a missing checksum (when
     ``require_checksum``), and ``LocalProtocolError(ESEC)`` on a missing or bad
-    signature when ``hmac_key`` is set.
+    signature or an unknown key id when ``hmac_key`` (a one-key ring) or
+    ``keyring`` is set.
     """
-    _verify(frame, None if hmac_key is None else _HmacSha256(hmac_key), require_checksum)
+    _verify(frame, _ring(hmac_key, keyring), require_checksum)
 
 
 class FrameCodec:
@@ -193,49 +333,61 @@ class FrameCodec:
 
     ``encode(frame) -> bytes`` seals the frame (checksums, sig) unless ``seal_frame=False``.
     ``decode(bytes) -> Frame`` validates the schema, then checksums and signature.
+    Signatures: ``keyring`` (a :class:`KeyRing`: one kid signs, all verify) or
+    ``hmac_key`` (one raw key, :meth:`KeyRing.single`); neither: unsigned.
     Raises :class:`LocalProtocolError` (``EPROTO``, or ``ESEC`` for signatures).
     """
 
-    __slots__ = ("_hmac_key", "_mac", "encoding", "max_frame_bytes", "require_checksum")
+    __slots__ = ("_ring", "encoding", "max_frame_bytes", "require_checksum")
 
     def __init__(
         self,
         encoding: Encoding = "json",
         *,
         hmac_key: bytes | None = None,
+        keyring: KeyRing | None = None,
         require_checksum: bool = True,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ):
         if encoding not in ENCODINGS:
             raise ValueError(f"unknown encoding {encoding!r}; expected one of {ENCODINGS}")
         self.encoding: Encoding = encoding
-        self.hmac_key = hmac_key
+        self._ring = _ring(hmac_key, keyring)
         self.require_checksum = require_checksum
         self.max_frame_bytes = max_frame_bytes
 
     @property
+    def keyring(self) -> KeyRing | None:
+        """The keys; when set, every decoded frame must carry a valid ``sig``.
+        Assigning a new ring rotates keys for the frames that follow."""
+        return self._ring
+
+    @keyring.setter
+    def keyring(self, ring: KeyRing | None) -> None:
+        self._ring = ring
+
+    @property
     def hmac_key(self) -> bytes | None:
-        """The HMAC-SHA256 key; when set, every decoded frame must carry a valid ``sig``."""
-        return self._hmac_key
+        """The signing key; assigning a raw key makes a :meth:`KeyRing.single` ring."""
+        return None if self._ring is None else self._ring.signing_key
 
     @hmac_key.setter
     def hmac_key(self, key: bytes | None) -> None:
-        self._hmac_key = key
-        self._mac = None if key is None else _HmacSha256(key)
+        self._ring = None if key is None else KeyRing.single(key)
 
     def encode(self, frame: Frame, *, seal_frame: bool = True) -> bytes:
         """Encode one frame for the wire, sealed (payload checksum, checksum, ``sig``
-        when the codec has a key) unless ``seal_frame=False``."""
+        under the signing key when the codec has keys) unless ``seal_frame=False``."""
         if self.encoding == "json":
             if not seal_frame:
                 return _json_wire_encoder.encode(frame)
-            sealed, praw = _seal(frame, self._mac)
+            sealed, praw = _seal(frame, self._ring)
             if praw is not None:
                 # The payload's sorted encoding is already at hand: splice it in.
                 sealed = _replace(sealed, payload=_Raw(praw))
             return _json_wire_encoder.encode(sealed)
         if seal_frame:
-            frame = _seal(frame, self._mac)[0]
+            frame = _seal(frame, self._ring)[0]
         return cbor2.dumps(msgspec.to_builtins(frame))
 
     def decode(self, data: bytes | bytearray | memoryview | str) -> Frame:
@@ -243,7 +395,7 @@ class FrameCodec:
 
         ``data`` is one whole message (``str`` only for JSON text messages). Raises
         ``LocalProtocolError``: ``EPROTO`` for size, syntax, schema, version and
-        checksum problems, ``ESEC`` for a missing or bad ``sig``.
+        checksum problems, ``ESEC`` for a missing or bad ``sig`` or an unknown key id.
         """
         n = len(data)
         if type(data) is not bytes:
@@ -257,7 +409,7 @@ class FrameCodec:
                 ErrorCode.EPROTO, f"frame of {n} bytes exceeds the limit of {self.max_frame_bytes}; fragment it"
             )
         frame = decode_frame(data, self.encoding)
-        _verify(frame, self._mac, self.require_checksum)
+        _verify(frame, self._ring, self.require_checksum)
         return frame
 
 

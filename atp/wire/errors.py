@@ -19,11 +19,21 @@ Exception tree (ours versus theirs, as h11 and httpx draw it)::
     ├── RemoteProtocolError  the peer told us (an ERROR payload) that *we* erred
     ├── PolicyError          a RIB document was refused (file, key, reason)
     └── AgentError           a next-hop failed (ETIMEOUT, EAGENTDOWN, ...)
+        └── ClientInputError the call failed because of the client's input, not the next-hop
+
+Client faults (spec §10, §11 "bounded resources"): a next-hop refusing the task
+itself — a refused file path, a task over a size limit, content that is not what
+the task type needs, an analyser driven past its resource limits by that input — is
+a :class:`ClientInputError` (``client_fault`` is ``True``; an ``AgentError``'s is
+``False``). The same input would fail on every next-hop, so the dispatcher neither
+counts it toward the next-hop's circuit breaker or error rate, nor halves an AIMD
+window for it, nor retries or reroutes it: the stream gets the error.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import ClassVar
 
 
 class ErrorCode(enum.StrEnum):
@@ -90,8 +100,31 @@ class PolicyError(ATPError):
 
 
 class AgentError(ATPError):
-    """A next-hop (provider adapter) failed; ``agent`` names it."""
+    """A next-hop (provider adapter) failed; ``agent`` names it.
+
+    ``client_fault`` is ``False``: the failure says something about the next-hop's
+    health (see :class:`ClientInputError` for the other kind)."""
+
+    client_fault: ClassVar[bool] = False
 
     def __init__(self, code: ErrorCode | str, reason: str, *, agent: str = "", retry_after_ms: int | None = None):
         self.agent = agent
         super().__init__(code, reason, retry_after_ms=retry_after_ms)
+
+
+class ClientInputError(AgentError):
+    """A next-hop call failed because of the client's input, not the next-hop: a
+    refused file path, a task over a size limit (the reason names the limit),
+    content the task type cannot take. ``code`` is ``EPROTO`` unless given.
+
+    ``client_fault`` is ``True``: never counted toward a circuit breaker or an
+    adapter's error rate, no AIMD decrease, no retry or reroute (module docstring).
+    """
+
+    client_fault: ClassVar[bool] = True
+
+    def __init__(
+        self, reason: str, *, code: ErrorCode | str = ErrorCode.EPROTO, agent: str = "",
+        retry_after_ms: int | None = None,
+    ):
+        super().__init__(code, reason, agent=agent, retry_after_ms=retry_after_ms)

@@ -29,6 +29,8 @@ RIB_DIR = HERE / "policies"
 RIB_PEER = "127.0.0.1:18099"
 #: The clients of the RIB and the bearer tokens the local router gives them.
 LOCAL_TOKENS = {"conf-a": "tok-conformance-a", "conf-b": "tok-conformance-b", "conf-c": "tok-conformance-c"}
+#: The local router's administrator (role admin: policy reload, routes).
+LOCAL_ADMIN = ("conf-admin", "tok-conformance-admin")
 
 
 @dataclass(frozen=True)
@@ -54,14 +56,16 @@ LOCAL_PROFILE = Profile(window_update_ms=300, hb_interval_s=0.3, hb_timeout_s=1.
 class Target:
     """The implementation under test. ``token`` is client ``conf-a`` (qos_max gold),
     ``token_b`` client ``conf-b`` (qos_max silver), ``token_c`` client ``conf-c``
-    (client budget USD 0.002); ``None`` when the target runs without
-    authentication. ``hmac_key``: frames must be signed (§11)."""
+    (client budget USD 0.002), ``admin_token`` an administrator's (policy reload);
+    ``None`` when the target runs without authentication. ``hmac_key``: frames
+    must be signed (§11)."""
 
     http: str
     ws: str
     token: str | None
     token_b: str | None
     token_c: str | None
+    admin_token: str | None
     hmac_key: bytes | None
     profile: Profile
     peer: FaultyPeer
@@ -86,10 +90,12 @@ def local_config(policies: Path, **overrides):
     """The RouterConfig of the local target (LOCAL_PROFILE in the router's terms)."""
     from atp.flow.breaker import RetryPolicy
     from atp.router.core import RouterConfig
+    from atp.security.identity import Role
 
     p = LOCAL_PROFILE
     cfg = RouterConfig(
-        policies=policies, http_port=0, ws_port=0, client_tokens=dict(LOCAL_TOKENS),
+        policies=policies, http_port=0, ws_port=0, client_tokens=dict([*LOCAL_TOKENS.items(), LOCAL_ADMIN]),
+        client_roles={LOCAL_ADMIN[0]: frozenset({Role.ADMIN})},
         window_update_interval_ms=p.window_update_ms, hb_interval_s=p.hb_interval_s, hb_timeout_s=p.hb_timeout_s,
         # The RIB's `brk` fails its first 3 calls: the breaker must open within 3.
         breaker_failures=3, breaker_backoff_s=p.breaker_backoff_s, breaker_max_backoff_s=2.0, resume_grace_s=10.0,
@@ -126,8 +132,10 @@ async def target(nursery, tmp_path, peer) -> Target:
     if http and ws:
         key = os.environ.get("ATP_CONFORMANCE_HMAC_KEY")
         return Target(http, ws, os.environ.get("ATP_CONFORMANCE_TOKEN"), os.environ.get("ATP_CONFORMANCE_TOKEN_B"),
-                      os.environ.get("ATP_CONFORMANCE_TOKEN_C"), key.encode() if key else None, _remote_profile(),
+                      os.environ.get("ATP_CONFORMANCE_TOKEN_C"), os.environ.get("ATP_CONFORMANCE_ADMIN_TOKEN"),
+                      key.encode() if key else None, _remote_profile(),
                       peer, local=False)
     http, ws = await start_local(nursery, tmp_path, peer)
     t = LOCAL_TOKENS
-    return Target(http, ws, t["conf-a"], t["conf-b"], t["conf-c"], None, LOCAL_PROFILE, peer, local=True)
+    return Target(http, ws, t["conf-a"], t["conf-b"], t["conf-c"], LOCAL_ADMIN[1], None, LOCAL_PROFILE, peer,
+                  local=True)

@@ -38,7 +38,7 @@ from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import Severity
 from atp.router.a2a_server import a2a_routes, agent_card
 from atp.router.api import build_app
-from atp.router.core import Router, RouterConfig
+from atp.router.core import Router, RouterConfig, StreamCtx
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import PayloadType
 from tests.helpers import serve_scripted
@@ -108,6 +108,13 @@ async def env(nursery, tmp_path, scripted) -> tuple[Router, str]:
 
 def auth(token: str = TOKEN) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+def stream_of(router: Router, task_id: str, token: str = TOKEN) -> StreamCtx:
+    """The ATP stream behind A2A task ``task_id`` of ``token``'s tenant."""
+    ctx = router.streams.find(router.authenticate(f"Bearer {token}").tenant, task_id)
+    assert ctx is not None, task_id
+    return ctx
 
 
 def user_message(atp_type: str | None = "code_review", *, kind: bool = True, message_id: str = "m-1",
@@ -277,7 +284,7 @@ async def test_a2a_sdk_client(env, scripted, tmp_path, a2a_sdk_python, version):
     assert (out["cancel_again"], out["get_unknown"]) == ("TaskNotCancelableError", "TaskNotFoundError")
 
     # Router side: the cancel was an RST of the ATP stream; the hanging call stopped.
-    slow = router.streams[out["slow"][0]["task"]["id"]]
+    slow = stream_of(router, out["slow"][0]["task"]["id"])
     assert slow.log.closed and slow.cancel_scope is not None and slow.cancel_scope.cancel_called
     hang = scripted["review.hang"]
     assert len(hang.calls) == 1 and hang.calls[0].meta["agent_context"] == ctx
@@ -328,13 +335,14 @@ async def test_text_only_message_and_default_task_type(env, scripted):
     assert scripted["review.echo"].calls[0].content == {"diff": CONTENT["diff"]}
     assert scripted["review.echo"].calls[0].task_type == "echo_review"
     # No task type at all: the card's first skill, code_review, whose real tools
-    # need the files too: the task fails with their reasons.
+    # need the files too: the task is refused (EPROTO) with their reasons.
     result = (await rpc(base, "message/send", {"message": user_message(None, message_id="m-9")})).json()["result"]
-    assert router.streams[result["id"]].meta["task_type"] == "code_review"
+    assert stream_of(router, result["id"]).meta["task_type"] == "code_review"
     assert result["status"]["state"] == "failed"
     reason = result["status"]["message"]["parts"][0]["text"]
-    assert reason.startswith("EAGENTDOWN: no next-hop produced a result") and "content.files" in reason
-    assert result["status"]["message"]["metadata"]["atp_error"]["code"] == "EAGENTDOWN"
+    # The refusal is the client's input, not an agent fault (no breaker counts it).
+    assert reason.startswith("EPROTO: task refused: ") and "content.files" in reason
+    assert result["status"]["message"]["metadata"]["atp_error"]["code"] == "EPROTO"
 
 
 async def test_cancel_ends_a_running_stream_with_canceled(env, scripted):
@@ -353,7 +361,7 @@ async def test_cancel_ends_a_running_stream_with_canceled(env, scripted):
         events = await sse(base, "message/stream", {"message": user_message("slow_review")}, on_first=cancel)
     last = events[-1]
     assert (last["kind"], last["status"]["state"], last["final"]) == ("status-update", "canceled", True)
-    assert router.streams[events[0]["id"]].log.closed
+    assert stream_of(router, events[0]["id"]).log.closed
 
 
 async def test_failed_stream_is_a_failed_task(env):
@@ -418,7 +426,12 @@ async def test_json_rpc_errors(env):
     routed_nowhere = (await rpc(base, "message/send", {"message": user_message("no_such_type")})).json()["error"]
     assert routed_nowhere["code"] == -32603 and routed_nowhere["data"]["code"] == "EAGENTDOWN"
     mine = (await rpc(base, "message/send", {"message": user_message("echo_review", message_id="m-x")})).json()
-    assert await code("tasks/get", {"id": mine["result"]["id"]}, token="other-token") == -32001  # not theirs
+    # Not theirs: another tenant's task id answers exactly like one that never existed.
+    theirs = (await rpc(base, "tasks/get", {"id": mine["result"]["id"]}, token="other-token")).json()["error"]
+    never = (await rpc(base, "tasks/get", {"id": mine["result"]["id"][:-4] + "zzzz"})).json()["error"]
+    assert theirs["code"] == never["code"] == -32001
+    assert theirs["message"].replace(mine["result"]["id"], "?") == never["message"].replace(
+        mine["result"]["id"][:-4] + "zzzz", "?")
     assert await code("tasks/cancel", {"id": mine["result"]["id"]}) == -32002  # finished
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
 import re
 import signal
@@ -28,6 +29,7 @@ from atp.agent2389.config import ConfigError, parse_config
 from atp.agent2389.runtime import AgentRuntime, StartupError
 from atp.agent2389.tools import ParameterError, SchemaError, check_schema, validate
 from atp.mqtt import MQTTClient, open_mqtt_client
+from atp.security.redact import REDACTED, register_secrets
 from tests.peers import MOSQUITTO_TLS, make_test_pki, mosquitto_passwd, start_mosquitto
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,9 +71,9 @@ def envelope(agent_id: str, input: Any = None, **fields: Any) -> dict[str, Any]:
 
 
 def chain(depth: int, last_agent: str = "sink") -> dict[str, Any] | None:
-    """A ``next`` chain making an envelope of ``depth`` agents (depth - 1 objects)."""
+    """A ``next`` chain of ``depth`` nested objects: the spec's pipeline depth (§2)."""
     nxt = None
-    for _ in range(depth - 1):
+    for _ in range(depth):
         nxt = {"topic": P.input_topic(last_agent), "instruction": None, "input": None, "next": nxt}
     return nxt
 
@@ -158,10 +160,17 @@ def test_screen_task_steps_2_to_6():
     assert isinstance(screen(ok, cache=cache), P.Accept)
     dup = screen(ok, cache=cache)
     assert isinstance(dup, P.Ignore) and dup.step == 4 and dup.reason.startswith("duplicate")
-    # Depth: 16 agents pass, 17 are refused (16 nested next objects).
+    # Depth counts nested next objects (§2, §7.4 step 5): 16 pass, 17 are refused.
+    assert P.pipeline_depth(envelope("me")) == 0 and P.pipeline_depth(envelope("me", next=chain(16))) == 16
     assert isinstance(screen(envelope("me", next=chain(16))), P.Accept)
     deep = screen(envelope("me", next=chain(17)))
     assert isinstance(deep, P.Reject) and deep.code == "pipeline_depth_exceeded" and deep.step == 5
+    # A maximum of 0 allows no forwarding at all.
+    assert isinstance(P.screen_task(json.dumps(envelope("me")).encode(), received_topic="/control/agents/me/input",
+                                    retained=False, cache=P.IdempotencyCache(), max_depth=0), P.Accept)
+    one = P.screen_task(json.dumps(envelope("me", next=chain(1))).encode(), received_topic="/control/agents/me/input",
+                        retained=False, cache=P.IdempotencyCache(), max_depth=0)
+    assert isinstance(one, P.Reject) and one.code == "pipeline_depth_exceeded"
     big = envelope("me", input={"task_type": "code_review", "content": {"x": "y" * 300_000}})
     r = screen(big)
     assert isinstance(r, P.Reject) and r.code == "invalid_input" and "262144" in r.message
@@ -392,7 +401,7 @@ async def test_duplicate_task_id_is_not_reprocessed(broker, nursery):
         assert rt.stats.duplicates == 1 and rt.stats.processed == 2
 
 
-async def test_depth_17_is_refused_and_depth_16_forwards(broker, nursery):
+async def test_17_nested_next_are_refused_and_exactly_16_forward(broker, nursery):
     agent_id, sink = new_id(), new_id()
     rt = await start_agent(nursery, broker, agent_id)
     async with open_mqtt_client(broker.host, broker.port) as mon:
@@ -421,18 +430,29 @@ async def test_depth_17_is_refused_and_depth_16_forwards(broker, nursery):
         assert rt.stats.forwarded == 1
 
 
-async def test_topic_mismatch_is_discarded_and_canonical_topics_match(broker, nursery):
+async def test_topic_mismatch_is_discarded_and_canonical_topics_match(broker, nursery, caplog):
+    """A mismatch is discarded without a reply (§7.4 step 3) and logged with both
+    topics readable, so it can be diagnosed; only a secret in them is masked."""
+    caplog.set_level(logging.INFO, logger="atp.agent2389")
     agent_id = new_id()
+    token = "tok-" + uuid.uuid4().hex
+    register_secrets([token])
     rt = await start_agent(nursery, broker, agent_id)
     async with open_mqtt_client(broker.host, broker.port) as mon:
         await mon.subscribe("/conversations/#")
         await send(mon, agent_id, envelope(agent_id, topic=P.input_topic("someone-else")))
+        await send(mon, agent_id, envelope(agent_id, topic=P.input_topic(token)))
         sloppy = envelope(agent_id, topic=f"//control//agents/{agent_id}//input/")
         await send(mon, agent_id, sloppy)
         [(_, reply)] = await replies(mon, 1)
         assert reply["task_id"] == sloppy["task_id"] and "response" in reply
         await quiet(mon, 0.3)
-        assert rt.stats.mismatched == 1
+        assert rt.stats.mismatched == 2
+    lines = [r.getMessage() for r in caplog.records if "topic mismatch" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "'/control/agents/someone-else/input'" in lines[0]
+    assert all(f"received on '/control/agents/{agent_id}/input'" in line for line in lines)
+    assert token not in lines[1] and f"'/control/agents/{REDACTED}/input'" in lines[1]
 
 
 async def test_unknown_fields_are_ignored(broker, nursery):

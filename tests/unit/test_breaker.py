@@ -110,6 +110,42 @@ def test_peer_failures_count(code):
     assert b.state(0.0) is OPEN
 
 
+@pytest.mark.parametrize("code", [ErrorCode.EPROTO, ErrorCode.EAGENTDOWN, ErrorCode.ETIMEOUT, None])
+def test_client_faults_never_count_whatever_their_code(code):
+    # Five tasks with a refused file path (issue 7): the client's input failed, not the peer.
+    b = CircuitBreaker(failure_threshold=5, window_s=30.0)
+    for i in range(50):
+        b.on_failure(i * 0.1, code, client_fault=True)
+    stats = b.statistics(5.0)
+    assert (stats.state, stats.failures, stats.ignored, stats.trips, stats.error_rate) == (CLOSED, 0, 50, 0, 0.0)
+    # A real peer fault still trips it, client faults interleaved or not.
+    for i in range(5):
+        b.on_failure(6.0 + i * 0.1, ErrorCode.EPROTO)
+        b.on_failure(6.0 + i * 0.1, ErrorCode.EPROTO, client_fault=True)
+    assert b.state(6.5) is OPEN and b.statistics().failures == 5
+
+
+def test_client_fault_of_a_half_open_probe_frees_the_slot_without_a_transition():
+    b = CircuitBreaker(failure_threshold=1, rng=random.Random(3))
+    b.on_failure(0.0, ErrorCode.EAGENTDOWN)
+    t = b.get_timer()
+    assert b.allow(t) and not b.allow(t)
+    b.on_failure(t, ErrorCode.EPROTO, client_fault=True)
+    assert b.state(t) is HALF_OPEN and b.allow(t)  # the next probe may go
+    b.on_failure(t, ErrorCode.EPROTO)  # the peer's own EPROTO: the probe failed
+    assert b.state(t) is OPEN and b.statistics().openings == 2
+
+
+def test_board_passes_client_faults_on():
+    board = BreakerBoard(failure_threshold=2)
+    for now in (0.0, 0.1, 0.2):
+        board.on_result("ruff", now, ok=False, code=ErrorCode.EPROTO, client_fault=True)
+    assert board.open_agents(0.3) == set() and board.health("ruff", 0.3).error_rate == 0.0
+    board.on_result("ruff", 0.4, ok=False, code=ErrorCode.EPROTO)
+    board.on_result("ruff", 0.5, ok=False, code=ErrorCode.EPROTO)
+    assert board.open_agents(0.5) == {"ruff"}
+
+
 # --- OPEN → HALF_OPEN → CLOSED / OPEN ----------------------------------------------------------
 
 

@@ -24,8 +24,10 @@ import pytest
 
 from atp.wire import codec as codec_mod
 from atp.wire.codec import (
+    LEGACY_KID,
     MAX_CBOR_DEPTH,
     FrameCodec,
+    KeyRing,
     StreamDecoder,
     canonical_bytes,
     decode_frame,
@@ -408,6 +410,12 @@ SCHEMA_CASES = [
     ("bad-sig", lambda: with_(sig=base64.b64encode(b"\0" * 32).decode()), ErrorCode.ESEC, "bad sig at `$.sig`"),
     ("non-ascii-sig", lambda: with_(sig="ü" * 44), ErrorCode.ESEC, "bad sig at `$.sig`"),
     ("missing-sig", lambda: without("sig"), ErrorCode.ESEC, "missing sig at `$.sig`"),
+    # Key ids (§11 rotation): the codec's ring is KeyRing.single(KEY), kid k0.
+    ("unknown-kid", lambda: with_(sig="k9:" + base_obj()["sig"]), ErrorCode.ESEC, "unknown key id 'k9' at `$.sig`"),
+    ("malformed-kid", lambda: with_(sig="no such kid!:" + base_obj()["sig"]), ErrorCode.ESEC, "malformed key id"),
+    ("empty-kid", lambda: with_(sig=":" + base_obj()["sig"]), ErrorCode.ESEC, "malformed key id"),
+    ("kid-bad-mac", lambda: with_(sig="k0:" + base64.b64encode(b"\0" * 32).decode()), ErrorCode.ESEC, "bad sig"),
+    ("kid-twice", lambda: with_(sig="k0:k0:" + base_obj()["sig"]), ErrorCode.ESEC, "bad sig at `$.sig`"),
 ]
 
 
@@ -652,3 +660,130 @@ def test_cost_estimate_floats_in_payload_round_trip() -> None:
     for encoding in ("json", "cbor"):
         codec = FrameCodec(encoding, hmac_key=KEY)
         assert codec.decode(codec.encode(frame)) == seal(frame, KEY)
+
+
+# --- key ids and rotation (§11): "<kid>:<base64>", several keys verify, one signs ---
+
+K1 = b"k1-key-0123456789abcdef"
+K2 = b"k2-key-fedcba9876543210"
+
+
+def std_sig(key: bytes, raw: bytes) -> str:
+    return base64.b64encode(hmac.new(key, raw, hashlib.sha256).digest()).decode()
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_keyring_sig_is_kid_and_stdlib_hmac(case: dict) -> None:
+    """A ring writes ``<signing kid>:`` + the same HMAC the vectors pin, in both encodings."""
+    frame = msgspec.convert(case["frame"], Frame, strict=True)
+    ring = KeyRing({"k1": KEY, "k2": K2})
+    sealed = seal(frame, keyring=ring)
+    assert sealed.sig == "k1:" + case["sig"] == "k1:" + std_sig(KEY, case["canonical"].encode())
+    for enc in ("json", "cbor"):
+        codec = FrameCodec(enc, keyring=ring)
+        assert codec.decode(codec.encode(frame)) == sealed
+    # The vector's kid-less wire bytes verify against the signing key (frames before key ids).
+    assert FrameCodec("json", keyring=ring).decode(case["wire_json"]) == sealed_of(case)
+
+
+def test_rotation_old_kid_verifies_new_kid_signs() -> None:
+    frame = msgspec.convert(CASES[2]["frame"], Frame, strict=True)
+    before = FrameCodec("json", keyring=KeyRing({"k1": K1}))
+    during = FrameCodec("json", keyring=KeyRing({"k2": K2, "k1": K1}))
+    after = FrameCodec("json", keyring=KeyRing({"k2": K2}))
+    old_data = before.encode(frame)
+    assert json.loads(old_data)["sig"].startswith("k1:")
+    assert during.decode(old_data).sig.startswith("k1:")  # the old kid still verifies
+    new_data = during.encode(frame)
+    assert json.loads(new_data)["sig"] == "k2:" + std_sig(K2, canonical_bytes(seal(frame)))
+    assert after.decode(new_data) == during.decode(new_data)
+    with pytest.raises(LocalProtocolError) as e:
+        after.decode(old_data)  # k1 retired
+    assert (e.value.code, e.value.reason) == (ErrorCode.ESEC, "unknown key id 'k1' at `$.sig`")
+
+
+def test_sig_without_kid_checks_the_signing_key_only() -> None:
+    frame = msgspec.convert(CASES[1]["frame"], Frame, strict=True)
+    ring = KeyRing({"k2": K2, "k1": K1})
+    bare_k2 = seal(frame, K2)  # a single-key ring: sig without kid
+    bare_k1 = seal(frame, K1)
+    assert ":" not in bare_k2.sig
+    verify(bare_k2, keyring=ring)
+    with pytest.raises(LocalProtocolError, match="bad sig at"):
+        verify(bare_k1, keyring=ring)  # k1 verifies only when named
+    verify(msgspec.structs.replace(bare_k1, sig="k1:" + bare_k1.sig), keyring=ring)
+    assert KeyRing({"k2": K2, "k1": K1}, signing_kid="k1").sign(b"x") == "k1:" + std_sig(K1, b"x")
+
+
+def test_single_key_ring_is_kid_k0_written_without_kid() -> None:
+    """``hmac_key=`` keeps today's frames: kid-less sigs out, both spellings in."""
+    frame = msgspec.convert(CASES[2]["frame"], Frame, strict=True)
+    codec = FrameCodec("json", hmac_key=KEY)
+    assert codec.keyring.kids == (LEGACY_KID,) and codec.hmac_key == KEY
+    sealed = codec.decode(codec.encode(frame))
+    assert sealed.sig == CASES[2]["sig"]
+    with_kid = msgspec.structs.replace(sealed, sig="k0:" + sealed.sig)
+    assert codec.decode(FrameCodec("json").encode(with_kid, seal_frame=False)) == with_kid
+    with pytest.raises(ValueError, match="not both"):
+        FrameCodec("json", hmac_key=KEY, keyring=KeyRing({"k1": K1}))
+    with pytest.raises(ValueError, match="not both"):
+        seal(frame, KEY, keyring=KeyRing({"k1": K1}))
+
+
+def test_keyring_can_be_swapped_on_a_codec() -> None:
+    frame = msgspec.convert(CASES[0]["frame"], Frame, strict=True)
+    codec = FrameCodec("cbor", keyring=KeyRing({"k1": K1}))
+    data = codec.encode(frame)
+    codec.keyring = KeyRing({"k2": K2})
+    with pytest.raises(LocalProtocolError, match="unknown key id 'k1'"):
+        codec.decode(data)
+    codec.keyring = KeyRing({"k2": K2, "k1": K1})
+    assert codec.decode(data).sig.startswith("k1:")
+
+
+def b64(key: bytes, urlsafe: bool = False) -> str:
+    return (base64.urlsafe_b64encode(key).decode().rstrip("=") if urlsafe else base64.b64encode(key).decode())
+
+
+def test_keyring_from_env() -> None:
+    assert KeyRing.from_env(None) is None
+    assert KeyRing.from_env("  ", "") is None
+    ring = KeyRing.from_env(f"k2:{b64(K2)}, k1:{b64(K1, urlsafe=True)}")
+    assert (ring.kids, ring.signing_kid, ring.signing_key) == (("k2", "k1"), "k2", K2)
+    assert ring.sign(b"m") == "k2:" + std_sig(K2, b"m")
+    legacy = KeyRing.from_env(None, "raw legacy key")
+    assert (legacy.kids, legacy.sign(b"m")) == (("k0",), std_sig(b"raw legacy key", b"m"))
+    both = KeyRing.from_env(f"k2:{b64(K2)}", "raw legacy key")
+    assert (both.kids, both.signing_kid) == (("k2", "k0"), "k2")
+    both.check("k0:" + std_sig(b"raw legacy key", b"m"), b"m")
+
+
+@pytest.mark.parametrize(
+    ("keys", "legacy", "reason"),
+    [
+        ("k1", None, "entry 0: expected kid:base64key"),
+        (f"k1:{b64(K1)},bad kid:{b64(K2)}", None, "entry 1: expected kid:base64key"),
+        (f"k1:{b64(K1)},k1:{b64(K2)}", None, "key id 'k1' given twice"),
+        ("k1:not*base64", None, "key 'k1' is not base64"),
+        (f"k1:{b64(b'short')}", None, "key 'k1' has 5 bytes; at least 16 needed"),
+        (f"k0:{b64(K1)}", "legacy", "names key id 'k0', which ATP_HMAC_KEY also is"),
+    ],
+)
+def test_keyring_from_env_refusals_name_the_entry_never_the_key(keys: str, legacy: str | None, reason: str) -> None:
+    with pytest.raises(ValueError) as e:
+        KeyRing.from_env(keys, legacy)
+    assert reason in str(e.value)
+    for secret in (b64(K1), b64(K2), "not*base64"):
+        assert secret not in str(e.value)
+
+
+def test_keyring_refuses_bad_construction_and_hides_keys() -> None:
+    with pytest.raises(ValueError, match="at least one key"):
+        KeyRing({})
+    with pytest.raises(ValueError, match="key id 'a:b'"):
+        KeyRing({"a:b": K1})
+    with pytest.raises(ValueError, match="empty key"):
+        KeyRing({"k1": b""})
+    with pytest.raises(ValueError, match="signing key id 'k3' is not in the ring"):
+        KeyRing({"k1": K1}, signing_kid="k3")
+    assert "k1-key" not in repr(KeyRing({"k1": K1})) and "k1" in repr(KeyRing({"k1": K1}))

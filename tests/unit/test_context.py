@@ -26,7 +26,6 @@ import trio
 from peers import start_agentscope_server  # tests/peers.py (on sys.path via conftest)
 
 import atp
-from atp.adapters import context as C
 from atp.adapters.context import (
     REDACTED,
     AgentContext,
@@ -141,18 +140,29 @@ def test_secrets_and_redaction() -> None:
 
 
 def test_scrub_and_scrub_error() -> None:
-    assert scrub(f"bad token {TOKEN}!", [TOKEN]) == f"bad token {REDACTED}!"
+    """The adapters' scrubber is atp.security.redact's, re-exported here."""
+    from atp.security import redact
+
+    assert scrub is redact.scrub and scrub_error is redact.scrub_error and REDACTED == redact.REDACTED
+    assert scrub(f"bad token {TOKEN}!", secrets=[TOKEN]) == f"bad token {REDACTED}!"
     e = AgentError(ErrorCode.EAGENTDOWN, f"peer said: invalid {TOKEN}", agent="a")
     assert scrub_error(e, [TOKEN]) is e
     assert TOKEN not in e.reason and TOKEN not in str(e) and REDACTED in str(e)
 
 
-def test_known_secrets_are_bounded_and_longest_first() -> None:
-    s = C._SecretSet(3)
-    s.add(["aaaa", "bbbb", "aaaab"])
-    s.add(["cccc"])  # evicts the oldest
-    assert s.snapshot() == {"bbbb", "aaaab", "cccc"}
-    assert s.pattern().sub("#", "aaaab bbbb aaaa") == "# # aaaa"
+def test_the_log_filter_also_masks_what_detect_secrets_finds() -> None:
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    install_log_redaction(handler)
+    log = logging.getLogger("test.context.detect")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        log.warning("peer echoed %s", 'aws_key = "AKIAIOSFODNN7EXAMPLE"')
+    finally:
+        log.removeHandler(handler)
+    assert out.getvalue() == 'peer echoed aws_key = "[REDACTED:AWS Access Key]"\n'
 
 
 def test_forwarded_context_for_adapters() -> None:

@@ -359,3 +359,40 @@ def test_route_is_frozen(spec_fib):
     assert isinstance(route, Route)
     with pytest.raises(AttributeError):
         route.policy = "other"  # type: ignore[misc]
+
+
+# -- data scope (spec §11) -----------------------------------------------------
+
+SCOPED = """
+agents:
+  m.public:  {layer: L1, p95_ms: 100, tool: ruff, data_scope: [public]}
+  m.secrets: {layer: L1, p95_ms: 200, tool: ruff, data_scope: [secrets, acp.policy:P001]}
+  m.any:     {layer: L1, p95_ms: 300, tool: ruff}
+policies:
+  - {name: p, match: {task_type: code_review}, fanout: [m.public, m.secrets, m.any]}
+  - {name: only_public, match: {task_type: public_review}, fanout: [m.public]}
+"""
+
+
+def test_covered_labels_exclude_no_next_hop_and_opaque_labels_fail_closed():
+    """Labels a detector covers (secrets, personal data; redact or forbidden) keep
+    every candidate: the dispatcher's guard redacts or refuses per agent. An opaque
+    label (no detector) keeps only the agents cleared for it — and those without
+    ``data_scope`` — and refuses with ESEC when none is."""
+    fib = compile_fib(load_rib_text(SCOPED), version=1)
+    hops = lambda meta: [h.agent for h in fib.lookup(meta).next_hops]
+    everyone = ["m.public", "m.secrets", "m.any"]
+    for scope in (["no_secrets"], ["secrets:forbidden", "us_personal_data:forbidden"], "pii", []):
+        assert hops({"task_type": "code_review", "data_scope": scope}) == everyone, scope
+    assert hops({"task_type": "code_review", "data_scope": ["acp.policy:P001", "no_secrets"]}) == ["m.secrets", "m.any"]
+    assert hops({"task_type": "code_review", "data_scope": "public:forbidden"}) == ["m.public", "m.any"]
+    assert hops({"task_type": "public_review", "data_scope": ["no_secrets", "pii:forbidden"]}) == ["m.public"]
+    with pytest.raises(AgentError) as ei:
+        fib.lookup({"task_type": "public_review", "data_scope": ["acp.policy:P001", "no_secrets"]})
+    assert ei.value.code is ErrorCode.ESEC
+    assert "data_scope ['acp.policy:P001'] is not cleared for any next-hop of policy only_public" in ei.value.reason
+    # Reroutes follow the same rule, and the clearance the guard needs is the FIB's.
+    assert fib.next_hop("m.public", {"data_scope": ["acp.policy:P001"]}) is None
+    assert fib.next_hop("m.public", {"data_scope": ["no_secrets"]}) is not None
+    assert fib.clearance("m.secrets") == {"secrets", "acp.policy:P001"}
+    assert fib.clearance("m.any") is None and fib.clearance("nobody") is None

@@ -96,7 +96,8 @@ def test_from_spec_reads_the_rib_entry():
         (spec(url="mqtt://h", agent_id="a/b"), "remote.agent_id"),
         (spec(url="mqtt://h", options={"qos": 0}), "remote.options.qos: unknown option"),
         (spec(url="mqtt://h", options={"max_depth": 17}), "remote.options.max_depth"),
-        (spec(url="mqtt://h", options={"pipeline": ["b", "c"], "max_depth": 2}), "exceeds max_depth 2"),
+        (spec(url="mqtt://h", options={"pipeline": ["b", "c"], "max_depth": 1}), "exceeds max_depth 1"),
+        (spec(url="mqtt://h", options={"max_depth": -1}), "remote.options.max_depth"),
         (spec(url="mqtt://h", options={"pipeline": [{"agent": "b", "next": "x"}]}), "remote.options.pipeline[0]"),
         (spec(url="mqtt://h", options={"ca_file": "/ca.pem"}), "not mqtts://"),
         (spec(url="mqtts://h", options={"ca_file": "/nonexistent/ca.pem"}), "TLS files cannot be loaded"),
@@ -128,7 +129,21 @@ policies:
     assert env.topic == "/control/agents/triage/input"
     assert env.next.topic == "/control/agents/bandit-2389/input" and env.next.input is None
     assert env.next.next.topic == "/control/agents/summarizer/input" and env.next.next.next is None
-    assert P.pipeline_depth(msgspec.json.decode(P.encode_task(env))) == 3
+    assert P.pipeline_depth(msgspec.json.decode(P.encode_task(env))) == 2  # nested next objects (§2)
+
+
+def test_a_chain_of_16_nested_next_objects_is_allowed():
+    """The spec's depth is the count of nested ``next`` objects: 16 of them (17
+    agents) are within the default maximum, for the adapter as for the runtime."""
+    stages = [Stage(f"s{i}") for i in range(16)]
+    ad = Mqtt2389Adapter("a", host="h", port=1, agent_id="first", pipeline=stages)
+    env = msgspec.json.decode(P.encode_task(ad.envelope(REVIEW, task_id=str(uuid.uuid4()), conversation_id="c")))
+    assert P.pipeline_depth(env) == 16
+    assert isinstance(P.screen_task(msgspec.json.encode(env), received_topic=P.input_topic("first"), retained=False,
+                                    cache=P.IdempotencyCache()), P.Accept)
+    with pytest.raises(ValueError, match="17 nested next objects exceeds max_depth 16"):
+        Mqtt2389Adapter("a", host="h", port=1, agent_id="first", pipeline=[*stages, Stage("s16")])
+    assert Mqtt2389Adapter("a", host="h", port=1, agent_id="solo", max_depth=0).chain == ("solo",)
 
 
 def test_envelope_shape_and_agent_context_side_channel():
@@ -155,6 +170,51 @@ def test_parse_report_shapes():
     with pytest.raises(AgentError) as ei:
         parse_report('{"findings": [{"file": "a.py"}]}')
     assert ei.value.code is ErrorCode.EPROTO
+    assert "expected the ATP findings schema" in ei.value.reason and "line|start" in ei.value.reason
+
+
+def test_parse_report_takes_findings_with_line_like_the_a2a_path():
+    """A spec-only agent citing ``line`` (and ``message``, ``path``) instead of
+    ``start``/``end``: read by the parser the A2A path uses, cited lines checked
+    against the task's content, the agent's rule and cwe kept."""
+    text = json.dumps({"findings": [
+        {"file": "app.py", "line": 5, "severity": "high", "message": "shell=True", "rule": "B602", "cwe": "CWE-78"},
+        {"path": "b/app.py", "line": "5", "severity": "warning", "claim": "again"},
+        {"file": "app.py", "start": 5, "end": 5, "severity": "low", "claim": "strict", "ref": "x"},
+    ]})
+    report, _ = parse_report(text, CONTENT)
+    assert [(f.file, f.start, f.end, f.severity.value, f.claim) for f in report.findings] == [
+        ("app.py", 5, 5, "high", "shell=True"), ("app.py", 5, 5, "medium", "again"), ("app.py", 5, 5, "low", "strict")]
+    assert (report.findings[0].rule, report.findings[0].cwe, report.findings[0].ref) == ("B602", "CWE-78", "1")
+    assert report.findings[2].ref == "x"
+    # A bare list is the findings.
+    bare, _ = parse_report(json.dumps([{"file": "app.py", "line": 5, "severity": "high", "claim": "c"}]), CONTENT)
+    assert [f.start for f in bare.findings] == [5]
+    # A cited line outside the reviewed content fits no shape.
+    with pytest.raises(AgentError, match=r"finding \[0\]"):
+        parse_report(json.dumps([{"file": "app.py", "line": 99, "severity": "high", "claim": "c"}]), CONTENT)
+
+
+def test_decode_reply_accepts_plausible_success_shapes():
+    for payload, text in [
+        ({"response": "ok", "task_id": "t"}, "ok"),
+        ({"result": "ok"}, "ok"),
+        ({"output": {"findings": []}}, '{"findings":[]}'),
+        ({"content": "ok"}, "ok"),
+        ({"text": "ok"}, "ok"),
+        ({"answer": "ok"}, "ok"),
+        ({"findings": [], "summary": "s"}, '{"findings":[],"summary":"s"}'),
+        ([{"file": "a.py"}], '[{"file":"a.py"}]'),
+    ]:
+        reply = P.decode_reply(json.dumps(payload).encode())
+        assert isinstance(reply, P.Reply) and reply.response == text, payload
+    err = P.decode_reply(b'{"error": "model crashed", "task_id": "t"}')
+    assert err == P.ErrorReply("t", "internal_error", "model crashed")
+    with pytest.raises(ValueError) as ei:
+        P.decode_reply(b'{"status": "done", "task_id": "t"}')
+    assert "keys [status, task_id]" in str(ei.value) and 'expected {"response": ...}' in str(ei.value)
+    with pytest.raises(ValueError, match="expected"):
+        P.decode_reply(b"42")
 
 
 # ===================================================================== router ↔ agent
@@ -425,3 +485,109 @@ policies:
         assert not [ev.payload for ev in events if ev.type == "ERROR"]
         [result] = [ev.payload for ev in events if ev.type == "FINAL"]
         assert {p.split("#")[0] for f in result["result"]["findings"] for p in f["provenance"]} == {"lint.ruff"}
+
+
+# ===================================================================== spec-only agents (issue 7, item 11)
+
+async def _announce(c, agent_id: str) -> None:
+    await c.subscribe(P.input_topic(agent_id))
+    status = {"agent_id": agent_id, "status": "available", "timestamp": P.rfc3339(1.0e9)}
+    await c.publish(P.status_topic(agent_id), json.dumps(status).encode(), qos=1, retain=True)
+
+
+async def _answer(c, agent_id: str, reply) -> dict:
+    """Read one task from the agent's input topic and answer it with ``reply(task)``."""
+    task = json.loads((await c.messages.receive()).payload)
+    await c.publish(P.conversation_topic(task["conversation_id"], agent_id), json.dumps(reply(task)).encode(), qos=1)
+    return task
+
+
+def _context_with(token: str) -> dict:
+    acm = json.loads((ROOT.parent / "shared" / "specs" / "agent-context-message.example.json").read_text())
+    acm["agentContext"]["securityContext"]["authenticationInfo"]["token"] = token
+    return acm
+
+
+async def test_spec_only_agent_shapes_over_the_broker(broker):
+    """A spec-only agent (a plain MQTT client: the spec defines no success shape)
+    answering with ``result`` and findings citing ``line``; then with a shape of no
+    kind (EPROTO naming what was expected); then with an error that echoes the
+    task's securityContext token, which never reaches the AgentError."""
+    agent_id = "spec-only-" + uuid.uuid4().hex[:8]
+    token = "eyJ" + uuid.uuid4().hex + uuid.uuid4().hex
+    prompt = Prompt(task_type="code_review", content=CONTENT, meta={"agent_context": _context_with(token)})
+    async with open_mqtt_client(broker.host, broker.port) as foreign:
+        await _announce(foreign, agent_id)
+        ad = adapter(broker, agent_id)
+        try:
+            findings = [{"file": "app.py", "line": 5, "severity": "high", "message": "shell=True (CWE-78)"}]
+            async with trio.open_nursery() as n:
+                n.start_soon(_answer, foreign, agent_id, lambda t: {"result": {"findings": findings}})
+                frag = await final(ad, prompt)
+            assert [(f.file, f.start, f.claim) for f in frag.content.findings] == [("app.py", 5, "shell=True (CWE-78)")]
+
+            async with trio.open_nursery() as n:
+                n.start_soon(_answer, foreign, agent_id, lambda t: {"status": "done", "task_id": t["task_id"]})
+                with pytest.raises(AgentError) as ei:
+                    await final(ad, prompt)
+            assert ei.value.code is ErrorCode.EPROTO
+            assert "keys [status, task_id]" in ei.value.reason and '{"response": ...}' in ei.value.reason
+
+            def echo(task: dict) -> dict:
+                assert task["context"]["agentContext"]["securityContext"]["authenticationInfo"]["token"] == token
+                return {"error": {"code": "llm_error", "message": f"upstream refused the bearer {token} twice"},
+                        "task_id": task["task_id"]}
+
+            async with trio.open_nursery() as n:
+                n.start_soon(_answer, foreign, agent_id, echo)
+                with pytest.raises(AgentError) as ei:
+                    await final(ad, prompt)
+            assert ei.value.code is ErrorCode.EAGENTDOWN and "llm_error" in ei.value.reason
+            assert token not in ei.value.reason and token not in str(ei.value)
+            assert "upstream refused the bearer [REDACTED] twice" in ei.value.reason
+        finally:
+            await ad.aclose()
+            await foreign.publish(P.status_topic(agent_id), b"", qos=1, retain=True)
+
+
+async def test_a_2389_error_echoing_the_context_token_never_reaches_the_client(broker, nursery, tmp_path):
+    """The issue's attack through a real router: a 2389 agent whose error text
+    echoes the Agent Context ``securityContext`` token. The client's ERROR names
+    the agent's failure with the token masked; no frame carries it."""
+    agent_id = "echo-" + uuid.uuid4().hex[:8]
+    token = "eyJ" + uuid.uuid4().hex + uuid.uuid4().hex
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "mqtt.yaml").write_text(f"""
+agents:
+  sec.mqtt:
+    layer: L1
+    p95_ms: 1500
+    strengths: [code_review]
+    remote: {{protocol: mqtt2389, url: "mqtt://127.0.0.1:{broker.port}", agent_id: {agent_id}}}
+policies:
+  - {{name: code_review, match: {{task_type: code_review}}, fanout: [sec.mqtt]}}
+""")
+    async with open_mqtt_client(broker.host, broker.port) as foreign:
+        await _announce(foreign, agent_id)
+
+        async def echo_every_task() -> None:
+            async for m in foreign.messages:
+                task = json.loads(m.payload)
+                err = {"error": {"code": "tool_execution_failed", "message": f"auth failed for {token}"},
+                       "task_id": task["task_id"]}
+                await foreign.publish(P.conversation_topic(task["conversation_id"], agent_id),
+                                      json.dumps(err).encode(), qos=1)
+
+        nursery.start_soon(echo_every_task)
+        env = await start_router(nursery, policies)
+        async with atp.Client(env.url) as c:
+            _, st = await c.open_stream(task={"task_type": "code_review", "agent_context": _context_with(token)},
+                                        content=CONTENT)
+            with trio.fail_after(30):
+                events = [ev async for ev in c.events(st)]
+        errors = [ev.payload for ev in events if ev.type == "ERROR"]
+        assert errors and any("tool_execution_failed" in json.dumps(p) and "[REDACTED]" in json.dumps(p)
+                              for p in errors), errors
+        assert token not in json.dumps([ev.frame for ev in events])
+        await foreign.publish(P.status_topic(agent_id), b"", qos=1, retain=True)

@@ -202,7 +202,7 @@ def test_default_yaml_commented_openai_compat_example_loads(tmp_path):
         "openai_compat",
         "http://127.0.0.1:8080/v1",
         "smollm2-135m-instruct",
-        "ATP_LOCAL_MODEL_KEY",
+        "LOCAL_MODEL_KEY",
         8 * KI,
     )
     assert rib.agents["reviewer.local"].model == "smollm2-135m"
@@ -391,3 +391,68 @@ def test_agent_and_policy_defaults():
     assert (a.qos, a.win30d, a.strengths, a.timeout_ms, a.scope, a.options) == ("silver", 0.5, [], 60000, "changed", {})
     p = msgspec.convert({"match": {}, "fanout": ["x"]}, PolicySpec)
     assert (p.name, p.fanout_k, p.consensus, p.qos, p.deadline_ms) == (None, None, "union_tiebreak", None, 120000)
+
+
+# -- clients: tenant scopes (spec §11 AuthZ) ------------------------------------
+
+_CLIENTS_BASE = """
+agents: {lint.ruff: {layer: L0, tool: ruff, p95_ms: 100}}
+policies: [{match: {task_type: code_review}, fanout: [lint.ruff]}]
+clients:
+  alice: """
+
+
+def test_client_scopes_load_to_a_snapshot():
+    rib = load_rib_text(_CLIENTS_BASE + """
+    budget: {usd: 5.0}
+    qos_max: silver
+    task_types: [code_review, summarize]
+    max_stream_budget: {usd: 0.25, tokens: 51200}
+    max_streams: 4
+    rate: {per_s: 0.5, burst: 3}
+    data_categories: [public, internal]
+  bob: {}
+""", "clients.yaml")
+    assert msgspec.to_builtins(rib.clients) == {
+        "alice": {
+            "budget": {"usd": 5.0},
+            "qos_max": "silver",
+            "task_types": ["code_review", "summarize"],
+            "max_stream_budget": {"usd": 0.25, "tokens": 51200},
+            "max_streams": 4,
+            "rate": {"per_s": 0.5, "burst": 3},
+            "data_categories": ["public", "internal"],
+        },
+        # Unset scopes keep today's behaviour: any task type and label, the router's defaults for quotas.
+        "bob": {"budget": None, "qos_max": "gold", "task_types": None, "max_stream_budget": None,
+                "max_streams": None, "rate": None, "data_categories": None},
+    }
+
+
+@pytest.mark.parametrize(
+    ("entry", "key", "reason"),
+    [
+        ("{rate: {per_s: 0, burst: 1}}", "clients.alice.rate.per_s", "Expected float > 0.0"),
+        ("{rate: {per_s: 1, burst: 0}}", "clients.alice.rate.burst", "Expected int >= 1"),
+        ("{rate: {per_s: 1}}", "clients.alice.rate.burst", "missing required field"),
+        ("{rate: {per_s: 1, burst: 2, per_min: 1}}", "clients.alice.rate.per_min", "unknown field 'per_min'"),
+        ("{max_streams: 0}", "clients.alice.max_streams", "Expected int >= 1"),
+        ("{task_types: ['']}", "clients.alice.task_types[0]", "Expected str of length >= 1"),
+        ("{max_stream_budget: {usd: -1}}", "clients.alice.max_stream_budget.usd", "Expected float >= 0.0"),
+        ("{data_categories: public}", "clients.alice.data_categories", "Expected array | null, got str"),
+        ("{scopes: {}}", "clients.alice.scopes", "unknown field 'scopes'"),
+    ],
+)
+def test_client_scope_refused_with_exact_key(entry, key, reason):
+    with pytest.raises(PolicyError) as info:
+        load_rib_text(_CLIENTS_BASE + entry, "clients.yaml")
+    assert (info.value.file, info.value.key) == ("clients.yaml", key)
+    assert reason in _detail(info.value)
+
+
+def test_client_spec_schema_lists_the_scopes():
+    defs = msgspec.json.schema(Rib)["$defs"]
+    assert set(defs["ClientSpec"]["properties"]) == {
+        "budget", "qos_max", "task_types", "max_stream_budget", "max_streams", "rate", "data_categories",
+    }
+    assert defs["RateSpec"]["required"] == ["per_s", "burst"]

@@ -270,7 +270,7 @@ policies:
             types = [ev.type async for ev in c.events(st)]
     assert types == ["SYN_ACK"]
     assert (await get_json(env.url, "/v1/health"))["open_streams"] == 0
-    state = env.router.ledger.state(f"stream:{st.stream_id}")
+    state = env.router.ledger.state(f"stream:anonymous:{st.stream_id}")
     assert state.open_reservations == 0
 
 

@@ -32,6 +32,7 @@ from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentReport, Usage
 from atp.policy.loader import load_rib_text
 from atp.router.core import Router, parse_tokens_env
+from atp.security.identity import ANONYMOUS, Role
 from atp.wire.errors import AgentError, ErrorCode, PolicyError
 from atp.wire.frame import (
     Budget,
@@ -180,7 +181,7 @@ async def _play(tmp_path, schedule: Schedule) -> None:
                 frame = Frame(v=1, session_id=ctx.session_id, stream_id=ctx.stream_id, msg_seq=1, flags=[Flag.CTRL],
                               payload=Payload(type=PayloadType.CONTROL,
                                               content=BudgetUpdate(budget=Budget(tokens=tokens))))
-                router.receive_frame(frame, client=ctx.client, now=trio.current_time())
+                router.receive_frame(frame, identity=ctx.identity, now=trio.current_time())
 
             async def monitor() -> None:
                 # The invariant at every step the clock takes, not only at the end.
@@ -206,8 +207,8 @@ async def _play(tmp_path, schedule: Schedule) -> None:
                 s = router.ledger.state(ctx.account)
                 _check_account(router, ctx.account)
                 assert s.reserved_tokens == 0 and s.open_reservations == 0
-                t, u = per_client.get(ctx.client, (0, 0))
-                per_client[ctx.client] = (t + s.committed_tokens, u + s.committed_usd_micros)
+                t, u = per_client.get(ctx.tenant, (0, 0))
+                per_client[ctx.tenant] = (t + s.committed_tokens, u + s.committed_usd_micros)
                 evs = results[i]
                 assert evs[-1].type in ("FIN", "RST"), types(evs)
                 if any(e["code"] == "EBUDGET" for e in errs(evs)):
@@ -310,12 +311,13 @@ async def test_client_rst_mid_stream_commits_what_was_streamed(nursery, tmp_path
         rst = {"v": 1, "session_id": st.session_id, "stream_id": st.stream_id, "msg_seq": 0, "flags": ["RST", "CTRL"],
                "payload": {"type": "control", "content": {"kind": "ERROR", "code": "EPROTO", "reason": "user"}}}
         await c.send_frame(st, rst)
-    state = env.router.ledger.state(f"stream:{st.stream_id}")
+    ctx = env.router.streams.find("anonymous", st.stream_id)
+    state = env.router.ledger.state(ctx.account)
     with trio.fail_after(5):
         while state.open_reservations:
             await trio.sleep(0.01)
-            state = env.router.ledger.state(f"stream:{st.stream_id}")
-    streamed = env.router.streams[st.stream_id].log.events
+            state = env.router.ledger.state(ctx.account)
+    streamed = ctx.log.events
     deltas = [ev for ev in streamed if ev.type == "PARTIAL"]
     assert 3 <= len(deltas) < 50 and len(slow.calls) == 1
     assert state.committed_tokens == 100 * len(deltas)
@@ -325,7 +327,10 @@ async def test_client_rst_mid_stream_commits_what_was_streamed(nursery, tmp_path
 
 def test_atp_router_tokens_names_clients():
     assert parse_tokens_env("alice:tok-a, bob:tok-b,bare-token,") == (
-        frozenset({"bare-token"}), {"alice": "tok-a", "bob": "tok-b"})
+        frozenset({"bare-token"}), {"alice": "tok-a", "bob": "tok-b"}, {})
+    assert parse_tokens_env("alice:tok-a,ops:tok:o:admin+operator,both:tok-b:client+admin,carol:has:colon") == (
+        frozenset(), {"alice": "tok-a", "ops": "tok:o", "both": "tok-b", "carol": "has:colon"},
+        {"ops": frozenset({Role.ADMIN, Role.OPERATOR}), "both": frozenset({Role.CLIENT, Role.ADMIN})})
     for bad, words in [("alice:", "expected name:token"), (":tok", "expected name:token"),
                        ("a b:tok", "expected name:token"), ("alice:x,alice:y", "client 'alice' given twice"),
                        ("alice:x,bob:x", "the same token is given twice")]:
@@ -335,7 +340,7 @@ def test_atp_router_tokens_names_clients():
 
 CLIENT_CASES = {
     "unknown_field": ("clients: {alice: {budgets: {usd: 1}}}",
-                      "clients.alice.budgets", "unknown field 'budgets' (known: budget, qos_max)"),
+                      "clients.alice.budgets", "unknown field 'budgets' (known: budget, qos_max"),
     "bad_qos": ("clients: {alice: {qos_max: platinum}}",
                 "clients.alice.qos_max", "invalid value 'platinum' (expected one of: gold, silver, bronze)"),
     "negative_usd": ("clients: {alice: {budget: {usd: -1}}}", "clients.alice.budget.usd", "Expected float >= 0.0"),
@@ -368,13 +373,14 @@ def test_duplicate_client_across_files_is_refused(tmp_path):
 async def test_named_tokens_get_their_rib_budget_and_qos_max_and_reload_raises_it(nursery, tmp_path, scripted):
     """``name:token`` authenticates as the RIB client ``name``: its streams are
     capped at its ``qos_max`` (a gold SYN is confirmed as silver) and charged to
-    its budget; a RIB reload raises the budget of the live client account."""
+    its budget; a RIB reload (by an admin) raises the budget of the live client account."""
     scripted["m.cost"] = ScriptedAdapter.returning("m.cost", usage=Usage(in_tokens=400),
                                                    estimate=CostEstimate(in_tokens=400))
     rib = {"agents": {"m.cost": scripted_agent()},
            "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.cost"]}],
            "clients": {"alice": {"budget": {"tokens": 500}, "qos_max": "silver"}}}
-    env = await start_router_on(nursery, tmp_path, rib, client_tokens={"alice": "tok-a"})
+    env = await start_router_on(nursery, tmp_path, rib, client_tokens={"alice": "tok-a", "ops": "tok-ops"},
+                                client_roles={"ops": frozenset({Role.ADMIN})})
     async with atp.Client(env.url, "tok-a") as c:
         _, st = await c.open_stream(task=META, content=CLEAN, qos="gold")
         events = [ev async for ev in c.events(st)]
@@ -385,7 +391,11 @@ async def test_named_tokens_get_their_rib_budget_and_qos_max_and_reload_raises_i
             await c.result(st2)
         assert ei.value.code == "EBUDGET"
         rib["clients"]["alice"]["budget"]["tokens"] = 2000
-        assert (await c.reload_policies(json.dumps(rib)))["version"] == 2
+        with pytest.raises(atp.ATPClientError) as ei:
+            await c.reload_policies(json.dumps(rib))
+        assert (ei.value.code, ei.value.status) == ("ESEC", 403)  # a client may not rewrite the policy
+        async with atp.Client(env.url, "tok-ops") as admin:
+            assert (await admin.reload_policies(json.dumps(rib)))["version"] == 2
         _, st3 = await c.open_stream(task=META, content=CLEAN)
         await c.result(st3)
     alice = env.router.ledger.state("client:alice")
@@ -407,7 +417,7 @@ async def test_budget_update_cannot_raise_past_the_policy_budget(tmp_path, scrip
         ctx = open_inproc(router, budget=Budget(tokens=100, usd=0.01))
         frame = Frame(v=1, session_id=ctx.session_id, stream_id=ctx.stream_id, msg_seq=1, flags=[Flag.CTRL],
                       payload=Payload(type=PayloadType.CONTROL, content=BudgetUpdate(budget=Budget(tokens=50_000))))
-        router.receive_frame(frame, client="anonymous", now=trio.current_time())
+        router.receive_frame(frame, identity=ANONYMOUS, now=trio.current_time())
         limit = router.ledger.state(ctx.account).limit
         await drain(ctx)
     assert (limit.tokens, limit.usd_micros) == (1000, 500_000)

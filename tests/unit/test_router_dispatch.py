@@ -192,7 +192,7 @@ async def test_budget_too_small_for_an_estimate_skips_that_call(nursery, tmp_pat
     assert pricey.calls == []
     assert reporters(events) == {"lint.ruff", "sec.bandit"}
     final_of(events)
-    state = env.router.ledger.state(f"stream:{sid}")
+    state = env.router.ledger.state(f"stream:anonymous:{sid}")
     assert state.committed_tokens == 0 and state.reserved_tokens == 0 and state.open_reservations == 0
 
 
@@ -229,7 +229,7 @@ async def test_committed_spend_never_exceeds_the_budget(nursery, tmp_path, scrip
         assert all("passes what the budget can take" in e["reason"] for e in cut)
         assert reporters(events) == {"lint.ruff"}
         final_of(events)
-        state = env.router.ledger.state(f"stream:{sid}")
+        state = env.router.ledger.state(f"stream:anonymous:{sid}")
         assert state.limit.tokens == 1_000
         assert state.reserved_tokens == 0 and state.open_reservations == 0
         # Both calls were cut once past the budget: it is spent to the token and
@@ -334,3 +334,64 @@ async def test_estimate_larger_than_the_window_is_refused_with_ewindow(nursery, 
     assert reporters(events) == {"lint.ruff"}
     final_of(events)
 
+
+
+# --- client faults (issue 7: one tenant's bad input must not take shared agents down)
+
+# A task whose file path the tools refuse (it would escape their work directory).
+REFUSED = {"diff": "--- /dev/null\n+++ b/../escape.py\n@@ -0,0 +1 @@\n+x = 1\n", "files": {"../escape.py": "x = 1\n"}}
+
+
+async def test_refused_input_is_the_clients_error_and_never_opens_a_breaker(nursery, tmp_path, scripted):
+    """Six tasks with a refused path (the default breaker opens at five failures):
+    each stream is reset with EPROTO naming what was refused, no next-hop is
+    retried, rerouted or escalated to, no breaker counts a failure, no window is
+    halved, and both tools keep serving the next, valid task."""
+    big = scripted["review.big"] = ScriptedAdapter.returning(
+        "review.big", [finding(file="calc.py", line=2, claim="escalated reviewer's finding")]
+    )
+    env = await router_with(nursery, tmp_path, {"lint.ruff": {**RUFF, "fallback": "sec.bandit"},
+                                                "sec.bandit": BANDIT, "review.big": scripted_agent()},
+                            fanout=["lint.ruff", "sec.bandit"],
+                            escalation={"on": ["no_findings"], "to": "review.big"})
+    gates = env.router.gates
+    tools = ("lint.ruff", "sec.bandit")
+    cwnd = {a: gates.agent_windows.window(a).cwnd for a in tools}
+    refusal = "refused file path '../escape.py': must be relative and inside the task"
+    for _ in range(6):
+        events, _ = await run_stream(env, content=REFUSED)
+        types = [ev.type for ev in events]
+        assert types[0] == "SYN_ACK" and types[-1] == "RST" and "FINAL" not in types
+        assert sorted((e["code"], e["reason"]) for e in errors(events)) == [
+            ("EPROTO", f"lint.ruff: {refusal}"), ("EPROTO", f"sec.bandit: {refusal}"),
+        ]
+        rst = events[-1].payload
+        assert rst["code"] == "EPROTO" and rst["reason"].startswith("task refused: ")
+        assert f"lint.ruff: {refusal}" in rst["reason"] and f"sec.bandit: {refusal}" in rst["reason"]
+    stats = gates.breakers.statistics(trio.current_time())
+    for agent in tools:
+        assert (stats[agent].state, stats[agent].failures, stats[agent].ignored) == ("closed", 0, 6)
+        assert gates.agent_windows.window(agent).cwnd == cwnd[agent]
+    assert big.calls == []  # the same input is not sent on to the escalation target
+    assert gates.breakers.open_agents(trio.current_time()) == set()
+    events, _ = await run_stream(env)
+    final = final_of(events)
+    assert final["result"]["findings"] and reporters(events) == set(tools)
+
+
+async def test_a_real_agent_fault_still_opens_the_breaker(nursery, tmp_path, scripted):
+    scripted["review.down"] = ScriptedAdapter("review.down", fail_with=ErrorCode.EAGENTDOWN,
+                                              fail_reason="connection refused")
+    env = await router_with(nursery, tmp_path, {"lint.ruff": RUFF, "review.down": scripted_agent()},
+                            fanout=["lint.ruff", "review.down"])
+    gates = env.router.gates
+    for _ in range(5):
+        events, _ = await run_stream(env, content=REFUSED)
+        rst = events[-1].payload
+        # ruff refused the input (the stream's error: the client must fix it) and
+        # review.down failed on its own (its ERROR event; its breaker counts it).
+        assert rst["code"] == "EPROTO" and "lint.ruff: refused file path" in rst["reason"]
+        assert ("EAGENTDOWN", "review.down: connection refused") in {(e["code"], e["reason"]) for e in errors(events)}
+    assert gates.breakers.open_agents(trio.current_time()) == {"review.down"}
+    stats = gates.breakers.statistics()
+    assert (stats["review.down"].failures, stats["lint.ruff"].failures, stats["lint.ruff"].ignored) == (5, 0, 5)

@@ -42,6 +42,7 @@ from atp.flow.breaker import RetryPolicy
 from atp.policy.loader import load_rib_text
 from atp.router.core import Router, RouterConfig, StreamCtx
 from atp.router.streams import LoggedEvent
+from atp.security.identity import ANONYMOUS, Identity, Role
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ErrorCode, PolicyError
@@ -91,10 +92,17 @@ async def serving(tmp_path, doc: dict, **config: Any) -> AsyncIterator[Router]:
             n.cancel_scope.cancel()
 
 
+def tenant(name: str) -> Identity:
+    """The identity an API key of tenant ``name`` authenticates as (role client);
+    ``anonymous`` is the identity of a router without authentication."""
+    return ANONYMOUS if name == "anonymous" else Identity(name, frozenset({Role.CLIENT}), name, "api_key")
+
+
 def open_inproc(router: Router, *, task: dict | None = None, content: dict | None = None, client: str = "anonymous",
                 qos: QoS | None = None, budget: Budget | None = None, key: str | None = None) -> StreamCtx:
+    """Open a stream in-process as tenant ``client`` (:func:`tenant`)."""
     return router.open_stream(task=task or META, content=content or CLEAN, budget=budget, qos=qos, window=None,
-                              idempotency_key=key, client=client)
+                              idempotency_key=key, identity=tenant(client))
 
 
 async def drain(ctx: StreamCtx) -> list[LoggedEvent]:
@@ -412,17 +420,18 @@ policies:
 
 async def test_esec_data_scope_violation_resets_the_stream_and_is_audited(nursery, tmp_path, scripted, caplog):
     """ESEC (data-scope violation → RST, audit): a task labelled ``data_scope:
-    [pii]`` may go only to agents cleared for ``pii``; none is, so the SYN is
-    refused with RST ESEC and an audit record. A task inside the clearance runs."""
+    [export_controlled]`` (a label no detector covers, so no redaction can make it
+    safe) may go only to agents cleared for it; none is, so the SYN is refused with
+    RST ESEC and an audit record. A task inside the clearance runs."""
     scripted["m.public"] = ScriptedAdapter.returning("m.public")
     env = await router_with(nursery, tmp_path, {"m.public": agent(data_scope=["public"])}, fanout=["m.public"])
     async with atp.Client(env.url) as c:
         with pytest.raises(atp.ATPClientError) as ei:
-            await c.open_stream(task={**META, "data_scope": ["pii"]}, content=CLEAN)
+            await c.open_stream(task={**META, "data_scope": ["export_controlled"]}, content=CLEAN)
         _, st = await c.open_stream(task={**META, "data_scope": ["public"]}, content=CLEAN)
         await c.result(st)
     assert (ei.value.code, ei.value.status) == ("ESEC", 403)
-    assert "data_scope ['pii'] is not cleared for any next-hop of policy p (m.public)" in ei.value.reason
+    assert "data_scope ['export_controlled'] is not cleared for any next-hop of policy p (m.public)" in ei.value.reason
     assert any(r.name == "atp.audit" and "ESEC" in r.getMessage() for r in caplog.records)
     assert len(scripted["m.public"].calls) == 1
 
@@ -567,7 +576,7 @@ async def test_budget_update_over_ws_raises_the_budget_live(nursery, tmp_path, s
         await peer.pump_until(lambda: peer.closed("t1"))
         peer.final("t1")
         assert peer.errors("t1") == []
-    state = env.router.ledger.state("stream:t1")
+    state = env.router.ledger.state("stream:anonymous:t1")
     assert (state.limit.tokens, state.committed_tokens) == (1000, 250)
 
 
@@ -592,7 +601,7 @@ async def test_budget_update_over_http_with_the_sdk_lowers_the_budget_live(nurse
     assert [(e["code"], e["reason"].split(" (")[0]) for e in errors(events) if e["code"] == "EBUDGET"] == [
         ("EBUDGET", "b.second not called: budget exhausted")]
     assert reporters(events) == {"a.first"} and scripted["b.second"].calls == []
-    state = env.router.ledger.state(f"stream:{st.stream_id}")
+    state = env.router.ledger.state(f"stream:anonymous:{st.stream_id}")
     assert (state.limit.tokens, state.committed_tokens) == (100, 100)
 
 

@@ -93,7 +93,7 @@ async def test_model_next_hop_streams_partials_and_is_priced(nursery, tmp_path, 
     assert final.telemetry.usd == expected_micros / 1_000_000
     assert final.telemetry.latency_ms > 0
 
-    state = env.router.ledger.state(f"stream:{st.stream_id}")
+    state = env.router.ledger.state(f"stream:anonymous:{st.stream_id}")
     assert (state.committed_tokens, state.committed_usd_micros) == (in_tok + out_tok, expected_micros)
     assert state.overage_tokens == 0 and state.reserved_tokens == 0
     assert f'atp_tokens_total{{agent="reviewer.local"}} {float(in_tok + out_tok)}' in metrics

@@ -28,6 +28,7 @@ import atp.policy.rib
 from atp.adapters.base import Fragment, Prompt
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentReport, Usage
+from atp.security.identity import ANONYMOUS
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ErrorCode
@@ -85,7 +86,7 @@ async def test_ws_drop_then_reopen_with_the_key_replays_everything_once(nursery,
     async with connect(env.ws_url, "json", "s-res") as peer:
         await peer.send(syn_task(peer.session, "t1", "k1"))
         await peer.pump_until(lambda: len(deltas(peer, "t1")) >= 2)
-    ctx = env.router.streams["t1"]
+    ctx = env.router.streams.find("anonymous", "t1")
     with trio.fail_after(5):
         while ctx.detached_at is None:
             await trio.sleep(0.01)
@@ -99,7 +100,7 @@ async def test_ws_drop_then_reopen_with_the_key_replays_everything_once(nursery,
         assert not any(isinstance(e, (S.FrameDropped, S.ProtocolViolation)) for e in peer.events["t1"])
         peer.final("t1")
     assert len(adapter.calls) == 1
-    stream, client = env.router.ledger.state("stream:t1"), env.router.ledger.state("client:anonymous")
+    stream, client = env.router.ledger.state("stream:anonymous:t1"), env.router.ledger.state("client:anonymous")
     assert stream.committed_tokens == client.committed_tokens == 100 * STEPS
 
 
@@ -173,7 +174,7 @@ async def test_heartbeat_detects_a_dead_peer_and_its_stream_stays_resumable(nurs
     assert 0.5 <= trio.current_time() - t0 < 5
     hbs = [f for f in received if f.stream_id == S.HB_STREAM_ID]
     assert len(hbs) >= 3 and all(f.flags == [Flag.HB] for f in hbs)
-    ctx = env.router.streams["t1"]
+    ctx = env.router.streams.find("anonymous", "t1")
     assert ctx.detached_at is not None and not ctx.log.closed
 
     async with connect(env.ws_url, "json", "s-hb") as peer:
@@ -192,16 +193,16 @@ async def test_stream_not_resumed_within_the_grace_period_is_reset_and_its_strea
     async with connect(env.ws_url, "json", "s-gone") as peer:
         await peer.send(syn_task(peer.session, "t1", "k5"))
         await peer.pump_until(lambda: len(deltas(peer, "t1")) >= 2)
-    ctx = env.router.streams["t1"]
+    ctx = env.router.streams.find("anonymous", "t1")
     with trio.fail_after(5):
         while not ctx.log.closed:
             await trio.sleep(0.01)
-        while env.router.ledger.state("stream:t1").open_reservations:
+        while env.router.ledger.state("stream:anonymous:t1").open_reservations:
             await trio.sleep(0.01)
     last = ctx.log.events[-1].frame
     err = msgspec.convert(last.payload.content, dict)
     assert Flag.RST in last.flags and err["code"] == "ETIMEOUT" and "not resumed within 0.3 s" in err["reason"]
-    state = env.router.ledger.state("stream:t1")
+    state = env.router.ledger.state("stream:anonymous:t1")
     assert 2 <= len(adapter.yielded) < STEPS + 1  # cut mid-call
     assert state.committed_tokens == adapter.yielded[-1] and state.reserved_tokens == 0
 
@@ -228,12 +229,13 @@ async def test_http_client_drop_then_reopen_with_the_key_and_last_event_id(nurse
         f"part {i}" for i in range(STEPS)]
     assert rest[-2].type == "FINAL" and rest[-1].type == "FIN"
     assert len(adapter.calls) == 1
-    assert env.router.ledger.state(f"stream:{st.stream_id}").committed_tokens == 100 * STEPS
+    assert env.router.ledger.state(f"stream:anonymous:{st.stream_id}").committed_tokens == 100 * STEPS
 
 
 async def test_another_clients_key_does_not_resume(nursery, tmp_path, scripted):
-    """Keys are scoped to the client (its token): another client with the same key
-    gets a stream of its own."""
+    """Keys are scoped to the tenant (its token): another tenant with the same key
+    gets a stream of its own, and cannot see the first one's (404, as for an id
+    that never existed)."""
     scripted["m.stream"] = Streamer("m.stream", delay_s=0.0)
     doc = {"agents": {"m.stream": scripted_agent()},
            "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.stream"]}]}
@@ -247,8 +249,10 @@ async def test_another_clients_key_does_not_resume(nursery, tmp_path, scripted):
         await b.result(sb)
         with pytest.raises(atp.ATPClientError) as ei:
             [ev async for ev in a.events(sb)]
-    assert sa.stream_id != sb.stream_id and ei.value.code == "ESEC"
-    assert env.router.streams[sa.stream_id].client == "alice" and env.router.streams[sb.stream_id].client == "bob"
+    assert sa.stream_id != sb.stream_id and (ei.value.code, ei.value.status) == ("EPROTO", 404)
+    assert env.router.streams.find("alice", sa.stream_id).tenant == "alice"
+    assert env.router.streams.find("bob", sb.stream_id).tenant == "bob"
+    assert env.router.streams.find("alice", sb.stream_id) is None
 
 
 # ------------------------------------------------------------------ frames after the router closed a stream
@@ -282,7 +286,7 @@ async def test_late_frames_on_a_stream_the_router_closed_never_draw_an_rst(nurse
     async with connect(env.ws_url, "json", "s-late") as peer:
         await peer.open("t1")
         await peer.send(peer.session.send_message("t1", Payload(type=PayloadType.TASK, content=CLEAN)))
-        ctx = env.router.streams["t1"]
+        ctx = env.router.streams.find("anonymous", "t1")
         with trio.fail_after(5):
             while not ctx.log.closed:  # reset in the router; the client has not read it
                 await trio.sleep(0.01)
@@ -354,11 +358,11 @@ async def test_peer_gone_while_a_heartbeat_is_sent_ends_the_connection_without_a
         caplog.set_level("DEBUG")
         with trio.fail_after(5):
             async with trio.open_nursery() as conn:
-                conn.start_soon(_connection, router, server_ws, codec, "anonymous")
-                while "t1" not in router.streams:
+                conn.start_soon(_connection, router, server_ws, codec, ANONYMOUS)
+                while router.streams.find("anonymous", "t1") is None:
                     await trio.sleep(0.01)
                 await client_end.receive_stream.aclose()  # the client stops reading: it is gone
-        ctx = router.streams["t1"]
+        ctx = router.streams.find("anonymous", "t1")
         assert ctx.detached_at is not None and not ctx.log.closed
         nursery.cancel_scope.cancel()
     assert [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")] == []

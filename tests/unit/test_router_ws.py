@@ -137,7 +137,7 @@ async def test_task_runs_syn_to_fin(router_env, encoding):
         await peer.send(peer.session.finish("t1"))
         assert peer.session.stream_state("t1") is S.StreamState.IDLE  # freed
         with trio.fail_after(5):
-            while router_env.router.sessions[f"sess-{encoding}"].open_streams:
+            while router_env.router.streams.get_session("anonymous", f"sess-{encoding}").open_streams:
                 await trio.sleep(0.01)
 
 
@@ -211,7 +211,7 @@ async def test_frame_for_an_unknown_stream_is_refused_and_nothing_else_moves(rou
         assert [f.flags for f in peer.raw if f.stream_id == "ghost"] == [[Flag.RST, Flag.CTRL]]
         peer.final("t1")
         assert peer.errors("t1") == []
-    assert "ghost" not in router_env.router.streams
+    assert router_env.router.streams.find("anonymous", "ghost") is None
 
 
 async def test_fragmented_task_body_is_reassembled(router_env):
@@ -268,23 +268,27 @@ async def test_hmac_required_when_configured(hmac_env, sender_key):
         await peer.pump_until(lambda: bool(peer.raw_errors("t1")))
         err = peer.raw_errors("t1")[0]
         assert err.code is ErrorCode.ESEC and "sig" in err.reason
-        assert "t1" not in hmac_env.router.streams
+        assert hmac_env.router.streams.find("anonymous", "t1") is None
         await peer.send(peer.session.open_stream("t2", META, WINDOW, payload=task_payload()))
         await peer.pump_until(lambda: peer.closed("t2"))
         peer.final("t2")
 
 
-async def test_another_clients_session_is_refused_with_esec(nursery, policies_dir):
-    """A client cannot send on a session opened by another client's token (not
-    even an RST): ESEC, and the owner's stream carries on."""
+async def test_another_tenants_session_id_is_another_session(nursery, policies_dir):
+    """§11: sessions are the tenant's. A client naming the session and stream
+    ids another tenant's token opened reaches a session of its own: its RST
+    touches nothing of the owner's, its SYN opens its own stream, and it never
+    gets one frame of the owner's stream; the owner's stream carries on."""
     env = await start_router(nursery, policies_dir, tokens=frozenset({"tok-a", "tok-b"}))
     async with connect(env.ws_url, "json", "sess-owned", token="tok-a") as a, \
             connect(env.ws_url, "json", "sess-owned", token="tok-b") as b:
         await a.open("t1")
         b.session.open_stream("t1", META, WINDOW)
         await b.send(b.session.reset("t1", ErrorCode.EPREEMPT, "hijack"))
-        await b.pump_until(lambda: bool(b.raw_errors("t1")))
-        assert b.raw_errors("t1")[0].code is ErrorCode.ESEC
+        await b.send(b.session.open_stream("t2", META, WINDOW, payload=task_payload()))
         await a.send(a.session.send_message("t1", task_payload()))
         await a.pump_until(lambda: a.closed("t1"))
         a.final("t1")
+        await b.pump_until(lambda: b.closed("t2"))
+        b.final("t2")
+    assert not [f for f in b.raw if f.stream_id == "t1"]

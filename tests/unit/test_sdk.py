@@ -25,6 +25,7 @@ from trio_websocket import ConnectionRejected, open_websocket_url
 
 import atp
 from atp.consensus.types import FinalResult
+from atp.security.identity import Role
 from atp.wire.codec import FrameCodec
 from atp.wire.frame import Flag, Frame
 from tests.conftest import start_router
@@ -120,11 +121,14 @@ async def test_idempotency_key_returns_the_same_stream(router_env):
 # ---------------------------------------------------------------------------- auth
 
 TOKEN_A, TOKEN_B = "tok-alpha-0123456789", "tok-bravo-9876543210"
+#: Tenant ``ops``, role operator only (metrics and health, no streams).
+TOKEN_OPS = "tok-ops-5555555555"
 
 
 @pytest.fixture
 async def authed_env(nursery, policies_dir):
-    return await start_router(nursery, policies_dir, tokens=frozenset({TOKEN_A, TOKEN_B}))
+    return await start_router(nursery, policies_dir, tokens=frozenset({TOKEN_A, TOKEN_B}),
+                              client_tokens={"ops": TOKEN_OPS}, client_roles={"ops": frozenset({Role.OPERATOR})})
 
 
 @pytest.mark.parametrize("header", [None, "Bearer wrong-token", f"Basic {TOKEN_A}", TOKEN_A])
@@ -162,11 +166,19 @@ async def test_sdk_with_tokens(authed_env):
     async with atp.Client(authed_env.url, TOKEN_A) as a, atp.Client(authed_env.url, TOKEN_B) as b:
         _, st = await a.open_stream(task=META, content=golden("bugsinpy-thefuck-23"))
         assert (await a.result(st))["result"]["findings"]
-        assert "atp_streams_opened" in await a.metrics()
-        # Another valid token is another client: it may not read this stream.
+        # Metrics are an operator's: a client token is refused after authentication.
+        with pytest.raises(atp.ATPClientError) as ei:
+            await a.metrics()
+        assert (ei.value.code, ei.value.status) == ("ESEC", 403)
+        # Another valid token is another tenant: to it this stream does not exist.
         with pytest.raises(atp.ATPClientError) as ei:
             await b.result(st)
-        assert (ei.value.code, ei.value.status) == ("ESEC", 403)
+        assert (ei.value.code, ei.value.status) == ("EPROTO", 404)
+    async with atp.Client(authed_env.url, TOKEN_OPS) as ops:
+        assert "atp_streams_opened" in await ops.metrics()
+        with pytest.raises(atp.ATPClientError) as ei:
+            await ops.open_stream(task=META)
+        assert (ei.value.code, ei.value.status) == ("ESEC", 403)  # an operator opens no stream
     async with atp.Client(authed_env.url) as anonymous:
         with pytest.raises(atp.ATPClientError) as ei:
             [ev async for ev in anonymous.events(st)]

@@ -16,12 +16,17 @@ import trio
 from atp.adapters.base import Fragment, Prompt
 from atp.adapters.registry import build_adapter
 from atp.adapters.tools.bandit import BanditAdapter
-from atp.adapters.tools.base import find_executable
+from atp.adapters.tools.base import (
+    DEFAULT_LIMITS,
+    LIMIT_OPTIONS,
+    ToolLimits,
+    find_executable,
+)
 from atp.adapters.tools.ruff import RuffAdapter, grade
 from atp.consensus.types import AgentReport, Severity
 from atp.policy.rib import AgentSpec, ModelSpec
 from atp.review.diff import changed_lines, parse_diff
-from atp.wire.errors import AgentError, ErrorCode
+from atp.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp.wire.frame import CostEstimate, PayloadType
 
 H, M, L = Severity.HIGH, Severity.MEDIUM, Severity.LOW
@@ -208,8 +213,8 @@ class _ScriptTool(RuffAdapter):
 
     tool = "python"
 
-    def __init__(self, code: str) -> None:
-        super().__init__("script", scope="file")
+    def __init__(self, code: str, limits: ToolLimits = DEFAULT_LIMITS) -> None:
+        super().__init__("script", scope="file", limits=limits)
         self.code = code
 
     def argv(self, paths: list[str]) -> list[str]:
@@ -302,10 +307,16 @@ def test_registry_builds_tools_from_rib_entries() -> None:
     )
     bandit = build_adapter("sec.bandit", AgentSpec(layer="L1", p95_ms=900, tool="bandit", options={"skip": []}))
     assert isinstance(bandit, BanditAdapter) and bandit.skip == [] and bandit.scope == "changed"
-    with pytest.raises(ValueError, match=r"options\.selekt: unknown option for tool ruff \(known: context, ignore"):
+    with pytest.raises(ValueError, match=r"options\.selekt: unknown option for tool ruff \(known: address_space_bytes, context, cpu_s, ignore"):
         build_adapter("x", AgentSpec(layer="L1", p95_ms=1, tool="ruff", options={"selekt": ["F"]}))
     with pytest.raises(ValueError, match=r"options\.context: expected int"):
         build_adapter("x", AgentSpec(layer="L1", p95_ms=1, tool="bandit", options={"context": True}))
+    # Resource limits ride in the same options; the agent's timeout_ms is the tool's wall clock.
+    limited = build_adapter("x", AgentSpec(layer="L1", p95_ms=1, tool="ruff", timeout_ms=5_000,
+                                           options={"cpu_s": 5, "max_file_bytes": 4096}))
+    assert (limited.limits.cpu_s, limited.limits.max_file_bytes, limited.limits.timeout_s) == (5, 4096, 5.0)
+    with pytest.raises(ValueError, match=r"options\.cpu_s"):
+        build_adapter("x", AgentSpec(layer="L1", p95_ms=1, tool="ruff", options={"cpu_s": 0}))
     google = ModelSpec(provider="google", ctx="2M", cost=3.0)
     gemini = build_adapter("reviewer.gemini", AgentSpec(layer="L3", p95_ms=1200, model="gemini-pro"), google)
     assert type(gemini).__name__ == "GeminiAdapter" and gemini.model == "gemini-pro"
@@ -355,3 +366,202 @@ async def test_tools_run_cleanly_on_every_golden_task(scope: str) -> None:
         # thefuck-23 swaps a safe cache for pickle on a changed line: both tools see it.
         assert any(c.startswith("bugsinpy-thefuck-23 ruff thefuck/utils.py:183 medium S301") for c in catches)
         assert any(c.startswith("bugsinpy-thefuck-23 bandit thefuck/utils.py:183 medium B301") for c in catches)
+
+
+# --- bounded resources (issue 7: one task must not stall the router) -----------------
+
+KIB, MIB = 1024, 1024 * 1024
+
+
+def dense(n_bytes: int) -> str:
+    """Python text of about ``n_bytes`` (whole lines) on which ruff reports several
+    findings per line: its JSON report is ~80 times the input."""
+    out, size, i = [], 0, 0
+    while size < n_bytes:
+        line = f"def f{i}(a=[]):\n    eval(a); x == None; import os\n"
+        out.append(line)
+        size += len(line)
+        i += 1
+    return "".join(out)
+
+
+def _workdirs() -> set[str]:
+    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("atp-tool-")}
+
+
+def _gone(pid: int) -> bool:
+    """The process exited (or is a zombie waiting for a reaper that is not us)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
+def test_limits_defaults_validation_and_rib_options() -> None:
+    assert DEFAULT_LIMITS == ToolLimits(
+        max_file_bytes=MIB, max_files_bytes=8 * MIB, max_files=2000, max_diff_bytes=8 * MIB, cpu_s=60,
+        address_space_bytes=2 * 1024 * MIB, output_bytes=16 * MIB, timeout_s=60.0,
+    )
+    assert RuffAdapter().limits is DEFAULT_LIMITS and BanditAdapter().limits is DEFAULT_LIMITS
+    assert LIMIT_OPTIONS == {"max_file_bytes", "max_files_bytes", "max_files", "max_diff_bytes", "cpu_s",
+                             "address_space_bytes", "output_bytes", "timeout_s"}
+    for bad in ({"cpu_s": 0}, {"max_files": -1}, {"output_bytes": 1.5}, {"timeout_s": 0.0}, {"max_file_bytes": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ToolLimits(**bad)
+    got = ToolLimits.from_options({"max_file_bytes": 2 * MIB, "timeout_s": 5, "select": ["F"]})
+    assert got == ToolLimits(max_file_bytes=2 * MIB, timeout_s=5)
+    with pytest.raises(ValueError, match=r"^options\.cpu_s: must be a positive number"):
+        ToolLimits.from_options({"cpu_s": -1})
+    with pytest.raises(TypeError, match="limits must be ToolLimits"):
+        RuffAdapter(limits={"cpu_s": 1})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("content", "limits", "named"),
+    [
+        # The attack of issue 7: a 5 MB file (refused before it is even encoded).
+        ({"files": {"big.py": "x = 1\n" * 900_000}}, DEFAULT_LIMITS, "over the limit max_file_bytes=1,048,576 (1 MiB)"),
+        # UTF-8 bytes count, not characters: 600 × "é" is 1,200 bytes.
+        ({"files": {"é.py": "é" * 600}}, ToolLimits(max_file_bytes=1000),
+         "is 1,200 bytes, over the limit max_file_bytes=1,000"),
+        ({"files": {"a.py": "x" * 600, "b/c.py": "y" * 600}}, ToolLimits(max_files_bytes=1000),
+         "over the limit max_files_bytes=1,000"),
+        ({"files": {f"m{i}.txt": "" for i in range(11)}}, ToolLimits(max_files=10),
+         "has 11 files, over the limit max_files=10"),
+        ({"diff": "+" * 2000, "files": {"a.py": "x = 1\n"}}, ToolLimits(max_diff_bytes=1000),
+         "content.diff is at least 2,000 bytes, over the limit max_diff_bytes=1,000"),
+        ({"diff": "+" + "é" * 600, "files": {"a.py": "x = 1\n"}}, ToolLimits(max_diff_bytes=1000),
+         "content.diff is 1,201 bytes, over the limit max_diff_bytes=1,000"),
+    ],
+)
+async def test_task_over_a_limit_is_a_client_error_and_runs_nothing(content, limits, named) -> None:
+    before = _workdirs()
+    tool = _ScriptTool("raise SystemExit(9)", limits=limits)  # would be EAGENTDOWN if it ran
+    with pytest.raises(ClientInputError) as e:
+        await _report(tool, Prompt(task_type="code_review", content=content))
+    assert e.value.code is ErrorCode.EPROTO and e.value.client_fault and e.value.agent == "script"
+    assert named in e.value.reason
+    assert _workdirs() == before  # nothing written, nothing run
+    assert tool.health().error_rate == 0 and tool.health().up  # the client's fault, not the tool's
+
+
+async def test_refused_paths_and_bad_content_are_client_faults() -> None:
+    changed, whole = RuffAdapter("ruff", scope="changed"), RuffAdapter("ruff", scope="file")
+    for adapter, content in (
+        (changed, {"files": {"../x.py": "x = 1\n"}}),
+        (changed, {"files": ["a.py"]}),
+        (changed, {"files": {"a.py": "x = 1\n"}}),  # no diff
+        (changed, {"diff": 7, "files": {}}),
+        (whole, {"files": {"a.py": "x = 1\n"}, "diff": ["not", "a", "diff"]}),
+        (whole, {"files": {"a.py": "x", "a.py/b.py": "y"}}),  # cannot be laid out as a tree
+        (whole, {"files": {"a.py": "\ud800"}}),  # a lone surrogate: no UTF-8 for it
+    ):
+        with pytest.raises(ClientInputError) as e:
+            await _report(adapter, Prompt(task_type="code_review", content=content))
+        assert e.value.code is ErrorCode.EPROTO
+    assert changed.health().error_rate == 0 and whole.health().error_rate == 0
+
+
+async def test_big_non_python_files_are_skipped_not_refused() -> None:
+    content = {"files": {"fixture.json": "[" + "0," * MIB + "0]", "a.py": "print(nope)\n"}}
+    report, _ = await _report(RuffAdapter("ruff", scope="file"), Prompt(task_type="code_review", content=content))
+    assert [(f.file, f.rule) for f in report.findings] == [("a.py", "F821")]
+    assert report.summary.endswith("1 non-Python file(s) skipped")
+
+
+async def test_address_space_limit_is_named() -> None:
+    tool = _ScriptTool("bytearray(1024 * 2**20)", limits=ToolLimits(address_space_bytes=256 * MIB))
+    with pytest.raises(ClientInputError) as e:
+        await _report(tool, Prompt(task_type="code_review", content={"files": {"a.py": "x = 1\n"}}))
+    assert "address_space_bytes=268,435,456 (256 MiB)" in e.value.reason and "MemoryError" in e.value.reason
+    assert tool.health().error_rate == 0
+
+
+async def test_cpu_limit_is_named() -> None:
+    tool = _ScriptTool("while True: pass", limits=ToolLimits(cpu_s=1))
+    t0 = trio.current_time()
+    with pytest.raises(ClientInputError) as e:
+        await _report(tool, Prompt(task_type="code_review", content={"files": {"a.py": "x = 1\n"}}))
+    assert e.value.reason == "python used up its CPU limit cpu_s=1 s on this task; killed"
+    assert trio.current_time() - t0 < 20  # ~1 s of CPU, however loaded the machine
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+async def test_output_cap_kills_the_analyser(tmp_path: Path, stream: str) -> None:
+    pidfile = tmp_path / "pid"
+    code = (f"import os, sys, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); "
+            f"sys.{stream}.write('x' * (4 * 2**20)); sys.{stream}.flush(); time.sleep(60)")
+    tool = _ScriptTool(code, limits=ToolLimits(output_bytes=MIB))
+    t0 = trio.current_time()
+    with pytest.raises(ClientInputError) as e:
+        await _report(tool, Prompt(task_type="code_review", content={"files": {"a.py": "x = 1\n"}}))
+    assert e.value.reason == "python wrote more than the output limit output_bytes=1,048,576 (1 MiB) for this task; killed"
+    assert trio.current_time() - t0 < 30 and _gone(int(pidfile.read_text()))
+
+
+async def test_wall_clock_timeout_kills_the_process_group(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    code = (f"import os, subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
+            f"'import time; time.sleep(60)']); open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}'); "
+            f"time.sleep(60)")
+    tool = _ScriptTool(code, limits=ToolLimits(timeout_s=2))
+    t0 = trio.current_time()
+    with pytest.raises(AgentError) as e:
+        await _report(tool, Prompt(task_type="code_review", content={"files": {"a.py": "x = 1\n"}}))
+    assert not isinstance(e.value, ClientInputError)  # the tool's own failure
+    assert (e.value.code, e.value.reason) == (ErrorCode.ETIMEOUT,
+                                              "python ran past its wall-clock limit timeout_s=2 s; killed")
+    assert trio.current_time() - t0 < 30
+    parent, child = map(int, pids.read_text().split())
+    with trio.fail_after(10):
+        while not (_gone(parent) and _gone(child)):
+            await trio.sleep(0.05)
+
+
+async def test_cancellation_kills_the_analyser(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+    tool = _ScriptTool(f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(60)")
+    with trio.move_on_after(20) as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_report, tool, Prompt(task_type="code_review", content={"files": {"a.py": "x\n"}}))
+            while not pidfile.exists() or not pidfile.read_text():
+                await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()
+    assert not scope.cancelled_caught and _gone(int(pidfile.read_text()))
+
+
+async def test_real_ruff_past_its_output_and_memory_limits() -> None:
+    prompt = Prompt(task_type="code_review", content={"files": {"d.py": dense(64 * KIB)}})
+    with pytest.raises(ClientInputError) as e:
+        await _report(RuffAdapter("ruff", scope="file", limits=ToolLimits(output_bytes=256 * KIB)), prompt)
+    assert "output limit output_bytes=262,144 (256 KiB)" in e.value.reason
+    prompt = Prompt(task_type="code_review", content={"files": {"d.py": dense(600 * KIB)}})
+    with pytest.raises(ClientInputError) as e:
+        await _report(RuffAdapter("ruff", scope="file", limits=ToolLimits(address_space_bytes=64 * MIB)), prompt)
+    assert "address-space limit address_space_bytes=67,108,864 (64 MiB)" in e.value.reason
+
+
+async def test_large_report_is_parsed_off_the_event_loop() -> None:
+    """~12 MB of ruff JSON (under the 16 MiB cap) becomes ~19,000 findings while a
+    ticker on the event loop keeps its 5 ms beat: no gap near 100 ms."""
+    gaps: list[float] = []
+    report: list[AgentReport] = []
+
+    async def run() -> None:
+        r, _ = await _report(RuffAdapter("ruff", scope="file"),
+                             Prompt(task_type="code_review", content={"files": {"d.py": dense(160 * KIB)}}))
+        report.append(r)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        last = trio.current_time()
+        while not report:
+            await trio.sleep(0.005)
+            now = trio.current_time()
+            gaps.append(now - last)
+            last = now
+    findings = report[0].findings
+    assert len(findings) > 10_000 and {f.file for f in findings} == {"d.py"}
+    assert {"B006", "S307", "E711", "F401"} <= {f.rule for f in findings}
+    print(f"\n{len(findings)} findings; event-loop gaps: max {max(gaps) * 1000:.1f} ms over {len(gaps)} ticks")
+    assert max(gaps) < 0.1

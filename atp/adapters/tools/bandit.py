@@ -10,13 +10,21 @@ LOW/MEDIUM/HIGH → low/medium/high, ``issue_confidence`` → 0.4/0.65/0.85,
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
+from typing import Any
 
-from atp.adapters.tools.base import ToolAdapter, relative
+import msgspec
+
+from atp.adapters.tools.base import (
+    DEFAULT_LIMITS,
+    ToolAdapter,
+    ToolLimits,
+    decode_items,
+    relative,
+)
 from atp.consensus.types import AgentFinding, Severity
 
-__all__ = ["BanditAdapter", "CONFIDENCE", "DEFAULT_SKIP", "SEVERITY"]
+__all__ = ["CONFIDENCE", "DEFAULT_SKIP", "SEVERITY", "BanditAdapter"]
 
 SEVERITY = {"LOW": Severity.LOW, "MEDIUM": Severity.MEDIUM, "HIGH": Severity.HIGH}
 CONFIDENCE = {"LOW": 0.4, "MEDIUM": 0.65, "HIGH": 0.85}
@@ -24,6 +32,24 @@ CONFIDENCE = {"LOW": 0.4, "MEDIUM": 0.65, "HIGH": 0.85}
 #: Noise in review: ``assert`` (B101), importing subprocess (B404), any subprocess
 #: call without a shell (B603), a command found on PATH (B607).
 DEFAULT_SKIP: tuple[str, ...] = ("B101", "B404", "B603", "B607")
+
+
+class _Result(msgspec.Struct):
+    """The fields of one bandit JSON result the adapter reads (others are skipped)."""
+
+    filename: str
+    line_number: int
+    issue_severity: str
+    issue_confidence: str
+    issue_text: str
+    test_id: str
+    line_range: list[int] | None = None
+    issue_cwe: Any = None
+
+
+class _Report(msgspec.Struct):
+    results: list[msgspec.Raw]
+    errors: list[Any] | None = None
 
 
 class BanditAdapter(ToolAdapter):
@@ -41,8 +67,9 @@ class BanditAdapter(ToolAdapter):
         context: int = 0,
         strengths: Iterable[str] | None = None,
         skip: Iterable[str] = DEFAULT_SKIP,
+        limits: ToolLimits = DEFAULT_LIMITS,
     ) -> None:
-        super().__init__(name, scope=scope, context=context, strengths=strengths)
+        super().__init__(name, scope=scope, context=context, strengths=strengths, limits=limits)
         self.skip = list(skip)
         for test_id in self.skip:
             if not isinstance(test_id, str) or not test_id.isalnum():
@@ -55,27 +82,30 @@ class BanditAdapter(ToolAdapter):
         return [*args, *paths]
 
     def parse(self, stdout: bytes, root: str) -> tuple[list[AgentFinding], list[str]]:
-        report = json.loads(stdout)
-        if not isinstance(report, dict) or not isinstance(report.get("results"), list):
-            raise ValueError("expected a JSON object with 'results'")
+        """bandit's JSON report as findings (runs in a worker thread)."""
+        report = msgspec.json.decode(stdout, type=_Report)
         findings: list[AgentFinding] = []
-        for r in report["results"]:
-            start = int(r["line_number"])
-            lines = [int(n) for n in r.get("line_range") or [start]]
-            cwe = r.get("issue_cwe") or {}
+        paths: dict[str, str] = {}
+        for r in decode_items(report.results, _Result):
+            start = r.line_number
+            lines = r.line_range or [start]
+            cwe = r.issue_cwe or {}
             cwe_id = cwe.get("id") if isinstance(cwe, dict) else None
+            path = paths.get(r.filename)
+            if path is None:
+                path = paths[r.filename] = relative(r.filename, root)
             findings.append(
                 AgentFinding(
-                    file=relative(r["filename"], root),
+                    file=path,
                     start=start,
                     end=max(start, *lines),
-                    severity=SEVERITY.get(r["issue_severity"], Severity.INFO),
-                    claim=f"{r['test_id']}: {r['issue_text']}",
-                    confidence=CONFIDENCE.get(r["issue_confidence"], 0.4),
-                    rule=r["test_id"],
+                    severity=SEVERITY.get(r.issue_severity, Severity.INFO),
+                    claim=f"{r.test_id}: {r.issue_text}",
+                    confidence=CONFIDENCE.get(r.issue_confidence, 0.4),
+                    rule=r.test_id,
                     cwe=f"CWE-{cwe_id}" if cwe_id else None,
                 )
             )
-        errors = report.get("errors") or []
+        errors = report.errors or []
         notes = [f"{len(errors)} file(s) could not be parsed"] if errors else []
         return findings, notes

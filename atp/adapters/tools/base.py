@@ -3,52 +3,165 @@
 A :class:`ToolAdapter` turns a ``code_review`` prompt (``content = {"diff": str,
 "files": {path: after-diff text}}``) into one FINAL :class:`AgentReport`:
 
-1. validate ``files`` (relative, normalised paths; text values) — anything that
-   could escape the work directory is refused with ``AgentError(EPROTO)``;
+1. bound and validate the task, off the event loop (a worker thread): ``files``
+   has relative, normalised paths and text values — anything that could escape
+   the work directory is refused — and stays within :class:`ToolLimits` (below);
 2. pick the Python files to analyse: with ``scope="changed"`` only the files the
    diff touched (``content["diff"]`` is then required), with ``scope="file"`` all;
 3. write them into a private temporary directory, run the analyser there as a
-   subprocess (no shell, a minimal environment; binary found next to
-   ``sys.executable`` first, then on ``PATH``), parse its JSON;
+   subprocess (no shell, a minimal environment, its own process group; binary
+   found next to ``sys.executable`` first, then on ``PATH``) under resource
+   limits, and parse its JSON off the event loop;
 4. with ``scope="changed"``, keep only findings that touch a changed line
    (± ``context`` lines), number them (``ref`` 1, 2, …) and yield the report with
    zero usage: tools cost no tokens and no USD.
 
-Errors: analyser missing or exiting abnormally → ``AgentError(EAGENTDOWN)``; output
-that is not the JSON the analyser documents → ``AgentError(EPROTO)``. Reasons quote
-the tail of the analyser's stderr with the work directory's path masked.
+Limits (:class:`ToolLimits`; every field is a constructor default, so
+``ToolLimits()`` is the documented default set, :data:`DEFAULT_LIMITS`):
+
+==========================  ==========  =====================================================
+field                       default     bounds
+==========================  ==========  =====================================================
+``max_file_bytes``          1 MiB       one analysed (``.py``/``.pyi``) file, UTF-8 bytes
+``max_files_bytes``         8 MiB       all analysed files of the task together, UTF-8 bytes
+``max_files``               2,000       entries in ``content.files`` (any suffix)
+``max_diff_bytes``          8 MiB       ``content.diff``, UTF-8 bytes
+``cpu_s``                   60 s        CPU time of the analyser process (``RLIMIT_CPU``;
+                                        all its threads; SIGXCPU, then SIGKILL 1 s later)
+``address_space_bytes``     2 GiB       virtual memory of the analyser (``RLIMIT_AS``)
+``output_bytes``            16 MiB      stdout + stderr read from the analyser; past it the
+                                        process group is killed
+``timeout_s``               60 s        wall clock of one analyser run; then killed
+==========================  ==========  =====================================================
+
+The defaults fit code review: real Python code is ~30 bytes a line, so 1 MiB is
+~35,000 lines in one file and 8 MiB a very large change; ruff checks that in well
+under a second and bandit in tens of seconds, in a few hundred MB; 16 MiB of
+output is ~20,000 ruff findings, more than any review can use. Non-Python files
+in ``files`` are never written nor analysed and only count toward ``max_files``.
+
+Errors (spec §10). Failures the client's input caused are
+:class:`~atp.wire.errors.ClientInputError` (``EPROTO``, ``client_fault``; never
+counted against the next-hop): a refused path or non-text file, content that is
+not a ``code_review`` body, a task over a limit, and an analyser run that hit its
+CPU, address-space or output limit on that input — the reason names the limit
+and its value. The analyser's own failures are ``AgentError``: missing or exiting
+abnormally → ``EAGENTDOWN``; past ``timeout_s`` → ``ETIMEOUT``; output that is not
+the JSON the analyser documents → ``EPROTO``. Reasons quote the tail of the
+analyser's stderr with the work directory's path masked. Cancellation (the
+dispatcher's deadline, an RST) kills the analyser's process group at once.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
+import functools
 import os
 import posixpath
 import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterable, Mapping
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
+import msgspec
 import trio
 
 from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
 from atp.adapters.openai_compat import CallStats
 from atp.consensus.types import AgentFinding, AgentReport, Usage
 from atp.review.diff import changed_lines, parse_diff
-from atp.wire.errors import AgentError, ErrorCode
+from atp.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
-__all__ = ["ToolAdapter", "find_executable", "relative", "safe_relpath"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "LIMIT_OPTIONS",
+    "ToolAdapter",
+    "ToolLimits",
+    "decode_items",
+    "find_executable",
+    "relative",
+    "safe_relpath",
+]
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
 
 _STDERR_TAIL = 400
 # What an analyser needs from the router's environment; API keys and other
 # secrets stay out of the subprocess.
 _ENV_KEEP = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR")
 _DRIVE_RE = re.compile(r"^[A-Za-z]:")
+_READ_CHUNK = 64 * KiB
+# Items decoded between two releases of the GIL while parsing (a few hundred µs
+# of work): the event loop thread waits at most that long for it.
+_ITEMS_PER_YIELD = 64
+# What an analyser prints when an allocation fails under RLIMIT_AS: Rust's abort
+# message, Python's MemoryError, libc's ENOMEM text, C++'s bad_alloc.
+_OOM_MARKERS = (b"memory allocation of", b"MemoryError", b"Cannot allocate memory", b"out of memory",
+                b"std::bad_alloc")
+
+T = TypeVar("T")
+
+
+def _size(n: int) -> str:
+    for unit, width in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= width and n % width == 0:
+            return f"{n // width} {unit}"
+    return f"{n:,} bytes"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolLimits:
+    """Resource limits of one tool next-hop; the defaults (and what they bound) are
+    the module docstring's table. Byte sizes are bytes, ``cpu_s`` whole CPU
+    seconds, ``timeout_s`` wall-clock seconds. Raises ``ValueError`` naming the
+    field when one is not positive."""
+
+    max_file_bytes: int = 1 * MiB
+    max_files_bytes: int = 8 * MiB
+    max_files: int = 2_000
+    max_diff_bytes: int = 8 * MiB
+    cpu_s: int = 60
+    address_space_bytes: int = 2 * GiB
+    output_bytes: int = 16 * MiB
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{f.name}: must be a positive number, got {value!r:.40}")
+            if f.name != "timeout_s" and not isinstance(value, int):
+                raise ValueError(f"{f.name}: must be a whole number, got {value!r:.40}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], *, base: ToolLimits | None = None) -> ToolLimits:
+        """``base`` (default :data:`DEFAULT_LIMITS`) with the fields named in
+        ``options`` (a RIB ``agents.<name>.options`` mapping; keys outside
+        :data:`LIMIT_OPTIONS` are not read). Raises ``ValueError`` naming the
+        option when a value is not a positive number of the field's kind."""
+        chosen = {k: v for k, v in options.items() if k in LIMIT_OPTIONS}
+        try:
+            return dataclasses.replace(base or DEFAULT_LIMITS, **chosen)
+        except ValueError as e:
+            raise ValueError(f"options.{e}") from None
+
+
+#: The default limits (the module docstring's table).
+DEFAULT_LIMITS = ToolLimits()
+#: Names of the :class:`ToolLimits` fields, as RIB ``options`` keys.
+LIMIT_OPTIONS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(ToolLimits))
 
 
 def find_executable(name: str) -> str | None:
@@ -63,7 +176,7 @@ def find_executable(name: str) -> str | None:
 
 def safe_relpath(path: object) -> str:
     """Return ``path`` if it is a normalised relative POSIX path that stays inside
-    the directory it is joined to; raise ``AgentError(EPROTO)`` otherwise.
+    the directory it is joined to; raise ``ClientInputError(EPROTO)`` otherwise.
 
     Refused: non-strings, empty, absolute (``/x``, ``C:x``), any ``..`` component,
     backslashes (a Windows separator here would mean something else), NUL, and
@@ -71,7 +184,7 @@ def safe_relpath(path: object) -> str:
     from the diff's.
     """
     if not isinstance(path, str) or not path:
-        raise AgentError(ErrorCode.EPROTO, f"file path must be a non-empty string, got {path!r:.80}")
+        raise ClientInputError(f"file path must be a non-empty string, got {path!r:.80}")
     if (
         path.startswith("/")
         or _DRIVE_RE.match(path)
@@ -80,8 +193,30 @@ def safe_relpath(path: object) -> str:
         or ".." in path.split("/")
         or posixpath.normpath(path) != path
     ):
-        raise AgentError(ErrorCode.EPROTO, f"refused file path {path!r:.200}: must be relative and inside the task")
+        raise ClientInputError(f"refused file path {path!r:.200}: must be relative and inside the task")
     return path
+
+
+def decode_items(raws: Iterable[msgspec.Raw], type: type[T]) -> Iterator[T]:
+    """Decode each JSON item of ``raws`` as ``type``, releasing the GIL every few
+    dozen items: called in a worker thread, a large analyser report never holds
+    the event loop's thread off for more than a fraction of a millisecond.
+    Raises ``msgspec.DecodeError`` / ``ValidationError`` (both ``ValueError``)."""
+    decoder = msgspec.json.Decoder(type)
+    for i, raw in enumerate(raws, 1):
+        yield decoder.decode(raw)
+        if i % _ITEMS_PER_YIELD == 0:
+            time.sleep(0)  # releases the GIL
+
+
+@dataclass(slots=True)
+class _Task:
+    """A bounded, validated task: the files to analyse (UTF-8 bytes), the changed
+    lines to keep (``None``: all), and how many files were not Python."""
+
+    targets: dict[str, bytes]
+    keep: dict[str, set[int]] | None
+    skipped: int
 
 
 class ToolAdapter(ProviderAdapter):
@@ -92,7 +227,8 @@ class ToolAdapter(ProviderAdapter):
 
     ``scope`` is ``"changed"`` (findings on changed lines only; the prompt must
     carry ``content["diff"]``) or ``"file"`` (whole files); ``context`` widens the
-    changed lines by that many lines each side.
+    changed lines by that many lines each side; ``limits`` bounds the task and
+    the analyser process (default :data:`DEFAULT_LIMITS`, see the module docstring).
     """
 
     tool: ClassVar[str]
@@ -107,15 +243,19 @@ class ToolAdapter(ProviderAdapter):
         scope: str = "changed",
         context: int = 0,
         strengths: Iterable[str] | None = None,
+        limits: ToolLimits = DEFAULT_LIMITS,
     ) -> None:
         if scope not in ("changed", "file"):
             raise ValueError(f"scope must be 'changed' or 'file', got {scope!r}")
         if context < 0:
             raise ValueError(f"context must be >= 0 lines, got {context}")
+        if not isinstance(limits, ToolLimits):
+            raise TypeError(f"limits must be ToolLimits, got {type(limits).__name__}")
         self.name = name
         self.scope = scope
         self.context = context
         self.strengths = list(strengths) if strengths else list(self.default_strengths)
+        self.limits = limits
         self._stats = CallStats()
 
     # -- ProviderAdapter -----------------------------------------------------------
@@ -129,19 +269,21 @@ class ToolAdapter(ProviderAdapter):
         return CostEstimate()
 
     def health(self) -> Health:
-        """p95 latency (ms) and error rate over the last ~100 runs."""
+        """p95 latency (ms) and error rate over the last ~100 runs (runs refused
+        for the client's input are not counted)."""
         return self._stats.health()
 
     async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
         """Run the analyser and yield one FINAL fragment (content ``AgentReport``,
-        usage zero). Raises ``AgentError`` (EPROTO / EAGENTDOWN) as the module
+        usage zero). Raises ``ClientInputError`` / ``AgentError`` as the module
         docstring describes."""
         t0 = trio.current_time()
         try:
             report = await self.review(prompt)
         except AgentError as e:
             e.agent = e.agent or self.name
-            self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=e.code is ErrorCode.EAGENTDOWN)
+            if not e.client_fault:
+                self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=e.code is ErrorCode.EAGENTDOWN)
             raise
         self._stats.record((trio.current_time() - t0) * 1000, ok=True)
         yield Fragment(type=PayloadType.FINAL, content=report, usage=Usage())
@@ -150,33 +292,80 @@ class ToolAdapter(ProviderAdapter):
 
     async def review(self, prompt: Prompt) -> AgentReport:
         """The report :meth:`stream` yields, for callers that want it directly."""
-        files = _task_files(prompt.content)
+        task = await trio.to_thread.run_sync(self._bound, prompt.content)
+        findings: list[AgentFinding] = []
+        notes: list[str] = []
+        if task.targets:
+            findings, notes = await self._run(task.targets)
+        return await trio.to_thread.run_sync(self._conclude, task, findings, notes)
+
+    def _bound(self, content: Any) -> _Task:
+        """Validate and bound the task (module docstring, step 1-2); runs in a
+        worker thread. Raises ClientInputError naming the limit or the field."""
+        lim = self.limits
+        if not isinstance(content, Mapping):
+            raise ClientInputError("content must be an object with 'files' (and 'diff')")
+        files = content.get("files")
+        if not isinstance(files, dict):
+            raise ClientInputError("content.files must map paths to file text")
+        if len(files) > lim.max_files:
+            raise ClientInputError(f"content.files has {len(files):,} files, over the limit max_files={lim.max_files:,}")
+        diff = content.get("diff")
+        if diff is not None and not isinstance(diff, str):
+            raise ClientInputError("content.diff must be a unified diff string")
+        if isinstance(diff, str):
+            _check_len("content.diff", diff, "max_diff_bytes", lim.max_diff_bytes)
+            size = len(diff.encode("utf-8", "surrogatepass"))
+            if size > lim.max_diff_bytes:
+                raise _over("content.diff", f"{size:,} bytes", "max_diff_bytes", lim.max_diff_bytes)
+        encoded: dict[str, bytes] = {}
+        total = 0
+        for path, text in files.items():
+            safe_relpath(path)
+            if not isinstance(text, str):
+                raise ClientInputError(f"content.files[{path!r:.200}] must be text")
+            if not path.endswith(self.suffixes):
+                continue
+            what = f"content.files[{path!r:.200}]"
+            _check_len(what, text, "max_file_bytes", lim.max_file_bytes)
+            try:
+                # surrogateescape: text decoded that way round-trips byte for byte.
+                data = text.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                raise ClientInputError(f"{what} is not encodable as UTF-8") from None
+            if len(data) > lim.max_file_bytes:
+                raise _over(what, f"{len(data):,} bytes", "max_file_bytes", lim.max_file_bytes)
+            total += len(data)
+            if total > lim.max_files_bytes:
+                raise _over("the Python in content.files", f"more than {lim.max_files_bytes:,} bytes",
+                            "max_files_bytes", lim.max_files_bytes)
+            encoded[path] = data
         keep: dict[str, set[int]] | None = None
         if self.scope == "changed":
-            diff = prompt.content.get("diff")
             if not isinstance(diff, str):
-                raise AgentError(ErrorCode.EPROTO, "scope 'changed' needs content.diff (a unified diff string)")
+                raise ClientInputError("scope 'changed' needs content.diff (a unified diff string)")
             keep = _widen(changed_lines(parse_diff(diff)), self.context)
-        targets = {p: text for p, text in files.items() if p.endswith(self.suffixes) and (keep is None or keep.get(p))}
-        skipped = sum(1 for p in files if not p.endswith(self.suffixes))
-        notes: list[str] = []
-        findings: list[AgentFinding] = []
-        if targets:
-            findings, notes = await self._run(targets)
+        targets = {p: data for p, data in encoded.items() if keep is None or keep.get(p)}
+        return _Task(targets=targets, keep=keep, skipped=len(files) - len(encoded))
+
+    def _conclude(self, task: _Task, findings: list[AgentFinding], notes: list[str]) -> AgentReport:
+        """Filter, order and number the findings (module docstring, step 4); runs
+        in a worker thread."""
+        keep = task.keep
         if keep is not None:
             findings = [f for f in findings if _touches(f, keep.get(f.file, ()))]
-        findings = [f for f in findings if f.file in targets]
+        findings = [f for f in findings if f.file in task.targets]
         findings.sort(key=lambda f: (f.file, f.start, f.rule or "", f.claim))
         for i, f in enumerate(findings, 1):
             f.ref = str(i)
-        summary = f"{self.tool}: {len(findings)} finding(s) in {len(targets)} file(s)"
-        if skipped:
-            summary += f"; {skipped} non-Python file(s) skipped"
+        summary = f"{self.tool}: {len(findings)} finding(s) in {len(task.targets)} file(s)"
+        if task.skipped:
+            summary += f"; {task.skipped} non-Python file(s) skipped"
         if notes:
             summary += "; " + "; ".join(notes)
         return AgentReport(findings=findings, summary=summary)
 
-    async def _run(self, targets: Mapping[str, str]) -> tuple[list[AgentFinding], list[str]]:
+    async def _run(self, targets: Mapping[str, bytes]) -> tuple[list[AgentFinding], list[str]]:
         exe = find_executable(self.tool)
         if exe is None:
             raise AgentError(
@@ -186,34 +375,96 @@ class ToolAdapter(ProviderAdapter):
         try:
             # "./" keeps a file named like an option ("-x.py") from being read as one.
             argv = [exe, *self.argv(["./" + p for p in sorted(targets)])]
+            returncode, stdout, stderr = await self._exec(argv, root)
+            self._check_exit(returncode, stderr, root)
             try:
-                proc = await trio.run_process(
-                    argv,
-                    cwd=root,
-                    env={k: os.environ[k] for k in _ENV_KEEP if k in os.environ},
-                    stdin=subprocess.DEVNULL,
-                    capture_stdout=True,
-                    capture_stderr=True,
-                    check=False,
-                )
-            except OSError as e:
-                raise AgentError(ErrorCode.EAGENTDOWN, f"{self.tool} could not start: {e.strerror}") from None
-            if proc.returncode != 0:
-                raise AgentError(
-                    ErrorCode.EAGENTDOWN,
-                    f"{self.tool} exited with status {proc.returncode}: {_tail(proc.stderr, root)}",
-                )
-            try:
-                return self.parse(proc.stdout, root)
+                return await trio.to_thread.run_sync(self.parse, stdout, root)
             except (ValueError, KeyError, TypeError) as e:
                 raise AgentError(
                     ErrorCode.EPROTO,
                     f"{self.tool} output is not its JSON report ({_mask(str(e), root)[:200]}): "
-                    f"{_tail(proc.stderr, root)}",
+                    f"{_tail(stderr, root)}",
                 ) from None
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(shutil.rmtree, root, True)
+
+    async def _exec(self, argv: list[str], root: str) -> tuple[int, bytes, bytes]:
+        """Run ``argv`` in ``root`` under :attr:`limits`: rlimits set in the child,
+        stdout and stderr read together up to ``output_bytes``, the whole run
+        under ``timeout_s``. The process group is killed on any way out before
+        the analyser exited (limit, timeout, cancellation). Returns (exit status,
+        stdout, stderr); raises ClientInputError (output cap) or AgentError
+        (ETIMEOUT, EAGENTDOWN when it cannot start)."""
+        lim = self.limits
+        try:
+            proc = await trio.lowlevel.open_process(
+                argv,
+                cwd=root,
+                env={k: os.environ[k] for k in _ENV_KEEP if k in os.environ},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # its own process group: killed as a whole
+                preexec_fn=functools.partial(_set_child_limits, _rlimits(lim)),
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise AgentError(ErrorCode.EAGENTDOWN, f"{self.tool} could not start: {reason}") from None
+        assert proc.stdout is not None and proc.stderr is not None
+        out, err = bytearray(), bytearray()
+        capped = False
+        try:
+            with trio.fail_after(lim.timeout_s):
+                async with trio.open_nursery() as nursery:
+
+                    async def drain(pipe: trio.abc.ReceiveStream, buf: bytearray) -> None:
+                        nonlocal capped
+                        while chunk := await pipe.receive_some(_READ_CHUNK):
+                            if len(out) + len(err) + len(chunk) > lim.output_bytes:
+                                capped = True
+                                nursery.cancel_scope.cancel()
+                                return
+                            buf += chunk
+
+                    nursery.start_soon(drain, proc.stdout, out)
+                    nursery.start_soon(drain, proc.stderr, err)
+                if not capped:
+                    await proc.wait()
+        except trio.TooSlowError:
+            raise AgentError(
+                ErrorCode.ETIMEOUT, f"{self.tool} ran past its wall-clock limit timeout_s={lim.timeout_s:g} s; killed"
+            ) from None
+        finally:
+            with trio.CancelScope(shield=True):
+                if proc.returncode is None:
+                    _kill_group(proc)
+                    await proc.wait()
+                await proc.stdout.aclose()
+                await proc.stderr.aclose()
+        if capped:
+            raise ClientInputError(
+                f"{self.tool} wrote more than the output limit output_bytes={lim.output_bytes:,} "
+                f"({_size(lim.output_bytes)}) for this task; killed"
+            )
+        assert proc.returncode is not None
+        return proc.returncode, bytes(out), bytes(err)
+
+    def _check_exit(self, returncode: int, stderr: bytes, root: str) -> None:
+        """Raise for an abnormal exit: the CPU or address-space limit hit →
+        ClientInputError naming it; any other → AgentError(EAGENTDOWN)."""
+        if returncode == 0:
+            return
+        lim = self.limits
+        if returncode == -signal.SIGXCPU:
+            raise ClientInputError(f"{self.tool} used up its CPU limit cpu_s={lim.cpu_s} s on this task; killed")
+        if any(m in stderr for m in _OOM_MARKERS):
+            raise ClientInputError(
+                f"{self.tool} ran out of its address-space limit address_space_bytes={lim.address_space_bytes:,} "
+                f"({_size(lim.address_space_bytes)}) on this task: {_tail(stderr, root)}"
+            )
+        status = f"signal {_signame(-returncode)}" if returncode < 0 else f"status {returncode}"
+        raise AgentError(ErrorCode.EAGENTDOWN, f"{self.tool} exited with {status}: {_tail(stderr, root)}")
 
     @abc.abstractmethod
     def argv(self, paths: list[str]) -> list[str]:
@@ -223,7 +474,8 @@ class ToolAdapter(ProviderAdapter):
     @abc.abstractmethod
     def parse(self, stdout: bytes, root: str) -> tuple[list[AgentFinding], list[str]]:
         """Findings (``file`` relative to ``root``, POSIX) and short notes for the
-        summary. Raise ValueError/KeyError/TypeError on malformed output."""
+        summary. Runs in a worker thread (use :func:`decode_items` for long
+        lists). Raise ValueError/KeyError/TypeError on malformed output."""
 
 
 def relative(filename: str, root: str) -> str:
@@ -232,15 +484,55 @@ def relative(filename: str, root: str) -> str:
     return Path(os.path.relpath(os.path.realpath(full), os.path.realpath(root))).as_posix()
 
 
-def _task_files(content: Mapping[str, Any]) -> dict[str, str]:
-    files = content.get("files")
-    if not isinstance(files, dict):
-        raise AgentError(ErrorCode.EPROTO, "content.files must map paths to file text")
-    for path, text in files.items():
-        safe_relpath(path)
-        if not isinstance(text, str):
-            raise AgentError(ErrorCode.EPROTO, f"content.files[{path!r}] must be text")
-    return files
+def _over(what: str, size: str, name: str, limit: int) -> ClientInputError:
+    """The refusal of a task over limit ``name`` (spec §10 EPROTO, a client fault)."""
+    return ClientInputError(f"{what} is {size}, over the limit {name}={limit:,} ({_size(limit)})")
+
+
+def _check_len(what: str, text: str, name: str, limit: int) -> None:
+    # Every character is at least one UTF-8 byte: a text longer than the limit is
+    # refused before anything is encoded.
+    if len(text) > limit:
+        raise _over(what, f"at least {len(text):,} bytes", name, limit)
+
+
+def _rlimits(lim: ToolLimits) -> list[tuple[int, tuple[int, int]]]:
+    """(resource, (soft, hard)) for the analyser, never above this process's own
+    hard limits (raising a hard limit needs privileges). The CPU hard limit is one
+    second past the soft one, so SIGXCPU comes first; no core files."""
+    wanted = [
+        (resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1)),
+        (resource.RLIMIT_AS, (lim.address_space_bytes, lim.address_space_bytes)),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ]
+    out = []
+    for res, (soft, hard) in wanted:
+        cur_hard = resource.getrlimit(res)[1]
+        if cur_hard != resource.RLIM_INFINITY:
+            soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+        out.append((res, (soft, hard)))
+    return out
+
+
+def _set_child_limits(limits: list[tuple[int, tuple[int, int]]]) -> None:
+    """``preexec_fn``: runs in the forked child before ``exec``; only setrlimit calls."""
+    for res, pair in limits:
+        resource.setrlimit(res, pair)
+
+
+def _signame(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return str(num)
+
+
+def _kill_group(proc: trio.Process) -> None:
+    # The group leader is not reaped yet (returncode is None), so its pgid is ours.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _widen(lines: Mapping[str, set[int]], context: int) -> dict[str, set[int]]:
@@ -253,19 +545,19 @@ def _touches(f: AgentFinding, lines: Iterable[int]) -> bool:
     return any(f.start <= n <= f.end for n in lines)
 
 
-def _write_tree(files: Mapping[str, str]) -> str:
+def _write_tree(files: Mapping[str, bytes]) -> str:
     root = tempfile.mkdtemp(prefix="atp-tool-")
     try:
-        for rel, text in files.items():
+        for rel, data in files.items():
             dest = os.path.join(root, rel)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
-            # newline="" writes the text byte-for-byte (CRLF files keep their ends).
-            with open(dest, "x", encoding="utf-8", errors="surrogateescape", newline="") as fh:
-                fh.write(text)
+            # Bytes as given: CRLF files keep their line ends.
+            with open(dest, "xb") as fh:
+                fh.write(data)
     except OSError as e:
         shutil.rmtree(root, ignore_errors=True)
         # e.g. "a" given both as a file and as a directory of "a/b.py".
-        raise AgentError(ErrorCode.EPROTO, f"content.files cannot be laid out as a tree: {e.strerror}") from None
+        raise ClientInputError(f"content.files cannot be laid out as a tree: {e.strerror}") from None
     return root
 
 

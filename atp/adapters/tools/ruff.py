@@ -12,10 +12,17 @@ confidence per rule class: how often that class is a real defect in review.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 
-from atp.adapters.tools.base import ToolAdapter, relative
+import msgspec
+
+from atp.adapters.tools.base import (
+    DEFAULT_LIMITS,
+    ToolAdapter,
+    ToolLimits,
+    decode_items,
+    relative,
+)
 from atp.consensus.types import AgentFinding, Severity
 
 __all__ = ["DEFAULT_IGNORE", "DEFAULT_SELECT", "GRADES", "RuffAdapter", "grade"]
@@ -96,6 +103,21 @@ def grade(code: str) -> tuple[Severity, float]:
     return _DEFAULT_GRADE
 
 
+class _Location(msgspec.Struct):
+    row: int
+
+
+class _Diagnostic(msgspec.Struct):
+    """The fields of one ruff JSON diagnostic the adapter reads (others are skipped)."""
+
+    filename: str
+    location: _Location
+    message: str
+    code: str | None = None
+    name: str | None = None
+    end_location: _Location | None = None
+
+
 class RuffAdapter(ToolAdapter):
     """ruff next-hop. ``select``/``ignore`` are ruff rule selectors (default
     :data:`DEFAULT_SELECT` / :data:`DEFAULT_IGNORE`); ``target_version`` (``"py39"``
@@ -114,8 +136,9 @@ class RuffAdapter(ToolAdapter):
         select: Iterable[str] = DEFAULT_SELECT,
         ignore: Iterable[str] = DEFAULT_IGNORE,
         target_version: str | None = None,
+        limits: ToolLimits = DEFAULT_LIMITS,
     ) -> None:
-        super().__init__(name, scope=scope, context=context, strengths=strengths)
+        super().__init__(name, scope=scope, context=context, strengths=strengths, limits=limits)
         self.select = list(select)
         self.ignore = list(ignore)
         if not self.select:
@@ -135,21 +158,23 @@ class RuffAdapter(ToolAdapter):
         return [*args, *paths]
 
     def parse(self, stdout: bytes, root: str) -> tuple[list[AgentFinding], list[str]]:
-        items = json.loads(stdout or b"[]")
-        if not isinstance(items, list):
-            raise ValueError("expected a JSON list of diagnostics")
+        """ruff's JSON list of diagnostics as findings (runs in a worker thread)."""
+        items = msgspec.json.decode(stdout or b"[]", type=list[msgspec.Raw])
         findings: list[AgentFinding] = []
         syntax_seen: set[str] = set()
-        for d in items:
-            path = relative(d["filename"], root)
-            code = d.get("code") or d.get("name") or "invalid-syntax"
+        paths: dict[str, str] = {}
+        for d in decode_items(items, _Diagnostic):
+            path = paths.get(d.filename)
+            if path is None:
+                path = paths[d.filename] = relative(d.filename, root)
+            code = d.code or d.name or "invalid-syntax"
             if code == "invalid-syntax":
                 # One parse error cascades into several; the first is the finding.
                 if path in syntax_seen:
                     continue
                 syntax_seen.add(path)
-            start = int(d["location"]["row"])
-            end = max(start, int((d.get("end_location") or d["location"])["row"]))
+            start = d.location.row
+            end = max(start, (d.end_location or d.location).row)
             severity, confidence = grade(code)
             findings.append(
                 AgentFinding(
@@ -157,7 +182,7 @@ class RuffAdapter(ToolAdapter):
                     start=max(start, 1),
                     end=max(end, 1),
                     severity=severity,
-                    claim=f"{code}: {d['message']}",
+                    claim=f"{code}: {d.message}",
                     confidence=confidence,
                     rule=code,
                 )
