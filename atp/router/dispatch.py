@@ -99,6 +99,7 @@ from atp.flow.budget import BudgetLedger, Refusal, Reservation, usd_to_micros
 from atp.flow.qos import Grant, Preempt, QosScheduler, Refused, Revoke
 from atp.flow.window import Admission, Estimate, InFlight, WindowTable
 from atp.flow.window import Window as FlowWindow
+from atp.security.redact import scrub
 from atp.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode
 from atp.wire.frame import Flag, Frame, Payload, PayloadType, QoS, WindowUpdate
 from atp.wire.reassembly import MessageComplete, Reassembler
@@ -162,6 +163,12 @@ class TaskPlan:
     stream_id: str = ""
     #: The FIB of the stream's RIB generation: fallbacks and data-scope clearance.
     fib: Any = None  # atp.policy.fib.Fib
+    #: The prompt a given next-hop may see (spec §11 data scope): ``prompt``
+    #: itself, or a copy with what the agent is not cleared for redacted. Raises
+    #: :class:`~atp.wire.errors.ClientInputError` (``ESEC``) when the content
+    #: carries a ``forbidden`` category the agent is not cleared for: that
+    #: next-hop is not called. ``None``: every next-hop sees ``prompt``.
+    prompt_for: Callable[[str], Prompt] | None = None
     #: Wake-ups of calls waiting for room in this stream's window.
     waiters: set[trio.Event] = field(default_factory=set)
     #: Index (in route order) of the next-hop whose admission is being decided.
@@ -410,6 +417,7 @@ class FlowGates:
 @dataclass(slots=True)
 class _Admitted:
     adapter: ProviderAdapter
+    prompt: Prompt
     estimate: Estimate
     stream_call: InFlight
     agent_call: InFlight
@@ -512,10 +520,13 @@ class Dispatcher:
             triggers = []
         if not reports:
             if refused:
+                codes = {o.error.code for o in refused if o.error}
                 raise ClientInputError(
-                    "task refused: " + "; ".join(_agent_reason(o.agent, o.error) for o in refused if o.error)
+                    scrub("task refused: " + "; ".join(_agent_reason(o.agent, o.error) for o in refused if o.error)),
+                    # A data-scope refusal everywhere is ESEC (§11); other refused input EPROTO.
+                    code=ErrorCode.ESEC if codes == {ErrorCode.ESEC} else ErrorCode.EPROTO,
                 )
-            failed = "; ".join(f"{o.agent}: {o.error.code} {o.error.reason}" for o in plan.attempts if o.error)
+            failed = scrub("; ".join(f"{o.agent}: {o.error.code} {o.error.reason}" for o in plan.attempts if o.error))
             if plan.exhausted is not None or any(
                 o.error is not None and o.error.code is ErrorCode.EBUDGET for o in plan.attempts
             ):
@@ -627,7 +638,7 @@ class Dispatcher:
     def _report(self, io: StreamIO, out: LegOutcome, what_next: str) -> None:
         err = out.error
         assert err is not None
-        reason = _agent_reason(out.agent, err)
+        reason = scrub(_agent_reason(out.agent, err))
         io.emit_error(err.code, reason + what_next, agent=out.agent, retry_after_ms=err.retry_after_ms)
         if out.window_update is not None:
             io.emit_window_update(out.window_update)
@@ -775,7 +786,8 @@ class Dispatcher:
                 )
                 return None
             try:
-                est = adapter.estimate(plan.prompt)
+                prompt = plan.prompt if plan.prompt_for is None else plan.prompt_for(agent)
+                est = adapter.estimate(prompt)
             except ATPError as e:
                 out.error = e
                 return None
@@ -859,7 +871,7 @@ class Dispatcher:
                 out.error = AgentError(ErrorCode.EBUDGET, f"{agent} not called: {reservation.reason}", agent=agent)
                 return None
             undo.clear()
-            return _Admitted(adapter, estimate, stream_call, agent_call, ticket, reservation)
+            return _Admitted(adapter, prompt, estimate, stream_call, agent_call, ticket, reservation)
         finally:
             pass_turn()
             for f in reversed(undo):
@@ -876,7 +888,7 @@ class Dispatcher:
         reasm = Reassembler()
         frag_seq = 0
         final: Fragment | None = None
-        async with aclosing(admitted.adapter.stream(plan.prompt)) as fragments:
+        async with aclosing(admitted.adapter.stream(admitted.prompt)) as fragments:
             async for frag in fragments:
                 if frag.usage is not None:
                     out.usage = frag.usage
