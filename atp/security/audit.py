@@ -5,16 +5,17 @@ Each :class:`AuditRecord` carries ``prev``, the previous record's ``hash`` (64
 zeros for the first), and ``hash`` = SHA-256 over the canonical JSON (sorted
 keys, no spaces, UTF-8) of every other field. Editing a record breaks its hash;
 deleting or reordering records breaks ``seq`` continuity or a ``prev`` link;
-rewriting the whole tail consistently is caught by a **checkpoint**
+rewriting the whole tail consistently is caught by the **checkpoints**
 ``{seq, hash, mac}``: HMAC-SHA256 of the head under the audit key
 (``ATP_AUDIT_KEY``, else ``<state-dir>/audit.key``, created 0600), which the
 writer stores every ``every`` records, ``interval_ms`` after the oldest
-unsigned record, and at clean shutdown — in the store *and* in the file
+unsigned record, and at clean shutdown — in the store (all of them kept, so a
+rewrite is narrowed to one checkpoint interval) *and*, the newest, in the file
 ``<state-dir>/audit.head`` (atomic write + rename), so that truncating the
-table (checkpoint row included) is still detected. What is not caught: losing
-the records written after the newest checkpoint (at most ``every`` records or
-``interval_ms`` of them) together with the store's checkpoint row is
-indistinguishable from a crash just before them.
+table (checkpoint rows included) is still detected. What is not caught:
+deleting only records written after the newest checkpoint (at most ``every``
+records or ``interval_ms`` of them) — indistinguishable from a crash just
+before they were written.
 
 The core — :func:`chain_record`, :func:`record_hash`, :func:`make_checkpoint`,
 :func:`verify`, :func:`scrub_detail` — is sans-IO (time comes in as ``now_ms``).
@@ -261,31 +262,38 @@ def verify(records: Iterable[AuditRecord], checkpoints: Iterable[AuditCheckpoint
     recs = list(records)
     problems: list[tuple[int, str]] = []
     prev, good = GENESIS, 0
+    present = {r.seq for r in recs}
     for i, r in enumerate(recs):
         want = i + 1
         if r.seq != want:
-            if r.seq > want:
+            if r.seq > want and want not in present:
                 problems.append((want, f"record {want} is missing (record {r.seq} follows record {want - 1})"))
             else:
                 problems.append((want, f"out of order: record {r.seq} found where record {want} belongs"))
             break
         if r.prev != prev:
-            problems.append((want, f"prev does not match the hash of record {want - 1} (deleted, reordered or "
-                                   "rewritten records)"))
+            why = f"prev does not match the hash of record {want - 1} (deleted, reordered or rewritten records)"
+            problems.append((want, why))
             break
         if _hash_of(r) != r.hash:
             problems.append((want, "hash does not match the record's content (edited)"))
             break
         prev, good = r.hash, want
     last = recs[-1].seq if recs else 0
-    for cp in checkpoints:
+    cps = list(checkpoints)
+    beyond = 0
+    for cp in cps:
         if not hmac.compare_digest(_mac(key, cp.seq, cp.hash), cp.mac):
             problems.append((cp.seq, f"checkpoint at record {cp.seq} has a bad MAC (forged, or another audit key)"))
-        elif cp.seq > max(last, good):
-            problems.append((good + 1, f"truncated: a checkpoint covers record {cp.seq} but the log ends at "
-                                       f"record {last}"))
+        elif cp.seq > last:
+            beyond = max(beyond, cp.seq)
         elif cp.seq <= good and recs[cp.seq - 1].hash != cp.hash:
-            problems.append((cp.seq, f"record {cp.seq} differs from its MACed checkpoint (chain rewritten)"))
+            since = max((c.seq for c in cps if c.seq < cp.seq and c.seq <= good and recs[c.seq - 1].hash == c.hash),
+                        default=0) + 1
+            why = f"record {cp.seq} differs from its MACed checkpoint (records {since}-{cp.seq} rewritten)"
+            problems.append((cp.seq, why))
+    if beyond:
+        problems.append((good + 1, f"truncated: a checkpoint covers record {beyond} but the log ends at record {last}"))
     if problems:
         seq, reason = min(problems, key=lambda p: p[0])
         return VerifyReport(ok=False, records=len(recs), first_bad_seq=seq, reason=reason, head=prev)
@@ -493,12 +501,12 @@ def audit_main(argv: list[str]) -> int:
         except AuditError as e:
             print(f"audit: {e}", file=sys.stderr)
             return 2
-        table_cp = store.audit_checkpoint()
+        table_cps = store.audit_checkpoints()
         records = store.audit_records()
-    if table_cp is not None and head_file is None:
-        print(f"audit: BROKEN at record {table_cp.seq}: audit.head is missing but the store has a checkpoint")
+    if table_cps and head_file is None:
+        print(f"audit: BROKEN at record {table_cps[-1].seq}: audit.head is missing but the store has a checkpoint")
         return 1
-    report = verify(records, [cp for cp in (table_cp, head_file) if cp is not None], key)
+    report = verify(records, [*table_cps, *([head_file] if head_file is not None else [])], key)
     if report.ok:
         print(f"audit: OK, {report.records} records, head {report.head[:12]}")
         return 0

@@ -34,7 +34,7 @@ account or stream; also a ``KeyError``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from msgspec import Struct
 
@@ -219,8 +219,9 @@ class Store(ABC):
         :class:`StoreError`)."""
 
     @abstractmethod
-    def audit_records(self, after: int = 0) -> list[AuditRecord]:
-        """Audit records with ``seq`` > ``after``, in ``seq`` order."""
+    def audit_records(self, after: int = 0, limit: int | None = None) -> list[AuditRecord]:
+        """Audit records with ``seq`` > ``after``, in ``seq`` order, at most
+        ``limit`` of them (``None``: all)."""
 
     @abstractmethod
     def audit_head(self) -> AuditRecord | None:
@@ -231,8 +232,14 @@ class Store(ABC):
         """The latest MACed audit checkpoint, or ``None``."""
 
     @abstractmethod
+    def audit_checkpoints(self) -> list[AuditCheckpoint]:
+        """Every stored audit checkpoint, in ``seq`` order (each narrows where a
+        rewritten chain went wrong)."""
+
+    @abstractmethod
     def put_audit_checkpoint(self, checkpoint: AuditCheckpoint) -> None:
-        """Replace the stored audit checkpoint."""
+        """Store a new audit checkpoint (the latest is the one with the highest
+        ``seq``)."""
 
     # ---------------------------------------------------------------------- kv
     @abstractmethod
@@ -248,7 +255,7 @@ class Store(ABC):
     def close(self) -> None:
         """Release the backend (idempotent)."""
 
-    def __enter__(self) -> Store:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

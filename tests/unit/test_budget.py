@@ -4,15 +4,24 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+import msgspec
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from atp.flow.budget import (
+    AccountState,
     Allowance,
     BudgetLedger,
     Charge,
+    LedgerSnapshot,
     Refusal,
     Reservation,
     micros_to_usd,
@@ -204,6 +213,128 @@ def test_unlimited_chain():
     assert lg.commit(r, 2 * 10**12, 1) == Charge(tokens=2 * 10**12, usd_micros=1)
 
 
+class RecordingJournal:
+    """A LedgerJournal that keeps the calls it got, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def on_open(self, key, parent, limit):
+        self.calls.append(("open", key, parent, limit))
+
+    def on_close(self, key):
+        self.calls.append(("close", key))
+
+    def on_reserve(self, reservation):
+        self.calls.append(("reserve", reservation))
+
+    def on_extend(self, reservation):
+        self.calls.append(("extend", reservation))
+
+    def on_commit(self, reservation, charge):
+        self.calls.append(("commit", reservation, charge))
+
+    def on_release(self, reservation):
+        self.calls.append(("release", reservation))
+
+    def on_set_limit(self, key, limit):
+        self.calls.append(("set_limit", key, limit))
+
+
+def test_journal_sees_every_successful_mutation_in_order():
+    j = RecordingJournal()
+    lg = BudgetLedger(journal=j)
+    lg.open("c", Allowance(tokens=100))
+    lg.open("s", Allowance(), parent="c")
+    r = lg.reserve("s", 10, 5)
+    g = lg.extend(r, 5, 0)
+    ch = lg.commit(g, 12, 3)
+    r2 = lg.reserve("s", 1, 0)
+    lg.release(r2)
+    assert lg.set_limit("c", Allowance(tokens=5), clamp=True) is None  # clamped to what is held
+    lg.close("s")
+    assert j.calls == [
+        ("open", "c", None, Allowance(tokens=100)),
+        ("open", "s", "c", Allowance()),
+        ("reserve", r),
+        ("extend", Reservation(id=r.id, key="s", tokens=15, usd_micros=5)),
+        ("commit", g, ch),
+        ("reserve", r2),
+        ("release", r2),
+        ("set_limit", "c", Allowance(tokens=12)),
+        ("close", "s"),
+    ]
+
+
+def test_journal_not_told_of_refusals_or_errors():
+    j = RecordingJournal()
+    lg = BudgetLedger()
+    lg.open("c", Allowance(tokens=10))
+    lg.journal = j  # may be attached later
+    r = lg.reserve("c", 10, 0)
+    n = len(j.calls)
+    assert isinstance(lg.reserve("c", 1, 0), Refusal)
+    assert isinstance(lg.extend(r, 1, 0), Refusal)
+    assert isinstance(lg.set_limit("c", Allowance(tokens=1)), Refusal)
+    with pytest.raises(ValueError):
+        lg.open("c", Allowance())
+    with pytest.raises(ValueError):
+        lg.close("c")
+    lg.release(r)
+    with pytest.raises(ValueError):
+        lg.commit(r, 1, 0)
+    assert j.calls[n:] == [("release", r)]
+
+
+def test_snapshot_restore_roundtrip():
+    lg = BudgetLedger()
+    lg.open("client:b", Allowance(tokens=1_000, usd_micros=9_000))
+    lg.open("stream:z", Allowance(tokens=500), parent="client:b")
+    lg.open("stream:a", Allowance(), parent="client:b")
+    lg.commit(lg.reserve("stream:z", 100, 100), 400, 50)
+    open1 = lg.reserve("stream:a", 30, 3)
+    open2 = lg.extend(lg.reserve("stream:z", 20, 2), 5, 0)
+    snap = lg.snapshot()
+    assert [a.key for a in snap.accounts] == ["client:b", "stream:a", "stream:z"]  # depth, then key
+    assert snap.reservations == (open1, open2) and snap.next_id == 4
+    # It survives an encode/decode, as a store would do.
+    snap = msgspec.json.decode(msgspec.json.encode(snap), type=LedgerSnapshot)
+    back = BudgetLedger()
+    back.restore(snap)
+    assert back.snapshot() == snap
+    assert back.remaining("stream:z") == lg.remaining("stream:z")
+    back.commit(open2, 25, 2)  # the restored reservations settle
+    assert back.reserve("stream:a", 1, 0).id == 4  # ids are not reused
+    with pytest.raises(ValueError, match="empty ledger"):
+        back.restore(snap)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda s: msgspec.structs.replace(s, accounts=s.accounts[::-1]), "not before it"),
+        (lambda s: msgspec.structs.replace(s, accounts=(s.accounts[0], s.accounts[0])), "appears twice"),
+        (lambda s: msgspec.structs.replace(s, reservations=(*s.reservations, s.reservations[0])), "appears twice"),
+        (lambda s: msgspec.structs.replace(
+            s, reservations=(Reservation(id=9, key="nobody", tokens=1, usd_micros=0),)), "unknown account"),
+        (lambda s: msgspec.structs.replace(s, reservations=()), "other reservations"),
+        (lambda s: msgspec.structs.replace(
+            s, reservations=(Reservation(id=1, key="s", tokens=-1, usd_micros=0),)), ">= 0"),
+    ],
+)
+def test_restore_refuses_inconsistent_snapshots(edit, match):
+    lg = BudgetLedger()
+    lg.open("c", Allowance(tokens=10))
+    lg.open("s", Allowance(), parent="c")
+    lg.reserve("s", 3, 0)
+    back = BudgetLedger()
+    with pytest.raises(ValueError, match=match):
+        back.restore(edit(lg.snapshot()))
+    assert back.snapshot() == LedgerSnapshot(accounts=(), reservations=(), next_id=1)  # left empty
+    back.restore(lg.snapshot())
+    assert isinstance(back.state("c"), AccountState)
+
+
 class LedgerMachine(RuleBasedStateMachine):
     """Random interleavings of reserve/commit/release over many streams under one
     client: the limits are never passed and nothing leaks."""
@@ -274,6 +405,12 @@ class LedgerMachine(RuleBasedStateMachine):
         assert (c.reserved_tokens, c.reserved_usd_micros) == (held_t, held_u)
         assert c.open_reservations == 0
         assert sum(self.lg.state(k).open_reservations for k in self.streams) == len(self.open)
+
+    @invariant()
+    def snapshot_restores_the_same_ledger(self):
+        back = BudgetLedger()
+        back.restore(self.lg.snapshot())
+        assert back.snapshot() == self.lg.snapshot()
 
     def teardown(self):
         for r in self.open:
