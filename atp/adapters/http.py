@@ -31,6 +31,7 @@ import email.utils
 import json
 import os
 import random
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -260,6 +261,13 @@ class HTTPNextHop(ProviderAdapter):
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._stats = CallStats()
+        self._tls: ssl.SSLContext | None = None
+
+    def use_tls(self, context: ssl.SSLContext) -> None:
+        """Verify the next-hop's certificate with ``context`` (its CA, and the
+        router's client certificate for mTLS: :func:`atp.security.tls.client_context`)
+        instead of the system defaults. Call before the first request."""
+        self._tls = context
 
     def health(self) -> Health:
         """p95 latency (ms) and error rate over the last ~100 calls; ``up`` is false
@@ -278,6 +286,7 @@ class HTTPNextHop(ProviderAdapter):
                 base_url=self._base_url,
                 timeout=httpx.Timeout(t, connect=min(t, 10.0)),
                 transport=self._transport,
+                verify=self._tls if self._tls is not None else True,
             )
         return self._client
 

@@ -576,6 +576,10 @@ def from_spec(agent_name: str, agent: AgentSpec) -> ProviderAdapter:
     if "username_env" in opts:
         username = os.environ.get(opts["username_env"])
     tls = None
+    if remote.tls is not None:
+        if any(k in opts for k in ("ca_file", "cert_file", "key_file")):
+            raise ValueError("remote.tls: give the TLS files in remote.tls or in remote.options, not both")
+        opts = {**opts, **{k: v for k, v in msgspec.structs.asdict(remote.tls).items() if v is not None}}
     if any(k in opts for k in ("ca_file", "cert_file", "key_file")) and not addr.tls:
         raise ValueError("remote.url: TLS files are given but the URL is not mqtts://")
     if addr.tls:

@@ -32,14 +32,15 @@ from typing import Any
 from atp.adapters.base import ProviderAdapter
 from atp.adapters.gemini import DEFAULT_BASE_URL as GEMINI_BASE_URL
 from atp.adapters.gemini import GeminiAdapter
-from atp.adapters.http import RetryPolicy
+from atp.adapters.http import HTTPNextHop, RetryPolicy
 from atp.adapters.ollama import DEFAULT_BASE_URL as OLLAMA_BASE_URL
 from atp.adapters.ollama import OllamaAdapter
 from atp.adapters.openai_compat import ChatModelAdapter, OpenAICompatAdapter
 from atp.adapters.tools.bandit import BanditAdapter
 from atp.adapters.tools.base import DEFAULT_LIMITS, LIMIT_OPTIONS, ToolLimits
 from atp.adapters.tools.ruff import RuffAdapter
-from atp.policy.rib import AgentSpec, ModelSpec
+from atp.policy.rib import AgentSpec, ModelSpec, TlsClientSpec
+from atp.security.tls import client_context
 
 __all__ = [
     "PROVIDER_FACTORIES",
@@ -208,7 +209,7 @@ def build_adapter(agent_name: str, agent: AgentSpec, model: ModelSpec | None = N
     below ``ctx``. Reads no secrets: API keys are read from ``api_key_env`` per call.
     """
     if agent.remote is not None:
-        return _remote_factory(agent.remote.protocol)(agent_name, agent)
+        return _with_tls(_remote_factory(agent.remote.protocol)(agent_name, agent), agent.remote.tls, "remote.tls")
     if agent.tool is not None:
         tool_factory = TOOL_FACTORIES.get(agent.tool)
         if tool_factory is None:
@@ -224,4 +225,18 @@ def build_adapter(agent_name: str, agent: AgentSpec, model: ModelSpec | None = N
             f"model: provider {model.provider!r} of model {agent.model!r} has no adapter yet "
             f"(available: {', '.join(sorted(PROVIDER_FACTORIES))})"
         )
-    return factory(agent_name, agent, model)
+    return _with_tls(factory(agent_name, agent, model), model.tls, "model.tls")
+
+
+def _with_tls(adapter: ProviderAdapter, tls: TlsClientSpec | None, key: str) -> ProviderAdapter:
+    """``adapter`` talking TLS as ``tls`` says (CA, client certificate for mTLS);
+    a next-hop that is not reached over HTTP takes its TLS elsewhere (the 2389
+    adapter reads ``remote.tls`` itself)."""
+    if tls is None or not isinstance(adapter, HTTPNextHop):
+        return adapter
+    try:
+        ctx = client_context(ca_file=tls.ca_file, cert_file=tls.cert_file, key_file=tls.key_file)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
+    adapter.use_tls(ctx)
+    return adapter

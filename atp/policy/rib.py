@@ -48,6 +48,7 @@ __all__ = [
     "RefError",
     "Rib",
     "SpecError",
+    "TlsClientSpec",
     "Window",
     "fallback_cycle",
     "parse_tokens",
@@ -124,6 +125,24 @@ def parse_tokens(value: int | str) -> int:
     return int(float(m.group(1).replace("_", "")) * _SUFFIX[m.group(2).lower()])
 
 
+class TlsClientSpec(Struct, forbid_unknown_fields=True, kw_only=True):
+    """TLS towards an HTTP next-hop (spec §4.1, §11 AuthN: mTLS between router and
+    agents or downstream routers): ``ca_file`` the PEM bundle that verifies the
+    peer's certificate (None: the system's trust store); ``cert_file`` /
+    ``key_file`` the router's own client certificate and key (both or neither),
+    which makes the connection mutual TLS at TLS 1.3. Paths are files on the
+    router's host; they are read when the RIB is compiled (a missing or bad file
+    refuses the RIB)."""
+
+    ca_file: NonEmptyStr | None = None
+    cert_file: NonEmptyStr | None = None
+    key_file: NonEmptyStr | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise SpecError("cert_file", "give cert_file and key_file together (the client certificate and its key)")
+
+
 class ModelSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     """A model registry entry (spec §6.1).
 
@@ -133,6 +152,8 @@ class ModelSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     omitted, when both are given). ``model`` is the provider's model id (the
     loader defaults it to the registry key). ``api_key_env`` names the env var
     holding the key, never the key. ``openai_compat`` requires ``base_url``.
+    ``tls`` sets the CA and the client certificate towards ``base_url``
+    (:class:`TlsClientSpec`).
     """
 
     provider: Provider
@@ -147,6 +168,7 @@ class ModelSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     api_key_env: EnvName | None = None
     max_out_tokens: PosInt = 512
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 0.0
+    tls: TlsClientSpec | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -188,7 +210,10 @@ class RemoteSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     ``version`` a protocol version where the protocol has several (A2A ``0.3`` /
     ``1.0``); ``auth_env`` the env var holding a credential (never the credential);
     ``cost_usd_per_call`` a flat price charged when the peer reports no usage;
-    ``options`` protocol-specific settings, validated by the adapter.
+    ``options`` protocol-specific settings, validated by the adapter; ``tls`` the
+    CA and client certificate for ``https://`` (A2A, Agent API) and ``mqtts://``
+    (2389) peers (:class:`TlsClientSpec`; for mqtt2389 the older
+    ``options.ca_file/cert_file/key_file`` still work).
     """
 
     protocol: Literal["mqtt2389", "a2a", "agent_api"]
@@ -198,6 +223,7 @@ class RemoteSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     auth_env: NonEmptyStr | None = None
     cost_usd_per_call: Annotated[float, Meta(ge=0.0)] = 0.0
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+    tls: TlsClientSpec | None = None
 
 
 class AgentSpec(Struct, forbid_unknown_fields=True, kw_only=True):

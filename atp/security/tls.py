@@ -293,3 +293,20 @@ async def serve_websocket_tls(
         log.info("WebSocket over TLS 1.3 on port %d", server.port)
         task_status.started(server)
         await trio.sleep_forever()
+
+
+def client_context(*, ca_file: str | None = None, cert_file: str | None = None,
+                   key_file: str | None = None) -> ssl.SSLContext:
+    """A TLS client context towards a next-hop (spec §4.1, §11): verifies the
+    peer's certificate and host name against ``ca_file`` (None: the system's trust
+    store); with ``cert_file``/``key_file`` it presents the router's client
+    certificate (mutual TLS) and requires TLS 1.3, else TLS 1.2 at least (public
+    model APIs). Raises ``ValueError`` naming the file when one cannot be loaded."""
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3 if cert_file else ssl.TLSVersion.TLSv1_2
+        if cert_file is not None:
+            ctx.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"TLS files cannot be loaded: {getattr(e, 'strerror', None) or e}") from None
+    return ctx

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 
-import atp
 import pytest
 import trio
 
+import atp
 from atp.adapters.testing import ScriptedAdapter
 from tests.unit.test_router_dispatch import META, router_with, scripted_agent
 

@@ -35,6 +35,7 @@ def _model(provider, ctx, cost, speed, strengths, model):
         "api_key_env": None,
         "max_out_tokens": 512,
         "temperature": 0.0,
+        "tls": None,
     }
 
 
