@@ -6,9 +6,9 @@
     Every place flagged by any agent becomes one merged finding (union); the
     claim is tie-broken by historical win-rate.
 ``two_phase_commit``
-    A finding is committed only when ``quorum`` (default 2) distinct agents
-    flagged the same place (the second agent's report is the ACK); the rest
-    are listed as uncertainties.
+    A finding is committed only when agents of ``quorum`` (default 2) distinct
+    sources flagged the same place (the second source's report is the ACK; two
+    agents on one model are one source); the rest are listed as uncertainties.
 ``champion_challenger``
     The result is the report of the cheapest acceptable agent (the champion);
     the other agents' extra findings are listed as uncertainties.
@@ -27,9 +27,13 @@ A cluster gives one :class:`~atp.consensus.types.Finding`:
 * ``provenance``: ``"<agent>#<ref>"`` per contributing finding, ``ref`` being
   the finding's ``ref`` or else its 0-based index in the agent's report;
   ordered as the claim tie-break, so ``provenance[0]`` wrote the claim;
-* ``confidence``: noisy-OR over agents, ``1 - Π(1 - c_a)``, where ``c_a`` is
-  the agent's best ``confidence × evidence score`` in the cluster (an agent
-  repeating itself is not independent evidence), rounded to 4 decimals;
+* ``confidence``: noisy-OR over independent *sources*, ``1 - Π(1 - c_s)``,
+  where ``c_s`` is the best ``confidence × evidence score`` any agent of source
+  ``s`` gave in the cluster (an agent repeating itself, or two agents on the
+  same model, are not independent evidence: spec §19 consensus poisoning),
+  rounded to 4 decimals. ``sources`` maps agents to their source (the router
+  passes the RIB model, tool or remote endpoint behind each agent); an agent
+  without one is its own source;
 * ``tests``: the sorted union of contributors' tests.
 
 A hallucinated citation (evidence 0.0: unknown file, or a start past the
@@ -80,6 +84,7 @@ class _Contribution:
 class _Cluster:
     finding: Finding  # id left empty until numbering
     agents: frozenset[str]
+    sources: frozenset[str]  # independent sources behind ``agents``
     order: tuple
     disputed: tuple[Severity, Severity] | None
 
@@ -95,6 +100,7 @@ def merge(
     line_slack: int = 0,
     threshold: float = DEFAULT_THRESHOLD,
     quorum: int = 2,
+    sources: Mapping[str, str] | None = None,
 ) -> Result:
     """Merge agent reports into the §7.3 ``result`` (spec §7.2).
 
@@ -107,7 +113,10 @@ def merge(
     report still corroborates a high one. ``line_slack``: lines allowed between
     spans that still merge. ``threshold``: confidence under which a lone
     finding is an uncertainty, and a report's mean confidence needed to be a
-    champion. ``quorum``: distinct agents needed to commit (two_phase_commit).
+    champion. ``quorum``: distinct sources needed to commit (two_phase_commit).
+    ``sources``: agent → the independent source behind it (a model, a tool, a
+    remote endpoint); agents sharing one count once in confidence, quorum and
+    the lone-finding rule (spec §19); missing agents are their own source.
 
     Raises ``ValueError`` for an unknown strategy, ``line_slack < 0`` or
     ``quorum < 1``.
@@ -120,9 +129,10 @@ def merge(
     contributions = _contributions(reports, win_rates, costs_usd_micros, line_counts)
     agreed = agreement(reports, line_slack=line_slack)
     cited_in = [c for c in contributions if c.evidence > HALLUCINATED]
-    cited = _at_least(_cluster_all(cited_in, line_slack), min_severity)
+    src = dict(sources or {})
+    cited = _at_least(_cluster_all(cited_in, line_slack, src), min_severity)
     uncited = _at_least(
-        _cluster_all([c for c in contributions if c.evidence == HALLUCINATED], line_slack), min_severity
+        _cluster_all([c for c in contributions if c.evidence == HALLUCINATED], line_slack, src), min_severity
     )
 
     flags: list[str] = []
@@ -131,14 +141,14 @@ def merge(
     if strategy == "union_tiebreak":
         kept = cited
         for c in cited:
-            if len(c.agents) == 1 and c.finding.confidence < threshold:
+            if len(c.sources) == 1 and c.finding.confidence < threshold:
                 notes.append((c.order, _note(c, c.finding.claim)))
             elif c.disputed is not None:
                 hi, lo = c.disputed
                 notes.append((c.order, _note(c, f"severity disputed ({hi} vs {lo})")))
     elif strategy == "two_phase_commit":
-        kept = [c for c in cited if len(c.agents) >= quorum]
-        pending = [c for c in cited if len(c.agents) < quorum]
+        kept = [c for c in cited if len(c.sources) >= quorum]
+        pending = [c for c in cited if len(c.sources) < quorum]
         notes.extend((c.order, _note(c, "unconfirmed: " + c.finding.claim)) for c in pending)
         # Spec §7.2: it is the critical changes that need the second ACK; a low
         # finding without one is merely uncertain.
@@ -148,7 +158,7 @@ def merge(
         champion, acceptable = _champion(reports, contributions, costs_usd_micros, threshold)
         if not acceptable:
             flags.append(NO_CHAMPION)
-        kept = _at_least(_cluster_all([c for c in cited_in if c.agent == champion], line_slack), min_severity)
+        kept = _at_least(_cluster_all([c for c in cited_in if c.agent == champion], line_slack, src), min_severity)
         for c in cited:
             if champion not in c.agents:
                 others = ",".join(sorted(c.agents))
@@ -192,22 +202,24 @@ def _contributions(
     return out
 
 
-def _cluster_all(contributions: list[_Contribution], line_slack: int) -> list[_Cluster]:
+def _cluster_all(contributions: list[_Contribution], line_slack: int,
+                 sources: Mapping[str, str]) -> list[_Cluster]:
     groups = clusters(contributions, lambda c: (c.finding.file, c.first, c.last), line_slack=line_slack)
-    return [_merge_cluster(g) for g in groups]
+    return [_merge_cluster(g, sources) for g in groups]
 
 
-def _merge_cluster(group: list[_Contribution]) -> _Cluster:
+def _merge_cluster(group: list[_Contribution], sources: Mapping[str, str]) -> _Cluster:
     ranked = sorted(group, key=lambda c: c.rank)
     lead = ranked[0]  # rank sorts by severity first: lead holds the max severity
     first = min(c.first for c in group)
     last = max(c.last for c in group)
-    best: dict[str, float] = {}
+    best: dict[str, float] = {}  # per independent source
     for c in ranked:
-        best[c.agent] = max(best.get(c.agent, 0.0), c.finding.confidence * c.evidence)
+        s = sources.get(c.agent, "agent:" + c.agent)
+        best[s] = max(best.get(s, 0.0), c.finding.confidence * c.evidence)
     miss = 1.0
-    for agent in sorted(best):
-        miss *= 1.0 - best[agent]
+    for s in sorted(best):
+        miss *= 1.0 - best[s]
     severities = sorted({c.finding.severity for c in group}, key=lambda s: s.rank)
     disputed = (severities[-1], severities[0]) if severities[-1].rank - severities[0].rank >= 2 else None
     patch = next((c.finding.patch for c in ranked if c.finding.patch), None)
@@ -223,7 +235,7 @@ def _merge_cluster(group: list[_Contribution]) -> _Cluster:
         tests=sorted({t for c in group for t in c.finding.tests}),
     )
     order = (-lead.finding.severity.rank, lead.finding.file, first, last, lead.finding.claim)
-    return _Cluster(finding, frozenset(best), order, disputed)
+    return _Cluster(finding, frozenset(c.agent for c in group), frozenset(best), order, disputed)
 
 
 def _at_least(merged: list[_Cluster], min_severity: Severity | None) -> list[_Cluster]:

@@ -51,6 +51,7 @@ __all__ = [
     "TlsClientSpec",
     "Window",
     "fallback_cycle",
+    "independence_source",
     "parse_tokens",
     "reference_errors",
 ]
@@ -373,6 +374,27 @@ class Rib(Struct, forbid_unknown_fields=True, kw_only=True):
     agents: dict[str, AgentSpec] = msgspec.field(default_factory=dict)
     policies: list[PolicySpec] = msgspec.field(default_factory=list)
     clients: dict[str, ClientSpec] = msgspec.field(default_factory=dict)
+
+
+def independence_source(rib: Rib, agent: str) -> str:
+    """What stands behind RIB agent ``agent`` for consensus independence (spec §19
+    consensus poisoning: "require independent sources; penalize correlated
+    errors"): ``model:<provider>:<model id>`` for a model agent (two agents on one
+    model are one source, whatever their prompts), ``tool:<tool>`` for a local tool,
+    ``remote:<protocol>:<url>#<agent_id>`` for a remote agent; ``agent:<name>`` for
+    a name the RIB does not have."""
+    spec = rib.agents.get(agent)
+    if spec is None:
+        return "agent:" + agent
+    if spec.model is not None:
+        model = rib.models.get(spec.model)
+        ident = (model.model or spec.model) if model is not None else spec.model
+        return f"model:{model.provider if model is not None else '?'}:{ident}"
+    if spec.tool is not None:
+        return "tool:" + spec.tool
+    if spec.remote is not None:
+        return f"remote:{spec.remote.protocol}:{spec.remote.url}#{spec.remote.agent_id or ''}"
+    return "agent:" + agent
 
 
 class RefError(Struct, frozen=True):

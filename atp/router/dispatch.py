@@ -429,8 +429,10 @@ class Dispatcher:
     """Runs tasks over the adapters of one RIB generation.
 
     ``adapters`` maps agent names to live adapters; ``win_rates`` come from the
-    RIB; ``gates`` is the router-wide :class:`FlowGates`. ``on_leg`` is called
-    after every attempt (metrics).
+    RIB; ``sources`` maps agents to the independent source behind them
+    (:func:`atp.policy.rib.independence_source`: agents on one model count once
+    in consensus, spec §19); ``gates`` is the router-wide :class:`FlowGates`.
+    ``on_leg`` is called after every attempt (metrics).
     """
 
     def __init__(
@@ -441,10 +443,12 @@ class Dispatcher:
         win_rates: Mapping[str, float],
         gates: FlowGates,
         on_leg: Callable[[LegOutcome], None] | None = None,
+        sources: Mapping[str, str] | None = None,
     ):
         self.adapters = adapters
         self.ledger = ledger
         self.win_rates = win_rates
+        self.sources = dict(sources or {})
         self.gates = gates
         self.on_leg = on_leg
         self.last_triggers: list[str] = []
@@ -572,6 +576,7 @@ class Dispatcher:
             win_rates={a: self.win_rates.get(a, 0.5) for a in reports},
             costs_usd_micros={a: costs.get(a, 0) for a in reports},
             files=plan.prompt.content.get("files"),
+            sources=self.sources,
         )
         return result, reports
 

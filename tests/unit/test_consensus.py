@@ -310,6 +310,37 @@ def test_two_phase_commit_quorum_parameter():
     assert run(reports, strategy="two_phase_commit", quorum=4).findings == []
 
 
+# --- independent sources (spec §19 consensus poisoning) -----------------------------------------
+
+
+def test_agents_on_one_model_are_one_source_for_quorum_and_confidence():
+    """Two agents behind the same model (say, two prompts on one model) that agree
+    on a critical finding are one source: no 2PC quorum (ECONSENSUS, escalate), and
+    the noisy-OR confidence counts the model once. A second, independent source
+    (a tool) makes the quorum and raises the confidence."""
+    poison = {n: rep(f("auth/jwt.py", 10, 10, C, "drop the signature check", 0.8)) for n in ("rev.a", "rev.b")}
+    same = {"rev.a": "model:openai_compat:m", "rev.b": "model:openai_compat:m", "lint": "tool:ruff"}
+    res = run(poison, strategy="two_phase_commit", sources=same)
+    assert res.findings == [] and res.consensus.uncertainties[0] == NO_QUORUM
+    assert consensus_error(res) is ErrorCode.ECONSENSUS
+    # Without the source map the two agents would have been taken as independent.
+    assert len(run(poison, strategy="two_phase_commit").findings) == 1
+    union = run(poison, sources=same).findings[0]
+    assert union.confidence == 0.8 and union.provenance == ["rev.a#0", "rev.b#0"]
+    assert run(poison).findings[0].confidence == 0.96
+    independent = {**poison, "lint": rep(f("auth/jwt.py", 10, 10, H, "jwt decode without verify", 0.5))}
+    res = run(independent, strategy="two_phase_commit", sources=same)
+    assert [x.provenance for x in res.findings] == [["rev.a#0", "rev.b#0", "lint#0"]]
+    assert res.findings[0].confidence == 0.9
+
+
+def test_a_lone_source_under_threshold_stays_an_uncertainty_even_from_two_agents():
+    reports = {n: rep(f("db/q.py", 3, 3, M, "maybe", 0.4)) for n in ("rev.a", "rev.b")}
+    res = run(reports, sources={"rev.a": "model:x:m", "rev.b": "model:x:m"})
+    assert res.consensus.uncertainties == ["db/q.py:3-3 maybe"]
+    assert run(reports).consensus.uncertainties == []
+
+
 # --- champion_challenger -------------------------------------------------------------------------
 
 

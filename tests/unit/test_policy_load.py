@@ -457,3 +457,26 @@ def test_client_spec_schema_lists_the_scopes():
         "budget", "qos_max", "task_types", "max_stream_budget", "max_streams", "rate", "data_categories",
     }
     assert defs["RateSpec"]["required"] == ["per_s", "burst"]
+
+
+def test_independence_source_names_what_stands_behind_each_agent():
+    """Consensus counts agents on one model once (spec §19): the source is the
+    provider's model id, the tool, or the remote endpoint — not the agent name."""
+    from atp.policy.rib import independence_source
+
+    rib = load_rib_text(
+        "models:\n"
+        "  small: {provider: openai_compat, ctx: 8k, cost: 0, base_url: 'http://127.0.0.1:1/v1', model: smol}\n"
+        "  small-alias: {provider: openai_compat, ctx: 8k, cost: 0, base_url: 'http://127.0.0.1:2/v1', model: smol}\n"
+        "agents:\n"
+        "  rev.a: {layer: L2, p95_ms: 1, model: small}\n"
+        "  rev.b: {layer: L2, p95_ms: 1, model: small-alias}\n"
+        "  lint: {layer: L1, p95_ms: 1, tool: ruff}\n"
+        "  far: {layer: L2, p95_ms: 1, remote: {protocol: a2a, url: 'http://127.0.0.1:3/a2a', agent_id: x}}\n"
+        "policies:\n"
+        "  - {match: {task_type: code_review}, fanout: [rev.a, rev.b, lint, far]}\n"
+    )
+    assert independence_source(rib, "rev.a") == independence_source(rib, "rev.b") == "model:openai_compat:smol"
+    assert independence_source(rib, "lint") == "tool:ruff"
+    assert independence_source(rib, "far") == "remote:a2a:http://127.0.0.1:3/a2a#x"
+    assert independence_source(rib, "nobody") == "agent:nobody"
