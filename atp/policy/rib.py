@@ -62,6 +62,9 @@ PROVIDERS: tuple[str, ...] = ("openai", "openai_compat", "ollama", "google")
 #: Local tools usable as ``agents.<name>.tool``. Add a name here when its
 #: adapter lands in :mod:`atp.adapters.tools`.
 TOOLS: frozenset[str] = frozenset({"ruff", "bandit"})
+#: The tools shipped with the router: deterministic analysers, so two agents on
+#: one of them are one consensus source (a tool registered later is its own).
+BUILTIN_TOOLS: frozenset[str] = frozenset({"ruff", "bandit"})
 
 #: Escalation triggers (spec §6.1, §15, §23): raised by the consensus engine.
 TRIGGERS: tuple[str, ...] = (
@@ -380,7 +383,8 @@ def independence_source(rib: Rib, agent: str) -> str:
     """What stands behind RIB agent ``agent`` for consensus independence (spec §19
     consensus poisoning: "require independent sources; penalize correlated
     errors"): ``model:<provider>:<model id>`` for a model agent (two agents on one
-    model are one source, whatever their prompts), ``tool:<tool>`` for a local tool,
+    model are one source, whatever their prompts), ``tool:<tool>`` for a built-in
+    local tool (:data:`BUILTIN_TOOLS`; a plug-in tool is its own source),
     ``remote:<protocol>:<url>#<agent_id>`` for a remote agent; ``agent:<name>`` for
     a name the RIB does not have."""
     spec = rib.agents.get(agent)
@@ -390,7 +394,7 @@ def independence_source(rib: Rib, agent: str) -> str:
         model = rib.models.get(spec.model)
         ident = (model.model or spec.model) if model is not None else spec.model
         return f"model:{model.provider if model is not None else '?'}:{ident}"
-    if spec.tool is not None:
+    if spec.tool is not None and spec.tool in BUILTIN_TOOLS:
         return "tool:" + spec.tool
     if spec.remote is not None:
         return f"remote:{spec.remote.protocol}:{spec.remote.url}#{spec.remote.agent_id or ''}"
