@@ -33,7 +33,7 @@ from atp.adapters.registry import build_adapter
 from atp.flow.budget import Allowance, BudgetLedger
 from atp.policy.fib import Fib, compile_fib
 from atp.policy.loader import load_rib, load_rib_text
-from atp.policy.rib import ClientSpec, Rib
+from atp.policy.rib import ClientSpec, Rib, independence_source
 from atp.router.dispatch import Dispatcher, FlowGates, LegOutcome
 from atp.router.metrics import RouterMetrics
 from atp.wire.errors import PolicyError
@@ -136,6 +136,7 @@ class ControlPlane:
             self._adapter_cache[keys[name]] = adapter
         dispatcher = Dispatcher(
             adapters, self.ledger, win_rates={n: a.win30d for n, a in rib.agents.items()},
+            sources={n: independence_source(rib, n) for n in rib.agents},
             gates=self.gates, on_leg=self._on_leg,
         )
         return Generation(version, rib, fib, adapters, dispatcher, source)

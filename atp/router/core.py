@@ -57,7 +57,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -72,6 +72,7 @@ from atp.flow.budget import Allowance, BudgetLedger
 from atp.flow.qos import Preempt, QosScheduler
 from atp.flow.window import Window as FlowWindow
 from atp.flow.window import WindowTable
+from atp.policy.fib import data_scope_labels
 from atp.policy.rib import ClientSpec
 from atp.review.diff import diff_loc, parse_diff
 from atp.router.control import ControlPlane, Generation
@@ -79,8 +80,9 @@ from atp.router.dispatch import FlowGates, LegOutcome, SlotGate, TaskPlan
 from atp.router.metrics import RouterMetrics
 from atp.router.streams import StreamCtx, StreamTable, stream_account
 from atp.security.identity import ANONYMOUS, TENANT_RE, Identity, Role
+from atp.security.redact import DataScopeGuard, Redacted, Refused
 from atp.wire import session as S
-from atp.wire.errors import AgentError, ATPError, ErrorCode, LocalProtocolError
+from atp.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode, LocalProtocolError
 from atp.wire.frame import (
     Budget,
     BudgetUpdate,
@@ -292,6 +294,8 @@ class Router:
     def __init__(self, config: RouterConfig, *, authenticator: Authenticator | None = None):
         self.config = config
         self.metrics = RouterMetrics()
+        #: Data-scope redaction and refusal at dispatch (spec §11), one for every stream.
+        self.scope_guard = DataScopeGuard()
         self.ledger = BudgetLedger()
         self.authenticator: Authenticator = authenticator or TokenAuthenticator(
             config.tokens, config.client_tokens, config.client_roles)
@@ -384,6 +388,16 @@ class Router:
                           ",".join(sorted(identity.roles)) or "none")
             self.metrics.errors.labels(str(ErrorCode.ESEC)).inc()
             raise ATPError(ErrorCode.ESEC, f"{action} needs role {' or '.join(sorted(needed))}")
+
+    # ------------------------------------------------------------------ audit
+    def audit_event(self, kind: str, identity: Identity | None, detail: Mapping[str, Any]) -> None:
+        """One record of the security audit trail (spec §11 audit): ``kind`` (e.g.
+        ``esec``, ``redaction``, ``refusal``, ``policy_reload``), who caused it
+        (``identity``: tenant and subject, never a credential) and ``detail``
+        (no secrets: callers pass locations and codes, never content). Every audit
+        record of the router goes through here."""
+        who = f"{identity.subject}@{identity.tenant}" if identity is not None else "router"
+        audit.warning("%s by %s: %s", kind, who, msgspec.json.encode(dict(detail)).decode())
 
     # ------------------------------------------------------------------ data plane
     def resume_point(self, frame: Frame, *, identity: Identity) -> tuple[StreamCtx, int] | None:
@@ -611,6 +625,7 @@ class Router:
         )
         with scope:
             try:
+                plan.prompt_for = await self._data_scope(ctx, prompt, gen)
                 final = await gen.dispatcher.run(ctx, plan)
             except AgentError as e:
                 self.metrics.streams_closed.labels(str(e.code)).inc()
@@ -635,6 +650,39 @@ class Router:
             ctx.finish(final)
         if scope.cancelled_caught:
             self.metrics.streams_closed.labels("rst").inc()
+
+    async def _data_scope(self, ctx: StreamCtx, prompt: Prompt,
+                          gen: Generation) -> Callable[[str], Prompt] | None:
+        """Spec §11 data scope at dispatch: the task's ``meta.data_scope`` labels
+        (Agent Context ``policyContext`` labels included) are checked against the
+        content once, off the event loop (:class:`~atp.security.redact.DataScopeGuard`);
+        returns what each next-hop may see — the prompt, a redacted copy (audited),
+        or :class:`ClientInputError` ``ESEC`` (audited, the agent not called).
+        ``None`` when the task carries no label."""
+        labels = data_scope_labels(ctx.meta)
+        if not labels:
+            return None
+        scan = await trio.to_thread.run_sync(self.scope_guard.inspect, prompt.content, labels)
+        seen: dict[str, Prompt] = {}
+
+        def prompt_for(agent: str) -> Prompt:
+            if agent in seen:
+                return seen[agent]
+            d = self.scope_guard.for_agent(scan, gen.fib.clearance(agent))
+            where = {"session_id": ctx.session_id, "stream_id": ctx.stream_id, "agent": agent}
+            if isinstance(d, Refused):
+                self.audit_event("refusal", ctx.identity, {**where, "code": str(d.code), "label": d.label,
+                                                           "found": [msgspec.to_builtins(f) for f in d.findings]})
+                raise ClientInputError(d.reason, code=d.code, agent=agent)
+            if isinstance(d, Redacted):
+                self.audit_event("redaction", ctx.identity,
+                                 {**where, "redactions": [msgspec.to_builtins(r) for r in d.redactions]})
+                seen[agent] = msgspec.structs.replace(prompt, content=d.content)
+            else:
+                seen[agent] = prompt
+            return seen[agent]
+
+        return prompt_for
 
     def _on_preempt(self, p: Preempt) -> None:
         """The QoS scheduler preempts a bronze call (spec §9): RST the stream with
