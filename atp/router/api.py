@@ -144,9 +144,36 @@ def _error(e: ATPError, status: int | None = None) -> Response:
     return _json(ErrorResponse(error=body), status or _STATUS.get(e.code, 400))
 
 
+class BodyTooLarge(ATPError):
+    """A request body over its limit (HTTP 413, code ``EPROTO``)."""
+
+    def __init__(self, limit: int):
+        super().__init__(ErrorCode.EPROTO, f"request body exceeds the limit of {limit} bytes")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes: a larger ``Content-Length`` is
+    refused before anything is read, and a body streamed past the limit is
+    refused as soon as it passes it (memory stays bounded). Raises
+    :class:`BodyTooLarge`."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def build_app(router: Router) -> Starlette:
     """The control API of ``router`` as an ASGI app."""
-    codec = FrameCodec("json", hmac_key=router.config.hmac_key, require_checksum=False)
+    codec = FrameCodec("json", keyring=router.keyring, require_checksum=False)
+    max_body = router.config.max_body_bytes
+    max_policy = router.config.max_policy_bytes
 
     def authorized(
         action: str, handler: Callable[[Request, Identity], Awaitable[Response]],
@@ -158,7 +185,9 @@ def build_app(router: Router) -> Starlette:
             try:
                 identity = router.authenticate(request.headers.get("authorization"))
             except ATPError as e:
-                return _error(e, 401)
+                resp = _error(e, 401)
+                resp.headers["WWW-Authenticate"] = getattr(e, "www_authenticate", None) or 'Bearer realm="atp"'
+                return resp
             try:
                 router.authorize(identity, action)
             except ATPError as e:
@@ -174,13 +203,15 @@ def build_app(router: Router) -> Starlette:
     async def open_stream(request: Request, identity: Identity) -> Response:
         try:
             try:
-                req = msgspec.json.decode(await request.body(), type=StreamOpenRequest)
+                req = msgspec.json.decode(await read_body(request, max_body), type=StreamOpenRequest)
             except (msgspec.ValidationError, msgspec.DecodeError) as e:
                 raise ATPError(ErrorCode.EPROTO, f"bad request body: {e}") from None
             ctx = router.open_stream(
                 task=req.task, content=req.content, budget=req.budget, qos=req.qos, window=req.window,
                 idempotency_key=req.idempotency_key, identity=identity,
             )
+        except BodyTooLarge as e:
+            return _error(e, 413)
         except ATPError as e:
             return _error(e)
         route = ctx.route
@@ -195,11 +226,14 @@ def build_app(router: Router) -> Starlette:
             ctx = router.streams.find(identity.tenant, sid)
             if ctx is None:
                 return unknown_stream(sid)
-            frame = codec.decode(await request.body())
+            frame = codec.decode(await read_body(request, max_body))
             if frame.stream_id != sid or frame.session_id != ctx.session_id:
                 raise ATPError(ErrorCode.EPROTO, "frame session_id/stream_id do not match the URL's stream")
+            router.check_frame(frame, identity)  # nonce + timestamp window when frames are signed (§11)
             before = len(ctx.log.events)
             direct = router.receive_frame(frame, identity=identity, now=trio.current_time())
+        except BodyTooLarge as e:
+            return _error(e, 413)
         except ATPError as e:
             return _error(e)
         replies = direct + [ev.frame for ev in ctx.log.events[before:]]
@@ -229,11 +263,13 @@ def build_app(router: Router) -> Starlette:
 
     async def reload(request: Request, identity: Identity) -> Response:
         try:
-            body = await request.body()
+            body = await read_body(request, max_policy)
             text = body.decode("utf-8") if body.strip() else None
-            return _json(msgspec.convert(router.reload(text), ReloadResponse))
+            return _json(msgspec.convert(router.reload(text, identity=identity), ReloadResponse))
         except UnicodeDecodeError:
             return _error(ATPError(ErrorCode.EPROTO, "policy body is not UTF-8"))
+        except BodyTooLarge as e:
+            return _error(e, 413)
         except ATPError as e:
             return _error(e)
 

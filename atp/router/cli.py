@@ -33,19 +33,27 @@ profile: ``--window-update-ms 300 --hb-interval-s 0.3 --hb-timeout-s 1.5
 --retry-attempts 2 --retry-backoff-s 0.05 --retry-max-backoff-s 0.5 --slots 6
 --gold-reserved 1 --preempt-after-ms 100 --gold-sla-ms 500 --resume-grace-s 10``.
 
-Bearer tokens come from ``ATP_ROUTER_TOKENS`` (comma-separated; each entry
-``name:token`` — the tenant ``name`` whose budget and ``qos_max`` the RIB's
-``clients`` section sets, role ``client`` —, ``name:token:admin+operator`` with
-its roles, or a bare token; unset means authentication off, for a local
-appliance; see :func:`~atp.router.core.parse_tokens_env`), the frame HMAC key from ``ATP_HMAC_KEY`` (never from the
-command line, so they stay out of ``ps``). Logs go to stderr with Agent Context
-secrets masked (:func:`atp.adapters.context.install_log_redaction`).
+Identities (spec §11): ``--auth FILE`` (API-key hashes, JWT/JWKS, mTLS SAN map;
+:mod:`atp.security.authn`) and ``ATP_ROUTER_TOKENS`` (comma-separated
+``name:token``, ``name:token:admin+operator`` or bare tokens); with neither,
+authentication is off (a local appliance only). Frame keys come from
+``ATP_HMAC_KEYS`` (``kid:base64key,…``, the first signs) or ``ATP_HMAC_KEY`` —
+never from the command line, so they stay out of ``ps``. TLS 1.3 on both
+ingresses with ``--tls-cert/--tls-key``; plain HTTP/WS only on a loopback host or
+with ``--plaintext``. Logs go to stderr with Agent Context secrets masked
+(:func:`atp.adapters.context.install_log_redaction`).
+
+Subcommands: ``atp-router keys new KEY_ID TENANT [ROLES]`` (a new API key) and
+``atp-router audit verify|show --state-dir DIR`` (:func:`atp.security.audit.audit_main`).
 Prints one ``listening`` line when ready; SIGINT/SIGTERM stop it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib
+import ipaddress
 import logging
 import os
 import signal
@@ -54,13 +62,18 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import trio
+import yaml
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
 from atp.adapters.context import install_log_redaction
 from atp.flow.breaker import RetryPolicy
 from atp.router.api import build_app
-from atp.router.core import Router, RouterConfig, parse_tokens_env
+from atp.router.core import Router, RouterConfig, build_authenticator
+from atp.security.authn import new_api_key
+from atp.security.policy_guard import PolicySecrets
+from atp.security.tls import ServerTls, hypercorn_ssl
+from atp.wire.codec import KeyRing
 from atp.router.ws import serve_ws
 from atp.wire.errors import PolicyError
 
@@ -77,11 +90,20 @@ async def run(config: RouterConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> 
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.graceful_timeout = 1.0
+    if config.tls is not None:
+        hypercorn_ssl(hc, config.tls)  # HTTPS, TLS 1.3, the same reloadable context as WSS
     async with trio.open_nursery() as nursery:
         await nursery.start(router.serve)
+        await nursery.start(router.authenticator.run)  # JWKS refresh (returns at once without JWT)
+        if config.tls is not None:
+            nursery.start_soon(config.tls.watch, 30.0)
         binds = await nursery.start(lambda task_status: hyper_serve(build_app(router), hc, task_status=task_status))
         ws_server = await nursery.start(lambda task_status: serve_ws(router, config.host, config.ws_port, task_status=task_status))
         http_port = int(binds[0].rsplit(":", 1)[1])
+        # Long-lived start-up objects out of the GC's generations, and the SSE
+        # backend imported now: both stalled the event loop 20-70 ms mid-traffic.
+        importlib.import_module("anyio._backends._trio")
+        gc.freeze()
         task_status.started((router, http_port, ws_server.port))
 
 
@@ -93,6 +115,29 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--http-port", type=int, default=d.http_port, help="control API (0 = any free port)")
     ap.add_argument("--ws-port", type=int, default=d.ws_port, help="WebSocket ingress (0 = any free port)")
     ap.add_argument("--log-level", default="INFO")
+    sec = ap.add_argument_group("security (spec §4.1, §11): identities, TLS, policy secrets, tenant quotas, limits")
+    sec.add_argument("--auth", type=Path, metavar="FILE",
+                     help="YAML: api_keys (sha256 hashes), jwt (issuer, audience, JWKS), mtls (SAN → identity)")
+    sec.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve HTTPS and WSS (TLS 1.3) with this certificate")
+    sec.add_argument("--tls-key", type=Path, metavar="FILE", help="its private key")
+    sec.add_argument("--tls-client-ca", type=Path, metavar="FILE", help="CA bundle verifying client certificates")
+    sec.add_argument("--require-client-cert", action="store_true", help="mutual TLS: refuse clients without one")
+    sec.add_argument("--plaintext", action="store_true",
+                     help="allow plain HTTP/WS on a non-loopback --host (loopback needs no flag)")
+    sec.add_argument("--policy-secret", action="append", default=[], metavar="NAME",
+                     help="an env var policies may reference (api_key_env, auth_env); repeatable; never ATP_*")
+    sec.add_argument("--policy-secrets-file", type=Path, metavar="FILE", help="NAME=value lines for policies")
+    sec.add_argument("--tenant-max-streams", type=_positive(int), default=d.tenant_max_streams,
+                     help="open streams per tenant without clients.<t>.max_streams")
+    sec.add_argument("--tenant-rate-per-s", type=_positive(float), default=d.tenant_rate_per_s,
+                     help="stream opens per second per tenant without clients.<t>.rate")
+    sec.add_argument("--tenant-rate-burst", type=_positive(int), default=d.tenant_rate_burst)
+    sec.add_argument("--max-body-bytes", type=_positive(int), default=d.max_body_bytes,
+                     help="HTTP request body limit (413 above)")
+    sec.add_argument("--max-policy-bytes", type=_positive(int), default=d.max_policy_bytes,
+                     help="policy reload body limit (413 above)")
+    sec.add_argument("--max-ws-message-bytes", type=_positive(int), default=d.max_ws_message_bytes,
+                     help="WebSocket message limit (close 1009 above)")
     f = ap.add_argument_group("flow control, liveness, resumption (spec §4.4, §5, §8, §9, §10)")
     f.add_argument("--window-update-ms", type=_positive(int), default=d.window_update_interval_ms,
                    help="WINDOW_UPDATE period, ms")
@@ -161,14 +206,46 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
         ap.error(f"need --preempt-after-ms <= --gold-sla-ms, got {args.preempt_after_ms:g} and {args.gold_sla_ms:g}")
     if args.retry_backoff_s > args.retry_max_backoff_s:
         ap.error("need --retry-backoff-s <= --retry-max-backoff-s")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        ap.error("give --tls-cert and --tls-key together")
+    if args.tls_cert is None and (args.tls_client_ca or args.require_client_cert):
+        ap.error("--tls-client-ca / --require-client-cert need --tls-cert and --tls-key")
+    if args.tls_cert is None and not args.plaintext and not _loopback(args.host):
+        ap.error(f"--host {args.host} is not a loopback address: serve TLS (--tls-cert, --tls-key) "
+                 "or ask for plain HTTP/WS with --plaintext")
     try:
-        tokens, client_tokens, client_roles = parse_tokens_env(env.get("ATP_ROUTER_TOKENS", ""))
-    except ValueError as e:
+        tls = None
+        if args.tls_cert is not None:
+            tls = ServerTls(args.tls_cert, args.tls_key, client_ca_file=args.tls_client_ca,
+                            require_client_cert=args.require_client_cert)
+        keyring = KeyRing.from_env(env.get("ATP_HMAC_KEYS"), env.get("ATP_HMAC_KEY"))
+        secrets = PolicySecrets.load(args.policy_secret, args.policy_secrets_file, environ=env)
+        config = RouterConfig(
+            policies=args.policies, host=args.host, http_port=args.http_port, ws_port=args.ws_port,
+            auth_file=args.auth, tokens_env=env.get("ATP_ROUTER_TOKENS") or None, keyring=keyring, tls=tls,
+            policy_secrets=secrets, tenant_max_streams=args.tenant_max_streams,
+            tenant_rate_per_s=args.tenant_rate_per_s, tenant_rate_burst=args.tenant_rate_burst,
+            max_body_bytes=args.max_body_bytes, max_policy_bytes=args.max_policy_bytes,
+            max_ws_message_bytes=args.max_ws_message_bytes,
+            **_flow_config(args),
+        )
+        build_authenticator(config)  # refuse a bad --auth file or token list now, with its message
+    except (ValueError, OSError) as e:
         ap.error(str(e))
-    key = env.get("ATP_HMAC_KEY")
-    return args, RouterConfig(
-        policies=args.policies, host=args.host, http_port=args.http_port, ws_port=args.ws_port,
-        tokens=tokens, client_tokens=client_tokens, client_roles=client_roles, hmac_key=key.encode() if key else None,
+    return args, config
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _flow_config(args: argparse.Namespace) -> dict:
+    return dict(
         window_update_interval_ms=args.window_update_ms, window_update_delta=args.window_update_delta,
         hb_interval_s=args.hb_interval_s, hb_timeout_s=args.hb_timeout_s, resume_grace_s=args.resume_grace_s,
         breaker_failures=args.breaker_failures, breaker_window_s=args.breaker_window_s,
@@ -180,12 +257,40 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
     )
 
 
+def keys_main(argv: list[str]) -> int:
+    """``atp-router keys new KEY_ID TENANT [ROLE[,ROLE]]``: a fresh API key. Prints
+    the secret once (give it to the caller) and the ``api_keys`` entry for the
+    ``--auth`` file (only its sha256 is stored)."""
+    ap = argparse.ArgumentParser(prog="atp-router keys", description=keys_main.__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    new = sub.add_parser("new", help="make an API key")
+    new.add_argument("key_id")
+    new.add_argument("tenant")
+    new.add_argument("roles", nargs="?", default="client", help="comma-separated: client, operator, admin")
+    args = ap.parse_args(argv)
+    try:
+        secret, entry = new_api_key(args.key_id, args.tenant, [r.strip() for r in args.roles.split(",") if r.strip()])
+    except ValueError as e:
+        ap.error(str(e))
+    print(f"secret (shown once): {secret}")
+    print("api_keys entry for the --auth file:")
+    print(yaml.safe_dump([entry], sort_keys=False, default_flow_style=True).strip())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "keys":
+        return keys_main(argv[1:])
+    if argv and argv[0] == "audit":
+        from atp.security.audit import audit_main
+
+        return audit_main(argv[1:])
     args, config = _parse(argv, os.environ)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     install_log_redaction()  # Agent Context secrets never reach the log output
-    if not config.tokens and not config.client_tokens:
-        logging.getLogger("atp.router").warning("ATP_ROUTER_TOKENS is unset: authentication is off")
+    if not build_authenticator(config).enabled:
+        logging.getLogger("atp.router").warning("no --auth file and no ATP_ROUTER_TOKENS: authentication is off")
 
     refused: PolicyError | None = None
 
@@ -199,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                 refused = e
                 nursery.cancel_scope.cancel()
                 return
-            print(f"atp-router listening http://{config.host}:{http_port} ws://{config.host}:{ws_port} "
+            http, ws = ("https", "wss") if config.tls is not None else ("http", "ws")
+            print(f"atp-router listening {http}://{config.host}:{http_port} {ws}://{config.host}:{ws_port} "
                   f"(RIB generation {router.gen.version}: {', '.join(router.rib_summary()['agents'])})", flush=True)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:

@@ -34,6 +34,7 @@ from atp.flow.budget import Allowance, BudgetLedger
 from atp.policy.fib import Fib, compile_fib
 from atp.policy.loader import load_rib, load_rib_text
 from atp.policy.rib import ClientSpec, Rib, independence_source
+from atp.security.policy_guard import PolicySecrets
 from atp.router.dispatch import Dispatcher, FlowGates, LegOutcome
 from atp.router.metrics import RouterMetrics
 from atp.wire.errors import PolicyError
@@ -76,8 +77,10 @@ class ControlPlane:
     """
 
     def __init__(self, policies: Path, *, ledger: BudgetLedger, gates: FlowGates, metrics: RouterMetrics,
-                 on_leg: Callable[[LegOutcome], None]):
+                 on_leg: Callable[[LegOutcome], None], secrets: PolicySecrets | None = None):
         self.policies = policies
+        #: The env vars a RIB may reference (spec §11): never the router's own.
+        self.secrets = secrets if secrets is not None else PolicySecrets()
         self.ledger = ledger
         self.gates = gates
         self.metrics = metrics
@@ -90,7 +93,9 @@ class ControlPlane:
         self._gens: dict[int, Generation] = {}
         self._gen_users: dict[int, int] = {}
         self._unclosed: list[tuple[str, ProviderAdapter]] = []  # dropped while not serving
-        self.gen = self._compile(load_rib(policies), version=1, source=str(policies))
+        rib = load_rib(policies)
+        self.secrets.check(rib, file=str(policies))
+        self.gen = self._compile(rib, version=1, source=str(policies))
         self._gens[1] = self.gen
         self._activate(self.gen)
         metrics.rib_version.set(1)
@@ -165,6 +170,7 @@ class ControlPlane:
         """
         try:
             rib = load_rib_text(text, file="<request body>") if text is not None else load_rib(self.policies)
+            self.secrets.check(rib, file="<request body>" if text is not None else str(self.policies))
             gen = self._compile(rib, version=self.gen.version + 1,
                                 source="<request body>" if text else str(self.policies))
         except PolicyError:

@@ -60,7 +60,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import trio
@@ -73,16 +73,22 @@ from atp.flow.qos import Preempt, QosScheduler
 from atp.flow.window import Window as FlowWindow
 from atp.flow.window import WindowTable
 from atp.policy.fib import data_scope_labels
-from atp.policy.rib import ClientSpec
-from atp.review.diff import diff_loc, parse_diff
+from atp.policy.rib import ClientSpec, RateSpec
+from atp.review.diff import count_changed_lines
 from atp.router.control import ControlPlane, Generation
 from atp.router.dispatch import FlowGates, LegOutcome, SlotGate, TaskPlan
 from atp.router.metrics import RouterMetrics
 from atp.router.streams import StreamCtx, StreamTable, stream_account
-from atp.security.identity import ANONYMOUS, TENANT_RE, Identity, Role
+from atp.security.authn import Authenticator, EnvToken, load_auth_config, parse_tokens_env
+from atp.security.authz import Action, Forbidden, Refuse, StreamAdmission, authorize
+from atp.security.identity import Identity, Role
+from atp.security.policy_guard import PolicySecrets, egress_changes
+from atp.security.signing import ReplayGuard
+from atp.security.tls import ServerTls
 from atp.security.redact import DataScopeGuard, Redacted, Refused
 from atp.wire import session as S
-from atp.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode, LocalProtocolError
+from atp.wire.codec import KeyRing
+from atp.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode, LocalProtocolError, PolicyError
 from atp.wire.frame import (
     Budget,
     BudgetUpdate,
@@ -97,14 +103,12 @@ from atp.wire.frame import (
 
 __all__ = [
     "ACTIONS",
-    "Authenticator",
     "Generation",
     "Router",
     "RouterConfig",
     "StreamCtx",
-    "TokenAuthenticator",
+    "build_authenticator",
     "connection_error",
-    "parse_tokens_env",
 ]
 
 log = logging.getLogger("atp.router")
@@ -117,119 +121,33 @@ DEFAULT_WINDOW = Window(max_parallel=4, max_tokens=120_000, max_usd_micros=1_250
 DEFAULT_AGENT_WINDOW = Window(max_parallel=16, max_tokens=2_000_000, max_usd_micros=20_000_000)
 
 _QOS_RANK = {QoS.GOLD: 0, QoS.SILVER: 1, QoS.BRONZE: 2}
-_CLIENT_ROLES = frozenset({Role.CLIENT})
-
-#: Actions the ingresses authorize (:meth:`Router.authorize`) → the roles that
-#: may do them (any one suffices; an empty set: any authenticated caller).
-ACTIONS: Mapping[str, frozenset[Role]] = {
-    "stream_open": _CLIENT_ROLES,
-    "stream_access": _CLIENT_ROLES,
-    "policy_reload": frozenset({Role.ADMIN}),
-    "policy_read": frozenset({Role.ADMIN}),
-    "routes_read": frozenset({Role.ADMIN}),
-    "audit_read": frozenset({Role.ADMIN}),
-    "tenant_admin": frozenset({Role.ADMIN}),
-    "metrics_read": frozenset({Role.OPERATOR, Role.ADMIN}),
-    "health_read": frozenset(),
-}
-
-
-def parse_tokens_env(value: str) -> tuple[frozenset[str], dict[str, str], dict[str, frozenset[Role]]]:
-    """``ATP_ROUTER_TOKENS``: comma-separated entries, each ``name:token`` (the
-    tenant ``name`` of the RIB's ``clients`` section, role ``client``),
-    ``name:token:role+role`` (those roles, among ``admin``, ``operator``,
-    ``client``) or a bare token (tenant ``tok_<sha256 prefix>``, role
-    ``client``). A token may contain ``:``; a last ``:``-part made only of role
-    names is the role list (the grammar of
-    :func:`atp.security.authn.parse_tokens_env`).
-
-    Returns ``(bare tokens, {name: token}, {name: roles})`` (names without a role
-    list are absent from the last). Raises ``ValueError`` (never quoting a token)
-    on an empty name or token, a bad name (letters, digits, ``._-``, at most 64),
-    or a name or token given twice."""
-    bare: set[str] = set()
-    named: dict[str, str] = {}
-    roles: dict[str, frozenset[Role]] = {}
-    for entry in (e.strip() for e in value.split(",")):
-        if not entry:
-            continue
-        name, sep, token = entry.partition(":")
-        if not sep:
-            bare.add(entry)
-            continue
-        head, sep, tail = token.rpartition(":")
-        parts = tail.split("+")
-        if sep and head and all(p in Role._value2member_map_ for p in parts):
-            token, roles[name] = head, frozenset(Role(p) for p in parts)
-        if not TENANT_RE.match(name) or not token:
-            raise ValueError(f"ATP_ROUTER_TOKENS entry {name!r}: expected name:token[:role+role] with a name of "
-                             "letters, digits and ._- (at most 64)")
-        if name in named:
-            raise ValueError(f"ATP_ROUTER_TOKENS: client {name!r} given twice")
-        named[name] = token
-    if len(set(named.values()) | bare) != len(named) + len(bare):
-        raise ValueError("ATP_ROUTER_TOKENS: the same token is given twice")
-    return frozenset(bare), named, roles
-
-
-class Authenticator(Protocol):
-    """Who is calling (spec §11 AuthN): one call per connection or request.
-
-    ``authorization`` is the request's ``Authorization`` header value (None when
-    absent), ``now`` wall-clock seconds since the epoch (token expiry),
-    ``peer_cert`` the TLS client certificate as :meth:`ssl.SSLSocket.getpeercert`
-    gives it. Raises :class:`ATPError` ``ESEC`` when the caller is refused."""
-
-    def authenticate(self, authorization: str | None, *, now: float,
-                     peer_cert: dict | None = None) -> Identity: ...
-
-
-class TokenAuthenticator:
-    """Static bearer tokens (``ATP_ROUTER_TOKENS``, :func:`parse_tokens_env`).
-
-    ``client_tokens`` maps tenant names to their token (roles from
-    ``client_roles``, default ``client``); a bare token of ``tokens`` is tenant
-    ``tok_<sha256 prefix>`` with role ``client``. No token at all: authentication
-    is off and every caller is :data:`~atp.security.identity.ANONYMOUS` (a local
-    appliance only). Tokens are looked up by their SHA-256, so the lookup's
-    timing says nothing about a token's characters."""
-
-    def __init__(self, tokens: frozenset[str] = frozenset(), client_tokens: Mapping[str, str] | None = None,
-                 client_roles: Mapping[str, frozenset[Role]] | None = None):
-        roles = client_roles or {}
-        self._ids: dict[bytes, Identity] = {}
-        for name, token in (client_tokens or {}).items():
-            self._ids[_digest(token)] = Identity(name, roles.get(name, _CLIENT_ROLES), f"env:{name}", "api_key")
-        for token in tokens:
-            tenant = "tok_" + hashlib.sha256(token.encode()).hexdigest()[:12]
-            self._ids[_digest(token)] = Identity(tenant, _CLIENT_ROLES, f"env:{tenant}", "api_key")
-
-    def authenticate(self, authorization: str | None, *, now: float, peer_cert: dict | None = None) -> Identity:
-        """The identity of ``Authorization: Bearer <token>``; raises
-        :class:`ATPError` ``ESEC`` for a missing, malformed or unknown token."""
-        if not self._ids:
-            return ANONYMOUS
-        scheme, _, token = (authorization or "").strip().partition(" ")
-        identity = self._ids.get(_digest(token.strip())) if scheme.lower() == "bearer" and token.strip() else None
-        if identity is None:
-            raise ATPError(ErrorCode.ESEC, "missing or unknown bearer token")
-        return identity
-
-
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
+#: The ingresses' action names → :class:`~atp.security.authz.Action`.
+ACTIONS: Mapping[str, Action] = {a.name.lower(): a for a in Action}
 
 
 @dataclass
 class RouterConfig:
     """Static configuration of one router process.
 
-    Authentication (spec §11): ``tokens`` are accepted bearer tokens whose tenant
-    is ``tok_<sha256 prefix>``; ``client_tokens`` maps tenant names (the RIB's
-    ``clients`` keys) to their token, ``client_roles`` their roles (default
-    ``client``; see :func:`parse_tokens_env`). Both empty: authentication off,
-    every caller is the tenant ``anonymous`` with every role (a local appliance
-    only). ``hmac_key`` makes signed frames mandatory on the WebSocket ingress.
+    Authentication (spec §11, :func:`build_authenticator`): ``auth_file`` is the
+    ``--auth`` YAML (API-key hashes, JWT/JWKS, mTLS identities,
+    :mod:`atp.security.authn`); ``tokens_env`` the value of ``ATP_ROUTER_TOKENS``;
+    ``tokens`` are further bare bearer tokens (tenant ``tok_<sha256 prefix>``) and
+    ``client_tokens`` maps tenant names (the RIB's ``clients`` keys) to a token,
+    ``client_roles`` their roles (default ``client``). Nothing configured:
+    authentication off, every caller is the tenant ``anonymous`` with every role
+    (a local appliance only). ``keyring`` (or the legacy single ``hmac_key``)
+    makes signed frames with a nonce and timestamp mandatory (§11;
+    :class:`~atp.security.signing.ReplayGuard`).
+
+    Tenant scopes (spec §11 AuthZ): a tenant without ``clients.<tenant>.max_streams``
+    / ``rate`` in the RIB may have ``tenant_max_streams`` streams open and open
+    ``tenant_rate_per_s`` streams per second (bursts of ``tenant_rate_burst``).
+    ``policy_secrets`` are the env vars a RIB may reference
+    (:class:`~atp.security.policy_guard.PolicySecrets`; None: none). Bodies:
+    ``max_body_bytes`` per HTTP request (streams, frames), ``max_policy_bytes`` per
+    policy body, ``max_ws_message_bytes`` per WebSocket message. ``tls`` serves
+    both ingresses over TLS 1.3 (HTTPS, WSS; mTLS identities on WSS).
 
     Flow control (spec §5, §9, §10): ``window_update_interval_ms`` /
     ``window_update_delta`` are the WINDOW_UPDATE cadence (every N ms, or when
@@ -261,7 +179,18 @@ class RouterConfig:
     tokens: frozenset[str] = frozenset()
     client_tokens: Mapping[str, str] = field(default_factory=dict)
     client_roles: Mapping[str, frozenset[Role]] = field(default_factory=dict)
+    auth_file: Path | None = None
+    tokens_env: str | None = None
     hmac_key: bytes | None = None
+    keyring: KeyRing | None = None
+    tenant_max_streams: int = 1000
+    tenant_rate_per_s: float = 50.0
+    tenant_rate_burst: int = 100
+    policy_secrets: PolicySecrets | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_policy_bytes: int = 1024 * 1024
+    max_ws_message_bytes: int = 16 * 1024 * 1024
+    tls: ServerTls | None = None
     retain_closed_s: float = 300.0
     retain_closed_max: int = 1000
     max_streams: int = 10_000
@@ -289,7 +218,7 @@ class Router:
     (:attr:`streams`) and the data plane (frames, SYNs, tasks, flow control).
     Built synchronously (raises :class:`~atp.wire.errors.PolicyError` if the RIB
     is refused); :meth:`serve` runs its background tasks. ``authenticator``
-    replaces the :class:`TokenAuthenticator` built from ``config``."""
+    replaces the one :func:`build_authenticator` makes from ``config``."""
 
     def __init__(self, config: RouterConfig, *, authenticator: Authenticator | None = None):
         self.config = config
@@ -297,8 +226,15 @@ class Router:
         #: Data-scope redaction and refusal at dispatch (spec §11), one for every stream.
         self.scope_guard = DataScopeGuard()
         self.ledger = BudgetLedger()
-        self.authenticator: Authenticator = authenticator or TokenAuthenticator(
-            config.tokens, config.client_tokens, config.client_roles)
+        self.authenticator: Authenticator = authenticator or build_authenticator(config)
+        #: The frame keys (§11): every inbound frame is verified and replay-checked.
+        self.keyring: KeyRing | None = config.keyring or (
+            KeyRing.single(config.hmac_key) if config.hmac_key is not None else None)
+        self.replay = ReplayGuard()
+        self.admission = StreamAdmission(
+            default_max_streams=config.tenant_max_streams,
+            default_rate=RateSpec(per_s=config.tenant_rate_per_s, burst=config.tenant_rate_burst),
+        )
         self._nursery: trio.Nursery | None = None
         rng = random.Random(config.seed)  # backoff jitter only
         self.gates = FlowGates(
@@ -327,7 +263,7 @@ class Router:
             rng=rng,
         )
         self.control = ControlPlane(config.policies, ledger=self.ledger, gates=self.gates, metrics=self.metrics,
-                                    on_leg=self._on_leg)
+                                    on_leg=self._on_leg, secrets=config.policy_secrets)
         self.streams = StreamTable(
             self.metrics, max_streams=config.max_streams, retain_closed_s=config.retain_closed_s,
             retain_closed_max=config.retain_closed_max, resume_grace_s=config.resume_grace_s,
@@ -350,9 +286,22 @@ class Router:
         """Streams open now, all tenants."""
         return self.streams.open_count
 
-    def reload(self, text: str | None = None) -> dict[str, Any]:
-        """Hot-reload the RIB (:meth:`ControlPlane.reload <atp.router.control.ControlPlane.reload>`, §22)."""
-        return self.control.reload(text)
+    def reload(self, text: str | None = None, *, identity: Identity | None = None) -> dict[str, Any]:
+        """Hot-reload the RIB (:meth:`ControlPlane.reload <atp.router.control.ControlPlane.reload>`, §22),
+        audited with who asked and every endpoint and secret reference it adds,
+        removes or changes (:func:`~atp.security.policy_guard.egress_changes`);
+        a refused reload is audited too. Raises :class:`PolicyError`."""
+        old = self.gen.rib
+        try:
+            summary = self.control.reload(text)
+        except PolicyError as e:
+            self.audit_event("policy_reload", identity, {"outcome": "refused", "file": e.file, "key": e.key,
+                                                         "reason": e.detail})
+            raise
+        self.audit_event("policy_reload", identity, {
+            "outcome": "ok", "version": summary["version"], "source": self.gen.source,
+            "changes": egress_changes(old, self.gen.rib)})
+        return summary
 
     def rib_summary(self) -> dict[str, Any]:
         return self.control.rib_summary()
@@ -374,20 +323,36 @@ class Router:
         return self.authenticator.authenticate(authorization, now=time.time(), peer_cert=peer_cert)
 
     def authorize(self, identity: Identity, action: str) -> None:
-        """May ``identity`` do ``action`` (a key of :data:`ACTIONS`: policy,
-        routes, audit and tenant actions need ``admin``; metrics ``operator`` or
-        ``admin``; stream actions ``client``; health anyone)? Raises
-        :class:`ATPError` ``ESEC`` (audited) when not, ``ValueError`` for an
-        unknown action."""
+        """May ``identity`` do ``action`` (an :class:`~atp.security.authz.Action`
+        value: policy, routes, audit and tenant actions need ``admin``; metrics
+        ``operator`` or ``admin``; stream actions ``client``; health and keys any
+        caller)? Raises :class:`~atp.security.authz.Forbidden` (``ESEC``, 403;
+        audited) when not, ``ValueError`` for an unknown action."""
         try:
-            needed = ACTIONS[action]
+            act = ACTIONS[action]
         except KeyError:
             raise ValueError(f"unknown action {action!r}") from None
-        if needed and not (identity.roles & needed):
-            audit.warning("ESEC %s refused to %s of tenant %s (roles %s)", action, identity.subject, identity.tenant,
-                          ",".join(sorted(identity.roles)) or "none")
+        try:
+            authorize(identity, act)
+        except Forbidden as e:
+            self.audit_event("esec", identity, {"action": action, "reason": e.reason,
+                                                "roles": sorted(identity.roles)})
             self.metrics.errors.labels(str(ErrorCode.ESEC)).inc()
-            raise ATPError(ErrorCode.ESEC, f"{action} needs role {' or '.join(sorted(needed))}")
+            raise
+
+    def check_frame(self, frame: Frame, identity: Identity) -> None:
+        """The replay window of a signed inbound frame (§11): fresh ``meta.nonce``
+        within ±120 s of ``meta.ts``, per (tenant, session). No-op without a
+        keyring. Raises ``LocalProtocolError(ESEC)``, audited."""
+        if self.keyring is None:
+            return
+        try:
+            self.replay.check((identity.tenant, frame.session_id), frame, int(time.time() * 1000))
+        except LocalProtocolError as e:
+            self.metrics.errors.labels(str(ErrorCode.ESEC)).inc()
+            self.audit_event("esec", identity, {"session_id": frame.session_id, "stream_id": frame.stream_id,
+                                                "msg_seq": frame.msg_seq, "reason": e.reason})
+            raise
 
     # ------------------------------------------------------------------ audit
     def audit_event(self, kind: str, identity: Identity | None, detail: Mapping[str, Any]) -> None:
@@ -530,16 +495,26 @@ class Router:
             if isinstance(content, dict):
                 _check_task(content)
                 if "diff" in content and "diff_loc" not in meta:
-                    meta["diff_loc"] = diff_loc(parse_diff(content["diff"]))
+                    meta["diff_loc"] = count_changed_lines(content["diff"])  # C speed: no stall at SYN
             self.streams.admit(tenant, ev.stream_id)
             client_budget = _client_budget(meta)
+            # Spec §11 AuthZ: the tenant's scopes (task types, data categories), its
+            # stream quota and open rate; QoS served at most at qos_max, the budget
+            # capped at max_stream_budget.
+            decision = self.admission.decide(
+                identity, self.client_spec(tenant), task_type=str(meta.get("task_type", "")), qos=ev.qos,
+                budget=client_budget, labels=data_scope_labels(meta),
+                open_streams=self.streams.tenant_open[tenant], now=trio.current_time())
+            if isinstance(decision, Refuse):
+                raise ATPError(decision.code, decision.reason, retry_after_ms=decision.retry_after_ms)
+            client_budget = decision.budget
             gen = self.gen
             route = gen.fib.lookup(meta, health=self.control.health(gen, trio.current_time()))
         except ATPError as e:
             self.metrics.errors.labels(str(e.code)).inc()
             if e.code is ErrorCode.ESEC:
-                audit.warning("ESEC stream %s/%s of tenant %s refused: %s", sess.session_id, ev.stream_id, tenant,
-                              e.reason)
+                self.audit_event("esec", identity, {"session_id": sess.session_id, "stream_id": ev.stream_id,
+                                                    "reason": e.reason})
             direct.append(sess.reset(ev.stream_id, e.code, e.reason))
             self.streams.refused(tenant, sess.session_id, ev.stream_id)
             return
@@ -775,6 +750,23 @@ def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: s
         v=1, session_id=session_id, stream_id=stream_id, msg_seq=0, flags=[Flag.CTRL],
         payload=Payload(type=PayloadType.CONTROL, content=ErrorPayload(code=code, reason=reason)),
     )
+
+
+def build_authenticator(config: RouterConfig) -> Authenticator:
+    """The router's one :class:`~atp.security.authn.Authenticator`: the ``--auth``
+    file, ``ATP_ROUTER_TOKENS`` (``tokens_env``) and the tokens given in
+    ``config`` directly. Raises ``ValueError`` naming the source of a fault."""
+    doc = load_auth_config(config.auth_file) if config.auth_file is not None else None
+    tokens = parse_tokens_env(config.tokens_env) if config.tokens_env else []
+    for name, token in config.client_tokens.items():
+        roles = config.client_roles.get(name, frozenset({Role.CLIENT}))
+        tokens.append(EnvToken(Identity(name, roles, f"env:{name}", "api_key"), hashlib.sha256(token.encode()).digest()))
+    for token in config.tokens:
+        digest = hashlib.sha256(token.encode()).digest()
+        tenant = "tok_" + digest.hex()[:12]
+        tokens.append(EnvToken(Identity(tenant, frozenset({Role.CLIENT}), f"env:{tenant}", "api_key"), digest))
+    base = config.auth_file.parent if config.auth_file is not None else Path(".")
+    return Authenticator(doc, env_tokens=tokens, base_dir=base, file=str(config.auth_file or "ATP_ROUTER_TOKENS"))
 
 
 def _check_task(content: Any) -> None:

@@ -348,6 +348,8 @@ class StreamTable:
         self._on_closed = on_closed
         #: Streams not yet closed (the table also keeps closed ones for replay).
         self.open_count = 0
+        #: Open streams per tenant (its ``max_streams`` quota, spec §11 AuthZ).
+        self.tenant_open: Counter[str] = Counter()
         self._streams: dict[StreamKey, StreamCtx] = {}
         #: (tenant, stream_id) → stream: a stream id is unique within its tenant.
         self._by_id: dict[tuple[str, str], StreamCtx] = {}
@@ -447,6 +449,7 @@ class StreamTable:
         if ctx.idempotency_key is not None:
             self._idempotency[(key[0], ctx.idempotency_key)] = ctx
         self.open_count += 1
+        self.tenant_open[key[0]] += 1
         self.metrics.open_streams.inc()
         self._schedule(ctx.started + self.idle_task_s, "idle", key)
 
@@ -464,6 +467,9 @@ class StreamTable:
         for ``retain_closed_s`` — unless its tenant already holds
         ``retain_closed_max`` closed streams, then its oldest go first."""
         self.open_count -= 1
+        self.tenant_open[ctx.tenant] -= 1
+        if not self.tenant_open[ctx.tenant]:
+            del self.tenant_open[ctx.tenant]
         self.metrics.open_streams.dec()
         retained = self._closed.setdefault(ctx.tenant, OrderedDict())
         retained[ctx] = None

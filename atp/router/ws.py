@@ -60,6 +60,7 @@ from trio_websocket import (
 from atp.router.core import Router, StreamCtx, connection_error
 from atp.security.identity import Identity
 from atp.wire import session as S
+from atp.security.tls import serve_websocket_tls
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ATPError, ErrorCode, LocalProtocolError
 from atp.wire.frame import Flag, Frame
@@ -85,9 +86,9 @@ async def serve_ws(router: Router, host: str, port: int, *, task_status=trio.TAS
     """Serve the WebSocket ingress; ``task_status.started`` gets the WebSocketServer
     (its ``.port`` is the bound port when ``port`` is 0)."""
 
-    async def handler(request: WebSocketRequest) -> None:
+    async def handler(request: WebSocketRequest, peer_cert: dict | None = None) -> None:
         try:
-            identity = router.authenticate(_authorization(request))
+            identity = router.authenticate(_authorization(request), peer_cert=peer_cert)
         except ATPError as e:
             await request.reject(401, body=_refusal(e))
             return
@@ -99,7 +100,7 @@ async def serve_ws(router: Router, host: str, port: int, *, task_status=trio.TAS
         offered = request.proposed_subprotocols
         chosen = next((p for p in SUBPROTOCOLS if p in offered), None)  # cbor first, as documented
         ws = await request.accept(subprotocol=chosen)
-        codec = FrameCodec(SUBPROTOCOLS.get(chosen or "", "json"), hmac_key=router.config.hmac_key)
+        codec = FrameCodec(SUBPROTOCOLS.get(chosen or "", "json"), keyring=router.keyring)
         try:
             await _connection(router, ws, codec, identity)
         except Exception:
@@ -107,7 +108,13 @@ async def serve_ws(router: Router, host: str, port: int, *, task_status=trio.TAS
             # connection's fault must only end that connection.
             log.exception("WebSocket connection of %s failed", identity.tenant)
 
-    await serve_websocket(handler, host, port, None, task_status=task_status)
+    limit = router.config.max_ws_message_bytes
+    tls = router.config.tls
+    if tls is not None:
+        # TLS 1.3 (§4.1); the verified client certificate feeds the mTLS identity map.
+        await serve_websocket_tls(handler, host, port, tls, max_message_size=limit, task_status=task_status)
+    else:
+        await serve_websocket(handler, host, port, None, max_message_size=limit, task_status=task_status)
 
 
 async def _send(ws: WebSocketConnection, codec: FrameCodec, frame: Frame) -> None:
@@ -220,6 +227,7 @@ async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec
                 conn.last_recv = trio.current_time()
                 try:
                     frame = codec.decode(message)  # str only on JSON; CBOR refuses text messages
+                    router.check_frame(frame, identity)  # nonce + timestamp window when signed (§11)
                 except LocalProtocolError as e:
                     session_id, stream_id = _ids_of(message, codec)
                     followed = conn.followed.get((session_id, stream_id))

@@ -22,7 +22,7 @@ import trio
 
 import atp
 from atp.adapters.testing import ScriptedAdapter
-from atp.router.core import ACTIONS, Router, TokenAuthenticator
+from atp.router.core import ACTIONS, Router, RouterConfig, build_authenticator
 from atp.security.identity import ANONYMOUS, Identity, Role
 from atp.wire.errors import ATPError, ErrorCode
 from atp.wire.frame import Flag, Frame, Payload, PayloadType
@@ -257,20 +257,23 @@ async def test_idempotency_keys_are_per_tenant(tmp_path, tenants_scripted, autoj
 
 # ------------------------------------------------------------------ identity and authorization
 
-def test_token_authenticator_resolves_tenants_and_roles_and_refuses_the_rest():
-    auth = TokenAuthenticator(frozenset({"bare-tok"}), {"alice": "tok-a", "ops": "tok-o"},
-                              {"ops": frozenset({Role.ADMIN, Role.OPERATOR})})
+def test_router_authenticator_resolves_tenants_and_roles_and_refuses_the_rest(tmp_path):
+    """The router's one authenticator (:func:`build_authenticator`) over tokens
+    given in the config and ``ATP_ROUTER_TOKENS``: tenants, roles, refusals."""
+    auth = build_authenticator(RouterConfig(
+        policies=tmp_path, tokens=frozenset({"bare-tok"}), client_tokens={"alice": "tok-a"},
+        tokens_env="ops:tok-o:admin+operator"))
     alice = auth.authenticate("Bearer tok-a", now=0.0)
     assert (alice.tenant, alice.roles, alice.subject, alice.method) == (
         "alice", frozenset({Role.CLIENT}), "env:alice", "api_key")
-    assert auth.authenticate("bearer  tok-o ", now=0.0).roles == frozenset({Role.ADMIN, Role.OPERATOR})
+    assert auth.authenticate("Bearer tok-o", now=0.0).roles == frozenset({Role.ADMIN, Role.OPERATOR})
     bare = auth.authenticate("Bearer bare-tok", now=0.0)
     assert bare.tenant == "tok_" + hashlib.sha256(b"bare-tok").hexdigest()[:12] and bare.roles == {Role.CLIENT}
     for header in (None, "", "Bearer", "Bearer wrong", "Basic tok-a", "tok-a"):
         with pytest.raises(ATPError) as ei:
             auth.authenticate(header, now=0.0)
         assert ei.value.code is ErrorCode.ESEC
-    assert TokenAuthenticator().authenticate(None, now=0.0) is ANONYMOUS
+    assert build_authenticator(RouterConfig(policies=tmp_path)).authenticate(None, now=0.0) is ANONYMOUS
 
 
 @pytest.mark.parametrize("roles, allowed", [

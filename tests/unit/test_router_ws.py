@@ -9,6 +9,8 @@ trio-websocket connection, in both subprotocols (``atp.v1.json`` text messages,
 from __future__ import annotations
 
 import json
+import secrets
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -50,6 +52,10 @@ class Peer:
     async def send(self, frames: Frame | list[Frame], codec: FrameCodec | None = None) -> None:
         codec = codec or self.codec
         for f in frames if isinstance(frames, list) else [frames]:
+            if codec.hmac_key is not None:
+                # A signed frame carries a fresh nonce and its time (§11 replay window).
+                f = msgspec.structs.replace(f, meta={**f.meta, "nonce": secrets.token_urlsafe(24),
+                                                     "ts": int(time.time() * 1000)})
             data = codec.encode(f)
             await self.ws.send_message(data.decode() if codec.encoding == "json" else data)
 
