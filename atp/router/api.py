@@ -223,7 +223,7 @@ def build_app(router: Router) -> Starlette:
     async def post_frame(request: Request, identity: Identity) -> Response:
         sid = request.path_params["id"]
         try:
-            ctx = router.streams.find(identity.tenant, sid)
+            ctx = router.find_stream(identity, sid)
             if ctx is None:
                 return unknown_stream(sid)
             frame = codec.decode(await read_body(request, max_body))
@@ -241,7 +241,7 @@ def build_app(router: Router) -> Starlette:
 
     async def events(request: Request, identity: Identity) -> Response:
         sid = request.path_params["id"]
-        ctx = router.streams.find(identity.tenant, sid)
+        ctx = router.find_stream(identity, sid)
         if ctx is None:
             return unknown_stream(sid)
         try:

@@ -136,6 +136,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="HTTP request body limit (413 above)")
     sec.add_argument("--max-policy-bytes", type=_positive(int), default=d.max_policy_bytes,
                      help="policy reload body limit (413 above)")
+    sec.add_argument("--state-dir", type=Path, default=_default_state_dir(), metavar="DIR",
+                     help="durable state: ledgers, streams, RIB, audit (default: $XDG_STATE_HOME/atp-router)")
+    sec.add_argument("--state-sync", choices=["normal", "full"], default="normal",
+                     help="normal survives a process crash; full also an OS crash (fsync per commit)")
     sec.add_argument("--max-ws-message-bytes", type=_positive(int), default=d.max_ws_message_bytes,
                      help="WebSocket message limit (close 1009 above)")
     f = ap.add_argument_group("flow control, liveness, resumption (spec §4.4, §5, §8, §9, §10)")
@@ -227,12 +231,18 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
             tenant_rate_per_s=args.tenant_rate_per_s, tenant_rate_burst=args.tenant_rate_burst,
             max_body_bytes=args.max_body_bytes, max_policy_bytes=args.max_policy_bytes,
             max_ws_message_bytes=args.max_ws_message_bytes,
+            state_dir=args.state_dir, state_sync=args.state_sync.upper(),
             **_flow_config(args),
         )
         build_authenticator(config)  # refuse a bad --auth file or token list now, with its message
     except (ValueError, OSError) as e:
         ap.error(str(e))
     return args, config
+
+
+def _default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "atp-router"
 
 
 def _loopback(host: str) -> bool:

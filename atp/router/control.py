@@ -66,6 +66,10 @@ class GenUser(Protocol):
     holds_gen: bool
 
 
+#: The ``source`` of a RIB posted to ``/v1/policies/reload`` (restored after a restart).
+BODY_SOURCE = "<request body>"
+
+
 class ControlPlane:
     """RIB → FIB + adapters, generations and reload (module docstring).
 
@@ -111,7 +115,12 @@ class ControlPlane:
         key = "client:" + tenant
         if tenant not in self._clients:
             budget = self.client_spec(tenant).budget
-            self.ledger.open(key, Allowance.from_budget(budget) if budget is not None else Allowance())
+            limit = Allowance.from_budget(budget) if budget is not None else Allowance()
+            if self.ledger.has(key):
+                # Restored from the state store with its spend: only the limit is the RIB's.
+                self.ledger.set_limit(key, limit, clamp=True)
+            else:
+                self.ledger.open(key, limit)
             self._clients.add(tenant)
         return key
 
@@ -169,10 +178,10 @@ class ControlPlane:
         generation that uses it.
         """
         try:
-            rib = load_rib_text(text, file="<request body>") if text is not None else load_rib(self.policies)
-            self.secrets.check(rib, file="<request body>" if text is not None else str(self.policies))
+            rib = load_rib_text(text, file=BODY_SOURCE) if text is not None else load_rib(self.policies)
+            self.secrets.check(rib, file=BODY_SOURCE if text is not None else str(self.policies))
             gen = self._compile(rib, version=self.gen.version + 1,
-                                source="<request body>" if text else str(self.policies))
+                                source=BODY_SOURCE if text else str(self.policies))
         except PolicyError:
             self.metrics.policy_reloads.labels("refused").inc()
             raise

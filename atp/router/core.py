@@ -56,6 +56,8 @@ import hashlib
 import logging
 import random
 import secrets
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -75,7 +77,7 @@ from atp.flow.window import WindowTable
 from atp.policy.fib import data_scope_labels
 from atp.policy.rib import ClientSpec, RateSpec
 from atp.review.diff import count_changed_lines
-from atp.router.control import ControlPlane, Generation
+from atp.router.control import BODY_SOURCE, ControlPlane, Generation
 from atp.router.dispatch import FlowGates, LegOutcome, SlotGate, TaskPlan
 from atp.router.metrics import RouterMetrics
 from atp.router.streams import StreamCtx, StreamTable, stream_account
@@ -84,7 +86,9 @@ from atp.security.authz import Action, Forbidden, Refuse, StreamAdmission, autho
 from atp.security.identity import Identity, Role
 from atp.security.policy_guard import PolicySecrets, egress_changes
 from atp.security.signing import ReplayGuard
+from atp.security.audit import AuditLog
 from atp.security.tls import ServerTls
+from atp.store import SqliteStore, StoreJournal
 from atp.security.redact import DataScopeGuard, Redacted, Refused
 from atp.wire import session as S
 from atp.wire.codec import KeyRing
@@ -121,6 +125,11 @@ DEFAULT_WINDOW = Window(max_parallel=4, max_tokens=120_000, max_usd_micros=1_250
 DEFAULT_AGENT_WINDOW = Window(max_parallel=16, max_tokens=2_000_000, max_usd_micros=20_000_000)
 
 _QOS_RANK = {QoS.GOLD: 0, QoS.SILVER: 1, QoS.BRONZE: 2}
+#: The RST reason of a stream that was running when the router stopped (spec §8).
+INTERRUPTED = ("interrupted: the router restarted while the stream ran; it was not re-run — "
+               "open a new stream (new idempotency_key) to run it again")
+_stored_decoder = msgspec.json.Decoder(Frame)
+
 #: The ingresses' action names → :class:`~atp.security.authz.Action`.
 ACTIONS: Mapping[str, Action] = {a.name.lower(): a for a in Action}
 
@@ -148,6 +157,12 @@ class RouterConfig:
     ``max_body_bytes`` per HTTP request (streams, frames), ``max_policy_bytes`` per
     policy body, ``max_ws_message_bytes`` per WebSocket message. ``tls`` serves
     both ingresses over TLS 1.3 (HTTPS, WSS; mTLS identities on WSS).
+
+    Durable state (:mod:`atp.store`): ``state_dir`` holds the SQLite store (budget
+    ledgers, streams and their events, the active RIB, the audit chain); None is a
+    private temporary directory removed at shutdown (the same code path, nothing
+    kept). ``state_sync`` ``"NORMAL"`` survives a process crash, ``"FULL"`` an OS
+    crash too. Closed streams stay in the store ``state_retain_s`` (default 7 days).
 
     Flow control (spec §5, §9, §10): ``window_update_interval_ms`` /
     ``window_update_delta`` are the WINDOW_UPDATE cadence (every N ms, or when
@@ -191,6 +206,9 @@ class RouterConfig:
     max_policy_bytes: int = 1024 * 1024
     max_ws_message_bytes: int = 16 * 1024 * 1024
     tls: ServerTls | None = None
+    state_dir: Path | None = None
+    state_sync: str = "NORMAL"
+    state_retain_s: float = 7 * 24 * 3600.0
     retain_closed_s: float = 300.0
     retain_closed_max: int = 1000
     max_streams: int = 10_000
@@ -225,7 +243,14 @@ class Router:
         self.metrics = RouterMetrics()
         #: Data-scope redaction and refusal at dispatch (spec §11), one for every stream.
         self.scope_guard = DataScopeGuard()
-        self.ledger = BudgetLedger()
+        self._tmp_state: Path | None = None
+        if config.state_dir is None:
+            self._tmp_state = Path(tempfile.mkdtemp(prefix="atp-state-"))
+        #: Where the durable state lives (spec §8, §11 audit; atp.store).
+        self.state_dir = config.state_dir or self._tmp_state
+        self.store = SqliteStore.open(self.state_dir, synchronous=config.state_sync.upper())
+        self.ledger = self._restore_ledger()
+        self.audit_log = AuditLog.open(self.store, self.state_dir)
         self.authenticator: Authenticator = authenticator or build_authenticator(config)
         #: The frame keys (§11): every inbound frame is verified and replay-checked.
         self.keyring: KeyRing | None = config.keyring or (
@@ -268,8 +293,70 @@ class Router:
             self.metrics, max_streams=config.max_streams, retain_closed_s=config.retain_closed_s,
             retain_closed_max=config.retain_closed_max, resume_grace_s=config.resume_grace_s,
             idle_task_s=config.idle_task_s, hb_interval_s=config.hb_interval_s,
-            release=self._release_stream, on_closed=self._on_stream_closed,
+            release=self._release_stream, on_closed=self._on_stream_closed, store=self.store,
         )
+        self._interrupted = self._mark_interrupted()
+        self._restore_rib()
+
+    # ------------------------------------------------------------------ durable state
+    def _restore_ledger(self) -> BudgetLedger:
+        """The budget ledger as the store has it (spec §5 across a crash): calls in
+        flight at the crash are committed at their reservation (their outcome is
+        unknown: a budget never comes back), stream accounts are closed (their
+        spend stays in their tenant's), every later mutation is journaled."""
+        recovered = self.store.recover()
+        if recovered:
+            log.warning("state: %d calls in flight at the last stop committed at their reserved amount",
+                        len(recovered))
+        ledger = BudgetLedger()
+        snapshot = self.store.load_ledger()
+        ledger.restore(snapshot)
+        ledger.journal = StoreJournal(self.store)
+        for acct in reversed(snapshot.accounts):  # children before parents
+            if acct.key.startswith("stream:"):
+                ledger.close(acct.key)
+        return ledger
+
+    def _mark_interrupted(self) -> int:
+        """Streams that were running when the router stopped are not re-run: each
+        is marked interrupted and its stored log ends with an RST saying so."""
+        now_ms = int(time.time() * 1000)
+        records = self.store.interrupt_open_streams(INTERRUPTED, now_ms=now_ms)
+        for rec in records:
+            events = self.store.events(rec.tenant, rec.session_id, rec.stream_id)
+            last = _stored_decoder.decode(events[-1].frame) if events else None
+            rst = Frame(v=1, session_id=rec.session_id, stream_id=rec.stream_id,
+                        msg_seq=(last.msg_seq + 1) if last is not None else 0, flags=[Flag.RST],
+                        payload=Payload(type=PayloadType.CONTROL,
+                                        content=ErrorPayload(code=ErrorCode.EAGENTDOWN, reason=INTERRUPTED)))
+            self.store.append_event(rec.tenant, rec.session_id, rec.stream_id, len(events) + 1, "RST",
+                                    msgspec.json.encode(rst))
+            self.audit_event("session_close", None, {"tenant": rec.tenant, "session_id": rec.session_id,
+                                                      "stream_id": rec.stream_id, "outcome": "interrupted"})
+        if records:
+            log.warning("state: %d streams were running at the last stop: reported as interrupted", len(records))
+        return len(records)
+
+    def _restore_rib(self) -> None:
+        """A RIB hot-reloaded through the API survives a restart; one loaded from
+        ``--policies`` is read from the files again."""
+        active = self.store.active_rib()
+        if active is not None and active[2] == BODY_SOURCE and active[1]:
+            self.control.reload(active[1])
+            log.info("RIB restored from the state directory (hot-reloaded as generation %d before the restart)",
+                     active[0])
+        else:
+            self.store.save_rib(self.gen.version, "", self.gen.source, "router")
+
+    def close_state(self) -> None:
+        """Checkpoint the audit chain and close the store (clean shutdown); a
+        temporary state directory is removed."""
+        try:
+            self.audit_log.close()
+        finally:
+            self.store.close()
+            if self._tmp_state is not None:
+                shutil.rmtree(self._tmp_state, ignore_errors=True)
 
     # ------------------------------------------------------------------ control plane
     @property
@@ -301,6 +388,8 @@ class Router:
         self.audit_event("policy_reload", identity, {
             "outcome": "ok", "version": summary["version"], "source": self.gen.source,
             "changes": egress_changes(old, self.gen.rib)})
+        self.store.save_rib(summary["version"], text or "", self.gen.source,
+                            identity.subject if identity is not None else "router")
         return summary
 
     def rib_summary(self) -> dict[str, Any]:
@@ -363,6 +452,21 @@ class Router:
         record of the router goes through here."""
         who = f"{identity.subject}@{identity.tenant}" if identity is not None else "router"
         audit.warning("%s by %s: %s", kind, who, msgspec.json.encode(dict(detail)).decode())
+        try:
+            self.audit_log.record(kind, identity.subject if identity is not None else "router",
+                                  identity.tenant if identity is not None else None, detail,
+                                  int(time.time() * 1000))
+        except Exception:
+            # The audit trail must never take the data plane down: logged and counted.
+            log.exception("audit record %s not written", kind)
+            self.metrics.errors.labels("audit").inc()
+
+    def find_stream(self, identity: Identity, stream_id: str) -> StreamCtx | None:
+        """``identity``'s tenant's stream ``stream_id``: in memory, else read back
+        from the store (finished or interrupted before a restart); None for an id
+        the tenant never had — also when another tenant has it (no oracle)."""
+        return self.streams.find(identity.tenant, stream_id) or self.streams.restore(
+            identity, stream_id=stream_id, now=trio.current_time())
 
     # ------------------------------------------------------------------ data plane
     def resume_point(self, frame: Frame, *, identity: Identity) -> tuple[StreamCtx, int] | None:
@@ -381,7 +485,8 @@ class Router:
         key = frame.meta.get("idempotency_key")
         if not isinstance(key, str):
             return None
-        ctx = self.streams.resumable(identity.tenant, key)
+        ctx = self.streams.resumable(identity.tenant, key) or self.streams.restore(
+            identity, idempotency_key=key, now=trio.current_time())
         if ctx is None:
             return None
         after = frame.meta.get("resume_after")
@@ -535,6 +640,10 @@ class Router:
             "rib_version": gen.version,
         }
         ctx.push(synack)
+        self.audit_event("session_open", identity, {
+            "session_id": sess.session_id, "stream_id": ev.stream_id, "policy": route.policy,
+            "next_hops": [h.agent for h in route.next_hops], "qos": str(qos),
+            "budget": msgspec.to_builtins(budget)})
         if content is not None:
             self._on_message(ctx, ev.payload)
 
@@ -575,6 +684,8 @@ class Router:
             b = _min_budget(control.budget, ctx.route.budget)
             self.ledger.set_limit(ctx.account, Allowance.from_budget(b), clamp=True)
             ctx.budget = b
+            self.audit_event("window_change", ctx.identity, {
+                "session_id": ctx.session_id, "stream_id": ctx.stream_id, "budget_update": msgspec.to_builtins(b)})
 
     async def _run_task(self, ctx: StreamCtx, prompt: Prompt, gen: Generation, scope: trio.CancelScope) -> None:
         try:
@@ -621,6 +732,10 @@ class Router:
             self.metrics.stream_latency.observe(final.telemetry.latency_ms / 1000)
             for t in gen.dispatcher.last_triggers:
                 self.metrics.escalations.labels(t).inc()
+            if gen.dispatcher.last_triggers:
+                self.audit_event("escalation", ctx.identity, {"session_id": ctx.session_id,
+                                                              "stream_id": ctx.stream_id,
+                                                              "triggers": list(gen.dispatcher.last_triggers)})
             self.metrics.streams_closed.labels("final").inc()
             ctx.finish(final)
         if scope.cancelled_caught:
@@ -671,12 +786,23 @@ class Router:
         ctx.stop(p.code, p.reason)
 
     def _on_stream_closed(self, ctx: StreamCtx) -> None:
+        last = ctx.log.events[-1].frame if ctx.log.events else None
+        err = last.payload.content if last is not None and last.payload is not None else None
+        spent = self.ledger.state(ctx.account) if self.ledger.has(ctx.account) else None
+        self.audit_event("session_close" if Flag.RST not in (last.flags if last else []) else "error", ctx.identity, {
+            "session_id": ctx.session_id, "stream_id": ctx.stream_id,
+            "outcome": "RST" if last is not None and Flag.RST in last.flags else "FIN",
+            "code": str(err.code) if isinstance(err, ErrorPayload) else None,
+            "tokens": spent.committed_tokens if spent else None,
+            "usd_micros": spent.committed_usd_micros if spent else None})
         if not ctx.task_started:
             self.control.release(ctx)  # else the task releases it when it ends
 
     def _release_stream(self, ctx: StreamCtx) -> bool:
         """Close the ledger account of a closed stream leaving the table; False
         while a cancelled call has not committed its spend yet."""
+        if not self.ledger.has(ctx.account):
+            return True  # read back from the store: its account closed at start-up
         try:
             self.ledger.close(ctx.account)
         except ValueError:
@@ -702,7 +828,8 @@ class Router:
         Raises :class:`ATPError` with the code the SYN was reset with.
         """
         if idempotency_key is not None:
-            ctx = self.streams.resumable(identity.tenant, idempotency_key)
+            ctx = self.streams.resumable(identity.tenant, idempotency_key) or self.streams.restore(
+                identity, idempotency_key=idempotency_key, now=trio.current_time())
             if ctx is not None:
                 return ctx
         session_id = "sess_" + secrets.token_hex(8)
@@ -733,12 +860,29 @@ class Router:
             await nursery.start(self.control.serve)
             nursery.start_soon(self.gates.slots.run)
             nursery.start_soon(self.streams.run)
+            nursery.start_soon(self._audit_checkpoints)
             self._nursery = nursery
             task_status.started(self)
             try:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
+                nursery.cancel_scope.cancel()
+        self.close_state()
+
+    async def _audit_checkpoints(self) -> None:
+        """MAC the audit chain's head when its oldest unsigned record is due
+        (every ``interval_ms``), and expire the store's closed streams past
+        their retention (bounded disk)."""
+        retain_ms = int(self.config.state_retain_s * 1000)
+        while True:
+            await trio.sleep(1.0)
+            now_ms = int(time.time() * 1000)
+            try:
+                self.audit_log.tick(now_ms)
+                self.store.expire(now_ms - retain_ms)
+            except Exception:
+                log.exception("state: audit checkpoint or expiry failed")
 
 
 def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: str) -> Frame:

@@ -43,6 +43,7 @@ import heapq
 import itertools
 import logging
 import math
+import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ import msgspec
 import trio
 
 from atp.security.identity import Identity
+from atp.store.base import Store, StoreError, StoreLimitError, StreamRecord
 from atp.wire import session as S
 from atp.wire.errors import ATPError, ErrorCode, LocalProtocolError
 from atp.wire.frame import (
@@ -82,6 +84,33 @@ StreamKey = tuple[str, str, str]
 _REFUSED_KEPT = 4096
 #: A closed stream whose spend is still settling is tried again this much later, s.
 _SETTLE_RETRY_S = 1.0
+
+
+#: Key of the SYN+ACK route info kept with a stored stream's meta.
+_ROUTE_KEY = "_atp_route"
+_frame_enc = msgspec.json.Encoder()
+_frame_dec = msgspec.json.Decoder(Frame)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class _StoredHop:
+    agent: str
+
+
+@dataclass(frozen=True, slots=True)
+class _StoredRoute:
+    """The route a restored stream was opened on (what the API answers with)."""
+
+    policy: str
+    agents: list[str]
+
+    @property
+    def next_hops(self) -> list[_StoredHop]:
+        return [_StoredHop(a) for a in self.agents]
 
 
 def stream_account(tenant: str, stream_id: str) -> str:
@@ -222,6 +251,8 @@ class StreamCtx:
     detached_at: float | None = None
     #: The stream counts among the users of ``gen`` (its adapters stay open).
     holds_gen: bool = False
+    #: Read back from the store after a restart (closed; its log is the stored one).
+    restored: bool = False
 
     @property
     def tenant(self) -> str:
@@ -255,6 +286,7 @@ class StreamCtx:
         for f in frames if isinstance(frames, list) else [frames]:
             ev = self.log.append(f)
             self.table.metrics.frames.labels("out", ev.type).inc()
+            self.table.persist_event(self, ev)
             if ev.type in ("FIN", "RST"):
                 self._mark_closed()
 
@@ -336,8 +368,12 @@ class StreamTable:
         hb_interval_s: float,
         release: Callable[[StreamCtx], bool],
         on_closed: Callable[[StreamCtx], None],
+        store: Store | None = None,
     ):
         self.metrics = metrics
+        #: Durable copy of every stream, its events and its close (spec §8 across a
+        #: restart): :mod:`atp.store`.
+        self.store = store
         self.max_streams = max_streams
         self.retain_closed_s = retain_closed_s
         self.retain_closed_max = retain_closed_max
@@ -450,6 +486,7 @@ class StreamTable:
             self._idempotency[(key[0], ctx.idempotency_key)] = ctx
         self.open_count += 1
         self.tenant_open[key[0]] += 1
+        self._persist_open(ctx)
         self.metrics.open_streams.inc()
         self._schedule(ctx.started + self.idle_task_s, "idle", key)
 
@@ -466,6 +503,7 @@ class StreamTable:
         """``ctx`` closed (FIN/RST): it stops counting as open and is retained
         for ``retain_closed_s`` — unless its tenant already holds
         ``retain_closed_max`` closed streams, then its oldest go first."""
+        self._persist_close(ctx)
         self.open_count -= 1
         self.tenant_open[ctx.tenant] -= 1
         if not self.tenant_open[ctx.tenant]:
@@ -508,6 +546,89 @@ class StreamTable:
         if left <= 0:
             del self._session_streams[key[:2]]
         return True
+
+    # ------------------------------------------------------------------ durable state
+    def _persist_open(self, ctx: StreamCtx) -> None:
+        if self.store is None:
+            return
+        route = {"policy": ctx.route.policy, "next_hops": [h.agent for h in ctx.route.next_hops],
+                 "rib_version": ctx.gen.version if ctx.gen is not None else 0,
+                 "window": msgspec.to_builtins(ctx.window)}
+        self._store_call(self.store.put_stream, StreamRecord(
+            tenant=ctx.tenant, session_id=ctx.session_id, stream_id=ctx.stream_id,
+            idempotency_key=ctx.idempotency_key, meta={**ctx.meta, _ROUTE_KEY: route}, qos=ctx.qos,
+            budget=ctx.budget, created_ms=_now_ms()))
+
+    def persist_event(self, ctx: StreamCtx, ev: LoggedEvent) -> None:
+        """Write one outbound event of ``ctx`` to the store (before any follower
+        sends it on: the log is what a client reads after a restart)."""
+        if self.store is None or ctx.restored:
+            return
+        try:
+            self.store.append_event(ctx.tenant, ctx.session_id, ctx.stream_id, ev.id, ev.type,
+                                    _frame_enc.encode(ev.frame))
+        except StoreLimitError as e:
+            # The client still gets every frame live; after a restart the stream
+            # reads as interrupted at the last stored event.
+            log.warning("stream %s/%s: event %d not stored: %s", ctx.tenant, ctx.stream_id, ev.id, e)
+        except StoreError:
+            log.exception("stream %s/%s: event %d not stored", ctx.tenant, ctx.stream_id, ev.id)
+
+    def _persist_close(self, ctx: StreamCtx) -> None:
+        if self.store is None or ctx.restored:
+            return
+        last = ctx.log.events[-1].type if ctx.log.events else "RST"
+        self._store_call(self.store.close_stream, ctx.tenant, ctx.session_id, ctx.stream_id,
+                         reason=last, closed_ms=_now_ms())
+
+    @staticmethod
+    def _store_call(fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        try:
+            fn(*args, **kw)
+        except StoreError:
+            log.exception("state store: %s failed", fn.__name__)
+
+    def restore(self, identity: Identity, *, stream_id: str | None = None,
+                idempotency_key: str | None = None, now: float) -> StreamCtx | None:
+        """A stream of ``identity``'s tenant that is not in memory but in the store
+        (finished before a restart, or interrupted by it): read back as a closed
+        stream whose log is the stored events, so a client reads and resumes it
+        exactly as before (spec §8). Looked up by ``stream_id`` or by
+        ``idempotency_key``; None when the tenant has no such stream (another
+        tenant's never matches)."""
+        if self.store is None:
+            return None
+        tenant = identity.tenant
+        if idempotency_key is not None:
+            rec = self.store.find_idempotent(tenant, idempotency_key)
+        elif stream_id is not None:
+            rec = self.store.find_stream(tenant, stream_id)
+        else:
+            return None
+        if rec is None or rec.state == "open" or (tenant, rec.stream_id) in self._by_id:
+            return None
+        meta = dict(rec.meta)
+        route = meta.pop(_ROUTE_KEY, {})
+        window = msgspec.convert(route.get("window") or {"max_parallel": 1, "max_tokens": 0, "max_usd_micros": 0},
+                                 Window)
+        sess = self.session(tenant, rec.session_id, now=now)
+        ctx = StreamCtx(self, sess, rec.stream_id, identity, meta, rec.qos or QoS.SILVER, window,
+                        rec.budget or Budget(), _StoredRoute(route.get("policy", ""), route.get("next_hops", [])),
+                        now, task_started=True, closed_at=now, account=stream_account(tenant, rec.stream_id),
+                        idempotency_key=rec.idempotency_key, restored=True)
+        for ev in self.store.events(tenant, rec.session_id, rec.stream_id):
+            ctx.log.events.append(LoggedEvent(ev.event_id, ev.type, _frame_dec.decode(ev.frame)))
+        ctx.log.closed = True
+        key = ctx.key
+        self._streams[key] = ctx
+        self._by_id[(tenant, ctx.stream_id)] = ctx
+        self._session_streams[key[:2]] += 1
+        if ctx.idempotency_key is not None:
+            self._idempotency[(tenant, ctx.idempotency_key)] = ctx
+        retained = self._closed.setdefault(tenant, OrderedDict())
+        retained[ctx] = None
+        self._schedule(now + self.retain_closed_s, "retain", key)
+        return ctx
 
     # ------------------------------------------------------------------ timers
     def _schedule(self, deadline: float, kind: str, key: StreamKey | None) -> None:

@@ -178,6 +178,11 @@ class Store(ABC):
         """The newest stream ``tenant`` opened with ``idempotency_key``, or ``None``."""
 
     @abstractmethod
+    def find_stream(self, tenant: str, stream_id: str) -> StreamRecord | None:
+        """``tenant``'s newest stream ``stream_id`` (any session), or None; another
+        tenant's stream of that id is never returned (no oracle)."""
+
+    @abstractmethod
     def append_event(self, tenant: str, session_id: str, stream_id: str, event_id: int, type: str,
                      frame: bytes) -> None:
         """Append event ``event_id`` (the next id of the stream's log, from 1) of

@@ -303,6 +303,12 @@ class SqliteStore(Store):
             "ORDER BY created_ms DESC, rowid DESC LIMIT 1", (tenant, idempotency_key))
         return None if row is None else _stream(row)
 
+    def find_stream(self, tenant: str, stream_id: str) -> StreamRecord | None:
+        row = self._row(
+            f"SELECT {_STREAM_COLS} FROM stream WHERE tenant = ? AND stream_id = ? "
+            "ORDER BY created_ms DESC, rowid DESC LIMIT 1", (tenant, stream_id))
+        return None if row is None else _stream(row)
+
     def append_event(self, tenant: str, session_id: str, stream_id: str, event_id: int, type: str,
                      frame: bytes) -> None:
         if len(frame) > self.max_event_bytes:
