@@ -72,7 +72,7 @@ AgentId = Annotated[str, Meta(pattern=r"^[a-zA-Z0-9._-]+$", max_length=128)]
 EnvName = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 PosInt = Annotated[int, Meta(ge=1)]
-PosFloat = Annotated[float, Meta(gt=0)]
+PosFloat = Annotated[float, Meta(gt=0.0)]
 
 
 class ConfigError(ValueError):

@@ -330,7 +330,7 @@ class RateSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     per second (float > 0), at most ``burst`` held (int ≥ 1). One stream open
     takes one token; a full bucket lets ``burst`` opens through at once."""
 
-    per_s: Annotated[float, Meta(gt=0.0)]
+    per_s: Annotated[float, Meta(gt=0.0, description="stream opens per second (> 0)")]
     burst: PosInt
 
 
