@@ -407,7 +407,9 @@ async def bench(args: argparse.Namespace) -> int:
     (d / "load.yaml").write_text(RIB.format(micros_per_token=MICROS_PER_TOKEN, policy_budget_usd=POLICY_BUDGET_USD,
                                             c3_budget_usd=C3_BUDGET_USD, agent_window=agent_window))
     cfg = RouterConfig(policies=d, http_port=0, ws_port=0, client_tokens=CLIENTS, hb_timeout_s=600.0,
-                       breaker_failures=20, breaker_window_s=10.0, breaker_backoff_s=0.5, seed=args.seed)
+                       breaker_failures=20, breaker_window_s=10.0, breaker_backoff_s=0.5, seed=args.seed,
+                       # One load generator opens 1,200 streams at once: lift the per-tenant quota and rate.
+                       tenant_max_streams=100_000, tenant_rate_per_s=1e6, tenant_rate_burst=100_000)
     async with trio.open_nursery() as nursery:
         router, _, ws_port = await nursery.start(run, cfg)
         chaos = swap_in_chaos(router, args.seed)

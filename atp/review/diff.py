@@ -107,18 +107,18 @@ def diff_loc(diffs: Iterable[FileDiff]) -> int:
     return sum(len(d.added) + d.removed for d in diffs)
 
 
-_CHANGED = re.compile(r"^[+-]", re.M)
-_HEADER_PAIR = re.compile(r"^--- [^\n]*\n\+\+\+ ", re.M)
+_HEADER_PAIR = re.compile(r"\n--- [^\n]*\n\+\+\+ ")
 
 
 def count_changed_lines(text: str) -> int:
     """``diff_loc`` of a unified diff without parsing it: the lines starting with
-    ``+`` or ``-`` less the ``---``/``+++`` file-header pairs, counted by the
-    regex engine (≈ 10 ms for 5 MB, against ≈ 500 ms for :func:`parse_diff`), so
-    the router can route on it at SYN without stalling its event loop. Equal to
-    ``diff_loc(parse_diff(text))`` for git diffs of text files; a binary-file
-    section adds nothing to either."""
-    return len(_CHANGED.findall(text)) - 2 * len(_HEADER_PAIR.findall(text))
+    ``+`` or ``-`` less the ``---``/``+++`` file-header pairs, counted at C speed
+    (``str.count`` and one regex scan: ≈ 20 ms for 5 MB, against ≈ 500 ms for
+    :func:`parse_diff`), so the router routes on it at SYN without stalling its
+    event loop. Equal to ``diff_loc(parse_diff(text))`` for git diffs of text
+    files; a binary-file section adds nothing to either."""
+    t = "\n" + text
+    return t.count("\n+") + t.count("\n-") - 2 * len(_HEADER_PAIR.findall(t))
 
 
 def parse_diff(text: str) -> list[FileDiff]:

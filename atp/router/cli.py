@@ -73,6 +73,7 @@ from atp.router.core import Router, RouterConfig, build_authenticator
 from atp.security.authn import new_api_key
 from atp.security.policy_guard import PolicySecrets
 from atp.security.tls import ServerTls, hypercorn_ssl
+from atp.store import StoreError
 from atp.wire.codec import KeyRing
 from atp.router.ws import serve_ws
 from atp.wire.errors import PolicyError
@@ -302,14 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     if not build_authenticator(config).enabled:
         logging.getLogger("atp.router").warning("no --auth file and no ATP_ROUTER_TOKENS: authentication is off")
 
-    refused: PolicyError | None = None
+    refused: Exception | None = None
 
     async def main_async() -> None:
         nonlocal refused
         async with trio.open_nursery() as nursery:
             try:
                 router, http_port, ws_port = await nursery.start(run, config)
-            except PolicyError as e:
+            except (PolicyError, RuntimeError, StoreError) as e:
                 # Caught here: out of the nursery it would come wrapped in an ExceptionGroup.
                 refused = e
                 nursery.cancel_scope.cancel()
@@ -324,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
 
     trio.run(main_async)
     if refused is not None:
-        print(f"atp-router: policy refused: {refused.reason}", file=sys.stderr)
+        what = f"policy refused: {refused.reason}" if isinstance(refused, PolicyError) else str(refused)
+        print(f"atp-router: {what}", file=sys.stderr)
         return 2
     return 0
 

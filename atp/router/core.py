@@ -52,6 +52,7 @@ gets none within ``idle_task_s``.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import random
@@ -248,6 +249,7 @@ class Router:
             self._tmp_state = Path(tempfile.mkdtemp(prefix="atp-state-"))
         #: Where the durable state lives (spec §8, §11 audit; atp.store).
         self.state_dir = config.state_dir or self._tmp_state
+        self._lock = _lock_state_dir(self.state_dir)
         self.store = SqliteStore.open(self.state_dir, synchronous=config.state_sync.upper())
         self.ledger = self._restore_ledger()
         self.audit_log = AuditLog.open(self.store, self.state_dir)
@@ -355,6 +357,7 @@ class Router:
             self.audit_log.close()
         finally:
             self.store.close()
+            self._lock.close()
             if self._tmp_state is not None:
                 shutil.rmtree(self._tmp_state, ignore_errors=True)
 
@@ -894,6 +897,21 @@ def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: s
         v=1, session_id=session_id, stream_id=stream_id, msg_seq=0, flags=[Flag.CTRL],
         payload=Payload(type=PayloadType.CONTROL, content=ErrorPayload(code=code, reason=reason)),
     )
+
+
+def _lock_state_dir(state_dir: Path) -> Any:
+    """Hold ``<state_dir>/router.lock`` for the life of the process: two routers on
+    one state directory would interleave ledgers and the audit chain. Raises
+    ``RuntimeError`` naming the directory when another process holds it."""
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    f = open(state_dir / "router.lock", "a+")  # noqa: SIM115 (held until the process exits)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise RuntimeError(f"state directory {state_dir} is in use by another atp-router "
+                           "(give each router its own --state-dir)") from None
+    return f
 
 
 def build_authenticator(config: RouterConfig) -> Authenticator:

@@ -44,7 +44,7 @@ wait_for "$work/agent.log" "available" $! atp-agent2389
 
 # 3. Router B: the default RIB, reached as an A2A agent at /a2a.
 B_HTTP=$(port); B_WS=$(port)
-.venv/bin/atp-router --policies policies/ --http-port "$B_HTTP" --ws-port "$B_WS" > "$work/router-b.log" 2>&1 & pids+=($!)
+.venv/bin/atp-router --policies policies/ --state-dir "$work/state-b" --http-port "$B_HTTP" --ws-port "$B_WS" > "$work/router-b.log" 2>&1 & pids+=($!)
 wait_for "$work/router-b.log" "listening" $! "router B"
 
 # 4. Router A: one policy fanning out over the three protocols.
@@ -52,7 +52,7 @@ A_HTTP=$(port); A_WS=$(port)
 mkdir -p "$work/policies"
 sed -e "s#@MQTT_URL@#mqtt://127.0.0.1:$MQTT#" -e "s#@A2A_URL@#http://127.0.0.1:$B_HTTP/a2a#" \
   examples/multi_protocol/rib.yaml.in > "$work/policies/rib.yaml"
-.venv/bin/atp-router --policies "$work/policies" --http-port "$A_HTTP" --ws-port "$A_WS" > "$work/router-a.log" 2>&1 & pids+=($!)
+.venv/bin/atp-router --policies "$work/policies" --state-dir "$work/state-a" --http-port "$A_HTTP" --ws-port "$A_WS" > "$work/router-a.log" 2>&1 & pids+=($!)
 wait_for "$work/router-a.log" "listening" $! "router A"
 grep -m1 listening "$work/router-a.log"
 

@@ -15,6 +15,8 @@ mutation" is thereby checked on every frame of every test.
 from __future__ import annotations
 
 import json
+import secrets
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -66,7 +68,11 @@ def control(kind: str, **fields: Any) -> dict[str, Any]:
 
 def sealed(f: dict[str, Any], hmac_key: bytes | None = None, encoding: str = "json") -> bytes:
     """``f`` encoded with payload checksum, whole-frame checksum (§4.2, §4.5) and,
-    with ``hmac_key``, ``sig`` (§11)."""
+    with ``hmac_key``, ``sig`` over a fresh ``meta.nonce`` and ``meta.ts`` (unix ms):
+    what a router's replay window accepts once (§11)."""
+    if hmac_key is not None:
+        meta = {**f.get("meta", {}), "nonce": secrets.token_urlsafe(24), "ts": int(time.time() * 1000)}
+        f = {**f, "meta": meta}
     return FrameCodec(encoding, hmac_key=hmac_key).encode(msgspec.convert(f, Frame))
 
 

@@ -173,12 +173,6 @@ async def assert_tools_still_serve(env: RouterEnv) -> None:
                                                                                               "sec.bandit"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="atp/router/core.py Router._on_syn computes meta.diff_loc with parse_diff() on the event loop: "
-           "~350 ms for this 5 MB diff (cProfile: review/diff.py _read_hunk + _scan_hunk + _flush); "
-           "the lead's fix (bound the diff, count its lines off the loop) makes this pass",
-)
 async def test_5mb_file_is_refused_without_delaying_another_tenants_health(nursery, policies_dir: Path):
     """Issue 7: a 2 MB file froze the router ~31 s, 5 MB ~75 s. The 5 MB file must
     be refused (RST EPROTO naming ``max_file_bytes``) with health answering

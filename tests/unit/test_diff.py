@@ -243,3 +243,19 @@ def test_difflib_round_trip(before: list[str], edits: list[tuple[int, str, str]]
     removed = sum(1 for h in fd.hunks for dl in h.lines if dl.kind == "-")
     assert fd.removed == removed and diff_loc(diffs) == len(fd.added) + removed
     assert all(1 <= n <= max(len(after), 1) for n in fd.changed)
+
+
+def test_count_changed_lines_equals_diff_loc_of_the_parsed_diff():
+    """The router counts ``diff_loc`` at SYN without parsing (C speed); it must be
+    the parsed diff's added + removed lines on real diffs (the golden set)."""
+    import json
+
+    from atp.review.diff import count_changed_lines, diff_loc, parse_diff
+    from tests.conftest import SHARED
+
+    diffs = [json.loads(line).get("diff") for line in (SHARED / "golden" / "dev.jsonl").read_text().splitlines()]
+    diffs = [d for d in diffs if d]
+    assert len(diffs) >= 20
+    for d in diffs:
+        assert count_changed_lines(d) == diff_loc(parse_diff(d))
+    assert count_changed_lines("") == 0

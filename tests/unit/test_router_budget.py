@@ -16,6 +16,7 @@ PARTIALs carrying cumulative usage, then a FINAL or an ``AgentError``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import AsyncIterator
 
@@ -31,7 +32,8 @@ from atp.adapters.base import Fragment, Prompt
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentReport, Usage
 from atp.policy.loader import load_rib_text
-from atp.router.core import Router, parse_tokens_env
+from atp.router.core import Router
+from atp.security.authn import parse_tokens_env
 from atp.security.identity import ANONYMOUS, Role
 from atp.wire.errors import AgentError, ErrorCode, PolicyError
 from atp.wire.frame import (
@@ -45,6 +47,10 @@ from atp.wire.frame import (
     QoS,
 )
 from tests.helpers import serve_scripted, start_router_on
+
+#: These tests are about the ledger under hundreds of streams of one tenant, not
+#: the tenant's open rate and stream quota (tests/security/test_attacks.py).
+UNTHROTTLED = {"tenant_rate_per_s": 1e6, "tenant_rate_burst": 1_000_000, "tenant_max_streams": 1_000_000}
 from tests.unit.test_router_dispatch import CLEAN, META, scripted_agent
 from tests.unit.test_router_flow import (
     content_of,
@@ -161,7 +167,7 @@ async def _play(tmp_path, schedule: Schedule) -> None:
     }
     with pytest.MonkeyPatch.context() as mp:
         serve_scripted(mp, adapters)
-        async with serving(tmp_path, doc, slots=32, gold_reserved=4) as router:
+        async with serving(tmp_path, doc, slots=32, gold_reserved=4, **UNTHROTTLED) as router:
             results: dict[int, list] = {}
             ctxs = {}
             done = trio.Event()
@@ -248,7 +254,7 @@ async def test_200_concurrent_streams_spend_a_client_budget_exactly_never_more(t
            "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.hog"],
                          "window": BIG_WINDOW}],
            "clients": {"alice": {"budget": {"tokens": 10_000}}}}
-    async with serving(tmp_path, doc, slots=256, gold_reserved=1) as router:
+    async with serving(tmp_path, doc, slots=256, gold_reserved=1, **UNTHROTTLED) as router:
         outcomes: list[list] = []
 
         async def one() -> None:
@@ -326,11 +332,15 @@ async def test_client_rst_mid_stream_commits_what_was_streamed(nursery, tmp_path
 # ------------------------------------------------------------------ clients: tokens, RIB, reload
 
 def test_atp_router_tokens_names_clients():
-    assert parse_tokens_env("alice:tok-a, bob:tok-b,bare-token,") == (
-        frozenset({"bare-token"}), {"alice": "tok-a", "bob": "tok-b"}, {})
-    assert parse_tokens_env("alice:tok-a,ops:tok:o:admin+operator,both:tok-b:client+admin,carol:has:colon") == (
-        frozenset(), {"alice": "tok-a", "ops": "tok:o", "both": "tok-b", "carol": "has:colon"},
-        {"ops": frozenset({Role.ADMIN, Role.OPERATOR}), "both": frozenset({Role.CLIENT, Role.ADMIN})})
+    def ids(value: str) -> list[tuple[str, frozenset[Role]]]:
+        return [(t.identity.tenant, t.identity.roles) for t in parse_tokens_env(value)]
+
+    c = frozenset({Role.CLIENT})
+    bare = "tok_" + hashlib.sha256(b"bare-token").hexdigest()[:12]
+    assert ids("alice:tok-a, bob:tok-b,bare-token,") == [("alice", c), ("bob", c), (bare, c)]
+    assert ids("alice:tok-a,ops:tok:o:admin+operator,both:tok-b:client+admin,carol:has:colon") == [
+        ("alice", c), ("ops", frozenset({Role.ADMIN, Role.OPERATOR})), ("both", frozenset({Role.CLIENT, Role.ADMIN})),
+        ("carol", c)]
     for bad, words in [("alice:", "expected name:token"), (":tok", "expected name:token"),
                        ("a b:tok", "expected name:token"), ("alice:x,alice:y", "client 'alice' given twice"),
                        ("alice:x,bob:x", "the same token is given twice")]:

@@ -40,7 +40,7 @@ from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentFinding, Severity, Usage
 from atp.flow.breaker import RetryPolicy
 from atp.policy.loader import load_rib_text
-from atp.router.core import Router, RouterConfig, StreamCtx
+from atp.router.core import Router, RouterConfig, StreamCtx, build_authenticator
 from atp.router.streams import LoggedEvent
 from atp.security.identity import ANONYMOUS, Identity, Role
 from atp.wire import session as S
@@ -432,7 +432,7 @@ async def test_esec_data_scope_violation_resets_the_stream_and_is_audited(nurser
         await c.result(st)
     assert (ei.value.code, ei.value.status) == ("ESEC", 403)
     assert "data_scope ['export_controlled'] is not cleared for any next-hop of policy p (m.public)" in ei.value.reason
-    assert any(r.name == "atp.audit" and "ESEC" in r.getMessage() for r in caplog.records)
+    assert any(r.name == "atp.audit" and r.getMessage().startswith("esec by ") for r in caplog.records)
     assert len(scripted["m.public"].calls) == 1
 
 
@@ -650,7 +650,8 @@ def test_cli_flags_configure_flow_control_as_the_conformance_profile_documents(t
     defaults = RouterConfig(policies=tmp_path)
     plain = cli.config_from_args(["--policies", str(tmp_path)], environ={"ATP_ROUTER_TOKENS": "alice:tok-a"})
     assert {f: getattr(plain, f) for f in (*fields, "retry")} == {f: getattr(defaults, f) for f in (*fields, "retry")}
-    assert plain.client_tokens == {"alice": "tok-a"}
+    assert plain.tokens_env == "alice:tok-a"
+    assert build_authenticator(plain).authenticate("Bearer tok-a", now=0.0).tenant == "alice"
     for bad in (["--gold-reserved", "64"], ["--preempt-after-ms", "3000"], ["--hb-interval-s", "0"],
                 ["--retry-backoff-s", "5"]):
         with pytest.raises(SystemExit) as ei:
