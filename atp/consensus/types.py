@@ -7,7 +7,7 @@ Lines are 1-based in the file *after* the diff; ``end`` is inclusive.
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta, Struct
@@ -99,12 +99,25 @@ class Result(Struct, forbid_unknown_fields=True):
     consensus: ConsensusInfo
 
 
-class Telemetry(Struct, forbid_unknown_fields=True):
-    """Totals of a stream: tokens (in+out), float USD, wall time SYN → FINAL in ms."""
+class SignedUsage(Struct, forbid_unknown_fields=True):
+    """A usage summary the router signed (spec §19 billing abuse): ``summary``
+    (tenant, session and stream ids, tokens, USD micros, next-hops that
+    reported, RIB version, close time in unix ms) and ``jws``, its compact JWS
+    (Ed25519) a client verifies against the router's ``GET /v1/keys``."""
+
+    summary: dict[str, Any]
+    jws: str
+
+
+class Telemetry(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Totals of a stream: tokens (in+out), float USD, wall time SYN → FINAL in ms;
+    ``usage`` the router's signed summary of the same spend (absent when the
+    router signs none)."""
 
     tokens: Annotated[int, Meta(ge=0)]
     usd: Annotated[float, Meta(ge=0.0)]
     latency_ms: Annotated[float, Meta(ge=0.0)]
+    usage: SignedUsage | None = None
 
 
 class FinalResult(Struct, forbid_unknown_fields=True):

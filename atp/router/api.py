@@ -280,6 +280,21 @@ def build_app(router: Router) -> Starlette:
     async def metrics(request: Request, identity: Identity) -> Response:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    async def keys(request: Request, identity: Identity) -> Response:
+        return _json({"keys": [router.usage_signer.public_jwk()]})
+
+    async def audit(request: Request, identity: Identity) -> Response:
+        try:
+            since = int(request.query_params.get("since", "0"))
+            limit = int(request.query_params.get("limit", "100"))
+            if since < 0 or not 1 <= limit <= 1000:
+                raise ValueError
+        except ValueError:
+            return _error(ATPError(ErrorCode.EPROTO, "since must be >= 0 and limit 1..1000"))
+        router.audit_event("admin", identity, {"action": "audit_read", "since": since, "limit": limit})
+        records = router.store.audit_records(after=since, limit=limit)
+        return _json({"records": [msgspec.to_builtins(r) for r in records]})
+
     async def health(request: Request, identity: Identity) -> Response:
         return _json(Health(status="ok", rib_version=router.gen.version, open_streams=router.open_count))
 
@@ -291,5 +306,7 @@ def build_app(router: Router) -> Starlette:
         Route("/v1/routes", authorized("routes_read", routes), methods=["GET"]),
         Route("/v1/metrics", authorized("metrics_read", metrics), methods=["GET"]),
         Route("/v1/health", authorized("health_read", health), methods=["GET"]),
+        Route("/v1/keys", authorized("health_read", keys), methods=["GET"]),
+        Route("/v1/audit", authorized("audit_read", audit), methods=["GET"]),
         *a2a_routes(router),
     ])

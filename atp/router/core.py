@@ -70,8 +70,9 @@ import trio
 
 from atp.adapters.base import Prompt
 from atp.adapters.context import with_context_scope
+from atp.consensus.types import FinalResult, SignedUsage
 from atp.flow.breaker import BreakerBoard, RetryPolicy
-from atp.flow.budget import Allowance, BudgetLedger
+from atp.flow.budget import Allowance, BudgetLedger, usd_to_micros
 from atp.flow.qos import Preempt, QosScheduler
 from atp.flow.window import Window as FlowWindow
 from atp.flow.window import WindowTable
@@ -86,7 +87,7 @@ from atp.security.authn import Authenticator, EnvToken, load_auth_config, parse_
 from atp.security.authz import Action, Forbidden, Refuse, StreamAdmission, authorize
 from atp.security.identity import Identity, Role
 from atp.security.policy_guard import PolicySecrets, egress_changes
-from atp.security.signing import ReplayGuard
+from atp.security.signing import ReplayGuard, UsageSigner
 from atp.security.audit import AuditLog
 from atp.security.tls import ServerTls
 from atp.store import SqliteStore, StoreJournal
@@ -253,6 +254,8 @@ class Router:
         self.store = SqliteStore.open(self.state_dir, synchronous=config.state_sync.upper())
         self.ledger = self._restore_ledger()
         self.audit_log = AuditLog.open(self.store, self.state_dir)
+        #: Signs each FINAL's usage summary (Ed25519; public key at GET /v1/keys).
+        self.usage_signer = UsageSigner.load_or_create(self.state_dir / "usage.pem")
         self.authenticator: Authenticator = authenticator or build_authenticator(config)
         #: The frame keys (§11): every inbound frame is verified and replay-checked.
         self.keyring: KeyRing | None = config.keyring or (
@@ -740,7 +743,7 @@ class Router:
                                                               "stream_id": ctx.stream_id,
                                                               "triggers": list(gen.dispatcher.last_triggers)})
             self.metrics.streams_closed.labels("final").inc()
-            ctx.finish(final)
+            ctx.finish(self._signed(ctx, final))
         if scope.cancelled_caught:
             self.metrics.streams_closed.labels("rst").inc()
 
@@ -776,6 +779,20 @@ class Router:
             return seen[agent]
 
         return prompt_for
+
+    def _signed(self, ctx: StreamCtx, final: FinalResult) -> FinalResult:
+        """``final`` with its telemetry's signed usage summary (spec §19: a client
+        can prove what it was charged; ``GET /v1/keys`` has the public key)."""
+        t = final.telemetry
+        reporters = {ev.frame.payload.content.get("agent") for ev in ctx.log.events
+                     if ev.type == "PARTIAL" and isinstance(ev.frame.payload.content, dict)
+                     and "report" in ev.frame.payload.content}
+        summary = {"tenant": ctx.tenant, "session_id": ctx.session_id, "stream_id": ctx.stream_id,
+                   "tokens": t.tokens, "usd_micros": usd_to_micros(t.usd), "calls": len(reporters),
+                   "rib_version": ctx.gen.version if ctx.gen is not None else self.gen.version,
+                   "closed_at_ms": int(time.time() * 1000)}
+        usage = SignedUsage(summary=summary, jws=self.usage_signer.sign(summary))
+        return msgspec.structs.replace(final, telemetry=msgspec.structs.replace(t, usage=usage))
 
     def _on_preempt(self, p: Preempt) -> None:
         """The QoS scheduler preempts a bronze call (spec §9): RST the stream with

@@ -113,6 +113,22 @@ def openapi_document() -> dict[str, Any]:
                           "401": {"description": "ESEC: missing or unknown bearer token (JSON-RPC error)",
                                   "content": {"application/json": {"schema": {"type": "object"}}}}},
         }},
+        "/v1/keys": {"get": {
+            "summary": "The router's public keys (JWKS): verify the `telemetry.usage.jws` of a FINAL (spec §19)",
+            "operationId": "getKeys",
+            "responses": {"200": {"description": "JWKS", "content": {"application/json": {
+                "schema": {"type": "object"}}}}, **_errors(401)},
+        }},
+        "/v1/audit": {"get": {
+            "summary": "The hash-chained audit trail (spec §11), admin only: records after `since`, at most `limit`",
+            "operationId": "getAudit",
+            "parameters": [{"name": "since", "in": "query", "required": False,
+                            "schema": {"type": "integer", "minimum": 0}},
+                           {"name": "limit", "in": "query", "required": False,
+                            "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}],
+            "responses": {"200": {"description": "{records: [...]}", "content": {"application/json": {
+                "schema": {"type": "object"}}}}, **_errors(400, 401, 403)},
+        }},
         "/v1/health": {"get": {
             "summary": "Liveness and RIB generation",
             "operationId": "getHealth",
