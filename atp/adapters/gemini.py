@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -51,6 +50,7 @@ from atp.adapters.http import (
     RetryPolicy,
     code_of_status,
     json_object,
+    secret_value,
     sse_data,
     status_error,
     token_count,
@@ -90,7 +90,7 @@ class GeminiAdapter(ChatModelAdapter):
         if self._api_key is not None or self._api_key_env is not None:
             return super()._key()
         for env in KEY_ENVS:
-            key = os.environ.get(env)
+            key = secret_value(env)
             if key:
                 return key
         raise AgentError(ErrorCode.EAGENTDOWN, f"no Gemini API key: set {' or '.join(KEY_ENVS)} (or api_key_env)")

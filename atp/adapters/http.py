@@ -200,11 +200,31 @@ async def open_stream(
         attempt += 1
 
 
+#: Where adapters read the secrets a RIB names (``api_key_env``, ``auth_env``):
+#: the router installs its policy-secrets resolver (declared names only, values
+#: from ``--policy-secrets-file`` or the environment; spec §11); standalone use
+#: (``atp-agent2389``, tests) reads the environment.
+_resolver: Callable[[str], str | None] = os.environ.get
+
+
+def install_secret_resolver(resolver: Callable[[str], str | None] | None) -> None:
+    """Make every adapter read RIB-named secrets through ``resolver`` (None: the
+    environment again)."""
+    global _resolver
+    _resolver = resolver if resolver is not None else os.environ.get
+
+
+def secret_value(variable: str) -> str | None:
+    """The value of RIB-named secret ``variable`` (see :func:`install_secret_resolver`)."""
+    return _resolver(variable)
+
+
 def env_secret(variable: str, what: str = "credential") -> str:
-    """The value of the environment variable ``variable``, read at each call so a
-    rotated secret needs no reload. Raises AgentError(EAGENTDOWN) ``"<what> variable
-    <variable> is not set"`` when it is unset or empty."""
-    value = os.environ.get(variable)
+    """The value of the secret ``variable`` a RIB names, read at each call so a
+    rotated secret needs no reload (through the router's policy-secrets resolver
+    when it runs one). Raises AgentError(EAGENTDOWN) ``"<what> variable
+    <variable> is not set"`` when it is unset, empty or not declared for policies."""
+    value = _resolver(variable)
     if not value:
         raise AgentError(ErrorCode.EAGENTDOWN, f"{what} variable {variable} is not set")
     return value

@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +84,7 @@ import trio
 
 from atp.adapters.base import CallStats, Fragment, Health, Prompt, ProviderAdapter
 from atp.adapters.context import META_KEY, scrub_error, secret_values
+from atp.adapters.http import secret_value
 from atp.adapters.openai_compat import parse_review
 from atp.agent2389 import protocol as P
 from atp.consensus.types import AgentFinding, AgentReport, Usage
@@ -291,7 +291,7 @@ class Mqtt2389Adapter(ProviderAdapter):
         if link is None or link.dead or link.token is not token:
             password = None
             if self.password_env is not None:
-                password = os.environ.get(self.password_env)
+                password = secret_value(self.password_env)
             client = MQTTClient(
                 self.host, self.port,
                 client_id=self.client_id or f"atp-router-{uuid.uuid4().hex[:12]}",
@@ -574,7 +574,7 @@ def from_spec(agent_name: str, agent: AgentSpec) -> ProviderAdapter:
         raise ValueError("remote.options.username_env: give username or username_env, not both")
     username = opts.get("username")
     if "username_env" in opts:
-        username = os.environ.get(opts["username_env"])
+        username = secret_value(opts["username_env"])
     tls = None
     if remote.tls is not None:
         if any(k in opts for k in ("ca_file", "cert_file", "key_file")):

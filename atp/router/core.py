@@ -70,6 +70,7 @@ import trio
 
 from atp.adapters.base import Prompt
 from atp.adapters.context import with_context_scope
+from atp.adapters.http import install_secret_resolver
 from atp.consensus.types import FinalResult, SignedUsage
 from atp.flow.breaker import BreakerBoard, RetryPolicy
 from atp.flow.budget import Allowance, BudgetLedger, usd_to_micros
@@ -292,6 +293,9 @@ class Router:
             config.retry,
             rng=rng,
         )
+        if config.policy_secrets is not None:
+            # Adapters read RIB-named secrets only through the declared set (spec §11).
+            install_secret_resolver(config.policy_secrets.resolve)
         self.control = ControlPlane(config.policies, ledger=self.ledger, gates=self.gates, metrics=self.metrics,
                                     on_leg=self._on_leg, secrets=config.policy_secrets)
         self.streams = StreamTable(

@@ -12,7 +12,7 @@ from atp.security.policy_guard import (
     parse_secrets_file,
     secret_refs,
 )
-from atp.wire.errors import ErrorCode, PolicyError
+from atp.wire.errors import AgentError, ErrorCode, PolicyError
 
 BASE = """
 models:
@@ -199,3 +199,21 @@ def test_option_hosts_files_and_provider_switches_are_egress() -> None:
         {"kind": "endpoint", "key": "models.local.base_url", "change": "changed", "old": "ollama default endpoint",
          "new": "google default endpoint"},
     ]
+
+
+def test_adapters_read_declared_secrets_through_the_router_resolver(tmp_path):
+    """With a secrets file, adapters get the file's value for a declared name and
+    nothing for an undeclared one (never the environment's ATP_* variables)."""
+    from atp.adapters.http import env_secret, install_secret_resolver
+
+    f = tmp_path / "secrets.env"
+    f.write_text("MODEL_KEY=from-the-file\n")
+    secrets = PolicySecrets.load([], f, environ={"ATP_HMAC_KEY": "router-own", "OTHER": "x"})
+    install_secret_resolver(secrets.resolve)
+    try:
+        assert env_secret("MODEL_KEY") == "from-the-file"
+        for name in ("ATP_HMAC_KEY", "OTHER"):
+            with pytest.raises(AgentError):
+                env_secret(name)
+    finally:
+        install_secret_resolver(None)
