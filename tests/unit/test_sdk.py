@@ -55,7 +55,7 @@ async def test_golden_task_events_and_final_shape(router_env):
     final = events[-2].payload
     assert set(final) == {"result", "telemetry"}
     assert set(final["result"]) == {"findings", "consensus"}
-    assert set(final["telemetry"]) == {"tokens", "usd", "latency_ms"}
+    assert set(final["telemetry"]) == {"tokens", "usd", "latency_ms", "usage"}  # usage: the signed summary (§19)
     parsed = msgspec.convert(final, FinalResult)
     assert parsed.result.consensus.strategy == "union_tiebreak"
     assert parsed.telemetry.latency_ms > 0
@@ -260,13 +260,13 @@ async def test_sdk_imports_and_works_without_router_dependencies(router_env, tmp
     assert set(out["final"]) == {"result", "telemetry"}
 
 
-async def test_cli_reads_tokens_from_the_environment(policies_dir):
+async def test_cli_reads_tokens_from_the_environment(policies_dir, tmp_path):
     """``atp-router`` takes its bearer tokens from ATP_ROUTER_TOKENS (comma-separated,
     blanks ignored): a listed token works, anything else is ESEC 401."""
     env = {**os.environ, "ATP_ROUTER_TOKENS": f" {TOKEN_A} ,, {TOKEN_B} ", "PYTHONUNBUFFERED": "1"}
     env.pop("ATP_HMAC_KEY", None)
     argv = [sys.executable, "-m", "atp.router.cli", "--policies", str(policies_dir),
-            "--http-port", "0", "--ws-port", "0", "--log-level", "WARNING"]
+            "--state-dir", str(tmp_path / "state"), "--http-port", "0", "--ws-port", "0", "--log-level", "WARNING"]
     proc = await trio.lowlevel.open_process(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         line = b""
