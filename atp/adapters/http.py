@@ -207,11 +207,14 @@ async def open_stream(
 _resolver: Callable[[str], str | None] = os.environ.get
 
 
-def install_secret_resolver(resolver: Callable[[str], str | None] | None) -> None:
+def install_secret_resolver(resolver: Callable[[str], str | None] | None) -> Callable[[str], str | None]:
     """Make every adapter read RIB-named secrets through ``resolver`` (None: the
-    environment again)."""
+    environment again). Returns the resolver it replaces, so a router that stops
+    can put it back."""
     global _resolver
+    previous = _resolver
     _resolver = resolver if resolver is not None else os.environ.get
+    return previous
 
 
 def secret_value(variable: str) -> str | None:

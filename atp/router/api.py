@@ -13,8 +13,12 @@
 ``POST /v1/policies/reload``           hot-reload the RIB (from the policy path, or
                                        a YAML body); a refused RIB answers 422 and
                                        the running one stays
+``GET  /v1/policies``                  the running RIB: version, source and the
+                                       YAML it was loaded from (:class:`PolicyText`)
 ``GET  /v1/routes``                    the running FIB (ROUTE_UPDATE shape)
 ``GET  /v1/metrics``                   Prometheus exposition
+``GET  /v1/keys``                      the JWKS verifying FINAL usage signatures
+``GET  /v1/audit``                     the hash-chained audit trail
 ``GET  /v1/health``                    liveness and RIB generation
 =====================================  =========================================
 
@@ -28,9 +32,11 @@ action                                endpoints
 ``stream_open`` (role client)         ``POST /v1/streams``
 ``stream_access`` (role client)       ``/v1/streams/{id}/frames``, ``/events``
 ``policy_reload`` (role admin)        ``POST /v1/policies/reload``
+``policy_read`` (role admin)          ``GET /v1/policies``
 ``routes_read`` (role admin)          ``GET /v1/routes``
+``audit_read`` (role admin)           ``GET /v1/audit``
 ``metrics_read`` (operator, admin)    ``GET /v1/metrics``
-``health_read`` (anyone)              ``GET /v1/health``
+``health_read`` (any authenticated)   ``GET /v1/health``, ``GET /v1/keys``
 ====================================  ==========================================
 
 Streams are looked up within the caller's tenant only (spec §11): the id of
@@ -40,8 +46,10 @@ same body).
 Errors are ``{"error": {"code": <spec §10 code>, "reason": ..., [file, key]}}``
 with HTTP 400 (EPROTO), 401 (ESEC: missing or unknown bearer token, on every
 endpoint when the router has tokens), 403 (ESEC: a role the action needs, or a
-bad frame signature), 404 (unknown stream), 409 (EWINDOW), 422 (refused policy),
-503 (EAGENTDOWN: no route).
+bad frame signature), 404 (unknown stream), 409 (EWINDOW: the router's stream
+table is full), 413 (EPROTO: a body over ``max_body_bytes`` / ``max_policy_bytes``),
+422 (refused policy), 429 (EWINDOW: the tenant's stream quota or open rate, with
+``Retry-After`` in s), 503 (EAGENTDOWN: no route).
 """
 
 from __future__ import annotations
@@ -97,10 +105,28 @@ class FramesResponse(msgspec.Struct):
     frames: list[Frame]
 
 
+class EgressChange(msgspec.Struct):
+    """An endpoint, secret reference or file a reload added, removed or changed
+    (:func:`~atp.security.policy_guard.egress_changes`): names and URLs, never
+    secret values."""
+
+    kind: str
+    key: str
+    change: str
+    old: str | None
+    new: str | None
+
+
 class ReloadResponse(msgspec.Struct):
+    """Body of a successful reload: the new generation, what it changed towards
+    the outside (``changes``, also in the audit record) and who reloaded (``by``,
+    the caller's subject)."""
+
     version: int
     policies: int
     agents: list[str]
+    changes: list[EgressChange] = []
+    by: str = ""
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):
@@ -112,6 +138,21 @@ class ErrorBody(msgspec.Struct, omit_defaults=True):
 
 class ErrorResponse(msgspec.Struct):
     error: ErrorBody
+
+
+class PolicyFile(msgspec.Struct):
+    #: A ``--policies`` file, or ``"<request body>"`` for a RIB posted to reload.
+    file: str
+    text: str
+
+
+class PolicyText(msgspec.Struct):
+    """Body of ``GET /v1/policies``: the running RIB generation ``version``, where
+    it came from (``source``) and its YAML as read at load, file by file."""
+
+    version: int
+    source: str
+    files: list[PolicyFile]
 
 
 class Health(msgspec.Struct):
@@ -141,6 +182,11 @@ def _error(e: ATPError, status: int | None = None) -> Response:
     if isinstance(e, PolicyError):
         body = ErrorBody(code=str(e.code), reason=e.detail, file=e.file, key=e.key)
         status = status or 422
+    if status is None and e.code is ErrorCode.EWINDOW and e.retry_after_ms is not None:
+        # The tenant's stream quota or open rate (spec §11): try again later.
+        resp = _json(ErrorResponse(error=body), 429)
+        resp.headers["Retry-After"] = str(max(1, -(-e.retry_after_ms // 1000)))
+        return resp
     return _json(ErrorResponse(error=body), status or _STATUS.get(e.code, 400))
 
 
@@ -273,6 +319,11 @@ def build_app(router: Router) -> Starlette:
         except ATPError as e:
             return _error(e)
 
+    async def policies(request: Request, identity: Identity) -> Response:
+        gen = router.gen
+        return _json(PolicyText(version=gen.version, source=gen.source,
+                                files=[PolicyFile(file=f, text=t) for f, t in gen.texts]))
+
     async def routes(request: Request, identity: Identity) -> Response:
         fib = router.gen.fib
         return _json(RouteUpdate(version=fib.version, routes=fib.routes()))
@@ -303,6 +354,7 @@ def build_app(router: Router) -> Starlette:
         Route("/v1/streams/{id}/frames", authorized("stream_access", post_frame), methods=["POST"]),
         Route("/v1/streams/{id}/events", authorized("stream_access", events), methods=["GET"]),
         Route("/v1/policies/reload", authorized("policy_reload", reload), methods=["POST"]),
+        Route("/v1/policies", authorized("policy_read", policies), methods=["GET"]),
         Route("/v1/routes", authorized("routes_read", routes), methods=["GET"]),
         Route("/v1/metrics", authorized("metrics_read", metrics), methods=["GET"]),
         Route("/v1/health", authorized("health_read", health), methods=["GET"]),

@@ -70,12 +70,12 @@ from atp.adapters.context import install_log_redaction
 from atp.flow.breaker import RetryPolicy
 from atp.router.api import build_app
 from atp.router.core import Router, RouterConfig, build_authenticator
+from atp.router.ws import serve_ws
 from atp.security.authn import new_api_key
 from atp.security.policy_guard import PolicySecrets
 from atp.security.tls import ServerTls, hypercorn_ssl
 from atp.store import StoreError
 from atp.wire.codec import KeyRing
-from atp.router.ws import serve_ws
 from atp.wire.errors import PolicyError
 
 

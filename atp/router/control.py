@@ -56,6 +56,9 @@ class Generation:
     adapters: dict[str, ProviderAdapter]
     dispatcher: Dispatcher
     source: str
+    #: The YAML it was loaded from, as read at load: ``((file, text), ...)`` — the
+    #: ``--policies`` files in load order, or ``(("<request body>", text),)``.
+    texts: tuple[tuple[str, str], ...] = ()
 
 
 class GenUser(Protocol):
@@ -68,6 +71,23 @@ class GenUser(Protocol):
 
 #: The ``source`` of a RIB posted to ``/v1/policies/reload`` (restored after a restart).
 BODY_SOURCE = "<request body>"
+
+
+def policy_texts(policies: Path) -> tuple[tuple[str, str], ...]:
+    """``((file, text), ...)``: the YAML files of the RIB at ``policies`` as
+    :func:`~atp.policy.loader.load_rib` reads them (a file, or a directory's
+    ``*.yaml``/``*.yml`` in sorted order, dotfiles skipped), read just after it
+    loaded them (``GET /v1/policies``). A file gone meanwhile is left out."""
+    p = Path(policies)
+    files = sorted(f for f in p.iterdir() if f.suffix in (".yaml", ".yml") and not f.name.startswith(".")
+                   and f.is_file()) if p.is_dir() else [p]
+    texts = []
+    for f in files:
+        try:
+            texts.append((str(f), f.read_text(encoding="utf-8", errors="replace")))
+        except OSError:
+            continue
+    return tuple(texts)
 
 
 class ControlPlane:
@@ -99,7 +119,7 @@ class ControlPlane:
         self._unclosed: list[tuple[str, ProviderAdapter]] = []  # dropped while not serving
         rib = load_rib(policies)
         self.secrets.check(rib, file=str(policies))
-        self.gen = self._compile(rib, version=1, source=str(policies))
+        self.gen = self._compile(rib, version=1, source=str(policies), texts=policy_texts(policies))
         self._gens[1] = self.gen
         self._activate(self.gen)
         metrics.rib_version.set(1)
@@ -125,7 +145,7 @@ class ControlPlane:
         return key
 
     # ------------------------------------------------------------------ generations
-    def _compile(self, rib: Rib, *, version: int, source: str) -> Generation:
+    def _compile(self, rib: Rib, *, version: int, source: str, texts: tuple[tuple[str, str], ...] = ()) -> Generation:
         """RIB → FIB + adapters. Raises PolicyError without touching the running state."""
         fib = compile_fib(rib, version=version)
         adapters: dict[str, ProviderAdapter] = {}
@@ -153,7 +173,7 @@ class ControlPlane:
             sources={n: independence_source(rib, n) for n in rib.agents},
             gates=self.gates, on_leg=self._on_leg,
         )
-        return Generation(version, rib, fib, adapters, dispatcher, source)
+        return Generation(version, rib, fib, adapters, dispatcher, source, texts)
 
     def _activate(self, gen: Generation) -> None:
         """Adopt ``gen``'s per-agent windows, client budgets and agent set."""
@@ -181,7 +201,8 @@ class ControlPlane:
             rib = load_rib_text(text, file=BODY_SOURCE) if text is not None else load_rib(self.policies)
             self.secrets.check(rib, file=BODY_SOURCE if text is not None else str(self.policies))
             gen = self._compile(rib, version=self.gen.version + 1,
-                                source=BODY_SOURCE if text else str(self.policies))
+                                source=BODY_SOURCE if text else str(self.policies),
+                                texts=((BODY_SOURCE, text),) if text is not None else policy_texts(self.policies))
         except PolicyError:
             self.metrics.policy_reloads.labels("refused").inc()
             raise

@@ -85,7 +85,7 @@ from atp.router.dispatch import FlowGates, LegOutcome, SlotGate, TaskPlan
 from atp.router.metrics import RouterMetrics
 from atp.router.streams import StreamCtx, StreamTable, stream_account
 from atp.security.authn import Authenticator, EnvToken, load_auth_config, parse_tokens_env
-from atp.security.authz import Action, Forbidden, Refuse, StreamAdmission, authorize
+from atp.security.authz import Action, Forbidden, Refuse, StreamAdmission, authorize, clamp_qos
 from atp.security.identity import Identity, Role
 from atp.security.policy_guard import PolicySecrets, egress_changes
 from atp.security.signing import ReplayGuard, UsageSigner
@@ -127,7 +127,6 @@ DEFAULT_WINDOW = Window(max_parallel=4, max_tokens=120_000, max_usd_micros=1_250
 #: Per-next-hop window of an agent without ``agents.<name>.window`` in the RIB.
 DEFAULT_AGENT_WINDOW = Window(max_parallel=16, max_tokens=2_000_000, max_usd_micros=20_000_000)
 
-_QOS_RANK = {QoS.GOLD: 0, QoS.SILVER: 1, QoS.BRONZE: 2}
 #: The RST reason of a stream that was running when the router stopped (spec §8).
 INTERRUPTED = ("interrupted: the router restarted while the stream ran; it was not re-run — "
                "open a new stream (new idempotency_key) to run it again")
@@ -293,9 +292,6 @@ class Router:
             config.retry,
             rng=rng,
         )
-        if config.policy_secrets is not None:
-            # Adapters read RIB-named secrets only through the declared set (spec §11).
-            install_secret_resolver(config.policy_secrets.resolve)
         self.control = ControlPlane(config.policies, ledger=self.ledger, gates=self.gates, metrics=self.metrics,
                                     on_leg=self._on_leg, secrets=config.policy_secrets)
         self.streams = StreamTable(
@@ -387,7 +383,9 @@ class Router:
         """Hot-reload the RIB (:meth:`ControlPlane.reload <atp.router.control.ControlPlane.reload>`, §22),
         audited with who asked and every endpoint and secret reference it adds,
         removes or changes (:func:`~atp.security.policy_guard.egress_changes`);
-        a refused reload is audited too. Raises :class:`PolicyError`."""
+        a refused reload is audited too. Returns :meth:`rib_summary` with
+        ``changes`` (those egress changes) and ``by`` (the actor's subject).
+        Raises :class:`PolicyError`."""
         old = self.gen.rib
         try:
             summary = self.control.reload(text)
@@ -395,12 +393,12 @@ class Router:
             self.audit_event("policy_reload", identity, {"outcome": "refused", "file": e.file, "key": e.key,
                                                          "reason": e.detail})
             raise
+        changes = egress_changes(old, self.gen.rib)
+        actor = identity.subject if identity is not None else "router"
         self.audit_event("policy_reload", identity, {
-            "outcome": "ok", "version": summary["version"], "source": self.gen.source,
-            "changes": egress_changes(old, self.gen.rib)})
-        self.store.save_rib(summary["version"], text or "", self.gen.source,
-                            identity.subject if identity is not None else "router")
-        return summary
+            "outcome": "ok", "version": summary["version"], "source": self.gen.source, "changes": changes})
+        self.store.save_rib(summary["version"], text or "", self.gen.source, actor)
+        return {**summary, "changes": changes, "by": actor}
 
     def rib_summary(self) -> dict[str, Any]:
         return self.control.rib_summary()
@@ -530,9 +528,11 @@ class Router:
         if Flag.SYN in frame.flags:
             if self.resume_point(frame, identity=identity) is not None:
                 return []
-            qos_max = self.client_spec(tenant).qos_max
-            if _QOS_RANK[frame.qos] < _QOS_RANK[qos_max]:
-                frame = msgspec.structs.replace(frame, qos=qos_max)
+            # The session confirms the SYN's class in its SYN+ACK (§8 step 2): it must
+            # see the class StreamAdmission serves (authz.clamp_qos, the one rule).
+            qos = clamp_qos(frame.qos, self.client_spec(tenant).qos_max)
+            if qos is not frame.qos:
+                frame = msgspec.structs.replace(frame, qos=qos)
         sess = self.streams.session(tenant, frame.session_id, now=now)
         if Flag.SYN not in frame.flags and self._closed_by_us(tenant, sess, frame.stream_id):
             return self._late_frame(frame)
@@ -622,7 +622,7 @@ class Router:
                 open_streams=self.streams.tenant_open[tenant], now=trio.current_time())
             if isinstance(decision, Refuse):
                 raise ATPError(decision.code, decision.reason, retry_after_ms=decision.retry_after_ms)
-            client_budget = decision.budget
+            client_budget, admitted_qos = decision.budget, decision.qos
             gen = self.gen
             route = gen.fib.lookup(meta, health=self.control.health(gen, trio.current_time()))
         except ATPError as e:
@@ -630,12 +630,17 @@ class Router:
             if e.code is ErrorCode.ESEC:
                 self.audit_event("esec", identity, {"session_id": sess.session_id, "stream_id": ev.stream_id,
                                                     "reason": e.reason})
-            direct.append(sess.reset(ev.stream_id, e.code, e.reason))
+            rst = sess.reset(ev.stream_id, e.code, e.reason)
+            if e.retry_after_ms is not None and rst.payload is not None and isinstance(rst.payload.content, dict):
+                # A quota or rate refusal says when to try again (spec §10 retry_after_ms).
+                rst = msgspec.structs.replace(rst, payload=msgspec.structs.replace(
+                    rst.payload, content={**rst.payload.content, "retry_after_ms": e.retry_after_ms}))
+            direct.append(rst)
             self.streams.refused(tenant, sess.session_id, ev.stream_id)
             return
         window = _min_window(ev.window, route.window or DEFAULT_WINDOW)
         budget = _min_budget(client_budget, route.budget)
-        qos = ev.qos if ev.qos is not None else (route.qos or QoS.SILVER)
+        qos = admitted_qos if admitted_qos is not None else (route.qos or QoS.SILVER)
         ctx = StreamCtx(self.streams, sess, ev.stream_id, identity, meta, qos, window, budget, route,
                         trio.current_time(), gen=gen, ttl=ttl, account=stream_account(tenant, ev.stream_id),
                         idempotency_key=ev.idempotency_key)
@@ -872,14 +877,28 @@ class Router:
         ctx = self.streams.get(identity.tenant, session_id, stream_id)
         if ctx is None:
             err = _error_of(direct)
-            raise ATPError(err.code if err else ErrorCode.EPROTO, err.reason if err else "stream refused")
+            raise ATPError(err.code if err else ErrorCode.EPROTO, err.reason if err else "stream refused",
+                           retry_after_ms=err.retry_after_ms if err else None)
         return ctx
 
     # ------------------------------------------------------------------ lifecycle
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the router's background work until cancelled: stream tasks, QoS
         preemption, the stream table's timers (grace, idle expiry, retention) and
-        the control plane's adapter retirement (adapters closed when cancelled)."""
+        the control plane's adapter retirement (adapters closed when cancelled).
+        While it runs, adapters read RIB-named secrets only through the declared
+        set (``config.policy_secrets``; spec §11); the previous resolver is put back
+        when it stops."""
+        previous = None
+        if self.config.policy_secrets is not None:
+            previous = install_secret_resolver(self.config.policy_secrets.resolve)
+        try:
+            await self._serve(task_status)
+        finally:
+            if previous is not None:
+                install_secret_resolver(previous)
+
+    async def _serve(self, task_status) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.control.serve)
             nursery.start_soon(self.gates.slots.run)

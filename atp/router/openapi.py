@@ -15,6 +15,7 @@ from atp.router.api import (
     ErrorResponse,
     FramesResponse,
     Health,
+    PolicyText,
     ReloadResponse,
     StreamOpenRequest,
     StreamOpenResponse,
@@ -22,7 +23,7 @@ from atp.router.api import (
 from atp.wire.frame import Control, Frame, RouteUpdate
 
 _STRUCTS = (
-    StreamOpenRequest, StreamOpenResponse, FramesResponse, ReloadResponse, ErrorResponse, Health,
+    StreamOpenRequest, StreamOpenResponse, FramesResponse, ReloadResponse, PolicyText, ErrorResponse, Health,
     Frame, RouteUpdate, FinalResult,
 )
 
@@ -42,7 +43,9 @@ def _errors(*codes: int) -> dict[str, Any]:
         403: "ESEC: the caller lacks the role this action needs, or a signature failed",
         404: "unknown stream",
         409: "EWINDOW: the router is at its stream limit",
+        413: "EPROTO: the body exceeds the router's limit (refused before it is read)",
         422: "the RIB was refused (`file`, `key`, `reason`); the running RIB stays",
+        429: "EWINDOW: the tenant's stream quota or open rate; `Retry-After` (s) says when to try again",
         503: "EAGENTDOWN: no route, or no healthy next-hop",
     }
     return {str(c): _json_body("ErrorResponse", text[c]) for c in codes}
@@ -57,7 +60,8 @@ def openapi_document() -> dict[str, Any]:
             "summary": "Open a stream (SYN → SYN-ACK, spec §8 steps 1-2); the task starts when `content` is given",
             "operationId": "openStream",
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("StreamOpenRequest")}}},
-            "responses": {"201": _json_body("StreamOpenResponse", "stream opened"), **_errors(400, 401, 409, 503)},
+            "responses": {"201": _json_body("StreamOpenResponse", "stream opened"),
+                          **_errors(400, 401, 403, 409, 413, 429, 503)},
         }},
         "/v1/streams/{id}/frames": {"post": {
             "summary": "Send one frame on a stream (HTTP fallback to the WebSocket ingress)",
@@ -65,7 +69,7 @@ def openapi_document() -> dict[str, Any]:
             "parameters": [stream_id],
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("Frame")}}},
             "responses": {"200": _json_body("FramesResponse", "frames the router answered with"),
-                          **_errors(400, 401, 403, 404)},
+                          **_errors(400, 401, 403, 404, 413)},
         }},
         "/v1/streams/{id}/events": {"get": {
             "summary": "The stream's frames as Server-Sent Events (`event:` SYN_ACK, ACK, WINDOW_UPDATE, PARTIAL, "
@@ -81,18 +85,25 @@ def openapi_document() -> dict[str, Any]:
             "summary": "Hot-reload the RIB from the router's policy path, or from a YAML/JSON body",
             "operationId": "reloadPolicies",
             "requestBody": {"required": False, "content": {"application/yaml": {"schema": {"type": "string"}}}},
-            "responses": {"200": _json_body("ReloadResponse", "the new RIB generation"), **_errors(400, 401, 422)},
+            "responses": {"200": _json_body("ReloadResponse", "the new RIB generation"),
+                          **_errors(400, 401, 403, 413, 422)},
+        }},
+        "/v1/policies": {"get": {
+            "summary": "The running RIB (admin): generation, source and its YAML as loaded",
+            "operationId": "getPolicies",
+            "responses": {"200": _json_body("PolicyText", "the running RIB's text"), **_errors(401, 403)},
         }},
         "/v1/routes": {"get": {
             "summary": "The running FIB (ROUTE_UPDATE shape, spec §4.3)",
             "operationId": "getRoutes",
-            "responses": {"200": _json_body("RouteUpdate", "routes"), **_errors(401)},
+            "responses": {"200": _json_body("RouteUpdate", "routes"), **_errors(401, 403)},
         }},
         "/v1/metrics": {"get": {
             "summary": "Prometheus metrics (spec §12)",
             "operationId": "getMetrics",
             "responses": {"200": {"description": "Prometheus text exposition",
-                                  "content": {"text/plain": {"schema": {"type": "string"}}}}},
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}},
+                          **_errors(401, 403)},
         }},
         **{path: {"get": {
             "summary": "A2A agent card (one skill per routed task type); the router answers as an A2A server",
@@ -132,7 +143,7 @@ def openapi_document() -> dict[str, Any]:
         "/v1/health": {"get": {
             "summary": "Liveness and RIB generation",
             "operationId": "getHealth",
-            "responses": {"200": _json_body("Health", "router health")},
+            "responses": {"200": _json_body("Health", "router health"), **_errors(401)},
         }},
     }
     return {

@@ -59,8 +59,8 @@ from trio_websocket import (
 
 from atp.router.core import Router, StreamCtx, connection_error
 from atp.security.identity import Identity
-from atp.wire import session as S
 from atp.security.tls import serve_websocket_tls
+from atp.wire import session as S
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ATPError, ErrorCode, LocalProtocolError
 from atp.wire.frame import Flag, Frame

@@ -15,7 +15,6 @@ mutation" is thereby checked on every frame of every test.
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,7 +25,8 @@ import msgspec
 import trio
 from trio_websocket import open_websocket_url
 
-from atp.wire.codec import FrameCodec
+from atp.security.signing import sign_outbound
+from atp.wire.codec import FrameCodec, KeyRing
 from atp.wire.errors import LocalProtocolError
 from atp.wire.frame import Frame
 
@@ -70,10 +70,11 @@ def sealed(f: dict[str, Any], hmac_key: bytes | None = None, encoding: str = "js
     """``f`` encoded with payload checksum, whole-frame checksum (§4.2, §4.5) and,
     with ``hmac_key``, ``sig`` over a fresh ``meta.nonce`` and ``meta.ts`` (unix ms):
     what a router's replay window accepts once (§11)."""
-    if hmac_key is not None:
-        meta = {**f.get("meta", {}), "nonce": secrets.token_urlsafe(24), "ts": int(time.time() * 1000)}
-        f = {**f, "meta": meta}
-    return FrameCodec(encoding, hmac_key=hmac_key).encode(msgspec.convert(f, Frame))
+    frame = msgspec.convert(f, Frame)
+    if hmac_key is None:
+        return FrameCodec(encoding).encode(frame)
+    signed = sign_outbound(frame, KeyRing.single(hmac_key), int(time.time() * 1000))
+    return FrameCodec(encoding).encode(signed, seal_frame=False)
 
 
 class Conn:

@@ -74,7 +74,8 @@ async def test_good_file_edit_takes_effect_on_the_next_stream(router_env):
     assert edited != text
     rib.write_text(edited)
     async with atp.Client(router_env.url) as c:
-        assert await c.reload_policies() == {"version": 2, "policies": 2, "agents": ["lint.ruff", "sec.bandit"]}
+        assert await c.reload_policies() == {"version": 2, "policies": 2, "agents": ["lint.ruff", "sec.bandit"],
+                                             "changes": [], "by": "anonymous"}
         routes = await get_json(router_env.url, "/v1/routes")
         assert routes["version"] == 2 and routes["routes"][1]["next_hops"] == ["lint.ruff"]
         assert (await get_json(router_env.url, "/v1/health"))["rib_version"] == 2
@@ -85,7 +86,8 @@ async def test_good_file_edit_takes_effect_on_the_next_stream(router_env):
 
 async def test_yaml_body_reload_replaces_the_rib(router_env):
     async with atp.Client(router_env.url) as c:
-        assert await c.reload_policies(BANDIT_ONLY) == {"version": 2, "policies": 1, "agents": ["sec.bandit"]}
+        assert await c.reload_policies(BANDIT_ONLY) == {"version": 2, "policies": 1, "agents": ["sec.bandit"],
+                                                        "changes": [], "by": "anonymous"}
         _, st = await c.open_stream(task=META, content=golden())
         assert st.route == {"policy": "bandit_only", "next_hops": ["sec.bandit"], "rib_version": 2}
         assert agents_of(await c.result(st)) == {"sec.bandit"}

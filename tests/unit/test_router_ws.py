@@ -9,7 +9,6 @@ trio-websocket connection, in both subprotocols (``atp.v1.json`` text messages,
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
@@ -22,8 +21,9 @@ import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
 from atp.consensus.types import FinalResult
+from atp.security.signing import sign_outbound
 from atp.wire import session as S
-from atp.wire.codec import FrameCodec
+from atp.wire.codec import FrameCodec, KeyRing
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import ErrorPayload, Flag, Frame, Payload, PayloadType, Window
 from tests.conftest import start_router
@@ -54,9 +54,10 @@ class Peer:
         for f in frames if isinstance(frames, list) else [frames]:
             if codec.hmac_key is not None:
                 # A signed frame carries a fresh nonce and its time (§11 replay window).
-                f = msgspec.structs.replace(f, meta={**f.meta, "nonce": secrets.token_urlsafe(24),
-                                                     "ts": int(time.time() * 1000)})
-            data = codec.encode(f)
+                f = sign_outbound(f, KeyRing.single(codec.hmac_key), int(time.time() * 1000))
+                data = FrameCodec(codec.encoding).encode(f, seal_frame=False)
+            else:
+                data = codec.encode(f)
             await self.ws.send_message(data.decode() if codec.encoding == "json" else data)
 
     async def send_raw(self, message: str | bytes) -> None:
