@@ -260,7 +260,7 @@ class Bandit:
     ``bar``: the lowest sampled quality an arm should clear (0: no bar).
     """
 
-    __slots__ = ("arms", "bar", "cost", "explore", "lam", "lam_step", "spent", "target_cost", "choices")
+    __slots__ = ("_top", "arms", "bar", "choices", "cost", "explore", "lam", "lam_step", "spent", "target_cost")
 
     def __init__(
         self,
@@ -278,6 +278,7 @@ class Bandit:
         if not arms:
             raise ValueError("a bandit needs at least one arm")
         top = max(arms.values()) or 1.0
+        self._top = top
         self.cost = {a: max(c, 0.0) / top for a, c in arms.items()}
         priors = priors or {}
         self.arms = {a: ArmModel(bits=bits, prior=priors.get(a, 0.5), prior_precision=prior_precision)
@@ -290,19 +291,34 @@ class Bandit:
         self.spent = 0.0
         self.choices = 0
 
-    def choose(self, ctx: Context, rng: np.random.Generator, *, among: Sequence[str] | None = None) -> Choice:
+    @property
+    def top_cost(self) -> float:
+        """The dearest arm's cost, in the unit costs were given in."""
+        return self._top
+
+    def set_costs(self, costs: Mapping[str, float]) -> None:
+        """Replace some arms' costs (e.g. observed USD per call), renormalised."""
+        raw = {a: self.cost[a] * self._top for a in self.cost}
+        raw.update({a: max(c, 0.0) for a, c in costs.items() if a in raw})
+        self._top = max(raw.values()) or 1.0
+        self.cost = {a: c / self._top for a, c in raw.items()}
+
+    def choose(self, ctx: Context, rng: np.random.Generator, *, among: Sequence[str] | None = None,
+               lam: float | None = None) -> Choice:
         """Order ``among`` (default: every arm) for ``ctx``: by utility
-        ``sampled − λ·cost``, except that while some arm's draw clears ``bar``
-        the arms that clear it come first, cheapest first (ties: utility)."""
+        ``sampled − λ·cost`` (``lam`` overrides λ for this choice), except that
+        while some arm's draw clears ``bar`` the arms that clear it come first,
+        cheapest first (ties: utility)."""
         names = list(among) if among is not None else list(self.arms)
+        lam = self.lam if lam is None else lam
         sampled = {a: self.arms[a].sample(ctx, rng, self.explore) for a in names}
-        utility = {a: sampled[a] - self.lam * self.cost[a] for a in names}
+        utility = {a: sampled[a] - lam * self.cost[a] for a in names}
         if self.bar > 0 and any(sampled[a] >= self.bar for a in names):
             order = sorted(names, key=lambda a: (sampled[a] < self.bar,
                                                  self.cost[a] if sampled[a] >= self.bar else 0.0, -utility[a], a))
         else:
             order = sorted(names, key=lambda a: (-utility[a], a))
-        return Choice(tuple(order), sampled, utility, self.lam)
+        return Choice(tuple(order), sampled, utility, lam)
 
     def charge(self, arms: Iterable[str]) -> None:
         """Account the calls of one choice; with ``target_cost`` set, one dual

@@ -9,17 +9,23 @@
    consulted. Put specific policies (``diff_loc: ">400"``) before general ones.
 2. **Weighted ECMP over the policy's fanout** (spec §6.2). Each next-hop scores::
 
-       fit × win30d × 1/(1 + usd_per_mtok) × 1/(1 + p95_ms/1000) × (1 − error_rate)
+       fit × quality × 1/(1 + usd_per_mtok) × 1/(1 + p95_ms/1000) × (1 − error_rate)
 
    * ``fit``: the fraction of the wanted strengths — the meta ``task_type`` plus
      any meta ``strengths_wanted`` (a string or a list) — found in the agent's
      ``strengths`` ∪ its model's; 1.0 when the task asks for nothing. Floored at
      :data:`FIT_FLOOR` so next-hops that fit nothing are still ordered by the
      other factors instead of collapsing into a zero-weight tie.
+   * ``quality``: the live win rate (:class:`~atp.policy.learn.LiveView`
+     ``quality``: the RIB's ``win30d`` as a prior that consensus and client
+     feedback overwrite; per policy once the policy has observed the next-hop,
+     else per next-hop), or ``win30d`` with no live view.
    * ``usd_per_mtok``: the model's blended USD per 1M tokens (tools: 0).
-   * ``p95_ms``: live ``Health.p95_ms`` when given and > 0, else the RIB's.
-   * ``error_rate``: live ``Health.error_rate`` (clamped to 0..1), else 0; a
-     next-hop whose ``Health.up`` is False is excluded.
+   * ``p95_ms``: the live p95 of the router's own calls when it has enough
+     observations, else ``Health.p95_ms`` when given and > 0, else the RIB's.
+   * ``error_rate``: the worse of ``Health.error_rate`` and the live error rate
+     (timeouts included), clamped to 0..1, else 0; a next-hop whose
+     ``Health.up`` is False is excluded.
 
    Next-hops are ordered by descending score, ties by agent name (so a lookup
    is deterministic), then cut to ``fanout_k`` when the policy sets it — after
@@ -54,6 +60,7 @@ import msgspec
 from msgspec import Struct
 
 from atp.adapters.base import Health
+from atp.policy.learn import MIN_OBS, LiveView
 from atp.policy.match import CompiledMatch, compile_match
 from atp.policy.rib import (
     AgentSpec,
@@ -125,7 +132,7 @@ class Route(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
 class _Candidate:
     """Per-agent constants of the score, folded at compile time."""
 
-    __slots__ = ("agent", "clearance", "fallback", "hop", "p95_ms", "static", "strengths")
+    __slots__ = ("agent", "clearance", "cost", "fallback", "hop", "p95_ms", "strengths", "win30d")
 
     def __init__(self, name: str, agent: AgentSpec, rib: Rib):
         self.agent = name
@@ -143,7 +150,8 @@ class _Candidate:
             # USD per 1M tokens is numerically USD micros per token.
             cost_in, cost_out = model.usd_per_mtok_in, model.usd_per_mtok_out
         self.strengths = frozenset(strengths)
-        self.static = agent.win30d / (1.0 + usd_per_mtok)
+        self.win30d = agent.win30d
+        self.cost = 1.0 / (1.0 + usd_per_mtok)
         self.hop = NextHop(
             agent=name,
             weight=0.0,
@@ -155,15 +163,30 @@ class _Candidate:
             out_usd_micros_per_token=cost_out,
         )
 
-    def score(self, wanted: frozenset[str], health: Health | None) -> float:
+    def score(self, wanted: frozenset[str], health: Health | None,
+              live: Mapping[str, LiveView] | None = None, policy: str | None = None) -> float:
         fit = len(wanted & self.strengths) / len(wanted) if wanted else 1.0
         p95 = self.p95_ms
-        ok = 1.0
+        err = 0.0
+        quality = self.win30d
         if health is not None:
             if health.p95_ms > 0:
                 p95 = health.p95_ms
-            ok = 1.0 - min(max(health.error_rate, 0.0), 1.0)
-        return max(fit, FIT_FLOOR) * self.static / (1.0 + p95 / 1000.0) * ok
+            err = health.error_rate
+        if live:
+            v = live.get(self.agent)
+            if v is not None:
+                quality = v.quality
+                if v.p95_ms is not None:
+                    p95 = v.p95_ms
+                if v.error_rate is not None:
+                    err = max(err, v.error_rate)
+            if policy is not None:
+                pv = live.get(f"{policy}/{self.agent}")
+                if pv is not None and pv.quality_obs >= MIN_OBS:
+                    quality = pv.quality
+        ok = 1.0 - min(max(err, 0.0), 1.0)
+        return max(fit, FIT_FLOOR) * quality * self.cost / (1.0 + p95 / 1000.0) * ok
 
     def cleared(self, labels: frozenset[str]) -> bool:
         """May a task with these ``data_scope`` labels be routed to this agent
@@ -260,11 +283,14 @@ class Fib:
         """Policy names in lookup (RIB) order."""
         return [p.name for p in self._policies]
 
-    def lookup(self, meta: Mapping[str, Any], *, health: Mapping[str, Health] | None = None) -> Route:
+    def lookup(self, meta: Mapping[str, Any], *, health: Mapping[str, Health] | None = None,
+               live: Mapping[str, LiveView] | None = None) -> Route:
         """Route a task by its frame ``meta`` (spec §6.2).
 
         ``health`` maps agent names to live :class:`~atp.adapters.base.Health`;
         agents absent from it count as healthy with their RIB figures.
+        ``live`` is :meth:`LiveMetrics.view() <atp.policy.learn.LiveMetrics.view>`
+        (keys ``agent`` and ``policy/agent``): the router's own observations.
         Raises AgentError(EAGENTDOWN) when no policy matches or when every
         next-hop of the matching policy is down, AgentError(ESEC) when none is
         cleared for the task's opaque ``data_scope`` labels (see the module doc)."""
@@ -288,7 +314,7 @@ class Fib:
             h = health.get(c.agent) if health is not None else None
             if h is not None and not h.up:
                 continue
-            scored.append((-c.score(wanted, h), c.agent, c))
+            scored.append((-c.score(wanted, h, live, policy.name), c.agent, c))
         if not scored:
             raise AgentError(ErrorCode.EAGENTDOWN, f"no healthy next-hop for policy {policy.name}")
         scored.sort(key=lambda t: (t[0], t[1]))
@@ -300,7 +326,7 @@ class Fib:
         if policy.escalation is not None and policy.escalation.cleared(labels):
             e = policy.escalation
             h = health.get(e.agent) if health is not None else None
-            weight = 0.0 if h is not None and not h.up else e.score(wanted, h)
+            weight = 0.0 if h is not None and not h.up else e.score(wanted, h, live, policy.name)
             escalation_hop = msgspec.structs.replace(e.hop, weight=weight)
         spec = policy.spec
         return Route(

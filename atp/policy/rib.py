@@ -286,6 +286,47 @@ class EscalationSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     threshold: Confidence = 0.5
 
 
+class BanditSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Contextual-bandit routing over the policy's fanout (spec §6.2;
+    :mod:`atp.policy.bandit`). The arms are the fanout's agents; the FIB's
+    healthy, cleared candidates are re-ordered by ``sampled quality − λ·cost``
+    and cut to ``fanout_k`` again.
+
+    ``explore``: scale of the posterior draws (0: greedy; the replay bench found
+    0.25 best on MMLU); ``lambda``: fixed cost weight, quality points per call of
+    the dearest arm; ``target_cost``: instead, a spend rate (0..1 of the dearest
+    arm's cost per task) that λ tracks by dual ascent; with neither, λ comes
+    from the stream's budget (the dearest arm's expected USD per call over the
+    stream's USD budget, at most 1); ``bar``: prefer the cheapest arm whose
+    sampled quality clears it (0: off); ``text_features``: hash the prompt's
+    words into the context; ``bits``: 2**bits weights per arm.
+    """
+
+    explore: Annotated[float, Meta(ge=0.0, le=10.0)] = 0.25
+    lam: Annotated[float, Meta(ge=0.0, le=100.0)] | None = msgspec.field(default=None, name="lambda")
+    target_cost: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    bar: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    text_features: bool = True
+    bits: Annotated[int, Meta(ge=8, le=16)] = 12
+
+    def __post_init__(self) -> None:
+        if self.lam is not None and self.target_cost is not None:
+            raise SpecError("target_cost", "give either lambda (fixed) or target_cost (adaptive λ), not both")
+
+
+class ShadowSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Shadow routing (spec §18): a share ``rate`` (0..1] of the policy's tasks
+    is also sent to the challenger ``agent`` on bronze, after the client's
+    FINAL, never touching the client's result or budget. ``budget`` is the
+    shadow's own total spend cap for this policy (router-wide, durable); a
+    shadow call stops when it is spent. Its outcome feeds ``atp_shadow_regret``
+    and, when ``agent`` is one of the policy's bandit arms, the bandit."""
+
+    agent: NonEmptyStr
+    rate: Annotated[float, Meta(gt=0.0, le=1.0)]
+    budget: Budget
+
+
 class PolicySpec(Struct, forbid_unknown_fields=True, kw_only=True):
     """One policy (spec §6.1, §23). Policies are tried in RIB order; the first
     whose ``match`` accepts the task meta routes it.
@@ -307,6 +348,8 @@ class PolicySpec(Struct, forbid_unknown_fields=True, kw_only=True):
     consensus: NonEmptyStr = "union_tiebreak"
     qos: QoS | None = None
     deadline_ms: PosInt = 120_000
+    bandit: BanditSpec | None = None
+    shadow: ShadowSpec | None = None
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -464,6 +507,10 @@ def reference_errors(rib: Rib) -> Iterator[RefError]:
                 i,
                 ".escalation.to",
                 f"unknown agent {policy.escalation.to!r} (known: {_known(rib.agents)})",
+            )
+        if policy.shadow is not None and policy.shadow.agent not in rib.agents:
+            yield RefError(
+                "policies", i, ".shadow.agent", f"unknown agent {policy.shadow.agent!r} (known: {_known(rib.agents)})"
             )
     if not rib.policies:
         yield RefError("policies", -1, "", "no policies: a RIB needs at least one")

@@ -15,7 +15,12 @@
                                        the running one stays
 ``GET  /v1/policies``                  the running RIB: version, source and the
                                        YAML it was loaded from (:class:`PolicyText`)
+``POST /v1/streams/{id}/feedback``     the client's score of a finished stream
+                                       ``{score: 0..1, labels}``, once per stream:
+                                       the next-hops that served it learn it (§6.2)
 ``GET  /v1/routes``                    the running FIB (ROUTE_UPDATE shape)
+``GET  /v1/fib``                       bandit arms (estimate, uncertainty, count)
+                                       and the live metrics the FIB scores with
 ``GET  /v1/metrics``                   Prometheus exposition
 ``GET  /v1/keys``                      the JWKS verifying FINAL usage signatures
 ``GET  /v1/audit``                     the hash-chained audit trail
@@ -30,10 +35,10 @@ action authorized (:meth:`Router.authorize <atp.router.core.Router.authorize>`):
 action                                endpoints
 ====================================  ==========================================
 ``stream_open`` (role client)         ``POST /v1/streams``
-``stream_access`` (role client)       ``/v1/streams/{id}/frames``, ``/events``
+``stream_access`` (role client)       ``/v1/streams/{id}/frames``, ``/events``, ``/feedback``
 ``policy_reload`` (role admin)        ``POST /v1/policies/reload``
 ``policy_read`` (role admin)          ``GET /v1/policies``
-``routes_read`` (role admin)          ``GET /v1/routes``
+``routes_read`` (role admin)          ``GET /v1/routes``, ``GET /v1/fib``
 ``audit_read`` (role admin)           ``GET /v1/audit``
 ``metrics_read`` (operator, admin)    ``GET /v1/metrics``
 ``health_read`` (any authenticated)   ``GET /v1/health``, ``GET /v1/keys``
@@ -55,7 +60,7 @@ table is full), 413 (EPROTO: a body over ``max_body_bytes`` / ``max_policy_bytes
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import trio
@@ -67,6 +72,7 @@ from starlette.routing import Route
 from atp.router.a2a_server import a2a_routes
 from atp.router.core import Router
 from atp.router.metrics import CONTENT_TYPE_LATEST
+from atp.router.learning import FeedbackRefused
 from atp.security.identity import Identity
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ATPError, ErrorCode, PolicyError
@@ -153,6 +159,74 @@ class PolicyText(msgspec.Struct):
     version: int
     source: str
     files: list[PolicyFile]
+
+
+class FeedbackRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of ``POST /v1/streams/{id}/feedback`` (spec §6.2 quality signal):
+    ``score`` 0..1 (1: the result was right and useful), ``labels`` up to 16
+    short tags (e.g. ``"false_positive"``, ``"missed_bug"``), kept with it."""
+
+    score: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+    labels: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=64)]],
+                      msgspec.Meta(max_length=16)] = []
+
+
+class FeedbackResponse(msgspec.Struct):
+    """The feedback taken: the next-hops that learn it and whether the policy's
+    bandit did (``bandit``) or only the live quality figures."""
+
+    stream_id: str
+    agents: list[str]
+    score: float
+    labels: list[str]
+    bandit: bool
+
+
+class FibArm(msgspec.Struct):
+    """One bandit arm: posterior-mean quality (bias context), the logit's
+    standard deviation, observations and normalised cost."""
+
+    mean: float
+    std: float
+    count: float
+    cost: float
+
+
+class FibBandit(msgspec.Struct):
+    arms: dict[str, FibArm]
+    #: λ in force (cost weight; adaptive when ``target_cost`` is set).
+    lam: float = msgspec.field(name="lambda")
+    explore: float
+    target_cost: float | None
+    bar: float
+    choices: int
+    text_features: bool
+    bits: int
+
+
+class FibLive(msgspec.Struct):
+    """Decayed live figures of a next-hop (key ``agent``) or of a next-hop
+    within a policy (key ``policy/agent``); None: too few observations, the
+    RIB's figure is used."""
+
+    calls: float
+    p50_ms: float | None
+    p95_ms: float | None
+    error_rate: float | None
+    timeout_rate: float | None
+    tokens_per_call: float | None
+    usd_micros_per_call: float | None
+    quality: float
+    quality_obs: float
+
+
+class FibView(msgspec.Struct):
+    """Body of ``GET /v1/fib`` (spec §6.2): the running generation, each
+    bandit policy's arms and the live metrics the FIB scores with."""
+
+    version: int
+    bandits: dict[str, FibBandit]
+    live: dict[str, FibLive]
 
 
 class Health(msgspec.Struct):
@@ -324,6 +398,34 @@ def build_app(router: Router) -> Starlette:
         return _json(PolicyText(version=gen.version, source=gen.source,
                                 files=[PolicyFile(file=f, text=t) for f, t in gen.texts]))
 
+    async def feedback(request: Request, identity: Identity) -> Response:
+        sid = request.path_params["id"]
+        try:
+            try:
+                req = msgspec.json.decode(await read_body(request, 64 * 1024), type=FeedbackRequest)
+            except (msgspec.ValidationError, msgspec.DecodeError) as e:
+                raise ATPError(ErrorCode.EPROTO, f"bad feedback body: {e}") from None
+        except BodyTooLarge as e:
+            return _error(e, 413)
+        except ATPError as e:
+            return _error(e)
+        ctx = router.find_stream(identity, sid)
+        if ctx is None:
+            return unknown_stream(sid)
+        try:
+            out = router.learning.feedback(ctx, req.score, req.labels)
+        except FeedbackRefused as e:
+            return _json(ErrorResponse(ErrorBody(code="EPROTO", reason=e.reason)), e.status)
+        router.audit_event("feedback", identity, {"session_id": ctx.session_id, "stream_id": sid,
+                                                  "score": req.score, "labels": req.labels,
+                                                  "agents": out["agents"]})
+        return _json(msgspec.convert(out, FeedbackResponse))
+
+    async def fib(request: Request, identity: Identity) -> Response:
+        router.learning.sync(router.gen)
+        view = router.learning.learner.fib_view()
+        return _json(msgspec.convert({"version": router.gen.version, **view}, FibView))
+
     async def routes(request: Request, identity: Identity) -> Response:
         fib = router.gen.fib
         return _json(RouteUpdate(version=fib.version, routes=fib.routes()))
@@ -353,9 +455,11 @@ def build_app(router: Router) -> Starlette:
         Route("/v1/streams", authorized("stream_open", open_stream), methods=["POST"]),
         Route("/v1/streams/{id}/frames", authorized("stream_access", post_frame), methods=["POST"]),
         Route("/v1/streams/{id}/events", authorized("stream_access", events), methods=["GET"]),
+        Route("/v1/streams/{id}/feedback", authorized("stream_access", feedback), methods=["POST"]),
         Route("/v1/policies/reload", authorized("policy_reload", reload), methods=["POST"]),
         Route("/v1/policies", authorized("policy_read", policies), methods=["GET"]),
         Route("/v1/routes", authorized("routes_read", routes), methods=["GET"]),
+        Route("/v1/fib", authorized("routes_read", fib), methods=["GET"]),
         Route("/v1/metrics", authorized("metrics_read", metrics), methods=["GET"]),
         Route("/v1/health", authorized("health_read", health), methods=["GET"]),
         Route("/v1/keys", authorized("health_read", keys), methods=["GET"]),

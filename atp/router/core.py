@@ -82,6 +82,7 @@ from atp.policy.rib import ClientSpec, RateSpec
 from atp.review.diff import count_changed_lines
 from atp.router.control import BODY_SOURCE, ControlPlane, Generation
 from atp.router.dispatch import FlowGates, LegOutcome, SlotGate, TaskPlan
+from atp.router.learning import Learning
 from atp.router.metrics import RouterMetrics
 from atp.router.streams import StreamCtx, StreamTable, stream_account
 from atp.security.authn import Authenticator, EnvToken, load_auth_config, parse_tokens_env
@@ -302,6 +303,9 @@ class Router:
         )
         self._interrupted = self._mark_interrupted()
         self._restore_rib()
+        #: Live FIB metrics, the policies' bandits, feedback and shadow routing (§6.2, §18).
+        self.learning = Learning(self, seed=config.seed)
+        self.learning.sync(self.gen)
 
     # ------------------------------------------------------------------ durable state
     def _restore_ledger(self) -> BudgetLedger:
@@ -624,7 +628,13 @@ class Router:
                 raise ATPError(decision.code, decision.reason, retry_after_ms=decision.retry_after_ms)
             client_budget, admitted_qos = decision.budget, decision.qos
             gen = self.gen
-            route = gen.fib.lookup(meta, health=self.control.health(gen, trio.current_time()))
+            self.learning.sync(gen)
+            route = gen.fib.lookup(meta, health=self.control.health(gen, trio.current_time()),
+                                   live=self.learning.live_view())
+            policy_budget = _min_budget(client_budget, route.budget)
+            route, decision = self.learning.route(route, gen, meta, content, tenant=tenant,
+                                                  budget_usd_micros=usd_to_micros(policy_budget.usd)
+                                                  if policy_budget.usd is not None else None)
         except ATPError as e:
             self.metrics.errors.labels(str(e.code)).inc()
             if e.code is ErrorCode.ESEC:
@@ -644,6 +654,7 @@ class Router:
         ctx = StreamCtx(self.streams, sess, ev.stream_id, identity, meta, qos, window, budget, route,
                         trio.current_time(), gen=gen, ttl=ttl, account=stream_account(tenant, ev.stream_id),
                         idempotency_key=ev.idempotency_key)
+        ctx.decision = decision
         self.control.hold(ctx)
         self.ledger.open(ctx.account, Allowance.from_budget(budget), parent=self.client_account(tenant))
         self.streams.insert(ctx)
@@ -729,6 +740,7 @@ class Router:
                 plan.prompt_for = await self._data_scope(ctx, prompt, gen)
                 final = await gen.dispatcher.run(ctx, plan)
             except AgentError as e:
+                self.learning.task_done(ctx, plan, None, None)
                 self.metrics.streams_closed.labels(str(e.code)).inc()
                 if e.code is ErrorCode.EBUDGET:
                     # Spec §10: EBUDGET → FIN (the ERROR says why, the FIN ends it cleanly).
@@ -753,6 +765,14 @@ class Router:
                                                               "triggers": list(gen.dispatcher.last_triggers)})
             self.metrics.streams_closed.labels("final").inc()
             ctx.finish(self._signed(ctx, final))
+            esc = ctx.route.escalation
+            qualities = self.learning.task_done(ctx, plan, final,
+                                                esc.to if esc is not None and gen.dispatcher.last_triggers else None)
+            hop = self.learning.shadow_due(ctx, gen, list(qualities))
+            if hop is not None and self._nursery is not None:
+                # After the FINAL: the client's result and budget are already settled.
+                self._nursery.start_soon(self.learning.shadow, ctx, plan, final, gen, hop,
+                                         max(qualities.values(), default=0.0))
         if scope.cancelled_caught:
             self.metrics.streams_closed.labels("rst").inc()
 
@@ -899,19 +919,24 @@ class Router:
                 install_secret_resolver(previous)
 
     async def _serve(self, task_status) -> None:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.control.serve)
-            nursery.start_soon(self.gates.slots.run)
-            nursery.start_soon(self.streams.run)
-            nursery.start_soon(self._audit_checkpoints)
-            self._nursery = nursery
-            task_status.started(self)
-            try:
-                await trio.sleep_forever()
-            finally:
-                self._nursery = None
-                nursery.cancel_scope.cancel()
-        self.close_state()
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.control.serve)
+                nursery.start_soon(self.gates.slots.run)
+                nursery.start_soon(self.streams.run)
+                nursery.start_soon(self._audit_checkpoints)
+                nursery.start_soon(self.learning.run)
+                self._nursery = nursery
+                task_status.started(self)
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    self._nursery = None
+                    nursery.cancel_scope.cancel()
+        finally:
+            # Also when cancelled from outside: the state directory's lock is
+            # released, so a router can start on it again in this process.
+            self.close_state()
 
     async def _audit_checkpoints(self) -> None:
         """MAC the audit chain's head when its oldest unsigned record is due

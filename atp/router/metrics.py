@@ -40,6 +40,15 @@ class RouterMetrics:
             buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r,
         )
         self.policy_reloads = Counter("atp_policy_reloads", "RIB reloads by result", ["result"], registry=r)
+        self.bandit_choices = Counter(
+            "atp_bandit_choices", "Next-hops a policy's contextual bandit chose", ["policy", "agent"], registry=r)
+        self.feedback = Counter("atp_feedback", "Client feedback taken (POST /v1/streams/{id}/feedback)", ["policy"],
+                                registry=r)
+        self.shadow_runs = Counter("atp_shadow_runs", "Shadow challenger runs by outcome (ok, error code, budget)",
+                                   ["policy", "agent", "outcome"], registry=r)
+        self.shadow_regret = Histogram(
+            "atp_shadow_regret", "Shadow challenger quality minus the served quality (> 0: the challenger was better)",
+            ["policy", "agent"], buckets=(-1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0), registry=r)
         self.rib_version = Gauge("atp_rib_version", "Generation of the running RIB", registry=r)
 
     def render(self) -> bytes:

@@ -13,6 +13,9 @@ from atp.consensus.types import FinalResult
 from atp.router.a2a_server import A2A_PATH, CARD_PATHS
 from atp.router.api import (
     ErrorResponse,
+    FeedbackRequest,
+    FeedbackResponse,
+    FibView,
     FramesResponse,
     Health,
     PolicyText,
@@ -24,7 +27,7 @@ from atp.wire.frame import Control, Frame, RouteUpdate
 
 _STRUCTS = (
     StreamOpenRequest, StreamOpenResponse, FramesResponse, ReloadResponse, PolicyText, ErrorResponse, Health,
-    Frame, RouteUpdate, FinalResult,
+    Frame, RouteUpdate, FinalResult, FeedbackRequest, FeedbackResponse, FibView,
 )
 
 
@@ -92,6 +95,24 @@ def openapi_document() -> dict[str, Any]:
             "summary": "The running RIB (admin): generation, source and its YAML as loaded",
             "operationId": "getPolicies",
             "responses": {"200": _json_body("PolicyText", "the running RIB's text"), **_errors(401, 403)},
+        }},
+        "/v1/fib": {"get": {
+            "summary": "Routing that learns (spec §6.2): each bandit policy's arms (estimate, uncertainty, count, "
+                       "cost, λ) and the live next-hop metrics the FIB scores with",
+            "operationId": "getFib",
+            "responses": {"200": _json_body("FibView", "bandits and live metrics"), **_errors(401, 403)},
+        }},
+        "/v1/streams/{id}/feedback": {"post": {
+            "summary": "The client's score of its finished stream (0..1, once per stream): the next-hops that "
+                       "served it learn it, the policy's bandit too",
+            "operationId": "postFeedback",
+            "parameters": [stream_id],
+            "requestBody": {"required": True,
+                            "content": {"application/json": {"schema": _ref("FeedbackRequest")}}},
+            "responses": {"200": _json_body("FeedbackResponse", "the feedback taken"),
+                          "409": _json_body("ErrorResponse", "the stream is still running, feedback was already "
+                                                             "given, or no next-hop answered it"),
+                          **_errors(400, 401, 403, 404, 413)},
         }},
         "/v1/routes": {"get": {
             "summary": "The running FIB (ROUTE_UPDATE shape, spec §4.3)",

@@ -253,6 +253,9 @@ class StreamCtx:
     holds_gen: bool = False
     #: Read back from the store after a restart (closed; its log is the stored one).
     restored: bool = False
+    #: The bandit's choice for this stream (atp.policy.learn.Decision; its JSON
+    #: dict when read back from the store), None for a policy without bandit.
+    decision: Any = None
 
     @property
     def tenant(self) -> str:
@@ -554,6 +557,8 @@ class StreamTable:
         route = {"policy": ctx.route.policy, "next_hops": [h.agent for h in ctx.route.next_hops],
                  "rib_version": ctx.gen.version if ctx.gen is not None else 0,
                  "window": msgspec.to_builtins(ctx.window)}
+        if ctx.decision is not None and hasattr(ctx.decision, "to_json"):
+            route["decision"] = ctx.decision.to_json()
         self._store_call(self.store.put_stream, StreamRecord(
             tenant=ctx.tenant, session_id=ctx.session_id, stream_id=ctx.stream_id,
             idempotency_key=ctx.idempotency_key, meta={**ctx.meta, _ROUTE_KEY: route}, qos=ctx.qos,
@@ -615,7 +620,7 @@ class StreamTable:
         ctx = StreamCtx(self, sess, rec.stream_id, identity, meta, rec.qos or QoS.SILVER, window,
                         rec.budget or Budget(), _StoredRoute(route.get("policy", ""), route.get("next_hops", [])),
                         now, task_started=True, closed_at=now, account=stream_account(tenant, rec.stream_id),
-                        idempotency_key=rec.idempotency_key, restored=True)
+                        idempotency_key=rec.idempotency_key, restored=True, decision=route.get("decision"))
         for ev in self.store.events(tenant, rec.session_id, rec.stream_id):
             ctx.log.events.append(LoggedEvent(ev.event_id, ev.type, _frame_dec.decode(ev.frame)))
         ctx.log.closed = True

@@ -110,6 +110,10 @@ class AuditKind(StrEnum):
     ADMIN = "admin"
     REDACTION = "redaction"
     REFUSAL = "refusal"
+    #: A client's score of its stream (spec §6.2 quality signal).
+    FEEDBACK = "feedback"
+    #: A shadow challenger's run (spec §18): agent, outcome, quality, regret.
+    SHADOW = "shadow"
 
 
 class AuditRecord(Struct, frozen=True, forbid_unknown_fields=True):

@@ -252,6 +252,10 @@ class Store(ABC):
         """The router's value under ``key``, or ``None``."""
 
     @abstractmethod
+    def items(self, prefix: str) -> list[tuple[str, bytes]]:
+        """Every ``(key, value)`` of the key-value area whose key starts with ``prefix``."""
+
+    @abstractmethod
     def put(self, key: str, value: bytes) -> None:
         """Set the router's value under ``key``."""
 

@@ -403,6 +403,13 @@ class SqliteStore(Store):
         row = self._row("SELECT value FROM kv WHERE key = ?", (key,))
         return None if row is None else bytes(row[0])
 
+    def items(self, prefix: str) -> list[tuple[str, bytes]]:
+        hi = prefix + "\U0010ffff"
+        with self._lock:
+            rows = self._conn.execute("SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key",
+                                      (prefix, hi)).fetchall()
+        return [(k, bytes(v)) for k, v in rows]
+
     def put(self, key: str, value: bytes) -> None:
         self._one("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (key, value))
 

@@ -70,6 +70,8 @@ def _policy(name, match, fanout, escalation, budget):
         "consensus": "union_tiebreak",
         "qos": None,
         "deadline_ms": 120000,
+        "bandit": None,
+        "shadow": None,
     }
 
 
@@ -166,6 +168,8 @@ def test_default_yaml_snapshot():
             "consensus": "union_tiebreak",
             "qos": None,
             "deadline_ms": 300_000,
+            "bandit": None,
+            "shadow": None,
         },
         {
             "match": {"task_type": "code_review"},
@@ -178,6 +182,8 @@ def test_default_yaml_snapshot():
             "consensus": "union_tiebreak",
             "qos": None,
             "deadline_ms": 120_000,
+            "bandit": None,
+            "shadow": None,
         },
     ]
 

@@ -25,7 +25,7 @@ Budgets and resumption (spec §4.3, §8)::
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,6 +254,24 @@ class Client:
         if last_error:
             raise ATPClientError(last_error.get("code", "EPROTO"), last_error.get("reason", ""), detail=last_error)
         raise ATPClientError("EPROTO", "stream ended without FINAL")
+
+    async def feedback(self, stream: StreamHandle | str, score: float,
+                       labels: Sequence[str] = ()) -> dict[str, Any]:
+        """Score a finished stream's result (spec §6.2 quality signal):
+        ``score`` from 0 (wrong or useless) to 1 (right and useful), ``labels``
+        up to 16 short tags (``"false_positive"``, ``"missed_bug"``, …). The
+        next-hops that served the stream learn it; once per stream. Returns
+        ``{stream_id, agents, score, labels, bandit}``. Raises
+        :class:`ATPClientError` (HTTP 409: still running, already scored, or
+        nothing answered; 404: not the caller's stream)."""
+        sid = stream.stream_id if isinstance(stream, StreamHandle) else stream
+        resp = await self._request("POST", f"/v1/streams/{sid}/feedback",
+                                   json={"score": float(score), "labels": list(labels)})
+        return resp.json()
+
+    async def fib(self) -> dict[str, Any]:
+        """``GET /v1/fib`` (admin): bandit arms and live next-hop metrics."""
+        return (await self._request("GET", "/v1/fib")).json()
 
     async def reload_policies(self, rib_yaml: str | None = None) -> dict[str, Any]:
         """Hot-reload the RIB (§22): from the router's policy path, or from ``rib_yaml``

@@ -1,0 +1,349 @@
+"""The trio side of routing that learns (spec §6.2, §18): carries out what the
+sans-IO :class:`~atp.policy.learn.RoutingLearner` decides.
+
+* :meth:`Learning.route` — a FIB route re-ordered by its policy's bandit at SYN;
+  the :class:`~atp.policy.learn.Decision` is kept with the stream (and in the
+  store, for feedback after a restart).
+* :meth:`Learning.task_done` — every call of a finished task feeds the live
+  metrics (client-caused failures excluded: a tenant's bad input never lowers an
+  agent's figures for everyone); the merged result's verdict on each called
+  next-hop (:func:`~atp.policy.learn.consensus_quality`) feeds the bandit.
+* :meth:`Learning.feedback` — ``POST /v1/streams/{id}/feedback``: the client's
+  score (0..1) for the arms that served its stream, once per stream.
+* :meth:`Learning.shadow` — a policy's shadow challenger (spec §18) on bronze,
+  after the client's FINAL, on its own ledger account (``shadow:<policy>``,
+  the policy's shadow budget), never the client's; its regret against the
+  served result is ``atp_shadow_regret``.
+* :meth:`Learning.run` — saves changed arms and live statistics to the store
+  every :data:`SAVE_INTERVAL_S` (and at shutdown): learned weights survive a
+  restart; a kill -9 loses at most that interval of learning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+
+from atp.flow.budget import Allowance
+from atp.flow.window import Window as FlowWindow
+from atp.policy.fib import Route
+from atp.policy.learn import Decision, RoutingLearner, consensus_quality
+from atp.policy.rib import PolicySpec
+from atp.router.dispatch import TaskPlan, _client_fault
+from atp.wire.errors import AgentError, ErrorCode
+from atp.wire.frame import QoS, Window
+
+if TYPE_CHECKING:
+    from atp.router.control import Generation
+    from atp.router.core import Router
+    from atp.router.streams import StreamCtx
+
+__all__ = ["SAVE_INTERVAL_S", "FeedbackRefused", "Learning", "prompt_text"]
+
+log = logging.getLogger("atp.router.learning")
+
+#: How often changed bandit arms and live statistics are written to the store (s).
+SAVE_INTERVAL_S = 5.0
+_ARM_PREFIX = "bandit/"
+_LIVE_KEY = "live/stats"
+_FEEDBACK_PREFIX = "feedback/"
+#: Content keys whose text the bandit's featurizer reads (first ones first).
+TEXT_KEYS = ("prompt", "question", "text", "input", "diff", "query")
+
+
+def prompt_text(content: Any, limit: int = 4_000) -> str:
+    """The task's prompt text for the featurizer: the string values of
+    :data:`TEXT_KEYS` in ``content``, joined, at most ``limit`` characters."""
+    if isinstance(content, str):
+        return content[:limit]
+    if not isinstance(content, Mapping):
+        return ""
+    parts, size = [], 0
+    for k in TEXT_KEYS:
+        v = content.get(k)
+        if isinstance(v, str) and v:
+            parts.append(v[: limit - size])
+            size += len(parts[-1])
+            if size >= limit:
+                break
+    return "\n".join(parts)
+
+
+class FeedbackRefused(Exception):
+    """Feedback that cannot be taken: ``status`` (404/409/422) and ``reason``."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class _ShadowIO:
+    """The StreamIO of a shadow call: nothing reaches the client's stream."""
+
+    def __init__(self, stream_id: str):
+        self.stream_id = stream_id
+        self.errors: list[str] = []
+
+    def emit_partial(self, agent: str, content: dict[str, Any], *, confidence: float | None = None) -> None:
+        pass
+
+    def emit_error(self, code: ErrorCode, reason: str, *, agent: str | None = None,
+                   retry_after_ms: int | None = None) -> None:
+        self.errors.append(f"{code}: {reason}")
+
+    def emit_window_update(self, update: Any) -> None:
+        pass
+
+
+def _policy_spec(gen: Generation, name: str) -> PolicySpec | None:
+    for i, p in enumerate(gen.rib.policies):
+        if (p.name or f"policy[{i}]") == name:
+            return p
+    return None
+
+
+def _spans_overlap(a: str, b: str) -> bool:
+    def rng(s: str) -> tuple[int, int]:
+        lo, _, hi = s.partition("-")
+        try:
+            return int(lo), int(hi or lo)
+        except ValueError:
+            return 0, 0
+    (a0, a1), (b0, b1) = rng(a), rng(b)
+    return a0 <= b1 and b0 <= a1
+
+
+def agreement_quality(found: list[Any], reference: list[Any]) -> float:
+    """F1 of ``found`` findings against ``reference`` (same file, overlapping
+    span); 1.0 when both are empty."""
+    if not found and not reference:
+        return 1.0
+    if not found or not reference:
+        return 0.0
+    hit_ref = sum(any(f.file == r.file and _spans_overlap(f.span, r.span) for f in found) for r in reference)
+    hit_found = sum(any(f.file == r.file and _spans_overlap(f.span, r.span) for r in reference) for f in found)
+    p, r = hit_found / len(found), hit_ref / len(reference)
+    return 0.0 if p + r == 0 else 2 * p * r / (p + r)
+
+
+class Learning:
+    """Learning state of one router (see the module doc)."""
+
+    def __init__(self, router: Router, *, seed: int | None = None):
+        self.router = router
+        self.learner = RoutingLearner(seed=seed)
+        self._version: int | None = None
+        self._load()
+
+    # ----------------------------------------------------------- store
+    def _load(self) -> None:
+        store = self.router.store
+        rows = []
+        for key, raw in store.items(_ARM_PREFIX):
+            try:
+                obj = msgspec.msgpack.decode(raw)
+                rows.append((obj["policy"], obj["arm"], obj["fingerprint"], obj["state"]))
+            except (msgspec.DecodeError, KeyError, TypeError):
+                log.warning("learning: unreadable arm state %s skipped", key)
+        self.learner.load_arms(rows)
+        raw = store.get(_LIVE_KEY)
+        if raw:
+            try:
+                n = self.learner.live.load(json.loads(raw))
+                log.info("learning: %d live statistics and %d bandit arms restored", n, len(rows))
+            except (ValueError, AttributeError):
+                log.warning("learning: unreadable live statistics skipped")
+
+    def save(self) -> None:
+        """Write changed arms and live statistics to the store."""
+        store = self.router.store
+        for policy, arm, fp, state in self.learner.dirty_arms():
+            store.put(f"{_ARM_PREFIX}{policy}/{arm}",
+                      msgspec.msgpack.encode({"policy": policy, "arm": arm, "fingerprint": fp, "state": state}))
+        live = self.learner.live
+        if live.changed:
+            live.changed.clear()
+            store.put(_LIVE_KEY, json.dumps(live.state()).encode())
+
+    async def run(self) -> None:
+        """Save every :data:`SAVE_INTERVAL_S`; once more when cancelled."""
+        try:
+            while True:
+                await trio.sleep(SAVE_INTERVAL_S)
+                try:
+                    self.save()
+                except Exception:
+                    log.exception("learning: saving the learned state failed")
+        finally:
+            try:
+                self.save()
+            except Exception:
+                log.exception("learning: saving the learned state at shutdown failed")
+
+    # ----------------------------------------------------------- decisions
+    def sync(self, gen: Generation) -> None:
+        """Follow the running RIB generation (after any reload path)."""
+        if self._version != gen.version:
+            self.learner.sync(gen.rib)
+            self._version = gen.version
+
+    def live_view(self) -> Mapping[str, Any]:
+        return self.learner.live.view()
+
+    def route(self, route: Route, gen: Generation, meta: Mapping[str, Any], content: Any, *, tenant: str,
+              budget_usd_micros: int | None) -> tuple[Route, Decision | None]:
+        self.sync(gen)
+        if not self.learner.has_bandit(route.policy):
+            return route, None
+        new, decision = self.learner.route(route, meta, prompt_text(content), tenant=tenant,
+                                           budget_usd_micros=budget_usd_micros)
+        if decision is not None:
+            for a in decision.order[: decision.k]:
+                self.router.metrics.bandit_choices.labels(route.policy, a).inc()
+        return new, decision
+
+    def task_done(self, ctx: StreamCtx, plan: TaskPlan, final: Any | None, escalated_to: str | None) -> dict[str, float]:
+        """Feed the live metrics and the bandit from one finished task (``final``
+        None: no next-hop produced a result). Returns each called agent's quality."""
+        policy = ctx.route.policy
+        called: list[str] = []
+        failed: set[str] = set()
+        ok_agents: set[str] = set()
+        for o in plan.attempts:
+            if not o.called or _client_fault(o.error):
+                continue
+            timeout = o.error is not None and o.error.code is ErrorCode.ETIMEOUT
+            self.learner.observe_call(o.agent, policy=policy, latency_ms=o.latency_ms, ok=o.error is None,
+                                      timeout=timeout, tokens=o.usage.tokens, usd_micros=o.usage.usd_micros)
+            if o.agent not in called:
+                called.append(o.agent)
+            if o.error is None and not o.cancelled:
+                ok_agents.add(o.agent)
+            else:
+                failed.add(o.agent)
+        failed -= ok_agents
+        if not called:
+            return {}
+        if final is None:
+            qualities = {a: 0.0 for a in called if a in failed}
+        else:
+            qualities = consensus_quality(final.result, called, failed, confirmer=escalated_to)
+        decision = ctx.decision if isinstance(ctx.decision, Decision) else None
+        if decision is not None:
+            decision.called = called
+            self.learner.observe(decision, qualities)
+        else:
+            for a, q in qualities.items():
+                self.learner.observe_quality(a, q, policy=policy)
+        return qualities
+
+    # ----------------------------------------------------------- feedback
+    def feedback(self, ctx: StreamCtx, score: float, labels: list[str]) -> dict[str, Any]:
+        """The client's ``score`` (0..1) for its finished stream ``ctx`` (live or
+        read back from the store): each next-hop that answered it learns the
+        score (weight 2: the client knows best), the bandit too when the
+        stream's policy chose by bandit. Once per stream. Raises
+        :class:`FeedbackRefused`."""
+        if not ctx.log.closed:
+            raise FeedbackRefused(409, "the stream is still running: send feedback after its FINAL")
+        key = f"{_FEEDBACK_PREFIX}{ctx.tenant}/{ctx.stream_id}"
+        store = self.router.store
+        if store.get(key) is not None:
+            raise FeedbackRefused(409, "feedback for this stream was already given")
+        decision = ctx.decision
+        if isinstance(decision, Mapping):  # read back from the store
+            bits = self.learner.bits(str(decision.get("policy")))
+            try:
+                decision = Decision.from_json(decision, bits) if bits is not None else None
+            except (KeyError, TypeError, ValueError):
+                decision = None
+        policy = ctx.route.policy or None
+        served = list(decision.called) if isinstance(decision, Decision) else []
+        if not served:
+            served = sorted({ev.frame.payload.content.get("agent") for ev in ctx.log.events
+                             if ev.type == "PARTIAL" and isinstance(ev.frame.payload.content, dict)
+                             and "report" in ev.frame.payload.content
+                             and isinstance(ev.frame.payload.content.get("agent"), str)})
+        if not served:
+            raise FeedbackRefused(409, "no next-hop answered this stream: nothing to learn from")
+        store.put(key, json.dumps({"score": score, "labels": labels}).encode())
+        qualities = {a: score for a in served}
+        learned = isinstance(decision, Decision) and self.learner.has_bandit(decision.policy)
+        if learned:
+            self.learner.observe(decision, qualities, weight=2.0)
+        else:
+            for a in served:
+                self.learner.observe_quality(a, score, policy=policy, weight=2.0)
+        self.router.metrics.feedback.labels(policy or "").inc()
+        return {"stream_id": ctx.stream_id, "agents": served, "score": score, "labels": labels, "bandit": learned}
+
+    # ----------------------------------------------------------- shadow
+    def shadow_due(self, ctx: StreamCtx, gen: Generation, called: list[str]) -> Any | None:
+        """The shadow next-hop to run after ``ctx``'s FINAL, or None."""
+        spec = _policy_spec(gen, ctx.route.policy)
+        if spec is None or spec.shadow is None or spec.shadow.agent in called:
+            return None
+        if spec.shadow.agent not in gen.adapters or not self.learner.shadow(spec.shadow.rate):
+            return None
+        return gen.fib.next_hop(spec.shadow.agent, ctx.meta)  # None: not cleared for the data scope
+
+    async def shadow(self, ctx: StreamCtx, plan: TaskPlan, final: Any, gen: Generation, hop: Any,
+                     served_quality: float) -> None:
+        """Run ``hop`` on the task in the shadow (see the module doc)."""
+        router = self.router
+        policy = ctx.route.policy
+        spec = _policy_spec(gen, policy)
+        assert spec is not None and spec.shadow is not None
+        parent = f"shadow:{policy}"
+        limit = Allowance.from_budget(spec.shadow.budget)
+        ledger = router.ledger
+        if ledger.has(parent):
+            ledger.set_limit(parent, limit, clamp=True)
+        else:
+            ledger.open(parent, limit)
+        if ledger.exhausted(parent):
+            router.metrics.shadow_runs.labels(policy, hop.agent, "budget").inc()
+            return
+        account = f"{parent}:{ctx.tenant}:{ctx.stream_id}"
+        ledger.open(account, Allowance.from_budget(ctx.budget), parent=parent)
+        now = trio.current_time()
+        route = Route(policy=policy, next_hops=[msgspec.structs.replace(hop, qos=QoS.BRONZE)], escalation=None,
+                      escalation_hop=None, budget=None, window=None, consensus=ctx.route.consensus,
+                      qos=QoS.BRONZE, deadline_ms=ctx.route.deadline_ms)
+        splan = TaskPlan(prompt=plan.prompt, route=route,
+                         window=FlowWindow(Window(max_parallel=1, max_tokens=ctx.window.max_tokens,
+                                                  max_usd_micros=ctx.window.max_usd_micros)),
+                         ledger_key=account, stream_id=account, qos=QoS.BRONZE, started=now,
+                         deadline=now + ctx.route.deadline_ms / 1000, fib=gen.fib, prompt_for=plan.prompt_for)
+        io = _ShadowIO(account)
+        outcome = "ok"
+        try:
+            shadow_final = await gen.dispatcher.run(io, splan)
+            findings = [f for f in shadow_final.result.findings]
+            q = agreement_quality(findings, list(final.result.findings))
+        except AgentError as e:
+            outcome = str(e.code)
+            q = 0.0
+        finally:
+            try:
+                ledger.close(account)
+            except ValueError:
+                pass
+        regret = q - served_quality
+        router.metrics.shadow_runs.labels(policy, hop.agent, outcome).inc()
+        router.metrics.shadow_regret.labels(policy, hop.agent).observe(regret)
+        decision = ctx.decision if isinstance(ctx.decision, Decision) else None
+        if outcome != str(ErrorCode.EBUDGET):  # a spent shadow budget says nothing of the agent
+            if decision is not None:
+                self.learner.observe(decision, {hop.agent: q})
+            else:
+                self.learner.observe_quality(hop.agent, q, policy=policy)
+        router.audit_event("shadow", ctx.identity, {"session_id": ctx.session_id, "stream_id": ctx.stream_id,
+                                                    "agent": hop.agent, "outcome": outcome,
+                                                    "quality": round(q, 4), "regret": round(regret, 4)})
