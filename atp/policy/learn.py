@@ -460,12 +460,27 @@ def _price_per_call(rib: Rib, agent: str) -> float:
     return rib.models[spec.model].usd_per_mtok * PRIOR_TOKENS_PER_CALL
 
 
+def _on_test(f: Any, tests: list[tuple[str, int, int]]) -> bool:
+    if not tests:
+        return False
+    lo, _, hi = str(f.span).partition("-")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        return False
+    return any(f.file == file and a <= end and start <= b for file, start, end in tests)
+
+
 def consensus_quality(result: Any, called: Sequence[str], failed: Iterable[str] = (),
-                      confirmer: str | None = None) -> dict[str, float]:
+                      confirmer: str | None = None,
+                      failing_tests: Iterable[tuple[str, int, int]] = ()) -> dict[str, float]:
     """Quality (0..1) of each called next-hop from the merged result (spec §7):
 
     * confirmed findings are those with two or more distinct agents in their
-      provenance, or found by ``confirmer`` (the escalation target);
+      provenance (a two-phase-commit ACK is such a second agent), or found by
+      ``confirmer`` (the escalation target), or lying on a failing test
+      (``failing_tests``: ``(file, start, end)`` a test-running agent reported
+      with rule ``test_fail``);
     * an agent's quality is the F1 of its findings against the confirmed set;
       when nothing is confirmed, 0.5 for each agent with findings (unknown) and
       1.0 for one without (it agreed there was nothing) if no one found any,
@@ -474,9 +489,10 @@ def consensus_quality(result: Any, called: Sequence[str], failed: Iterable[str] 
     by_agent: dict[str, set[str]] = {a: set() for a in called}
     confirmed: set[str] = set()
     findings = getattr(result, "findings", []) or []
+    tests = list(failing_tests)
     for f in findings:
         agents = {p.split("#", 1)[0] for p in f.provenance}
-        if len(agents) >= 2 or (confirmer is not None and confirmer in agents):
+        if len(agents) >= 2 or (confirmer is not None and confirmer in agents) or _on_test(f, tests):
             confirmed.add(f.id)
         for a in agents:
             if a in by_agent:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from atp.consensus.escalation import TEST_FAIL_RULE
 from atp.flow.budget import Allowance
 from atp.flow.window import Window as FlowWindow
 from atp.policy.fib import Route
@@ -233,7 +234,10 @@ class Learning:
         if final is None:
             qualities = {a: 0.0 for a in called if a in failed}
         else:
-            qualities = consensus_quality(final.result, called, failed, confirmer=escalated_to)
+            tests = [(f.file, f.start, f.end) for o in plan.attempts if o.report is not None
+                     for f in o.report.findings if f.rule == TEST_FAIL_RULE]
+            qualities = consensus_quality(final.result, called, failed, confirmer=escalated_to,
+                                          failing_tests=tests)
         decision = ctx.decision if isinstance(ctx.decision, Decision) else None
         if decision is not None:
             decision.called = called
