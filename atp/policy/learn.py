@@ -49,6 +49,7 @@ __all__ = [
     "RoutingLearner",
     "arm_fingerprint",
     "consensus_quality",
+    "result_quality",
 ]
 
 #: Observations before a live statistic replaces the RIB's figure.
@@ -262,23 +263,43 @@ class Decision:
     context: Context
     lam: float
     called: list[str] = field(default_factory=list)
+    #: Champion/challenger (§7.2): the escalation bandit's choice — True
+    #: "cheap then escalate" (escalate even when no trigger fires), False
+    #: "cheap only" (the policy's triggers still escalate), None: no such bandit.
+    escalate: bool | None = None
+    #: Whether the task was escalated in the end (filled by the router).
+    escalated: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"policy": self.policy, "order": list(self.order), "k": self.k, "lam": round(self.lam, 6),
-                "called": list(self.called), "context": self.context.to_json()}
+                "called": list(self.called), "context": self.context.to_json(), "escalate": self.escalate,
+                "escalated": self.escalated}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any], bits: int) -> Decision:
+        esc = obj.get("escalate")
         return cls(policy=str(obj["policy"]), order=tuple(map(str, obj["order"])), k=int(obj["k"]),
                    context=Context.from_json(obj["context"], bits), lam=float(obj["lam"]),
-                   called=[str(a) for a in obj.get("called", [])])
+                   called=[str(a) for a in obj.get("called", [])], escalate=None if esc is None else bool(esc),
+                   escalated=bool(obj.get("escalated", False)))
+
+
+#: Arms of a policy's escalation bandit (champion/challenger, §7.2).
+CHEAP, ESCALATE = "cheap", "escalate"
+
+
+def _escalation_key(policy: str) -> str:
+    return f"{policy}#escalation"
 
 
 class _PolicyBandit:
-    __slots__ = ("bandit", "featurizer", "fingerprints", "last", "spec")
+    __slots__ = ("bandit", "escalation", "escalation_fp", "featurizer", "fingerprints", "last", "spec")
 
     def __init__(self, spec: BanditSpec, bandit: Bandit, fingerprints: dict[str, str]):
         self.spec = spec
+        #: "cheap only" vs "cheap then escalate" (policies with an escalation target).
+        self.escalation: Bandit | None = None
+        self.escalation_fp = ""
         #: The context of the latest choice (``GET /v1/fib`` shows estimates in it).
         self.last: Context | None = None
         self.bandit = bandit
@@ -334,7 +355,37 @@ class RoutingLearner:
             new[name] = pb = _PolicyBandit(p.bandit, bandit, fps)
             if old is not None and old.spec.bits == p.bandit.bits:
                 pb.last = old.last
+            if p.escalation is not None:
+                self._sync_escalation(name, p, rib, pb, old)
         self._bandits = new
+
+    def _sync_escalation(self, name: str, p: Any, rib: Rib, pb: _PolicyBandit, old: _PolicyBandit | None) -> None:
+        """The policy's champion/challenger bandit: arm ``cheap`` (its fanout
+        only; triggers still escalate) vs ``escalate`` (then its escalation
+        target whatever the triggers say); cost = the target's price."""
+        target = p.escalation.to
+        fp = hashlib.sha256("|".join([arm_fingerprint(rib.agents[target]), *sorted(pb.fingerprints.values())])
+                            .encode()).hexdigest()[:16]
+        cheap_prior = sum(self._priors[a] for a in p.fanout) / len(p.fanout)
+        b = Bandit({CHEAP: 0.0, ESCALATE: _price_per_call(rib, target) or 1.0},
+                   priors={CHEAP: cheap_prior, ESCALATE: self._priors[target]}, bits=p.bandit.bits,
+                   explore=p.bandit.explore, lam=p.bandit.lam or 0.0, target_cost=p.bandit.target_cost,
+                   bar=p.bandit.bar)
+        key = _escalation_key(name)
+        for arm in (CHEAP, ESCALATE):
+            if old is not None and old.escalation is not None and old.escalation_fp == fp \
+                    and old.spec.bits == p.bandit.bits:
+                b.arms[arm] = old.escalation.arms[arm]
+            elif (saved := self._saved.get((key, arm))) is not None and saved[0] == fp:
+                try:
+                    model = ArmModel.from_state(saved[1])
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if model.bits == p.bandit.bits:
+                    b.arms[arm] = model
+        if old is not None and old.escalation is not None and old.escalation_fp == fp:
+            b.lam, b.spent, b.choices = old.escalation.lam, old.escalation.spent, old.escalation.choices
+        pb.escalation, pb.escalation_fp = b, fp
 
     def load_arms(self, rows: Iterable[tuple[str, str, str, dict[str, Any]]]) -> None:
         """Saved arm states ``(policy, arm, fingerprint, ArmModel.state())``
@@ -347,6 +398,11 @@ class RoutingLearner:
         last call (the router saves them; the set is cleared)."""
         out = []
         for policy, arm in sorted(self.dirty):
+            if policy.endswith("#escalation"):
+                pb = self._bandits.get(policy.removesuffix("#escalation"))
+                if pb is not None and pb.escalation is not None and arm in pb.escalation.arms:
+                    out.append((policy, arm, pb.escalation_fp, pb.escalation.arms[arm].state()))
+                continue
             pb = self._bandits.get(policy)
             if pb is not None and arm in pb.bandit.arms:
                 out.append((policy, arm, pb.fingerprints[arm], pb.bandit.arms[arm].state()))
@@ -388,7 +444,15 @@ class RoutingLearner:
         ranked = [msgspec.structs.replace(hops[a], weight=round(weight[a], 6)) for a in order]
         new_route = msgspec.structs.replace(route, next_hops=ranked[:k], alternates=ranked[k:])
         pb.bandit.charge(order[:k])
-        return new_route, Decision(route.policy, tuple(order), k, ctx, choice.lam)
+        escalate = None
+        if pb.escalation is not None and route.escalation_hop is not None:
+            esc_lam = None
+            if pb.spec.lam is None and pb.spec.target_cost is None:
+                esc_lam = min(1.0, pb.escalation.top_cost / budget_usd_micros) if budget_usd_micros else 0.0
+            arm = pb.escalation.choose(ctx, self.rng, lam=esc_lam).order[0]
+            pb.escalation.charge((arm,))
+            escalate = arm == ESCALATE
+        return new_route, Decision(route.policy, tuple(order), k, ctx, choice.lam, escalate=escalate)
 
     def _refresh_costs(self, pb: _PolicyBandit) -> None:
         view = self.live.view()
@@ -422,6 +486,20 @@ class RoutingLearner:
         pb.bandit.update(decision.context, rewards, weight)
         self.dirty.update((decision.policy, a) for a in rewards)
 
+    def observe_escalation(self, decision: Decision, outcome: Mapping[str, float], *, weight: float = 1.0) -> None:
+        """Learn the champion/challenger choice: ``outcome`` maps ``cheap`` to
+        the quality the fanout alone reached and, when the task was escalated,
+        ``escalate`` to the escalated result's (the escalation target's verdict
+        is the reference, so an escalated task shows both arms)."""
+        pb = self._bandits.get(decision.policy)
+        if pb is None or pb.escalation is None or decision.escalate is None:
+            return
+        if decision.context.idx.size and int(decision.context.idx.max()) >= 1 << pb.spec.bits:
+            return
+        rewards = {a: q for a, q in outcome.items() if a in pb.escalation.arms}
+        pb.escalation.update(decision.context, rewards, weight)
+        self.dirty.update((_escalation_key(decision.policy), a) for a in rewards)
+
     def observe_quality(self, agent: str, quality: float, *, policy: str | None, weight: float = 1.0) -> None:
         """A quality observation outside a bandit decision (live metrics only)."""
         self.live.observe_quality(agent, quality, policy=policy, weight=weight, prior=self._priors.get(agent, 0.5))
@@ -445,6 +523,12 @@ class RoutingLearner:
         policies = {}
         for name, pb in self._bandits.items():
             b = pb.bandit
+            if pb.escalation is not None:
+                e = pb.escalation
+                policies[_escalation_key(name)] = {
+                    "arms": e.estimates(pb.last), "lambda": round(e.lam, 6), "explore": e.explore,
+                    "target_cost": e.target_cost, "bar": e.bar, "choices": e.choices,
+                    "text_features": pb.spec.text_features, "bits": pb.spec.bits}
             policies[name] = {"arms": b.estimates(pb.last), "lambda": round(b.lam, 6), "explore": b.explore,
                               "target_cost": b.target_cost, "bar": b.bar, "choices": b.choices,
                               "text_features": pb.spec.text_features, "bits": pb.spec.bits}
@@ -469,6 +553,31 @@ def _on_test(f: Any, tests: list[tuple[str, int, int]]) -> bool:
     except ValueError:
         return False
     return any(f.file == file and a <= end and start <= b for file, start, end in tests)
+
+
+def result_quality(result: Any, agents: Sequence[str], *, confirmer: str | None = None,
+                   failing_tests: Iterable[tuple[str, int, int]] = ()) -> float:
+    """Quality (0..1) of what ``agents`` found together: the F1 of the union of
+    their findings against the confirmed set (as :func:`consensus_quality`
+    defines it); 1.0 when nothing was found or confirmed at all, 0.5 when
+    findings exist but none is confirmed."""
+    tests = list(failing_tests)
+    agents_set = set(agents)
+    confirmed, mine = set(), set()
+    findings = getattr(result, "findings", []) or []
+    for f in findings:
+        who = {p.split("#", 1)[0] for p in f.provenance}
+        if len(who) >= 2 or (confirmer is not None and confirmer in who) or _on_test(f, tests):
+            confirmed.add(f.id)
+        if who & agents_set:
+            mine.add(f.id)
+    if not confirmed:
+        return 1.0 if not findings else 0.5
+    hit = len(mine & confirmed)
+    if hit == 0:
+        return 0.0
+    p, r = hit / len(mine), hit / len(confirmed)
+    return 2 * p * r / (p + r)
 
 
 def consensus_quality(result: Any, called: Sequence[str], failed: Iterable[str] = (),

@@ -735,6 +735,8 @@ class Router:
             deadline=ctx.started + ctx.route.deadline_ms / 1000,
             fib=gen.fib,
         )
+        if ctx.decision is not None and getattr(ctx.decision, "escalate", None):
+            plan.escalate = True
         with scope:
             try:
                 plan.prompt_for = await self._data_scope(ctx, prompt, gen)
@@ -767,7 +769,7 @@ class Router:
             ctx.finish(self._signed(ctx, final))
             esc = ctx.route.escalation
             qualities = self.learning.task_done(ctx, plan, final,
-                                                esc.to if esc is not None and gen.dispatcher.last_triggers else None)
+                                                esc.to if esc is not None and plan.escalated else None)
             hop = self.learning.shadow_due(ctx, gen, list(qualities))
             if hop is not None and self._nursery is not None:
                 # After the FINAL: the client's result and budget are already settled.

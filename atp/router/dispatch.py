@@ -181,6 +181,11 @@ class TaskPlan:
     tried: set[str] = field(default_factory=set)
     #: Why the budget is exhausted (spec §10 EBUDGET), once it is.
     exhausted: str | None = None
+    #: The policy's champion/challenger bandit chose "cheap then escalate": escalate
+    #: (trigger ``bandit``) even when no policy trigger fires.
+    escalate: bool = False
+    #: The escalation target was called for this task.
+    escalated: bool = False
 
 
 class SlotGate:
@@ -501,6 +506,8 @@ class Dispatcher:
             triggers = should_escalate(
                 result, reports, list(esc.on), threshold=esc.threshold, files=plan.prompt.content.get("files")
             )
+            if not triggers and plan.escalate:
+                triggers = ["bandit"]
         if no_quorum:
             # Spec §10 ECONSENSUS: no quorum → escalate.
             if triggers and plan.exhausted is None:
@@ -513,6 +520,7 @@ class Dispatcher:
         if triggers and plan.exhausted is None:
             turn = len(route.next_hops)
             plan.tried.add(hop.agent)
+            plan.escalated = True
             with trio.move_on_at(plan.deadline) as esc_scope:
                 await self._leg(io, plan, hop, legs, turn)
             if esc_scope.cancelled_caught:

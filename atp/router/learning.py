@@ -33,7 +33,7 @@ from atp.consensus.escalation import TEST_FAIL_RULE
 from atp.flow.budget import Allowance
 from atp.flow.window import Window as FlowWindow
 from atp.policy.fib import Route
-from atp.policy.learn import Decision, RoutingLearner, consensus_quality
+from atp.policy.learn import CHEAP, ESCALATE, Decision, RoutingLearner, consensus_quality, result_quality
 from atp.policy.rib import PolicySpec
 from atp.router.dispatch import TaskPlan, _client_fault
 from atp.wire.errors import AgentError, ErrorCode
@@ -231,6 +231,7 @@ class Learning:
         failed -= ok_agents
         if not called:
             return {}
+        tests: list[tuple[str, int, int]] = []
         if final is None:
             qualities = {a: 0.0 for a in called if a in failed}
         else:
@@ -241,7 +242,15 @@ class Learning:
         decision = ctx.decision if isinstance(ctx.decision, Decision) else None
         if decision is not None:
             decision.called = called
+            decision.escalated = escalated_to is not None
             self.learner.observe(decision, qualities)
+            if decision.escalate is not None and final is not None:
+                cheap = [a for a in called if a != escalated_to]
+                outcome = {CHEAP: result_quality(final.result, cheap, confirmer=escalated_to, failing_tests=tests)}
+                if escalated_to is not None:
+                    # The escalation target's verdict is the reference the cheap answer is scored against.
+                    outcome[ESCALATE] = 1.0 if escalated_to not in failed else outcome[CHEAP]
+                self.learner.observe_escalation(decision, outcome)
         else:
             for a, q in qualities.items():
                 self.learner.observe_quality(a, q, policy=policy)
@@ -276,11 +285,17 @@ class Learning:
                              and isinstance(ev.frame.payload.content.get("agent"), str)})
         if not served:
             raise FeedbackRefused(409, "no next-hop answered this stream: nothing to learn from")
+        if isinstance(decision, Decision) and not decision.called:
+            # Read back from the store (saved at SYN): the escalation target is never in the fanout.
+            decision.escalated = any(a not in decision.order for a in served)
         store.put(key, json.dumps({"score": score, "labels": labels}).encode())
         qualities = {a: score for a in served}
         learned = isinstance(decision, Decision) and self.learner.has_bandit(decision.policy)
         if learned:
             self.learner.observe(decision, qualities, weight=2.0)
+            if decision.escalate is not None:
+                self.learner.observe_escalation(decision, {ESCALATE if decision.escalated else CHEAP: score},
+                                                weight=2.0)
         else:
             for a in served:
                 self.learner.observe_quality(a, score, policy=policy, weight=2.0)

@@ -181,3 +181,33 @@ async def test_shadow_runs_on_its_own_budget_and_never_touches_the_client(nurser
     assert 'atp_shadow_runs_total{agent="challenger",outcome="budget",policy="review"}' in metrics
     assert "atp_shadow_regret_bucket" in metrics
     assert env.router.ledger.state("client:anonymous").committed_tokens == 40
+
+
+async def test_champion_challenger_learns_when_escalating_pays(nursery, tmp_path, scripted):
+    """The escalation bandit ("cheap only" vs "cheap then escalate"): no policy
+    trigger can fire (threshold 0), so every escalation is the bandit's; with a
+    spend target of 30 % it escalates about that often, and learns that the
+    escalated answers (the target confirms what the cheap one found and adds
+    one) beat the cheap one alone."""
+    scripted["cheap"] = ScriptedAdapter.returning("cheap", [_finding(183)])
+    scripted["dear"] = ScriptedAdapter.returning("dear", [_finding(183), _finding(400)])
+    rib = {"agents": {"cheap": scripted_agent(), "dear": {**scripted_agent(), "win30d": 0.5}},
+           "policies": [{"name": "review", "match": {"task_type": "code_review"}, "fanout": ["cheap"],
+                         "escalation": {"on": ["low_conf"], "to": "dear", "threshold": 0.0},
+                         "bandit": {"explore": 0.5, "target_cost": 0.3, "text_features": False}}]}
+    env = await start_router_on(nursery, tmp_path, rib, seed=5)
+    async with atp.Client(env.url) as c:
+        for _ in range(40):
+            _, st = await c.open_stream(task=META, content=golden())
+            final = await c.result(st)
+            assert final["result"]["findings"]
+        fib = await c.fib()
+        metrics = await c.metrics()
+    dear_calls = len(scripted["dear"].calls)
+    assert 4 <= dear_calls <= 30, dear_calls  # λ rises by dual ascent: not all at once
+    esc = fib["bandits"]["review#escalation"]
+    assert esc["choices"] == 40 and esc["arms"]["escalate"]["count"] == dear_calls
+    # Every task shows the cheap arm (escalated ones score it against the target's verdict).
+    assert esc["arms"]["cheap"]["count"] == 40
+    assert esc["arms"]["escalate"]["mean"] > esc["arms"]["cheap"]["mean"]
+    assert 'atp_escalations_total{trigger="bandit"}' in metrics
