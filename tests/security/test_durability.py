@@ -204,3 +204,61 @@ async def test_kill9_keeps_spend_results_and_interrupted_streams(nursery, tmp_pa
     db.commit()
     edited = _audit(state)
     assert edited.returncode == 1 and "BROKEN at record 4" in edited.stdout, edited.stdout
+
+
+def _bandit_rib(model_url: str) -> str:
+    """Two next-hops on one OpenAI-compatible server, chosen by a bandit (issue 8)."""
+    return (
+        "models:\n"
+        f"  m1: {{provider: openai_compat, ctx: 8k, cost: 1, base_url: '{model_url}/v1', model: m1, max_out_tokens: 64}}\n"
+        f"  m2: {{provider: openai_compat, ctx: 8k, cost: 1, base_url: '{model_url}/v1', model: m2, max_out_tokens: 64}}\n"
+        "agents:\n"
+        "  good: {layer: L2, p95_ms: 500, model: m1, timeout_ms: 60000}\n"
+        "  bad: {layer: L2, p95_ms: 500, model: m2, timeout_ms: 60000}\n"
+        "policies:\n"
+        "  - {name: summarize, match: {task_type: summarize}, fanout: [good, bad], fanout_k: 1,\n"
+        "     bandit: {explore: 0.5, text_features: false}}\n"
+    )
+
+
+async def test_kill9_keeps_what_the_router_learned(nursery, tmp_path, router_procs):
+    """Issue 8: a router killed with SIGKILL and restarted on its state directory
+    routes with the weights it learned (saved every 5 s, so the test waits 6 s
+    before the kill)."""
+    from atp.router.learning import SAVE_INTERVAL_S
+
+    model = await serve(nursery, Replay(chunked=True))
+    for _ in range(40):
+        model.add(200, {"content-type": "text/event-stream"}, _sse("done", 100))
+    policies = tmp_path / "rib.yaml"
+    policies.write_text(_bandit_rib(model.url))
+    state = tmp_path / "state"
+    ops = {"Authorization": f"Bearer {TOKENS['ops']}"}
+
+    first = RouterProcess(policies, state)
+    router_procs.append(first)
+    url = await first.wait_listening()
+    async with atp.Client(url, TOKENS["alice"]) as alice:
+        for _ in range(24):
+            _, st = await alice.open_stream(task=TASK, content=CONTENT)
+            await alice.result(st)
+            await alice.feedback(st, 1.0 if st.route["next_hops"] == ["good"] else 0.0)
+    async with httpx.AsyncClient() as h:
+        learned = (await h.get(url + "/v1/fib", headers=ops)).json()["bandits"]["summarize"]["arms"]
+    assert learned["good"]["count"] > 0
+    await trio.sleep(SAVE_INTERVAL_S + 1)
+    first.kill9()
+
+    second = RouterProcess(policies, state)
+    router_procs.append(second)
+    url = await second.wait_listening()
+    async with httpx.AsyncClient() as h:
+        restored = (await h.get(url + "/v1/fib", headers=ops)).json()["bandits"]["summarize"]["arms"]
+    assert {a: v["count"] for a, v in restored.items()} == {a: v["count"] for a, v in learned.items()}
+    picks = []
+    async with atp.Client(url, TOKENS["alice"]) as alice:
+        for _ in range(8):
+            _, st = await alice.open_stream(task=TASK, content=CONTENT)
+            await alice.result(st)
+            picks.append(st.route["next_hops"][0])
+    assert picks.count("good") >= 6, picks
