@@ -9,7 +9,8 @@ code the router runs — learning from zero and observing only the arm it called
 once per spend target (share of strong calls, the bandit's ``target_cost``) and
 per shuffle (``--seeds``). Two featurizations: meta only (task type, subject,
 prompt-length bucket) and meta + hashed prompt words. Baselines in the same
-run: a random router and the oracle (:mod:`atp.policy.replay`).
+run: a random router, the oracle, and the subject-level router in hindsight
+(the ceiling of meta-only routing) (:mod:`atp.policy.replay`).
 
 Prints the quality vs strong-call-share curve of each router, then APGR,
 CPT(50 %) and CPT(80 %) (mean ± std over the shuffles), writes the curves to
@@ -28,7 +29,16 @@ from pathlib import Path
 import numpy as np
 
 from atp.policy.bandit import Featurizer
-from atp.policy.replay import Curve, apgr, cpt, load_rows, oracle_curve, random_curve, run_bandit
+from atp.policy.replay import (
+    Curve,
+    apgr,
+    cpt,
+    hindsight_subject_curve,
+    load_rows,
+    oracle_curve,
+    random_curve,
+    run_bandit,
+)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DATA = HERE.parent.parent / "shared" / "routing-replay" / "mmlu.jsonl"
@@ -78,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             curves[name].append(Curve(name, tuple(p[0] for p in pts), tuple(p[1] for p in pts)))
         curves["random"].append(random_curve(order, TARGETS, rng))
     oracle = oracle_curve(rows, [i / 100 for i in range(101)])
+    hindsight = hindsight_subject_curve(rows, [i / 50 for i in range(51)])
 
     print("\nquality vs strong-call share (mean over shuffles): target → share / accuracy")
     print(f"{'target':>6}  " + "  ".join(f"{k:>20}" for k in curves))
@@ -91,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{'router':<20} {'APGR':>14} {'CPT(50%)':>18} {'CPT(80%)':>18}")
     summary: dict[str, float] = {}
-    for name, cs in {**curves, "oracle": [oracle]}.items():
+    for name, cs in {**curves, "oracle": [oracle], "subject (hindsight)": [hindsight]}.items():
         a = [apgr(c, weak, strong) for c in cs]
         summary[name] = statistics.mean(a)
         sd = statistics.pstdev(a) if len(a) > 1 else 0.0

@@ -33,7 +33,8 @@ import numpy as np
 
 from atp.policy.bandit import Bandit, Featurizer
 
-__all__ = ["Curve", "Row", "apgr", "cpt", "load_rows", "oracle_curve", "random_curve", "run_bandit"]
+__all__ = ["Curve", "Row", "apgr", "cpt", "hindsight_subject_curve", "load_rows", "oracle_curve", "random_curve",
+           "run_bandit"]
 
 WEAK, STRONG = "weak", "strong"
 
@@ -114,6 +115,27 @@ def oracle_curve(rows: Sequence[Row], shares: Iterable[float]) -> Curve:
     shares = tuple(shares)
     acc = tuple(weak_acc + min(s, gain) - max(0.0, s - (1.0 - loss)) for s in shares)
     return Curve("oracle", shares, acc)
+
+
+def hindsight_subject_curve(rows: Sequence[Row], shares: Iterable[float]) -> Curve:
+    """A router that knows each subject's true strong − weak gain in
+    hindsight and sends the subjects with the largest gain to the strong model
+    first: the ceiling of any router that sees only the subject."""
+    by: dict[str | None, list[int]] = {}
+    for r in rows:
+        by.setdefault(r.subject, []).append(int(r.strong) - int(r.weak))
+    gain = {k: sum(v) / len(v) for k, v in by.items()}
+    order = sorted(range(len(rows)), key=lambda i: (-gain[rows[i].subject], i))
+    weak = np.fromiter((r.weak for r in rows), dtype=bool)
+    strong = np.fromiter((r.strong for r in rows), dtype=bool)
+    out_s, out_a = [], []
+    for s in shares:
+        k = int(round(s * len(rows)))
+        pick = np.zeros(len(rows), dtype=bool)
+        pick[order[:k]] = True
+        out_s.append(k / len(rows))
+        out_a.append(float(np.where(pick, strong, weak).mean()))
+    return Curve("subject in hindsight", tuple(out_s), tuple(out_a))
 
 
 def random_curve(rows: Sequence[Row], shares: Iterable[float], rng: np.random.Generator) -> Curve:

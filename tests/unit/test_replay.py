@@ -110,3 +110,12 @@ def test_bench_last_line(tmp_path):
     assert all(len(v.split(".")[1]) == 3 for v in fields.values())
     assert float(fields["bandit"]) > float(fields["random"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hindsight_subject_router_sends_the_best_subject_first(tmp_path):
+    from atp.policy.replay import hindsight_subject_curve
+
+    rows = load_rows(_write(tmp_path, TINY))
+    c = hindsight_subject_curve(rows, [0.0, 0.4, 1.0])
+    # Subject "a" (both prompts gain) goes strong first: 40 % strong calls reach 0.8.
+    assert c.accuracy == pytest.approx((0.4, 0.8, 0.6))
