@@ -10,8 +10,8 @@ Three pieces:
   Meta features: one indicator per ``key=value`` of :data:`META_KEYS` (lists
   such as ``languages`` give one per item), log₂ buckets of sizes
   (``diff_loc``, the prompt's length), and a bias. Text features: lower-cased
-  word unigrams and bigrams of the first :data:`TEXT_CHARS` characters, signed
-  (a second hash bit) and L2-normalised. A context is at most
+  word unigrams and bigrams of the first :data:`TEXT_CHARS` characters (at most
+  :data:`MAX_WORDS` words), signed (a hash bit) and scaled by 1/√n. A context is at most
   :data:`MAX_FEATURES` (index, value) pairs whatever the input.
 * :class:`ArmModel` — one arm's quality model: Bayesian logistic regression
   with a diagonal Gaussian posterior over ``2**bits`` weights, updated online by
@@ -66,6 +66,10 @@ SIZE_KEYS = ("diff_loc", "files", "tokens_in")
 TEXT_CHARS = 2_000
 #: Upper bound of (index, value) pairs per context.
 MAX_FEATURES = 640
+#: Meta indicator features per context (the bias first).
+MAX_META_FEATURES = 64
+#: Words of prompt text hashed: MAX_META_FEATURES + unigrams + bigrams < MAX_FEATURES.
+MAX_WORDS = 288
 #: Items of a list-valued meta key that are read.
 MAX_LIST_ITEMS = 16
 #: Characters of one meta value that are hashed.
@@ -122,8 +126,9 @@ class Featurizer:
         mask = self._mask
 
         def add(token: str, value: float = 1.0) -> None:
-            i = _h(token) & mask
-            feats[i] = feats.get(i, 0.0) + value
+            if len(feats) < MAX_META_FEATURES:
+                i = _h(token) & mask
+                feats[i] = feats.get(i, 0.0) + value
 
         add("\x00bias")
         for key in META_KEYS:
@@ -142,19 +147,23 @@ class Featurizer:
             add(token[:MAX_VALUE_CHARS])
         if text:
             add(f"\x00len~{int(math.log2(1 + len(text)))}")
-        if self.text and text:
-            words = _WORD.findall(text[:TEXT_CHARS].lower())
-            if words:
-                grams = words + [f"{a} {b}" for a, b in zip(words, words[1:], strict=False)]
-                scale = self.text_weight / math.sqrt(len(grams))
-                for g in grams[: MAX_FEATURES - 64]:
-                    h = _h(g)
-                    i = (h >> 1) & mask
-                    feats[i] = feats.get(i, 0.0) + (scale if h & 1 else -scale)
-        if len(feats) > MAX_FEATURES:
-            feats = dict(list(feats.items())[:MAX_FEATURES])
         idx = np.fromiter(feats.keys(), dtype=np.int64, count=len(feats))
         val = np.fromiter(feats.values(), dtype=np.float64, count=len(feats))
+        if self.text and text:
+            words = _WORD.findall(text[:TEXT_CHARS].lower())[:MAX_WORDS]
+            if words:
+                # Unigram hashes by CRC-32; bigram hashes combined from them in numpy.
+                h = np.fromiter(map(zlib.crc32, map(str.encode, words)), dtype=np.uint64, count=len(words))
+                grams = np.concatenate((h, ((h[:-1] * np.uint64(1_000_003)) ^ h[1:]) & np.uint64(0xFFFFFFFF)))
+                scale = self.text_weight / math.sqrt(len(grams))
+                t_idx = ((grams >> np.uint64(1)) & np.uint64(mask)).astype(np.int64)
+                t_val = np.where((grams & np.uint64(1)).astype(bool), scale, -scale)
+                idx = np.concatenate((idx, t_idx))
+                val = np.concatenate((val, t_val))
+                idx, inverse = np.unique(idx, return_inverse=True)
+                val = np.bincount(inverse, weights=val, minlength=len(idx))
+        if len(idx) > MAX_FEATURES:
+            idx, val = idx[:MAX_FEATURES], val[:MAX_FEATURES]
         return Context(idx, val)
 
 
