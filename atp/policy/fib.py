@@ -358,7 +358,8 @@ class Fib:
                 if policy.fanout_k is not None:
                     del scored[policy.fanout_k :]
                 entries.append(
-                    RouteEntry(task_type=str(tt), next_hops=[a for _, a in scored], weights=[-s for s, _ in scored])
+                    RouteEntry(task_type=str(tt), next_hops=[a for _, a in scored], weights=[-s for s, _ in scored],
+                               policy=policy.name, match=dict(policy.spec.match))
                 )
         return entries
 

@@ -236,15 +236,27 @@ def _check_name(name: Any, key: str, what: str, file: str) -> str:
     return name
 
 
-def _parse_document(data: Any, file: str) -> Rib:
-    """One file's document → Rib (entries validated; no cross-references yet)."""
+def _parse_document(data: Any, file: str, errors: list[PolicyError] | None = None,
+                    broken: set[str] | None = None) -> Rib:
+    """One file's document → Rib (entries validated; no cross-references yet).
+    With ``errors``, a bad entry is recorded there and skipped (its name goes
+    to ``broken``) instead of raising, so one load reports every fault."""
+
+    def fault(e: PolicyError, name: str | None = None) -> None:
+        if errors is None:
+            raise e
+        errors.append(e)
+        if name is not None and broken is not None:
+            broken.add(name)
+
     if data is None:
         return Rib()
     if not isinstance(data, dict):
-        raise PolicyError(file, "$", f"expected a mapping with {', '.join(_SECTIONS)}, got {type(data).__name__}")
+        fault(PolicyError(file, "$", f"expected a mapping with {', '.join(_SECTIONS)}, got {type(data).__name__}"))
+        return Rib()
     for k in data:
         if k not in _SECTIONS:
-            raise PolicyError(file, str(k), f"unknown field {k!r} (known: {', '.join(_SECTIONS)})")
+            fault(PolicyError(file, str(k), f"unknown field {k!r} (known: {', '.join(_SECTIONS)})"))
 
     models: dict[str, ModelSpec] = {}
     agents: dict[str, AgentSpec] = {}
@@ -255,11 +267,15 @@ def _parse_document(data: Any, file: str) -> Rib:
         if entries is None:
             continue
         if not isinstance(entries, dict):
-            raise PolicyError(file, section, f"expected a mapping of names, got {type(entries).__name__}")
+            fault(PolicyError(file, section, f"expected a mapping of names, got {type(entries).__name__}"))
+            continue
         for name, spec in entries.items():
             key = f"{section}.{name}"
-            _check_name(name, key, section[:-1], file)
-            out[name] = _convert_entry(spec, tp, key, file)
+            try:
+                _check_name(name, key, section[:-1], file)
+                out[name] = _convert_entry(spec, tp, key, file)
+            except PolicyError as e:
+                fault(e, str(name))
     for name, model in models.items():
         if model.model is None:
             models[name] = msgspec.structs.replace(model, model=name)
@@ -268,17 +284,24 @@ def _parse_document(data: Any, file: str) -> Rib:
     entries = data.get("policies")
     if entries is not None:
         if not isinstance(entries, list):
-            raise PolicyError(file, "policies", f"expected a list of policies, got {type(entries).__name__}")
+            fault(PolicyError(file, "policies", f"expected a list of policies, got {type(entries).__name__}"))
+            entries = []
         for i, spec in enumerate(entries):
             key = f"policies[{i}]"
-            if isinstance(spec, dict) and isinstance(spec.get("match"), dict):
-                try:
-                    compile_match(spec["match"])
-                except SpecError as e:
-                    raise PolicyError(file, _join(f"{key}.match", e.field), e.reason) from None
-            policy = _convert_entry(spec, PolicySpec, key, file)
-            if policy.name is not None:
-                _check_name(policy.name, f"{key}.name", "policy", file)
+            try:
+                if isinstance(spec, dict) and isinstance(spec.get("match"), dict):
+                    try:
+                        compile_match(spec["match"])
+                    except SpecError as e:
+                        raise PolicyError(file, _join(f"{key}.match", e.field), e.reason) from None
+                policy = _convert_entry(spec, PolicySpec, key, file)
+                if policy.name is not None:
+                    _check_name(policy.name, f"{key}.name", "policy", file)
+            except PolicyError as e:
+                fault(e)
+                # Keep the policy's place: later policies keep their indices in messages.
+                policies.append(None)  # type: ignore[arg-type]
+                continue
             policies.append(policy)
     return Rib(models=models, agents=agents, policies=policies, clients=clients)
 
@@ -286,10 +309,19 @@ def _parse_document(data: Any, file: str) -> Rib:
 # -- merge and cross-references ------------------------------------------------
 
 
-def _merge(parts: list[tuple[str, Rib]], origin: str) -> Rib:
+def _merge(parts: list[tuple[str, Rib]], origin: str, errors: list[PolicyError] | None = None,
+           broken: frozenset[str] | set[str] = frozenset()) -> Rib:
     """Merge per-file RIBs: registries and clients by name (a duplicate is
     refused, naming both files), policies concatenated in file order; then
-    check references."""
+    check references. With ``errors``, every fault is recorded there instead of
+    raising (a reference to a ``broken`` entry, itself already reported, is not
+    reported again)."""
+
+    def fault(e: PolicyError) -> None:
+        if errors is None:
+            raise e
+        errors.append(e)
+
     models: dict[str, ModelSpec] = {}
     agents: dict[str, AgentSpec] = {}
     clients: dict[str, ClientSpec] = {}
@@ -304,14 +336,17 @@ def _merge(parts: list[tuple[str, Rib]], origin: str) -> Rib:
         ):
             for name, spec in entries.items():
                 if name in merged:
-                    raise PolicyError(
+                    fault(PolicyError(
                         file,
                         f"{section}.{name}",
                         f"duplicate {section[:-1]} {name!r} (also defined in {where[section][name]})",
-                    )
+                    ))
+                    continue
                 merged[name] = spec
                 where[section][name] = file
         for i, policy in enumerate(rib.policies):
+            if policy is None:  # refused while parsing (already reported)
+                continue
             policy_at.append((file, i))
             policies.append(policy)
 
@@ -323,21 +358,27 @@ def _merge(parts: list[tuple[str, Rib]], origin: str) -> Rib:
         if policy.name in names:
             file, i = policy_at[g]
             first_file, first_i = policy_at[names[policy.name]]
-            raise PolicyError(
+            fault(PolicyError(
                 file,
                 f"policies[{i}].name",
                 f"duplicate policy name {policy.name!r} (also policies[{first_i}] in {first_file})",
-            )
+            ))
+            continue
         names[policy.name] = g
 
     rib = Rib(models=models, agents=agents, policies=policies, clients=clients)
     for ref in reference_errors(rib):
+        if any(repr(name) in ref.reason for name in broken):
+            continue  # the referenced entry was refused, and reported, already
         if ref.section == "agents":
-            raise PolicyError(where["agents"][ref.entry], f"agents.{ref.entry}{ref.field}", ref.reason)
-        if ref.entry == -1:
-            raise PolicyError(origin, "policies", ref.reason)
-        file, i = policy_at[ref.entry]  # type: ignore[index]
-        raise PolicyError(file, f"policies[{i}]{ref.field}", ref.reason)
+            fault(PolicyError(where["agents"][ref.entry], f"agents.{ref.entry}{ref.field}", ref.reason))
+        elif ref.entry == -1:
+            if errors:
+                continue  # "no policies" because every policy was refused: already reported
+            fault(PolicyError(origin, "policies", ref.reason))
+        else:
+            file, i = policy_at[ref.entry]  # type: ignore[index]
+            fault(PolicyError(file, f"policies[{i}]{ref.field}", ref.reason))
     return rib
 
 
@@ -345,8 +386,9 @@ def load_rib_text(text: str, file: str = "<text>") -> Rib:
     """Parse and validate one RIB document (YAML or JSON text), e.g. a control-API
     body (``POST /v1/policies/reload``). ``file`` names it in errors.
 
-    Raises PolicyError(file, key, reason) on any fault (see module doc)."""
-    return _merge([(file, _parse_document(_parse_yaml(text, file), file))], file)
+    Raises PolicyError(file, key, reason) on any fault (see module doc): the
+    first, with every fault found in ``.errors`` (each with its ``line``)."""
+    return _load([(file, text)], file)
 
 
 def load_rib(path: str | Path) -> Rib:
@@ -366,13 +408,78 @@ def load_rib(path: str | Path) -> Rib:
             raise PolicyError(str(p), "$", "no *.yaml or *.yml files in directory")
     else:
         files = [p]
-    parts = []
+    texts = []
     for f in files:
         try:
-            text = f.read_text(encoding="utf-8")
+            texts.append((str(f), f.read_text(encoding="utf-8")))
         except FileNotFoundError:
             raise PolicyError(str(f), "$", "no such file or directory") from None
         except (OSError, UnicodeDecodeError) as e:
             raise PolicyError(str(f), "$", f"cannot read: {e}") from None
-        parts.append((str(f), _parse_document(_parse_yaml(text, str(f)), str(f))))
-    return _merge(parts, str(p))
+    return _load(texts, str(p))
+
+
+def _load(texts: list[tuple[str, str]], origin: str) -> Rib:
+    """Parse, validate and merge ``(file, text)`` pairs, recording every fault;
+    raises the first (all of them in ``.errors``, with lines) if any."""
+    errors: list[PolicyError] = []
+    broken: set[str] = set()
+    parts = []
+    for file, text in texts:
+        try:
+            data = _parse_yaml(text, file)
+        except PolicyError as e:
+            errors.append(e)
+            continue
+        parts.append((file, _parse_document(data, file, errors, broken)))
+    rib = _merge(parts, origin, errors, broken)
+    if errors:
+        by_file = dict(texts)
+        for e in errors:
+            if e.line is None and e.file in by_file:
+                e.line = line_of(by_file[e.file], e.key)
+        first = errors[0]
+        first.errors = errors
+        raise first
+    return rib
+
+
+def line_of(text: str, key: str) -> int | None:
+    """The 1-based line of dotted ``key`` (``policies[1].match.diff_loc``,
+    ``agents.summarizer.local.model``: names may contain dots) in the YAML
+    ``text``; the deepest part of the key that exists; None when not even the
+    first part does (or the text is not YAML)."""
+    m = re.search(r" at line (\d+)", key)
+    if m:
+        return int(m.group(1))
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        return mark.line + 1 if mark is not None else None
+    if node is None or key in ("$", ""):
+        return 1 if node is not None else None
+    rest, line = key, None
+    while rest and node is not None:
+        if isinstance(node, yaml.SequenceNode):
+            m = re.match(r"\[(\d+)\]\.?", rest)
+            if not m or int(m.group(1)) >= len(node.value):
+                break
+            node = node.value[int(m.group(1))]
+            rest = rest[m.end():]
+            line = node.start_mark.line + 1
+        elif isinstance(node, yaml.MappingNode):
+            best = None
+            for k, v in node.value:
+                name = str(k.value)
+                if (rest == name or rest.startswith(name + ".") or rest.startswith(name + "[")) and (
+                        best is None or len(name) > len(str(best[0].value))):
+                    best = (k, v)
+            if best is None:
+                break
+            k, node = best
+            line = k.start_mark.line + 1
+            rest = rest[len(str(k.value)):].removeprefix(".")
+        else:
+            break
+    return line

@@ -135,11 +135,26 @@ class ReloadResponse(msgspec.Struct):
     by: str = ""
 
 
+class PolicyFault(msgspec.Struct, omit_defaults=True):
+    """One fault of a refused RIB: file, 1-based line (when found), key, reason."""
+
+    file: str
+    key: str
+    reason: str
+    line: int | None = None
+
+
 class ErrorBody(msgspec.Struct, omit_defaults=True):
+    """``code`` and ``reason``; a refused RIB adds the first fault's ``file``,
+    ``line`` and ``key`` (``reason`` is its bare reason) and ``errors``, every
+    fault found."""
+
     code: str
     reason: str
     file: str | None = None
     key: str | None = None
+    line: int | None = None
+    errors: list[PolicyFault] | None = None
 
 
 class ErrorResponse(msgspec.Struct):
@@ -254,7 +269,9 @@ def _json(obj: Any, status: int = 200) -> Response:
 def _error(e: ATPError, status: int | None = None) -> Response:
     body = ErrorBody(code=str(e.code), reason=e.reason)
     if isinstance(e, PolicyError):
-        body = ErrorBody(code=str(e.code), reason=e.detail, file=e.file, key=e.key)
+        body = ErrorBody(code=str(e.code), reason=e.detail, file=e.file, key=e.key, line=e.line,
+                         errors=[PolicyFault(file=x.file, key=x.key, reason=x.detail, line=x.line)
+                                 for x in e.errors])
         status = status or 422
     if status is None and e.code is ErrorCode.EWINDOW and e.retry_after_ms is not None:
         # The tenant's stream quota or open rate (spec §11): try again later.

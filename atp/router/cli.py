@@ -112,6 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     d = RouterConfig(policies=Path("policies"))
     ap = argparse.ArgumentParser(prog="atp-router", description="ATP router appliance (Agent Transport Protocol v0.1)")
     ap.add_argument("--policies", type=Path, default=Path("policies"), help="RIB file or directory of *.yaml")
+    ap.add_argument("--no-watch", action="store_true",
+                    help="do not reload the RIB when a --policies file changes (POST /v1/policies/reload still does)")
     ap.add_argument("--host", default=d.host)
     ap.add_argument("--http-port", type=int, default=d.http_port, help="control API (0 = any free port)")
     ap.add_argument("--ws-port", type=int, default=d.ws_port, help="WebSocket ingress (0 = any free port)")
@@ -232,7 +234,7 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
             tenant_rate_per_s=args.tenant_rate_per_s, tenant_rate_burst=args.tenant_rate_burst,
             max_body_bytes=args.max_body_bytes, max_policy_bytes=args.max_policy_bytes,
             max_ws_message_bytes=args.max_ws_message_bytes,
-            state_dir=args.state_dir, state_sync=args.state_sync.upper(),
+            state_dir=args.state_dir, state_sync=args.state_sync.upper(), watch_policies=not args.no_watch,
             **_flow_config(args),
         )
         build_authenticator(config)  # refuse a bad --auth file or token list now, with its message
@@ -293,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "keys":
         return keys_main(argv[1:])
+    if argv and argv[0] == "policy":
+        from atp.policy.check import policy_main
+
+        return policy_main(argv[1:])
     if argv and argv[0] == "audit":
         from atp.security.audit import audit_main
 

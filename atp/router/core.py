@@ -187,7 +187,13 @@ class RouterConfig:
     every ``hb_interval_s`` and declares a connection dead after
     ``hb_timeout_s`` without a frame from it; a stream left without a follower
     stays resumable for ``resume_grace_s``. ``seed`` seeds backoff jitter
-    (reproducible tests).
+    and the bandits' draws (reproducible tests).
+
+    Hot reload (spec §22): with ``watch_policies`` the ``policies`` path is
+    watched (watchfiles) and every change of a ``*.yaml``/``*.yml`` file in it
+    reloads the RIB as ``POST /v1/policies/reload`` does (a refused RIB is
+    logged with every fault and audited; the running one stays), after
+    ``watch_debounce_ms`` without further change.
     """
 
     policies: Path
@@ -232,6 +238,8 @@ class RouterConfig:
     hb_timeout_s: float = 30.0
     resume_grace_s: float = 60.0
     seed: int | None = None
+    watch_policies: bool = False
+    watch_debounce_ms: int = 300
 
 
 class Router:
@@ -395,7 +403,8 @@ class Router:
             summary = self.control.reload(text)
         except PolicyError as e:
             self.audit_event("policy_reload", identity, {"outcome": "refused", "file": e.file, "key": e.key,
-                                                         "reason": e.detail})
+                                                         "line": e.line, "reason": e.detail,
+                                                         "errors": [x.where() for x in e.errors]})
             raise
         changes = egress_changes(old, self.gen.rib)
         actor = identity.subject if identity is not None else "router"
@@ -928,6 +937,8 @@ class Router:
                 nursery.start_soon(self.streams.run)
                 nursery.start_soon(self._audit_checkpoints)
                 nursery.start_soon(self.learning.run)
+                if self.config.watch_policies:
+                    nursery.start_soon(self._watch_policies)
                 self._nursery = nursery
                 task_status.started(self)
                 try:
@@ -939,6 +950,34 @@ class Router:
             # Also when cancelled from outside: the state directory's lock is
             # released, so a router can start on it again in this process.
             self.close_state()
+
+    async def _watch_policies(self) -> None:
+        """Reload the RIB when a policy file changes (``watch_policies``)."""
+        import watchfiles  # imported here: only routers that watch pay for it
+
+        path = self.config.policies
+        if not path.exists():
+            log.warning("policy watch: %s does not exist; not watching", path)
+            return
+
+        def policy_file(change: watchfiles.Change, name: str) -> bool:
+            p = Path(name)
+            return p.suffix in (".yaml", ".yml") and not p.name.startswith(".")
+
+        log.info("policy watch: reloading on changes to %s", path)
+        async for changes in watchfiles.awatch(path, watch_filter=policy_file, debounce=self.config.watch_debounce_ms,
+                                               step=50, recursive=False):
+            files = sorted({Path(n).name for _, n in changes})
+            try:
+                summary = self.reload(None)
+            except PolicyError as e:
+                log.error("policy watch: %s changed; RIB refused, generation %d stays:\n  %s", ", ".join(files),
+                          self.gen.version, "\n  ".join(x.where() for x in e.errors))
+                continue
+            except Exception:
+                log.exception("policy watch: reload failed; generation %d stays", self.gen.version)
+                continue
+            log.info("policy watch: %s changed; RIB generation %d", ", ".join(files), summary["version"])
 
     async def _audit_checkpoints(self) -> None:
         """MAC the audit chain's head when its oldest unsigned record is due

@@ -92,11 +92,21 @@ class PolicyError(ATPError):
     such as ``policies[1].match.diff_loc``; ``detail`` is the bare reason.
     """
 
-    def __init__(self, file: str, key: str, reason: str):
+    def __init__(self, file: str, key: str, reason: str, *, line: int | None = None):
         self.file = file
         self.key = key
         self.detail = reason
+        #: 1-based line of ``key`` in ``file`` when the loader could find it.
+        self.line = line
+        #: Every fault the loader found in the RIB, this one first (it keeps
+        #: going past a bad entry; see :func:`atp.policy.loader.load_rib`).
+        self.errors: list[PolicyError] = [self]
         super().__init__(ErrorCode.EPROTO, f"{file}: {key}: {reason}")
+
+    def where(self) -> str:
+        """``file:line: key: reason`` (``file: key: reason`` without a line)."""
+        at = f"{self.file}:{self.line}" if self.line is not None else self.file
+        return f"{at}: {self.key}: {self.detail}"
 
 
 class AgentError(ATPError):

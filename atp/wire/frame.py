@@ -148,9 +148,16 @@ class BudgetUpdate(Struct, tag="BUDGET_UPDATE", tag_field="kind", forbid_unknown
 
 
 class RouteEntry(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One FIB entry (§4.3): the next-hops (and ECMP weights) a task of
+    ``task_type`` gets; ``policy`` names the RIB policy the entry comes from and
+    ``match`` is that policy's match (so two entries of one task type — a
+    ``diff_loc: ">400"`` policy before the general one — can be told apart)."""
+
     task_type: str
     next_hops: list[str]
     weights: list[float] = msgspec.field(default_factory=list)
+    policy: str = ""
+    match: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class RouteUpdate(Struct, tag="ROUTE_UPDATE", tag_field="kind", forbid_unknown_fields=True, omit_defaults=True):

@@ -123,8 +123,10 @@ async def test_bad_policy_is_refused_and_the_running_rib_stays(router_env, case,
             r = await h.post("/v1/policies/reload", content=bad, headers={"Content-Type": "application/yaml"})
     assert r.status_code == 422
     err = r.json()["error"]
-    assert set(err) == {"code", "file", "key", "reason"}
+    assert set(err) == {"code", "file", "line", "key", "reason", "errors"}
     assert err["code"] == "EPROTO" and err["key"] == key and words in err["reason"]
+    assert err["errors"][0] == {k: err[k] for k in ("file", "line", "key", "reason")}
+    assert isinstance(err["line"], int) and err["line"] >= 1
     assert err["file"] == (str(rib) if via == "file" else "<request body>")
 
     assert await get_json(router_env.url, "/v1/routes") == routes_before

@@ -1,0 +1,137 @@
+"""``atp-router policy check PATH [--json]``: validate a RIB and print the FIB it
+compiles to (spec §6, §22), before a reload or in CI.
+
+Exit status 0 with the compiled FIB on standard output; 1 with every fault, one
+per line as ``file:line: key: reason``, on standard error; 2 on a usage error.
+The text form is stable (snapshot-tested for every policy file shipped):
+
+* the RIB's models and agents, one line each;
+* each policy in lookup order: its match, its fanout with the ECMP weights a task
+  of its task type gets with no live data (best first; ``fanout_k`` cuts, the
+  rest are alternates), escalation, budget, window, QoS, deadline, consensus,
+  and its ``bandit`` / ``shadow`` keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import msgspec
+
+from atp.policy.fib import Fib, compile_fib
+from atp.policy.loader import load_rib
+from atp.wire.errors import PolicyError
+
+__all__ = ["check_main", "fib_summary", "render_fib"]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def fib_summary(fib: Fib) -> dict[str, Any]:
+    """The compiled FIB as a JSON-ready dict (``--json``)."""
+    rib = fib.rib
+    policies = []
+    entries = {e.policy: e for e in fib.routes()}
+    for i, p in enumerate(rib.policies):
+        name = p.name or f"policy[{i}]"
+        e = entries.get(name)
+        hops = list(zip(e.next_hops, e.weights, strict=True)) if e is not None else []
+        order = sorted(p.fanout, key=lambda a: [h for h, _ in hops].index(a) if a in [h for h, _ in hops] else 1e9)
+        policies.append({
+            "name": name,
+            "match": dict(p.match),
+            "next_hops": [{"agent": a, "weight": round(w, 6)} for a, w in hops],
+            "alternates": [a for a in order if a not in {h for h, _ in hops}],
+            "fanout_k": p.fanout_k,
+            "escalation": msgspec.to_builtins(p.escalation),
+            "budget": msgspec.to_builtins(p.budget),
+            "window": msgspec.to_builtins(p.window),
+            "qos": str(p.qos) if p.qos is not None else None,
+            "deadline_ms": p.deadline_ms,
+            "consensus": p.consensus,
+            "bandit": msgspec.to_builtins(p.bandit),
+            "shadow": msgspec.to_builtins(p.shadow),
+        })
+    return {
+        "version": fib.version,
+        "models": {n: {"provider": m.provider, "usd_per_mtok": m.usd_per_mtok} for n, m in rib.models.items()},
+        "agents": {n: {"model": a.model, "tool": a.tool, "qos": str(a.qos), "p95_ms": a.p95_ms,
+                       "win30d": a.win30d, "timeout_ms": a.timeout_ms, "fallback": a.fallback}
+                   for n, a in rib.agents.items()},
+        "policies": policies,
+        "clients": sorted(rib.clients),
+    }
+
+
+def render_fib(fib: Fib) -> str:
+    """The compiled FIB as stable text (see the module doc)."""
+    s = fib_summary(fib)
+    out = [f"RIB: {len(s['models'])} models, {len(s['agents'])} agents, {len(s['policies'])} policies, "
+           f"{len(s['clients'])} clients"]
+    for name, m in s["models"].items():
+        out.append(f"model {name}: {m['provider']}, {m['usd_per_mtok']:g} USD/Mtok")
+    for name, a in s["agents"].items():
+        what = f"model {a['model']}" if a["model"] else f"tool {a['tool']}"
+        fb = f", fallback {a['fallback']}" if a["fallback"] else ""
+        out.append(f"agent {name}: {what}, {a['qos']}, p95 {a['p95_ms']:g} ms, win30d {a['win30d']:g}, "
+                   f"timeout {a['timeout_ms']} ms{fb}")
+    for i, p in enumerate(s["policies"], 1):
+        out.append(f"policy {i} {p['name']}: match {_fmt(p['match'])}")
+        hops = ", ".join(f"{h['agent']} ({h['weight']:.6f})" for h in p["next_hops"])
+        out.append(f"  next-hops: {hops}" + (f" (fanout_k {p['fanout_k']})" if p["fanout_k"] else ""))
+        if p["alternates"]:
+            out.append(f"  alternates: {', '.join(p['alternates'])}")
+        if p["escalation"]:
+            e = p["escalation"]
+            out.append(f"  escalation: on {_fmt(e['on'])} to {e['to']} (threshold {e['threshold']:g})")
+        out.append(f"  budget {_fmt(p['budget']) if p['budget'] else 'router default'}; "
+                   f"window {_fmt(p['window']) if p['window'] else 'router default'}; "
+                   f"qos {p['qos'] or 'stream'}; deadline {p['deadline_ms']} ms; consensus {p['consensus']}")
+        if p["bandit"]:
+            out.append(f"  bandit: {_fmt(p['bandit'])}")
+        if p["shadow"]:
+            out.append(f"  shadow: {_fmt(p['shadow'])}")
+    return "\n".join(out) + "\n"
+
+
+def check_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="atp-router policy check",
+                                 description="Validate a RIB (file or directory) and print its compiled FIB.")
+    ap.add_argument("path", help="a RIB YAML file or a directory of *.yaml")
+    ap.add_argument("--json", action="store_true", help="print the compiled FIB as JSON")
+    args = ap.parse_args(argv)
+    try:
+        fib = compile_fib(load_rib(args.path), version=1)
+    except PolicyError as e:
+        for x in e.errors:
+            print(x.where(), file=sys.stderr)
+        print(f"{args.path}: refused ({len(e.errors)} fault{'s' if len(e.errors) != 1 else ''})", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(fib_summary(fib), indent=2, sort_keys=False))
+    else:
+        sys.stdout.write(render_fib(fib))
+    return 0
+
+
+def policy_main(argv: list[str]) -> int:
+    """``atp-router policy <subcommand>``."""
+    if not argv or argv[0] != "check":
+        print("usage: atp-router policy check PATH [--json]", file=sys.stderr)
+        return 2
+    return check_main(argv[1:])
