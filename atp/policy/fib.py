@@ -75,7 +75,7 @@ from atp.security.redact import clearance_of, parse_label
 from atp.wire.errors import AgentError, ErrorCode, PolicyError
 from atp.wire.frame import QoS, RouteEntry, RouteUpdate, Window
 
-__all__ = ["FIT_FLOOR", "Fib", "NextHop", "Route", "compile_fib", "data_scope_labels"]
+__all__ = ["FIT_FLOOR", "Fib", "NextHop", "Route", "compile_fib", "data_scope_labels", "fib_delta"]
 
 #: Lowest capability fit a next-hop gets (see the module doc).
 FIT_FLOOR = 0.01
@@ -370,6 +370,24 @@ class Fib:
         current = {r.task_type for r in routes}
         withdrawn = sorted({r.task_type for r in previous.routes()} - current) if previous is not None else []
         return RouteUpdate(version=self.version, routes=routes, withdrawn=withdrawn)
+
+
+def fib_delta(previous: Fib | None, current: Fib) -> RouteUpdate:
+    """The ROUTE_UPDATE that takes a subscriber from ``previous`` to ``current``
+    (spec §4.3), by task type: ``routes`` holds *every* current entry of each
+    task type whose entries changed (a subscriber replaces all its entries of
+    that task type with them), ``withdrawn`` the task types no longer routed.
+    With ``previous`` None: the whole FIB."""
+    cur: dict[str, list[RouteEntry]] = {}
+    for e in current.routes():
+        cur.setdefault(e.task_type, []).append(e)
+    if previous is None:
+        return RouteUpdate(version=current.version, routes=[e for es in cur.values() for e in es])
+    old: dict[str, list[RouteEntry]] = {}
+    for e in previous.routes():
+        old.setdefault(e.task_type, []).append(e)
+    changed = [e for tt, es in cur.items() if old.get(tt) != es for e in es]
+    return RouteUpdate(version=current.version, routes=changed, withdrawn=sorted(set(old) - set(cur)))
 
 
 def compile_fib(rib: Rib, *, version: int) -> Fib:

@@ -120,6 +120,8 @@ class ControlPlane:
         rib = load_rib(policies)
         self.secrets.check(rib, file=str(policies))
         self.gen = self._compile(rib, version=1, source=str(policies), texts=policy_texts(policies))
+        #: Set (and replaced) each time a new generation becomes the running one.
+        self.fib_changed = trio.Event()
         self._gens[1] = self.gen
         self._activate(self.gen)
         metrics.rib_version.set(1)
@@ -209,6 +211,9 @@ class ControlPlane:
         self.gen = gen
         self._gens[gen.version] = gen
         self._activate(gen)
+        # Wake ROUTE_UPDATE subscribers (§4.3): they send the delta themselves.
+        self.fib_changed.set()
+        self.fib_changed = trio.Event()
         for version in [v for v in self._gens if v != gen.version and not self._gen_users.get(v)]:
             self._retire(version)
         self.metrics.policy_reloads.labels("ok").inc()

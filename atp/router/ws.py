@@ -22,6 +22,19 @@ late message, see :meth:`Router.receive_frame
 <atp.router.core.Router.receive_frame>`) goes out only after that stream's own
 last frames, so its RST/FIN arrives first.
 
+ROUTE_UPDATE subscription (spec §4.3): a downstream router or agent whose
+identity may read routes (``routes_read``: role admin; the WebSocket handshake
+accepts it without ``stream_open``) sends a CTRL frame on stream ``"0"`` with
+meta ``{"subscribe": "routes"}``, e.g. ``{"v": 1, "session_id": "s1",
+"stream_id": "0", "msg_seq": 1, "flags": ["CTRL"], "meta": {"subscribe":
+"routes"}}``. The router answers on stream ``"0"`` of that session with a
+CTRL frame carrying a ``ROUTE_UPDATE`` control payload: the whole FIB, then one
+per new RIB generation (API or file-watch reload) with, for each task type
+whose entries changed, all its current entries, and the task types
+``withdrawn`` (:func:`~atp.policy.fib.fib_delta`). Updates are not queued: a
+slow subscriber gets one delta covering every change it missed. Without
+``routes_read`` the subscription is answered with ERROR ``ESEC``.
+
 Liveness (spec §4.4 HB): a watchdog task drives the router sessions the connection
 carries (``Session.get_timer`` / ``handle_timer``), sending their HB frames on
 stream ``"0"`` every ``hb_interval_s``; a connection that sent no frame for
@@ -63,7 +76,8 @@ from atp.security.tls import serve_websocket_tls
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ATPError, ErrorCode, LocalProtocolError
-from atp.wire.frame import Flag, Frame
+from atp.policy.fib import fib_delta
+from atp.wire.frame import Flag, Frame, Payload, PayloadType
 
 log = logging.getLogger("atp.router.ws")
 
@@ -92,11 +106,13 @@ async def serve_ws(router: Router, host: str, port: int, *, task_status=trio.TAS
         except ATPError as e:
             await request.reject(401, body=_refusal(e))
             return
-        try:
-            router.authorize(identity, "stream_open")
-        except ATPError as e:
-            await request.reject(403, body=_refusal(e))
-            return
+        may_open, may_routes = _may(router, identity, "stream_open"), _may(router, identity, "routes_read")
+        if not (may_open or may_routes):
+            try:
+                router.authorize(identity, "stream_open")
+            except ATPError as e:
+                await request.reject(403, body=_refusal(e))
+                return
         offered = request.proposed_subprotocols
         chosen = next((p for p in SUBPROTOCOLS if p in offered), None)  # cbor first, as documented
         ws = await request.accept(subprotocol=chosen)
@@ -115,6 +131,43 @@ async def serve_ws(router: Router, host: str, port: int, *, task_status=trio.TAS
         await serve_websocket_tls(handler, host, port, tls, max_message_size=limit, task_status=task_status)
     else:
         await serve_websocket(handler, host, port, None, max_message_size=limit, task_status=task_status)
+
+
+def _may(router: Router, identity: Identity, action: str) -> bool:
+    try:
+        router.authorize(identity, action)
+    except ATPError:
+        return False
+    return True
+
+
+def is_route_subscribe(frame: Frame) -> bool:
+    """A ROUTE_UPDATE subscription: a CTRL frame on stream ``"0"`` whose meta is
+    ``{"subscribe": "routes"}`` (see the module doc)."""
+    return frame.stream_id == CONNECTION_STREAM and Flag.CTRL in frame.flags and \
+        frame.meta.get("subscribe") == "routes"
+
+
+async def _route_updates(router: Router, conn: _Conn, session_id: str) -> None:
+    """Send the running FIB, then a delta each time it changes (§4.3). Never
+    queued: woken by the control plane, it sends the delta from the FIB it last
+    sent to the running one, so a slow subscriber coalesces changes and the
+    router never waits for it."""
+    sent = None
+    try:
+        while True:
+            changed = router.control.fib_changed
+            fib = router.gen.fib
+            if sent is None or fib.version != sent.version:
+                update = fib_delta(sent, fib)
+                await _send(conn.ws, conn.codec, Frame(
+                    v=1, session_id=session_id, stream_id=CONNECTION_STREAM, msg_seq=0, flags=[Flag.CTRL],
+                    payload=Payload(type=PayloadType.CONTROL, content=update)))
+                sent = fib
+            if router.gen.fib.version == sent.version:
+                await changed.wait()
+    except ConnectionClosed:
+        pass
 
 
 async def _send(ws: WebSocketConnection, codec: FrameCodec, frame: Frame) -> None:
@@ -146,6 +199,8 @@ class _Conn:
     followed: dict[tuple[str, str], _Follower] = field(default_factory=dict)
     #: The watchdog declared the peer dead.
     dead: bool = False
+    #: A ROUTE_UPDATE subscription runs on this connection.
+    subscribed: bool = False
 
 
 async def _follow(conn: _Conn, fol: _Follower, after: int) -> None:
@@ -218,6 +273,7 @@ async def _watchdog(router: Router, conn: _Conn, dead: trio.CancelScope) -> None
 
 async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec, identity: Identity) -> None:
     conn = _Conn(ws, codec, identity, trio.current_time())
+    may_open = _may(router, identity, "stream_open")
     tenant = identity.tenant
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watchdog, router, conn, nursery.cancel_scope)
@@ -236,6 +292,18 @@ async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec
                         ctx.emit_error(e.code, e.reason)  # sent by the stream's follower, in sequence
                     else:
                         await _reply(conn, connection_error(session_id, stream_id, e.code, e.reason))
+                    continue
+                if is_route_subscribe(frame):
+                    if not _may(router, identity, "routes_read"):
+                        await _reply(conn, connection_error(frame.session_id, CONNECTION_STREAM, ErrorCode.ESEC,
+                                                            "ROUTE_UPDATE subscription needs a role with routes_read"))
+                    elif not conn.subscribed:
+                        conn.subscribed = True
+                        nursery.start_soon(_route_updates, router, conn, frame.session_id)
+                    continue
+                if not may_open:
+                    await _reply(conn, connection_error(frame.session_id, frame.stream_id, ErrorCode.ESEC,
+                                                        "this identity may not open streams (stream_open)"))
                     continue
                 conn.sessions.add(frame.session_id)
                 resumed = router.resume_point(frame, identity=identity)
