@@ -119,6 +119,10 @@ class Featurizer:
         self.text_weight = text_weight
         self._mask = (1 << bits) - 1
 
+    def index(self, token: str) -> int:
+        """The weight index of indicator ``token`` (e.g. ``"tenant=acme"``)."""
+        return _h(token[:MAX_VALUE_CHARS]) & self._mask
+
     def __call__(self, meta: Mapping[str, Any], text: str = "", *, extra: Iterable[str] = ()) -> Context:
         """The context of one task. ``extra``: more indicator tokens (e.g.
         ``"tenant=acme"`` the router adds from the caller's identity)."""
@@ -214,12 +218,19 @@ class ArmModel:
             z += explore * self.std(ctx) * float(rng.standard_normal())
         return _sigmoid(z)
 
-    def update(self, ctx: Context, quality: float, weight: float = 1.0) -> None:
-        """One observation: quality in 0..1 (clamped), weighted."""
+    def update(self, ctx: Context, quality: float, weight: float = 1.0, *, only: int | None = None) -> None:
+        """One observation: quality in 0..1 (clamped), weighted. ``only``: the
+        prediction uses the whole context but only that one weight index
+        learns (e.g. a tenant's own feature)."""
         y = min(max(float(quality), 0.0), 1.0)
         idx, val = ctx.idx, ctx.val
         m = self.m[idx]
         p = _sigmoid(float(m @ val))
+        if only is not None:
+            sel = idx == only
+            if not sel.any():
+                return
+            idx, val, m = idx[sel], val[sel], m[sel]
         q = self.q[idx] + weight * p * (1.0 - p) * val * val
         self.q[idx] = q
         self.m[idx] = m + weight * (y - p) * val / q
@@ -338,13 +349,15 @@ class Bandit:
         if self.target_cost is not None:
             self.lam = max(0.0, self.lam + self.lam_step * (cost - self.target_cost))
 
-    def update(self, ctx: Context, rewards: Mapping[str, float], weight: float = 1.0) -> None:
+    def update(self, ctx: Context, rewards: Mapping[str, float], weight: float = 1.0, *,
+               only: int | None = None) -> None:
         """Learn from the arms that were called (partial feedback): ``rewards``
-        maps each called arm to its observed quality in 0..1."""
+        maps each called arm to its observed quality in 0..1; ``only`` as for
+        :meth:`ArmModel.update`."""
         for a, q in rewards.items():
             arm = self.arms.get(a)
             if arm is not None:
-                arm.update(ctx, q, weight)
+                arm.update(ctx, q, weight, only=only)
 
     def estimates(self, ctx: Context | None = None) -> dict[str, dict[str, float]]:
         """Per arm ``{mean, std, count, cost}`` in ``ctx`` (default: the bias

@@ -269,11 +269,13 @@ class Decision:
     escalate: bool | None = None
     #: Whether the task was escalated in the end (filled by the router).
     escalated: bool = False
+    #: The tenant the choice was made for (its feature scopes its feedback).
+    tenant: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"policy": self.policy, "order": list(self.order), "k": self.k, "lam": round(self.lam, 6),
                 "called": list(self.called), "context": self.context.to_json(), "escalate": self.escalate,
-                "escalated": self.escalated}
+                "escalated": self.escalated, "tenant": self.tenant}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any], bits: int) -> Decision:
@@ -281,7 +283,8 @@ class Decision:
         return cls(policy=str(obj["policy"]), order=tuple(map(str, obj["order"])), k=int(obj["k"]),
                    context=Context.from_json(obj["context"], bits), lam=float(obj["lam"]),
                    called=[str(a) for a in obj.get("called", [])], escalate=None if esc is None else bool(esc),
-                   escalated=bool(obj.get("escalated", False)))
+                   escalated=bool(obj.get("escalated", False)),
+                   tenant=str(obj["tenant"]) if obj.get("tenant") is not None else None)
 
 
 #: Arms of a policy's escalation bandit (champion/challenger, §7.2).
@@ -452,7 +455,7 @@ class RoutingLearner:
             arm = pb.escalation.choose(ctx, self.rng, lam=esc_lam).order[0]
             pb.escalation.charge((arm,))
             escalate = arm == ESCALATE
-        return new_route, Decision(route.policy, tuple(order), k, ctx, choice.lam, escalate=escalate)
+        return new_route, Decision(route.policy, tuple(order), k, ctx, choice.lam, escalate=escalate, tenant=tenant)
 
     def _refresh_costs(self, pb: _PolicyBandit) -> None:
         view = self.live.view()
@@ -471,22 +474,34 @@ class RoutingLearner:
             return 0.0
         return min(1.0, dear / budget_usd_micros)
 
-    def observe(self, decision: Decision, qualities: Mapping[str, float], *, weight: float = 1.0) -> None:
+    def _tenant_index(self, pb: _PolicyBandit, decision: Decision) -> int | None:
+        return pb.featurizer.index(f"tenant={decision.tenant}") if decision.tenant else None
+
+    def observe(self, decision: Decision, qualities: Mapping[str, float], *, weight: float = 1.0,
+                tenant_only: bool = False) -> None:
         """Learn from one task: ``qualities`` maps each *called* arm to its
-        quality (0..1). Arms not called learn nothing (partial feedback)."""
+        quality (0..1). Arms not called learn nothing (partial feedback).
+        ``tenant_only`` (an untrusted client's feedback): only the arms' weight
+        of the decision's tenant feature learns, and the shared live quality
+        does not move: one tenant's scores route only that tenant."""
         pb = self._bandits.get(decision.policy)
-        for agent, q in qualities.items():
-            self.live.observe_quality(agent, q, policy=decision.policy, weight=weight,
-                                      prior=self._priors.get(agent, 0.5))
+        if not tenant_only:
+            for agent, q in qualities.items():
+                self.live.observe_quality(agent, q, policy=decision.policy, weight=weight,
+                                          prior=self._priors.get(agent, 0.5))
         if pb is None:
             return
         if decision.context.idx.size and int(decision.context.idx.max()) >= 1 << pb.spec.bits:
             return  # made under another ``bits``: not comparable
+        only = self._tenant_index(pb, decision) if tenant_only else None
+        if tenant_only and only is None:
+            return
         rewards = {a: q for a, q in qualities.items() if a in pb.bandit.arms}
-        pb.bandit.update(decision.context, rewards, weight)
+        pb.bandit.update(decision.context, rewards, weight, only=only)
         self.dirty.update((decision.policy, a) for a in rewards)
 
-    def observe_escalation(self, decision: Decision, outcome: Mapping[str, float], *, weight: float = 1.0) -> None:
+    def observe_escalation(self, decision: Decision, outcome: Mapping[str, float], *, weight: float = 1.0,
+                           tenant_only: bool = False) -> None:
         """Learn the champion/challenger choice: ``outcome`` maps ``cheap`` to
         the quality the fanout alone reached and, when the task was escalated,
         ``escalate`` to the escalated result's (the escalation target's verdict
@@ -496,8 +511,11 @@ class RoutingLearner:
             return
         if decision.context.idx.size and int(decision.context.idx.max()) >= 1 << pb.spec.bits:
             return
+        only = self._tenant_index(pb, decision) if tenant_only else None
+        if tenant_only and only is None:
+            return
         rewards = {a: q for a, q in outcome.items() if a in pb.escalation.arms}
-        pb.escalation.update(decision.context, rewards, weight)
+        pb.escalation.update(decision.context, rewards, weight, only=only)
         self.dirty.update((_escalation_key(decision.policy), a) for a in rewards)
 
     def observe_quality(self, agent: str, quality: float, *, policy: str | None, weight: float = 1.0) -> None:

@@ -401,6 +401,13 @@ class ClientSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     router is configured otherwise), so no tenant can take every stream slot;
     ``data_categories`` the ``meta.data_scope`` labels the client may send
     (None: any; a label outside it is refused with ``ESEC``).
+
+    Learning (spec §6.2, :mod:`atp.policy.learn`): ``feedback`` ``"tenant"``
+    (default) makes the client's ``POST /v1/streams/{id}/feedback`` scores
+    train only the client's own routing (its tenant feature of each bandit arm),
+    never other tenants' — a tenant cannot steer or poison routing for everyone;
+    ``"shared"`` (a trusted evaluation or QA client) trains the shared weights
+    and the next-hops' live quality too.
     """
 
     budget: Budget | None = None
@@ -410,6 +417,7 @@ class ClientSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     max_streams: PosInt | None = None
     rate: RateSpec | None = None
     data_categories: list[NonEmptyStr] | None = None
+    feedback: Literal["tenant", "shared"] = "tenant"
 
 
 class Rib(Struct, forbid_unknown_fields=True, kw_only=True):

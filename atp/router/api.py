@@ -187,14 +187,17 @@ class FeedbackRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class FeedbackResponse(msgspec.Struct):
-    """The feedback taken: the next-hops that learn it and whether the policy's
-    bandit did (``bandit``) or only the live quality figures."""
+    """The feedback taken: the next-hops it is about, whether the policy's
+    bandit learned it (``bandit``), and its ``scope``: ``"tenant"`` (it trains
+    this tenant's routing only) or ``"shared"`` (a trusted client: everyone's,
+    and the next-hops' live quality)."""
 
     stream_id: str
     agents: list[str]
     score: float
     labels: list[str]
     bandit: bool
+    scope: str
 
 
 class FibArm(msgspec.Struct):

@@ -189,6 +189,12 @@ class RouterConfig:
     stays resumable for ``resume_grace_s``. ``seed`` seeds backoff jitter
     and the bandits' draws (reproducible tests).
 
+    Learning (spec §6.2): each tenant's tasks move the shared routing state
+    (live quality and latency, bandit weights) at most ``learn_rate_per_s``
+    tasks per second with bursts of ``learn_burst`` (a token bucket): one
+    tenant's traffic cannot outvote the others'. Client feedback is scoped by
+    the RIB (``clients.<t>.feedback``).
+
     Hot reload (spec §22): with ``watch_policies`` the ``policies`` path is
     watched (watchfiles) and every change of a ``*.yaml``/``*.yml`` file in it
     reloads the RIB as ``POST /v1/policies/reload`` does (a refused RIB is
@@ -240,6 +246,8 @@ class RouterConfig:
     seed: int | None = None
     watch_policies: bool = False
     watch_debounce_ms: int = 300
+    learn_rate_per_s: float = 10.0
+    learn_burst: int = 200
 
 
 class Router:

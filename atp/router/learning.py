@@ -140,7 +140,20 @@ class Learning:
         self.router = router
         self.learner = RoutingLearner(seed=seed)
         self._version: int | None = None
+        #: Per tenant (tokens, last refill): how much more it may teach the shared state.
+        self._buckets: dict[str, tuple[float, float]] = {}
         self._load()
+
+    def _may_learn(self, tenant: str, now: float) -> bool:
+        """The tenant's learning token bucket (``learn_rate_per_s``, ``learn_burst``)."""
+        cfg = self.router.config
+        tokens, last = self._buckets.get(tenant, (float(cfg.learn_burst), now))
+        tokens = min(float(cfg.learn_burst), tokens + (now - last) * cfg.learn_rate_per_s)
+        if tokens < 1.0:
+            self._buckets[tenant] = (tokens, now)
+            return False
+        self._buckets[tenant] = (tokens - 1.0, now)
+        return True
 
     # ----------------------------------------------------------- store
     def _load(self) -> None:
@@ -211,7 +224,11 @@ class Learning:
 
     def task_done(self, ctx: StreamCtx, plan: TaskPlan, final: Any | None, escalated_to: str | None) -> dict[str, float]:
         """Feed the live metrics and the bandit from one finished task (``final``
-        None: no next-hop produced a result). Returns each called agent's quality."""
+        None: no next-hop produced a result), within the tenant's learning rate.
+        Returns each called agent's quality ({} when nothing was learned)."""
+        if not self._may_learn(ctx.tenant, trio.current_time()):
+            self.router.metrics.learning_skipped.labels(ctx.route.policy).inc()
+            return {}
         policy = ctx.route.policy
         called: list[str] = []
         failed: set[str] = set()
@@ -290,17 +307,20 @@ class Learning:
             decision.escalated = any(a not in decision.order for a in served)
         store.put(key, json.dumps({"score": score, "labels": labels}).encode())
         qualities = {a: score for a in served}
+        # An untrusted tenant's scores train only its own routing (RIB clients.<t>.feedback).
+        shared = self.router.client_spec(ctx.tenant).feedback == "shared"
         learned = isinstance(decision, Decision) and self.learner.has_bandit(decision.policy)
         if learned:
-            self.learner.observe(decision, qualities, weight=2.0)
+            self.learner.observe(decision, qualities, weight=2.0, tenant_only=not shared)
             if decision.escalate is not None:
                 self.learner.observe_escalation(decision, {ESCALATE if decision.escalated else CHEAP: score},
-                                                weight=2.0)
-        else:
+                                                weight=2.0, tenant_only=not shared)
+        elif shared:
             for a in served:
                 self.learner.observe_quality(a, score, policy=policy, weight=2.0)
         self.router.metrics.feedback.labels(policy or "").inc()
-        return {"stream_id": ctx.stream_id, "agents": served, "score": score, "labels": labels, "bandit": learned}
+        return {"stream_id": ctx.stream_id, "agents": served, "score": score, "labels": labels, "bandit": learned,
+                "scope": "shared" if shared else "tenant"}
 
     # ----------------------------------------------------------- shadow
     def shadow_due(self, ctx: StreamCtx, gen: Generation, called: list[str]) -> Any | None:

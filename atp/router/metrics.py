@@ -44,6 +44,9 @@ class RouterMetrics:
             "atp_bandit_choices", "Next-hops a policy's contextual bandit chose", ["policy", "agent"], registry=r)
         self.feedback = Counter("atp_feedback", "Client feedback taken (POST /v1/streams/{id}/feedback)", ["policy"],
                                 registry=r)
+        self.learning_skipped = Counter(
+            "atp_learning_skipped", "Finished tasks not learned from: their tenant was over its learning rate",
+            ["policy"], registry=r)
         self.shadow_runs = Counter("atp_shadow_runs", "Shadow challenger runs by outcome (ok, error code, budget)",
                                    ["policy", "agent", "outcome"], registry=r)
         self.shadow_regret = Histogram(

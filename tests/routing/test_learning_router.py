@@ -30,11 +30,13 @@ def _finding(line: int) -> AgentFinding:
                         claim=f"finding at {line}", confidence=0.9)
 
 
-def _bandit_rib(**bandit) -> dict:
+def _bandit_rib(feedback: str = "shared", **bandit) -> dict:
+    """Two arms; the anonymous client's feedback is ``feedback``-scoped."""
     return {
         "agents": {"good": {**scripted_agent(), "win30d": 0.5}, "bad": {**scripted_agent(), "win30d": 0.5}},
         "policies": [{"name": "review", "match": {"task_type": "code_review"}, "fanout": ["good", "bad"],
                       "fanout_k": 1, "bandit": {"explore": 0.5, "text_features": False, **bandit}}],
+        "clients": {"anonymous": {"feedback": feedback}},
     }
 
 
@@ -54,7 +56,7 @@ async def _train(c: atp.Client, n: int) -> list[str]:
         agent = st.route["next_hops"][0]
         chosen.append(agent)
         out = await c.feedback(st, 1.0 if agent == "good" else 0.0, labels=["test"])
-        assert out["agents"] == [agent] and out["bandit"] is True
+        assert out["agents"] == [agent] and out["bandit"] is True and out["scope"] in ("tenant", "shared")
     return chosen
 
 
@@ -123,13 +125,14 @@ async def test_feedback_is_the_stream_tenants_once_and_after_final(nursery, tmp_
             assert r.status_code == 403
         out = await alice.feedback(st, 0.25, labels=["false_positive"])
         assert out == {"stream_id": st.stream_id, "agents": ["slow"], "score": 0.25, "labels": ["false_positive"],
-                       "bandit": False}
+                       "bandit": False, "scope": "tenant"}
         with pytest.raises(atp.ATPClientError) as e:
             await alice.feedback(st, 1.0)
         assert e.value.status == 409 and "already" in e.value.reason
     live = env.router.learning.learner.live.view()["p/slow"]
-    # The consensus verdict (one observation, decayed once by the feedback) and the feedback (weight 2).
-    assert live.quality_obs == pytest.approx(0.95**2 + 2) and live.quality < 0.5
+    # Alice's feedback is hers (clients.alice.feedback defaults to "tenant"): only the
+    # router's own consensus verdict moved the shared live quality.
+    assert live.quality_obs == pytest.approx(1.0)
     kinds = [r.kind for r in env.router.store.audit_records()]
     assert "feedback" in kinds
 
@@ -139,7 +142,8 @@ async def test_live_quality_overwrites_the_rib_prior(nursery, tmp_path, two_revi
     on its RIB ``win30d``; after clients score it down, ``good`` leads."""
     rib = {"agents": {"good": {**scripted_agent(), "win30d": 0.6}, "bad": {**scripted_agent(), "win30d": 0.8}},
            "policies": [{"name": "review", "match": {"task_type": "code_review"}, "fanout": ["good", "bad"],
-                         "fanout_k": 1}]}
+                         "fanout_k": 1}],
+           "clients": {"anonymous": {"feedback": "shared"}}}  # a trusted QA client
     env = await start_router_on(nursery, tmp_path, rib)
     async with atp.Client(env.url) as c:
         _, st = await c.open_stream(task=META, content=golden())
@@ -211,3 +215,29 @@ async def test_champion_challenger_learns_when_escalating_pays(nursery, tmp_path
     assert esc["arms"]["cheap"]["count"] == 40
     assert esc["arms"]["escalate"]["mean"] > esc["arms"]["cheap"]["mean"]
     assert 'atp_escalations_total{trigger="bandit"}' in metrics
+
+
+async def test_one_tenants_feedback_never_steers_another_tenants_routing(nursery, tmp_path, two_reviewers):
+    """Mallory scores ``good`` 0 and ``bad`` 1 on every stream; her feedback is
+    tenant-scoped (the default), so only her own routing learns it: Alice's
+    choices, learned from her (trusted, shared) feedback, stay on ``good``."""
+    rib = _bandit_rib()
+    rib["clients"] = {"alice": {"feedback": "shared"}, "mallory": {}}
+    env = await start_router_on(nursery, tmp_path, rib, seed=11, tokens_env="alice:tok-alice-0000,mallory:tok-mal-0000")
+    async with atp.Client(env.url, "tok-alice-0000") as alice, atp.Client(env.url, "tok-mal-0000") as mallory:
+        await _train(alice, 20)
+        picks = []
+        for _ in range(30):
+            _, st = await mallory.open_stream(task=META, content=golden())
+            await mallory.result(st)
+            agent = st.route["next_hops"][0]
+            picks.append(agent)
+            out = await mallory.feedback(st, 0.0 if agent == "good" else 1.0)
+            assert out["scope"] == "tenant"
+        alice_picks = []
+        for _ in range(10):
+            _, st = await alice.open_stream(task=META, content=golden())
+            await alice.result(st)
+            alice_picks.append(st.route["next_hops"][0])
+    assert picks[-10:].count("bad") >= 7, picks  # her own routing follows her scores
+    assert alice_picks.count("good") >= 8, alice_picks  # everyone else's does not

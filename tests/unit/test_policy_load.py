@@ -429,10 +429,11 @@ def test_client_scopes_load_to_a_snapshot():
             "max_streams": 4,
             "rate": {"per_s": 0.5, "burst": 3},
             "data_categories": ["public", "internal"],
+            "feedback": "tenant",
         },
         # Unset scopes keep today's behaviour: any task type and label, the router's defaults for quotas.
         "bob": {"budget": None, "qos_max": "gold", "task_types": None, "max_stream_budget": None,
-                "max_streams": None, "rate": None, "data_categories": None},
+                "max_streams": None, "rate": None, "data_categories": None, "feedback": "tenant"},
     }
 
 
@@ -460,7 +461,7 @@ def test_client_scope_refused_with_exact_key(entry, key, reason):
 def test_client_spec_schema_lists_the_scopes():
     defs = msgspec.json.schema(Rib)["$defs"]
     assert set(defs["ClientSpec"]["properties"]) == {
-        "budget", "qos_max", "task_types", "max_stream_budget", "max_streams", "rate", "data_categories",
+        "budget", "qos_max", "task_types", "max_stream_budget", "max_streams", "rate", "data_categories", "feedback",
     }
     assert defs["RateSpec"]["required"] == ["per_s", "burst"]
 
