@@ -182,7 +182,7 @@ class _Candidate:
                 if v.error_rate is not None:
                     err = max(err, v.error_rate)
             if policy is not None:
-                pv = live.get(f"{policy}/{self.agent}")
+                pv = live.get(f"{policy}|{self.agent}")
                 if pv is not None and pv.quality_obs >= MIN_OBS:
                     quality = pv.quality
         ok = 1.0 - min(max(err, 0.0), 1.0)
@@ -290,7 +290,7 @@ class Fib:
         ``health`` maps agent names to live :class:`~atp.adapters.base.Health`;
         agents absent from it count as healthy with their RIB figures.
         ``live`` is :meth:`LiveMetrics.view() <atp.policy.learn.LiveMetrics.view>`
-        (keys ``agent`` and ``policy/agent``): the router's own observations.
+        (keys ``agent`` and ``policy|agent``): the router's own observations.
         Raises AgentError(EAGENTDOWN) when no policy matches or when every
         next-hop of the matching policy is down, AgentError(ESEC) when none is
         cleared for the task's opaque ``data_scope`` labels (see the module doc)."""

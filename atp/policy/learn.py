@@ -52,6 +52,8 @@ __all__ = [
     "result_quality",
 ]
 
+#: Separates policy and agent in a per-policy statistics key (no RIB name contains it).
+KEY_SEP = "|"
 #: Observations before a live statistic replaces the RIB's figure.
 MIN_OBS = 5
 #: Pseudo-observations the RIB's ``win30d`` prior weighs in the live quality.
@@ -171,7 +173,7 @@ class _Stats:
 
 class LiveMetrics:
     """Decayed live statistics per next-hop (key ``agent``) and per policy
-    (key ``policy/agent``); see the module doc."""
+    (key ``policy|agent``); see the module doc."""
 
     __slots__ = ("_dirty", "_stats", "_view", "changed")
 
@@ -190,9 +192,19 @@ class LiveMetrics:
 
     def set_priors(self, priors: Mapping[str, float]) -> None:
         """The RIB's ``win30d`` per agent (after a reload): the prior each
-        agent's quality is blended with."""
+        agent's quality is blended with. Statistics of agents the RIB no longer
+        has are dropped (memory stays bounded by the RIB)."""
+        gone = [k for k in self._stats if k.rpartition(KEY_SEP)[2] not in priors]
+        if gone:
+            new_view = dict(self._view)
+            for k in gone:
+                del self._stats[k]
+                new_view.pop(k, None)
+                self._dirty.discard(k)
+            self._view = new_view
+            self.changed.add("")  # the saved state must forget them too
         for key, st in self._stats.items():
-            agent = key.rsplit("/", 1)[-1]
+            agent = key.rpartition(KEY_SEP)[2]
             if agent in priors and st.prior != priors[agent]:
                 st.prior = priors[agent]
                 self._dirty.add(key)
@@ -200,7 +212,7 @@ class LiveMetrics:
     def observe_call(self, agent: str, *, policy: str | None, latency_ms: float, ok: bool, timeout: bool,
                      tokens: int, usd_micros: int, prior: float = 0.5) -> None:
         """One finished next-hop call (latency in ms, tokens, USD micros)."""
-        for key in (agent, f"{policy}/{agent}") if policy else (agent,):
+        for key in (agent, f"{policy}|{agent}") if policy else (agent,):
             self._get(key, prior).call(latency_ms, ok, timeout, tokens, usd_micros)
             self._dirty.add(key)
             self.changed.add(key)
@@ -208,7 +220,7 @@ class LiveMetrics:
     def observe_quality(self, agent: str, quality: float, *, policy: str | None, weight: float = 1.0,
                         prior: float = 0.5) -> None:
         """One quality observation (0..1) of ``agent``'s answer."""
-        for key in (agent, f"{policy}/{agent}") if policy else (agent,):
+        for key in (agent, f"{policy}|{agent}") if policy else (agent,):
             self._get(key, prior).quality(quality, weight)
             self._dirty.add(key)
             self.changed.add(key)

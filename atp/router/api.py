@@ -224,7 +224,7 @@ class FibBandit(msgspec.Struct):
 
 class FibLive(msgspec.Struct):
     """Decayed live figures of a next-hop (key ``agent``) or of a next-hop
-    within a policy (key ``policy/agent``); None: too few observations, the
+    within a policy (key ``policy|agent``); None: too few observations, the
     RIB's figure is used."""
 
     calls: float

@@ -84,6 +84,14 @@ class FeedbackRefused(Exception):
         self.reason = reason
 
 
+class _GenHold:
+    """Holds a generation for a shadow run (its adapters stay open meanwhile)."""
+
+    def __init__(self, gen: Generation):
+        self.gen: Generation | None = gen
+        self.holds_gen = False
+
+
 class _ShadowIO:
     """The StreamIO of a shadow call: nothing reaches the client's stream."""
 
@@ -362,6 +370,8 @@ class Learning:
                          deadline=now + ctx.route.deadline_ms / 1000, fib=gen.fib, prompt_for=plan.prompt_for)
         io = _ShadowIO(account)
         outcome = "ok"
+        hold = _GenHold(gen)
+        router.control.hold(hold)  # a reload meanwhile must not close the challenger's adapter
         try:
             shadow_final = await gen.dispatcher.run(io, splan)
             findings = [f for f in shadow_final.result.findings]
@@ -370,6 +380,7 @@ class Learning:
             outcome = str(e.code)
             q = 0.0
         finally:
+            router.control.release(hold)
             try:
                 ledger.close(account)
             except ValueError:

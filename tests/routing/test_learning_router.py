@@ -73,7 +73,7 @@ async def test_the_bandit_learns_from_feedback_and_keeps_it_across_a_restart(nur
     assert arms["good"]["mean"] > 0.7 > 0.3 > arms["bad"]["mean"]
     # Each stream: one consensus observation and the client's feedback (weight 2).
     assert arms["good"]["count"] + arms["bad"]["count"] == pytest.approx(3 * 40)
-    assert fib["live"]["review/good"]["quality"] > fib["live"]["review/bad"]["quality"]
+    assert fib["live"]["review|good"]["quality"] > fib["live"]["review|bad"]["quality"]
     assert fib["live"]["good"]["calls"] > 0
 
     # Same state directory: the learned arms come back, and route as learned.
@@ -129,7 +129,7 @@ async def test_feedback_is_the_stream_tenants_once_and_after_final(nursery, tmp_
         with pytest.raises(atp.ATPClientError) as e:
             await alice.feedback(st, 1.0)
         assert e.value.status == 409 and "already" in e.value.reason
-    live = env.router.learning.learner.live.view()["p/slow"]
+    live = env.router.learning.learner.live.view()["p|slow"]
     # Alice's feedback is hers (clients.alice.feedback defaults to "tenant"): only the
     # router's own consensus verdict moved the shared live quality.
     assert live.quality_obs == pytest.approx(1.0)

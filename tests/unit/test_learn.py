@@ -26,7 +26,7 @@ def test_live_metrics_replace_priors_after_enough_calls():
     v = live.view()["a"]
     assert 80 < v.p50_ms < 125 and v.p95_ms >= v.p50_ms
     assert 0.05 < v.error_rate < 0.2 and v.tokens_per_call == pytest.approx(100, rel=0.05)
-    assert "p/a" in live.view()
+    assert "p|a" in live.view()
     snapshot = live.view()
     live.observe_call("b", policy=None, latency_ms=5, ok=True, timeout=False, tokens=1, usd_micros=0)
     assert "b" not in snapshot and "b" in live.view()  # swapped, never mutated under a reader
@@ -54,3 +54,12 @@ def test_consensus_quality_signals():
     # Nothing found by anyone: agreeing on "nothing" is 1.0; unconfirmed findings 0.5.
     assert consensus_quality(_result(), ["a"]) == {"a": 1.0}
     assert consensus_quality(_result(_f("F1", ["a#1"])), ["a", "b"]) == {"a": 0.5, "b": 0.5}
+
+
+def test_statistics_of_agents_gone_from_the_rib_are_dropped():
+    live = LiveMetrics()
+    for agent in ("team/a", "b"):
+        live.observe_call(agent, policy="p/1", latency_ms=5, ok=True, timeout=False, tokens=1, usd_micros=0)
+    assert set(live.view()) == {"team/a", "p/1|team/a", "b", "p/1|b"}
+    live.set_priors({"team/a": 0.5})
+    assert set(live.view()) == {"team/a", "p/1|team/a"} and set(live.state()) == {"team/a", "p/1|team/a"}
