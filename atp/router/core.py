@@ -651,7 +651,8 @@ class Router:
             policy_budget = _min_budget(client_budget, route.budget)
             route, decision = self.learning.route(route, gen, meta, content, tenant=tenant,
                                                   budget_usd_micros=usd_to_micros(policy_budget.usd)
-                                                  if policy_budget.usd is not None else None)
+                                                  if policy_budget.usd is not None else None,
+                                                  qos=admitted_qos or route.qos)
         except ATPError as e:
             self.metrics.errors.labels(str(e.code)).inc()
             if e.code is ErrorCode.ESEC:

@@ -219,10 +219,14 @@ class Learning:
         return self.learner.live.view()
 
     def route(self, route: Route, gen: Generation, meta: Mapping[str, Any], content: Any, *, tenant: str,
-              budget_usd_micros: int | None) -> tuple[Route, Decision | None]:
+              budget_usd_micros: int | None, qos: Any = None) -> tuple[Route, Decision | None]:
+        """``route`` ordered by its policy's bandit for this task (meta, prompt
+        text of ``content``, tenant, QoS class), with the decision to learn from."""
         self.sync(gen)
         if not self.learner.has_bandit(route.policy):
             return route, None
+        if qos is not None and "qos" not in meta:
+            meta = {**meta, "qos": str(qos)}
         new, decision = self.learner.route(route, meta, prompt_text(content), tenant=tenant,
                                            budget_usd_micros=budget_usd_micros)
         if decision is not None:
