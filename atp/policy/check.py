@@ -81,8 +81,8 @@ def fib_summary(fib: Fib) -> dict[str, Any]:
 def render_fib(fib: Fib) -> str:
     """The compiled FIB as stable text (see the module doc)."""
     s = fib_summary(fib)
-    out = [f"RIB: {len(s['models'])} models, {len(s['agents'])} agents, {len(s['policies'])} policies, "
-           f"{len(s['clients'])} clients"]
+    out = [(f"RIB: {len(s['models'])} models, {len(s['agents'])} agents, {len(s['policies'])} policies, "
+            f"{len(s['clients'])} clients")]
     for name, m in s["models"].items():
         out.append(f"model {name}: {m['provider']}, {m['usd_per_mtok']:g} USD/Mtok")
     for name, a in s["agents"].items():

@@ -130,7 +130,7 @@ def hindsight_subject_curve(rows: Sequence[Row], shares: Iterable[float]) -> Cur
     strong = np.fromiter((r.strong for r in rows), dtype=bool)
     out_s, out_a = [], []
     for s in shares:
-        k = int(round(s * len(rows)))
+        k = round(s * len(rows))
         pick = np.zeros(len(rows), dtype=bool)
         pick[order[:k]] = True
         out_s.append(k / len(rows))

@@ -33,7 +33,14 @@ from atp.consensus.escalation import TEST_FAIL_RULE
 from atp.flow.budget import Allowance
 from atp.flow.window import Window as FlowWindow
 from atp.policy.fib import Route
-from atp.policy.learn import CHEAP, ESCALATE, Decision, RoutingLearner, consensus_quality, result_quality
+from atp.policy.learn import (
+    CHEAP,
+    ESCALATE,
+    Decision,
+    RoutingLearner,
+    consensus_quality,
+    result_quality,
+)
 from atp.policy.rib import PolicySpec
 from atp.router.dispatch import TaskPlan, _client_fault
 from atp.wire.errors import AgentError, ErrorCode

@@ -70,7 +70,7 @@ async def test_the_bandit_learns_from_feedback_and_keeps_it_across_a_restart(nur
         first.cancel_scope.cancel()
     assert chosen[-15:].count("good") >= 12, chosen
     arms = fib["bandits"]["review"]["arms"]
-    assert arms["good"]["mean"] > 0.7 > 0.3 > arms["bad"]["mean"]
+    assert arms["good"]["mean"] > 0.7 and arms["bad"]["mean"] < 0.3
     # Each stream: one consensus observation and the client's feedback (weight 2).
     assert arms["good"]["count"] + arms["bad"]["count"] == pytest.approx(3 * 40)
     assert fib["live"]["review|good"]["quality"] > fib["live"]["review|bad"]["quality"]

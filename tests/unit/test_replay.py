@@ -9,7 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from atp.policy.replay import Curve, Row, apgr, cpt, load_rows, oracle_curve, random_curve, run_bandit
+from atp.policy.replay import (
+    Curve,
+    Row,
+    apgr,
+    cpt,
+    load_rows,
+    oracle_curve,
+    random_curve,
+    run_bandit,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
