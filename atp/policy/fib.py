@@ -342,19 +342,20 @@ class Fib:
             alternates=[msgspec.structs.replace(c.hop, weight=-neg) for neg, _, c in alternates],
         )
 
-    def routes(self) -> list[RouteEntry]:
+    def routes(self, live: Mapping[str, LiveView] | None = None) -> list[RouteEntry]:
         """The FIB as ROUTE_UPDATE entries (spec §4.3), in lookup order: one per
         (policy, task_type) — ``"*"`` when the policy does not pin task_type to
         values — with the next-hops and weights a task of that type gets with no
-        health data. Several entries may share a task_type (e.g. a large-diff
-        policy before the general one); the first matching one wins."""
+        health data, scored with the ``live`` view when given (§6.1: the FIB is
+        computed with live metrics). Several entries may share a task_type (e.g.
+        a large-diff policy before the general one); the first matching one wins."""
         entries = []
         for policy in self._policies:
             task_types = policy.match.equals_values("task_type") or [ANY_TASK_TYPE]
             for tt in task_types:
                 meta = {} if tt == ANY_TASK_TYPE else {"task_type": tt}
                 wanted = _wanted(meta)
-                scored = sorted((-c.score(wanted, None), c.agent) for c in policy.candidates)
+                scored = sorted((-c.score(wanted, None, live, policy.name), c.agent) for c in policy.candidates)
                 if policy.fanout_k is not None:
                     del scored[policy.fanout_k :]
                 entries.append(
@@ -372,22 +373,39 @@ class Fib:
         return RouteUpdate(version=self.version, routes=routes, withdrawn=withdrawn)
 
 
-def fib_delta(previous: Fib | None, current: Fib) -> RouteUpdate:
-    """The ROUTE_UPDATE that takes a subscriber from ``previous`` to ``current``
-    (spec §4.3), by task type: ``routes`` holds *every* current entry of each
-    task type whose entries changed (a subscriber replaces all its entries of
-    that task type with them), ``withdrawn`` the task types no longer routed.
-    With ``previous`` None: the whole FIB."""
+def _moved(old: list[RouteEntry], new: list[RouteEntry], rel: float) -> bool:
+    """Do two entry lists of one task type differ in policy, match or
+    next-hops, or in a weight by more than ``rel`` (relative)?"""
+    if len(old) != len(new):
+        return True
+    for a, b in zip(old, new, strict=True):
+        if (a.policy, a.match, a.next_hops) != (b.policy, b.match, b.next_hops):
+            return True
+        for x, y in zip(a.weights, b.weights, strict=True):
+            if abs(x - y) > rel * max(abs(x), abs(y), 1e-12):
+                return True
+    return False
+
+
+def fib_delta(previous: list[RouteEntry] | None, current: list[RouteEntry], *, version: int,
+              rel: float = 0.0) -> RouteUpdate:
+    """The ROUTE_UPDATE that takes a subscriber from the entries it has
+    (``previous``, from :meth:`Fib.routes`) to ``current`` (spec §4.3), by task
+    type: ``routes`` holds *every* current entry of each task type whose
+    entries changed — next-hops, policy, match, or a weight by more than
+    ``rel`` — (a subscriber replaces all its entries of that task type with
+    them), ``withdrawn`` the task types no longer routed. With ``previous``
+    None: the whole FIB. ``version`` is the RIB generation."""
     cur: dict[str, list[RouteEntry]] = {}
-    for e in current.routes():
+    for e in current:
         cur.setdefault(e.task_type, []).append(e)
     if previous is None:
-        return RouteUpdate(version=current.version, routes=[e for es in cur.values() for e in es])
+        return RouteUpdate(version=version, routes=[e for es in cur.values() for e in es])
     old: dict[str, list[RouteEntry]] = {}
-    for e in previous.routes():
+    for e in previous:
         old.setdefault(e.task_type, []).append(e)
-    changed = [e for tt, es in cur.items() if old.get(tt) != es for e in es]
-    return RouteUpdate(version=current.version, routes=changed, withdrawn=sorted(set(old) - set(cur)))
+    changed = [e for tt, es in cur.items() if tt not in old or _moved(old[tt], es, rel) for e in es]
+    return RouteUpdate(version=version, routes=changed, withdrawn=sorted(set(old) - set(cur)))
 
 
 def compile_fib(rib: Rib, *, version: int) -> Fib:

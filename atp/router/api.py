@@ -18,7 +18,8 @@
 ``POST /v1/streams/{id}/feedback``     the client's score of a finished stream
                                        ``{score: 0..1, labels}``, once per stream:
                                        the next-hops that served it learn it (§6.2)
-``GET  /v1/routes``                    the running FIB (ROUTE_UPDATE shape)
+``GET  /v1/routes``                    the running FIB (ROUTE_UPDATE shape; weights
+                                       scored with the live metrics)
 ``GET  /v1/fib``                       bandit arms (estimate, uncertainty, count)
                                        and the live metrics the FIB scores with
 ``GET  /v1/metrics``                   Prometheus exposition
@@ -448,7 +449,7 @@ def build_app(router: Router) -> Starlette:
 
     async def routes(request: Request, identity: Identity) -> Response:
         fib = router.gen.fib
-        return _json(RouteUpdate(version=fib.version, routes=fib.routes()))
+        return _json(RouteUpdate(version=fib.version, routes=fib.routes(live=router.learning.live_view())))
 
     async def metrics(request: Request, identity: Identity) -> Response:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)

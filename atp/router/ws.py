@@ -28,11 +28,13 @@ accepts it without ``stream_open``) sends a CTRL frame on stream ``"0"`` with
 meta ``{"subscribe": "routes"}``, e.g. ``{"v": 1, "session_id": "s1",
 "stream_id": "0", "msg_seq": 1, "flags": ["CTRL"], "meta": {"subscribe":
 "routes"}}``. The router answers on stream ``"0"`` of that session with a
-CTRL frame carrying a ``ROUTE_UPDATE`` control payload: the whole FIB, then one
-per new RIB generation (API or file-watch reload) with, for each task type
-whose entries changed, all its current entries, and the task types
-``withdrawn`` (:func:`~atp.policy.fib.fib_delta`). Updates are not queued: a
-slow subscriber gets one delta covering every change it missed. Without
+CTRL frame carrying a ``ROUTE_UPDATE`` control payload: the whole FIB (weights
+scored with the live metrics), then one per new RIB generation (API or
+file-watch reload) and one whenever live metrics move a weight by more than
+20 % (checked every second), each with, for each task type whose entries
+changed, all its current entries, and the task types ``withdrawn``
+(:func:`~atp.policy.fib.fib_delta`). Updates are not queued: a slow subscriber
+gets one delta covering every change it missed. Without
 ``routes_read`` the subscription is answered with ERROR ``ESEC``.
 
 Liveness (spec §4.4 HB): a watchdog task drives the router sessions the connection
@@ -148,23 +150,38 @@ def is_route_subscribe(frame: Frame) -> bool:
         frame.meta.get("subscribe") == "routes"
 
 
+#: How often a subscriber's FIB weights are compared with the live ones (s), and
+#: the relative weight change that makes a ROUTE_UPDATE (the §5.4 cadence rule).
+ROUTE_CHECK_S = 1.0
+ROUTE_DELTA = 0.2
+
+
 async def _route_updates(router: Router, conn: _Conn, session_id: str) -> None:
-    """Send the running FIB, then a delta each time it changes (§4.3). Never
-    queued: woken by the control plane, it sends the delta from the FIB it last
-    sent to the running one, so a slow subscriber coalesces changes and the
-    router never waits for it."""
-    sent = None
+    """Send the running FIB, then a delta whenever it changes: a new RIB
+    generation at once, and live-metric weight moves (> :data:`ROUTE_DELTA`
+    relative, checked every :data:`ROUTE_CHECK_S`). Never queued: the task sends
+    the difference between what it last sent and the FIB now, so a slow
+    subscriber coalesces changes and the router never waits for it."""
+    sent: list | None = None
+    sent_version = -1
     try:
         while True:
             changed = router.control.fib_changed
             fib = router.gen.fib
-            if sent is None or fib.version != sent.version:
-                update = fib_delta(sent, fib)
+            current = fib.routes(live=router.learning.live_view())
+            new_gen = fib.version != sent_version
+            update = fib_delta(sent, current, version=fib.version, rel=0.0 if new_gen else ROUTE_DELTA)
+            if new_gen or update.routes or update.withdrawn:
                 await _send(conn.ws, conn.codec, Frame(
                     v=1, session_id=session_id, stream_id=CONNECTION_STREAM, msg_seq=0, flags=[Flag.CTRL],
                     payload=Payload(type=PayloadType.CONTROL, content=update)))
-                sent = fib
-            if router.gen.fib.version == sent.version:
+                if sent is None or new_gen:
+                    sent = current
+                else:  # the subscriber now has the changed task types' entries
+                    moved = {e.task_type for e in update.routes}
+                    sent = [e for e in sent if e.task_type not in moved] + list(update.routes)
+                sent_version = fib.version
+            with trio.move_on_after(ROUTE_CHECK_S):
                 await changed.wait()
     except ConnectionClosed:
         pass

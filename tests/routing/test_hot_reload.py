@@ -43,6 +43,11 @@ def _agents(scripted):
             confidence=0.9)], delay_s=0.05)
 
 
+def _table(routes: dict) -> tuple:
+    """What a reload changes in ``GET /v1/routes`` (weights move with live metrics)."""
+    return routes["version"], [(r["task_type"], r.get("policy"), r["next_hops"]) for r in routes["routes"]]
+
+
 async def _wait_version(router, version: int, timeout: float = 10) -> None:
     with trio.fail_after(timeout):
         while router.gen.version < version:
@@ -106,6 +111,15 @@ async def test_route_update_subscription_gets_the_fib_then_deltas(nursery, tmp_p
             with trio.move_on_after(0.3):
                 await updates(ws, 1)
                 raise AssertionError("a refused reload published a ROUTE_UPDATE")
+            # Live metrics move the FIB too: gen.b failing every call loses most of its weight.
+            before = delta
+            for _ in range(20):
+                env.router.learning.learner.observe_call("gen.b", policy="review", latency_ms=50, ok=False,
+                                                         timeout=False, tokens=0, usd_micros=0)
+            [moved] = await updates(ws, 1)
+            assert moved.version == 3 and [r.task_type for r in moved.routes] == ["code_review"]
+            assert moved.routes[0].weights[0] < 0.5 * full.routes[0].weights[0]
+            assert before.version == 3
 
     # A client (no routes_read) is refused, with ESEC on stream "0".
     async with open_websocket_url(env.ws_url, subprotocols=["atp.v1.json"],
@@ -150,7 +164,7 @@ async def test_100_reloads_while_streams_run(nursery, tmp_path, scripted):
             for i in range(100):
                 agent = "gen.b" if i % 2 == 0 else "gen.a"
                 before = router.gen.version
-                routes_before = (await h.get("/v1/routes")).json()
+                routes_before = _table((await h.get("/v1/routes")).json())
                 if i % 5 == 4:  # a broken RIB, by file or by API: refused, nothing changes
                     broken = _rib(agent).replace('"fanout": ["gen.', '"fanout": ["nope.')
                     if i % 10 == 4:
@@ -160,7 +174,7 @@ async def test_100_reloads_while_streams_run(nursery, tmp_path, scripted):
                         env.policies.write_text(broken)
                         await trio.sleep(0.25)  # the watcher saw it and refused it
                     assert router.gen.version == before
-                    assert (await h.get("/v1/routes")).json() == routes_before
+                    assert _table((await h.get("/v1/routes")).json()) == routes_before
                     continue
                 if i % 2 == 0:
                     env.policies.write_text(_rib(agent))
