@@ -243,8 +243,15 @@ async def test_kill9_keeps_what_the_router_learned(nursery, tmp_path, router_pro
             _, st = await alice.open_stream(task=TASK, content=CONTENT)
             await alice.result(st)
             await alice.feedback(st, 1.0 if st.route["next_hops"] == ["good"] else 0.0)
+        # Two finished streams: one scored before the kill, one to score after it.
+        _, scored = await alice.open_stream(task=TASK, content=CONTENT)
+        await alice.result(scored)
+        await alice.feedback(scored, 1.0)
+        _, later = await alice.open_stream(task=TASK, content=CONTENT)
+        await alice.result(later)
     async with httpx.AsyncClient() as h:
         learned = (await h.get(url + "/v1/fib", headers=ops)).json()["bandits"]["summarize"]["arms"]
+        # (the two extra streams' consensus verdicts are in these counts too)
     assert learned["good"]["count"] > 0
     await trio.sleep(SAVE_INTERVAL_S + 1)
     first.kill9()
@@ -255,6 +262,14 @@ async def test_kill9_keeps_what_the_router_learned(nursery, tmp_path, router_pro
     async with httpx.AsyncClient() as h:
         restored = (await h.get(url + "/v1/fib", headers=ops)).json()["bandits"]["summarize"]["arms"]
     assert {a: v["count"] for a, v in restored.items()} == {a: v["count"] for a, v in learned.items()}
+    async with atp.Client(url, TOKENS["alice"]) as alice:
+        # Feedback is once per stream, also across the crash; a stream finished before
+        # it can still be scored, and the bandit learns it from the stored decision.
+        with pytest.raises(atp.ATPClientError) as e:
+            await alice.feedback(scored, 0.0)
+        assert e.value.status == 409
+        out = await alice.feedback(later, 1.0 if later.route["next_hops"] == ["good"] else 0.0)
+        assert out["bandit"] is True and out["agents"] == later.route["next_hops"]
     picks = []
     async with atp.Client(url, TOKENS["alice"]) as alice:
         for _ in range(8):
