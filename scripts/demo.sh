@@ -3,7 +3,9 @@
 # and review a real diff through it with the code-review example. Extra arguments
 # go to the example (default: a labelled security task from shared/golden).
 set -euo pipefail
+caller=$(pwd)  # relative paths in the arguments (a diff file, --repo) are the caller's
 cd "$(dirname "$0")/.."
+root=$(pwd)
 scripts/setup.sh
 port() { .venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 HTTP=${ATP_HTTP_PORT:-$(port)}; WS=${ATP_WS_PORT:-$(port)}
@@ -19,7 +21,7 @@ done
 grep -m1 listening "$log"
 export ATP_ROUTER_URL="http://127.0.0.1:$HTTP"
 if [ $# -gt 0 ]; then
-  .venv/bin/python examples/code_review/review.py "$@"
+  (cd "$caller" && "$root/.venv/bin/python" "$root/examples/code_review/review.py" "$@")
 else
   # A labelled real defect (BugsInPy thefuck#23) that both agents flag, then a real
   # security advisory (CVE-2023-30608), then this repository's own last commit.

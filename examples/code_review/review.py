@@ -45,16 +45,25 @@ def touched_paths(diff: str) -> list[str]:
 
 
 def files_after(diff: str, repo: Path, rev: str | None) -> dict[str, str]:
+    """The text after the diff of each file it touches, from ``repo`` (working
+    tree, or ``git show REV:path``). A file that cannot be read is a loud
+    warning on stderr: the analysers then see only the diff's lines of it."""
     files: dict[str, str] = {}
     for path in touched_paths(diff):
         if rev:
             r = subprocess.run(["git", "-C", str(repo), "show", f"{rev}:{path}"], capture_output=True, text=True)
             if r.returncode == 0:
                 files[path] = r.stdout
+            else:
+                print(f"WARNING: {path}: not readable at {rev} in {repo} ({r.stderr.strip() or 'git show failed'}); "
+                      "it is reviewed from the diff alone", file=sys.stderr)
         else:
             p = repo / path
-            if p.is_file():
+            try:
                 files[path] = p.read_text(encoding="utf-8", errors="replace")
+            except OSError as e:
+                print(f"WARNING: {path}: cannot read {p} ({e.strerror or e}); it is reviewed from the diff alone "
+                      f"(is --repo {repo} the repository the diff is from?)", file=sys.stderr)
     return files
 
 
@@ -135,7 +144,11 @@ async def main_async(args: argparse.Namespace) -> int:
                           f"latency_ms={tel['latency_ms']:.0f}")
             print(f"\ngolden: {caught_tasks}/{len(tasks)} tasks caught")
             return 0
-        diff = sys.stdin.read() if args.diff in (None, "-") else Path(args.diff).read_text()
+        try:
+            diff = sys.stdin.read() if args.diff in (None, "-") else Path(args.diff).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            print(f"review.py: cannot read the diff {args.diff}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+            return 2
         if not diff.strip():
             print("empty diff", file=sys.stderr)
             return 2

@@ -26,3 +26,41 @@ def test_multi_protocol_example_merges_provenance_from_three_protocols():
     prov = next(line for line in r.stdout.splitlines() if "provenance" in line)
     assert {"lint.ruff#", "sec.mqtt#", "review.a2a#"} <= {p.split("#")[0] + "#" for p in prov.split("provenance", 1)[1].replace(",", " ").split()}
     assert "CAUGHT" in r.stdout
+
+
+def _review(args, cwd, router_url):
+    import sys
+
+    return subprocess.run([sys.executable, str(ROOT / "examples/code_review/review.py"), *args],
+                          capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env={**os.environ, "ATP_ROUTER_URL": router_url})
+
+
+def test_review_example_missing_diff_is_a_one_line_error(tmp_path):
+    r = _review(["missing.diff"], tmp_path, "http://127.0.0.1:9")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == ["review.py: cannot read the diff missing.diff: No such file or directory"]
+
+
+async def test_review_example_warns_loudly_about_files_it_cannot_read(nursery, tmp_path, policies_dir):
+    """A diff reviewed against the wrong --repo: each file it touches is a
+    WARNING naming it (not a silent "0 findings"); with the right --repo,
+    relative to the caller's directory, the finding on the changed line comes
+    back."""
+    import trio
+
+    from tests.conftest import start_router
+
+    env = await start_router(nursery, policies_dir)
+    repo = tmp_path / "proj"
+    repo.mkdir()
+    (repo / "a.py").write_text("import os\nimport pickle\n\n\ndef load(b):\n    return pickle.loads(b)\n")
+    (tmp_path / "change.diff").write_text(
+        "--- a/a.py\n+++ b/a.py\n@@ -1 +1,6 @@\n import os\n+import pickle\n+\n+\n+def load(b):\n"
+        "+    return pickle.loads(b)\n")
+    wrong = await trio.to_thread.run_sync(_review, ["change.diff", "--repo", "."], tmp_path, env.url)
+    assert wrong.returncode == 0, wrong.stderr
+    assert "WARNING: a.py: cannot read" in wrong.stderr and "--repo ." in wrong.stderr
+    right = await trio.to_thread.run_sync(_review, ["change.diff", "--repo", "proj"], tmp_path, env.url)
+    assert right.returncode == 0 and "WARNING" not in right.stderr
+    assert "a.py:6-6" in right.stdout and "B301" in right.stdout
