@@ -755,6 +755,7 @@ class Router:
         )
         if ctx.decision is not None and getattr(ctx.decision, "escalate", None):
             plan.escalate = True
+        plan.win_rates = self.learning.win_rates(ctx.route) or None
         with scope:
             try:
                 plan.prompt_for = await self._data_scope(ctx, prompt, gen)

@@ -186,6 +186,9 @@ class TaskPlan:
     escalate: bool = False
     #: The escalation target was called for this task.
     escalated: bool = False
+    #: Win rates for the consensus tie-break (§7.2): the router's live quality
+    #: per agent (atp.policy.learn); None: the RIB's ``win30d``.
+    win_rates: Mapping[str, float] | None = None
 
 
 class SlotGate:
@@ -581,7 +584,7 @@ class Dispatcher:
         result = merge(
             reports,
             strategy=plan.route.consensus,
-            win_rates={a: self.win_rates.get(a, 0.5) for a in reports},
+            win_rates={a: (plan.win_rates or {}).get(a, self.win_rates.get(a, 0.5)) for a in reports},
             costs_usd_micros={a: costs.get(a, 0) for a in reports},
             files=plan.prompt.content.get("files"),
             sources=self.sources,

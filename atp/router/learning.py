@@ -36,6 +36,8 @@ from atp.policy.fib import Route
 from atp.policy.learn import (
     CHEAP,
     ESCALATE,
+    KEY_SEP,
+    MIN_OBS,
     Decision,
     RoutingLearner,
     consensus_quality,
@@ -224,6 +226,22 @@ class Learning:
 
     def live_view(self) -> Mapping[str, Any]:
         return self.learner.live.view()
+
+    def win_rates(self, route: Route) -> dict[str, float]:
+        """The live quality (win rate) of the route's agents, for the consensus
+        tie-break (§7.2): per policy once the policy has observed the agent,
+        else per agent; agents never observed are left to the RIB's ``win30d``."""
+        view = self.learner.live.view()
+        agents = [h.agent for h in (*route.next_hops, *route.alternates)]
+        if route.escalation_hop is not None:
+            agents.append(route.escalation_hop.agent)
+        out: dict[str, float] = {}
+        for a in agents:
+            pv = view.get(f"{route.policy}{KEY_SEP}{a}")
+            v = pv if pv is not None and pv.quality_obs >= MIN_OBS else view.get(a)
+            if v is not None and v.quality_obs > 0:
+                out[a] = v.quality
+        return out
 
     def route(self, route: Route, gen: Generation, meta: Mapping[str, Any], content: Any, *, tenant: str,
               budget_usd_micros: int | None, qos: Any = None) -> tuple[Route, Decision | None]:

@@ -158,6 +158,9 @@ async def test_live_quality_overwrites_the_rib_prior(nursery, tmp_path, two_revi
             await c.feedback(st, 0.0)
         assert st.route["next_hops"] == ["good"]
         live = (await c.fib())["live"]
+    # The consensus tie-break (§7.2) ranks by the same live win rates.
+    rates = env.router.learning.win_rates(env.router.gen.fib.lookup(META))
+    assert rates["bad"] < 0.6  # below its RIB win30d of 0.8
     assert live["bad"]["quality"] < 0.6 and live["bad"]["p95_ms"] is None or live["bad"]["calls"] >= 1
 
 
