@@ -94,9 +94,30 @@ class ConsensusInfo(Struct, forbid_unknown_fields=True):
     uncertainties: list[str] = msgspec.field(default_factory=list)
 
 
-class Result(Struct, forbid_unknown_fields=True):
+#: Characters of one agent's prose answer kept in FINAL.
+ANSWER_CHARS = 32_000
+
+
+class Answer(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One next-hop's answer in prose, beside the findings (§7.3; a model or A2A
+    agent that answers in text is visible in FINAL): ``text`` is the summary of
+    its report, else the text it streamed, at most :data:`ANSWER_CHARS`
+    characters (``truncated`` when cut); ``confidence`` its own, if it gave one."""
+
+    agent: str
+    text: str
+    confidence: Confidence | None = None
+    truncated: bool = False
+
+
+class Result(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """The merged result (§7.3): ``findings`` with provenance, the
+    ``consensus`` that merged them, and each answering next-hop's prose
+    ``answers`` (omitted when none answered in prose)."""
+
     findings: list[Finding]
     consensus: ConsensusInfo
+    answers: list[Answer] = msgspec.field(default_factory=list)
 
 
 class SignedUsage(Struct, forbid_unknown_fields=True):

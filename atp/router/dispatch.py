@@ -93,7 +93,7 @@ import trio
 from atp.adapters.base import Fragment, Prompt, ProviderAdapter
 from atp.consensus.escalation import consensus_error, should_escalate
 from atp.consensus.strategies import merge
-from atp.consensus.types import AgentReport, FinalResult, Telemetry, Usage
+from atp.consensus.types import ANSWER_CHARS, AgentReport, Answer, FinalResult, Telemetry, Usage
 from atp.flow.breaker import BreakerBoard, RetryPolicy
 from atp.flow.budget import BudgetLedger, Refusal, Reservation, usd_to_micros
 from atp.flow.qos import Grant, Preempt, QosScheduler, Refused, Revoke
@@ -589,6 +589,15 @@ class Dispatcher:
             files=plan.prompt.content.get("files"),
             sources=self.sources,
         )
+        texts: dict[str, LegOutcome] = {}
+        for o in plan.attempts:
+            if o.report is not None and (o.report.summary or o.text):
+                texts[o.agent] = o  # the last answering attempt of each agent
+        for agent, o in texts.items():
+            text = (o.report.summary or o.text) if o.report is not None else o.text
+            result.answers.append(Answer(agent=agent, text=text[:ANSWER_CHARS],
+                                         confidence=o.report.confidence if o.report is not None else None,
+                                         truncated=len(text) > ANSWER_CHARS))
         return result, reports
 
     async def _window_ticker(self, io: StreamIO, plan: TaskPlan) -> None:

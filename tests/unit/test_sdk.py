@@ -54,7 +54,10 @@ async def test_golden_task_events_and_final_shape(router_env):
 
     final = events[-2].payload
     assert set(final) == {"result", "telemetry"}
-    assert set(final["result"]) == {"findings", "consensus"}
+    assert set(final["result"]) == {"findings", "consensus", "answers"}
+    # Each next-hop's prose answer (a tool's summary line) beside the findings.
+    assert {a["agent"] for a in final["result"]["answers"]} == {"lint.ruff", "sec.bandit"}
+    assert all(a["text"].startswith(("ruff:", "bandit:")) for a in final["result"]["answers"])
     assert set(final["telemetry"]) == {"tokens", "usd", "latency_ms", "usage"}  # usage: the signed summary (§19)
     parsed = msgspec.convert(final, FinalResult)
     assert parsed.result.consensus.strategy == "union_tiebreak"
