@@ -93,6 +93,9 @@ def print_result(title: str, result: dict[str, Any], agents: list[str]) -> None:
     for f in findings:
         print(f"  {f['file']}:{f['span']:<9} {f['severity']:<8} {f['claim']}")
         print(f"  {'':<{len(f['file']) + 10}} confidence {f['confidence']:.2f}  provenance {', '.join(f['provenance'])}")
+    for a in result["result"].get("answers", []):
+        first = a["text"].strip().splitlines()[0] if a["text"].strip() else ""
+        print(f"  {a['agent']} says: {first[:160]}")
     print(f"  consensus: {cons['strategy']} agreement={cons['agreement']:.2f}"
           + (f" uncertainties={cons['uncertainties']}" if cons.get("uncertainties") else ""))
     print(f"  telemetry: tokens={tel['tokens']} usd={tel['usd']:.6f} latency_ms={tel['latency_ms']:.1f}")
