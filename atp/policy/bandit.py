@@ -59,7 +59,9 @@ __all__ = [
 #: Weights per arm: 2**bits (4,096: 32 KiB of float32 mean + precision).
 DEFAULT_BITS = 12
 #: Meta keys that become indicator features (strings, numbers, bools, lists of them).
-META_KEYS = ("task_type", "language", "languages", "subject", "topic", "risk", "qos", "tenant", "repo")
+#: The tenant and the QoS class are not read from meta (a client could claim any):
+#: the router passes the authenticated tenant and the admitted class as ``extra``.
+META_KEYS = ("task_type", "language", "languages", "subject", "topic", "risk", "repo")
 #: Meta keys whose value is a size: one indicator per log₂ bucket.
 SIZE_KEYS = ("diff_loc", "files", "tokens_in")
 #: Characters of prompt text the featurizer reads (the rest is ignored).

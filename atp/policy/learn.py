@@ -433,7 +433,7 @@ class RoutingLearner:
 
     # ----------------------------------------------------------- decisions
     def route(self, route: Any, meta: Mapping[str, Any], text: str = "", *, tenant: str | None = None,
-              budget_usd_micros: int | None = None) -> tuple[Any, Decision | None]:
+              budget_usd_micros: int | None = None, qos: str | None = None) -> tuple[Any, Decision | None]:
         """Re-order ``route`` (an :class:`atp.policy.fib.Route`) by its policy's
         bandit: the healthy, cleared candidates (next-hops and alternates) are
         ordered by the bandit and cut to the route's K again. Returns the route
@@ -446,7 +446,8 @@ class RoutingLearner:
         if not among:
             return route, None
         k = len(route.next_hops)
-        extra = (f"tenant={tenant}",) if tenant else ()
+        # Tenant and QoS from the router (authenticated, admitted), never from the client's meta.
+        extra = tuple(t for t in (f"tenant={tenant}" if tenant else None, f"qos={qos}" if qos else None) if t)
         ctx = pb.featurizer(meta, text, extra=extra)
         pb.last = ctx
         self._refresh_costs(pb)

@@ -250,10 +250,9 @@ class Learning:
         self.sync(gen)
         if not self.learner.has_bandit(route.policy):
             return route, None
-        if qos is not None and "qos" not in meta:
-            meta = {**meta, "qos": str(qos)}
         new, decision = self.learner.route(route, meta, prompt_text(content), tenant=tenant,
-                                           budget_usd_micros=budget_usd_micros)
+                                           budget_usd_micros=budget_usd_micros,
+                                           qos=str(qos) if qos is not None else None)
         if decision is not None:
             for a in decision.order[: decision.k]:
                 self.router.metrics.bandit_choices.labels(route.policy, a).inc()

@@ -84,3 +84,11 @@ def test_dual_ascent_holds_the_spend_target():
         strong += arm == "strong"
     assert strong / 4000 == pytest.approx(0.25, abs=0.03)
     assert b.lam > 0
+
+
+def test_tenant_and_qos_are_not_read_from_client_meta():
+    f = Featurizer(bits=12)
+    plain = f({"task_type": "t"})
+    claimed = f({"task_type": "t", "tenant": "victim", "qos": "gold"})
+    assert plain.idx.tolist() == claimed.idx.tolist()
+    assert f.index("tenant=victim") in f({"task_type": "t"}, extra=["tenant=victim"]).idx.tolist()
