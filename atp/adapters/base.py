@@ -125,6 +125,11 @@ class ProviderAdapter(abc.ABC):
     #: next-hop while it is down. Otherwise only the router's circuit breaker does,
     #: since nothing would call a self-declared-down adapter again to find it back.
     live_health: bool = False
+    #: True when the next-hop cannot review a code change from its diff alone and
+    #: needs ``content["files"]`` (the after-diff text of the files), as the local
+    #: analysers do; a client sending only a diff (the A2A server's text message)
+    #: is refused for such a route unless the router can read the files (``--repo``).
+    needs_files: bool = False
 
     @abc.abstractmethod
     def capabilities(self) -> Capabilities:

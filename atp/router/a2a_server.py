@@ -28,7 +28,12 @@ ERROR (one next-hop failed)       status-update ``working``, message ``<code>: <
                                   metadata ``atp_error``
 FINAL                             artifact-update ``result``: a text summary and a data
                                   part with the FINAL payload (spec §7.3)
-FIN                               status-update ``completed`` (``final: true``)
+FIN                               status-update ``completed`` (``final: true``); ``failed``
+                                  (the first failure's code, naming them all) when the
+                                  FINAL has no findings
+                                  and a next-hop failed (its ``consensus.uncertainties``
+                                  ``next-hop failed: …``): an incomplete review is never
+                                  "no findings"
 RST                               status-update ``failed`` (``final: true``), the reason
 stream reset by ``tasks/cancel``  status-update ``canceled`` (``final: true``)
 ===============================  ===================================================
@@ -37,7 +42,19 @@ The task comes from the user message: a data part ``{"atp": {"task_type",
 "content", "meta", "budget"}}`` (what :mod:`atp.adapters.a2a` sends, so routers
 chain), else ``metadata.task_type`` (or ``skill``) with a data part as content or
 the text (a unified diff → ``{"diff"}``, else ``{"text"}``); the task type defaults
-to the card's first skill. ``metadata.agent_context`` (an Agent Context Protocol
+to the card's first skill.
+
+A text-only message (no data part) for a route with a next-hop that needs the
+files (:attr:`~atp.adapters.base.ProviderAdapter.needs_files`: ruff, bandit, the
+test runner) must be a unified diff; the after-diff text of each file it touches
+is then read from the router's ``--repo`` checkout (:mod:`atp.review.repo`:
+confined to the checkout — no ``..``, absolute paths, ``.git`` or symlinks leading
+out — bounded, and checked against the diff's after side) into ``files``. When
+the text is not a diff, the router has no ``--repo`` or a file cannot be read,
+such a task is answered at once with a terminal task in state ``rejected``
+(``TASK_STATE_REJECTED``) whose status message is ``EPROTO: <reason>`` (metadata
+``atp_error``); no stream is opened. A route whose next-hops all work from a diff
+alone reviews it without ``files`` instead. ``metadata.agent_context`` (an Agent Context Protocol
 message) enters the stream's meta unchanged. The ``messageId`` is the stream's
 idempotency key: a retried message reaches the same task.
 
@@ -78,7 +95,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from atp.adapters.a2a import parts_of, restore_ints
+from atp.review.diff import parse_diff
+from atp.review.repo import files_after
 from atp.router.core import Router, StreamCtx
+from atp.router.dispatch import NEXT_HOP_FAILED
 from atp.router.streams import LoggedEvent
 from atp.security.identity import Identity
 from atp.wire.errors import ATPError, ErrorCode
@@ -93,7 +113,7 @@ _V03 = {"message/send": "send", "message/stream": "stream", "tasks/get": "get", 
         "tasks/resubscribe": "subscribe"}
 _V10 = {"SendMessage": "send", "SendStreamingMessage": "stream", "GetTask": "get", "CancelTask": "cancel",
         "SubscribeToTask": "subscribe"}
-_TERMINAL = frozenset({"completed", "failed", "canceled"})
+_TERMINAL = frozenset({"completed", "failed", "canceled", "rejected"})
 _MODES = ["text/plain", "application/json"]
 #: A2A task records kept per tenant (its oldest go first); pruned of streams the
 #: router's table dropped once a tenant has _PRUNE_AT.
@@ -126,11 +146,22 @@ class _Artifact:
 
 @dataclass(slots=True)
 class _Task:
-    """The A2A side of one stream: who sent it and the user message as received."""
+    """The A2A side of one stream: who sent it and the user message as received.
+    A task refused before any stream opened (``rejected``) has no ``ctx``."""
 
-    ctx: StreamCtx
+    ctx: StreamCtx | None
     context_id: str
     message: dict[str, Any]
+    rejected: _Status | None = None
+    rejected_id: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.ctx.stream_id if self.ctx is not None else self.rejected_id
+
+    @property
+    def closed(self) -> bool:
+        return self.ctx is None or self.ctx.log.closed
 
 
 def _now() -> str:
@@ -142,21 +173,34 @@ def _to_plain(content: Any) -> Any:
     return content if isinstance(content, dict) else msgspec.to_builtins(content)
 
 
+def _failures(final: Mapping[str, Any] | None) -> list[str]:
+    """The next-hops that failed in a FINAL (``agent: CODE: reason``, from its
+    ``consensus.uncertainties``; :data:`~atp.router.dispatch.NEXT_HOP_FAILED`)."""
+    consensus = ((final or {}).get("result") or {}).get("consensus") or {}
+    return [u[len(NEXT_HOP_FAILED):] for u in consensus.get("uncertainties") or []
+            if isinstance(u, str) and u.startswith(NEXT_HOP_FAILED)]
+
+
 def _summary(final: Mapping[str, Any]) -> str:
-    """One line per merged finding, then the telemetry."""
+    """One line per merged finding, the next-hops that failed, then the telemetry."""
     result = final.get("result") or {}
     lines = []
     for f in result.get("findings") or []:
         lines.append(f"{f.get('file')}:{f.get('span')} {f.get('severity')}: {f.get('claim')} "
                      f"[{', '.join(f.get('provenance') or [])}]")
+    failed = _failures(final)
     t = final.get("telemetry") or {}
     head = f"{len(lines)} finding(s)" if lines else "no findings"
+    if failed:
+        head += f" — incomplete: {len(failed)} next-hop(s) failed"
+        lines += [f"failed: {f}" for f in failed]
     tail = f"telemetry: {t.get('tokens', 0)} tokens, {t.get('usd', 0)} USD, {t.get('latency_ms', 0)} ms"
     return "\n".join([head, *lines, tail])
 
 
-def _updates(ev: LoggedEvent) -> list[_Status | _Artifact]:
-    """The A2A updates one stream event stands for (table in the module docstring)."""
+def _updates(ev: LoggedEvent, final: Mapping[str, Any] | None = None) -> list[_Status | _Artifact]:
+    """The A2A updates one stream event stands for (table in the module docstring);
+    ``final`` is the stream's FINAL content seen before ``ev``, if any."""
     p = ev.frame.payload
     content = _to_plain(p.content) if p is not None and p.content is not None else None
     match ev.type:
@@ -175,6 +219,13 @@ def _updates(ev: LoggedEvent) -> list[_Status | _Artifact]:
         case "FINAL" if isinstance(content, dict):
             return [_Artifact("result", "result", [("text", _summary(content)), ("data", content)])]
         case "FIN":
+            failed = _failures(final)
+            if failed and not ((final or {}).get("result") or {}).get("findings"):
+                # Nothing found, but not everything looked: not a clean "no findings".
+                # The code of the first failure (``agent: CODE: reason``).
+                code = failed[0].split(": ", 2)[1] if failed[0].count(": ") >= 2 else "EAGENTDOWN"
+                err = {"code": code, "reason": "no findings, and the review is incomplete: " + "; ".join(failed)}
+                return [_Status("failed", f"{err['code']}: {err['reason']}", {"atp_error": err})]
             return [_Status("completed")]
         case "RST":
             err = content if isinstance(content, dict) else {}
@@ -182,8 +233,18 @@ def _updates(ev: LoggedEvent) -> list[_Status | _Artifact]:
     return []
 
 
+def _final_of(ev: LoggedEvent) -> dict[str, Any] | None:
+    p = ev.frame.payload
+    if ev.type == "FINAL" and p is not None and p.content is not None:
+        content = _to_plain(p.content)
+        return content if isinstance(content, dict) else None
+    return None
+
+
 def _closing(task: _Task) -> _Status | None:
     """``canceled`` for a log closed without FIN/RST of ours (the client's RST)."""
+    if task.ctx is None:
+        return None
     log = task.ctx.log
     if log.closed and (not log.events or log.events[-1].type not in ("FIN", "RST")):
         return _Status("canceled", "canceled by the client (tasks/cancel → RST)")
@@ -192,10 +253,14 @@ def _closing(task: _Task) -> _Status | None:
 
 def _fold(task: _Task) -> tuple[_Status, dict[str, _Artifact]]:
     """The task's current status and artifacts, from its stream's log so far."""
+    if task.ctx is None:
+        return task.rejected or _Status("rejected"), {}
     status = _Status("submitted")
     arts: dict[str, _Artifact] = {}
+    final = None
     for ev in task.ctx.log.events:
-        for up in _updates(ev):
+        final = _final_of(ev) or final
+        for up in _updates(ev, final):
             if isinstance(up, _Artifact):
                 arts[up.artifact_id] = up
                 if status.state == "submitted":
@@ -222,7 +287,7 @@ class _Render:
         msg: dict[str, Any] = {
             "messageId": message_id or uuid.uuid4().hex,
             "contextId": task.context_id,
-            "taskId": task.ctx.stream_id,
+            "taskId": task.id,
             "role": ("ROLE_" + role.upper()) if self.v1 else role,
             "parts": [self.part(k, v) for k, v in parts],
         }
@@ -247,12 +312,13 @@ class _Render:
         history = [self.message("user", task.message["parts"], task, message_id=task.message["messageId"],
                                 metadata=task.message.get("metadata"))]
         out: dict[str, Any] = {
-            "id": task.ctx.stream_id,
+            "id": task.id,
             "contextId": task.context_id,
             "status": self.status(status, task),
             "artifacts": [self.artifact(a) for a in arts.values()],
             "history": history if history_length != 0 else [],
-            "metadata": {"atp": {"session_id": task.ctx.session_id, "stream_id": task.ctx.stream_id}},
+            "metadata": {"atp": {"session_id": task.ctx.session_id, "stream_id": task.ctx.stream_id}
+                         if task.ctx is not None else {"rejected": True}},
         }
         if not self.v1:
             out["kind"] = "task"
@@ -261,7 +327,7 @@ class _Render:
     def event(self, up: _Status | _Artifact, task: _Task) -> dict[str, Any]:
         """A stream result: status-update / artifact-update (0.3: ``kind`` and
         ``final``; 1.0: wrapped in ``statusUpdate`` / ``artifactUpdate``)."""
-        base: dict[str, Any] = {"taskId": task.ctx.stream_id, "contextId": task.context_id}
+        base: dict[str, Any] = {"taskId": task.id, "contextId": task.context_id}
         if isinstance(up, _Artifact):
             base.update(artifact=self.artifact(up), append=False, lastChunk=True)
             return {"artifactUpdate": base} if self.v1 else {"kind": "artifact-update", **base}
@@ -348,6 +414,8 @@ def a2a_routes(router: Router) -> list[Route]:
     def current(task: _Task) -> bool:
         """The task's stream is still in the router's table (not reaped)."""
         ctx = task.ctx
+        if ctx is None:
+            return True  # rejected: kept as long as the tenant's task records
         return router.streams.get(ctx.tenant, ctx.session_id, ctx.stream_id) is ctx
 
     async def card(request: Request) -> Response:
@@ -362,34 +430,50 @@ def a2a_routes(router: Router) -> list[Route]:
             raise _RpcError(-32001, f"task {tid!r} not found")
         return task
 
-    def open_task(params: Mapping[str, Any], identity: Identity) -> _Task:
+    def remember(identity: Identity, task: _Task) -> _Task:
+        mine = tasks.setdefault(identity.tenant, {})
+        if len(mine) >= _PRUNE_AT:
+            # Streams the router's table dropped take their A2A task with them.
+            for tid in [t for t, old in mine.items() if not current(old)]:
+                del mine[tid]
+            while len(mine) >= _MAX_TASKS:
+                del mine[next(iter(mine))]
+        mine[task.id] = task
+        return task
+
+    def stored_message(message: Mapping[str, Any], message_id: str) -> dict[str, Any]:
+        stored = {"messageId": message_id, "parts": parts_of(message.get("parts"))}
+        if isinstance(message.get("metadata"), dict):
+            stored["metadata"] = message["metadata"]
+        return stored
+
+    async def open_task(params: Mapping[str, Any], identity: Identity) -> _Task:
         message = params.get("message")
         if not isinstance(message, dict):
             raise _RpcError(-32602, "params.message must be an object")
         if message.get("role") not in ("user", "ROLE_USER"):
             raise _RpcError(-32602, f"message.role must be user, got {message.get('role')!r}")
-        meta, content, budget = _task_of(router, message, params.get("metadata"))
+        meta, content, budget, text_only = _task_of(router, message, params.get("metadata"))
         message_id = message.get("messageId") if isinstance(message.get("messageId"), str) else uuid.uuid4().hex
+        context = message.get("contextId") if isinstance(message.get("contextId"), str) else None
+        if text_only:
+            refusal = await _complete_from_repo(router, meta, content)
+            if refusal is not None:
+                # Refused before any stream opened: a terminal ``rejected`` task, the reason its message.
+                err = {"code": str(ErrorCode.EPROTO), "reason": refusal}
+                status = _Status("rejected", f"EPROTO: {refusal}", {"atp_error": err})
+                rid = "rejected_" + uuid.uuid4().hex[:16]
+                return remember(identity, _Task(None, context or rid, stored_message(message, message_id),
+                                                rejected=status, rejected_id=rid))
         try:
             ctx = router.open_stream(task=meta, content=content, budget=budget, qos=None, window=None,
                                      idempotency_key=f"a2a:{message_id}", identity=identity)
         except ATPError as e:
             code = -32602 if e.code is ErrorCode.EPROTO else -32603
             raise _RpcError(code, f"{e.code}: {e.reason}", {"code": str(e.code), "reason": e.reason}) from None
-        mine = tasks.setdefault(identity.tenant, {})
-        task = mine.get(ctx.stream_id)
+        task = tasks.get(identity.tenant, {}).get(ctx.stream_id)
         if task is None or task.ctx is not ctx:
-            if len(mine) >= _PRUNE_AT:
-                # Streams the router's table dropped take their A2A task with them.
-                for tid in [t for t, old in mine.items() if not current(old)]:
-                    del mine[tid]
-                while len(mine) >= _MAX_TASKS:
-                    del mine[next(iter(mine))]
-            context_id = message.get("contextId") if isinstance(message.get("contextId"), str) else ctx.session_id
-            stored = {"messageId": message_id, "parts": parts_of(message.get("parts"))}
-            if isinstance(message.get("metadata"), dict):
-                stored["metadata"] = message["metadata"]
-            task = mine[ctx.stream_id] = _Task(ctx, context_id, stored)
+            task = remember(identity, _Task(ctx, context or ctx.session_id, stored_message(message, message_id)))
         return task
 
     async def follow(task: _Task, render: _Render, *, after: int, first: dict[str, Any] | None,
@@ -399,9 +483,14 @@ def a2a_routes(router: Router) -> list[Route]:
 
         if first is not None:
             yield sse(first)
+        if task.ctx is None:
+            yield sse(render.event(_fold(task)[0], task))  # rejected: the terminal status-update
+            return
         working = _fold(task)[0].state != "submitted"
+        final = next((f for f in map(_final_of, reversed(task.ctx.log.events[:after])) if f), None)
         async for ev in task.ctx.log.follow(after):
-            for up in _updates(ev):
+            final = _final_of(ev) or final
+            for up in _updates(ev, final):
                 if not working and (isinstance(up, _Artifact) or up.state == "working"):
                     working = True
                     if isinstance(up, _Artifact):
@@ -440,22 +529,24 @@ def a2a_routes(router: Router) -> list[Route]:
                 raise _RpcError(-32602, "params must be an object")
             authorize(identity, "stream_open" if op in ("send", "stream") else "stream_access")
             if op in ("stream", "subscribe"):
-                task = open_task(params, identity) if op == "stream" else find(params, identity)
+                task = await open_task(params, identity) if op == "stream" else find(params, identity)
                 # The Task snapshot stands for what happened so far; the updates follow.
                 first = render.wrap_task(render.task(task))
-                gen = follow(task, render, after=len(task.ctx.log.events), first=first, rid=rid)
+                after = len(task.ctx.log.events) if task.ctx is not None else 0
+                gen = follow(task, render, after=after, first=first, rid=rid)
                 return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             if op == "send":
-                task = open_task(params, identity)
+                task = await open_task(params, identity)
                 config = params.get("configuration") or {}
-                if not (config.get("returnImmediately") is True if render.v1 else config.get("blocking") is False):
+                blocking = not (config.get("returnImmediately") is True if render.v1 else config.get("blocking") is False)
+                if blocking and task.ctx is not None:
                     async for _ in task.ctx.log.follow():
                         pass
                 return _result(rid, render.wrap_task(render.task(task)))
             task = find(params, identity)
             if op == "cancel":
-                if task.ctx.log.closed:
-                    raise _RpcError(-32002, f"task {task.ctx.stream_id!r} is finished and cannot be canceled")
+                if task.closed or task.ctx is None:
+                    raise _RpcError(-32002, f"task {task.id!r} is finished and cannot be canceled")
                 rst = Frame(
                     v=1, session_id=task.ctx.session_id, stream_id=task.ctx.stream_id, msg_seq=0,
                     flags=[Flag.RST, Flag.CTRL],
@@ -487,8 +578,10 @@ def _looks_like_diff(text: str) -> bool:
     return text.startswith(("diff --git", "--- ")) or "\n+++ " in text or "\n@@ " in text
 
 
-def _task_of(router: Router, message: Mapping[str, Any], params_meta: Any) -> tuple[dict[str, Any], dict[str, Any], Budget | None]:
-    """Task meta, task content and budget of a user message (module docstring)."""
+def _task_of(router: Router, message: Mapping[str, Any],
+             params_meta: Any) -> tuple[dict[str, Any], dict[str, Any], Budget | None, bool]:
+    """Task meta, task content and budget of a user message (module docstring),
+    and whether the content came from the message's text alone (no data part)."""
     parts = [(k, restore_ints(v)) if k == "data" else (k, v) for k, v in parts_of(message.get("parts"))]
     if not parts:
         raise _RpcError(-32602, "message.parts must hold at least one text or data part")
@@ -497,6 +590,7 @@ def _task_of(router: Router, message: Mapping[str, Any], params_meta: Any) -> tu
     atp = next((v["atp"] for k, v in parts if k == "data" and isinstance(v, dict) and isinstance(v.get("atp"), dict)),
                None)
     extra: Any = {}
+    text_only = False
     budget_raw: Any = md.get("budget")
     if atp is not None:
         task_type = atp.get("task_type")
@@ -509,6 +603,7 @@ def _task_of(router: Router, message: Mapping[str, Any], params_meta: Any) -> tu
         if content is None:
             text = "\n".join(v for k, v in parts if k == "text")
             content = {"diff": text} if _looks_like_diff(text) else {"text": text}
+            text_only = True
     if not isinstance(content, dict):
         raise _RpcError(-32602, "the task content must be an object")
     if not isinstance(extra, dict):
@@ -527,4 +622,62 @@ def _task_of(router: Router, message: Mapping[str, Any], params_meta: Any) -> tu
             budget = msgspec.convert(budget_raw, Budget)
         except msgspec.ValidationError as e:
             raise _RpcError(-32602, f"budget: {e}") from None
-    return meta, content, budget
+    return meta, content, budget, text_only
+
+
+def _agents_needing_files(router: Router, meta: Mapping[str, Any]) -> list[str]:
+    """The next-hops the running FIB routes ``meta`` to that cannot review from
+    a diff alone (:attr:`ProviderAdapter.needs_files
+    <atp.adapters.base.ProviderAdapter.needs_files>`); ``[]`` when it routes
+    nowhere (the SYN then refuses the task with the routing error)."""
+    gen = router.gen
+    try:
+        route = gen.fib.lookup(meta)
+    except ATPError:
+        return []
+    hops = [h.agent for h in route.next_hops]
+    return [a for a in hops if getattr(gen.adapters.get(a), "needs_files", False)]
+
+
+#: Problems quoted in a refusal (one line per unreadable file).
+_MAX_PROBLEMS = 10
+
+
+async def _complete_from_repo(router: Router, meta: Mapping[str, Any], content: dict[str, Any]) -> str | None:
+    """Complete a text-only task (``{"diff"}`` or ``{"text"}``) in place: a diff
+    gets ``files``, the after-diff text of each file it touches, read from the
+    router's ``--repo`` (:func:`atp.review.repo.files_after`: bounded, confined to
+    the checkout). Returns ``None`` when the task can be reviewed, else the
+    reason to reject it: the text is not a unified diff, or the files cannot be
+    had (no ``--repo``, a file missing, refused or not at the diff's after side)
+    while a routed next-hop needs them. Next-hops that work from a diff alone
+    review it without ``files`` when those cannot be read."""
+    needs = _agents_needing_files(router, meta)
+    who = ", ".join(needs)
+    diff = content.get("diff")
+    diffs = parse_diff(diff) if isinstance(diff, str) else []
+    if not diffs:
+        if needs:
+            return (f"the message text is not a unified diff, and the agents of task type {meta.get('task_type')!r} "
+                    f"({who}) review a code change: send `git diff` output as the text, or a data part "
+                    "{\"diff\": ..., \"files\": {path: text}}")
+        return None
+    repo = router.config.repo
+    if repo is None:
+        if needs:
+            return (f"{who} need the files the diff touches, and this router has no --repo to read them from: "
+                    "send a data part {\"diff\": ..., \"files\": {path: text}}, or start atp-router with --repo")
+        return None
+    try:
+        got = await trio.to_thread.run_sync(files_after, repo, diffs)
+    except OSError as e:
+        return f"the router's --repo cannot be read ({e.strerror or e})" if needs else None
+    if got.problems:
+        if needs:
+            shown = "; ".join(got.problems[:_MAX_PROBLEMS])
+            more = f" (and {len(got.problems) - _MAX_PROBLEMS} more)" if len(got.problems) > _MAX_PROBLEMS else ""
+            return (f"{len(got.problems)} file(s) the diff touches cannot be read from the router's --repo, "
+                    f"and {who} need them: {shown}{more}")
+        return None  # reviewed on the diff alone
+    content["files"] = got.files
+    return None

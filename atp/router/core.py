@@ -248,6 +248,9 @@ class RouterConfig:
     watch_debounce_ms: int = 300
     learn_rate_per_s: float = 10.0
     learn_burst: int = 200
+    #: A local checkout the router reads the after-diff files of a diff-only task
+    #: from (``--repo``; the A2A server's plain-text diffs), confined to its root.
+    repo: Path | None = None
 
 
 class Router:

@@ -22,6 +22,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +41,11 @@ from atp.adapters.a2a import A2AAdapter
 from atp.adapters.base import Prompt
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import Severity
+from atp.review.diff import parse_diff
+from atp.review.repo import files_after
 from atp.router.a2a_server import a2a_routes, agent_card
 from atp.router.api import build_app
+from atp.router.cli import _parser, config_from_args
 from atp.router.core import Router, RouterConfig, StreamCtx
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import PayloadType
@@ -335,14 +343,18 @@ async def test_text_only_message_and_default_task_type(env, scripted):
     assert scripted["review.echo"].calls[0].content == {"diff": CONTENT["diff"]}
     assert scripted["review.echo"].calls[0].task_type == "echo_review"
     # No task type at all: the card's first skill, code_review, whose real tools
-    # need the files too: the task is refused (EPROTO) with their reasons.
+    # need the files too, and this router has no --repo to read them from: the
+    # task is rejected at once (EPROTO), no stream opened, nothing "found".
     result = (await rpc(base, "message/send", {"message": user_message(None, message_id="m-9")})).json()["result"]
-    assert stream_of(router, result["id"]).meta["task_type"] == "code_review"
-    assert result["status"]["state"] == "failed"
+    assert result["status"]["state"] == "rejected" and result["artifacts"] == []
     reason = result["status"]["message"]["parts"][0]["text"]
-    # The refusal is the client's input, not an agent fault (no breaker counts it).
-    assert reason.startswith("EPROTO: task refused: ") and "content.files" in reason
+    assert reason.startswith("EPROTO: lint.ruff, sec.bandit need the files the diff touches") and "--repo" in reason
     assert result["status"]["message"]["metadata"]["atp_error"]["code"] == "EPROTO"
+    assert router.streams.resumable("anonymous", "a2a:m-9") is None
+    assert all(ctx.meta.get("idempotency_key") != "a2a:m-9" for ctx in router.streams.values())
+    got = (await rpc(base, "tasks/get", {"id": result["id"]})).json()["result"]
+    assert got["status"]["state"] == "rejected"
+    assert (await rpc(base, "tasks/cancel", {"id": result["id"]})).json()["error"]["code"] == -32002
 
 
 async def test_cancel_ends_a_running_stream_with_canceled(env, scripted):
@@ -467,3 +479,215 @@ def test_routes_are_mounted_in_the_control_api(tmp_path, scripted):
     assert paths == ["/.well-known/agent-card.json", "/.well-known/agent-card", "/a2a"]
     served = [r.path for r in build_app(router).routes]
     assert set(paths) <= set(served) and len(served) == len(set(served))
+
+
+# ------------------------------------- plain-text diffs: a real atp-router with --repo
+
+PROC_RIB = """
+agents:
+  lint.ruff: {layer: L1, tool: ruff, p95_ms: 200, strengths: [code_review]}
+  sec.bandit: {layer: L1, tool: bandit, p95_ms: 900, strengths: [code_review, security]}
+policies:
+  - match: {task_type: code_review}
+    fanout: [lint.ruff, sec.bandit]
+"""
+
+MISSING_DIFF = "--- a/gone.py\n+++ b/gone.py\n@@ -1 +1,2 @@\n import os\n+os.system(input())\n"
+
+TEXT_CLIENT = r'''
+"""a2a-sdk's client sends plain-text messages (no data part): prints one JSON object."""
+import asyncio, json, sys, uuid
+import httpx
+from a2a.client import A2ACardResolver, ClientConfig, ClientFactory
+from a2a.types.a2a_pb2 import Message, Part, Role, SendMessageRequest
+from google.protobuf.json_format import MessageToDict
+
+
+async def main(base, token, version, texts):
+    out = {}
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http:
+        card = await A2ACardResolver(http, base).get_agent_card()
+        keep = [i for i in card.supported_interfaces if i.protocol_version == version]
+        del card.supported_interfaces[:]
+        card.supported_interfaces.extend(keep)
+        for name, text in json.loads(texts).items():
+            for streaming in (False, True):
+                client = ClientFactory(ClientConfig(streaming=streaming, httpx_client=http)).create(card)
+                msg = Message(role=Role.ROLE_USER, message_id=uuid.uuid4().hex, parts=[Part(text=text)])
+                key = name + ("_stream" if streaming else "")
+                try:
+                    out[key] = [MessageToDict(e) async for e in client.send_message(SendMessageRequest(message=msg))]
+                except Exception as e:
+                    out[key] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out))
+
+
+asyncio.run(main(*sys.argv[1:]))
+'''
+
+
+async def start_router_process(tmp_path: Path, *extra: str) -> tuple[trio.Process, str]:
+    """``atp-router`` as a process (``python -m atp.router.cli``) on free ports with
+    PROC_RIB and ``extra`` flags; returns it and its HTTP base URL."""
+    env = {**os.environ, "ATP_ROUTER_TOKENS": TOKEN, "PYTHONUNBUFFERED": "1"}
+    for k in ("ATP_HMAC_KEY", "ATP_HMAC_KEYS"):
+        env.pop(k, None)
+    rib = tmp_path / "proc-rib.yaml"
+    rib.write_text(PROC_RIB)
+    argv = [sys.executable, "-m", "atp.router.cli", "--policies", str(rib), "--no-watch",
+            "--state-dir", str(tmp_path / "state"), "--http-port", "0", "--ws-port", "0", "--log-level", "WARNING",
+            *extra]
+    proc = await trio.lowlevel.open_process(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    line = b""
+    with trio.fail_after(30):
+        while not line.endswith(b"\n"):
+            chunk = await proc.stdout.receive_some(1)
+            assert chunk, "atp-router exited before listening"
+            line += chunk
+    match = re.search(rb"listening (http://\S+) ws://", line)
+    assert match, line
+    return proc, match.group(1).decode()
+
+
+async def stop_router_process(proc: trio.Process) -> None:
+    proc.send_signal(signal.SIGTERM)
+    with trio.fail_after(15):
+        assert await proc.wait() == 0
+
+
+def rejected_reason(events: list[dict[str, Any]]) -> str:
+    """The reason of a rejected task as a2a-sdk's client returned it (its Task
+    first, for message/send and streaming alike)."""
+    task = events[0]["task"]
+    assert state(task) == "TASK_STATE_REJECTED", task
+    assert task.get("artifacts", []) == []
+    return task["status"]["message"]["parts"][0]["text"]
+
+
+@pytest.mark.parametrize("version", ["1.0", "0.3"])
+async def test_plain_text_diffs_from_a2a_sdk_against_a_router_process_with_repo(tmp_path, a2a_sdk_python, version):
+    """A generic A2A client (a2a-sdk's) sends a bare unified diff as text to a real
+    ``atp-router --repo CHECKOUT``: the router reads the touched file from the
+    checkout and its tools review it (findings at file:line). Text that is not a
+    diff, and a diff of a file the checkout lacks, are rejected tasks naming why —
+    never a completed "no findings"."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "app.py").write_text(CONTENT["files"]["app.py"])
+    script = tmp_path / "text_client.py"
+    script.write_text(TEXT_CLIENT)
+    texts = {"diff": CONTENT["diff"], "prose": "Please review my change, it adds a login form.",
+             "missing": MISSING_DIFF}
+    proc, base = await start_router_process(tmp_path, "--repo", str(checkout))
+    try:
+        with trio.fail_after(120):
+            done = await trio.run_process([str(a2a_sdk_python), str(script), base, TOKEN, version, json.dumps(texts)],
+                                          capture_stdout=True, capture_stderr=True, check=False)
+    finally:
+        await stop_router_process(proc)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    out = json.loads(done.stdout)
+
+    [sent] = out["diff"]
+    assert state(sent["task"]) == "TASK_STATE_COMPLETED", sent
+    arts = {a["artifactId"]: a for a in sent["task"]["artifacts"]}
+    text, data = arts["result"]["parts"]
+    assert text["text"].startswith("2 finding(s)\napp.py:3-3 high: ")
+    found = {(f["file"], f["span"]): f["severity"] for f in data["data"]["result"]["findings"]}
+    assert found == {("app.py", "2-2"): "medium", ("app.py", "3-3"): "high"}
+    assert state(out["diff_stream"][-1]["statusUpdate"]) == "TASK_STATE_COMPLETED"
+
+    for name in ("prose", "missing"):
+        assert isinstance(out[name], list) and isinstance(out[name + "_stream"], list), out
+        reason = rejected_reason(out[name])
+        assert reason == rejected_reason(out[name + "_stream"])
+        if len(out[name + "_stream"]) > 1:
+            assert state(out[name + "_stream"][-1]["statusUpdate"]) == "TASK_STATE_REJECTED"
+        assert reason.startswith("EPROTO: ")
+        if name == "prose":
+            assert "the message text is not a unified diff" in reason
+        else:
+            assert "gone.py: not in the repository" in reason and "lint.ruff, sec.bandit need them" in reason
+            assert str(checkout) not in reason  # the router's paths stay its own
+
+
+async def test_a_next_hop_failing_beside_an_empty_review_fails_the_task(env, scripted):
+    """ruff finds nothing in a clean file while the other next-hop is down: the FINAL
+    names the failure (consensus.uncertainties) and the A2A task is failed, not a
+    completed "no findings"; with findings it completes, its summary naming the gap."""
+    router, base = env
+    router.reload(RIB + "  - match: {task_type: mixed_review}\n    fanout: [lint.ruff, review.down]\n")
+    clean = {"diff": "--- a/ok.py\n+++ b/ok.py\n@@ -0,0 +1 @@\n+x = 1\n", "files": {"ok.py": "x = 1\n"}}
+    msg = user_message("mixed_review")
+    msg["parts"][1]["data"]["atp"]["content"] = clean
+    result = (await rpc(base, "message/send", {"message": msg})).json()["result"]
+    assert result["status"]["state"] == "failed"
+    reason = result["status"]["message"]["parts"][0]["text"]
+    assert reason.startswith("EAGENTDOWN: no findings, and the review is incomplete: review.down: EAGENTDOWN")
+    summary = result["artifacts"][-1]["parts"][0]["text"]
+    assert summary.startswith("no findings — incomplete: 1 next-hop(s) failed\nfailed: review.down: EAGENTDOWN")
+
+    result = (await rpc(base, "message/send", {"message": user_message("mixed_review", message_id="m-2")})).json()
+    result = result["result"]
+    assert result["status"]["state"] == "completed"
+    summary = result["artifacts"][-1]["parts"][0]["text"]
+    assert summary.startswith("2 finding(s) — incomplete: 1 next-hop(s) failed\n")
+    assert "\nfailed: review.down: EAGENTDOWN: model host gone\n" in summary
+    final = result["artifacts"][-1]["parts"][1]["data"]
+    assert any(u.startswith("next-hop failed: review.down: EAGENTDOWN")
+               for u in final["result"]["consensus"]["uncertainties"])
+
+
+async def test_a_tool_given_none_of_the_changed_files_refuses_rather_than_find_nothing(env):
+    """A data part whose diff changes app.py but whose files lack it: ruff and bandit
+    would review nothing; they refuse, and the task fails naming the missing file."""
+    _, base = env
+    msg = user_message()
+    msg["parts"][1]["data"]["atp"]["content"] = {"diff": CONTENT["diff"], "files": {"README.md": "x\n"}}
+    result = (await rpc(base, "message/send", {"message": msg})).json()["result"]
+    assert result["status"]["state"] == "failed"
+    reason = result["status"]["message"]["parts"][0]["text"]
+    assert reason.startswith("EPROTO: task refused: ") and "content.files lacks" in reason and "'app.py'" in reason
+
+
+# -------------------------------------------------- reading files from --repo
+
+
+def test_files_after_reads_the_after_side_confined_to_the_repo(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "app.py").write_text(CONTENT["files"]["app.py"])
+    (repo / "pkg" / "inner.py").write_text("a = 1\n")
+    (repo / "pkg" / "link.py").symlink_to(repo / "pkg" / "inner.py")  # inside: followed
+    secret = tmp_path / "secret.py"
+    secret.write_text("a = 1\n")
+    (repo / "out.py").symlink_to(secret)  # leads outside: refused
+    (repo / "big.py").write_text("a = 1\n" + "#" * 2000 + "\n")
+    (repo / ".git").mkdir()
+    (repo / ".git" / "config.py").write_text("a = 1\n")
+
+    def diff_of(path: str) -> str:
+        return f"--- a/{path}\n+++ b/{path}\n@@ -0,0 +1 @@\n+a = 1\n"
+
+    got = files_after(repo, parse_diff(CONTENT["diff"] + diff_of("pkg/link.py")))
+    assert got.problems == [] and set(got.files) == {"app.py", "pkg/link.py"}
+    assert got.files["app.py"] == CONTENT["files"]["app.py"]
+    for path, problem in [("out.py", "a symlink leads outside the repository"),
+                          ("../secret.py", "refused path"), ("/etc/passwd", "refused path"),
+                          (".git/config.py", "inside .git"), ("nope.py", "not in the repository"),
+                          ("pkg", "not a regular file")]:
+        got = files_after(repo, parse_diff(diff_of(path)))
+        assert got.files == {} and len(got.problems) == 1 and problem in got.problems[0], (path, got.problems)
+    got = files_after(repo, parse_diff(diff_of("big.py")), max_file_bytes=1000)
+    assert "over the per-file limit" in got.problems[0]
+    # A checkout at another revision: the diff's after side is not what is there.
+    stale = "--- a/app.py\n+++ b/app.py\n@@ -1 +1 @@\n-import os\n+import sys\n"
+    assert "line 1 in the repository is not the diff's after side" in files_after(repo, parse_diff(stale)).problems[0]
+
+
+def test_cli_repo_option(tmp_path):
+    assert "--repo PATH" in _parser().format_help()
+    config = config_from_args(["--policies", str(tmp_path), "--repo", str(tmp_path)], environ={})
+    assert config.repo == tmp_path.resolve()
+    with pytest.raises(SystemExit):
+        config_from_args(["--repo", str(tmp_path / "nope")], environ={})

@@ -7,7 +7,10 @@ A :class:`ToolAdapter` turns a ``code_review`` prompt (``content = {"diff": str,
    has relative, normalised paths and text values — anything that could escape
    the work directory is refused — and stays within :class:`ToolLimits` (below);
 2. pick the Python files to analyse: with ``scope="changed"`` only the files the
-   diff touched (``content["diff"]`` is then required), with ``scope="file"`` all;
+   diff touched (``content["diff"]`` is then required; a diff changing Python
+   files none of which ``files`` holds is refused — reviewing nothing is not "no
+   findings" — and the ones missing beside others are named in the summary),
+   with ``scope="file"`` all;
 3. write them into a private temporary directory, run the analyser there as a
    subprocess (no shell, a minimal environment, its own process group; binary
    found next to ``sys.executable`` first, then on ``PATH``) under resource
@@ -165,12 +168,15 @@ LIMIT_OPTIONS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(Too
 
 
 def find_executable(name: str) -> str | None:
-    """The analyser binary: the one installed beside the running interpreter (the
-    venv's ``bin``) wins over ``PATH``, so the router uses the version it was
-    installed with. ``None`` when neither has it."""
-    here = Path(sys.executable).parent / name
-    if here.is_file() and os.access(here, os.X_OK):
-        return str(here)
+    """The analyser binary, first found of: beside the running interpreter (the
+    venv's ``bin``), the analyser's own virtualenv under the router's prefix
+    (``<sys.prefix>/tools/<name>/bin/<name>``: analysers whose dependencies must
+    not mix with the router's, like semgrep, are installed there by
+    ``scripts/setup.sh``), then ``PATH`` — so the router uses the version it
+    was installed with. ``None`` when none has it."""
+    for here in (Path(sys.executable).parent / name, Path(sys.prefix) / "tools" / name / "bin" / name):
+        if here.is_file() and os.access(here, os.X_OK):
+            return str(here)
     return shutil.which(name)
 
 
@@ -217,6 +223,8 @@ class _Task:
     targets: dict[str, bytes]
     keep: dict[str, set[int]] | None
     skipped: int
+    #: Python files the diff changes that ``content.files`` lacks.
+    missing: list[str] = dataclasses.field(default_factory=list)
 
 
 class ToolAdapter(ProviderAdapter):
@@ -232,6 +240,7 @@ class ToolAdapter(ProviderAdapter):
     """
 
     tool: ClassVar[str]
+    needs_files = True
     default_strengths: ClassVar[tuple[str, ...]] = ()
     #: Files these analysers understand; others in ``files`` are skipped.
     suffixes: ClassVar[tuple[str, ...]] = (".py", ".pyi")
@@ -346,7 +355,14 @@ class ToolAdapter(ProviderAdapter):
                 raise ClientInputError("scope 'changed' needs content.diff (a unified diff string)")
             keep = _widen(changed_lines(parse_diff(diff)), self.context)
         targets = {p: data for p, data in encoded.items() if keep is None or keep.get(p)}
-        return _Task(targets=targets, keep=keep, skipped=len(files) - len(encoded))
+        missing = sorted(p for p in keep or () if p.endswith(self.suffixes) and p not in files)
+        if missing and not targets:
+            # Reviewing nothing of what changed is not "no findings".
+            shown = ", ".join(repr(p)[:200] for p in missing[:5]) + (", …" if len(missing) > 5 else "")
+            raise ClientInputError(
+                f"content.files lacks the {len(missing)} Python file(s) the diff changes ({shown}): nothing to review"
+            )
+        return _Task(targets=targets, keep=keep, skipped=len(files) - len(encoded), missing=missing)
 
     def _conclude(self, task: _Task, findings: list[AgentFinding], notes: list[str]) -> AgentReport:
         """Filter, order and number the findings (module docstring, step 4); runs
@@ -361,6 +377,8 @@ class ToolAdapter(ProviderAdapter):
         summary = f"{self.tool}: {len(findings)} finding(s) in {len(task.targets)} file(s)"
         if task.skipped:
             summary += f"; {task.skipped} non-Python file(s) skipped"
+        if task.missing:
+            summary += f"; {len(task.missing)} changed Python file(s) not in content.files, not reviewed"
         if notes:
             summary += "; " + "; ".join(notes)
         return AgentReport(findings=findings, summary=summary)
@@ -389,11 +407,20 @@ class ToolAdapter(ProviderAdapter):
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(shutil.rmtree, root, True)
 
-    async def _exec(self, argv: list[str], root: str) -> tuple[int, bytes, bytes]:
+    async def _exec(
+        self,
+        argv: list[str],
+        root: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        preexec: Any = None,
+    ) -> tuple[int, bytes, bytes]:
         """Run ``argv`` in ``root`` under :attr:`limits`: rlimits set in the child,
         stdout and stderr read together up to ``output_bytes``, the whole run
         under ``timeout_s``. The process group is killed on any way out before
-        the analyser exited (limit, timeout, cancellation). Returns (exit status,
+        the analyser exited (limit, timeout, cancellation). ``env`` replaces the
+        minimal environment kept from the router's; ``preexec`` replaces the
+        child's set-up (default: the rlimits only). Returns (exit status,
         stdout, stderr); raises ClientInputError (output cap) or AgentError
         (ETIMEOUT, EAGENTDOWN when it cannot start)."""
         lim = self.limits
@@ -401,12 +428,12 @@ class ToolAdapter(ProviderAdapter):
             proc = await trio.lowlevel.open_process(
                 argv,
                 cwd=root,
-                env={k: os.environ[k] for k in _ENV_KEEP if k in os.environ},
+                env=dict(env) if env is not None else {k: os.environ[k] for k in _ENV_KEEP if k in os.environ},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # its own process group: killed as a whole
-                preexec_fn=functools.partial(_set_child_limits, _rlimits(lim)),
+                preexec_fn=preexec or functools.partial(_set_child_limits, _rlimits(lim)),
             )
         except (OSError, subprocess.SubprocessError) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
