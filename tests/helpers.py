@@ -5,12 +5,17 @@
   :class:`~atp.adapters.testing.ScriptedAdapter` s (a module's ``scripted``
   fixture returns ``serve_scripted(monkeypatch)``);
 * :func:`start_router_on` — :func:`tests.conftest.start_router` on a RIB written
-  to ``tmp_path / "rib.yaml"``.
+  to ``tmp_path / "rib.yaml"``;
+* :func:`router_process` — ``atp-router --policies … --state-dir …`` as a process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +27,7 @@ from atp.adapters.registry import TOOL_FACTORIES
 from atp.adapters.testing import ScriptedAdapter
 from tests.conftest import SHARED, RouterEnv, start_router
 
-__all__ = ["GOLDEN", "golden", "serve_scripted", "start_router_on"]
+__all__ = ["GOLDEN", "golden", "router_process", "serve_scripted", "start_router_on"]
 
 GOLDEN = SHARED / "golden" / "dev.jsonl"
 
@@ -54,3 +59,31 @@ async def start_router_on(nursery: trio.Nursery, tmp_path: Path, rib: str | dict
     path = tmp_path / "rib.yaml"
     path.write_text(rib if isinstance(rib, str) else json.dumps(rib))
     return await start_router(nursery, path, **config)
+
+
+@contextlib.contextmanager
+def router_process(policies: Path, state_dir: Path, *, cwd: Path | None = None,
+                   timeout_s: float = 30.0) -> Iterator[str]:
+    """Run ``atp-router --policies POLICIES --state-dir STATE_DIR`` as a user
+    does (a process, from ``cwd``, the venv's ``atp-router`` beside
+    ``sys.executable``) on free loopback ports; yield its HTTP URL once it logs
+    ``listening``; stop it on exit. Fails the test with the router's log when
+    it exits first or does not listen within ``timeout_s`` seconds."""
+    from tests.peers import free_port, stop_process, wait_until_up
+
+    exe = Path(sys.executable).parent / "atp-router"
+    http, ws = free_port(), free_port()
+    log = state_dir.parent / f"{state_dir.name}.router.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(exe), "--policies", str(policies), "--state-dir", str(state_dir), "--http-port", str(http),
+             "--ws-port", str(ws), "--no-watch"],
+            cwd=cwd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        try:
+            wait_until_up(proc, lambda: b"listening" in log.read_bytes(), name="atp-router",
+                          where="not listening", timeout_s=timeout_s, poll_s=0.1,
+                          log=lambda: log.read_text(errors="replace"), log_on_timeout=True)
+            yield f"http://127.0.0.1:{http}"
+        finally:
+            stop_process(proc)

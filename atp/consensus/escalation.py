@@ -13,7 +13,12 @@ trigger            fires when
                    §23.2 use one each)
 ``no_findings``    the merged result has no findings
 ``weak_citations`` the mean evidence score of all reported findings
-                   < ``threshold`` (needs the task's ``files``)
+                   < ``threshold`` (needs the task's ``files``); or, for
+                   reports whose findings are citations (``rule`` is
+                   :data:`CITATION_RULE`, a retriever's passages), the
+                   strength (``confidence``) of each such report's best
+                   citation, averaged over those reports, < ``threshold``
+                   (a weak BM25 match; no ``files`` needed)
 ``test_fail``      a report holds a finding whose ``rule`` is
                    :data:`TEST_FAIL_RULE` (``"test_fail"``): the convention for
                    a test-running agent to report a failing test, with the
@@ -41,6 +46,9 @@ from atp.consensus.types import AgentReport, Result
 from atp.wire.errors import ErrorCode
 
 TEST_FAIL_RULE = "test_fail"
+#: The ``rule`` of a finding that is a citation of a document passage (a
+#: retriever's answer, spec §15.3); its ``confidence`` is the citation's strength.
+CITATION_RULE = "citation"
 
 #: Trigger names a policy may list (validate RIB documents against this).
 TRIGGERS = frozenset({"low_conf", "disagree_high", "disagreement", "no_findings", "weak_citations", "test_fail"})
@@ -60,7 +68,7 @@ def should_escalate(
     ``result`` is :func:`~atp.consensus.strategies.merge`'s output for
     ``reports``; ``threshold`` is a confidence 0..1 (see the module table);
     ``files`` (path → text) feeds the evidence scorer for ``weak_citations``,
-    which cannot fire without it. Raises ``ValueError`` on a trigger name not
+    which without it fires only on citation findings (:data:`CITATION_RULE`). Raises ``ValueError`` on a trigger name not
     in :data:`TRIGGERS`.
     """
     unknown = [t for t in triggers if t not in TRIGGERS]
@@ -102,6 +110,10 @@ def _fires(
         case "no_findings":
             return not result.findings
         case "weak_citations":
+            best = [max(cs) for r in reports.values()
+                    if (cs := [f.confidence for f in r.findings if f.rule == CITATION_RULE])]
+            if best and sum(best) / len(best) < threshold:
+                return True
             if files is None:
                 return False
             counts = count_lines(files)
