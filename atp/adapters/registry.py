@@ -4,6 +4,14 @@
 entry, for model agents) into a :class:`ProviderAdapter`:
 
     tool: ruff | bandit                     → RuffAdapter / BanditAdapter
+    tool: pylint | mypy | semgrep           → PylintAdapter / MypyAdapter / SemgrepAdapter
+                                              (semgrep offline, with the rules shipped in
+                                              atp/adapters/tools/semgrep_rules/)
+    tool: pytest (alias tests)              → TestRunnerAdapter: the task's tests run in a
+                                              sandbox without network; failing tests are
+                                              ``test_fail`` findings
+    tool: retriever | summariser            → RetrieverAdapter / SummariserAdapter (in-process,
+                                              in a worker thread; §15.3 / §15.2)
     model provider: openai_compat           → OpenAICompatAdapter at model.base_url (also
                                               Ollama's OpenAI-compatible /v1, vLLM, llama.cpp)
                     openai                  → same, base_url default https://api.openai.com/v1
@@ -38,7 +46,13 @@ from atp.adapters.ollama import OllamaAdapter
 from atp.adapters.openai_compat import ChatModelAdapter, OpenAICompatAdapter
 from atp.adapters.tools.bandit import BanditAdapter
 from atp.adapters.tools.base import DEFAULT_LIMITS, LIMIT_OPTIONS, ToolLimits
+from atp.adapters.tools.mypy import MypyAdapter
+from atp.adapters.tools.pylint import PylintAdapter
 from atp.adapters.tools.ruff import RuffAdapter
+from atp.adapters.tools.semgrep import DEFAULT_SEMGREP_LIMITS, SemgrepAdapter
+from atp.adapters.tools.retriever import RetrieverAdapter, RetrieverLimits
+from atp.adapters.tools.summariser import SummariserAdapter, SummariserLimits
+from atp.adapters.tools.testrunner import TestRunnerAdapter
 from atp.policy.rib import AgentSpec, ModelSpec, TlsClientSpec
 from atp.security.tls import client_context
 
@@ -109,6 +123,45 @@ def _bandit(name: str, agent: AgentSpec) -> ProviderAdapter:
     return BanditAdapter(name, scope=agent.scope, strengths=agent.strengths or None, limits=limits, **opts)
 
 
+def _analyser(cls: type, allowed: Mapping[str, tuple[type, ...]]) -> ToolFactory:
+    """Factory of ``tool: <cls.tool>``: ``scope`` from the agent, ``context``, the
+    :class:`ToolLimits` fields and ``allowed`` from ``options``. A value the
+    adapter refuses is a ``ValueError`` naming ``options.<key>``."""
+
+    def factory(name: str, agent: AgentSpec) -> ProviderAdapter:
+        opts, limits = _tool_options(agent, {**allowed, "context": (int,)}, f"tool {cls.tool}")
+        if cls is SemgrepAdapter and "address_space_bytes" not in agent.options:
+            limits = dataclasses.replace(limits, address_space_bytes=DEFAULT_SEMGREP_LIMITS.address_space_bytes)
+        try:
+            return cls(name, scope=agent.scope, strengths=agent.strengths or None, limits=limits, **opts)
+        except ValueError as e:
+            key = str(e).partition(":")[0]
+            raise ValueError(f"options.{e}" if key in opts else str(e)) from None
+
+    return factory
+
+
+#: ``tool: pylint``: ``enable`` / ``disable`` (message ids, symbols or classes).
+_pylint = _analyser(PylintAdapter, {"enable": _STR_LIST, "disable": _STR_LIST})
+#: ``tool: mypy``: ``disable_error_codes``, ``check_untyped_defs``, ``python_version``.
+_mypy = _analyser(
+    MypyAdapter, {"disable_error_codes": _STR_LIST, "check_untyped_defs": (bool,), "python_version": (str,)}
+)
+#: ``tool: semgrep``: ``rules`` (rule packs), ``exclude_rules`` (rule ids); its
+#: address-space limit defaults to 4 GiB (:data:`DEFAULT_SEMGREP_LIMITS`).
+_semgrep = _analyser(SemgrepAdapter, {"rules": _STR_LIST, "exclude_rules": _STR_LIST})
+
+
+def _pytest(name: str, agent: AgentSpec) -> ProviderAdapter:
+    """``tool: pytest`` / ``tests`` (:mod:`atp.adapters.tools.testrunner`): ``repos``
+    (checkout roots a task's ``content.repo`` may name), ``allow_network`` (run where
+    network namespaces are unavailable), ``max_write_bytes`` and the tool limits."""
+    opts, limits = _tool_options(
+        agent, {"repos": _STR_LIST, "allow_network": (bool,), "max_write_bytes": (int,)}, "tool pytest"
+    )
+    return TestRunnerAdapter(name, strengths=agent.strengths or None, limits=limits, **opts)
+
+
 #: ``agent.options`` every chat-model provider accepts; ``retries`` (429/5xx answers
 #: retried with backoff) only where the adapter retries.
 _CHAT_OPTIONS: dict[str, tuple[type, ...]] = {"json_mode": (bool,), "context_in_prompt": (bool,)}
@@ -148,7 +201,39 @@ def _chat(
     return factory
 
 
-TOOL_FACTORIES: dict[str, ToolFactory] = {"ruff": _ruff, "bandit": _bandit}
+_RETRIEVER_LIMITS = {f.name: (int,) for f in dataclasses.fields(RetrieverLimits)}
+
+
+def _retriever(name: str, agent: AgentSpec) -> ProviderAdapter:
+    """``tool: retriever`` (:mod:`atp.adapters.tools.retriever`): ``docs`` (required),
+    ``roots``, ``k``, ``chunk_lines``, ``overlap``, ``min_score``, ``suffixes`` and
+    the :class:`RetrieverLimits` fields."""
+    opts = _options(agent, {"docs": (str,), "roots": _STR_LIST, "k": (int,), "chunk_lines": (int,),
+                            "overlap": (int,), "min_score": (int, float), "suffixes": _STR_LIST,
+                            **_RETRIEVER_LIMITS}, "tool retriever")
+    if "docs" not in opts:
+        raise ValueError("options.docs: required for tool retriever (the corpus directory)")
+    limits = RetrieverLimits(**{k: opts.pop(k) for k in list(opts) if k in _RETRIEVER_LIMITS})
+    return RetrieverAdapter(name, strengths=agent.strengths or None, limits=limits, **opts)
+
+
+_SUMMARISER_LIMITS = {f.name: (int,) for f in dataclasses.fields(SummariserLimits)}
+
+
+def _summariser(name: str, agent: AgentSpec) -> ProviderAdapter:
+    """``tool: summariser`` (:mod:`atp.adapters.tools.summariser`): ``repo`` (required),
+    ``roots`` and the :class:`SummariserLimits` fields."""
+    opts = _options(agent, {"repo": (str,), "roots": _STR_LIST, **_SUMMARISER_LIMITS}, "tool summariser")
+    if "repo" not in opts:
+        raise ValueError("options.repo: required for tool summariser (the default repository directory)")
+    limits = SummariserLimits(**{k: opts.pop(k) for k in list(opts) if k in _SUMMARISER_LIMITS})
+    return SummariserAdapter(name, strengths=agent.strengths or None, limits=limits, **opts)
+
+
+TOOL_FACTORIES: dict[str, ToolFactory] = {"ruff": _ruff, "bandit": _bandit, "retriever": _retriever,
+                                          "summariser": _summariser}
+TOOL_FACTORIES["pytest"] = TOOL_FACTORIES["tests"] = _pytest
+TOOL_FACTORIES.update(pylint=_pylint, mypy=_mypy, semgrep=_semgrep)
 PROVIDER_FACTORIES: dict[str, ProviderFactory] = {
     "openai_compat": _chat(None),
     "openai": _chat(OPENAI_BASE_URL),

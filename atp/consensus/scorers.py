@@ -7,8 +7,11 @@ exactly (repo-relative POSIX paths, as in the task's ``files``); lines are
 
 * **Evidence** — does the citation point at something real? A file absent from
   the task, or a start line past the file's end, is a hallucination.
+* **Change** — a real citation outside the change that names no test counts
+  half (:func:`change_evidence`).
 * **Agreement** — how much the agents flagged the same places (Jaccard over
-  clustered spans, see :func:`agreement`).
+  clustered spans, see :func:`agreement`) and, per merged finding, how much
+  their claims say the same thing (:func:`claim_similarity`).
 * **Cost** — an expensive contributor counts less, unless its finding is high
   severity.
 
@@ -18,6 +21,7 @@ exactly (repo-relative POSIX paths, as in the task's ``files``); lines are
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+import re
 from itertools import combinations
 from typing import TypeVar
 
@@ -29,6 +33,11 @@ T = TypeVar("T")
 GROUNDED = 1.0
 SPAN_OVERFLOW = 0.5
 HALLUCINATED = 0.0
+
+#: Evidence of a citation that is real but outside the change and names no test.
+OFF_CHANGE = 0.5
+#: Lines either side of a changed line a citation may fall on and count as in the change.
+CHANGE_SLACK = 3
 
 #: Share of the score an expensive contributor loses on a below-high finding.
 COST_PENALTY = 0.5
@@ -68,6 +77,39 @@ def evidence_score(finding: AgentFinding, line_counts: Mapping[str, int] | None)
     if n is None or first > n:
         return HALLUCINATED
     return GROUNDED if last <= n else SPAN_OVERFLOW
+
+
+def change_evidence(finding: AgentFinding, changed: Mapping[str, Iterable[int]] | None,
+                    *, slack: int = CHANGE_SLACK) -> float:
+    """Evidence factor for where a citation points relative to the change (spec
+    §7.1 "citation must point at changed code or a failing test"): 1.0 when the
+    span touches a changed line of its file (± ``slack`` lines) or the finding
+    names a test (``tests`` non-empty, or rule ``test_fail``); :data:`OFF_CHANGE`
+    otherwise. ``changed`` (path → changed line numbers after the diff, from
+    :func:`atp.review.diff.changed_lines`) ``None`` means no diff is known: 1.0."""
+    if changed is None or finding.tests or finding.rule == "test_fail":
+        return 1.0
+    lines = changed.get(finding.file)
+    if not lines:
+        return OFF_CHANGE
+    first, last = span_of(finding)
+    return 1.0 if any(first - slack <= n <= last + slack for n in lines) else OFF_CHANGE
+
+
+_WORD = re.compile(r"[a-z0-9_]+")
+# A rule code prefix ("F821: ", "B301: ") says which analyser spoke, not what it claims.
+_RULE_PREFIX = re.compile(r"^[A-Za-z]+[0-9]+[:]\s*")
+
+
+def claim_similarity(a: str, b: str) -> float:
+    """Word-set Jaccard of two claims, 0.0..1.0 (rule-code prefixes and case
+    ignored; two empty claims are 1.0): how far two agents say the same thing
+    about a place they both flagged."""
+    wa = set(_WORD.findall(_RULE_PREFIX.sub("", a).lower()))
+    wb = set(_WORD.findall(_RULE_PREFIX.sub("", b).lower()))
+    if not wa and not wb:
+        return 1.0
+    return len(wa & wb) / len(wa | wb)
 
 
 def clusters(items: Iterable[T], key: Callable[[T], tuple[str, int, int]], *, line_slack: int = 0) -> list[list[T]]:

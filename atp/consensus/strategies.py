@@ -54,13 +54,23 @@ Flags (machine-readable entries of ``consensus.uncertainties``, always first):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import msgspec
 
-from atp.consensus.scorers import HALLUCINATED, agreement, clusters, cost_score, count_lines, evidence_score, span_of
-from atp.consensus.types import AgentFinding, AgentReport, ConsensusInfo, Finding, Result, Severity
+from atp.consensus.scorers import (
+    HALLUCINATED,
+    agreement,
+    change_evidence,
+    claim_similarity,
+    clusters,
+    cost_score,
+    count_lines,
+    evidence_score,
+    span_of,
+)
+from atp.consensus.types import AgentFinding, AgentReport, ConsensusInfo, Finding, FindingScores, Result, Severity
 
 STRATEGIES = ("union_tiebreak", "two_phase_commit", "champion_challenger")
 NO_QUORUM = "ECONSENSUS: a high-severity finding lacks a second agent's ACK"
@@ -76,7 +86,8 @@ class _Contribution:
     finding: AgentFinding
     first: int
     last: int
-    evidence: float
+    evidence: float  # evidence_score × change_evidence
+    cost: float  # cost_score
     rank: tuple  # claim/provenance order: lower sorts first
 
 
@@ -101,6 +112,8 @@ def merge(
     threshold: float = DEFAULT_THRESHOLD,
     quorum: int = 2,
     sources: Mapping[str, str] | None = None,
+    changed: Mapping[str, Iterable[int]] | None = None,
+    calibration: Mapping[str, Callable[[float], float]] | None = None,
 ) -> Result:
     """Merge agent reports into the §7.3 ``result`` (spec §7.2).
 
@@ -117,6 +130,14 @@ def merge(
     ``sources``: agent → the independent source behind it (a model, a tool, a
     remote endpoint); agents sharing one count once in confidence, quorum and
     the lone-finding rule (spec §19); missing agents are their own source.
+    ``changed``: path → changed line numbers after the diff; a citation outside
+    the change that names no test counts half as evidence
+    (:func:`~atp.consensus.scorers.change_evidence`; ``None``: not checked).
+    ``calibration``: agent → a function from a stated confidence to the
+    measured one (RIB ``agents.<x>.calibration``, written by ``atp-router
+    eval``); the agent's findings enter the merge with it. Every merged finding
+    carries its ``scores`` (evidence, agreement, claims,
+    cost: :class:`~atp.consensus.types.FindingScores`).
 
     Raises ``ValueError`` for an unknown strategy, ``line_slack < 0`` or
     ``quorum < 1``.
@@ -126,13 +147,16 @@ def merge(
     if quorum < 1:
         raise ValueError(f"quorum must be >= 1, got {quorum}")
     line_counts = count_lines(files) if files is not None else None
-    contributions = _contributions(reports, win_rates, costs_usd_micros, line_counts)
+    if calibration:
+        reports = {a: _calibrated(r, calibration[a]) if a in calibration else r for a, r in reports.items()}
+    contributions = _contributions(reports, win_rates, costs_usd_micros, line_counts, changed)
     agreed = agreement(reports, line_slack=line_slack)
     cited_in = [c for c in contributions if c.evidence > HALLUCINATED]
     src = dict(sources or {})
-    cited = _at_least(_cluster_all(cited_in, line_slack, src), min_severity)
+    voices = len({src.get(a, "agent:" + a) for a, r in reports.items() if r.findings})
+    cited = _at_least(_cluster_all(cited_in, line_slack, src, voices), min_severity)
     uncited = _at_least(
-        _cluster_all([c for c in contributions if c.evidence == HALLUCINATED], line_slack, src), min_severity
+        _cluster_all([c for c in contributions if c.evidence == HALLUCINATED], line_slack, src, voices), min_severity
     )
 
     flags: list[str] = []
@@ -158,7 +182,7 @@ def merge(
         champion, acceptable = _champion(reports, contributions, costs_usd_micros, threshold)
         if not acceptable:
             flags.append(NO_CHAMPION)
-        kept = _at_least(_cluster_all([c for c in cited_in if c.agent == champion], line_slack, src), min_severity)
+        kept = _at_least(_cluster_all([c for c in cited_in if c.agent == champion], line_slack, src, voices), min_severity)
         for c in cited:
             if champion not in c.agents:
                 others = ",".join(sorted(c.agents))
@@ -170,6 +194,12 @@ def merge(
         findings=[msgspec.structs.replace(c.finding, id=f"F-{i}") for i, c in enumerate(kept, 1)],
         consensus=ConsensusInfo(strategy=strategy, agreement=agreed, uncertainties=flags + [n for _, n in notes]),
     )
+
+
+def _calibrated(report: AgentReport, fn: Callable[[float], float]) -> AgentReport:
+    findings = [msgspec.structs.replace(f, confidence=round(min(max(fn(f.confidence), 0.0), 1.0), 4))
+                for f in report.findings]
+    return msgspec.structs.replace(report, findings=findings)
 
 
 def report_confidence(report: AgentReport, evidence: list[float] | None = None) -> float:
@@ -189,6 +219,7 @@ def _contributions(
     win_rates: Mapping[str, float],
     costs: Mapping[str, int],
     line_counts: Mapping[str, int] | None,
+    changed: Mapping[str, Iterable[int]] | None = None,
 ) -> list[_Contribution]:
     max_cost = max((costs.get(a, 0) for a in reports), default=0)
     out: list[_Contribution] = []
@@ -198,17 +229,22 @@ def _contributions(
             first, last = span_of(f)
             cs = cost_score(costs.get(agent, 0), max_cost_usd_micros=max_cost, severity=f.severity)
             rank = (-f.severity.rank, -win, -cs, -f.confidence, agent, i)
-            out.append(_Contribution(agent, f.ref or str(i), f, first, last, evidence_score(f, line_counts), rank))
+            ev = evidence_score(f, line_counts)
+            if ev > HALLUCINATED:
+                ev *= change_evidence(f, changed)
+            out.append(_Contribution(agent, f.ref or str(i), f, first, last, ev, cs, rank))
     return out
 
 
 def _cluster_all(contributions: list[_Contribution], line_slack: int,
-                 sources: Mapping[str, str]) -> list[_Cluster]:
+                 sources: Mapping[str, str], voices: int) -> list[_Cluster]:
     groups = clusters(contributions, lambda c: (c.finding.file, c.first, c.last), line_slack=line_slack)
-    return [_merge_cluster(g, sources) for g in groups]
+    return [_merge_cluster(g, sources, voices) for g in groups]
 
 
-def _merge_cluster(group: list[_Contribution], sources: Mapping[str, str]) -> _Cluster:
+def _merge_cluster(group: list[_Contribution], sources: Mapping[str, str], voices: int) -> _Cluster:
+    """One merged finding from a cluster; ``voices`` is the number of
+    independent sources that reported anything (for the agreement score)."""
     ranked = sorted(group, key=lambda c: c.rank)
     lead = ranked[0]  # rank sorts by severity first: lead holds the max severity
     first = min(c.first for c in group)
@@ -223,6 +259,15 @@ def _merge_cluster(group: list[_Contribution], sources: Mapping[str, str]) -> _C
     severities = sorted({c.finding.severity for c in group}, key=lambda s: s.rank)
     disputed = (severities[-1], severities[0]) if severities[-1].rank - severities[0].rank >= 2 else None
     patch = next((c.finding.patch for c in ranked if c.finding.patch), None)
+    claims = [c.finding.claim for c in ranked]
+    pairs = [(a, b) for i, a in enumerate(claims) for b in claims[i + 1:]]
+    voices = max(voices, len(best), 1)
+    scores = FindingScores(
+        evidence=round(max(c.evidence for c in group), 4),
+        agreement=round(len(best) / voices, 4),
+        claims=round(sum(claim_similarity(a, b) for a, b in pairs) / len(pairs), 4) if pairs else 1.0,
+        cost=round(max(c.cost for c in group), 4),
+    )
     finding = Finding(
         id="",
         severity=lead.finding.severity,
@@ -233,6 +278,7 @@ def _merge_cluster(group: list[_Contribution], sources: Mapping[str, str]) -> _C
         provenance=[f"{c.agent}#{c.ref}" for c in ranked],
         patch=patch,
         tests=sorted({t for c in group for t in c.finding.tests}),
+        scores=scores,
     )
     order = (-lead.finding.severity.rank, lead.finding.file, first, last, lead.finding.claim)
     return _Cluster(finding, frozenset(c.agent for c in group), frozenset(best), order, disputed)

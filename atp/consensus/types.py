@@ -74,8 +74,23 @@ class AgentReport(Struct, forbid_unknown_fields=True, omit_defaults=True):
     confidence: Confidence | None = None
 
 
+class FindingScores(Struct, forbid_unknown_fields=True):
+    """The consensus scorers of one merged finding (spec §7.1), each 0..1:
+    ``evidence`` the best contributor's citation score (file and lines exist,
+    inside the change or naming a test); ``agreement`` the share of the
+    reporting sources that flagged this place; ``claims`` the mean pairwise
+    word similarity of the contributors' claims (1.0 with one); ``cost`` the
+    best contributor's cost score (1.0: free or a high-severity finding)."""
+
+    evidence: Annotated[float, Meta(ge=0.0, le=1.0)]
+    agreement: Annotated[float, Meta(ge=0.0, le=1.0)]
+    claims: Annotated[float, Meta(ge=0.0, le=1.0)]
+    cost: Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
 class Finding(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """A merged finding in the FINAL result (spec §7.3). ``span`` is ``"start-end"``."""
+    """A merged finding in the FINAL result (spec §7.3). ``span`` is ``"start-end"``;
+    ``scores`` the consensus scorers behind its confidence."""
 
     id: str
     severity: Severity
@@ -86,6 +101,7 @@ class Finding(Struct, forbid_unknown_fields=True, omit_defaults=True):
     provenance: list[str]
     patch: str | None = None
     tests: list[str] = msgspec.field(default_factory=list)
+    scores: FindingScores | None = None
 
 
 class ConsensusInfo(Struct, forbid_unknown_fields=True):

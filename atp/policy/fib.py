@@ -126,6 +126,7 @@ class Route(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     consensus: str
     qos: QoS | None
     deadline_ms: int
+    quorum: int = 2
     alternates: list[NextHop] = msgspec.field(default_factory=list)
 
 
@@ -339,6 +340,7 @@ class Fib:
             consensus=spec.consensus,
             qos=spec.qos,
             deadline_ms=spec.deadline_ms,
+            quorum=spec.quorum or 2,
             alternates=[msgspec.structs.replace(c.hop, weight=-neg) for neg, _, c in alternates],
         )
 

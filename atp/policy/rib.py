@@ -61,10 +61,11 @@ PROVIDERS: tuple[str, ...] = ("openai", "openai_compat", "ollama", "google")
 
 #: Local tools usable as ``agents.<name>.tool``. Add a name here when its
 #: adapter lands in :mod:`atp.adapters.tools`.
-TOOLS: frozenset[str] = frozenset({"ruff", "bandit"})
+TOOLS: frozenset[str] = frozenset({"ruff", "bandit", "pylint", "mypy", "semgrep", "retriever", "summariser",
+                                   "pytest", "tests"})
 #: The tools shipped with the router: deterministic analysers, so two agents on
 #: one of them are one consensus source (a tool registered later is its own).
-BUILTIN_TOOLS: frozenset[str] = frozenset({"ruff", "bandit"})
+BUILTIN_TOOLS: frozenset[str] = frozenset({"ruff", "bandit", "pylint", "mypy", "semgrep"})
 
 #: Escalation triggers (spec §6.1, §15, §23): raised by the consensus engine.
 TRIGGERS: tuple[str, ...] = (
@@ -230,6 +231,27 @@ class RemoteSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     tls: TlsClientSpec | None = None
 
 
+class CalibrationSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """What an evaluation measured of an agent's findings (``atp-router eval
+    --calibration`` writes it): ``findings`` reported, ``matched`` a labelled
+    defect. The confidence the router gives each of the agent's findings is the
+    posterior mean ``(matched + weight·c) / (findings + weight)``, ``c`` being the
+    confidence the agent stated — so a measured precision overrides an
+    analyser's hard-coded grades as evidence accumulates (spec §7.1)."""
+
+    findings: Annotated[int, Meta(ge=0)]
+    matched: Annotated[int, Meta(ge=0)]
+    weight: Annotated[float, Meta(gt=0.0, le=1000.0)] = 5.0
+
+    def __post_init__(self) -> None:
+        if self.matched > self.findings:
+            raise SpecError("matched", f"matched {self.matched} exceeds findings {self.findings}")
+
+    def apply(self, confidence: float) -> float:
+        """The calibrated confidence (0..1) of a finding stated at ``confidence``."""
+        return (self.matched + self.weight * confidence) / (self.findings + self.weight)
+
+
 class AgentSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     """An agent registry entry (spec §6.1): exactly one of ``model`` (a key of
     ``Rib.models``), ``tool`` (one of :data:`TOOLS`) or ``remote`` (a
@@ -248,6 +270,8 @@ class AgentSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     candidates — the fallback graph must be acyclic; ``data_scope`` the
     ``meta.data_scope`` labels this agent is cleared to receive (None: any;
     a task with a label outside the list never goes to it, spec §11).
+    ``calibration`` the measured precision of its findings
+    (:class:`CalibrationSpec`; None: its stated confidences are used as given).
     """
 
     layer: Layer
@@ -264,6 +288,7 @@ class AgentSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     window: Window | None = None
     fallback: NonEmptyStr | None = None
     data_scope: list[NonEmptyStr] | None = None
+    calibration: CalibrationSpec | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window.max_parallel < 1:
@@ -279,11 +304,15 @@ class AgentSpec(Struct, forbid_unknown_fields=True, kw_only=True):
 
 class EscalationSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """Escalate to agent ``to`` when any trigger in ``on`` fires (spec §6.1);
-    ``threshold`` is the confidence under which ``low_conf`` fires."""
+    ``threshold`` is the confidence under which ``low_conf`` fires. With
+    ``evidence`` the escalation next-hop gets what the first stage found as
+    ``content["evidence"]`` (spec §15.3: synthesis "only with document
+    snippets"; see :mod:`atp.router.dispatch`)."""
 
     on: Annotated[list[Trigger], Meta(min_length=1)]
     to: NonEmptyStr
     threshold: Confidence = 0.5
+    evidence: bool = False
 
 
 class BanditSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -333,7 +362,9 @@ class PolicySpec(Struct, forbid_unknown_fields=True, kw_only=True):
 
     ``name`` defaults to ``policy[i]`` (i = position in the merged RIB);
     ``fanout_k`` keeps the top-K next-hops by score (default all);
-    ``window`` is the initial window triplet (spec §5.1, §15.1: in-flight calls,
+    ``quorum`` is the K of K-of-N for ``consensus: two_phase_commit``: distinct
+    sources that must flag a place before it is committed (None: 2; at most
+    the fanout plus the escalation target); ``window`` is the initial window triplet (spec §5.1, §15.1: in-flight calls,
     tokens, USD micros; all three given, ``max_parallel`` ≥ 1) or None for the
     router's default; ``deadline_ms`` is the overall stream deadline.
     """
@@ -346,6 +377,7 @@ class PolicySpec(Struct, forbid_unknown_fields=True, kw_only=True):
     budget: Budget | None = None
     window: Window | None = None
     consensus: NonEmptyStr = "union_tiebreak"
+    quorum: PosInt | None = None
     qos: QoS | None = None
     deadline_ms: PosInt = 120_000
     bandit: BanditSpec | None = None
@@ -361,6 +393,10 @@ class PolicySpec(Struct, forbid_unknown_fields=True, kw_only=True):
             raise SpecError("fanout_k", f"fanout_k {self.fanout_k} exceeds the fanout size {len(self.fanout)}")
         if self.window is not None and self.window.max_parallel < 1:
             raise SpecError("window.max_parallel", "max_parallel must be >= 1 (0 would never admit a call)")
+        if self.quorum is not None and self.quorum > len(self.fanout) + (self.escalation is not None):
+            raise SpecError("quorum", f"quorum {self.quorum} exceeds the {len(self.fanout)} fanout agent(s)"
+                            + (" plus the escalation target" if self.escalation is not None else "")
+                            + ": nothing could ever be committed")
         if self.escalation is not None and self.escalation.to in seen:
             raise SpecError(
                 "escalation.to",

@@ -43,6 +43,13 @@ ingresses with ``--tls-cert/--tls-key``; plain HTTP/WS only on a loopback host o
 with ``--plaintext``. Logs go to stderr with Agent Context secrets masked
 (:func:`atp.adapters.context.install_log_redaction`).
 
+Diff-only tasks (the A2A server's plain-text diffs): ``--repo PATH`` names a local
+checkout the after-diff text of the touched files is read from (confined to PATH:
+no ``..``, absolute paths, ``.git`` or symlinks leading out; 1 MiB a file, 8 MiB
+and 2,000 files in all; the lines must be the diff's after side). Without it, or
+when a file cannot be read, the diff is reviewed alone only if every routed agent
+can work from a diff alone; otherwise the A2A task is ``rejected`` naming why.
+
 Subcommands: ``atp-router keys new KEY_ID TENANT [ROLES]`` (a new API key) and
 ``atp-router audit verify|show --state-dir DIR`` (:func:`atp.security.audit.audit_main`).
 Prints one ``listening`` line when ready; SIGINT/SIGTERM stop it.
@@ -110,7 +117,10 @@ async def run(config: RouterConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> 
 
 def _parser() -> argparse.ArgumentParser:
     d = RouterConfig(policies=Path("policies"))
-    ap = argparse.ArgumentParser(prog="atp-router", description="ATP router appliance (Agent Transport Protocol v0.1)")
+    ap = argparse.ArgumentParser(prog="atp-router", description="ATP router appliance (Agent Transport Protocol v0.1)",
+                                 epilog="subcommands: 'atp-router keys new', 'atp-router policy check PATH', "
+                                        "'atp-router audit …', 'atp-router eval --tasks FILE [--policies RIB …] "
+                                        "[--url URL]', 'atp-router model-server [--port N]' (each with --help)")
     ap.add_argument("--policies", type=Path, default=Path("policies"), help="RIB file or directory of *.yaml")
     ap.add_argument("--no-watch", action="store_true",
                     help="do not reload the RIB when a --policies file changes (POST /v1/policies/reload still does)")
@@ -118,6 +128,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--http-port", type=int, default=d.http_port, help="control API (0 = any free port)")
     ap.add_argument("--ws-port", type=int, default=d.ws_port, help="WebSocket ingress (0 = any free port)")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--repo", type=Path, metavar="PATH",
+                    help="a local checkout: an A2A client sending only a diff (plain text) gets the after-diff "
+                         "text of the files it touches read from here (confined to PATH, bounded: 1 MiB a file, "
+                         "8 MiB in all); without it such a diff is reviewed alone only when every routed agent "
+                         "can work from a diff alone, else the task is rejected")
     sec = ap.add_argument_group("security (spec §4.1, §11): identities, TLS, policy secrets, tenant quotas, limits")
     sec.add_argument("--auth", type=Path, metavar="FILE",
                      help="YAML: api_keys (sha256 hashes), jwt (issuer, audience, JWKS), mtls (SAN → identity)")
@@ -217,6 +232,8 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
         ap.error("give --tls-cert and --tls-key together")
     if args.tls_cert is None and (args.tls_client_ca or args.require_client_cert):
         ap.error("--tls-client-ca / --require-client-cert need --tls-cert and --tls-key")
+    if args.repo is not None and not args.repo.is_dir():
+        ap.error(f"--repo {args.repo}: not a directory")
     if args.tls_cert is None and not args.plaintext and not _loopback(args.host):
         ap.error(f"--host {args.host} is not a loopback address: serve TLS (--tls-cert, --tls-key) "
                  "or ask for plain HTTP/WS with --plaintext")
@@ -234,6 +251,7 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
             tenant_rate_per_s=args.tenant_rate_per_s, tenant_rate_burst=args.tenant_rate_burst,
             max_body_bytes=args.max_body_bytes, max_policy_bytes=args.max_policy_bytes,
             max_ws_message_bytes=args.max_ws_message_bytes,
+            repo=args.repo.resolve() if args.repo is not None else None,
             state_dir=args.state_dir, state_sync=args.state_sync.upper(), watch_policies=not args.no_watch,
             **_flow_config(args),
         )
@@ -295,6 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "keys":
         return keys_main(argv[1:])
+    if argv and argv[0] == "model-server":
+        from atp.adapters.local_model import model_server_main
+
+        return model_server_main(argv[1:])
+    if argv and argv[0] == "eval":
+        from atp.review.eval import main as eval_main
+
+        return eval_main(argv[1:])
     if argv and argv[0] == "policy":
         from atp.policy.check import policy_main
 

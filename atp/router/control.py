@@ -173,6 +173,7 @@ class ControlPlane:
         dispatcher = Dispatcher(
             adapters, self.ledger, win_rates={n: a.win30d for n, a in rib.agents.items()},
             sources={n: independence_source(rib, n) for n in rib.agents},
+            calibration={n: a.calibration.apply for n, a in rib.agents.items() if a.calibration is not None},
             gates=self.gates, on_leg=self._on_leg,
         )
         return Generation(version, rib, fib, adapters, dispatcher, source, texts)

@@ -62,7 +62,10 @@ For one stream the dispatcher
 4. merges the reports by the route's consensus strategy (§7.2); ``two_phase_commit``
    without quorum is reported as ERROR ``ECONSENSUS`` and escalated (§10); when
    an escalation trigger fires (§8 step 6) the escalation next-hop is called and
-   the merge runs again; returns the FINAL result of §7.3 with telemetry.
+   the merge runs again; returns the FINAL result of §7.3 with telemetry. A
+   next-hop whose last attempt failed while others answered is named in the
+   result's ``consensus.uncertainties`` (:data:`NEXT_HOP_FAILED`), so a FINAL
+   without findings is never mistaken for a complete review.
 
 Budget exhaustion (§10 ``EBUDGET`` → FIN): once the committed spend of the stream's
 account or of its client's reaches a limit, no further call is admitted (queued
@@ -93,12 +96,20 @@ import trio
 from atp.adapters.base import Fragment, Prompt, ProviderAdapter
 from atp.consensus.escalation import consensus_error, should_escalate
 from atp.consensus.strategies import merge
-from atp.consensus.types import ANSWER_CHARS, AgentReport, Answer, FinalResult, Telemetry, Usage
+from atp.consensus.types import (
+    ANSWER_CHARS,
+    AgentReport,
+    Answer,
+    FinalResult,
+    Telemetry,
+    Usage,
+)
 from atp.flow.breaker import BreakerBoard, RetryPolicy
 from atp.flow.budget import BudgetLedger, Refusal, Reservation, usd_to_micros
 from atp.flow.qos import Grant, Preempt, QosScheduler, Refused, Revoke
 from atp.flow.window import Admission, Estimate, InFlight, WindowTable
 from atp.flow.window import Window as FlowWindow
+from atp.review.diff import changed_lines, parse_diff
 from atp.security.redact import scrub
 from atp.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode
 from atp.wire.frame import Flag, Frame, Payload, PayloadType, QoS, WindowUpdate
@@ -110,6 +121,12 @@ log = logging.getLogger("atp.router.dispatch")
 CONGESTION = frozenset({ErrorCode.ETIMEOUT, ErrorCode.EAGENTDOWN})
 #: Failures that a reroute to another next-hop can cure.
 REROUTABLE = frozenset({ErrorCode.ETIMEOUT, ErrorCode.EAGENTDOWN})
+#: Prefix of the FINAL's ``consensus.uncertainties`` entry for each next-hop of the
+#: route (or the escalation) whose last attempt failed — after its retries and
+#: reroutes — while others answered: ``"next-hop failed: <agent>: <reason>"``.
+#: The merged result then lacks that agent's view (an empty ``findings`` is not
+#: "nothing found"); the A2A server fails such a task when nothing was found.
+NEXT_HOP_FAILED = "next-hop failed: "
 
 
 class StreamIO(Protocol):
@@ -181,6 +198,9 @@ class TaskPlan:
     tried: set[str] = field(default_factory=set)
     #: Why the budget is exhausted (spec §10 EBUDGET), once it is.
     exhausted: str | None = None
+    #: Changed lines of the task's diff (path → after-diff lines) for the
+    #: evidence scorer, parsed off the event loop before the first merge.
+    changed: dict[str, set[int]] | None = None
     #: The policy's champion/challenger bandit chose "cheap then escalate": escalate
     #: (trigger ``bandit``) even when no policy trigger fires.
     escalate: bool = False
@@ -439,7 +459,9 @@ class Dispatcher:
     ``adapters`` maps agent names to live adapters; ``win_rates`` come from the
     RIB; ``sources`` maps agents to the independent source behind them
     (:func:`atp.policy.rib.independence_source`: agents on one model count once
-    in consensus, spec §19); ``gates`` is the router-wide :class:`FlowGates`.
+    in consensus, spec §19); ``calibration`` maps agents to the function that
+    turns a stated finding confidence into the measured one (RIB
+    ``agents.<x>.calibration``); ``gates`` is the router-wide :class:`FlowGates`.
     ``on_leg`` is called after every attempt (metrics).
     """
 
@@ -452,11 +474,13 @@ class Dispatcher:
         gates: FlowGates,
         on_leg: Callable[[LegOutcome], None] | None = None,
         sources: Mapping[str, str] | None = None,
+        calibration: Mapping[str, Callable[[float], float]] | None = None,
     ):
         self.adapters = adapters
         self.ledger = ledger
         self.win_rates = win_rates
         self.sources = dict(sources or {})
+        self.calibration = dict(calibration or {})
         self.gates = gates
         self.on_leg = on_leg
         self.last_triggers: list[str] = []
@@ -494,6 +518,13 @@ class Dispatcher:
             for turn, hop in enumerate(route.next_hops):
                 self._deadline_error(io, plan, legs, turn, hop.agent)
 
+        # A diff may be megabytes: a large one is parsed in a worker thread, never
+        # on the loop; a small one (µs of work) inline.
+        diff = plan.prompt.content.get("diff") if isinstance(plan.prompt.content, Mapping) else None
+        if isinstance(diff, str) and len(diff) > _INLINE_DIFF_CHARS:
+            plan.changed = await trio.to_thread.run_sync(_changed_lines, plan.prompt.content)
+        else:
+            plan.changed = _changed_lines(plan.prompt.content)
         result, reports = self._merge(plan)
         triggers: list[str] = []
         no_quorum = consensus_error(result) is not None
@@ -524,6 +555,8 @@ class Dispatcher:
             turn = len(route.next_hops)
             plan.tried.add(hop.agent)
             plan.escalated = True
+            if getattr(esc, "evidence", False):
+                _hand_evidence(plan, reports)
             with trio.move_on_at(plan.deadline) as esc_scope:
                 await self._leg(io, plan, hop, legs, turn)
             if esc_scope.cancelled_caught:
@@ -549,6 +582,12 @@ class Dispatcher:
             raise AgentError(ErrorCode.EAGENTDOWN, f"no next-hop produced a result ({failed or 'none ran'})")
         if triggers:
             result.consensus.uncertainties.append("escalated on " + ", ".join(triggers))
+        for _, out in sorted(legs.items()):
+            # The final outcome of each turn: a failure its retries and reroutes did not mend.
+            if out.error is not None and not out.cancelled:
+                reason = out.error.reason.removeprefix(out.agent + ": ")
+                note = scrub(f"{NEXT_HOP_FAILED}{out.agent}: {out.error.code}: {reason}")
+                result.consensus.uncertainties.append(note[:500])
         # Telemetry is what the stream was charged (§7.3 cost), never above its budget.
         tokens = sum(o.charged_tokens for o in plan.attempts)
         usd_micros = sum(o.charged_usd_micros for o in plan.attempts)
@@ -588,6 +627,9 @@ class Dispatcher:
             costs_usd_micros={a: costs.get(a, 0) for a in reports},
             files=plan.prompt.content.get("files"),
             sources=self.sources,
+            quorum=plan.route.quorum,
+            changed=plan.changed,
+            calibration=self.calibration,
         )
         texts: dict[str, LegOutcome] = {}
         for o in plan.attempts:
@@ -957,6 +999,43 @@ class Dispatcher:
         )
 
 
+#: Citations per report and characters per text handed to an escalation as evidence.
+EVIDENCE_FINDINGS = 20
+EVIDENCE_CHARS = 2_000
+
+
+def _hand_evidence(plan: TaskPlan, reports: Mapping[str, AgentReport]) -> None:
+    """The escalation ``evidence: true`` of a policy (spec §15.3): from now on
+    the stream's next-hops (the escalation, its retries and reroutes) get the
+    first stage's reports as ``content["evidence"]``: a list, per agent in name
+    order, of ``{"agent", "summary", "confidence", "findings": [{"file",
+    "start", "end", "claim", "confidence"}]}`` (at most
+    :data:`EVIDENCE_FINDINGS` findings, texts cut to :data:`EVIDENCE_CHARS`
+    characters and passed through :func:`~atp.security.redact.scrub`: the
+    evidence never carries a secret a detector recognises). Added to what the
+    next-hop may see (the data-scoped prompt)."""
+    evidence = [
+        {
+            "agent": agent,
+            "summary": scrub(r.summary, max_chars=EVIDENCE_CHARS),
+            "confidence": r.confidence,
+            "findings": [
+                {"file": f.file, "start": f.start, "end": f.end, "claim": scrub(f.claim, max_chars=EVIDENCE_CHARS),
+                 "confidence": f.confidence}
+                for f in r.findings[:EVIDENCE_FINDINGS]
+            ],
+        }
+        for agent, r in sorted(reports.items())
+    ]
+    base = plan.prompt_for
+
+    def prompt_for(agent: str) -> Prompt:
+        p = plan.prompt if base is None else base(agent)
+        return msgspec.structs.replace(p, content={**p.content, "evidence": evidence})
+
+    plan.prompt_for = prompt_for
+
+
 def _client_fault(err: ATPError | None) -> bool:
     """Did the client's input cause ``err`` (:class:`~atp.wire.errors.ClientInputError`)?"""
     return isinstance(err, AgentError) and err.client_fault
@@ -977,3 +1056,19 @@ def _leg_frame(plan: TaskPlan, agent: str, frag_seq: int, text: str, *, more: bo
         flags=[Flag.MORE] if more else [],
         payload=Payload(type=PayloadType.PARTIAL, content=text),
     )
+
+
+#: Diffs up to this many characters are parsed on the event loop (~100 µs).
+_INLINE_DIFF_CHARS = 32 * 1024
+
+
+def _changed_lines(content: Any) -> dict[str, set[int]] | None:
+    """Changed lines of the task's diff (path → after-diff line numbers) for the
+    evidence scorer; ``None`` when the task has no readable diff."""
+    diff = content.get("diff") if isinstance(content, Mapping) else None
+    if not isinstance(diff, str) or not diff:
+        return None
+    try:
+        return changed_lines(parse_diff(diff))
+    except ValueError:
+        return None

@@ -56,14 +56,14 @@ def files_after(diff: str, repo: Path, rev: str | None) -> dict[str, str]:
                 files[path] = r.stdout
             else:
                 print(f"WARNING: {path}: not readable at {rev} in {repo} ({r.stderr.strip() or 'git show failed'}); "
-                      "it is reviewed from the diff alone", file=sys.stderr)
+                      "the analysers cannot review it (they need the whole file)", file=sys.stderr)
         else:
             p = repo / path
             try:
                 files[path] = p.read_text(encoding="utf-8", errors="replace")
             except OSError as e:
-                print(f"WARNING: {path}: cannot read {p} ({e.strerror or e}); it is reviewed from the diff alone "
-                      f"(is --repo {repo} the repository the diff is from?)", file=sys.stderr)
+                print(f"WARNING: {path}: cannot read {p} ({e.strerror or e}); the analysers cannot "
+                      f"review it without its text (is --repo {repo} the repository the diff is from?)", file=sys.stderr)
     return files
 
 

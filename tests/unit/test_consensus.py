@@ -168,6 +168,8 @@ def test_union_tiebreak_spec_7_3_shape():
                 "provenance": ["reviewer.gemini#12", "summarizer.local#7"],
                 "patch": "p",
                 "tests": ["test_jwt_aud"],
+                # both sources flagged it; the claims share no word; both free.
+                "scores": {"evidence": 1.0, "agreement": 1.0, "claims": 0.0, "cost": 1.0},
             }
         ],
         "consensus": {"strategy": "union_tiebreak", "agreement": 1.0, "uncertainties": []},
@@ -529,3 +531,94 @@ def test_agreement_bounds_and_identical_reports(reports, slack):
     if reports:
         only = next(iter(reports.values()))
         assert agreement({"p": only, "q": only}, line_slack=slack) == 1.0
+
+
+# --- change-scoped evidence, claim similarity, per-finding scores, K-of-N quorum (issue 9) ------
+
+
+def test_change_evidence_inside_the_change_or_naming_a_test():
+    from atp.consensus.scorers import CHANGE_SLACK, OFF_CHANGE, change_evidence
+
+    changed = {"db/q.py": {10, 11}}
+    assert change_evidence(f("db/q.py", 12, 12), changed) == 1.0
+    assert change_evidence(f("db/q.py", 11 + CHANGE_SLACK, 20), changed) == 1.0
+    assert change_evidence(f("db/q.py", 12 + CHANGE_SLACK, 20), changed) == OFF_CHANGE
+    assert change_evidence(f("db/q.py", 1, 10 - CHANGE_SLACK - 1), changed) == OFF_CHANGE
+    assert change_evidence(f("auth/jwt.py", 10, 10), changed) == OFF_CHANGE  # a file the diff did not touch
+    assert change_evidence(f("auth/jwt.py", 10, 10, tests=["test_jwt"]), changed) == 1.0
+    assert change_evidence(f("auth/jwt.py", 10, 10, rule=TEST_FAIL_RULE), changed) == 1.0
+    assert change_evidence(f("auth/jwt.py", 10, 10), None) == 1.0  # no diff known: not checked
+
+
+def test_off_change_citation_halves_its_weight_in_the_merge():
+    reports = {"reviewer.gemini": rep(f("auth/jwt.py", 100, 100, H, "far away", 0.8))}
+    inside = run(reports, changed={"auth/jwt.py": {100}}).findings[0]
+    outside = run(reports, changed={"auth/jwt.py": {5}}).findings[0]
+    assert inside.scores.evidence == 1.0 and inside.confidence == 0.8
+    assert outside.scores.evidence == 0.5 and outside.confidence == 0.4
+
+
+def test_claim_similarity():
+    from atp.consensus.scorers import claim_similarity
+
+    assert claim_similarity("S301: pickle loads untrusted data", "B301: Pickle loads untrusted data") == 1.0
+    assert claim_similarity("missing audience check", "audience not checked") == pytest.approx(1 / 5)
+    assert claim_similarity("", "") == 1.0
+    assert claim_similarity("a b", "") == 0.0
+
+
+def test_per_finding_scores_agreement_is_the_share_of_reporting_sources():
+    reports = {
+        "reviewer.gemini": rep(f("db/q.py", 4, 6, H, "SQL injection via f-string", 0.9)),
+        "summarizer.local": rep(f("db/q.py", 5, 5, H, "f-string SQL injection", 0.6)),
+        "reviewer.gpt5": rep(f("auth/jwt.py", 1, 1, L, "nit", 0.9)),
+    }
+    by_file = {x.file: x for x in run(reports, costs_usd_micros={"reviewer.gpt5": 1000}).findings}
+    q, j = by_file["db/q.py"].scores, by_file["auth/jwt.py"].scores
+    assert q.agreement == round(2 / 3, 4) and j.agreement == round(1 / 3, 4)
+    assert q.claims == round(4 / 5, 4) and j.claims == 1.0  # {sql, injection, f, string} of {…, via}
+    assert q.cost == 1.0 and j.cost == 0.5  # the dearest contributor, a low finding
+
+
+def test_two_phase_commit_k_of_n_quorum():
+    reports = {
+        "a": rep(f("db/q.py", 4, 4, M, "x", 0.9)),
+        "b": rep(f("db/q.py", 4, 4, M, "x", 0.9)),
+        "c": rep(f("db/q.py", 4, 4, M, "x", 0.9), f("db/q.py", 20, 20, M, "y", 0.9)),
+    }
+    assert len(run(reports, strategy="two_phase_commit", quorum=3).findings) == 1  # only line 4 has 3 ACKs
+    assert len(run(reports, strategy="two_phase_commit", quorum=2).findings) == 1
+    assert len(run(reports, strategy="two_phase_commit", quorum=1).findings) == 2
+    two = {"a": reports["a"], "c": reports["c"]}
+    assert run(two, strategy="two_phase_commit", quorum=3).findings == []
+
+
+def test_policy_quorum_is_bounded_by_its_agents():
+    from atp.policy.rib import PolicySpec, SpecError
+
+    ok = msgspec.convert({"match": {}, "fanout": ["a", "b"], "consensus": "two_phase_commit", "quorum": 2}, PolicySpec)
+    assert ok.quorum == 2
+    with pytest.raises((SpecError, msgspec.ValidationError), match="quorum 3 exceeds the 2 fanout"):
+        msgspec.convert({"match": {}, "fanout": ["a", "b"], "quorum": 3}, PolicySpec)
+    esc = msgspec.convert({"match": {}, "fanout": ["a", "b"], "quorum": 3,
+                           "escalation": {"on": ["low_conf"], "to": "c"}}, PolicySpec)
+    assert esc.quorum == 3
+
+
+def test_calibration_replaces_stated_confidence_with_the_measured_one():
+    from atp.policy.rib import CalibrationSpec, SpecError
+
+    noisy = CalibrationSpec(findings=45, matched=0)  # measured: none of 45 findings was a defect
+    sure = CalibrationSpec(findings=10, matched=9, weight=10)
+    assert noisy.apply(0.7) == pytest.approx(5 * 0.7 / 50)
+    assert sure.apply(0.5) == pytest.approx((9 + 5) / 20)
+    with pytest.raises(SpecError, match="matched 3 exceeds findings 2"):
+        CalibrationSpec(findings=2, matched=3)
+    reports = {"lint.ruff": rep(f("db/q.py", 4, 4, M, "unused import", 0.7)),
+               "sec.bandit": rep(f("db/q.py", 20, 20, M, "pickle", 0.5))}
+    out = {x.file + x.span: x for x in run(reports, calibration={"lint.ruff": noisy.apply, "sec.bandit": sure.apply})
+           .findings}
+    assert out["db/q.py4-4"].confidence == 0.07 and out["db/q.py20-20"].confidence == 0.7
+    # Below the threshold the union lists the calibrated-down finding as uncertain too.
+    assert any("unused import" in u for u in run(reports, calibration={"lint.ruff": noisy.apply})
+               .consensus.uncertainties)

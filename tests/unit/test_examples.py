@@ -59,8 +59,11 @@ async def test_review_example_warns_loudly_about_files_it_cannot_read(nursery, t
         "--- a/a.py\n+++ b/a.py\n@@ -1 +1,6 @@\n import os\n+import pickle\n+\n+\n+def load(b):\n"
         "+    return pickle.loads(b)\n")
     wrong = await trio.to_thread.run_sync(_review, ["change.diff", "--repo", "."], tmp_path, env.url)
-    assert wrong.returncode == 0, wrong.stderr
+    # Nothing the analysers could read: the router refuses (EPROTO, naming the file), never "0 findings".
+    assert wrong.returncode == 1, wrong.stderr
     assert "WARNING: a.py: cannot read" in wrong.stderr and "--repo ." in wrong.stderr
+    assert "EPROTO" in wrong.stderr and "lacks the 1 Python file(s) the diff changes ('a.py')" in wrong.stderr
+    assert "0 findings" not in wrong.stdout
     right = await trio.to_thread.run_sync(_review, ["change.diff", "--repo", "proj"], tmp_path, env.url)
     assert right.returncode == 0 and "WARNING" not in right.stderr
     assert "a.py:6-6" in right.stdout and "B301" in right.stdout

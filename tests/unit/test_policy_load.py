@@ -55,10 +55,13 @@ def _agent(layer, model, qos, p95_ms, win30d):
         "window": None,
         "fallback": None,
         "data_scope": None,
+        "calibration": None,
     }
 
 
 def _policy(name, match, fanout, escalation, budget):
+    if escalation is not None:
+        escalation = {"evidence": False, **escalation}  # the default: no first-stage evidence handed on
     return {
         "match": match,
         "fanout": fanout,
@@ -68,6 +71,7 @@ def _policy(name, match, fanout, escalation, budget):
         "budget": budget,
         "window": None,
         "consensus": "union_tiebreak",
+        "quorum": None,
         "qos": None,
         "deadline_ms": 120000,
         "bandit": None,
@@ -166,6 +170,7 @@ def test_default_yaml_snapshot():
             "budget": {"usd": 0.05, "tokens": 400_000},
             "window": {"max_parallel": 2, "max_tokens": 400_000, "max_usd_micros": 50_000},
             "consensus": "union_tiebreak",
+            "quorum": None,
             "qos": None,
             "deadline_ms": 300_000,
             "bandit": None,
@@ -180,6 +185,7 @@ def test_default_yaml_snapshot():
             "budget": {"usd": 0.05, "tokens": 200_000},
             "window": {"max_parallel": 4, "max_tokens": 200_000, "max_usd_micros": 50_000},
             "consensus": "union_tiebreak",
+            "quorum": None,
             "qos": None,
             "deadline_ms": 120_000,
             "bandit": None,

@@ -22,7 +22,11 @@ SNAPSHOTS = ROOT / "tests" / "snapshots"
 ROUTER = str(Path(sys.executable).parent / "atp-router")
 SHIPPED = {
     "default": ROOT / "policies",
+    # atp-router eval's variants: each file is a RIB of its own.
+    **{f"eval_{p.stem}": p for p in sorted((ROOT / "examples" / "eval" / "policies").glob("*.yaml"))},
     "learning": ROOT / "examples" / "learning" / "rib.yaml",
+    "repo_summary": ROOT / "examples" / "repo_summary" / "rib.yaml",
+    "retrieval_qa": ROOT / "examples" / "retrieval_qa" / "rib.yaml",
     "spec_6_1": ROOT / "tests" / "unit" / "policy_cases" / "spec_6_1.yaml",
     "spec_23_1": ROOT / "tests" / "unit" / "policy_cases" / "spec_23_1",
     "spec_23_2": ROOT / "tests" / "unit" / "policy_cases" / "spec_23_2",
@@ -62,6 +66,6 @@ def test_policy_check_cli(tmp_path):
     assert out.returncode == 1 and out.stdout == ""
     lines = out.stderr.splitlines()
     assert lines[0] == f"{bad}:2: agents.a.bogus: unknown field 'bogus' (known: layer, p95_ms, model, tool, " \
-                       "remote, qos, win30d, strengths, timeout_ms, scope, options, window, fallback, data_scope)"
+                       "remote, qos, win30d, strengths, timeout_ms, scope, options, window, fallback, data_scope, calibration)"
     assert lines[1] == f"{bad}:4: policies[0].fanout[0]: unknown agent 'ghost' (known: none defined)"
     assert lines[2] == f"{bad}: refused (2 faults)"
