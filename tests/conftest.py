@@ -29,10 +29,16 @@ async def start_router(nursery, policies: Path, **config) -> RouterEnv:
     return RouterEnv(router, f"http://127.0.0.1:{http_port}", f"ws://127.0.0.1:{ws_port}", policies)
 
 
+#: The RIB the router-mechanics tests run on: ruff and bandit only (fast, stable);
+#: the shipped default (``policies/``, four analysers) is tested as such by
+#: tests/golden_tasks and tests/unit/test_policy_load.py.
+MECHANICS_RIB = ROOT / "tests" / "fixtures" / "rib_ruff_bandit"
+
+
 @pytest.fixture
 def policies_dir(tmp_path: Path) -> Path:
     d = tmp_path / "policies"
-    shutil.copytree(ROOT / "policies", d)
+    shutil.copytree(MECHANICS_RIB, d)
     return d
 
 

@@ -58,8 +58,8 @@ def test_hostile_bodies_get_4xx_never_5xx(tmp_path_factory, streams, frames, pol
         policies_dir = tmp_path_factory.mktemp("p") / "policies"
         import shutil
 
-        from tests.conftest import ROOT
-        shutil.copytree(ROOT / "policies", policies_dir)
+        from tests.conftest import MECHANICS_RIB
+        shutil.copytree(MECHANICS_RIB, policies_dir)
         async with trio.open_nursery() as nursery:
             env = await start_router(nursery, policies_dir, tokens_env=TOKENS,
                                      state_dir=tmp_path_factory.mktemp("state"))

@@ -30,7 +30,7 @@ from atp.review.eval import (
     summarize,
 )
 from atp.security.identity import Role
-from tests.conftest import ROOT, SHARED
+from tests.conftest import MECHANICS_RIB, ROOT, SHARED
 from tests.helpers import start_router_on
 
 GOLDEN = SHARED / "golden" / "dev.jsonl"
@@ -175,7 +175,7 @@ def test_eval_command_reports_a_refused_rib_precisely(tmp_path: Path) -> None:
 
 
 async def test_eval_against_a_running_router_swaps_variants_and_restores_its_rib(nursery, tmp_path: Path) -> None:
-    rib = (ROOT / "policies" / "default.yaml").read_text()
+    rib = (MECHANICS_RIB / "default.yaml").read_text()
     env = await start_router_on(nursery, tmp_path, rib, client_tokens={"root": "tok-root"},
                                 client_roles={"root": frozenset({Role.ADMIN, Role.CLIENT})}, state_dir=tmp_path / "s")
     tasks = _small_task_file(tmp_path, {"bugsinpy-thefuck-23"})

@@ -159,13 +159,16 @@ def test_default_yaml_snapshot():
     assert {n: (a.layer, a.tool, a.model) for n, a in rib.agents.items()} == {
         "lint.ruff": ("L1", "ruff", None),
         "sec.bandit": ("L1", "bandit", None),
+        "types.mypy": ("L1", "mypy", None),
+        "rules.semgrep": ("L1", "semgrep", None),
     }
+    analysers = ["lint.ruff", "sec.bandit", "types.mypy", "rules.semgrep"]
     assert msgspec.to_builtins(rib.policies) == [
         {
             "match": {"task_type": "code_review", "diff_loc": ">400"},
-            "fanout": ["lint.ruff", "sec.bandit"],
+            "fanout": analysers,
             "name": "code_review.large",
-            "fanout_k": 2,
+            "fanout_k": None,
             "escalation": None,
             "budget": {"usd": 0.05, "tokens": 400_000},
             "window": {"max_parallel": 2, "max_tokens": 400_000, "max_usd_micros": 50_000},
@@ -178,7 +181,7 @@ def test_default_yaml_snapshot():
         },
         {
             "match": {"task_type": "code_review"},
-            "fanout": ["lint.ruff", "sec.bandit"],
+            "fanout": analysers,
             "name": "code_review",
             "fanout_k": None,
             "escalation": None,
