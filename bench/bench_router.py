@@ -2,8 +2,9 @@
 
 Run: ``python bench/bench_router.py [--tasks N] [--zero-tasks M] [--k 1,8,32]``.
 Plain script, < 2 min on 2 cores. Starts a real router in-process on 127.0.0.1
-(``atp.router.cli.run``, default RIB ``policies/``: ruff and bandit with
-``scope: changed``) and feeds it the golden code-review tasks
+(``atp.router.cli.run``, the two-tool RIB ``tests/fixtures/rib_ruff_bandit``:
+ruff and bandit with ``scope: changed``, the default RIB before mypy and semgrep
+joined it, so the router's own overhead is not lost in semgrep's seconds) and feeds it the golden code-review tasks
 (``shared/golden/dev.jsonl``: each task's diff and after-diff files), cycled.
 
 Part 1, real agents (``--tasks`` tasks, default one pass over the 26). For every
@@ -365,7 +366,7 @@ async def zero_cost(router: Router, http: str, ws_url: str, jobs: list[Job], cou
 
 async def bench(args: argparse.Namespace) -> None:
     jobs = load_jobs(args.golden)
-    cfg = RouterConfig(policies=ROOT / "policies", http_port=0, ws_port=0)
+    cfg = RouterConfig(policies=ROOT / "tests" / "fixtures" / "rib_ruff_bandit", http_port=0, ws_port=0)
     async with trio.open_nursery() as nursery:
         router, http_port, ws_port = await nursery.start(run, cfg)
         http, ws_url = f"http://127.0.0.1:{http_port}", f"ws://127.0.0.1:{ws_port}"

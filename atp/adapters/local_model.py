@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,6 +63,18 @@ def is_up(base_url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def _die_with_parent() -> None:
+    """``preexec_fn``: on Linux, the server gets SIGTERM when the process that
+    started it dies, however it dies (kill -9 included): no orphaned model server."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def argv(port: int, alias: str = MODEL_ALIAS, *, n_ctx: int = 4096, host: str = "127.0.0.1") -> list[str]:
     """The server's command line. Raises :class:`ModelServerError` when llama_cpp
     or the GGUF is not installed."""
@@ -84,7 +97,8 @@ def serve(port: int, alias: str = MODEL_ALIAS, *, n_ctx: int = 4096, timeout_s: 
     cmd = argv(port, alias, n_ctx=n_ctx)
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={k: v for k, v in os.environ.items() if not k.endswith(("_KEY", "_TOKEN"))})
+                                env={k: v for k, v in os.environ.items() if not k.endswith(("_KEY", "_TOKEN"))},
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
         def tail() -> str:
             log.seek(0)
@@ -134,6 +148,8 @@ def model_server_main(args_in: list[str]) -> int:
     ap.add_argument("--alias", default=MODEL_ALIAS, help=f"the model id it answers to (default {MODEL_ALIAS})")
     ap.add_argument("--n-ctx", type=int, default=4096, help="context window, tokens")
     args = ap.parse_args(args_in)
+    # SIGTERM (kill, a supervisor) leaves through the with block: the server stops too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         with serve(args.port, args.alias, n_ctx=args.n_ctx) as base:
             print(f"model server: {args.alias} at {base} (Ctrl-C stops it)", flush=True)
