@@ -88,6 +88,11 @@ _MAX_FINDINGS = 100
 _MAX_CLAIM = 1000
 _MAX_SUMMARY = 2000
 
+#: After ``data: [DONE]``: how long (s) and how many further events the adapter
+#: reads to reach the end of the body, so the connection is reused.
+_DRAIN_AFTER_DONE_S = 1.0
+_DRAIN_AFTER_DONE_EVENTS = 16
+
 SYSTEM_PROMPT = (
     "You are a meticulous code reviewer. Report only real defects introduced by the diff: "
     "bugs, security flaws, broken error handling, wrong logic. Line numbers are shown on the left "
@@ -305,8 +310,21 @@ class OpenAICompatAdapter(ChatModelAdapter):
         async with contextlib.aclosing(sse_data(response)) as events:
             async for data in events:
                 if data.strip() == "[DONE]":
-                    return
+                    break
                 yield self._decode_chunk(data)
+            else:
+                return
+            # Read on to the end of the body (its last chunk follows [DONE] at once):
+            # a response read to its end gives its keep-alive connection back to the
+            # pool, where one abandoned at [DONE] is closed and the next call opens a
+            # new one (issue 10: ~2 ms CPU a call and a TIME-WAIT socket each).
+            # Bounded, so a server that keeps the body open cannot hold the call.
+            with trio.move_on_after(_DRAIN_AFTER_DONE_S):
+                extra = 0
+                async for _ in events:
+                    extra += 1
+                    if extra > _DRAIN_AFTER_DONE_EVENTS:
+                        break
 
     def _decode_chunk(self, data: str) -> tuple[str, tuple[int, int] | None]:
         obj = json_object(data)

@@ -146,6 +146,23 @@ async def test_model_review_returns_a_report(llama_url: str, json_mode: bool) ->
 
 
 @pytest.mark.model
+async def test_sequential_calls_reuse_one_keep_alive_connection(llama_url: str) -> None:
+    """Issue 10: the adapter reads each streamed response to the end of its body
+    (past ``data: [DONE]``), so the keep-alive connection goes back to httpx's
+    pool and the next call reuses it instead of opening a new TCP connection."""
+    adapter = _smol(llama_url, max_out_tokens=8)
+    try:
+        for _ in range(3):
+            [*_, final] = await _collect(adapter)
+            assert final.type is PayloadType.FINAL
+        pool = adapter._http()._transport._pool  # httpx's connection pool (httpcore)
+        assert len(pool.connections) == 1, pool.connections
+        assert pool.connections[0].is_idle()
+    finally:
+        await adapter.aclose()
+
+
+@pytest.mark.model
 async def test_cancel_mid_stream_then_reuse(llama_url: str) -> None:
     adapter = _smol(llama_url, max_out_tokens=400)
     seen = 0
@@ -300,6 +317,20 @@ async def test_failures_map_to_spec_codes(
     await adapter.aclose()
     assert (e.value.code, e.value.retry_after_ms, e.value.agent) == (code, retry_ms, "peer")
     assert adapter.health().error_rate == 1.0 and adapter.health().up is (code is not ErrorCode.EAGENTDOWN)
+
+
+async def test_a_body_left_open_after_done_does_not_hold_the_call(peer: LoopbackHTTP) -> None:
+    """After ``[DONE]`` the adapter reads on to the end of the body only briefly: a
+    server that never ends it costs at most ~1 s, and the FINAL comes."""
+    peer.behaviour = sse([chunk("hello"), chunk(usage={"prompt_tokens": 3, "completion_tokens": 1}), "[DONE]"],
+                         close=False)
+    adapter = _adapter(peer, timeout_ms=30_000)
+    try:
+        t0 = trio.current_time()
+        *_, final = await _collect(adapter)
+        assert final.type is PayloadType.FINAL and trio.current_time() - t0 < 5
+    finally:
+        await adapter.aclose()
 
 
 async def test_dropped_connection_mid_stream_is_agentdown(peer: LoopbackHTTP) -> None:
