@@ -23,6 +23,7 @@ price → USD micros) and :class:`CallStats` (recent calls → :class:`Health`).
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from collections import deque
 from collections.abc import AsyncIterator
@@ -79,11 +80,23 @@ def estimate_tokens(chars: int) -> int:
     return -(-chars // CHARS_PER_TOKEN)
 
 
+@functools.lru_cache(maxsize=1024)
+def _exact(cost: float) -> tuple[int, int]:
+    """``cost`` as the exact decimal it was written as, a (numerator, denominator) pair."""
+    f = Fraction(str(cost))
+    return f.numerator, f.denominator
+
+
 def usd_micros(in_tokens: int, out_tokens: int, cost_in_per_mtok: float, cost_out_per_mtok: float) -> int:
     """Price of a call in USD micros. A cost in USD per 1M tokens is numerically USD
-    micros per token; the decimal costs are taken exactly (``Fraction(str(x))``) and
-    the total is rounded up, so the budget governor never under-counts spend."""
-    return math.ceil(in_tokens * Fraction(str(cost_in_per_mtok)) + out_tokens * Fraction(str(cost_out_per_mtok)))
+    micros per token; the decimal costs are taken exactly (``Fraction(str(x))``,
+    once per distinct cost) and the total is rounded up in integer arithmetic, so
+    the budget governor never under-counts spend and a fragment costs no
+    ``Fraction`` work (issue 10)."""
+    n_in, d_in = _exact(cost_in_per_mtok)
+    n_out, d_out = _exact(cost_out_per_mtok)
+    num = in_tokens * n_in * d_out + out_tokens * n_out * d_in
+    return -(-num // (d_in * d_out))
 
 
 def usd_micros_ceil(usd: float) -> int:

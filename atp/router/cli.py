@@ -331,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         return audit_main(argv[1:])
     args, config = _parse(argv, os.environ)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        # httpx logs an INFO line for every next-hop request: noise, and ~2 % of the
+        # hot path's CPU (issue 10); its warnings and errors still show.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     install_log_redaction()  # Agent Context secrets never reach the log output
     if not build_authenticator(config).enabled:
         logging.getLogger("atp.router").warning("no --auth file and no ATP_ROUTER_TOKENS: authentication is off")

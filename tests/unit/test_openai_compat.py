@@ -19,6 +19,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import trio
 import trio.testing
 from peers import MODEL_ALIAS, free_port, start_llama_server  # tests/peers.py (tests/ is on sys.path via its conftest)
@@ -379,6 +381,19 @@ def test_usd_micros_is_exact_integer_math() -> None:
     assert usd_micros(7, 3, 2.5, 10.0) == 48  # 17.5 + 30 → 48
     assert usd_micros(10, 10, 0.0, 0.0) == 0
     assert usd_micros(1_234_567, 89_012, 3.0, 15.0) == 1_234_567 * 3 + 89_012 * 15
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(0, 10**9), st.integers(0, 10**9),
+       st.decimals(0, 1000, places=6, allow_nan=False), st.decimals(0, 1000, places=6, allow_nan=False))
+def test_usd_micros_integer_path_equals_the_exact_fraction(i: int, o: int, a, b) -> None:
+    """The integer arithmetic of the hot path (issue 10) is the exact decimal price
+    rounded up, as ``Fraction(str(cost))`` computes it."""
+    import math
+    from fractions import Fraction
+
+    ca, cb = float(a), float(b)
+    assert usd_micros(i, o, ca, cb) == math.ceil(i * Fraction(str(ca)) + o * Fraction(str(cb)))
 
 
 def test_estimate_and_prompt_fit_the_context() -> None:
