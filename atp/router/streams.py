@@ -90,6 +90,9 @@ _SETTLE_RETRY_S = 1.0
 _ROUTE_KEY = "_atp_route"
 _frame_enc = msgspec.json.Encoder()
 _frame_dec = msgspec.json.Decoder(Frame)
+# A compacted event log: [(event id, event type, frame), ...] as msgpack.
+_log_enc = msgspec.msgpack.Encoder()
+_log_dec = msgspec.msgpack.Decoder(list[tuple[int, str, Frame]])
 
 
 def _now_ms() -> int:
@@ -161,15 +164,41 @@ class LoggedEvent:
 
 @dataclass(slots=True)
 class EventLog:
-    """Append-only outbound log of one stream with wake-ups for followers."""
+    """Append-only outbound log of one stream with wake-ups for followers.
 
-    events: list[LoggedEvent] = field(default_factory=list)
+    A closed log nobody follows is :meth:`compact`-ed into one msgpack ``bytes``
+    (issue 10): a retained closed stream then costs the garbage collector one
+    untracked object instead of a graph of frames, payloads and dicts, so gen-2
+    pauses no longer grow with the number of retained streams. ``events`` reads
+    it back (decoded on each access: closed logs are read rarely, for
+    resumption and A2A ``tasks/get``)."""
+
+    _events: list[LoggedEvent] = field(default_factory=list)
     closed: bool = False
     _changed: trio.Event = field(default_factory=trio.Event)
+    _packed: bytes | None = None
+
+    @property
+    def events(self) -> list[LoggedEvent]:
+        """The events in order (a fresh list when the log is compacted)."""
+        if self._packed is None:
+            return self._events
+        return [LoggedEvent(i, t, f) for i, t, f in _log_dec.decode(self._packed)]
+
+    def __len__(self) -> int:
+        return len(self._events) if self._packed is None else len(self.events)
+
+    def compact(self) -> None:
+        """Pack a closed log into bytes (see the class docstring); no-op while open."""
+        if self.closed and self._packed is None:
+            self._packed = _log_enc.encode([(e.id, e.type, e.frame) for e in self._events])
+            self._events = []
 
     def append(self, frame: Frame) -> LoggedEvent:
-        ev = LoggedEvent(len(self.events) + 1, event_type(frame), frame)
-        self.events.append(ev)
+        if self._packed is not None:
+            raise RuntimeError("append to a compacted (closed) event log")
+        ev = LoggedEvent(len(self._events) + 1, event_type(frame), frame)
+        self._events.append(ev)
         if ev.type in ("FIN", "RST"):
             self.closed = True
         self._changed.set()
@@ -204,8 +233,9 @@ class EventLog:
         """Yield events with id > ``after`` as they come; ends after FIN/RST."""
         i = max(after, 0)
         while True:
-            while i < len(self.events):
-                ev = self.events[i]
+            events = self.events  # decoded once per wake-up when compacted
+            while i < len(events):
+                ev = events[i]
                 i += 1
                 yield ev
             if self.closed:
@@ -283,6 +313,8 @@ class StreamCtx:
         if self.followers == 0 and not self.log.closed:
             self.detached_at = trio.current_time()
             self.table.detached(self)
+        elif self.followers == 0 and self.closed_at is not None:
+            self.log.compact()
 
     # --- outbound (every frame goes through the session machine, then the log) ---
     def push(self, frames: Frame | list[Frame]) -> None:
@@ -521,6 +553,8 @@ class StreamTable:
                 break
             self._remove(old)  # one still settling stays; its retention timer tries again
         self._on_closed(ctx)
+        if ctx.followers == 0:
+            ctx.log.compact()  # else when its last follower leaves (StreamCtx.detach)
 
     def detached(self, ctx: StreamCtx) -> None:
         """``ctx`` lost its last follower: reset it unless one comes back within
@@ -622,7 +656,7 @@ class StreamTable:
                         now, task_started=True, closed_at=now, account=stream_account(tenant, rec.stream_id),
                         idempotency_key=rec.idempotency_key, restored=True, decision=route.get("decision"))
         for ev in self.store.events(tenant, rec.session_id, rec.stream_id):
-            ctx.log.events.append(LoggedEvent(ev.event_id, ev.type, _frame_dec.decode(ev.frame)))
+            ctx.log._events.append(LoggedEvent(ev.event_id, ev.type, _frame_dec.decode(ev.frame)))
         ctx.log.closed = True
         key = ctx.key
         self._streams[key] = ctx
