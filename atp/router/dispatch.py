@@ -34,9 +34,9 @@ For one stream the dispatcher
    stream's deadline; a call whose streamed usage passes what the budget can
    still take (its reservation plus the free headroom of the account chain) is
    cut with ``EBUDGET``. What a call used is committed whatever its outcome
-   (success, failure, cut, RST, preemption). The adapter's fragments travel as a
-   leg of PARTIAL frames with ``MORE`` through a
-   :class:`~atp.wire.reassembly.Reassembler` and reach the client as PARTIALs.
+   (success, failure, cut, RST, preemption). The adapter's text fragments reach
+   the client as PARTIALs and are joined into the leg's text (the FINAL's
+   ``answers``); no frame is built for them inside the router (issue 10).
    AIMD runs on both windows: a timely answer grows ``cwnd``, ``ETIMEOUT`` /
    ``EAGENTDOWN`` halve it; a cancelled call leaves it alone, and so does a call
    that failed on the client's input (below).
@@ -112,8 +112,7 @@ from atp.flow.window import Window as FlowWindow
 from atp.review.diff import changed_lines, parse_diff
 from atp.security.redact import scrub
 from atp.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode
-from atp.wire.frame import Flag, Frame, Payload, PayloadType, QoS, WindowUpdate
-from atp.wire.reassembly import MessageComplete, Reassembler
+from atp.wire.frame import PayloadType, QoS, WindowUpdate
 
 log = logging.getLogger("atp.router.dispatch")
 
@@ -952,8 +951,7 @@ class Dispatcher:
         chain at once, so concurrent calls never count on the same headroom);
         when the budget cannot take it, raises AgentError(EBUDGET): the call is
         cut (§5 / DESIGN principle 4) and the stream's budget is exhausted."""
-        reasm = Reassembler()
-        frag_seq = 0
+        texts: list[str] = []
         final: Fragment | None = None
         async with aclosing(admitted.adapter.stream(admitted.prompt)) as fragments:
             async for frag in fragments:
@@ -978,14 +976,11 @@ class Dispatcher:
                     final = frag
                     break
                 if frag.type is PayloadType.PARTIAL and isinstance(frag.content, str):
-                    reasm.add(_leg_frame(plan, agent, frag_seq, frag.content, more=True))
-                    frag_seq += 1
+                    texts.append(frag.content)
                     io.emit_partial(agent, {"agent": agent, "delta": frag.content}, confidence=frag.confidence)
         if final is None:
             raise AgentError(ErrorCode.EPROTO, "next-hop ended without a FINAL fragment", agent=agent)
-        for ev in reasm.add(_leg_frame(plan, agent, frag_seq, "", more=False)):
-            if isinstance(ev, MessageComplete):
-                out.text = ev.payload.content or ""
+        out.text = "".join(texts)
         try:
             out.report = (
                 final.content if isinstance(final.content, AgentReport) else msgspec.convert(final.content, AgentReport)
@@ -1044,18 +1039,6 @@ def _client_fault(err: ATPError | None) -> bool:
 def _agent_reason(agent: str, err: ATPError) -> str:
     """``err.reason`` prefixed with ``agent`` unless it already starts with it."""
     return err.reason if err.reason.startswith(agent) else f"{agent}: {err.reason}"
-
-
-def _leg_frame(plan: TaskPlan, agent: str, frag_seq: int, text: str, *, more: bool) -> Frame:
-    return Frame(
-        v=1,
-        session_id=agent,
-        stream_id=plan.ledger_key,
-        msg_seq=0,
-        frag_seq=frag_seq,
-        flags=[Flag.MORE] if more else [],
-        payload=Payload(type=PayloadType.PARTIAL, content=text),
-    )
 
 
 #: Diffs up to this many characters are parsed on the event loop (~100 µs).
