@@ -396,7 +396,8 @@ def build_app(router: Router) -> Starlette:
             ctx.attach()
             try:
                 async for ev in ctx.log.follow(after):
-                    yield b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.id, ev.type.encode(), _enc.encode(ev.frame))
+                    # The frame's JSON is encoded once (the store write) and shared.
+                    yield b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.id, ev.type.encode(), ev.json_bytes())
             finally:
                 ctx.detach()
 

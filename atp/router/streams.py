@@ -160,6 +160,15 @@ class LoggedEvent:
     id: int
     type: str
     frame: Frame
+    #: The frame as JSON, encoded once (for the store) and reused by every SSE
+    #: follower; None until then, and for events read back from a compacted log.
+    json: bytes | None = None
+
+    def json_bytes(self) -> bytes:
+        """The frame as JSON bytes (encoded on first use, then kept)."""
+        if self.json is None:
+            self.json = _frame_enc.encode(self.frame)
+        return self.json
 
 
 @dataclass(slots=True)
@@ -604,8 +613,7 @@ class StreamTable:
         if self.store is None or ctx.restored:
             return
         try:
-            self.store.append_event(ctx.tenant, ctx.session_id, ctx.stream_id, ev.id, ev.type,
-                                    _frame_enc.encode(ev.frame))
+            self.store.append_event(ctx.tenant, ctx.session_id, ctx.stream_id, ev.id, ev.type, ev.json_bytes())
         except StoreLimitError as e:
             # The client still gets every frame live; after a restart the stream
             # reads as interrupted at the last stored event.
