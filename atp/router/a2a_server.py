@@ -463,6 +463,9 @@ def a2a_routes(router: Router) -> list[Route]:
                 err = {"code": str(ErrorCode.EPROTO), "reason": refusal}
                 status = _Status("rejected", f"EPROTO: {refusal}", {"atp_error": err})
                 rid = "rejected_" + uuid.uuid4().hex[:16]
+                router.metrics.errors.labels(str(ErrorCode.EPROTO)).inc()
+                router.audit_event("refusal", identity, {"ingress": "a2a", "task_id": rid, "code": "EPROTO",
+                                                         "reason": refusal[:300]})
                 return remember(identity, _Task(None, context or rid, stored_message(message, message_id),
                                                 rejected=status, rejected_id=rid))
         try:

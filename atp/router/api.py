@@ -26,6 +26,11 @@
 ``GET  /v1/keys``                      the JWKS verifying FINAL usage signatures
 ``GET  /v1/audit``                     the hash-chained audit trail
 ``GET  /v1/health``                    liveness and RIB generation
+``POST /v1/chat/completions``          OpenAI-compatible chat completion (a
+                                       stream opened like ``POST /v1/streams``;
+                                       :mod:`atp.router.openai_ingress`)
+``GET  /v1/models``                    the models (task types, policies) the
+                                       caller's tenant may use
 =====================================  =========================================
 
 Every request is authenticated once (:meth:`Router.authenticate
@@ -35,7 +40,7 @@ action authorized (:meth:`Router.authorize <atp.router.core.Router.authorize>`):
 ====================================  ==========================================
 action                                endpoints
 ====================================  ==========================================
-``stream_open`` (role client)         ``POST /v1/streams``
+``stream_open`` (role client)         ``POST /v1/streams``, ``POST /v1/chat/completions``, ``GET /v1/models``
 ``stream_access`` (role client)       ``/v1/streams/{id}/frames``, ``/events``, ``/feedback``
 ``policy_reload`` (role admin)        ``POST /v1/policies/reload``
 ``policy_read`` (role admin)          ``GET /v1/policies``
@@ -318,21 +323,24 @@ def build_app(router: Router) -> Starlette:
 
     def authorized(
         action: str, handler: Callable[[Request, Identity], Awaitable[Response]],
+        render: Callable[[ATPError, int], Response] = _error,
     ) -> Callable[[Request], Awaitable[Response]]:
         """Every endpoint answers 401 ESEC before anything else without a valid
-        identity, then 403 ESEC when the identity may not do ``action``."""
+        identity, then 403 ESEC when the identity may not do ``action``; both
+        in the body ``render(error, status)`` makes (default ``{"error": {code,
+        reason}}``; the OpenAI ingress renders OpenAI's error shape)."""
 
         async def endpoint(request: Request) -> Response:
             try:
                 identity = router.authenticate(request.headers.get("authorization"))
             except ATPError as e:
-                resp = _error(e, 401)
+                resp = render(e, 401)
                 resp.headers["WWW-Authenticate"] = getattr(e, "www_authenticate", None) or 'Bearer realm="atp"'
                 return resp
             try:
                 router.authorize(identity, action)
             except ATPError as e:
-                return _error(e, 403)
+                return render(e, 403)
             return await handler(request, identity)
 
         return endpoint
@@ -473,6 +481,8 @@ def build_app(router: Router) -> Starlette:
     async def health(request: Request, identity: Identity) -> Response:
         return _json(Health(status="ok", rib_version=router.gen.version, open_streams=router.open_count))
 
+    from atp.router.openai_ingress import openai_routes  # imports this module
+
     return Starlette(routes=[
         Route("/v1/streams", authorized("stream_open", open_stream), methods=["POST"]),
         Route("/v1/streams/{id}/frames", authorized("stream_access", post_frame), methods=["POST"]),
@@ -487,4 +497,6 @@ def build_app(router: Router) -> Starlette:
         Route("/v1/keys", authorized("health_read", keys), methods=["GET"]),
         Route("/v1/audit", authorized("audit_read", audit), methods=["GET"]),
         *a2a_routes(router),
+        # OpenAI-compatible ingress: the same authorized() and the same stream-open path.
+        *openai_routes(router, authorized, read_body, BodyTooLarge),
     ])

@@ -333,7 +333,7 @@ async def test_message_send_is_idempotent_on_message_id(env):
     assert a["id"] == b["id"]
 
 
-async def test_text_only_message_and_default_task_type(env, scripted):
+async def test_text_only_message_and_default_task_type(env, scripted, caplog):
     """Without an ATP data part: the text is the task (a diff → ``{"diff"}``) and
     ``metadata.task_type`` picks the route."""
     router, base = env
@@ -355,6 +355,9 @@ async def test_text_only_message_and_default_task_type(env, scripted):
     got = (await rpc(base, "tasks/get", {"id": result["id"]})).json()["result"]
     assert got["status"]["state"] == "rejected"
     assert (await rpc(base, "tasks/cancel", {"id": result["id"]})).json()["error"]["code"] == -32002
+    # The refusal is in the audit trail and the error metric, like any other.
+    assert any(r.name == "atp.audit" and r.getMessage().startswith("refusal by ") and '"ingress":"a2a"' in
+               r.getMessage() and result["id"] in r.getMessage() for r in caplog.records)
 
 
 async def test_cancel_ends_a_running_stream_with_canceled(env, scripted):
