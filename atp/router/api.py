@@ -60,7 +60,10 @@ endpoint when the router has tokens), 403 (ESEC: a role the action needs, or a
 bad frame signature), 404 (unknown stream), 409 (EWINDOW: the router's stream
 table is full), 413 (EPROTO: a body over ``max_body_bytes`` / ``max_policy_bytes``),
 422 (refused policy), 429 (EWINDOW: the tenant's stream quota or open rate, with
-``Retry-After`` in s), 503 (EAGENTDOWN: no route).
+``Retry-After`` in s), 503 (EAGENTDOWN: no route). The OpenAI-compatible
+endpoints answer in OpenAI's error shape instead, ``{"error": {"message",
+"type", "code", "param"}}`` with the same codes and statuses
+(:mod:`atp.router.openai_ingress`).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ non-streaming content, otherwise a blank line and the whole content follow the
 live text; then a chunk with ``finish_reason`` and ``atp``; with
 ``stream_options.include_usage`` a chunk with ``choices: []`` and ``usage``; then
 ``data: [DONE]``. A stream that ends without a FINAL sends ``data: {"error":
-{…}}`` (OpenAI clients raise it) and ``data: [DONE]``. A streaming request that
+{…}}`` (OpenAI clients raise it) and ``data: [DONE]``. A request whose client
 goes away resets its stream (RST ``EPREEMPT``: its calls stop, what they used is
 committed), unless it carries ``atp.idempotency_key`` (then the stream is
 detached and stays resumable by a retry for the router's grace period).
@@ -121,20 +121,27 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import msgspec
-import trio
 from msgspec import Meta, Struct
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from atp.consensus.types import Answer, ConsensusInfo, Finding, FinalResult, Result, SignedUsage
-from atp.policy.match import AnyOf, CompiledMatch, Equals, compile_match
+from atp.consensus.types import (
+    Answer,
+    ConsensusInfo,
+    FinalResult,
+    Finding,
+    Result,
+    SignedUsage,
+)
+from atp.policy.match import CompiledMatch, compile_match
 from atp.review.diff import count_changed_lines, parse_diff
+from atp.router.a2a_server import _complete_from_repo  # the A2A server's --repo reader
 from atp.router.core import Router, StreamCtx
 from atp.router.dispatch import NEXT_HOP_FAILED
 from atp.security.identity import Identity
 from atp.wire.errors import ATPError, ErrorCode
-from atp.wire.frame import Budget, ErrorPayload, Flag, Frame, Payload, PayloadType, QoS
+from atp.wire.frame import Budget, ErrorPayload, Frame, QoS
 
 __all__ = [
     "CHAT_PATH",
@@ -603,7 +610,7 @@ def _error_of(frame: Frame) -> tuple[ErrorCode, str] | None:
         return c.code, c.reason
     if isinstance(c, dict) and c.get("kind") == "ERROR":
         try:
-            return ErrorCode(c.get("code")), str(c.get("reason", ""))
+            return ErrorCode(str(c.get("code"))), str(c.get("reason", ""))
         except ValueError:
             return ErrorCode.EPROTO, str(c.get("reason", ""))
     return None
@@ -702,8 +709,6 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
         meta = dict(target.meta)
         content = task_content(req, meta.get("task_type"))
         if "files" not in content:
-            from atp.router.a2a_server import _complete_from_repo  # the A2A server's --repo reader
-
             refused = await _complete_from_repo(router, meta, content)
             if refused is not None:
                 raise IngressError(ErrorCode.EPROTO, refused, param="messages")
@@ -712,8 +717,9 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
                 meta["diff_loc"] = count_changed_lines(content["diff"])  # as the router does at SYN
             first = v.first_match(meta)
             if first != target.policy:
+                match = next(cm.source for name, _, cm in v.policies if name == target.policy)
                 why = (f"policy {first!r} comes first in the RIB and matches it" if first is not None
-                       else f"its match {dict(v.policy(target.policy)[2].source)} does not accept it")  # type: ignore[index]
+                       else f"its match {match} does not accept it")
                 raise IngressError(ErrorCode.EPROTO, f"policy {target.policy!r} does not take this request "
                                    f"(task meta {meta}): {why}", param="model")
         opts = req.atp or AtpOptions()
@@ -721,15 +727,12 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
                                  idempotency_key=opts.idempotency_key, identity=identity)
         return req, ctx
 
-    def let_go(ctx: StreamCtx, identity: Identity) -> None:
+    def let_go(ctx: StreamCtx) -> None:
         """The request is over: stop following; a stream nobody can resume
         (no idempotency key) is reset so it spends nothing more."""
         ctx.detach()
         if not ctx.log.closed and ctx.idempotency_key is None:
-            rst = Frame(v=1, session_id=ctx.session_id, stream_id=ctx.stream_id, msg_seq=0,
-                        flags=[Flag.RST, Flag.CTRL], payload=Payload(type=PayloadType.CONTROL, content=ErrorPayload(
-                            code=ErrorCode.EPREEMPT, reason="canceled: the OpenAI-compatible client went away")))
-            router.receive_frame(rst, identity=identity, now=trio.current_time())
+            ctx.stop(ErrorCode.EPREEMPT, "canceled: the OpenAI-compatible client went away")
 
     async def chat(request: Request, identity: Identity) -> Response:
         try:
@@ -741,7 +744,7 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
         created = int(time.time())
         cid = "chatcmpl-" + ctx.stream_id
         if req.stream:
-            return StreamingResponse(_sse(req, ctx, identity, cid, created), media_type="text/event-stream",
+            return StreamingResponse(_sse(req, ctx, cid, created), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         out = _Outcome()
         ctx.attach()
@@ -749,7 +752,7 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
             async for ev in ctx.log.follow():
                 out.see(ev)
         finally:
-            let_go(ctx, identity)
+            let_go(ctx)
         if out.final is None:
             return error_response(out.failure(), after_run=True)
         body = ChatCompletion(
@@ -758,7 +761,7 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
             usage=out.usage(), atp=out.atp(ctx))
         return Response(_enc.encode(body), media_type="application/json")
 
-    async def _sse(req: ChatCompletionRequest, ctx: StreamCtx, identity: Identity, cid: str,
+    async def _sse(req: ChatCompletionRequest, ctx: StreamCtx, cid: str,
                    created: int) -> AsyncIterator[bytes]:
         def chunk(**kw: Any) -> bytes:
             return b"data: " + _enc.encode(ChatCompletionChunk(id=cid, object="chat.completion.chunk",
@@ -789,7 +792,7 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
                 yield chunk(choices=[], usage=out.usage())
             yield b"data: [DONE]\n\n"
         finally:
-            let_go(ctx, identity)
+            let_go(ctx)
 
     return [
         Route(CHAT_PATH, authorized("stream_open", chat, error_response), methods=["POST"]),

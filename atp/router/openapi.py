@@ -23,11 +23,21 @@ from atp.router.api import (
     StreamOpenRequest,
     StreamOpenResponse,
 )
+from atp.router.openai_ingress import (
+    CHAT_PATH,
+    MODELS_PATH,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ModelList,
+    OpenAIErrorResponse,
+)
 from atp.wire.frame import Control, Frame, RouteUpdate
 
 _STRUCTS = (
     StreamOpenRequest, StreamOpenResponse, FramesResponse, ReloadResponse, PolicyText, ErrorResponse, Health,
     Frame, RouteUpdate, FinalResult, FeedbackRequest, FeedbackResponse, FibView,
+    ChatCompletionRequest, ChatCompletion, ChatCompletionChunk, ModelList, OpenAIErrorResponse,
 )
 
 
@@ -52,6 +62,23 @@ def _errors(*codes: int) -> dict[str, Any]:
         503: "EAGENTDOWN: no route, or no healthy next-hop",
     }
     return {str(c): _json_body("ErrorResponse", text[c]) for c in codes}
+
+
+def _openai_errors(*codes: int) -> dict[str, Any]:
+    text = {
+        400: "EPROTO: malformed or unsupported request (`param` names the field), or a policy that does not "
+             "take it",
+        401: "ESEC: missing or unknown bearer token (`authentication_error`)",
+        402: "EBUDGET: nothing could run within the budget (`insufficient_quota`; `x-should-retry: false`)",
+        403: "ESEC: a role, task type or data category outside the tenant's scope (`permission_error`)",
+        404: "EPROTO: unknown model (`param: model`)",
+        409: "EWINDOW: the router is at its stream limit",
+        413: "EPROTO: the body exceeds the router's limit (refused before it is read)",
+        429: "EWINDOW: the tenant's stream quota or open rate; `Retry-After` (s) says when to try again",
+        503: "EAGENTDOWN: no route or no healthy next-hop; EPREEMPT: the stream was preempted",
+        504: "ETIMEOUT: the stream's deadline passed",
+    }
+    return {str(c): _json_body("OpenAIErrorResponse", text[c]) for c in codes}
 
 
 def openapi_document() -> dict[str, Any]:
@@ -160,6 +187,27 @@ def openapi_document() -> dict[str, Any]:
                             "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}],
             "responses": {"200": {"description": "{records: [...]}", "content": {"application/json": {
                 "schema": {"type": "object"}}}}, **_errors(400, 401, 403)},
+        }},
+        CHAT_PATH: {"post": {
+            "summary": "OpenAI-compatible chat completion: `model` names a task type or `policy:<name>`; the "
+                       "messages become the task of a stream opened as `POST /v1/streams` opens one (fan-out, "
+                       "escalation, consensus and budgets apply); `stream: true` answers with SSE chunks ending "
+                       "`data: [DONE]`; `atp` extension fields in the request and the answer",
+            "operationId": "createChatCompletion",
+            "requestBody": {"required": True,
+                            "content": {"application/json": {"schema": _ref("ChatCompletionRequest")}}},
+            "responses": {"200": {"description": "the completion, or (stream: true) its chunks as Server-Sent "
+                                                 "Events (`data:` a ChatCompletionChunk, then `data: [DONE]`)",
+                                  "content": {"application/json": {"schema": _ref("ChatCompletion")},
+                                              "text/event-stream": {"schema": {"type": "string"},
+                                                                    "x-atp-event-data": _ref("ChatCompletionChunk")}}},
+                          **_openai_errors(400, 401, 402, 403, 404, 409, 413, 429, 503, 504)},
+        }},
+        MODELS_PATH: {"get": {
+            "summary": "OpenAI-compatible model list: the task types and `policy:<name>` models the caller's "
+                       "tenant may use",
+            "operationId": "listModels",
+            "responses": {"200": _json_body("ModelList", "the models"), **_openai_errors(401, 403)},
         }},
         "/v1/health": {"get": {
             "summary": "Liveness and RIB generation",

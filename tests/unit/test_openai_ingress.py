@@ -1,0 +1,305 @@
+"""The OpenAI-compatible ingress (issue 10 item 1; ``atp/router/openai_ingress.py``),
+driven with the official ``openai`` package against a real router in process.
+
+The next-hops are :class:`~atp.adapters.testing.ScriptedAdapter` tools (RIB
+``tool: scripted``): a "writer" that streams prose like a model, and a "linter"
+that reports a finding. The sync ``OpenAI`` client runs in a worker thread
+(``trio.to_thread.run_sync``); automatic retries are off so each status is seen
+as the router sent it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+from openai import OpenAI
+
+import atp
+from atp.adapters.testing import ScriptedAdapter
+from atp.consensus.types import AgentFinding, Severity, Usage
+from atp.wire.frame import CostEstimate
+from tests.helpers import start_router_on
+from tests.unit.test_router_dispatch import scripted_agent
+
+KEYS = {"alice": "alice-key", "bob": "bob-key", "carol": "carol-key"}
+DIFF = """--- a/app.py
++++ b/app.py
+@@ -1,1 +1,2 @@
+ import os
++value = eval(input())
+"""
+WRITER_USAGE = Usage(in_tokens=30, out_tokens=12, usd_micros=420)
+
+RIB = {
+    "agents": {"writer": scripted_agent(), "linter": scripted_agent()},
+    "policies": [
+        {"name": "review.large", "match": {"task_type": "code_review", "diff_loc": ">400"}, "fanout": ["linter"]},
+        {"name": "review", "match": {"task_type": "code_review"}, "fanout": ["linter", "writer"]},
+        {"name": "chat", "match": {"task_type": "chat"}, "fanout": ["writer"]},
+    ],
+    "clients": {
+        "alice": {},
+        "bob": {"task_types": ["chat"]},
+        "carol": {"rate": {"per_s": 0.001, "burst": 1}},
+    },
+}
+
+
+@pytest.fixture
+async def env(nursery, tmp_path, scripted):
+    scripted["writer"] = ScriptedAdapter.returning("writer", partials=["Hello", ", ", "world."],
+                                                   summary="Hello, world.", usage=WRITER_USAGE)
+    scripted["linter"] = ScriptedAdapter.returning("linter", [AgentFinding(
+        file="app.py", start=2, end=2, severity=Severity.HIGH, claim="eval of user input", rule="S307")],
+        summary="linter: 1 finding")
+    return await start_router_on(nursery, tmp_path, RIB, client_tokens=KEYS, max_body_bytes=64 * 1024)
+
+
+def client(env, key: str = KEYS["alice"]) -> OpenAI:
+    return OpenAI(base_url=env.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+async def call(fn, *args: Any, **kw: Any) -> Any:
+    return await trio.to_thread.run_sync(functools.partial(fn, *args, **kw))
+
+
+async def refused(fn, *args: Any, **kw: Any) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as info:
+        await call(fn, *args, **kw)
+    return info.value
+
+
+async def final_of(env, stream_id: str, key: str = KEYS["alice"]) -> dict[str, Any]:
+    """The stream's FINAL as the ATP events endpoint gives it."""
+    async with atp.Client(env.url, key) as c:
+        return await c.result(stream_id)
+
+
+USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+
+
+async def test_non_streaming_completion_through_a_policy(env, scripted):
+    oa = client(env)
+    resp = await call(oa.chat.completions.create, model="policy:chat", messages=USER)
+    assert resp.object == "chat.completion" and resp.model == "policy:chat"
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == "Hello, world."
+    assert choice.finish_reason == "stop"
+    ext = resp.model_extra["atp"]
+    assert ext["policy"] == "chat" and resp.id == "chatcmpl-" + ext["stream_id"]
+    # The messages are the task content; the policy's next-hop got them.
+    assert scripted["writer"].calls[0].content == {"messages": USER}
+    assert scripted["writer"].calls[0].task_type == "chat"
+    # usage and cost are the FINAL's telemetry.
+    final = await final_of(env, ext["stream_id"])
+    t = final["telemetry"]
+    assert resp.usage.total_tokens == t["tokens"] == WRITER_USAGE.tokens
+    assert resp.usage.completion_tokens == WRITER_USAGE.out_tokens
+    assert resp.usage.prompt_tokens == t["tokens"] - WRITER_USAGE.out_tokens
+    assert ext["usd"] == t["usd"] == pytest.approx(420 / 1e6)
+    assert ext["latency_ms"] == t["latency_ms"] and ext["usage"] == t["usage"]
+    assert ext["answers"] == final["result"]["answers"] and ext["consensus"] == final["result"]["consensus"]
+
+
+async def test_streaming_completion_sends_deltas_then_the_final(env):
+    oa = client(env)
+
+    def run() -> list[Any]:
+        return list(oa.chat.completions.create(model="chat", messages=USER, stream=True,
+                                               stream_options={"include_usage": True}))
+
+    chunks = await trio.to_thread.run_sync(run)
+    assert all(c.object == "chat.completion.chunk" and c.model == "chat" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert deltas[:3] == ["Hello", ", ", "world."]  # live, as the next-hop streamed them
+    assert "".join(deltas) == "Hello, world."  # = the non-streaming content
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == "stop"
+    ext = finish[0].model_extra["atp"]
+    assert ext["policy"] == "chat"
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage is not None
+    t = (await final_of(env, ext["stream_id"]))["telemetry"]
+    assert usage.usage.total_tokens == t["tokens"] and ext["usd"] == t["usd"]
+
+
+async def test_streaming_sse_ends_with_done(env):
+    auth = {"Authorization": f"Bearer {KEYS['alice']}"}
+    body = {"model": "chat", "messages": USER, "stream": True}
+    async with httpx.AsyncClient(base_url=env.url, headers=auth) as h, \
+            h.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line async for line in r.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+async def test_code_review_diff_goes_through_fanout_and_consensus(env, scripted):
+    oa = client(env)
+    resp = await call(oa.chat.completions.create, model="code_review",
+                      messages=[{"role": "user", "content": DIFF}])
+    ext = resp.model_extra["atp"]
+    assert ext["policy"] == "review"
+    assert scripted["linter"].calls[0].content == {"diff": DIFF}
+    assert [f["file"] for f in ext["findings"]] == ["app.py"]
+    content = resp.choices[0].message.content
+    # Two answers (writer's prose, linter's summary) and the finding: blocks.
+    assert "writer: Hello, world." in content and "linter: linter: 1 finding" in content
+    assert "1 finding(s):\n- app.py:2-2 high: eval of user input [linter#" in content
+
+
+async def test_models_lists_what_the_tenant_may_use(env):
+    alice = await call(client(env).models.list)
+    ids = [m.id for m in alice.data]
+    assert ids == ["code_review", "chat", "policy:review.large", "policy:review", "policy:chat"]
+    by_id = {m.id: m for m in alice.data}
+    assert by_id["code_review"].model_extra["atp"] == {"kind": "task_type", "policies": ["review.large", "review"],
+                                                       "task_types": ["code_review"]}
+    assert by_id["policy:chat"].owned_by == "atp-router"
+    bob = await call(client(env, KEYS["bob"]).models.list)
+    assert [m.id for m in bob.data] == ["chat", "policy:chat"]
+
+
+async def test_wrong_key_is_401_in_openai_shape(env):
+    e = await refused(client(env, "not-a-key").chat.completions.create, model="chat", messages=USER)
+    assert isinstance(e, openai.AuthenticationError) and e.status_code == 401
+    assert e.body["code"] == "ESEC" and e.body["type"] == "authentication_error" and "message" in e.body
+    assert "not-a-key" not in e.response.text
+    e = await refused(client(env, "not-a-key").models.list)
+    assert e.status_code == 401
+
+
+async def test_task_type_outside_the_tenant_scope_is_403(env, scripted):
+    e = await refused(client(env, KEYS["bob"]).chat.completions.create, model="code_review",
+                      messages=[{"role": "user", "content": DIFF}])
+    assert isinstance(e, openai.PermissionDeniedError) and e.status_code == 403
+    assert e.body["code"] == "ESEC" and "outside the scope" in e.body["message"]
+    assert not scripted["linter"].calls
+
+
+async def test_over_budget_is_ebudget(env, scripted):
+    scripted["writer"]._estimate = CostEstimate(in_tokens=5_000)
+    e = await refused(client(env).chat.completions.create, model="chat", messages=USER, max_tokens=100)
+    assert e.status_code == 402 and e.body["code"] == "EBUDGET" and e.body["type"] == "insufficient_quota"
+    assert e.response.headers["x-should-retry"] == "false"
+    assert not scripted["writer"].calls
+    # The extension budget is validated strictly.
+    e = await refused(client(env).chat.completions.create, model="chat", messages=USER,
+                      extra_body={"atp": {"budget": {"usd": -1}}})
+    assert e.status_code == 400 and e.body["param"] == "atp.budget.usd"
+
+
+async def test_a_budget_cut_stream_finishes_with_length(env, scripted):
+    scripted["linter"]._estimate = CostEstimate(in_tokens=5_000)  # cannot be admitted under the cap
+    resp = await call(client(env).chat.completions.create, model="code_review", max_tokens=1_000,
+                      messages=[{"role": "user", "content": DIFF}])
+    assert resp.choices[0].finish_reason == "length"
+    # The answer that fit, and the next-hop the budget left out: never a silent "complete".
+    head, incomplete = resp.choices[0].message.content.split("\n\n")
+    assert head == "writer: Hello, world."
+    assert incomplete.startswith("incomplete:\n- next-hop failed: linter: EBUDGET: linter not called")
+    assert not scripted["linter"].calls and resp.usage.total_tokens == WRITER_USAGE.tokens
+
+
+async def test_unknown_model_is_404(env):
+    e = await refused(client(env).chat.completions.create, model="gpt-4o", messages=USER)
+    assert isinstance(e, openai.NotFoundError)
+    assert e.body["param"] == "model" and "unknown model 'gpt-4o'" in e.body["message"]
+    assert "GET /v1/models" in e.body["message"]
+
+
+async def test_a_shadowed_policy_is_refused_not_rerouted(env, scripted):
+    e = await refused(client(env).chat.completions.create, model="policy:review.large",
+                      messages=[{"role": "user", "content": DIFF}])
+    assert e.status_code == 400 and e.body["param"] == "model" and e.body["code"] == "EPROTO"
+    assert "review.large" in e.body["message"] and not scripted["linter"].calls
+
+
+async def test_oversize_body_is_413(env):
+    e = await refused(client(env).chat.completions.create, model="chat",
+                      messages=[{"role": "user", "content": "x" * (65 * 1024)}])
+    assert e.status_code == 413 and e.body["code"] == "EPROTO"
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": []}, "tools"),
+    ({"n": 2}, "n"),
+    ({"atp": {"bogus": 1}}, "atp.bogus"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
+])
+async def test_strict_validation_names_the_field(env, extra, param):
+    body = {"model": "chat", "messages": USER, **extra}
+    async with httpx.AsyncClient(base_url=env.url, headers={"Authorization": f"Bearer {KEYS['alice']}"}) as h:
+        r = await h.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "EPROTO" and err["type"] == "invalid_request_error" and err["param"] == param
+
+
+async def test_open_rate_is_429_with_retry_after(env):
+    oa = client(env, KEYS["carol"])
+    await call(oa.chat.completions.create, model="chat", messages=USER)
+    e = await refused(oa.chat.completions.create, model="chat", messages=USER)
+    assert isinstance(e, openai.RateLimitError) and e.body["code"] == "EWINDOW"
+    assert int(e.response.headers["retry-after"]) >= 1
+
+
+async def test_idempotency_key_reuses_the_stream(env, scripted):
+    oa = client(env)
+    kw = {"model": "chat", "messages": USER, "extra_body": {"atp": {"idempotency_key": "req-1"}}}
+    first = await call(oa.chat.completions.create, **kw)
+    again = await call(oa.chat.completions.create, **kw)
+    assert again.id == first.id and again.choices[0].message.content == first.choices[0].message.content
+    assert len(scripted["writer"].calls) == 1  # run and charged once
+
+
+async def test_a_streaming_client_that_goes_away_resets_its_stream(env, scripted):
+    slow = ScriptedAdapter.returning("writer", partials=["a"] * 50, summary="a" * 50)
+    scripted["writer"].fragments, scripted["writer"].delay_s = slow.fragments, 0.1  # the running adapter
+    oa = client(env)
+
+    def first_two() -> None:
+        with oa.chat.completions.create(model="chat", messages=USER, stream=True) as s:
+            for i, _ in enumerate(s):
+                if i == 2:
+                    return
+
+    await trio.to_thread.run_sync(first_two)
+    sid = None
+    with trio.fail_after(10):
+        while sid is None:
+            sid = next((ctx.stream_id for ctx in env.router.streams.values() if ctx.log.closed), None)
+            await trio.sleep(0.05)
+    async with atp.Client(env.url, KEYS["alice"]) as c:
+        events = [e async for e in c.events(sid)]
+    assert events[-1].type == "RST" and events[-1].payload["code"] == "EPREEMPT"
+    assert "went away" in events[-1].payload["reason"]
+    assert len([e for e in events if e.type == "PARTIAL"]) < 50  # stopped, not run to its end
+    assert len(scripted["writer"].calls) == 1
+
+
+async def test_code_review_with_real_analysers(router_env):
+    """The mechanics RIB (real ruff and bandit): the diff and its files in, their
+    merged finding out, at file:line."""
+    files = {"app.py": "import os\nvalue = eval(input())\n"}
+    oa = OpenAI(base_url=router_env.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    resp = await call(oa.chat.completions.create, model="code_review",
+                      messages=[{"role": "user", "content": DIFF}], extra_body={"atp": {"files": files}})
+    ext = resp.model_extra["atp"]
+    [finding] = ext["findings"]
+    assert (finding["file"], finding["span"]) == ("app.py", "2-2")
+    assert sorted(p.split("#")[0] for p in finding["provenance"]) == ["lint.ruff", "sec.bandit"]
+    assert resp.choices[0].message.content.endswith(
+        f"1 finding(s):\n- app.py:2-2 {finding['severity']}: {finding['claim']} [{', '.join(finding['provenance'])}]")
+    assert resp.usage.total_tokens == ext["tokens"] == 0  # local tools cost nothing
+    # Without the files, the analysers that need them cannot run: refused up front.
+    e = await refused(oa.chat.completions.create, model="code_review", messages=[{"role": "user", "content": DIFF}])
+    assert e.status_code == 400 and e.body["code"] == "EPROTO" and "--repo" in e.body["message"]
