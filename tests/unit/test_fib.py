@@ -185,11 +185,14 @@ def test_first_match_wins_in_rib_order():
 def test_default_rib_orders_by_latency_then_strengths_wanted():
     fib = compile_fib(load_rib(DEFAULT), version=1)
     route = fib.lookup({"task_type": "code_review"})
-    assert [(h.agent, h.tool) for h in route.next_hops] == [("lint.ruff", "ruff"), ("sec.bandit", "bandit")]
+    assert [(h.agent, h.tool) for h in route.next_hops] == [
+        ("lint.ruff", "ruff"), ("sec.bandit", "bandit"), ("types.mypy", "mypy"), ("rules.semgrep", "semgrep")]
     assert route.next_hops[0].weight == pytest.approx(score(1.0, 0.5, 0, 200))
-    # Asking for security halves ruff's fit (1 of 2 wanted), so bandit leads.
+    assert route.next_hops[3].weight == pytest.approx(score(1.0, 0.5, 0, 3500))
+    # Asking for security halves ruff's and mypy's fit (neither lists it), so bandit
+    # leads; semgrep has the fit but its p95 keeps it last.
     route = fib.lookup({"task_type": "code_review", "strengths_wanted": ["security"]})
-    assert [h.agent for h in route.next_hops] == ["sec.bandit", "lint.ruff"]
+    assert [h.agent for h in route.next_hops] == ["sec.bandit", "lint.ruff", "types.mypy", "rules.semgrep"]
     assert route.next_hops[1].weight == pytest.approx(score(0.5, 0.5, 0, 200))
 
 
