@@ -160,6 +160,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="normal survives a process crash; full also an OS crash (fsync per commit)")
     sec.add_argument("--max-ws-message-bytes", type=_positive(int), default=d.max_ws_message_bytes,
                      help="WebSocket message limit (close 1009 above)")
+    ap.add_argument("--no-ws-deflate", action="store_true",
+                    help="do not negotiate permessage-deflate (RFC 7692) on the WebSocket ingress "
+                         "(by default it is used when a client offers it)")
     f = ap.add_argument_group("flow control, liveness, resumption (spec §4.4, §5, §8, §9, §10)")
     f.add_argument("--window-update-ms", type=_positive(int), default=d.window_update_interval_ms,
                    help="WINDOW_UPDATE period, ms")
@@ -251,6 +254,7 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
             tenant_rate_per_s=args.tenant_rate_per_s, tenant_rate_burst=args.tenant_rate_burst,
             max_body_bytes=args.max_body_bytes, max_policy_bytes=args.max_policy_bytes,
             max_ws_message_bytes=args.max_ws_message_bytes,
+            ws_deflate=not args.no_ws_deflate,
             repo=args.repo.resolve() if args.repo is not None else None,
             state_dir=args.state_dir, state_sync=args.state_sync.upper(), watch_policies=not args.no_watch,
             **_flow_config(args),

@@ -158,7 +158,9 @@ class RouterConfig:
     ``policy_secrets`` are the env vars a RIB may reference
     (:class:`~atp.security.policy_guard.PolicySecrets`; None: none). Bodies:
     ``max_body_bytes`` per HTTP request (streams, frames), ``max_policy_bytes`` per
-    policy body, ``max_ws_message_bytes`` per WebSocket message. ``tls`` serves
+    policy body, ``max_ws_message_bytes`` per WebSocket message (after
+    inflation when ``ws_deflate`` negotiated permessage-deflate, RFC 7692: on
+    by default, used only when the client offers it). ``tls`` serves
     both ingresses over TLS 1.3 (HTTPS, WSS; mTLS identities on WSS).
 
     Durable state (:mod:`atp.store`): ``state_dir`` holds the SQLite store (budget
@@ -220,6 +222,7 @@ class RouterConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     max_policy_bytes: int = 1024 * 1024
     max_ws_message_bytes: int = 16 * 1024 * 1024
+    ws_deflate: bool = True
     tls: ServerTls | None = None
     state_dir: Path | None = None
     state_sync: str = "NORMAL"

@@ -60,6 +60,7 @@ session's reassembler.
 from __future__ import annotations
 
 import logging
+import zlib
 from dataclasses import dataclass, field
 
 import cbor2
@@ -71,6 +72,9 @@ from trio_websocket import (
     WebSocketRequest,
     serve_websocket,
 )
+from wsproto.events import AcceptConnection
+from wsproto.extensions import PerMessageDeflate
+from wsproto.frame_protocol import CloseReason
 
 from atp.router.core import Router, StreamCtx, connection_error
 from atp.security.identity import Identity
@@ -85,6 +89,69 @@ log = logging.getLogger("atp.router.ws")
 
 SUBPROTOCOLS = {"atp.v1.cbor": "cbor", "atp.v1.json": "json"}
 CONNECTION_STREAM = "0"
+
+
+class BoundedPerMessageDeflate(PerMessageDeflate):
+    """permessage-deflate (RFC 7692; spec §4.1 "negotiated at handshake") whose
+    inflation is bounded: a message may inflate to at most ``max_message_bytes``
+    (the ingress's message limit) — beyond it the connection is closed with 1009
+    (message too big) before the bytes exist, so a small compressed frame cannot
+    make the router allocate a thousand times its size (a decompression bomb)."""
+
+    def __init__(self, max_message_bytes: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.max_message_bytes = max_message_bytes
+        self._inflated = 0
+
+    def _inflate(self, data: bytes) -> bytes | CloseReason:
+        assert self._decompressor is not None
+        room = self.max_message_bytes - self._inflated
+        try:
+            out = self._decompressor.decompress(data, room + 1)
+        except zlib.error:
+            return CloseReason.INVALID_FRAME_PAYLOAD_DATA
+        self._inflated += len(out)
+        if self._inflated > self.max_message_bytes or self._decompressor.unconsumed_tail:
+            return CloseReason.MESSAGE_TOO_BIG
+        return out
+
+    def frame_inbound_payload_data(self, proto, data: bytes) -> bytes | CloseReason:
+        if not self._inbound_compressed or not self._inbound_is_compressible:
+            return data
+        return self._inflate(bytes(data))
+
+    def frame_inbound_complete(self, proto, fin: bool) -> bytes | CloseReason | None:
+        if not fin:
+            return None
+        if not self._inbound_is_compressible or not self._inbound_compressed:
+            self._inbound_compressed = None
+            self._inflated = 0
+            return None
+        out = self._inflate(b"\x00\x00\xff\xff")
+        if isinstance(out, CloseReason):
+            return out
+        no_context_takeover = self.server_no_context_takeover if proto.client else self.client_no_context_takeover
+        if no_context_takeover:
+            self._decompressor = None
+        self._inbound_compressed = None
+        self._inflated = 0
+        return out
+
+
+async def _accept(request: WebSocketRequest, subprotocol: str | None, *, deflate: bool,
+                  max_message_bytes: int) -> WebSocketConnection:
+    """``request.accept`` with permessage-deflate offered to wsproto, which
+    negotiates it only when the client proposed it (trio-websocket 0.12 has no
+    parameter for extensions; this is its ``accept`` with one more argument)."""
+    if not deflate:
+        return await request.accept(subprotocol=subprotocol)
+    conn = request._connection
+    conn._subprotocol = subprotocol
+    conn._path = request._event.target
+    await conn._send(AcceptConnection(subprotocol=subprotocol, extensions=[
+        BoundedPerMessageDeflate(max_message_bytes)]))
+    conn._open_handshake.set()
+    return conn
 
 
 def _authorization(request: WebSocketRequest) -> str | None:
@@ -117,7 +184,8 @@ async def serve_ws(router: Router, host: str, port: int, *, task_status=trio.TAS
                 return
         offered = request.proposed_subprotocols
         chosen = next((p for p in SUBPROTOCOLS if p in offered), None)  # cbor first, as documented
-        ws = await request.accept(subprotocol=chosen)
+        ws = await _accept(request, chosen, deflate=router.config.ws_deflate,
+                           max_message_bytes=router.config.max_ws_message_bytes)
         codec = FrameCodec(SUBPROTOCOLS.get(chosen or "", "json"), keyring=router.keyring)
         try:
             await _connection(router, ws, codec, identity)
