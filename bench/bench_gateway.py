@@ -17,13 +17,19 @@ each step:
      JSON completion with ``stream: false``; ~0.1 ms of CPU a call, so the
      gateways' cost is not lost in the upstream's);
    * **LiteLLM's proxy**: ``litellm --config <tmp> --num_workers 1``, model ``m``
-     → ``openai/m`` at the mock; no master key, no database, its defaults
-     otherwise (``LITELLM_LOCAL_MODEL_COST_MAP=True``: no network at start);
+     → ``openai/m`` at the mock; a random ``LITELLM_MASTER_KEY`` (it refuses to
+     start without one), no database, its defaults otherwise
+     (``LITELLM_LOCAL_MODEL_COST_MAP=True``: no network at start);
    * the **ATP router**: ``atp-router --policies <tmp RIB> --state-dir <tmp>
-     --no-watch``, authentication off (no ``--auth``, ``ATP_ROUTER_TOKENS``
-     removed), one ``openai_compat`` model agent ``model.m`` at the mock, policy
-     ``chat`` for task type ``chat``; the tenant open rate raised so the
-     router's 50 opens/s default does not cap the closed loop.
+     --no-watch``, one random bearer token (``ATP_ROUTER_TOKENS``, tenant
+     ``bench``), one ``openai_compat`` model agent ``model.m`` at the mock,
+     policy ``chat`` for task type ``chat``; the tenant open rate raised so the
+     router's 50 opens/s default does not cap the closed loop. Its state
+     (SQLite: stream logs, ledgers, audit) is durable as always; LiteLLM
+     without a database writes nothing per request.
+
+   Both gateways check a bearer key on every request (the WebSocket once, at
+   the handshake).
 
 3. Drives every target with **one** load generator (this process, trio + httpx /
    trio-websocket, the same request body everywhere), one target at a time:
@@ -34,7 +40,7 @@ each step:
      until the router ends it (FINAL, FIN);
    * ``ATP WebSocket``: one connection, sans-IO client ``Session`` + JSON
      ``FrameCodec`` (bench_router.py's ``WsClient``): SYN with the task, FINAL,
-     our FIN;
+     our FIN; a session HB every 5 s while the connection idles;
    * ``ATP OpenAI ingress``: the same streaming request as ``direct`` to the
      router's ``/v1/chat/completions`` (model ``chat``).
 
@@ -348,6 +354,7 @@ class Drivers:
             self.ws = _WsTasks(ws, WsClient)
             self._nursery = await self._stack.enter_async_context(trio.open_nursery())
             self._nursery.start_soon(self.ws.reader)
+            self._nursery.start_soon(self.ws.heartbeats)
             self._stack.callback(self._nursery.cancel_scope.cancel)
         return self
 
@@ -383,6 +390,16 @@ class _WsTasks:
         self._c = ws_client_cls(ws)
         self._payload = Payload(type=PayloadType.TASK, content={"messages": MESSAGES})
         self.reader = self._c.reader
+
+    async def heartbeats(self) -> None:
+        """A session HB every 5 s, as a client does: the router closes a WebSocket
+        silent for --hb-timeout-s (30 s), and this one idles while the other
+        targets run."""
+        import trio
+
+        while True:
+            await trio.sleep(5.0)
+            await self._c._send([self._c.session.heartbeat(trio.current_time())])
 
     async def task(self) -> bool:
         import trio
@@ -543,7 +560,7 @@ async def measure(args: argparse.Namespace, urls: dict[str, str], keys: dict[str
     return res
 
 
-def report(args: argparse.Namespace, res: dict, litellm_note: str) -> None:
+def report(args: argparse.Namespace, res: dict, litellm_note: str, took_s: float) -> None:
     cols = list(TARGETS)
     width = 20
 
@@ -585,7 +602,8 @@ def report(args: argparse.Namespace, res: dict, litellm_note: str) -> None:
     p50 = {t: pct(res[t]["open"][top]["intended"], 50) for t in res}
     best_p50 = min(ATP_TARGETS, key=lambda t: p50[t])
     best_tps = max(ATP_TARGETS, key=lambda t: max(c["tasks_s"] for c in res[t]["closed"]))
-    print(f"ATP: fastest ingress at {top:g}/s by p50 {LABELS[best_p50]}; most tasks/s closed loop {LABELS[best_tps]}")
+    print(f"ATP: fastest ingress at {top:g}/s by p50 {LABELS[best_p50]}; most tasks/s closed loop {LABELS[best_tps]}. "
+          f"Measured in {took_s:.0f} s.")
     atp_oh = p50[best_p50] - p50["direct"]
     atp_tps = max(c["tasks_s"] for c in res[best_tps]["closed"])
     if "litellm" in res:
@@ -670,8 +688,7 @@ def bench(args: argparse.Namespace) -> int:
                 litellm_note = "LiteLLM did not start (column n/a)."
         t0 = time.monotonic()
         res = trio.run(measure, args, urls, keys, pids, mock.pid)
-        report(args, res, litellm_note)
-        print(f"(measured in {time.monotonic() - t0:.0f} s)", file=sys.stderr)
+        report(args, res, litellm_note, time.monotonic() - t0)
         return 0
     finally:
         for p in reversed(procs):

@@ -684,6 +684,20 @@ Authorized = Callable[..., Callable[[Request], Awaitable[Response]]]
 ReadBody = Callable[[Request, int], Awaitable[bytes]]
 
 
+def remaining_text(full: str, streamed: str) -> str:
+    """What a streaming client still needs after the ``streamed`` live text to
+    hold the ``full`` answer: the rest of ``full`` when ``streamed`` is its start
+    — whitespace the live text ended with aside (the answer text is trimmed) —
+    else a blank line and ``full`` whole."""
+    if full.startswith(streamed):
+        return full[len(streamed):]
+    head = streamed.rstrip()
+    if head and full.startswith(head):
+        tail, sent_ws = full[len(head):], streamed[len(head):]
+        return tail[len(sent_ws):] if tail.startswith(sent_ws) else tail
+    return ("\n\n" if streamed else "") + full
+
+
 def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
                   body_too_large: type[ATPError]) -> list[Route]:
     """The ingress's routes for the control API's Starlette app. ``authorized``
@@ -783,8 +797,7 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
                 yield b"data: " + _enc.encode(error_body(e, status)) + b"\n\n"
                 yield b"data: [DONE]\n\n"
                 return
-            full, streamed = completion_text(out.final.result), "".join(live)
-            rest = full[len(streamed):] if full.startswith(streamed) else ("\n\n" if streamed else "") + full
+            rest = remaining_text(completion_text(out.final.result), "".join(live))
             if rest:
                 yield chunk(choices=[ChunkChoice(0, ChunkDelta(content=rest))])
             yield chunk(choices=[ChunkChoice(0, ChunkDelta(), out.finish_reason)], atp=out.atp(ctx))

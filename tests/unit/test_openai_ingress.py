@@ -303,3 +303,17 @@ async def test_code_review_with_real_analysers(router_env):
     # Without the files, the analysers that need them cannot run: refused up front.
     e = await refused(oa.chat.completions.create, model="code_review", messages=[{"role": "user", "content": DIFF}])
     assert e.status_code == 400 and e.body["code"] == "EPROTO" and "--repo" in e.body["message"]
+
+
+def test_streamed_text_ending_in_whitespace_is_not_repeated():
+    """A model's live deltas end in a space or newline while the answer text is
+    trimmed: the client gets the rest, never the whole answer a second time
+    (found by bench/bench_gateway.py)."""
+    from atp.router.openai_ingress import remaining_text
+
+    assert remaining_text("tok0 tok1", "tok0 tok1 ") == ""
+    assert remaining_text("tok0 tok1\n\nF-1 x.py:3", "tok0 tok1 ") == "\n\nF-1 x.py:3"
+    assert remaining_text("tok0 tok1\n\nF-1", "tok0 tok1\n") == "\nF-1"
+    assert remaining_text("abc def", "abc") == " def"
+    assert remaining_text("other answer", "tok0 ") == "\n\nother answer"
+    assert remaining_text("all", "") == "all"
