@@ -87,3 +87,18 @@ def router_process(policies: Path, state_dir: Path, *, cwd: Path | None = None,
             yield f"http://127.0.0.1:{http}"
         finally:
             stop_process(proc)
+
+
+#: The ``roots`` the shipped example RIBs (repo summary, retrieval QA) allow.
+SHIPPED_ROOTS = 'roots: [".", "../shared"]'
+
+
+def rib_with_root(rib: Path, tmp_path: Path) -> Path:
+    """A copy of the shipped example RIB ``rib`` with ``tmp_path`` added to its
+    ``roots`` (the tests' folders live there; the shipped RIB allows only this
+    repository and ../shared)."""
+    text = rib.read_text()
+    assert SHIPPED_ROOTS in text
+    out = tmp_path / "example-rib.yaml"
+    out.write_text(text.replace(SHIPPED_ROOTS, f'roots: [".", "../shared", {str(tmp_path)!r}]'))
+    return out

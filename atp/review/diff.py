@@ -22,8 +22,10 @@ Line numbers are 1-based. ``DiffLine.text`` excludes the line terminator.
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Literal
 
 from msgspec import Struct
@@ -100,6 +102,15 @@ def changed_lines(diffs: Iterable[FileDiff]) -> dict[str, set[int]]:
         if d.status != "deleted":
             out.setdefault(d.path, set()).update(d.changed)
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def changed_lines_of(diff: str) -> Mapping[str, frozenset[int]]:
+    """:func:`changed_lines` of the unified diff text ``diff``, read-only and
+    cached for the few diffs in flight: every analyser of a task and the
+    consensus engine ask for the same diff's lines, and a large diff is parsed
+    once instead of once each (a 5 MB diff takes ~0.5 s to parse)."""
+    return MappingProxyType({p: frozenset(ns) for p, ns in changed_lines(parse_diff(diff)).items()})
 
 
 def diff_loc(diffs: Iterable[FileDiff]) -> int:

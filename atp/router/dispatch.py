@@ -109,7 +109,7 @@ from atp.flow.budget import BudgetLedger, Refusal, Reservation, usd_to_micros
 from atp.flow.qos import Grant, Preempt, QosScheduler, Refused, Revoke
 from atp.flow.window import Admission, Estimate, InFlight, WindowTable
 from atp.flow.window import Window as FlowWindow
-from atp.review.diff import changed_lines, parse_diff
+from atp.review.diff import changed_lines_of
 from atp.security.redact import scrub
 from atp.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode
 from atp.wire.frame import PayloadType, QoS, WindowUpdate
@@ -199,7 +199,7 @@ class TaskPlan:
     exhausted: str | None = None
     #: Changed lines of the task's diff (path → after-diff lines) for the
     #: evidence scorer, parsed off the event loop before the first merge.
-    changed: dict[str, set[int]] | None = None
+    changed: Mapping[str, frozenset[int]] | None = None
     #: The policy's champion/challenger bandit chose "cheap then escalate": escalate
     #: (trigger ``bandit``) even when no policy trigger fires.
     escalate: bool = False
@@ -1045,13 +1045,10 @@ def _agent_reason(agent: str, err: ATPError) -> str:
 _INLINE_DIFF_CHARS = 32 * 1024
 
 
-def _changed_lines(content: Any) -> dict[str, set[int]] | None:
+def _changed_lines(content: Any) -> Mapping[str, frozenset[int]] | None:
     """Changed lines of the task's diff (path → after-diff line numbers) for the
     evidence scorer; ``None`` when the task has no readable diff."""
     diff = content.get("diff") if isinstance(content, Mapping) else None
     if not isinstance(diff, str) or not diff:
         return None
-    try:
-        return changed_lines(parse_diff(diff))
-    except ValueError:
-        return None
+    return changed_lines_of(diff)

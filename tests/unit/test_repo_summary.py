@@ -16,7 +16,7 @@ from atp.adapters.registry import build_adapter
 from atp.adapters.tools.summariser import SummariserAdapter, SummariserLimits, scan_repo, summarise
 from atp.policy.rib import AgentSpec
 from atp.wire.errors import ClientInputError
-from tests.helpers import router_process
+from tests.helpers import rib_with_root, router_process
 from tests.peers import start_llama_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,22 +159,9 @@ def _run(args: list[str], url: str, cwd: Path) -> subprocess.CompletedProcess:
                           timeout=300, cwd=cwd, env={**os.environ, "ATP_ROUTER_URL": url})
 
 
-SHIPPED_ROOTS = 'roots: [".", "../shared"]'
-
-
-def _rib_with_root(tmp_path: Path) -> Path:
-    """The shipped RIB with ``tmp_path`` added to its ``roots`` (the tests' folders
-    live there; the shipped RIB allows only this repository and ../shared)."""
-    text = (EXAMPLE / "rib.yaml").read_text()
-    assert SHIPPED_ROOTS in text
-    out = tmp_path / "example-rib.yaml"
-    out.write_text(text.replace(SHIPPED_ROOTS, f'roots: [".", "../shared", {str(tmp_path)!r}]'))
-    return out
-
-
 @pytest.fixture
 def example_router(tmp_path) -> Iterator[str]:
-    with router_process(_rib_with_root(tmp_path), tmp_path / "state", cwd=ROOT) as url:
+    with router_process(rib_with_root(EXAMPLE / "rib.yaml", tmp_path), tmp_path / "state", cwd=ROOT) as url:
         yield url
 
 
@@ -204,7 +191,7 @@ def test_summarise_a_repo_relative_to_the_callers_directory(example_router, tmp_
 
 def test_an_ambiguous_repo_escalates_even_without_the_model(tmp_path):
     ambiguous(tmp_path)
-    rib = _rib_with_root(tmp_path).read_text().replace("http://127.0.0.1:8080/v1", "http://127.0.0.1:9/v1")
+    rib = rib_with_root(EXAMPLE / "rib.yaml", tmp_path).read_text().replace("http://127.0.0.1:8080/v1", "http://127.0.0.1:9/v1")
     (tmp_path / "rib.yaml").write_text(rib)  # a model endpoint nothing listens on
     with router_process(tmp_path / "rib.yaml", tmp_path / "state", cwd=ROOT) as url:
         r = _run(["--repo", "mystery"], url, tmp_path)
@@ -221,7 +208,7 @@ def llama_url() -> Iterator[str]:
 
 @pytest.mark.model
 def test_ambiguous_repo_gets_the_models_synthesis(llama_url, tmp_path):
-    rib = _rib_with_root(tmp_path).read_text()
+    rib = rib_with_root(EXAMPLE / "rib.yaml", tmp_path).read_text()
     (tmp_path / "rib.yaml").write_text(rib.replace("http://127.0.0.1:8080/v1", llama_url))
     ambiguous(tmp_path)
     with router_process(tmp_path / "rib.yaml", tmp_path / "state", cwd=ROOT) as url:

@@ -21,7 +21,7 @@ from atp.consensus.strategies import merge
 from atp.consensus.types import AgentFinding, AgentReport, Severity
 from atp.policy.rib import AgentSpec
 from atp.wire.errors import ClientInputError
-from tests.helpers import router_process
+from tests.helpers import rib_with_root, router_process
 from tests.peers import MODEL_ALIAS, start_llama_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -205,26 +205,13 @@ def _run(script: str, args: list[str], url: str, cwd: Path, timeout: float = 300
                           timeout=timeout, cwd=cwd, env={**os.environ, "ATP_ROUTER_URL": url})
 
 
-SHIPPED_ROOTS = 'roots: [".", "../shared"]'
-
-
-def _rib_with_root(tmp_path: Path) -> Path:
-    """The shipped RIB with ``tmp_path`` added to its ``roots`` (the tests' folders
-    live there; the shipped RIB allows only this repository and ../shared)."""
-    text = (EXAMPLE / "rib.yaml").read_text()
-    assert SHIPPED_ROOTS in text
-    out = tmp_path / "example-rib.yaml"
-    out.write_text(text.replace(SHIPPED_ROOTS, f'roots: [".", "../shared", {str(tmp_path)!r}]'))
-    return out
-
-
 @pytest.fixture
 def example_router(tmp_path) -> Iterator[str]:
     """``atp-router --policies examples/retrieval_qa/rib.yaml`` from the repository
     root (no model server: an escalation fails, the retrievers' answer stands)."""
     if not SPECS.is_dir():
         pytest.skip(f"no specs at {SPECS}")
-    with router_process(_rib_with_root(tmp_path), tmp_path / "state", cwd=ROOT) as url:
+    with router_process(rib_with_root(EXAMPLE / "rib.yaml", tmp_path), tmp_path / "state", cwd=ROOT) as url:
         yield url
 
 
@@ -276,7 +263,7 @@ def llama_url() -> Iterator[str]:
 def test_weak_question_escalates_to_the_model_with_the_snippets(llama_url, tmp_path):
     if not SPECS.is_dir():
         pytest.skip(f"no specs at {SPECS}")
-    rib = _rib_with_root(tmp_path).read_text()
+    rib = rib_with_root(EXAMPLE / "rib.yaml", tmp_path).read_text()
     assert "http://127.0.0.1:8080/v1" in rib
     (tmp_path / "rib.yaml").write_text(rib.replace("http://127.0.0.1:8080/v1", llama_url))
     with router_process(tmp_path / "rib.yaml", tmp_path / "state", cwd=ROOT) as url:

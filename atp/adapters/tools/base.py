@@ -81,7 +81,7 @@ import trio
 from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
 from atp.adapters.openai_compat import CallStats
 from atp.consensus.types import AgentFinding, AgentReport, Usage
-from atp.review.diff import changed_lines, parse_diff
+from atp.review.diff import changed_lines_of
 from atp.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
@@ -90,8 +90,11 @@ __all__ = [
     "LIMIT_OPTIONS",
     "ToolAdapter",
     "ToolLimits",
+    "confined_dir",
     "decode_items",
+    "encode_files",
     "find_executable",
+    "longest_prefix",
     "relative",
     "safe_relpath",
 ]
@@ -201,6 +204,73 @@ def safe_relpath(path: object) -> str:
     ):
         raise ClientInputError(f"refused file path {path!r:.200}: must be relative and inside the task")
     return path
+
+
+def confined_dir(value: object, *, field: str, default: str, roots: Iterable[str], who: str) -> str:
+    """The directory a task names in ``content.<field>`` (resolved), or
+    ``default`` when it names none. Raises ``ClientInputError`` for a value that
+    is not an absolute path, lies outside every one of ``roots`` (resolved,
+    symlinks followed) or is not a directory, and ``AgentError(EAGENTDOWN)`` when
+    ``default`` is gone. ``who`` names the next-hop kind in the refusal."""
+    if value is None:
+        if not os.path.isdir(default):
+            raise AgentError(ErrorCode.EAGENTDOWN, f"the {who}'s directory {default} is gone")
+        return default
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise ClientInputError(f"content.{field} must be a directory path")
+    if not os.path.isabs(value):
+        raise ClientInputError(f"content.{field} must be an absolute path, got {value!r:.200}")
+    real = os.path.realpath(value)
+    if not any(os.path.commonpath([real, r]) == r for r in roots):
+        raise ClientInputError(f"refused content.{field} {value!r:.200}: outside the {who}'s roots")
+    if not os.path.isdir(real):
+        raise ClientInputError(f"content.{field} {value!r:.200} is not a directory")
+    return real
+
+
+def longest_prefix(table: Mapping[str, T], code: str, default: T) -> T:
+    """The entry of ``table`` under the longest prefix of ``code`` (``default``
+    when no prefix is a key): how the analysers' rule codes are graded."""
+    for n in range(len(code), 0, -1):
+        hit = table.get(code[:n])
+        if hit is not None:
+            return hit
+    return default
+
+
+def encode_files(files: Mapping[str, Any], lim: ToolLimits, *, suffixes: tuple[str, ...] | None = None,
+                 refuse_git: bool = False, total_what: str = "content.files") -> dict[str, bytes]:
+    """``content.files`` checked and encoded: every path safe (:func:`safe_relpath`;
+    inside ``.git`` refused with ``refuse_git``), every value text; those ending in
+    one of ``suffixes`` (all when None) as UTF-8 bytes, each within
+    ``max_file_bytes`` and together within ``max_files_bytes`` (``total_what``
+    names them in the refusal). Raises ``ClientInputError`` naming the file or
+    the limit."""
+    encoded: dict[str, bytes] = {}
+    total = 0
+    for path, text in files.items():
+        safe_relpath(path)
+        if refuse_git and ".git" in path.split("/"):
+            raise ClientInputError(f"refused file path {path!r:.200}: inside .git")
+        if not isinstance(text, str):
+            raise ClientInputError(f"content.files[{path!r:.200}] must be text")
+        if suffixes is not None and not path.endswith(suffixes):
+            continue
+        what = f"content.files[{path!r:.200}]"
+        _check_len(what, text, "max_file_bytes", lim.max_file_bytes)
+        try:
+            # surrogateescape: text decoded that way round-trips byte for byte.
+            data = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raise ClientInputError(f"{what} is not encodable as UTF-8") from None
+        if len(data) > lim.max_file_bytes:
+            raise _over(what, f"{len(data):,} bytes", "max_file_bytes", lim.max_file_bytes)
+        total += len(data)
+        if total > lim.max_files_bytes:
+            raise _over(total_what, f"more than {lim.max_files_bytes:,} bytes", "max_files_bytes",
+                        lim.max_files_bytes)
+        encoded[path] = data
+    return encoded
 
 
 def decode_items(raws: Iterable[msgspec.Raw], type: type[T]) -> Iterator[T]:
@@ -327,33 +397,12 @@ class ToolAdapter(ProviderAdapter):
             size = len(diff.encode("utf-8", "surrogatepass"))
             if size > lim.max_diff_bytes:
                 raise _over("content.diff", f"{size:,} bytes", "max_diff_bytes", lim.max_diff_bytes)
-        encoded: dict[str, bytes] = {}
-        total = 0
-        for path, text in files.items():
-            safe_relpath(path)
-            if not isinstance(text, str):
-                raise ClientInputError(f"content.files[{path!r:.200}] must be text")
-            if not path.endswith(self.suffixes):
-                continue
-            what = f"content.files[{path!r:.200}]"
-            _check_len(what, text, "max_file_bytes", lim.max_file_bytes)
-            try:
-                # surrogateescape: text decoded that way round-trips byte for byte.
-                data = text.encode("utf-8", "surrogateescape")
-            except UnicodeEncodeError:
-                raise ClientInputError(f"{what} is not encodable as UTF-8") from None
-            if len(data) > lim.max_file_bytes:
-                raise _over(what, f"{len(data):,} bytes", "max_file_bytes", lim.max_file_bytes)
-            total += len(data)
-            if total > lim.max_files_bytes:
-                raise _over("the Python in content.files", f"more than {lim.max_files_bytes:,} bytes",
-                            "max_files_bytes", lim.max_files_bytes)
-            encoded[path] = data
-        keep: dict[str, set[int]] | None = None
+        encoded = encode_files(files, lim, suffixes=self.suffixes, total_what="the Python in content.files")
+        keep: dict[str, Iterable[int]] | None = None
         if self.scope == "changed":
             if not isinstance(diff, str):
                 raise ClientInputError("scope 'changed' needs content.diff (a unified diff string)")
-            keep = _widen(changed_lines(parse_diff(diff)), self.context)
+            keep = _widen(changed_lines_of(diff), self.context)
         targets = {p: data for p, data in encoded.items() if keep is None or keep.get(p)}
         missing = sorted(p for p in keep or () if p.endswith(self.suffixes) and p not in files)
         if missing and not targets:
@@ -562,7 +611,7 @@ def _kill_group(proc: trio.Process) -> None:
         pass
 
 
-def _widen(lines: Mapping[str, set[int]], context: int) -> dict[str, set[int]]:
+def _widen(lines: Mapping[str, Iterable[int]], context: int) -> dict[str, Iterable[int]]:
     if context == 0:
         return dict(lines)
     return {p: {n + k for n in ns for k in range(-context, context + 1) if n + k >= 1} for p, ns in lines.items()}

@@ -32,6 +32,7 @@ from atp.adapters.tools.base import (
     ToolAdapter,
     ToolLimits,
     decode_items,
+    longest_prefix,
     relative,
 )
 from atp.consensus.types import AgentFinding, Severity
@@ -142,11 +143,7 @@ _MESSAGE_RE = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,63}$")
 
 def grade(message_id: str) -> tuple[Severity, float]:
     """(severity, confidence) of a pylint message id by the longest prefix in GRADES."""
-    for n in range(len(message_id), 0, -1):
-        g = GRADES.get(message_id[:n])
-        if g is not None:
-            return g
-    return _DEFAULT_GRADE
+    return longest_prefix(GRADES, message_id, _DEFAULT_GRADE)
 
 
 class _Message(msgspec.Struct):

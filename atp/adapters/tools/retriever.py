@@ -67,9 +67,10 @@ from typing import Any
 import trio
 
 from atp.adapters.base import CallStats, Fragment, Health, Prompt, ProviderAdapter
+from atp.adapters.tools.base import confined_dir
 from atp.consensus.escalation import CITATION_RULE
 from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
-from atp.wire.errors import AgentError, ClientInputError, ErrorCode
+from atp.wire.errors import AgentError, ClientInputError
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
 __all__ = [
@@ -399,21 +400,7 @@ class RetrieverAdapter(ProviderAdapter):
         """The corpus directory a task asks for (resolved). Raises
         ``ClientInputError`` for a ``docs`` that is not an absolute directory
         inside ``roots``."""
-        docs = content.get("docs")
-        if docs is None:
-            if not os.path.isdir(self.docs):
-                raise AgentError(ErrorCode.EAGENTDOWN, f"the corpus directory {self.docs} is gone")
-            return self.docs
-        if not isinstance(docs, str) or not docs or "\x00" in docs:
-            raise ClientInputError("content.docs must be a directory path")
-        if not os.path.isabs(docs):
-            raise ClientInputError(f"content.docs must be an absolute path, got {docs!r:.200}")
-        real = os.path.realpath(docs)
-        if not any(os.path.commonpath([real, r]) == r for r in self.roots):
-            raise ClientInputError(f"refused content.docs {docs!r:.200}: outside the retriever's roots")
-        if not os.path.isdir(real):
-            raise ClientInputError(f"content.docs {docs!r:.200} is not a directory")
-        return real
+        return confined_dir(content.get("docs"), field="docs", default=self.docs, roots=self.roots, who="retriever")
 
     def corpus(self, root: str) -> Corpus:
         """The index of ``root``, built on first use and again when its listing changed."""

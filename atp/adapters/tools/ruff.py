@@ -21,6 +21,7 @@ from atp.adapters.tools.base import (
     ToolAdapter,
     ToolLimits,
     decode_items,
+    longest_prefix,
     relative,
 )
 from atp.consensus.types import AgentFinding, Severity
@@ -96,11 +97,7 @@ _DEFAULT_GRADE = (L, 0.5)
 
 def grade(code: str) -> tuple[Severity, float]:
     """(severity, confidence) of a ruff rule code by the longest prefix in GRADES."""
-    for n in range(len(code), 0, -1):
-        g = GRADES.get(code[:n])
-        if g is not None:
-            return g
-    return _DEFAULT_GRADE
+    return longest_prefix(GRADES, code, _DEFAULT_GRADE)
 
 
 class _Location(msgspec.Struct):

@@ -55,8 +55,9 @@ from typing import Any
 import trio
 
 from atp.adapters.base import CallStats, Fragment, Health, Prompt, ProviderAdapter
+from atp.adapters.tools.base import confined_dir
 from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
-from atp.wire.errors import AgentError, ClientInputError, ErrorCode
+from atp.wire.errors import AgentError, ClientInputError
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
 __all__ = ["SKIP_DIRS", "RepoFacts", "SummariserAdapter", "SummariserLimits", "scan_repo", "summarise"]
@@ -407,21 +408,7 @@ class SummariserAdapter(ProviderAdapter):
     def repo_root(self, content: Mapping[str, Any]) -> str:
         """The directory a task asks for (resolved). Raises ``ClientInputError``
         for a ``repo`` that is not an absolute directory inside ``roots``."""
-        repo = content.get("repo")
-        if repo is None:
-            if not os.path.isdir(self.repo):
-                raise AgentError(ErrorCode.EAGENTDOWN, f"the repository {self.repo} is gone")
-            return self.repo
-        if not isinstance(repo, str) or not repo or "\x00" in repo:
-            raise ClientInputError("content.repo must be a directory path")
-        if not os.path.isabs(repo):
-            raise ClientInputError(f"content.repo must be an absolute path, got {repo!r:.200}")
-        real = os.path.realpath(repo)
-        if not any(os.path.commonpath([real, r]) == r for r in self.roots):
-            raise ClientInputError(f"refused content.repo {repo!r:.200}: outside the summariser's roots")
-        if not os.path.isdir(real):
-            raise ClientInputError(f"content.repo {repo!r:.200} is not a directory")
-        return real
+        return confined_dir(content.get("repo"), field="repo", default=self.repo, roots=self.roots, who="summariser")
 
     def report(self, content: Any) -> AgentReport:
         """The report for one task's ``content``. Blocking."""

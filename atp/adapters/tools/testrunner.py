@@ -94,10 +94,10 @@ from atp.adapters.tools.base import (
     DEFAULT_LIMITS,
     ToolAdapter,
     ToolLimits,
-    _check_len,
     _over,
     _rlimits,
     _tail,
+    encode_files,
     safe_relpath,
 )
 from atp.consensus.escalation import TEST_FAIL_RULE
@@ -278,27 +278,7 @@ class TestRunnerAdapter(ToolAdapter):
             raise ClientInputError("content.files must map paths to file text")
         if len(files) > lim.max_files:
             raise ClientInputError(f"content.files has {len(files):,} files, over the limit max_files={lim.max_files:,}")
-        encoded: dict[str, bytes] = {}
-        total = 0
-        for path, text in files.items():
-            safe_relpath(path)
-            if ".git" in path.split("/"):
-                raise ClientInputError(f"refused file path {path!r:.200}: inside .git")
-            if not isinstance(text, str):
-                raise ClientInputError(f"content.files[{path!r:.200}] must be text")
-            what = f"content.files[{path!r:.200}]"
-            _check_len(what, text, "max_file_bytes", lim.max_file_bytes)
-            try:
-                data = text.encode("utf-8", "surrogateescape")
-            except UnicodeEncodeError:
-                raise ClientInputError(f"{what} is not encodable as UTF-8") from None
-            if len(data) > lim.max_file_bytes:
-                raise _over(what, f"{len(data):,} bytes", "max_file_bytes", lim.max_file_bytes)
-            total += len(data)
-            if total > lim.max_files_bytes:
-                raise _over("content.files", f"more than {lim.max_files_bytes:,} bytes", "max_files_bytes",
-                            lim.max_files_bytes)
-            encoded[path] = data
+        encoded = encode_files(files, lim, refuse_git=True)
         repo = self._allowed_repo(content.get("repo"))
         has_tests = any(_TEST_FILE.search(p) for p in encoded)
         if repo is not None and not has_tests:
