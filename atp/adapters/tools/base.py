@@ -88,6 +88,7 @@ from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 __all__ = [
     "DEFAULT_LIMITS",
     "LIMIT_OPTIONS",
+    "InThreadToolAdapter",
     "ToolAdapter",
     "ToolLimits",
     "confined_dir",
@@ -552,6 +553,48 @@ class ToolAdapter(ProviderAdapter):
         """Findings (``file`` relative to ``root``, POSIX) and short notes for the
         summary. Runs in a worker thread (use :func:`decode_items` for long
         lists). Raise ValueError/KeyError/TypeError on malformed output."""
+
+
+class InThreadToolAdapter(ProviderAdapter):
+    """Base of the local next-hops that run in a worker thread of the router, not
+    in a subprocess (the retriever, the summariser): they only read files under
+    the operator's ``roots``, bounded by limits of their own. Subclasses set
+    :attr:`tool`, ``name``, ``strengths`` and ``_stats`` (a
+    :class:`~atp.adapters.openai_compat.CallStats`) and implement :meth:`work`."""
+
+    tool: ClassVar[str]
+    name: str
+    strengths: list[str]
+    _stats: CallStats
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(agent=self.name, skills=list(self.strengths), tools=[self.tool])
+
+    def estimate(self, prompt: Prompt) -> CostEstimate:
+        """Zero tokens and USD: local work spends neither."""
+        return CostEstimate()
+
+    def health(self) -> Health:
+        return self._stats.health()
+
+    @abc.abstractmethod
+    def work(self, content: Any) -> AgentReport:
+        """The report for one task's ``content``. Blocking (runs in a worker thread)."""
+
+    async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
+        """One FINAL fragment (``AgentReport``, zero usage). Raises what
+        :meth:`work` raises (``ClientInputError`` for the task's fault,
+        ``AgentError`` otherwise)."""
+        t0 = trio.current_time()
+        try:
+            report = await trio.to_thread.run_sync(self.work, prompt.content)
+        except AgentError as e:
+            e.agent = e.agent or self.name
+            if not e.client_fault:
+                self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=True)
+            raise
+        self._stats.record((trio.current_time() - t0) * 1000, ok=True)
+        yield Fragment(type=PayloadType.FINAL, content=report, confidence=report.confidence, usage=Usage())
 
 
 def relative(filename: str, root: str) -> str:

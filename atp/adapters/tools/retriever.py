@@ -59,19 +59,17 @@ import re
 import sqlite3
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import trio
 
-from atp.adapters.base import CallStats, Fragment, Health, Prompt, ProviderAdapter
-from atp.adapters.tools.base import confined_dir
+from atp.adapters.base import CallStats
+from atp.adapters.tools.base import InThreadToolAdapter, confined_dir
 from atp.consensus.escalation import CITATION_RULE
-from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
-from atp.wire.errors import AgentError, ClientInputError
-from atp.wire.frame import Capabilities, CostEstimate, PayloadType
+from atp.consensus.types import AgentFinding, AgentReport, Severity
+from atp.wire.errors import ClientInputError
 
 __all__ = [
     "CACHE_SIZE",
@@ -311,7 +309,7 @@ def fingerprint(listing: Iterable[tuple[str, str, int, int]]) -> str:
     return h.hexdigest()
 
 
-class RetrieverAdapter(ProviderAdapter):
+class RetrieverAdapter(InThreadToolAdapter):
     """BM25 retriever next-hop (module docstring).
 
     ``docs``: the default corpus directory (must exist); ``roots``: directories
@@ -368,31 +366,9 @@ class RetrieverAdapter(ProviderAdapter):
         #: Times an index was built (tests and metrics).
         self.builds = 0
 
-    # -- ProviderAdapter ------------------------------------------------------------
-
-    def capabilities(self) -> Capabilities:
-        return Capabilities(agent=self.name, skills=list(self.strengths), tools=[self.tool])
-
-    def estimate(self, prompt: Prompt) -> CostEstimate:
-        """Zero tokens and USD: a local index spends neither."""
-        return CostEstimate()
-
-    def health(self) -> Health:
-        return self._stats.health()
-
-    async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
-        """One FINAL fragment (``AgentReport``, zero usage). Raises as the module
-        docstring says."""
-        t0 = trio.current_time()
-        try:
-            report = await trio.to_thread.run_sync(self.answer, prompt.content)
-        except AgentError as e:
-            e.agent = e.agent or self.name
-            if not e.client_fault:
-                self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=True)
-            raise
-        self._stats.record((trio.current_time() - t0) * 1000, ok=True)
-        yield Fragment(type=PayloadType.FINAL, content=report, confidence=report.confidence, usage=Usage())
+    def work(self, content: Any) -> AgentReport:
+        """:meth:`answer` (the :class:`InThreadToolAdapter` hook)."""
+        return self.answer(content)
 
     # -- the work (blocking; run in a worker thread) -------------------------------
 

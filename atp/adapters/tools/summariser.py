@@ -47,18 +47,16 @@ import dataclasses
 import os
 import re
 import tomllib
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import trio
 
-from atp.adapters.base import CallStats, Fragment, Health, Prompt, ProviderAdapter
-from atp.adapters.tools.base import confined_dir
-from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
-from atp.wire.errors import AgentError, ClientInputError
-from atp.wire.frame import Capabilities, CostEstimate, PayloadType
+from atp.adapters.base import CallStats
+from atp.adapters.tools.base import InThreadToolAdapter, confined_dir
+from atp.consensus.types import AgentFinding, AgentReport, Severity
+from atp.wire.errors import ClientInputError
 
 __all__ = ["SKIP_DIRS", "RepoFacts", "SummariserAdapter", "SummariserLimits", "scan_repo", "summarise"]
 
@@ -373,7 +371,7 @@ def summarise(facts: RepoFacts) -> AgentReport:
     return AgentReport(findings=findings, summary="\n".join(out), confidence=_confidence(facts))
 
 
-class SummariserAdapter(ProviderAdapter):
+class SummariserAdapter(InThreadToolAdapter):
     """The summariser next-hop (module docstring).
 
     ``repo``: the default repository directory (must exist); ``roots``: the
@@ -395,16 +393,6 @@ class SummariserAdapter(ProviderAdapter):
         self.limits = limits or SummariserLimits()
         self._stats = CallStats()
 
-    def capabilities(self) -> Capabilities:
-        return Capabilities(agent=self.name, skills=list(self.strengths), tools=[self.tool])
-
-    def estimate(self, prompt: Prompt) -> CostEstimate:
-        """Zero tokens and USD: a local walk spends neither."""
-        return CostEstimate()
-
-    def health(self) -> Health:
-        return self._stats.health()
-
     def repo_root(self, content: Mapping[str, Any]) -> str:
         """The directory a task asks for (resolved). Raises ``ClientInputError``
         for a ``repo`` that is not an absolute directory inside ``roots``."""
@@ -416,15 +404,6 @@ class SummariserAdapter(ProviderAdapter):
             raise ClientInputError("content must be an object (optionally with 'repo')")
         return summarise(scan_repo(self.repo_root(content), self.limits))
 
-    async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
-        """One FINAL fragment (``AgentReport``, zero usage). Raises as the module docstring says."""
-        t0 = trio.current_time()
-        try:
-            report = await trio.to_thread.run_sync(self.report, prompt.content)
-        except AgentError as e:
-            e.agent = e.agent or self.name
-            if not e.client_fault:
-                self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=True)
-            raise
-        self._stats.record((trio.current_time() - t0) * 1000, ok=True)
-        yield Fragment(type=PayloadType.FINAL, content=report, confidence=report.confidence, usage=Usage())
+    def work(self, content: Any) -> AgentReport:
+        """:meth:`report` (the :class:`InThreadToolAdapter` hook)."""
+        return self.report(content)
