@@ -6,7 +6,11 @@ policy escalates ``on: [test_fail]``."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import socket
+import tempfile
+from pathlib import Path
 
 import pytest
 import trio
@@ -227,3 +231,26 @@ async def test_no_namespace_means_no_run(monkeypatch):
     with pytest.raises(AgentError) as e:
         await review(runner(), {"files": PASSING})
     assert e.value.code is ErrorCode.EAGENTDOWN and "allow_network" in e.value.reason
+
+
+async def test_tests_cannot_read_what_the_router_keeps_to_itself(tmp_path):
+    """A router running as root runs the tests as ``nobody``: a file only root
+    may read (as the router's state, keys and secrets are) is out of their reach."""
+    from atp.adapters.tools import testrunner
+
+    if os.geteuid() != 0:
+        pytest.skip("the router is not root here: the tests run as its own user")
+    if testrunner._drop_user() is None:
+        pytest.skip("user nobody cannot run this interpreter here (it lives under a directory only root may "
+                    "enter): the tests run as root and the router logs a warning")
+    secret = Path(tempfile.mkdtemp(prefix="atp-secret-", dir="/tmp")) / "key"
+    try:
+        secret.write_text("hunter2")
+        secret.chmod(0o600)
+        os.chmod(secret.parent, 0o755)
+        files = {"test_peek.py": f"def test_peek():\n    assert open({str(secret)!r}).read() == 'hunter2'\n"}
+        report = await review(runner(), {"files": files})
+        [finding] = report.findings
+        assert finding.rule == "test_fail" and "PermissionError" in finding.claim, finding.claim
+    finally:
+        shutil.rmtree(secret.parent, ignore_errors=True)

@@ -38,9 +38,12 @@ which even loopback is down. Where namespaces are unavailable the adapter
 refuses to run the tests (``EAGENTDOWN``) unless the operator set
 ``options.allow_network: true``, which runs them with the host's network.
 
-What the sandbox does not do: it runs as the router's user, so the tests can read
-what that user can read on the host (give the router a user of its own), and
-root is not limited in processes (``RLIMIT_NPROC``). The JUnit report is the test
+A router running as root runs the tests as ``nobody`` (after the namespace is
+made), so they cannot read what root keeps to itself — the state directory,
+keys, secrets — and ``RLIMIT_NPROC`` binds; where ``nobody`` cannot run the
+router's interpreter (it lives under a directory only root may enter) they run
+as root and the router logs a warning once. A router running as another user runs
+them as that user: they can read what it can (give the router a user of its own). The JUnit report is the test
 process's own account of itself: a test suite can forge it; the sandbox protects
 the host, not the honesty of the result.
 
@@ -71,6 +74,7 @@ import ctypes
 import ctypes.util
 import functools
 import importlib.util
+import logging
 import os
 import re
 import resource
@@ -103,6 +107,8 @@ from atp.adapters.tools.base import (
 from atp.consensus.escalation import TEST_FAIL_RULE
 from atp.consensus.types import AgentFinding, AgentReport, Severity
 from atp.wire.errors import AgentError, ClientInputError, ErrorCode
+
+log = logging.getLogger("atp.adapters.tools.testrunner")
 
 __all__ = ["ALLOWED_FLAGS", "DEFAULT_MAX_WRITE_BYTES", "TestRunnerAdapter", "network_isolation"]
 
@@ -141,13 +147,60 @@ def _libc_unshare() -> Any:
     return fn
 
 
-def _child_setup(limits: list[tuple[int, tuple[int, int]]], unshare: Any, flags: int | None) -> None:
-    """``preexec_fn``: rlimits, then a new network namespace (``flags``); runs in
-    the forked child before ``exec``. A failed ``unshare`` aborts the start."""
+def _child_setup(limits: list[tuple[int, tuple[int, int]]], unshare: Any, flags: int | None,
+                 drop_to: int | None = None) -> None:
+    """``preexec_fn``: rlimits, then a new network namespace (``flags``), then
+    (``drop_to``) the unprivileged user; runs in the forked child before
+    ``exec``. A failed ``unshare`` or user switch aborts the start."""
     for res, pair in limits:
         resource.setrlimit(res, pair)
     if flags is not None and unshare(flags) != 0:
         raise _NoNetwork(ctypes.get_errno(), "unshare failed")
+    if drop_to is not None:
+        os.setgroups([])
+        os.setgid(drop_to)
+        os.setuid(drop_to)
+
+
+def _drop_user() -> int | None:
+    """``nobody``'s uid/gid when the router runs as root: the tests then run as
+    it, so they cannot read the router's state, keys or secrets (files root
+    keeps to itself) and ``RLIMIT_NPROC`` binds. ``None`` when the router is not
+    root (the tests run as its user), or when ``nobody`` cannot run the router's
+    interpreter here (e.g. it lives under a directory only root may enter):
+    then the tests run as root, and a warning says so once."""
+    if os.geteuid() != 0:
+        return None
+    return _probe_unprivileged()
+
+
+@functools.cache
+def _probe_unprivileged() -> int | None:
+    try:
+        import pwd
+
+        uid = pwd.getpwnam("nobody").pw_uid
+    except (ImportError, KeyError):
+        uid = 65534
+    try:
+        probe = subprocess.run([sys.executable, "-E", "-s", "-c", "import pytest"], cwd="/", timeout=60,
+                               env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, capture_output=True,
+                               preexec_fn=functools.partial(_child_setup, [], None, None, uid))
+    except (OSError, subprocess.SubprocessError):
+        probe = None
+    if probe is None or probe.returncode != 0:
+        log.warning("tool pytest: user nobody cannot run %s here: the tests run as root and can read what root "
+                    "can; install the router where any user may run its Python to isolate them", sys.executable)
+        return None
+    return uid
+
+
+def _chown_tree(base: str, uid: int) -> None:
+    """Give the run's private directory (made by root) to the unprivileged user."""
+    for root, dirs, files in os.walk(base):
+        os.chown(root, uid, uid)
+        for name in (*dirs, *files):
+            os.lchown(os.path.join(root, name), uid, uid)
 
 
 def network_isolation() -> int | None:
@@ -246,6 +299,7 @@ class TestRunnerAdapter(ToolAdapter):
                 "cannot cut the tests off the network here (no network namespace: unshare(CLONE_NEWNET) is "
                 "not permitted); refusing to run them — options.allow_network: true runs them with the network on",
             )
+        drop_to = await trio.to_thread.run_sync(_drop_user)
         base = await trio.to_thread.run_sync(functools.partial(tempfile.mkdtemp, prefix="atp-tests-"))
         try:
             tree = os.path.join(base, "src")
@@ -260,7 +314,10 @@ class TestRunnerAdapter(ToolAdapter):
                    "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONDONTWRITEBYTECODE": "1"}
             limits = _rlimits(self.limits)
             limits.append((resource.RLIMIT_FSIZE, _capped(resource.RLIMIT_FSIZE, self.max_write_bytes)))
-            preexec = functools.partial(_child_setup, limits, _libc_unshare() if flags is not None else None, flags)
+            if drop_to is not None:
+                await trio.to_thread.run_sync(_chown_tree, base, drop_to)
+            preexec = functools.partial(_child_setup, limits, _libc_unshare() if flags is not None else None, flags,
+                                        drop_to)
             returncode, _out, err = await self._exec(argv, tree, env=env, preexec=preexec)
             self._check_pytest_exit(returncode, err, tree)
             return await trio.to_thread.run_sync(self._report, report, tree, err)
