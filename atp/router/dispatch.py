@@ -4,7 +4,10 @@
 For one stream the dispatcher
 
 1. calls every next-hop of the route in parallel. Each call is admitted, in route
-   order (best first, so the same task queues the same way every time), through
+   order (best first, so the same task queues the same way every time), by the
+   sans-IO :class:`~atp.flow.admission.AdmissionControl` (once the next-hop has
+   an adapter, the budget is not exhausted and its preflight estimate is known)
+   through
 
    a. the next-hop's **circuit breaker** (:class:`~atp.flow.breaker.BreakerBoard`):
       an open circuit is ``EAGENTDOWN`` with its ``retry_after_ms``, no call;
@@ -18,17 +21,25 @@ For one stream the dispatcher
    c. a router-wide **QoS slot** (§9, :class:`~atp.flow.qos.QosScheduler`):
       gold has reserved slots, silver and bronze share by WFQ, and a gold call
       kept waiting makes the router RST a bronze stream with ``EPREEMPT``
-      (:class:`SlotGate`). This is where the classes compete, so the slot comes
-      before the next-hop's window: a call holds its slot while it waits there;
+      (:class:`SlotGate` runs the scheduler's clock). This is where the classes
+      compete, so the slot comes before the next-hop's window: a call holds its
+      slot while it waits there;
    d. the **next-hop's window** (shared by every stream calling that agent,
       AIMD): a call that does not fit waits in the window's
       :class:`~atp.flow.window.WindowQueue` — gold first, then silver and
       bronze by WFQ — with NACK + WINDOW_UPDATE as in b; room that opens is
       handed to one waiter at a time. The wait is reported to the QoS scheduler
-      (:meth:`SlotGate.block`), so a gold call held up at a next-hop makes the
-      router preempt a bronze call running *at that next-hop*;
+      (the slot is *blocked*), so a gold call held up at a next-hop makes the
+      router preempt a bronze call running *at that next-hop*, and a blocked
+      silver or bronze slot may be given to gold at once (the call then waits
+      for a slot again);
    e. the **budget ledger** (reserve the estimate on the stream's account and its
       client's; a refusal is ``EBUDGET``, no call).
+
+   The trio side only loops: step the call (:meth:`FlowGates.step`), send the
+   WINDOW_UPDATE and NACK the decision carries, park until a decision names the
+   call, step again; and ends every attempt — refused, cancelled while it waited,
+   or run — with one :meth:`FlowGates.release`, which gives back what it held.
 
 2. runs each call under its own overall deadline (``trio.fail_after``) and the
    stream's deadline; a call whose streamed usage passes what the budget can
@@ -85,7 +96,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -104,10 +115,20 @@ from atp.consensus.types import (
     Telemetry,
     Usage,
 )
+from atp.flow.admission import (
+    AdmissionControl,
+    Admit,
+    Call,
+    Decision,
+    Outcome,
+    Released,
+    StreamFlow,
+    Wait,
+)
 from atp.flow.breaker import BreakerBoard, RetryPolicy
-from atp.flow.budget import BudgetLedger, Refusal, Reservation, usd_to_micros
-from atp.flow.qos import Grant, Preempt, QosScheduler, Refused, Revoke
-from atp.flow.window import Admission, Estimate, InFlight, WindowTable
+from atp.flow.budget import BudgetLedger, Refusal, usd_to_micros
+from atp.flow.qos import Preempt, QosScheduler
+from atp.flow.window import Estimate, WindowTable
 from atp.flow.window import Window as FlowWindow
 from atp.review.diff import changed_lines_of
 from atp.security.redact import scrub
@@ -116,8 +137,6 @@ from atp.wire.frame import PayloadType, QoS, WindowUpdate
 
 log = logging.getLogger("atp.router.dispatch")
 
-#: Failures that say the next-hop is congested or down: AIMD decreases on them.
-CONGESTION = frozenset({ErrorCode.ETIMEOUT, ErrorCode.EAGENTDOWN})
 #: Failures that a reroute to another next-hop can cure.
 REROUTABLE = frozenset({ErrorCode.ETIMEOUT, ErrorCode.EAGENTDOWN})
 #: Prefix of the FINAL's ``consensus.uncertainties`` entry for each next-hop of the
@@ -162,6 +181,9 @@ class LegOutcome:
     #: What the ledger charged for it (``usage`` less any overage the budget could not take).
     charged_tokens: int = 0
     charged_usd_micros: int = 0
+    #: Answered from the response cache (spec §13): not called, nothing charged;
+    #: ``usage`` is then the stored call's, which consensus ranks its cost by.
+    cached: bool = False
 
 
 @dataclass(slots=True)
@@ -185,18 +207,10 @@ class TaskPlan:
     #: carries a ``forbidden`` category the agent is not cleared for: that
     #: next-hop is not called. ``None``: every next-hop sees ``prompt``.
     prompt_for: Callable[[str], Prompt] | None = None
-    #: Wake-ups of calls waiting for room in this stream's window.
-    waiters: set[trio.Event] = field(default_factory=set)
-    #: Index (in route order) of the next-hop whose admission is being decided.
-    admit_turn: int = 0
-    #: Woken whenever a next-hop's admission turn passes.
-    turn_passed: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
     #: Every attempt, in order (telemetry sums their usage).
     attempts: list[LegOutcome] = field(default_factory=list)
     #: Agents called or chosen for this stream: a reroute never goes back to one.
     tried: set[str] = field(default_factory=set)
-    #: Why the budget is exhausted (spec §10 EBUDGET), once it is.
-    exhausted: str | None = None
     #: Changed lines of the task's diff (path → after-diff lines) for the
     #: evidence scorer, parsed off the event loop before the first merge.
     changed: Mapping[str, frozenset[int]] | None = None
@@ -208,143 +222,77 @@ class TaskPlan:
     #: Win rates for the consensus tie-break (§7.2): the router's live quality
     #: per agent (atp.policy.learn); None: the RIB's ``win30d``.
     win_rates: Mapping[str, float] | None = None
+    #: The stream as the flow gates see it (window, class, budget account, route-order
+    #: turns): made by :meth:`Dispatcher.run` unless given.
+    flow: StreamFlow | None = None
+    #: The response cache as this stream's tenant and policy see it
+    #: (:class:`~atp.router.cache.CacheView`; None: the policy does not cache).
+    cache: Any = None
+
+    @property
+    def exhausted(self) -> str | None:
+        """Why the budget is exhausted (spec §10 EBUDGET), once it is."""
+        return self.flow.exhausted if self.flow is not None else None
 
 
 class SlotGate:
-    """The trio side of the router-wide :class:`~atp.flow.qos.QosScheduler` (spec §9).
+    """The clock of the router-wide :class:`~atp.flow.qos.QosScheduler` (spec §9).
 
-    :meth:`acquire` waits for a call slot; :meth:`release` / :meth:`cancel` give
-    it back; :meth:`block` / :meth:`unblock` say that the call holding a slot
-    waits for room at its next-hop. :meth:`run` (a router task) takes the
-    scheduler's timer and hands every :class:`~atp.flow.qos.Preempt` (a running
-    bronze call when gold waited too long for a slot or at that bronze call's
-    next-hop, or a queued bronze call shed under congestion) to ``on_preempt``,
-    which RSTs the stream with ``EPREEMPT``.
+    :meth:`run` (a router task) sleeps until the scheduler's next deadline, or
+    until a call moves, and hands every :class:`~atp.flow.qos.Preempt` that
+    :meth:`AdmissionControl.on_timer <atp.flow.admission.AdmissionControl.on_timer>`
+    decides (a running bronze call when gold waited too long for a slot or at
+    that bronze call's next-hop, or a queued bronze call shed under congestion)
+    to ``on_preempt``, which RSTs the stream with ``EPREEMPT``. Calls take and
+    give back slots through :class:`FlowGates`, which drives this gate.
     """
 
     def __init__(self, scheduler: QosScheduler, on_preempt: Callable[[Preempt], None]):
         self.scheduler = scheduler
         self.on_preempt = on_preempt
-        #: Told when a blocked call's slot is given to gold (:meth:`QosScheduler.reclaim`);
-        #: :class:`FlowGates` withdraws the call from its next-hop's queue.
-        self.on_revoke: Callable[[Revoke], None] = lambda r: None
-        self._waiting: dict[int, trio.Event] = {}
-        self._regrants: dict[int, trio.Event] = {}
-        self._dropped: dict[int, Preempt] = {}
+        self._gates: FlowGates | None = None
         self._changed = trio.Event()
 
-    async def acquire(self, stream_id: str, qos: QoS, *, key: str | None = None) -> int:
-        """A slot for one call of ``stream_id`` in class ``qos`` to next-hop
-        ``key``; returns its ticket. The request is placed before the first
-        checkpoint. Raises AgentError(EWINDOW) when the class queue is full,
-        AgentError(EPREEMPT) when the queued call was shed."""
-        decision = self.scheduler.request(stream_id, qos, trio.current_time(), key=key)
-        if isinstance(decision, Grant):
-            self._poke()  # a bronze call may now be running where gold is blocked
-            return decision.ticket
-        if isinstance(decision, Refused):
-            raise AgentError(decision.code, decision.reason)
-        ticket = decision.ticket
-        ev = self._waiting[ticket] = trio.Event()
-        self._poke()  # a queued gold call may move the preemption deadline
-        if qos is QoS.GOLD:
-            self._reclaim()
-        await self._await_grant(ticket, ev)
-        return ticket
-
-    async def regain(self, ticket: int) -> None:
-        """Wait until ``ticket``, revoked for gold (:meth:`on_revoke`), holds a
-        slot again. Raises like :meth:`acquire`."""
-        await self._await_grant(ticket, self._regrants.pop(ticket))
-
-    async def _await_grant(self, ticket: int, ev: trio.Event) -> None:
-        try:
-            await ev.wait()
-        except BaseException:
-            # Cancelled while queued, or granted just before: either way give it back.
-            self._waiting.pop(ticket, None)
-            self._grant(self.scheduler.cancel(ticket, trio.current_time()))
-            raise
-        dropped = self._dropped.pop(ticket, None)
-        if dropped is not None:
-            raise AgentError(dropped.code, dropped.reason)
-
-    def _reclaim(self) -> None:
-        revoked, grants = self.scheduler.reclaim(trio.current_time())
-        for r in revoked:
-            # Registered now: the grant that gives the slot back may come before
-            # the call is back at regain().
-            self._waiting[r.ticket] = self._regrants[r.ticket] = trio.Event()
-            self.on_revoke(r)
-        self._grant(grants)
-
-    def release(self, ticket: int) -> None:
-        """The call holding ``ticket`` ended: its slot goes to the next in line."""
-        self._grant(self.scheduler.release(ticket, trio.current_time()))
-
     def cancel(self, ticket: int) -> None:
-        """The call holding ``ticket`` was cancelled (RST, preemption, deadline),
-        also while it waited to regain a revoked slot."""
-        self._waiting.pop(ticket, None)
-        self._regrants.pop(ticket, None)
-        self._grant(self.scheduler.cancel(ticket, trio.current_time()))
+        """Withdraw slot ``ticket`` (a preempted call whose stream is already
+        closed): the slot goes to the next in line."""
+        gates = self._bound()
+        gates.wake(gates.admission.cancel_slot(ticket, trio.current_time()))
 
-    def block(self, ticket: int) -> None:
-        """The call holding ``ticket`` waits for room at its next-hop. A silver or
-        bronze call may lose its slot to a waiting gold call at once
-        (:meth:`on_revoke`)."""
-        self.scheduler.block(ticket, trio.current_time())
-        self._reclaim()
-        self._poke()
-
-    def unblock(self, ticket: int) -> None:
-        """The call holding ``ticket`` has its room at the next-hop (or gave up)."""
-        self.scheduler.unblock(ticket, trio.current_time())
-        self._poke()
-
-    def _grant(self, grants: list[Grant]) -> None:
-        for g in grants:
-            ev = self._waiting.pop(g.ticket, None)
-            if ev is not None:
-                ev.set()
-        self._poke()
-
-    def _poke(self) -> None:
+    def poke(self) -> None:
+        """The scheduler's state may have moved, and its next deadline with it:
+        :meth:`run` looks again (once for any number of pokes before it runs;
+        not computed here, as that is linear in the calls waiting)."""
         self._changed.set()
 
     async def run(self) -> None:
         """Preempt and shed at the scheduler's deadlines, forever (a router task)."""
         while True:
-            deadline = self.scheduler.get_timer()
+            gates = self._bound()
+            deadline = gates.admission.timer()
             with trio.move_on_at(math.inf if deadline is None else deadline):
                 await self._changed.wait()
             self._changed = trio.Event()
-            now = trio.current_time()
-            for p in self.scheduler.preemptions(now) + self.scheduler.shed(now):
-                if not p.running:
-                    # Already out of the queue: wake its waiter with the refusal.
-                    ev = self._waiting.pop(p.ticket, None)
-                    if ev is not None:
-                        self._dropped[p.ticket] = p
-                        ev.set()
+            timed = gates.admission.on_timer(trio.current_time())
+            gates.unpark(timed.wake)  # a shed call is refused at its next step
+            for p in timed.preempt:
                 self.on_preempt(p)
 
-
-@dataclass(slots=True, eq=False)
-class _HopWaiter:
-    """A call waiting in ``agent``'s :class:`~atp.flow.window.WindowQueue`;
-    ``call`` is set when the queue hands it the room, ``event`` also when its
-    slot is revoked for gold."""
-
-    agent: str
-    event: trio.Event = field(default_factory=trio.Event)
-    call: InFlight | None = None
+    def _bound(self) -> FlowGates:
+        if self._gates is None:
+            raise RuntimeError("SlotGate is used without its FlowGates")
+        return self._gates
 
 
 class FlowGates:
     """Router-wide flow state shared by every stream and RIB generation: the
     per-next-hop windows (AIMD) and their class-ordered queues, the QoS slots,
-    the circuit breakers and the retry policy (spec §5, §9, §10)."""
+    the circuit breakers and the retry policy (spec §5, §9, §10), admitted
+    through one sans-IO :class:`~atp.flow.admission.AdmissionControl`.
+
+    This is its trio side: :meth:`step` and :meth:`release` run the sans-IO
+    decisions at ``trio.current_time()`` and set the wake-up of every call a
+    decision names; :meth:`wait` parks a call until it is woken."""
 
     def __init__(
         self,
@@ -360,96 +308,61 @@ class FlowGates:
         self.breakers = breakers
         self.retry = retry
         self.rng = rng if rng is not None else random.Random()  # backoff jitter only
-        #: slot ticket → the call it holds, waiting for room at its next-hop.
-        self._hop_waiters: dict[int, _HopWaiter] = {}
-        slots.on_revoke = self._on_revoke
+        self.admission = AdmissionControl(breakers, agent_windows, slots.scheduler)
+        #: Calls parked in :meth:`wait`, by their wake-up.
+        self._parked: dict[Call, trio.Event] = {}
+        slots._gates = self
 
-    def wake(self, agent: str) -> None:
-        """Room may have opened in ``agent``'s window: hand it to the waiting
-        calls, in class order, as far as it goes (one per call completed, as a rule)."""
-        queue = self.agent_windows.queue(agent)
-        for ticket, call in queue.pump():
-            w = self._hop_waiters.get(ticket)
-            if w is None:  # unreachable: a waiter leaves the queue before it leaves this map
-                queue.window.on_cancel(call)
-                continue
-            w.call = call
-            w.event.set()
-            self.slots.unblock(ticket)  # at once: a call handed its room is no idle slot to reclaim
+    def step(self, call: Call) -> Decision:
+        """:meth:`AdmissionControl.step <atp.flow.admission.AdmissionControl.step>` now."""
+        d = self.admission.step(call, trio.current_time())
+        self.wake(d.wake)
+        return d
 
-    def _on_revoke(self, r: Revoke) -> None:
-        w = self._hop_waiters.get(r.ticket)
-        if w is not None and w.call is None:
-            self.agent_windows.queue(w.agent).cancel(r.ticket)
-            w.event.set()
+    def release(self, call: Call, outcome: Outcome) -> Released:
+        """:meth:`AdmissionControl.release <atp.flow.admission.AdmissionControl.release>` now."""
+        r = self.admission.release(call, outcome, trio.current_time())
+        self.wake(r.wake)
+        return r
+
+    async def wait(self, call: Call) -> None:
+        """Park ``call`` until a decision names it (no lost wake-up: a call is
+        only named for a change that happened after its last step, and nothing
+        checkpoints between that step and this park)."""
+        ev = self._parked[call] = trio.Event()
+        try:
+            await ev.wait()
+        finally:
+            del self._parked[call]
+
+    def wake(self, calls: Sequence[Call]) -> None:
+        """After a step or release: :meth:`unpark` ``calls``, and have the slot
+        gate look at the scheduler's deadlines again (they may have moved)."""
+        self.unpark(calls)
+        self.slots.poke()
+
+    def unpark(self, calls: Sequence[Call]) -> None:
+        """Wake ``calls`` parked in :meth:`wait` (those not parked are stepping anyway)."""
+        for c in calls:
+            ev = self._parked.get(c)
+            if ev is not None:
+                ev.set()
 
     def wake_all(self) -> None:
-        """Limits may have moved (RIB reload): pump every next-hop queue."""
-        for agent in self.agent_windows.agents():
-            self.wake(agent)
-
-    async def enter_hop(self, agent: str, ticket: int, estimate: Estimate, qos: QoS,
-                        on_wait: Callable[[Admission], None]) -> InFlight:
-        """Room for one call (slot ``ticket``, class ``qos``) in ``agent``'s window:
-        at once when nothing of its class order waits ahead and it fits, else
-        after ``on_wait(refusal)`` (the NACK, sent once) in the class-ordered
-        queue, with the slot reported blocked to the QoS scheduler meanwhile;
-        a silver or bronze call whose slot is revoked for gold leaves the queue,
-        waits for its slot again, and queues again. Returns the call accounted
-        on the window; on cancellation nothing stays taken. Raises AgentError
-        (``EPREEMPT``) when the call is shed while it waits for its slot again."""
-        queue = self.agent_windows.queue(agent)
-        w = self._hop_waiters[ticket] = _HopWaiter(agent)
-        nacked = False
-        try:
-            while True:
-                # Looked up each round: a reload may drop an idle window while we regain a slot.
-                queue = self.agent_windows.queue(agent)
-                queue.enqueue(ticket, estimate, qos)
-                self.wake(agent)
-                if w.call is not None:
-                    return w.call
-                if not nacked:
-                    refusal = queue.window.admit(estimate, qos=qos)
-                    if refusal.admitted:
-                        # It fits, but calls of its class order came first.
-                        refusal = Admission(
-                            admitted=False, code=ErrorCode.EWINDOW,
-                            reason=f"{len(queue) - 1} calls queued ahead in the next-hop's window",
-                            window_update=WindowUpdate(window=queue.window.effective()),
-                        )
-                    on_wait(refusal)
-                    nacked = True
-                self.slots.block(ticket)  # may revoke this very slot at once
-                try:
-                    await w.event.wait()
-                finally:
-                    self.slots.unblock(ticket)
-                if w.call is not None:
-                    return w.call
-                w.event = trio.Event()
-                await self.slots.regain(ticket)
-        except BaseException:
-            if w.call is not None:
-                # Handed the room as it was cancelled: give it back to the next in line.
-                queue.window.on_cancel(w.call)
-                self.wake(agent)
-            else:
-                queue.cancel(ticket)
-            raise
-        finally:
-            self._hop_waiters.pop(ticket, None)
+        """Limits may have moved (RIB reload): pump every next-hop queue. The
+        first RIB is adopted before ``trio.run`` (no clock yet), when no call
+        can be waiting: nothing to do then."""
+        if trio.lowlevel.in_trio_run():
+            self.wake(self.admission.pump_all(trio.current_time()))
 
 
 @dataclass(slots=True)
-class _Admitted:
+class _Ready:
+    """A call that passed the dispatcher's own checks: what to admit and run."""
+
     adapter: ProviderAdapter
     prompt: Prompt
     estimate: Estimate
-    stream_call: InFlight
-    agent_call: InFlight
-    ticket: int
-    reservation: Reservation
 
 
 class Dispatcher:
@@ -492,6 +405,8 @@ class Dispatcher:
         next-hop refused the client's input, ``EBUDGET`` when the budget stopped
         it (the router ends the stream with ERROR + FIN), else ``EAGENTDOWN`` (RST).
         """
+        if plan.flow is None:
+            plan.flow = StreamFlow(plan.stream_id or plan.ledger_key, plan.window, plan.qos, self.ledger, plan.ledger_key)
         failure: AgentError | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._window_ticker, io, plan)
@@ -733,217 +648,121 @@ class Dispatcher:
         return None
 
     async def _attempt(self, io: StreamIO, plan: TaskPlan, hop: Any, out: LegOutcome, turn: int | None) -> None:
-        """One call to ``hop``: admit it, run it, settle windows, slot, budget and
-        breaker. Sets ``out.error`` on any refusal or failure (the caller reports it)."""
+        """One call to ``hop``: admit it (module doc, 1a-e), run it, and end it
+        with one :meth:`FlowGates.release` whatever happened — refused, cancelled
+        while it waited, or run — which commits what it used and settles windows,
+        slot and breaker. Sets ``out.error`` on any refusal or failure (the
+        caller reports it)."""
         agent = hop.agent
         gates = self.gates
-        admitted = await self._admit(io, plan, agent, out, turn)
-        if admitted is None:
+        ready = self._prepare(plan, agent, out)
+        # A cache hit is the attempt's answer: nothing to admit, call or charge (spec §13).
+        if ready is None or (plan.cache is not None and await plan.cache.serve(io, agent, ready.prompt, out)):
+            gates.wake(gates.admission.skip_turn(plan.flow, turn))
             return
-        out.called = True
-        t0 = trio.current_time()
+        call = gates.admission.begin(plan.flow, agent, ready.estimate, turn=turn)
+        t0 = 0.0
         timely = False
         try:
-            with trio.fail_after(hop.timeout_ms / 1000):
-                await self._pump(io, plan, agent, admitted, out)
-            timely = True
-        except trio.TooSlowError:
-            out.error = AgentError(ErrorCode.ETIMEOUT, f"no answer within {hop.timeout_ms} ms", agent=agent)
-        except ATPError as e:
-            out.error = e
-        except trio.Cancelled:
-            out.cancelled = True
-            raise
-        except Exception as e:
-            # An adapter that breaks its contract fails its own call, not the stream.
-            log.exception("next-hop %s: adapter raised", agent)
-            out.error = AgentError(ErrorCode.EAGENTDOWN, f"adapter error: {type(e).__name__}", agent=agent)
-        finally:
-            now = trio.current_time()
-            out.latency_ms = (now - t0) * 1000
-            # Commit what was actually used, even on failure or cancellation (§5, DESIGN principle 4).
-            charge = self.ledger.commit(admitted.reservation, out.usage.tokens, out.usage.usd_micros)
-            out.charged_tokens, out.charged_usd_micros = charge.tokens, charge.usd_micros
-            if plan.exhausted is None:
-                plan.exhausted = self.ledger.exhausted(plan.ledger_key)
-            if (charge.overage_tokens or charge.overage_usd_micros) and out.error is None and not out.cancelled:
-                # It answered, but billed past what the budget could still take (its
-                # FINAL's usage is not checked before it arrives): say so.
-                io.emit_error(
-                    ErrorCode.EBUDGET,
-                    f"{agent}: usage {out.usage.tokens} tokens / {out.usage.usd_micros} usd_micros passes what the "
-                    f"budget can take: {charge.tokens} / {charge.usd_micros} charged, the rest not",
-                    agent=agent,
-                )
-            agent_window = gates.agent_windows.window(agent)
-            if out.cancelled:
-                plan.window.on_cancel(admitted.stream_call)
-                agent_window.on_cancel(admitted.agent_call)
-                gates.slots.cancel(admitted.ticket)
-                gates.breakers.on_cancel(agent, now)
-            elif _client_fault(out.error):
-                # The client's input failed, not the next-hop: no AIMD, no breaker failure.
-                assert out.error is not None
-                plan.window.on_cancel(admitted.stream_call)
-                agent_window.on_cancel(admitted.agent_call)
-                gates.slots.release(admitted.ticket)
-                gates.breakers.on_result(agent, now, False, out.error.code, client_fault=True)
-                self._window_moved(io, plan)
-            else:
-                ok = out.error is None or out.error.code not in CONGESTION
-                for w, call in ((plan.window, admitted.stream_call), (agent_window, admitted.agent_call)):
-                    w.on_complete(call, out.usage.tokens, out.usage.usd_micros, ok=ok, timely=timely)
-                gates.slots.release(admitted.ticket)
-                gates.breakers.on_result(agent, now, out.error is None, out.error.code if out.error else None)
-                self._window_moved(io, plan)
-            self._wake(plan, agent)
-            if self.on_leg is not None:
-                self.on_leg(out)
-
-    def _wake(self, plan: TaskPlan, agent: str) -> None:
-        """Room may have opened in the stream's window and in ``agent``'s."""
-        self._wake_stream(plan)
-        self.gates.wake(agent)
-
-    @staticmethod
-    def _wake_stream(plan: TaskPlan) -> None:
-        # Only this stream's own calls wait here (at most its fan-out).
-        for ev in plan.waiters:
-            ev.set()
-
-    async def _admit(self, io: StreamIO, plan: TaskPlan, agent: str, out: LegOutcome,
-                     turn: int | None) -> _Admitted | None:
-        """Admit one call (module doc, 1a-e). ``turn``: its place in route order
-        (``None`` for a retry or reroute, which does not queue behind the route);
-        the turn passes once its slot is requested, or it is refused. Returns ``None``
-        with ``out.error`` set when the call is refused; on refusal or
-        cancellation everything taken so far is given back."""
-        gates = self.gates
-        undo: list[Callable[[], None]] = []
-        holds_turn = False
-
-        def pass_turn() -> None:
-            nonlocal holds_turn
-            if holds_turn:
-                holds_turn = False
-                plan.admit_turn += 1
-                plan.turn_passed.unpark_all()
-
-        def nack(refusal: Admission, label: str) -> None:
-            # Spec §10 EWINDOW: NACK + WINDOW_UPDATE, then wait visibly.
-            io.emit_error(ErrorCode.EWINDOW, f"{agent}: {label}{refusal.reason}; queued until the window opens",
-                          agent=agent)
-            if refusal.window_update is not None:
-                io.emit_window_update(refusal.window_update)
-
-        try:
-            while turn is not None and plan.admit_turn != turn:
-                await plan.turn_passed.park()
-            holds_turn = turn is not None
-            adapter = self.adapters.get(agent)
-            if adapter is None:
-                out.error = AgentError(ErrorCode.EAGENTDOWN, "next-hop has no adapter in the running RIB", agent=agent)
-                return None
-            if plan.exhausted is None:
-                plan.exhausted = self.ledger.exhausted(plan.ledger_key)
-            if plan.exhausted is not None:
-                out.error = AgentError(
-                    ErrorCode.EBUDGET, f"{agent} not called: budget exhausted ({plan.exhausted})", agent=agent
-                )
-                return None
+            if not await self._admit(io, call, out):
+                return
+            out.called = True
+            t0 = trio.current_time()
             try:
-                prompt = plan.prompt if plan.prompt_for is None else plan.prompt_for(agent)
-                est = adapter.estimate(prompt)
+                with trio.fail_after(hop.timeout_ms / 1000):
+                    await self._pump(io, agent, ready, call, out)
+                timely = True
+            except trio.TooSlowError:
+                out.error = AgentError(ErrorCode.ETIMEOUT, f"no answer within {hop.timeout_ms} ms", agent=agent)
             except ATPError as e:
                 out.error = e
-                return None
-            estimate = Estimate(tokens=est.in_tokens + est.out_tokens, usd_micros=usd_to_micros(est.usd))
-
-            # a. circuit breaker
-            now = trio.current_time()
-            if not gates.breakers.allow(agent, now):
-                retry_ms = gates.breakers.retry_after_ms(agent, now)
-                hint = f" (next probe in {retry_ms} ms)" if retry_ms is not None else ""
-                out.error = AgentError(ErrorCode.EAGENTDOWN, f"circuit open{hint}", agent=agent,
-                                       retry_after_ms=retry_ms)
-                return None
-            undo.append(lambda: gates.breakers.on_cancel(agent, trio.current_time()))
-
-            # b. the stream's window (never-fit checked on the next-hop's too)
-            agent_window = gates.agent_windows.window(agent)
-            for w, label in ((plan.window, ""), (agent_window, "next-hop window: ")):
-                never = w.admit_when_idle(estimate, qos=plan.qos)
-                if not never.admitted:
-                    out.error = AgentError(ErrorCode.EWINDOW, f"{label}{never.reason}", agent=agent)
-                    out.window_update = never.window_update
-                    return None
-            nacked = False
-            while not (adm := plan.window.admit(estimate, qos=plan.qos)).admitted:
-                if not nacked:
-                    nack(adm, "")
-                    nacked = True
-                ev = trio.Event()
-                plan.waiters.add(ev)
-                try:
-                    await ev.wait()
-                finally:
-                    plan.waiters.discard(ev)
-            stream_call = plan.window.on_send(estimate, qos=plan.qos)
-
-            def unsend_stream() -> None:
-                plan.window.on_cancel(stream_call)
-                self._wake_stream(plan)
-
-            undo.append(unsend_stream)
-            self._window_moved(io, plan)
-
-            # c. a router-wide QoS slot; its request is placed before the next leg's
-            # (no checkpoint between passing the turn and the request)
-            pass_turn()
-            try:
-                ticket = await gates.slots.acquire(plan.stream_id or plan.ledger_key, plan.qos, key=agent)
-            except AgentError as e:
-                out.error = AgentError(e.code, e.reason, agent=agent)
-                return None
-            undo.append(lambda: gates.slots.cancel(ticket))
-
-            # d. the next-hop's window, class-ordered (gold first), holding the slot
-            try:
-                agent_call = await gates.enter_hop(agent, ticket, estimate, plan.qos,
-                                                   lambda refusal: nack(refusal, "next-hop window: "))
-            except AgentError as e:
-                out.error = AgentError(e.code, e.reason, agent=agent)
-                return None
-            # The window holding the call (a reload may have replaced an idle one while we waited).
-            agent_window = gates.agent_windows.window(agent)
-
-            def unsend_hop() -> None:
-                agent_window.on_cancel(agent_call)
-                gates.wake(agent)
-
-            undo.append(unsend_hop)
-
-            # e. the budget: reserve the estimate on the stream's account chain (the
-            # calls that ran while this one waited may have exhausted it meanwhile)
-            if plan.exhausted is None:
-                plan.exhausted = self.ledger.exhausted(plan.ledger_key)
-            if plan.exhausted is not None:
-                out.error = AgentError(
-                    ErrorCode.EBUDGET, f"{agent} not called: budget exhausted ({plan.exhausted})", agent=agent
-                )
-                return None
-            reservation = self.ledger.reserve(plan.ledger_key, estimate.tokens, estimate.usd_micros)
-            if isinstance(reservation, Refusal):
-                out.error = AgentError(ErrorCode.EBUDGET, f"{agent} not called: {reservation.reason}", agent=agent)
-                return None
-            undo.clear()
-            return _Admitted(adapter, prompt, estimate, stream_call, agent_call, ticket, reservation)
+            except trio.Cancelled:
+                out.cancelled = True
+                raise
+            except Exception as e:
+                # An adapter that breaks its contract fails its own call, not the stream.
+                log.exception("next-hop %s: adapter raised", agent)
+                out.error = AgentError(ErrorCode.EAGENTDOWN, f"adapter error: {type(e).__name__}", agent=agent)
+            if timely and plan.cache is not None:
+                plan.cache.record(agent, ready.prompt, out)
         finally:
-            pass_turn()
-            for f in reversed(undo):
-                f()
+            self._release(io, call, out, timely, t0)
 
-    async def _pump(self, io: StreamIO, plan: TaskPlan, agent: str, admitted: _Admitted, out: LegOutcome) -> None:
+    def _release(self, io: StreamIO, call: Call, out: LegOutcome, timely: bool, t0: float) -> None:
+        """The one release of ``call``: what it used is committed even on failure
+        or cancellation (§5, DESIGN principle 4); AIMD and the breaker see the
+        outcome (a cancelled call and one the client's input failed leave both
+        alone). A call that never ran just gives back what it held."""
+        err = out.error
+        released = self.gates.release(call, Outcome(
+            tokens=out.usage.tokens, usd_micros=out.usage.usd_micros, error=err.code if err is not None else None,
+            cancelled=out.cancelled, client_fault=_client_fault(err), timely=timely,
+        ))
+        charge = released.charge
+        if charge is None:
+            return  # never admitted: nothing ran, nothing to account
+        out.latency_ms = (trio.current_time() - t0) * 1000
+        out.charged_tokens, out.charged_usd_micros = charge.tokens, charge.usd_micros
+        if (charge.overage_tokens or charge.overage_usd_micros) and err is None and not out.cancelled:
+            # It answered, but billed past what the budget could still take (its
+            # FINAL's usage is not checked before it arrives): say so.
+            io.emit_error(
+                ErrorCode.EBUDGET,
+                f"{call.agent}: usage {out.usage.tokens} tokens / {out.usage.usd_micros} usd_micros passes what "
+                f"the budget can take: {charge.tokens} / {charge.usd_micros} charged, the rest not",
+                agent=call.agent,
+            )
+        if released.stream_update is not None:
+            io.emit_window_update(released.stream_update)
+        if self.on_leg is not None:
+            self.on_leg(out)
+
+    def _prepare(self, plan: TaskPlan, agent: str, out: LegOutcome) -> _Ready | None:
+        """The dispatcher's own checks before admission: ``agent`` has an adapter,
+        the budget is not exhausted, and the preflight estimate (spec §5.2) of
+        the prompt it may see. ``None`` with ``out.error`` set when one fails."""
+        adapter = self.adapters.get(agent)
+        if adapter is None:
+            out.error = AgentError(ErrorCode.EAGENTDOWN, "next-hop has no adapter in the running RIB", agent=agent)
+            return None
+        why = plan.flow.check_exhausted()
+        if why is not None:
+            out.error = AgentError(ErrorCode.EBUDGET, f"{agent} not called: budget exhausted ({why})", agent=agent)
+            return None
+        try:
+            prompt = plan.prompt if plan.prompt_for is None else plan.prompt_for(agent)
+            est = adapter.estimate(prompt)
+        except ATPError as e:
+            out.error = e
+            return None
+        return _Ready(adapter, prompt, Estimate(tokens=est.in_tokens + est.out_tokens, usd_micros=usd_to_micros(est.usd)))
+
+    async def _admit(self, io: StreamIO, call: Call, out: LegOutcome) -> bool:
+        """Step ``call`` through the gates (module doc, 1a-e) until it is admitted
+        or refused: send the stream's WINDOW_UPDATE and the NACK a decision
+        carries, wait where it says, step again. ``False`` with ``out.error``
+        (and ``out.window_update``) set when refused; the caller releases."""
+        gates = self.gates
+        agent = call.agent
+        while True:
+            d = gates.step(call)
+            if d.stream_update is not None:
+                io.emit_window_update(d.stream_update)
+            if isinstance(d, Wait):
+                if d.nack is not None:
+                    # Spec §10 EWINDOW: NACK + WINDOW_UPDATE, then wait visibly.
+                    io.emit_error(ErrorCode.EWINDOW, d.nack.reason, agent=agent)
+                    if d.nack.window_update is not None:
+                        io.emit_window_update(d.nack.window_update)
+                await gates.wait(call)
+            elif isinstance(d, Admit):
+                return True
+            else:
+                out.error = AgentError(d.code, d.reason, agent=agent, retry_after_ms=d.retry_after_ms)
+                out.window_update = d.window_update
+                return False
+
+    async def _pump(self, io: StreamIO, agent: str, ready: _Ready, call: Call, out: LegOutcome) -> None:
         """Iterate the adapter's fragments as one reassembled leg message.
 
         When the cumulative usage of a PARTIAL passes the call's reservation, the
@@ -953,25 +772,23 @@ class Dispatcher:
         cut (§5 / DESIGN principle 4) and the stream's budget is exhausted."""
         texts: list[str] = []
         final: Fragment | None = None
-        async with aclosing(admitted.adapter.stream(admitted.prompt)) as fragments:
+        async with aclosing(ready.adapter.stream(ready.prompt)) as fragments:
             async for frag in fragments:
                 if frag.usage is not None:
                     out.usage = frag.usage
                 if frag.usage is not None and frag.type is not PayloadType.FINAL:
                     # A FINAL means the call is over: its spend is committed as is.
-                    r = admitted.reservation
+                    r = call.reservation
+                    assert r is not None
                     more_t = max(0, out.usage.tokens - r.tokens)
                     more_u = max(0, out.usage.usd_micros - r.usd_micros)
-                    if more_t or more_u:
-                        grown = self.ledger.extend(r, more_t, more_u)
-                        if isinstance(grown, Refusal):
-                            raise AgentError(
-                                ErrorCode.EBUDGET,
-                                f"call cut: usage {out.usage.tokens} tokens / {out.usage.usd_micros} usd_micros "
-                                "passes what the budget can take",
-                                agent=agent,
-                            )
-                        admitted.reservation = grown
+                    if (more_t or more_u) and isinstance(self.gates.admission.extend(call, more_t, more_u), Refusal):
+                        raise AgentError(
+                            ErrorCode.EBUDGET,
+                            f"call cut: usage {out.usage.tokens} tokens / {out.usage.usd_micros} usd_micros "
+                            "passes what the budget can take",
+                            agent=agent,
+                        )
                 if frag.type is PayloadType.FINAL:
                     final = frag
                     break
