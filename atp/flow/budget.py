@@ -39,6 +39,11 @@ Durability stays out of this module (no I/O): a :class:`LedgerJournal` given as
 succeeded in memory, so a store can persist it (``atp.store.StoreJournal``);
 :meth:`BudgetLedger.snapshot` and :meth:`BudgetLedger.restore` rebuild a ledger
 from what was persisted, committed spend included.
+
+Several processes (``atp-router --workers N``) share a tenant's account through
+:class:`SharedBudgetLedger`: the same API, each step decided atomically by a
+:class:`SharedAccounts` (the state store) instead of in memory, so the
+invariant above holds across processes too.
 """
 
 from __future__ import annotations
@@ -469,12 +474,246 @@ class BudgetLedger:
         return acct
 
     def _refusal(self, a: _Account, what: str) -> Refusal:
-        free = self.remaining(a.key)
-        return Refusal(
-            key=a.key,
-            reason=f"{what}: budget {a.key!r} has {_fmt(free.tokens)} tokens / {_fmt(free.usd_micros)} usd_micros left",
-            remaining=free,
-        )
+        return refusal(a.key, what, self.remaining(a.key))
+
+
+class AccountTotals(Struct, frozen=True, forbid_unknown_fields=True):
+    """One account as a :class:`SharedAccounts` holds it after an operation:
+    its own ``limit`` and what it has committed, holds (``reserved_*``, every
+    process's reservations under it) and could not charge (``overage_*``), in
+    tokens and USD micros."""
+
+    key: str
+    limit: Allowance
+    committed_tokens: int
+    committed_usd_micros: int
+    reserved_tokens: int
+    reserved_usd_micros: int
+    overage_tokens: int = 0
+    overage_usd_micros: int = 0
+
+
+class SharedResult(Struct, frozen=True, forbid_unknown_fields=True):
+    """What a :class:`SharedAccounts` operation did: the account chain it
+    touched, nearest first, as it now stands (``totals``), and — by operation —
+    the new or grown ``reservation``, the ``charge`` of a commit, or the
+    ``refusal`` that left everything as it was."""
+
+    totals: tuple[AccountTotals, ...] = ()
+    reservation: Reservation | None = None
+    charge: Charge | None = None
+    refusal: Refusal | None = None
+
+
+class SharedAccounts(Protocol):
+    """Budget accounts held where several ledgers — several router processes —
+    see them (``atp.store.Store`` implements it: ``*_shared`` methods). Every
+    method checks and applies in one atomic step *across processes*, along the
+    account's whole chain (the account and its ancestors), with the same rules
+    as :class:`BudgetLedger`; so ``committed + reserved <= limit`` holds for
+    every account however many processes reserve against it. Reservation ids
+    are handed out here (unique across processes). ``owner`` names the process
+    an account or reservation belongs to: when it dies, its reservations are
+    committed at their reserved amount and its accounts closed (the crash rule;
+    ``atp.store.Store.recover``)."""
+
+    def open_shared(self, key: str, parent: str | None, limit: Allowance, *, owner: str | None) -> SharedResult:
+        """Open account ``key`` under ``parent``. A root account (no parent) is
+        shared: when it is already open it is adopted as it stands, spend
+        kept, and its limit set to ``limit`` (clamped to what it holds). A child
+        account is created from zero (error when it is open already)."""
+
+    def close_shared(self, key: str) -> None:
+        """Close child account ``key`` (its spend stays in its ancestors)."""
+
+    def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str) -> SharedResult:
+        """Hold ``tokens`` / ``usd_micros`` on ``key``'s chain if every account of
+        it can take them: ``reservation`` (a new id), else ``refusal`` naming the
+        nearest account that cannot."""
+
+    def extend_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:
+        """Grow an open reservation by ``tokens`` / ``usd_micros`` if the chain can
+        take them: the grown ``reservation``, else ``refusal``."""
+
+    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:
+        """Settle ``reservation`` with the actual usage: ``charge`` is per axis
+        ``min(actual, what the chain can take once this hold is lifted)``, the
+        rest overage (:meth:`BudgetLedger.commit`'s rule)."""
+
+    def release_shared(self, reservation: Reservation) -> SharedResult:
+        """Settle ``reservation`` with no usage."""
+
+    def set_limit_shared(self, key: str, limit: Allowance, *, clamp: bool) -> SharedResult:
+        """:meth:`BudgetLedger.set_limit` on the shared account: ``refusal`` when
+        ``limit`` is below what it holds and not ``clamp``."""
+
+    def shared_totals(self, key: str) -> SharedResult:
+        """``key``'s chain as it stands now (no change)."""
+
+
+class SharedBudgetLedger(BudgetLedger):
+    """A :class:`BudgetLedger` whose accounts live in a :class:`SharedAccounts`
+    that several processes use at once (``atp-router --workers N``): the same
+    public API, but every reserve, extend, commit, release and limit change is
+    decided atomically by ``shared`` along the whole account chain, so a
+    tenant's account spent from N processes is exactly as tight as from one —
+    no overshoot, no double use of the same headroom.
+
+    Root accounts (no parent, e.g. ``client:<tenant>``) are shared: :meth:`open`
+    adopts one another process opened, and :meth:`close` forgets it here
+    without closing it. Child accounts and reservations belong to this process
+    (``owner``): a child ``key`` is held in ``shared`` as ``key@owner``
+    (:meth:`store_key`), so two processes may both have a stream account of
+    the same name (a client reusing a stream id on two connections) without
+    colliding; keys, reservations and refusals seen by the caller are the
+    local ones.
+
+    The ledger keeps a mirror of the accounts this process opened (and the
+    roots above them) as of its last operation on them: :meth:`remaining`,
+    :meth:`exhausted` and :meth:`state` read that mirror, which other
+    processes' spend since may have made stale — a stale "not exhausted" is
+    harmless (the next reserve is refused by ``shared``), and
+    :meth:`refresh` reads the chain again.
+
+    Calls into ``shared`` are synchronous (like a :class:`LedgerJournal`'s);
+    its errors propagate. :meth:`restore` is not supported: a shared ledger is
+    rebuilt by opening accounts again (roots are adopted with their spend)."""
+
+    def __init__(self, shared: SharedAccounts, *, owner: str) -> None:
+        super().__init__()
+        self.shared = shared
+        self.owner = owner
+        self._skeys: dict[str, str] = {}  # local key → key in shared
+        self._lkeys: dict[str, str] = {}  # key in shared → local key
+
+    def store_key(self, key: str) -> str:
+        """The name account ``key`` has in ``shared``. Raises ``ValueError`` on an
+        unknown key."""
+        self._get(key)
+        return self._skeys[key]
+
+    def open(self, key: str, limit: Allowance, *, parent: str | None = None) -> None:
+        if key in self._accounts:
+            raise ValueError(f"budget account {key!r} already open")
+        up = self._get(parent) if parent is not None else None
+        skey = key if parent is None else f"{key}@{self.owner}"
+        out = self.shared.open_shared(skey, self._skeys[parent] if parent is not None else None, limit,
+                                      owner=None if parent is None else self.owner)
+        acct = _Account(key, up, limit.tokens, limit.usd_micros)
+        acct.chain = [acct, *(up.chain if up is not None else [])]
+        if up is not None:
+            up.children += 1
+        self._accounts[key] = acct
+        self._skeys[key], self._lkeys[skey] = skey, key
+        self._mirror(out)
+
+    def close(self, key: str) -> AccountState:
+        acct = self._get(key)
+        if acct.open or acct.children:
+            raise ValueError(
+                f"budget account {key!r} has {acct.open} open reservation(s) and {acct.children} child account(s)"
+            )
+        state = self.state(key)
+        if acct.parent is not None:
+            self.shared.close_shared(self._skeys[key])
+            acct.parent.children -= 1
+        del self._accounts[key]
+        del self._lkeys[self._skeys.pop(key)]
+        return state
+
+    def reserve(self, key: str, tokens: int, usd_micros: int) -> Reservation | Refusal:
+        _check_amounts(tokens, usd_micros)
+        acct = self._get(key)
+        out = self.shared.reserve_shared(self._skeys[key], tokens, usd_micros, owner=self.owner)
+        self._mirror(out)
+        if out.refusal is not None:
+            return self._local_refusal(out.refusal)
+        assert out.reservation is not None
+        r = Reservation(id=out.reservation.id, key=key, tokens=out.reservation.tokens,
+                        usd_micros=out.reservation.usd_micros)
+        acct.open += 1
+        self._open[r.id] = r
+        return r
+
+    def extend(self, reservation: Reservation, tokens: int, usd_micros: int) -> Reservation | Refusal:
+        _check_amounts(tokens, usd_micros)
+        if self._open.get(reservation.id) != reservation:
+            raise ValueError(f"reservation {reservation.id} on {reservation.key!r} is not open")
+        out = self.shared.extend_shared(self._stored(reservation), tokens, usd_micros)
+        self._mirror(out)
+        if out.refusal is not None:
+            return self._local_refusal(out.refusal)
+        assert out.reservation is not None
+        grown = Reservation(id=reservation.id, key=reservation.key, tokens=out.reservation.tokens,
+                            usd_micros=out.reservation.usd_micros)
+        self._open[grown.id] = grown
+        return grown
+
+    def commit(self, reservation: Reservation, actual_tokens: int, actual_usd_micros: int) -> Charge:
+        _check_amounts(actual_tokens, actual_usd_micros)
+        acct = self._forget(reservation)
+        out = self.shared.commit_shared(self._stored(reservation), actual_tokens, actual_usd_micros)
+        acct.open -= 1
+        self._mirror(out)
+        assert out.charge is not None
+        return out.charge
+
+    def release(self, reservation: Reservation) -> None:
+        acct = self._forget(reservation)
+        out = self.shared.release_shared(self._stored(reservation))
+        acct.open -= 1
+        self._mirror(out)
+
+    def set_limit(self, key: str, limit: Allowance, *, clamp: bool = False) -> Refusal | None:
+        self._get(key)
+        out = self.shared.set_limit_shared(self._skeys[key], limit, clamp=clamp)
+        self._mirror(out)
+        return None if out.refusal is None else self._local_refusal(out.refusal)
+
+    def refresh(self, key: str) -> None:
+        """Read ``key``'s chain from ``shared`` again (other processes' spend)."""
+        self._get(key)
+        self._mirror(self.shared.shared_totals(self._skeys[key]))
+
+    def restore(self, snapshot: LedgerSnapshot) -> None:
+        raise ValueError("a shared ledger is not restored from a snapshot: open its accounts again")
+
+    def _stored(self, r: Reservation) -> Reservation:
+        return Reservation(id=r.id, key=self._skeys[r.key], tokens=r.tokens, usd_micros=r.usd_micros)
+
+    def _local_refusal(self, r: Refusal) -> Refusal:
+        reason = r.reason
+        for skey, key in self._lkeys.items():
+            if skey != key:
+                reason = reason.replace(repr(skey), repr(key))
+        return Refusal(key=self._lkeys.get(r.key, r.key), reason=reason, remaining=r.remaining, code=r.code)
+
+    def _forget(self, reservation: Reservation) -> _Account:
+        if self._open.get(reservation.id) != reservation:
+            raise ValueError(f"reservation {reservation.id} on {reservation.key!r} is not open")
+        del self._open[reservation.id]
+        return self._accounts[reservation.key]
+
+    def _mirror(self, out: SharedResult) -> None:
+        for t in out.totals:
+            a = self._accounts.get(self._lkeys.get(t.key, ""))
+            if a is not None:
+                a.limit_tokens, a.limit_usd = t.limit.tokens, t.limit.usd_micros
+                a.committed_tokens, a.committed_usd = t.committed_tokens, t.committed_usd_micros
+                a.reserved_tokens, a.reserved_usd = t.reserved_tokens, t.reserved_usd_micros
+                a.overage_tokens, a.overage_usd = t.overage_tokens, t.overage_usd_micros
+
+
+def refusal(key: str, what: str, remaining: Allowance) -> Refusal:
+    """The :class:`Refusal` of account ``key`` that had ``remaining`` (the
+    smallest free headroom along its chain) when ``what`` did not fit; the one
+    wording for every ledger and store."""
+    return Refusal(
+        key=key,
+        reason=f"{what}: budget {key!r} has {_fmt(remaining.tokens)} tokens / {_fmt(remaining.usd_micros)} "
+               "usd_micros left",
+        remaining=remaining,
+    )
 
 
 def _fmt(v: int | None) -> str:

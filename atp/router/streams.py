@@ -22,9 +22,14 @@ The table owns:
 lifecycle           open count (router-wide ``max_streams``), closing, removal
 idempotency         ``(tenant, idempotency_key)`` → the stream it opened (§8)
 resumption          :meth:`StreamTable.resumable`
-retention           a closed stream's log stays readable for ``retain_closed_s``
-                    and at most ``retain_closed_max`` closed streams per tenant
-                    are kept (the oldest go first), then it is removed
+retention           a closed stream stays in memory for ``retain_closed_s``
+                    (one that delivered no result — refused, reset or expired
+                    before a PARTIAL or FINAL — for ``REFUSED_RETAIN_S`` at
+                    most), at most ``retain_closed_max`` closed streams per
+                    tenant and ``retain_closed_bytes`` of closed logs router-wide
+                    (the oldest go first); then it leaves memory and a read of it
+                    is served from the store (:meth:`StreamTable.restore`: the
+                    same events, the same bytes)
 grace               a stream left without a follower (*detached*) is reset with
                     ``ETIMEOUT`` after ``resume_grace_s``
 idle expiry         a stream opened without a task (SYN without payload) that
@@ -44,6 +49,7 @@ import itertools
 import logging
 import math
 import time
+import zlib
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -52,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from atp.router.memory import TRIM_EVERY_S
 from atp.security.identity import Identity
 from atp.store.base import Store, StoreError, StoreLimitError, StreamRecord
 from atp.wire import session as S
@@ -84,6 +91,14 @@ StreamKey = tuple[str, str, str]
 _REFUSED_KEPT = 4096
 #: A closed stream whose spend is still settling is tried again this much later, s.
 _SETTLE_RETRY_S = 1.0
+#: A closed stream that delivered no result (no PARTIAL or FINAL: refused at
+#: dispatch, reset or expired first) stays in memory at most this long, s; later
+#: reads and resumptions of it are served from the store.
+REFUSED_RETAIN_S = 1.0
+#: Default router-wide budget of retained closed logs, bytes (``retain_closed_bytes``).
+DEFAULT_RETAIN_CLOSED_BYTES = 16 * 2**20
+#: The router trims its memory this long after it went idle, s (atp.router.memory).
+_IDLE_TRIM_AFTER_S = 2.0
 
 
 #: Key of the SYN+ACK route info kept with a stored stream's meta.
@@ -175,8 +190,8 @@ class LoggedEvent:
 class EventLog:
     """Append-only outbound log of one stream with wake-ups for followers.
 
-    A closed log nobody follows is :meth:`compact`-ed into one msgpack ``bytes``
-    (issue 10): a retained closed stream then costs the garbage collector one
+    A closed log nobody follows is :meth:`compact`-ed into one zlib-compressed
+    msgpack ``bytes`` (issue 10): a retained closed stream then costs the garbage collector one
     untracked object instead of a graph of frames, payloads and dicts, so gen-2
     pauses no longer grow with the number of retained streams. ``events`` reads
     it back (decoded on each access: closed logs are read rarely, for
@@ -184,35 +199,111 @@ class EventLog:
 
     _events: list[LoggedEvent] = field(default_factory=list)
     closed: bool = False
-    _changed: trio.Event = field(default_factory=trio.Event)
+    #: Set at the next change; made only when a follower waits (a trio.Event
+    #: with its set of waiters is ~270 bytes: idle and retained logs hold none).
+    _changed: trio.Event | None = None
+    #: Called once at the next change: followers parked without a task (:meth:`park`).
+    _wakers: list[Callable[[], None]] | None = None
     _packed: bytes | None = None
+    #: How many events a compacted log holds (``_events`` is empty then).
+    _packed_n: int = 0
+    #: Events 1..durable are in the store (group commit, :meth:`StreamTable.flush`):
+    #: followers send no further, so a client never holds an event a restarted
+    #: router has lost.
+    durable: int = 0
 
     @property
     def events(self) -> list[LoggedEvent]:
         """The events in order (a fresh list when the log is compacted)."""
         if self._packed is None:
             return self._events
-        return [LoggedEvent(i, t, f) for i, t, f in _log_dec.decode(self._packed)]
+        return [LoggedEvent(i, t, f) for i, t, f in _log_dec.decode(zlib.decompress(self._packed))]
 
     def __len__(self) -> int:
-        return len(self._events) if self._packed is None else len(self.events)
+        return len(self._events) if self._packed is None else self._packed_n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the log's events hold as data: the packed log once compacted,
+        else the JSON of its events (encoded once for the store, kept with each)."""
+        if self._packed is not None:
+            return len(self._packed)
+        return sum(len(e.json_bytes()) for e in self._events)
+
+    @property
+    def delivered_result(self) -> bool:
+        """Whether a PARTIAL or FINAL went out on the stream (its task produced something)."""
+        return any(t == "PARTIAL" or t == "FINAL" for t in (e.type for e in self.events))
 
     def compact(self) -> None:
         """Pack a closed log into bytes (see the class docstring); no-op while open."""
         if self.closed and self._packed is None:
-            self._packed = _log_enc.encode([(e.id, e.type, e.frame) for e in self._events])
+            # zlib level 1: ≈ 2.5× smaller (ids and keys repeat in every frame) for
+            # ≈ 25 µs at close and 8 µs a read (bench_retention.py, issue 10).
+            self._packed = zlib.compress(_log_enc.encode([(e.id, e.type, e.frame) for e in self._events]), 1)
+            self._packed_n = len(self._events)
             self._events = []
 
-    def append(self, frame: Frame) -> LoggedEvent:
+    def append(self, frame: Frame, *, durable: bool = True) -> LoggedEvent:
+        """Append ``frame``; ``durable=False``: followers wait for it until
+        :meth:`mark_durable` (its store write is pending)."""
         if self._packed is not None:
             raise RuntimeError("append to a compacted (closed) event log")
         ev = LoggedEvent(len(self._events) + 1, event_type(frame), frame)
         self._events.append(ev)
         if ev.type in ("FIN", "RST"):
             self.closed = True
-        self._changed.set()
-        self._changed = trio.Event()
+        if durable:
+            self.mark_durable(ev.id)
         return ev
+
+    async def wait_durable(self, upto: int) -> None:
+        """Return once events up to id ``upto`` are stored."""
+        while self.durable < upto:
+            await self._change().wait()
+
+    def mark_durable(self, upto: int) -> None:
+        """Events up to id ``upto`` are stored: wake the followers."""
+        if upto > self.durable:
+            self.durable = upto
+            self._notify()
+
+    def _change(self) -> trio.Event:
+        if self._changed is None:
+            self._changed = trio.Event()
+        return self._changed
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+        if self._wakers:
+            wakers, self._wakers = self._wakers, None
+            for wake in wakers:
+                wake()
+
+    def take(self, after: int) -> tuple[list[LoggedEvent], bool]:
+        """The events a follower that sent up to id ``after`` may send now (the
+        stored ones), and whether it is then done (the log ended and all sent)."""
+        events = self.events
+        upto = min(self.durable, len(events))
+        return events[after:upto], self.closed and upto >= len(events)
+
+    async def wait_change(self) -> None:
+        """Return at the log's next change (an event stored, or the log ended)."""
+        await self._change().wait()
+
+    def park(self, wake: Callable[[], None]) -> None:
+        """Call ``wake()`` once, at the log's next change (a follower that sent
+        everything waits this way without a task of its own)."""
+        if self._wakers is None:
+            self._wakers = []
+        self._wakers.append(wake)
+
+    def unpark(self, wake: Callable[[], None]) -> None:
+        """Forget a :meth:`park`-ed ``wake`` (its follower stopped)."""
+        if self._wakers and wake in self._wakers:
+            self._wakers.remove(wake)
 
     def after_message(self, msg_seq: int) -> int:
         """The event id to replay after for a client that received the router's
@@ -235,21 +326,22 @@ class EventLog:
         (an RST is never answered, spec §4.4). Followers drain and stop."""
         if not self.closed:
             self.closed = True
-            self._changed.set()
-            self._changed = trio.Event()
+            self._notify()
 
     async def follow(self, after: int = 0) -> AsyncIterator[LoggedEvent]:
         """Yield events with id > ``after`` as they come; ends after FIN/RST."""
         i = max(after, 0)
         while True:
             events = self.events  # decoded once per wake-up when compacted
-            while i < len(events):
+            # ``durable`` read afresh after each yield: it may move while the
+            # consumer sends (a stale copy would sleep through that wake-up).
+            while i < self.durable and i < len(events):
                 ev = events[i]
                 i += 1
                 yield ev
-            if self.closed:
+            if self.closed and i >= len(events):
                 return
-            await self._changed.wait()
+            await self._change().wait()
 
 
 @dataclass(eq=False)
@@ -295,6 +387,12 @@ class StreamCtx:
     #: The bandit's choice for this stream (atp.policy.learn.Decision; its JSON
     #: dict when read back from the store), None for a policy without bandit.
     decision: Any = None
+    #: When a closed stream leaves memory at the latest (trio time, s; its reads
+    #: are then served from the store).
+    retain_until: float = math.inf
+    #: An event of the stream could not be stored: its whole log is only in
+    #: memory, kept there for the full ``retain_closed_s`` whatever the bounds.
+    unstored: bool = False
 
     @property
     def tenant(self) -> str:
@@ -324,13 +422,15 @@ class StreamCtx:
             self.table.detached(self)
         elif self.followers == 0 and self.closed_at is not None:
             self.log.compact()
+            self.table.bound_retention(self)  # smaller now, and free to leave memory
 
     # --- outbound (every frame goes through the session machine, then the log) ---
     def push(self, frames: Frame | list[Frame]) -> None:
+        table = self.table
         for f in frames if isinstance(frames, list) else [frames]:
-            ev = self.log.append(f)
-            self.table.metrics.frames.labels("out", ev.type).inc()
-            self.table.persist_event(self, ev)
+            ev = self.log.append(f, durable=not table.group_commit or self.restored)
+            table.metrics.frames.labels("out", ev.type).inc()
+            table.persist_event(self, ev)
             if ev.type in ("FIN", "RST"):
                 self._mark_closed()
 
@@ -397,7 +497,9 @@ class StreamTable:
     (the router closes its ledger account) and returns False while that is not
     yet possible (a cancelled call has not committed its spend: tried again
     later). ``on_closed(ctx)`` is called once when a stream closes (FIN/RST sent
-    or received). Durations are in seconds of trio time.
+    or received). Durations are in seconds of trio time; ``retain_closed_bytes``
+    bounds the bytes of the closed logs kept in memory (:attr:`EventLog.nbytes`),
+    router-wide, the oldest closed going first.
     """
 
     def __init__(
@@ -413,14 +515,25 @@ class StreamTable:
         release: Callable[[StreamCtx], bool],
         on_closed: Callable[[StreamCtx], None],
         store: Store | None = None,
+        retain_closed_bytes: int = DEFAULT_RETAIN_CLOSED_BYTES,
+        idle_trim: Callable[[], float] | None = None,
     ):
         self.metrics = metrics
         #: Durable copy of every stream, its events and its close (spec §8 across a
         #: restart): :mod:`atp.store`.
         self.store = store
+        #: The router process the streams it opens are stored as running on
+        #: (``atp-router --workers N``: a worker's owner name; None alone).
+        self.owner: str | None = None
         self.max_streams = max_streams
         self.retain_closed_s = retain_closed_s
         self.retain_closed_max = retain_closed_max
+        self.retain_closed_bytes = retain_closed_bytes
+        #: Called when the router went idle (no open stream, streams left memory
+        #: since the last call), at most every ``TRIM_EVERY_S``: atp.router.memory.trim.
+        self._idle_trim = idle_trim
+        self._trim_due = False
+        self._trimmed_at = -math.inf
         self.resume_grace_s = resume_grace_s
         self.idle_task_s = idle_task_s
         self.hb_interval_s = hb_interval_s
@@ -440,6 +553,11 @@ class StreamTable:
         self._refused: OrderedDict[StreamKey, None] = OrderedDict()
         #: tenant → its closed streams still in the table, oldest first.
         self._closed: dict[str, OrderedDict[StreamCtx, None]] = {}
+        #: Every closed stream in the table, oldest first → its log's bytes as
+        #: counted in :attr:`retained_bytes` (the router-wide byte budget).
+        self._retained: dict[StreamCtx, int] = {}
+        #: Bytes of the closed logs in the table (``retain_closed_bytes`` bounds it).
+        self.retained_bytes = 0
         #: (deadline, seq, kind, stream key): timed work, checked again when due (lazy
         #: removal). Keys, not streams: a removed stream's log is not kept alive here.
         self._timers: list[tuple[float, int, str, StreamKey | None]] = []
@@ -447,6 +565,12 @@ class StreamTable:
         self._sleeping_until = math.inf
         self._changed = trio.Event()
         self._sweeping = False
+        #: Group commit (issue 10): while :meth:`run_flusher` runs, outbound events
+        #: and closes are queued and written in one store transaction per
+        #: scheduler pass; followers send an event only once it is stored.
+        self.group_commit = False
+        self._pending: list[tuple[StreamCtx, LoggedEvent | None]] = []
+        self._flush_wanted = trio.Event()
 
     # ------------------------------------------------------------------ lookups
     def get(self, tenant: str, session_id: str, stream_id: str) -> StreamCtx | None:
@@ -473,6 +597,11 @@ class StreamTable:
 
     def __len__(self) -> int:
         return len(self._streams)
+
+    @property
+    def session_count(self) -> int:
+        """Sessions in the table, of every tenant (one with no stream left goes at the next sweep)."""
+        return len(self._sessions)
 
     # ------------------------------------------------------------------ sessions
     def session(self, tenant: str, session_id: str, *, now: float) -> S.Session:
@@ -535,35 +664,109 @@ class StreamTable:
         self._schedule(ctx.started + self.idle_task_s, "idle", key)
 
     def refused(self, tenant: str, session_id: str, stream_id: str) -> None:
-        """A SYN was refused: its stream's late frames are dropped (bounded memory)."""
+        """A SYN was refused: its stream's late frames are dropped (bounded
+        memory). Nothing else of it stays: a session the SYN created that holds
+        no stream (an HTTP open makes one each) is dropped now, not at the next
+        sweep; the same id makes a new one, as after a sweep."""
         self._refused[(tenant, session_id, stream_id)] = None
         if len(self._refused) > _REFUSED_KEPT:
             self._refused.popitem(last=False)
+        skey = (tenant, session_id)
+        sess = self._sessions.get(skey)
+        if sess is not None and skey not in self._session_streams and not sess.open_streams:
+            del self._sessions[skey]
 
     def was_refused(self, tenant: str, session_id: str, stream_id: str) -> bool:
         return (tenant, session_id, stream_id) in self._refused
 
     def closed(self, ctx: StreamCtx) -> None:
-        """``ctx`` closed (FIN/RST): it stops counting as open and is retained
-        for ``retain_closed_s`` — unless its tenant already holds
-        ``retain_closed_max`` closed streams, then its oldest go first."""
+        """``ctx`` closed (FIN/RST): it stops counting as open and stays in
+        memory for ``retain_closed_s`` (:data:`REFUSED_RETAIN_S` at most if it
+        delivered no result) — unless its tenant holds ``retain_closed_max``
+        closed streams or the router ``retain_closed_bytes`` of closed logs:
+        then the oldest leave first. A stream leaves memory only once nobody
+        reads it and its events and close are in the store (a read is then
+        served from there); until then it stays, over the bounds if need be."""
         self._persist_close(ctx)
         self.open_count -= 1
+        if not self.open_count:
+            self._want_trim(ctx.closed_at)
         self.tenant_open[ctx.tenant] -= 1
         if not self.tenant_open[ctx.tenant]:
             del self.tenant_open[ctx.tenant]
         self.metrics.open_streams.dec()
-        retained = self._closed.setdefault(ctx.tenant, OrderedDict())
-        retained[ctx] = None
         assert ctx.closed_at is not None
-        self._schedule(ctx.closed_at + self.retain_closed_s, "retain", ctx.key)
-        for old in list(retained):
-            if len(retained) <= self.retain_closed_max:
-                break
-            self._remove(old)  # one still settling stays; its retention timer tries again
+        self._keep(ctx, ctx.closed_at)
         self._on_closed(ctx)
         if ctx.followers == 0:
             ctx.log.compact()  # else when its last follower leaves (StreamCtx.detach)
+        self.bound_retention(ctx)
+
+    def _keep(self, ctx: StreamCtx, now: float) -> None:
+        """Start retaining closed ``ctx`` (closed at, or read back at, ``now``)."""
+        retained = self._closed.setdefault(ctx.tenant, OrderedDict())
+        retained[ctx] = None
+        age = self.retain_closed_s if ctx.log.delivered_result else min(self.retain_closed_s, REFUSED_RETAIN_S)
+        ctx.retain_until = now + age
+        self._schedule(ctx.retain_until, "retain", ctx.key)
+
+    def bound_retention(self, ctx: StreamCtx) -> None:
+        """Count closed ``ctx``'s log in the byte budget (again when it was
+        compacted, or its last reader left), then let the oldest closed streams
+        go while its tenant is over ``retain_closed_max`` or the router over
+        ``retain_closed_bytes``."""
+        if self._streams.get(ctx.key) is not ctx:
+            return  # already gone (a follower compacted it after it left)
+        # A log still being sent counts once its last reader left and it is
+        # compacted (a fraction of its frames' size): the bound is on what is kept.
+        size = ctx.log.nbytes if ctx.followers == 0 else 0
+        self.retained_bytes += size - self._retained.get(ctx, 0)
+        self._retained[ctx] = size
+        tenant = self._closed.get(ctx.tenant)
+        if tenant is not None and len(tenant) > self.retain_closed_max:
+            self._evict(tenant, len(tenant) - self.retain_closed_max, math.inf)
+        if self.retained_bytes > self.retain_closed_bytes:
+            self._evict(self._retained, math.inf, self.retained_bytes - self.retain_closed_bytes)
+        self.metrics.retained_bytes.set(self.retained_bytes)
+        self.metrics.retained_streams.set(len(self._retained))
+
+    def _evict(self, oldest_first: Any, count: float, nbytes: float) -> None:
+        """Remove closed streams, oldest first, until ``count`` streams or
+        ``nbytes`` bytes of logs left memory; skips those that may not leave yet
+        (:meth:`_may_leave`)."""
+        pending = self._unstored()
+        gone: list[StreamCtx] = []
+        for old in oldest_first:
+            if count <= 0 or nbytes <= 0:
+                break
+            if old.closed_at is not None and self._may_leave(old, pending):
+                gone.append(old)
+                count -= 1
+                nbytes -= self._retained.get(old, 0)
+        for old in gone:
+            self._remove(old)  # one still settling stays; its retention timer tries again
+
+    def _want_trim(self, now: float | None) -> None:
+        """Memory was freed with no stream open: trim once things settle
+        (``_IDLE_TRIM_AFTER_S``), at most every ``TRIM_EVERY_S``."""
+        if self._idle_trim is None or self._trim_due:
+            return
+        self._trim_due = True
+        at = (now if now is not None else trio.current_time()) + _IDLE_TRIM_AFTER_S
+        self._schedule(max(at, self._trimmed_at + TRIM_EVERY_S), "trim", None)
+
+    def _may_leave(self, ctx: StreamCtx, unstored: set[int], *, aged: bool = False) -> bool:
+        """Whether closed ``ctx`` may leave memory: nobody is reading it, and
+        what a read of it answers is in the store (every event and its close;
+        ``unstored``: the ids of streams with writes still queued) — or, for a
+        stream the store refused an event of, once it is ``aged`` (closed for
+        ``retain_closed_s``)."""
+        return (ctx.followers == 0 and (aged or not ctx.unstored) and ctx.log.durable >= len(ctx.log)
+                and id(ctx) not in unstored)
+
+    def _unstored(self) -> set[int]:
+        """Ids of the streams whose events or close are queued for the store (group commit)."""
+        return {id(c) for c, _ in self._pending} if self._pending else set()
 
     def detached(self, ctx: StreamCtx) -> None:
         """``ctx`` lost its last follower: reset it unless one comes back within
@@ -588,6 +791,13 @@ class StreamTable:
             retained.pop(ctx, None)
             if not retained:
                 del self._closed[key[0]]
+        if not self.open_count:
+            self._want_trim(trio.current_time())
+        size = self._retained.pop(ctx, None)
+        if size is not None:
+            self.retained_bytes -= size
+            self.metrics.retained_bytes.set(self.retained_bytes)
+            self.metrics.retained_streams.set(len(self._retained))
         left = self._session_streams[key[:2]] = self._session_streams[key[:2]] - 1
         if left <= 0:
             del self._session_streams[key[:2]]
@@ -605,28 +815,93 @@ class StreamTable:
         self._store_call(self.store.put_stream, StreamRecord(
             tenant=ctx.tenant, session_id=ctx.session_id, stream_id=ctx.stream_id,
             idempotency_key=ctx.idempotency_key, meta={**ctx.meta, _ROUTE_KEY: route}, qos=ctx.qos,
-            budget=ctx.budget, created_ms=_now_ms()))
+            budget=ctx.budget, created_ms=_now_ms(), owner=self.owner))
 
     def persist_event(self, ctx: StreamCtx, ev: LoggedEvent) -> None:
-        """Write one outbound event of ``ctx`` to the store (before any follower
-        sends it on: the log is what a client reads after a restart)."""
+        """Write one outbound event of ``ctx`` to the store before any follower
+        sends it on (the log is what a client reads after a restart): at once,
+        or — with :attr:`group_commit` — queued for the next :meth:`flush`."""
         if self.store is None or ctx.restored:
+            return  # appended durable
+        if self.group_commit:
+            self._queue(ctx, ev)
             return
+        self._store_event(ctx, ev)
+
+    def _store_event(self, ctx: StreamCtx, ev: LoggedEvent) -> None:
+        assert self.store is not None
         try:
             self.store.append_event(ctx.tenant, ctx.session_id, ctx.stream_id, ev.id, ev.type, ev.json_bytes())
         except StoreLimitError as e:
             # The client still gets every frame live; after a restart the stream
             # reads as interrupted at the last stored event.
+            ctx.unstored = True  # its whole log is only in memory: kept for its full age
             log.warning("stream %s/%s: event %d not stored: %s", ctx.tenant, ctx.stream_id, ev.id, e)
         except StoreError:
+            ctx.unstored = True
             log.exception("stream %s/%s: event %d not stored", ctx.tenant, ctx.stream_id, ev.id)
 
     def _persist_close(self, ctx: StreamCtx) -> None:
         if self.store is None or ctx.restored:
             return
+        if self.group_commit:
+            self._queue(ctx, None)  # after its events, in the same transaction
+            return
+        self._store_close(ctx)
+
+    def _store_close(self, ctx: StreamCtx) -> None:
+        assert self.store is not None
         last = ctx.log.events[-1].type if ctx.log.events else "RST"
         self._store_call(self.store.close_stream, ctx.tenant, ctx.session_id, ctx.stream_id,
                          reason=last, closed_ms=_now_ms())
+
+    def _queue(self, ctx: StreamCtx, ev: LoggedEvent | None) -> None:
+        if not self._pending:
+            self._flush_wanted.set()
+        self._pending.append((ctx, ev))
+
+    def flush(self) -> None:
+        """Write every queued event and close in one store transaction (group
+        commit), then let the followers send them. A store failure loses no
+        frame for the live client: the events are sent anyway (as without group
+        commit), only a restart reads the stream as interrupted."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        assert self.store is not None
+        for _, ev in pending:
+            if ev is not None:
+                ev.json_bytes()  # encoded before the store's write lock is taken
+        try:
+            with self.store.batch():
+                for ctx, ev in pending:
+                    if ev is None:
+                        self._store_close(ctx)
+                    else:
+                        self._store_event(ctx, ev)
+        except StoreError:
+            log.exception("state store: a batch of %d writes failed", len(pending))
+        finally:
+            for ctx, ev in pending:
+                if ev is not None:
+                    ctx.log.mark_durable(ev.id)
+
+    async def run_flusher(self) -> None:
+        """Group commit until cancelled: each scheduler pass's events go to the
+        store in one transaction (≈ 4 µs an event instead of ≈ 30 µs alone,
+        issue 10). Whatever is queued at cancellation is written synchronously,
+        and writes are synchronous again afterwards."""
+        self.group_commit = self.store is not None
+        try:
+            while True:
+                await self._flush_wanted.wait()
+                self._flush_wanted = trio.Event()
+                # One scheduler pass: the tasks already runnable add their events first.
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                self.flush()
+        finally:
+            self.group_commit = False
+            self.flush()
 
     @staticmethod
     def _store_call(fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
@@ -664,17 +939,18 @@ class StreamTable:
                         now, task_started=True, closed_at=now, account=stream_account(tenant, rec.stream_id),
                         idempotency_key=rec.idempotency_key, restored=True, decision=route.get("decision"))
         for ev in self.store.events(tenant, rec.session_id, rec.stream_id):
-            ctx.log._events.append(LoggedEvent(ev.event_id, ev.type, _frame_dec.decode(ev.frame)))
+            # The stored JSON is what followers sent before: kept, the answer is byte for byte the same.
+            ctx.log._events.append(LoggedEvent(ev.event_id, ev.type, _frame_dec.decode(ev.frame), ev.frame))
         ctx.log.closed = True
+        ctx.log.durable = len(ctx.log._events)  # read from the store
         key = ctx.key
         self._streams[key] = ctx
         self._by_id[(tenant, ctx.stream_id)] = ctx
         self._session_streams[key[:2]] += 1
         if ctx.idempotency_key is not None:
             self._idempotency[(tenant, ctx.idempotency_key)] = ctx
-        retained = self._closed.setdefault(tenant, OrderedDict())
-        retained[ctx] = None
-        self._schedule(now + self.retain_closed_s, "retain", key)
+        self._keep(ctx, now)
+        self.bound_retention(ctx)
         return ctx
 
     # ------------------------------------------------------------------ timers
@@ -701,13 +977,22 @@ class StreamTable:
                 if self._sweeping:
                     self._schedule(now + self._sweep_s, "sweep", None)
                 continue
+            if kind == "trim":
+                self._trim_due = False
+                if not self.open_count and self._idle_trim is not None:
+                    self._trimmed_at = now
+                    ms = self._idle_trim()
+                    log.debug("router idle: memory trimmed in %.1f ms", ms)
+                continue
             assert key is not None
             ctx = self._streams.get(key)
             if ctx is None:
                 continue
             if kind == "retain":
                 # The key may name a newer stream since: only one closed long enough goes.
-                if ctx.closed_at is not None and ctx.closed_at + self.retain_closed_s <= now and not self._remove(ctx):
+                if ctx.closed_at is not None and ctx.retain_until <= now and not (
+                        self._may_leave(ctx, self._unstored(), aged=now >= ctx.closed_at + self.retain_closed_s)
+                        and self._remove(ctx)):
                     self._schedule(now + _SETTLE_RETRY_S, "retain", key)
             elif ctx.log.closed:
                 continue

@@ -12,6 +12,8 @@ Start-up, in this order::
 """
 
 from atp.store.base import (
+    CachePut,
+    CacheStats,
     NotFound,
     SchemaError,
     Store,
@@ -25,6 +27,8 @@ from atp.store.base import (
 from atp.store.sqlite import SqliteStore
 
 __all__ = [
+    "CachePut",
+    "CacheStats",
     "NotFound",
     "SchemaError",
     "SqliteStore",

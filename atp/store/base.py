@@ -14,7 +14,10 @@ a process kill -9, see there). It holds
   a :class:`StreamRecord`, its idempotency key, and its outbound event log;
 * **RIB versions** (the active policy and who set it);
 * the **audit** chain (:mod:`atp.security.audit`) and its MACed checkpoint;
-* a small **kv** for the router's own keys.
+* a small **kv** for the router's own keys;
+* the **response cache** (spec §13, :mod:`atp.policy.cache`): values under
+  32-byte content keys with their tenant (None: shared), expiry and last use,
+  bounded in bytes (expired first, then least recently used, are dropped).
 
 Recovery after a crash (:meth:`Store.recover`, :meth:`Store.interrupt_open_streams`):
 a reservation still open belonged to a call whose outcome is unknown — it may
@@ -25,6 +28,18 @@ unknown call is charged its estimate rather than its actual usage. A stream open
 at the crash becomes ``"interrupted"``; the router reports it with an RST naming
 the crash and never runs it again.
 
+Several router processes on one store (``atp-router --workers N``, issue 10;
+several machines on a shared backend later): the ``*_shared`` ledger methods
+(the :class:`~atp.flow.budget.SharedAccounts` of a
+:class:`~atp.flow.budget.SharedBudgetLedger`) check and hold budget along an
+account's chain in one atomic step across processes; reservations, accounts
+and streams carry the ``owner`` process, and when an owner dies the same crash
+rule settles what it left (``recover(owner)``, ``close_owned_accounts(owner)``,
+``interrupt_open_streams(..., owner=)``). RIB versions are handed out by the
+store (:meth:`Store.next_rib_version`) so every process numbers a reload
+alike, and audit records are chained at the store's head
+(:meth:`Store.append_audit_chained`).
+
 Errors: :class:`StoreError` and its subclasses :class:`SchemaError` (a state
 directory this version cannot read), :class:`StoreLimitError` (a bound was hit:
 frame size, events per stream) and :class:`NotFound` (an unknown reservation,
@@ -34,15 +49,19 @@ account or stream; also a ``KeyError``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Self
 
 from msgspec import Struct
 
-from atp.flow.budget import Allowance, Charge, LedgerSnapshot, Reservation
+from atp.flow.budget import Allowance, Charge, LedgerSnapshot, Reservation, SharedResult
 from atp.security.audit import AuditCheckpoint, AuditRecord
 from atp.wire.frame import Budget, QoS
 
 __all__ = [
+    "CachePut",
+    "CacheStats",
     "NotFound",
     "SchemaError",
     "Store",
@@ -84,7 +103,9 @@ class StreamRecord(Struct, frozen=True, forbid_unknown_fields=True):
     """A stream as the router opened it (spec §8). ``tenant`` is the RIB client
     that owns it; ``meta`` the SYN's meta; ``created_ms`` / ``closed_ms`` are
     Unix ms; ``state`` ends ``"closed"`` (FIN or RST sent) or ``"interrupted"``
-    (open when the router crashed), with ``close_reason``."""
+    (open when the router crashed), with ``close_reason``. ``owner`` names the
+    router process running it when several share the store (``None``: a
+    single-process router)."""
 
     tenant: str
     session_id: str
@@ -97,6 +118,7 @@ class StreamRecord(Struct, frozen=True, forbid_unknown_fields=True):
     state: StreamState = "open"
     close_reason: str | None = None
     closed_ms: int | None = None
+    owner: str | None = None
 
 
 class StoredEvent(Struct, frozen=True, forbid_unknown_fields=True):
@@ -106,6 +128,24 @@ class StoredEvent(Struct, frozen=True, forbid_unknown_fields=True):
     event_id: int
     type: str
     frame: bytes
+
+
+class CacheStats(Struct, frozen=True, forbid_unknown_fields=True):
+    """The response cache's size: ``entries`` and ``bytes`` of their stored values."""
+
+    entries: int = 0
+    bytes: int = 0
+
+
+class CachePut(Struct, frozen=True, forbid_unknown_fields=True):
+    """What :meth:`Store.cache_put` did: whether the value was ``stored``, how
+    many entries it dropped as ``expired`` and ``evicted`` for room (least
+    recently used first), and the cache's size afterwards (``stats``)."""
+
+    stored: bool
+    expired: int = 0
+    evicted: int = 0
+    stats: CacheStats = CacheStats()
 
 
 class Store(ABC):
@@ -153,9 +193,59 @@ class Store(ABC):
         :meth:`~atp.flow.budget.BudgetLedger.restore`."""
 
     @abstractmethod
-    def recover(self) -> list[Reservation]:
-        """Commit every open reservation at its reserved amount (the crash rule
-        of the module docstring) and return them, in id order."""
+    def recover(self, owner: str | None = None) -> list[Reservation]:
+        """Commit every open reservation (``owner``: every one that process
+        left) at its reserved amount (the crash rule of the module docstring)
+        and return them, in id order."""
+
+    @abstractmethod
+    def close_owned_accounts(self, owner: str | None = None) -> int:
+        """Close every open account ``owner`` opened (``None``: every account
+        with an owner) — a dead process's stream accounts; returns how many."""
+
+    # ------------------------------------------- shared budget ledger (workers)
+    @abstractmethod
+    def open_shared(self, key: str, parent: str | None, limit: Allowance, *, owner: str | None) -> SharedResult:
+        """:meth:`SharedAccounts.open_shared <atp.flow.budget.SharedAccounts.open_shared>`:
+        a root account already open is adopted (its limit set, clamped); a child
+        is created for ``owner``. Raises :class:`NotFound` (parent not open),
+        :class:`StoreError` (child already open)."""
+
+    @abstractmethod
+    def close_shared(self, key: str) -> None:
+        """Close child account ``key``. Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str) -> SharedResult:
+        """In one atomic step: if every account of ``key``'s chain has
+        ``limit - committed - reserved >= amount`` on both axes, record a new
+        reservation (a fresh id, never reused) for ``owner`` and hold it along
+        the chain; else a refusal (nothing changed). Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def extend_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:
+        """Atomically grow an open reservation by ``tokens`` / ``usd_micros`` if
+        the chain can hold them, else a refusal. Raises :class:`NotFound`, or
+        :class:`StoreError` when the store holds other amounts for it."""
+
+    @abstractmethod
+    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:
+        """Atomically settle ``reservation`` with its actual usage: charged
+        ``min(actual, the chain's room once its hold is lifted)`` per axis,
+        the rest recorded as overage. Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def release_shared(self, reservation: Reservation) -> SharedResult:
+        """Settle ``reservation`` with no charge. Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def set_limit_shared(self, key: str, limit: Allowance, *, clamp: bool) -> SharedResult:
+        """Atomically set ``key``'s own limit; below what it holds: clamped to
+        it (``clamp``) or a refusal. Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def shared_totals(self, key: str) -> SharedResult:
+        """``key``'s chain as it stands. Raises :class:`NotFound`."""
 
     # ------------------------------------------------------------------ streams
     @abstractmethod
@@ -197,9 +287,10 @@ class Store(ABC):
         """The stream's events with id > ``after``, in id order (empty if unknown)."""
 
     @abstractmethod
-    def interrupt_open_streams(self, reason: str, *, now_ms: int) -> list[StreamRecord]:
-        """At start-up: every ``"open"`` stream becomes ``"interrupted"`` with
-        ``reason`` at ``now_ms``; returns the updated records."""
+    def interrupt_open_streams(self, reason: str, *, now_ms: int, owner: str | None = None) -> list[StreamRecord]:
+        """At start-up, or when process ``owner`` died: every ``"open"`` stream
+        (of ``owner``) becomes ``"interrupted"`` with ``reason`` at ``now_ms``;
+        returns the updated records."""
 
     @abstractmethod
     def expire(self, before_ms: int) -> int:
@@ -217,11 +308,26 @@ class Store(ABC):
     def active_rib(self) -> tuple[int, str, str] | None:
         """``(version, text, source)`` of the active RIB, or ``None``."""
 
+    @abstractmethod
+    def active_rib_version(self) -> int | None:
+        """The active RIB's version, or ``None`` (cheap: polled by workers)."""
+
+    @abstractmethod
+    def next_rib_version(self) -> int:
+        """A RIB version no process has used (above every stored one): the
+        number a reload compiles its generation with."""
+
     # ------------------------------------------------------------------- audit
     @abstractmethod
     def append_audit(self, record: AuditRecord) -> None:
         """Append ``record`` (append-only; its ``seq`` must be new, else
         :class:`StoreError`)."""
+
+    @abstractmethod
+    def append_audit_chained(self, build: Callable[[int, str], AuditRecord]) -> AuditRecord:
+        """Append ``build(head_seq, head_hash)`` — the record chained to the
+        stored head (``(0, GENESIS)`` when empty) — in one atomic step, so
+        several processes extend one chain; returns it."""
 
     @abstractmethod
     def audit_records(self, after: int = 0, limit: int | None = None) -> list[AuditRecord]:
@@ -259,8 +365,39 @@ class Store(ABC):
     def put(self, key: str, value: bytes) -> None:
         """Set the router's value under ``key``."""
 
+    # ------------------------------------------------------- response cache
+    @abstractmethod
+    def cache_get(self, key: bytes, *, now_ms: int) -> bytes | None:
+        """The response-cache value under ``key`` (:mod:`atp.policy.cache`), or
+        ``None`` when there is none or it expired (``expires_ms <= now_ms``,
+        Unix ms). A hit marks the entry used at ``now_ms`` (eviction is least
+        recently used first)."""
+
+    @abstractmethod
+    def cache_put(self, key: bytes, value: bytes, *, tenant: str | None, now_ms: int, expires_ms: int,
+                  max_bytes: int) -> CachePut:
+        """In one transaction: store ``value`` under ``key`` (replacing it) for
+        ``tenant`` (None: a shared entry) until ``expires_ms``, then drop every
+        expired entry and, least recently used first, as many others as it takes
+        to keep the stored values within ``max_bytes`` bytes. A value larger than
+        ``max_bytes`` is not stored (``CachePut.stored`` false)."""
+
+    @abstractmethod
+    def cache_drop(self, key: bytes) -> None:
+        """Remove the entry under ``key`` if there is one (a value that did not decode)."""
+
+    @abstractmethod
+    def cache_stats(self) -> CacheStats:
+        """How many entries the response cache holds and their values' bytes."""
+
     # -------------------------------------------------------------- lifecycle
     @abstractmethod
+    def batch(self) -> AbstractContextManager[None]:
+        """Group commit: the mutating calls made inside the block are durable
+        together when it ends (a call that raised is undone alone). Backends
+        without transactions make each call durable on its own (the default)."""
+        return nullcontext()
+
     def close(self) -> None:
         """Release the backend (idempotent)."""
 

@@ -167,6 +167,9 @@ async def _play(tmp_path, schedule: Schedule) -> None:
     }
     with pytest.MonkeyPatch.context() as mp:
         serve_scripted(mp, adapters)
+        # Streams that end without a result (EBUDGET) would leave the table after
+        # REFUSED_RETAIN_S, closing their accounts before the checks read them.
+        mp.setattr("atp.router.streams.REFUSED_RETAIN_S", 3600.0)
         async with serving(tmp_path, doc, slots=32, gold_reserved=4, **UNTHROTTLED) as router:
             results: dict[int, list] = {}
             ctxs = {}

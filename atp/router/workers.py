@@ -1,0 +1,884 @@
+"""``atp-router --workers N``: one router on every core (issue 10).
+
+One router process saturates one core (its trio loop runs every stream's
+frames, SSE and next-hop calls). With ``--workers N`` a **supervisor** process:
+
+1. holds the state directory's lock (one router per ``--state-dir``, as ever)
+   and runs crash recovery once — the reservations a previous run left open
+   are committed at their reserved amount, its open streams reported
+   interrupted, the audit chain checked, the RIB validated
+   (:class:`_RecoveryRouter`, the single-process code path);
+2. binds the HTTP and WebSocket listening sockets once (the A2A server and the
+   OpenAI ingress are routes of the HTTP app: no socket of their own);
+3. starts N **worker** processes (``python -m atp.router.cli <the same
+   arguments>`` plus a private ``--worker-spec``) that inherit both sockets and
+   accept on them — the kernel spreads the connections — and prints one
+   ``listening`` line (``workers=N``) once all are ready;
+4. restarts a worker that dies (``kill -9`` included; a worker dying within
+   seconds of its start is restarted with a growing backoff), after
+   **settling** what it left (:func:`settle`): its open reservations are
+   committed at their reserved amount and its stream accounts closed (the
+   crash rule: a budget never comes back), its open streams end with an RST
+   saying they were interrupted (spec §8) — the others keep serving;
+5. on SIGINT/SIGTERM stops the workers (SIGTERM, then SIGKILL after 10 s),
+   settles them and exits 0. Workers stop when it is gone (they watch their
+   parent) and hold its inherited lock, so no second router starts on the
+   directory while one of them lives.
+
+Every worker is a whole router (:class:`WorkerRouter`) on the one SQLite store
+(WAL, ``multiprocess``; :mod:`atp.store.sqlite`). What they share through it:
+
+================  ==========================================================
+budgets           exact: a :class:`~atp.flow.budget.SharedBudgetLedger` —
+                  every reserve / extend / commit / release is one ``BEGIN
+                  IMMEDIATE`` transaction along the account chain (stream →
+                  ``client:<tenant>``), so ``committed + reserved <= limit``
+                  holds across workers; reservation ids come from the store
+streams           each stream is stored with its **owner** worker
+                  (``w<slot>.<pid>``); events, idempotency keys and finished
+                  streams are read from the store by any worker
+audit             one hash chain: each record is chained to the store's head
+                  atomically (``AuditLog(shared=True)``)
+RIB               a reload (API, or the ``--policies`` watcher, which only
+                  worker 0 runs) gets a store-wide version
+                  (``Store.next_rib_version``) and is saved as the active
+                  RIB; every worker polls the active version every
+                  :data:`RIB_POLL_S` (one indexed row) and loads a new one —
+                  from the saved text, or from ``--policies`` for a file
+                  reload. A reload answered by one worker is in force on all
+                  within about half a second. (A file edited while worker 0
+                  restarts is loaded by the next edit or reload.)
+================  ==========================================================
+
+**Any request on any worker** (spec §8, §11): a request about a stream —
+``/v1/streams/{id}/events``, ``/frames`` (a cancelling RST, a BUDGET_UPDATE),
+``/feedback``; ``POST /v1/streams``, ``/v1/chat/completions`` and A2A
+``message/send`` with an idempotency key; A2A ``tasks/get|cancel|resubscribe``
+— that lands on a worker which does not hold the stream is forwarded by
+:class:`ForwardingApp` to the worker that owns it, over that worker's private
+unix socket (``<state-dir>/workers/w<slot>.sock``, in the 0700 state
+directory) with the caller's own ``Authorization``: the owner authenticates and
+scopes it exactly as if it had come straight in (another tenant's stream is
+the same 404). Responses carry ``x-atp-worker`` (the worker that accepted the
+connection) and, when forwarded, ``x-atp-served-by`` (the owner). A stream
+whose owner is gone is served from the store by whoever gets the request
+(finished or interrupted); while its owner is being settled, a request about
+it answers 503 ``EAGENTDOWN`` with ``Retry-After: 1``.
+
+Per worker, not shared (yet; issue 12 moves them to a shared store): the
+stream table's limits (``--max-streams``, the tenant's ``max_streams`` quota
+and open rate), the QoS slots, next-hop windows and circuit breakers, the
+learned routing state (each worker learns from its own traffic; saved to the
+store every few seconds, last writer wins) and ``/v1/metrics``. A WebSocket
+SYN that resumes (by idempotency key) a stream still running on another worker
+is refused with ``EAGENTDOWN`` rather than run twice: reconnect (the kernel may
+pick the owner) or follow it over HTTP, which forwards.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import trio
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio import serve as hyper_serve
+from prometheus_client import Counter
+
+from atp.flow.budget import SharedBudgetLedger
+from atp.router.control import BODY_SOURCE
+from atp.router.core import (
+    Router,
+    RouterConfig,
+    _lock_state_dir,
+    connection_error,
+    end_interrupted,
+)
+from atp.security.audit import AuditLog
+from atp.security.identity import Identity
+from atp.security.tls import hypercorn_ssl
+from atp.store import SqliteStore, StoreError
+from atp.wire.errors import ATPError, ErrorCode, PolicyError
+from atp.wire.frame import Flag, Frame
+
+__all__ = ["RIB_POLL_S", "ForwardingApp", "WorkerRouter", "WorkerSpec", "settle", "supervise", "worker_main"]
+
+log = logging.getLogger("atp.router.workers")
+
+#: How often a worker polls the store for a RIB another worker loaded, s.
+RIB_POLL_S = 0.5
+#: A worker's open streams when it died: their RST reason (spec §8).
+WORKER_INTERRUPTED = ("interrupted: the router worker running the stream stopped; it was not re-run — "
+                      "open a new stream (new idempotency_key) to run it again")
+#: How often the supervisor copies the workers' WAL back into the database, s.
+CHECKPOINT_S = 0.5
+#: SIGTERM → SIGKILL grace for a worker at shutdown, s.
+STOP_GRACE_S = 10.0
+#: A worker that ran less than this before dying is restarted after a backoff, s.
+_QUICK_DEATH_S = 5.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process is told by its supervisor (``--worker-spec``, JSON):
+    its ``slot`` (0..N-1), ``workers`` (N), the inherited listening socket fds
+    (``http_fd``, ``ws_fd``), the supervisor's lock fd (kept open: the lock
+    lives while any worker does), the pipe it reports readiness on
+    (``ready_fd``) and the supervisor's pid (``parent``)."""
+
+    slot: int
+    workers: int
+    http_fd: int
+    ws_fd: int
+    lock_fd: int
+    ready_fd: int
+    parent: int
+
+    @property
+    def owner(self) -> str:
+        """This worker's owner name in the store: ``w<slot>.<pid>``."""
+        return owner_name(self.slot, os.getpid())
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        return cls(**json.loads(text))
+
+
+def owner_name(slot: int, pid: int) -> str:
+    """The owner name of worker ``slot`` running as ``pid``: ``w<slot>.<pid>``."""
+    return f"w{slot}.{pid}"
+
+
+_OWNER = re.compile(r"^w(\d+)\.(\d+)$")
+
+
+def _owner_slot_pid(owner: str) -> tuple[int, int] | None:
+    m = _OWNER.match(owner)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie — dead, not yet reaped — does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def sockets_dir(state_dir: Path) -> Path:
+    """Where the workers' private unix sockets live: ``<state-dir>/workers``."""
+    return Path(state_dir) / "workers"
+
+
+def worker_socket(state_dir: Path, slot: int) -> Path:
+    """Worker ``slot``'s private unix socket (forwarded requests only)."""
+    return sockets_dir(state_dir) / f"w{slot}.sock"
+
+
+# ---------------------------------------------------------------------------- worker
+class WorkerRouter(Router):
+    """A :class:`~atp.router.core.Router` that is one of N workers on a state
+    directory its supervisor holds: no lock of its own, no crash recovery (the
+    supervisor's), the store opened ``multiprocess``, budgets in a
+    :class:`~atp.flow.budget.SharedBudgetLedger`, the audit chain shared, its
+    streams stored with its owner name, RIB versions from the store and a
+    follower adopting the RIB other workers load (module docstring)."""
+
+    def __init__(self, config: RouterConfig, spec: WorkerSpec) -> None:
+        self.worker = spec
+        self.owner = spec.owner
+        self._rib_refused: int | None = None
+        super().__init__(config)
+        self.streams.owner = self.owner
+
+    def _lock_state(self) -> Any:
+        return None  # the supervisor holds it
+
+    def _open_store(self) -> SqliteStore:
+        # Checkpoints are the supervisor's (it runs them aside): a worker's commit
+        # never holds the write lock through a checkpoint's copy and fsync.
+        return SqliteStore.open(self.state_dir, synchronous=self.config.state_sync.upper(), multiprocess=True,
+                                autocheckpoint=False)
+
+    def _open_audit(self) -> AuditLog:
+        return AuditLog.open(self.store, self.state_dir, shared=True)
+
+    def _restore_ledger(self) -> SharedBudgetLedger:
+        return SharedBudgetLedger(self.store, owner=self.owner)
+
+    def _mark_interrupted(self) -> int:
+        return 0  # the supervisor did, once, before starting the workers
+
+    def _restore_rib(self) -> None:
+        self._adopt_rib()
+
+    def reload(self, text: str | None = None, *, identity: Identity | None = None, version: int | None = None,
+               **kw: Any) -> dict[str, Any]:
+        """:meth:`Router.reload` as a store-wide version (the other workers load
+        it from the store within :data:`RIB_POLL_S`)."""
+        return super().reload(text, identity=identity,
+                              version=version if version is not None else self.store.next_rib_version(), **kw)
+
+    async def _watch_policies(self) -> None:
+        if self.worker.slot == 0:  # one watcher: its reload reaches the others through the store
+            await super()._watch_policies()
+
+    def _background_tasks(self) -> list[Callable[[], Any]]:
+        return [self._follow_rib]
+
+    def _adopt_rib(self) -> bool:
+        """Load the store's active RIB if it is not the running one (a reload by
+        another worker): its saved text, or ``--policies`` for a file reload.
+        Returns whether it changed. Raises PolicyError."""
+        active = self.store.active_rib()
+        if active is None or active[0] == self.gen.version or active[0] == self._rib_refused:
+            return False
+        version, text, source = active
+        try:
+            self.control.reload(text if source == BODY_SOURCE and text else None, version=version)
+        except PolicyError:
+            self._rib_refused = version
+            raise
+        return True
+
+    async def _follow_rib(self) -> None:
+        while True:
+            await trio.sleep(RIB_POLL_S)
+            try:
+                if self.store.active_rib_version() in (self.gen.version, self._rib_refused, None):
+                    continue
+                if self._adopt_rib():
+                    log.info("RIB generation %d loaded (reloaded by another worker)", self.gen.version)
+            except PolicyError as e:
+                log.error("RIB generation %s refused here (kept generation %d): %s", self._rib_refused,
+                          self.gen.version, "; ".join(x.where() for x in e.errors))
+            except Exception:
+                log.exception("RIB follower: store read failed")
+
+    def receive_frame(self, frame: Frame, *, identity: Identity, now: float) -> list[Frame]:
+        """:meth:`Router.receive_frame`, but a SYN re-opening (by idempotency key)
+        a stream that runs on another worker is refused with ``EAGENTDOWN``
+        instead of running its task a second time."""
+        if Flag.SYN in frame.flags and isinstance(key := frame.meta.get("idempotency_key"), str) \
+                and self.streams.resumable(identity.tenant, key) is None:
+            rec = self.store.find_idempotent(identity.tenant, key)
+            if rec is not None and rec.state == "open" and rec.owner not in (None, self.owner):
+                self.metrics.errors.labels(str(ErrorCode.EAGENTDOWN)).inc()
+                return [connection_error(frame.session_id, frame.stream_id, ErrorCode.EAGENTDOWN,
+                                         f"stream {rec.stream_id!r} of this idempotency_key runs on another router "
+                                         "worker: follow it over HTTP (GET /v1/streams/{id}/events) or reconnect "
+                                         "and resume again")]
+        return super().receive_frame(frame, identity=identity, now=now)
+
+
+# ---------------------------------------------------------------------- forwarding
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_STREAM_PATH = re.compile(r"^/v1/streams/([^/]+)/(?:events|frames|feedback)$")
+_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                         b"trailer", b"transfer-encoding", b"upgrade", b"content-length"})
+_RETRY = object()  # the stream's owner died and is being settled: 503, retry
+
+
+class _Keyed(msgspec.Struct):
+    idempotency_key: str | None = None
+
+
+class _OpenAIBody(msgspec.Struct):
+    atp: _Keyed | None = None
+
+
+class _RpcMessage(msgspec.Struct):
+    messageId: str | None = None  # A2A names it so
+
+
+class _RpcParams(msgspec.Struct):
+    id: Any = None
+    message: _RpcMessage | None = None
+
+
+class _Rpc(msgspec.Struct):
+    method: str | None = None
+    params: _RpcParams | None = None
+
+
+_A2A_BY_ID = {"tasks/get", "tasks/cancel", "tasks/resubscribe", "GetTask", "CancelTask", "SubscribeToTask"}
+_A2A_SEND = {"message/send", "message/stream", "SendMessage", "SendStreamingMessage"}
+
+
+def _body_key(path: str, body: bytes) -> tuple[str, str] | None:
+    """What a POST body names: ``("key", idempotency key)`` or ``("stream",
+    stream id)``; None when nothing (or it does not parse: the app answers)."""
+    try:
+        if path == "/v1/streams":
+            key = msgspec.json.decode(body, type=_Keyed).idempotency_key
+            return ("key", key) if key else None
+        if path == "/v1/chat/completions":
+            atp = msgspec.json.decode(body, type=_OpenAIBody).atp
+            return ("key", atp.idempotency_key) if atp is not None and atp.idempotency_key else None
+        rpc = msgspec.json.decode(body, type=_Rpc)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    p = rpc.params
+    if p is None:
+        return None
+    if rpc.method in _A2A_BY_ID and isinstance(p.id, str):
+        return ("stream", p.id)
+    if rpc.method in _A2A_SEND and p.message is not None and p.message.messageId:
+        return ("key", f"a2a:{p.message.messageId}")
+    return None
+
+
+async def _read_body(receive: Receive, limit: int) -> tuple[bytes | None, Receive]:
+    """Read a request body of at most ``limit`` bytes: ``(body, receive)`` where
+    the new ``receive`` gives the app the same body again; ``body`` is None when
+    it passed the limit or the client left (the app then answers as without us)."""
+    chunks: list[bytes] = []
+    size, more = 0, True
+    other: MutableMapping[str, Any] | None = None
+    while more:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            other = msg
+            break
+        chunk = msg.get("body", b"")
+        chunks.append(chunk)
+        size += len(chunk)
+        more = msg.get("more_body", False)
+        if size > limit:
+            break
+    body = b"".join(chunks)
+    pending: list[MutableMapping[str, Any]] = [{"type": "http.request", "body": body, "more_body": more}]
+    if other is not None:
+        pending.append(other)
+
+    async def replay() -> MutableMapping[str, Any]:
+        return pending.pop(0) if pending else await receive()
+
+    return (body if not more and other is None else None), replay
+
+
+class ForwardingApp:
+    """ASGI middleware of a worker's HTTP app (module docstring): a request about
+    a stream another live worker owns is forwarded to it over its private unix
+    socket; everything else goes to ``app``. ``private``: the app behind the
+    worker's own unix socket (forwarded requests: never forwarded again). Adds
+    ``x-atp-worker: <slot>`` to every response."""
+
+    def __init__(self, app: ASGIApp, router: WorkerRouter, *, private: bool) -> None:
+        self.app = app
+        self.router = router
+        self.private = private
+        self.slot = router.worker.slot
+        self._tag = (b"x-atp-worker", str(self.slot).encode())
+        self._clients: dict[int, httpx.AsyncClient] = {}
+        self._limit = router.config.max_body_bytes
+        name = "atp_worker_forwarded_private" if private else "atp_worker_forwarded"
+        try:
+            self.forwarded = Counter(name, "Requests this worker forwarded to the stream's owner worker, by outcome",
+                                     ["outcome"], registry=router.metrics.registry)
+        except ValueError:  # registered by another instance on the same router
+            self.forwarded = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        tag = self._tag
+
+        async def tagged(msg: MutableMapping[str, Any]) -> None:
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", ()), tag]}
+            await send(msg)
+
+        if self.private:
+            await self.app(scope, receive, tagged)
+            return
+        target, receive, body = await self._target(scope, receive)
+        if target is None:
+            await self.app(scope, receive, tagged)
+        elif target is _RETRY:
+            await _send_json(tagged, 503, {"error": {"code": str(ErrorCode.EAGENTDOWN),
+                                                     "reason": "the router worker running this stream stopped and "
+                                                               "is being restarted; retry"}},
+                             [(b"retry-after", b"1")])
+        else:
+            await self._forward(target, scope, receive, body, tagged)
+
+    async def _target(self, scope: Scope, receive: Receive) -> tuple[Any, Receive, bytes | None]:
+        """``(owner slot | None | _RETRY, receive, body)`` for a request."""
+        path, method = scope["path"], scope["method"]
+        m = _STREAM_PATH.match(path)
+        body: bytes | None = None
+        if m is not None:
+            identity = self._identity(scope)
+            if identity is None or self.router.streams.find(identity.tenant, m[1]) is not None:
+                return None, receive, None
+            target = self._owner_of(self.router.store.find_stream(identity.tenant, m[1]))
+            if target is not None and target is not _RETRY and method != "GET":
+                body, receive = await _read_body(receive, self._limit)
+                if body is None:
+                    return None, receive, None  # over the limit: the app answers 413 as ever
+            return target, receive, body
+        if method != "POST" or path not in ("/v1/streams", "/v1/chat/completions", "/a2a"):
+            return None, receive, None
+        body, receive = await _read_body(receive, self._limit)
+        named = _body_key(path, body) if body is not None else None
+        if named is None:
+            return None, receive, body
+        identity = self._identity(scope)
+        if identity is None:
+            return None, receive, body
+        kind, value = named
+        store, streams = self.router.store, self.router.streams
+        if kind == "key":
+            if streams.resumable(identity.tenant, value) is not None:
+                return None, receive, body
+            rec = store.find_idempotent(identity.tenant, value)
+        else:
+            if streams.find(identity.tenant, value) is not None:
+                return None, receive, body
+            rec = store.find_stream(identity.tenant, value)
+        return self._owner_of(rec), receive, body
+
+    def _identity(self, scope: Scope) -> Identity | None:
+        auth = None
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                auth = v.decode("latin-1")
+                break
+        try:
+            return self.router.authenticate(auth)
+        except ATPError:
+            return None  # the app answers 401 itself
+
+    def _owner_of(self, rec: Any) -> Any:
+        """The slot of ``rec``'s owner when it is another live worker; _RETRY
+        when its owner died with the stream open (being settled); else None."""
+        if rec is None or rec.owner is None or rec.owner == self.router.owner:
+            return None
+        sp = _owner_slot_pid(rec.owner)
+        if sp is None:
+            return None
+        slot, pid = sp
+        if _alive(pid):
+            return slot
+        return _RETRY if rec.state == "open" else None
+
+    def _client(self, slot: int) -> httpx.AsyncClient:
+        client = self._clients.get(slot)
+        if client is None:
+            path = worker_socket(self.router.state_dir, slot)
+            client = self._clients[slot] = httpx.AsyncClient(
+                transport=httpx.AsyncHTTPTransport(uds=str(path)), base_url="http://atp-worker",
+                timeout=httpx.Timeout(None, connect=5.0),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
+        return client
+
+    async def _forward(self, slot: int, scope: Scope, receive: Receive, body: bytes | None, send: Send) -> None:
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP_BY_HOP]
+        url = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
+        client = self._client(slot)
+        request = client.build_request(scope["method"], url, headers=headers, content=body)
+        try:
+            upstream = await client.send(request, stream=True)
+        except httpx.TransportError as e:
+            # Its socket is gone: the owner is dying or restarting.
+            log.info("forward to worker %d failed: %s", slot, e)
+            self._count("unreachable")
+            await _send_json(send, 503, {"error": {"code": str(ErrorCode.EAGENTDOWN),
+                                                   "reason": "the router worker running this stream is "
+                                                             "restarting; retry"}}, [(b"retry-after", b"1")])
+            return
+        self._count("ok")
+        try:
+            out = [(k.lower(), v) for k, v in upstream.headers.raw if k.lower() not in _HOP_BY_HOP]
+            out = [(b"x-atp-served-by", v) if k == b"x-atp-worker" else (k, v) for k, v in out]
+            if "content-length" in upstream.headers and "transfer-encoding" not in upstream.headers:
+                out.append((b"content-length", upstream.headers["content-length"].encode()))
+            await send({"type": "http.response.start", "status": upstream.status_code, "headers": out})
+            async with trio.open_nursery() as nursery:
+
+                async def watch_disconnect() -> None:
+                    # The client left (an SSE follower): stop, so the owner detaches it.
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch_disconnect)
+                async for chunk in upstream.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await upstream.aclose()
+
+    def _count(self, outcome: str) -> None:
+        if self.forwarded is not None:
+            self.forwarded.labels(outcome).inc()
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+
+
+async def _send_json(send: Send, status: int, body: dict, extra: list[tuple[bytes, bytes]] = ()) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *extra]})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _watch_parent(parent: int, stop: trio.CancelScope) -> None:
+    """Stop when the supervisor is gone (this worker was re-parented). Not
+    ``PR_SET_PDEATHSIG``: it fires when the *thread* that forked exits, and
+    trio starts processes from its thread cache."""
+    while os.getppid() == parent:
+        await trio.sleep(0.5)
+    log.warning("the supervisor (pid %d) is gone: stopping", parent)
+    stop.cancel()
+
+
+def worker_main(config: RouterConfig, spec: WorkerSpec) -> int:
+    """Run worker ``spec.slot`` until SIGINT/SIGTERM (the supervisor's): the
+    router, the HTTP app on the inherited socket and on its private unix socket,
+    the WebSocket ingress on the inherited one. Reports ``ready`` (or
+    ``error: <why>``) on ``spec.ready_fd``. Returns the exit status (2: the
+    configuration or RIB was refused)."""
+    refused: Exception | None = None
+
+    def report(line: str) -> None:
+        try:
+            os.write(spec.ready_fd, (line + "\n").encode())
+            os.close(spec.ready_fd)
+        except OSError:
+            pass
+
+    async def main_async() -> None:
+        nonlocal refused
+        from atp.router.api import build_app
+        from atp.router.ws import serve_ws
+
+        try:
+            router = WorkerRouter(config, spec)
+        except (PolicyError, RuntimeError, StoreError) as e:
+            refused = e
+            return
+        app = build_app(router)
+        public = ForwardingApp(app, router, private=False)
+        private = ForwardingApp(app, router, private=True)
+        hc = _hyper_config(config, [f"fd://{spec.http_fd}"], tls=True)
+        sock_path = worker_socket(router.state_dir, spec.slot)
+        hc_private = _hyper_config(config, [f"unix:{sock_path}"], tls=False)
+        ws_sock = socket.socket(fileno=spec.ws_fd)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_watch_parent, spec.parent, nursery.cancel_scope)
+                await nursery.start(router.serve)
+                await nursery.start(router.authenticator.run)
+                if config.tls is not None:
+                    nursery.start_soon(config.tls.watch, 30.0)
+                await nursery.start(lambda task_status: hyper_serve(public, hc, task_status=task_status))
+                await nursery.start(lambda task_status: hyper_serve(private, hc_private, task_status=task_status))
+                await nursery.start(lambda task_status: serve_ws(router, config.host, 0, sock=ws_sock,
+                                                                 task_status=task_status))
+                importlib.import_module("anyio._backends._trio")
+                gc.freeze()
+                report("ready")
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        break
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await public.aclose()
+
+    trio.run(main_async)
+    if refused is not None:
+        what = f"policy refused: {refused.reason}" if isinstance(refused, PolicyError) else str(refused)
+        report(f"error: {what}")
+        print(f"atp-router worker {spec.slot}: {what}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _hyper_config(config: RouterConfig, binds: list[str], *, tls: bool) -> HyperConfig:
+    hc = HyperConfig()
+    hc.bind = binds
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    hc.graceful_timeout = 1.0
+    if tls and config.tls is not None:
+        hypercorn_ssl(hc, config.tls)
+    return hc
+
+
+# ---------------------------------------------------------------------- supervisor
+class _RecoveryRouter(Router):
+    """The single-process start-up on a state directory whose lock the
+    supervisor already holds: crash recovery, RIB validation, audit check."""
+
+    def _lock_state(self) -> Any:
+        return None
+
+
+def settle(store: SqliteStore, audit: AuditLog, owner: str, *, reason: str = WORKER_INTERRUPTED) -> dict[str, int]:
+    """Settle what worker ``owner`` left when it stopped (the crash rule, spec
+    §5, §8): its open reservations committed at their reserved amount, its
+    accounts closed, its open streams interrupted (their stored log ends with an
+    RST giving ``reason``; audited). Returns the counts."""
+    reservations = store.recover(owner)
+    accounts = store.close_owned_accounts(owner)
+    records = store.interrupt_open_streams(reason, now_ms=int(time.time() * 1000), owner=owner)
+    for rec in records:
+        try:
+            end_interrupted(store, rec, reason)
+        except StoreError:
+            log.exception("stream %s/%s: RST not stored", rec.tenant, rec.stream_id)
+        audit.record("session_close", "router", rec.tenant, {
+            "session_id": rec.session_id, "stream_id": rec.stream_id, "outcome": "interrupted", "worker": owner},
+            int(time.time() * 1000))
+    return {"reservations": len(reservations), "accounts": accounts, "streams": len(records)}
+
+
+def _listen(host: str, port: int, backlog: int = 1024) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (0: any free port), inherited by
+    the workers."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass
+class _Slot:
+    slot: int
+    proc: trio.Process | None = None
+    owner: str | None = None
+    started: float = 0.0
+    restarts: int = 0
+
+
+def supervise(config: RouterConfig, workers: int, argv: list[str]) -> int:
+    """Run ``atp-router --workers N`` (module docstring): recovery, sockets, N
+    workers started as ``python -m atp.router.cli <argv> --worker-spec …``,
+    restarts, shutdown. Prints the ``listening`` line; returns the exit status
+    (2: the configuration, RIB or state was refused)."""
+    state_dir = config.state_dir
+    assert state_dir is not None, "--workers needs a --state-dir"
+    try:
+        lock = _lock_state_dir(state_dir)
+    except RuntimeError as e:
+        print(f"atp-router: {e}", file=sys.stderr)
+        return 2
+    try:
+        # A previous multi-worker run's leftovers: reservations committed at their
+        # reserved amount, its workers' accounts closed; then the single-process
+        # start-up (streams interrupted, audit checked, RIB validated and restored).
+        with SqliteStore.open(state_dir, synchronous=config.state_sync.upper()) as store:
+            left = store.recover()
+            store.close_owned_accounts()
+        if left:
+            log.warning("state: %d calls in flight at the last stop committed at their reserved amount", len(left))
+        summary = trio.run(_recover, config)
+    except (PolicyError, RuntimeError, StoreError) as e:
+        what = f"policy refused: {e.reason}" if isinstance(e, PolicyError) else str(e)
+        print(f"atp-router: {what}", file=sys.stderr)
+        lock.close()
+        return 2
+    sockets_dir(state_dir).mkdir(mode=0o700, exist_ok=True)
+    try:
+        http = _listen(config.host, config.http_port)
+        ws = _listen(config.host, config.ws_port)
+    except OSError as e:
+        print(f"atp-router: cannot listen on {config.host}: {e}", file=sys.stderr)
+        lock.close()
+        return 2
+    try:
+        sup = _Supervisor(config, workers, argv, http, ws, lock.fileno())
+        return trio.run(sup.run, summary)
+    finally:
+        http.close()
+        ws.close()
+        lock.close()
+
+
+async def _recover(config: RouterConfig) -> dict[str, Any]:
+    router = _RecoveryRouter(config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(router.serve)  # and stop at once: adapters and state closed cleanly
+        summary = {"version": router.store.active_rib_version() or router.gen.version,
+                   "agents": router.rib_summary()["agents"]}
+        nursery.cancel_scope.cancel()
+    return summary
+
+
+class _Supervisor:
+    """The supervisor's trio side: N slots, each a worker process started,
+    awaited, settled and restarted; the WAL checkpoints; the shutdown."""
+
+    def __init__(self, config: RouterConfig, n: int, argv: list[str], http: socket.socket, ws: socket.socket,
+                 lock_fd: int) -> None:
+        assert config.state_dir is not None
+        self.config, self.n, self.argv, self.http, self.ws, self.lock_fd = config, n, argv, http, ws, lock_fd
+        self.state_dir = config.state_dir
+        self.slots = [_Slot(i) for i in range(n)]
+        self.stopping = False
+        self.failed: list[str] = []
+        self.store: SqliteStore | None = None
+        self.audit: AuditLog | None = None
+
+    async def run(self, summary: dict[str, Any]) -> int:
+        sync = self.config.state_sync.upper()
+        self.store = SqliteStore.open(self.state_dir, synchronous=sync, multiprocess=True)
+        self.audit = AuditLog.open(self.store, self.state_dir, shared=True)
+        try:
+            async with trio.open_nursery() as outer:
+                checkpointing = await outer.start(self._checkpoints)
+                await self._serve(summary)
+                checkpointing.cancel()
+        finally:
+            self.audit.close()
+            self.store.close()
+        return 2 if self.failed else 0
+
+    async def _serve(self, summary: dict[str, Any]) -> None:
+        """Start every slot, print the ``listening`` line, wait for SIGINT or
+        SIGTERM, stop the workers (SIGTERM, SIGKILL after :data:`STOP_GRACE_S`);
+        returns once every slot settled its worker."""
+        async with trio.open_nursery() as nursery:
+            async with trio.open_nursery() as starting:  # all at once; each reports ready
+                for s in self.slots:
+                    starting.start_soon(nursery.start, self._run_slot, s)
+            if self.failed:
+                self._stop()
+                print(f"atp-router: {'; '.join(self.failed)}", file=sys.stderr)
+            else:
+                c = self.config
+                http_scheme, ws_scheme = ("https", "wss") if c.tls is not None else ("http", "ws")
+                host = c.host if ":" not in c.host else f"[{c.host}]"
+                print(f"atp-router listening {http_scheme}://{host}:{self.http.getsockname()[1]} "
+                      f"{ws_scheme}://{host}:{self.ws.getsockname()[1]} (RIB generation {summary['version']}: "
+                      f"{', '.join(summary['agents'])}) workers={self.n}", flush=True)
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        break
+                self._stop()
+            with trio.move_on_after(STOP_GRACE_S):
+                while any(s.proc is not None and s.proc.returncode is None for s in self.slots):
+                    await trio.sleep(0.05)
+            _signal_all(self.slots, signal.SIGKILL)
+
+    def _stop(self) -> None:
+        self.stopping = True
+        _signal_all(self.slots, signal.SIGTERM)
+
+    async def _checkpoints(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The workers' WAL copied back into the database (they never do it)."""
+        with trio.CancelScope() as scope, \
+                SqliteStore.open(self.state_dir, synchronous=self.config.state_sync.upper()) as cp:
+            task_status.started(scope)
+            while True:
+                await trio.sleep(CHECKPOINT_S)
+                try:
+                    await trio.to_thread.run_sync(cp.checkpoint)
+                except Exception:
+                    log.exception("state: WAL checkpoint failed")
+
+    async def _spawn(self, s: _Slot) -> str | None:
+        """Start worker ``s``; None once it reported ready, else why not."""
+        r, w = os.pipe()
+        http, ws = self.http.fileno(), self.ws.fileno()
+        spec = WorkerSpec(slot=s.slot, workers=self.n, http_fd=http, ws_fd=ws, lock_fd=self.lock_fd, ready_fd=w,
+                          parent=os.getpid())
+        cmd = [sys.executable, "-m", "atp.router.cli", *self.argv, "--worker-spec", spec.to_json()]
+        try:
+            s.proc = await trio.lowlevel.open_process(cmd, pass_fds=(http, ws, self.lock_fd, w),
+                                                      stdin=subprocess.DEVNULL)
+        finally:
+            os.close(w)
+        s.owner = owner_name(s.slot, s.proc.pid)
+        s.started = trio.current_time()
+        line = b""
+        async with trio.lowlevel.FdStream(r) as pipe:
+            while b"\n" not in line:
+                chunk = await pipe.receive_some(4096)
+                if not chunk:
+                    break
+                line += chunk
+        text = line.decode(errors="replace").strip()
+        return None if text == "ready" else (text.removeprefix("error: ") or "the worker exited before it was ready")
+
+    async def _reap(self, s: _Slot) -> None:
+        """Wait for worker ``s`` to end, then settle what it left."""
+        assert s.proc is not None and s.owner is not None and self.store is not None and self.audit is not None
+        code = await s.proc.wait()
+        done = settle(self.store, self.audit, s.owner)
+        if not self.stopping:
+            log.warning("worker %d (pid %d) exited with status %s; settled %s; restarting", s.slot, s.proc.pid,
+                        code, done)
+        elif any(done.values()):
+            log.info("worker %d stopped; settled %s", s.slot, done)
+
+    async def _run_slot(self, s: _Slot, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        first = True
+        while True:
+            why = await self._spawn(s)
+            if why is not None and first:
+                self.failed.append(f"worker {s.slot}: {why}")
+                task_status.started()
+                await self._reap(s)
+                return
+            if first:
+                task_status.started()
+                first = False
+            await self._reap(s)
+            if self.stopping:
+                return
+            quick = trio.current_time() - s.started < _QUICK_DEATH_S
+            s.restarts = s.restarts + 1 if quick else 0
+            if s.restarts:
+                await trio.sleep(min(0.1 * 2 ** s.restarts, 10.0))
+
+
+def _signal_all(slots: list[_Slot], sig: int) -> None:
+    for s in slots:
+        if s.proc is not None and s.proc.returncode is None:
+            try:
+                s.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass

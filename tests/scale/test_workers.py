@@ -1,0 +1,436 @@
+"""``atp-router --workers 2`` (issue 10 item 4): a real supervisor process and its two
+real worker processes on one state directory, driven over real sockets.
+
+The next-hop is an OpenAI-compatible model on a loopback HTTP server in the test
+(the streaming shape the OpenAI-compatible adapter reads, as in
+tests/security/test_durability.py) that **over-reports**: every call bills
+1,000 tokens, ten times the adapter's estimate, so concurrent calls contend for
+the last of a tenant's budget. While :attr:`Model.hold` is set, calls wait in
+the model (a call in flight).
+
+Checked: a tenant's budget spent by many concurrent streams on both workers is
+charged exactly its limit, never more; a stream opened on one worker is
+followed, scored and cancelled by requests the kernel hands to the other; a
+worker killed with SIGKILL mid-call is restarted and what it left is settled
+once (its reservation committed at the reserved amount, its stream reported
+interrupted) while the other worker's calls go on; a reload reaches every
+worker; SIGTERM stops them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from tests.replay_server import LoopbackHTTP, serve
+
+ROOT = Path(__file__).resolve().parents[2]
+ROUTER = str(Path(sys.executable).parent / "atp-router")
+TOKENS = {"alice": "tok-alice-0123456789", "bob": "tok-bob-0123456789", "ops": "tok-ops-0123456789"}
+TASK = {"task_type": "summarize"}
+CONTENT = {"text": "summarise this"}
+ALICE_TOKENS = 6_000
+BILLED = 1_000
+
+
+class Model(LoopbackHTTP):
+    """Answers every chat completion with a streamed text and a ``usage`` chunk
+    of :data:`BILLED` tokens; waits at ``hold`` first while it is set."""
+
+    def __init__(self) -> None:
+        super().__init__(path="/v1")
+        self.hold: trio.Event | None = None
+        self.waiting = 0
+
+    async def respond(self, stream: trio.SocketStream) -> None:
+        chunk = {"id": "c", "object": "chat.completion.chunk", "model": "m",
+                 "choices": [{"index": 0, "delta": {"content": "done"}, "finish_reason": None}]}
+        usage = {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [],
+                 "usage": {"prompt_tokens": BILLED // 2, "completion_tokens": BILLED // 2, "total_tokens": BILLED}}
+        body = b"".join(f"data: {json.dumps(x)}\n\n".encode() for x in (chunk, usage)) + b"data: [DONE]\n\n"
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            if self.hold is not None:
+                self.waiting += 1
+                await self.hold.wait()
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n"
+                                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            await stream.aclose()
+
+
+def _rib(model_url: str, extra: str = "") -> str:
+    return (
+        "models:\n"
+        f"  m: {{provider: openai_compat, ctx: 8k, cost: 1, base_url: '{model_url}', model: m, max_out_tokens: 64}}\n"
+        "agents:\n"
+        "  summarizer: {layer: L2, p95_ms: 500, model: m, timeout_ms: 60000}\n"
+        "policies:\n"
+        "  - {name: summarize, match: {task_type: summarize}, fanout: [summarizer], deadline_ms: 60000}\n"
+        f"{extra}"
+        "clients:\n"
+        f"  alice: {{budget: {{tokens: {ALICE_TOKENS}}}, max_streams: 500, rate: {{per_s: 500, burst: 500}}}}\n"
+        "  bob: {budget: {tokens: 10000000}, max_streams: 500, rate: {per_s: 500, burst: 500}}\n"
+    )
+
+
+class Supervisor:
+    """``atp-router --workers 2`` as a child process; ``url`` once it listens."""
+
+    def __init__(self, policies: Path, state: Path, workers: int = 2, *, watch: bool = False):
+        env = {**os.environ, "ATP_ROUTER_TOKENS": f"alice:{TOKENS['alice']},bob:{TOKENS['bob']},"
+                                                  f"ops:{TOKENS['ops']}:admin+operator"}
+        self.state = state
+        self.proc = subprocess.Popen(
+            [ROUTER, "--workers", str(workers), "--policies", str(policies), "--state-dir", str(state),
+             "--http-port", "0", "--ws-port", "0", *([] if watch else ["--no-watch"])],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, cwd=ROOT)
+        self.lines: list[str] = []
+        self.url = ""
+
+    async def wait_listening(self) -> str:
+        def read() -> str:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                m = re.search(r"listening https?://([\d.]+):(\d+) .* workers=(\d+)", line)
+                if m:
+                    return f"http://{m[1]}:{m[2]}"
+            raise AssertionError("router exited:\n" + "".join(self.lines))
+
+        with trio.fail_after(90):
+            self.url = await trio.to_thread.run_sync(read)
+        # The rest of its output (worker logs) is drained so the pipe never fills.
+        threading.Thread(target=self._drain, daemon=True).start()
+        return self.url
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def workers(self) -> list[int]:
+        """The worker pids (the supervisor's children, whichever of its threads
+        started them)."""
+        pids = []
+        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                pids += [int(p) for p in (task / "children").read_text().split()]
+        return sorted(pids)
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def db(self) -> sqlite3.Connection:
+        return sqlite3.connect(f"file:{self.state / 'state.db'}?mode=ro", uri=True)
+
+
+def _auth(tenant: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKENS[tenant]}"}
+
+
+async def _open(url: str, tenant: str, **body) -> tuple[dict, str]:
+    """POST /v1/streams on a fresh connection: ``(response body, worker slot)``."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as h:
+        r = await h.post("/v1/streams", json={"task": TASK, "content": CONTENT, **body}, headers=_auth(tenant))
+        assert r.status_code == 201, r.text
+        return r.json(), r.headers["x-atp-worker"]
+
+
+@contextlib.asynccontextmanager
+async def _other_worker(url: str, avoid: str | None, tenant: str, timeout: float = 60):
+    """An HTTP client whose (kept-alive) connection the kernel handed to a worker
+    other than ``avoid`` (``x-atp-worker`` of a ``GET /v1/health`` on it says
+    which): fresh connections until one is."""
+    for _ in range(200):
+        h = httpx.AsyncClient(base_url=url, timeout=timeout, headers=_auth(tenant))
+        r = await h.get("/v1/health")
+        if avoid is None or r.headers["x-atp-worker"] != avoid:
+            try:
+                yield h
+            finally:
+                await h.aclose()
+            return
+        await h.aclose()
+    raise AssertionError(f"200 connections all went to worker {avoid}")
+
+
+async def _on_other_worker(url: str, method: str, path: str, avoid: str, tenant: str, **kw) -> httpx.Response:
+    """``method path`` once, on a connection to a worker other than ``avoid``."""
+    async with _other_worker(url, avoid, tenant) as h:
+        r = await h.request(method, path, **kw)
+        assert r.headers["x-atp-worker"] != avoid
+        return r
+
+
+async def _events(url: str, tenant: str, sid: str, *, avoid: str | None = None) -> tuple[list[tuple[str, dict]], dict]:
+    """A stream's SSE events to its end, read through a worker other than
+    ``avoid`` when given: ``([(event type, frame)], response headers)``."""
+    async with _other_worker(url, avoid, tenant) as h, h.stream("GET", f"/v1/streams/{sid}/events") as r:
+        assert r.status_code == 200, await r.aread()
+        assert avoid is None or r.headers["x-atp-worker"] != avoid
+        text = (await r.aread()).decode()
+        events = [(m[1], json.loads(m[2])) for m in re.finditer(r"event: (\w+)\ndata: (.*)\n", text)]
+        return events, dict(r.headers)
+
+
+@pytest.fixture
+async def setup(nursery, tmp_path, request):
+    model = await serve(nursery, Model())
+    policies = tmp_path / "rib" / "rib.yaml"
+    policies.parent.mkdir()
+    policies.write_text(_rib(model.url))
+    sup = Supervisor(policies.parent, tmp_path / "state", watch="watch" in request.node.name)
+    try:
+        await sup.wait_listening()
+        yield sup, model, policies
+    finally:
+        sup.stop()
+
+
+async def test_a_tenant_budget_is_exact_across_workers(setup):
+    """Sixty concurrent streams of one tenant, on both workers, each call billing
+    ten times its estimate: the tenant is charged exactly its limit."""
+    sup, _, _ = setup
+    opened: list[tuple[str, str]] = []
+
+    async def one() -> None:
+        body, slot = await _open(sup.url, "alice")
+        opened.append((body["stream_id"], slot))
+
+    async with trio.open_nursery() as n:
+        for _ in range(60):
+            n.start_soon(one)
+    assert Counter(slot for _, slot in opened).keys() == {"0", "1"}, opened  # the kernel spread them
+    ends = []
+
+    async def follow(sid: str) -> None:
+        events, _ = await _events(sup.url, "alice", sid)
+        ends.append(events[-1][0])
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as n:
+            for sid, _ in opened:
+                n.start_soon(follow, sid)
+    assert len(ends) == 60 and set(ends) <= {"FIN", "RST"}
+    with sup.db() as db:
+        committed, overage, reserved, limit = db.execute(
+            "SELECT committed_tokens, overage_tokens, reserved_tokens, limit_tokens FROM account "
+            "WHERE key = 'client:alice'").fetchone()
+        by_worker = Counter()
+        for owner, spent in db.execute(
+                "SELECT s.owner, a.committed_tokens FROM stream s JOIN account a "
+                "ON a.key = 'stream:alice:' || s.stream_id || '@' || s.owner WHERE s.tenant = 'alice'"):
+            by_worker[owner.split(".")[0]] += spent
+        left = db.execute("SELECT COUNT(*) FROM reservation").fetchone()[0]
+    assert limit == ALICE_TOKENS
+    assert committed == ALICE_TOKENS  # contended to the last token, and 0 overshoot
+    assert overage > 0 and reserved == 0 and left == 0
+    assert by_worker.keys() == {"w0", "w1"} and sum(by_worker.values()) == committed  # both spent from it
+
+
+async def test_a_stream_is_followed_scored_and_cancelled_through_the_other_worker(setup):
+    sup, model, _ = setup
+    # A finished stream: read and scored through the worker that did not run it.
+    body, owner = await _open(sup.url, "bob")
+    events, headers = await _events(sup.url, "bob", body["stream_id"], avoid=owner)
+    assert [t for t, _ in events] == ["SYN_ACK", "PARTIAL", "PARTIAL", "FINAL", "FIN"], events
+    assert headers["x-atp-served-by"] == owner != headers["x-atp-worker"]
+    r = await _on_other_worker(sup.url, "POST", f"/v1/streams/{body['stream_id']}/feedback", owner, "bob",
+                               json={"score": 1.0})
+    assert r.status_code == 200 and r.json()["agents"] == ["summarizer"], r.text
+    again = await _on_other_worker(sup.url, "POST", f"/v1/streams/{body['stream_id']}/feedback", owner, "bob",
+                                   json={"score": 0.0})
+    assert again.status_code == 409  # once per stream, whichever worker is asked
+    # Another tenant asking the other worker: the same 404 as an id that never existed.
+    other = await _on_other_worker(sup.url, "GET", f"/v1/streams/{body['stream_id']}/events", owner, "alice")
+    missing = await _on_other_worker(sup.url, "GET", "/v1/streams/task_nope/events", owner, "alice")
+    assert other.status_code == missing.status_code == 404 and other.json() == {
+        "error": {"code": "EPROTO", "reason": f"unknown stream {body['stream_id']!r}"}}
+
+    # A running stream: followed live and cancelled (RST) through the other worker.
+    model.hold = trio.Event()
+    body, owner = await _open(sup.url, "bob", idempotency_key="live-1")
+    sid = body["stream_id"]
+    with trio.fail_after(20):
+        while model.waiting < 1:
+            await trio.sleep(0.02)
+    followed: list[str] = []
+    served: dict[str, str] = {}
+
+    async def follow() -> None:
+        events, headers = await _events(sup.url, "bob", sid, avoid=owner)
+        followed.extend(t for t, _ in events)
+        served.update(headers)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(follow)
+        await trio.sleep(0.5)
+        # The same idempotency key on the other worker is the same stream, not a second task.
+        again = await _on_other_worker(sup.url, "POST", "/v1/streams", owner, "bob",
+                                       json={"task": TASK, "content": CONTENT, "idempotency_key": "live-1"})
+        assert again.status_code == 201 and again.json()["stream_id"] == sid
+        assert again.headers["x-atp-served-by"] == owner
+        rst = {"v": 1, "session_id": body["session_id"], "stream_id": sid, "msg_seq": 0, "flags": ["RST", "CTRL"],
+               "payload": {"type": "control", "content": {"kind": "ERROR", "code": "EPREEMPT", "reason": "user"}}}
+        r = await _on_other_worker(sup.url, "POST", f"/v1/streams/{sid}/frames", owner, "bob", json=rst)
+        assert r.status_code == 200 and r.json() == {"frames": []} and r.headers["x-atp-served-by"] == owner
+    # The RST ended the live follow: no result, no closing frame of ours (an RST is never answered).
+    assert followed[0] == "SYN_ACK" and not {"FINAL", "FIN", "RST"} & set(followed), followed
+    assert served["x-atp-served-by"] == owner
+    assert model.waiting == 1  # one call: the retry did not run the task again
+    with sup.db() as db:
+        assert db.execute("SELECT COUNT(*) FROM reservation").fetchone()[0] == 0  # the cancelled call settled
+
+
+async def test_kill9_of_a_worker_settles_once_and_the_other_goes_on(setup):
+    sup, model, _ = setup
+    model.hold = trio.Event()
+    opened: list[tuple[dict, str]] = []
+    with trio.fail_after(60):
+        i = 0
+        while {slot for _, slot in opened} != {"0", "1"} or len(opened) < 4:
+            opened.append(await _open(sup.url, "bob", idempotency_key=f"k{i}"))
+            i += 1
+        while model.waiting < len(opened):
+            await trio.sleep(0.02)
+    with sup.db() as db:
+        owners = dict(db.execute("SELECT stream_id, owner FROM stream WHERE tenant = 'bob'").fetchall())
+        held = db.execute("SELECT owner, SUM(tokens), COUNT(*) FROM reservation GROUP BY owner").fetchall()
+        before = db.execute("SELECT committed_tokens FROM account WHERE key = 'client:bob'").fetchone()[0]
+    victim = next(o for o in owners.values() if o.startswith("w0."))
+    survivor = next(o for o in owners.values() if o.startswith("w1."))
+    victim_tokens = next(t for o, t, _ in held if o == victim)
+    assert {o for o, _, _ in held} == {victim, survivor}
+    old_pids = set(sup.workers())
+    os.kill(int(victim.split(".")[1]), signal.SIGKILL)
+
+    with trio.fail_after(60):  # the supervisor settles the dead worker and starts another
+        while True:
+            pids = set(sup.workers())
+            with sup.db() as db:
+                left = db.execute("SELECT COUNT(*) FROM reservation WHERE owner = ?", (victim,)).fetchone()[0]
+            if left == 0 and len(pids) == 2 and pids != old_pids:
+                break
+            await trio.sleep(0.1)
+    with sup.db() as db:
+        after = db.execute("SELECT committed_tokens FROM account WHERE key = 'client:bob'").fetchone()[0]
+        states = dict(db.execute("SELECT stream_id, state FROM stream WHERE tenant = 'bob'").fetchall())
+        survivor_held = db.execute("SELECT COUNT(*) FROM reservation WHERE owner = ?", (survivor,)).fetchone()[0]
+    assert after == before + victim_tokens  # committed at the reserved amount, once
+    assert {sid: states[sid] for sid, o in owners.items() if o == victim} == \
+        {sid: "interrupted" for sid, o in owners.items() if o == victim}
+    assert {states[sid] for sid, o in owners.items() if o == survivor} == {"open"}  # still running
+    assert survivor_held == sum(1 for o in owners.values() if o == survivor)
+
+    dead_sid = next(sid for sid, o in owners.items() if o == victim)
+    events, _ = await _events(sup.url, "bob", dead_sid)
+    assert events[-1][0] == "RST" and "interrupted" in json.dumps(events[-1][1])
+    calls = len(model.requests)
+    # The same idempotency key returns the interrupted stream: it is not run again.
+    dead_key = f"k{[b['stream_id'] for b, _ in opened].index(dead_sid)}"
+    again_body, _ = await _open(sup.url, "bob", idempotency_key=dead_key)
+    assert again_body["stream_id"] == dead_sid
+    model.hold.set()  # the survivor's calls answer: its streams finish on the worker that kept running
+    for sid, o in owners.items():
+        if o == survivor:
+            events, _ = await _events(sup.url, "bob", sid)
+            assert [t for t, _ in events][-2:] == ["FINAL", "FIN"]
+    assert len(model.requests) == calls == len(opened)  # nothing ran twice
+    # Both workers serve new streams, the restarted one included.
+    model.hold = None
+    slots = set()
+    with trio.fail_after(60):
+        while slots != {"0", "1"}:
+            body, slot = await _open(sup.url, "bob")
+            events, _ = await _events(sup.url, "bob", body["stream_id"])
+            assert events[-2][0] == "FINAL"
+            slots.add(slot)
+    assert sup.stop() == 0
+    verify = await trio.run_process([ROUTER, "audit", "verify", "--state-dir", str(sup.state)], capture_stdout=True,
+                                    capture_stderr=True, check=False, cwd=ROOT)
+    assert verify.returncode == 0 and verify.stdout.startswith(b"audit: OK"), verify.stdout + verify.stderr
+
+
+async def _versions(url: str, want: int, marker: str) -> None:
+    """Wait until both workers run RIB generation ``want`` routing ``marker``."""
+    ops = _auth("ops")
+    seen: dict[str, tuple[int, bool]] = {}
+    with trio.fail_after(30):
+        while set(seen) != {"0", "1"} or any(v != (want, True) for v in seen.values()):
+            async with httpx.AsyncClient(base_url=url, timeout=30) as h:
+                health = await h.get("/v1/health", headers=ops)
+                routes = await h.get("/v1/routes", headers=ops)
+            if health.headers["x-atp-worker"] == routes.headers["x-atp-worker"]:
+                seen[health.headers["x-atp-worker"]] = (health.json()["rib_version"], marker in routes.text)
+
+
+async def test_a_reload_or_a_policy_file_watch_reaches_every_worker_and_sigterm_stops_them(setup):
+    sup, model, policies = setup
+    async with httpx.AsyncClient(base_url=sup.url, timeout=30) as h:
+        r = await h.post("/v1/policies/reload", headers=_auth("ops"), content=_rib(
+            model.url, "  - {name: hot, match: {task_type: hot_reloaded}, fanout: [summarizer]}\n"))
+        assert r.status_code == 200, r.text
+        version = r.json()["version"]
+    assert version > 1
+    await _versions(sup.url, version, "hot_reloaded")
+    # An edited --policies file: worker 0 watches it, its reload reaches worker 1 through the store.
+    (policies.parent / "rib.yaml").write_text(_rib(
+        model.url, "  - {name: edited, match: {task_type: file_edited}, fanout: [summarizer]}\n"))
+    with trio.fail_after(30):
+        while True:
+            with sup.db() as db:
+                now = db.execute("SELECT version FROM rib ORDER BY n DESC LIMIT 1").fetchone()[0]
+            if now > version:
+                break
+            await trio.sleep(0.1)
+    await _versions(sup.url, now, "file_edited")
+    workers = sup.workers()
+    assert len(workers) == 2
+    assert sup.stop() == 0
+    assert not any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+                   for pid in workers)
+
+
+async def test_refusals_before_any_worker_starts(tmp_path):
+    """A bad RIB, or a state directory another router holds, is refused by the
+    supervisor itself (exit 2, the reason on stderr), as by a single router."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("agents:\n  a: {layer: L9}\n")
+    r = await trio.run_process([ROUTER, "--workers", "2", "--policies", str(bad), "--state-dir", str(tmp_path / "s1"),
+                                "--http-port", "0", "--ws-port", "0"], capture_stdout=True, capture_stderr=True,
+                               check=False, cwd=ROOT)
+    assert r.returncode == 2 and b"policy refused" in r.stderr and b"listening" not in r.stdout
+    policies = tmp_path / "rib.yaml"
+    policies.write_text(_rib("http://127.0.0.1:9/v1"))
+    first = Supervisor(policies, tmp_path / "s2")
+    try:
+        await first.wait_listening()
+        second = await trio.run_process(
+            [ROUTER, "--workers", "2", "--policies", str(policies), "--state-dir", str(tmp_path / "s2"),
+             "--http-port", "0", "--ws-port", "0"], capture_stdout=True, capture_stderr=True, check=False, cwd=ROOT)
+        assert second.returncode == 2 and b"is in use by another atp-router" in second.stderr
+        single = await trio.run_process(
+            [ROUTER, "--policies", str(policies), "--state-dir", str(tmp_path / "s2"), "--http-port", "0",
+             "--ws-port", "0"], capture_stdout=True, capture_stderr=True, check=False, cwd=ROOT)
+        assert single.returncode == 2 and b"is in use by another atp-router" in single.stderr
+    finally:
+        assert first.stop() == 0
