@@ -90,7 +90,9 @@ class FindingScores(Struct, forbid_unknown_fields=True):
 
 class Finding(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """A merged finding in the FINAL result (spec §7.3). ``span`` is ``"start-end"``;
-    ``scores`` the consensus scorers behind its confidence."""
+    ``scores`` the consensus scorers behind its confidence; ``cached`` is true
+    when every agent of its ``provenance`` answered from the response cache
+    (spec §13: a stored answer, not a new call)."""
 
     id: str
     severity: Severity
@@ -102,6 +104,7 @@ class Finding(Struct, forbid_unknown_fields=True, omit_defaults=True):
     patch: str | None = None
     tests: list[str] = msgspec.field(default_factory=list)
     scores: FindingScores | None = None
+    cached: bool = False
 
 
 class ConsensusInfo(Struct, forbid_unknown_fields=True):
@@ -118,12 +121,14 @@ class Answer(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One next-hop's answer in prose, beside the findings (§7.3; a model or A2A
     agent that answers in text is visible in FINAL): ``text`` is the summary of
     its report, else the text it streamed, at most :data:`ANSWER_CHARS`
-    characters (``truncated`` when cut); ``confidence`` its own, if it gave one."""
+    characters (``truncated`` when cut); ``confidence`` its own, if it gave one;
+    ``cached`` when the answer came from the response cache (spec §13)."""
 
     agent: str
     text: str
     confidence: Confidence | None = None
     truncated: bool = False
+    cached: bool = False
 
 
 class Result(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -149,12 +154,14 @@ class SignedUsage(Struct, forbid_unknown_fields=True):
 class Telemetry(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Totals of a stream: tokens (in+out), float USD, wall time SYN → FINAL in ms;
     ``usage`` the router's signed summary of the same spend (absent when the
-    router signs none)."""
+    router signs none); ``cached`` the agents whose answer was served from the
+    response cache at no cost (spec §13; absent when none)."""
 
     tokens: Annotated[int, Meta(ge=0)]
     usd: Annotated[float, Meta(ge=0.0)]
     latency_ms: Annotated[float, Meta(ge=0.0)]
     usage: SignedUsage | None = None
+    cached: list[str] = msgspec.field(default_factory=list)
 
 
 class FinalResult(Struct, forbid_unknown_fields=True):

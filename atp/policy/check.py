@@ -9,7 +9,7 @@ The text form is stable (snapshot-tested for every policy file shipped):
 * each policy in lookup order: its match, its fanout with the ECMP weights a task
   of its task type gets with no live data (best first; ``fanout_k`` cuts, the
   rest are alternates), escalation, budget, window, QoS, deadline, consensus,
-  and its ``bandit`` / ``shadow`` keys.
+  and its ``bandit`` / ``shadow`` / ``cache`` keys.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def fib_summary(fib: Fib) -> dict[str, Any]:
             "consensus": p.consensus,
             "bandit": msgspec.to_builtins(p.bandit),
             "shadow": msgspec.to_builtins(p.shadow),
+            "cache": msgspec.to_builtins(p.cache),
         })
     return {
         "version": fib.version,
@@ -106,11 +107,15 @@ def render_fib(fib: Fib) -> str:
             out.append(f"  bandit: {_fmt(p['bandit'])}")
         if p["shadow"]:
             out.append(f"  shadow: {_fmt(p['shadow'])}")
+        if p["cache"]:
+            out.append(f"  cache: {_fmt(p['cache'])}")
     return "\n".join(out) + "\n"
 
 
 def check_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="atp-router policy check",
+    from atp.router.helpfmt import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(prog="atp-router policy check", formatter_class=DefaultsHelpFormatter,
                                  description="Validate a RIB (file or directory) and print its compiled FIB.")
     ap.add_argument("path", help="a RIB YAML file or a directory of *.yaml")
     ap.add_argument("--json", action="store_true", help="print the compiled FIB as JSON")

@@ -9,7 +9,7 @@ Shape (every Struct forbids unknown fields)::
     Rib
     ├── models:   {name: ModelSpec}    provider, ctx (tokens), cost (USD / 1M tokens), ...
     ├── agents:   {name: AgentSpec}    layer, model | tool, qos, p95_ms, win30d, window, fallback, ...
-    ├── policies: [PolicySpec]         match, fanout, escalation, budget, window, ...
+    ├── policies: [PolicySpec]         match, fanout, escalation, budget, window, cache, ...
     └── clients:  {name: ClientSpec}   budget (across all the client's streams), qos_max, scopes:
                                        task_types, max_stream_budget, max_streams, rate, data_categories
 
@@ -40,6 +40,7 @@ __all__ = [
     "TRIGGERS",
     "AgentSpec",
     "Budget",
+    "CacheSpec",
     "ClientSpec",
     "EscalationSpec",
     "ModelSpec",
@@ -356,6 +357,20 @@ class ShadowSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     budget: Budget
 
 
+class CacheSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """The policy's content-addressed response cache (spec §13;
+    :mod:`atp.policy.cache`, :mod:`atp.router.cache`): a next-hop answer that
+    completed is stored, and the same call again (same agent and agent
+    config, same prompt as that agent sees it, same task meta but for its
+    volatile fields) is served from the store at zero cost while it is
+    younger than ``ttl_s`` seconds (> 0, at most 30 days). ``shared``: the
+    answers are shared by every tenant whose stream this policy routes
+    (default false: each tenant has its own, no hit crosses tenants)."""
+
+    ttl_s: Annotated[float, Meta(gt=0.0, le=30 * 86_400.0)] = 3600.0
+    shared: bool = False
+
+
 class PolicySpec(Struct, forbid_unknown_fields=True, kw_only=True):
     """One policy (spec §6.1, §23). Policies are tried in RIB order; the first
     whose ``match`` accepts the task meta routes it.
@@ -366,7 +381,9 @@ class PolicySpec(Struct, forbid_unknown_fields=True, kw_only=True):
     sources that must flag a place before it is committed (None: 2; at most
     the fanout plus the escalation target); ``window`` is the initial window triplet (spec §5.1, §15.1: in-flight calls,
     tokens, USD micros; all three given, ``max_parallel`` ≥ 1) or None for the
-    router's default; ``deadline_ms`` is the overall stream deadline.
+    router's default; ``deadline_ms`` is the overall stream deadline;
+    ``cache`` serves repeated next-hop calls from the response cache
+    (:class:`CacheSpec`; None: no cache).
     """
 
     match: dict[str, MatchValue]
@@ -382,6 +399,7 @@ class PolicySpec(Struct, forbid_unknown_fields=True, kw_only=True):
     deadline_ms: PosInt = 120_000
     bandit: BanditSpec | None = None
     shadow: ShadowSpec | None = None
+    cache: CacheSpec | None = None
 
     def __post_init__(self) -> None:
         seen: set[str] = set()

@@ -1,8 +1,9 @@
 """The router's control plane (spec §6, §22): the running RIB compiled into a FIB,
 its generations, hot reload, and the next-hop adapters they use.
 
-A :class:`Generation` is one compiled RIB — FIB, adapters, dispatcher — swapped
-atomically on :meth:`ControlPlane.reload`. A stream is routed by the generation
+A :class:`Generation` is one compiled RIB — FIB, adapters, dispatcher, response
+cache plan (:mod:`atp.policy.cache`) — swapped atomically on
+:meth:`ControlPlane.reload`. A stream is routed by the generation
 running at its SYN and its task runs on it to the end, even after a reload:
 streams *hold* their generation (:meth:`ControlPlane.hold` /
 :meth:`ControlPlane.release`), and a replaced generation is retired when its last
@@ -31,6 +32,7 @@ import trio
 from atp.adapters.base import Health, ProviderAdapter
 from atp.adapters.registry import build_adapter
 from atp.flow.budget import Allowance, BudgetLedger
+from atp.policy.cache import CachePlan, compile_cache
 from atp.policy.fib import Fib, compile_fib
 from atp.policy.loader import load_rib, load_rib_text
 from atp.policy.rib import ClientSpec, Rib, independence_source
@@ -59,6 +61,9 @@ class Generation:
     #: The YAML it was loaded from, as read at load: ``((file, text), ...)`` — the
     #: ``--policies`` files in load order, or ``(("<request body>", text),)``.
     texts: tuple[tuple[str, str], ...] = ()
+    #: What the RIB says about the response cache (spec §13): each policy's
+    #: ``cache`` and each agent's config fingerprint (:mod:`atp.policy.cache`).
+    cache: CachePlan | None = None
 
 
 class GenUser(Protocol):
@@ -176,7 +181,7 @@ class ControlPlane:
             calibration={n: a.calibration.apply for n, a in rib.agents.items() if a.calibration is not None},
             gates=self.gates, on_leg=self._on_leg,
         )
-        return Generation(version, rib, fib, adapters, dispatcher, source, texts)
+        return Generation(version, rib, fib, adapters, dispatcher, source, texts, cache=compile_cache(rib))
 
     def _activate(self, gen: Generation) -> None:
         """Adopt ``gen``'s per-agent windows, client budgets and agent set."""
@@ -191,8 +196,10 @@ class ControlPlane:
             if agent not in gen.rib.agents:
                 self.gates.breakers.forget(agent)
 
-    def reload(self, text: str | None = None) -> dict[str, Any]:
-        """Hot-reload the RIB from ``policies`` or from YAML ``text`` (§22).
+    def reload(self, text: str | None = None, *, version: int | None = None) -> dict[str, Any]:
+        """Hot-reload the RIB from ``policies`` or from YAML ``text`` (§22) as
+        generation ``version`` (default: the running one's + 1; router workers
+        sharing a store number generations alike, ``atp.router.workers``).
 
         Returns :meth:`rib_summary`. Raises :class:`PolicyError` (file, key,
         reason) and keeps the running RIB when the new one is refused. Streams
@@ -203,7 +210,7 @@ class ControlPlane:
         try:
             rib = load_rib_text(text, file=BODY_SOURCE) if text is not None else load_rib(self.policies)
             self.secrets.check(rib, file=BODY_SOURCE if text is not None else str(self.policies))
-            gen = self._compile(rib, version=self.gen.version + 1,
+            gen = self._compile(rib, version=self.gen.version + 1 if version is None else version,
                                 source=BODY_SOURCE if text else str(self.policies),
                                 texts=((BODY_SOURCE, text),) if text is not None else policy_texts(self.policies))
         except PolicyError:
@@ -215,8 +222,8 @@ class ControlPlane:
         # Wake ROUTE_UPDATE subscribers (§4.3): they send the delta themselves.
         self.fib_changed.set()
         self.fib_changed = trio.Event()
-        for version in [v for v in self._gens if v != gen.version and not self._gen_users.get(v)]:
-            self._retire(version)
+        for old in [v for v in self._gens if v != gen.version and not self._gen_users.get(v)]:
+            self._retire(old)
         self.metrics.policy_reloads.labels("ok").inc()
         self.metrics.rib_version.set(gen.version)
         log.info("RIB generation %d loaded from %s", gen.version, gen.source)

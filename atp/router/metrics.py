@@ -23,6 +23,10 @@ class RouterMetrics:
             "atp_streams_closed", "Streams closed, by outcome (final, rst, error code)", ["outcome"], registry=r
         )
         self.open_streams = Gauge("atp_open_streams", "Streams currently open", registry=r)
+        self.retained_streams = Gauge("atp_retained_streams", "Closed streams kept in memory (reads of the others "
+                                      "are served from the store)", registry=r)
+        self.retained_bytes = Gauge("atp_retained_bytes", "Bytes of the closed stream logs kept in memory "
+                                    "(bounded by retain_closed_bytes)", registry=r)
         self.stream_latency = Histogram(
             "atp_stream_latency_seconds", "SYN to FINAL wall time", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -53,6 +57,20 @@ class RouterMetrics:
             "atp_shadow_regret", "Shadow challenger quality minus the served quality (> 0: the challenger was better)",
             ["policy", "agent"], buckets=(-1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0), registry=r)
         self.rib_version = Gauge("atp_rib_version", "Generation of the running RIB", registry=r)
+        # The response cache (spec §13, atp.router.cache); hit rate = hit / (hit + miss).
+        self.cache_lookups = Counter("atp_cache_lookups", "Response cache lookups by next-hop and result (hit, miss)",
+                                     ["agent", "result"], registry=r)
+        self.cache_stores = Counter("atp_cache_stores", "Answers offered to the response cache, by result "
+                                    "(stored, too_large, error)", ["result"], registry=r)
+        self.cache_evictions = Counter("atp_cache_evictions", "Response cache entries dropped, by reason "
+                                       "(expired, size)", ["reason"], registry=r)
+        self.cache_entries = Gauge("atp_cache_entries", "Entries in the response cache", registry=r)
+        self.cache_bytes = Gauge("atp_cache_bytes", "Bytes of the response cache's stored values "
+                                 "(bounded by --cache-max-bytes)", registry=r)
+        self.cache_saved_tokens = Counter("atp_cache_saved_tokens", "Tokens the response cache's hits did not spend "
+                                          "(what the stored calls used)", ["agent"], registry=r)
+        self.cache_saved_usd_micros = Counter("atp_cache_saved_usd_micros", "USD micros the response cache's hits "
+                                              "did not spend", ["agent"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -76,6 +76,7 @@ def _policy(name, match, fanout, escalation, budget):
         "deadline_ms": 120000,
         "bandit": None,
         "shadow": None,
+        "cache": None,
     }
 
 
@@ -178,6 +179,7 @@ def test_default_yaml_snapshot():
             "deadline_ms": 300_000,
             "bandit": None,
             "shadow": None,
+            "cache": None,
         },
         {
             "match": {"task_type": "code_review"},
@@ -193,6 +195,7 @@ def test_default_yaml_snapshot():
             "deadline_ms": 120_000,
             "bandit": None,
             "shadow": None,
+            "cache": None,
         },
     ]
 
