@@ -96,6 +96,7 @@ from atp.adapters.openai_compat import SYSTEM_PROMPT, parse_review, render_diff
 from atp.consensus.types import AgentFinding, AgentReport, Usage
 from atp.policy.rib import AgentSpec
 from atp.review.diff import parse_diff
+from atp.router import tracing
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
@@ -739,7 +740,9 @@ class A2AAdapter(HTTPNextHop):
         """The ``params`` of message/send and message/stream (SendMessage in 1.0);
         ``context`` (the Agent Context Message as received, see
         :func:`~atp.adapters.context.forwarded_context`) goes in
-        ``message.metadata.agent_context`` unchanged."""
+        ``message.metadata.agent_context`` unchanged; with tracing on, the call's
+        W3C trace context in ``message.metadata.traceparent`` (and ``tracestate``;
+        spec §12, :func:`atp.router.tracing.outbound`)."""
         data = {"atp": {"task_type": prompt.task_type, "content": prompt.content}}
         message: dict[str, Any] = {"messageId": uuid.uuid4().hex, "contextId": uuid.uuid4().hex}
         if self.dialect == "1.0":
@@ -749,8 +752,11 @@ class A2AAdapter(HTTPNextHop):
                 role="user", kind="message",
                 parts=[{"kind": "text", "text": self.render(prompt)}, {"kind": "data", "data": data}],
             )
+        metadata: dict[str, Any] = tracing.outbound(self.name)
         if context is not None:
-            message["metadata"] = {"agent_context": context}
+            metadata["agent_context"] = context
+        if metadata:
+            message["metadata"] = metadata
         params: dict[str, Any] = {"message": message}
         if self.dialect != "1.0":
             params["configuration"] = {"blocking": True}

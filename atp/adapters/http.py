@@ -20,7 +20,9 @@
 * :class:`HTTPNextHop`: the base of the HTTP next-hops (chat models, Agent API,
   A2A): one httpx client made on first use, health from the recent calls, usage
   priced by :meth:`HTTPNextHop._price`, failures stamped with the agent and
-  scrubbed of the Agent Context's secrets.
+  scrubbed of the Agent Context's secrets; with tracing on (spec §12), every
+  request carries the W3C ``traceparent`` of its leg span
+  (:func:`atp.router.tracing.httpx_hooks`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import trio
 from atp.adapters.base import CallStats, Health, ProviderAdapter, estimate_tokens
 from atp.adapters.context import scrub_error
 from atp.consensus.types import Usage
+from atp.router import tracing
 from atp.wire.errors import AgentError, ErrorCode
 
 __all__ = [
@@ -310,6 +313,7 @@ class HTTPNextHop(ProviderAdapter):
                 timeout=httpx.Timeout(t, connect=min(t, 10.0)),
                 transport=self._transport,
                 verify=self._tls if self._tls is not None else True,
+                event_hooks=tracing.httpx_hooks(self.name),
             )
         return self._client
 

@@ -36,8 +36,9 @@ reconnect).
 A call: a fresh ``conversation_id``; SUBSCRIBE ``/conversations/{conversation_id}/+``
 (SUBACK awaited); the task envelope (UUID v4 ``task_id``, canonical ``topic``,
 ``instruction``, ``input = {"task_type", "content"}``, ``next`` chain; a v2 envelope
-whose ``context`` is ``prompt.meta["agent_context"]`` unchanged when present)
-published at QoS 1, not retained, to ``/control/agents/{agent_id}/input`` (PUBACK
+whose ``context`` is ``prompt.meta["agent_context"]`` unchanged when present;
+with tracing on, the leg's W3C ``traceparent``, which agents forward down the
+chain) published at QoS 1, not retained, to ``/control/agents/{agent_id}/input`` (PUBACK
 awaited); then the first §6.3 error from any agent of the chain, or the success
 message of its last agent (the reference's ``{"response", "task_id"}``; agents that
 forward do not reply, and mint a new ``task_id``, so replies are matched by
@@ -96,6 +97,7 @@ from atp.mqtt.client import (
     tls_context,
 )
 from atp.policy.rib import AgentSpec
+from atp.router import tracing
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
@@ -384,6 +386,7 @@ class Mqtt2389Adapter(ProviderAdapter):
         for st in reversed(self.pipeline):
             nxt = P.NextTask(topic=P.input_topic(st.agent_id), instruction=st.instruction, input=None, next=nxt)
         ctx = prompt.meta.get("agent_context")
+        carrier = tracing.outbound(self.name)  # W3C trace context of this leg (spec §12)
         return P.TaskEnvelope(
             task_id=task_id,
             conversation_id=conversation_id,
@@ -394,6 +397,8 @@ class Mqtt2389Adapter(ProviderAdapter):
             version="2.0" if ctx is not None else None,
             context=ctx,
             routing_trace=[] if ctx is not None else None,
+            traceparent=carrier.get("traceparent"),
+            tracestate=carrier.get("tracestate"),
         )
 
     async def _wait(self, link: _Link, call: _Call) -> None:

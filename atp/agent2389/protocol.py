@@ -150,7 +150,9 @@ class NextTask(Struct, kw_only=True):
 
 class TaskEnvelope(Struct, kw_only=True):
     """A task envelope (§6.1). ``version``/``context``/``routing_trace`` are the
-    reference's v2 fields (absent in v1 envelopes)."""
+    reference's v2 fields (absent in v1 envelopes). ``traceparent`` /
+    ``tracestate`` carry the sender's W3C trace context (ATP spec §12; an
+    extension: consumers ignore unknown fields, FR-008), absent when unset."""
 
     task_id: str
     conversation_id: str
@@ -161,6 +163,8 @@ class TaskEnvelope(Struct, kw_only=True):
     version: str | None = None
     context: Any = None
     routing_trace: list[Any] | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 def _next_builtins(n: NextTask | None) -> dict[str, Any] | None:
@@ -171,7 +175,8 @@ def _next_builtins(n: NextTask | None) -> dict[str, Any] | None:
 
 def encode_task(env: TaskEnvelope) -> bytes:
     """The envelope as JSON: the six §6.1 fields always present (``null`` where
-    unset), the v2 fields only when ``version`` is set."""
+    unset), the v2 fields only when ``version`` is set, ``traceparent`` and
+    ``tracestate`` only when set."""
     out: dict[str, Any] = {
         "task_id": env.task_id,
         "conversation_id": env.conversation_id,
@@ -184,6 +189,10 @@ def encode_task(env: TaskEnvelope) -> bytes:
         out["version"] = env.version
         out["context"] = env.context
         out["routing_trace"] = env.routing_trace
+    if env.traceparent is not None:
+        out["traceparent"] = env.traceparent
+        if env.tracestate is not None:
+            out["tracestate"] = env.tracestate
     return msgspec.json.encode(out)
 
 

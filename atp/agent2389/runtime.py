@@ -456,7 +456,8 @@ class AgentRuntime:
                           "step_number": len(trace) + 1})
         fwd = P.TaskEnvelope(task_id=str(uuid.uuid4()), conversation_id=env.conversation_id, topic=target,
                              instruction=nxt.instruction, input=text, next=nxt.next, version=env.version,
-                             context=env.context, routing_trace=trace)
+                             context=env.context, routing_trace=trace, traceparent=env.traceparent,
+                             tracestate=env.tracestate)
         payload = P.encode_task(fwd)
         if len(payload) > self.config.agent.max_message_bytes:
             raise ToolError("tool_execution_failed", f"the forwarded task of {len(payload)} bytes exceeds the "

@@ -21,6 +21,9 @@ failure the client's input caused (``client_fault=True``, from a
 size limit), whatever its code: one tenant's bad input must not take a next-hop
 out of the FIB for every tenant.
 
+Every transition is also reported, as it happens, to the ``on_transition``
+callback given (a :class:`BreakerTransition`; the router logs each one once).
+
 Jitter comes from an injected :class:`random.Random`, so a seeded one makes
 backoffs reproducible. Time is an argument (``now``, seconds, non-decreasing);
 the OPEN → HALF_OPEN deadline is exposed by ``get_timer()`` and taken lazily
@@ -32,6 +35,7 @@ from __future__ import annotations
 import enum
 import math
 import random
+from collections.abc import Callable
 from typing import Annotated
 
 from msgspec import Meta, Struct
@@ -97,6 +101,22 @@ class BreakerStatistics(Struct, frozen=True):
     trips: int
 
 
+class BreakerTransition(Struct, frozen=True, kw_only=True):
+    """One row of :data:`TRANSITIONS` taken: ``agent`` (empty for a breaker not
+    on a :class:`BreakerBoard`) went from ``old`` to ``new`` on ``event`` at
+    ``at`` (the ``now`` given, s); ``reopen_at`` is the OPEN → HALF_OPEN
+    deadline (s) when ``new`` is OPEN, else ``None``; ``openings`` as in
+    :class:`BreakerStatistics`, after the transition."""
+
+    agent: str
+    old: BreakerState
+    event: BreakerEvent
+    new: BreakerState
+    at: float
+    reopen_at: float | None
+    openings: int
+
+
 class BreakerHealth(Struct, frozen=True):
     """Health of a next-hop as breakers see it (feeds FIB health exclusion):
     ``up`` unless OPEN; ``error_rate`` over the breaker window (0..1);
@@ -146,8 +166,9 @@ class CircuitBreaker:
     ``base_backoff_s`` / ``max_backoff_s``: first OPEN period and its cap (s).
     ``jitter``: relative spread of each backoff, ``0 <= jitter < 1``.
     ``half_open_probes``: calls admitted at once while HALF_OPEN. ``rng``:
-    source of jitter (default: a fresh ``random.Random()``). Raises
-    ``ValueError`` on an invalid configuration.
+    source of jitter (default: a fresh ``random.Random()``). ``on_transition``:
+    called with each :class:`BreakerTransition` as it is taken, naming
+    ``agent``. Raises ``ValueError`` on an invalid configuration.
 
     Every call that :meth:`allow` admitted must end in exactly one of
     :meth:`on_success`, :meth:`on_failure` or :meth:`on_cancel`, or a
@@ -164,6 +185,8 @@ class CircuitBreaker:
         jitter: float = 0.2,
         half_open_probes: int = 1,
         rng: random.Random | None = None,
+        on_transition: Callable[[BreakerTransition], None] | None = None,
+        agent: str = "",
     ) -> None:
         if failure_threshold < 1 or half_open_probes < 1:
             raise ValueError("failure_threshold and half_open_probes must be >= 1")
@@ -189,6 +212,8 @@ class CircuitBreaker:
         self._ignored = 0
         self._trips = 0
         self._last_at = 0.0  # latest `now` seen, to age the error rate in statistics()
+        self._on_transition = on_transition
+        self._agent = agent
 
     def state(self, now: float) -> BreakerState:
         """The state at ``now`` (takes OPEN → HALF_OPEN once the backoff elapsed)."""
@@ -299,13 +324,17 @@ class CircuitBreaker:
             case BreakerEvent.BACKOFF_ELAPSED:
                 self._reopen_at = None
         self._probes = 0
-        self._state = new
+        old, self._state = self._state, new
+        if self._on_transition is not None:
+            self._on_transition(BreakerTransition(agent=self._agent, old=old, event=event, new=new, at=now,
+                                                  reopen_at=self._reopen_at, openings=self._openings))
 
 
 class BreakerBoard:
     """One :class:`CircuitBreaker` per next-hop agent name, created on first use
     with the same settings (keywords as :class:`CircuitBreaker`) and one
-    shared ``rng``. Memory: one breaker per agent seen; :meth:`forget` drops
+    shared ``rng``; ``on_transition`` gets every transition of every breaker,
+    named by its agent. Memory: one breaker per agent seen; :meth:`forget` drops
     agents removed from the RIB."""
 
     def __init__(
@@ -318,7 +347,9 @@ class BreakerBoard:
         jitter: float = 0.2,
         half_open_probes: int = 1,
         rng: random.Random | None = None,
+        on_transition: Callable[[BreakerTransition], None] | None = None,
     ) -> None:
+        self._on_transition = on_transition
         self._settings = {
             "failure_threshold": failure_threshold,
             "window_s": window_s,
@@ -336,7 +367,8 @@ class BreakerBoard:
         """The breaker of ``agent`` (created CLOSED on first use)."""
         b = self._breakers.get(agent)
         if b is None:
-            b = self._breakers[agent] = CircuitBreaker(**self._settings, rng=self._rng)
+            b = self._breakers[agent] = CircuitBreaker(**self._settings, rng=self._rng,
+                                                       on_transition=self._on_transition, agent=agent)
         return b
 
     def allow(self, agent: str, now: float) -> bool:

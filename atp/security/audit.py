@@ -355,7 +355,7 @@ def read_head_file(path: Path) -> AuditCheckpoint | None:
 
 
 def _write_head_file(path: Path, cp: AuditCheckpoint) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: workers checkpoint at once
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(_canonical({"seq": cp.seq, "hash": cp.hash, "mac": cp.mac}) + b"\n")
@@ -380,16 +380,26 @@ class AuditLog:
 
     ``every`` (records) and ``interval_ms`` bound how much of the tail is
     unsigned; call :meth:`tick` from a timer at :meth:`next_checkpoint_ms` and
-    :meth:`close` at clean shutdown."""
+    :meth:`close` at clean shutdown.
+
+    ``shared``: other processes append to the same chain (``atp-router
+    --workers N``): each record is chained to the store's head in one atomic
+    step (:meth:`~atp.store.base.Store.append_audit_chained`), checkpoints MAC
+    the last record this writer appended, and the checks at opening are left
+    to the process that opened the log first (the supervisor)."""
 
     def __init__(self, store: Store, key: bytes, *, head_path: Path | None = None, every: int = 100,
-                 interval_ms: int = 5_000) -> None:
+                 interval_ms: int = 5_000, shared: bool = False) -> None:
         if every < 1 or interval_ms < 0:
             raise ValueError("every must be >= 1 and interval_ms >= 0")
         self.store, self._key, self.head_path = store, key, head_path
         self.every, self.interval_ms = every, interval_ms
+        self.shared = shared
         head = store.audit_head()
         self._seq, self._hash = (head.seq, head.hash) if head is not None else (0, GENESIS)
+        if shared:
+            self._pending, self._first_pending_ms = 0, None
+            return
         cps = [cp for cp in (store.audit_checkpoint(), read_head_file(head_path) if head_path else None) if cp]
         signed = 0
         for cp in cps:
@@ -406,11 +416,12 @@ class AuditLog:
 
     @classmethod
     def open(cls, store: Store, state_dir: Path, *, env: Mapping[str, str] | None = None, every: int = 100,
-             interval_ms: int = 5_000) -> AuditLog:
+             interval_ms: int = 5_000, shared: bool = False) -> AuditLog:
         """The writer for ``state_dir``: key from :func:`load_audit_key` (created
         if absent), checkpoints also in ``<state_dir>/audit.head``."""
         key = load_audit_key(Path(state_dir), env)
-        return cls(store, key, head_path=Path(state_dir) / "audit.head", every=every, interval_ms=interval_ms)
+        return cls(store, key, head_path=Path(state_dir) / "audit.head", every=every, interval_ms=interval_ms,
+                   shared=shared)
 
     @property
     def head(self) -> tuple[int, str]:
@@ -422,9 +433,13 @@ class AuditLog:
         """Append a record (``detail`` scrubbed) and checkpoint when due; returns
         it. Raises ``ValueError`` for an unknown ``kind``; store errors propagate
         (the head then stays where it was)."""
-        rec = chain_record(self._seq, self._hash, kind=kind, actor=actor, tenant=tenant, detail=detail,
-                           now_ms=now_ms)
-        self.store.append_audit(rec)
+        if self.shared:
+            rec = self.store.append_audit_chained(lambda seq, head: chain_record(
+                seq, head, kind=kind, actor=actor, tenant=tenant, detail=detail, now_ms=now_ms))
+        else:
+            rec = chain_record(self._seq, self._hash, kind=kind, actor=actor, tenant=tenant, detail=detail,
+                               now_ms=now_ms)
+            self.store.append_audit(rec)
         self._seq, self._hash = rec.seq, rec.hash
         self._pending += 1
         if self._first_pending_ms is None:
@@ -474,11 +489,15 @@ def audit_main(argv: list[str]) -> int:
     from atp.store.base import StoreError
     from atp.store.sqlite import SqliteStore
 
-    ap = argparse.ArgumentParser(prog="atp-router audit", description="Check or print the audit log (spec §11).")
+    from atp.router.helpfmt import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(prog="atp-router audit", description="Check or print the audit log (spec §11).",
+                                 formatter_class=DefaultsHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("verify", help="check the hash chain and its MACed checkpoints")
+    v = sub.add_parser("verify", help="check the hash chain and its MACed checkpoints",
+                       formatter_class=DefaultsHelpFormatter)
     v.add_argument("--state-dir", type=Path, required=True)
-    s = sub.add_parser("show", help="print audit records")
+    s = sub.add_parser("show", help="print audit records", formatter_class=DefaultsHelpFormatter)
     s.add_argument("--state-dir", type=Path, required=True)
     s.add_argument("--since", type=int, default=1, metavar="SEQ", help="first record to print (default 1)")
     s.add_argument("--json", action="store_true", help="one JSON object per line")

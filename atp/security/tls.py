@@ -230,10 +230,13 @@ async def serve_websocket_tls(
     *,
     max_message_size: int,
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    listeners: list[trio.SocketListener] | None = None,
     task_status: trio.TaskStatus[WebSocketTlsServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve WebSocket over TLS 1.3 (spec §4.1) on ``host:port`` (port 0: any free
-    port) until cancelled; ``task_status.started`` gets a :class:`WebSocketTlsServer`.
+    port), or on ``listeners`` already bound (``atp-router --workers N``: the
+    supervisor's socket), until cancelled; ``task_status.started`` gets a
+    :class:`WebSocketTlsServer`.
 
     Each connection: the TLS handshake (ALPN ``http/1.1``) within
     ``handshake_timeout_s`` — a failed or slow one is logged and closes only that
@@ -246,7 +249,8 @@ async def serve_websocket_tls(
     the upgrade).
     """
     ctx = tls.context_for(("http/1.1",))
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    if listeners is None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
 
     async def connection(stream: trio.SocketStream) -> None:
         try:
