@@ -12,7 +12,7 @@ if [ "$(id -u)" != 0 ]; then
   echo "peers: mosquitto/openssl missing; installing them needs root (apt-get install mosquitto openssl)" >&2
   exit 1
 fi
-echo "peers: installing mosquitto (apt-get)" >&2
+echo "peers: installing mosquitto and openssl with apt-get (~30 s)" >&2
 export DEBIAN_FRONTEND=noninteractive
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
