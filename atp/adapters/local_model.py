@@ -141,10 +141,12 @@ def loopback_models(rib: Mapping[str, Any]) -> list[tuple[int, str]]:
 
 def model_server_main(args_in: list[str]) -> int:
     """``atp-router model-server``: run the local model server in the foreground."""
-    ap = argparse.ArgumentParser(prog="atp-router model-server",
+    from atp.router.helpfmt import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(prog="atp-router model-server", formatter_class=DefaultsHelpFormatter,
                                  description="Run the local OpenAI-compatible model server (llama-cpp-python + "
                                              "SmolLM2-135M) on 127.0.0.1 until interrupted.")
-    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--port", type=int, default=8080, help="port on 127.0.0.1")
     ap.add_argument("--alias", default=MODEL_ALIAS, help=f"the model id it answers to (default {MODEL_ALIAS})")
     ap.add_argument("--n-ctx", type=int, default=4096, help="context window, tokens")
     args = ap.parse_args(args_in)

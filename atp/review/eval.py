@@ -804,8 +804,10 @@ def default_variants() -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     """``atp-router eval``: exit 0 when every task produced a FINAL, 1 when some
     did not (they are listed), 2 on bad arguments or a refused RIB."""
+    from atp.router.helpfmt import DefaultsHelpFormatter
+
     ap = argparse.ArgumentParser(
-        prog="atp-router eval",
+        prog="atp-router eval", formatter_class=DefaultsHelpFormatter,
         description="Run labelled code-review tasks through a router as a client would and score them "
                     "(recall, precision, F1, caught tasks, cost, latency, escalation, agreement) per RIB variant.")
     ap.add_argument("--tasks", type=Path, required=True, help="task file (JSONL, the golden format)")

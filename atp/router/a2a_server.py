@@ -403,6 +403,7 @@ def a2a_routes(router: Router) -> list[Route]:
         try:
             return router.authenticate(request.headers.get("authorization"))
         except ATPError as e:
+            router.authentication_refused(e, ingress="a2a")
             raise _RpcError(-32600, f"authentication required: {e.reason}", {"code": "ESEC"}, status=401) from None
 
     def authorize(identity: Identity, action: str) -> None:
@@ -412,11 +413,16 @@ def a2a_routes(router: Router) -> list[Route]:
             raise _RpcError(-32600, f"forbidden: {e.reason}", {"code": "ESEC"}, status=403) from None
 
     def current(task: _Task) -> bool:
-        """The task's stream is still in the router's table (not reaped)."""
+        """The task's stream is still in the router's table (not reaped), or
+        closed less than ``retain_closed_s`` ago: the table's memory bounds may
+        have let it go sooner (its reads come from the store), its A2A record
+        still answers for the retention age."""
         ctx = task.ctx
         if ctx is None:
             return True  # rejected: kept as long as the tenant's task records
-        return router.streams.get(ctx.tenant, ctx.session_id, ctx.stream_id) is ctx
+        if router.streams.get(ctx.tenant, ctx.session_id, ctx.stream_id) is ctx:
+            return True
+        return ctx.closed_at is not None and trio.current_time() < ctx.closed_at + router.config.retain_closed_s
 
     async def card(request: Request) -> Response:
         return JSONResponse(agent_card(router, str(request.base_url)))

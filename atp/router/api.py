@@ -31,6 +31,13 @@
                                        :mod:`atp.router.openai_ingress`)
 ``GET  /v1/models``                    the models (task types, policies) the
                                        caller's tenant may use
+``GET  /v1/status``                    the live status snapshot (streams, windows,
+                                       budgets, next-hops, FIB, errors, history;
+                                       :mod:`atp.router.status`)
+``GET  /v1/status/events``             that snapshot as Server-Sent Events, every
+                                       second and on change
+``GET  /status``                       the status page (public HTML + JS; its data
+                                       comes from ``/v1/status/events``)
 =====================================  =========================================
 
 Every request is authenticated once (:meth:`Router.authenticate
@@ -46,6 +53,7 @@ action                                endpoints
 ``policy_read`` (role admin)          ``GET /v1/policies``
 ``routes_read`` (role admin)          ``GET /v1/routes``, ``GET /v1/fib``
 ``audit_read`` (role admin)           ``GET /v1/audit``
+``tenant_admin`` (role admin)         ``GET /v1/status``, ``GET /v1/status/events`` (every tenant's streams)
 ``metrics_read`` (operator, admin)    ``GET /v1/metrics``
 ``health_read`` (any authenticated)   ``GET /v1/health``, ``GET /v1/keys``
 ====================================  ==========================================
@@ -74,6 +82,7 @@ from typing import Annotated, Any
 import msgspec
 import trio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -81,6 +90,8 @@ from starlette.routing import Route
 from atp.router.a2a_server import a2a_routes
 from atp.router.core import Router
 from atp.router.metrics import CONTENT_TYPE_LATEST
+from atp.router.status import status_routes
+from atp.router.tracing import TraceContextMiddleware
 from atp.router.learning import FeedbackRefused
 from atp.security.identity import Identity
 from atp.wire.codec import FrameCodec
@@ -337,6 +348,7 @@ def build_app(router: Router) -> Starlette:
             try:
                 identity = router.authenticate(request.headers.get("authorization"))
             except ATPError as e:
+                router.authentication_refused(e, ingress="http")
                 resp = render(e, 401)
                 resp.headers["WWW-Authenticate"] = getattr(e, "www_authenticate", None) or 'Bearer realm="atp"'
                 return resp
@@ -378,17 +390,20 @@ def build_app(router: Router) -> Starlette:
             ctx = router.find_stream(identity, sid)
             if ctx is None:
                 return unknown_stream(sid)
-            frame = codec.decode(await read_body(request, max_body))
+            # Signature, then the nonce + timestamp window when frames are signed (§11); ESEC audited.
+            frame = router.decode_frame(codec, await read_body(request, max_body), identity)
             if frame.stream_id != sid or frame.session_id != ctx.session_id:
                 raise ATPError(ErrorCode.EPROTO, "frame session_id/stream_id do not match the URL's stream")
-            router.check_frame(frame, identity)  # nonce + timestamp window when frames are signed (§11)
             before = len(ctx.log.events)
             direct = router.receive_frame(frame, identity=identity, now=trio.current_time())
         except BodyTooLarge as e:
             return _error(e, 413)
         except ATPError as e:
             return _error(e)
-        replies = direct + [ev.frame for ev in ctx.log.events[before:]]
+        new = ctx.log.events[before:]
+        if new:
+            await ctx.log.wait_durable(new[-1].id)  # stored before sent (group commit)
+        replies = direct + [ev.frame for ev in new]
         return _json(FramesResponse(frames=replies))
 
     async def events(request: Request, identity: Identity) -> Response:
@@ -486,7 +501,9 @@ def build_app(router: Router) -> Starlette:
 
     from atp.router.openai_ingress import openai_routes  # imports this module
 
-    return Starlette(routes=[
+    # With tracing on (spec §12), a request's W3C traceparent is the parent of what it opens.
+    middleware = [Middleware(TraceContextMiddleware)] if router.tracing is not None else []
+    return Starlette(middleware=middleware, routes=[
         Route("/v1/streams", authorized("stream_open", open_stream), methods=["POST"]),
         Route("/v1/streams/{id}/frames", authorized("stream_access", post_frame), methods=["POST"]),
         Route("/v1/streams/{id}/events", authorized("stream_access", events), methods=["GET"]),
@@ -500,6 +517,8 @@ def build_app(router: Router) -> Starlette:
         Route("/v1/keys", authorized("health_read", keys), methods=["GET"]),
         Route("/v1/audit", authorized("audit_read", audit), methods=["GET"]),
         *a2a_routes(router),
+        # The live status page and its admin-only data (atp.router.status).
+        *status_routes(router, authorized),
         # OpenAI-compatible ingress: the same authorized() and the same stream-open path.
         *openai_routes(router, authorized, read_body, BodyTooLarge),
     ])

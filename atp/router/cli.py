@@ -24,7 +24,18 @@ flag                           default  what
 ``--gold-reserved N``          8        slots only gold may use (``< --slots``)
 ``--preempt-after-ms N``       250      gold kept waiting this long preempts bronze (EPREEMPT)
 ``--gold-sla-ms N``            2000     gold's queueing SLA, ms (``>= --preempt-after-ms``)
+``--max-streams N``            10000    open streams router-wide (more: SYN refused, EWINDOW)
+``--idle-task-s S``            30       a stream opened without a task gets one within this, s
+``--retain-closed-s S``        300      a closed stream stays in memory this long, s
+``--retain-closed-max N``      1000     …and at most this many closed streams per tenant
+``--retain-closed-bytes N``    16 MiB   …and this many bytes of closed logs router-wide
 =============================  =======  ==================================================
+
+A closed stream that left memory (the three ``--retain-closed-*`` bounds, the
+oldest first) is still read and resumed: from the state store, the same events.
+When no stream is open the router gives freed memory back to the OS (a full
+garbage collection and glibc's ``malloc_trim``, at most every 10 s);
+``--no-idle-trim`` turns that off.
 
 The conformance suite run against a remote ``atp-router`` needs the timings it
 is told with ``ATP_CONFORMANCE_*`` (tests/conformance/README.md), e.g. its local
@@ -40,8 +51,18 @@ authentication is off (a local appliance only). Frame keys come from
 ``ATP_HMAC_KEYS`` (``kid:base64key,…``, the first signs) or ``ATP_HMAC_KEY`` —
 never from the command line, so they stay out of ``ps``. TLS 1.3 on both
 ingresses with ``--tls-cert/--tls-key``; plain HTTP/WS only on a loopback host or
-with ``--plaintext``. Logs go to stderr with Agent Context secrets masked
-(:func:`atp.adapters.context.install_log_redaction`).
+with ``--plaintext``.
+
+Logs (:mod:`atp.router.logs`) go to stderr, every line — the router's and its
+libraries' — through one scrubber (Agent Context secrets and what detect-secrets
+recognises are masked) and one format: ``--log-format json`` (one JSON object a
+line: ``timestamp``, ``level``, ``logger``, ``event``, extra fields, ``trace_id``
+/ ``span_id`` inside a traced stream) or ``console`` (human, aligned); the
+default is ``console`` when stderr is a terminal, else ``json``. Traces
+(:mod:`atp.router.tracing`, spec §12) are exported over OTLP/HTTP only when the
+standard ``OTEL_*`` variables configure an exporter (``OTEL_EXPORTER_OTLP_ENDPOINT``,
+``OTEL_TRACES_EXPORTER``, ``OTEL_SERVICE_NAME``, ``OTEL_SDK_DISABLED``, …); off
+otherwise, at no cost.
 
 Diff-only tasks (the A2A server's plain-text diffs): ``--repo PATH`` names a local
 checkout the after-diff text of the touched files is read from (confined to PATH:
@@ -49,6 +70,12 @@ no ``..``, absolute paths, ``.git`` or symlinks leading out; 1 MiB a file, 8 MiB
 and 2,000 files in all; the lines must be the diff's after side). Without it, or
 when a file cannot be read, the diff is reviewed alone only if every routed agent
 can work from a diff alone; otherwise the A2A task is ``rejected`` naming why.
+
+Every core: ``--workers N`` (default 1, one process) runs a supervisor that
+binds the sockets once, recovers the state directory once and starts N worker
+processes accepting on them; budgets stay exact across workers through the
+state store, a request about a stream reaches the worker that runs it, a
+worker that dies is settled and restarted (:mod:`atp.router.workers`).
 
 Subcommands: ``atp-router keys new KEY_ID TENANT [ROLES]`` (a new API key) and
 ``atp-router audit verify|show --state-dir DIR`` (:func:`atp.security.audit.audit_main`).
@@ -74,9 +101,11 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
 from atp.adapters.context import install_log_redaction
+from atp.router import logs, tracing
 from atp.flow.breaker import RetryPolicy
 from atp.router.api import build_app
 from atp.router.core import Router, RouterConfig, build_authenticator
+from atp.router.helpfmt import DefaultsHelpFormatter
 from atp.router.ws import serve_ws
 from atp.security.authn import new_api_key
 from atp.security.policy_guard import PolicySecrets
@@ -118,16 +147,24 @@ async def run(config: RouterConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> 
 def _parser() -> argparse.ArgumentParser:
     d = RouterConfig(policies=Path("policies"))
     ap = argparse.ArgumentParser(prog="atp-router", description="ATP router appliance (Agent Transport Protocol v0.1)",
+                                 formatter_class=DefaultsHelpFormatter,
                                  epilog="subcommands: 'atp-router keys new', 'atp-router policy check PATH', "
                                         "'atp-router audit …', 'atp-router eval --tasks FILE [--policies RIB …] "
                                         "[--url URL]', 'atp-router model-server [--port N]' (each with --help)")
     ap.add_argument("--policies", type=Path, default=Path("policies"), help="RIB file or directory of *.yaml")
     ap.add_argument("--no-watch", action="store_true",
                     help="do not reload the RIB when a --policies file changes (POST /v1/policies/reload still does)")
-    ap.add_argument("--host", default=d.host)
+    ap.add_argument("--host", default=d.host, help="address to listen on (HTTP and WebSocket)")
     ap.add_argument("--http-port", type=int, default=d.http_port, help="control API (0 = any free port)")
     ap.add_argument("--ws-port", type=int, default=d.ws_port, help="WebSocket ingress (0 = any free port)")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    ap.add_argument("--log-format", choices=logs.FORMATS, default=None,
+                    help="json: one JSON object a line; console: for a human at a terminal "
+                         "(default: console when stderr is a terminal, else json)")
+    ap.add_argument("--workers", type=_positive(int), default=1,
+                    help="router processes sharing the listening sockets and the state directory (one a core); "
+                         "budgets stay exact across them (atp.router.workers)")
+    ap.add_argument("--worker-spec", help=argparse.SUPPRESS)  # set by the supervisor for its workers
     ap.add_argument("--repo", type=Path, metavar="PATH",
                     help="a local checkout: an A2A client sending only a diff (plain text) gets the after-diff "
                          "text of the files it touches read from here (confined to PATH, bounded: 1 MiB a file, "
@@ -149,7 +186,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="open streams per tenant without clients.<t>.max_streams")
     sec.add_argument("--tenant-rate-per-s", type=_positive(float), default=d.tenant_rate_per_s,
                      help="stream opens per second per tenant without clients.<t>.rate")
-    sec.add_argument("--tenant-rate-burst", type=_positive(int), default=d.tenant_rate_burst)
+    sec.add_argument("--tenant-rate-burst", type=_positive(int), default=d.tenant_rate_burst,
+                     help="burst of that rate: stream opens a tenant may make at once")
     sec.add_argument("--max-body-bytes", type=_positive(int), default=d.max_body_bytes,
                      help="HTTP request body limit (413 above)")
     sec.add_argument("--max-policy-bytes", type=_positive(int), default=d.max_policy_bytes,
@@ -158,6 +196,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="durable state: ledgers, streams, RIB, audit (default: $XDG_STATE_HOME/atp-router)")
     sec.add_argument("--state-sync", choices=["normal", "full"], default="normal",
                      help="normal survives a process crash; full also an OS crash (fsync per commit)")
+    sec.add_argument("--cache-max-bytes", type=_non_negative(int), default=d.cache_max_bytes, metavar="N",
+                     help="bytes of answers the response cache of policies with a `cache` key keeps in the state "
+                          "directory (spec §13; least recently used dropped first; 0: no policy caches)")
     sec.add_argument("--max-ws-message-bytes", type=_positive(int), default=d.max_ws_message_bytes,
                      help="WebSocket message limit (close 1009 above)")
     ap.add_argument("--no-ws-deflate", action="store_true",
@@ -175,14 +216,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="a detached stream stays resumable this long, s")
     f.add_argument("--breaker-failures", type=_positive(int), default=d.breaker_failures,
                    help="failures within --breaker-window-s that open a circuit")
-    f.add_argument("--breaker-window-s", type=_positive(float), default=d.breaker_window_s)
+    f.add_argument("--breaker-window-s", type=_positive(float), default=d.breaker_window_s,
+                   help="the breaker's failure-counting window, s")
     f.add_argument("--breaker-backoff-s", type=_positive(float), default=d.breaker_backoff_s,
                    help="first open → half-open backoff, s")
-    f.add_argument("--breaker-max-backoff-s", type=_positive(float), default=d.breaker_max_backoff_s)
+    f.add_argument("--breaker-max-backoff-s", type=_positive(float), default=d.breaker_max_backoff_s,
+                   help="cap of that backoff, s")
     f.add_argument("--retry-attempts", type=_positive(int), default=d.retry.max_attempts,
                    help="attempts per next-hop call, the first included")
-    f.add_argument("--retry-backoff-s", type=_non_negative(float), default=d.retry.base_backoff_s)
-    f.add_argument("--retry-max-backoff-s", type=_non_negative(float), default=d.retry.max_backoff_s)
+    f.add_argument("--retry-backoff-s", type=_non_negative(float), default=d.retry.base_backoff_s,
+                   help="first retry backoff, s")
+    f.add_argument("--retry-max-backoff-s", type=_non_negative(float), default=d.retry.max_backoff_s,
+                   help="cap of the retry backoff, s")
     f.add_argument("--slots", type=_positive(int), default=d.slots,
                    help="next-hop calls in flight across all streams (QoS capacity)")
     f.add_argument("--gold-reserved", type=_non_negative(int), default=d.gold_reserved,
@@ -191,6 +236,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="gold kept waiting this long preempts a bronze call (RST EPREEMPT)")
     f.add_argument("--gold-sla-ms", type=_non_negative(float), default=d.gold_sla_ms,
                    help="gold's queueing SLA, ms")
+    t = ap.add_argument_group("stream table (spec §8): open streams, closed streams kept in memory "
+                              "(reads of the others come from the state store)")
+    t.add_argument("--max-streams", type=_positive(int), default=d.max_streams,
+                   help="open streams router-wide")
+    t.add_argument("--idle-task-s", type=_positive(float), default=d.idle_task_s,
+                   help="a stream opened without a task is reset (ETIMEOUT) after this, s")
+    t.add_argument("--retain-closed-s", type=_non_negative(float), default=d.retain_closed_s,
+                   help="a closed stream stays in memory this long, s")
+    t.add_argument("--retain-closed-max", type=_non_negative(int), default=d.retain_closed_max,
+                   help="closed streams kept in memory per tenant (the oldest go first)")
+    t.add_argument("--retain-closed-bytes", type=_non_negative(int), default=d.retain_closed_bytes,
+                   help="bytes of closed stream logs kept in memory router-wide (the oldest go first)")
+    t.add_argument("--no-idle-trim", action="store_true",
+                   help="do not give freed memory back to the OS when no stream is open (gc + malloc_trim)")
     return ap
 
 
@@ -257,6 +316,7 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
             ws_deflate=not args.no_ws_deflate,
             repo=args.repo.resolve() if args.repo is not None else None,
             state_dir=args.state_dir, state_sync=args.state_sync.upper(), watch_policies=not args.no_watch,
+            cache_max_bytes=args.cache_max_bytes,
             **_flow_config(args),
         )
         build_authenticator(config)  # refuse a bad --auth file or token list now, with its message
@@ -289,6 +349,9 @@ def _flow_config(args: argparse.Namespace) -> dict:
                           max_backoff_s=args.retry_max_backoff_s),
         slots=args.slots, gold_reserved=args.gold_reserved,
         preempt_after_ms=args.preempt_after_ms, gold_sla_ms=args.gold_sla_ms,
+        max_streams=args.max_streams, idle_task_s=args.idle_task_s, retain_closed_s=args.retain_closed_s,
+        retain_closed_max=args.retain_closed_max, retain_closed_bytes=args.retain_closed_bytes,
+        idle_trim=not args.no_idle_trim,
     )
 
 
@@ -296,9 +359,10 @@ def keys_main(argv: list[str]) -> int:
     """``atp-router keys new KEY_ID TENANT [ROLE[,ROLE]]``: a fresh API key. Prints
     the secret once (give it to the caller) and the ``api_keys`` entry for the
     ``--auth`` file (only its sha256 is stored)."""
-    ap = argparse.ArgumentParser(prog="atp-router keys", description=keys_main.__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="atp-router keys", description=keys_main.__doc__.splitlines()[0],
+                                 formatter_class=DefaultsHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    new = sub.add_parser("new", help="make an API key")
+    new = sub.add_parser("new", help="make an API key", formatter_class=DefaultsHelpFormatter)
     new.add_argument("key_id")
     new.add_argument("tenant")
     new.add_argument("roles", nargs="?", default="client", help="comma-separated: client, operator, admin")
@@ -334,14 +398,33 @@ def main(argv: list[str] | None = None) -> int:
 
         return audit_main(argv[1:])
     args, config = _parse(argv, os.environ)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    spec = None
+    if args.worker_spec is not None:
+        from atp.router.workers import WorkerSpec
+
+        spec = WorkerSpec.from_json(args.worker_spec)
+    try:
+        logs.configure(level=args.log_level, fmt=args.log_format,
+                       fields={"worker": spec.slot} if spec is not None else None)
+        tracing.configure_from_env()  # an SDK TracerProvider only when OTEL_* configure an exporter
+    except ValueError as e:  # a bad --log-level, or OTEL_* naming what cannot be exported
+        print(f"atp-router: {e}", file=sys.stderr)
+        return 2
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         # httpx logs an INFO line for every next-hop request: noise, and ~2 % of the
         # hot path's CPU (issue 10); its warnings and errors still show.
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    install_log_redaction()  # Agent Context secrets never reach the log output
+    install_log_redaction()  # Agent Context secrets never reach any log handler's output
+    if spec is not None:
+        from atp.router.workers import worker_main
+
+        return worker_main(config, spec)
     if not build_authenticator(config).enabled:
         logging.getLogger("atp.router").warning("no --auth file and no ATP_ROUTER_TOKENS: authentication is off")
+    if args.workers > 1:
+        from atp.router.workers import supervise
+
+        return supervise(config, args.workers, argv)
 
     refused: Exception | None = None
 

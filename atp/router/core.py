@@ -52,6 +52,7 @@ gets none within ``idle_task_s``.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -72,7 +73,7 @@ from atp.adapters.base import Prompt
 from atp.adapters.context import with_context_scope
 from atp.adapters.http import install_secret_resolver
 from atp.consensus.types import FinalResult, SignedUsage
-from atp.flow.breaker import BreakerBoard, RetryPolicy
+from atp.flow.breaker import BreakerBoard, BreakerState, BreakerTransition, RetryPolicy
 from atp.flow.budget import Allowance, BudgetLedger, usd_to_micros
 from atp.flow.qos import Preempt, QosScheduler
 from atp.flow.window import Window as FlowWindow
@@ -80,11 +81,15 @@ from atp.flow.window import WindowTable
 from atp.policy.fib import data_scope_labels
 from atp.policy.rib import ClientSpec, RateSpec
 from atp.review.diff import count_changed_lines
+from atp.router import memory
+from atp.router.cache import DEFAULT_MAX_BYTES as DEFAULT_CACHE_MAX_BYTES
+from atp.router.cache import ResponseCache, annotate
 from atp.router.control import BODY_SOURCE, ControlPlane, Generation
 from atp.router.dispatch import FlowGates, LegOutcome, SlotGate, TaskPlan
 from atp.router.learning import Learning
 from atp.router.metrics import RouterMetrics
-from atp.router.streams import StreamCtx, StreamTable, stream_account
+from atp.router.streams import DEFAULT_RETAIN_CLOSED_BYTES, StreamCtx, StreamTable, stream_account
+from atp.router.tracing import RouterTracing
 from atp.security.authn import Authenticator, EnvToken, load_auth_config, parse_tokens_env
 from atp.security.authz import Action, Forbidden, Refuse, StreamAdmission, authorize, clamp_qos
 from atp.security.identity import Identity, Role
@@ -95,7 +100,7 @@ from atp.security.tls import ServerTls
 from atp.store import SqliteStore, StoreJournal
 from atp.security.redact import DataScopeGuard, Redacted, Refused
 from atp.wire import session as S
-from atp.wire.codec import KeyRing
+from atp.wire.codec import FrameCodec, KeyRing
 from atp.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode, LocalProtocolError, PolicyError
 from atp.wire.frame import (
     Budget,
@@ -122,6 +127,14 @@ __all__ = [
 log = logging.getLogger("atp.router")
 #: Security audit trail (spec §11 "audit"): ESEC refusals.
 audit = logging.getLogger("atp.audit")
+#: The log level of an audit record's log line. Every record is in the audit trail
+#: (the store, ``atp-router audit show``); the routine ones — a stream opened or
+#: closed, a window changed, an escalation, feedback, a shadow run: several a task —
+#: are logged at DEBUG only, because each log line is scanned for secrets (~0.8 ms,
+#: a fifth of a task's CPU at 140 tasks/s, issue 10). Security events stay WARNING.
+_AUDIT_LOG_LEVEL = {"session_open": logging.DEBUG, "session_close": logging.DEBUG,
+                    "window_change": logging.DEBUG, "escalation": logging.INFO, "feedback": logging.DEBUG,
+                    "shadow": logging.DEBUG}
 
 #: Window granted when neither the client nor the policy set one (spec §15.1 defaults).
 DEFAULT_WINDOW = Window(max_parallel=4, max_tokens=120_000, max_usd_micros=1_250_000)
@@ -168,6 +181,9 @@ class RouterConfig:
     private temporary directory removed at shutdown (the same code path, nothing
     kept). ``state_sync`` ``"NORMAL"`` survives a process crash, ``"FULL"`` an OS
     crash too. Closed streams stay in the store ``state_retain_s`` (default 7 days).
+    The response cache of the policies with a ``cache`` key (spec §13,
+    :mod:`atp.router.cache`) keeps at most ``cache_max_bytes`` bytes of answers
+    there (0: no policy caches).
 
     Flow control (spec §5, §9, §10): ``window_update_interval_ms`` /
     ``window_update_delta`` are the WINDOW_UPDATE cadence (every N ms, or when
@@ -180,8 +196,12 @@ class RouterConfig:
     ``breaker_window_s`` that open it, first backoff and its cap in s).
 
     Stream table (spec §8): at most ``max_streams`` open streams router-wide; a
-    closed stream stays readable for ``retain_closed_s`` and each tenant keeps at
-    most ``retain_closed_max`` closed streams (the oldest go first); a stream
+    closed stream stays in memory for ``retain_closed_s``, each tenant keeps at
+    most ``retain_closed_max`` closed streams there and the router at most
+    ``retain_closed_bytes`` bytes of closed logs (the oldest go first); reads of
+    a stream no longer in memory are served from the state store. With
+    ``idle_trim`` the router gives freed memory back to the OS when no stream is
+    open (:func:`atp.router.memory.trim`, at most every 10 s). A stream
     opened without a task that gets none within ``idle_task_s`` is reset with
     ``ETIMEOUT``.
 
@@ -229,6 +249,9 @@ class RouterConfig:
     state_retain_s: float = 7 * 24 * 3600.0
     retain_closed_s: float = 300.0
     retain_closed_max: int = 1000
+    retain_closed_bytes: int = DEFAULT_RETAIN_CLOSED_BYTES
+    #: Give freed memory back to the OS when no stream is open (atp.router.memory).
+    idle_trim: bool = True
     max_streams: int = 10_000
     idle_task_s: float = 30.0
     window_update_interval_ms: int = 1000
@@ -254,6 +277,7 @@ class RouterConfig:
     #: A local checkout the router reads the after-diff files of a diff-only task
     #: from (``--repo``; the A2A server's plain-text diffs), confined to its root.
     repo: Path | None = None
+    cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES
 
 
 class Router:
@@ -273,10 +297,12 @@ class Router:
             self._tmp_state = Path(tempfile.mkdtemp(prefix="atp-state-"))
         #: Where the durable state lives (spec §8, §11 audit; atp.store).
         self.state_dir = config.state_dir or self._tmp_state
-        self._lock = _lock_state_dir(self.state_dir)
-        self.store = SqliteStore.open(self.state_dir, synchronous=config.state_sync.upper())
+        self._lock = self._lock_state()
+        self.store = self._open_store()
         self.ledger = self._restore_ledger()
-        self.audit_log = AuditLog.open(self.store, self.state_dir)
+        #: Answers of the policies that cache them (spec §13), in the store.
+        self.cache = ResponseCache(self.store, self.metrics, max_bytes=config.cache_max_bytes)
+        self.audit_log = self._open_audit()
         #: Signs each FINAL's usage summary (Ed25519; public key at GET /v1/keys).
         self.usage_signer = UsageSigner.load_or_create(self.state_dir / "usage.pem")
         self.authenticator: Authenticator = authenticator or build_authenticator(config)
@@ -311,10 +337,14 @@ class Router:
                 base_backoff_s=config.breaker_backoff_s,
                 max_backoff_s=config.breaker_max_backoff_s,
                 rng=rng,
+                on_transition=self._on_breaker,
             ),
             config.retry,
             rng=rng,
         )
+        #: Spans of sessions, streams, legs and consensus (spec §12); None: tracing
+        #: is off (no OTEL_* exporter configured, atp.router.tracing) and costs nothing.
+        self.tracing = RouterTracing.for_router(agent_windows=self.gates.agent_windows)
         self.control = ControlPlane(config.policies, ledger=self.ledger, gates=self.gates, metrics=self.metrics,
                                     on_leg=self._on_leg, secrets=config.policy_secrets)
         self.streams = StreamTable(
@@ -322,6 +352,8 @@ class Router:
             retain_closed_max=config.retain_closed_max, resume_grace_s=config.resume_grace_s,
             idle_task_s=config.idle_task_s, hb_interval_s=config.hb_interval_s,
             release=self._release_stream, on_closed=self._on_stream_closed, store=self.store,
+            retain_closed_bytes=config.retain_closed_bytes,
+            idle_trim=memory.trim if config.idle_trim else None,
         )
         self._interrupted = self._mark_interrupted()
         self._restore_rib()
@@ -330,6 +362,17 @@ class Router:
         self.learning.sync(self.gen)
 
     # ------------------------------------------------------------------ durable state
+    # (each step a method: a worker of ``atp-router --workers N`` shares the state
+    # directory with its siblings and overrides them, atp.router.workers)
+    def _lock_state(self) -> Any:
+        return _lock_state_dir(self.state_dir)
+
+    def _open_store(self) -> SqliteStore:
+        return SqliteStore.open(self.state_dir, synchronous=self.config.state_sync.upper())
+
+    def _open_audit(self) -> AuditLog:
+        return AuditLog.open(self.store, self.state_dir)
+
     def _restore_ledger(self) -> BudgetLedger:
         """The budget ledger as the store has it (spec §5 across a crash): calls in
         flight at the crash are committed at their reservation (their outcome is
@@ -354,14 +397,7 @@ class Router:
         now_ms = int(time.time() * 1000)
         records = self.store.interrupt_open_streams(INTERRUPTED, now_ms=now_ms)
         for rec in records:
-            events = self.store.events(rec.tenant, rec.session_id, rec.stream_id)
-            last = _stored_decoder.decode(events[-1].frame) if events else None
-            rst = Frame(v=1, session_id=rec.session_id, stream_id=rec.stream_id,
-                        msg_seq=(last.msg_seq + 1) if last is not None else 0, flags=[Flag.RST],
-                        payload=Payload(type=PayloadType.CONTROL,
-                                        content=ErrorPayload(code=ErrorCode.EAGENTDOWN, reason=INTERRUPTED)))
-            self.store.append_event(rec.tenant, rec.session_id, rec.stream_id, len(events) + 1, "RST",
-                                    msgspec.json.encode(rst))
+            end_interrupted(self.store, rec, INTERRUPTED)
             self.audit_event("session_close", None, {"tenant": rec.tenant, "session_id": rec.session_id,
                                                       "stream_id": rec.stream_id, "outcome": "interrupted"})
         if records:
@@ -386,7 +422,8 @@ class Router:
             self.audit_log.close()
         finally:
             self.store.close()
-            self._lock.close()
+            if self._lock is not None:
+                self._lock.close()
             if self._tmp_state is not None:
                 shutil.rmtree(self._tmp_state, ignore_errors=True)
 
@@ -405,20 +442,29 @@ class Router:
         """Streams open now, all tenants."""
         return self.streams.open_count
 
-    def reload(self, text: str | None = None, *, identity: Identity | None = None) -> dict[str, Any]:
-        """Hot-reload the RIB (:meth:`ControlPlane.reload <atp.router.control.ControlPlane.reload>`, §22),
+    def reload(self, text: str | None = None, *, identity: Identity | None = None,
+               version: int | None = None, cause: str | None = None) -> dict[str, Any]:
+        """Hot-reload the RIB (:meth:`ControlPlane.reload <atp.router.control.ControlPlane.reload>`, §22)
+        as generation ``version`` (default: the next one),
         audited with who asked and every endpoint and secret reference it adds,
         removes or changes (:func:`~atp.security.policy_guard.egress_changes`);
-        a refused reload is audited too. Returns :meth:`rib_summary` with
-        ``changes`` (those egress changes) and ``by`` (the actor's subject).
-        Raises :class:`PolicyError`."""
+        a refused reload is audited too, and logged once (ERROR, every fault with
+        its file and line; ``cause`` says what triggered it, e.g. the policy
+        watch). Returns :meth:`rib_summary` with ``changes`` (those egress
+        changes) and ``by`` (the actor's subject). Raises :class:`PolicyError`."""
         old = self.gen.rib
         try:
-            summary = self.control.reload(text)
+            summary = self.control.reload(text, version=version)
         except PolicyError as e:
+            faults = [x.where() for x in e.errors]
+            # The audit record's own line is DEBUG: the ERROR line below is the one that says it.
             self.audit_event("policy_reload", identity, {"outcome": "refused", "file": e.file, "key": e.key,
-                                                         "line": e.line, "reason": e.detail,
-                                                         "errors": [x.where() for x in e.errors]})
+                                                         "line": e.line, "reason": e.detail, "errors": faults},
+                             level=logging.DEBUG)
+            who = f"{identity.subject}@{identity.tenant}" if identity is not None else "router"
+            log.error("%sRIB refused (reload by %s), generation %d stays:\n  %s", f"{cause}; " if cause else "",
+                      who, self.gen.version, "\n  ".join(faults) or e.reason,
+                      extra={"audit": "policy_reload", "outcome": "refused"})
             raise
         changes = egress_changes(old, self.gen.rib)
         actor = identity.subject if identity is not None else "router"
@@ -464,6 +510,30 @@ class Router:
             self.metrics.errors.labels(str(ErrorCode.ESEC)).inc()
             raise
 
+    def decode_frame(self, codec: FrameCodec, data: bytes | str, identity: Identity) -> Frame:
+        """Decode and verify one inbound frame of ``identity`` (every ingress that
+        takes frames): ``codec`` checks shape, checksums and the signature,
+        :meth:`check_frame` the replay window. Raises ``LocalProtocolError``; an
+        ``ESEC`` one (a missing or bad signature, a replay) is audited, once."""
+        try:
+            frame = codec.decode(data)
+        except LocalProtocolError as e:
+            if e.code is ErrorCode.ESEC:
+                self.metrics.errors.labels(str(ErrorCode.ESEC)).inc()
+                self.audit_event("esec", identity, {"reason": e.reason})
+            raise
+        self.check_frame(frame, identity)
+        return frame
+
+    def authentication_refused(self, error: ATPError, *, ingress: str) -> None:
+        """An ingress refused a request or connection (401 ``ESEC``,
+        :meth:`authenticate`): logged once (WARNING, ``atp.audit``), not written
+        to the audit trail (an unauthenticated caller must not be able to make
+        the router write)."""
+        self.metrics.errors.labels(str(ErrorCode.ESEC)).inc()
+        audit.warning("esec (authentication) at %s: %s", ingress, error.reason,
+                      extra={"audit": "esec", "ingress": ingress})
+
     def check_frame(self, frame: Frame, identity: Identity) -> None:
         """The replay window of a signed inbound frame (§11): fresh ``meta.nonce``
         within ±120 s of ``meta.ts``, per (tenant, session). No-op without a
@@ -479,14 +549,21 @@ class Router:
             raise
 
     # ------------------------------------------------------------------ audit
-    def audit_event(self, kind: str, identity: Identity | None, detail: Mapping[str, Any]) -> None:
+    def audit_event(self, kind: str, identity: Identity | None, detail: Mapping[str, Any], *,
+                    level: int | None = None) -> None:
         """One record of the security audit trail (spec §11 audit): ``kind`` (e.g.
         ``esec``, ``redaction``, ``refusal``, ``policy_reload``), who caused it
         (``identity``: tenant and subject, never a credential) and ``detail``
         (no secrets: callers pass locations and codes, never content). Every audit
-        record of the router goes through here."""
-        who = f"{identity.subject}@{identity.tenant}" if identity is not None else "router"
-        audit.warning("%s by %s: %s", kind, who, msgspec.json.encode(dict(detail)).decode())
+        record of the router goes through here, and is logged once at ``level``
+        (default: its kind's, ``_AUDIT_LOG_LEVEL``, else WARNING; a caller that
+        logs the event itself passes DEBUG)."""
+        if level is None:
+            level = _AUDIT_LOG_LEVEL.get(kind, logging.WARNING)
+        if audit.isEnabledFor(level):
+            who = f"{identity.subject}@{identity.tenant}" if identity is not None else "router"
+            audit.log(level, "%s by %s: %s", kind, who, msgspec.json.encode(dict(detail)).decode(),
+                      extra={"audit": kind})
         try:
             self.audit_log.record(kind, identity.subject if identity is not None else "router",
                                   identity.tenant if identity is not None else None, detail,
@@ -671,6 +748,8 @@ class Router:
                     rst.payload, content={**rst.payload.content, "retry_after_ms": e.retry_after_ms}))
             direct.append(rst)
             self.streams.refused(tenant, sess.session_id, ev.stream_id)
+            if self.tracing is not None:
+                self.tracing.refused(tenant, sess.session_id, ev.stream_id, meta, e.code, e.reason)
             return
         window = _min_window(ev.window, route.window or DEFAULT_WINDOW)
         budget = _min_budget(client_budget, route.budget)
@@ -689,6 +768,8 @@ class Router:
             "next_hops": [h.agent for h in route.next_hops],
             "rib_version": gen.version,
         }
+        if self.tracing is not None:
+            synack.meta["trace"] = self.tracing.stream_opened(ctx)
         ctx.push(synack)
         self.audit_event("session_open", identity, {
             "session_id": sess.session_id, "stream_id": ev.stream_id, "policy": route.policy,
@@ -739,7 +820,8 @@ class Router:
 
     async def _run_task(self, ctx: StreamCtx, prompt: Prompt, gen: Generation, scope: trio.CancelScope) -> None:
         try:
-            await self._run_task_on(ctx, prompt, gen, scope)
+            with self.tracing.running(ctx) if self.tracing is not None else contextlib.nullcontext():
+                await self._run_task_on(ctx, prompt, gen, scope)
         finally:
             self.control.release(ctx)
 
@@ -762,10 +844,11 @@ class Router:
         if ctx.decision is not None and getattr(ctx.decision, "escalate", None):
             plan.escalate = True
         plan.win_rates = self.learning.win_rates(ctx.route) or None
+        plan.cache = self.cache.view(ctx.tenant, gen.cache, ctx.route.policy)
         with scope:
             try:
                 plan.prompt_for = await self._data_scope(ctx, prompt, gen)
-                final = await gen.dispatcher.run(ctx, plan)
+                final = annotate(await gen.dispatcher.run(ctx, plan), plan.attempts)
             except AgentError as e:
                 self.learning.task_done(ctx, plan, None, None)
                 self.metrics.streams_closed.labels(str(e.code)).inc()
@@ -782,6 +865,8 @@ class Router:
                 self.metrics.streams_closed.labels("internal").inc()
                 ctx.reset(ErrorCode.EAGENTDOWN, "internal router error while running the task")
                 return
+            if self.tracing is not None:
+                self.tracing.merged(ctx, plan, final, gen.dispatcher.last_triggers)
             self.metrics.agreement.observe(final.result.consensus.agreement)
             self.metrics.stream_latency.observe(final.telemetry.latency_ms / 1000)
             for t in gen.dispatcher.last_triggers:
@@ -858,19 +943,41 @@ class Router:
             if p.running:
                 self.gates.slots.cancel(p.ticket)
             return
-        log.info("stream %s of %s preempted: %s", ctx.stream_id, ctx.tenant, p.reason)
+        # The one line of a preemption (its stream's RST close is logged at DEBUG).
+        log.info("stream %s of %s preempted: %s", ctx.stream_id, ctx.tenant, p.reason,
+                 extra={"stream_id": ctx.stream_id, "tenant": ctx.tenant, "code": str(p.code)})
         ctx.stop(p.code, p.reason)
+
+    def _on_breaker(self, t: BreakerTransition) -> None:
+        """Log each circuit-breaker transition once (spec §5.3): opening at
+        WARNING (the next-hop leaves the FIB until its probe), half-open and
+        closed again at INFO."""
+        extra = {"agent": t.agent, "breaker": str(t.new), "breaker_event": str(t.event)}
+        if t.new is BreakerState.OPEN:
+            wait_ms = round(((t.reopen_at or t.at) - t.at) * 1000)
+            log.warning("circuit breaker of %s: %s -> open (%s, opening %d); next probe in %d ms", t.agent, t.old,
+                        t.event, t.openings, wait_ms, extra=extra)
+        else:
+            log.info("circuit breaker of %s: %s -> %s (%s)", t.agent, t.old, t.new, t.event, extra=extra)
 
     def _on_stream_closed(self, ctx: StreamCtx) -> None:
         last = ctx.log.events[-1].frame if ctx.log.events else None
-        err = last.payload.content if last is not None and last.payload is not None else None
+        err = _error_of([last]) if last is not None else None
+        code = err.code if err is not None else None
         spent = self.ledger.state(ctx.account) if self.ledger.has(ctx.account) else None
+        if self.tracing is not None:
+            self.tracing.stream_closed(
+                ctx, outcome="RST" if last is not None and Flag.RST in last.flags else "FIN",
+                code=str(code) if code is not None else None,
+                usd_micros=spent.committed_usd_micros if spent else None)
         self.audit_event("session_close" if Flag.RST not in (last.flags if last else []) else "error", ctx.identity, {
             "session_id": ctx.session_id, "stream_id": ctx.stream_id,
             "outcome": "RST" if last is not None and Flag.RST in last.flags else "FIN",
-            "code": str(err.code) if isinstance(err, ErrorPayload) else None,
+            "code": str(code) if code is not None else None,
             "tokens": spent.committed_tokens if spent else None,
-            "usd_micros": spent.committed_usd_micros if spent else None})
+            "usd_micros": spent.committed_usd_micros if spent else None},
+            # An ESEC or EPREEMPT reset was logged where it was decided (refusal, preemption).
+            level=logging.DEBUG if code in (ErrorCode.ESEC, ErrorCode.EPREEMPT) else None)
         if not ctx.task_started:
             self.control.release(ctx)  # else the task releases it when it ends
 
@@ -886,6 +993,8 @@ class Router:
         return True
 
     def _on_leg(self, out: LegOutcome) -> None:
+        if self.tracing is not None:
+            self.tracing.leg(out)
         m = self.metrics
         m.agent_calls.labels(out.agent, "ok" if out.error is None else str(out.error.code)).inc()
         m.agent_latency.labels(out.agent).observe(out.latency_ms / 1000)
@@ -951,10 +1060,13 @@ class Router:
                 await nursery.start(self.control.serve)
                 nursery.start_soon(self.gates.slots.run)
                 nursery.start_soon(self.streams.run)
+                nursery.start_soon(self.streams.run_flusher)
                 nursery.start_soon(self._audit_checkpoints)
                 nursery.start_soon(self.learning.run)
                 if self.config.watch_policies:
                     nursery.start_soon(self._watch_policies)
+                for task in self._background_tasks():
+                    nursery.start_soon(task)
                 self._nursery = nursery
                 task_status.started(self)
                 try:
@@ -966,6 +1078,10 @@ class Router:
             # Also when cancelled from outside: the state directory's lock is
             # released, so a router can start on it again in this process.
             self.close_state()
+
+    def _background_tasks(self) -> list[Callable[[], Any]]:
+        """More background loops :meth:`serve` runs (a worker's RIB follower)."""
+        return []
 
     async def _watch_policies(self) -> None:
         """Reload the RIB when a policy file changes (``watch_policies``)."""
@@ -985,11 +1101,9 @@ class Router:
                                                step=50, recursive=False):
             files = sorted({Path(n).name for _, n in changes})
             try:
-                summary = self.reload(None)
-            except PolicyError as e:
-                log.error("policy watch: %s changed; RIB refused, generation %d stays:\n  %s", ", ".join(files),
-                          self.gen.version, "\n  ".join(x.where() for x in e.errors))
-                continue
+                summary = self.reload(None, cause=f"policy watch: {', '.join(files)} changed")
+            except PolicyError:
+                continue  # reload() logged it, once
             except Exception:
                 log.exception("policy watch: reload failed; generation %d stays", self.gen.version)
                 continue
@@ -1008,6 +1122,19 @@ class Router:
                 self.store.expire(now_ms - retain_ms)
             except Exception:
                 log.exception("state: audit checkpoint or expiry failed")
+
+
+def end_interrupted(store: SqliteStore, rec: Any, reason: str) -> None:
+    """End the stored log of stream ``rec`` (a :class:`~atp.store.base.StreamRecord`
+    just marked interrupted) with an RST ``EAGENTDOWN`` giving ``reason`` (spec
+    §8: a client reading or resuming it learns it was not finished)."""
+    events = store.events(rec.tenant, rec.session_id, rec.stream_id)
+    last = _stored_decoder.decode(events[-1].frame) if events else None
+    rst = Frame(v=1, session_id=rec.session_id, stream_id=rec.stream_id,
+                msg_seq=(last.msg_seq + 1) if last is not None else 0, flags=[Flag.RST],
+                payload=Payload(type=PayloadType.CONTROL,
+                                content=ErrorPayload(code=ErrorCode.EAGENTDOWN, reason=reason)))
+    store.append_event(rec.tenant, rec.session_id, rec.stream_id, len(events) + 1, "RST", msgspec.json.encode(rst))
 
 
 def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: str) -> Frame:

@@ -32,12 +32,13 @@ from atp.router.openai_ingress import (
     ModelList,
     OpenAIErrorResponse,
 )
+from atp.router.status import StatusSnapshot
 from atp.wire.frame import Control, Frame, RouteUpdate
 
 _STRUCTS = (
     StreamOpenRequest, StreamOpenResponse, FramesResponse, ReloadResponse, PolicyText, ErrorResponse, Health,
     Frame, RouteUpdate, FinalResult, FeedbackRequest, FeedbackResponse, FibView,
-    ChatCompletionRequest, ChatCompletion, ChatCompletionChunk, ModelList, OpenAIErrorResponse,
+    ChatCompletionRequest, ChatCompletion, ChatCompletionChunk, ModelList, OpenAIErrorResponse, StatusSnapshot,
 )
 
 
@@ -208,6 +209,38 @@ def openapi_document() -> dict[str, Any]:
                        "tenant may use",
             "operationId": "listModels",
             "responses": {"200": _json_body("ModelList", "the models"), **_openai_errors(401, 403)},
+        }},
+        "/v1/status": {"get": {
+            "summary": "The router's live status (admin): open streams with their windows and budgets, next-hops "
+                       "with health, circuit breaker and AIMD cwnd, the FIB with bandit estimates, recent errors, "
+                       "and a bounded history (samples, finished tasks)",
+            "operationId": "getStatus",
+            "responses": {"200": _json_body("StatusSnapshot", "the status snapshot"), **_errors(401, 403)},
+        }},
+        "/v1/status/events": {"get": {
+            "summary": "The status snapshot as Server-Sent Events (admin): `event: status`, `data:` a "
+                       "StatusSnapshot, every second and as soon as open streams, the RIB or a circuit change",
+            "operationId": "statusEvents",
+            "responses": {"200": {"description": "event stream", "content": {"text/event-stream": {
+                "schema": {"type": "string"}, "x-atp-event-data": _ref("StatusSnapshot")}}},
+                "429": _json_body("ErrorResponse", "EWINDOW: too many status event streams are open"),
+                **_errors(401, 403)},
+        }},
+        "/status": {"get": {
+            "summary": "The status page (HTML; it holds no data: it asks for an admin token and reads "
+                       "`/v1/status/events`)",
+            "operationId": "statusPage",
+            "security": [],
+            "responses": {"200": {"description": "the page", "content": {"text/html": {"schema": {"type": "string"}}}}},
+        }},
+        "/status/{asset}": {"get": {
+            "summary": "The status page's script and style sheet (`status.js`, `status.css`)",
+            "operationId": "statusAsset",
+            "security": [],
+            "parameters": [{"name": "asset", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "the file", "content": {
+                "text/javascript": {"schema": {"type": "string"}}, "text/css": {"schema": {"type": "string"}}}},
+                "404": {"description": "no such file"}},
         }},
         "/v1/health": {"get": {
             "summary": "Liveness and RIB generation",

@@ -71,6 +71,8 @@ _SENTENCE = re.compile(r"^(.+?[.!?])(\s|$)", re.DOTALL)
 #: Modules listed per package, and public names per module, in the summary.
 MAX_MODULES = 60
 MAX_NAMES = 6
+#: README headings cited in the outline, at most.
+MAX_OUTLINE = 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,24 +333,32 @@ def summarise(facts: RepoFacts) -> AgentReport:
                                    f"`{m.path}` has a `__main__` block."))
     if facts.headings and facts.readme:
         out.append("\n## Documentation outline")
-        for level, heading, line in facts.headings:
-            if level <= 3:
-                out.append("  " * max(level - 1, 0) + "- " + cite("readme", facts.readme, line, line, heading))
+        # Its top levels, bounded: a long README must not use up the citations
+        # (the next-hop's findings cap) that the module list needs.
+        outline = [h for h in facts.headings if h[0] <= 3]
+        if len(outline) > MAX_OUTLINE:
+            outline = [h for h in outline if h[0] <= 2]
+        for level, heading, line in outline[:MAX_OUTLINE]:
+            out.append("  " * max(level - 1, 0) + "- " + cite("readme", facts.readme, line, line, heading))
+        if len(outline) > MAX_OUTLINE:
+            out.append(f"- (+{len(outline) - MAX_OUTLINE} more sections)")
     if facts.modules:
         out.append("\n## Modules")
         packages: dict[str, list[Module]] = {}
         for m in facts.modules:
             packages.setdefault(m.path.rsplit("/", 1)[0] if "/" in m.path else ".", []).append(m)
-        listed = 0
-        for pkg, mods in packages.items():
-            documented = [m for m in mods if m.doc or m.public]
-            if not documented:
-                continue
-            out.append(f"- `{pkg}/` ({len(mods)} module(s))")
+        shown = {pkg: [m for m in mods if m.doc or m.public] for pkg, mods in packages.items()}
+        shown = {pkg: mods for pkg, mods in shown.items() if mods}
+        # MAX_MODULES shared fairly between the packages (a big package cannot crowd
+        # out the ones after it); within one, its largest modules, in path order.
+        share = _fair_shares({pkg: len(mods) for pkg, mods in shown.items()}, MAX_MODULES,
+                             weights={pkg: sum(m.lines for m in mods) for pkg, mods in shown.items()})
+        for pkg, documented in shown.items():
+            out.append(f"- `{pkg}/` ({len(packages[pkg])} module(s))")
+            keep = {id(m) for m in sorted(documented, key=lambda m: -m.lines)[:share[pkg]]}
             for m in documented:
-                if listed >= MAX_MODULES:
-                    break
-                listed += 1
+                if id(m) not in keep:
+                    continue
                 names = ", ".join(f"{n}" for _, n, _, _ in m.public[:MAX_NAMES])
                 more = f" (+{len(m.public) - MAX_NAMES})" if len(m.public) > MAX_NAMES else ""
                 if m.doc:
@@ -407,3 +417,30 @@ class SummariserAdapter(InThreadToolAdapter):
     def work(self, content: Any) -> AgentReport:
         """:meth:`report` (the :class:`InThreadToolAdapter` hook)."""
         return self.report(content)
+
+
+def _fair_shares(sizes: dict[str, int], total: int, *, weights: dict[str, int]) -> dict[str, int]:
+    """Split ``total`` slots between groups of ``sizes`` items: one each first
+    (while slots last, in order), the rest in proportion to ``weights`` (lines of
+    code: the big packages say most about a repository), never more than a
+    group has; what a group cannot take goes to the others."""
+    share = dict.fromkeys(sizes, 0)
+    left = total
+    for k, n in sizes.items():
+        if left and n:
+            share[k], left = 1, left - 1
+    while left > 0:
+        open_ = [k for k in sizes if share[k] < sizes[k]]
+        if not open_:
+            break
+        weight = sum(max(weights.get(k, 0), 1) for k in open_)
+        given = 0
+        for k in sorted(open_, key=lambda k: -weights.get(k, 0)):
+            want = max(int(left * max(weights.get(k, 0), 1) / weight), 1 if given < left else 0)
+            give = min(want, sizes[k] - share[k], left - given)
+            share[k] += give
+            given += give
+        if given == 0:
+            break
+        left -= given
+    return share
