@@ -34,7 +34,11 @@ grace               a stream left without a follower (*detached*) is reset with
                     ``ETIMEOUT`` after ``resume_grace_s``
 idle expiry         a stream opened without a task (SYN without payload) that
                     gets none within ``idle_task_s`` is reset with ``ETIMEOUT``
-refused SYNs        remembered (bounded) so their late frames are dropped
+refused SYNs        remembered (bounded) so their late frames are dropped;
+                    nothing else of them stays (not even their session)
+idle trim           with no stream open, once freed memory settled:
+                    ``idle_trim()`` (:func:`atp.router.memory.trim`: a full
+                    collection and ``malloc_trim``), at most every 10 s
 ==================  =============================================================
 
 Timed work follows aioquic's shape: :meth:`StreamTable.get_timer` is the next
@@ -99,6 +103,9 @@ REFUSED_RETAIN_S = 1.0
 DEFAULT_RETAIN_CLOSED_BYTES = 16 * 2**20
 #: The router trims its memory this long after it went idle, s (atp.router.memory).
 _IDLE_TRIM_AFTER_S = 2.0
+#: Timers of removed streams are purged once more than this many streams left
+#: the table (and their timers, up to ~3 each, may be half of them).
+_TIMERS_PURGE_AT = 256
 
 
 #: Key of the SYN+ACK route info kept with a stored stream's meta.
@@ -533,7 +540,7 @@ class StreamTable:
         #: since the last call), at most every ``TRIM_EVERY_S``: atp.router.memory.trim.
         self._idle_trim = idle_trim
         self._trim_due = False
-        self._trimmed_at = -math.inf
+        self._trim_at = self._trimmed_at = -math.inf
         self.resume_grace_s = resume_grace_s
         self.idle_task_s = idle_task_s
         self.hb_interval_s = hb_interval_s
@@ -561,6 +568,8 @@ class StreamTable:
         #: (deadline, seq, kind, stream key): timed work, checked again when due (lazy
         #: removal). Keys, not streams: a removed stream's log is not kept alive here.
         self._timers: list[tuple[float, int, str, StreamKey | None]] = []
+        #: Streams removed since the timers were last purged (:meth:`_purge_timers`).
+        self._gone = 0
         self._seq = itertools.count()
         self._sleeping_until = math.inf
         self._changed = trio.Event()
@@ -747,13 +756,15 @@ class StreamTable:
             self._remove(old)  # one still settling stays; its retention timer tries again
 
     def _want_trim(self, now: float | None) -> None:
-        """Memory was freed with no stream open: trim once things settle
-        (``_IDLE_TRIM_AFTER_S``), at most every ``TRIM_EVERY_S``."""
-        if self._idle_trim is None or self._trim_due:
+        """Memory was freed with no stream open: trim once that settled
+        (``_IDLE_TRIM_AFTER_S`` after the last such moment), at most every
+        ``TRIM_EVERY_S``."""
+        if self._idle_trim is None:
             return
-        self._trim_due = True
-        at = (now if now is not None else trio.current_time()) + _IDLE_TRIM_AFTER_S
-        self._schedule(max(at, self._trimmed_at + TRIM_EVERY_S), "trim", None)
+        self._trim_at = (now if now is not None else trio.current_time()) + _IDLE_TRIM_AFTER_S
+        if not self._trim_due:
+            self._trim_due = True
+            self._schedule(max(self._trim_at, self._trimmed_at + TRIM_EVERY_S), "trim", None)
 
     def _may_leave(self, ctx: StreamCtx, unstored: set[int], *, aged: bool = False) -> bool:
         """Whether closed ``ctx`` may leave memory: nobody is reading it, and
@@ -801,7 +812,19 @@ class StreamTable:
         left = self._session_streams[key[:2]] = self._session_streams[key[:2]] - 1
         if left <= 0:
             del self._session_streams[key[:2]]
+        self._gone += 1
+        if self._gone > _TIMERS_PURGE_AT and self._gone * 4 > len(self._timers):  # amortised O(1) a removal
+            self._purge_timers()
         return True
+
+    def _purge_timers(self) -> None:
+        """Drop the timers of streams no longer in the table. Due, they would
+        be skipped; until then each holds a tuple and its stream's key (an idle
+        timer for ``idle_task_s``), small objects scattered over the heap that keep
+        the allocator from giving the freed pages back."""
+        self._timers = [t for t in self._timers if t[3] is None or t[3] in self._streams]
+        heapq.heapify(self._timers)
+        self._gone = 0
 
     # ------------------------------------------------------------------ durable state
     def _persist_open(self, ctx: StreamCtx) -> None:
@@ -978,6 +1001,9 @@ class StreamTable:
                     self._schedule(now + self._sweep_s, "sweep", None)
                 continue
             if kind == "trim":
+                if now < self._trim_at:  # memory was freed since: let it settle
+                    self._schedule(self._trim_at, "trim", None)
+                    continue
                 self._trim_due = False
                 if not self.open_count and self._idle_trim is not None:
                     self._trimmed_at = now

@@ -330,7 +330,7 @@ def test_reading_a_stream_by_its_id_is_an_index_search_also_in_an_older_state_di
 async def test_memory_is_trimmed_only_once_no_stream_is_open(nursery, tmp_path, agent, monkeypatch):
     """The router gives memory back (:func:`atp.router.memory.trim`) when it went
     idle: not while a stream is open, once within seconds after the last one
-    closed — and never with ``idle_trim=False``."""
+    closed and left memory — and never with ``idle_trim=False``."""
     from atp.router import memory
 
     calls: list[float] = []
@@ -347,7 +347,24 @@ async def test_memory_is_trimmed_only_once_no_stream_is_open(nursery, tmp_path, 
         assert calls == []
         closed_at = trio.current_time()
         env.router.streams.find("alice", idle).stop(ErrorCode.ETIMEOUT, "test")
-        await _until(lambda: len(calls) == 1, timeout=5.0)
-        assert calls[0] - closed_at < 3.0
+        await _until(lambda: len(calls) == 1, timeout=8.0)
+        # 2 s after the last memory freed: the stream's close, then its leaving memory (no result: 1 s).
+        assert calls[0] - closed_at < REFUSED_RETAIN_S + 2.0 + 1.0
         await trio.sleep(1.0)
         assert len(calls) == 1  # the router that does not trim never called it
+
+
+async def test_timers_of_streams_that_left_memory_do_not_pile_up(tmp_path, agent, autojump_clock):
+    """600 finished streams with room for 10 in memory: the table's timers of
+    the 590 that left (their retention and idle deadlines, 300 s and 30 s
+    away) are purged, not kept until due."""
+    from tests.unit.test_router_flow import drain, serving, tenant
+
+    async with serving(tmp_path, RIB, retain_closed_max=10, retain_closed_s=300.0, idle_task_s=30.0) as router:
+        for _ in range(600):
+            ctx = router.open_stream(task=TASK, content=CLEAN, budget=None, qos=None, window=None,
+                                     idempotency_key=None, identity=tenant("alice"))
+            await drain(ctx)
+        await trio.sleep(0.5)
+        assert len(router.streams) <= 10 + 1
+        assert len(router.streams._timers) < 600  # two a stream (idle, retain) were they kept until due
