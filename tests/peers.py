@@ -377,3 +377,120 @@ def make_test_pki(directory: Path) -> dict[str, bytes]:
 
 #: mosquitto listener lines for the files of :func:`make_test_pki`.
 MOSQUITTO_TLS = "cafile {dir}/ca.pem\ncertfile {dir}/server.pem\nkeyfile {dir}/server.key\n"
+
+
+# ============================================================ redis-server (issue 12)
+# Debian's redis-server (7.x, installed by scripts/peers/redis.sh) for the Redis store
+# and the several-routers tests: one private server per fixture on a free loopback
+# port (and a unix socket) in its own directory, AOF on and fsynced at every write.
+#
+#     with start_redis() as server:           # server.url == "redis://127.0.0.1:<port>/0"
+#         ...
+#         server.stop(); server.start()       # a restart on the same port and data dir
+#         server.kill()                       # SIGKILL: what an acknowledged write survives
+#
+# A missing redis-server skips the test, unless ATP_REQUIRE_PEERS=1 (CI), where it fails.
+
+REDIS_PATHS = ("/usr/bin/redis-server", "/usr/local/bin/redis-server")
+
+
+def find_redis_server() -> str | None:
+    """The redis-server binary, on PATH or where Debian puts it."""
+    return shutil.which("redis-server") or next((p for p in REDIS_PATHS if os.access(p, os.X_OK)), None)
+
+
+class RedisServer:
+    """One redis-server on ``127.0.0.1:port`` and ``workdir/redis.sock``, data in
+    ``workdir`` (``appendonly``: AOF with ``appendfsync always``; else no
+    persistence at all, so a restart loses everything). ``password``: clients
+    must AUTH (``requirepass``)."""
+
+    def __init__(self, exe: str, workdir: Path, port: int, *, appendonly: bool = True,
+                 password: str | None = None) -> None:
+        self.exe, self.workdir, self.port = exe, workdir, port
+        self.host = "127.0.0.1"
+        self.appendonly, self.password = appendonly, password
+        self.proc: subprocess.Popen | None = None
+        self.log_path = workdir / "redis.log"
+        self.socket_path = workdir / "redis.sock"
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"unix://{auth}{self.socket_path}?db=0"
+
+    def argv(self) -> list[str]:
+        argv = [self.exe, "--port", str(self.port), "--bind", self.host, "--save", "", "--dir", str(self.workdir),
+                "--daemonize", "no", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
+                "--logfile", str(self.log_path), "--loglevel", "warning"]
+        if self.appendonly:
+            argv += ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            argv += ["--appendonly", "no"]
+        if self.password:
+            argv += ["--requirepass", self.password]
+        return argv
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start the server (again: same port, same data dir) and return once it
+        answers PING; fail the test with its log if it exits or does not answer
+        within ``timeout_s``."""
+        self.proc = subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     stdin=subprocess.DEVNULL)
+        wait_until_up(self.proc, self.ping, name="redis-server", where=f"not answering PING on {self.port}",
+                      timeout_s=timeout_s, poll_s=0.02, log=self.log, log_on_timeout=True)
+
+    def ping(self) -> bool:
+        """Whether the server answers PING (the RESP exchange, no client library)
+        within 0.5 s; ``-NOAUTH`` / ``-LOADING`` answers are not up."""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                if self.password:
+                    s.sendall(b"AUTH %s\r\n" % self.password.encode())
+                    if not s.recv(64).startswith(b"+OK"):
+                        return False
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        """Stop the server (SIGTERM: a clean shutdown)."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            stop_process(proc, sig, timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL the server: nothing is flushed beyond what it already fsynced."""
+        self.stop(signal.SIGKILL)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+@contextlib.contextmanager
+def start_redis(*, appendonly: bool = True, password: str | None = None) -> Iterator[RedisServer]:
+    """A running :class:`RedisServer` on a free loopback port for the block, in a
+    temporary directory, stopped (and the directory removed) after it."""
+    exe = find_redis_server()
+    if exe is None:
+        _peer_unavailable("redis-server", "not installed (scripts/peers/redis.sh installs it)")
+    with tempfile.TemporaryDirectory(prefix="atp-redis-") as d:
+        server = RedisServer(exe, Path(d), free_port(), appendonly=appendonly, password=password)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()

@@ -1,9 +1,10 @@
 """The durable-state interface (issue 7): what the router keeps across a crash.
 
 Callers hold a :class:`Store` and never learn its backend: the embedded SQLite
-default (:mod:`atp.store.sqlite`) or, later, a backend shared by several routers.
-Every mutating method is durable when it returns (for the SQLite default: across
-a process kill -9, see there). It holds
+default (:mod:`atp.store.sqlite`) or Redis, shared by several routers
+(:mod:`atp.store.redis`). Every mutating method is durable when it returns (for
+the SQLite default: across a process kill -9; for Redis: as its AOF is
+configured; see there). It holds
 
 * **budget ledgers** (spec §5.1): accounts ``(key, parent, limit, committed,
   overage, open)`` and open reservations ``(id, account, tokens, usd_micros)``,
@@ -29,7 +30,7 @@ at the crash becomes ``"interrupted"``; the router reports it with an RST naming
 the crash and never runs it again.
 
 Several router processes on one store (``atp-router --workers N``, issue 10;
-several machines on a shared backend later): the ``*_shared`` ledger methods
+several machines on Redis, issue 12): the ``*_shared`` ledger methods
 (the :class:`~atp.flow.budget.SharedAccounts` of a
 :class:`~atp.flow.budget.SharedBudgetLedger`) check and hold budget along an
 account's chain in one atomic step across processes; reservations, accounts
@@ -40,16 +41,29 @@ store (:meth:`Store.next_rib_version`) so every process numbers a reload
 alike, and audit records are chained at the store's head
 (:meth:`Store.append_audit_chained`).
 
+Routers on several machines (issue 12, :class:`~atp.store.redis.RedisStore`)
+also keep **leases** in the store: each router process renews its own
+(:meth:`Store.heartbeat`), the others see it in :meth:`Store.live_owners`, and an
+owner whose lease expired while it still holds reservations, accounts or open
+streams is listed by :meth:`Store.lost_owners`; one survivor takes an expiring
+:meth:`Store.claim` on settling it and gives its reservations back
+(:meth:`Store.release_owned`: a call re-run elsewhere is what gets charged,
+nothing twice). Shared values that several routers change (learning
+statistics, breaker state) go through :meth:`Store.update`, an atomic
+read-modify-write of one kv key.
+
 Errors: :class:`StoreError` and its subclasses :class:`SchemaError` (a state
 directory this version cannot read), :class:`StoreLimitError` (a bound was hit:
-frame size, events per stream) and :class:`NotFound` (an unknown reservation,
-account or stream; also a ``KeyError``).
+frame size, events per stream), :class:`NotFound` (an unknown reservation,
+account or stream; also a ``KeyError``) and :class:`StoreUnavailable` (a store
+on the network cannot be reached, or lost its data: spend is refused while it
+lasts).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Self
 
@@ -68,6 +82,7 @@ __all__ = [
     "StoreError",
     "StoreJournal",
     "StoreLimitError",
+    "StoreUnavailable",
     "StoredEvent",
     "StreamRecord",
     "StreamState",
@@ -90,6 +105,15 @@ class StoreLimitError(StoreError):
     def __init__(self, limit: str, message: str) -> None:
         super().__init__(message)
         self.limit = limit
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached (connection refused or reset, a timeout, a
+    server still loading its data) or it lost its data (a Redis restarted
+    without persistence: see :class:`~atp.store.redis.RedisStore`, epoch).
+    Nothing was decided: spend must be refused while it lasts; the operation
+    may be retried later. A write that timed out may or may not have been
+    applied (a retried commit then finds its reservation gone: :class:`NotFound`)."""
 
 
 class NotFound(StoreError, KeyError):
@@ -247,6 +271,55 @@ class Store(ABC):
     def shared_totals(self, key: str) -> SharedResult:
         """``key``'s chain as it stands. Raises :class:`NotFound`."""
 
+    # ------------------------------------------- router leases (several routers)
+    @abstractmethod
+    def heartbeat(self, owner: str, *, ttl_ms: int, now_ms: int, info: Mapping[str, Any]) -> None:
+        """(Re)set process ``owner``'s lease to expire ``ttl_ms`` ms from now,
+        keeping ``info`` (JSON-able, e.g. ``{"url": ..., "started_ms": ...}``)
+        with it. ``now_ms`` is the caller's Unix ms; a backend with a clock of
+        its own (Redis) times the lease by it instead, so hosts never compare
+        wall clocks. Raises ``ValueError`` when ``ttl_ms < 1``."""
+
+    @abstractmethod
+    def live_owners(self, *, now_ms: int) -> dict[str, dict[str, Any]]:
+        """``owner -> info`` of every lease that has not expired at ``now_ms``
+        (Unix ms; Redis: by its own clock)."""
+
+    @abstractmethod
+    def drop_lease(self, owner: str) -> None:
+        """Remove ``owner``'s lease (a clean shutdown); nothing if it has none."""
+
+    @abstractmethod
+    def lost_owners(self, *, now_ms: int) -> list[str]:
+        """The owners (never ``None``), sorted, that still own an open
+        reservation, an open account or an open stream and have no live lease
+        at ``now_ms`` — router processes that died (or lost the store for
+        longer than their lease) and must be settled."""
+
+    @abstractmethod
+    def claim(self, name: str, holder: str, *, ttl_ms: int, now_ms: int) -> bool:
+        """An expiring mutual-exclusion claim on ``name``: True if ``holder``
+        holds it now for ``ttl_ms`` ms (taken, or extended when it held it
+        already), False while another holder's claim lasts. Used for "who
+        settles lost router X" and "who re-runs idempotency key K". Raises
+        ``ValueError`` when ``ttl_ms < 1``."""
+
+    @abstractmethod
+    def release_owned(self, owner: str) -> list[Reservation]:
+        """Give back (charge nothing) every open reservation ``owner`` holds,
+        each atomically along its account chain; returns them in id order. The
+        lease-expiry rule of issue 12: the call is re-run elsewhere and that
+        run is what gets charged — nothing twice (compare :meth:`recover`, the
+        restart rule of a single router, which charges what was reserved).
+        Raises ``ValueError`` for an empty ``owner``."""
+
+    @abstractmethod
+    def update(self, key: str, fn: Callable[[bytes | None], bytes | None]) -> bytes | None:
+        """Atomic read-modify-write of kv ``key``: ``fn(current value or None)``
+        gives the new value (``None`` deletes the key); when another process
+        changed the key meanwhile, ``fn`` is called again on the new value
+        (keep it pure). Returns the value stored (``None``: deleted)."""
+
     # ------------------------------------------------------------------ streams
     @abstractmethod
     def put_stream(self, record: StreamRecord) -> None:
@@ -395,8 +468,23 @@ class Store(ABC):
     def batch(self) -> AbstractContextManager[None]:
         """Group commit: the mutating calls made inside the block are durable
         together when it ends (a call that raised is undone alone). Backends
-        without transactions make each call durable on its own (the default)."""
+        without transactions make each call durable on its own (the default).
+        A backend that sends the block's writes when it ends (Redis) raises
+        their errors (:class:`NotFound`, :class:`StoreLimitError`, …) there
+        rather than at the call; an exception inside the block drops them."""
         return nullcontext()
+
+    @property
+    def available(self) -> bool:
+        """Whether the store answered its last call (False while a network
+        store is unreachable: calls raise :class:`StoreUnavailable` at once
+        for a short back-off). Always True for an embedded store."""
+        return True
+
+    def describe(self) -> str:
+        """Where the state lives, for logs and the status page (no secrets:
+        a URL's password is masked)."""
+        return type(self).__name__
 
     def close(self) -> None:
         """Release the backend (idempotent)."""

@@ -40,6 +40,10 @@ process a reservation, account or stream belongs to, for settling a dead one
 (:meth:`SqliteStore.recover`, :meth:`SqliteStore.close_owned_accounts`,
 :meth:`SqliteStore.interrupt_open_streams` with ``owner``).
 
+Leases and claims of router processes sharing the store (issue 12) are rows
+timed by the callers' ``now_ms`` (one machine, one clock); :meth:`SqliteStore.update`
+is one ``BEGIN IMMEDIATE`` transaction.
+
 The schema is versioned in the ``meta`` table (:data:`SCHEMA_VERSION`); a
 state directory written by a newer router is refused with
 :class:`~atp.store.base.SchemaError` rather than misread; an older one is
@@ -55,10 +59,10 @@ import math
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -85,7 +89,7 @@ from atp.store.base import (
     StreamRecord,
 )
 
-__all__ = ["RIB_KEPT", "SCHEMA_VERSION", "SqliteStore"]
+__all__ = ["RIB_KEPT", "SCHEMA_VERSION", "SqliteStore", "ledger_snapshot"]
 
 #: Version of the schema below; bump it with a migration in ``_migrate``.
 SCHEMA_VERSION = 2
@@ -136,6 +140,13 @@ _CACHE_SCHEMA = [
     ("CREATE TABLE IF NOT EXISTS cache_total (id INTEGER PRIMARY KEY CHECK (id = 0), entries INTEGER NOT NULL, "
      "bytes INTEGER NOT NULL)"),
     "INSERT OR IGNORE INTO cache_total (id, entries, bytes) VALUES (0, 0, 0)",
+]
+
+# Router leases and claims (issue 12: several routers on one store), in any schema
+# version like the cache: created where missing, ignored by an older router.
+_LEASE_SCHEMA = [
+    "CREATE TABLE IF NOT EXISTS lease (owner TEXT PRIMARY KEY, expires_ms INTEGER NOT NULL, info TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS claim (name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires_ms INTEGER NOT NULL)",
 ]
 
 # A stream read by its id alone (``find_stream``: GET /v1/streams/{id}/events of a
@@ -335,6 +346,9 @@ class SqliteStore(Store):
         with self._lock:
             return self._conn.execute(sql, args).fetchone()
 
+    def describe(self) -> str:
+        return f"sqlite:{self.path}"
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()
@@ -396,31 +410,7 @@ class SqliteStore(Store):
             res = [Reservation(id=i, key=k, tokens=t, usd_micros=u) for i, k, t, u in self._conn.execute(
                 "SELECT id, account, tokens, usd_micros FROM reservation ORDER BY id")]
             row = self._conn.execute("SELECT value FROM meta WHERE key = 'next_reservation_id'").fetchone()
-        parent = {a[0]: a[1] for a in accts}
-
-        def chain(k: str) -> list[str]:
-            out = [k]
-            while (p := parent.get(out[-1])) is not None and p in parent:
-                out.append(p)
-            return out
-
-        held: dict[str, list[int]] = {a[0]: [0, 0, 0] for a in accts}
-        for r in res:
-            if r.key not in held:
-                raise StoreError(f"reservation {r.id} names account {r.key!r}, which is not open")
-            held[r.key][2] += 1
-            for k in chain(r.key):
-                held[k][0] += r.tokens
-                held[k][1] += r.usd_micros
-        states = [
-            AccountState(key=k, parent=p, limit=Allowance(tokens=lt, usd_micros=lu), reserved_tokens=held[k][0],
-                         reserved_usd_micros=held[k][1], committed_tokens=ct, committed_usd_micros=cu,
-                         overage_tokens=ot, overage_usd_micros=ou, open_reservations=held[k][2])
-            for k, p, lt, lu, ct, cu, ot, ou in accts
-        ]
-        states.sort(key=lambda s: (len(chain(s.key)), s.key))
-        return LedgerSnapshot(accounts=tuple(states), reservations=tuple(res),
-                              next_id=max(int(row[0]) if row else 1, max((r.id for r in res), default=0) + 1))
+        return ledger_snapshot(accts, res, int(row[0]) if row else 1)
 
     def recover(self, owner: str | None = None) -> list[Reservation]:
         where, args = ("", ()) if owner is None else (" WHERE owner = ?", (owner,))
@@ -437,6 +427,54 @@ class SqliteStore(Store):
         if owner is None:
             return self._one("UPDATE account SET open = 0 WHERE owner IS NOT NULL AND open = 1").rowcount
         return self._one("UPDATE account SET open = 0 WHERE owner = ? AND open = 1", (owner,)).rowcount
+
+    def release_owned(self, owner: str) -> list[Reservation]:
+        if not owner:
+            raise ValueError("release_owned needs an owner")
+        with self._tx() as c:
+            res = [Reservation(id=i, key=k, tokens=t, usd_micros=u) for i, k, t, u in c.execute(
+                "SELECT id, account, tokens, usd_micros FROM reservation WHERE owner = ? ORDER BY id",
+                (owner,)).fetchall()]
+            for r in res:
+                c.execute(_CHAIN_UPDATE, {"key": r.key, **_moves(rt=-r.tokens, ru=-r.usd_micros)})
+            c.execute("DELETE FROM reservation WHERE owner = ?", (owner,))
+        return res
+
+    # ----------------------------------------------------------- router leases
+    def heartbeat(self, owner: str, *, ttl_ms: int, now_ms: int, info: Mapping[str, Any]) -> None:
+        if ttl_ms < 1:
+            raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
+        self._one("INSERT OR REPLACE INTO lease (owner, expires_ms, info) VALUES (?, ?, ?)",
+                  (owner, now_ms + ttl_ms, json.dumps(dict(info), ensure_ascii=False)))
+
+    def live_owners(self, *, now_ms: int) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            rows = self._conn.execute("SELECT owner, info FROM lease WHERE expires_ms > ? ORDER BY owner",
+                                      (now_ms,)).fetchall()
+        return {o: json.loads(i) for o, i in rows}
+
+    def drop_lease(self, owner: str) -> None:
+        self._one("DELETE FROM lease WHERE owner = ?", (owner,))
+
+    def lost_owners(self, *, now_ms: int) -> list[str]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT owner FROM reservation WHERE owner IS NOT NULL "
+                "UNION SELECT owner FROM account WHERE open = 1 AND owner IS NOT NULL "
+                "UNION SELECT owner FROM stream WHERE state = 'open' AND owner IS NOT NULL "
+                "EXCEPT SELECT owner FROM lease WHERE expires_ms > ? ORDER BY 1", (now_ms,)).fetchall()
+        return [r[0] for r in rows]
+
+    def claim(self, name: str, holder: str, *, ttl_ms: int, now_ms: int) -> bool:
+        if ttl_ms < 1:
+            raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
+        with self._tx() as c:
+            row = c.execute("SELECT holder, expires_ms FROM claim WHERE name = ?", (name,)).fetchone()
+            if row is not None and row[0] != holder and row[1] > now_ms:
+                return False
+            c.execute("INSERT OR REPLACE INTO claim (name, holder, expires_ms) VALUES (?, ?, ?)",
+                      (name, holder, now_ms + ttl_ms))
+        return True
 
     # ------------------------------------------------- shared budget ledger
     def open_shared(self, key: str, parent: str | None, limit: Allowance, *, owner: str | None) -> SharedResult:
@@ -687,6 +725,16 @@ class SqliteStore(Store):
     def put(self, key: str, value: bytes) -> None:
         self._one("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (key, value))
 
+    def update(self, key: str, fn: Callable[[bytes | None], bytes | None]) -> bytes | None:
+        with self._tx() as c:  # BEGIN IMMEDIATE: no other writer between the read and the write
+            row = c.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+            new = fn(None if row is None else bytes(row[0]))
+            if new is None:
+                c.execute("DELETE FROM kv WHERE key = ?", (key,))
+            else:
+                c.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (key, bytes(new)))
+        return new
+
     # ------------------------------------------------------- response cache
     def cache_get(self, key: bytes, *, now_ms: int) -> bytes | None:
         with self._lock:
@@ -731,6 +779,39 @@ class SqliteStore(Store):
     def cache_stats(self) -> CacheStats:
         row = self._row("SELECT entries, bytes FROM cache_total")
         return CacheStats(*row) if row is not None else CacheStats()
+
+
+def ledger_snapshot(accts: list[tuple], res: list[Reservation], next_id: int) -> LedgerSnapshot:
+    """The :class:`LedgerSnapshot` of the open accounts ``accts`` (rows ``(key,
+    parent, limit_tokens, limit_usd, committed_tokens, committed_usd,
+    overage_tokens, overage_usd)``) and the open reservations ``res`` (by id),
+    what they hold summed up their chains (shared with the Redis backend).
+    Raises :class:`StoreError` for a reservation on an account that is not open."""
+    parent = {a[0]: a[1] for a in accts}
+
+    def chain(k: str) -> list[str]:
+        out = [k]
+        while (p := parent.get(out[-1])) is not None and p in parent:
+            out.append(p)
+        return out
+
+    held: dict[str, list[int]] = {a[0]: [0, 0, 0] for a in accts}
+    for r in res:
+        if r.key not in held:
+            raise StoreError(f"reservation {r.id} names account {r.key!r}, which is not open")
+        held[r.key][2] += 1
+        for k in chain(r.key):
+            held[k][0] += r.tokens
+            held[k][1] += r.usd_micros
+    states = [
+        AccountState(key=k, parent=p, limit=Allowance(tokens=lt, usd_micros=lu), reserved_tokens=held[k][0],
+                     reserved_usd_micros=held[k][1], committed_tokens=ct, committed_usd_micros=cu,
+                     overage_tokens=ot, overage_usd_micros=ou, open_reservations=held[k][2])
+        for k, p, lt, lu, ct, cu, ot, ou in accts
+    ]
+    states.sort(key=lambda s: (len(chain(s.key)), s.key))
+    return LedgerSnapshot(accounts=tuple(states), reservations=tuple(res),
+                          next_id=max(next_id, max((r.id for r in res), default=0) + 1))
 
 
 def _cache_remove(c: sqlite3.Connection, sql: str, args: tuple) -> int:
@@ -862,7 +943,7 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> None:
                 for key, t, u in conn.execute("SELECT account, tokens, usd_micros FROM reservation").fetchall():
                     conn.execute(_CHAIN_UPDATE, {"key": key, **_moves(rt=t, ru=u)})
                 conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
-        for stmt in _CACHE_SCHEMA + _STREAM_READS:
+        for stmt in _CACHE_SCHEMA + _STREAM_READS + _LEASE_SCHEMA:
             conn.execute(stmt)
     except BaseException:
         conn.execute("ROLLBACK")

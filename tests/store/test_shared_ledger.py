@@ -1,11 +1,13 @@
-"""Budgets shared by several router processes (``atp-router --workers N``, issue 10):
-the store's ``*_shared`` ledger methods behind :class:`SharedBudgetLedger`, on a
-real SQLite file opened by several connections and several processes.
+"""Budgets shared by several router processes (``atp-router --workers N``, issue 10;
+several routers on Redis, issue 12): the store's ``*_shared`` ledger methods behind
+:class:`SharedBudgetLedger`, on every backend (the ``backend`` fixture: a real
+SQLite file opened by several connections and processes, a real redis-server).
 
-* one ledger per "worker" on one file behaves exactly like one in-memory
+* one ledger per "worker" on one store behaves exactly like one in-memory
   :class:`BudgetLedger` over the same operations (a differential state machine);
 * real processes reserving and committing with over-reported usage on one tenant
-  account never take it past its limit;
+  account never take it past its limit, seen from outside while they run, and
+  the totals are exactly what they were charged;
 * a dead owner's reservations, accounts and streams are settled by the crash rule
   and nobody else's; RIB versions and the audit chain stay single across writers;
   a version 1 state directory is migrated.
@@ -13,13 +15,13 @@ real SQLite file opened by several connections and several processes.
 
 from __future__ import annotations
 
+import itertools
 import os
-import shutil
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 from atp.flow.budget import (
@@ -42,15 +45,20 @@ from atp.flow.budget import (
 )
 from atp.security.audit import AuditLog, verify
 from atp.store import NotFound, SqliteStore, StoreJournal, StreamRecord
+from tests.store.conftest import Backend
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 class SharedLedgerMachine(RuleBasedStateMachine):
-    """Two worker ledgers on one store file (two connections) against one
-    reference ledger: every reserve, extend, commit, release and limit change
-    has the same outcome — reservation, refusal (key, remaining) or charge — and
-    the store holds the reference's accounts."""
+    """Two worker ledgers on one store (two store objects: two connections)
+    against one reference ledger: every reserve, extend, commit, release and
+    limit change has the same outcome — reservation, refusal (key, remaining)
+    or charge — and the store holds the reference's accounts. ``backend``
+    (set before a run) gives each example a fresh store."""
+
+    backend: Backend
+    examples = itertools.count()
 
     @initialize(
         client=st.tuples(st.none() | st.integers(0, 5_000), st.none() | st.integers(0, 50_000)),
@@ -58,8 +66,8 @@ class SharedLedgerMachine(RuleBasedStateMachine):
                          min_size=1, max_size=6),
     )
     def setup(self, client, streams):
-        self.dir = tempfile.mkdtemp(prefix="atp-shared-")
-        self.stores = [SqliteStore.open(self.dir, multiprocess=True) for _ in range(2)]
+        state = self.backend.fresh(next(self.examples))
+        self.stores = [state.open(multiprocess=True) for _ in range(2)]
         self.workers = [SharedBudgetLedger(s, owner=f"w{i}.1") for i, s in enumerate(self.stores)]
         self.ref = BudgetLedger()
         limit = Allowance(tokens=client[0], usd_micros=client[1])
@@ -75,9 +83,8 @@ class SharedLedgerMachine(RuleBasedStateMachine):
         self.open: list[tuple[Reservation, Reservation]] = []  # (reference, shared)
 
     def teardown(self):
-        for s in self.stores:
+        for s in getattr(self, "stores", ()):
             s.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
     @rule(data=st.data(), tokens=st.integers(0, 2_000), usd=st.integers(0, 20_000))
     def reserve(self, data, tokens, usd):
@@ -122,25 +129,26 @@ class SharedLedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def store_holds_the_reference(self):
-        rows = {r[0]: r[1:] for r in self.stores[0]._conn.execute(
-            "SELECT key, limit_tokens, limit_usd, committed_tokens, committed_usd, reserved_tokens, reserved_usd, "
-            "overage_tokens, overage_usd FROM account WHERE open = 1")}
         for key in ["client:t", *self.streams]:
             s = self.ref.state(key)
-            stored = rows[self.workers[self.streams.get(key, 0)].store_key(key)]
-            assert stored == (s.limit.tokens, s.limit.usd_micros, s.committed_tokens, s.committed_usd_micros,
-                              s.reserved_tokens, s.reserved_usd_micros, s.overage_tokens, s.overage_usd_micros)
+            t = self.stores[1].shared_totals(self.workers[self.streams.get(key, 0)].store_key(key)).totals[0]
+            assert (t.limit, t.committed_tokens, t.committed_usd_micros, t.reserved_tokens, t.reserved_usd_micros,
+                    t.overage_tokens, t.overage_usd_micros) == (
+                s.limit, s.committed_tokens, s.committed_usd_micros, s.reserved_tokens, s.reserved_usd_micros,
+                s.overage_tokens, s.overage_usd_micros)
         # Each worker's mirror of its own streams is exact (only it spends on them).
         for key, worker in self.streams.items():
             assert self.workers[worker].state(key) == self.ref.state(key)
 
 
-TestSharedLedgerMachine = SharedLedgerMachine.TestCase
-TestSharedLedgerMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+def test_shared_ledger_machine(backend: Backend):
+    SharedLedgerMachine.backend = backend
+    run_state_machine_as_test(SharedLedgerMachine,
+                              settings=settings(max_examples=60, stateful_step_count=30, deadline=None))
 
 
-def test_second_worker_sees_the_first_workers_hold(tmp_path: Path):
-    a, b = SqliteStore.open(tmp_path, multiprocess=True), SqliteStore.open(tmp_path, multiprocess=True)
+def test_second_worker_sees_the_first_workers_hold(backend: Backend):
+    a, b = backend.open(multiprocess=True), backend.open(multiprocess=True)
     wa, wb = SharedBudgetLedger(a, owner="w0.1"), SharedBudgetLedger(b, owner="w1.2")
     wa.open("client:t", Allowance(tokens=1_000))
     wb.open("client:t", Allowance(tokens=1_000))
@@ -181,12 +189,12 @@ def test_second_worker_sees_the_first_workers_hold(tmp_path: Path):
 _HAMMER = textwrap.dedent("""
     import sys
     from atp.flow.budget import Allowance, Refusal, SharedBudgetLedger
-    from atp.store import SqliteStore
+    from tests.store.conftest import open_spec
     state, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    store = SqliteStore.open(state, multiprocess=True)
+    store = open_spec(state, multiprocess=True)
     ledger = SharedBudgetLedger(store, owner=name)
     ledger.open("client:t", Allowance(tokens=50_000, usd_micros=10**9))
-    charged = refused = 0
+    charged = refused = overage = usd = 0
     for i in range(n):
         key = f"stream:t:{name}-{i}"
         ledger.open(key, Allowance(), parent="client:t")
@@ -196,35 +204,56 @@ _HAMMER = textwrap.dedent("""
         else:
             more = ledger.extend(r, 150, 150)          # the call streams past its estimate
             r = r if isinstance(more, Refusal) else more
-            charged += ledger.commit(r, 700, 700).tokens  # and bills far more (over-reporting)
+            c = ledger.commit(r, 700, 700)             # and bills far more (over-reporting)
+            charged, overage, usd = charged + c.tokens, overage + c.overage_tokens, usd + c.usd_micros
         ledger.close(key)
-    print(charged, refused, flush=True)
+    print(charged, refused, overage, usd, flush=True)
 """)
 
 
-def test_processes_never_overspend_a_shared_account(tmp_path: Path):
-    """Two real processes, each believing in 500 calls of 700 tokens against a
-    50,000-token tenant: together they charge exactly its limit, never more."""
+@pytest.mark.parametrize("n_procs", [2, 4])
+def test_processes_never_overspend_a_shared_account(backend: Backend, n_procs: int):
+    """``n_procs`` real processes, each believing in 500 calls of 700 tokens
+    against a 50,000-token tenant: together they charge exactly its limit,
+    never more — and a watcher reading the account while they run never sees
+    committed + reserved above it; the totals are the sum of what each was
+    charged, to the token."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    SqliteStore.open(tmp_path).close()
-    procs = [subprocess.Popen([sys.executable, "-c", _HAMMER, str(tmp_path), f"w{i}.{i}", "500"],
-                              stdout=subprocess.PIPE, text=True, env=env) for i in range(2)]
-    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    s = backend.open(multiprocess=True)
+    SharedBudgetLedger(s, owner="setup").open("client:t", Allowance(tokens=50_000, usd_micros=10**9))
+    procs = [subprocess.Popen([sys.executable, "-c", _HAMMER, backend.spec, f"w{i}.{i}", "500"],
+                              stdout=subprocess.PIPE, text=True, env=env) for i in range(n_procs)]
+    seen: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            t = s.shared_totals("client:t").totals[0]
+            seen.append((t.committed_tokens + t.reserved_tokens, t.committed_usd_micros + t.reserved_usd_micros))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        outs = [p.communicate(timeout=180)[0].split() for p in procs]
+    finally:
+        done.set()
+        watcher.join()
     assert all(p.returncode == 0 for p in procs)
     charged = sum(int(o[0]) for o in outs)
-    with SqliteStore.open(tmp_path) as s:
-        client = s.shared_totals("client:t").totals[0]
-        assert s.load_ledger().reservations == ()
+    client = s.shared_totals("client:t").totals[0]
+    assert s.load_ledger().reservations == ()
     assert client.committed_tokens == charged == 50_000  # 0 overshoot, and the limit was reached
-    assert client.overage_tokens > 0 and client.reserved_tokens == 0
-    assert all(int(o[1]) > 0 for o in outs)  # both were refused once the tenant was spent
+    assert client.overage_tokens == sum(int(o[2]) for o in outs) > 0 and client.reserved_tokens == 0
+    assert client.committed_usd_micros == sum(int(o[3]) for o in outs)
+    assert all(int(o[1]) > 0 for o in outs)  # every one was refused once the tenant was spent
+    assert len(seen) > 10 and max(t for t, _ in seen) <= 50_000
 
 
-def test_journaled_ledgers_in_two_processes_would_overspend(tmp_path: Path):
+def test_journaled_ledgers_in_two_processes_would_overspend(backend: Backend):
     """The baseline the shared ledger exists for: two single-process ledgers
-    (each its own view of the tenant, journaled to the same file) both spend
+    (each its own view of the tenant, journaled to the same store) both spend
     its whole budget."""
-    a, b = SqliteStore.open(tmp_path), SqliteStore.open(tmp_path)
+    a, b = backend.open(), backend.open()
     la = BudgetLedger(journal=StoreJournal(a))
     la.open("client:t", Allowance(tokens=1_000))
     lb = BudgetLedger()
@@ -236,8 +265,8 @@ def test_journaled_ledgers_in_two_processes_would_overspend(tmp_path: Path):
     assert a.shared_totals("client:t").totals[0].committed_tokens == 1_800  # overshoot: why workers share
 
 
-def test_a_dead_owner_is_settled_and_nobody_else(tmp_path: Path):
-    s = SqliteStore.open(tmp_path, multiprocess=True)
+def test_a_dead_owner_is_settled_and_nobody_else(backend: Backend):
+    s = backend.open(multiprocess=True)
     dead, live = SharedBudgetLedger(s, owner="w0.10"), SharedBudgetLedger(s, owner="w1.11")
     for lg in (dead, live):
         lg.open("client:t", Allowance(tokens=10_000))
@@ -262,8 +291,8 @@ def test_a_dead_owner_is_settled_and_nobody_else(tmp_path: Path):
         s.shared_totals(dead.store_key("stream:t:d"))
 
 
-def test_rib_versions_and_audit_chain_across_writers(tmp_path: Path):
-    a, b = SqliteStore.open(tmp_path, multiprocess=True), SqliteStore.open(tmp_path, multiprocess=True)
+def test_rib_versions_and_audit_chain_across_writers(backend: Backend):
+    a, b = backend.open(multiprocess=True), backend.open(multiprocess=True)
     a.save_rib(1, "", "policies", "router")
     versions = [x.next_rib_version() for x in (a, b, a, b)]
     assert versions == [2, 3, 4, 5]
@@ -296,3 +325,25 @@ def test_schema_1_is_migrated(tmp_path: Path):
         totals = {t.key: t for t in s.shared_totals("stream:t:x").totals}
         assert totals["client:t"].reserved_tokens == totals["stream:t:x"].reserved_tokens == 120
         assert totals["client:t"].reserved_usd_micros == 7
+
+
+def test_audit_chain_from_threads_stays_one_chain(backend: Backend):
+    """Four writers (threads, each its own store object) appending at once:
+    one chain, no seq twice, and it verifies."""
+    key = b"k" * 32
+    stores = [backend.open(multiprocess=True) for _ in range(4)]
+    logs = [AuditLog(s, key, shared=True) for s in stores]
+
+    def write(i: int) -> None:
+        for j in range(25):
+            logs[i].record("admin", f"w{i}", None, {"i": i, "j": j}, 1_000 + j)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    logs[0].checkpoint()
+    records = stores[1].audit_records()
+    assert [r.seq for r in records] == list(range(1, 101))
+    assert verify(records, stores[2].audit_checkpoints(), key).ok

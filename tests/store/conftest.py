@@ -1,0 +1,96 @@
+"""The store tests' backends: every test of the :class:`~atp.store.Store`
+interface takes the ``backend`` fixture and runs on the embedded SQLite store
+and on Redis (a real redis-server on loopback, one per session, a fresh
+namespace per test; its tests are marked ``peers``)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atp.store import SqliteStore, Store
+from atp.store.redis import RedisStore
+from tests.peers import RedisServer, start_redis
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One redis-server (AOF, fsync always) for the session's store tests."""
+    with start_redis() as server:
+        yield server
+
+
+@dataclass
+class Backend:
+    """A store backend under test: ``open(**options)`` opens another
+    :class:`Store` on the same state (the state dir, or the Redis namespace),
+    as a restarted router or a second process would; ``spec`` names that state
+    for a child process (:func:`open_spec`)."""
+
+    name: str
+    spec: str
+    opener: Callable[..., Store]
+    opened: list[Store] = field(default_factory=list)
+
+    def open(self, **options: Any) -> Store:
+        store = self.opener(**options)
+        self.opened.append(store)
+        return store
+
+
+    def fresh(self, n: int) -> Backend:
+        """Another, empty state of the same backend (the ``n``-th)."""
+        kind, _, rest = self.spec.partition(":")
+        if kind == "sqlite":
+            spec = f"sqlite:{rest}-{n}"
+        else:
+            ns, _, url = rest.partition(":")
+            spec = f"redis:{ns}-{n}:{url}"
+        return Backend(self.name, spec, lambda **options: open_spec(spec, **options), self.opened)
+
+
+def open_spec(spec: str, **options: Any) -> Store:
+    """The store a :attr:`Backend.spec` names: ``sqlite:<dir>`` or
+    ``redis:<namespace>:<url>`` (for child processes). ``multiprocess`` is
+    SQLite's (a Redis store is always shared)."""
+    kind, _, rest = spec.partition(":")
+    if kind == "sqlite":
+        return SqliteStore.open(rest, **options)
+    options.pop("multiprocess", None)
+    ns, _, url = rest.partition(":")
+    return RedisStore.open(url, namespace=ns, **options)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.peers)])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    if request.param == "sqlite":
+        spec = f"sqlite:{tmp_path / 'state'}"
+    else:
+        server = request.getfixturevalue("redis_server")
+        spec = f"redis:t{uuid.uuid4().hex[:12]}:{server.url}"
+    b = Backend(request.param, spec, lambda **options: open_spec(spec, **options))
+    yield b
+    for store in b.opened:
+        store.close()
+
+
+def account_keys(store: Store) -> list[str]:
+    """Every account the store still keeps, open or closed (sorted)."""
+    if isinstance(store, SqliteStore):
+        return sorted(r[0] for r in store._conn.execute("SELECT key FROM account"))
+    assert isinstance(store, RedisStore)
+    c, p = store._client, store._prefix
+    return sorted(k.decode() for k in c.sunion(p + "ao", p + "ac"))
+
+
+def rib_count(store: Store) -> int:
+    """How many RIB versions the store keeps."""
+    if isinstance(store, SqliteStore):
+        return store._conn.execute("SELECT COUNT(*) FROM rib").fetchone()[0]
+    assert isinstance(store, RedisStore)
+    return store._client.llen(store._prefix + "rib")

@@ -1,0 +1,289 @@
+"""What is Redis' own in the shared store (issue 12), on a real redis-server on
+loopback: fast fail and recovery when Redis stops, hangs or restarts, the epoch
+marker (a Redis that lost its data is never spent from), AOF keeping the ledger
+across a kill -9 of Redis, namespaces and layout versions, URLs and masked
+passwords, threads on one store object, the 2**53 amount bound, batches and
+scripts Redis forgot. The Store interface itself runs on Redis in
+tests/store/test_store.py and test_shared_ledger.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+import redis
+
+from atp.flow.budget import Allowance, Refusal, Reservation, SharedBudgetLedger
+from atp.store import SchemaError, StoreError, StoreUnavailable, StreamRecord
+from atp.store.redis import RedisStore, mask_url
+from tests.peers import RedisServer, start_redis
+
+
+def ns() -> str:
+    return "t" + uuid.uuid4().hex[:10]
+
+
+def record(sid: str) -> StreamRecord:
+    return StreamRecord(tenant="t", session_id="sess", stream_id=sid, idempotency_key=None, meta={}, qos=None,
+                        budget=None, created_ms=1)
+
+
+def until_available(store: RedisStore, timeout_s: float = 5.0) -> None:
+    """Call the store until it answers (the back-off passes), failing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store.get("probe")
+            return
+        except StoreUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_fast_fail_while_redis_is_down_and_recovery():
+    with start_redis() as server:
+        store = RedisStore.open(server.url, namespace=ns(), socket_timeout_s=0.5, backoff_s=0.5)
+        lg = SharedBudgetLedger(store, owner="r.a")
+        lg.open("client:t", Allowance(tokens=1_000))
+        lg.open("stream:1", Allowance(), parent="client:t")
+        held = lg.reserve("stream:1", 100, 0)
+        assert store.available
+        server.stop()
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="unavailable"):
+            lg.reserve("stream:1", 10, 0)
+        first = time.monotonic() - t0
+        assert not store.available
+        # During the back-off: no I/O at all, every call refused at once.
+        t0 = time.monotonic()
+        for _ in range(100):
+            with pytest.raises(StoreUnavailable):
+                store.shared_totals("client:t")
+        assert (time.monotonic() - t0) / 100 < 0.005
+        assert first < 1.0  # refused connection: within one connect timeout
+        # After the back-off one call probes again (Redis still down: refused again).
+        time.sleep(0.6)
+        with pytest.raises(StoreUnavailable):
+            store.get("x")
+        server.start()
+        until_available(store)
+        assert store.available
+        # The ledger is as it was: the reservation still holds its tokens, and settles.
+        assert store.shared_totals("client:t").totals[0].reserved_tokens == 100
+        assert lg.commit(held, 80, 0).tokens == 80
+        assert isinstance(lg.reserve("stream:1", 920, 0), Reservation)
+
+
+def test_a_hung_redis_holds_a_call_one_socket_timeout_at_most():
+    """SIGSTOP: the connection is accepted but never answered. The call gives up
+    after socket_timeout_s and the next ones fail at once."""
+    with start_redis() as server:
+        store = RedisStore.open(server.url, namespace=ns(), socket_timeout_s=0.3, connect_timeout_s=0.3,
+                                backoff_s=0.5)
+        store.put("k", b"v")
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="[Tt]imeout|timed out"):
+                store.get("k")
+            assert time.monotonic() - t0 < 0.3 + 0.5  # one socket timeout (+ a loaded machine's slack)
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                store.get("k")
+            assert time.monotonic() - t0 < 0.2  # no I/O: well under the socket timeout
+            time.sleep(0.55)  # the probe after the back-off times out too
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                store.get("k")
+            assert time.monotonic() - t0 < 0.3 + 0.5
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        until_available(store)
+        assert store.get("k") == b"v"
+
+
+def test_flushall_makes_the_store_refuse_everything():
+    """Redis lost its data: the epoch marker is gone, so an empty ledger is never
+    spent as if it were the real one — every call refuses, until a new open."""
+    with start_redis() as server:
+        name = ns()
+        store = RedisStore.open(server.url, namespace=name)
+        lg = SharedBudgetLedger(store, owner="r.a")
+        lg.open("client:t", Allowance(tokens=1_000))
+        lg.open("stream:1", Allowance(), parent="client:t")
+        lg.commit(lg.reserve("stream:1", 900, 0), 900, 0)
+        redis.Redis.from_url(server.url).flushall()
+        with pytest.raises(StoreUnavailable, match="lost its data"):
+            lg.reserve("stream:1", 500, 0)
+        assert not store.available
+        for call in (lambda: store.get("x"), lambda: store.shared_totals("client:t"), lambda: store.put("x", b"1"),
+                     lambda: store.live_owners(now_ms=0)):
+            with pytest.raises(StoreUnavailable, match="lost its data"):
+                call()
+        with pytest.raises(StoreUnavailable), store.batch():  # a batch's buffered writes too
+            store.put("y", b"1")
+        # A restarted router opens a new epoch (an operator's decision: the data is gone).
+        fresh = RedisStore.open(server.url, namespace=name)
+        assert fresh.epoch != store.epoch and fresh.get("x") is None
+        with pytest.raises(StoreUnavailable, match="lost its data"):
+            store.get("x")
+
+
+def test_restart_without_persistence_is_lost_data():
+    """Every call after the restart refuses — first as unreachable (the old
+    connection), then as lost data — and none reads the emptied namespace."""
+    with start_redis(appendonly=False) as server:
+        store = RedisStore.open(server.url, namespace=ns(), backoff_s=0.1)
+        store.put("k", b"v")
+        server.kill()
+        server.start()
+        deadline = time.monotonic() + 5
+        while True:
+            with pytest.raises(StoreUnavailable) as e:
+                store.get("k")
+            if "lost its data" in str(e.value):
+                break
+            assert time.monotonic() < deadline, e.value
+            time.sleep(0.12)
+        with pytest.raises(StoreUnavailable, match="lost its data"):
+            store.get("k")
+
+
+def test_aof_restart_after_kill9_keeps_the_ledger_and_the_epoch():
+    with start_redis(appendonly=True) as server:
+        name = ns()
+        store = RedisStore.open(server.url, namespace=name, backoff_s=0.1)
+        lg = SharedBudgetLedger(store, owner="r.a")
+        lg.open("client:t", Allowance(tokens=10_000, usd_micros=10**6))
+        lg.open("stream:1", Allowance(), parent="client:t")
+        for _ in range(20):
+            lg.commit(lg.reserve("stream:1", 100, 10), 90, 9)
+        held = lg.reserve("stream:1", 500, 50)
+        store.put_stream(record("s1"))
+        store.append_event("t", "sess", "s1", 1, "FINAL", b"final")
+        before = store.load_ledger()
+        server.kill()  # SIGKILL: only what appendfsync always already wrote survives
+        server.start()
+        until_available(store)
+        assert store.load_ledger() == before
+        client = store.shared_totals("client:t").totals[0]
+        assert (client.committed_tokens, client.reserved_tokens, client.committed_usd_micros) == (1_800, 500, 180)
+        assert lg.commit(held, 400, 40).tokens == 400
+        assert lg.reserve("stream:1", 1, 0).id == held.id + 1  # ids never reused
+        assert store.events("t", "sess", "s1")[0].frame == b"final"
+        assert RedisStore.open(server.url, namespace=name).epoch == store.epoch
+
+
+def test_namespaces_are_separate_and_layout_versions_checked(redis_server: RedisServer):
+    a, b = RedisStore.open(redis_server.url, namespace=ns()), RedisStore.open(redis_server.url, namespace=ns())
+    a.open_account("client:t", None, Allowance(tokens=5))
+    a.put("k", b"a")
+    assert b.get("k") is None and b.load_ledger().accounts == ()
+    b.open_account("client:t", None, Allowance(tokens=7))  # the same key in another namespace
+    assert a.shared_totals("client:t").totals[0].limit.tokens == 5
+    raw = redis.Redis.from_url(redis_server.url)
+    newer, foreign = ns(), ns()
+    raw.set(f"{newer}:layout", "atp-router/99")
+    raw.set(f"{foreign}:layout", "something-else/1")
+    with pytest.raises(SchemaError, match="layout version 99 is newer than this atp-router supports"):
+        RedisStore.open(redis_server.url, namespace=newer)
+    with pytest.raises(SchemaError, match="is not an atp-router store"):
+        RedisStore.open(redis_server.url, namespace=foreign)
+    assert raw.get(f"{newer}:epoch") is None  # nothing was written
+    for bad in ("", "a b", "x{y}", "a*"):
+        with pytest.raises(ValueError, match="namespace"):
+            RedisStore.open(redis_server.url, namespace=bad)
+
+
+def test_urls_passwords_and_unix_sockets():
+    with start_redis(password="s3cret-pw") as server:
+        store = RedisStore.open(server.url, namespace=ns())
+        assert "s3cret-pw" not in repr(store) and "s3cret-pw" not in store.describe()
+        assert ":***@127.0.0.1" in store.describe()
+        store.put("k", b"v")
+        via_unix = RedisStore.open(server.unix_url, namespace=store.namespace)
+        assert via_unix.get("k") == b"v" and "s3cret-pw" not in repr(via_unix)
+        wrong = f"redis://:nope@127.0.0.1:{server.port}/0"
+        with pytest.raises(StoreError) as e:
+            RedisStore.open(wrong, namespace=ns())
+        assert not isinstance(e.value, StoreUnavailable) and "nope" not in str(e.value)
+        with pytest.raises(StoreError) as e:
+            RedisStore.open(f"redis://127.0.0.1:{server.port}/0", namespace=ns())
+        assert "s3cret" not in str(e.value)
+    with pytest.raises(ValueError, match="not a Redis URL"):
+        RedisStore.open("http://:pw@127.0.0.1:1/0")
+    with pytest.raises(StoreUnavailable, match="cannot be reached"):
+        RedisStore.open("redis://127.0.0.1:1/0")
+    assert mask_url("rediss://user:pw@h:6380/2") == "rediss://user:***@h:6380/2"
+    assert mask_url("redis://h/0?password=pw&db=1") == "redis://h/0?password=%2A%2A%2A&db=1"
+    assert mask_url("unix:///run/redis.sock?db=0") == "unix:///run/redis.sock?db=0"
+    assert mask_url("unix://:pw@/run/redis.sock?db=0") == "unix://:***@/run/redis.sock?db=0"
+
+
+def test_threads_on_one_store_object_never_overspend(redis_server: RedisServer):
+    """Eight threads share one RedisStore (its connection pool), each with its own
+    ledger owner, over-reporting usage against one 20,000-token tenant."""
+    store = RedisStore.open(redis_server.url, namespace=ns())
+    charged: list[int] = []
+
+    def work(i: int) -> None:
+        lg = SharedBudgetLedger(store, owner=f"r.{i}")
+        lg.open("client:t", Allowance(tokens=20_000))
+        got = 0
+        for j in range(60):
+            key = f"stream:{j}"
+            lg.open(key, Allowance(), parent="client:t")
+            r = lg.reserve(key, 50, 0)
+            if not isinstance(r, Refusal):
+                more = lg.extend(r, 100, 0)
+                got += lg.commit(r if isinstance(more, Refusal) else more, 600, 0).tokens
+            lg.close(key)
+        charged.append(got)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    client = store.shared_totals("client:t").totals[0]
+    assert client.committed_tokens == sum(charged) == 20_000 and client.reserved_tokens == 0
+    assert store.lost_owners(now_ms=0) == []  # every thread closed what it opened
+
+
+def test_amounts_up_to_2_to_the_53(redis_server: RedisServer):
+    store = RedisStore.open(redis_server.url, namespace=ns())
+    big = 2**53 - 1
+    store.open_shared("client:t", None, Allowance(tokens=big, usd_micros=big), owner=None)
+    r = store.reserve_shared("client:t", 2**52 + 1, 123_456_789_012_345, owner="w").reservation
+    out = store.commit_shared(r, 2**52 + 3, 123_456_789_012_347)
+    assert (out.charge.tokens, out.charge.usd_micros) == (2**52 + 3, 123_456_789_012_347)
+    t = store.shared_totals("client:t").totals[0]
+    assert (t.committed_tokens, t.committed_usd_micros) == (2**52 + 3, 123_456_789_012_347)
+    with pytest.raises(ValueError, match="2\\*\\*53"):
+        store.reserve_shared("client:t", 2**53, 0, owner="w")
+
+
+def test_batch_is_sent_when_it_ends_and_forgotten_scripts_reload(redis_server: RedisServer):
+    name = ns()
+    s, other = RedisStore.open(redis_server.url, namespace=name), RedisStore.open(redis_server.url, namespace=name)
+    s.put_stream(record("a"))
+    with s.batch():
+        for i in range(1, 11):
+            s.append_event("t", "sess", "a", i, "PARTIAL", b"%d" % i)
+        s.close_stream("t", "sess", "a", reason="FIN", closed_ms=9)
+        assert other.events("t", "sess", "a") == []  # buffered, not sent yet
+    assert len(other.events("t", "sess", "a")) == 10 and other.get_stream("t", "sess", "a").state == "closed"
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.script_flush()
+    assert s.get_stream("t", "sess", "a").state == "closed"  # one call: loaded again
+    raw.script_flush()
+    s.put_stream(record("b"))
+    with s.batch():
+        for i in range(1, 4):
+            s.append_event("t", "sess", "b", i, "PARTIAL", b"x")
+    assert [e.event_id for e in other.events("t", "sess", "b")] == [1, 2, 3]
