@@ -10,6 +10,8 @@ per agent name. Every transition is a row of :data:`TRANSITIONS`::
     HALF_OPEN ──PROBE_SUCCEEDED► CLOSED      k := 0
     HALF_OPEN ──PROBE_FAILED───► OPEN        k := k + 1 (the backoff doubles)
 
+    CLOSED | HALF_OPEN ──REMOTE_TRIP► OPEN   another router opened it: until its deadline
+
 ``k`` counts the openings since the breaker last closed. CLOSED admits every
 call, OPEN none, HALF_OPEN at most ``half_open_probes`` calls at once. Only
 failures that say something about the peer's health count (:data:`PEER_FAILURES`:
@@ -24,6 +26,17 @@ out of the FIB for every tenant.
 Every transition is also reported, as it happens, to the ``on_transition``
 callback given (a :class:`BreakerTransition`; the router logs each one once).
 
+**Several routers** (issue 12): :class:`BreakerShare` carries openings between
+routers that share a store. A router whose breaker opens on its own evidence
+(``TRIP``, ``PROBE_FAILED``) publishes ``{state: open, open_until_ms, owner,
+reason}`` for the agent; the others force their breaker open until that
+deadline (:meth:`CircuitBreaker.trip_remote`, ``REMOTE_TRIP``) and then probe
+it themselves through the normal HALF_OPEN. A router whose probe succeeds
+publishes ``closed``, which lets a breaker that was only *remotely* opened
+half-open at once (:meth:`CircuitBreaker.release_remote`). Only peer failures
+ever open a breaker, so a tenant's client-fault errors do not reach other
+routers either.
+
 Jitter comes from an injected :class:`random.Random`, so a seeded one makes
 backoffs reproducible. Time is an argument (``now``, seconds, non-decreasing);
 the OPEN → HALF_OPEN deadline is exposed by ``get_timer()`` and taken lazily
@@ -35,8 +48,8 @@ from __future__ import annotations
 import enum
 import math
 import random
-from collections.abc import Callable
-from typing import Annotated
+from collections.abc import Callable, Container, Mapping
+from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
@@ -58,6 +71,7 @@ class BreakerEvent(enum.StrEnum):
     BACKOFF_ELAPSED = "backoff_elapsed"
     PROBE_SUCCEEDED = "probe_succeeded"
     PROBE_FAILED = "probe_failed"
+    REMOTE_TRIP = "remote_trip"
 
 
 #: Every legal (state, event) → new state. An event absent for a state does
@@ -67,6 +81,8 @@ TRANSITIONS: dict[tuple[BreakerState, BreakerEvent], BreakerState] = {
     (BreakerState.OPEN, BreakerEvent.BACKOFF_ELAPSED): BreakerState.HALF_OPEN,
     (BreakerState.HALF_OPEN, BreakerEvent.PROBE_SUCCEEDED): BreakerState.CLOSED,
     (BreakerState.HALF_OPEN, BreakerEvent.PROBE_FAILED): BreakerState.OPEN,
+    (BreakerState.CLOSED, BreakerEvent.REMOTE_TRIP): BreakerState.OPEN,
+    (BreakerState.HALF_OPEN, BreakerEvent.REMOTE_TRIP): BreakerState.OPEN,
 }
 
 #: Failure codes that count against a next-hop's health.
@@ -214,6 +230,8 @@ class CircuitBreaker:
         self._last_at = 0.0  # latest `now` seen, to age the error rate in statistics()
         self._on_transition = on_transition
         self._agent = agent
+        self._remote = False  # OPEN only because another router opened it
+        self._remote_until = 0.0
 
     def state(self, now: float) -> BreakerState:
         """The state at ``now`` (takes OPEN → HALF_OPEN once the backoff elapsed)."""
@@ -276,6 +294,37 @@ class CircuitBreaker:
         if self.state(now) is BreakerState.HALF_OPEN and self._probes:
             self._probes -= 1
 
+    def trip_remote(self, now: float, until: float, *, openings: int = 1) -> bool:
+        """Another router opened this next-hop's breaker until ``until`` (s, on
+        this breaker's clock): CLOSED or HALF_OPEN → OPEN (``REMOTE_TRIP``,
+        a probe in flight is forgotten as on ``PROBE_FAILED``) with the
+        OPEN → HALF_OPEN deadline at ``until``; already OPEN: the deadline
+        moves out to ``until`` if that is later. Afterwards the normal HALF_OPEN
+        probing runs here. ``openings``: the other router's count; this
+        breaker's becomes at least that, so a failed probe here backs off as
+        long as it would have there. Returns whether the state changed
+        (False also when ``until <= now``)."""
+        state = self.state(now)
+        if until <= now:
+            return False
+        self._openings = max(self._openings, openings)
+        if state is BreakerState.OPEN:
+            if self._reopen_at is None or until > self._reopen_at:
+                self._reopen_at = until
+            return False
+        self._remote_until = until
+        self._fire(BreakerEvent.REMOTE_TRIP, now)
+        return True
+
+    def release_remote(self, now: float) -> bool:
+        """Another router's probe succeeded: a breaker OPEN only because of
+        :meth:`trip_remote` half-opens now (its own probe decides). One OPEN on
+        this router's own evidence is left alone. Returns whether it moved."""
+        if self.state(now) is BreakerState.OPEN and self._remote:
+            self._reopen_at = now
+            return self.state(now) is BreakerState.HALF_OPEN
+        return False
+
     def retry_after_ms(self, now: float) -> int | None:
         """Milliseconds until the next probe may go (the ``retry_after_ms`` of an
         ``EAGENTDOWN``, spec §10), ``None`` unless OPEN."""
@@ -323,6 +372,10 @@ class CircuitBreaker:
                 self._reopen_at = None
             case BreakerEvent.BACKOFF_ELAPSED:
                 self._reopen_at = None
+            case BreakerEvent.REMOTE_TRIP:
+                self._reopen_at = self._remote_until
+                self._recent.clear()
+        self._remote = event is BreakerEvent.REMOTE_TRIP
         self._probes = 0
         old, self._state = self._state, new
         if self._on_transition is not None:
@@ -350,6 +403,7 @@ class BreakerBoard:
         on_transition: Callable[[BreakerTransition], None] | None = None,
     ) -> None:
         self._on_transition = on_transition
+        self._listeners: list[Callable[[BreakerTransition], None]] = []
         self._settings = {
             "failure_threshold": failure_threshold,
             "window_s": window_s,
@@ -368,8 +422,28 @@ class BreakerBoard:
         b = self._breakers.get(agent)
         if b is None:
             b = self._breakers[agent] = CircuitBreaker(**self._settings, rng=self._rng,
-                                                       on_transition=self._on_transition, agent=agent)
+                                                       on_transition=self._notify, agent=agent)
         return b
+
+    def add_listener(self, listener: Callable[[BreakerTransition], None]) -> None:
+        """Call ``listener`` too with every transition (after ``on_transition``),
+        e.g. a :class:`BreakerShare`'s."""
+        self._listeners.append(listener)
+
+    def _notify(self, t: BreakerTransition) -> None:
+        if self._on_transition is not None:
+            self._on_transition(t)
+        for listener in self._listeners:
+            listener(t)
+
+    def trip_remote(self, agent: str, now: float, until: float, *, openings: int = 1) -> bool:
+        """:meth:`CircuitBreaker.trip_remote` of ``agent`` (created if unseen)."""
+        return self.breaker(agent).trip_remote(now, until, openings=openings)
+
+    def release_remote(self, agent: str, now: float) -> bool:
+        """:meth:`CircuitBreaker.release_remote` of ``agent`` (False if unseen)."""
+        b = self._breakers.get(agent)
+        return b.release_remote(now) if b is not None else False
 
     def allow(self, agent: str, now: float) -> bool:
         """:meth:`CircuitBreaker.allow` of ``agent``."""
@@ -422,6 +496,110 @@ class BreakerBoard:
     def statistics(self, now: float | None = None) -> dict[str, BreakerStatistics]:
         """:meth:`CircuitBreaker.statistics` of every agent seen, by name."""
         return {a: b.statistics(now) for a, b in self._breakers.items()}
+
+
+class BreakerShare:
+    """Circuit-breaker openings shared between routers on one store (issue 12;
+    the module doc). Sans-IO: the router stores what :meth:`take` gives under
+    ``breaker/<agent>`` (through :meth:`merge`, an atomic read-modify-write),
+    and feeds :meth:`follow` what it reads back every poll.
+
+    A record: ``{"state": "open" | "closed", "open_until_ms": wall-clock ms
+    (open only), "owner": the publishing router, "reason", "openings",
+    "at_ms": when it was published (wall clock)}``. Wall-clock ms, because
+    routers on several machines share no monotonic clock: openings are off by
+    the routers' clock skew (NTP keeps it to milliseconds).
+
+    **Bound**: a router publishes as soon as its breaker opens (one store
+    write); the others read every poll interval P; so every router's breaker
+    is open within ``P + 2 store round trips`` of the opening (P = 0.5 s in
+    :mod:`atp.router.shared_state`), or immediately for a router starting
+    while the record is in force. ``owner``: this router's name in the store."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        #: agent → the record to publish (the latest transition wins).
+        self.pending: dict[str, dict[str, Any]] = {}
+        self._seen: dict[str, tuple[str, int]] = {}
+
+    def on_transition(self, t: BreakerTransition, now_ms: int) -> bool:
+        """Record what ``t`` (a local transition at wall-clock ``now_ms``) must
+        publish: an opening on this router's evidence (``TRIP``,
+        ``PROBE_FAILED``) → open until ``now_ms`` + the backoff; a successful
+        probe → closed. A ``REMOTE_TRIP`` or ``BACKOFF_ELAPSED`` publishes
+        nothing. Returns whether something is to publish."""
+        if t.event in (BreakerEvent.TRIP, BreakerEvent.PROBE_FAILED) and t.reopen_at is not None:
+            until = now_ms + max(0, math.ceil((t.reopen_at - t.at) * 1000.0))
+            reason = ("a probe failed" if t.event is BreakerEvent.PROBE_FAILED
+                      else "repeated peer failures (timeouts, agent down, 5xx)")
+            self.pending[t.agent] = {"state": str(BreakerState.OPEN), "open_until_ms": until, "owner": self.owner,
+                                     "reason": reason, "openings": t.openings, "at_ms": now_ms}
+            return True
+        if t.event is BreakerEvent.PROBE_SUCCEEDED:
+            self.pending[t.agent] = {"state": str(BreakerState.CLOSED), "owner": self.owner,
+                                     "reason": "a probe succeeded", "openings": 0, "at_ms": now_ms}
+            return True
+        return False
+
+    def take(self) -> dict[str, dict[str, Any]]:
+        """The records to publish, by agent (cleared; :meth:`restore` puts back
+        those the store did not take)."""
+        out, self.pending = self.pending, {}
+        return out
+
+    def restore(self, records: Mapping[str, dict[str, Any]]) -> None:
+        """Put back records that failed to publish (a newer one for the agent wins)."""
+        for agent, rec in records.items():
+            self.pending.setdefault(agent, rec)
+
+    @staticmethod
+    def merge(existing: Mapping[str, Any] | None, record: Mapping[str, Any], now_ms: int) -> dict[str, Any]:
+        """The stored record after publishing ``record`` over ``existing``: an
+        opening wins, keeping the later ``open_until_ms`` of the two when the
+        existing one is still in force; a closing does not overwrite another
+        router's opening still in force (its evidence is newer than our probe
+        or it would have expired). Pure."""
+        rec = dict(record)
+        old = existing if isinstance(existing, Mapping) else {}
+        old_until = old.get("open_until_ms")
+        in_force = old.get("state") == str(BreakerState.OPEN) and isinstance(old_until, int) and old_until > now_ms
+        if rec.get("state") == str(BreakerState.OPEN):
+            if in_force and isinstance(old_until, int):
+                rec["open_until_ms"] = max(int(rec["open_until_ms"]), old_until)
+            return rec
+        if in_force and old.get("owner") != rec.get("owner"):
+            return dict(old)
+        return rec
+
+    def follow(self, board: BreakerBoard, records: Mapping[str, Mapping[str, Any]], *, now: float, now_ms: int,
+               agents: Container[str]) -> list[tuple[str, Mapping[str, Any]]]:
+        """Apply the stored ``records`` (agent → record) of other routers to
+        ``board`` at ``now`` (the board's clock, s) / ``now_ms`` (wall clock):
+        an opening in force trips the agent's breaker until its deadline
+        (:meth:`BreakerBoard.trip_remote`), a closing releases a remotely
+        opened one (:meth:`BreakerBoard.release_remote`). Each record is
+        applied once; this router's own and agents not in ``agents`` (the
+        running RIB) are skipped. Returns the ``(agent, record)`` that moved a
+        breaker."""
+        moved = []
+        for agent, rec in records.items():
+            if agent not in agents or not isinstance(rec, Mapping):
+                continue
+            owner, at = rec.get("owner"), rec.get("at_ms")
+            if not isinstance(owner, str) or not isinstance(at, int) or self._seen.get(agent) == (owner, at):
+                continue
+            self._seen[agent] = (owner, at)
+            if owner == self.owner:
+                continue
+            state, until = rec.get("state"), rec.get("open_until_ms")
+            if state == str(BreakerState.OPEN) and isinstance(until, int) and until > now_ms:
+                openings = rec.get("openings")
+                if board.trip_remote(agent, now, now + (until - now_ms) / 1000.0,
+                                     openings=openings if isinstance(openings, int) and openings > 0 else 1):
+                    moved.append((agent, rec))
+            elif state == str(BreakerState.CLOSED) and board.release_remote(agent, now):
+                moved.append((agent, rec))
+        return moved
 
 
 class RetryPolicy(Struct, frozen=True, forbid_unknown_fields=True):

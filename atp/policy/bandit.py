@@ -19,7 +19,10 @@ Three pieces:
   Thompson Sampling", NIPS 2011, Algorithm 3). ``sample`` draws a quality in
   0..1 from the posterior (Thompson sampling), ``mean``/``std`` give the
   estimate and its uncertainty. Quality observations are in 0..1 (fractional
-  labels are fine: the logistic loss takes them).
+  labels are fine: the logistic loss takes them). Several learners of one arm
+  (routers sharing a store) merge what each learned: :meth:`ArmModel.delta`
+  against the state they last shared, :meth:`ArmModel.merge` into the shared
+  one (:class:`ArmDelta`: natural parameters add).
 * :class:`Bandit` — the arms of one policy and the budget-aware choice: each arm
   scores ``sampled quality − λ · cost`` (cost normalised to the dearest arm's,
   so λ is "quality points per full-price call"), arms whose sampled quality is
@@ -49,6 +52,7 @@ import numpy as np
 __all__ = [
     "DEFAULT_BITS",
     "META_KEYS",
+    "ArmDelta",
     "ArmModel",
     "Bandit",
     "Choice",
@@ -185,13 +189,44 @@ def _logit(p: float) -> float:
     return math.log(p / (1 - p))
 
 
+@dataclass(frozen=True, slots=True)
+class ArmDelta:
+    """What an :class:`ArmModel` learned since a base state, as the change of its
+    diagonal Gaussian posterior's natural parameters: ``eta`` = Δ(precision ×
+    mean) and ``q`` = Δprecision (float64 arrays of ``2**bits``), ``count`` =
+    Δobservations (weighted).
+
+    Why adding them merges learners: each Laplace step of :meth:`ArmModel.update`
+    multiplies the posterior by a Gaussian site factor (precision ``w·p(1−p)·x²``
+    per weight), and a product of Gaussians adds natural parameters. Two
+    learners that started from the same base and saw disjoint observations hold
+    ``base × sites₁`` and ``base × sites₂``; ``base + Δ₁ + Δ₂`` is ``base ×
+    sites₁ × sites₂``: one posterior with both streams' information (the sites
+    were linearised where each learner stood, so with overlapping features this
+    equals a single learner that saw both streams only to first order; with
+    disjoint features, exactly). Merging is commutative, and a delta against
+    the state just merged is zero (re-syncing without new data changes
+    nothing)."""
+
+    bits: int
+    eta: np.ndarray
+    q: np.ndarray
+    count: float
+
+    @property
+    def empty(self) -> bool:
+        """Nothing learned (the learner's state is its base)."""
+        return self.count == 0 and not self.eta.any() and not self.q.any()
+
+
 class ArmModel:
     """One arm's online Bayesian logistic quality model (see the module doc).
 
     ``prior``: the quality the arm has before any observation (the RIB's
     ``win30d``), encoded in the bias weight; ``prior_precision``: the weights'
     prior precision (higher: slower to move). ``count`` observations so far
-    (float: feedback may be weighted).
+    (float: feedback may be weighted). Memory: two float64 arrays of
+    ``2**bits`` (64 KiB at the default 12 bits).
     """
 
     __slots__ = ("bits", "count", "m", "prior", "q")
@@ -238,21 +273,74 @@ class ArmModel:
         self.m[idx] = m + weight * (y - p) * val / q
         self.count += weight
 
+    # ---------------------------------------------------------------- merging
+    def copy(self) -> ArmModel:
+        """An independent copy (e.g. the base a learner syncs against)."""
+        arm = ArmModel.__new__(ArmModel)
+        arm.bits, arm.prior, arm.count = self.bits, self.prior, self.count
+        arm.m, arm.q = self.m.copy(), self.q.copy()
+        return arm
+
+    def delta(self, base: ArmModel) -> ArmDelta:
+        """What this arm learned since ``base`` (its own earlier state, or the
+        shared state it last adopted): see :class:`ArmDelta`. Raises ValueError
+        when ``base`` has other ``bits``."""
+        if base.bits != self.bits:
+            raise ValueError(f"arm delta: bits {self.bits} against a base of {base.bits}")
+        return ArmDelta(self.bits, self.q * self.m - base.q * base.m, self.q - base.q, self.count - base.count)
+
+    def merge(self, delta: ArmDelta) -> None:
+        """Add another learner's :class:`ArmDelta` to this posterior (natural
+        parameters add: η += Δη, q += Δq, m = η / q; count += Δcount). Raises
+        ValueError (and changes nothing) when the bits differ or a precision
+        would not stay positive and finite."""
+        if delta.bits != self.bits or delta.eta.shape != self.m.shape or delta.q.shape != self.q.shape:
+            raise ValueError("arm merge: the delta has another shape")
+        if delta.empty:
+            return  # bit for bit: η/q would round
+        q = self.q + delta.q
+        eta = self.q * self.m + delta.eta
+        if not (np.all(q > 0) and np.all(np.isfinite(q)) and np.all(np.isfinite(eta))):
+            raise ValueError("arm merge: the merged precision is not positive and finite")
+        self.q = q
+        self.m = eta / q
+        self.count += delta.count
+
+    def adopt(self, other: ArmModel) -> None:
+        """Take ``other``'s posterior and count (copied) in place: the learner
+        keeps this object (decisions in flight refer to its policy's bandit)."""
+        if other.bits != self.bits:
+            raise ValueError(f"arm adopt: bits {other.bits} into {self.bits}")
+        self.m, self.q, self.count = other.m.copy(), other.q.copy(), other.count
+
     # ---------------------------------------------------------------- state
-    def state(self) -> dict[str, Any]:
-        """``{bits, prior, count, m: bytes, q: bytes}`` (float32 little-endian)."""
-        return {"bits": self.bits, "prior": self.prior, "count": self.count,
-                "m": self.m.astype("<f4").tobytes(), "q": self.q.astype("<f4").tobytes()}
+    def state(self, *, exact: bool = False) -> dict[str, Any]:
+        """``{bits, prior, count, m: bytes, q: bytes}``, float32 little-endian;
+        ``exact``: float64 (``"dtype": "<f8"``, what routers sharing a store
+        merge: float32 would round every merge)."""
+        dtype = "<f8" if exact else "<f4"
+        out = {"bits": self.bits, "prior": self.prior, "count": self.count,
+               "m": self.m.astype(dtype).tobytes(), "q": self.q.astype(dtype).tobytes()}
+        if exact:
+            out["dtype"] = dtype
+        return out
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> ArmModel:
-        """Inverse of :meth:`state`; raises ValueError on a malformed state."""
+        """Inverse of :meth:`state` (either precision); raises ValueError on a
+        malformed state."""
         bits = int(state["bits"])
+        if not 4 <= bits <= 20:
+            raise ValueError("arm state: bits out of range")
+        dtype = state.get("dtype", "<f4")
+        if dtype not in ("<f4", "<f8"):
+            raise ValueError(f"arm state: unknown dtype {dtype!r}")
         arm = cls(bits=bits, prior=float(state["prior"]))
-        m = np.frombuffer(state["m"], dtype="<f4")
-        q = np.frombuffer(state["q"], dtype="<f4")
-        if m.shape != (1 << bits,) or q.shape != (1 << bits,) or not np.all(q > 0):
-            raise ValueError("arm state: wrong shape or non-positive precision")
+        m = np.frombuffer(state["m"], dtype=dtype)
+        q = np.frombuffer(state["q"], dtype=dtype)
+        if m.shape != (1 << bits,) or q.shape != (1 << bits,) or not np.all(q > 0) \
+                or not np.all(np.isfinite(m)) or not np.all(np.isfinite(q)):
+            raise ValueError("arm state: wrong shape, non-finite value or non-positive precision")
         arm.m = m.astype(np.float64)
         arm.q = q.astype(np.float64)
         arm.count = float(state["count"])

@@ -14,6 +14,31 @@ pseudo-observations. :meth:`LiveMetrics.view` is what the FIB scores with: a
 mapping rebuilt incrementally (only next-hops observed since the last view)
 and swapped whole, so a lookup reads one consistent snapshot and never waits.
 
+**Several routers on one store** (``--workers N``, a shared store; issue 12)
+learn together by *merging*, never last-writer-wins: each router pushes what it
+learned since it last synced and adopts the merged result.
+
+* Bandit arms: a diagonal Gaussian posterior each; :meth:`RoutingLearner.share`
+  keeps, per arm, the ``base`` state it last synced (a :class:`SharedArm`), the
+  push is :meth:`~atp.policy.bandit.ArmModel.delta` against it and
+  :func:`merge_arm_entry` adds it to the shared entry (natural parameters add;
+  :class:`~atp.policy.bandit.ArmDelta` says why that merges posteriors).
+* Live statistics are decayed sums, decayed **per observation**; a router's
+  contribution since its last sync is itself such a sum started from zero
+  (:meth:`LiveMetrics.share` keeps it, with the number ``n`` of calls and the
+  quality weight ``w`` it holds), and :func:`merge_live_state` folds it in as
+  ``shared · (1−α)^n + contribution``. That is *exactly* the statistic of one
+  router that saw the shared history, then this batch — the approximation is
+  only the order: observations of routers in the same sync interval are
+  counted batch after batch in push order rather than interleaved as they
+  happened, so an observation's weight is off by at most a factor
+  ``(1−α)^k`` (k: the other routers' observations of that key in the same
+  interval, about one second). Totals that do not depend on the order (the
+  decayed call count ``Σ (1−α)^i``) are exact; rates (error rate, p95,
+  quality) are weighted averages of the same observations with slightly
+  permuted weights — what the FIB scorer reads through :meth:`LiveMetrics.view`
+  is computed from the merged sums exactly as for one router.
+
 **Bandits** (:class:`RoutingLearner`): one :class:`~atp.policy.bandit.Bandit`
 per policy with ``bandit:`` in the RIB, over its fanout; :meth:`RoutingLearner.route`
 re-orders a FIB route's candidates for one task and returns the
@@ -38,7 +63,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from atp.policy.bandit import ArmModel, Bandit, Context, Featurizer
+from atp.policy.bandit import ArmDelta, ArmModel, Bandit, Context, Featurizer
 from atp.policy.rib import AgentSpec, BanditSpec, Rib
 
 __all__ = [
@@ -47,8 +72,12 @@ __all__ = [
     "LiveMetrics",
     "LiveView",
     "RoutingLearner",
+    "SharedArm",
     "arm_fingerprint",
     "consensus_quality",
+    "live_stats_of",
+    "merge_arm_entry",
+    "merge_live_state",
     "result_quality",
 ]
 
@@ -153,21 +182,70 @@ class _Stats:
 
     def state(self) -> dict[str, Any]:
         return {"prior": self.prior, "calls": self.calls, "errors": self.errors, "timeouts": self.timeouts,
-                "tokens": self.tokens, "usd": self.usd, "hist": [round(x, 5) for x in self.hist.tolist()],
+                "tokens": self.tokens, "usd": self.usd, "hist": np.round(self.hist, 5).tolist(),
                 "q_sum": self.q_sum, "q_w": self.q_w}
 
     @classmethod
     def from_state(cls, s: Mapping[str, Any]) -> _Stats:
         st = cls(float(s["prior"]))
+        st._load(s)
+        return st
+
+    def _load(self, s: Mapping[str, Any]) -> None:
         for k in ("calls", "errors", "timeouts", "tokens", "usd", "q_sum", "q_w"):
             v = float(s[k])
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"live stats: bad {k}")
-            setattr(st, k, v)
+            setattr(self, k, v)
         hist = np.asarray(s["hist"], dtype=np.float64)
         if hist.shape != (_BUCKETS,) or not np.all(np.isfinite(hist)) or np.any(hist < 0):
             raise ValueError("live stats: bad histogram")
-        st.hist = hist
+        self.hist = hist
+
+    def absorb(self, c: _Pending) -> None:
+        """Fold in another router's contribution ``c`` (see the module doc):
+        each call statistic ``x := x·(1−α)^n + c.x``, quality ``x := x·(1−α)^w + c.x``."""
+        d = (1.0 - ALPHA) ** c.n
+        self.calls = self.calls * d + c.calls
+        self.errors = self.errors * d + c.errors
+        self.timeouts = self.timeouts * d + c.timeouts
+        self.tokens = self.tokens * d + c.tokens
+        self.usd = self.usd * d + c.usd
+        self.hist = self.hist * d + c.hist
+        dq = (1.0 - ALPHA) ** c.w
+        self.q_sum = self.q_sum * dq + c.q_sum
+        self.q_w = self.q_w * dq + c.q_w
+
+
+class _Pending(_Stats):
+    """A router's contribution to one key since it last synced: the same
+    decayed sums started from zero, with ``n`` calls and ``w`` quality weight."""
+
+    __slots__ = ("n", "w")
+
+    def __init__(self, prior: float):
+        super().__init__(prior)
+        self.n = 0.0
+        self.w = 0.0
+
+    def call(self, latency_ms: float, ok: bool, timeout: bool, tokens: int, usd_micros: int) -> None:
+        super().call(latency_ms, ok, timeout, tokens, usd_micros)
+        self.n += 1.0
+
+    def quality(self, q: float, weight: float) -> None:
+        super().quality(q, weight)
+        self.w += weight
+
+    def state(self) -> dict[str, Any]:
+        return {**super().state(), "n": self.n, "w": self.w}
+
+    @classmethod
+    def from_state(cls, s: Mapping[str, Any]) -> _Pending:
+        st = cls(float(s["prior"]))
+        st._load(s)
+        st.n, st.w = float(s["n"]), float(s["w"])
+        if not (math.isfinite(st.n) and math.isfinite(st.w) and st.n >= 0 and st.w >= 0):
+            raise ValueError("live stats: bad contribution counts")
         return st
 
 
@@ -175,7 +253,7 @@ class LiveMetrics:
     """Decayed live statistics per next-hop (key ``agent``) and per policy
     (key ``policy|agent``); see the module doc."""
 
-    __slots__ = ("_dirty", "_stats", "_view", "changed")
+    __slots__ = ("_dirty", "_pending", "_stats", "_view", "changed")
 
     def __init__(self) -> None:
         self._stats: dict[str, _Stats] = {}
@@ -183,6 +261,63 @@ class LiveMetrics:
         self._dirty: set[str] = set()
         #: Keys changed since the store last saved them (the router clears it).
         self.changed: set[str] = set()
+        #: Sharing (:meth:`share`): each key's contribution since the last sync.
+        self._pending: dict[str, _Pending] | None = None
+
+    def share(self) -> None:
+        """Keep, from now on, each key's contribution since the last sync with
+        a shared store (:meth:`deltas`, :meth:`adopt`; the module doc)."""
+        if self._pending is None:
+            self._pending = {}
+
+    def _observed(self, key: str, prior: float) -> _Pending | None:
+        if self._pending is None:
+            return None
+        p = self._pending.get(key)
+        if p is None:
+            p = self._pending[key] = _Pending(prior)
+        return p
+
+    def deltas(self) -> dict[str, dict[str, Any]]:
+        """JSON-able contributions since the last :meth:`adopt` (``{}``: none,
+        or not sharing), to push with :func:`merge_live_state`."""
+        return {k: p.state() for k, p in (self._pending or {}).items()}
+
+    def adopt(self, stats: Mapping[str, Mapping[str, Any]], priors: Mapping[str, float], *,
+              pushed: bool) -> int:
+        """Replace the local statistics with the shared ``stats`` (the
+        ``"stats"`` of a :func:`merge_live_state` result), for the agents of
+        ``priors`` (the running RIB; their prior is taken from it). ``pushed``:
+        ``stats`` include this router's contributions (they are cleared);
+        else they are folded in again. Malformed entries are skipped. Returns
+        how many keys were adopted."""
+        new: dict[str, _Stats] = {}
+        for key, s in stats.items():
+            agent = key.rpartition(KEY_SEP)[2]
+            if agent not in priors:
+                continue
+            try:
+                st = _Stats.from_state(s)
+            except (KeyError, TypeError, ValueError):
+                continue
+            st.prior = priors[agent]
+            new[key] = st
+        n = len(new)
+        pending = self._pending or {}
+        if not pushed:
+            for key, p in pending.items():
+                if key not in new:
+                    new[key] = _Stats(p.prior)
+                new[key].absorb(p)
+        gone = set(self._stats) - set(new)
+        self._stats = new
+        if gone:
+            self._view = {k: v for k, v in self._view.items() if k not in gone}
+            self._dirty -= gone
+        self._dirty.update(new)
+        if self._pending is not None and pushed:
+            self._pending = {}
+        return n
 
     def _get(self, key: str, prior: float) -> _Stats:
         st = self._stats.get(key)
@@ -201,6 +336,8 @@ class LiveMetrics:
                 del self._stats[k]
                 new_view.pop(k, None)
                 self._dirty.discard(k)
+                if self._pending is not None:
+                    self._pending.pop(k, None)
             self._view = new_view
             self.changed.add("")  # the saved state must forget them too
         for key, st in self._stats.items():
@@ -214,6 +351,8 @@ class LiveMetrics:
         """One finished next-hop call (latency in ms, tokens, USD micros)."""
         for key in (agent, f"{policy}|{agent}") if policy else (agent,):
             self._get(key, prior).call(latency_ms, ok, timeout, tokens, usd_micros)
+            if (p := self._observed(key, prior)) is not None:
+                p.call(latency_ms, ok, timeout, tokens, usd_micros)
             self._dirty.add(key)
             self.changed.add(key)
 
@@ -222,6 +361,8 @@ class LiveMetrics:
         """One quality observation (0..1) of ``agent``'s answer."""
         for key in (agent, f"{policy}|{agent}") if policy else (agent,):
             self._get(key, prior).quality(quality, weight)
+            if (p := self._observed(key, prior)) is not None:
+                p.quality(quality, weight)
             self._dirty.add(key)
             self.changed.add(key)
 
@@ -241,11 +382,12 @@ class LiveMetrics:
         keys = self._stats.keys() if keys is None else keys
         return {k: self._stats[k].state() for k in keys if k in self._stats}
 
-    def load(self, state: Mapping[str, Mapping[str, Any]]) -> int:
-        """Restore saved statistics; malformed entries are skipped. Returns how
-        many were loaded."""
+    def load(self, state: Mapping[str, Any]) -> int:
+        """Restore saved statistics (:meth:`state`, or a shared
+        :func:`merge_live_state` document); malformed entries are skipped.
+        Returns how many were loaded."""
         n = 0
-        for key, s in state.items():
+        for key, s in live_stats_of(state).items():
             try:
                 self._stats[key] = _Stats.from_state(s)
             except (KeyError, TypeError, ValueError):
@@ -255,12 +397,129 @@ class LiveMetrics:
         return n
 
 
+#: Version of the shared live-statistics document (:func:`merge_live_state`).
+LIVE_FORMAT = 2
+
+
+def live_stats_of(doc: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The per-key statistics of a stored live document: a
+    :func:`merge_live_state` one (``{"v": 2, "stats": …}``) or the
+    single-router :meth:`LiveMetrics.state` map."""
+    if doc.get("v") == LIVE_FORMAT and isinstance(doc.get("stats"), Mapping):
+        return doc["stats"]
+    return doc
+
+
+def merge_live_state(shared: Mapping[str, Any] | None, deltas: Mapping[str, Mapping[str, Any]], *,
+                     rib: int, agents: Iterable[str] | None = None, seq: int = 0) -> dict[str, Any]:
+    """The shared live-statistics document after one router pushes ``deltas``
+    (:meth:`LiveMetrics.deltas`): ``{"v": 2, "rib", "seq", "stats": {key:
+    state}}``. Each key's contribution is folded in as the module doc says (a
+    key new to the document starts from zero). ``shared``: the stored document
+    (None: none yet; the single-router format is read too); ``rib``: the
+    pusher's RIB version — when it is at least the document's, keys of agents
+    not in ``agents`` (its RIB) are dropped, so the document stays bounded by
+    the RIB; ``seq``: at least the new sequence number (e.g. the wall clock in
+    ms; it is also above the stored one). Pure; malformed entries of
+    ``shared`` are dropped, malformed deltas raise ValueError."""
+    shared = shared or {}
+    stats = {k: v for k, v in live_stats_of(shared).items() if isinstance(v, Mapping)}
+    old_rib = int(shared.get("rib", 0)) if shared.get("v") == LIVE_FORMAT else 0
+    old_seq = int(shared.get("seq", 0)) if shared.get("v") == LIVE_FORMAT else 0
+    for key, d in deltas.items():
+        try:
+            c = _Pending.from_state(d)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"live stats: malformed contribution of {key!r}") from e
+        try:
+            st = _Stats.from_state(stats[key]) if key in stats else _Stats(c.prior)
+        except (KeyError, TypeError, ValueError):
+            st = _Stats(c.prior)
+        st.prior = c.prior
+        st.absorb(c)
+        stats[key] = st.state()
+    if agents is not None and rib >= old_rib:
+        keep = set(agents)
+        stats = {k: v for k, v in stats.items() if k.rpartition(KEY_SEP)[2] in keep}
+    return {"v": LIVE_FORMAT, "rib": max(rib, old_rib), "seq": max(seq, old_seq + 1), "stats": stats}
+
+
 def arm_fingerprint(agent: AgentSpec) -> str:
     """A short digest of what makes an arm the same arm across reloads: its
     model, tool and endpoint (not its priors, window or timeouts)."""
     ident = {"model": agent.model, "tool": agent.tool, "endpoint": getattr(agent, "endpoint", None),
              "provider": getattr(agent, "provider", None)}
     return hashlib.sha256(msgspec.json.encode(ident)).hexdigest()[:16]
+
+
+@dataclass(slots=True)
+class SharedArm:
+    """One bandit arm of a router sharing its learning (:meth:`RoutingLearner.share`):
+    ``policy`` (``<name>`` or ``<name>#escalation``), ``arm``, the arm's
+    ``fingerprint``, the live ``model`` and its ``base``: the state it had when
+    it last synced with the shared entry (``seq``: that entry's sequence
+    number; None: never). ``model.delta(base)`` is what to push."""
+
+    policy: str
+    arm: str
+    fingerprint: str
+    model: ArmModel
+    base: ArmModel
+    seq: int | None = None
+
+    def synced(self, entry: Mapping[str, Any]) -> bool:
+        """Adopt a shared entry (:func:`merge_arm_entry`'s shape) as both the
+        live state and the base, if it is this arm's (same fingerprint and
+        bits). Returns whether it was adopted."""
+        if entry.get("fingerprint") != self.fingerprint:
+            return False
+        try:
+            shared = ArmModel.from_state(entry["state"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        if shared.bits != self.model.bits:
+            return False
+        self.model.adopt(shared)
+        self.base = shared
+        self.seq = int(entry.get("seq", 0))
+        return True
+
+
+def merge_arm_entry(existing: Mapping[str, Any] | None, arm: SharedArm, delta: ArmDelta, *, rib: int,
+                    seq: int = 0) -> dict[str, Any] | None:
+    """The shared entry of ``arm`` after pushing ``delta`` (what it learned
+    since its base): ``{policy, arm, fingerprint, state (float64), seq, rib}``.
+
+    * ``existing`` is the same arm (fingerprint and bits): the delta is merged
+      into it (:meth:`~atp.policy.bandit.ArmModel.merge`);
+    * missing, unreadable, or an arm of an older-or-equal RIB version than the
+      pusher's ``rib`` whose fingerprint or bits differ (the agent was
+      redefined: the arm resets, as on one router): replaced by ``arm.model``;
+    * an arm of a *newer* RIB version: None — leave it; the pusher's arm is
+      rebuilt when it loads that RIB.
+
+    ``seq``: at least the new sequence number (above the stored one anyway). Pure."""
+    old_seq = 0
+    if existing is not None:
+        try:
+            old_seq = int(existing.get("seq", 0))
+            old_rib = int(existing.get("rib", 0))
+            shared = ArmModel.from_state(existing["state"])
+            same = existing.get("fingerprint") == arm.fingerprint and shared.bits == arm.model.bits
+        except (KeyError, TypeError, ValueError, AttributeError):
+            shared, same, old_rib = None, False, 0
+        if same and shared is not None:
+            try:
+                shared.merge(delta)
+            except ValueError:
+                shared = None
+            if shared is not None:
+                return {"policy": arm.policy, "arm": arm.arm, "fingerprint": arm.fingerprint,
+                        "state": shared.state(exact=True), "seq": max(seq, old_seq + 1), "rib": max(rib, old_rib)}
+        elif old_rib > rib:
+            return None
+    return {"policy": arm.policy, "arm": arm.arm, "fingerprint": arm.fingerprint,
+            "state": arm.model.state(exact=True), "seq": max(seq, old_seq + 1), "rib": rib}
 
 
 @dataclass(slots=True)
@@ -335,6 +594,49 @@ class RoutingLearner:
         self.dirty: set[tuple[str, str]] = set()
         #: Arm states read back from the store, waiting for a RIB that has them.
         self._saved: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+        #: Sharing (:meth:`share`): each arm with the base it last synced.
+        self._shared: dict[tuple[str, str], SharedArm] | None = None
+
+    # ----------------------------------------------------------- sharing
+    def share(self) -> None:
+        """Learn together with other routers on a shared store (the module doc):
+        from now on every arm keeps the base it last synced
+        (:meth:`shared_arms`) and the live metrics their contributions. Costs a
+        copy of each arm (64 KiB at 12 bits); a router that does not share
+        never calls it."""
+        if self._shared is None:
+            self._shared = {}
+            self.live.share()
+            self._track()
+
+    def _all_arms(self) -> Iterable[tuple[str, str, str, ArmModel]]:
+        for name, pb in self._bandits.items():
+            for a, model in pb.bandit.arms.items():
+                yield name, a, pb.fingerprints[a], model
+            if pb.escalation is not None:
+                for a, model in pb.escalation.arms.items():
+                    yield _escalation_key(name), a, pb.escalation_fp, model
+
+    def _track(self) -> None:
+        """A base for every arm (re)built since the last call: its state now."""
+        if self._shared is None:
+            return
+        new: dict[tuple[str, str], SharedArm] = {}
+        for policy, a, fp, model in self._all_arms():
+            s = self._shared.get((policy, a))
+            if s is None or s.model is not model or s.fingerprint != fp:
+                s = SharedArm(policy, a, fp, model, model.copy())
+            new[(policy, a)] = s
+        self._shared = new
+
+    @property
+    def priors(self) -> Mapping[str, float]:
+        """The running RIB's agents and their ``win30d`` (as of the last :meth:`sync`)."""
+        return self._priors
+
+    def shared_arms(self) -> list[SharedArm]:
+        """Every arm with its sync base (empty unless :meth:`share` was called)."""
+        return list(self._shared.values()) if self._shared is not None else []
 
     # ----------------------------------------------------------- RIB changes
     def sync(self, rib: Rib) -> None:
@@ -373,6 +675,7 @@ class RoutingLearner:
             if p.escalation is not None:
                 self._sync_escalation(name, p, rib, pb, old)
         self._bandits = new
+        self._track()
 
     def _sync_escalation(self, name: str, p: Any, rib: Rib, pb: _PolicyBandit, old: _PolicyBandit | None) -> None:
         """The policy's champion/challenger bandit: arm ``cheap`` (its fanout

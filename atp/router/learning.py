@@ -17,12 +17,26 @@ sans-IO :class:`~atp.policy.learn.RoutingLearner` decides.
 * :meth:`Learning.run` — saves changed arms and live statistics to the store
   every :data:`SAVE_INTERVAL_S` (and at shutdown): learned weights survive a
   restart; a kill -9 loses at most that interval of learning.
+* :meth:`Learning.sync_shared` — instead of that, for routers that share their
+  store (``--workers N``, a shared store; :mod:`atp.router.shared_state` runs
+  it every :data:`SHARED_SYNC_S` and at shutdown): each bandit arm's
+  :class:`~atp.policy.bandit.ArmDelta` since its last sync is merged into
+  ``bandit/<policy>/<arm>`` and the live statistics' contributions into
+  ``live/stats`` (one atomic ``Store.update`` each;
+  :func:`~atp.policy.learn.merge_arm_entry`,
+  :func:`~atp.policy.learn.merge_live_state`), and the merged result is
+  adopted; what other routers pushed meanwhile is read back when the index
+  ``learn/seqs`` (key → sequence number) says it changed. Every router
+  learns from every router's traffic; a kill -9 loses at most one interval.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import time
+import zlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +46,7 @@ import trio
 from atp.consensus.escalation import TEST_FAIL_RULE
 from atp.flow.budget import Allowance
 from atp.flow.window import Window as FlowWindow
+from atp.policy.bandit import ArmDelta
 from atp.policy.fib import Route
 from atp.policy.learn import (
     CHEAP,
@@ -40,7 +55,11 @@ from atp.policy.learn import (
     MIN_OBS,
     Decision,
     RoutingLearner,
+    SharedArm,
     consensus_quality,
+    live_stats_of,
+    merge_arm_entry,
+    merge_live_state,
     result_quality,
 )
 from atp.policy.rib import PolicySpec
@@ -53,14 +72,19 @@ if TYPE_CHECKING:
     from atp.router.core import Router
     from atp.router.streams import StreamCtx
 
-__all__ = ["SAVE_INTERVAL_S", "FeedbackRefused", "Learning", "prompt_text"]
+__all__ = ["SAVE_INTERVAL_S", "SHARED_SYNC_S", "FeedbackRefused", "Learning", "prompt_text"]
 
 log = logging.getLogger("atp.router.learning")
 
 #: How often changed bandit arms and live statistics are written to the store (s).
 SAVE_INTERVAL_S = 5.0
+#: How often a router sharing its store merges its learning with the others' (s).
+SHARED_SYNC_S = 1.0
+#: Every this many shared syncs, arms are read back even if the index says unchanged.
+_FULL_PULL_EVERY = 30
 _ARM_PREFIX = "bandit/"
 _LIVE_KEY = "live/stats"
+_SEQ_KEY = "learn/seqs"
 _FEEDBACK_PREFIX = "feedback/"
 #: Content keys whose text the bandit's featurizer reads (first ones first).
 TEXT_KEYS = ("prompt", "question", "text", "input", "diff", "query")
@@ -82,6 +106,54 @@ def prompt_text(content: Any, limit: int = 4_000) -> str:
             if size >= limit:
                 break
     return "\n".join(parts)
+
+
+def _push_arm(arm: SharedArm, delta: ArmDelta, rib: int, seq: int, old: bytes | None) -> bytes | None:
+    """``Store.update`` function of one arm's entry (pure: it may run again).
+    Shared entries are msgpack compressed by zlib (level 1: ~0.15 ms for an arm
+    of 4,096 weights; an arm's untouched weights all hold the prior, so it
+    shrinks many times — the bytes a shared store moves per sync)."""
+    entry = merge_arm_entry(_decode_arm(old), arm, delta, rib=rib, seq=seq)
+    return old if entry is None else zlib.compress(msgspec.msgpack.encode(entry), 1)
+
+
+def _decode_arm(raw: bytes | None) -> dict[str, Any] | None:
+    """A stored arm entry: msgpack (a single router's save), or zlib-compressed
+    msgpack (shared; a zlib stream starts with 0x78, which no msgpack map does)."""
+    if raw is None:
+        return None
+    try:
+        if raw[:1] == b"\x78":
+            raw = zlib.decompress(raw)
+        entry = msgspec.msgpack.decode(raw)
+    except (msgspec.DecodeError, zlib.error):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _push_live(deltas: Mapping[str, Any], rib: int, agents: tuple[str, ...], seq: int,
+               old: bytes | None) -> bytes:
+    """``Store.update`` function of the live statistics (pure)."""
+    return json.dumps(merge_live_state(_decode_live(old), deltas, rib=rib, agents=agents, seq=seq)).encode()
+
+
+def _decode_live(raw: bytes | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _bump_index(written: Mapping[str, int], old: bytes | None) -> bytes:
+    """``Store.update`` function of the ``learn/seqs`` index: each key's highest sequence number."""
+    index = _decode_live(old) or {}
+    for key, seq in written.items():
+        prev = index.get(key)
+        index[key] = max(seq, prev) if isinstance(prev, int) else seq
+    return json.dumps(index).encode()
 
 
 class FeedbackRefused(Exception):
@@ -159,6 +231,11 @@ class Learning:
         self._version: int | None = None
         #: Per tenant (tokens, last refill): how much more it may teach the shared state.
         self._buckets: dict[str, tuple[float, float]] = {}
+        #: Learning merged with other routers' through the store (:meth:`share`).
+        self.shared = False
+        self._live_seq: int | None = None
+        self._live_raw: bytes | None = None
+        self._syncs = 0
         self._load()
 
     def _may_learn(self, tenant: str, now: float) -> bool:
@@ -178,15 +255,17 @@ class Learning:
         rows = []
         for key, raw in store.items(_ARM_PREFIX):
             try:
-                obj = msgspec.msgpack.decode(raw)
+                obj = _decode_arm(raw)
+                if obj is None:
+                    raise TypeError(key)
                 rows.append((obj["policy"], obj["arm"], obj["fingerprint"], obj["state"]))
-            except (msgspec.DecodeError, KeyError, TypeError):
+            except (KeyError, TypeError):
                 log.warning("learning: unreadable arm state %s skipped", key)
         self.learner.load_arms(rows)
-        raw = store.get(_LIVE_KEY)
-        if raw:
+        live_raw = store.get(_LIVE_KEY)
+        if live_raw:
             try:
-                n = self.learner.live.load(json.loads(raw))
+                n = self.learner.live.load(json.loads(live_raw))
                 log.info("learning: %d live statistics and %d bandit arms restored", n, len(rows))
             except (ValueError, AttributeError):
                 log.warning("learning: unreadable live statistics skipped")
@@ -203,19 +282,95 @@ class Learning:
             store.put(_LIVE_KEY, json.dumps(live.state()).encode())
 
     async def run(self) -> None:
-        """Save every :data:`SAVE_INTERVAL_S`; once more when cancelled."""
+        """Save every :data:`SAVE_INTERVAL_S`; once more when cancelled. A
+        router that :meth:`share` s its learning returns at once (its syncs
+        replace the saves: a save would overwrite what the others merged)."""
+        if self.shared:
+            return
         try:
-            while True:
+            while not self.shared:
                 await trio.sleep(SAVE_INTERVAL_S)
+                if self.shared:
+                    return
                 try:
                     self.save()
                 except Exception:
                     log.exception("learning: saving the learned state failed")
         finally:
-            try:
-                self.save()
-            except Exception:
-                log.exception("learning: saving the learned state at shutdown failed")
+            if not self.shared:
+                try:
+                    self.save()
+                except Exception:
+                    log.exception("learning: saving the learned state at shutdown failed")
+
+    # ----------------------------------------------------------- shared store
+    def share(self) -> None:
+        """Merge this router's learning with the other routers' on its store
+        from now on (:meth:`sync_shared`, the module doc) instead of saving it
+        (last writer wins). Call before traffic: the arms as they are now are
+        the base of the first push."""
+        self.shared = True
+        self.learner.share()
+
+    def sync_shared(self) -> dict[str, int]:
+        """One merge with the shared store (the module doc): push every arm and
+        the live statistics that learned since their last sync, adopt the merged
+        results, read back what the index says others changed. Synchronous
+        (store calls); raises :class:`~atp.store.StoreError` (e.g.
+        ``StoreUnavailable``) — what was not pushed is pushed by the next
+        call: nothing is lost. (A push the store applied but whose answer
+        was lost — the connection cut at that instant — is pushed again, so
+        that interval of this router's learning counts twice.) Returns
+        ``{"pushed": n, "pulled": n}`` (arms and the live document)."""
+        store = self.router.store
+        gen = self.router.gen
+        self.sync(gen)
+        rib = self._version or 0
+        self._syncs += 1
+        full = self._syncs % _FULL_PULL_EVERY == 1
+        raw = store.get(_SEQ_KEY)
+        try:
+            index = json.loads(raw) if raw else {}
+        except ValueError:
+            index = {}
+        if not isinstance(index, dict):
+            index = {}
+        seq = int(time.time() * 1000)  # sequence numbers above any a restart forgot
+        written: dict[str, int] = {}
+        pulled = 0
+        try:
+            for arm in self.learner.shared_arms():
+                key = f"{_ARM_PREFIX}{arm.policy}/{arm.arm}"
+                delta = arm.model.delta(arm.base)
+                if not delta.empty:
+                    new = store.update(key, functools.partial(_push_arm, arm, delta, rib, seq))
+                    entry = _decode_arm(new)
+                    if entry is not None and arm.synced(entry):
+                        written[key] = arm.seq or 0
+                elif full or index.get(key) != arm.seq:
+                    entry = _decode_arm(store.get(key))
+                    if entry is not None and entry.get("seq") != arm.seq and arm.synced(entry):
+                        pulled += 1
+            live = self.learner.live
+            priors = self.learner.priors
+            deltas = live.deltas()
+            if deltas:
+                new = store.update(_LIVE_KEY, functools.partial(_push_live, deltas, rib, tuple(priors), seq))
+                doc = _decode_live(new)
+                if doc is not None:
+                    live.adopt(live_stats_of(doc), priors, pushed=True)
+                    self._live_seq, self._live_raw = doc.get("seq"), new
+                    written[_LIVE_KEY] = int(doc.get("seq", 0))
+            elif full or index.get(_LIVE_KEY) != self._live_seq:
+                new = store.get(_LIVE_KEY)
+                if new is not None and new != self._live_raw and (doc := _decode_live(new)) is not None:
+                    live.adopt(live_stats_of(doc), priors, pushed=False)
+                    self._live_seq, self._live_raw = doc.get("seq"), new
+                    pulled += 1
+        finally:
+            if written:
+                store.update(_SEQ_KEY, functools.partial(_bump_index, written))
+        return {"pushed": len(written), "pulled": pulled}
 
     # ----------------------------------------------------------- decisions
     def sync(self, gen: Generation) -> None:

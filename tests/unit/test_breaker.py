@@ -43,6 +43,8 @@ def test_transition_table_is_the_documented_graph():
         (OPEN, BreakerEvent.BACKOFF_ELAPSED): HALF_OPEN,
         (HALF_OPEN, BreakerEvent.PROBE_SUCCEEDED): CLOSED,
         (HALF_OPEN, BreakerEvent.PROBE_FAILED): OPEN,
+        (CLOSED, BreakerEvent.REMOTE_TRIP): OPEN,
+        (HALF_OPEN, BreakerEvent.REMOTE_TRIP): OPEN,
     }
 
 
@@ -240,7 +242,7 @@ def test_error_rate_is_over_the_window_and_ages_out():
 steps = st.lists(
     st.tuples(
         st.sampled_from([0.0, 0.0, 0.01, 0.3, 1.0, 2.5, 7.0, 40.0]),
-        st.sampled_from(["allow", "success", "failure", "cancel"]),
+        st.sampled_from(["allow", "success", "failure", "cancel", "remote", "release"]),
         st.sampled_from([None, *ErrorCode]),
     ),
     max_size=200,
@@ -271,6 +273,7 @@ def test_breaker_moves_only_along_the_legal_graph(threshold, probes, jitter, see
     failures: list[float] = []  # the model: peer failures while CLOSED since it last closed
     out = 0  # probes admitted and not yet ended
     k = 0  # openings since the breaker last closed
+    remote = False  # OPEN only because another router opened it
     for dt, action, code in steps:
         now += dt
         before = b.state(now)
@@ -294,10 +297,21 @@ def test_breaker_moves_only_along_the_legal_graph(threshold, probes, jitter, see
                 b.on_failure(now, code)
             case "cancel":
                 b.on_cancel(now)
+            case "remote":  # another router opened it for dt + 0.5 s, at its opening number 3
+                timer = b.get_timer()
+                b.trip_remote(now, now + dt + 0.5, openings=3)
+                if before is OPEN:
+                    assert b.get_timer() == max(timer, now + dt + 0.5)
+            case "release":
+                b.release_remote(now)
         after = b.state(now)
         assert after == before or (before, after) in LEGAL, (before, after)
         # The model of each transition.
-        if before is CLOSED and action == "failure" and counted:
+        if action == "remote":
+            assert after is OPEN
+        elif action == "release":
+            assert after is (HALF_OPEN if before is OPEN and remote else before)
+        elif before is CLOSED and action == "failure" and counted:
             failures.append(now)
             trips = len(failures) >= threshold and now - failures[-threshold] <= window
             assert (after is OPEN) == trips
@@ -309,9 +323,18 @@ def test_breaker_moves_only_along_the_legal_graph(threshold, probes, jitter, see
             assert after is before
         if before is HALF_OPEN and (action == "cancel" or (action == "failure" and not counted)):
             out = max(0, out - 1)
-        if after is not before:
+        if action == "remote" and before is not OPEN:
             out = 0
             failures.clear()
+            k = max(k, 3)
+            remote = True
+            assert b.get_timer() == now + dt + 0.5
+        elif action == "remote":
+            k = max(k, 3)
+        elif after is not before:
+            out = 0
+            failures.clear()
+            remote = False
             if after is OPEN:
                 nominal = min(cap, base * 2**k)
                 delay = b.get_timer() - now
