@@ -71,8 +71,13 @@ import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
+
+if TYPE_CHECKING:
+    import subprocess
+    from collections.abc import Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 LITELLM_VENV = ROOT / "bench" / ".venv-litellm"
@@ -622,6 +627,75 @@ def spawn(cmd: list[str], log: Path, **kw):
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **kw)
 
 
+#: What a bench's processes do not inherit from the shell: the benches bring their own tokens.
+SECRET_VARS = ("ATP_ROUTER_TOKENS", "ATP_HMAC_KEYS", "ATP_HMAC_KEY")
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without :data:`SECRET_VARS`."""
+    return {k: v for k, v in os.environ.items() if k not in SECRET_VARS}
+
+
+def start_mock(tmp: Path, procs: list, announce: str | None = None) -> tuple[int, subprocess.Popen] | None:
+    """The mock OpenAI upstream (this script with ``--mock-upstream PORT``) on a
+    free port, its output in ``tmp/mock.log``, appended to ``procs`` as soon as
+    it runs (the caller stops it). ``announce``: print ``<announce>: mock
+    upstream on 127.0.0.1:<port>`` first. Its port and process once ``GET
+    /v1/models`` answers, else None (the log's tail printed)."""
+    port = free_port()
+    if announce is not None:
+        print(f"{announce}: mock upstream on 127.0.0.1:{port}", flush=True)
+    log = tmp / "mock.log"
+    mock = spawn([sys.executable, str(ROOT / "bench" / "bench_gateway.py"), "--mock-upstream", str(port)], log)
+    procs.append(mock)
+    return (port, mock) if wait_up(f"http://127.0.0.1:{port}/v1/models", mock, log, 20) else None
+
+
+@dataclass
+class BenchRouter:
+    """A router process of a bench: its HTTP and WebSocket URLs and its log."""
+
+    proc: subprocess.Popen
+    url: str
+    ws_url: str
+    log: Path
+
+
+def start_router(directory: Path, rib: str, procs: list, *, key: str | None = None, roles: str = "",
+                 args: Sequence[str] = (), env: Mapping[str, str] | None = None, exe: Sequence[str] | None = None,
+                 announce: str | None = None, timeout_s: float = 60.0) -> BenchRouter | None:
+    """An ATP router for a bench, once it answers ``GET /v1/health``.
+
+    ``rib`` (YAML text; usually :data:`RIB` ``.format(port=<the mock's port>)``)
+    goes to ``directory/rib/rib.yaml``. From ``directory``, ``exe`` (default the
+    venv's ``atp-router``) runs with ``--policies directory/rib --state-dir
+    directory/state`` on free loopback ports, ``--no-watch --log-level WARNING``
+    and ``args``; its output goes to ``directory/router.log``; its environment
+    is ``env`` (default :func:`clean_env`) and, given ``key``, the one bearer
+    token ``ATP_ROUTER_TOKENS=bench:<key>[:<roles>]`` (health is asked with it).
+    The process is appended to ``procs`` as soon as it runs (the caller stops
+    it). ``announce``: print ``<announce>: <the command>`` first. None (the
+    log's tail printed) when it exits or is not up within ``timeout_s`` s."""
+    (directory / "rib").mkdir(parents=True)
+    (directory / "rib" / "rib.yaml").write_text(rib)
+    http_port, ws_port = free_port(), free_port()
+    cmd = [*(exe or [str(Path(sys.executable).parent / "atp-router")]), "--policies", str(directory / "rib"),
+           "--state-dir", str(directory / "state"), "--http-port", str(http_port), "--ws-port", str(ws_port),
+           "--no-watch", "--log-level", "WARNING", *args]
+    if announce is not None:
+        print(f"{announce}: {' '.join(Path(c).name if c.startswith('/') else c for c in cmd)}", flush=True)
+    env = dict(clean_env() if env is None else env)
+    if key is not None:
+        env["ATP_ROUTER_TOKENS"] = f"bench:{key}" + (f":{roles}" if roles else "")
+    log = directory / "router.log"
+    proc = spawn(cmd, log, env=env, cwd=directory)
+    procs.append(proc)
+    url = f"http://127.0.0.1:{http_port}"
+    if not wait_up(url + "/v1/health", proc, log, timeout_s, key):
+        return None
+    return BenchRouter(proc, url, f"ws://127.0.0.1:{ws_port}", log)
+
+
 def bench(args: argparse.Namespace) -> int:
     import secrets
     import subprocess
@@ -636,36 +710,24 @@ def bench(args: argparse.Namespace) -> int:
     litellm_note = "LiteLLM skipped (--skip-litellm)." if args.skip_litellm else "LiteLLM not available."
     procs: list[subprocess.Popen] = []
     tmp = Path(tempfile.mkdtemp(prefix="bench_gateway_"))
-    env = {k: v for k, v in os.environ.items() if k not in ("ATP_ROUTER_TOKENS", "ATP_HMAC_KEYS", "ATP_HMAC_KEY")}
+    env = clean_env()
     # Both gateways authenticate a bearer key on every request (LiteLLM refuses to start without a master key).
     atp_key, ll_key = "atp-" + secrets.token_hex(32), "sk-" + secrets.token_hex(32)
     keys = {"atp_http": atp_key, "atp_ws": atp_key, "atp_openai": atp_key, "litellm": ll_key}
     try:
-        mock_port = free_port()
-        print(f"starting: mock upstream on 127.0.0.1:{mock_port}", flush=True)
-        mlog = tmp / "mock.log"
-        mock = spawn([sys.executable, __file__, "--mock-upstream", str(mock_port)], mlog)
-        procs.append(mock)
+        started = start_mock(tmp, procs, announce="starting")
+        if started is None:
+            return 1
+        mock_port, mock = started
         urls = {"direct": f"http://127.0.0.1:{mock_port}"}
-        if not wait_up(urls["direct"] + "/v1/models", mock, mlog, 20):
-            return 1
 
-        http_port, ws_port = free_port(), free_port()
-        (tmp / "rib").mkdir()
-        (tmp / "rib" / "rib.yaml").write_text(RIB.format(port=mock_port))
-        cmd = [str(Path(sys.executable).parent / "atp-router"), "--policies", str(tmp / "rib"),
-               "--state-dir", str(tmp / "state"), "--http-port", str(http_port), "--ws-port", str(ws_port),
-               "--no-watch", "--log-level", "WARNING", "--tenant-rate-per-s", "100000",
-               "--tenant-rate-burst", "100000"]
-        print(f"starting: {' '.join(Path(c).name if c.startswith('/') else c for c in cmd)}", flush=True)
-        rlog = tmp / "router.log"
-        router = spawn(cmd, rlog, env=env | {"ATP_ROUTER_TOKENS": f"bench:{atp_key}"}, cwd=tmp)
-        procs.append(router)
-        atp_url = f"http://127.0.0.1:{http_port}"
-        if not wait_up(atp_url + "/v1/health", router, rlog, 60, atp_key):
+        router = start_router(tmp, RIB.format(port=mock_port), procs, key=atp_key, announce="starting",
+                              args=["--tenant-rate-per-s", "100000", "--tenant-rate-burst", "100000"])
+        if router is None:
             return 1
-        urls |= {"atp_http": atp_url, "atp_ws": f"ws://127.0.0.1:{ws_port}", "atp_openai": atp_url}
-        pids = {"direct": mock.pid, "atp_http": router.pid, "atp_ws": router.pid, "atp_openai": router.pid}
+        urls |= {"atp_http": router.url, "atp_ws": router.ws_url, "atp_openai": router.url}
+        pids = {"direct": mock.pid, "atp_http": router.proc.pid, "atp_ws": router.proc.pid,
+                "atp_openai": router.proc.pid}
 
         if exe is not None:
             version = litellm_version(exe)

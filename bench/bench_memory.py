@@ -72,7 +72,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from bench_gateway import RIB, Drivers, free_port, rss_mb, spawn, wait_up
+from bench_gateway import (
+    RIB,
+    Drivers,
+    free_port,
+    rss_mb,
+    spawn,
+    start_mock,
+    start_router,
+)
 
 #: Streams per client session (the router's sessions take at most 256 at once).
 PER_SESSION = 250
@@ -405,18 +413,14 @@ def bench(args: argparse.Namespace) -> int:
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench_memory_"))
     procs: list[subprocess.Popen] = []
-    env = {k: v for k, v in os.environ.items() if k not in ("ATP_ROUTER_TOKENS", "ATP_HMAC_KEYS", "ATP_HMAC_KEY")}
     key = "atp-" + secrets.token_hex(32)
     try:
-        mock_port, silent_port = free_port(), free_port()
-        mock = spawn([sys.executable, str(ROOT / "bench" / "bench_gateway.py"), "--mock-upstream", str(mock_port)],
-                     tmp / "mock.log")
-        procs.append(mock)
+        silent_port = free_port()
         procs.append(spawn([sys.executable, __file__, "--silent-upstream", str(silent_port)], tmp / "silent.log"))
-        if not wait_up(f"http://127.0.0.1:{mock_port}/v1/models", mock, tmp / "mock.log", 20):
+        started = start_mock(tmp, procs)
+        if started is None:
             return 1
-        (tmp / "rib").mkdir()
-        (tmp / "rib" / "rib.yaml").write_text(rib(mock_port, silent_port))
+        mock_port, _ = started
         n_open = max(args.idle_streams, args.waiting_streams) + 1000
         plan = [("load", "load run (idle trim: the default)", load_phases, [])]
         if not args.skip_no_trim:
@@ -427,22 +431,17 @@ def bench(args: argparse.Namespace) -> int:
             plan.append(("waiting", "open waiting streams", stream_phases, []))
         runs: dict[str, dict] = {}
         for name, label, phases, extra in plan:
-            http_port, ws_port = free_port(), free_port()
-            cmd = [str(Path(sys.executable).parent / "atp-router"), "--policies", str(tmp / "rib"),
-                   "--state-dir", str(tmp / f"state-{name}"), "--http-port", str(http_port), "--ws-port",
-                   str(ws_port), "--no-watch", "--log-level", "WARNING", "--tenant-rate-per-s", "1000000",
-                   "--tenant-rate-burst", "1000000", "--tenant-max-streams", str(n_open), "--max-streams",
-                   str(n_open), "--idle-task-s", "3600", "--retain-closed-s", f"{args.retain_s:g}", *extra,
-                   *args.router_arg]
-            print(f"{label}: {' '.join(Path(c).name if c.startswith('/') else c for c in cmd)}", flush=True)
-            rlog = tmp / f"router-{name}.log"
-            router = spawn(cmd, rlog, env=env | {"ATP_ROUTER_TOKENS": f"bench:{key}:client+operator"}, cwd=tmp)
-            procs.append(router)
-            url = f"http://127.0.0.1:{http_port}"
-            if not wait_up(url + "/v1/health", router, rlog, 60, key):
+            r = start_router(tmp / name, rib(mock_port, silent_port), procs, key=key, roles="client+operator",
+                             announce=label,
+                             args=["--tenant-rate-per-s", "1000000", "--tenant-rate-burst", "1000000",
+                                   "--tenant-max-streams", str(n_open), "--max-streams", str(n_open),
+                                   "--idle-task-s", "3600", "--retain-closed-s", f"{args.retain_s:g}", *extra,
+                                   *args.router_arg])
+            if r is None:
                 return 1
+            router, rlog = r.proc, r.log
             args.phase = name
-            runs[name] = trio.run(phases, args, url, f"ws://127.0.0.1:{ws_port}", key, router.pid)
+            runs[name] = trio.run(phases, args, r.url, r.ws_url, key, router.pid)
             if router.poll() is not None:
                 print(f"!! the router exited ({router.returncode}); see {rlog}")
                 return 1

@@ -54,19 +54,6 @@ import bench_gateway as gw  # a sibling script, found through sys.path above
 TARGET = "atp_http"
 
 
-def start_router(name: str, tmp: Path, mock_port: int, env: dict[str, str]) -> tuple[subprocess.Popen, str, Path]:
-    http_port, ws_port = gw.free_port(), gw.free_port()
-    rib = tmp / f"rib-{name}"
-    rib.mkdir()
-    (rib / "rib.yaml").write_text(gw.RIB.format(port=mock_port))
-    cmd = [sys.executable, "-m", "atp.router.cli", "--policies", str(rib), "--state-dir", str(tmp / f"state-{name}"),
-           "--http-port", str(http_port), "--ws-port", str(ws_port), "--no-watch", "--log-level", "WARNING",
-           "--tenant-rate-per-s", "100000", "--tenant-rate-burst", "100000"]
-    log = tmp / f"router-{name}.log"
-    proc = gw.spawn(cmd, log, env=env, cwd=tmp)
-    return proc, f"http://127.0.0.1:{http_port}", log
-
-
 async def measure(args: argparse.Namespace, routers: dict[str, tuple[int, str]], rx) -> dict[str, list[dict]]:
     import trio
 
@@ -136,17 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_tracing: Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     tmp = Path(tempfile.mkdtemp(prefix="bench_tracing_"))
-    base_env = {k: v for k, v in os.environ.items()
-                if not k.startswith("OTEL_") and k not in ("ATP_ROUTER_TOKENS", "ATP_HMAC_KEYS", "ATP_HMAC_KEY")}
+    base_env = {k: v for k, v in gw.clean_env().items() if not k.startswith("OTEL_")}
     procs: list[subprocess.Popen] = []
     with OtlpReceiver() as rx:
         try:
-            mock_port = gw.free_port()
-            mock = gw.spawn([sys.executable, str(ROOT / "bench" / "bench_gateway.py"), "--mock-upstream",
-                             str(mock_port)], tmp / "mock.log")
-            procs.append(mock)
-            if not gw.wait_up(f"http://127.0.0.1:{mock_port}/v1/models", mock, tmp / "mock.log", 20):
+            started = gw.start_mock(tmp, procs)
+            if started is None:
                 return 1
+            mock_port, _ = started
             configs = {"off": base_env, "on": base_env | {"OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint,
                                                           "OTEL_SERVICE_NAME": "atp-bench"}}
             if args.baseline_src is not None:
@@ -157,11 +141,13 @@ def main(argv: list[str] | None = None) -> int:
                 configs["baseline"] = base_env | {"PYTHONPATH": str(src)}
             routers: dict[str, tuple[int, str]] = {}
             for name, env in configs.items():
-                proc, url, log = start_router(name, tmp, mock_port, env)
-                procs.append(proc)
-                if not gw.wait_up(url + "/v1/health", proc, log, 60):
+                # `python -m`, so that PYTHONPATH (the baseline's source) decides which atp runs
+                r = gw.start_router(tmp / name, gw.RIB.format(port=mock_port), procs, env=env,
+                                    exe=[sys.executable, "-m", "atp.router.cli"],
+                                    args=["--tenant-rate-per-s", "100000", "--tenant-rate-burst", "100000"])
+                if r is None:
                     return 1
-                routers[name] = (proc.pid, url)
+                routers[name] = (r.proc.pid, r.url)
             print(f"routers up: {', '.join(routers)}; receiver {rx.endpoint}", flush=True)
             t0 = time.monotonic()
             runs = trio.run(measure, args, routers, rx)

@@ -115,23 +115,6 @@ def ledger_cost(tasks: int, tmp: Path) -> dict[str, float]:
 # --- part 1: the routers ------------------------------------------------------------------
 
 
-def start_router(tmp: Path, name: str, workers: int, mock_port: int, key: str) -> tuple[subprocess.Popen, str]:
-    d = tmp / name
-    (d / "rib").mkdir(parents=True)
-    (d / "rib" / "rib.yaml").write_text(gw.RIB.format(port=mock_port) + TENANT_BUDGET.format())
-    port, ws_port = gw.free_port(), gw.free_port()
-    cmd = [str(Path(sys.executable).parent / "atp-router"), "--workers", str(workers), "--policies", str(d / "rib"),
-           "--state-dir", str(d / "state"), "--http-port", str(port), "--ws-port", str(ws_port), "--no-watch",
-           "--log-level", "WARNING"]
-    env = {k: v for k, v in os.environ.items() if k not in ("ATP_ROUTER_TOKENS", "ATP_HMAC_KEYS", "ATP_HMAC_KEY")}
-    log = d / "router.log"
-    proc = gw.spawn(cmd, log, env=env | {"ATP_ROUTER_TOKENS": f"bench:{key}"}, cwd=d)
-    url = f"http://127.0.0.1:{port}"
-    if not gw.wait_up(url + "/v1/health", proc, log, 90, key):
-        raise SystemExit(f"router --workers {workers} did not start: see {log}")
-    return proc, url
-
-
 async def throughput(args: argparse.Namespace, urls: dict[str, str], key: str, pids: dict[str, int]) -> dict:
     import trio
 
@@ -174,19 +157,19 @@ def bench(args: argparse.Namespace) -> int:
     try:
         print(f"part 2: ledger steps per task, {args.tasks} tasks ...", flush=True)
         ledger = ledger_cost(args.tasks, tmp)
-        mock_port = gw.free_port()
-        mock = gw.spawn([sys.executable, str(ROOT / "bench" / "bench_gateway.py"), "--mock-upstream",
-                         str(mock_port)], tmp / "mock.log")
-        procs.append(mock)
-        if not gw.wait_up(f"http://127.0.0.1:{mock_port}/v1/models", mock, tmp / "mock.log", 20):
+        started = gw.start_mock(tmp, procs)
+        if started is None:
             return 1
+        mock_port, _ = started
         urls, pids = {}, {}
         for n in (1, 2):
             name = f"w{n}"
             print(f"starting: atp-router --workers {n}", flush=True)
-            proc, url = start_router(tmp, name, n, mock_port, key)
-            procs.append(proc)
-            urls[name], pids[name] = url, proc.pid
+            r = gw.start_router(tmp / name, gw.RIB.format(port=mock_port) + TENANT_BUDGET.format(), procs, key=key,
+                                args=["--workers", str(n)], timeout_s=90)
+            if r is None:
+                return 1
+            urls[name], pids[name] = r.url, r.proc.pid
         print(f"part 1: closed loop, {args.in_flight} in flight over HTTP+SSE, {args.seconds:g} s x "
               f"{args.repeats} per router, interleaved", flush=True)
         res = trio.run(throughput, args, urls, key, pids)

@@ -14,6 +14,7 @@ import pytest
 
 from atp.router.cli import run
 from atp.router.core import Router, RouterConfig
+from tests.peers import start_llama_server
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -50,6 +51,17 @@ def policies_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 async def router_env(nursery, policies_dir: Path) -> RouterEnv:
     return await start_router(nursery, policies_dir)
+
+
+@pytest.fixture(scope="session")
+def llama_base_url() -> Iterator[str]:
+    """The OpenAI base URL (``http://127.0.0.1:<port>/v1``) of one llama-cpp-python
+    server with SmolLM2 (:func:`tests.peers.start_llama_server`, default context)
+    for the whole session: the model tests share it (a RIB on it:
+    :func:`tests.helpers.model_rib`). Skips, or fails under ``ATP_REQUIRE_MODEL=1``,
+    when the model cannot run here."""
+    with start_llama_server() as url:
+        yield url
 
 
 # ------------------------------------------------------------------- test tiers

@@ -15,7 +15,6 @@ from atp.router.api import (
     ErrorResponse,
     FeedbackRequest,
     FeedbackResponse,
-    FibView,
     FramesResponse,
     Health,
     PolicyText,
@@ -23,6 +22,7 @@ from atp.router.api import (
     StreamOpenRequest,
     StreamOpenResponse,
 )
+from atp.router.fibview import FibView
 from atp.router.openai_ingress import (
     CHAT_PATH,
     MODELS_PATH,

@@ -47,6 +47,7 @@ import msgspec
 import trio
 
 from atp.flow.breaker import BreakerState
+from atp.router.fibview import FibBandit
 
 if TYPE_CHECKING:
     from atp.router.core import Router
@@ -210,27 +211,15 @@ class RouteRow(msgspec.Struct):
     weights: list[float]
 
 
-class ArmRow(msgspec.Struct):
-    """One bandit arm (§6.2): posterior-mean quality, its logit's std,
-    observations and normalised cost."""
-
-    mean: float
-    std: float
-    count: float
-    cost: float
-
-
-class BanditStatus(msgspec.Struct):
-    arms: dict[str, ArmRow]
-    lam: float = msgspec.field(name="lambda")
-    choices: int
-
-
 class FibStatus(msgspec.Struct):
+    """The learning FIB: its generation, up to ``max_routes`` entries
+    (``more_routes`` not listed) and each bandit policy as ``GET /v1/fib``
+    shows it (arm figures rounded)."""
+
     version: int
     routes: list[RouteRow]
     more_routes: int
-    bandits: dict[str, BanditStatus]
+    bandits: dict[str, FibBandit]
 
 
 class PolicyAgentPoint(msgspec.Struct):
@@ -696,10 +685,9 @@ class StatusBuilder:
         cap = self.limits.max_routes
         view = router.learning.learner.fib_view()
         bandits = {
-            name: BanditStatus(
-                arms={a: ArmRow(mean=round(v["mean"], 4), std=round(v["std"], 4), count=round(v["count"], 2),
-                                cost=round(v["cost"], 4)) for a, v in b["arms"].items()},
-                lam=b["lambda"], choices=b["choices"])
+            name: msgspec.convert({**b, "arms": {
+                a: {"mean": round(v["mean"], 4), "std": round(v["std"], 4), "count": round(v["count"], 2),
+                    "cost": round(v["cost"], 4)} for a, v in b["arms"].items()}}, FibBandit)
             for name, b in view["bandits"].items()}
         return FibStatus(
             version=gen.version,

@@ -13,47 +13,13 @@ what it saved in ``/v1/metrics``.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-
 import pytest
 import trio
-from peers import (  # tests/peers.py (tests/ is on sys.path via its conftest)
-    MODEL_ALIAS,
-    start_llama_server,
-)
 
 import atp
-from tests.helpers import golden, start_router_on
+from tests.helpers import golden, model_rib, start_router_on
 
-COST_IN, COST_OUT = 0.5, 1.5  # USD per 1M tokens, i.e. USD micros per token
 META = {"task_type": "code_review", "languages": ["py"]}
-
-
-@pytest.fixture(scope="module")
-def llama_base_url() -> Iterator[str]:
-    with start_llama_server() as url:
-        yield url
-
-
-def rib(base_url: str) -> str:
-    return json.dumps({
-        "models": {"smollm2": {
-            "provider": "openai_compat", "base_url": base_url, "model": MODEL_ALIAS, "ctx": "2k",
-            "cost_in": COST_IN, "cost_out": COST_OUT, "max_out_tokens": 48, "temperature": 0,
-            "strengths": ["code_review"],
-        }},
-        "agents": {
-            "reviewer.local": {"layer": "L2", "model": "smollm2", "p95_ms": 4000, "timeout_ms": 120_000},
-            "lint.ruff": {"layer": "L1", "tool": "ruff", "p95_ms": 200, "strengths": ["code_review"]},
-        },
-        "policies": [{
-            "name": "review_with_model", "match": {"task_type": "code_review"},
-            "fanout": ["reviewer.local", "lint.ruff"],
-            "budget": {"usd": 0.05, "tokens": 200_000},
-            "cache": {"ttl_s": 3600},
-        }],
-    })
 
 
 def _sample(metrics: str, name: str) -> float:
@@ -74,7 +40,8 @@ async def _review(c: atp.Client) -> tuple[dict, list[atp.Event], str]:
 
 @pytest.mark.model
 async def test_reviewing_the_same_diff_twice_costs_once(nursery, tmp_path, llama_base_url):
-    env = await start_router_on(nursery, tmp_path, rib(llama_base_url))
+    rib = model_rib(llama_base_url, max_out_tokens=48, cache={"ttl_s": 3600})
+    env = await start_router_on(nursery, tmp_path, rib)
     async with atp.Client(env.url) as c:
         first, _, sid1 = await _review(c)
         m1 = await c.metrics()

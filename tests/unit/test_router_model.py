@@ -10,56 +10,30 @@ and the metrics count. (The model's review quality is not the point.)
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterator
 from fractions import Fraction
 
 import msgspec
 import pytest
 import trio
-from peers import (  # tests/peers.py (tests/ is on sys.path via its conftest)
-    MODEL_ALIAS,
-    start_llama_server,
-)
 
 import atp
 from atp.consensus.types import FinalResult
-from tests.helpers import golden, start_router_on
+from tests.helpers import (
+    MODEL_COST_IN,
+    MODEL_COST_OUT,
+    golden,
+    model_rib,
+    start_router_on,
+)
 
-COST_IN, COST_OUT = 0.5, 1.5  # USD per 1M tokens, i.e. USD micros per token
 META = {"task_type": "code_review", "languages": ["py"]}
-
-
-@pytest.fixture(scope="module")
-def llama_base_url() -> Iterator[str]:
-    with start_llama_server() as url:
-        yield url
-
-
-def rib(base_url: str) -> str:
-    return json.dumps({
-        "models": {"smollm2": {
-            "provider": "openai_compat", "base_url": base_url, "model": MODEL_ALIAS, "ctx": "2k",
-            "cost_in": COST_IN, "cost_out": COST_OUT, "max_out_tokens": 64, "temperature": 0,
-            "strengths": ["code_review"],
-        }},
-        "agents": {
-            "reviewer.local": {"layer": "L2", "model": "smollm2", "p95_ms": 4000, "timeout_ms": 120_000},
-            "lint.ruff": {"layer": "L1", "tool": "ruff", "p95_ms": 200, "strengths": ["code_review"]},
-        },
-        "policies": [{
-            "name": "review_with_model", "match": {"task_type": "code_review"},
-            "fanout": ["reviewer.local", "lint.ruff"],
-            "budget": {"usd": 0.05, "tokens": 200_000},
-            "window": {"max_parallel": 2, "max_tokens": 200_000, "max_usd_micros": 50_000},
-        }],
-    })
 
 
 @pytest.mark.model
 async def test_model_next_hop_streams_partials_and_is_priced(nursery, tmp_path, llama_base_url):
-    env = await start_router_on(nursery, tmp_path, rib(llama_base_url))
+    window = {"max_parallel": 2, "max_tokens": 200_000, "max_usd_micros": 50_000}
+    env = await start_router_on(nursery, tmp_path, model_rib(llama_base_url, window=window))
     async with atp.Client(env.url) as c:
         _, st = await c.open_stream(task=META, content=golden())
         assert set(st.route["next_hops"]) == {"reviewer.local", "lint.ruff"}
@@ -85,7 +59,7 @@ async def test_model_next_hop_streams_partials_and_is_priced(nursery, tmp_path, 
     usage = reports["reviewer.local"]["usage"]
     in_tok, out_tok = usage["in_tokens"], usage["out_tokens"]
     assert in_tok > 0 and 0 < out_tok
-    expected_micros = math.ceil(in_tok * Fraction(str(COST_IN)) + out_tok * Fraction(str(COST_OUT)))
+    expected_micros = math.ceil(in_tok * Fraction(str(MODEL_COST_IN)) + out_tok * Fraction(str(MODEL_COST_OUT)))
     assert usage["usd_micros"] == expected_micros > 0
 
     final = msgspec.convert(events[-2].payload, FinalResult)
