@@ -6,15 +6,24 @@
   fixture returns ``serve_scripted(monkeypatch)``);
 * :func:`start_router_on` — :func:`tests.conftest.start_router` on a RIB written
   to ``tmp_path / "rib.yaml"``;
-* :func:`router_process` — ``atp-router --policies … --state-dir …`` as a process.
+* :func:`router_process` — ``atp-router --policies … --state-dir …`` as a process;
+* :class:`RouterProcess` — ``atp-router ARGS`` as a child process a test kills,
+  restarts or runs several of (its ``listening`` URLs, its output);
+* :func:`router_metric` — one metric's samples from a router's ``/v1/metrics``;
+* :func:`model_rib` — the model tests' RIB: SmolLM2 at the session's llama
+  server (the ``llama_base_url`` fixture of tests/conftest.py) beside ruff.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +36,8 @@ from atp.adapters.registry import TOOL_FACTORIES
 from atp.adapters.testing import ScriptedAdapter
 from tests.conftest import SHARED, RouterEnv, start_router
 
-__all__ = ["GOLDEN", "golden", "router_process", "serve_scripted", "start_router_on"]
+__all__ = ["GOLDEN", "MODEL_COST_IN", "MODEL_COST_OUT", "ROUTER", "RouterProcess", "golden", "model_rib",
+           "router_metric", "router_process", "serve_scripted", "start_router_on"]
 
 GOLDEN = SHARED / "golden" / "dev.jsonl"
 
@@ -87,6 +97,116 @@ def router_process(policies: Path, state_dir: Path, *, cwd: Path | None = None,
             yield f"http://127.0.0.1:{http}"
         finally:
             stop_process(proc)
+
+
+#: The venv's ``atp-router`` (beside ``sys.executable``).
+ROUTER = str(Path(sys.executable).parent / "atp-router")
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+class RouterProcess:
+    """``atp-router ARGS`` as a child process, run from the repository root with
+    ``env`` added to the environment; its stdout and stderr (merged) are kept in
+    :attr:`lines`. After :meth:`wait_listening`: :attr:`url` (HTTP), :attr:`ws_url`
+    and, for a router on a shared store, :attr:`owner` (its ``router=`` name).
+    :meth:`kill9` is a crash, :meth:`stop` a SIGTERM (SIGKILL after ``timeout``)."""
+
+    def __init__(self, *args: str | Path, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([ROUTER, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, text=True,
+                                     cwd=_ROOT)
+        self.lines: list[str] = []
+        self.url = self.ws_url = ""
+        self.owner: str | None = None
+
+    async def wait_listening(self, timeout: float = 90) -> str:
+        """The HTTP URL once the router printed ``listening``; fails the test
+        with its output when it exits first. Its later output is drained (kept)."""
+        def read() -> str:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                m = re.search(r"listening (https?://\S+) (wss?://\S+) .*?(?:router=(\S+))?$", line.rstrip())
+                if m:
+                    self.url, self.ws_url, self.owner = m[1], m[2], m[3]
+                    return self.url
+            raise AssertionError("router exited:\n" + "".join(self.lines))
+
+        with trio.fail_after(timeout):
+            await trio.to_thread.run_sync(read)
+        threading.Thread(target=self._drain, daemon=True).start()  # the pipe never fills
+        return self.url
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill9(self) -> None:
+        """SIGKILL, and wait for the process to be gone."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 30) -> int | None:
+        """SIGTERM (SIGKILL after ``timeout`` s); the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+async def router_metric(url: str, name: str, token: str) -> dict[str, float]:
+    """``labels → value`` of metric ``name`` in ``GET /v1/metrics`` of the router
+    at ``url`` (asked with bearer ``token``: an operator's): one entry per sample,
+    keyed by its label text (``'op="open"'``; ``""`` for none)."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=30) as h:
+        r = await h.get("/v1/metrics", headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200, r.text
+    return {m[1] or "": float(m[2]) for m in re.finditer(rf"^{name}(?:{{(.*)}})? (\S+)$", r.text, re.MULTILINE)}
+
+
+#: The price of :func:`model_rib`'s model, USD per 1M tokens in and out (i.e. USD micros a token).
+MODEL_COST_IN, MODEL_COST_OUT = 0.5, 1.5
+
+
+def model_rib(base_url: str, *, max_out_tokens: int = 64, **policy: Any) -> str:
+    """A RIB (JSON text, which is YAML) for the real-model tests: model
+    ``smollm2`` — SmolLM2 served at ``base_url`` (the ``llama_base_url``
+    fixture), ``openai_compat``, priced :data:`MODEL_COST_IN` /
+    :data:`MODEL_COST_OUT`, temperature 0, at most ``max_out_tokens`` tokens out
+    — as agent ``reviewer.local``, fanned out beside real ruff (``lint.ruff``)
+    by policy ``review_with_model`` for ``task_type: code_review`` with a
+    budget of 0.05 USD and 200,000 tokens; ``policy``: more keys of that policy
+    (e.g. ``window``, ``cache``)."""
+    from tests.peers import MODEL_ALIAS
+
+    return json.dumps({
+        "models": {"smollm2": {
+            "provider": "openai_compat", "base_url": base_url, "model": MODEL_ALIAS, "ctx": "2k",
+            "cost_in": MODEL_COST_IN, "cost_out": MODEL_COST_OUT, "max_out_tokens": max_out_tokens,
+            "temperature": 0, "strengths": ["code_review"],
+        }},
+        "agents": {
+            "reviewer.local": {"layer": "L2", "model": "smollm2", "p95_ms": 4000, "timeout_ms": 120_000},
+            "lint.ruff": {"layer": "L1", "tool": "ruff", "p95_ms": 200, "strengths": ["code_review"]},
+        },
+        "policies": [{
+            "name": "review_with_model", "match": {"task_type": "code_review"},
+            "fanout": ["reviewer.local", "lint.ruff"],
+            "budget": {"usd": 0.05, "tokens": 200_000},
+            **policy,
+        }],
+    })
 
 
 #: The ``roots`` the shipped example RIBs (repo summary, retrieval QA) allow.

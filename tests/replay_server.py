@@ -11,7 +11,10 @@ each test module says which documented wire shape it replays.
 * :class:`Replay` answers each request with the next scripted answer ``(status,
   headers, chunks)``: chunk by chunk with ``transfer-encoding: chunked``, or in one
   piece with ``content-length`` (``chunked=False``);
-* :func:`serve` starts either on a free port in the test's nursery.
+* :class:`BillingModel` is an OpenAI-compatible model that bills every chat
+  completion a fixed number of tokens (an agent over-reporting its usage) and
+  can hold its calls in flight;
+* :func:`serve` starts any of them on a free port in the test's nursery.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, TypeVar
 
 import trio
 
-__all__ = ["Behaviour", "LoopbackHTTP", "Replay", "serve"]
+__all__ = ["Behaviour", "BillingModel", "LoopbackHTTP", "Replay", "serve"]
 
 #: Writes one raw HTTP answer on the connection.
 Behaviour = Callable[[trio.SocketStream], Awaitable[None]]
@@ -106,6 +109,45 @@ class Replay(LoopbackHTTP):
                 await trio.sleep_forever()
             if self.chunked:
                 await stream.send_all(b"0\r\n\r\n")
+            await stream.aclose()
+
+
+class BillingModel(LoopbackHTTP):
+    """An OpenAI-compatible model (``url`` ends in ``/v1``) answering every chat
+    completion with a streamed text and a ``usage`` chunk of ``billed`` tokens
+    (the streaming shape the OpenAI-compatible adapter reads): set ``billed``
+    above the adapter's estimate and it over-reports, so concurrent calls
+    contend for the last of a budget. While :attr:`hold` is set, calls wait in
+    the model (calls in flight; :attr:`waiting` counts them). ``fail_every=n``
+    (> 0): every n-th call (by arrival) is answered HTTP 500 instead, after the
+    hold like the others, billing nothing (:attr:`failed` counts them)."""
+
+    def __init__(self, billed: int = 1_000, *, fail_every: int = 0) -> None:
+        super().__init__(path="/v1")
+        self.billed = billed
+        self.fail_every = fail_every
+        self.hold: trio.Event | None = None
+        self.waiting = 0
+        self.failed = 0
+
+    async def respond(self, stream: trio.SocketStream) -> None:
+        chunk = {"id": "c", "object": "chat.completion.chunk", "model": "m",
+                 "choices": [{"index": 0, "delta": {"content": "done"}, "finish_reason": None}]}
+        usage = {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [],
+                 "usage": {"prompt_tokens": self.billed // 2, "completion_tokens": self.billed - self.billed // 2,
+                           "total_tokens": self.billed}}
+        body = b"".join(f"data: {json.dumps(x)}\n\n".encode() for x in (chunk, usage)) + b"data: [DONE]\n\n"
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream"
+        fail = self.fail_every > 0 and len(self.requests) % self.fail_every == 0  # this call's number, from 1
+        if fail:
+            body = b'{"error": {"message": "overloaded"}}'
+            head = b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json"
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            if self.hold is not None:
+                self.waiting += 1
+                await self.hold.wait()
+            self.failed += fail
+            await stream.send_all(head + b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
             await stream.aclose()
 
 

@@ -52,6 +52,7 @@ from atp.wire.errors import AgentError, ErrorCode
 __all__ = [
     "DETAIL_CHARS",
     "NO_RETRY",
+    "POOL_LIMITS",
     "ErrorOf",
     "HTTPNextHop",
     "RetryPolicy",
@@ -68,6 +69,12 @@ __all__ = [
 
 #: How much of an error body is quoted in a reason (characters).
 DETAIL_CHARS = 300
+
+#: The connection pool of a next-hop's httpx client: at most this many calls to one
+#: next-hop at once per router process (httpx's default, 100, is below what a RIB's
+#: ``window.max_parallel`` may allow: the rest would wait in the pool holding their
+#: reservations), of which this many idle connections are kept.
+POOL_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=100)
 
 #: Builds the AgentError for a failed answer from the response and its body.
 ErrorOf = Callable[[httpx.Response, bytes], AgentError]
@@ -311,6 +318,7 @@ class HTTPNextHop(ProviderAdapter):
             self._client = httpx.AsyncClient(
                 base_url=self._base_url,
                 timeout=httpx.Timeout(t, connect=min(t, 10.0)),
+                limits=POOL_LIMITS,
                 transport=self._transport,
                 verify=self._tls if self._tls is not None else True,
                 event_hooks=tracing.httpx_hooks(self.name),

@@ -68,7 +68,8 @@ endpoint when the router has tokens), 403 (ESEC: a role the action needs, or a
 bad frame signature), 404 (unknown stream), 409 (EWINDOW: the router's stream
 table is full), 413 (EPROTO: a body over ``max_body_bytes`` / ``max_policy_bytes``),
 422 (refused policy), 429 (EWINDOW: the tenant's stream quota or open rate, with
-``Retry-After`` in s), 503 (EAGENTDOWN: no route). The OpenAI-compatible
+``Retry-After`` in s), 503 (EAGENTDOWN: no route; EBUDGET with ``Retry-After``:
+the budget store several routers share cannot be reached). The OpenAI-compatible
 endpoints answer in OpenAI's error shape instead, ``{"error": {"message",
 "type", "code", "param"}}`` with the same codes and statuses
 (:mod:`atp.router.openai_ingress`).
@@ -89,6 +90,7 @@ from starlette.routing import Route
 
 from atp.router.a2a_server import a2a_routes
 from atp.router.core import Router
+from atp.router.fibview import FibView
 from atp.router.metrics import CONTENT_TYPE_LATEST
 from atp.router.status import status_routes
 from atp.router.tracing import TraceContextMiddleware
@@ -220,53 +222,6 @@ class FeedbackResponse(msgspec.Struct):
     scope: str
 
 
-class FibArm(msgspec.Struct):
-    """One bandit arm: posterior-mean quality (bias context), the logit's
-    standard deviation, observations and normalised cost."""
-
-    mean: float
-    std: float
-    count: float
-    cost: float
-
-
-class FibBandit(msgspec.Struct):
-    arms: dict[str, FibArm]
-    #: λ in force (cost weight; adaptive when ``target_cost`` is set).
-    lam: float = msgspec.field(name="lambda")
-    explore: float
-    target_cost: float | None
-    bar: float
-    choices: int
-    text_features: bool
-    bits: int
-
-
-class FibLive(msgspec.Struct):
-    """Decayed live figures of a next-hop (key ``agent``) or of a next-hop
-    within a policy (key ``policy|agent``); None: too few observations, the
-    RIB's figure is used."""
-
-    calls: float
-    p50_ms: float | None
-    p95_ms: float | None
-    error_rate: float | None
-    timeout_rate: float | None
-    tokens_per_call: float | None
-    usd_micros_per_call: float | None
-    quality: float
-    quality_obs: float
-
-
-class FibView(msgspec.Struct):
-    """Body of ``GET /v1/fib`` (spec §6.2): the running generation, each
-    bandit policy's arms and the live metrics the FIB scores with."""
-
-    version: int
-    bandits: dict[str, FibBandit]
-    live: dict[str, FibLive]
-
-
 class Health(msgspec.Struct):
     status: str
     rib_version: int
@@ -296,9 +251,10 @@ def _error(e: ATPError, status: int | None = None) -> Response:
                          errors=[PolicyFault(file=x.file, key=x.key, reason=x.detail, line=x.line)
                                  for x in e.errors])
         status = status or 422
-    if status is None and e.code is ErrorCode.EWINDOW and e.retry_after_ms is not None:
-        # The tenant's stream quota or open rate (spec §11): try again later.
-        resp = _json(ErrorResponse(error=body), 429)
+    if status is None and e.code in (ErrorCode.EWINDOW, ErrorCode.EBUDGET) and e.retry_after_ms is not None:
+        # EWINDOW: the tenant's stream quota or open rate (spec §11); EBUDGET: the
+        # shared budget store cannot be reached (atp.router.cluster). Try again later.
+        resp = _json(ErrorResponse(error=body), 429 if e.code is ErrorCode.EWINDOW else 503)
         resp.headers["Retry-After"] = str(max(1, -(-e.retry_after_ms // 1000)))
         return resp
     return _json(ErrorResponse(error=body), status or _STATUS.get(e.code, 400))

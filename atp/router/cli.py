@@ -77,6 +77,15 @@ processes accepting on them; budgets stay exact across workers through the
 state store, a request about a stream reaches the worker that runs it, a
 worker that dies is settled and restarted (:mod:`atp.router.workers`).
 
+Several routers, one state (issue 12): ``--store redis://host:6379/0`` (or
+``ATP_STORE_URL``, which keeps a password out of ``ps``) on each (its own
+``--state-dir`` and ports; the same ``ATP_AUDIT_KEY``) makes them one
+router — budgets exact across them, a request about a stream reaches the
+router running it, a reload reaches all, a router killed is settled by the
+others after ``--lease-ms`` and its streams re-run when their idempotency key
+is re-opened; while the store cannot be reached new spend is refused
+(:mod:`atp.router.cluster`).
+
 Subcommands: ``atp-router keys new KEY_ID TENANT [ROLES]`` (a new API key) and
 ``atp-router audit verify|show --state-dir DIR`` (:func:`atp.security.audit.audit_main`).
 Prints one ``listening`` line when ready; SIGINT/SIGTERM stop it.
@@ -91,9 +100,11 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import trio
 import yaml
@@ -121,27 +132,58 @@ async def run(config: RouterConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> 
     ``task_status.started`` receives ``(router, http_port, ws_port)`` with the bound
     ports (useful with port 0). Raises :class:`PolicyError` if the initial RIB is bad.
     """
-    router = Router(config)
+    router = Router(config) if config.store == "sqlite" else _cluster_router(config)
     hc = HyperConfig()
     hc.bind = [f"{config.host}:{config.http_port}"]
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.graceful_timeout = 1.0
+    hc.backlog = 1024  # hypercorn's default (100) drops SYNs of a burst of clients; as the workers' _listen
     if config.tls is not None:
         hypercorn_ssl(hc, config.tls)  # HTTPS, TLS 1.3, the same reloadable context as WSS
+    app = build_app(router)
+    # Several routers on one store (atp.router.cluster): requests about another router's streams are forwarded.
+    app = router.http_app(app) if hasattr(router, "http_app") else app
+    try:
+        await _serve(router, app, hc, config, task_status)
+    finally:
+        if hasattr(app, "aclose"):  # the forwarding clients
+            with trio.CancelScope(shield=True):
+                await app.aclose()
+
+
+async def _serve(router: Router, app: Any, hc: HyperConfig, config: RouterConfig, task_status: Any) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(router.serve)
         await nursery.start(router.authenticator.run)  # JWKS refresh (returns at once without JWT)
         if config.tls is not None:
             nursery.start_soon(config.tls.watch, 30.0)
-        binds = await nursery.start(lambda task_status: hyper_serve(build_app(router), hc, task_status=task_status))
+        binds = await nursery.start(lambda task_status: hyper_serve(app, hc, task_status=task_status))
         ws_server = await nursery.start(lambda task_status: serve_ws(router, config.host, config.ws_port, task_status=task_status))
         http_port = int(binds[0].rsplit(":", 1)[1])
+        if hasattr(router, "advertise"):
+            router.advertise(config.advertise_url or _advertised(config, http_port))
         # Long-lived start-up objects out of the GC's generations, and the SSE
         # backend imported now: both stalled the event loop 20-70 ms mid-traffic.
         importlib.import_module("anyio._backends._trio")
         gc.freeze()
         task_status.started((router, http_port, ws_server.port))
+
+
+def _cluster_router(config: RouterConfig) -> Router:
+    from atp.router.cluster import ClusterRouter
+
+    return ClusterRouter(config)
+
+
+def _advertised(config: RouterConfig, http_port: int) -> str:
+    """The URL other routers reach this one's HTTP API on when ``--advertise-url``
+    is not given: the bound host (this host's name when it is a wildcard) and port."""
+    host = config.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    host = f"[{host}]" if ":" in host else host
+    return f"{'https' if config.tls is not None else 'http'}://{host}:{http_port}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -194,6 +236,19 @@ def _parser() -> argparse.ArgumentParser:
                      help="policy reload body limit (413 above)")
     sec.add_argument("--state-dir", type=Path, default=_default_state_dir(), metavar="DIR",
                      help="durable state: ledgers, streams, RIB, audit (default: $XDG_STATE_HOME/atp-router)")
+    sec.add_argument("--store", metavar="URL",
+                     help="where budgets, streams, the RIB and the audit chain live: sqlite (embedded, in "
+                          "--state-dir, this router alone) or redis://[:password@]host:port/db (also rediss://, "
+                          "unix://): several routers share it (atp.router.cluster). Default: $ATP_STORE_URL "
+                          "(keeps a password out of ps), else sqlite")
+    sec.add_argument("--store-namespace", default=d.store_namespace, metavar="NAME",
+                     help="prefix of every key in a shared store (several clusters on one Redis)")
+    sec.add_argument("--lease-ms", type=_positive(int), default=d.lease_ms, metavar="MS",
+                     help="with a shared store: a router silent this long is settled by the others (its "
+                          "reservations released, its streams re-run when re-opened); renewed every fifth of it")
+    sec.add_argument("--advertise-url", metavar="URL",
+                     help="with a shared store: the URL the other routers forward requests about this router's "
+                          "streams to (default: the bound host and --http-port)")
     sec.add_argument("--state-sync", choices=["normal", "full"], default="normal",
                      help="normal survives a process crash; full also an OS crash (fsync per commit)")
     sec.add_argument("--cache-max-bytes", type=_non_negative(int), default=d.cache_max_bytes, metavar="N",
@@ -294,6 +349,17 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
         ap.error("give --tls-cert and --tls-key together")
     if args.tls_cert is None and (args.tls_client_ca or args.require_client_cert):
         ap.error("--tls-client-ca / --require-client-cert need --tls-cert and --tls-key")
+    args.store = args.store or env.get("ATP_STORE_URL") or RouterConfig.store
+    if args.store != "sqlite":
+        from atp.router.cluster import is_cluster_store
+
+        if not is_cluster_store(args.store):
+            ap.error("--store: give sqlite or a redis://, rediss:// or unix:// URL")
+        if args.workers > 1:
+            ap.error("--workers N with a shared --store: run N routers on the store instead (each its own "
+                     "--state-dir and ports); --workers shares the embedded sqlite store only")
+    elif args.advertise_url is not None:
+        ap.error("--advertise-url needs a shared --store (redis://…)")
     if args.repo is not None and not args.repo.is_dir():
         ap.error(f"--repo {args.repo}: not a directory")
     if args.tls_cert is None and not args.plaintext and not _loopback(args.host):
@@ -316,7 +382,8 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
             ws_deflate=not args.no_ws_deflate,
             repo=args.repo.resolve() if args.repo is not None else None,
             state_dir=args.state_dir, state_sync=args.state_sync.upper(), watch_policies=not args.no_watch,
-            cache_max_bytes=args.cache_max_bytes,
+            cache_max_bytes=args.cache_max_bytes, store=args.store, store_namespace=args.store_namespace,
+            lease_ms=args.lease_ms, advertise_url=args.advertise_url,
             **_flow_config(args),
         )
         build_authenticator(config)  # refuse a bad --auth file or token list now, with its message
@@ -439,8 +506,10 @@ def main(argv: list[str] | None = None) -> int:
                 nursery.cancel_scope.cancel()
                 return
             http, ws = ("https", "wss") if config.tls is not None else ("http", "ws")
+            owner = getattr(router, "owner", None)  # a router on a shared store names itself
             print(f"atp-router listening {http}://{config.host}:{http_port} {ws}://{config.host}:{ws_port} "
-                  f"(RIB generation {router.gen.version}: {', '.join(router.rib_summary()['agents'])})", flush=True)
+                  f"(RIB generation {router.gen.version}: {', '.join(router.rib_summary()['agents'])})"
+                  + (f" router={owner}" if owner else ""), flush=True)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
                     nursery.cancel_scope.cancel()

@@ -97,7 +97,7 @@ from atp.security.policy_guard import PolicySecrets, egress_changes
 from atp.security.signing import ReplayGuard, UsageSigner
 from atp.security.audit import AuditLog
 from atp.security.tls import ServerTls
-from atp.store import SqliteStore, StoreJournal
+from atp.store import SqliteStore, StoreJournal, StoreUnavailable
 from atp.security.redact import DataScopeGuard, Redacted, Refused
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec, KeyRing
@@ -278,6 +278,16 @@ class RouterConfig:
     #: from (``--repo``; the A2A server's plain-text diffs), confined to its root.
     repo: Path | None = None
     cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES
+    #: The store several routers share (issue 12, atp.router.cluster): ``"sqlite"``
+    #: (the embedded one in ``state_dir``, this router alone) or a ``redis://``,
+    #: ``rediss://`` or ``unix://`` URL; its keys live under ``store_namespace``.
+    store: str = "sqlite"
+    store_namespace: str = "atp"
+    #: A cluster router's lease in the shared store, ms: it is settled by the others
+    #: this long after its last heartbeat (every ``lease_ms / 5``).
+    lease_ms: int = 5000
+    #: The URL the other routers reach this one's HTTP API on (None: from the bound host and port).
+    advertise_url: str | None = None
 
 
 class Router:
@@ -568,6 +578,9 @@ class Router:
             self.audit_log.record(kind, identity.subject if identity is not None else "router",
                                   identity.tenant if identity is not None else None, detail,
                                   int(time.time() * 1000))
+        except StoreUnavailable as e:
+            log.error("audit record %s not written: %s", kind, e)
+            self.metrics.errors.labels("audit").inc()
         except Exception:
             # The audit trail must never take the data plane down: logged and counted.
             log.exception("audit record %s not written", kind)
@@ -736,6 +749,10 @@ class Router:
                                                   budget_usd_micros=usd_to_micros(policy_budget.usd)
                                                   if policy_budget.usd is not None else None,
                                                   qos=admitted_qos or route.qos)
+            budget = _min_budget(client_budget, route.budget)
+            # Last: a shared ledger may refuse (its store unreachable, EBUDGET; atp.router.cluster).
+            self.ledger.open(stream_account(tenant, ev.stream_id), Allowance.from_budget(budget),
+                             parent=self.client_account(tenant))
         except ATPError as e:
             self.metrics.errors.labels(str(e.code)).inc()
             if e.code is ErrorCode.ESEC:
@@ -752,14 +769,12 @@ class Router:
                 self.tracing.refused(tenant, sess.session_id, ev.stream_id, meta, e.code, e.reason)
             return
         window = _min_window(ev.window, route.window or DEFAULT_WINDOW)
-        budget = _min_budget(client_budget, route.budget)
         qos = admitted_qos if admitted_qos is not None else (route.qos or QoS.SILVER)
         ctx = StreamCtx(self.streams, sess, ev.stream_id, identity, meta, qos, window, budget, route,
                         trio.current_time(), gen=gen, ttl=ttl, account=stream_account(tenant, ev.stream_id),
                         idempotency_key=ev.idempotency_key)
         ctx.decision = decision
         self.control.hold(ctx)
-        self.ledger.open(ctx.account, Allowance.from_budget(budget), parent=self.client_account(tenant))
         self.streams.insert(ctx)
         self.metrics.streams_opened.labels(str(qos)).inc()
         synack = sess.accept(ev.stream_id, window)
@@ -1012,11 +1027,6 @@ class Router:
         before — over HTTP or WebSocket — without a second task or charge (§8).
         Raises :class:`ATPError` with the code the SYN was reset with.
         """
-        if idempotency_key is not None:
-            ctx = self.streams.resumable(identity.tenant, idempotency_key) or self.streams.restore(
-                identity, idempotency_key=idempotency_key, now=trio.current_time())
-            if ctx is not None:
-                return ctx
         session_id = "sess_" + secrets.token_hex(8)
         stream_id = "task_" + secrets.token_hex(8)
         meta = dict(task)
@@ -1029,6 +1039,8 @@ class Router:
             qos=qos or QoS.SILVER, window=window, meta=meta,
             payload=Payload(type=PayloadType.TASK, content=content) if content is not None else None,
         )
+        if idempotency_key is not None and (resumed := self.resume_point(syn, identity=identity)) is not None:
+            return resumed[0]
         direct = self.receive_frame(syn, identity=identity, now=trio.current_time())
         ctx = self.streams.get(identity.tenant, session_id, stream_id)
         if ctx is None:
@@ -1120,6 +1132,8 @@ class Router:
             try:
                 self.audit_log.tick(now_ms)
                 self.store.expire(now_ms - retain_ms)
+            except StoreUnavailable:
+                continue  # a shared store that cannot be reached: done when it answers (atp.router.cluster)
             except Exception:
                 log.exception("state: audit checkpoint or expiry failed")
 

@@ -72,5 +72,13 @@ class RouterMetrics:
         self.cache_saved_usd_micros = Counter("atp_cache_saved_usd_micros", "USD micros the response cache's hits "
                                               "did not spend", ["agent"], registry=r)
 
+        # The state store (issue 12): a shared store that cannot be reached refuses spend.
+        self.store_up = Gauge("atp_store_up", "1 while the state store answers, 0 while it cannot be reached "
+                              "(new spend is refused)", registry=r)
+        self.store_up.set(1)
+        self.store_unavailable = Counter(
+            "atp_store_unavailable", "Store operations that found the store unreachable, by operation (open, "
+            "reserve, extend, set_limit, commit, release, close, events, lease, reap, read)", ["op"], registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -64,7 +64,7 @@ import trio
 
 from atp.router.memory import TRIM_EVERY_S
 from atp.security.identity import Identity
-from atp.store.base import Store, StoreError, StoreLimitError, StreamRecord
+from atp.store.base import Store, StoredEvent, StoreError, StoreLimitError, StoreUnavailable, StreamRecord
 from atp.wire import session as S
 from atp.wire.errors import ATPError, ErrorCode, LocalProtocolError
 from atp.wire.frame import (
@@ -101,6 +101,8 @@ _SETTLE_RETRY_S = 1.0
 REFUSED_RETAIN_S = 1.0
 #: Default router-wide budget of retained closed logs, bytes (``retain_closed_bytes``).
 DEFAULT_RETAIN_CLOSED_BYTES = 16 * 2**20
+#: A group commit the store could not take (unreachable) is tried again this much later, s.
+_FLUSH_RETRY_S = 0.25
 #: The router trims its memory this long after it went idle, s (atp.router.memory).
 _IDLE_TRIM_AFTER_S = 2.0
 #: Timers of removed streams are purged once more than this many streams left
@@ -578,8 +580,16 @@ class StreamTable:
         #: and closes are queued and written in one store transaction per
         #: scheduler pass; followers send an event only once it is stored.
         self.group_commit = False
-        self._pending: list[tuple[StreamCtx, LoggedEvent | None]] = []
+        #: Queued writes: an event, a close (None), or a stream's record the store
+        #: could not take at open (written first when it answers again).
+        self._pending: list[tuple[StreamCtx, LoggedEvent | StreamRecord | None]] = []
         self._flush_wanted = trio.Event()
+        self._flushing = False
+        #: Told ``(op, error)`` when a flush found the store unreachable (metrics, atp.router.cluster).
+        self.on_store_unavailable: Callable[[str, StoreError], None] | None = None
+        #: When set, a flush writes only while it returns True (atp.router.cluster: not
+        #: until the router checked, after an outage, which of its streams it still owns).
+        self.flush_gate: Callable[[], bool] | None = None
 
     # ------------------------------------------------------------------ lookups
     def get(self, tenant: str, session_id: str, stream_id: str) -> StreamCtx | None:
@@ -779,6 +789,25 @@ class StreamTable:
         """Ids of the streams whose events or close are queued for the store (group commit)."""
         return {id(c) for c, _ in self._pending} if self._pending else set()
 
+    def abandon(self, ctx: StreamCtx, stored: list[StoredEvent]) -> None:
+        """Stream ``ctx`` was settled by another router process while this one
+        could not reach the shared store (atp.router.cluster): ``stored`` — its
+        log in the store, ending with the RST the other router wrote — is its
+        log from now on. Its task is cancelled and its queued writes dropped;
+        followers send what they have not sent of ``stored`` and stop; it
+        writes nothing more."""
+        self._pending = [(c, e) for c, e in self._pending if c is not ctx]
+        ctx.restored = True  # nothing more of it goes to the store
+        if ctx.cancel_scope is not None:
+            ctx.cancel_scope.cancel()
+        log_ = ctx.log
+        log_._events = [LoggedEvent(ev.event_id, ev.type, _frame_dec.decode(ev.frame), ev.frame) for ev in stored]
+        log_._packed, log_._packed_n = None, 0
+        log_.durable = len(log_._events)
+        log_.closed = True
+        log_._notify()
+        ctx._mark_closed()
+
     def detached(self, ctx: StreamCtx) -> None:
         """``ctx`` lost its last follower: reset it unless one comes back within
         ``resume_grace_s``."""
@@ -835,10 +864,21 @@ class StreamTable:
                  "window": msgspec.to_builtins(ctx.window)}
         if ctx.decision is not None and hasattr(ctx.decision, "to_json"):
             route["decision"] = ctx.decision.to_json()
-        self._store_call(self.store.put_stream, StreamRecord(
+        record = StreamRecord(
             tenant=ctx.tenant, session_id=ctx.session_id, stream_id=ctx.stream_id,
             idempotency_key=ctx.idempotency_key, meta={**ctx.meta, _ROUTE_KEY: route}, qos=ctx.qos,
-            budget=ctx.budget, created_ms=_now_ms(), owner=self.owner))
+            budget=ctx.budget, created_ms=_now_ms(), owner=self.owner)
+        try:
+            self.store.put_stream(record)
+        except StoreUnavailable as e:
+            if not self.group_commit:
+                log.error("state store: stream %s/%s not stored: %s", ctx.tenant, ctx.stream_id, e)
+                return
+            # Written by the next flush that reaches the store, before its events.
+            self._pending.insert(0, (ctx, record))
+            self._flush_wanted.set()
+        except StoreError:
+            log.exception("state store: put_stream failed")
 
     def persist_event(self, ctx: StreamCtx, ev: LoggedEvent) -> None:
         """Write one outbound event of ``ctx`` to the store before any follower
@@ -855,6 +895,11 @@ class StreamTable:
         assert self.store is not None
         try:
             self.store.append_event(ctx.tenant, ctx.session_id, ctx.stream_id, ev.id, ev.type, ev.json_bytes())
+        except StoreUnavailable:
+            if self._flushing:
+                raise  # the whole batch waits for the store (flush)
+            ctx.unstored = True
+            log.exception("stream %s/%s: event %d not stored", ctx.tenant, ctx.stream_id, ev.id)
         except StoreLimitError as e:
             # The client still gets every frame live; after a restart the stream
             # reads as interrupted at the last stored event.
@@ -875,39 +920,62 @@ class StreamTable:
     def _store_close(self, ctx: StreamCtx) -> None:
         assert self.store is not None
         last = ctx.log.events[-1].type if ctx.log.events else "RST"
-        self._store_call(self.store.close_stream, ctx.tenant, ctx.session_id, ctx.stream_id,
-                         reason=last, closed_ms=_now_ms())
+        try:
+            self.store.close_stream(ctx.tenant, ctx.session_id, ctx.stream_id, reason=last, closed_ms=_now_ms())
+        except StoreUnavailable:
+            if self._flushing:
+                raise
+            log.exception("state store: close_stream failed")
+        except StoreError:
+            log.exception("state store: close_stream failed")
 
     def _queue(self, ctx: StreamCtx, ev: LoggedEvent | None) -> None:
         if not self._pending:
             self._flush_wanted.set()
         self._pending.append((ctx, ev))
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         """Write every queued event and close in one store transaction (group
         commit), then let the followers send them. A store failure loses no
         frame for the live client: the events are sent anyway (as without group
-        commit), only a restart reads the stream as interrupted."""
+        commit), only a restart reads the stream as interrupted — except when
+        the store cannot be reached (:class:`~atp.store.base.StoreUnavailable`,
+        a shared store): then nothing is sent, the writes stay queued and
+        :meth:`run_flusher` tries them again until the store answers (another
+        router may serve the stream from the store: a client must never hold
+        an event the store has not). Returns False in that case."""
+        if not self._pending:
+            return True
+        if self.flush_gate is not None and not self.flush_gate():
+            return False  # the store is not confirmed back yet (atp.router.cluster): the writes wait
         pending, self._pending = self._pending, []
-        if not pending:
-            return
         assert self.store is not None
         for _, ev in pending:
-            if ev is not None:
+            if isinstance(ev, LoggedEvent):
                 ev.json_bytes()  # encoded before the store's write lock is taken
+        self._flushing = True
         try:
             with self.store.batch():
                 for ctx, ev in pending:
                     if ev is None:
                         self._store_close(ctx)
+                    elif isinstance(ev, StreamRecord):
+                        self.store.put_stream(ev)
                     else:
                         self._store_event(ctx, ev)
+        except StoreUnavailable as e:
+            self._pending[:0] = pending  # in order, before what came meanwhile
+            if self.on_store_unavailable is not None:
+                self.on_store_unavailable("events", e)
+            return False
         except StoreError:
             log.exception("state store: a batch of %d writes failed", len(pending))
         finally:
-            for ctx, ev in pending:
-                if ev is not None:
-                    ctx.log.mark_durable(ev.id)
+            self._flushing = False
+        for ctx, ev in pending:
+            if isinstance(ev, LoggedEvent):
+                ctx.log.mark_durable(ev.id)
+        return True
 
     async def run_flusher(self) -> None:
         """Group commit until cancelled: each scheduler pass's events go to the
@@ -921,17 +989,12 @@ class StreamTable:
                 self._flush_wanted = trio.Event()
                 # One scheduler pass: the tasks already runnable add their events first.
                 await trio.lowlevel.cancel_shielded_checkpoint()
-                self.flush()
+                if not self.flush():
+                    await trio.sleep(_FLUSH_RETRY_S)  # the store is unreachable: its writes wait
+                    self._flush_wanted.set()
         finally:
             self.group_commit = False
             self.flush()
-
-    @staticmethod
-    def _store_call(fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
-        try:
-            fn(*args, **kw)
-        except StoreError:
-            log.exception("state store: %s failed", fn.__name__)
 
     def restore(self, identity: Identity, *, stream_id: str | None = None,
                 idempotency_key: str | None = None, now: float) -> StreamCtx | None:

@@ -65,11 +65,17 @@ whose owner is gone is served from the store by whoever gets the request
 (finished or interrupted); while its owner is being settled, a request about
 it answers 503 ``EAGENTDOWN`` with ``Retry-After: 1``.
 
-Per worker, not shared (yet; issue 12 moves them to a shared store): the
-stream table's limits (``--max-streams``, the tenant's ``max_streams`` quota
-and open rate), the QoS slots, next-hop windows and circuit breakers, the
-learned routing state (each worker learns from its own traffic; saved to the
-store every few seconds, last writer wins) and ``/v1/metrics``. A WebSocket
+Also shared (:mod:`atp.router.shared_state`): the learned routing state — the
+bandit arms and live FIB statistics are *merged* through the store every
+second (each worker learns from every worker's traffic) — and circuit-breaker
+openings (a breaker that opens on one worker is open on the others within
+half a second and a store round trip; each then probes on its own).
+
+Per worker, not shared: the stream table's limits (``--max-streams``, the
+tenant's ``max_streams`` quota and open rate), the QoS slots, next-hop
+windows, the breakers' failure counts (an agent failing a little on every
+worker trips each worker's breaker only at its own threshold) and
+``/v1/metrics``. A WebSocket
 SYN that resumes (by idempotency key) a stream still running on another worker
 is refused with ``EAGENTDOWN`` rather than run twice: reconnect (the kernel may
 pick the owner) or follow it over HTTP, which forwards.
@@ -89,7 +95,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +107,7 @@ from hypercorn.trio import serve as hyper_serve
 from prometheus_client import Counter
 
 from atp.flow.budget import SharedBudgetLedger
+from atp.router import shared_state
 from atp.router.control import BODY_SOURCE
 from atp.router.core import (
     Router,
@@ -112,11 +119,12 @@ from atp.router.core import (
 from atp.security.audit import AuditLog
 from atp.security.identity import Identity
 from atp.security.tls import hypercorn_ssl
-from atp.store import SqliteStore, StoreError
+from atp.store import SqliteStore, Store, StoreError, StoreUnavailable
 from atp.wire.errors import ATPError, ErrorCode, PolicyError
 from atp.wire.frame import Flag, Frame
 
-__all__ = ["RIB_POLL_S", "ForwardingApp", "WorkerRouter", "WorkerSpec", "settle", "supervise", "worker_main"]
+__all__ = ["RETRY", "RIB_POLL_S", "ForwardingApp", "Peer", "SharedRib", "WorkerRouter", "WorkerSpec", "settle",
+           "supervise", "worker_main"]
 
 log = logging.getLogger("atp.router.workers")
 
@@ -200,19 +208,71 @@ def worker_socket(state_dir: Path, slot: int) -> Path:
     return sockets_dir(state_dir) / f"w{slot}.sock"
 
 
+# ------------------------------------------------------------------ shared RIB
+class SharedRib:
+    """Mixin of a :class:`~atp.router.core.Router` whose store other router
+    processes share (:class:`WorkerRouter`, :class:`~atp.router.cluster.ClusterRouter`):
+    a reload gets a store-wide version (:meth:`Store.next_rib_version
+    <atp.store.base.Store.next_rib_version>`) and is saved as the active RIB; the
+    follower (:meth:`_follow_rib`, one of the router's background tasks) polls
+    the active version every :data:`RIB_POLL_S` and loads one another process
+    set — its saved text, or ``--policies`` for a file reload. A RIB refused here
+    is logged once and not retried until the next version."""
+
+    _rib_refused: int | None = None
+
+    def reload(self, text: str | None = None, *, identity: Identity | None = None, version: int | None = None,
+               **kw: Any) -> dict[str, Any]:
+        """:meth:`Router.reload <atp.router.core.Router.reload>` as a store-wide
+        version (the other processes load it from the store within :data:`RIB_POLL_S`)."""
+        return super().reload(text, identity=identity,  # type: ignore[misc]
+                              version=version if version is not None else self.store.next_rib_version(), **kw)
+
+    def _adopt_rib(self) -> bool:
+        """Load the store's active RIB if it is not the running one (a reload by
+        another process): its saved text, or ``--policies`` for a file reload.
+        Returns whether it changed. Raises PolicyError."""
+        active = self.store.active_rib()
+        if active is None or active[0] == self.gen.version or active[0] == self._rib_refused:
+            return False
+        version, text, source = active
+        try:
+            self.control.reload(text if source == BODY_SOURCE and text else None, version=version)
+        except PolicyError:
+            self._rib_refused = version
+            raise
+        return True
+
+    async def _follow_rib(self) -> None:
+        while True:
+            await trio.sleep(RIB_POLL_S)
+            try:
+                if self.store.active_rib_version() in (self.gen.version, self._rib_refused, None):
+                    continue
+                if self._adopt_rib():
+                    log.info("RIB generation %d loaded (reloaded by another router process)", self.gen.version)
+            except PolicyError as e:
+                log.error("RIB generation %s refused here (kept generation %d): %s", self._rib_refused,
+                          self.gen.version, "; ".join(x.where() for x in e.errors))
+            except StoreUnavailable:
+                continue  # a shared store that cannot be reached: the router says so, once (atp.router.cluster)
+            except Exception:
+                log.exception("RIB follower: store read failed")
+
+
 # ---------------------------------------------------------------------------- worker
-class WorkerRouter(Router):
+class WorkerRouter(SharedRib, Router):
     """A :class:`~atp.router.core.Router` that is one of N workers on a state
     directory its supervisor holds: no lock of its own, no crash recovery (the
     supervisor's), the store opened ``multiprocess``, budgets in a
     :class:`~atp.flow.budget.SharedBudgetLedger`, the audit chain shared, its
     streams stored with its owner name, RIB versions from the store and a
-    follower adopting the RIB other workers load (module docstring)."""
+    follower adopting the RIB other workers load (:class:`SharedRib`; module
+    docstring)."""
 
     def __init__(self, config: RouterConfig, spec: WorkerSpec) -> None:
         self.worker = spec
         self.owner = spec.owner
-        self._rib_refused: int | None = None
         super().__init__(config)
         self.streams.owner = self.owner
 
@@ -237,48 +297,33 @@ class WorkerRouter(Router):
     def _restore_rib(self) -> None:
         self._adopt_rib()
 
-    def reload(self, text: str | None = None, *, identity: Identity | None = None, version: int | None = None,
-               **kw: Any) -> dict[str, Any]:
-        """:meth:`Router.reload` as a store-wide version (the other workers load
-        it from the store within :data:`RIB_POLL_S`)."""
-        return super().reload(text, identity=identity,
-                              version=version if version is not None else self.store.next_rib_version(), **kw)
-
     async def _watch_policies(self) -> None:
         if self.worker.slot == 0:  # one watcher: its reload reaches the others through the store
             await super()._watch_policies()
 
     def _background_tasks(self) -> list[Callable[[], Any]]:
-        return [self._follow_rib]
+        # Learning merged and breaker openings followed across workers (atp.router.shared_state).
+        return [self._follow_rib, *shared_state.background_tasks(self)]
 
-    def _adopt_rib(self) -> bool:
-        """Load the store's active RIB if it is not the running one (a reload by
-        another worker): its saved text, or ``--policies`` for a file reload.
-        Returns whether it changed. Raises PolicyError."""
-        active = self.store.active_rib()
-        if active is None or active[0] == self.gen.version or active[0] == self._rib_refused:
-            return False
-        version, text, source = active
-        try:
-            self.control.reload(text if source == BODY_SOURCE and text else None, version=version)
-        except PolicyError:
-            self._rib_refused = version
-            raise
-        return True
+    def forward_target(self, rec: Any) -> Any:
+        """Where :class:`ForwardingApp` sends a request about stored stream
+        ``rec``: the :class:`Peer` of its owner when that is another live worker
+        (its private unix socket); :data:`RETRY` when its owner died with the
+        stream open (being settled); None: served here."""
+        if rec is None or rec.owner is None or rec.owner == self.owner:
+            return None
+        sp = _owner_slot_pid(rec.owner)
+        if sp is None:
+            return None
+        slot, pid = sp
+        if _alive(pid):
+            return Peer(str(slot), "http://atp-worker", uds=str(worker_socket(self.state_dir, slot)))
+        return RETRY if rec.state == "open" else None
 
-    async def _follow_rib(self) -> None:
-        while True:
-            await trio.sleep(RIB_POLL_S)
-            try:
-                if self.store.active_rib_version() in (self.gen.version, self._rib_refused, None):
-                    continue
-                if self._adopt_rib():
-                    log.info("RIB generation %d loaded (reloaded by another worker)", self.gen.version)
-            except PolicyError as e:
-                log.error("RIB generation %s refused here (kept generation %d): %s", self._rib_refused,
-                          self.gen.version, "; ".join(x.where() for x in e.errors))
-            except Exception:
-                log.exception("RIB follower: store read failed")
+    @property
+    def instance_tag(self) -> tuple[bytes, bytes]:
+        """The header every response of this worker carries: ``x-atp-worker: <slot>``."""
+        return (b"x-atp-worker", str(self.worker.slot).encode())
 
     def receive_frame(self, frame: Frame, *, identity: Identity, now: float) -> list[Frame]:
         """:meth:`Router.receive_frame`, but a SYN re-opening (by idempotency key)
@@ -305,7 +350,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _STREAM_PATH = re.compile(r"^/v1/streams/([^/]+)/(?:events|frames|feedback)$")
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                          b"trailer", b"transfer-encoding", b"upgrade", b"content-length"})
-_RETRY = object()  # the stream's owner died and is being settled: 503, retry
+#: :meth:`WorkerRouter.forward_target` of a stream whose owner stopped with the
+#: stream open and is being settled: answered 503, retry.
+RETRY: Any = object()
+#: The header a forwarded request carries (the forwarding process's tag): served where it lands.
+_FORWARDED_BY = b"x-atp-forwarded-by"
 
 
 class _Keyed(msgspec.Struct):
@@ -386,24 +435,52 @@ async def _read_body(receive: Receive, limit: int) -> tuple[bytes | None, Receiv
     return (body if not more and other is None else None), replay
 
 
-class ForwardingApp:
-    """ASGI middleware of a worker's HTTP app (module docstring): a request about
-    a stream another live worker owns is forwarded to it over its private unix
-    socket; everything else goes to ``app``. ``private``: the app behind the
-    worker's own unix socket (forwarded requests: never forwarded again). Adds
-    ``x-atp-worker: <slot>`` to every response."""
+@dataclass(frozen=True)
+class Peer:
+    """Another router process a request is forwarded to: its ``name`` (the
+    ``x-atp-served-by`` value when its answer carries no tag), its HTTP
+    ``base_url`` and, for a worker, the private unix socket (``uds``) it is
+    reached on. ``or_here``: when it cannot be reached, the request is served
+    here instead (a finished stream: the store has all of it)."""
 
-    def __init__(self, app: ASGIApp, router: WorkerRouter, *, private: bool) -> None:
+    name: str
+    base_url: str
+    uds: str | None = None
+    or_here: bool = field(default=False, compare=False)
+
+
+class ForwardingApp:
+    """ASGI middleware of a router process's HTTP app (module docstring): a
+    request about a stream another live router process owns is forwarded to it
+    with the caller's own ``Authorization``; everything else goes to ``app``.
+
+    Where to is the router's: ``router.forward_target(record)`` gives the
+    :class:`Peer` owning a stored stream, :data:`RETRY` (its owner is being
+    settled: 503 ``EAGENTDOWN``, ``Retry-After: 1``) or None (served here);
+    a string: 503 ``EAGENTDOWN`` with that reason (the process cannot tell now);
+    ``router.instance_tag`` is the header added to every response (a worker's
+    ``x-atp-worker``, a cluster router's ``x-atp-router``); an answer forwarded
+    from a peer carries the peer's tag as ``x-atp-served-by``. ``private``: the
+    app behind a worker's own unix socket (forwarded requests: never forwarded
+    again); a request carrying ``x-atp-forwarded-by`` (set on every forwarded
+    request) is never forwarded again either."""
+
+    #: The reason of the 503 answered while a stream's owner is being settled.
+    settling_reason = "the router worker running this stream stopped and is being restarted; retry"
+    #: The reason of the 503 answered when the owner cannot be reached.
+    unreachable_reason = "the router worker running this stream is restarting; retry"
+
+    def __init__(self, app: ASGIApp, router: Any, *, private: bool = False,
+                 metric: str = "atp_worker_forwarded") -> None:
         self.app = app
         self.router = router
         self.private = private
-        self.slot = router.worker.slot
-        self._tag = (b"x-atp-worker", str(self.slot).encode())
-        self._clients: dict[int, httpx.AsyncClient] = {}
+        self._tag = router.instance_tag
+        self._clients: dict[Peer, httpx.AsyncClient] = {}
         self._limit = router.config.max_body_bytes
-        name = "atp_worker_forwarded_private" if private else "atp_worker_forwarded"
+        name = metric + "_private" if private else metric
         try:
-            self.forwarded = Counter(name, "Requests this worker forwarded to the stream's owner worker, by outcome",
+            self.forwarded = Counter(name, "Requests forwarded to the router process owning the stream, by outcome",
                                      ["outcome"], registry=router.metrics.registry)
         except ValueError:  # registered by another instance on the same router
             self.forwarded = None
@@ -419,22 +496,21 @@ class ForwardingApp:
                 msg = {**msg, "headers": [*msg.get("headers", ()), tag]}
             await send(msg)
 
-        if self.private:
+        if self.private or any(k == _FORWARDED_BY for k, _ in scope["headers"]):
             await self.app(scope, receive, tagged)
             return
         target, receive, body = await self._target(scope, receive)
         if target is None:
             await self.app(scope, receive, tagged)
-        elif target is _RETRY:
-            await _send_json(tagged, 503, {"error": {"code": str(ErrorCode.EAGENTDOWN),
-                                                     "reason": "the router worker running this stream stopped and "
-                                                               "is being restarted; retry"}},
+        elif target is RETRY or isinstance(target, str):
+            reason = self.settling_reason if target is RETRY else target
+            await _send_json(tagged, 503, {"error": {"code": str(ErrorCode.EAGENTDOWN), "reason": reason}},
                              [(b"retry-after", b"1")])
         else:
             await self._forward(target, scope, receive, body, tagged)
 
     async def _target(self, scope: Scope, receive: Receive) -> tuple[Any, Receive, bytes | None]:
-        """``(owner slot | None | _RETRY, receive, body)`` for a request."""
+        """``(Peer | None | RETRY | reason, receive, body)`` for a request."""
         path, method = scope["path"], scope["method"]
         m = _STREAM_PATH.match(path)
         body: bytes | None = None
@@ -442,8 +518,8 @@ class ForwardingApp:
             identity = self._identity(scope)
             if identity is None or self.router.streams.find(identity.tenant, m[1]) is not None:
                 return None, receive, None
-            target = self._owner_of(self.router.store.find_stream(identity.tenant, m[1]))
-            if target is not None and target is not _RETRY and method != "GET":
+            target = self.router.forward_target(self.router.store.find_stream(identity.tenant, m[1]))
+            if target is not None and target is not RETRY and method != "GET":
                 body, receive = await _read_body(receive, self._limit)
                 if body is None:
                     return None, receive, None  # over the limit: the app answers 413 as ever
@@ -458,16 +534,19 @@ class ForwardingApp:
         if identity is None:
             return None, receive, body
         kind, value = named
-        store, streams = self.router.store, self.router.streams
         if kind == "key":
-            if streams.resumable(identity.tenant, value) is not None:
-                return None, receive, body
-            rec = store.find_idempotent(identity.tenant, value)
-        else:
-            if streams.find(identity.tenant, value) is not None:
-                return None, receive, body
-            rec = store.find_stream(identity.tenant, value)
-        return self._owner_of(rec), receive, body
+            return await self._keyed(identity, value, body, path), receive, body
+        if self.router.streams.find(identity.tenant, value) is not None:
+            return None, receive, body
+        return self.router.forward_target(self.router.store.find_stream(identity.tenant, value)), receive, body
+
+    async def _keyed(self, identity: Identity, key: str, body: bytes, path: str) -> Any:
+        """Where a request opening a stream with idempotency key ``key`` goes
+        (``body`` and ``path`` are the request's): here when this process holds
+        the stream, else to the owner of the stream the key opened."""
+        if self.router.streams.resumable(identity.tenant, key) is not None:
+            return None
+        return self.router.forward_target(self.router.store.find_idempotent(identity.tenant, key))
 
     def _identity(self, scope: Scope) -> Identity | None:
         auth = None
@@ -480,48 +559,38 @@ class ForwardingApp:
         except ATPError:
             return None  # the app answers 401 itself
 
-    def _owner_of(self, rec: Any) -> Any:
-        """The slot of ``rec``'s owner when it is another live worker; _RETRY
-        when its owner died with the stream open (being settled); else None."""
-        if rec is None or rec.owner is None or rec.owner == self.router.owner:
-            return None
-        sp = _owner_slot_pid(rec.owner)
-        if sp is None:
-            return None
-        slot, pid = sp
-        if _alive(pid):
-            return slot
-        return _RETRY if rec.state == "open" else None
-
-    def _client(self, slot: int) -> httpx.AsyncClient:
-        client = self._clients.get(slot)
+    def _client(self, peer: Peer) -> httpx.AsyncClient:
+        client = self._clients.get(peer)
         if client is None:
-            path = worker_socket(self.router.state_dir, slot)
-            client = self._clients[slot] = httpx.AsyncClient(
-                transport=httpx.AsyncHTTPTransport(uds=str(path)), base_url="http://atp-worker",
-                timeout=httpx.Timeout(None, connect=5.0),
+            transport = httpx.AsyncHTTPTransport(uds=peer.uds) if peer.uds is not None else None
+            client = self._clients[peer] = httpx.AsyncClient(
+                transport=transport, base_url=peer.base_url, timeout=httpx.Timeout(None, connect=5.0),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
         return client
 
-    async def _forward(self, slot: int, scope: Scope, receive: Receive, body: bytes | None, send: Send) -> None:
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP_BY_HOP]
+    async def _forward(self, peer: Peer, scope: Scope, receive: Receive, body: bytes | None, send: Send) -> None:
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP_BY_HOP and k.lower() != b"host"]
+        headers.append((_FORWARDED_BY, self._tag[1]))
         url = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
-        client = self._client(slot)
+        client = self._client(peer)
         request = client.build_request(scope["method"], url, headers=headers, content=body)
         try:
             upstream = await client.send(request, stream=True)
         except httpx.TransportError as e:
             # Its socket is gone: the owner is dying or restarting.
-            log.info("forward to worker %d failed: %s", slot, e)
+            log.info("forward to %s failed: %s", peer.name, e)
             self._count("unreachable")
+            if peer.or_here:
+                await self.app(scope, receive, send)
+                return
             await _send_json(send, 503, {"error": {"code": str(ErrorCode.EAGENTDOWN),
-                                                   "reason": "the router worker running this stream is "
-                                                             "restarting; retry"}}, [(b"retry-after", b"1")])
+                                                   "reason": self.unreachable_reason}}, [(b"retry-after", b"1")])
             return
         self._count("ok")
+        tag_name = self._tag[0]
         try:
             out = [(k.lower(), v) for k, v in upstream.headers.raw if k.lower() not in _HOP_BY_HOP]
-            out = [(b"x-atp-served-by", v) if k == b"x-atp-worker" else (k, v) for k, v in out]
+            out = [(b"x-atp-served-by", v) if k == tag_name else (k, v) for k, v in out]
             if "content-length" in upstream.headers and "transfer-encoding" not in upstream.headers:
                 out.append((b"content-length", upstream.headers["content-length"].encode()))
             await send({"type": "http.response.start", "status": upstream.status_code, "headers": out})
@@ -652,12 +721,17 @@ class _RecoveryRouter(Router):
         return None
 
 
-def settle(store: SqliteStore, audit: AuditLog, owner: str, *, reason: str = WORKER_INTERRUPTED) -> dict[str, int]:
-    """Settle what worker ``owner`` left when it stopped (the crash rule, spec
-    §5, §8): its open reservations committed at their reserved amount, its
-    accounts closed, its open streams interrupted (their stored log ends with an
-    RST giving ``reason``; audited). Returns the counts."""
-    reservations = store.recover(owner)
+def settle(store: Store, audit: AuditLog, owner: str, *, reason: str = WORKER_INTERRUPTED,
+           release: bool = False, who: str = "worker") -> dict[str, int]:
+    """Settle what router process ``owner`` left when it stopped (spec §5, §8):
+    its open reservations committed at their reserved amount (the crash rule:
+    a worker's calls may have been billed) — or, with ``release``, given back
+    uncharged (:meth:`Store.release_owned <atp.store.base.Store.release_owned>`,
+    issue 12: a cluster router's stream is re-run elsewhere and that run is
+    what is charged) —, its accounts closed, its open streams interrupted
+    (their stored log ends with an RST giving ``reason``; audited with
+    ``{who: owner}``). Returns the counts. Store errors propagate."""
+    reservations = store.release_owned(owner) if release else store.recover(owner)
     accounts = store.close_owned_accounts(owner)
     records = store.interrupt_open_streams(reason, now_ms=int(time.time() * 1000), owner=owner)
     for rec in records:
@@ -666,7 +740,7 @@ def settle(store: SqliteStore, audit: AuditLog, owner: str, *, reason: str = WOR
         except StoreError:
             log.exception("stream %s/%s: RST not stored", rec.tenant, rec.stream_id)
         audit.record("session_close", "router", rec.tenant, {
-            "session_id": rec.session_id, "stream_id": rec.stream_id, "outcome": "interrupted", "worker": owner},
+            "session_id": rec.session_id, "stream_id": rec.stream_id, "outcome": "interrupted", who: owner},
             int(time.time() * 1000))
     return {"reservations": len(reservations), "accounts": accounts, "streams": len(records)}
 

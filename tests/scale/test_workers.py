@@ -5,8 +5,8 @@ The next-hop is an OpenAI-compatible model on a loopback HTTP server in the test
 (the streaming shape the OpenAI-compatible adapter reads, as in
 tests/security/test_durability.py) that **over-reports**: every call bills
 1,000 tokens, ten times the adapter's estimate, so concurrent calls contend for
-the last of a tenant's budget. While :attr:`Model.hold` is set, calls wait in
-the model (a call in flight).
+the last of a tenant's budget. While :attr:`BillingModel.hold` is set, calls
+wait in the model (a call in flight).
 
 Checked: a tenant's budget spent by many concurrent streams on both workers is
 charged exactly its limit, never more; a stream opened on one worker is
@@ -25,9 +25,7 @@ import os
 import re
 import signal
 import sqlite3
-import subprocess
 import sys
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -35,7 +33,8 @@ import httpx
 import pytest
 import trio
 
-from tests.replay_server import LoopbackHTTP, serve
+from tests.helpers import RouterProcess
+from tests.replay_server import BillingModel, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTER = str(Path(sys.executable).parent / "atp-router")
@@ -44,30 +43,6 @@ TASK = {"task_type": "summarize"}
 CONTENT = {"text": "summarise this"}
 ALICE_TOKENS = 6_000
 BILLED = 1_000
-
-
-class Model(LoopbackHTTP):
-    """Answers every chat completion with a streamed text and a ``usage`` chunk
-    of :data:`BILLED` tokens; waits at ``hold`` first while it is set."""
-
-    def __init__(self) -> None:
-        super().__init__(path="/v1")
-        self.hold: trio.Event | None = None
-        self.waiting = 0
-
-    async def respond(self, stream: trio.SocketStream) -> None:
-        chunk = {"id": "c", "object": "chat.completion.chunk", "model": "m",
-                 "choices": [{"index": 0, "delta": {"content": "done"}, "finish_reason": None}]}
-        usage = {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [],
-                 "usage": {"prompt_tokens": BILLED // 2, "completion_tokens": BILLED // 2, "total_tokens": BILLED}}
-        body = b"".join(f"data: {json.dumps(x)}\n\n".encode() for x in (chunk, usage)) + b"data: [DONE]\n\n"
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            if self.hold is not None:
-                self.waiting += 1
-                await self.hold.wait()
-            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n"
-                                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
-            await stream.aclose()
 
 
 def _rib(model_url: str, extra: str = "") -> str:
@@ -85,40 +60,16 @@ def _rib(model_url: str, extra: str = "") -> str:
     )
 
 
-class Supervisor:
-    """``atp-router --workers 2`` as a child process; ``url`` once it listens."""
+class Supervisor(RouterProcess):
+    """``atp-router --workers 2`` as a child process (tests.helpers.RouterProcess)."""
 
-    def __init__(self, policies: Path, state: Path, workers: int = 2, *, watch: bool = False):
-        env = {**os.environ, "ATP_ROUTER_TOKENS": f"alice:{TOKENS['alice']},bob:{TOKENS['bob']},"
-                                                  f"ops:{TOKENS['ops']}:admin+operator"}
+    def __init__(self, policies: Path, state: Path, workers: int = 2, *, watch: bool = False,
+                 extra: tuple[str, ...] = ()):
+        super().__init__("--workers", str(workers), "--policies", policies, "--state-dir", state, "--http-port", "0",
+                         "--ws-port", "0", *([] if watch else ["--no-watch"]), *extra,
+                         env={"ATP_ROUTER_TOKENS": f"alice:{TOKENS['alice']},bob:{TOKENS['bob']},"
+                                                   f"ops:{TOKENS['ops']}:admin+operator"})
         self.state = state
-        self.proc = subprocess.Popen(
-            [ROUTER, "--workers", str(workers), "--policies", str(policies), "--state-dir", str(state),
-             "--http-port", "0", "--ws-port", "0", *([] if watch else ["--no-watch"])],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, cwd=ROOT)
-        self.lines: list[str] = []
-        self.url = ""
-
-    async def wait_listening(self) -> str:
-        def read() -> str:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                m = re.search(r"listening https?://([\d.]+):(\d+) .* workers=(\d+)", line)
-                if m:
-                    return f"http://{m[1]}:{m[2]}"
-            raise AssertionError("router exited:\n" + "".join(self.lines))
-
-        with trio.fail_after(90):
-            self.url = await trio.to_thread.run_sync(read)
-        # The rest of its output (worker logs) is drained so the pipe never fills.
-        threading.Thread(target=self._drain, daemon=True).start()
-        return self.url
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
 
     def workers(self) -> list[int]:
         """The worker pids (the supervisor's children, whichever of its threads
@@ -128,16 +79,6 @@ class Supervisor:
             with contextlib.suppress(OSError):
                 pids += [int(p) for p in (task / "children").read_text().split()]
         return sorted(pids)
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
 
     def db(self) -> sqlite3.Connection:
         return sqlite3.connect(f"file:{self.state / 'state.db'}?mode=ro", uri=True)
@@ -194,7 +135,7 @@ async def _events(url: str, tenant: str, sid: str, *, avoid: str | None = None) 
 
 @pytest.fixture
 async def setup(nursery, tmp_path, request):
-    model = await serve(nursery, Model())
+    model = await serve(nursery, BillingModel(BILLED))
     policies = tmp_path / "rib" / "rib.yaml"
     policies.parent.mkdir()
     policies.write_text(_rib(model.url))

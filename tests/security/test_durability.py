@@ -17,9 +17,6 @@ chain and names the first bad record after an edit or a deletion.
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -30,6 +27,7 @@ import pytest
 import trio
 
 import atp
+from tests import helpers
 from tests.replay_server import Replay, serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,43 +62,13 @@ def _rib(model_url: str, extra_policy: str = "") -> str:
     )
 
 
-class RouterProcess:
-    """``atp-router`` as a child process on ``state``; ``url`` once it listens."""
+class RouterProcess(helpers.RouterProcess):
+    """``atp-router`` as a child process on ``state`` (tests.helpers.RouterProcess)."""
 
     def __init__(self, policies: Path, state: Path):
-        env = {**os.environ, "ATP_ROUTER_TOKENS": f"alice:{TOKENS['alice']},bob:{TOKENS['bob']},"
-                                                  f"ops:{TOKENS['ops']}:admin+operator"}
-        self.proc = subprocess.Popen(
-            [ROUTER, "--policies", str(policies), "--state-dir", str(state), "--http-port", "0", "--ws-port", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, cwd=ROOT)
-        self.lines: list[str] = []
-        self.url = ""
-
-    async def wait_listening(self) -> str:
-        def read() -> str:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                m = re.search(r"listening https?://([\d.]+):(\d+)", line)
-                if m:
-                    return f"http://{m[1]}:{m[2]}"
-            raise AssertionError("router exited:\n" + "".join(self.lines))
-
-        with trio.fail_after(60):
-            self.url = await trio.to_thread.run_sync(read)
-        return self.url
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        super().__init__("--policies", policies, "--state-dir", state, "--http-port", "0", "--ws-port", "0",
+                         env={"ATP_ROUTER_TOKENS": f"alice:{TOKENS['alice']},bob:{TOKENS['bob']},"
+                                                   f"ops:{TOKENS['ops']}:admin+operator"})
 
 
 async def _events(url: str, tenant: str, stream: str) -> list[atp.Event]:

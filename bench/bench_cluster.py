@@ -1,0 +1,244 @@
+"""Several ``atp-router --store redis://…`` processes on one machine: closed-loop
+tasks/s with 1, 2 and 3 routers on the shared Redis store, and what the store adds
+to a task (issue 12).
+
+Run: ``python bench/bench_cluster.py [--seconds 6] [--repeats 3] [--in-flight 32]
+[--latency-tasks 150] [--skip-store-ops]``. Plain script, ≈ 3 min on 2 cores; needs
+Debian's redis-server (scripts/peers/redis.sh). Everything compared in the same run:
+
+1. **Processes.** bench_gateway.py's fast mock OpenAI upstream (its own process,
+   ``start_mock``) and its RIB plus bench_workers.py's tenant ``bench`` with a token
+   budget (every call goes through the budget ledger); a private redis-server on
+   loopback (tests/peers.py ``RedisServer``: AOF, ``appendfsync always`` — an fsync
+   per write, what the ledger needs to survive a crash of Redis, README "Several
+   routers") and a second one set to ``appendfsync everysec``; routers started with
+   bench_gateway.py's ``start_router``: three on the first Redis (``--store
+   redis://…``, each its own state directory and ports), one on the second, and one
+   on the embedded SQLite store (``--store sqlite``, the default).
+2. **Throughput.** One load generator (this process: trio + httpx, bench_gateway.py's
+   ``Drivers`` over HTTP+SSE: ``POST /v1/streams`` then ``GET /v1/streams/{id}/events``
+   to the FINAL) keeps ``--in-flight`` tasks in flight for ``--seconds`` s, spread
+   round-robin over 1, 2 or 3 of the Redis routers, and over the SQLite router alone;
+   configurations rotated per repeat: tasks/s best and median, CPU ms per task of
+   the routers, of redis-server and of the load generator (``/proc``). On 2 cores the
+   load generator, the mock and Redis compete with the routers: 3 routers cannot
+   get 3 cores here.
+3. **Store latency.** ``--latency-tasks`` tasks one at a time (nothing else in
+   flight) through one router on each store, alternating: p50 / p90 ms SYN → FINAL
+   as the client sees it; the store's added latency per task = p50 on Redis (AOF
+   always) − p50 on SQLite. With them, the Redis commands one task makes (``INFO
+   commandstats`` around the Redis run: Lua scripts run with ``EVALSHA``, and all
+   commands including those inside the scripts).
+4. **Per operation** (unless ``--skip-store-ops``): bench_store.py (helper of the
+   same issue) run as it is, its table printed here.
+
+The last line is ``CLUSTER tasks_per_s r1=<x> r2=<y> r3=<z>
+store_added_ms_per_task=<d>`` (best closed-loop tasks/s with 1, 2, 3 routers on
+Redis; the p50 difference above).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+import bench_gateway as gw  # its mock upstream, RIB, load driver, router start-up, /proc helpers
+from bench_workers import TENANT_BUDGET  # the tenant with a token budget
+
+ROUTER_ARGS = ["--tenant-rate-per-s", "100000", "--tenant-rate-burst", "100000"]
+
+
+class RoundRobin:
+    """bench_gateway.py ``Drivers`` of several routers as one: each task goes to
+    the next router in turn."""
+
+    def __init__(self, drivers: list[gw.Drivers]) -> None:
+        self.drivers = drivers
+        self.n = 0
+
+    async def run(self, target: str) -> bool:
+        self.n += 1
+        return await self.drivers[self.n % len(self.drivers)].run(target)
+
+
+async def measure(args: argparse.Namespace, urls: dict[str, str], key: str, pids: dict[str, int], redis_pid: int,
+                  redis_url: str) -> dict:
+    import redis as redis_client
+    import trio
+
+    drivers = {}
+    for name, url in urls.items():
+        drivers[name] = await gw.Drivers({"atp_http": url}, {"atp_http": key}).__aenter__()
+    configs = {"r1": ["a"], "r2": ["a", "b"], "r3": ["a", "b", "c"], "sqlite": ["sqlite"]}
+    out: dict = {c: {"tasks_s": [], "tasks": 0, "failed": 0, "cpu": 0.0, "redis_cpu": 0.0, "client_cpu": 0.0}
+                 for c in configs}
+    try:
+        print("warm-up: 1.5 s closed loop on each router ...", flush=True)
+        for name in urls:
+            await gw.closed_loop(drivers[name], "atp_http", args.in_flight, 1.5)
+        print(f"throughput: closed loop, {args.in_flight} in flight over HTTP+SSE, {args.seconds:g} s x "
+              f"{args.repeats}, configurations rotated", flush=True)
+        order = list(configs)
+        for rep in range(args.repeats):
+            for c in order:
+                rr = RoundRobin([drivers[n] for n in configs[c]])
+                c0 = sum(gw.cpu_s(pids[n]) for n in configs[c])
+                r0, s0 = gw.cpu_s(redis_pid), time.process_time()
+                res = await gw.closed_loop(rr, "atp_http", args.in_flight, args.seconds)
+                o = out[c]
+                o["cpu"] += sum(gw.cpu_s(pids[n]) for n in configs[c]) - c0
+                o["redis_cpu"] += gw.cpu_s(redis_pid) - r0
+                o["client_cpu"] += time.process_time() - s0
+                o["tasks_s"].append(res["tasks_s"])
+                o["tasks"] += res["tasks"]
+                o["failed"] += res["failed"]
+                print(f"  repeat {rep + 1}/{args.repeats} {c:<7} {res['tasks_s']:7.1f} tasks/s "
+                      f"({res['tasks']} tasks, {res['failed']} failed)", flush=True)
+                await trio.sleep(0.5)
+            order = order[1:] + order[:1]
+
+        print(f"store latency: {args.latency_tasks} tasks one at a time on each store, alternating", flush=True)
+        lat: dict[str, list[float]] = {n: [] for n in ("sqlite", "a", "everysec")}
+        cli = redis_client.Redis.from_url(redis_url)
+        stats0 = cli.info("commandstats")
+        redis_tasks = 0
+        for _ in range(args.latency_tasks):
+            for n, times in lat.items():
+                t0 = time.perf_counter()
+                ok = await drivers[n].run("atp_http")
+                if ok:
+                    times.append((time.perf_counter() - t0) * 1000)
+                    redis_tasks += n == "a"
+        stats1 = cli.info("commandstats")
+        cli.close()
+    finally:
+        for d in drivers.values():
+            await d.__aexit__(None, None, None)
+
+    def calls(stats: dict, name: str) -> int:
+        return stats.get(name, {}).get("calls", 0)
+
+    names = set(stats0) | set(stats1)
+    # The everysec router's commands go to the other server: these are router a's.
+    return {"routers": out, "lat": lat,
+            "evalsha": (calls(stats1, "cmdstat_evalsha") - calls(stats0, "cmdstat_evalsha")) / max(redis_tasks, 1),
+            "commands": (sum(calls(stats1, n) - calls(stats0, n) for n in names if n != "cmdstat_info")
+                         / max(redis_tasks, 1))}
+
+
+def store_ops() -> str:
+    """bench_store.py's table (run as it is, quick settings)."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_store.py"), "--n", "200", "--rounds", "3"],
+                       capture_output=True, text=True, check=False, timeout=300)
+    return r.stdout if r.returncode == 0 else f"bench_store.py failed (exit {r.returncode}):\n{r.stderr[-2000:]}"
+
+
+def bench(args: argparse.Namespace) -> int:
+    import redis as redis_client
+    import trio
+
+    from tests.peers import RedisServer, find_redis_server
+
+    print(f"bench_cluster: Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    exe = find_redis_server()
+    if exe is None:
+        print("redis-server is not installed (scripts/peers/redis.sh)")
+        return 1
+    tmp = Path(tempfile.mkdtemp(prefix="bench_cluster_"))
+    procs: list[subprocess.Popen] = []
+    servers: list[RedisServer] = []
+    key = "atp-" + secrets.token_hex(32)
+    try:
+        for fsync in ("always", "everysec"):
+            work = tmp / f"redis-{fsync}"
+            work.mkdir()
+            server = RedisServer(exe, work, gw.free_port())  # AOF, appendfsync always
+            server.start()
+            servers.append(server)
+            if fsync != "always":
+                redis_client.Redis.from_url(server.url).config_set("appendfsync", fsync)
+        print(f"starting: redis-server on {servers[0].url} (AOF appendfsync always) and {servers[1].url} "
+              "(everysec)", flush=True)
+        started = gw.start_mock(tmp, procs, announce="starting")
+        if started is None:
+            return 1
+        rib = gw.RIB.format(port=started[0]) + TENANT_BUDGET.format()
+        stores = {"a": servers[0].url, "b": servers[0].url, "c": servers[0].url, "everysec": servers[1].url,
+                  "sqlite": "sqlite"}
+        urls, pids = {}, {}
+        for name, store in stores.items():
+            r = gw.start_router(tmp / name, rib, procs, key=key, args=[*ROUTER_ARGS, "--store", store],
+                                announce="starting", timeout_s=90)
+            if r is None:
+                return 1
+            urls[name], pids[name] = r.url, r.proc.pid
+        res = trio.run(measure, args, urls, key, pids, servers[0].proc.pid, servers[0].url)
+        table = None if args.skip_store_ops else store_ops()
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for s in servers:
+            s.stop()
+
+    labels = {"r1": "1 router, Redis", "r2": "2 routers, Redis", "r3": "3 routers, Redis",
+              "sqlite": "1 router, SQLite"}
+    print()
+    print(f"{'closed loop, ' + str(args.in_flight) + ' in flight':<26}{'tasks/s best':>13}{'median':>9}"
+          f"{'routers CPU ms/task':>21}{'redis CPU ms/task':>19}{'client CPU ms/task':>20}{'failed':>8}")
+    best = {}
+    for c, r in res["routers"].items():
+        best[c] = max(r["tasks_s"])
+        n = max(r["tasks"], 1)
+        redis_cpu = "-" if c == "sqlite" else f"{r['redis_cpu'] / n * 1000:.2f}"
+        print(f"{labels[c]:<26}{best[c]:>13.1f}{statistics.median(r['tasks_s']):>9.1f}{r['cpu'] / n * 1000:>21.2f}"
+              f"{redis_cpu:>19}{r['client_cpu'] / n * 1000:>20.2f}{r['failed']:>8}")
+    print("(2 cores: the routers share them with the load generator, the mock upstream and redis-server)")
+    print()
+    lat = res["lat"]
+    p50 = {n: gw.pct(v, 50) for n, v in lat.items()}
+    print(f"one task at a time, SYN -> FINAL at the client, ms ({args.latency_tasks} each):")
+    for n, label in (("sqlite", "SQLite (embedded)"), ("a", "Redis, AOF always"), ("everysec", "Redis, AOF everysec")):
+        print(f"  {label:<22} p50 {p50[n]:7.2f}  p90 {gw.pct(lat[n], 90):7.2f}  ({p50[n] - p50['sqlite']:+.2f} p50 "
+              "against SQLite)")
+    print(f"  Redis commands a task: {res['evalsha']:.1f} EVALSHA (Lua scripts), {res['commands']:.1f} in all "
+          "(those inside the scripts counted)")
+    if table is not None:
+        print()
+        print("bench_store.py, per operation:")
+        print(table.rstrip())
+    added = p50["a"] - p50["sqlite"]
+    print(f"CLUSTER tasks_per_s r1={best['r1']:.1f} r2={best['r2']:.1f} r3={best['r3']:.1f} "
+          f"store_added_ms_per_task={added:.2f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=6.0, help="closed-loop seconds per configuration and repeat")
+    ap.add_argument("--repeats", type=int, default=3, help="rotated repeats per configuration")
+    ap.add_argument("--in-flight", type=int, default=32, help="tasks in flight in the closed loop (all routers)")
+    ap.add_argument("--latency-tasks", type=int, default=150, help="sequential tasks per store for the latency")
+    ap.add_argument("--skip-store-ops", action="store_true", help="do not run bench_store.py")
+    return bench(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
