@@ -161,11 +161,13 @@ class LoadCluster:
         """Calls ``model`` got (from its ``start``-th on), by stream key."""
         return Counter(_KEY.search(json.dumps(body))[1] for _, body in model.requests[start:])
 
-    async def admitted(self, reservations: int, load: Load, timeout: float = PHASE_S) -> None:
+    async def admitted(self, reservations: int, load: Load, timeout: float = PHASE_S, *, opened: int = 0) -> None:
         """Until the store holds ``reservations`` open reservations (each stream's
-        two calls admitted: both hold their estimate in the shared ledger)."""
+        two calls admitted: both hold their estimate in the shared ledger) and
+        the client has read ``opened`` streams' open answers (a router may admit
+        a stream's calls before its answer to the POST reaches the client)."""
         with trio.move_on_after(timeout):
-            while len(self.store.load_ledger().reservations) < reservations:
+            while len(self.store.load_ledger().reservations) < reservations or len(load.opened_on) < opened:
                 await trio.sleep(0.5)
             return
         raise AssertionError(
@@ -320,7 +322,7 @@ async def test_1000_concurrent_streams_on_3_routers_spend_the_budget_exactly(clu
         with trio.fail_after(PHASE_S * 3):
             async with trio.open_nursery() as n:
                 await load.start(range(STREAMS), n)
-                await cluster.admitted(2 * STREAMS, load)
+                await cluster.admitted(2 * STREAMS, load, opened=STREAMS)
                 held = cluster.totals()
                 assert 0 < held.reserved_tokens <= LIMIT_TOKENS and held.committed_tokens == 0, held
                 assert len(load.opened_on) == STREAMS and load.ended == 0  # 1,000 streams in flight at once
@@ -343,7 +345,7 @@ async def test_kill9_of_a_router_mid_run_releases_its_reservations_and_its_strea
         with trio.fail_after(PHASE_S * 3):
             async with trio.open_nursery() as n:
                 await load.start(range(STREAMS), n)
-                await cluster.admitted(2 * STREAMS, load)
+                await cluster.admitted(2 * STREAMS, load, opened=STREAMS)
                 before = cluster.totals()
                 lost = {sid for sid, r in load.opened_on.items() if r == 0}
                 assert len(load.opened_on) == STREAMS and len(lost) == len(range(0, STREAMS, ROUTERS))
@@ -391,7 +393,7 @@ async def test_redis_restarted_mid_run_refuses_spend_while_down_and_everything_f
         with trio.fail_after(PHASE_S * 3):
             async with trio.open_nursery() as n:
                 await load.start(range(STREAMS), n)
-                await cluster.admitted(2 * STREAMS, load)
+                await cluster.admitted(2 * STREAMS, load, opened=STREAMS)
 
                 cluster.redis.stop()
                 await load.start(range(STREAMS, STREAMS + extra), n)
