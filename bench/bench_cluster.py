@@ -187,14 +187,7 @@ def bench(args: argparse.Namespace) -> int:
         res = trio.run(measure, args, urls, key, pids, servers[0].proc.pid, servers[0].url)
         table = None if args.skip_store_ops else store_ops()
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        gw.stop_procs(procs, 20)
         for s in servers:
             s.stop()
 

@@ -631,6 +631,22 @@ def spawn(cmd: list[str], log: Path, **kw):
 SECRET_VARS = ("ATP_ROUTER_TOKENS", "ATP_HMAC_KEYS", "ATP_HMAC_KEY")
 
 
+def stop_procs(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """SIGTERM ``procs`` (last started first), wait ``timeout_s`` for each, then
+    SIGKILL what is left."""
+    import subprocess
+
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def clean_env() -> dict[str, str]:
     """This process's environment without :data:`SECRET_VARS`."""
     return {k: v for k, v in os.environ.items() if k not in SECRET_VARS}
@@ -698,7 +714,6 @@ def start_router(directory: Path, rib: str, procs: list, *, key: str | None = No
 
 def bench(args: argparse.Namespace) -> int:
     import secrets
-    import subprocess
     import tempfile
     import time
 
@@ -753,14 +768,7 @@ def bench(args: argparse.Namespace) -> int:
         report(args, res, litellm_note, time.monotonic() - t0)
         return 0
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_procs(procs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,6 +80,7 @@ from bench_gateway import (
     spawn,
     start_mock,
     start_router,
+    stop_procs,
 )
 
 #: Streams per client session (the router's sessions take at most 256 at once).
@@ -450,15 +451,7 @@ def bench(args: argparse.Namespace) -> int:
         report(args, runs)
         return 0
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_procs(procs)
 
 
 def main(argv: list[str] | None = None) -> int:

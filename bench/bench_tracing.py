@@ -155,14 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"({time.monotonic() - t0:.0f} s)")
             return 0
         finally:
-            for p in reversed(procs):
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            gw.stop_procs(procs)
 
 
 if __name__ == "__main__":

@@ -174,14 +174,7 @@ def bench(args: argparse.Namespace) -> int:
               f"{args.repeats} per router, interleaved", flush=True)
         res = trio.run(throughput, args, urls, key, pids)
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        gw.stop_procs(procs, 20)
 
     print()
     print(f"{'router':<22}{'tasks/s best':>14}{'median':>10}{'router CPU ms/task':>20}{'failed':>8}")

@@ -40,35 +40,24 @@ from atp.router.cluster import ClusterLedger
 from atp.store.redis import RedisStore
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import Payload, PayloadType
-from tests.helpers import RouterProcess
+from tests.helpers import RouterProcess, router_metric
 from tests.peers import RedisServer, start_redis
 from tests.replay_server import BillingModel, serve
+from tests.scale.common import (
+    ALICE_TOKENS,
+    BILLED,
+    CONTENT,
+    TASK,
+    TOKENS,
+    auth,
+    summarize_rib,
+)
 from tests.unit.test_router_ws import WINDOW, connect
 
-TOKENS = {"alice": "tok-alice-0123456789", "bob": "tok-bob-0123456789", "ops": "tok-ops-0123456789"}
-TASK = {"task_type": "summarize"}
-CONTENT = {"text": "summarise this"}
-ALICE_TOKENS = 6_000
-BILLED = 1_000
 LEASE_MS = 1_500
 _ENV = {"ATP_ROUTER_TOKENS": ",".join([f"alice:{TOKENS['alice']}", f"bob:{TOKENS['bob']}",
                                        f"ops:{TOKENS['ops']}:admin+operator"]),
         "ATP_AUDIT_KEY": "cluster-test-audit-key-0123456789"}
-
-
-def _rib(model_url: str, extra: str = "") -> str:
-    return (
-        "models:\n"
-        f"  m: {{provider: openai_compat, ctx: 8k, cost: 1, base_url: '{model_url}', model: m, max_out_tokens: 64}}\n"
-        "agents:\n"
-        "  summarizer: {layer: L2, p95_ms: 500, model: m, timeout_ms: 60000}\n"
-        "policies:\n"
-        "  - {name: summarize, match: {task_type: summarize}, fanout: [summarizer], deadline_ms: 60000}\n"
-        f"{extra}"
-        "clients:\n"
-        f"  alice: {{budget: {{tokens: {ALICE_TOKENS}}}, max_streams: 500, rate: {{per_s: 500, burst: 500}}}}\n"
-        "  bob: {budget: {tokens: 10000000}, max_streams: 500, rate: {per_s: 500, burst: 500}}\n"
-    )
 
 
 class Cluster:
@@ -77,7 +66,7 @@ class Cluster:
     def __init__(self, redis: RedisServer, directory: Path, model: BillingModel, n: int) -> None:
         self.redis, self.dir, self.model = redis, directory, model
         self.policies = directory / "rib.yaml"
-        self.policies.write_text(_rib(model.url))
+        self.policies.write_text(summarize_rib(model.url))
         self.routers = [self._start(i) for i in range(n)]
         self.store = RedisStore.open(redis.url)
 
@@ -150,29 +139,18 @@ async def _pump(src: trio.SocketStream, dst: trio.SocketStream, done: trio.Cance
     done.cancel()
 
 
-def _auth(tenant: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {TOKENS[tenant]}"}
-
-
 async def _open(url: str, tenant: str, **body) -> httpx.Response:
     async with httpx.AsyncClient(base_url=url, timeout=60) as h:
-        return await h.post("/v1/streams", json={"task": TASK, "content": CONTENT, **body}, headers=_auth(tenant))
+        return await h.post("/v1/streams", json={"task": TASK, "content": CONTENT, **body}, headers=auth(tenant))
 
 
 async def _events(url: str, tenant: str, sid: str) -> tuple[list[tuple[str, dict]], httpx.Headers]:
     """A stream's SSE events to their end, read through ``url``."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as h, \
-            h.stream("GET", f"/v1/streams/{sid}/events", headers=_auth(tenant)) as r:
+            h.stream("GET", f"/v1/streams/{sid}/events", headers=auth(tenant)) as r:
         assert r.status_code == 200, await r.aread()
         text = (await r.aread()).decode()
     return [(m[1], json.loads(m[2])) for m in re.finditer(r"event: (\w+)\ndata: (.*)\n", text)], r.headers
-
-
-async def _metric(url: str, name: str) -> dict[str, float]:
-    """``labels → value`` of metric ``name`` on the router at ``url``."""
-    async with httpx.AsyncClient(base_url=url, timeout=30) as h:
-        text = (await h.get("/v1/metrics", headers=_auth("ops"))).text
-    return {m[1] or "": float(m[2]) for m in re.finditer(rf"^{name}(?:{{(.*)}})? (\S+)$", text, re.M)}
 
 
 async def _until(check, timeout: float = 30, every: float = 0.1):
@@ -240,14 +218,14 @@ async def test_a_reload_reaches_every_router_and_a_stream_is_followed_and_cancel
     a, b = cluster.routers
     model = cluster.model
     async with httpx.AsyncClient(timeout=30) as h:
-        r = await h.post(a.url + "/v1/policies/reload", headers=_auth("ops"), content=_rib(
+        r = await h.post(a.url + "/v1/policies/reload", headers=auth("ops"), content=summarize_rib(
             model.url, "  - {name: hot, match: {task_type: hot_reloaded}, fanout: [summarizer]}\n"))
         assert r.status_code == 200, r.text
         version = r.json()["version"]
 
         async def reloaded() -> bool:
-            health = (await h.get(b.url + "/v1/health", headers=_auth("ops"))).json()
-            routes = (await h.get(b.url + "/v1/routes", headers=_auth("ops"))).text
+            health = (await h.get(b.url + "/v1/health", headers=auth("ops"))).json()
+            routes = (await h.get(b.url + "/v1/routes", headers=auth("ops"))).text
             return health["rib_version"] == version and "hot_reloaded" in routes
 
         await _until(reloaded, timeout=10)
@@ -275,15 +253,15 @@ async def test_a_reload_reaches_every_router_and_a_stream_is_followed_and_cancel
         rst = {"v": 1, "session_id": session, "stream_id": sid, "msg_seq": 0, "flags": ["RST", "CTRL"],
                "payload": {"type": "control", "content": {"kind": "ERROR", "code": "EPREEMPT", "reason": "user"}}}
         async with httpx.AsyncClient(timeout=30) as h:
-            r = await h.post(b.url + f"/v1/streams/{sid}/frames", json=rst, headers=_auth("bob"))
+            r = await h.post(b.url + f"/v1/streams/{sid}/frames", json=rst, headers=auth("bob"))
         assert r.status_code == 200 and r.json() == {"frames": []} and r.headers["x-atp-served-by"] == a.owner
     assert followed[0] == "SYN_ACK" and not {"FINAL", "FIN", "RST"} & set(followed), followed
     assert served["x-atp-served-by"] == a.owner
     assert model.waiting == 1  # one call
     # Another tenant asking b about it: the same 404 as an id that never existed.
     async with httpx.AsyncClient(timeout=30) as h:
-        other = await h.get(b.url + f"/v1/streams/{sid}/events", headers=_auth("alice"))
-        missing = await h.get(b.url + "/v1/streams/task_nope/events", headers=_auth("alice"))
+        other = await h.get(b.url + f"/v1/streams/{sid}/events", headers=auth("alice"))
+        missing = await h.get(b.url + "/v1/streams/task_nope/events", headers=auth("alice"))
     assert other.status_code == missing.status_code == 404
     assert other.json()["error"]["reason"] == f"unknown stream {sid!r}"
     await _until(lambda: cluster.totals("bob")[1] == 0)  # the cancelled call settled: nothing held
@@ -378,8 +356,8 @@ async def test_redis_down_refuses_spend_and_recovers_without_a_restart(cluster):
     assert refused.json()["error"]["code"] == "EBUDGET"
     assert refused.json()["error"]["reason"].startswith("budget store unavailable")
     assert refused.headers["retry-after"] == "1"
-    assert await _metric(a.url, "atp_store_up") == {"": 0.0}
-    down = await _metric(a.url, "atp_store_unavailable_total")
+    assert await router_metric(a.url, "atp_store_up", TOKENS["ops"]) == {"": 0.0}
+    down = await router_metric(a.url, "atp_store_unavailable_total", TOKENS["ops"])
     assert sum(down.values()) > 0 and set(down) <= {f'op="{op}"' for op in (
         "open", "reserve", "extend", "commit", "release", "close", "set_limit", "events", "lease", "read", "reap")}
     # The call in flight ends while Redis is down: its commit waits, its FINAL is not sent unstored.
@@ -405,7 +383,7 @@ async def test_redis_down_refuses_spend_and_recovers_without_a_restart(cluster):
     assert [t for t, _ in events][-2:] == ["FINAL", "FIN"]
 
     async def up_again() -> bool:
-        return await _metric(a.url, "atp_store_up") == {"": 1.0}
+        return await router_metric(a.url, "atp_store_up", TOKENS["ops"]) == {"": 1.0}
 
     await _until(up_again, timeout=10)
     # Nobody was settled as lost: both routers renewed their leases when Redis came back.

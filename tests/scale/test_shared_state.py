@@ -35,7 +35,8 @@ from atp.store.redis import RedisStore
 from tests.helpers import RouterProcess
 from tests.peers import start_redis
 from tests.replay_server import BillingModel, serve
-from tests.scale.test_workers import TASK, TOKENS, Supervisor, _other_worker
+from tests.scale.common import TASK, TOKENS
+from tests.scale.test_workers import Supervisor, _other_worker
 
 #: A breaker opened by the failing router stays open this long (s, ±20 % jitter):
 #: the other router must refuse the agent meanwhile.

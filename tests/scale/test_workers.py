@@ -35,29 +35,18 @@ import trio
 
 from tests.helpers import RouterProcess
 from tests.replay_server import BillingModel, serve
+from tests.scale.common import (
+    ALICE_TOKENS,
+    BILLED,
+    CONTENT,
+    TASK,
+    TOKENS,
+    auth,
+    summarize_rib,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTER = str(Path(sys.executable).parent / "atp-router")
-TOKENS = {"alice": "tok-alice-0123456789", "bob": "tok-bob-0123456789", "ops": "tok-ops-0123456789"}
-TASK = {"task_type": "summarize"}
-CONTENT = {"text": "summarise this"}
-ALICE_TOKENS = 6_000
-BILLED = 1_000
-
-
-def _rib(model_url: str, extra: str = "") -> str:
-    return (
-        "models:\n"
-        f"  m: {{provider: openai_compat, ctx: 8k, cost: 1, base_url: '{model_url}', model: m, max_out_tokens: 64}}\n"
-        "agents:\n"
-        "  summarizer: {layer: L2, p95_ms: 500, model: m, timeout_ms: 60000}\n"
-        "policies:\n"
-        "  - {name: summarize, match: {task_type: summarize}, fanout: [summarizer], deadline_ms: 60000}\n"
-        f"{extra}"
-        "clients:\n"
-        f"  alice: {{budget: {{tokens: {ALICE_TOKENS}}}, max_streams: 500, rate: {{per_s: 500, burst: 500}}}}\n"
-        "  bob: {budget: {tokens: 10000000}, max_streams: 500, rate: {per_s: 500, burst: 500}}\n"
-    )
 
 
 class Supervisor(RouterProcess):
@@ -84,14 +73,10 @@ class Supervisor(RouterProcess):
         return sqlite3.connect(f"file:{self.state / 'state.db'}?mode=ro", uri=True)
 
 
-def _auth(tenant: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {TOKENS[tenant]}"}
-
-
 async def _open(url: str, tenant: str, **body) -> tuple[dict, str]:
     """POST /v1/streams on a fresh connection: ``(response body, worker slot)``."""
     async with httpx.AsyncClient(base_url=url, timeout=30) as h:
-        r = await h.post("/v1/streams", json={"task": TASK, "content": CONTENT, **body}, headers=_auth(tenant))
+        r = await h.post("/v1/streams", json={"task": TASK, "content": CONTENT, **body}, headers=auth(tenant))
         assert r.status_code == 201, r.text
         return r.json(), r.headers["x-atp-worker"]
 
@@ -102,7 +87,7 @@ async def _other_worker(url: str, avoid: str | None, tenant: str, timeout: float
     other than ``avoid`` (``x-atp-worker`` of a ``GET /v1/health`` on it says
     which): fresh connections until one is."""
     for _ in range(200):
-        h = httpx.AsyncClient(base_url=url, timeout=timeout, headers=_auth(tenant))
+        h = httpx.AsyncClient(base_url=url, timeout=timeout, headers=auth(tenant))
         r = await h.get("/v1/health")
         if avoid is None or r.headers["x-atp-worker"] != avoid:
             try:
@@ -138,7 +123,7 @@ async def setup(nursery, tmp_path, request):
     model = await serve(nursery, BillingModel(BILLED))
     policies = tmp_path / "rib" / "rib.yaml"
     policies.parent.mkdir()
-    policies.write_text(_rib(model.url))
+    policies.write_text(summarize_rib(model.url))
     sup = Supervisor(policies.parent, tmp_path / "state", watch="watch" in request.node.name)
     try:
         await sup.wait_listening()
@@ -313,7 +298,7 @@ async def test_kill9_of_a_worker_settles_once_and_the_other_goes_on(setup):
 
 async def _versions(url: str, want: int, marker: str) -> None:
     """Wait until both workers run RIB generation ``want`` routing ``marker``."""
-    ops = _auth("ops")
+    ops = auth("ops")
     seen: dict[str, tuple[int, bool]] = {}
     with trio.fail_after(30):
         while set(seen) != {"0", "1"} or any(v != (want, True) for v in seen.values()):
@@ -327,14 +312,14 @@ async def _versions(url: str, want: int, marker: str) -> None:
 async def test_a_reload_or_a_policy_file_watch_reaches_every_worker_and_sigterm_stops_them(setup):
     sup, model, policies = setup
     async with httpx.AsyncClient(base_url=sup.url, timeout=30) as h:
-        r = await h.post("/v1/policies/reload", headers=_auth("ops"), content=_rib(
+        r = await h.post("/v1/policies/reload", headers=auth("ops"), content=summarize_rib(
             model.url, "  - {name: hot, match: {task_type: hot_reloaded}, fanout: [summarizer]}\n"))
         assert r.status_code == 200, r.text
         version = r.json()["version"]
     assert version > 1
     await _versions(sup.url, version, "hot_reloaded")
     # An edited --policies file: worker 0 watches it, its reload reaches worker 1 through the store.
-    (policies.parent / "rib.yaml").write_text(_rib(
+    (policies.parent / "rib.yaml").write_text(summarize_rib(
         model.url, "  - {name: edited, match: {task_type: file_edited}, fanout: [summarizer]}\n"))
     with trio.fail_after(30):
         while True:
@@ -361,7 +346,7 @@ async def test_refusals_before_any_worker_starts(tmp_path):
                                check=False, cwd=ROOT)
     assert r.returncode == 2 and b"policy refused" in r.stderr and b"listening" not in r.stdout
     policies = tmp_path / "rib.yaml"
-    policies.write_text(_rib("http://127.0.0.1:9/v1"))
+    policies.write_text(summarize_rib("http://127.0.0.1:9/v1"))
     first = Supervisor(policies, tmp_path / "s2")
     try:
         await first.wait_listening()

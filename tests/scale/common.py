@@ -1,0 +1,36 @@
+"""What the real-process scale tests share (tests/scale/): the tenants and their
+tokens, the task they send, and the RIB of one ``summarize`` policy over one
+billing model (:class:`tests.replay_server.BillingModel`)."""
+
+from __future__ import annotations
+
+TOKENS = {"alice": "tok-alice-0123456789", "bob": "tok-bob-0123456789", "ops": "tok-ops-0123456789"}
+TASK = {"task_type": "summarize"}
+CONTENT = {"text": "summarise this"}
+#: alice's token budget: a few calls' worth (tokens).
+ALICE_TOKENS = 6_000
+#: What the billing model reports a call used (tokens): far above the estimate.
+BILLED = 1_000
+
+
+def auth(tenant: str) -> dict[str, str]:
+    """The ``Authorization`` header of ``tenant`` (a key of :data:`TOKENS`)."""
+    return {"Authorization": f"Bearer {TOKENS[tenant]}"}
+
+
+def summarize_rib(model_url: str, extra: str = "") -> str:
+    """A RIB: model ``m`` at ``model_url`` (OpenAI-compatible), agent
+    ``summarizer`` on it, policy ``summarize``, ``extra`` YAML before the clients
+    alice (:data:`ALICE_TOKENS`) and bob (10M tokens)."""
+    return (
+        "models:\n"
+        f"  m: {{provider: openai_compat, ctx: 8k, cost: 1, base_url: '{model_url}', model: m, max_out_tokens: 64}}\n"
+        "agents:\n"
+        "  summarizer: {layer: L2, p95_ms: 500, model: m, timeout_ms: 60000}\n"
+        "policies:\n"
+        "  - {name: summarize, match: {task_type: summarize}, fanout: [summarizer], deadline_ms: 60000}\n"
+        f"{extra}"
+        "clients:\n"
+        f"  alice: {{budget: {{tokens: {ALICE_TOKENS}}}, max_streams: 500, rate: {{per_s: 500, burst: 500}}}}\n"
+        "  bob: {budget: {tokens: 10000000}, max_streams: 500, rate: {per_s: 500, burst: 500}}\n"
+    )
