@@ -423,7 +423,7 @@ def _flow_config(args: argparse.Namespace) -> dict:
 
 
 def keys_main(argv: list[str]) -> int:
-    """``atp-router keys new KEY_ID TENANT [ROLE[,ROLE]]``: a fresh API key. Prints
+    """``atp-router keys new KEY_ID TENANT [ROLE …]``: a fresh API key. Prints
     the secret once (give it to the caller) and the ``api_keys`` entry for the
     ``--auth`` file (only its sha256 is stored)."""
     ap = argparse.ArgumentParser(prog="atp-router keys", description=keys_main.__doc__.splitlines()[0],
@@ -432,15 +432,18 @@ def keys_main(argv: list[str]) -> int:
     new = sub.add_parser("new", help="make an API key", formatter_class=DefaultsHelpFormatter)
     new.add_argument("key_id")
     new.add_argument("tenant")
-    new.add_argument("roles", nargs="?", default="client", help="comma-separated: client, operator, admin")
+    new.add_argument("roles", nargs="*", default=["client"],
+                     help="client, operator, admin: comma- or space-separated (admin,operator or admin operator)")
     args = ap.parse_args(argv)
+    roles = [r.strip() for arg in args.roles for r in arg.split(",") if r.strip()]
     try:
-        secret, entry = new_api_key(args.key_id, args.tenant, [r.strip() for r in args.roles.split(",") if r.strip()])
+        secret, entry = new_api_key(args.key_id, args.tenant, roles)
     except ValueError as e:
         ap.error(str(e))
     print(f"secret (shown once): {secret}")
-    print("api_keys entry for the --auth file:")
-    print(yaml.safe_dump([entry], sort_keys=False, default_flow_style=True).strip())
+    print("api_keys entry for the --auth file (paste under api_keys:):")
+    # One block-list item in flow style: the `- {id: …}` line the README shows.
+    print("  - " + yaml.safe_dump(entry, sort_keys=False, default_flow_style=True, width=1 << 16).strip())
     return 0
 
 
