@@ -28,7 +28,8 @@ export ATP_ROUTER_URL="http://127.0.0.1:$HTTP"
 if [ $# -gt 0 ]; then
   (cd "$caller" && "$root/.venv/bin/python" "$root/examples/code_review/review.py" "$@")
 else
-  section() { printf '\n\033[1m== %s\033[0m\n' "$1"; }
+  # Bold headings on a terminal only: piped or logged output gets no escape codes.
+  if [ -t 1 ]; then section() { printf '\n\033[1m== %s\033[0m\n' "$1"; }; else section() { printf '\n== %s\n' "$1"; }; fi
   section "1. A realistic change: four analysers review it, consensus merges what they agree on"
   .venv/bin/python examples/code_review/review.py examples/code_review/demo/change.diff --repo examples/code_review/demo/repo
   section "2. A labelled real defect (BugsInPy thefuck#23): is the expected line caught?"

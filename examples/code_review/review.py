@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,10 @@ def caught(expected: list[dict[str, Any]], findings: list[dict[str, Any]], slack
     return hits
 
 
+#: Characters of a model's answer printed (the rest is counted, not shown).
+ANSWER_CHARS = 2_000
+
+
 def print_result(title: str, result: dict[str, Any], agents: list[str]) -> None:
     findings = result["result"]["findings"]
     cons = result["result"]["consensus"]
@@ -94,10 +99,18 @@ def print_result(title: str, result: dict[str, Any], agents: list[str]) -> None:
         print(f"  {f['file']}:{f['span']:<9} {f['severity']:<8} {f['claim']}")
         print(f"  {'':<{len(f['file']) + 10}} confidence {f['confidence']:.2f}  provenance {', '.join(f['provenance'])}")
     for a in result["result"].get("answers", []):
-        first = a["text"].strip().splitlines()[0] if a["text"].strip() else ""
-        print(f"  {a['agent']} says: {first[:160]}")
+        # The model's whole answer (bounded), indented under its name.
+        text = a["text"].strip() or "(empty answer)"
+        if len(text) > ANSWER_CHARS:
+            text = text[:ANSWER_CHARS] + f" … ({len(a['text']):,} characters in all)"
+        print(f"  {a['agent']} says:")
+        for line in text.splitlines():
+            print(textwrap.fill(line, width=100, initial_indent="    ", subsequent_indent="    ") if line else "")
     print(f"  consensus: {cons['strategy']} agreement={cons['agreement']:.2f}"
           + (f" uncertainties={cons['uncertainties']}" if cons.get("uncertainties") else ""))
+    print("    (agreement: how often two next-hops flagged the same places, 0..1 — the mean over pairs of"
+          " places both flagged / places either flagged; uncertainties: what the merge could not confirm —"
+          " findings without a quorum or a valid citation, next-hops that failed or were skipped)")
     print(f"  telemetry: tokens={tel['tokens']} usd={tel['usd']:.6f} latency_ms={tel['latency_ms']:.1f}")
 
 

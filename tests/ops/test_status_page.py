@@ -156,6 +156,7 @@ def _page_numbers(page: Any) -> dict[str, Any]:
         return {seq: Number(document.body.dataset.seq), t_ms: Number(document.body.dataset.tMs),
                 open: Number(kpi('open_streams')), completed: Number(kpi('completed')), usd: kpi('usd'),
                 errors: Number(kpi('errors')), agents,
+                errors_more: Number((document.getElementById('errors-more').textContent.match(/\d+/) || ['0'])[0]),
                 stream_rows: count('#streams tbody tr'), error_rows: count('#errors tbody tr'),
                 fib_rows: count('#fib tbody tr'), bandit_rows: count('#bandits tbody tr'),
                 latency_lines: count('svg[data-plot="latency"] path[data-series]'),
@@ -354,6 +355,8 @@ async def test_status_page_live_in_headless_chromium(nursery, tmp_path: Path, ch
     assert gone["breaker"] == "open" and gone["up"] == "down" and gone["calls_failed"] >= 3
     assert float(gone["cwnd"]) < windows["lint.ruff"].cwnd  # AIMD halved it on the failures
     assert after["errors"] > 0 and after["error_rows"] > 0  # the gone reviewer's EAGENTDOWN
+    # The tile counts what the table lists (issue 20: it said 8 beside an empty table).
+    assert after["errors"] == after["error_rows"] + after["errors_more"]
     # Every finished task is plotted (latency and cost), both policies on the cost/quality plot.
     assert after["latency_dots"] == STREAMS and after["cost_dots"] == STREAMS
     assert after["quality_policies"] == 2

@@ -278,7 +278,11 @@
     kpi("tasks_per_s", num(last(snap.series.tasks_per_s), 1));
     kpi("p95_ms", ms(last(snap.series.p95_ms)));
     kpi("usd", usd(t.usd_micros));
-    kpi("errors", Object.values(t.errors).reduce((a, b) => a + b, 0));
+    // The tile counts what the "Recent errors" table lists (ERROR/RST frames sent on
+    // streams, listed + older); every error the router counted, refused requests
+    // (logins, quotas) included, is in the tile's second line.
+    kpi("errors", snap.errors.listed.length + snap.errors.more);
+    $("errors-all").textContent = `${Object.values(t.errors).reduce((a, b) => a + b, 0)} incl. refused requests`;
     kpi("agents_up", `${snap.agents.filter((a) => a.up).length} / ${snap.agents.length}`);
     kpi("slots", `${snap.slots.running} / ${snap.slots.capacity}` + (snap.slots.queued ? ` (+${snap.slots.queued})` : ""));
     $("rib-version").textContent = String(snap.rib.version);
