@@ -16,6 +16,9 @@ from atp.router.cli import run
 from atp.router.core import Router, RouterConfig
 from tests.peers import start_llama_server
 
+#: Progress lines and the skip rules (tests/progress.py).
+pytest_plugins = ["tests.progress"]
+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 SHARED = ROOT.parent / "shared"
