@@ -31,10 +31,12 @@ steps_summary() {
 # progress LOG: copy stdin to LOG, with the heartbeat on stderr.
 progress() {
   local log=$1 t0=$SECONDS next=$((SECONDS + HEARTBEAT_S)) chunk line partial="" last="" pct="" rc
+  local lines=0 lines_seen=0 shown="" shown_t=$SECONDS what
   while :; do
     if IFS= read -r -t 2 chunk; then
       line=$partial$chunk partial=""
       printf '%s\n' "$line" >>"$log"
+      lines=$((lines + 1))
       if [[ $line =~ ^\ *\[([0-9]+)/([0-9]+)\]\  ]]; then  # ninja
         pct="compiling: $((100 * BASH_REMATCH[1] / BASH_REMATCH[2]))% (${BASH_REMATCH[1]}/${BASH_REMATCH[2]} files)"
       elif [[ $line =~ ^\ *\[\ *([0-9]+)%\]\  ]]; then  # make
@@ -52,7 +54,16 @@ progress() {
       fi
     fi
     if [ "$SECONDS" -ge "$next" ]; then
-      echo "$PROGRESS_PREFIX:   … $(hms $((SECONDS - t0))) ${pct:-$last}" >&2
+      # What changed since the last beat: a new step, or how many lines of output the
+      # current one wrote (a step that only prints nothing for minutes says so).
+      what=${pct:-$last}
+      if [ "$what" != "$shown" ]; then
+        shown=$what shown_t=$SECONDS
+        echo "$PROGRESS_PREFIX:   … $(hms $((SECONDS - t0))) ${what:-working}" >&2
+      else
+        echo "$PROGRESS_PREFIX:   … $(hms $((SECONDS - t0))) still: ${what:-working} ($(hms $((SECONDS - shown_t))) so far, +$((lines - lines_seen)) log lines)" >&2
+      fi
+      lines_seen=$lines
       next=$((SECONDS + HEARTBEAT_S))
     fi
   done
