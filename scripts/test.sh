@@ -35,7 +35,12 @@ if [ "${1:-}" = "--fast" ]; then
   echo "test.sh --fast: set-up $((t1 - t0)) s, tests $((SECONDS - t1)) s, in all $((SECONDS - t0)) s"
   exit $rc
 fi
-scripts/setup.sh --test
+# The router and the test tools first (a minute); then the local model server (on a
+# fresh machine a from-source build of llama-cpp-python: the longest step) in the
+# background while the peers install, each into its own venv or from Debian.
+scripts/setup.sh --test-tools
+scripts/setup.sh --model > >(sed -u 's/^/[model] /' >&2) 2>&1 &
+model_pid=$!
 t1=$SECONDS
 # Real peers for the adapter tests (brokers, A2A / Agent API servers): each script
 # installs one peer, idempotently, into .peers/ or from Debian, and prints what it did.
@@ -43,9 +48,13 @@ for peer in scripts/peers/*.sh; do
   [ -e "$peer" ] && bash "$peer"
 done
 t2=$SECONDS
+wait "$model_pid" || { echo "test.sh: the model server's set-up failed (above, [model] lines)" >&2; exit 1; }
+scripts/setup.sh --test  # nothing left to do: every stamp matches
+t3=$SECONDS
 export ATP_REQUIRE_MODEL=${ATP_REQUIRE_MODEL:-1}
 # Peers installed above must be there: a missing one fails its tests instead of skipping.
 export ATP_REQUIRE_PEERS=${ATP_REQUIRE_PEERS:-1}
 rc=0; .venv/bin/python -m pytest "$@" || rc=$?
-echo "test.sh: set-up $((t1 - t0)) s, peers $((t2 - t1)) s, tests $((SECONDS - t2)) s, in all $((SECONDS - t0)) s"
+echo "test.sh: set-up $((t1 - t0)) s, peers $((t2 - t1)) s (the model server beside them, then $((t3 - t2)) s more)," \
+     "tests $((SECONDS - t3)) s, in all $((SECONDS - t0)) s"
 exit $rc
