@@ -18,10 +18,13 @@ from atp.security.audit import (
     AuditError,
     AuditKind,
     AuditLog,
+    AuditOptions,
     audit_main,
     chain_record,
     load_audit_key,
     make_checkpoint,
+    parse_anchor,
+    read_anchor,
     read_head_file,
     record_hash,
     scrub_detail,
@@ -280,3 +283,207 @@ def test_audit_key_sources(tmp_path: Path):
     os.chmod(d / "audit.key", 0o644)
     with pytest.raises(AuditError, match="readable by others"):
         load_audit_key(d, {})
+
+
+# ------------------------------------------------ issue 19 item 7: no silent rewrite
+def _rehash_without(state: Path, gone: int) -> None:
+    """The attacker's rewrite: record ``gone`` deleted, the later ones renumbered
+    and re-hashed into a consistent chain (without the key: no new MACs)."""
+    with SqliteStore.open(state) as s:
+        recs = s.audit_records()
+    prev = recs[gone - 2].hash if gone > 1 else GENESIS
+    with db(state) as c:
+        c.execute("DELETE FROM audit WHERE seq >= ?", (gone,))
+        for r in recs[gone:]:
+            seq = r.seq - 1
+            h = record_hash(seq, r.ts_ms, r.kind, r.actor, r.tenant, r.detail, prev)
+            c.execute("INSERT INTO audit (seq, ts_ms, kind, actor, tenant, detail, prev, hash) "
+                      "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                      (seq, r.ts_ms, r.kind, r.actor, r.tenant, json.dumps(r.detail), prev, h))
+            prev = h
+
+
+def test_records_without_a_checkpoint_beyond_a_crash_tail_are_refused(tmp_path: Path, monkeypatch):
+    """Delete a record, re-hash, drop every checkpoint row and audit.head: the
+    chain is consistent, but 119 records no checkpoint covers are more than a
+    crash leaves (100): BROKEN, and the writer refuses to re-sign it."""
+    monkeypatch.delenv("ATP_AUDIT_KEY", raising=False)
+    d = tmp_path / "state"
+    fill(d, 120, every=100)
+    _rehash_without(d, 5)
+    with db(d) as c:
+        c.execute("DELETE FROM audit_checkpoint")
+    (d / "audit.head").unlink()
+    assert check(d) == (1, ("audit: BROKEN at record 1: records 1-119 (119) are not covered by any checkpoint; a "
+                           "crash leaves at most 100: checkpoints were removed or the log rewritten"))
+    with SqliteStore.open(d) as s, pytest.raises(AuditError, match="records 1-119 are not covered"):
+        AuditLog.open(s, d, env={})
+
+
+def test_a_crash_tail_verifies_with_a_note(tmp_path: Path, monkeypatch):
+    """A writer killed between checkpoints (no close): its unsigned tail is
+    accepted and named; the next writer signs it."""
+    monkeypatch.delenv("ATP_AUDIT_KEY", raising=False)
+    d = tmp_path / "state"
+    with SqliteStore.open(d) as store:
+        log = AuditLog.open(store, d, env={}, every=100, interval_ms=60_000)
+        for i in range(1, 131):
+            log.record("admin", "ops", None, {"i": i}, now_ms=1_000 + i)
+        # no close(): the process died
+    code, line = check(d)
+    assert code == 0 and line.endswith("; 30 records after the last checkpoint (record 100): the tail a crash leaves "
+                                       "unsigned (at most 100); removed or rewritten records there cannot be told apart")
+    rep = verify(SqliteStore.open(d).audit_records(), [], load_audit_key(d, {}), max_unsigned=100)
+    assert (rep.ok, rep.first_bad_seq, rep.signed) == (False, 1, 0)  # the same log with its checkpoints removed
+    with SqliteStore.open(d) as store:
+        log = AuditLog.open(store, d, env={}, every=100, interval_ms=60_000)
+        log.record("admin", "ops", None, {"i": 131}, now_ms=100_000)  # the tail is older than interval_ms
+        assert store.audit_checkpoint().seq == 131
+    assert check(d)[1].startswith("audit: OK, 131 records, head ") and "after the last" not in check(d)[1]
+
+
+def test_shared_writers_keep_the_unsigned_tail_within_every(tmp_path: Path):
+    """Three writers on one chain (--workers): whatever the interleaving, the
+    records after the newest checkpoint never exceed ``every`` (before, each
+    writer counted only its own records: up to 3 × every)."""
+    key = b"k" * 32
+    stores = [SqliteStore.open(tmp_path, multiprocess=True) for _ in range(3)]
+    logs = [AuditLog(s, key, shared=True, every=10, interval_ms=10**9) for s in stores]
+    worst = 0
+    for i in range(300):
+        logs[(i * 7 // 3) % 3].record("admin", "w", None, {"i": i}, 1_000 + i)
+        cp = stores[0].audit_checkpoint()
+        worst = max(worst, stores[0].audit_head().seq - (cp.seq if cp else 0))
+    assert worst <= 10
+    rep = verify(stores[0].audit_records(), stores[0].audit_checkpoints(), key, max_unsigned=10)
+    assert rep.ok and rep.records == 300
+    for s in stores:
+        s.close()
+
+
+def test_anchor_file_catches_what_the_state_dir_cannot(tmp_path: Path, monkeypatch):
+    """Checkpoints appended to a file outside the state directory: a rollback to
+    an older checkpoint (later records, rows and audit.head replaced) passes
+    without it and is caught with it; the writer refuses to extend it."""
+    monkeypatch.delenv("ATP_AUDIT_KEY", raising=False)
+    d, anchor = tmp_path / "state", tmp_path / "elsewhere" / "audit.anchor"
+    anchor.parent.mkdir()
+    with SqliteStore.open(d) as store:
+        log = AuditLog.open(store, d, env={}, options=AuditOptions(anchor=anchor, every=10, interval_ms=60_000))
+        for i in range(1, 36):
+            log.record("admin", "ops", None, {"i": i}, now_ms=1_000 + i)
+        log.close()
+    assert anchor.stat().st_mode & 0o777 == 0o600
+    cps, torn = read_anchor(anchor)
+    assert [c.seq for c in cps] == [10, 20, 30, 35] and not torn
+    with db(d) as c:
+        c.execute("DELETE FROM audit WHERE seq > 20")
+        c.execute("DELETE FROM audit_checkpoint WHERE seq > 20")
+        old = c.execute("SELECT seq, hash, mac FROM audit_checkpoint WHERE seq = 20").fetchone()
+    (d / "audit.head").write_text(json.dumps({"seq": old[0], "hash": old[1], "mac": old[2]}))
+    assert check(d) == (0, f"audit: OK, 20 records, head {old[1][:12]}")  # the limit without an anchor
+    code, line = check_with(d, "--anchor", str(anchor))
+    assert (code, line) == (1, ("audit: BROKEN at record 21: truncated: an anchored checkpoint covers record 35 but "
+                               "the log ends at record 20"))
+    with SqliteStore.open(d) as s, pytest.raises(AuditError, match="truncated: checkpoint at record 35"):
+        AuditLog.open(s, d, env={}, options=AuditOptions(anchor=anchor))
+
+
+def check_with(state: Path, *args: str) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = audit_main(["verify", "--state-dir", str(state), *args])
+    return code, out.getvalue().strip()
+
+
+def test_anchor_parsing_torn_lines_and_syslog_prefixes():
+    cp = make_checkpoint(7, "a" * 64, b"k" * 32)
+    line = json.dumps({"seq": 7, "hash": "a" * 64, "mac": cp.mac})
+    data = f"{line}\n\n<86>atp-router[12]: atp-audit checkpoint {line}\x00\n{line[:30]}".encode()
+    assert parse_anchor(data) == ([cp, cp], True)
+    with pytest.raises(AuditError, match="line 2 is not an audit checkpoint"):
+        parse_anchor(f"{line}\nnot json\n{line}\n".encode(), "a")
+    with pytest.raises(AuditError, match="line 1 is not an audit checkpoint"):
+        parse_anchor(b'{"seq": "7", "hash": "x", "mac": "y"}\n')
+
+
+def test_sinks_that_cannot_be_set_up_are_refused(tmp_path: Path, monkeypatch):
+    monkeypatch.delenv("ATP_AUDIT_KEY", raising=False)
+    d = tmp_path / "state"
+    with SqliteStore.open(d) as store:
+        for opts, msg in (
+            (AuditOptions(anchor=tmp_path / "no" / "such" / "dir" / "a"), "cannot be opened for appending"),
+            (AuditOptions(anchor=tmp_path), "cannot be opened for appending"),  # a directory
+            (AuditOptions(anchor=d / "anchor"), "inside the state directory"),
+            (AuditOptions(syslog=str(tmp_path / "no.sock")), "cannot be reached"),
+            (AuditOptions(syslog="udp://nohost.invalid:514"), "cannot be reached"),
+            (AuditOptions(syslog="syslog.example:514"), "give a Unix socket path"),
+            (AuditOptions(key_file=tmp_path / "missing.key"), "does not exist"),
+        ):
+            with pytest.raises(AuditError, match=msg):
+                AuditLog.open(store, d, env={}, options=opts)
+        with pytest.raises(AuditError, match="both ATP_AUDIT_KEY and an audit key file"):
+            AuditLog.open(store, d, env={"ATP_AUDIT_KEY": "x" * 32}, options=AuditOptions(key_file=d / "audit.key"))
+
+
+def test_syslog_sink_sends_each_checkpoint_over_a_unix_socket(tmp_path: Path, monkeypatch):
+    """A real datagram socket standing in for /dev/log: each checkpoint arrives
+    as ``<PRI>atp-router[pid]: atp-audit checkpoint {json}`` (facility authpriv,
+    level info) and the received lines are an anchor verify accepts."""
+    import socket
+
+    monkeypatch.delenv("ATP_AUDIT_KEY", raising=False)
+    path = tmp_path / "log.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(str(path))
+    server.settimeout(5)
+    d = tmp_path / "state"
+    with SqliteStore.open(d) as store:
+        log = AuditLog.open(store, d, env={}, options=AuditOptions(syslog=str(path), every=5, interval_ms=60_000))
+        for i in range(1, 13):
+            log.record("admin", "ops", None, {"i": i}, now_ms=1_000 + i)
+        log.close()
+    got = [server.recv(4096) for _ in range(3)]
+    server.close()
+    pri = 10 * 8 + 6  # authpriv.info
+    assert all(g.startswith(f"<{pri}>atp-router[{os.getpid()}]: atp-audit checkpoint {{".encode()) for g in got)
+    cps, _ = parse_anchor(b"\n".join(got) + b"\n")
+    assert [c.seq for c in cps] == [5, 10, 12]
+    assert check_with(d, "--anchor", str(_write(tmp_path / "syslog.txt", b"\n".join(got) + b"\n")))[0] == 0
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def test_key_outside_the_state_dir_and_the_dev_warning(tmp_path: Path, monkeypatch, caplog):
+    """The production key lives in a file outside the state directory (made by
+    ``audit keygen``, never replaced); the state-dir key is warned about once;
+    a key put in the state directory later signs nothing the verifier takes."""
+    import atp.security.audit as audit_mod
+
+    monkeypatch.delenv("ATP_AUDIT_KEY", raising=False)
+    monkeypatch.setattr(audit_mod, "_dev_key_warned", False)
+    key_file = tmp_path / "secrets" / "audit.key"
+    key_file.parent.mkdir()
+    assert audit_main(["keygen", str(key_file)]) == 0
+    assert key_file.stat().st_mode & 0o777 == 0o600 and audit_main(["keygen", str(key_file)]) == 2  # never replaced
+    d = tmp_path / "state"
+    with caplog.at_level("WARNING", "atp.security.audit"), SqliteStore.open(d) as store:
+        log = AuditLog.open(store, d, env={}, options=AuditOptions(key_file=key_file))
+        for i in range(3):
+            log.record("admin", "ops", None, {"i": i}, now_ms=1 + i)
+        log.close()
+        assert not (d / "audit.key").exists() and not caplog.records
+        for _ in range(2):  # the development setting: a key made in the state directory
+            with pytest.raises(AuditError, match="bad MAC"):
+                AuditLog.open(store, d, env={})
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "the development setting" in warned[0] and str(d / "audit.key") in warned[0]
+    assert check_with(d, "--key-file", str(key_file))[0] == 0
+    assert check(d) == (1, ("audit: BROKEN at record 3: checkpoint at record 3 has a bad MAC (forged, or another "
+                           "audit key)"))
