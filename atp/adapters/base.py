@@ -28,7 +28,7 @@ import math
 from collections import deque
 from collections.abc import AsyncIterator
 from fractions import Fraction
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 from msgspec import Struct
@@ -143,6 +143,14 @@ class ProviderAdapter(abc.ABC):
     #: analysers do; a client sending only a diff (the A2A server's text message)
     #: is refused for such a route unless the router can read the files (``--repo``).
     needs_files: bool = False
+    #: True when the next-hop's work is bounded by the tenant's input rather than by
+    #: the next-hop's health: a local tool that runs the task's own tests or analyses
+    #: its files (:class:`~atp.adapters.tools.base.ToolAdapter`,
+    #: :class:`~atp.adapters.tools.base.InThreadToolAdapter`). A timeout or a crash of
+    #: such a call may be the task's doing: the router answers it to the tenant
+    #: without retry or reroute, counts it against no breaker, and runs a canary task
+    #: of its own on the next-hop to tell (:func:`atp.flow.breaker.attribute`).
+    tenant_bound: ClassVar[bool] = False
 
     @abc.abstractmethod
     def capabilities(self) -> Capabilities:

@@ -38,8 +38,13 @@ slot ticket, its reservation (committed with the actual usage: ``Charge``), its
 breaker probe — and runs AIMD and the breaker by the outcome: a timely success
 grows both windows; ``ETIMEOUT`` / ``EAGENTDOWN`` halve them; a cancelled call and
 one the client's input failed (``client_fault``) leave them alone, and only a
-peer failure counts against the breaker. A refused call has given back everything
-already (``release`` after a :class:`Refuse` only closes it).
+peer failure counts against the breaker. A call that failed in doubt (``doubt``:
+a tenant-bound next-hop's timeout or crash, :func:`~atp.flow.breaker.attribute`)
+is settled as the client's, and its :class:`Released` says whether to run a
+canary on the next-hop now (``canary``, :meth:`~atp.flow.breaker.BreakerBoard.on_doubt`):
+the canary's outcome, not the tenant's call, speaks for the next-hop. A refused
+call has given back everything already (``release`` after a :class:`Refuse` only
+closes it).
 
 Waking: a decision's ``wake`` names the other calls that may move now (room
 opened in a window, a slot granted, their turn came, a queued call was shed); the
@@ -198,7 +203,9 @@ class Outcome(Struct, frozen=True, kw_only=True):
     usage (tokens, USD micros) as the next-hop reported it; ``error`` its failure
     code (``None``: it answered); ``cancelled`` (RST, preemption, deadline: no
     AIMD, no breaker verdict); ``client_fault`` (the client's input failed it: no
-    AIMD, not counted against the breaker); ``timely``: it answered within its
+    AIMD, not counted against the breaker); ``doubt`` (it failed in a way its task
+    may have caused, :attr:`~atp.flow.breaker.Fault.DOUBT`: as ``client_fault``,
+    and the breaker may ask for a canary); ``timely``: it answered within its
     timeout (AIMD grows only then)."""
 
     tokens: int = 0
@@ -206,6 +213,7 @@ class Outcome(Struct, frozen=True, kw_only=True):
     error: ErrorCode | None = None
     cancelled: bool = False
     client_fault: bool = False
+    doubt: bool = False
     timely: bool = False
 
 
@@ -215,12 +223,15 @@ NOT_RUN = Outcome(cancelled=True)
 
 class Released(Struct, frozen=True):
     """What :meth:`AdmissionControl.release` did: the ledger's ``charge`` (``None``
-    when the call was never admitted), the stream's WINDOW_UPDATE due now, and
-    the calls to wake."""
+    when the call was never admitted), the stream's WINDOW_UPDATE due now, the
+    calls to wake, and ``canary``: run a canary on the call's next-hop now (the
+    call failed in doubt; end it with
+    :meth:`~atp.flow.breaker.BreakerBoard.on_canary`)."""
 
     charge: Charge | None = None
     stream_update: WindowUpdate | None = None
     wake: tuple[Call, ...] = ()
+    canary: bool = False
 
 
 class Timed(Struct, frozen=True):
@@ -406,17 +417,20 @@ class AdmissionControl:
         charge = flow.ledger.commit(call.reservation, outcome.tokens, outcome.usd_micros)
         flow.check_exhausted()
         update = None
+        canary = False
         if outcome.cancelled:
             flow.window.on_cancel(call._stream_call)
             call._hop_window.on_cancel(call._hop_call)
             self._free_slot(call, now, done=False)
             self.breakers.on_cancel(agent, now)
-        elif outcome.client_fault:
-            # The client's input failed, not the next-hop: no AIMD, no breaker failure.
+        elif outcome.client_fault or outcome.doubt:
+            # The client's input failed, not the next-hop: no AIMD, no breaker failure;
+            # in doubt, the breaker may want a canary to speak for the next-hop.
             flow.window.on_cancel(call._stream_call)
             call._hop_window.on_cancel(call._hop_call)
             self._free_slot(call, now, done=True)
             self.breakers.on_result(agent, now, False, outcome.error, client_fault=True)
+            canary = outcome.doubt and self.breakers.on_doubt(agent, now)
             update = flow.window.update_due(now)
         else:
             ok = outcome.error is None or outcome.error not in CONGESTION
@@ -430,7 +444,7 @@ class AdmissionControl:
         self._wake_stream(flow)
         self._pump(self.agent_windows.queue(agent), now)
         self._move(call, Stage.RELEASED)
-        return Released(charge, update, self._drain(call))
+        return Released(charge, update, self._drain(call), canary)
 
     # ------------------------------------------------------------------ router-wide
 

@@ -23,6 +23,31 @@ failure the client's input caused (``client_fault=True``, from a
 size limit), whatever its code: one tenant's bad input must not take a next-hop
 out of the FIB for every tenant.
 
+**Faults are attributed** (issue 19; :func:`attribute`). A failed call is the
+peer's (:attr:`Fault.PEER`: counted as above), the client's (:attr:`Fault.CLIENT`:
+never counted) or **in doubt** (:attr:`Fault.DOUBT`): a timeout or a crash of a
+*tenant-bound* next-hop — a local tool whose work is the task's own (its tests
+sleep, its path is absurd): :attr:`ProviderAdapter.tenant_bound
+<atp.adapters.base.ProviderAdapter.tenant_bound>`. A failure in doubt is the
+tenant's for the call (the caller reports it like a client fault: no count, no
+AIMD decrease, no retry or reroute) and is never counted itself; instead
+:meth:`CircuitBreaker.on_doubt` may ask for a **canary**: a small, well-formed,
+in-limit task the router runs on the next-hop itself, at most one at a time per
+next-hop and at most one every ``canary_interval_s`` started on a doubt (so
+tenants cannot make the router spend more than that). Only the canary's outcome
+speaks for the next-hop (:meth:`CircuitBreaker.on_canary`): a success is a
+success (HALF_OPEN → CLOSED); a canary the next-hop refuses as input is
+inconclusive (nothing counted); a failed canary is a peer failure, which asks
+for another canary at once, and ``canary_confirm`` failed canaries in a row open
+the breaker (``TRIP``; while HALF_OPEN the first one, as any failed probe). So a
+next-hop that fails on well-formed input is still taken out — after
+``canary_confirm`` canary runs — while tasks that fail it on their own input,
+from one tenant or many, never open it for anyone. Failures that are certainly
+the peer's (a tool missing, ``EAGENTDOWN`` it reports, a model endpoint's
+timeouts or 5xx) count as before, whoever's task saw them: a next-hop down for
+one tenant is down for all, and a router with one tenant must open its breakers
+too, which a "failures from two tenants" rule would never do.
+
 Every transition is also reported, as it happens, to the ``on_transition``
 callback given (a :class:`BreakerTransition`; the router logs each one once).
 
@@ -88,6 +113,36 @@ TRANSITIONS: dict[tuple[BreakerState, BreakerEvent], BreakerState] = {
 #: Failure codes that count against a next-hop's health.
 PEER_FAILURES: frozenset[ErrorCode] = frozenset({ErrorCode.ETIMEOUT, ErrorCode.EAGENTDOWN, ErrorCode.EPROTO})
 
+#: Failure codes of a tenant-bound next-hop that its task may have caused (besides
+#: an unclassified crash, ``code=None``): a run past its time.
+DOUBTFUL: frozenset[ErrorCode] = frozenset({ErrorCode.ETIMEOUT})
+
+
+class Fault(enum.StrEnum):
+    """Whose a failed next-hop call is (module doc, "Faults are attributed")."""
+
+    #: The next-hop's: counted by its breaker, AIMD decrease, retried or rerouted by code.
+    PEER = "peer"
+    #: The client's input's: the stream's error; nothing counted, no retry, no reroute.
+    CLIENT = "client"
+    #: Maybe the task's, maybe the next-hop's: the client's for the call, and a
+    #: canary (:meth:`CircuitBreaker.on_doubt`) speaks for the next-hop.
+    DOUBT = "doubt"
+
+
+def attribute(code: ErrorCode | None, *, client_fault: bool, tenant_bound: bool) -> Fault:
+    """Whose a failed call is: ``code`` (``None``: the adapter crashed with an
+    unclassified exception), ``client_fault`` as the adapter said
+    (:class:`~atp.wire.errors.ClientInputError`), ``tenant_bound`` the
+    next-hop's :attr:`~atp.adapters.base.ProviderAdapter.tenant_bound`. A
+    tenant-bound next-hop's timeout (:data:`DOUBTFUL`) or crash is in doubt;
+    anything else the adapter did not call the client's is the peer's. Pure."""
+    if client_fault:
+        return Fault.CLIENT
+    if tenant_bound and (code is None or ErrorCode(code) in DOUBTFUL):
+        return Fault.DOUBT
+    return Fault.PEER
+
 _BUCKETS = 10  # error-rate window resolution: window_s / 10
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
@@ -104,7 +159,10 @@ class BreakerStatistics(Struct, frozen=True):
     closed (the ``k`` of the backoff). ``reopen_at``: OPEN → HALF_OPEN deadline
     (s), ``None`` unless OPEN. ``error_rate``: peer failures / outcomes over the
     last ``window_s`` (0..1). Counts are since creation; ``ignored``: failures
-    whose code does not count against the peer, or that the client caused."""
+    whose code does not count against the peer, or that the client caused (a
+    failure in doubt among them), and inconclusive canaries. ``doubts``: failures
+    in doubt; ``canaries``: canaries started; ``canary_failures``: those that
+    failed (each also in ``failures``); ``canary_in_flight``: one runs now."""
 
     state: BreakerState
     openings: int
@@ -115,6 +173,10 @@ class BreakerStatistics(Struct, frozen=True):
     failures: int
     ignored: int
     trips: int
+    doubts: int = 0
+    canaries: int = 0
+    canary_failures: int = 0
+    canary_in_flight: bool = False
 
 
 class BreakerTransition(Struct, frozen=True, kw_only=True):
@@ -184,11 +246,15 @@ class CircuitBreaker:
     ``half_open_probes``: calls admitted at once while HALF_OPEN. ``rng``:
     source of jitter (default: a fresh ``random.Random()``). ``on_transition``:
     called with each :class:`BreakerTransition` as it is taken, naming
-    ``agent``. Raises ``ValueError`` on an invalid configuration.
+    ``agent``. ``canary_interval_s``: least time (s) between two canaries started
+    on a doubt; ``canary_confirm``: failed canaries in a row that open the
+    breaker (module doc). Raises ``ValueError`` on an invalid configuration.
 
     Every call that :meth:`allow` admitted must end in exactly one of
     :meth:`on_success`, :meth:`on_failure` or :meth:`on_cancel`, or a
-    HALF_OPEN probe slot stays taken.
+    HALF_OPEN probe slot stays taken. Every ``True`` of :meth:`on_doubt` and of
+    :meth:`on_canary` starts a canary that must end in exactly one
+    :meth:`on_canary` or :meth:`on_canary_cancel`.
     """
 
     def __init__(
@@ -203,11 +269,15 @@ class CircuitBreaker:
         rng: random.Random | None = None,
         on_transition: Callable[[BreakerTransition], None] | None = None,
         agent: str = "",
+        canary_interval_s: float = 5.0,
+        canary_confirm: int = 2,
     ) -> None:
-        if failure_threshold < 1 or half_open_probes < 1:
-            raise ValueError("failure_threshold and half_open_probes must be >= 1")
+        if failure_threshold < 1 or half_open_probes < 1 or canary_confirm < 1:
+            raise ValueError("failure_threshold, half_open_probes and canary_confirm must be >= 1")
         if not (window_s > 0 and 0 < base_backoff_s <= max_backoff_s and 0 <= jitter < 1):
             raise ValueError("need window_s > 0, 0 < base_backoff_s <= max_backoff_s and 0 <= jitter < 1")
+        if not canary_interval_s >= 0:
+            raise ValueError("need canary_interval_s >= 0")
         self.failure_threshold = failure_threshold
         self.window_s = window_s
         self.base_backoff_s = base_backoff_s
@@ -232,6 +302,14 @@ class CircuitBreaker:
         self._agent = agent
         self._remote = False  # OPEN only because another router opened it
         self._remote_until = 0.0
+        self.canary_interval_s = canary_interval_s
+        self.canary_confirm = canary_confirm
+        self._canary_out = False  # a canary runs now
+        self._canary_at: float | None = None  # when the last one started on a doubt
+        self._canary_failed = 0  # failed canaries in a row
+        self._doubts = 0
+        self._canaries = 0
+        self._canary_failures = 0
 
     def state(self, now: float) -> BreakerState:
         """The state at ``now`` (takes OPEN → HALF_OPEN once the backoff elapsed)."""
@@ -258,6 +336,7 @@ class CircuitBreaker:
         """A call to this next-hop succeeded at ``now``. HALF_OPEN → CLOSED (any
         outcome while HALF_OPEN is taken as the probe's)."""
         self._successes += 1
+        self._canary_failed = 0
         self._rolling.add(now, True)
         if self.state(now) is BreakerState.HALF_OPEN:
             self._fire(BreakerEvent.PROBE_SUCCEEDED, now)
@@ -276,6 +355,9 @@ class CircuitBreaker:
             self._ignored += 1
             self.on_cancel(now)
             return
+        self._peer_failure(now, state)
+
+    def _peer_failure(self, now: float, state: BreakerState) -> None:
         self._failures += 1
         self._rolling.add(now, False)
         if state is BreakerState.HALF_OPEN:
@@ -293,6 +375,62 @@ class CircuitBreaker:
         (cancelled by RST, cut by our budget): frees its HALF_OPEN probe slot."""
         if self.state(now) is BreakerState.HALF_OPEN and self._probes:
             self._probes -= 1
+
+    def on_doubt(self, now: float) -> bool:
+        """A call failed in doubt at ``now`` (:attr:`Fault.DOUBT`; the caller
+        settled the call itself as a client fault with :meth:`on_failure`): not
+        counted. Returns ``True`` when a canary is to start now — the breaker is
+        not OPEN, no canary runs, and none started on a doubt within
+        ``canary_interval_s`` — and then counts it as running."""
+        self._doubts += 1
+        if self._canary_out or self.state(now) is BreakerState.OPEN:
+            return False
+        if self._canary_at is not None and now - self._canary_at < self.canary_interval_s:
+            return False
+        self._canary_at = now
+        self._start_canary()
+        return True
+
+    def on_canary(self, now: float, ok: bool, code: ErrorCode | None = None, *, client_fault: bool = False) -> bool:
+        """The running canary ended at ``now``: ``ok`` (it answered), else it
+        failed with ``code`` (``None``: crashed), ``client_fault`` when the
+        next-hop refused the router's canary as input. ``ok`` is a success
+        (HALF_OPEN → CLOSED); a refusal is inconclusive (``ignored``); any other
+        failure is a peer failure (counted as in :meth:`on_failure`), and the
+        ``canary_confirm``-th failed canary in a row trips CLOSED → OPEN.
+        Returns ``True`` when another canary is to start now (a failure to
+        confirm), counted as running. Raises ``ValueError`` when no canary runs."""
+        if not self._canary_out:
+            raise ValueError("no canary is running")
+        self._canary_out = False
+        if ok:
+            self.on_success(now)
+            return False
+        if client_fault:
+            self._ignored += 1
+            return False
+        self._canary_failures += 1
+        self._canary_failed += 1
+        state = self.state(now)
+        self._peer_failure(now, state)
+        if self._state is not BreakerState.CLOSED:
+            self._canary_failed = 0  # opened (or already open): probes decide from here
+            return False
+        if self._canary_failed >= self.canary_confirm:
+            self._canary_failed = 0
+            self._fire(BreakerEvent.TRIP, now)
+            return False
+        self._start_canary()
+        return True
+
+    def on_canary_cancel(self, now: float) -> None:
+        """The running canary was cancelled (the router stops) or could not
+        start: nothing is counted. No-op when none runs."""
+        self._canary_out = False
+
+    def _start_canary(self) -> None:
+        self._canary_out = True
+        self._canaries += 1
 
     def trip_remote(self, now: float, until: float, *, openings: int = 1) -> bool:
         """Another router opened this next-hop's breaker until ``until`` (s, on
@@ -356,6 +494,10 @@ class CircuitBreaker:
             failures=self._failures,
             ignored=self._ignored,
             trips=self._trips,
+            doubts=self._doubts,
+            canaries=self._canaries,
+            canary_failures=self._canary_failures,
+            canary_in_flight=self._canary_out,
         )
 
     def _fire(self, event: BreakerEvent, now: float) -> None:
@@ -401,6 +543,8 @@ class BreakerBoard:
         half_open_probes: int = 1,
         rng: random.Random | None = None,
         on_transition: Callable[[BreakerTransition], None] | None = None,
+        canary_interval_s: float = 5.0,
+        canary_confirm: int = 2,
     ) -> None:
         self._on_transition = on_transition
         self._listeners: list[Callable[[BreakerTransition], None]] = []
@@ -411,6 +555,8 @@ class BreakerBoard:
             "max_backoff_s": max_backoff_s,
             "jitter": jitter,
             "half_open_probes": half_open_probes,
+            "canary_interval_s": canary_interval_s,
+            "canary_confirm": canary_confirm,
         }
         # Jitter only de-synchronises probes: no cryptographic randomness needed.
         self._rng = rng if rng is not None else random.Random()  # nosec B311
@@ -464,6 +610,21 @@ class BreakerBoard:
     def on_cancel(self, agent: str, now: float) -> None:
         """:meth:`CircuitBreaker.on_cancel` of ``agent``."""
         self.breaker(agent).on_cancel(now)
+
+    def on_doubt(self, agent: str, now: float) -> bool:
+        """:meth:`CircuitBreaker.on_doubt` of ``agent``: start a canary on it now?"""
+        return self.breaker(agent).on_doubt(now)
+
+    def on_canary(self, agent: str, now: float, ok: bool, code: ErrorCode | None = None, *,
+                  client_fault: bool = False) -> bool:
+        """:meth:`CircuitBreaker.on_canary` of ``agent``: start another canary now?"""
+        return self.breaker(agent).on_canary(now, ok, code, client_fault=client_fault)
+
+    def on_canary_cancel(self, agent: str, now: float) -> None:
+        """:meth:`CircuitBreaker.on_canary_cancel` of ``agent`` (ignored if unseen)."""
+        b = self._breakers.get(agent)
+        if b is not None:
+            b.on_canary_cancel(now)
 
     def open_agents(self, now: float) -> set[str]:
         """Agents whose breaker is OPEN at ``now``: exclude them from the FIB.

@@ -25,7 +25,8 @@
      observations, else ``Health.p95_ms`` when given and > 0, else the RIB's.
    * ``error_rate``: the worse of ``Health.error_rate`` and the live error rate
      (timeouts included), clamped to 0..1, else 0; a next-hop whose
-     ``Health.up`` is False is excluded.
+     ``Health.up`` is False is excluded (and named in the route's ``skipped``,
+     so the FINAL can say so).
 
    Next-hops are ordered by descending score, ties by agent name (so a lookup
    is deterministic), then cut to ``fanout_k`` when the policy sets it — after
@@ -114,7 +115,10 @@ class Route(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     task's data scope does not clear it); ``budget`` and
     ``window`` are the policy's (None: the router's default); ``qos`` is the
     policy's override or None (keep the stream's); ``deadline_ms`` the overall
-    stream deadline.
+    stream deadline. ``skipped``: the agents of the policy (cleared for the
+    task) this lookup left out because their health says down (an open circuit,
+    a next-hop that announced itself down), by name — also where
+    ``fanout_k`` gave their slot to the next best: the FINAL names them.
     """
 
     policy: str
@@ -128,6 +132,7 @@ class Route(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     deadline_ms: int
     quorum: int = 2
     alternates: list[NextHop] = msgspec.field(default_factory=list)
+    skipped: list[str] = msgspec.field(default_factory=list)
 
 
 class _Candidate:
@@ -311,9 +316,11 @@ class Fib:
                 f"({', '.join(c.agent for c in policy.candidates)})",
             )
         scored: list[tuple[float, str, _Candidate]] = []
+        down: list[str] = []
         for c in cleared:
             h = health.get(c.agent) if health is not None else None
             if h is not None and not h.up:
+                down.append(c.agent)
                 continue
             scored.append((-c.score(wanted, h, live, policy.name), c.agent, c))
         if not scored:
@@ -342,6 +349,7 @@ class Fib:
             deadline_ms=spec.deadline_ms,
             quorum=spec.quorum or 2,
             alternates=[msgspec.structs.replace(c.hop, weight=-neg) for neg, _, c in alternates],
+            skipped=sorted(down),
         )
 
     def routes(self, live: Mapping[str, LiveView] | None = None) -> list[RouteEntry]:

@@ -1071,6 +1071,7 @@ class Router:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.control.serve)
                 nursery.start_soon(self.gates.slots.run)
+                nursery.start_soon(self.gates.run_canaries)  # a failure in doubt: a canary speaks (issue 19)
                 nursery.start_soon(self.streams.run)
                 nursery.start_soon(self.streams.run_flusher)
                 nursery.start_soon(self._audit_checkpoints)

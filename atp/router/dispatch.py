@@ -67,8 +67,28 @@ For one stream the dispatcher
    not the next-hop's: it is not counted by the circuit breaker, halves no window,
    and is neither retried nor rerouted nor escalated (the same input would fail
    everywhere). When no next-hop produced a report and one failed that way,
-   :meth:`Dispatcher.run` raises a ``ClientInputError`` (``EPROTO``, reason naming
-   the agents and what they refused) and the router resets the stream with it.
+   :meth:`Dispatcher.run` raises a ``ClientInputError`` — its code when every such
+   failure has the same one (``ETIMEOUT``, ``ESEC``), else ``EPROTO`` — whose
+   reason names the agents and what they refused, and the router resets the
+   stream with it.
+
+   **Faults are attributed** (issue 19, :func:`~atp.flow.breaker.attribute`): a
+   *tenant-bound* next-hop (:attr:`ProviderAdapter.tenant_bound
+   <atp.adapters.base.ProviderAdapter.tenant_bound>`: a local tool whose run is the
+   task's own — its tests, its files) that runs past the hop's ``timeout_ms``
+   (the dispatcher's own deadline), past its own wall clock (``ETIMEOUT``), or
+   crashes with an exception the adapter did not classify, failed **in doubt**:
+   the task may have caused it. The call is then the tenant's — a
+   ``ClientInputError`` with the same code (a crash: ``EPROTO``) and a reason
+   saying so, handled as above: never retried at the router's expense, never
+   rerouted, no AIMD decrease, no breaker count — and the release says whether
+   to run a **canary** (:class:`~atp.flow.admission.Released` ``canary``):
+   :data:`CANARY`, a small well-formed in-limit review the router runs itself on
+   that next-hop (:meth:`FlowGates.canary`, outside any stream, window or budget;
+   at most one at a time per next-hop, one every ``canary_interval_s`` of the
+   breakers). Its outcome, not the tenant's, goes to the breaker
+   (:meth:`~atp.flow.breaker.BreakerBoard.on_canary`). The same failures of a
+   next-hop that is not tenant-bound (a model endpoint) are its own, as before.
 
 4. merges the reports by the route's consensus strategy (§7.2); ``two_phase_commit``
    without quorum is reported as ERROR ``ECONSENSUS`` and escalated (§10); when
@@ -76,7 +96,11 @@ For one stream the dispatcher
    the merge runs again; returns the FINAL result of §7.3 with telemetry. A
    next-hop whose last attempt failed while others answered is named in the
    result's ``consensus.uncertainties`` (:data:`NEXT_HOP_FAILED`), so a FINAL
-   without findings is never mistaken for a complete review.
+   without findings is never mistaken for a complete review; so is a next-hop
+   the FIB left out of the route as down (``Route.skipped``: its circuit open, or
+   it announced itself down) — ``"next-hop failed: <agent>: EAGENTDOWN: skipped
+   at routing: circuit open (next probe in N ms)"`` — although its slot may have
+   gone to the next best.
 
 Budget exhaustion (§10 ``EBUDGET`` → FIN): once the committed spend of the stream's
 account or of its client's reaches a limit, no further call is admitted (queued
@@ -125,7 +149,7 @@ from atp.flow.admission import (
     StreamFlow,
     Wait,
 )
-from atp.flow.breaker import BreakerBoard, RetryPolicy
+from atp.flow.breaker import BreakerBoard, BreakerState, Fault, RetryPolicy, attribute
 from atp.flow.budget import BudgetLedger, Refusal, usd_to_micros
 from atp.flow.qos import Preempt, QosScheduler
 from atp.flow.window import Estimate, WindowTable
@@ -145,6 +169,27 @@ REROUTABLE = frozenset({ErrorCode.ETIMEOUT, ErrorCode.EAGENTDOWN})
 #: The merged result then lacks that agent's view (an empty ``findings`` is not
 #: "nothing found"); the A2A server fails such a task when nothing was found.
 NEXT_HOP_FAILED = "next-hop failed: "
+
+#: The canary the router runs itself on a tenant-bound next-hop after a call to it
+#: failed in doubt (module doc, 3): a code review of one small, clean, changed
+#: Python module and its one passing test — well-formed and far within every
+#: limit, so an analyser or a test runner answers it in well under its timeout
+#: when healthy. A next-hop that refuses it as input (a tool for another task
+#: type) gives no verdict.
+CANARY = Prompt(
+    task_type="code_review",
+    content={
+        "diff": (
+            "--- /dev/null\n+++ b/atp_canary.py\n@@ -0,0 +1,2 @@\n+def add(a, b):\n+    return a + b\n"
+            "--- /dev/null\n+++ b/test_atp_canary.py\n@@ -0,0 +1,2 @@\n+def test_add():\n+    assert 1 + 1 == 2\n"
+        ),
+        "files": {
+            "atp_canary.py": "def add(a, b):\n    return a + b\n",
+            "test_atp_canary.py": "def test_add():\n    assert 1 + 1 == 2\n",
+        },
+    },
+    meta={"task_type": "code_review", "languages": ["py"], "canary": True},
+)
 
 
 class StreamIO(Protocol):
@@ -184,6 +229,9 @@ class LegOutcome:
     #: Answered from the response cache (spec §13): not called, nothing charged;
     #: ``usage`` is then the stored call's, which consensus ranks its cost by.
     cached: bool = False
+    #: It failed in doubt (module doc, 3): ``error`` is then the tenant's
+    #: ``ClientInputError`` and a canary may speak for the next-hop.
+    doubt: bool = False
 
 
 @dataclass(slots=True)
@@ -292,7 +340,9 @@ class FlowGates:
 
     This is its trio side: :meth:`step` and :meth:`release` run the sans-IO
     decisions at ``trio.current_time()`` and set the wake-up of every call a
-    decision names; :meth:`wait` parks a call until it is woken."""
+    decision names; :meth:`wait` parks a call until it is woken; :meth:`canary`
+    runs the canaries the breakers ask for, in :meth:`run_canaries` (a router
+    task)."""
 
     def __init__(
         self,
@@ -311,6 +361,7 @@ class FlowGates:
         self.admission = AdmissionControl(breakers, agent_windows, slots.scheduler)
         #: Calls parked in :meth:`wait`, by their wake-up.
         self._parked: dict[Call, trio.Event] = {}
+        self._canaries: trio.Nursery | None = None
         slots._gates = self
 
     def step(self, call: Call) -> Decision:
@@ -347,6 +398,56 @@ class FlowGates:
             ev = self._parked.get(c)
             if ev is not None:
                 ev.set()
+
+    async def run_canaries(self) -> None:
+        """Run the canaries :meth:`canary` starts, forever (a router task);
+        cancelling it cancels them (their breakers count nothing)."""
+        async with trio.open_nursery() as nursery:
+            self._canaries = nursery
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._canaries = None
+
+    def canary(self, agent: str, adapter: ProviderAdapter, timeout_s: float) -> None:
+        """Run :data:`CANARY` on ``agent`` (``adapter``) under ``timeout_s``, as a
+        :class:`~atp.flow.admission.Released` ``canary`` asked (module doc, 3),
+        and hand its outcome to the breaker — again at once while the breaker
+        wants a failure confirmed. Without :meth:`run_canaries` running, the
+        canary is not run and nothing is counted."""
+        if self._canaries is None:
+            log.warning("next-hop %s: no canary runner; a failure in doubt stays uncounted", agent)
+            self.breakers.on_canary_cancel(agent, trio.current_time())
+            return
+        self._canaries.start_soon(self._canary, agent, adapter, timeout_s)
+
+    async def _canary(self, agent: str, adapter: ProviderAdapter, timeout_s: float) -> None:
+        again = True
+        while again:
+            ok, code, client_fault, why = False, None, False, ""
+            try:
+                with trio.fail_after(timeout_s):
+                    await _run_canary(adapter)
+            except trio.TooSlowError:
+                code, why = ErrorCode.ETIMEOUT, f"no answer within {round(timeout_s * 1000)} ms"
+            except ATPError as e:
+                code, why = e.code, e.reason
+                client_fault = isinstance(e, AgentError) and e.client_fault
+            except Exception as e:
+                log.exception("next-hop %s: canary raised", agent)
+                why = f"adapter error: {type(e).__name__}"
+            except BaseException:
+                self.breakers.on_canary_cancel(agent, trio.current_time())  # the router stops: no verdict
+                raise
+            else:
+                ok = True
+            again = self.breakers.on_canary(agent, trio.current_time(), ok, code, client_fault=client_fault)
+            if ok:
+                log.info("next-hop %s: canary answered (a failure in doubt was the task's)", agent)
+            elif client_fault:
+                log.info("next-hop %s: canary refused as input (%s): no verdict", agent, scrub(why))
+            else:
+                log.warning("next-hop %s: canary failed (%s)%s", agent, scrub(why), "; confirming" if again else "")
 
     def wake_all(self) -> None:
         """Limits may have moved (RIB reload): pump every next-hop queue. The
@@ -483,12 +584,15 @@ class Dispatcher:
         if not reports:
             if refused:
                 codes = {o.error.code for o in refused if o.error}
+                # One code everywhere is the stream's: a data-scope refusal ESEC (§11), a task
+                # that ran past a tool's time ETIMEOUT; mixed or other refused input EPROTO.
+                code = next(iter(codes)) if len(codes) == 1 else ErrorCode.EPROTO
+                what = "task timed out: " if code is ErrorCode.ETIMEOUT else "task refused: "
                 raise ClientInputError(
-                    scrub("task refused: " + "; ".join(_agent_reason(o.agent, o.error) for o in refused if o.error)),
-                    # A data-scope refusal everywhere is ESEC (§11); other refused input EPROTO.
-                    code=ErrorCode.ESEC if codes == {ErrorCode.ESEC} else ErrorCode.EPROTO,
+                    scrub(what + "; ".join(_agent_reason(o.agent, o.error) for o in refused if o.error)), code=code,
                 )
-            failed = scrub("; ".join(f"{o.agent}: {o.error.code} {o.error.reason}" for o in plan.attempts if o.error))
+            failed = scrub("; ".join([f"{o.agent}: {o.error.code} {o.error.reason}" for o in plan.attempts if o.error]
+                                     + [f"{a}: skipped at routing" for a in getattr(route, "skipped", ())]))
             if plan.exhausted is not None or any(
                 o.error is not None and o.error.code is ErrorCode.EBUDGET for o in plan.attempts
             ):
@@ -496,6 +600,11 @@ class Dispatcher:
             raise AgentError(ErrorCode.EAGENTDOWN, f"no next-hop produced a result ({failed or 'none ran'})")
         if triggers:
             result.consensus.uncertainties.append("escalated on " + ", ".join(triggers))
+        for agent in getattr(route, "skipped", ()):
+            # Left out of the route at SYN (module doc, 4): the review lacks its view.
+            if agent not in reports:
+                result.consensus.uncertainties.append(
+                    f"{NEXT_HOP_FAILED}{agent}: {ErrorCode.EAGENTDOWN}: skipped at routing: {self._down_reason(agent)}")
         for _, out in sorted(legs.items()):
             # The final outcome of each turn: a failure its retries and reroutes did not mend.
             if out.error is not None and not out.cancelled:
@@ -512,6 +621,17 @@ class Dispatcher:
         )
         self.last_triggers = triggers
         return FinalResult(result=result, telemetry=telemetry)
+
+    def _down_reason(self, agent: str) -> str:
+        """Why the FIB found ``agent`` down at this stream's SYN: its circuit
+        (open, or half-open and probing since), else the next-hop's own word."""
+        now = trio.current_time()
+        board = self.gates.breakers
+        stats = board.statistics(now).get(agent)
+        if stats is None or stats.state is BreakerState.CLOSED:
+            return "the next-hop reported itself down"
+        retry_ms = board.retry_after_ms(agent, now)
+        return "circuit open" + (f" (next probe in {retry_ms} ms)" if retry_ms is not None else " (probing)")
 
     @staticmethod
     def _deadline_error(io: StreamIO, plan: TaskPlan, legs: dict[int, LegOutcome], turn: int, agent: str) -> None:
@@ -668,6 +788,7 @@ class Dispatcher:
                 return
             out.called = True
             t0 = trio.current_time()
+            crash: Exception | None = None
             try:
                 with trio.fail_after(hop.timeout_ms / 1000):
                     await self._pump(io, agent, ready, call, out)
@@ -682,25 +803,30 @@ class Dispatcher:
             except Exception as e:
                 # An adapter that breaks its contract fails its own call, not the stream.
                 log.exception("next-hop %s: adapter raised", agent)
+                crash = e
                 out.error = AgentError(ErrorCode.EAGENTDOWN, f"adapter error: {type(e).__name__}", agent=agent)
+            if out.error is not None:
+                _attribute(out, ready.adapter, crash)
             if timely and plan.cache is not None:
                 plan.cache.record(agent, ready.prompt, out)
         finally:
-            self._release(io, call, out, timely, t0)
+            if self._release(io, call, out, timely, t0):
+                gates.canary(agent, ready.adapter, hop.timeout_ms / 1000)
 
-    def _release(self, io: StreamIO, call: Call, out: LegOutcome, timely: bool, t0: float) -> None:
+    def _release(self, io: StreamIO, call: Call, out: LegOutcome, timely: bool, t0: float) -> bool:
         """The one release of ``call``: what it used is committed even on failure
         or cancellation (§5, DESIGN principle 4); AIMD and the breaker see the
         outcome (a cancelled call and one the client's input failed leave both
-        alone). A call that never ran just gives back what it held."""
+        alone). A call that never ran just gives back what it held. Returns
+        whether to run a canary on the next-hop now (it failed in doubt)."""
         err = out.error
         released = self.gates.release(call, Outcome(
             tokens=out.usage.tokens, usd_micros=out.usage.usd_micros, error=err.code if err is not None else None,
-            cancelled=out.cancelled, client_fault=_client_fault(err), timely=timely,
+            cancelled=out.cancelled, client_fault=_client_fault(err), doubt=out.doubt, timely=timely,
         ))
         charge = released.charge
         if charge is None:
-            return  # never admitted: nothing ran, nothing to account
+            return False  # never admitted: nothing ran, nothing to account
         out.latency_ms = (trio.current_time() - t0) * 1000
         out.charged_tokens, out.charged_usd_micros = charge.tokens, charge.usd_micros
         if (charge.overage_tokens or charge.overage_usd_micros) and err is None and not out.cancelled:
@@ -716,6 +842,7 @@ class Dispatcher:
             io.emit_window_update(released.stream_update)
         if self.on_leg is not None:
             self.on_leg(out)
+        return released.canary
 
     def _prepare(self, plan: TaskPlan, agent: str, out: LegOutcome) -> _Ready | None:
         """The dispatcher's own checks before admission: ``agent`` has an adapter,
@@ -846,6 +973,38 @@ def _hand_evidence(plan: TaskPlan, reports: Mapping[str, AgentReport]) -> None:
         return msgspec.structs.replace(p, content={**p.content, "evidence": evidence})
 
     plan.prompt_for = prompt_for
+
+
+def _attribute(out: LegOutcome, adapter: ProviderAdapter, crash: Exception | None) -> None:
+    """Attribute ``out``'s failure (module doc, 3; :func:`~atp.flow.breaker.attribute`):
+    in doubt, it becomes the tenant's ``ClientInputError`` — the same code, a
+    crash ``EPROTO`` — with a reason saying so, and ``out.doubt`` is set."""
+    err = out.error
+    assert err is not None
+    code = None if crash is not None else err.code
+    if attribute(code, client_fault=_client_fault(err), tenant_bound=adapter.tenant_bound) is not Fault.DOUBT:
+        return
+    what = f"failed on this task ({type(crash).__name__})" if crash is not None else err.reason
+    out.error = ClientInputError(
+        f"{what}; a local tool's run is the task's own: not retried, not counted against the next-hop",
+        code=ErrorCode.EPROTO if crash is not None else err.code, agent=out.agent,
+    )
+    out.doubt = True
+
+
+async def _run_canary(adapter: ProviderAdapter) -> None:
+    """Run :data:`CANARY` on ``adapter`` to its FINAL, a review report; raises
+    what the adapter raises, or ``AgentError(EPROTO)`` for no or a malformed FINAL."""
+    async with aclosing(adapter.stream(CANARY)) as fragments:
+        async for frag in fragments:
+            if frag.type is PayloadType.FINAL:
+                if not isinstance(frag.content, AgentReport):
+                    try:
+                        msgspec.convert(frag.content, AgentReport)
+                    except msgspec.ValidationError as e:
+                        raise AgentError(ErrorCode.EPROTO, f"canary FINAL is not a review report: {e}") from None
+                return
+    raise AgentError(ErrorCode.EPROTO, "canary ended without a FINAL fragment")
 
 
 def _client_fault(err: ATPError | None) -> bool:

@@ -477,6 +477,30 @@ def test_release_commits_actual_usage_and_runs_aimd_and_the_breaker_by_the_outco
     assert_nothing_held(env)
 
 
+def test_a_call_failed_in_doubt_is_settled_as_the_clients_and_asks_for_a_canary():
+    """A tenant-bound next-hop's timeout (issue 19): no AIMD decrease, no breaker
+    failure (the threshold here is 2), and the release says to run a canary —
+    once while one runs; its outcome, not the calls', counts."""
+    env = make()
+    f = env.flow()
+    doubt = Outcome(error=ErrorCode.ETIMEOUT, client_fault=True, doubt=True)
+    canaries = []
+    for _ in range(3):
+        c = env.call(f)
+        assert isinstance(env.step(c), Admit)
+        canaries.append(env.release(c, doubt).canary)
+    assert canaries == [True, False, False]
+    assert _halved(env, f) == (4, 2)
+    stats = env.breakers.statistics()["a"]
+    assert (stats.failures, stats.ignored, stats.doubts, stats.canary_in_flight) == (0, 3, 3, True)
+    assert env.breakers.open_agents(env.now) == set()
+    # A client fault that is not in doubt asks for nothing.
+    c = env.call(f)
+    assert isinstance(env.step(c), Admit)
+    assert env.release(c, Outcome(error=ErrorCode.EPROTO, client_fault=True)).canary is False
+    assert_nothing_held(env)
+
+
 def test_usage_past_the_reservation_is_extended_while_the_budget_takes_it_then_cut():
     env = make()
     f = env.flow(budget=Allowance(tokens=1000))

@@ -18,7 +18,9 @@ from atp.flow.breaker import (
     BreakerHealth,
     BreakerState,
     CircuitBreaker,
+    Fault,
     RetryPolicy,
+    attribute,
 )
 from atp.wire.errors import ErrorCode
 
@@ -146,6 +148,106 @@ def test_board_passes_client_faults_on():
     board.on_result("ruff", 0.4, ok=False, code=ErrorCode.EPROTO)
     board.on_result("ruff", 0.5, ok=False, code=ErrorCode.EPROTO)
     assert board.open_agents(0.5) == {"ruff"}
+
+
+# --- faults in doubt and canaries (issue 19) --------------------------------------------------
+
+
+@pytest.mark.parametrize(("code", "client_fault", "tenant_bound", "fault"), [
+    (ErrorCode.ETIMEOUT, False, True, Fault.DOUBT),  # a tool ran past its time: maybe the task's tests sleep
+    (None, False, True, Fault.DOUBT),  # a tool crashed: maybe on the task's absurd path
+    (ErrorCode.EAGENTDOWN, False, True, Fault.PEER),  # the tool says it is down (missing, exited abnormally)
+    (ErrorCode.EPROTO, False, True, Fault.PEER),
+    (ErrorCode.ETIMEOUT, True, True, Fault.CLIENT),  # the adapter already said it was the task's
+    (ErrorCode.EPROTO, True, False, Fault.CLIENT),
+    (ErrorCode.ETIMEOUT, False, False, Fault.PEER),  # a model endpoint's timeout is its own
+    (None, False, False, Fault.PEER),
+])
+def test_attribute_puts_a_tenant_bound_next_hops_timeouts_and_crashes_in_doubt(code, client_fault, tenant_bound,
+                                                                               fault):
+    assert attribute(code, client_fault=client_fault, tenant_bound=tenant_bound) is fault
+
+
+def test_doubts_never_count_and_ask_for_one_canary_at_a_time_and_per_interval():
+    b = CircuitBreaker(failure_threshold=1, canary_interval_s=5.0)
+    assert b.on_doubt(0.0) is True  # first doubt: a canary
+    assert [b.on_doubt(t) for t in (0.1, 0.2, 3.0)] == [False, False, False]  # one runs
+    assert b.on_canary(4.0, ok=True) is False
+    assert b.on_doubt(4.5) is False  # within canary_interval_s of the last start
+    assert b.on_doubt(5.0) is True
+    assert b.on_canary(5.5, ok=True) is False
+    stats = b.statistics(6.0)
+    # threshold 1: a single counted failure would have opened it.
+    assert (stats.state, stats.failures, stats.doubts, stats.canaries, stats.successes) == (CLOSED, 0, 6, 2, 2)
+    assert stats.canary_in_flight is False
+
+
+def test_failed_canaries_confirm_and_open_the_breaker():
+    b = CircuitBreaker(failure_threshold=5, canary_confirm=2, rng=random.Random(1))
+    assert b.on_doubt(0.0)
+    assert b.on_canary(1.0, ok=False, code=ErrorCode.ETIMEOUT) is True  # confirm at once
+    assert b.state(1.0) is CLOSED and b.statistics().canary_in_flight
+    assert b.on_canary(2.0, ok=False, code=None) is False  # the 2nd failed canary in a row trips it
+    stats = b.statistics(2.0)
+    assert (stats.state, stats.failures, stats.canaries, stats.canary_failures, stats.trips) == (OPEN, 2, 2, 2, 1)
+    assert b.on_doubt(2.1) is False  # open: nothing to ask
+
+
+def test_a_canary_success_between_failures_resets_the_confirmation():
+    b = CircuitBreaker(failure_threshold=5, canary_confirm=2, canary_interval_s=0.0)
+    assert b.on_doubt(0.0)
+    assert b.on_canary(0.5, ok=False, code=ErrorCode.ETIMEOUT) is True
+    assert b.on_canary(1.0, ok=True) is False
+    assert b.on_doubt(2.0)
+    assert b.on_canary(2.5, ok=False, code=ErrorCode.ETIMEOUT) is True
+    assert b.state(2.5) is CLOSED
+
+
+def test_a_canary_refused_as_input_gives_no_verdict():
+    b = CircuitBreaker(failure_threshold=1)
+    assert b.on_doubt(0.0)
+    assert b.on_canary(0.1, ok=False, code=ErrorCode.EPROTO, client_fault=True) is False
+    stats = b.statistics(0.2)
+    assert (stats.state, stats.failures, stats.ignored, stats.canary_in_flight) == (CLOSED, 0, 1, False)
+
+
+def test_a_canary_is_a_probe_while_half_open():
+    b = CircuitBreaker(failure_threshold=1, canary_interval_s=0.0, rng=random.Random(2))
+    b.on_failure(0.0, ErrorCode.EAGENTDOWN)
+    t = b.get_timer()
+    assert b.allow(t)  # a tenant's probe...
+    b.on_failure(t, ErrorCode.ETIMEOUT, client_fault=True)  # ...failed in doubt: slot freed, nothing counted
+    assert b.on_doubt(t) and b.state(t) is HALF_OPEN
+    assert b.on_canary(t + 0.5, ok=True) is False
+    assert b.state(t + 0.5) is CLOSED
+    b.on_failure(t + 1, ErrorCode.EAGENTDOWN)
+    t2 = b.get_timer()
+    assert b.on_doubt(t2)
+    assert b.on_canary(t2, ok=False, code=ErrorCode.ETIMEOUT) is False  # a failed probe: open again
+    assert b.state(t2) is OPEN and b.statistics().openings == 2
+
+
+def test_canary_misuse_and_cancel():
+    b = CircuitBreaker()
+    with pytest.raises(ValueError, match="no canary"):
+        b.on_canary(0.0, ok=True)
+    assert b.on_doubt(0.0)
+    b.on_canary_cancel(0.1)  # the router stopped: nothing counted, the next doubt may ask again later
+    stats = b.statistics(0.2)
+    assert (stats.canary_in_flight, stats.failures, stats.successes) == (False, 0, 0)
+    with pytest.raises(ValueError, match="canary_confirm"):
+        CircuitBreaker(canary_confirm=0)
+    with pytest.raises(ValueError, match="canary_interval_s"):
+        BreakerBoard(canary_interval_s=-1.0)
+
+
+def test_board_runs_doubts_and_canaries_per_agent():
+    board = BreakerBoard(failure_threshold=1, canary_confirm=1)
+    assert board.on_doubt("pytest", 0.0) and board.on_doubt("ruff", 0.0)
+    assert board.on_canary("pytest", 1.0, ok=False, code=ErrorCode.ETIMEOUT) is False
+    assert board.on_canary("ruff", 1.0, ok=True) is False
+    assert board.open_agents(1.0) == {"pytest"}
+    board.on_canary_cancel("unseen", 1.0)  # ignored
 
 
 # --- OPEN → HALF_OPEN → CLOSED / OPEN ----------------------------------------------------------

@@ -312,6 +312,7 @@ class ToolAdapter(ProviderAdapter):
 
     tool: ClassVar[str]
     needs_files = True
+    tenant_bound = True  # its run time and crashes may be the task's (atp.flow.breaker.attribute)
     default_strengths: ClassVar[tuple[str, ...]] = ()
     #: Files these analysers understand; others in ``files`` are skipped.
     suffixes: ClassVar[tuple[str, ...]] = (".py", ".pyi")
@@ -563,6 +564,7 @@ class InThreadToolAdapter(ProviderAdapter):
     :class:`~atp.adapters.openai_compat.CallStats`) and implement :meth:`work`."""
 
     tool: ClassVar[str]
+    tenant_bound = True  # its run time and crashes may be the task's (atp.flow.breaker.attribute)
     name: str
     strengths: list[str]
     _stats: CallStats
