@@ -77,6 +77,12 @@ one that never existed. Errors:
 ``-32001`` unknown task, ``-32002`` cancel of a finished task, ``-32009`` an
 ``A2A-Version`` other than 0.3 / 1.0, ``-32603`` any other refusal (``data``:
 ``{code, reason}`` with the ATP code, e.g. EAGENTDOWN when no policy routes it).
+
+Bodies (:mod:`atp.router.bodies`): after authentication and before the body is
+read, the tenant's request bodies in flight are checked against
+``tenant_body_bytes`` (over it: HTTP 429, ``Retry-After``, error ``-32000`` with
+``data.code`` ``EWINDOW``, the body unread); a body over ``max_body_bytes`` is
+HTTP 413 (``-32600``, ``EPROTO``); one over 256 KiB is parsed in a worker thread.
 """
 
 from __future__ import annotations
@@ -97,6 +103,14 @@ from starlette.routing import Route
 from atp.adapters.a2a import parts_of, restore_ints
 from atp.review.diff import parse_diff
 from atp.review.repo import files_after
+from atp.router.bodies import (
+    BodyRefused,
+    BodyTooLarge,
+    decode_off_loop,
+    open_body,
+    read_body,
+    release_body,
+)
 from atp.router.core import Router, StreamCtx
 from atp.router.dispatch import NEXT_HOP_FAILED
 from atp.router.streams import LoggedEvent
@@ -122,12 +136,14 @@ _PRUNE_AT = 1024
 
 
 class _RpcError(Exception):
-    def __init__(self, code: int, message: str, data: Any = None, *, status: int = 200):
+    def __init__(self, code: int, message: str, data: Any = None, *, status: int = 200,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.data = data
         self.status = status
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)
@@ -513,10 +529,23 @@ def a2a_routes(router: Router) -> list[Route]:
         rid: Any = None
         try:
             identity = identity_of(request)
+            # The tenant is known: its bodies in flight are bounded before this one
+            # is read, the body by max_body_bytes, and a large one is decoded off the
+            # event loop (atp.router.bodies).
             try:
-                body = json.loads(await request.body())
+                open_body(router.body_budget, request, identity.tenant)
+                raw = await read_body(request, router.config.max_body_bytes)
+                body = await decode_off_loop(json.loads, raw)
+            except BodyRefused as e:
+                router.metrics.errors.labels(str(ErrorCode.EWINDOW)).inc()
+                raise _RpcError(-32000, e.reason, {"code": "EWINDOW"}, status=429,
+                                retry_after_s=max(1, -(-(e.retry_after_ms or 1000) // 1000))) from None
+            except BodyTooLarge as e:
+                raise _RpcError(-32600, f"Invalid Request: {e.reason}", {"code": "EPROTO"}, status=413) from None
             except ValueError as e:
                 raise _RpcError(-32700, f"Parse error: {e}") from None
+            finally:
+                release_body(request)
             if not isinstance(body, dict):
                 raise _RpcError(-32600, "Invalid Request: a single JSON-RPC object is expected (no batches)")
             rid = body.get("id")
@@ -568,6 +597,8 @@ def a2a_routes(router: Router) -> list[Route]:
             return _result(rid, render.task(task, hl if isinstance(hl, int) and not isinstance(hl, bool) else None))
         except _RpcError as e:
             headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+            if e.retry_after_s is not None:
+                headers = {"Retry-After": str(e.retry_after_s), "Connection": "close"}
             error: dict[str, Any] = {"code": e.code, "message": e.message}
             if e.data is not None:
                 error["data"] = e.data

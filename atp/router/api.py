@@ -25,7 +25,10 @@
 ``GET  /v1/metrics``                   Prometheus exposition
 ``GET  /v1/keys``                      the JWKS verifying FINAL usage signatures
 ``GET  /v1/audit``                     the hash-chained audit trail
-``GET  /v1/health``                    liveness and RIB generation
+``GET  /v1/health``                    liveness for any caller (``{"status"}``
+                                       without a credential the router needs);
+                                       with one, also the RIB generation and
+                                       open streams
 ``POST /v1/chat/completions``          OpenAI-compatible chat completion (a
                                        stream opened like ``POST /v1/streams``;
                                        :mod:`atp.router.openai_ingress`)
@@ -55,7 +58,8 @@ action                                endpoints
 ``audit_read`` (role admin)           ``GET /v1/audit``
 ``tenant_admin`` (role admin)         ``GET /v1/status``, ``GET /v1/status/events`` (every tenant's streams)
 ``metrics_read`` (operator, admin)    ``GET /v1/metrics``
-``health_read`` (any authenticated)   ``GET /v1/health``, ``GET /v1/keys``
+``health_read`` (any authenticated)   ``GET /v1/keys``, ``GET /v1/health`` with a credential
+(none)                                ``GET /v1/health`` without ``Authorization``: liveness only
 ====================================  ==========================================
 
 Streams are looked up within the caller's tenant only (spec §11): the id of
@@ -64,11 +68,12 @@ same body).
 
 Errors are ``{"error": {"code": <spec §10 code>, "reason": ..., [file, key]}}``
 with HTTP 400 (EPROTO), 401 (ESEC: missing or unknown bearer token, on every
-endpoint when the router has tokens), 403 (ESEC: a role the action needs, or a
+endpoint but a credential-less ``GET /v1/health`` when the router has tokens), 403 (ESEC: a role the action needs, or a
 bad frame signature), 404 (unknown stream), 409 (EWINDOW: the router's stream
 table is full), 413 (EPROTO: a body over ``max_body_bytes`` / ``max_policy_bytes``),
-422 (refused policy), 429 (EWINDOW: the tenant's stream quota or open rate, with
-``Retry-After`` in s), 503 (EAGENTDOWN: no route; EBUDGET with ``Retry-After``:
+422 (refused policy), 429 (EWINDOW: the tenant's stream quota or open rate, or
+its request bodies in flight over ``tenant_body_bytes`` — :mod:`atp.router.bodies`,
+refused before the body is read —, with ``Retry-After`` in s), 503 (EAGENTDOWN: no route; EBUDGET with ``Retry-After``:
 the budget store several routers share cannot be reached). The OpenAI-compatible
 endpoints answer in OpenAI's error shape instead, ``{"error": {"message",
 "type", "code", "param"}}`` with the same codes and statuses
@@ -88,7 +93,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from atp.review.diff import count_changed_lines
 from atp.router.a2a_server import a2a_routes
+from atp.router.bodies import (
+    BodyRefused,
+    BodyTooLarge,
+    decode_off_loop,
+    open_body,
+    read_body,
+    release_body,
+)
 from atp.router.core import Router
 from atp.router.fibview import FibView
 from atp.router.metrics import CONTENT_TYPE_LATEST
@@ -222,7 +236,16 @@ class FeedbackResponse(msgspec.Struct):
     scope: str
 
 
+class Liveness(msgspec.Struct):
+    """``GET /v1/health`` without a credential: ``{"status": "ok"}``, nothing more."""
+
+    status: str
+
+
 class Health(msgspec.Struct):
+    """``GET /v1/health`` of an authenticated caller: liveness, the RIB
+    generation and the router's open stream count."""
+
     status: str
     rib_version: int
     open_streams: int
@@ -260,29 +283,19 @@ def _error(e: ATPError, status: int | None = None) -> Response:
     return _json(ErrorResponse(error=body), status or _STATUS.get(e.code, 400))
 
 
-class BodyTooLarge(ATPError):
-    """A request body over its limit (HTTP 413, code ``EPROTO``)."""
-
-    def __init__(self, limit: int):
-        super().__init__(ErrorCode.EPROTO, f"request body exceeds the limit of {limit} bytes")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, at most ``limit`` bytes: a larger ``Content-Length`` is
-    refused before anything is read, and a body streamed past the limit is
-    refused as soon as it passes it (memory stays bounded). Raises
-    :class:`BodyTooLarge`."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _decode_open(body: bytes) -> StreamOpenRequest:
+    """``POST /v1/streams``'s body decoded, with the task's ``diff_loc`` counted
+    here when the client did not give it (the router would count it at SYN: ~15 ms
+    for 5 MB of diff, on the event loop; here it runs off it with the decoding,
+    :func:`~atp.router.bodies.decode_off_loop`)."""
+    try:
+        req = msgspec.json.decode(body, type=StreamOpenRequest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ATPError(ErrorCode.EPROTO, f"bad request body: {e}") from None
+    content = req.content
+    if isinstance(content, dict) and isinstance(content.get("diff"), str) and "diff_loc" not in req.task:
+        req.task["diff_loc"] = count_changed_lines(content["diff"])
+    return req
 
 
 def build_app(router: Router) -> Starlette:
@@ -312,9 +325,29 @@ def build_app(router: Router) -> Starlette:
                 router.authorize(identity, action)
             except ATPError as e:
                 return render(e, 403)
-            return await handler(request, identity)
+            if request.method != "POST":
+                return await handler(request, identity)
+            # The tenant is known before a byte of the body is read: its bodies in
+            # flight are bounded (atp.router.bodies; 429 EWINDOW, the body unread).
+            try:
+                open_body(router.body_budget, request, identity.tenant)
+            except BodyRefused as e:
+                return body_refused(e, render)
+            try:
+                return await handler(request, identity)
+            except BodyRefused as e:
+                return body_refused(e, render)
+            finally:
+                release_body(request)
 
         return endpoint
+
+    def body_refused(e: BodyRefused, render: Callable[[ATPError, int], Response]) -> Response:
+        router.metrics.errors.labels(str(ErrorCode.EWINDOW)).inc()
+        resp = render(e, 429)
+        resp.headers["Retry-After"] = str(max(1, -(-(e.retry_after_ms or 1000) // 1000)))
+        resp.headers["Connection"] = "close"  # the rest of the body is not read
+        return resp
 
     def unknown_stream(sid: str) -> Response:
         # One answer for an id that never existed and an id of another tenant.
@@ -322,16 +355,16 @@ def build_app(router: Router) -> Starlette:
 
     async def open_stream(request: Request, identity: Identity) -> Response:
         try:
-            try:
-                req = msgspec.json.decode(await read_body(request, max_body), type=StreamOpenRequest)
-            except (msgspec.ValidationError, msgspec.DecodeError) as e:
-                raise ATPError(ErrorCode.EPROTO, f"bad request body: {e}") from None
+            req = await decode_off_loop(_decode_open, await read_body(request, max_body))
+            release_body(request)  # decoded: the raw bytes are done with
             ctx = router.open_stream(
                 task=req.task, content=req.content, budget=req.budget, qos=req.qos, window=req.window,
                 idempotency_key=req.idempotency_key, identity=identity,
             )
         except BodyTooLarge as e:
             return _error(e, 413)
+        except BodyRefused:
+            raise
         except ATPError as e:
             return _error(e)
         route = ctx.route
@@ -455,6 +488,21 @@ def build_app(router: Router) -> Starlette:
     async def health(request: Request, identity: Identity) -> Response:
         return _json(Health(status="ok", rib_version=router.gen.version, open_streams=router.open_count))
 
+    detailed_health = authorized("health_read", health)
+
+    async def public_health(request: Request) -> Response:
+        # Liveness for any caller (a load balancer, a probe): a caller without an
+        # Authorization header that the router does not let in as it is (it has
+        # credentials configured) gets only {"status": "ok"}, nothing about tenants
+        # or internals; any other caller is authenticated as everywhere (401 on a
+        # bad credential) and gets the RIB generation and the open stream count.
+        if request.headers.get("authorization") is None:
+            try:
+                router.authenticate(None)
+            except ATPError:
+                return _json(Liveness(status="ok"))
+        return await detailed_health(request)
+
     from atp.router.openai_ingress import openai_routes  # imports this module
 
     # With tracing on (spec §12), a request's W3C traceparent is the parent of what it opens.
@@ -469,7 +517,7 @@ def build_app(router: Router) -> Starlette:
         Route("/v1/routes", authorized("routes_read", routes), methods=["GET"]),
         Route("/v1/fib", authorized("routes_read", fib), methods=["GET"]),
         Route("/v1/metrics", authorized("metrics_read", metrics), methods=["GET"]),
-        Route("/v1/health", authorized("health_read", health), methods=["GET"]),
+        Route("/v1/health", public_health, methods=["GET"]),
         Route("/v1/keys", authorized("health_read", keys), methods=["GET"]),
         Route("/v1/audit", authorized("audit_read", audit), methods=["GET"]),
         *a2a_routes(router),

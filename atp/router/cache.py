@@ -27,8 +27,17 @@ next-hop, before it is admitted, the dispatcher asks :meth:`CacheView.serve`:
 
 Bounds: a value is at most :data:`MAX_ENTRY_BYTES` (and at most the cache's
 size); the store keeps the values within ``max_bytes`` (``--cache-max-bytes``,
-default :data:`DEFAULT_MAX_BYTES`), dropping expired entries, then the least
-recently used. Tenants: the key holds the tenant unless the policy says
+default :data:`DEFAULT_MAX_BYTES`), dropping expired entries first. **Per
+tenant** (issue 19): each tenant's answers hold at most ``tenant_max_bytes``
+(``--cache-tenant-max-bytes``, default a quarter of ``max_bytes``); storing one
+drops only that tenant's own least recently used entries, never another
+tenant's, and when the whole cache is full of other tenants' fresh entries the
+answer is simply not stored (``atp_cache_stores{result="too_large"}``) — one
+tenant filling the cache cannot evict another's. An entry of a policy with
+``cache: {shared: true}`` counts against the budget of the tenant whose call
+made it (its owner; a hit by another tenant refreshes it but does not move it):
+a tenant cannot push out the shared entries others made, and what it shares
+it pays for in its own budget. Tenants: the key holds the tenant unless the policy says
 ``shared: true``, so tenant B never gets tenant A's entry otherwise; the key also
 holds the prompt *as the agent receives it* after the data-scope redaction, and
 the task's ``data_scope`` labels, so a cached answer never stands in for a call
@@ -93,12 +102,16 @@ class ResponseCache:
     seconds."""
 
     def __init__(self, store: Store, metrics: RouterMetrics, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                 clock: Callable[[], float] = time.time):
+                 tenant_max_bytes: int | None = None, clock: Callable[[], float] = time.time):
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        if tenant_max_bytes is not None and tenant_max_bytes <= 0:
+            raise ValueError(f"tenant_max_bytes must be > 0, got {tenant_max_bytes}")
         self.store = store
         self.metrics = metrics
         self.max_bytes = max_bytes
+        #: What one tenant's answers may hold of the cache (module doc, "Tenants").
+        self.tenant_max_bytes = min(tenant_max_bytes or max(max_bytes // 4, 1), max_bytes)
         self.max_entry_bytes = min(MAX_ENTRY_BYTES, max_bytes)
         self.clock = clock
         if max_bytes:
@@ -225,8 +238,11 @@ class CacheView:
             if len(value) > c.max_entry_bytes:
                 m.cache_stores.labels("too_large").inc()
                 return
-            put = c.store.cache_put(key, value, tenant=self._scope, now_ms=now_ms,
-                                    expires_ms=now_ms + int(self.spec.ttl_s * 1000), max_bytes=c.max_bytes)
+            # The entry counts against the budget of the tenant whose call made it,
+            # shared (policy cache: {shared: true}) or not (module doc, "Tenants").
+            put = c.store.cache_put(key, value, tenant=self.tenant, now_ms=now_ms,
+                                    expires_ms=now_ms + int(self.spec.ttl_s * 1000), max_bytes=c.max_bytes,
+                                    tenant_max_bytes=c.tenant_max_bytes)
         except (*_STORE_ERRORS, TypeError, ValueError, msgspec.EncodeError):
             log.exception("response cache: storing %s's answer failed", agent)
             m.cache_stores.labels("error").inc()

@@ -87,7 +87,11 @@ is re-opened; while the store cannot be reached new spend is refused
 (:mod:`atp.router.cluster`).
 
 Subcommands: ``atp-router keys new KEY_ID TENANT [ROLES]`` (a new API key) and
-``atp-router audit verify|show --state-dir DIR`` (:func:`atp.security.audit.audit_main`).
+``atp-router audit verify|show|keygen`` (:func:`atp.security.audit.audit_main`; the
+router's default ``--state-dir``). The audit chain's checkpoints also go to
+``--audit-anchor FILE`` / ``--audit-syslog ADDR`` outside the state directory,
+its key comes from ``ATP_AUDIT_KEY`` or ``--audit-key-file`` (production) or the
+state directory (development: warned once).
 Prints one ``listening`` line when ready; SIGINT/SIGTERM stop it.
 """
 
@@ -118,6 +122,7 @@ from atp.router.api import build_app
 from atp.router.core import Router, RouterConfig, build_authenticator
 from atp.router.helpfmt import DefaultsHelpFormatter
 from atp.router.ws import serve_ws
+from atp.security.audit import AuditOptions
 from atp.security.authn import new_api_key
 from atp.security.policy_guard import PolicySecrets
 from atp.security.tls import ServerTls, hypercorn_ssl
@@ -249,6 +254,17 @@ def _parser() -> argparse.ArgumentParser:
     sec.add_argument("--advertise-url", metavar="URL",
                      help="with a shared store: the URL the other routers forward requests about this router's "
                           "streams to (default: the bound host and --http-port)")
+    sec.add_argument("--audit-key-file", type=Path, metavar="PATH",
+                     help="the audit chain's MAC key, outside the state directory (production; make one with "
+                          "'atp-router audit keygen PATH'); default: $ATP_AUDIT_KEY, else STATE_DIR/audit.key "
+                          "(development: whoever can rewrite the log can re-sign it)")
+    sec.add_argument("--audit-anchor", type=Path, metavar="FILE",
+                     help="also append every audit checkpoint to FILE (O_APPEND, fsync'd), outside the state "
+                          "directory; 'atp-router audit verify --anchor FILE' then catches a rewritten, re-signed "
+                          "or cut log. The router refuses to start if FILE cannot be appended to")
+    sec.add_argument("--audit-syslog", metavar="ADDR",
+                     help="also send every audit checkpoint to syslog (facility authpriv): a Unix socket such as "
+                          "/dev/log, or udp://host:port or tcp://host:port")
     sec.add_argument("--state-sync", choices=["normal", "full"], default="normal",
                      help="normal survives a process crash; full also an OS crash (fsync per commit)")
     sec.add_argument("--cache-max-bytes", type=_non_negative(int), default=d.cache_max_bytes, metavar="N",
@@ -256,6 +272,16 @@ def _parser() -> argparse.ArgumentParser:
                           "directory (spec §13; least recently used dropped first; 0: no policy caches)")
     sec.add_argument("--max-ws-message-bytes", type=_positive(int), default=d.max_ws_message_bytes,
                      help="WebSocket message limit (close 1009 above)")
+    sec.add_argument("--tenant-body-bytes", type=_positive(int), metavar="N",
+                     help="bytes of request bodies one tenant may have in flight at once, every ingress together "
+                          "(429 EWINDOW above, the body unread; default: twice the larger body limit)")
+    sec.add_argument("--cache-tenant-max-bytes", type=_positive(int), metavar="N",
+                     help="bytes of the response cache one tenant's answers may hold (its own least recently "
+                          "used go first, never another tenant's; default: a quarter of --cache-max-bytes)")
+    sec.add_argument("--learn-share", type=float, default=d.learn_share, metavar="F",
+                     help="most of a shared quality statistic's weight one tenant's tasks may hold (0 < F <= 1)")
+    sec.add_argument("--ws-handshake-timeout-s", type=_positive(float), default=d.ws_handshake_timeout_s,
+                     metavar="S", help="a WebSocket connection not upgraded within S s is closed")
     ap.add_argument("--no-ws-deflate", action="store_true",
                     help="do not negotiate permessage-deflate (RFC 7692) on the WebSocket ingress "
                          "(by default it is used when a client offers it)")
@@ -383,7 +409,10 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
             repo=args.repo.resolve() if args.repo is not None else None,
             state_dir=args.state_dir, state_sync=args.state_sync.upper(), watch_policies=not args.no_watch,
             cache_max_bytes=args.cache_max_bytes, store=args.store, store_namespace=args.store_namespace,
+            tenant_body_bytes=args.tenant_body_bytes, cache_tenant_max_bytes=args.cache_tenant_max_bytes,
+            learn_share=args.learn_share, ws_handshake_timeout_s=args.ws_handshake_timeout_s,
             lease_ms=args.lease_ms, advertise_url=args.advertise_url,
+            audit=AuditOptions(key_file=args.audit_key_file, anchor=args.audit_anchor, syslog=args.audit_syslog),
             **_flow_config(args),
         )
         build_authenticator(config)  # refuse a bad --auth file or token list now, with its message
@@ -466,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "audit":
         from atp.security.audit import audit_main
 
-        return audit_main(argv[1:])
+        return audit_main(argv[1:], default_state_dir=_default_state_dir())
     args, config = _parse(argv, os.environ)
     spec = None
     if args.worker_spec is not None:

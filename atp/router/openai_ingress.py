@@ -137,6 +137,7 @@ from atp.consensus.types import (
 from atp.policy.match import CompiledMatch, compile_match
 from atp.review.diff import count_changed_lines, parse_diff
 from atp.router.a2a_server import _complete_from_repo  # the A2A server's --repo reader
+from atp.router.bodies import decode_off_loop
 from atp.router.core import Router, StreamCtx
 from atp.router.dispatch import NEXT_HOP_FAILED
 from atp.security.identity import Identity
@@ -717,7 +718,8 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
         return Response(_enc.encode(_models(v, allowed(identity), v.seen_at)), media_type="application/json")
 
     async def prepare(request: Request, identity: Identity) -> tuple[ChatCompletionRequest, StreamCtx]:
-        req = decode_request(await read_body(request, max_body))
+        # A large body is decoded in a worker thread (atp.router.bodies): the event loop stays free.
+        req = await decode_off_loop(decode_request, await read_body(request, max_body))
         v = view.refresh(router.gen.fib)
         target = resolve_model(req.model, v, allowed(identity))
         meta = dict(target.meta)
@@ -728,7 +730,8 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
                 raise IngressError(ErrorCode.EPROTO, refused, param="messages")
         if target.policy is not None:
             if "diff" in content and "diff_loc" not in meta:
-                meta["diff_loc"] = count_changed_lines(content["diff"])  # as the router does at SYN
+                # As the router does at SYN, off the event loop for a large diff.
+                meta["diff_loc"] = await decode_off_loop(count_changed_lines, content["diff"])
             first = v.first_match(meta)
             if first != target.policy:
                 match = next(cm.source for name, _, cm in v.policies if name == target.policy)

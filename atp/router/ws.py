@@ -72,7 +72,6 @@ from trio_websocket import (
     WebSocketConnection,
     WebSocketRequest,
     WebSocketServer,
-    serve_websocket,
 )
 from wsproto.events import AcceptConnection
 from wsproto.extensions import PerMessageDeflate
@@ -157,6 +156,138 @@ async def _accept(request: WebSocketRequest, subprotocol: str | None, *, deflate
     return conn
 
 
+class HandshakeGate:
+    """Sockets on the WebSocket port that have not finished their opening
+    handshake (TLS, then the HTTP upgrade), per peer address: at most
+    ``per_peer`` at once (sans-IO bookkeeping; :class:`_GatedListener` acts on
+    it). :attr:`refused` counts the sockets closed at accept for being over."""
+
+    def __init__(self, per_peer: int) -> None:
+        if per_peer <= 0:
+            raise ValueError(f"per_peer must be > 0, got {per_peer}")
+        self.per_peer = per_peer
+        self._pending: dict[str, int] = {}
+        self.refused = 0
+
+    def pending(self, peer: str) -> int:
+        return self._pending.get(peer, 0)
+
+    def admit(self, peer: str) -> bool:
+        """A socket from ``peer`` was accepted: may it try its handshake?"""
+        n = self._pending.get(peer, 0)
+        if n >= self.per_peer:
+            self.refused += 1
+            return False
+        self._pending[peer] = n + 1
+        return True
+
+    def done(self, peer: str) -> None:
+        """A socket ``admit`` let in finished its handshake or was closed."""
+        n = self._pending.get(peer, 0) - 1
+        if n > 0:
+            self._pending[peer] = n
+        else:
+            self._pending.pop(peer, None)
+
+
+class _PendingStream(trio.abc.HalfCloseableStream):
+    """An accepted socket (``trio.SocketStream``, which cannot be subclassed),
+    counted in its peer's :class:`HandshakeGate` entry until
+    :meth:`handshake_done` or close. Until then a receive past the deadline
+    closes the socket and raises ``BrokenResourceError``: whatever reads it
+    (the TLS handshake, trio-websocket's reader) gives up at once."""
+
+    def __init__(self, inner: trio.SocketStream, gate: HandshakeGate, peer: str, deadline: float) -> None:
+        self.inner = inner
+        self._gate, self._peer = gate, peer
+        self._deadline: float | None = deadline
+        self._counted = True
+
+    @property
+    def socket(self) -> trio.socket.SocketType:
+        return self.inner.socket
+
+    def handshake_done(self) -> None:
+        self._deadline = None
+        self._uncount()
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._gate.done(self._peer)
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._deadline is None:
+            return await self.inner.receive_some(max_bytes)
+        with trio.move_on_at(self._deadline):
+            return await self.inner.receive_some(max_bytes)
+        log.info("WebSocket peer %s did not finish its opening handshake in time: closed", self._peer)
+        await self.aclose()
+        raise trio.BrokenResourceError("WebSocket opening handshake not finished in time")
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        self._uncount()
+        await self.inner.aclose()
+
+
+class _GatedListener(trio.abc.Listener[trio.abc.HalfCloseableStream]):
+    """The WebSocket port's listener: each accepted socket must finish its
+    opening handshake by ``timeout_s`` after accept (:class:`_PendingStream`),
+    and a peer address over its :class:`HandshakeGate` bound has its new socket
+    closed at once, unread."""
+
+    def __init__(self, inner: trio.SocketListener, gate: HandshakeGate, timeout_s: float) -> None:
+        self.inner, self.gate, self.timeout_s = inner, gate, timeout_s
+
+    @property
+    def socket(self) -> trio.socket.SocketType:
+        return self.inner.socket
+
+    async def accept(self) -> _PendingStream:
+        while True:
+            stream = await self.inner.accept()
+            try:
+                peer = str(stream.socket.getpeername()[0])
+            except (OSError, IndexError, TypeError):
+                peer = "?"
+            if self.gate.admit(peer):
+                return _PendingStream(stream, self.gate, peer, trio.current_time() + self.timeout_s)
+            await trio.aclose_forcefully(stream)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _Bound:
+    """What :func:`serve_ws` passes to ``task_status.started``: ``port``, the
+    bound port of its first listener."""
+
+    def __init__(self, listeners: list[_GatedListener]) -> None:
+        self.listeners = listeners
+
+    @property
+    def port(self) -> int:
+        return int(self.listeners[0].socket.getsockname()[1])
+
+
+def _handshake_done(request: WebSocketRequest) -> None:
+    """The upgrade request arrived: its socket leaves the pre-handshake count."""
+    stream = getattr(request._connection, "_stream", None)
+    if isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    if isinstance(stream, _PendingStream):
+        stream.handshake_done()
+
+
 def _authorization(request: WebSocketRequest) -> str | None:
     for k, v in request.headers:
         if k.lower() == b"authorization":
@@ -176,6 +307,7 @@ async def serve_ws(router: Router, host: str, port: int, *, sock: socket.socket 
     every worker accepts on the supervisor's one socket)."""
 
     async def handler(request: WebSocketRequest, peer_cert: dict | None = None) -> None:
+        _handshake_done(request)  # authenticated at once, below
         try:
             identity = router.authenticate(_authorization(request), peer_cert=peer_cert)
         except ATPError as e:
@@ -204,17 +336,25 @@ async def serve_ws(router: Router, host: str, port: int, *, sock: socket.socket 
             # connection's fault must only end that connection.
             log.exception("WebSocket connection of %s failed", identity.tenant)
 
-    limit = router.config.max_ws_message_bytes
-    tls = router.config.tls
-    listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock))] if sock is not None else None
+    cfg = router.config
+    limit = cfg.max_ws_message_bytes
+    tls = cfg.tls
+    timeout_s = cfg.ws_handshake_timeout_s
+    # Pre-handshake sockets: each finishes its opening handshake (TLS + upgrade)
+    # within ws_handshake_timeout_s, at most ws_pending_per_peer per peer address.
+    gate = router.ws_handshake_gate = HandshakeGate(cfg.ws_pending_per_peer)
+    bound = [trio.SocketListener(trio.socket.from_stdlib_socket(sock))] if sock is not None else \
+        await trio.open_tcp_listeners(port, host=host)
+    listeners = [_GatedListener(lst, gate, timeout_s) for lst in bound]
     if tls is not None:
         # TLS 1.3 (§4.1); the verified client certificate feeds the mTLS identity map.
         await serve_websocket_tls(handler, host, port, tls, max_message_size=limit, listeners=listeners,
-                                  task_status=task_status)
-    elif listeners is not None:
-        await WebSocketServer(handler, listeners, max_message_size=limit).run(task_status=task_status)
-    else:
-        await serve_websocket(handler, host, port, None, max_message_size=limit, task_status=task_status)
+                                  handshake_timeout_s=timeout_s, task_status=task_status)
+        return
+    server = WebSocketServer(handler, listeners, max_message_size=limit, connect_timeout=timeout_s)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        task_status.started(_Bound(listeners))
 
 
 def _may(router: Router, identity: Identity, action: str) -> bool:
@@ -437,6 +577,16 @@ async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec
             while True:
                 message = await ws.get_message()
                 conn.last_recv = trio.current_time()
+                # The tenant's bodies in flight, every ingress together (atp.flow.body_budget):
+                # over it, the frame is dropped undecoded with ERROR EWINDOW on the connection.
+                grant = router.body_budget.open(tenant, len(message))
+                if grant is None:
+                    router.metrics.errors.labels(str(ErrorCode.EWINDOW)).inc()
+                    await _reply(conn, connection_error(
+                        CONNECTION_STREAM, CONNECTION_STREAM, ErrorCode.EWINDOW,
+                        f"tenant {tenant!r} has too many bytes of requests in flight (tenant_body_bytes="
+                        f"{router.body_budget.per_tenant:,}): this frame was dropped; resend it later"))
+                    continue
                 try:
                     # Signature, then the nonce + timestamp window when signed (§11); ESEC audited.
                     # str only on JSON; CBOR refuses text messages.
@@ -450,6 +600,8 @@ async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec
                     else:
                         await _reply(conn, connection_error(session_id, stream_id, e.code, e.reason))
                     continue
+                finally:
+                    grant.release()
                 if is_route_subscribe(frame):
                     if not _may(router, identity, "routes_read"):
                         await _reply(conn, connection_error(frame.session_id, CONNECTION_STREAM, ErrorCode.ESEC,
