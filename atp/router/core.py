@@ -73,6 +73,7 @@ from atp.adapters.base import Prompt
 from atp.adapters.context import with_context_scope
 from atp.adapters.http import install_secret_resolver
 from atp.consensus.types import FinalResult, SignedUsage
+from atp.flow.body_budget import BodyBudget
 from atp.flow.breaker import BreakerBoard, BreakerState, BreakerTransition, RetryPolicy
 from atp.flow.budget import Allowance, BudgetLedger, usd_to_micros
 from atp.flow.qos import Preempt, QosScheduler
@@ -244,6 +245,13 @@ class RouterConfig:
     max_ws_message_bytes: int = 16 * 1024 * 1024
     ws_deflate: bool = True
     tls: ServerTls | None = None
+    #: Bytes of request bodies a tenant may have in flight at once, every ingress
+    #: together (atp.flow.body_budget; None: twice the larger body limit).
+    tenant_body_bytes: int | None = None
+    #: A WebSocket connection must finish its upgrade (and TLS) within this, s;
+    #: at most ``ws_pending_per_peer`` such connections per peer address (atp.router.ws).
+    ws_handshake_timeout_s: float = 10.0
+    ws_pending_per_peer: int = 32
     state_dir: Path | None = None
     state_sync: str = "NORMAL"
     state_retain_s: float = 7 * 24 * 3600.0
@@ -275,10 +283,15 @@ class RouterConfig:
     learn_rate_per_s: float = 10.0
     learn_burst: int = 200
     #: A local checkout the router reads the after-diff files of a diff-only task
+    #: The most of a shared statistic's quality weight one tenant may hold
+    #: (atp.policy.learn.TenantShares; 1.0: no cap).
+    learn_share: float = 0.25
     #: from (``--repo``; the A2A server's plain-text diffs), confined to its root.
     repo: Path | None = None
     cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES
     #: The store several routers share (issue 12, atp.router.cluster): ``"sqlite"``
+    #: Bytes of the response cache one tenant's answers may hold (None: a quarter of ``cache_max_bytes``).
+    cache_tenant_max_bytes: int | None = None
     #: (the embedded one in ``state_dir``, this router alone) or a ``redis://``,
     #: ``rediss://`` or ``unix://`` URL; its keys live under ``store_namespace``.
     store: str = "sqlite"
@@ -311,7 +324,11 @@ class Router:
         self.store = self._open_store()
         self.ledger = self._restore_ledger()
         #: Answers of the policies that cache them (spec §13), in the store.
-        self.cache = ResponseCache(self.store, self.metrics, max_bytes=config.cache_max_bytes)
+        self.cache = ResponseCache(self.store, self.metrics, max_bytes=config.cache_max_bytes,
+                                   tenant_max_bytes=config.cache_tenant_max_bytes)
+        #: Bytes of request bodies in flight per tenant, every ingress (atp.flow.body_budget).
+        self.body_budget = BodyBudget(config.tenant_body_bytes
+                                      or 2 * max(config.max_body_bytes, config.max_ws_message_bytes))
         self.audit_log = self._open_audit()
         #: Signs each FINAL's usage summary (Ed25519; public key at GET /v1/keys).
         self.usage_signer = UsageSigner.load_or_create(self.state_dir / "usage.pem")

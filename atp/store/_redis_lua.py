@@ -53,6 +53,8 @@ Key layout under the prefix P (``<ns>:``):
                     expires, used ms); PX TTL until it expires
 ``cu`` / ``cx``     zsets of cache keys by last use / expiry; ``cz``: hash
                     hex -> value size; ``ct``: hash n (entries), b (bytes)
+``co`` / ``ctb``    hashes hex -> owning tenant / tenant -> its values' bytes;
+``cut:<tenant>``    zset of that tenant's cache keys by last use
 ``l:<owner>``       lease (info JSON), SET PX ttl; ``ls``: set of leased owners
 ``cl:<name>``       claim: its holder, SET PX ttl
 ==================  =======================================================
@@ -181,6 +183,12 @@ local function remove(hex)
   redis.call('ZREM', P .. 'cu', hex)
   redis.call('ZREM', P .. 'cx', hex)
   redis.call('HINCRBY', P .. 'ct', 'n', -1)
+  local owner = redis.call('HGET', P .. 'co', hex)
+  if owner then
+    redis.call('HDEL', P .. 'co', hex)
+    redis.call('ZREM', P .. 'cut:' .. owner, hex)
+    redis.call('HINCRBY', P .. 'ctb', owner, I(-tonumber(sz)))
+  end
   redis.call('HINCRBY', P .. 'ct', 'b', I(-tonumber(sz)))
   return 1
 end
@@ -599,15 +607,42 @@ if tonumber(h[3]) < tonumber(A[2]) then
 end
 return h[1]
 """),
-    # A: hex key, value, tenant, now, expires, max bytes -> {stored, expired, evicted, entries, bytes}
+    # A: hex key, value, tenant, now, expires, max bytes, tenant max bytes ('' : none)
+    # -> {stored, expired, evicted, entries, bytes}. With a tenant max: the tenant's own
+    # least recently used entries go (zset cut:<tenant>, bytes in hash ctb), never
+    # another tenant's; the value is not stored when the whole cache cannot hold it.
+  local owner = redis.call('HGET', P .. 'co', A[1])
+  if owner then redis.call('ZADD', P .. 'cut:' .. owner, A[2], A[1]) end
     "cache_put": (_CACHE, """
 local hex, value, now, expires, max = A[1], A[2], tonumber(A[4]), tonumber(A[5]), tonumber(A[6])
 local expired = 0
 for _, k in ipairs(redis.call('ZRANGEBYSCORE', P .. 'cx', '-inf', A[4])) do expired = expired + remove(k) end
 remove(hex)
 local size = string.len(value)
+local tmax = tonumber(A[7])
 local stored = 0
-if size <= max then
+local evicted = 0
+local fits = size <= max
+if tmax then
+  fits = size <= math.min(max, tmax)
+  if fits then
+    local excess = math.max(tonumber(redis.call('HGET', P .. 'ctb', A[3]) or '0') + size - tmax,
+                            tonumber(redis.call('HGET', P .. 'ct', 'b') or '0') + size - max)
+    while excess > 0 do
+      local page = redis.call('ZRANGE', P .. 'cut:' .. A[3], 0, 99)
+      if #page == 0 then break end
+      for _, k in ipairs(page) do
+        if excess <= 0 then break end
+        excess = excess - tonumber(redis.call('HGET', P .. 'cz', k) or '0')
+        local r = remove(k)
+        if r == 0 then redis.call('ZREM', P .. 'cut:' .. A[3], k) end
+        evicted = evicted + r
+      end
+    end
+    fits = tonumber(redis.call('HGET', P .. 'ct', 'b') or '0') + size <= max
+  end
+end
+if fits then
   stored = 1
   local k = P .. 'c:' .. hex
   redis.call('HSET', k, 'v', value, 't', A[3], 'c', A[4], 'x', A[5], 'u', A[4])
@@ -620,7 +655,12 @@ if size <= max then
 end
 local evicted = 0
 local total = tonumber(redis.call('HGET', P .. 'ct', 'b') or '0')
-if total > max then
+if not tmax and total > max then
+  if tmax then
+    redis.call('HSET', P .. 'co', hex, A[3])
+    redis.call('ZADD', P .. 'cut:' .. A[3], A[4], hex)
+    redis.call('HINCRBY', P .. 'ctb', A[3], I(size))
+  end
   local excess, victims, start = total - max, {}, 0
   while excess > 0 do
     local page = redis.call('ZRANGE', P .. 'cu', start, start + 99)

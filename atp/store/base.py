@@ -448,12 +448,19 @@ class Store(ABC):
 
     @abstractmethod
     def cache_put(self, key: bytes, value: bytes, *, tenant: str | None, now_ms: int, expires_ms: int,
-                  max_bytes: int) -> CachePut:
+                  max_bytes: int, tenant_max_bytes: int | None = None) -> CachePut:
         """In one transaction: store ``value`` under ``key`` (replacing it) for
         ``tenant`` (None: a shared entry) until ``expires_ms``, then drop every
         expired entry and, least recently used first, as many others as it takes
         to keep the stored values within ``max_bytes`` bytes. A value larger than
-        ``max_bytes`` is not stored (``CachePut.stored`` false)."""
+        ``max_bytes`` is not stored (``CachePut.stored`` false).
+
+        With ``tenant_max_bytes`` (the per-tenant budget): ``tenant`` is the
+        entry's owner, the tenant whose call made it; only that tenant's own
+        least recently used entries are dropped, until its entries and the value
+        fit in ``tenant_max_bytes``, and the value is not stored when the whole
+        cache could then not hold it within ``max_bytes``: another tenant's entry
+        is never evicted."""
 
     @abstractmethod
     def cache_drop(self, key: bytes) -> None:

@@ -642,9 +642,10 @@ class RedisStore(Store):
         return self._run("cache_get", key.hex(), now_ms)
 
     def cache_put(self, key: bytes, value: bytes, *, tenant: str | None, now_ms: int, expires_ms: int,
-                  max_bytes: int) -> CachePut:
-        stored, expired, evicted, n, total = self._run("cache_put", key.hex(), bytes(value), tenant or "", now_ms,
-                                                       expires_ms, max_bytes)
+                  max_bytes: int, tenant_max_bytes: int | None = None) -> CachePut:
+        stored, expired, evicted, n, total = self._run(
+            "cache_put", key.hex(), bytes(value), tenant or "", now_ms, expires_ms, max_bytes,
+            "" if tenant_max_bytes is None else tenant_max_bytes)
         return CachePut(stored=bool(stored), expired=int(expired), evicted=int(evicted),
                         stats=CacheStats(int(n), int(total)))
 

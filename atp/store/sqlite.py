@@ -147,6 +147,8 @@ _CACHE_SCHEMA = [
 _LEASE_SCHEMA = [
     "CREATE TABLE IF NOT EXISTS lease (owner TEXT PRIMARY KEY, expires_ms INTEGER NOT NULL, info TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS claim (name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires_ms INTEGER NOT NULL)",
+    # Each tenant's own entries by last use (the per-tenant budget, cache_put's tenant_max_bytes).
+    "CREATE INDEX IF NOT EXISTS cache_tenant_used ON cache (tenant, used_ms)",
 ]
 
 # A stream read by its id alone (``find_stream``: GET /v1/streams/{id}/events of a
@@ -745,7 +747,7 @@ class SqliteStore(Store):
         return bytes(row[0])
 
     def cache_put(self, key: bytes, value: bytes, *, tenant: str | None, now_ms: int, expires_ms: int,
-                  max_bytes: int) -> CachePut:
+                  max_bytes: int, tenant_max_bytes: int | None = None) -> CachePut:
         size = len(value)
         with self._tx() as c:
             # Expired entries first (the one replaced here too, if it expired), then the replaced one.
@@ -802,6 +804,9 @@ def ledger_snapshot(accts: list[tuple], res: list[Reservation], next_id: int) ->
         held[r.key][2] += 1
         for k in chain(r.key):
             held[k][0] += r.tokens
+            if tenant_max_bytes is not None:
+                return _cache_put_own(c, key, value, tenant or "", now_ms, expires_ms, max_bytes,
+                                      tenant_max_bytes, expired)
             held[k][1] += r.usd_micros
     states = [
         AccountState(key=k, parent=p, limit=Allowance(tokens=lt, usd_micros=lu), reserved_tokens=held[k][0],
@@ -865,6 +870,43 @@ def _free(limit: int | None, committed: int, reserved: int) -> float:
 
 def _remaining(rows: list[tuple]) -> Allowance:
     t = min(_free(r[1], r[3], r[5]) for r in rows)
+def _cache_put_own(c: sqlite3.Connection, key: bytes, value: bytes, tenant: str, now_ms: int, expires_ms: int,
+                   max_bytes: int, tenant_max_bytes: int, expired: int) -> CachePut:
+    """``cache_put`` with a per-tenant budget (after expired entries and the
+    replaced one are gone): the value is refused when over ``tenant_max_bytes``;
+    else ``tenant``'s own least recently used entries go until its entries and
+    the value fit in ``tenant_max_bytes`` and the whole cache in ``max_bytes``;
+    it is stored only if the cache then holds it — another tenant's entry is
+    never evicted."""
+    size = len(value)
+    evicted = 0
+    stored = size <= min(tenant_max_bytes, max_bytes)
+    if stored:
+        (own,) = c.execute("SELECT COALESCE(SUM(size), 0) FROM cache WHERE tenant = ?", (tenant,)).fetchone()
+        (total,) = c.execute("SELECT bytes FROM cache_total").fetchone()
+        # Room is made from the tenant's own entries only: for its budget and, when
+        # the whole cache is full, for the cache's bound.
+        excess = max(own + size - tenant_max_bytes, total + size - max_bytes)
+        if excess > 0:
+            victims: list[bytes] = []
+            for k, n in c.execute("SELECT key, size FROM cache WHERE tenant = ? ORDER BY used_ms, created_ms",
+                                  (tenant,)):
+                if excess <= 0:
+                    break
+                victims.append(k)
+                excess -= n
+            for k in victims:
+                evicted += _cache_remove(c, "DELETE FROM cache WHERE key = ? RETURNING size", (k,))
+        (total,) = c.execute("SELECT bytes FROM cache_total").fetchone()
+        stored = total + size <= max_bytes
+    if stored:
+        c.execute("INSERT INTO cache (key, tenant, value, size, created_ms, expires_ms, used_ms) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?)", (key, tenant, value, size, now_ms, expires_ms, now_ms))
+        c.execute("UPDATE cache_total SET entries = entries + 1, bytes = bytes + ?", (size,))
+    entries, total = c.execute("SELECT entries, bytes FROM cache_total").fetchone()
+    return CachePut(stored=stored, expired=expired, evicted=evicted, stats=CacheStats(entries, total))
+
+
     u = min(_free(r[2], r[4], r[6]) for r in rows)
     return Allowance(tokens=None if t == math.inf else int(t), usd_micros=None if u == math.inf else int(u))
 
