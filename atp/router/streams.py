@@ -64,6 +64,7 @@ import trio
 
 from atp.router.memory import TRIM_EVERY_S
 from atp.security.identity import Identity
+from atp.security.redact import redact_meta
 from atp.store.base import Store, StoredEvent, StoreError, StoreLimitError, StoreUnavailable, StreamRecord
 from atp.wire import session as S
 from atp.wire.errors import ATPError, ErrorCode, LocalProtocolError
@@ -866,7 +867,8 @@ class StreamTable:
             route["decision"] = ctx.decision.to_json()
         record = StreamRecord(
             tenant=ctx.tenant, session_id=ctx.session_id, stream_id=ctx.stream_id,
-            idempotency_key=ctx.idempotency_key, meta={**ctx.meta, _ROUTE_KEY: route}, qos=ctx.qos,
+            # Stored meta has its secrets masked (spec §11, §19): the store is not cleared for them.
+            idempotency_key=ctx.idempotency_key, meta={**redact_meta(ctx.meta), _ROUTE_KEY: route}, qos=ctx.qos,
             budget=ctx.budget, created_ms=_now_ms(), owner=self.owner)
         try:
             self.store.put_stream(record)

@@ -513,9 +513,12 @@ def _key_blocks(text: str) -> list[tuple[int, int]]:
     return out
 
 
+_UPPER, _LOWER, _DIGIT = re.compile("[A-Z]"), re.compile("[a-z]"), re.compile("[0-9]")
+
+
 def _classes(token: str) -> int:
-    return (any(c.isupper() for c in token) + any(c.islower() for c in token)
-            + any(c.isdigit() for c in token))  # fmt: skip
+    """How many of upper case, lower case and digits ``token`` mixes."""
+    return (_UPPER.search(token) is not None) + (_LOWER.search(token) is not None) + (_DIGIT.search(token) is not None)
 
 
 def _bare_tokens(line: str, start: int) -> list[tuple[str, int, int]]:
@@ -923,9 +926,59 @@ UNSCANNED = "[REDACTED:unscanned]"
 _META_KEY_CONTEXT = "agent_context"
 
 
+#: A meta string that may hold a secret: a token of 16 or more key characters, a
+#: word a keyword detector looks for, credentials in a URL, an escape, a character
+#: outside ASCII. Any other string is clean without a scan (``code_review``).
+_MAY_HOLD_SECRET = re.compile(r"[A-Za-z0-9+/=_.~-]{16,}|(?i:key|pass|pwd|secret|token|auth|contrase|private|bearer|basic)"
+                              r"|[:@\\&%]|[^\x00-\x7f]")
+#: Meta strings found clean, most recent last (task types and labels repeat).
+_CLEAN_META: OrderedDict[str, None] = OrderedDict()
+_CLEAN_META_SIZE, _CLEAN_META_MAX_LEN = 4096, 256
+_CLEAN_META_LOCK = threading.Lock()
+
+
 @functools.cache
 def _meta_guard() -> DataScopeGuard:
     return DataScopeGuard(max_scan_chars=MAX_META_SCAN_CHARS)
+
+
+#: W3C trace context ids (spec §12): their format leaves no room for a secret's.
+_TRACE_ID = re.compile(r"(?:[0-9a-f]{2}-)?[0-9a-f]{32}(?:-[0-9a-f]{16}-[0-9a-f]{2})?|[0-9a-f]{16}")
+#: Meta keys stored verbatim elsewhere: the idempotency key is the stream
+#: record's own lookup column (spec §8).
+_META_VERBATIM = frozenset({"idempotency_key"})
+
+
+def _meta_to_scan(value: Any, top: bool = True) -> Any:
+    """``value`` with the strings that need no scan blanked (same shape)."""
+    if isinstance(value, str):
+        if _MAY_HOLD_SECRET.search(value) is None or _TRACE_ID.fullmatch(value):
+            return ""
+        with _CLEAN_META_LOCK:
+            if value in _CLEAN_META:
+                _CLEAN_META.move_to_end(value)
+                return ""
+        return value
+    if isinstance(value, Mapping):
+        return {k: "" if top and k in _META_VERBATIM else _meta_to_scan(v, False) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_meta_to_scan(v, False) for v in value]
+    return value
+
+
+def _remember_clean(value: Any, hit_paths: set[tuple[str | int, ...]], path: tuple[str | int, ...] = ()) -> None:
+    if isinstance(value, str):
+        if value and path not in hit_paths and len(value) <= _CLEAN_META_MAX_LEN:
+            with _CLEAN_META_LOCK:
+                _CLEAN_META[value] = None
+                if len(_CLEAN_META) > _CLEAN_META_SIZE:
+                    _CLEAN_META.popitem(last=False)
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _remember_clean(v, hit_paths, (*path, str(k)))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _remember_clean(v, hit_paths, (*path, i))
 
 
 def redact_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -935,8 +988,12 @@ def redact_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
     scanned for secrets as prose (the detectors and the normalised pass of
     :class:`DataScopeGuard`), detected values replaced by ``[REDACTED:<type>]``;
     strings past :data:`MAX_META_SCAN_CHARS` replaced by :data:`UNSCANNED`.
-    Mapping keys are kept. ``meta`` itself is not changed; returned as a new
-    dict even when nothing was masked. CPU: about 15 µs per short string."""
+    Mapping keys are kept, and so is ``idempotency_key`` (stored as the
+    record's lookup key in any case). ``meta`` itself is not changed; returned as a new
+    dict even when nothing was masked. A string that cannot hold a secret (no
+    long token, keyword, URL credentials, escape or non-ASCII character) or that
+    was found clean recently (the 4,096 most recent up to 256 characters) is not
+    scanned; any other costs about 20–40 µs of CPU."""
     out = dict(meta)
     context = out.get(_META_KEY_CONTEXT)
     if isinstance(context, Mapping):
@@ -944,7 +1001,10 @@ def redact_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
 
         out[_META_KEY_CONTEXT] = redact_context(context)
     guard = _meta_guard()
-    scan = guard.inspect(out, frozenset({SECRETS}))
+    to_scan = _meta_to_scan(out)
+    scan = guard.inspect(to_scan, frozenset({SECRETS}))
+    if scan.complete:
+        _remember_clean(to_scan, {h.path for h in scan.hits})
     if scan.hits:
         out = _apply(out, list(scan.hits))
     if not scan.complete:
