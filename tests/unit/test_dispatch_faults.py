@@ -112,8 +112,8 @@ async def test_a_tools_timeout_on_the_tasks_input_is_the_tenants_once_and_never_
     cwnd = gates.agent_windows.window("tool.tests").cwnd
     for _ in range(3):
         events = await run(env, HANG)
-        assert errors(events) == [("ETIMEOUT", "tool.tests: no answer within 300 ms; a local tool's run is the "
-                                               "task's own: not retried, not counted against the next-hop")]
+        assert errors(events) == [("ETIMEOUT", ("tool.tests: no answer within 300 ms; a local tool's run is the "
+                                               "task's own: not retried, not counted against the next-hop"))]
         rst = events[-1]
         assert rst.type == "RST" and rst.payload["code"] == "ETIMEOUT"
         assert rst.payload["reason"].startswith("task timed out: tool.tests: no answer within 300 ms")
@@ -138,8 +138,8 @@ async def test_a_tools_crash_on_the_tasks_input_is_eproto_to_the_tenant(nursery,
     env = await router_on(nursery, tmp_path, {"tool.lint": tool_agent(5_000)}, ["tool.lint"], breaker_failures=2)
     for _ in range(4):
         events = await run(env, CRASH)
-        assert errors(events) == [("EPROTO", "tool.lint: failed on this task (RecursionError); a local tool's run "
-                                             "is the task's own: not retried, not counted against the next-hop")]
+        assert errors(events) == [("EPROTO", ("tool.lint: failed on this task (RecursionError); a local tool's run "
+                                             "is the task's own: not retried, not counted against the next-hop"))]
         assert events[-1].type == "RST" and events[-1].payload["code"] == "EPROTO"
     await settled(env, "tool.lint")
     stats = env.router.gates.breakers.statistics()["tool.lint"]
