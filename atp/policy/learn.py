@@ -73,6 +73,7 @@ __all__ = [
     "LiveView",
     "RoutingLearner",
     "SharedArm",
+    "TenantShares",
     "arm_fingerprint",
     "consensus_quality",
     "live_stats_of",
@@ -581,13 +582,75 @@ class _PolicyBandit:
         self.fingerprints = fingerprints
 
 
+class TenantShares:
+    """Each tenant's share of the shared quality evidence (issue 19: one tenant's
+    own tasks moved an agent's shared quality 0.656 → 0.829).
+
+    Rule: per agent, a tenant's decayed quality weight ``w_t`` (decayed as the
+    live statistic's ``q_w`` is, by ``(1−α)^w`` per observation of weight
+    ``w``) may be at most ``share × (n0 + W)``, ``W`` every tenant's decayed
+    weight and ``n0`` the prior's pseudo-observations
+    (:data:`QUALITY_PRIOR_WEIGHT`). An observation's weight is cut to what
+    keeps that true (0 once the tenant holds its share), and the same cut
+    weight is what the live statistic and the policy's bandit learn. Since the
+    live quality is the weighted mean ``(n0·prior + Σ w·q) / (n0 + W)``, a
+    tenant whose weight is at most ``share`` of the denominator moves it by at
+    most ``share × |its mean − the rest's mean|`` ≤ ``share``: ``N`` tenants
+    each hold at most their share whatever their traffic, and alone a tenant
+    moves an agent's score by at most ``share × |q − prior|``.
+
+    ``share`` (``RouterConfig.learn_share``, ``--learn-share``, default 0.25)
+    in (0, 1]; 1 turns the rule off. Per router (routers sharing a store each
+    apply it to what they observe). Sans-IO."""
+
+    __slots__ = ("_by_agent", "_prior_weight", "share")
+
+    def __init__(self, share: float, *, prior_weight: float = QUALITY_PRIOR_WEIGHT) -> None:
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"learn share must be in (0, 1], got {share}")
+        self.share = share
+        self._prior_weight = prior_weight
+        #: agent → (every tenant's decayed weight W, {tenant: its decayed weight}).
+        self._by_agent: dict[str, tuple[float, dict[str, float]]] = {}
+
+    def held(self, agent: str, tenant: str) -> tuple[float, float]:
+        """``(tenant's decayed weight, every tenant's)`` on ``agent``."""
+        total, mine = self._by_agent.get(agent, (0.0, {}))
+        return mine.get(tenant, 0.0), total
+
+    def admit(self, agent: str, tenant: str | None, weight: float) -> float:
+        """The weight ``tenant``'s observation of ``agent`` (weight ``weight``)
+        may have (0..weight), now counted in its share. ``tenant`` None: not a
+        tenant's (taken whole, uncounted)."""
+        if tenant is None or self.share >= 1.0 or weight <= 0:
+            return weight
+        total, ws = self._by_agent.get(agent, (0.0, {}))
+        mine, f, n0 = ws.get(tenant, 0.0), self.share, self._prior_weight
+
+        def room(d: float) -> float:
+            # mine·d + x <= f·(n0 + total·d + x), solved for x.
+            return (f * (n0 + total * d) - mine * d) / (1.0 - f)
+
+        # The decay the admitted weight brings lies in [(1−α)^weight, 1] and the
+        # room is linear in it: the smaller end value holds for any of them.
+        eff = max(0.0, min(weight, room((1.0 - ALPHA) ** weight), room(1.0)))
+        if eff > 0.0:
+            d = (1.0 - ALPHA) ** eff
+            ws = {t: w * d for t, w in ws.items() if w * d > 1e-6}
+            ws[tenant] = ws.get(tenant, 0.0) + eff
+            self._by_agent[agent] = (total * d + eff, ws)
+        return eff
+
+
 class RoutingLearner:
     """The router's learning state (see the module doc). ``seed`` seeds the
-    Thompson draws (None: OS entropy)."""
+    Thompson draws (None: OS entropy); ``share``: :class:`TenantShares`."""
 
-    def __init__(self, *, seed: int | None = None):
+    def __init__(self, *, seed: int | None = None, share: float = 1.0):
         self.rng = np.random.default_rng(seed)
         self.live = LiveMetrics()
+        #: Each tenant's share of the quality evidence (issue 19).
+        self.shares = TenantShares(share)
         self._bandits: dict[str, _PolicyBandit] = {}
         self._priors: dict[str, float] = {}
         #: (policy, arm) pairs whose state changed since the store saved them.
@@ -794,17 +857,22 @@ class RoutingLearner:
         return pb.featurizer.index(f"tenant={decision.tenant}") if decision.tenant else None
 
     def observe(self, decision: Decision, qualities: Mapping[str, float], *, weight: float = 1.0,
-                tenant_only: bool = False) -> None:
+                tenant_only: bool = False, tenant: str | None = None) -> None:
         """Learn from one task: ``qualities`` maps each *called* arm to its
         quality (0..1). Arms not called learn nothing (partial feedback).
         ``tenant_only`` (an untrusted client's feedback): only the arms' weight
         of the decision's tenant feature learns, and the shared live quality
-        does not move: one tenant's scores route only that tenant."""
+        does not move: one tenant's scores route only that tenant. ``tenant``:
+        whose task it was; each arm's weight is cut to that tenant's share
+        (:class:`TenantShares`)."""
         pb = self._bandits.get(decision.policy)
+        weights = {a: weight for a in qualities} if tenant_only else \
+            {a: self.shares.admit(a, tenant, weight) for a in qualities}
         if not tenant_only:
             for agent, q in qualities.items():
-                self.live.observe_quality(agent, q, policy=decision.policy, weight=weight,
-                                          prior=self._priors.get(agent, 0.5))
+                if weights[agent] > 0:
+                    self.live.observe_quality(agent, q, policy=decision.policy, weight=weights[agent],
+                                              prior=self._priors.get(agent, 0.5))
         if pb is None:
             return
         if decision.context.idx.size and int(decision.context.idx.max()) >= 1 << pb.spec.bits:
@@ -812,8 +880,9 @@ class RoutingLearner:
         only = self._tenant_index(pb, decision) if tenant_only else None
         if tenant_only and only is None:
             return
-        rewards = {a: q for a, q in qualities.items() if a in pb.bandit.arms}
-        pb.bandit.update(decision.context, rewards, weight, only=only)
+        rewards = {a: q for a, q in qualities.items() if a in pb.bandit.arms and weights[a] > 0}
+        for a, q in rewards.items():
+            pb.bandit.update(decision.context, {a: q}, weights[a], only=only)
         self.dirty.update((decision.policy, a) for a in rewards)
 
     def observe_escalation(self, decision: Decision, outcome: Mapping[str, float], *, weight: float = 1.0,
@@ -834,9 +903,14 @@ class RoutingLearner:
         pb.escalation.update(decision.context, rewards, weight, only=only)
         self.dirty.update((_escalation_key(decision.policy), a) for a in rewards)
 
-    def observe_quality(self, agent: str, quality: float, *, policy: str | None, weight: float = 1.0) -> None:
-        """A quality observation outside a bandit decision (live metrics only)."""
-        self.live.observe_quality(agent, quality, policy=policy, weight=weight, prior=self._priors.get(agent, 0.5))
+    def observe_quality(self, agent: str, quality: float, *, policy: str | None, weight: float = 1.0,
+                        tenant: str | None = None) -> None:
+        """A quality observation outside a bandit decision (live metrics only),
+        of ``tenant``'s task: its weight cut to the tenant's share (:class:`TenantShares`)."""
+        weight = self.shares.admit(agent, tenant, weight)
+        if weight > 0:
+            self.live.observe_quality(agent, quality, policy=policy, weight=weight,
+                                      prior=self._priors.get(agent, 0.5))
 
     def observe_call(self, agent: str, *, policy: str | None, latency_ms: float, ok: bool, timeout: bool,
                      tokens: int, usd_micros: int) -> None:

@@ -227,7 +227,7 @@ class Learning:
 
     def __init__(self, router: Router, *, seed: int | None = None):
         self.router = router
-        self.learner = RoutingLearner(seed=seed)
+        self.learner = RoutingLearner(seed=seed, share=router.config.learn_share)
         self._version: int | None = None
         #: Per tenant (tokens, last refill): how much more it may teach the shared state.
         self._buckets: dict[str, tuple[float, float]] = {}
@@ -451,7 +451,7 @@ class Learning:
         if decision is not None:
             decision.called = called
             decision.escalated = escalated_to is not None
-            self.learner.observe(decision, qualities)
+            self.learner.observe(decision, qualities, tenant=ctx.tenant)
             if decision.escalate is not None and final is not None:
                 cheap = [a for a in called if a != escalated_to]
                 outcome = {CHEAP: result_quality(final.result, cheap, confirmer=escalated_to, failing_tests=tests)}
@@ -461,7 +461,7 @@ class Learning:
                 self.learner.observe_escalation(decision, outcome)
         else:
             for a, q in qualities.items():
-                self.learner.observe_quality(a, q, policy=policy)
+                self.learner.observe_quality(a, q, policy=policy, tenant=ctx.tenant)
         return qualities
 
     # ----------------------------------------------------------- feedback
@@ -502,13 +502,13 @@ class Learning:
         shared = self.router.client_spec(ctx.tenant).feedback == "shared"
         learned = isinstance(decision, Decision) and self.learner.has_bandit(decision.policy)
         if learned:
-            self.learner.observe(decision, qualities, weight=2.0, tenant_only=not shared)
+            self.learner.observe(decision, qualities, weight=2.0, tenant_only=not shared, tenant=ctx.tenant)
             if decision.escalate is not None:
                 self.learner.observe_escalation(decision, {ESCALATE if decision.escalated else CHEAP: score},
                                                 weight=2.0, tenant_only=not shared)
         elif shared:
             for a in served:
-                self.learner.observe_quality(a, score, policy=policy, weight=2.0)
+                self.learner.observe_quality(a, score, policy=policy, weight=2.0, tenant=ctx.tenant)
         self.router.metrics.feedback.labels(policy or "").inc()
         return {"stream_id": ctx.stream_id, "agents": served, "score": score, "labels": labels, "bandit": learned,
                 "scope": "shared" if shared else "tenant"}

@@ -60,6 +60,7 @@ session's reassembler.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import zlib
 from dataclasses import dataclass, field
@@ -202,6 +203,8 @@ class _PendingStream(trio.abc.HalfCloseableStream):
         self._gate, self._peer = gate, peer
         self._deadline: float | None = deadline
         self._counted = True
+        #: The deadline scope of a receive in progress (the reader waits in it).
+        self._scope: trio.CancelScope | None = None
 
     @property
     def socket(self) -> trio.socket.SocketType:
@@ -209,6 +212,8 @@ class _PendingStream(trio.abc.HalfCloseableStream):
 
     def handshake_done(self) -> None:
         self._deadline = None
+        if self._scope is not None:
+            self._scope.deadline = math.inf  # the receive waiting now has no deadline either
         self._uncount()
 
     def _uncount(self) -> None:
@@ -219,7 +224,9 @@ class _PendingStream(trio.abc.HalfCloseableStream):
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self._deadline is None:
             return await self.inner.receive_some(max_bytes)
-        with trio.move_on_at(self._deadline):
+        with trio.move_on_at(self._deadline) as self._scope:
+            return await self.inner.receive_some(max_bytes)
+        if self._deadline is None:  # the handshake finished as the deadline came
             return await self.inner.receive_some(max_bytes)
         log.info("WebSocket peer %s did not finish its opening handshake in time: closed", self._peer)
         await self.aclose()
