@@ -23,6 +23,7 @@ from atp.consensus.types import AgentReport, Usage
 from atp.policy.fib import compile_fib
 from atp.policy.loader import load_rib_text
 from atp.router.dispatch import CANARY, NEXT_HOP_FAILED
+from atp.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 from tests.conftest import RouterEnv
 from tests.helpers import start_router_on
@@ -31,11 +32,16 @@ META = {"task_type": "code_review", "languages": ["py"]}
 FAST = {"files": {"calc.py": "x = 1\n"}}
 HANG = {"files": {"calc.py": "x = 1\n"}, "hang": True}
 CRASH = {"files": {"calc.py": "x = 1\n"}, "crash": True}
+#: The tool's own wall clock ran out: the adapter knows the task did it (ClientInputError) or does not (AgentError).
+CLIENT_TIMEOUT = {"files": {"calc.py": "x = 1\n"}, "client_timeout": True}
+OWN_TIMEOUT = {"files": {"calc.py": "x = 1\n"}, "own_timeout": True}
 
 
 class TaskTool(ProviderAdapter):
     """A tenant-bound next-hop: hangs on a task with ``"hang"``, raises
-    ``RecursionError`` on one with ``"crash"``, answers anything else — and,
+    ``RecursionError`` on one with ``"crash"``, the tool's own timeout on one with
+    ``"client_timeout"`` (as the task's, ``ClientInputError``) or ``"own_timeout"``
+    (not attributed, ``AgentError``), answers anything else — and,
     ``broken``, hangs on everything, the router's canary included. ``calls``:
     every prompt, canaries among them (``meta["canary"]``)."""
 
@@ -61,6 +67,11 @@ class TaskTool(ProviderAdapter):
             await trio.sleep(math.inf)
         if prompt.content.get("crash"):
             raise RecursionError("maximum recursion depth exceeded")
+        if prompt.content.get("client_timeout"):
+            raise ClientInputError("the task's tests ran past timeout_s=1 s; killed", code=ErrorCode.ETIMEOUT,
+                                   agent=self.name)
+        if prompt.content.get("own_timeout"):
+            raise AgentError(ErrorCode.ETIMEOUT, "ran past its wall-clock limit timeout_s=1 s; killed", agent=self.name)
         yield Fragment(type=PayloadType.FINAL, content=AgentReport(summary="ok"), usage=Usage())
 
     def tenant_calls(self) -> list[Prompt]:
@@ -128,6 +139,39 @@ async def test_a_tools_timeout_on_the_tasks_input_is_the_tenants_once_and_never_
     async with atp.Client(env.url) as c:
         metrics = await c.metrics()
     assert 'atp_agent_calls_total{agent="tool.tests",outcome="ETIMEOUT"} 3.0' in metrics
+
+
+async def test_a_tools_own_timeout_reaches_the_tenant_as_etimeout_and_is_never_retried_nor_counted(
+        nursery, tmp_path, scripted):
+    """The tool's own wall clock ran out. Said to be the task's (``ClientInputError``
+    ETIMEOUT): the tenant's ETIMEOUT with the tool's reason, one call, no reroute
+    to the fallback, no count and no canary (the adapter knows). Not said
+    (``AgentError`` ETIMEOUT of a tenant-bound tool): in doubt, the same for the
+    tenant, and a canary asked. Beside a next-hop that answered, the FINAL names it."""
+    tool = scripted["tool.tests"] = TaskTool("tool.tests")
+    spare = scripted["tool.spare"] = ScriptedAdapter.returning("tool.spare")
+    env = await router_on(nursery, tmp_path, {"tool.tests": {**tool_agent(5_000), "fallback": "tool.spare"},
+                                              "tool.spare": tool_agent(5_000)},
+                          ["tool.tests"], breaker_failures=2)
+    board = env.router.gates.breakers
+    for _ in range(3):
+        events = await run(env, CLIENT_TIMEOUT)
+        assert errors(events) == [("ETIMEOUT", "tool.tests: the task's tests ran past timeout_s=1 s; killed")]
+        assert events[-1].type == "RST" and events[-1].payload == {
+            "kind": "ERROR", "code": "ETIMEOUT",
+            "reason": "task timed out: tool.tests: the task's tests ran past timeout_s=1 s; killed"}
+    stats = board.statistics()["tool.tests"]
+    assert (stats.failures, stats.ignored, stats.doubts, stats.canaries) == (0, 3, 0, 0)
+    for _ in range(3):
+        events = await run(env, OWN_TIMEOUT)
+        assert errors(events) == [("ETIMEOUT", ("tool.tests: ran past its wall-clock limit timeout_s=1 s; killed; a "
+                                               "local tool's run is the task's own: not retried, not counted against "
+                                               "the next-hop"))]
+        assert events[-1].payload["code"] == "ETIMEOUT"
+    await settled(env, "tool.tests")
+    stats = board.statistics()["tool.tests"]
+    assert (stats.state, stats.failures, stats.doubts, stats.canaries) == ("closed", 0, 3, 1)
+    assert len(tool.tenant_calls()) == 6 and spare.calls == []
 
 
 async def test_a_tools_crash_on_the_tasks_input_is_eproto_to_the_tenant(nursery, tmp_path, scripted):
