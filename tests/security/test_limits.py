@@ -1,6 +1,9 @@
 """Bounded resources (issue 7, "one task stalls everyone"; spec §10, §11): a tenant's
 oversized or pathological task ends with an error naming the limit it hit, and
-another tenant's ``GET /v1/health`` keeps answering within 100 ms meanwhile.
+another tenant's ``GET /v1/health`` keeps answering meanwhile: its worst latency
+stays within :data:`HEALTH_FACTOR` times the worst of the same probe against the
+idle router in the same run (issue 20: no absolute bound that machine load can
+break), at least :data:`HEALTH_FLOOR_S`.
 
 A real router on loopback (``tests.conftest.start_router``) with the default RIB
 (real ruff and bandit next-hops) or a RIB of real ruff next-hops under small
@@ -36,7 +39,10 @@ from tests.conftest import RouterEnv, start_router
 from tests.helpers import golden, start_router_on
 
 META = {"task_type": "code_review", "languages": ["py"]}
-HEALTH_BOUND_S = 0.100
+#: Health under a tenant's big task may be this many times slower than idle...
+HEALTH_FACTOR = 10.0
+#: ...and in any case this slow (s: the idle probe's own scheduling noise).
+HEALTH_FLOOR_S = 0.100
 POLL_S = 0.020
 WARM_UP_POLLS = 3  # the first requests open the connection
 
@@ -70,12 +76,26 @@ class HealthProbe:
     def __init__(self) -> None:
         self.latencies: list[float] = []
 
-    def check(self, at_least: int) -> None:
-        worst = max(self.latencies)
+    def check(self, at_least: int, idle: HealthProbe) -> None:
+        """At least ``at_least`` polls, the worst within :data:`HEALTH_FACTOR`
+        times the ``idle`` probe's worst (or :data:`HEALTH_FLOOR_S`)."""
+        worst, idle_worst = max(self.latencies), max(idle.latencies)
+        bound = max(HEALTH_FACTOR * idle_worst, HEALTH_FLOOR_S)
         print(f"\nGET /v1/health from another process: {len(self.latencies)} polls, max {worst * 1000:.1f} ms, "
-              f"median {sorted(self.latencies)[len(self.latencies) // 2] * 1000:.1f} ms")
+              f"median {sorted(self.latencies)[len(self.latencies) // 2] * 1000:.1f} ms; idle max "
+              f"{idle_worst * 1000:.1f} ms (bound {bound * 1000:.0f} ms)")
         assert len(self.latencies) >= at_least
-        assert worst < HEALTH_BOUND_S, f"health took {worst * 1000:.1f} ms"
+        assert worst < bound, f"health took {worst * 1000:.1f} ms, idle at most {idle_worst * 1000:.1f} ms"
+
+
+async def idle_probe(url: str, polls: int = 15) -> HealthProbe:
+    """The same poller against the idle router: the baseline of
+    :meth:`HealthProbe.check`. Call it after one ordinary task has run (the
+    first task's one-time imports of the tool adapters are not what is measured)."""
+    async with health_probe(url) as probe:
+        await trio.sleep((polls + WARM_UP_POLLS) * POLL_S)
+    assert probe.latencies, "the idle health probe saw no answer"
+    return probe
 
 
 @asynccontextmanager
@@ -176,27 +196,34 @@ async def assert_tools_still_serve(env: RouterEnv) -> None:
 async def test_5mb_file_is_refused_without_delaying_another_tenants_health(nursery, policies_dir: Path):
     """Issue 7: a 2 MB file froze the router ~31 s, 5 MB ~75 s. The 5 MB file must
     be refused (RST EPROTO naming ``max_file_bytes``) with health answering
-    within 100 ms throughout."""
+    throughout within a factor of its idle latency (issue 20: the 13 MB body was
+    decoded and its diff counted on the event loop, ~120 ms in one step; now
+    both run in a worker thread)."""
     env = await start_router(nursery, policies_dir)
+    await assert_tools_still_serve(env)  # warm: one ordinary task first
+    idle = await idle_probe(env.url)
     events, probe, took = await big_task_beside_health(env, META)
+    # The condition happened: the 5 MB task reached the router and was refused for its size.
     assert_refused_for_size(events)
     print(f"\n5 MB task refused in {took * 1000:.0f} ms")
     assert took < 10
     await assert_tools_still_serve(env)
-    probe.check(at_least=3)
+    probe.check(at_least=3, idle=idle)
 
 
 async def test_5mb_file_past_the_syn_is_refused_by_the_tools_off_the_event_loop(nursery, policies_dir: Path):
-    """The same 5 MB task with ``diff_loc`` given in the meta, so the router does
-    not parse the diff at SYN (the one stall left, see the test above): reading
-    and decoding the body, routing, and both tools refusing the file (in worker
-    threads, before anything is written or run) keep health within 100 ms."""
+    """The same 5 MB task with ``diff_loc`` given in the meta, so nothing counts
+    the diff: reading and decoding the body, routing, and both tools refusing
+    the file (in worker threads, before anything is written or run) keep health
+    within a factor of its idle latency."""
     env = await start_router(nursery, policies_dir)
+    await assert_tools_still_serve(env)  # warm: one ordinary task first
+    idle = await idle_probe(env.url)
     events, probe, took = await big_task_beside_health(env, {**META, "diff_loc": 150_000})
     assert_refused_for_size(events)
     print(f"\n5 MB task refused in {took * 1000:.0f} ms")
     assert took < 10
-    probe.check(at_least=3)
+    probe.check(at_least=3, idle=idle)
     await assert_tools_still_serve(env)
 
 
@@ -241,6 +268,7 @@ def _limited_ruff(name: str, agent: AgentSpec):
 async def test_tools_past_their_limits_fail_cleanly_and_the_router_keeps_serving(nursery, tmp_path, monkeypatch):
     monkeypatch.setitem(TOOL_FACTORIES, "ruff", _limited_ruff)
     env = await start_router_on(nursery, tmp_path, LIMITS_RIB)
+    idle = await idle_probe(env.url)
     tasks = {
         "lim_mem": ({"files": {"d.py": dense(600 * 1024)}},
                     "lint.mem: ruff ran out of its address-space limit address_space_bytes=67,108,864 (64 MiB)"),
@@ -266,7 +294,7 @@ async def test_tools_past_their_limits_fail_cleanly_and_the_router_keeps_serving
         rst = events[-1]
         assert rst.type == "RST" and rst.payload["code"] == "EPROTO", (task_type, rst)
         assert reason in rst.payload["reason"], (task_type, rst.payload["reason"])
-    probe.check(at_least=3)
+    probe.check(at_least=3, idle=idle)
     # The limits were the tasks', not the tools': every breaker closed, nothing counted.
     stats = env.router.gates.breakers.statistics(trio.current_time())
     assert {a: (s.state, s.failures, s.ignored) for a, s in stats.items()} == {
