@@ -524,7 +524,7 @@ class ClusterRouter(SharedRib, Router):
         return open_store(self.config.store, namespace=self.config.store_namespace)
 
     def _open_audit(self) -> AuditLog:
-        return AuditLog.open(self.store, self.state_dir, shared=True)
+        return AuditLog.open(self.store, self.state_dir, shared=True, options=self.config.audit)
 
     def _restore_ledger(self) -> ClusterLedger:
         return ClusterLedger(self.store, owner=self.owner, on_unavailable=self.store_unavailable,

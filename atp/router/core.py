@@ -96,7 +96,7 @@ from atp.security.authz import Action, Forbidden, Refuse, StreamAdmission, autho
 from atp.security.identity import Identity, Role
 from atp.security.policy_guard import PolicySecrets, egress_changes
 from atp.security.signing import ReplayGuard, UsageSigner
-from atp.security.audit import AuditLog
+from atp.security.audit import AuditLog, AuditOptions
 from atp.security.tls import ServerTls
 from atp.store import SqliteStore, StoreJournal, StoreUnavailable
 from atp.security.redact import DataScopeGuard, Redacted, Refused
@@ -301,6 +301,8 @@ class RouterConfig:
     lease_ms: int = 5000
     #: The URL the other routers reach this one's HTTP API on (None: from the bound host and port).
     advertise_url: str | None = None
+    #: The audit key's file, the anchor file and syslog sink of the checkpoints (atp.security.audit).
+    audit: AuditOptions = field(default_factory=AuditOptions)
 
 
 class Router:
@@ -398,7 +400,7 @@ class Router:
         return SqliteStore.open(self.state_dir, synchronous=self.config.state_sync.upper())
 
     def _open_audit(self) -> AuditLog:
-        return AuditLog.open(self.store, self.state_dir)
+        return AuditLog.open(self.store, self.state_dir, options=self.config.audit, warn=self._tmp_state is None)
 
     def _restore_ledger(self) -> BudgetLedger:
         """The budget ledger as the store has it (spec §5 across a crash): calls in

@@ -286,7 +286,7 @@ class WorkerRouter(SharedRib, Router):
                                 autocheckpoint=False)
 
     def _open_audit(self) -> AuditLog:
-        return AuditLog.open(self.store, self.state_dir, shared=True)
+        return AuditLog.open(self.store, self.state_dir, shared=True, options=self.config.audit)
 
     def _restore_ledger(self) -> SharedBudgetLedger:
         return SharedBudgetLedger(self.store, owner=self.owner)
@@ -839,7 +839,7 @@ class _Supervisor:
     async def run(self, summary: dict[str, Any]) -> int:
         sync = self.config.state_sync.upper()
         self.store = SqliteStore.open(self.state_dir, synchronous=sync, multiprocess=True)
-        self.audit = AuditLog.open(self.store, self.state_dir, shared=True)
+        self.audit = AuditLog.open(self.store, self.state_dir, shared=True, options=self.config.audit)
         try:
             async with trio.open_nursery() as outer:
                 checkpointing = await outer.start(self._checkpoints)

@@ -402,7 +402,7 @@ def verify(records: Iterable[AuditRecord], checkpoints: Iterable[AuditCheckpoint
         article = "an" if what.startswith("a") else "a"
         problems.append((good + 1, f"truncated: {article} {what} covers record {seq} but the log ends at record {last}"))
     unsigned = last - signed
-    if max_unsigned is not None and unsigned > max_unsigned:
+    if max_unsigned is not None and unsigned > max_unsigned and not problems:  # else the named problem explains it
         where = f"the last checkpoint (record {signed})" if signed else "any checkpoint"
         why = (f"records {signed + 1}-{last} ({unsigned}) are not covered by {where}; a crash leaves at most "
                f"{max_unsigned}: checkpoints were removed or the log rewritten")
