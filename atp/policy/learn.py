@@ -600,8 +600,9 @@ class TenantShares:
     moves an agent's score by at most ``share × |q − prior|``.
 
     ``share`` (``RouterConfig.learn_share``, ``--learn-share``, default 0.25)
-    in (0, 1]; 1 turns the rule off. Per router (routers sharing a store each
-    apply it to what they observe). Sans-IO."""
+    in (0, 1]; 1 turns the rule off (as on a router without credentials, where
+    every caller is one tenant). Per router (routers sharing a store each apply
+    it to what they observe). Sans-IO."""
 
     __slots__ = ("_by_agent", "_prior_weight", "share")
 

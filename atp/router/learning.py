@@ -156,6 +156,17 @@ def _bump_index(written: Mapping[str, int], old: bytes | None) -> bytes:
     return json.dumps(index).encode()
 
 
+def _has_tenants(router: Router) -> bool:
+    """Does ``router`` tell callers apart (a caller without credentials is refused)?"""
+    from atp.wire.errors import ATPError
+
+    try:
+        router.authenticate(None)
+    except ATPError:
+        return True
+    return False
+
+
 class FeedbackRefused(Exception):
     """Feedback that cannot be taken: ``status`` (404/409/422) and ``reason``."""
 
@@ -227,7 +238,10 @@ class Learning:
 
     def __init__(self, router: Router, *, seed: int | None = None):
         self.router = router
-        self.learner = RoutingLearner(seed=seed, share=router.config.learn_share)
+        # Each tenant's share of the shared quality evidence (TenantShares): on a
+        # router with credentials; one without (every caller the one tenant
+        # "anonymous", a local appliance) has no other tenant to share with.
+        self.learner = RoutingLearner(seed=seed, share=router.config.learn_share if _has_tenants(router) else 1.0)
         self._version: int | None = None
         #: Per tenant (tokens, last refill): how much more it may teach the shared state.
         self._buckets: dict[str, tuple[float, float]] = {}
