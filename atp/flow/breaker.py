@@ -28,7 +28,9 @@ peer's (:attr:`Fault.PEER`: counted as above), the client's (:attr:`Fault.CLIENT
 never counted) or **in doubt** (:attr:`Fault.DOUBT`): a timeout or a crash of a
 *tenant-bound* next-hop — a local tool whose work is the task's own (its tests
 sleep, its path is absurd): :attr:`ProviderAdapter.tenant_bound
-<atp.adapters.base.ProviderAdapter.tenant_bound>`. A failure in doubt is the
+<atp.adapters.base.ProviderAdapter.tenant_bound>` — that the adapter could not
+judge itself: the caller's per-call deadline cut it, or it crashed outside its
+contract (what an adapter raises is its own verdict). A failure in doubt is the
 tenant's for the call (the caller reports it like a client fault: no count, no
 AIMD decrease, no retry or reroute) and is never counted itself; instead
 :meth:`CircuitBreaker.on_doubt` may ask for a **canary**: a small, well-formed,
@@ -113,9 +115,16 @@ TRANSITIONS: dict[tuple[BreakerState, BreakerEvent], BreakerState] = {
 #: Failure codes that count against a next-hop's health.
 PEER_FAILURES: frozenset[ErrorCode] = frozenset({ErrorCode.ETIMEOUT, ErrorCode.EAGENTDOWN, ErrorCode.EPROTO})
 
-#: Failure codes of a tenant-bound next-hop that its task may have caused (besides
-#: an unclassified crash, ``code=None``): a run past its time.
-DOUBTFUL: frozenset[ErrorCode] = frozenset({ErrorCode.ETIMEOUT})
+
+class Origin(enum.StrEnum):
+    """Who gave a failed call its error: the adapter (its own verdict, raised as an
+    :class:`~atp.wire.errors.ATPError`), the caller's per-call deadline cutting
+    the call short (the adapter could not say why it was slow), or an exception
+    outside the adapter's contract (a crash it did not classify)."""
+
+    ADAPTER = "adapter"
+    DEADLINE = "deadline"
+    CRASH = "crash"
 
 
 class Fault(enum.StrEnum):
@@ -130,16 +139,21 @@ class Fault(enum.StrEnum):
     DOUBT = "doubt"
 
 
-def attribute(code: ErrorCode | None, *, client_fault: bool, tenant_bound: bool) -> Fault:
-    """Whose a failed call is: ``code`` (``None``: the adapter crashed with an
-    unclassified exception), ``client_fault`` as the adapter said
-    (:class:`~atp.wire.errors.ClientInputError`), ``tenant_bound`` the
-    next-hop's :attr:`~atp.adapters.base.ProviderAdapter.tenant_bound`. A
-    tenant-bound next-hop's timeout (:data:`DOUBTFUL`) or crash is in doubt;
-    anything else the adapter did not call the client's is the peer's. Pure."""
+def attribute(origin: Origin, *, client_fault: bool, tenant_bound: bool) -> Fault:
+    """Whose a failed call is: its :class:`Origin`, ``client_fault`` as the
+    adapter said (:class:`~atp.wire.errors.ClientInputError`), ``tenant_bound``
+    the next-hop's :attr:`~atp.adapters.base.ProviderAdapter.tenant_bound`.
+
+    What the adapter raised is its verdict: the client's when it says so, else
+    the peer's (a tool adapter attributes its own timeouts and abnormal exits
+    with a canary of its own before it raises, atp.adapters.tools.base). What it
+    could not judge — the caller's deadline cut it, or it crashed outside its
+    contract — is in doubt at a tenant-bound next-hop (the task's tests may
+    sleep, its path may be absurd) and the peer's anywhere else (a model
+    endpoint's slowness is its own). Pure."""
     if client_fault:
         return Fault.CLIENT
-    if tenant_bound and (code is None or ErrorCode(code) in DOUBTFUL):
+    if tenant_bound and origin is not Origin.ADAPTER:
         return Fault.DOUBT
     return Fault.PEER
 

@@ -76,10 +76,12 @@ For one stream the dispatcher
    *tenant-bound* next-hop (:attr:`ProviderAdapter.tenant_bound
    <atp.adapters.base.ProviderAdapter.tenant_bound>`: a local tool whose run is the
    task's own — its tests, its files) that runs past the hop's ``timeout_ms``
-   (the dispatcher's own deadline), past its own wall clock (``ETIMEOUT``), or
-   crashes with an exception the adapter did not classify, failed **in doubt**:
-   the task may have caused it. The call is then the tenant's — a
-   ``ClientInputError`` with the same code (a crash: ``EPROTO``) and a reason
+   (the dispatcher's own deadline: the adapter is cut short and cannot say why),
+   or crashes with an exception the adapter did not classify, failed **in
+   doubt**: the task may have caused it. (What an adapter raises is its own
+   verdict: a tool adapter attributes its own wall clock and abnormal exits
+   with a canary of its own first.) The call is then the tenant's — a
+   ``ClientInputError``, ``ETIMEOUT`` (a crash: ``EPROTO``), with a reason
    saying so, handled as above: never retried at the router's expense, never
    rerouted, no AIMD decrease, no breaker count — and the release says whether
    to run a **canary** (:class:`~atp.flow.admission.Released` ``canary``):
@@ -149,7 +151,14 @@ from atp.flow.admission import (
     StreamFlow,
     Wait,
 )
-from atp.flow.breaker import BreakerBoard, BreakerState, Fault, RetryPolicy, attribute
+from atp.flow.breaker import (
+    BreakerBoard,
+    BreakerState,
+    Fault,
+    Origin,
+    RetryPolicy,
+    attribute,
+)
 from atp.flow.budget import BudgetLedger, Refusal, usd_to_micros
 from atp.flow.qos import Preempt, QosScheduler
 from atp.flow.window import Estimate, WindowTable
@@ -788,12 +797,14 @@ class Dispatcher:
                 return
             out.called = True
             t0 = trio.current_time()
-            crash: Exception | None = None
+            origin = Origin.ADAPTER
+            crash = ""
             try:
                 with trio.fail_after(hop.timeout_ms / 1000):
                     await self._pump(io, agent, ready, call, out)
                 timely = True
             except trio.TooSlowError:
+                origin = Origin.DEADLINE
                 out.error = AgentError(ErrorCode.ETIMEOUT, f"no answer within {hop.timeout_ms} ms", agent=agent)
             except ATPError as e:
                 out.error = e
@@ -803,10 +814,10 @@ class Dispatcher:
             except Exception as e:
                 # An adapter that breaks its contract fails its own call, not the stream.
                 log.exception("next-hop %s: adapter raised", agent)
-                crash = e
-                out.error = AgentError(ErrorCode.EAGENTDOWN, f"adapter error: {type(e).__name__}", agent=agent)
+                origin, crash = Origin.CRASH, type(e).__name__
+                out.error = AgentError(ErrorCode.EAGENTDOWN, f"adapter error: {crash}", agent=agent)
             if out.error is not None:
-                _attribute(out, ready.adapter, crash)
+                _attribute(out, ready.adapter, origin, crash)
             if timely and plan.cache is not None:
                 plan.cache.record(agent, ready.prompt, out)
         finally:
@@ -975,19 +986,20 @@ def _hand_evidence(plan: TaskPlan, reports: Mapping[str, AgentReport]) -> None:
     plan.prompt_for = prompt_for
 
 
-def _attribute(out: LegOutcome, adapter: ProviderAdapter, crash: Exception | None) -> None:
-    """Attribute ``out``'s failure (module doc, 3; :func:`~atp.flow.breaker.attribute`):
-    in doubt, it becomes the tenant's ``ClientInputError`` — the same code, a
-    crash ``EPROTO`` — with a reason saying so, and ``out.doubt`` is set."""
+def _attribute(out: LegOutcome, adapter: ProviderAdapter, origin: Origin, crash: str) -> None:
+    """Attribute ``out``'s failure, given its ``origin`` (and ``crash``: the
+    exception's type name), module doc 3, :func:`~atp.flow.breaker.attribute`:
+    in doubt, it becomes the tenant's ``ClientInputError`` — ``ETIMEOUT`` for a
+    deadline, ``EPROTO`` for a crash — with a reason saying so, and
+    ``out.doubt`` is set."""
     err = out.error
     assert err is not None
-    code = None if crash is not None else err.code
-    if attribute(code, client_fault=_client_fault(err), tenant_bound=adapter.tenant_bound) is not Fault.DOUBT:
+    if attribute(origin, client_fault=_client_fault(err), tenant_bound=adapter.tenant_bound) is not Fault.DOUBT:
         return
-    what = f"failed on this task ({type(crash).__name__})" if crash is not None else err.reason
+    what = f"failed on this task ({crash})" if origin is Origin.CRASH else err.reason
     out.error = ClientInputError(
         f"{what}; a local tool's run is the task's own: not retried, not counted against the next-hop",
-        code=ErrorCode.EPROTO if crash is not None else err.code, agent=out.agent,
+        code=ErrorCode.EPROTO if origin is Origin.CRASH else ErrorCode.ETIMEOUT, agent=out.agent,
     )
     out.doubt = True
 

@@ -19,6 +19,7 @@ from atp.flow.breaker import (
     BreakerState,
     CircuitBreaker,
     Fault,
+    Origin,
     RetryPolicy,
     attribute,
 )
@@ -153,19 +154,19 @@ def test_board_passes_client_faults_on():
 # --- faults in doubt and canaries (issue 19) --------------------------------------------------
 
 
-@pytest.mark.parametrize(("code", "client_fault", "tenant_bound", "fault"), [
-    (ErrorCode.ETIMEOUT, False, True, Fault.DOUBT),  # a tool ran past its time: maybe the task's tests sleep
-    (None, False, True, Fault.DOUBT),  # a tool crashed: maybe on the task's absurd path
-    (ErrorCode.EAGENTDOWN, False, True, Fault.PEER),  # the tool says it is down (missing, exited abnormally)
-    (ErrorCode.EPROTO, False, True, Fault.PEER),
-    (ErrorCode.ETIMEOUT, True, True, Fault.CLIENT),  # the adapter already said it was the task's
-    (ErrorCode.EPROTO, True, False, Fault.CLIENT),
-    (ErrorCode.ETIMEOUT, False, False, Fault.PEER),  # a model endpoint's timeout is its own
-    (None, False, False, Fault.PEER),
+@pytest.mark.parametrize(("origin", "client_fault", "tenant_bound", "fault"), [
+    (Origin.DEADLINE, False, True, Fault.DOUBT),  # cut by the hop's timeout: maybe the task's tests sleep
+    (Origin.CRASH, False, True, Fault.DOUBT),  # an unclassified crash: maybe on the task's absurd path
+    (Origin.ADAPTER, False, True, Fault.PEER),  # the tool adapter's own verdict (its canary failed too)
+    (Origin.ADAPTER, True, True, Fault.CLIENT),  # ...or that it was the task's
+    (Origin.DEADLINE, True, True, Fault.CLIENT),
+    (Origin.ADAPTER, True, False, Fault.CLIENT),
+    (Origin.DEADLINE, False, False, Fault.PEER),  # a model endpoint's slowness is its own
+    (Origin.CRASH, False, False, Fault.PEER),
 ])
-def test_attribute_puts_a_tenant_bound_next_hops_timeouts_and_crashes_in_doubt(code, client_fault, tenant_bound,
-                                                                               fault):
-    assert attribute(code, client_fault=client_fault, tenant_bound=tenant_bound) is fault
+def test_attribute_puts_what_a_tenant_bound_adapter_could_not_judge_in_doubt(origin, client_fault, tenant_bound,
+                                                                             fault):
+    assert attribute(origin, client_fault=client_fault, tenant_bound=tenant_bound) is fault
 
 
 def test_doubts_never_count_and_ask_for_one_canary_at_a_time_and_per_interval():
