@@ -146,10 +146,11 @@ class ProviderAdapter(abc.ABC):
     #: True when the next-hop's work is bounded by the tenant's input rather than by
     #: the next-hop's health: a local tool that runs the task's own tests or analyses
     #: its files (:class:`~atp.adapters.tools.base.ToolAdapter`,
-    #: :class:`~atp.adapters.tools.base.InThreadToolAdapter`). A timeout or a crash of
-    #: such a call may be the task's doing: the router answers it to the tenant
-    #: without retry or reroute, counts it against no breaker, and runs a canary task
-    #: of its own on the next-hop to tell (:func:`atp.flow.breaker.attribute`).
+    #: :class:`~atp.adapters.tools.base.InThreadToolAdapter`). Such a call cut by its
+    #: ``timeout_ms``, or crashing outside this contract, may be the task's doing: the
+    #: router answers it to the tenant without retry or reroute, counts it against no
+    #: breaker, and runs a canary task of its own on the next-hop to tell
+    #: (:func:`atp.flow.breaker.attribute`). What the adapter raises is its own verdict.
     tenant_bound: ClassVar[bool] = False
 
     @abc.abstractmethod
