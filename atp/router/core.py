@@ -95,7 +95,7 @@ from atp.security.authn import Authenticator, EnvToken, load_auth_config, parse_
 from atp.security.authz import Action, Forbidden, Refuse, StreamAdmission, authorize, clamp_qos
 from atp.security.identity import Identity, Role
 from atp.security.policy_guard import PolicySecrets, egress_changes
-from atp.security.signing import ReplayGuard, UsageSigner
+from atp.security.signing import DurableReplayGuard, UsageSigner
 from atp.security.audit import AuditLog, AuditOptions
 from atp.security.tls import ServerTls
 from atp.store import SqliteStore, StoreJournal, StoreUnavailable
@@ -164,7 +164,8 @@ class RouterConfig:
     authentication off, every caller is the tenant ``anonymous`` with every role
     (a local appliance only). ``keyring`` (or the legacy single ``hmac_key``)
     makes signed frames with a nonce and timestamp mandatory (§11;
-    :class:`~atp.security.signing.ReplayGuard`).
+    :class:`~atp.security.signing.DurableReplayGuard`: nonces kept in the store, so
+    a replay after a restart, on another worker or router is refused too).
 
     Tenant scopes (spec §11 AuthZ): a tenant without ``clients.<tenant>.max_streams``
     / ``rate`` in the RIB may have ``tenant_max_streams`` streams open and open
@@ -244,7 +245,6 @@ class RouterConfig:
     max_policy_bytes: int = 1024 * 1024
     max_ws_message_bytes: int = 16 * 1024 * 1024
     ws_deflate: bool = True
-    tls: ServerTls | None = None
     #: Bytes of request bodies a tenant may have in flight at once, every ingress
     #: together (atp.flow.body_budget; None: twice the larger body limit).
     tenant_body_bytes: int | None = None
@@ -252,6 +252,7 @@ class RouterConfig:
     #: at most ``ws_pending_per_peer`` such connections per peer address (atp.router.ws).
     ws_handshake_timeout_s: float = 10.0
     ws_pending_per_peer: int = 32
+    tls: ServerTls | None = None
     state_dir: Path | None = None
     state_sync: str = "NORMAL"
     state_retain_s: float = 7 * 24 * 3600.0
@@ -282,16 +283,16 @@ class RouterConfig:
     watch_debounce_ms: int = 300
     learn_rate_per_s: float = 10.0
     learn_burst: int = 200
-    #: A local checkout the router reads the after-diff files of a diff-only task
     #: The most of a shared statistic's quality weight one tenant may hold
     #: (atp.policy.learn.TenantShares; 1.0: no cap).
     learn_share: float = 0.25
+    #: A local checkout the router reads the after-diff files of a diff-only task
     #: from (``--repo``; the A2A server's plain-text diffs), confined to its root.
     repo: Path | None = None
     cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES
-    #: The store several routers share (issue 12, atp.router.cluster): ``"sqlite"``
     #: Bytes of the response cache one tenant's answers may hold (None: a quarter of ``cache_max_bytes``).
     cache_tenant_max_bytes: int | None = None
+    #: The store several routers share (issue 12, atp.router.cluster): ``"sqlite"``
     #: (the embedded one in ``state_dir``, this router alone) or a ``redis://``,
     #: ``rediss://`` or ``unix://`` URL; its keys live under ``store_namespace``.
     store: str = "sqlite"
@@ -338,7 +339,7 @@ class Router:
         #: The frame keys (§11): every inbound frame is verified and replay-checked.
         self.keyring: KeyRing | None = config.keyring or (
             KeyRing.single(config.hmac_key) if config.hmac_key is not None else None)
-        self.replay = ReplayGuard()
+        self.replay = DurableReplayGuard(self.store, self.keyring) if self.keyring is not None else None
         self.admission = StreamAdmission(
             default_max_streams=config.tenant_max_streams,
             default_rate=RateSpec(per_s=config.tenant_rate_per_s, burst=config.tenant_rate_burst),
@@ -565,12 +566,13 @@ class Router:
 
     def check_frame(self, frame: Frame, identity: Identity) -> None:
         """The replay window of a signed inbound frame (§11): fresh ``meta.nonce``
-        within ±120 s of ``meta.ts``, per (tenant, session). No-op without a
-        keyring. Raises ``LocalProtocolError(ESEC)``, audited."""
-        if self.keyring is None:
+        within ±120 s of ``meta.ts``, per (tenant, session) in memory, then per
+        (tenant, key id) in the store (one write; refused while the store fails).
+        No-op without a keyring. Raises ``LocalProtocolError(ESEC)``, audited."""
+        if self.replay is None:
             return
         try:
-            self.replay.check((identity.tenant, frame.session_id), frame, int(time.time() * 1000))
+            self.replay.check(identity.tenant, frame, int(time.time() * 1000))
         except LocalProtocolError as e:
             self.metrics.errors.labels(str(ErrorCode.ESEC)).inc()
             self.audit_event("esec", identity, {"session_id": frame.session_id, "stream_id": frame.stream_id,

@@ -12,6 +12,23 @@
   is outside ±``window_ms`` of the router's clock or whose nonce it has seen in the
   same session, with ``ESEC``. :func:`sign_outbound` adds both and seals a frame
   (SDK, test clients, downstream routers).
+* **Replay across restarts, workers and routers** (issue 19).
+  :class:`DurableReplayGuard` keeps the in-memory :class:`ReplayGuard` as a fast
+  first filter and makes the router's store the authority: each frame it lets
+  through costs one atomic :meth:`Store.record_nonce <atp.store.base.Store.record_nonce>`
+  of ``(tenant, key id, meta.nonce)`` — the key id that verified the ``sig``
+  (:func:`frame_kid`) — kept until ``meta.ts + window_ms + slack_ms`` (``slack_ms``:
+  the clock difference tolerated between routers sharing the store, default
+  :data:`DEFAULT_CLOCK_SLACK_MS`). So a signed frame replayed after a kill -9 and
+  restart, on another ``--workers`` process or on another router of a Redis
+  cluster is refused with ``ESEC``, like one replayed on its own connection.
+  A nonce is single-use per tenant and key, across sessions. Each tenant holds
+  at most ``max_per_tenant`` unexpired nonces (default
+  :data:`DEFAULT_MAX_NONCES_PER_TENANT`, about 370 signed frames a second
+  sustained with the default window); past it its frames are refused with
+  ``ESEC`` until some expire, so no tenant fills the store. While the store
+  cannot be reached (or fails) a signed frame is **refused** (``ESEC``, "replay
+  check unavailable"), never accepted unchecked.
 * **Signed usage summaries** (§19 billing abuse). :class:`UsageSigner` signs each
   stream's usage — ``{tenant, session_id, stream_id, tokens, usd_micros, calls,
   rib_version, closed_at_ms}`` — as a compact JWS (EdDSA with Ed25519: JWS ``alg``
@@ -29,12 +46,16 @@
   predating RFC 9864 knows the algorithm as ``EdDSA``: verify the same signature bytes
   with ``Ed25519`` keys under that name).
 
-:class:`ReplayGuard` is sans-IO: time is passed in (``now_ms``). :class:`UsageSigner`
-reads or creates its key file once, in :meth:`UsageSigner.load_or_create`.
+:class:`ReplayGuard` is sans-IO: time is passed in (``now_ms``);
+:class:`DurableReplayGuard` adds one synchronous store call per frame (SQLite
+about a kv write, Redis one round trip: ``bench/bench_replay.py``).
+:class:`UsageSigner` reads or creates its key file once, in
+:meth:`UsageSigner.load_or_create`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import secrets
@@ -43,7 +64,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import msgspec
 from cryptography.hazmat.primitives import serialization
@@ -53,19 +74,25 @@ from joserfc.errors import JoseError
 from joserfc.jwk import OKPKey
 from msgspec import Meta
 
+from atp.store.base import StoreError, StoreLimitError, StoreUnavailable
 from atp.wire.codec import LEGACY_KID, KeyRing, seal
 from atp.wire.errors import ErrorCode, LocalProtocolError
 from atp.wire.frame import Frame
 
 __all__ = [
+    "DEFAULT_CLOCK_SLACK_MS",
+    "DEFAULT_MAX_NONCES_PER_TENANT",
     "LEGACY_KID",
     "NONCE_RE",
+    "DurableReplayGuard",
     "KeyRing",
+    "NonceStore",
     "ReplayGuard",
     "ReplayStats",
     "UsageSignatureError",
     "UsageSigner",
     "UsageSummary",
+    "frame_kid",
     "sign_outbound",
     "verify_usage",
 ]
@@ -75,18 +102,34 @@ NONCE_RE = re.compile(r"^[A-Za-z0-9_-]{16,128}$")
 
 #: The default replay window: ``meta.ts`` within ±120 s of the router's clock (ms).
 DEFAULT_WINDOW_MS = 120_000
+#: How long a nonce stays in the store past its frame's window (ms): routers sharing
+#: a store whose clocks differ by less than this never accept a frame whose nonce
+#: record another one already dropped.
+DEFAULT_CLOCK_SLACK_MS = 30_000
+#: Unexpired nonces one tenant may hold in the store (with the default window and
+#: slack, a nonce lives at most 270 s: about 370 signed frames a second sustained).
+DEFAULT_MAX_NONCES_PER_TENANT = 100_000
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class ReplayStats:
     """``sessions`` held, ``nonces`` held over all sessions, ``refused`` frames so
     far, ``evicted_live`` sessions dropped while their nonces could still be
-    replayed (only when more than ``max_sessions`` were active within 2 windows)."""
+    replayed (only when more than ``max_sessions`` were active within 2 windows).
+    A :class:`DurableReplayGuard` also counts the frames its store refused:
+    ``store_replayed`` (a nonce recorded before: a restart, another worker or
+    router), ``store_full`` (the tenant at its bound) and ``store_unavailable``
+    (the store failed: refused unchecked)."""
 
     sessions: int
     nonces: int
     refused: int
     evicted_live: int
+    store_replayed: int = 0
+    store_full: int = 0
+    store_unavailable: int = 0
 
 
 class _Seen:
@@ -172,6 +215,14 @@ class ReplayGuard:
         if len(seen.nonces) > self.max_nonces:
             self._shrink(seen, now_ms)
 
+    def forget(self, key: Hashable, nonce: str) -> None:
+        """Drop ``nonce`` from session ``key`` (a frame accepted here that a later
+        check refused for another reason than a replay, so that the same frame
+        is judged again when it is sent again); nothing if it is not held."""
+        seen = self._sessions.get(key)
+        if seen is not None:
+            seen.nonces.pop(nonce, None)
+
     def _shrink(self, seen: _Seen, now_ms: int) -> None:
         """Drop nonces outside the window, then (still full) the oldest quarter by
         ``ts``, raising the session's floor to the newest ``ts`` dropped."""
@@ -213,6 +264,97 @@ class ReplayGuard:
             refused=self._refused,
             evicted_live=self._evicted_live,
         )
+
+
+def frame_kid(frame: Frame, keyring: KeyRing) -> str:
+    """The id of the key of ``keyring`` that verified ``frame``'s ``sig``: its
+    ``<kid>:`` prefix, or the ring's signing kid for a sig without one (what
+    :meth:`KeyRing.check` checks such a sig against). Call it after the codec
+    verified the frame."""
+    kid, sep, _ = (frame.sig or "").partition(":")
+    return kid if sep else keyring.signing_kid
+
+
+class NonceStore(Protocol):
+    """What :class:`DurableReplayGuard` needs of a store: :meth:`Store.record_nonce
+    <atp.store.base.Store.record_nonce>` (every :class:`~atp.store.base.Store` has it)."""
+
+    def record_nonce(self, tenant: str, kid: str, nonce: str, *, now_ms: int, expires_ms: int,
+                     max_per_tenant: int) -> bool: ...
+
+
+class DurableReplayGuard:
+    """The replay check of the router's signed inbound frames (spec §11, issue 19):
+    ``memory`` (a :class:`ReplayGuard`, per ``(tenant, session_id)``) first, then
+    one :meth:`NonceStore.record_nonce` of ``(tenant, key id, meta.nonce)`` in
+    ``store``, the authority shared by every process on it and kept across
+    restarts (module docstring).
+
+    ``check(tenant, frame, now_ms)`` accepts a frame once, after the codec
+    verified its signature with ``keyring``. Raises ``LocalProtocolError(ESEC)``
+    for what :meth:`ReplayGuard.check` refuses, a nonce the store holds (a
+    replay: "recorded before"), a tenant holding ``max_per_tenant`` nonces, and a
+    store that failed (refused, never accepted unchecked). A frame refused for
+    one of the last two reasons is forgotten by ``memory`` and may be sent again
+    (a store write that timed out may have recorded it: then sign it anew).
+    Raises ``ValueError`` for ``slack_ms < 1`` or ``max_per_tenant < 1``.
+    """
+
+    __slots__ = ("_full", "_replayed", "_unavailable", "keyring", "max_per_tenant", "memory", "slack_ms", "store")
+
+    def __init__(self, store: NonceStore, keyring: KeyRing, *, memory: ReplayGuard | None = None,
+                 slack_ms: int = DEFAULT_CLOCK_SLACK_MS, max_per_tenant: int = DEFAULT_MAX_NONCES_PER_TENANT):
+        if slack_ms < 1 or max_per_tenant < 1:
+            raise ValueError("slack_ms >= 1 and max_per_tenant >= 1 are required")
+        self.store = store
+        self.keyring = keyring
+        self.memory = memory if memory is not None else ReplayGuard()
+        self.slack_ms = slack_ms
+        self.max_per_tenant = max_per_tenant
+        self._replayed = self._full = self._unavailable = 0
+
+    @property
+    def window_ms(self) -> int:
+        """The timestamp window (ms), the in-memory guard's."""
+        return self.memory.window_ms
+
+    def check(self, tenant: str, frame: Frame, now_ms: int) -> None:
+        """Accept ``frame`` of ``tenant`` at router time ``now_ms`` (unix ms), or
+        raise ``LocalProtocolError(ESEC)`` (see the class docstring)."""
+        key = (tenant, frame.session_id)
+        self.memory.check(key, frame, now_ms)  # malformed, outside the window, replayed in this session
+        nonce: str = frame.meta["nonce"]
+        kid = frame_kid(frame, self.keyring)
+        try:
+            fresh = self.store.record_nonce(tenant, kid, nonce, now_ms=now_ms,
+                                            expires_ms=frame.meta["ts"] + self.memory.window_ms + self.slack_ms,
+                                            max_per_tenant=self.max_per_tenant)
+        except StoreLimitError:
+            self.memory.forget(key, nonce)
+            self._full += 1
+            raise LocalProtocolError(ErrorCode.ESEC, f"too many signed frames: this tenant already holds "
+                                     f"{self.max_per_tenant} nonces within the replay window; send again once "
+                                     f"some expired (at most {(2 * self.window_ms + self.slack_ms) // 1000} s)") \
+                from None
+        except StoreError as e:
+            self.memory.forget(key, nonce)
+            self._unavailable += 1
+            log.warning("replay check of a signed frame of %s failed, frame refused: %s", tenant, e)
+            what = "cannot be reached" if isinstance(e, StoreUnavailable) else "failed"
+            raise LocalProtocolError(ErrorCode.ESEC, f"replay check unavailable: the router's nonce store {what}; "
+                                     "the signed frame is refused rather than accepted unchecked — send it again "
+                                     "later") from None
+        if not fresh:
+            self._replayed += 1
+            raise LocalProtocolError(ErrorCode.ESEC, "replayed frame: meta.nonce was already used with this key "
+                                     "(recorded by this router before a restart, another worker or another router)")
+
+    def statistics(self) -> ReplayStats:
+        """The in-memory guard's :class:`ReplayStats` with the store's refusals."""
+        m = self.memory.statistics()
+        return ReplayStats(sessions=m.sessions, nonces=m.nonces, refused=m.refused + self._replayed + self._full
+                           + self._unavailable, evicted_live=m.evicted_live, store_replayed=self._replayed,
+                           store_full=self._full, store_unavailable=self._unavailable)
 
 
 def sign_outbound(frame: Frame, keyring: KeyRing, now_ms: int, *, nonce: str | None = None) -> Frame:

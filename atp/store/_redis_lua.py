@@ -57,6 +57,10 @@ Key layout under the prefix P (``<ns>:``):
 ``cut:<tenant>``    zset of that tenant's cache keys by last use
 ``l:<owner>``       lease (info JSON), SET PX ttl; ``ls``: set of leased owners
 ``cl:<name>``       claim: its holder, SET PX ttl
+``nz:<json>``       zset of a tenant's nonces of signed frames (json = JSON
+                    [tenant]): member JSON [kid, nonce], score its expiry
+                    (Unix ms, the callers' clock); PX TTL until the last
+                    expires
 ==================  =======================================================
 """
 
@@ -179,16 +183,16 @@ local function remove(hex)
   local sz = redis.call('HGET', P .. 'cz', hex)
   if not sz then return 0 end
   redis.call('HDEL', P .. 'cz', hex)
-  redis.call('DEL', P .. 'c:' .. hex)
-  redis.call('ZREM', P .. 'cu', hex)
-  redis.call('ZREM', P .. 'cx', hex)
-  redis.call('HINCRBY', P .. 'ct', 'n', -1)
   local owner = redis.call('HGET', P .. 'co', hex)
   if owner then
     redis.call('HDEL', P .. 'co', hex)
     redis.call('ZREM', P .. 'cut:' .. owner, hex)
     redis.call('HINCRBY', P .. 'ctb', owner, I(-tonumber(sz)))
   end
+  redis.call('DEL', P .. 'c:' .. hex)
+  redis.call('ZREM', P .. 'cu', hex)
+  redis.call('ZREM', P .. 'cx', hex)
+  redis.call('HINCRBY', P .. 'ct', 'n', -1)
   redis.call('HINCRBY', P .. 'ct', 'b', I(-tonumber(sz)))
   return 1
 end
@@ -604,6 +608,8 @@ if not h[1] or tonumber(h[2]) <= tonumber(A[2]) then return false end
 if tonumber(h[3]) < tonumber(A[2]) then
   redis.call('HSET', k, 'u', A[2])
   redis.call('ZADD', P .. 'cu', A[2], A[1])
+  local owner = redis.call('HGET', P .. 'co', A[1])
+  if owner then redis.call('ZADD', P .. 'cut:' .. owner, A[2], A[1]) end
 end
 return h[1]
 """),
@@ -611,15 +617,13 @@ return h[1]
     # -> {stored, expired, evicted, entries, bytes}. With a tenant max: the tenant's own
     # least recently used entries go (zset cut:<tenant>, bytes in hash ctb), never
     # another tenant's; the value is not stored when the whole cache cannot hold it.
-  local owner = redis.call('HGET', P .. 'co', A[1])
-  if owner then redis.call('ZADD', P .. 'cut:' .. owner, A[2], A[1]) end
     "cache_put": (_CACHE, """
 local hex, value, now, expires, max = A[1], A[2], tonumber(A[4]), tonumber(A[5]), tonumber(A[6])
+local tmax = tonumber(A[7])
 local expired = 0
 for _, k in ipairs(redis.call('ZRANGEBYSCORE', P .. 'cx', '-inf', A[4])) do expired = expired + remove(k) end
 remove(hex)
 local size = string.len(value)
-local tmax = tonumber(A[7])
 local stored = 0
 local evicted = 0
 local fits = size <= max
@@ -652,15 +656,14 @@ if fits then
   redis.call('ZADD', P .. 'cx', A[5], hex)
   redis.call('HINCRBY', P .. 'ct', 'n', 1)
   redis.call('HINCRBY', P .. 'ct', 'b', I(size))
-end
-local evicted = 0
-local total = tonumber(redis.call('HGET', P .. 'ct', 'b') or '0')
-if not tmax and total > max then
   if tmax then
     redis.call('HSET', P .. 'co', hex, A[3])
     redis.call('ZADD', P .. 'cut:' .. A[3], A[4], hex)
     redis.call('HINCRBY', P .. 'ctb', A[3], I(size))
   end
+end
+local total = tonumber(redis.call('HGET', P .. 'ct', 'b') or '0')
+if not tmax and total > max then
   local excess, victims, start = total - max, {}, 0
   while excess > 0 do
     local page = redis.call('ZRANGE', P .. 'cu', start, start + 99)
@@ -685,6 +688,21 @@ return remove(A[1])
     "cache_stats": ("", """
 local t = redis.call('HMGET', P .. 'ct', 'n', 'b')
 return {tonumber(t[1] or '0'), tonumber(t[2] or '0')}
+"""),
+    # ------------------------------------------------------------ replay nonces
+    # A: JSON [tenant], JSON [kid, nonce], now ms, expires ms, max per tenant, sweep
+    # -> 1 fresh (recorded) | 0 replayed (an unexpired record) | -1 the tenant is at its bound
+    "nonce_put": ("", """
+local zk, member, now = P .. 'nz:' .. A[1], A[2], tonumber(A[3])
+local gone = redis.call('ZRANGEBYSCORE', zk, '-inf', A[3], 'LIMIT', 0, tonumber(A[6]))
+if #gone > 0 then redis.call('ZREM', zk, unpack(gone)) end
+local seen = redis.call('ZSCORE', zk, member)
+if seen and tonumber(seen) > now then return 0 end
+if redis.call('ZCOUNT', zk, '(' .. A[3], '+inf') >= tonumber(A[5]) then return -1 end
+redis.call('ZADD', zk, A[4], member)
+local last = redis.call('ZRANGE', zk, -1, -1, 'WITHSCORES')
+redis.call('PEXPIRE', zk, I(math.max(1, tonumber(last[2]) - now)))
+return 1
 """),
 }
 

@@ -19,6 +19,13 @@ configured; see there). It holds
 * the **response cache** (spec §13, :mod:`atp.policy.cache`): values under
   32-byte content keys with their tenant (None: shared), expiry and last use,
   bounded in bytes (expired first, then least recently used, are dropped).
+* the **nonces of signed frames** (spec §11 replay, issue 19): each
+  ``(tenant, key id, meta.nonce)`` a router accepted, until the end of its
+  timestamp window (:meth:`Store.record_nonce`), so a frame replayed after a
+  restart, on another worker or on another router of the store is refused.
+  Bounded: at most ``max_per_tenant`` unexpired nonces per tenant (past it the
+  call is refused, nothing stored), expired ones swept a bounded batch at a time
+  (:data:`NONCE_SWEEP` per call).
 
 Recovery after a crash (:meth:`Store.recover`, :meth:`Store.interrupt_open_streams`):
 a reservation still open belonged to a call whose outcome is unknown — it may
@@ -74,6 +81,8 @@ from atp.security.audit import AuditCheckpoint, AuditRecord
 from atp.wire.frame import Budget, QoS
 
 __all__ = [
+    "NONCE_FIELD_MAX",
+    "NONCE_SWEEP",
     "CachePut",
     "CacheStats",
     "NotFound",
@@ -89,6 +98,12 @@ __all__ = [
 ]
 
 StreamState = Literal["open", "closed", "interrupted"]
+
+#: Expired nonces each :meth:`Store.record_nonce` call removes at most (a bounded
+#: sweep: every call adds one and removes up to this many, so a backlog shrinks).
+NONCE_SWEEP = 32
+#: The longest tenant, key id or nonce :meth:`Store.record_nonce` stores (characters).
+NONCE_FIELD_MAX = 256
 
 
 class StoreError(Exception):
@@ -320,6 +335,27 @@ class Store(ABC):
         changed the key meanwhile, ``fn`` is called again on the new value
         (keep it pure). Returns the value stored (``None``: deleted)."""
 
+    # ------------------------------------------- replay nonces (signed frames)
+    @abstractmethod
+    def record_nonce(self, tenant: str, kid: str, nonce: str, *, now_ms: int, expires_ms: int,
+                     max_per_tenant: int) -> bool:
+        """Atomically record that ``tenant`` used ``nonce`` in a frame signed with
+        key ``kid`` (spec §11 replay), kept until ``expires_ms`` (Unix ms: the end
+        of the frame's timestamp window; the caller adds its clock slack). Returns
+        True when it was fresh (now recorded), False when an unexpired record of
+        the same ``(tenant, kid, nonce)`` exists — a replay, nothing changed. The
+        key is the three strings as such: no separator a client-chosen id could
+        forge. ``now_ms`` is the caller's Unix ms: records with ``expires_ms <=
+        now_ms`` are gone for it, and up to :data:`NONCE_SWEEP` of them are swept
+        by the call.
+
+        Raises :class:`StoreLimitError` (``limit`` ``"nonces_per_tenant"``, nothing
+        recorded) when ``tenant`` already holds ``max_per_tenant`` unexpired
+        nonces, ``ValueError`` for an empty or over-long (:data:`NONCE_FIELD_MAX`)
+        field, ``expires_ms <= now_ms`` or ``max_per_tenant < 1``, and
+        :class:`StoreUnavailable` as every call (the caller must then refuse
+        the frame: it cannot tell a replay)."""
+
     # ------------------------------------------------------------------ streams
     @abstractmethod
     def put_stream(self, record: StreamRecord) -> None:
@@ -501,6 +537,24 @@ class Store(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_nonce_args(tenant: str, kid: str, nonce: str, now_ms: int, expires_ms: int, max_per_tenant: int) -> None:
+    """The argument checks of :meth:`Store.record_nonce` (every backend's):
+    ``ValueError`` naming the first one that fails."""
+    for name, v in (("tenant", tenant), ("kid", kid), ("nonce", nonce)):
+        if not isinstance(v, str) or not 0 < len(v) <= NONCE_FIELD_MAX:
+            raise ValueError(f"record_nonce: {name} must be a string of 1-{NONCE_FIELD_MAX} characters")
+    if expires_ms <= now_ms:
+        raise ValueError(f"record_nonce: expires_ms ({expires_ms}) must be after now_ms ({now_ms})")
+    if max_per_tenant < 1:
+        raise ValueError(f"record_nonce: max_per_tenant must be >= 1, got {max_per_tenant}")
+
+
+def nonce_limit_error(tenant: str, max_per_tenant: int) -> StoreLimitError:
+    """The :class:`StoreLimitError` of a tenant holding ``max_per_tenant`` nonces."""
+    return StoreLimitError("nonces_per_tenant", f"tenant {tenant!r} already holds {max_per_tenant} unexpired nonces "
+                                                "of signed frames (the store's bound per tenant)")
 
 
 class StoreJournal:

@@ -60,6 +60,14 @@ anything is sent), ``max_events_per_stream``, the last :data:`RIB_KEPT` RIBs;
 children) in steps of :data:`EXPIRE_STEP` streams per script; the response
 cache is bounded by each ``cache_put``'s ``max_bytes`` (least recently used
 dropped first) and its entries carry a ``PX`` TTL until they expire.
+The nonces of signed frames (:meth:`RedisStore.record_nonce`) live in one
+sorted set per tenant, scored by expiry (one atomic script: sweep up to
+:data:`~atp.store.base.NONCE_SWEEP` expired members, ``ZSCORE`` the nonce,
+``ZCOUNT`` the unexpired ones against the call's ``max_per_tenant``, ``ZADD``);
+the set carries a ``PX`` TTL until its last nonce expires, so a tenant gone
+quiet leaves nothing behind. Its key and members are JSON arrays (``[tenant]``,
+``[kid, nonce]``), like the stream keys: an id holding ``:`` cannot forge
+another's. Expiry is by the callers' clocks (Unix ms, the frames' own window).
 
 Errors: the :mod:`atp.store.base` ones, like SQLite (``NotFound``,
 ``StoreLimitError``, ``StoreError``); ``SchemaError`` for a namespace written by
@@ -98,6 +106,7 @@ from atp.flow.budget import (
 from atp.security.audit import GENESIS, AuditCheckpoint, AuditRecord
 from atp.store._redis_lua import LAYOUT_VERSION, OPEN, SCRIPTS
 from atp.store.base import (
+    NONCE_SWEEP,
     CachePut,
     CacheStats,
     NotFound,
@@ -108,6 +117,8 @@ from atp.store.base import (
     StoreLimitError,
     StoreUnavailable,
     StreamRecord,
+    check_nonce_args,
+    nonce_limit_error,
 )
 from atp.store.sqlite import RIB_KEPT, _remaining, _totals, ledger_snapshot
 
@@ -512,6 +523,16 @@ class RedisStore(Store):
         if ttl_ms < 1:
             raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
         return bool(self._run("claim", name, holder, ttl_ms))
+
+    # ------------------------------------------- replay nonces (signed frames)
+    def record_nonce(self, tenant: str, kid: str, nonce: str, *, now_ms: int, expires_ms: int,
+                     max_per_tenant: int) -> bool:
+        check_nonce_args(tenant, kid, nonce, now_ms, expires_ms, max_per_tenant)
+        got = int(self._run("nonce_put", msgspec.json.encode([tenant]), msgspec.json.encode([kid, nonce]), now_ms,
+                            expires_ms, max_per_tenant, NONCE_SWEEP))
+        if got < 0:
+            raise nonce_limit_error(tenant, max_per_tenant)
+        return got == 1
 
     # ------------------------------------------------------------------ streams
     def put_stream(self, record: StreamRecord) -> None:

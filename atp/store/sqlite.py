@@ -24,7 +24,13 @@ drops finished streams and their events; the RIB history keeps the last
 :data:`RIB_KEPT` versions. The audit table and its checkpoints (one per
 checkpoint interval) are never pruned (append-only). The response cache is
 bounded by the ``max_bytes`` each ``cache_put`` passes (expired entries first,
-then the least recently used).
+then the least recently used). The nonces of signed frames
+(:meth:`SqliteStore.record_nonce`, one ``INSERT`` in one ``BEGIN IMMEDIATE``
+transaction, so workers on the file agree) are bounded by the
+``max_per_tenant`` each call passes (a per-tenant count row checks it in O(1));
+each call sweeps up to :data:`~atp.store.base.NONCE_SWEEP` expired rows, oldest
+first (index on the expiry), and before a tenant at its bound is refused up to
+:data:`NONCE_FULL_SWEEP` more.
 
 Several processes (``atp-router --workers N``): every worker opens the same file
 with ``multiprocess=True``. SQLite's WAL lets them read at once and serialises
@@ -59,6 +65,7 @@ import math
 import os
 import sqlite3
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,6 +85,7 @@ from atp.flow.budget import (
 )
 from atp.security.audit import GENESIS, AuditCheckpoint, AuditRecord
 from atp.store.base import (
+    NONCE_SWEEP,
     CachePut,
     CacheStats,
     NotFound,
@@ -87,6 +95,8 @@ from atp.store.base import (
     StoreError,
     StoreLimitError,
     StreamRecord,
+    check_nonce_args,
+    nonce_limit_error,
 )
 
 __all__ = ["RIB_KEPT", "SCHEMA_VERSION", "SqliteStore", "ledger_snapshot"]
@@ -137,6 +147,8 @@ _CACHE_SCHEMA = [
      "size INTEGER NOT NULL, created_ms INTEGER NOT NULL, expires_ms INTEGER NOT NULL, used_ms INTEGER NOT NULL)"),
     "CREATE INDEX IF NOT EXISTS cache_used ON cache (used_ms)",
     "CREATE INDEX IF NOT EXISTS cache_expires ON cache (expires_ms)",
+    # Each tenant's own entries by last use (the per-tenant budget, cache_put's tenant_max_bytes).
+    "CREATE INDEX IF NOT EXISTS cache_tenant_used ON cache (tenant, used_ms)",
     ("CREATE TABLE IF NOT EXISTS cache_total (id INTEGER PRIMARY KEY CHECK (id = 0), entries INTEGER NOT NULL, "
      "bytes INTEGER NOT NULL)"),
     "INSERT OR IGNORE INTO cache_total (id, entries, bytes) VALUES (0, 0, 0)",
@@ -147,9 +159,21 @@ _CACHE_SCHEMA = [
 _LEASE_SCHEMA = [
     "CREATE TABLE IF NOT EXISTS lease (owner TEXT PRIMARY KEY, expires_ms INTEGER NOT NULL, info TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS claim (name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires_ms INTEGER NOT NULL)",
-    # Each tenant's own entries by last use (the per-tenant budget, cache_put's tenant_max_bytes).
-    "CREATE INDEX IF NOT EXISTS cache_tenant_used ON cache (tenant, used_ms)",
 ]
+
+# Nonces of signed frames (issue 19: replay across restarts and workers), in any
+# schema version like the cache: one row per (tenant, kid, nonce) until it expires;
+# ``nonce_count`` keeps each tenant's rows (moved in the same transaction as every
+# insert and delete: an O(1) check of the per-tenant bound); ``nonce_expires``
+# serves the sweep. Two B-trees and a count row: a record costs about a kv put.
+_NONCE_SCHEMA = [
+    ("CREATE TABLE IF NOT EXISTS nonce (tenant TEXT NOT NULL, kid TEXT NOT NULL, nonce TEXT NOT NULL, "
+     "expires_ms INTEGER NOT NULL, PRIMARY KEY (tenant, kid, nonce)) WITHOUT ROWID"),
+    "CREATE INDEX IF NOT EXISTS nonce_expires ON nonce (expires_ms)",
+    "CREATE TABLE IF NOT EXISTS nonce_count (tenant TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID",
+]
+#: Expired nonces (oldest first, any tenant) swept before a tenant at its bound is refused.
+NONCE_FULL_SWEEP = 4096
 
 # A stream read by its id alone (``find_stream``: GET /v1/streams/{id}/events of a
 # stream no longer in the router's memory, or of an unknown id), in any schema
@@ -561,6 +585,33 @@ class SqliteStore(Store):
         with self._lock:
             return SharedResult(totals=_totals(_open_chain(self._conn, key)))
 
+    # ------------------------------------------- replay nonces (signed frames)
+    def record_nonce(self, tenant: str, kid: str, nonce: str, *, now_ms: int, expires_ms: int,
+                     max_per_tenant: int) -> bool:
+        check_nonce_args(tenant, kid, nonce, now_ms, expires_ms, max_per_tenant)
+        with self._tx() as c:
+            _sweep_nonces(c, "expires_ms <= ? ORDER BY expires_ms LIMIT ?", (now_ms, NONCE_SWEEP))
+            row = c.execute("SELECT expires_ms FROM nonce WHERE tenant = ? AND kid = ? AND nonce = ?",
+                            (tenant, kid, nonce)).fetchone()
+            if row is not None:
+                if row[0] > now_ms:
+                    return False
+                _sweep_nonces(c, "tenant = ? AND kid = ? AND nonce = ?", (tenant, kid, nonce))
+            held = _nonces_held(c, tenant)
+            if held >= max_per_tenant:
+                _sweep_nonces(c, "expires_ms <= ? ORDER BY expires_ms LIMIT ?", (now_ms, NONCE_FULL_SWEEP))
+                held = _nonces_held(c, tenant)
+            # At the bound: nothing recorded, the sweeps kept (committed), refused below.
+            full = held >= max_per_tenant
+            if not full:
+                c.execute("INSERT INTO nonce (tenant, kid, nonce, expires_ms) VALUES (?, ?, ?, ?)",
+                          (tenant, kid, nonce, expires_ms))
+                c.execute("INSERT INTO nonce_count (tenant, n) VALUES (?, 1) "
+                          "ON CONFLICT (tenant) DO UPDATE SET n = n + 1", (tenant,))
+        if full:
+            raise nonce_limit_error(tenant, max_per_tenant)
+        return True
+
     # ------------------------------------------------------------------ streams
     def put_stream(self, record: StreamRecord) -> None:
         key = (record.tenant, record.session_id, record.stream_id)
@@ -753,6 +804,9 @@ class SqliteStore(Store):
             # Expired entries first (the one replaced here too, if it expired), then the replaced one.
             expired = _cache_remove(c, "DELETE FROM cache WHERE expires_ms <= ? RETURNING size", (now_ms,))
             _cache_remove(c, "DELETE FROM cache WHERE key = ? RETURNING size", (key,))
+            if tenant_max_bytes is not None:
+                return _cache_put_own(c, key, value, tenant or "", now_ms, expires_ms, max_bytes,
+                                      tenant_max_bytes, expired)
             stored = size <= max_bytes
             if stored:
                 c.execute("INSERT INTO cache (key, tenant, value, size, created_ms, expires_ms, used_ms) "
@@ -804,9 +858,6 @@ def ledger_snapshot(accts: list[tuple], res: list[Reservation], next_id: int) ->
         held[r.key][2] += 1
         for k in chain(r.key):
             held[k][0] += r.tokens
-            if tenant_max_bytes is not None:
-                return _cache_put_own(c, key, value, tenant or "", now_ms, expires_ms, max_bytes,
-                                      tenant_max_bytes, expired)
             held[k][1] += r.usd_micros
     states = [
         AccountState(key=k, parent=p, limit=Allowance(tokens=lt, usd_micros=lu), reserved_tokens=held[k][0],
@@ -819,6 +870,43 @@ def ledger_snapshot(accts: list[tuple], res: list[Reservation], next_id: int) ->
                           next_id=max(next_id, max((r.id for r in res), default=0) + 1))
 
 
+def _cache_put_own(c: sqlite3.Connection, key: bytes, value: bytes, tenant: str, now_ms: int, expires_ms: int,
+                   max_bytes: int, tenant_max_bytes: int, expired: int) -> CachePut:
+    """``cache_put`` with a per-tenant budget (after expired entries and the
+    replaced one are gone): the value is refused when over ``tenant_max_bytes``;
+    else ``tenant``'s own least recently used entries go until its entries and
+    the value fit in ``tenant_max_bytes`` and the whole cache in ``max_bytes``;
+    it is stored only if the cache then holds it — another tenant's entry is
+    never evicted."""
+    size = len(value)
+    evicted = 0
+    stored = size <= min(tenant_max_bytes, max_bytes)
+    if stored:
+        (own,) = c.execute("SELECT COALESCE(SUM(size), 0) FROM cache WHERE tenant = ?", (tenant,)).fetchone()
+        (total,) = c.execute("SELECT bytes FROM cache_total").fetchone()
+        # Room is made from the tenant's own entries only: for its budget and, when
+        # the whole cache is full, for the cache's bound.
+        excess = max(own + size - tenant_max_bytes, total + size - max_bytes)
+        if excess > 0:
+            victims: list[bytes] = []
+            for k, n in c.execute("SELECT key, size FROM cache WHERE tenant = ? ORDER BY used_ms, created_ms",
+                                  (tenant,)):
+                if excess <= 0:
+                    break
+                victims.append(k)
+                excess -= n
+            for k in victims:
+                evicted += _cache_remove(c, "DELETE FROM cache WHERE key = ? RETURNING size", (k,))
+        (total,) = c.execute("SELECT bytes FROM cache_total").fetchone()
+        stored = total + size <= max_bytes
+    if stored:
+        c.execute("INSERT INTO cache (key, tenant, value, size, created_ms, expires_ms, used_ms) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?)", (key, tenant, value, size, now_ms, expires_ms, now_ms))
+        c.execute("UPDATE cache_total SET entries = entries + 1, bytes = bytes + ?", (size,))
+    entries, total = c.execute("SELECT entries, bytes FROM cache_total").fetchone()
+    return CachePut(stored=stored, expired=expired, evicted=evicted, stats=CacheStats(entries, total))
+
+
 def _cache_remove(c: sqlite3.Connection, sql: str, args: tuple) -> int:
     """Run a ``DELETE … FROM cache … RETURNING size`` and take what it removed off
     the cache's totals; returns how many entries it removed."""
@@ -826,6 +914,25 @@ def _cache_remove(c: sqlite3.Connection, sql: str, args: tuple) -> int:
     if sizes:
         c.execute("UPDATE cache_total SET entries = entries - ?, bytes = bytes - ?", (len(sizes), sum(sizes)))
     return len(sizes)
+
+
+def _sweep_nonces(c: sqlite3.Connection, where: str, args: tuple) -> int:
+    """Delete the nonce rows ``SELECT … FROM nonce WHERE <where>`` names and take
+    them off their tenants' counts (rows of a count at 0 dropped); returns how
+    many it deleted."""
+    tenants = [r[0] for r in c.execute(
+        "DELETE FROM nonce WHERE (tenant, kid, nonce) IN "
+        f"(SELECT tenant, kid, nonce FROM nonce WHERE {where}) RETURNING tenant", args)]
+    if tenants:
+        by = Counter(tenants)
+        c.executemany("UPDATE nonce_count SET n = n - ? WHERE tenant = ?", [(n, t) for t, n in by.items()])
+        c.executemany("DELETE FROM nonce_count WHERE tenant = ? AND n <= 0", [(t,) for t in by])
+    return len(tenants)
+
+
+def _nonces_held(c: sqlite3.Connection, tenant: str) -> int:
+    row = c.execute("SELECT n FROM nonce_count WHERE tenant = ?", (tenant,)).fetchone()
+    return 0 if row is None else row[0]
 
 
 def _open_account(c: sqlite3.Connection, key: str, parent: str | None, limit: Allowance, *,
@@ -870,43 +977,6 @@ def _free(limit: int | None, committed: int, reserved: int) -> float:
 
 def _remaining(rows: list[tuple]) -> Allowance:
     t = min(_free(r[1], r[3], r[5]) for r in rows)
-def _cache_put_own(c: sqlite3.Connection, key: bytes, value: bytes, tenant: str, now_ms: int, expires_ms: int,
-                   max_bytes: int, tenant_max_bytes: int, expired: int) -> CachePut:
-    """``cache_put`` with a per-tenant budget (after expired entries and the
-    replaced one are gone): the value is refused when over ``tenant_max_bytes``;
-    else ``tenant``'s own least recently used entries go until its entries and
-    the value fit in ``tenant_max_bytes`` and the whole cache in ``max_bytes``;
-    it is stored only if the cache then holds it — another tenant's entry is
-    never evicted."""
-    size = len(value)
-    evicted = 0
-    stored = size <= min(tenant_max_bytes, max_bytes)
-    if stored:
-        (own,) = c.execute("SELECT COALESCE(SUM(size), 0) FROM cache WHERE tenant = ?", (tenant,)).fetchone()
-        (total,) = c.execute("SELECT bytes FROM cache_total").fetchone()
-        # Room is made from the tenant's own entries only: for its budget and, when
-        # the whole cache is full, for the cache's bound.
-        excess = max(own + size - tenant_max_bytes, total + size - max_bytes)
-        if excess > 0:
-            victims: list[bytes] = []
-            for k, n in c.execute("SELECT key, size FROM cache WHERE tenant = ? ORDER BY used_ms, created_ms",
-                                  (tenant,)):
-                if excess <= 0:
-                    break
-                victims.append(k)
-                excess -= n
-            for k in victims:
-                evicted += _cache_remove(c, "DELETE FROM cache WHERE key = ? RETURNING size", (k,))
-        (total,) = c.execute("SELECT bytes FROM cache_total").fetchone()
-        stored = total + size <= max_bytes
-    if stored:
-        c.execute("INSERT INTO cache (key, tenant, value, size, created_ms, expires_ms, used_ms) "
-                  "VALUES (?, ?, ?, ?, ?, ?, ?)", (key, tenant, value, size, now_ms, expires_ms, now_ms))
-        c.execute("UPDATE cache_total SET entries = entries + 1, bytes = bytes + ?", (size,))
-    entries, total = c.execute("SELECT entries, bytes FROM cache_total").fetchone()
-    return CachePut(stored=stored, expired=expired, evicted=evicted, stats=CacheStats(entries, total))
-
-
     u = min(_free(r[2], r[4], r[6]) for r in rows)
     return Allowance(tokens=None if t == math.inf else int(t), usd_micros=None if u == math.inf else int(u))
 
@@ -985,7 +1055,7 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> None:
                 for key, t, u in conn.execute("SELECT account, tokens, usd_micros FROM reservation").fetchall():
                     conn.execute(_CHAIN_UPDATE, {"key": key, **_moves(rt=t, ru=u)})
                 conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
-        for stmt in _CACHE_SCHEMA + _STREAM_READS + _LEASE_SCHEMA:
+        for stmt in _CACHE_SCHEMA + _STREAM_READS + _LEASE_SCHEMA + _NONCE_SCHEMA:
             conn.execute(stmt)
     except BaseException:
         conn.execute("ROLLBACK")
