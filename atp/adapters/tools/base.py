@@ -11,10 +11,14 @@ A :class:`ToolAdapter` turns a ``code_review`` prompt (``content = {"diff": str,
    files none of which ``files`` holds is refused — reviewing nothing is not "no
    findings" — and the ones missing beside others are named in the summary),
    with ``scope="file"`` all;
-3. write them into a private temporary directory, run the analyser there as a
-   subprocess (no shell, a minimal environment, its own process group; binary
-   found next to ``sys.executable`` first, then on ``PATH``) under resource
-   limits, and parse its JSON off the event loop;
+3. write them into a private temporary directory and run the analyser on them in
+   a sandbox of its own (:mod:`atp.adapters.tools.sandbox`: bubblewrap user, PID,
+   network, mount, IPC and UTS namespaces, no capabilities, a uid no other run
+   shares, only the interpreter's and the tool's installation read-only and a
+   size-bounded private copy of the files writable, an explicit minimal
+   environment, a cgroup or rlimits; binary found next to ``sys.executable``
+   first, then on ``PATH``) under the limits below, and parse its JSON off the
+   event loop;
 4. with ``scope="changed"``, keep only findings that touch a changed line
    (± ``context`` lines), number them (``ref`` 1, 2, …) and yield the report with
    zero usage: tools cost no tokens and no USD.
@@ -33,8 +37,13 @@ field                       default     bounds
                                         all its threads; SIGXCPU, then SIGKILL 1 s later)
 ``address_space_bytes``     2 GiB       virtual memory of the analyser (``RLIMIT_AS``)
 ``output_bytes``            16 MiB      stdout + stderr read from the analyser; past it the
-                                        process group is killed
+                                        sandbox is killed
 ``timeout_s``               60 s        wall clock of one analyser run; then killed
+``max_procs``               256         processes and threads of one run together (the run's
+                                        ``pids`` cgroup, or ``RLIMIT_NPROC`` in its user
+                                        namespace)
+``max_write_bytes``         64 MiB      bytes one run may write beyond its copy of the files
+                                        (its private ``/tmp`` tmpfs; ``RLIMIT_FSIZE``)
 ==========================  ==========  =====================================================
 
 The defaults fit code review: real Python code is ~30 bytes a line, so 1 MiB is
@@ -45,25 +54,38 @@ in ``files`` are never written nor analysed and only count toward ``max_files``.
 
 Errors (spec §10). Failures the client's input caused are
 :class:`~atp.wire.errors.ClientInputError` (``EPROTO``, ``client_fault``; never
-counted against the next-hop): a refused path or non-text file, content that is
-not a ``code_review`` body, a task over a limit, and an analyser run that hit its
-CPU, address-space or output limit on that input — the reason names the limit
-and its value. The analyser's own failures are ``AgentError``: missing or exiting
-abnormally → ``EAGENTDOWN``; past ``timeout_s`` → ``ETIMEOUT``; output that is not
-the JSON the analyser documents → ``EPROTO``. Reasons quote the tail of the
-analyser's stderr with the work directory's path masked. Cancellation (the
-dispatcher's deadline, an RST) kills the analyser's process group at once.
+counted against the next-hop): a refused path (also one deeper than
+:data:`MAX_PATH_DEPTH` components or longer than :data:`MAX_PATH_CHARS`) or
+non-text file, content that is not a ``code_review`` body, a task over a limit,
+an analyser run that hit its CPU, address-space, memory or output limit on that
+input — the reason names the limit and its value — and any exception the task's
+content raises in the adapter itself (``RecursionError``, ``MemoryError``).
+
+**Faults are attributed.** A run past ``timeout_s`` or an abnormal exit (a crash,
+a signal, an unexpected status) may be the task's doing or the analyser's: the
+adapter then runs a **canary** — a small, well-formed file
+(:attr:`ToolAdapter.canary_files`) through the same analyser in the same sandbox
+under the same limits; its verdict is kept :data:`CANARY_TTL_S` seconds, and one
+canary runs at a time. When the canary runs clean the failure is the task's:
+``ClientInputError`` (``ETIMEOUT`` for the wall clock, else ``EPROTO``; no
+breaker count, no retry, no reroute); only when the canary fails too is it the
+next-hop's ``AgentError`` (``ETIMEOUT`` / ``EAGENTDOWN``). The analyser's own
+failures otherwise: missing → ``EAGENTDOWN``; no sandbox here
+(:class:`~atp.adapters.tools.sandbox.SandboxUnavailable`, which already refuses
+the adapter at construction, i.e. the RIB at load) → ``EAGENTDOWN``; output that
+is not the JSON the analyser documents → ``EPROTO``. Reasons quote the tail of
+the analyser's stderr with the work directory's path masked. Cancellation (the
+dispatcher's deadline, an RST) kills the sandbox at once; the work directory
+(``atp-tool-*``) is removed on every way out.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
 import os
 import posixpath
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -80,14 +102,19 @@ import trio
 
 from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
 from atp.adapters.openai_compat import CallStats
+from atp.adapters.tools.sandbox import Sandbox, SandboxUnavailable
 from atp.consensus.types import AgentFinding, AgentReport, Usage
 from atp.review.diff import changed_lines_of
 from atp.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
 __all__ = [
+    "CANARY_TTL_S",
     "DEFAULT_LIMITS",
     "LIMIT_OPTIONS",
+    "MAX_PATH_CHARS",
+    "MAX_PATH_DEPTH",
+    "InDoubt",
     "InThreadToolAdapter",
     "ToolAdapter",
     "ToolLimits",
@@ -98,6 +125,7 @@ __all__ = [
     "longest_prefix",
     "relative",
     "safe_relpath",
+    "tenant_fault",
 ]
 
 KiB = 1024
@@ -105,11 +133,18 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 _STDERR_TAIL = 400
-# What an analyser needs from the router's environment; API keys and other
-# secrets stay out of the subprocess.
-_ENV_KEEP = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR")
+# What an analyser may keep of the router's environment (the locale); the sandbox
+# gives it PATH, HOME and TMPDIR of its own, and API keys and other secrets
+# never reach it.
+_ENV_KEEP = ("LANG", "LC_ALL", "LC_CTYPE")
+#: A file path of a task has at most this many components …
+MAX_PATH_DEPTH = 64
+#: … and at most this many characters (each component at most 255 UTF-8 bytes).
+MAX_PATH_CHARS = 1024
+_NAME_MAX = 255
+#: Seconds a canary's verdict on a next-hop is kept (module docstring).
+CANARY_TTL_S = 30.0
 _DRIVE_RE = re.compile(r"^[A-Za-z]:")
-_READ_CHUNK = 64 * KiB
 # Items decoded between two releases of the GIL while parsing (a few hundred µs
 # of work): the event loop thread waits at most that long for it.
 _ITEMS_PER_YIELD = 64
@@ -143,6 +178,8 @@ class ToolLimits:
     address_space_bytes: int = 2 * GiB
     output_bytes: int = 16 * MiB
     timeout_s: float = 60.0
+    max_procs: int = 256
+    max_write_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -189,12 +226,21 @@ def safe_relpath(path: object) -> str:
     the directory it is joined to; raise ``ClientInputError(EPROTO)`` otherwise.
 
     Refused: non-strings, empty, absolute (``/x``, ``C:x``), any ``..`` component,
-    backslashes (a Windows separator here would mean something else), NUL, and
+    backslashes (a Windows separator here would mean something else), NUL,
     non-normal forms (``./x``, ``a//b``) that would make the tool's paths differ
-    from the diff's.
+    from the diff's, and paths deeper than :data:`MAX_PATH_DEPTH` components,
+    longer than :data:`MAX_PATH_CHARS` characters or with a component over 255
+    UTF-8 bytes (checked first, before any other work on the path).
     """
     if not isinstance(path, str) or not path:
         raise ClientInputError(f"file path must be a non-empty string, got {path!r:.80}")
+    if len(path) > MAX_PATH_CHARS:
+        raise ClientInputError(f"refused file path {path[:80]!r}…: longer than {MAX_PATH_CHARS:,} characters")
+    parts = path.split("/")
+    if len(parts) > MAX_PATH_DEPTH:
+        raise ClientInputError(f"refused file path {path[:80]!r}…: deeper than {MAX_PATH_DEPTH} components")
+    if any(len(p.encode("utf-8", "surrogatepass")) > _NAME_MAX for p in parts):
+        raise ClientInputError(f"refused file path {path[:80]!r}…: a component is over {_NAME_MAX} bytes")
     if (
         path.startswith("/")
         or _DRIVE_RE.match(path)
@@ -286,6 +332,19 @@ def decode_items(raws: Iterable[msgspec.Raw], type: type[T]) -> Iterator[T]:
             time.sleep(0)  # releases the GIL
 
 
+class InDoubt(AgentError):
+    """A run failed in a way the task or the next-hop may have caused (a timeout,
+    an abnormal exit): :meth:`ToolAdapter.attribute` settles whose it is with a
+    canary. Never leaves the adapter."""
+
+
+def tenant_fault(e: BaseException) -> ClientInputError:
+    """The client error for an exception the task's content raised in the
+    adapter itself (``RecursionError`` on absurd nesting, ``MemoryError``)."""
+    return ClientInputError(f"the task's content could not be processed ({type(e).__name__}: it is too deeply "
+                            "nested or too large)")
+
+
 @dataclass(slots=True)
 class _Task:
     """A bounded, validated task: the files to analyse (UTF-8 bytes), the changed
@@ -308,6 +367,9 @@ class ToolAdapter(ProviderAdapter):
     carry ``content["diff"]``) or ``"file"`` (whole files); ``context`` widens the
     changed lines by that many lines each side; ``limits`` bounds the task and
     the analyser process (default :data:`DEFAULT_LIMITS`, see the module docstring).
+    Raises :class:`~atp.adapters.tools.sandbox.SandboxUnavailable` (a
+    ``ValueError``: the RIB naming it is refused at load) when no sandbox can be
+    made on this host.
     """
 
     tool: ClassVar[str]
@@ -338,6 +400,30 @@ class ToolAdapter(ProviderAdapter):
         self.strengths = list(strengths) if strengths else list(self.default_strengths)
         self.limits = limits
         self._stats = CallStats()
+        self._sandboxes: dict[str, Sandbox] = {}
+        self._canary: tuple[float, bool] | None = None  # (when, ok)
+        self._canary_lock = trio.Lock()
+        self.sandbox(find_executable(self.tool)).check()
+
+    def sandbox(self, exe: str | None) -> Sandbox:
+        """The sandbox policy runs of executable ``exe`` get (its installation
+        mounted read-only; :meth:`sandbox_options` for the rest). Cached per
+        executable."""
+        key = exe or ""
+        box = self._sandboxes.get(key)
+        if box is None:
+            box = self._sandboxes[key] = Sandbox(tool=self.tool, limits=self.limits,
+                                                 executables=[exe] if exe else [], **self.sandbox_options())
+        return box
+
+    def sandbox_options(self) -> dict[str, Any]:
+        """More :class:`~atp.adapters.tools.sandbox.Sandbox` arguments
+        (``allow_network``, ``env``); none for the analysers."""
+        return {}
+
+    #: The canary's files (module docstring, "Faults are attributed"): small,
+    #: well-formed, in every limit.
+    canary_files: ClassVar[dict[str, bytes]] = {"atp_canary.py": b"def add(a, b):\n    return a + b\n"}
 
     # -- ProviderAdapter -----------------------------------------------------------
 
@@ -360,7 +446,10 @@ class ToolAdapter(ProviderAdapter):
         docstring describes."""
         t0 = trio.current_time()
         try:
-            report = await self.review(prompt)
+            try:
+                report = await self.review(prompt)
+            except (RecursionError, MemoryError) as e:
+                raise tenant_fault(e) from None
         except AgentError as e:
             e.agent = e.agent or self.name
             if not e.client_fault:
@@ -435,6 +524,41 @@ class ToolAdapter(ProviderAdapter):
         return AgentReport(findings=findings, summary=summary)
 
     async def _run(self, targets: Mapping[str, bytes]) -> tuple[list[AgentFinding], list[str]]:
+        """Run the analyser on ``targets``; a failure in doubt is attributed by
+        a canary (module docstring)."""
+        try:
+            return await self._run_once(targets)
+        except InDoubt as e:
+            raise await self.attribute(e) from None
+
+    async def attribute(self, doubt: InDoubt) -> AgentError:
+        """The error a run that failed in doubt ends in: the task's
+        (``ClientInputError``, same code) when a canary runs clean on this
+        next-hop, else the next-hop's (``AgentError``)."""
+        if await self.canary_ok():
+            return ClientInputError(f"{doubt.reason} — caused by this task: a canary task ran clean on "
+                                    f"{self.tool} in the same sandbox", code=doubt.code)
+        return AgentError(doubt.code, f"{doubt.reason}; a canary task failed on {self.tool} too")
+
+    async def canary_ok(self) -> bool:
+        """Whether :attr:`canary_files` run clean on this next-hop now (the
+        verdict kept :data:`CANARY_TTL_S` s; one canary at a time)."""
+        async with self._canary_lock:
+            if self._canary is not None and trio.current_time() - self._canary[0] < CANARY_TTL_S:
+                return self._canary[1]
+            try:
+                await self.run_canary()
+                ok = True
+            except AgentError:
+                ok = False
+            self._canary = (trio.current_time(), ok)
+            return ok
+
+    async def run_canary(self) -> None:
+        """Run the canary task; raises AgentError when it fails (no attribution)."""
+        await self._run_once(self.canary_files)
+
+    async def _run_once(self, targets: Mapping[str, bytes]) -> tuple[list[AgentFinding], list[str]]:
         exe = find_executable(self.tool)
         if exe is None:
             raise AgentError(
@@ -466,71 +590,46 @@ class ToolAdapter(ProviderAdapter):
         env: Mapping[str, str] | None = None,
         preexec: Any = None,
     ) -> tuple[int, bytes, bytes]:
-        """Run ``argv`` in ``root`` under :attr:`limits`: rlimits set in the child,
+        """Run ``argv`` on a copy of ``root`` in a sandbox of its own under
+        :attr:`limits` (:meth:`Sandbox.run <atp.adapters.tools.sandbox.Sandbox.run>`):
         stdout and stderr read together up to ``output_bytes``, the whole run
-        under ``timeout_s``. The process group is killed on any way out before
-        the analyser exited (limit, timeout, cancellation). ``env`` replaces the
-        minimal environment kept from the router's; ``preexec`` replaces the
-        child's set-up (default: the rlimits only). Returns (exit status,
-        stdout, stderr); raises ClientInputError (output cap) or AgentError
-        (ETIMEOUT, EAGENTDOWN when it cannot start)."""
+        under ``timeout_s``; every process of the run is gone when this returns
+        (limit, timeout, cancellation). ``env`` is added to the sandbox's minimal
+        environment; ``preexec`` must be ``None`` (the sandbox sets the child
+        up). Returns (exit status, stdout, stderr); raises ClientInputError
+        (output or memory limit), :class:`InDoubt` (``ETIMEOUT``) or AgentError
+        (``EAGENTDOWN`` when it cannot start)."""
+        if preexec is not None:
+            raise TypeError("preexec: the sandbox sets the child up")
         lim = self.limits
+        box = self.sandbox(argv[0])
         try:
-            proc = await trio.lowlevel.open_process(
-                argv,
-                cwd=root,
-                env=dict(env) if env is not None else {k: os.environ[k] for k in _ENV_KEEP if k in os.environ},
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # its own process group: killed as a whole
-                preexec_fn=preexec or functools.partial(_set_child_limits, _rlimits(lim)),
-            )
+            res = await box.run(argv, tree=root, env=env, ro_paths=_named_paths(argv[1:], root))
+        except SandboxUnavailable as e:
+            raise AgentError(ErrorCode.EAGENTDOWN, f"{self.tool} cannot run: {e}") from None
         except (OSError, subprocess.SubprocessError) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise AgentError(ErrorCode.EAGENTDOWN, f"{self.tool} could not start: {reason}") from None
-        assert proc.stdout is not None and proc.stderr is not None
-        out, err = bytearray(), bytearray()
-        capped = False
-        try:
-            with trio.fail_after(lim.timeout_s):
-                async with trio.open_nursery() as nursery:
-
-                    async def drain(pipe: trio.abc.ReceiveStream, buf: bytearray) -> None:
-                        nonlocal capped
-                        while chunk := await pipe.receive_some(_READ_CHUNK):
-                            if len(out) + len(err) + len(chunk) > lim.output_bytes:
-                                capped = True
-                                nursery.cancel_scope.cancel()
-                                return
-                            buf += chunk
-
-                    nursery.start_soon(drain, proc.stdout, out)
-                    nursery.start_soon(drain, proc.stderr, err)
-                if not capped:
-                    await proc.wait()
-        except trio.TooSlowError:
-            raise AgentError(
-                ErrorCode.ETIMEOUT, f"{self.tool} ran past its wall-clock limit timeout_s={lim.timeout_s:g} s; killed"
-            ) from None
-        finally:
-            with trio.CancelScope(shield=True):
-                if proc.returncode is None:
-                    _kill_group(proc)
-                    await proc.wait()
-                await proc.stdout.aclose()
-                await proc.stderr.aclose()
-        if capped:
+        if res.capped:
             raise ClientInputError(
                 f"{self.tool} wrote more than the output limit output_bytes={lim.output_bytes:,} "
                 f"({_size(lim.output_bytes)}) for this task; killed"
             )
-        assert proc.returncode is not None
-        return proc.returncode, bytes(out), bytes(err)
+        if res.timed_out:
+            raise InDoubt(ErrorCode.ETIMEOUT,
+                          f"{self.tool} ran past its wall-clock limit timeout_s={lim.timeout_s:g} s; killed")
+        if res.oom:
+            raise ClientInputError(
+                f"{self.tool} ran out of its memory limit address_space_bytes={lim.address_space_bytes:,} "
+                f"({_size(lim.address_space_bytes)}) on this task; killed"
+            )
+        assert res.returncode is not None
+        return res.returncode, res.stdout, res.stderr
 
     def _check_exit(self, returncode: int, stderr: bytes, root: str) -> None:
         """Raise for an abnormal exit: the CPU or address-space limit hit →
-        ClientInputError naming it; any other → AgentError(EAGENTDOWN)."""
+        ClientInputError naming it; any other → :class:`InDoubt`
+        (``EAGENTDOWN``, attributed by a canary)."""
         if returncode == 0:
             return
         lim = self.limits
@@ -542,7 +641,7 @@ class ToolAdapter(ProviderAdapter):
                 f"({_size(lim.address_space_bytes)}) on this task: {_tail(stderr, root)}"
             )
         status = f"signal {_signame(-returncode)}" if returncode < 0 else f"status {returncode}"
-        raise AgentError(ErrorCode.EAGENTDOWN, f"{self.tool} exited with {status}: {_tail(stderr, root)}")
+        raise InDoubt(ErrorCode.EAGENTDOWN, f"{self.tool} exited with {status}: {_tail(stderr, root)}")
 
     @abc.abstractmethod
     def argv(self, paths: list[str]) -> list[str]:
@@ -589,7 +688,10 @@ class InThreadToolAdapter(ProviderAdapter):
         ``AgentError`` otherwise)."""
         t0 = trio.current_time()
         try:
-            report = await trio.to_thread.run_sync(self.work, prompt.content)
+            try:
+                report = await trio.to_thread.run_sync(self.work, prompt.content)
+            except (RecursionError, MemoryError) as e:
+                raise tenant_fault(e) from None
         except AgentError as e:
             e.agent = e.agent or self.name
             if not e.client_fault:
@@ -617,28 +719,16 @@ def _check_len(what: str, text: str, name: str, limit: int) -> None:
         raise _over(what, f"at least {len(text):,} bytes", name, limit)
 
 
-def _rlimits(lim: ToolLimits) -> list[tuple[int, tuple[int, int]]]:
-    """(resource, (soft, hard)) for the analyser, never above this process's own
-    hard limits (raising a hard limit needs privileges). The CPU hard limit is one
-    second past the soft one, so SIGXCPU comes first; no core files."""
-    wanted = [
-        (resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1)),
-        (resource.RLIMIT_AS, (lim.address_space_bytes, lim.address_space_bytes)),
-        (resource.RLIMIT_CORE, (0, 0)),
-    ]
+def _named_paths(args: Iterable[str], root: str) -> list[str]:
+    """Absolute host paths the adapter's own arguments name (``/x``, ``--opt=/x``;
+    e.g. semgrep's rule files), outside the work dir: mounted read-only in the
+    sandbox. The task's files are always ``./``-relative, never among them."""
     out = []
-    for res, (soft, hard) in wanted:
-        cur_hard = resource.getrlimit(res)[1]
-        if cur_hard != resource.RLIM_INFINITY:
-            soft, hard = min(soft, cur_hard), min(hard, cur_hard)
-        out.append((res, (soft, hard)))
+    for a in args:
+        value = a.partition("=")[2] if a.startswith("-") else a
+        if value.startswith("/") and not (value == root or value.startswith(root + "/")) and os.path.exists(value):
+            out.append(value)
     return out
-
-
-def _set_child_limits(limits: list[tuple[int, tuple[int, int]]]) -> None:
-    """``preexec_fn``: runs in the forked child before ``exec``; only setrlimit calls."""
-    for res, pair in limits:
-        resource.setrlimit(res, pair)
 
 
 def _signame(num: int) -> str:
@@ -646,14 +736,6 @@ def _signame(num: int) -> str:
         return signal.Signals(num).name
     except ValueError:
         return str(num)
-
-
-def _kill_group(proc: trio.Process) -> None:
-    # The group leader is not reaped yet (returncode is None), so its pgid is ours.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _widen(lines: Mapping[str, Iterable[int]], context: int) -> dict[str, Iterable[int]]:
@@ -667,6 +749,8 @@ def _touches(f: AgentFinding, lines: Iterable[int]) -> bool:
 
 
 def _write_tree(files: Mapping[str, bytes]) -> str:
+    """A new ``atp-tool-*`` directory holding ``files``; removed again on any
+    failure (never leaked)."""
     root = tempfile.mkdtemp(prefix="atp-tool-")
     try:
         for rel, data in files.items():
@@ -679,6 +763,9 @@ def _write_tree(files: Mapping[str, bytes]) -> str:
         shutil.rmtree(root, ignore_errors=True)
         # e.g. "a" given both as a file and as a directory of "a/b.py".
         raise ClientInputError(f"content.files cannot be laid out as a tree: {e.strerror}") from None
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     return root
 
 

@@ -23,29 +23,28 @@ The task (``content``):
 ==================  ===============================================================
 
 The run: ``python -E -s -B -m pytest -p no:cacheprovider --capture=no
--o junit_family=xunit1 --junitxml=<outside the tree> …`` with the router's
+-o junit_family=xunit1 --junitxml=<the report pipe> …`` with the router's
 interpreter (so the tests see the packages installed beside the router, and no
-others), plugin autoloading off (``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``), cwd the
-project tree, and an environment of ``PATH``, ``LANG`` and a private ``HOME`` and
-``TMPDIR`` only — no secret of the router's reaches it. The child gets, before
-``exec``: the :class:`~atp.adapters.tools.base.ToolLimits` rlimits (CPU,
-address space, no core files), ``RLIMIT_FSIZE`` = ``max_write_bytes`` (default
-64 MiB: the largest file it may write), its own process group (killed as a whole
-on the wall-clock ``timeout_s``, past ``output_bytes`` of output, or on
-cancellation), and **no network**: a new, empty network namespace
-(``unshare(CLONE_NEWNET)``, or ``CLONE_NEWUSER | CLONE_NEWNET`` unprivileged), in
-which even loopback is down. Where namespaces are unavailable the adapter
-refuses to run the tests (``EAGENTDOWN``) unless the operator set
-``options.allow_network: true``, which runs them with the host's network.
-
-A router running as root runs the tests as ``nobody`` (after the namespace is
-made), so they cannot read what root keeps to itself — the state directory,
-keys, secrets — and ``RLIMIT_NPROC`` binds; where ``nobody`` cannot run the
-router's interpreter (it lives under a directory only root may enter) they run
-as root and the router logs a warning once. A router running as another user runs
-them as that user: they can read what it can (give the router a user of its own). The JUnit report is the test
-process's own account of itself: a test suite can forge it; the sandbox protects
-the host, not the honesty of the result.
+others), plugin autoloading off (``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``), in the
+sandbox of :mod:`atp.adapters.tools.sandbox`, like every local next-hop: new
+user, PID, network, mount, IPC and UTS namespaces, every capability dropped, a
+uid no other run shares, only the interpreter's installation mounted (read-only)
+besides the system directories, the project tree copied into a private tmpfs
+(the working directory; ``/tmp`` and ``/dev/shm`` private too), an environment
+of ``PATH``, ``LANG`` and ``HOME``/``TMPDIR`` ``/tmp`` only — no secret, key,
+state file or process of the router's is visible, whoever the router runs as.
+Limits: the :class:`~atp.adapters.tools.base.ToolLimits` (wall clock, CPU,
+address space and memory, ``max_procs`` processes and threads, ``max_write_bytes``
+written beyond the tree — 64 MiB by default — and ``output_bytes`` of output).
+**No network**: an empty network namespace, in which even loopback is down,
+unless the operator set ``options.allow_network: true`` (then the host's network,
+and nothing else changes). When the run ends everything it started is gone (its
+PID namespace dies, its cgroup is swept) and its directory (``atp-tests-*``) is
+removed. Where no sandbox can be made the adapter is refused at construction
+(the RIB naming it at load, with the reason): the tests never run unsandboxed.
+The JUnit report is the test process's own account of itself: a test suite can
+forge it; the sandbox protects the host and the other tenants, not the honesty
+of the result.
 
 The report: pytest's JUnit XML (xunit1, read with :mod:`xml.etree`, at most
 ``output_bytes`` and without DTDs or entities). Each failed or erroring test is a
@@ -60,31 +59,30 @@ Errors (spec §10): the client's input (:class:`~atp.wire.errors.ClientInputErro
 ``EPROTO``): a refused path, a ``repo`` outside the allowed roots, a ``tests``
 value or flag not allowed, no test files, a task over a size limit, a run that
 collected no tests (pytest exit 5) or that pytest refused (exit 4), and a run
-that hit the CPU, address-space, file-size or output limit. The runner's own
-failures are ``AgentError``: no network isolation, or pytest not installed beside
-the router (it is not a dependency of the router: install it into the router's
-environment to serve this next-hop) → ``EAGENTDOWN``; pytest exiting
-abnormally (status 3, a signal) → ``EAGENTDOWN``; past ``timeout_s`` (an endless
-test) → ``ETIMEOUT``; no or malformed JUnit report → ``EPROTO``.
+that hit the CPU, address-space, memory or output limit. A run past ``timeout_s``
+(an endless test) or ending abnormally (pytest status 3, a signal) is attributed
+by a canary (:meth:`~atp.adapters.tools.base.ToolAdapter.attribute`: a passing
+test file run the same way): the task's (``ClientInputError``, ``ETIMEOUT`` for
+the wall clock) when the canary passes, the runner's ``AgentError``
+(``ETIMEOUT``/``EAGENTDOWN``) when it fails too. The runner's own failures are
+``AgentError``: pytest not installed beside the router (it is not a dependency of
+the router: install it into the router's environment to serve this next-hop) →
+``EAGENTDOWN``; no or malformed JUnit report → ``EPROTO`` (attributed by the
+canary too: the tests can close or garble the report pipe).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import dataclasses
 import functools
 import importlib.util
-import logging
 import os
 import re
-import resource
 import shutil
 import signal
 import stat
-import subprocess
 import sys
 import tempfile
-import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -96,25 +94,24 @@ import trio
 from atp.adapters.base import Prompt
 from atp.adapters.tools.base import (
     DEFAULT_LIMITS,
+    InDoubt,
     ToolAdapter,
     ToolLimits,
     _over,
-    _rlimits,
     _tail,
     encode_files,
     safe_relpath,
 )
+from atp.adapters.tools.sandbox import REPORT, SandboxUnavailable
 from atp.consensus.escalation import TEST_FAIL_RULE
 from atp.consensus.types import AgentFinding, AgentReport, Severity
 from atp.wire.errors import AgentError, ClientInputError, ErrorCode
 
-log = logging.getLogger("atp.adapters.tools.testrunner")
-
-__all__ = ["ALLOWED_FLAGS", "DEFAULT_MAX_WRITE_BYTES", "TestRunnerAdapter", "network_isolation"]
+__all__ = ["ALLOWED_FLAGS", "DEFAULT_MAX_WRITE_BYTES", "TestRunnerAdapter"]
 
 MiB = 1024 * 1024
-#: Default ``max_write_bytes`` (``RLIMIT_FSIZE``): the largest file a test may write.
-DEFAULT_MAX_WRITE_BYTES = 64 * MiB
+#: Default ``max_write_bytes``: what the tests may write beyond their tree.
+DEFAULT_MAX_WRITE_BYTES = DEFAULT_LIMITS.max_write_bytes
 
 #: pytest flags a task's ``tests.command`` may carry (a flag taking a value takes
 #: the next argument, or ``--flag=value``); everything else is refused.
@@ -124,113 +121,11 @@ ALLOWED_FLAGS: dict[str, bool] = {  # flag → takes a value
     "-k": True, "-m": True, "--maxfail": True, "--tb": True,
 }  # fmt: skip
 
-_CLONE_NEWNET = 0x40000000
-_CLONE_NEWUSER = 0x10000000
 _TEST_FILE = re.compile(r"(^|/)(test_[^/]*|[^/]*_test)\.py$")
 _TB_LINE = re.compile(r"^(?P<file>[^\s:][^:\n]*\.py):(?P<line>\d+): ", re.MULTILINE)
 _CLAIM_CHARS = 300
 _FINDINGS_MAX = 500
-
-_probe_lock = threading.Lock()
-_probed: dict[bool, int | None] = {}
-
-
-class _NoNetwork(OSError):
-    pass
-
-
-def _libc_unshare() -> Any:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    fn = libc.unshare
-    fn.argtypes = [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _child_setup(limits: list[tuple[int, tuple[int, int]]], unshare: Any, flags: int | None,
-                 drop_to: int | None = None) -> None:
-    """``preexec_fn``: rlimits, then a new network namespace (``flags``), then
-    (``drop_to``) the unprivileged user; runs in the forked child before
-    ``exec``. A failed ``unshare`` or user switch aborts the start."""
-    for res, pair in limits:
-        resource.setrlimit(res, pair)
-    if flags is not None and unshare(flags) != 0:
-        raise _NoNetwork(ctypes.get_errno(), "unshare failed")
-    if drop_to is not None:
-        os.setgroups([])
-        os.setgid(drop_to)
-        os.setuid(drop_to)
-
-
-def _drop_user() -> int | None:
-    """``nobody``'s uid/gid when the router runs as root: the tests then run as
-    it, so they cannot read the router's state, keys or secrets (files root
-    keeps to itself) and ``RLIMIT_NPROC`` binds. ``None`` when the router is not
-    root (the tests run as its user), or when ``nobody`` cannot run the router's
-    interpreter here (e.g. it lives under a directory only root may enter):
-    then the tests run as root, and a warning says so once."""
-    if os.geteuid() != 0:
-        return None
-    return _probe_unprivileged()
-
-
-@functools.cache
-def _probe_unprivileged() -> int | None:
-    try:
-        import pwd
-
-        uid = pwd.getpwnam("nobody").pw_uid
-    except (ImportError, KeyError):
-        uid = 65534
-    try:
-        probe = subprocess.run([sys.executable, "-E", "-s", "-c", "import pytest"], cwd="/", timeout=60,
-                               env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, capture_output=True,
-                               preexec_fn=functools.partial(_child_setup, [], None, None, uid))
-    except (OSError, subprocess.SubprocessError):
-        probe = None
-    if probe is None or probe.returncode != 0:
-        log.warning("tool pytest: user nobody cannot run %s here: the tests run as root and can read what root "
-                    "can; install the router where any user may run its Python to isolate them", sys.executable)
-        return None
-    return uid
-
-
-def _chown_tree(base: str, uid: int) -> None:
-    """Give the run's private directory (made by root) to the unprivileged user."""
-    for root, dirs, files in os.walk(base):
-        os.chown(root, uid, uid)
-        for name in (*dirs, *files):
-            os.lchown(os.path.join(root, name), uid, uid)
-
-
-def network_isolation() -> int | None:
-    """The ``unshare`` flags that give a child process an empty network namespace
-    here (``CLONE_NEWNET``, else ``CLONE_NEWUSER | CLONE_NEWNET``), or ``None``
-    when neither works (no namespaces, no privilege). Probed once by starting a
-    process with them (blocking: call from a worker thread); cached."""
-    with _probe_lock:
-        if True not in _probed:
-            _probed[True] = _probe()
-        return _probed[True]
-
-
-def _probe() -> int | None:
-    try:
-        unshare = _libc_unshare()
-    except (OSError, AttributeError):
-        return None
-    exe = shutil.which("true") or sys.executable
-    for flags in (_CLONE_NEWNET, _CLONE_NEWUSER | _CLONE_NEWNET):
-        try:
-            done = subprocess.run([exe] if exe != sys.executable else [exe, "-c", "pass"],
-                                  preexec_fn=functools.partial(_child_setup, [], unshare, flags),
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  timeout=30, check=False)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if done.returncode == 0:
-            return flags
-    return None
+_CANARY = {"test_atp_canary.py": b"def test_add():\n    assert 1 + 1 == 2\n"}
 
 
 @dataclass(slots=True)
@@ -244,16 +139,19 @@ class _Run:
 
 class TestRunnerAdapter(ToolAdapter):
     """pytest next-hop (module docstring). ``repos``: checkout roots a task's
-    ``repo`` may name (default none); ``allow_network``: run with the host's
-    network where namespaces are unavailable (default: refuse); ``max_write_bytes``:
-    ``RLIMIT_FSIZE`` in bytes; ``limits``: :class:`ToolLimits` — ``max_files``,
-    ``max_file_bytes`` and ``max_files_bytes`` bound every file of the tree here
-    (not only Python), ``timeout_s`` the whole pytest run. Raises ``ValueError``
-    on a bad argument."""
+    ``repo`` may name (default none); ``allow_network``: the tests get the host's
+    network (default: an empty network namespace); ``max_write_bytes``: what the
+    tests may write beyond their tree (sets ``limits.max_write_bytes``);
+    ``limits``: :class:`ToolLimits` — ``max_files``, ``max_file_bytes`` and
+    ``max_files_bytes`` bound every file of the tree here (not only Python),
+    ``timeout_s`` the whole pytest run. Raises ``ValueError`` on a bad argument
+    and :class:`~atp.adapters.tools.sandbox.SandboxUnavailable` (a
+    ``ValueError``) where no sandbox can be made."""
 
     __test__ = False  # not a pytest test class, whatever its name
     tool = "pytest"
     default_strengths = ("tests", "test_execution", "bug_detection")
+    canary_files = _CANARY
 
     def __init__(
         self,
@@ -262,12 +160,15 @@ class TestRunnerAdapter(ToolAdapter):
         strengths: Iterable[str] | None = None,
         repos: Iterable[str | Path] = (),
         allow_network: bool = False,
-        max_write_bytes: int = DEFAULT_MAX_WRITE_BYTES,
+        max_write_bytes: int | None = None,
         limits: ToolLimits = DEFAULT_LIMITS,
     ) -> None:
+        if max_write_bytes is not None:
+            if isinstance(max_write_bytes, bool) or not isinstance(max_write_bytes, int) or max_write_bytes <= 0:
+                raise ValueError(f"max_write_bytes: must be a positive whole number, got {max_write_bytes!r:.40}")
+            limits = dataclasses.replace(limits, max_write_bytes=max_write_bytes)
+        self.allow_network = bool(allow_network)
         super().__init__(name, scope="file", strengths=strengths, limits=limits)
-        if isinstance(max_write_bytes, bool) or not isinstance(max_write_bytes, int) or max_write_bytes <= 0:
-            raise ValueError(f"max_write_bytes: must be a positive whole number, got {max_write_bytes!r:.40}")
         roots = []
         for r in repos:
             p = Path(r)
@@ -275,8 +176,7 @@ class TestRunnerAdapter(ToolAdapter):
                 raise ValueError(f"repos: {str(r)!r} must be an absolute path")
             roots.append(os.path.realpath(p))
         self.repos = roots
-        self.allow_network = bool(allow_network)
-        self.max_write_bytes = max_write_bytes
+        self.max_write_bytes = self.limits.max_write_bytes
 
     def argv(self, paths: list[str]) -> list[str]:  # pragma: no cover - review() is overridden
         return []
@@ -284,43 +184,56 @@ class TestRunnerAdapter(ToolAdapter):
     def parse(self, stdout: bytes, root: str) -> tuple[list[AgentFinding], list[str]]:  # pragma: no cover
         return [], []
 
+    def sandbox_options(self) -> dict[str, Any]:
+        """The host's network with ``allow_network``; pytest's plugin autoloading off."""
+        return {"allow_network": self.allow_network,
+                "env": {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONDONTWRITEBYTECODE": "1"}}
+
     # -- the work ------------------------------------------------------------------
 
     async def review(self, prompt: Prompt) -> AgentReport:
         """Run the task's tests; the report of the module docstring. Raises
         ``ClientInputError`` / ``AgentError`` as it says."""
         run = await trio.to_thread.run_sync(self._bound_run, prompt.content)
+        try:
+            return await self._test(run)
+        except InDoubt as e:
+            raise await self.attribute(e) from None
+
+    async def run_canary(self) -> None:
+        """A passing test file, run as a task's are; raises AgentError unless it passes."""
+        report = await self._test(_Run(files=dict(_CANARY), repo=None, args=[]))
+        if report.findings or not report.summary.startswith("1 passed"):
+            raise AgentError(ErrorCode.EAGENTDOWN, f"the canary test did not pass: {report.summary}")
+
+    async def _test(self, run: _Run) -> AgentReport:
         if importlib.util.find_spec("pytest") is None:
             raise AgentError(ErrorCode.EAGENTDOWN, "pytest is not installed in the router's environment")
-        flags = await trio.to_thread.run_sync(network_isolation)
-        if flags is None and not self.allow_network:
-            raise AgentError(
-                ErrorCode.EAGENTDOWN,
-                "cannot cut the tests off the network here (no network namespace: unshare(CLONE_NEWNET) is "
-                "not permitted); refusing to run them — options.allow_network: true runs them with the network on",
-            )
-        drop_to = await trio.to_thread.run_sync(_drop_user)
         base = await trio.to_thread.run_sync(functools.partial(tempfile.mkdtemp, prefix="atp-tests-"))
         try:
             tree = os.path.join(base, "src")
             await trio.to_thread.run_sync(self._lay_out, tree, run)
-            for d in ("home", "tmp"):
-                os.mkdir(os.path.join(base, d))
-            report = os.path.join(base, "report.xml")
             argv = [sys.executable, "-E", "-s", "-B", "-m", "pytest", "-p", "no:cacheprovider", "--capture=no",
-                    "-o", "junit_family=xunit1", f"--junitxml={report}", f"--rootdir={tree}", *run.args]
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
-                   "HOME": os.path.join(base, "home"), "TMPDIR": os.path.join(base, "tmp"),
-                   "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-            limits = _rlimits(self.limits)
-            limits.append((resource.RLIMIT_FSIZE, _capped(resource.RLIMIT_FSIZE, self.max_write_bytes)))
-            if drop_to is not None:
-                await trio.to_thread.run_sync(_chown_tree, base, drop_to)
-            preexec = functools.partial(_child_setup, limits, _libc_unshare() if flags is not None else None, flags,
-                                        drop_to)
-            returncode, _out, err = await self._exec(argv, tree, env=env, preexec=preexec)
-            self._check_pytest_exit(returncode, err, tree)
-            return await trio.to_thread.run_sync(self._report, report, tree, err)
+                    "-o", "junit_family=xunit1", f"--junitxml={REPORT}", f"--rootdir={tree}", *run.args]
+            try:
+                res = await self.sandbox(sys.executable).run(argv, tree=tree)
+            except SandboxUnavailable as e:
+                raise AgentError(ErrorCode.EAGENTDOWN, f"pytest cannot run: {e}") from None
+            except OSError as e:
+                raise AgentError(ErrorCode.EAGENTDOWN, f"pytest could not start: {e.strerror or e}") from None
+            lim = self.limits
+            if res.capped:
+                raise ClientInputError(f"the tests wrote more than the output limit output_bytes={lim.output_bytes:,} "
+                                       "for this task; killed")
+            if res.timed_out:
+                raise InDoubt(ErrorCode.ETIMEOUT,
+                              f"pytest ran past its wall-clock limit timeout_s={lim.timeout_s:g} s; killed")
+            if res.oom:
+                raise ClientInputError(f"the tests ran out of the memory limit address_space_bytes="
+                                       f"{lim.address_space_bytes:,}; killed")
+            assert res.returncode is not None
+            self._check_pytest_exit(res.returncode, res.stderr, tree)
+            return await trio.to_thread.run_sync(self._report, res.report or b"", tree, res.stderr)
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(shutil.rmtree, base, True)
@@ -389,30 +302,20 @@ class TestRunnerAdapter(ToolAdapter):
                 f"the tests wrote a file past the limit max_write_bytes={self.max_write_bytes:,}; killed")
         self._check_exit(returncode, stderr, tree)
 
-    def _report(self, path: str, tree: str, stderr: bytes) -> AgentReport:
-        """The JUnit XML at ``path`` as the report (worker thread)."""
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read(self.limits.output_bytes + 1)
-        except OSError:
-            raise AgentError(ErrorCode.EPROTO, f"pytest wrote no JUnit report: {_tail(stderr, tree)}") from None
-        if len(data) > self.limits.output_bytes:
-            raise ClientInputError(
-                f"pytest's JUnit report is over the output limit output_bytes={self.limits.output_bytes:,}")
+    def _report(self, data: bytes, tree: str, stderr: bytes) -> AgentReport:
+        """The JUnit XML pytest wrote to the report pipe as the report (worker
+        thread; its size is within ``output_bytes``, read by the sandbox). The
+        tests can close or garble the pipe: a missing or malformed report is in
+        doubt (:class:`~atp.adapters.tools.base.InDoubt`, settled by a canary)."""
+        if not data:
+            raise InDoubt(ErrorCode.EPROTO, f"pytest wrote no JUnit report: {_tail(stderr, tree)}")
         if b"<!DOCTYPE" in data or b"<!ENTITY" in data:
-            raise AgentError(ErrorCode.EPROTO, "the JUnit report carries a DTD or entities; refused")
+            raise InDoubt(ErrorCode.EPROTO, "the JUnit report carries a DTD or entities; refused")
         try:
             root = ET.fromstring(data)
         except ET.ParseError as e:
-            raise AgentError(ErrorCode.EPROTO, f"the JUnit report is not XML ({e})") from None
+            raise InDoubt(ErrorCode.EPROTO, f"the JUnit report is not XML ({e})") from None
         return _junit_report(root, tree)
-
-
-def _capped(res: int, want: int) -> tuple[int, int]:
-    hard = resource.getrlimit(res)[1]
-    if hard != resource.RLIM_INFINITY:
-        want = min(want, hard)
-    return want, want
 
 
 def _pytest_args(tests: Any) -> list[str]:
