@@ -90,8 +90,10 @@ def _start(*args: str | Path, env: dict[str, str] | None = None) -> RouterProces
     return proc
 
 
-def _forbidden_reloads(url: str, n: int) -> None:
-    with httpx.Client(base_url=url, timeout=30) as h:
+def _forbidden_reloads(url: str, n: int, *, fresh: bool = False) -> None:
+    """``n`` audited ESECs (``fresh``: a new connection each, spread over workers by the kernel)."""
+    limits = httpx.Limits(max_keepalive_connections=0) if fresh else httpx.Limits()
+    with httpx.Client(base_url=url, timeout=30, limits=limits) as h:
         for _ in range(n):
             assert h.post("/v1/policies/reload", headers={"Authorization": f"Bearer {ALICE}"}).status_code == 403
 
@@ -264,8 +266,8 @@ def test_delete_and_rehash_with_checkpoints_kept(prod_run: Run, tmp_path: Path):
     assert len(cps) >= 2
     delete_and_rehash(run, cps[0] - 10)
     code, out = verify(run, "--key-file", run.key)
-    assert (code, out) == (1, f"audit: BROKEN at record {cps[0]}: record {cps[0]} differs from its MACed checkpoint "
-                              f"(records 1-{cps[0]} rewritten)")
+    assert (code, out) == (1, (f"audit: BROKEN at record {cps[0]}: record {cps[0]} differs from its MACed checkpoint "
+                              f"(records 1-{cps[0]} rewritten)"))
 
 
 def test_truncated_tail_and_rollback_to_an_older_checkpoint(prod_run: Run, tmp_path: Path):
@@ -364,3 +366,30 @@ def test_the_router_refuses_to_start_without_its_configured_sinks(tmp_path: Path
                              "--ws-port", "0", "--no-watch", *args, env={"ATP_ROUTER_TOKENS": TOKENS})
         status, out = proc.proc.wait(60), proc.proc.stdout.read()
         assert status == 2 and f"atp-router: {message.format(p=tmp_path)}" in out, out
+
+
+def test_workers_share_one_anchor(tmp_path: Path):
+    """``--workers 2``: the supervisor and both workers append to one anchor
+    (O_APPEND: whole lines); every anchored checkpoint matches the one chain and
+    no more than ``every`` records were ever unsigned; a rewrite is caught."""
+    (tmp_path / "rib.yaml").write_text(RIB)
+    run = Run(tmp_path, tmp_path / "state", key=tmp_path / "audit.key", anchor=tmp_path / "anchor" / "audit.anchor")
+    run.anchor.parent.mkdir()
+    assert subprocess.run([ROUTER, "audit", "keygen", str(run.key)], env=_env(), check=False).returncode == 0
+    proc = _start(tmp_path / "rib.yaml", "--state-dir", run.state, "--workers", "2", "--audit-key-file", run.key,
+                  "--audit-anchor", run.anchor, env={"ATP_AUDIT_KEY": ""})
+    try:
+        _forbidden_reloads(proc.url, 250, fresh=True)
+    finally:
+        assert proc.stop() == 0
+    last, cps = counts(run)
+    anchored = [json.loads(line) for line in run.anchor.read_text().splitlines()]
+    assert sorted(a["seq"] for a in anchored) == cps and last >= 250
+    gaps = [b - a for a, b in zip([0, *cps], cps, strict=False)]
+    assert max(gaps) <= 100, gaps
+    code, out = verify(run, *_prod_args(run))
+    assert code == 0 and out.endswith(f", {len(cps)} anchored checkpoints"), out
+    delete_and_rehash(run, 3)
+    drop_checkpoints(run)
+    code, out = verify(run, *_prod_args(run))
+    assert code == 1 and f"record {cps[0]} differs from its MACed anchored checkpoint" in out, out
