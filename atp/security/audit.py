@@ -499,16 +499,17 @@ def _parse_checkpoint(text: str) -> AuditCheckpoint:
 
 
 def parse_anchor(data: bytes, name: str = "anchor") -> tuple[list[AuditCheckpoint], bool]:
-    """The checkpoints in an anchor's bytes — one per line, each line's JSON
-    object ``{"seq","hash","mac"}`` (a syslog line's prefix before it allowed,
-    blank lines skipped) — and whether a torn last line (no newline: a crash
+    """The checkpoints in an anchor's bytes — one per line (or NUL-terminated
+    message, as syslog over TCP sends them), each line's JSON object
+    ``{"seq","hash","mac"}`` (a syslog line's prefix before it allowed, blank
+    lines skipped) — and whether a torn last line (no newline: a crash
     in the middle of an append) was left out. Raises :class:`AuditError`
     naming the first line that is not a checkpoint."""
-    lines = data.split(b"\n")
+    lines = re.split(b"[\n\x00]", data)
     torn = False
     out: list[AuditCheckpoint] = []
     for n, raw in enumerate(lines, 1):
-        text = raw.decode("utf-8", "replace").strip().strip("\x00")
+        text = raw.decode("utf-8", "replace").strip()
         if not text:
             continue
         try:
@@ -935,7 +936,8 @@ def audit_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
             return 2
         table_cps = store.audit_checkpoints()
         records = store.audit_records()  # one read: one snapshot of the table
-        late = [cp for cp in store.audit_checkpoints() if cp not in table_cps]
+        seen = {(cp.seq, cp.hash, cp.mac) for cp in table_cps}
+        late = [cp for cp in store.audit_checkpoints() if (cp.seq, cp.hash, cp.mac) not in seen]
     if table_cps and head_file is None:
         print(f"audit: BROKEN at record {table_cps[-1].seq}: audit.head is missing but the store has a checkpoint")
         return 1

@@ -19,6 +19,7 @@ from atp.security.audit import (
     AuditKind,
     AuditLog,
     AuditOptions,
+    SyslogSink,
     audit_main,
     chain_record,
     load_audit_key,
@@ -404,6 +405,7 @@ def test_anchor_parsing_torn_lines_and_syslog_prefixes():
     line = json.dumps({"seq": 7, "hash": "a" * 64, "mac": cp.mac})
     data = f"{line}\n\n<86>atp-router[12]: atp-audit checkpoint {line}\x00\n{line[:30]}".encode()
     assert parse_anchor(data) == ([cp, cp], True)
+    assert parse_anchor(f"<86>x: {line}\x00<86>x: {line}\x00".encode()) == ([cp, cp], False)  # syslog over TCP
     with pytest.raises(AuditError, match="line 2 is not an audit checkpoint"):
         parse_anchor(f"{line}\nnot json\n{line}\n".encode(), "a")
     with pytest.raises(AuditError, match="line 1 is not an audit checkpoint"):
@@ -458,6 +460,37 @@ def test_syslog_sink_sends_each_checkpoint_over_a_unix_socket(tmp_path: Path, mo
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
+
+
+def test_syslog_sink_over_tcp(tmp_path: Path):
+    """A TCP syslog listener here receives NUL-terminated messages that parse as an anchor."""
+    import socket
+
+    cp = make_checkpoint(3, "b" * 64, b"k" * 32)
+    with pytest.raises(AuditError, match="cannot be reached"):
+        SyslogSink(f"tcp://127.0.0.1:{_closed_port()}")
+    server = socket.create_server(("127.0.0.1", 0))
+    sink = SyslogSink(f"tcp://127.0.0.1:{server.getsockname()[1]}")
+    conn, _ = server.accept()
+    sink.append(cp)
+    sink.append(cp)
+    sink.close()
+    data = b""
+    while chunk := conn.recv(4096):
+        data += chunk
+    conn.close()
+    server.close()
+    assert parse_anchor(data) == ([cp, cp], False)
+
+
+def _closed_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
 
 
 def test_key_outside_the_state_dir_and_the_dev_warning(tmp_path: Path, monkeypatch, caplog):
