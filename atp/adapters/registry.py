@@ -113,13 +113,15 @@ def _tool_options(agent: AgentSpec, allowed: Mapping[str, tuple[type, ...]], wha
 
 def _ruff(name: str, agent: AgentSpec) -> ProviderAdapter:
     opts, limits = _tool_options(
-        agent, {"select": _STR_LIST, "ignore": _STR_LIST, "target_version": (str,), "context": (int,)}, "tool ruff"
+        agent, {"select": _STR_LIST, "ignore": _STR_LIST, "target_version": (str,), "context": (int,),
+                "allow_suppressions": (bool,)}, "tool ruff"
     )
     return RuffAdapter(name, scope=agent.scope, strengths=agent.strengths or None, limits=limits, **opts)
 
 
 def _bandit(name: str, agent: AgentSpec) -> ProviderAdapter:
-    opts, limits = _tool_options(agent, {"skip": _STR_LIST, "context": (int,)}, "tool bandit")
+    opts, limits = _tool_options(agent, {"skip": _STR_LIST, "context": (int,), "allow_suppressions": (bool,)},
+                                 "tool bandit")
     return BanditAdapter(name, scope=agent.scope, strengths=agent.strengths or None, limits=limits, **opts)
 
 
@@ -129,7 +131,8 @@ def _analyser(cls: type, allowed: Mapping[str, tuple[type, ...]]) -> ToolFactory
     adapter refuses is a ``ValueError`` naming ``options.<key>``."""
 
     def factory(name: str, agent: AgentSpec) -> ProviderAdapter:
-        opts, limits = _tool_options(agent, {**allowed, "context": (int,)}, f"tool {cls.tool}")
+        opts, limits = _tool_options(agent, {**allowed, "context": (int,), "allow_suppressions": (bool,)},
+                                     f"tool {cls.tool}")
         if cls is SemgrepAdapter and "address_space_bytes" not in agent.options:
             limits = dataclasses.replace(limits, address_space_bytes=DEFAULT_SEMGREP_LIMITS.address_space_bytes)
         try:

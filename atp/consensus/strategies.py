@@ -34,7 +34,10 @@ A cluster gives one :class:`~atp.consensus.types.Finding`:
   rounded to 4 decimals. ``sources`` maps agents to their source (the router
   passes the RIB model, tool or remote endpoint behind each agent); an agent
   without one is its own source;
-* ``tests``: the sorted union of contributors' tests.
+* ``tests``: the sorted union of contributors' tests;
+* ``suppressed_by_change``: true when *any* contributor's finding is: the
+  change's own suppression comment hid this place from at least one analyser
+  (another reviewer still seeing it does not undo that the author silenced it).
 
 A hallucinated citation (evidence 0.0: unknown file, or a start past the
 file's end) never joins a finding: such findings are clustered apart and
@@ -279,6 +282,7 @@ def _merge_cluster(group: list[_Contribution], sources: Mapping[str, str], voice
         patch=patch,
         tests=sorted({t for c in group for t in c.finding.tests}),
         scores=scores,
+        suppressed_by_change=any(c.finding.suppressed_by_change for c in group),
     )
     order = (-lead.finding.severity.rank, lead.finding.file, first, last, lead.finding.claim)
     return _Cluster(finding, frozenset(c.agent for c in group), frozenset(best), order, disputed)

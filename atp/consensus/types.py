@@ -34,7 +34,12 @@ _RANK = {Severity.CRITICAL: 4, Severity.HIGH: 3, Severity.MEDIUM: 2, Severity.LO
 
 class AgentFinding(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One finding as an agent reports it. ``ref`` is the agent's own local id
-    (provenance is ``"<agent>#<ref>"``); ``rule`` the analyser's rule code."""
+    (provenance is ``"<agent>#<ref>"``); ``rule`` the analyser's rule code;
+    ``suppressed_by_change`` is true when a suppression comment the reviewed
+    change adds (``# noqa``, ``# nosec``, ``# pylint: disable``, a file-level
+    ``# ruff: noqa`` …) would have hidden it from the analyser: reported anyway,
+    so a reviewer sees that the author silenced it
+    (:mod:`atp.adapters.tools.suppressions`)."""
 
     file: str
     start: Line
@@ -47,6 +52,7 @@ class AgentFinding(Struct, forbid_unknown_fields=True, omit_defaults=True):
     cwe: str | None = None
     patch: str | None = None
     tests: list[str] = msgspec.field(default_factory=list)
+    suppressed_by_change: bool = False
 
 
 class Usage(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -92,7 +98,9 @@ class Finding(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """A merged finding in the FINAL result (spec §7.3). ``span`` is ``"start-end"``;
     ``scores`` the consensus scorers behind its confidence; ``cached`` is true
     when every agent of its ``provenance`` answered from the response cache
-    (spec §13: a stored answer, not a new call)."""
+    (spec §13: a stored answer, not a new call); ``suppressed_by_change`` when
+    any contributor's finding is (:class:`AgentFinding`): the change silenced
+    this place for at least one of its reviewers."""
 
     id: str
     severity: Severity
@@ -105,6 +113,7 @@ class Finding(Struct, forbid_unknown_fields=True, omit_defaults=True):
     tests: list[str] = msgspec.field(default_factory=list)
     scores: FindingScores | None = None
     cached: bool = False
+    suppressed_by_change: bool = False
 
 
 class ConsensusInfo(Struct, forbid_unknown_fields=True):

@@ -3,13 +3,17 @@ confidence and CWE.
 
 Runs ``bandit -f json -q --exit-zero -r [-s SKIPS] FILES`` in the task's work
 directory (only ``.py`` files are written there, so no ``.bandit`` or
-``pyproject.toml`` from a task can configure it). Mapping: ``issue_severity``
+``pyproject.toml`` from a task can configure it); ``# nosec`` comments are not
+honoured unless the operator allows them (``--ignore-nosec``, and
+:data:`SUPPRESSIONS` neutralised; see :mod:`atp.adapters.tools.suppressions`).
+Mapping: ``issue_severity``
 LOW/MEDIUM/HIGH → low/medium/high, ``issue_confidence`` → 0.4/0.65/0.85,
 ``issue_cwe.id`` → ``"CWE-<id>"``, ``test_id`` → ``rule``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,14 +21,14 @@ import msgspec
 
 from atp.adapters.tools.base import (
     DEFAULT_LIMITS,
-    ToolAdapter,
     ToolLimits,
     decode_items,
     relative,
 )
+from atp.adapters.tools.suppressions import SuppressionAwareAdapter
 from atp.consensus.types import AgentFinding, Severity
 
-__all__ = ["CONFIDENCE", "DEFAULT_SKIP", "SEVERITY", "BanditAdapter"]
+__all__ = ["CONFIDENCE", "DEFAULT_SKIP", "SEVERITY", "SUPPRESSIONS", "BanditAdapter"]
 
 SEVERITY = {"LOW": Severity.LOW, "MEDIUM": Severity.MEDIUM, "HIGH": Severity.HIGH}
 CONFIDENCE = {"LOW": 0.4, "MEDIUM": 0.65, "HIGH": 0.85}
@@ -32,6 +36,9 @@ CONFIDENCE = {"LOW": 0.4, "MEDIUM": 0.65, "HIGH": 0.85}
 #: Noise in review: ``assert`` (B101), importing subprocess (B404), any subprocess
 #: call without a shell (B603), a command found on PATH (B607).
 DEFAULT_SKIP: tuple[str, ...] = ("B101", "B404", "B603", "B607")
+
+#: bandit's suppression keyword in a comment (``# nosec``, ``# nosec B602``).
+SUPPRESSIONS = re.compile(r"nosec", re.IGNORECASE)
 
 
 class _Result(msgspec.Struct):
@@ -52,11 +59,14 @@ class _Report(msgspec.Struct):
     errors: list[Any] | None = None
 
 
-class BanditAdapter(ToolAdapter):
+class BanditAdapter(SuppressionAwareAdapter):
     """bandit next-hop. ``skip`` lists bandit test ids not to run (default
-    :data:`DEFAULT_SKIP`). Other arguments: :class:`ToolAdapter`."""
+    :data:`DEFAULT_SKIP`). Other arguments:
+    :class:`~atp.adapters.tools.suppressions.SuppressionAwareAdapter`."""
 
     tool = "bandit"
+    suppression_pattern = SUPPRESSIONS
+    suppression_flags = ("--ignore-nosec",)
     default_strengths = ("security", "static_analysis", "cwe")
 
     def __init__(
@@ -68,8 +78,10 @@ class BanditAdapter(ToolAdapter):
         strengths: Iterable[str] | None = None,
         skip: Iterable[str] = DEFAULT_SKIP,
         limits: ToolLimits = DEFAULT_LIMITS,
+        allow_suppressions: bool = False,
     ) -> None:
-        super().__init__(name, scope=scope, context=context, strengths=strengths, limits=limits)
+        super().__init__(name, scope=scope, context=context, strengths=strengths, limits=limits,
+                         allow_suppressions=allow_suppressions)
         self.skip = list(skip)
         for test_id in self.skip:
             if not isinstance(test_id, str) or not test_id.isalnum():
@@ -79,7 +91,7 @@ class BanditAdapter(ToolAdapter):
         args = ["-f", "json", "-q", "--exit-zero", "-r"]
         if self.skip:
             args += ["-s", ",".join(self.skip)]
-        return [*args, *paths]
+        return [*args, *self.suppression_args(), *paths]
 
     def parse(self, stdout: bytes, root: str) -> tuple[list[AgentFinding], list[str]]:
         """bandit's JSON report as findings (runs in a worker thread)."""

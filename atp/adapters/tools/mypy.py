@@ -17,6 +17,21 @@ the check; ``--explicit-package-bases`` maps ``a/x.py`` to module ``a.x`` so two
 (on by default, ``check_untyped_defs=False`` turns it off) checks the bodies of
 unannotated functions, which is most reviewed code.
 
+Suppression comments (``# type: ignore[…]``, inline configuration such as
+``# mypy: ignore-errors`` or ``# mypy: disable-error-code=…``, a ``# type:
+ignore`` heading the file) are not honoured unless the operator allows them:
+mypy has no switch for that, so the adapter neutralises them in the copy it
+writes (:data:`SUPPRESSIONS`; lines and columns unchanged, type comments such
+as ``# type: int`` kept; see :mod:`atp.adapters.tools.suppressions`) wherever
+they follow a ``#`` on their line, strings included: mypy's parsers find
+comments where Python 3.11's tokenizer sees a string — its native parser reads
+Python 3.12's comments inside a triple-quoted f-string's replacement field
+(``x  # type: ignore`` on a line of its own there) whatever the target
+version, and its old parser
+takes any line starting ``# mypy:`` as configuration, inside a docstring too.
+A string that merely contains ``# type: ignore`` is changed the same way, which
+changes nothing mypy checks.
+
 Exit status: 0 nothing found, 1 errors found — both success. 2 is mypy's
 "blocking error": with an empty stderr it is a file that does not parse (the
 JSON report on stdout says which; mypy checks nothing further, which the
@@ -36,14 +51,14 @@ import msgspec
 
 from atp.adapters.tools.base import (
     DEFAULT_LIMITS,
-    ToolAdapter,
     ToolLimits,
     decode_items,
     relative,
 )
+from atp.adapters.tools.suppressions import SuppressionAwareAdapter
 from atp.consensus.types import AgentFinding, Severity
 
-__all__ = ["DEFAULT_DISABLE", "GRADES", "MypyAdapter", "grade"]
+__all__ = ["DEFAULT_DISABLE", "GRADES", "SUPPRESSIONS", "MypyAdapter", "grade"]
 
 #: Noise in review: "need type annotation" (var-annotated), "cannot determine
 #: type" (has-type), unresolved / untyped imports (import-not-found,
@@ -88,6 +103,10 @@ GRADES: dict[str, tuple[Severity, float]] = {
 }
 _DEFAULT_GRADE = (L, 0.4)
 
+#: mypy's suppressions in a comment: ``type: ignore`` (its ``type``) and every
+#: ``mypy:`` inline-configuration comment.
+SUPPRESSIONS = re.compile(r"mypy(?=\s*:)|type(?=\s*:\s*ignore)", re.IGNORECASE)
+
 _CODE_RE = re.compile(r"^[a-z][a-z0-9-]{0,63}$")
 _VERSION_RE = re.compile(r"^3\.\d{1,2}$")
 
@@ -109,15 +128,18 @@ class _Error(msgspec.Struct):
     hint: str | None = None
 
 
-class MypyAdapter(ToolAdapter):
+class MypyAdapter(SuppressionAwareAdapter):
     """mypy next-hop. ``disable_error_codes`` are mypy error codes not to report
     (default :data:`DEFAULT_DISABLE`); ``check_untyped_defs`` checks unannotated
     functions (default on); ``python_version`` (``"3.11"`` …) is the Python the
     code targets (default: mypy's interpreter). Raises ``ValueError`` on an entry
     that is not an error code or a version that is not ``3.N``, ``TypeError`` when
-    ``check_untyped_defs`` is not a bool. Other arguments: :class:`ToolAdapter`."""
+    ``check_untyped_defs`` is not a bool. Other arguments:
+    :class:`~atp.adapters.tools.suppressions.SuppressionAwareAdapter`."""
 
     tool = "mypy"
+    suppression_pattern = SUPPRESSIONS
+    suppression_after_hash = True
     default_strengths = ("static_analysis", "bug_detection", "type_checking")
 
     def __init__(
@@ -131,8 +153,10 @@ class MypyAdapter(ToolAdapter):
         check_untyped_defs: bool = True,
         python_version: str | None = None,
         limits: ToolLimits = DEFAULT_LIMITS,
+        allow_suppressions: bool = False,
     ) -> None:
-        super().__init__(name, scope=scope, context=context, strengths=strengths, limits=limits)
+        super().__init__(name, scope=scope, context=context, strengths=strengths, limits=limits,
+                         allow_suppressions=allow_suppressions)
         self.disable_error_codes = list(disable_error_codes)
         for code in self.disable_error_codes:
             if not isinstance(code, str) or not _CODE_RE.match(code):

@@ -9,6 +9,12 @@ work directory, its parents or ``$HOME``, so a task cannot switch messages off
 (or load plugins, or run an ``init-hook``); only ``.py`` files are written anyway.
 pylint only parses the files (astroid), it never imports them.
 
+Suppression comments (``# pylint: disable=…``, ``disable-next``, ``skip-file``)
+are not honoured unless the operator allows them: pylint has no switch for
+that, so the adapter neutralises every ``pylint:`` directive inside a comment
+of the copy it writes (:data:`SUPPRESSIONS`; lines and columns unchanged; see
+:mod:`atp.adapters.tools.suppressions`).
+
 Exit status: pylint's status is bit-encoded (1 fatal, 2 error, 4 warning,
 8 refactor, 16 convention, 32 usage error). Bits 2-16 only say what it found and
 are success here; 1 (a fatal message: pylint crashed on a file) and 32 (it
@@ -29,15 +35,15 @@ import msgspec
 
 from atp.adapters.tools.base import (
     DEFAULT_LIMITS,
-    ToolAdapter,
     ToolLimits,
     decode_items,
     longest_prefix,
     relative,
 )
+from atp.adapters.tools.suppressions import SuppressionAwareAdapter
 from atp.consensus.types import AgentFinding, Severity
 
-__all__ = ["DEFAULT_DISABLE", "DEFAULT_ENABLE", "GRADES", "PylintAdapter", "grade"]
+__all__ = ["DEFAULT_DISABLE", "DEFAULT_ENABLE", "GRADES", "SUPPRESSIONS", "PylintAdapter", "grade"]
 
 #: Errors (E), warnings (W), and the refactor messages that are comparison bugs:
 #: ``x is 1`` (R0123), ``x == x`` (R0124), ``1 == 1`` (R0133).
@@ -136,6 +142,9 @@ _DEFAULT_GRADE = (L, 0.45)
 #: Scale of the confidence of a message pylint emitted although inference failed.
 INFERENCE_FAILURE_FACTOR = 0.8
 
+#: pylint's directive in a comment (``# pylint: disable=…``, ``# pylint: skip-file``).
+SUPPRESSIONS = re.compile(r"pylint(?=\s*:)", re.IGNORECASE)
+
 _FATAL = 1
 _USAGE = 32
 _MESSAGE_RE = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,63}$")
@@ -164,14 +173,16 @@ class _Report(msgspec.Struct):
     statistics: dict[str, msgspec.Raw] | None = None
 
 
-class PylintAdapter(ToolAdapter):
+class PylintAdapter(SuppressionAwareAdapter):
     """pylint next-hop. ``enable``/``disable`` are pylint message ids, symbols or
     classes (``"W0102"``, ``"dangerous-default-value"``, ``"W"``; default
     :data:`DEFAULT_ENABLE` / :data:`DEFAULT_DISABLE`), applied after
     ``--disable=all``. Raises ``ValueError`` when ``enable`` is empty or an entry is
-    not a message name. Other arguments: :class:`ToolAdapter`."""
+    not a message name. Other arguments:
+    :class:`~atp.adapters.tools.suppressions.SuppressionAwareAdapter`."""
 
     tool = "pylint"
+    suppression_pattern = SUPPRESSIONS
     default_strengths = ("static_analysis", "bug_detection")
 
     def __init__(
@@ -184,8 +195,10 @@ class PylintAdapter(ToolAdapter):
         enable: Iterable[str] = DEFAULT_ENABLE,
         disable: Iterable[str] = DEFAULT_DISABLE,
         limits: ToolLimits = DEFAULT_LIMITS,
+        allow_suppressions: bool = False,
     ) -> None:
-        super().__init__(name, scope=scope, context=context, strengths=strengths, limits=limits)
+        super().__init__(name, scope=scope, context=context, strengths=strengths, limits=limits,
+                         allow_suppressions=allow_suppressions)
         self.enable = list(enable)
         self.disable = list(disable)
         if not self.enable:

@@ -4,7 +4,11 @@ errors, with the style rules left out (a reviewer flags bugs, not formatting).
 Runs ``ruff check --output-format json --no-cache --isolated --exit-zero
 --select … --ignore …`` over the task's Python files. ``--isolated`` ignores any
 configuration, so a task cannot switch rules off (or on) through a
-``pyproject.toml``; only ``.py`` files are written anyway.
+``pyproject.toml``; only ``.py`` files are written anyway. Suppression comments
+in the code (``# noqa``, file-level ``# ruff: noqa`` / ``# flake8: noqa``,
+``# ruff: disable[…]``) are not honoured unless the operator allows them
+(``--ignore-noqa``, and :data:`SUPPRESSIONS` neutralised; see
+:mod:`atp.adapters.tools.suppressions`).
 
 ruff has no per-finding confidence, so :data:`GRADES` assigns a severity and a
 confidence per rule class: how often that class is a real defect in review.
@@ -12,21 +16,22 @@ confidence per rule class: how often that class is a real defect in review.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import msgspec
 
 from atp.adapters.tools.base import (
     DEFAULT_LIMITS,
-    ToolAdapter,
     ToolLimits,
     decode_items,
     longest_prefix,
     relative,
 )
+from atp.adapters.tools.suppressions import SuppressionAwareAdapter
 from atp.consensus.types import AgentFinding, Severity
 
-__all__ = ["DEFAULT_IGNORE", "DEFAULT_SELECT", "GRADES", "RuffAdapter", "grade"]
+__all__ = ["DEFAULT_IGNORE", "DEFAULT_SELECT", "GRADES", "SUPPRESSIONS", "RuffAdapter", "grade"]
 
 #: Rules that find defects: syntax errors (E9), pyflakes (F), None/bool/type
 #: comparisons and bare except (E711 E712 E721 E722), bugbear (B), flake8-bandit
@@ -94,6 +99,10 @@ GRADES: dict[str, tuple[Severity, float]] = {
 }
 _DEFAULT_GRADE = (L, 0.5)
 
+#: ruff's suppression keywords in a comment: ``noqa`` (inline, and file-level
+#: after ``ruff:`` or ``flake8:``) and every ``ruff:`` directive.
+SUPPRESSIONS = re.compile(r"noqa|ruff(?=\s*:)", re.IGNORECASE)
+
 
 def grade(code: str) -> tuple[Severity, float]:
     """(severity, confidence) of a ruff rule code by the longest prefix in GRADES."""
@@ -115,12 +124,15 @@ class _Diagnostic(msgspec.Struct):
     end_location: _Location | None = None
 
 
-class RuffAdapter(ToolAdapter):
+class RuffAdapter(SuppressionAwareAdapter):
     """ruff next-hop. ``select``/``ignore`` are ruff rule selectors (default
     :data:`DEFAULT_SELECT` / :data:`DEFAULT_IGNORE`); ``target_version`` (``"py39"``
-    …) sets the Python the code targets. Other arguments: :class:`ToolAdapter`."""
+    …) sets the Python the code targets. Other arguments:
+    :class:`~atp.adapters.tools.suppressions.SuppressionAwareAdapter`."""
 
     tool = "ruff"
+    suppression_pattern = SUPPRESSIONS
+    suppression_flags = ("--ignore-noqa",)
     default_strengths = ("static_analysis", "bug_detection", "security", "quick_review")
 
     def __init__(
@@ -134,8 +146,10 @@ class RuffAdapter(ToolAdapter):
         ignore: Iterable[str] = DEFAULT_IGNORE,
         target_version: str | None = None,
         limits: ToolLimits = DEFAULT_LIMITS,
+        allow_suppressions: bool = False,
     ) -> None:
-        super().__init__(name, scope=scope, context=context, strengths=strengths, limits=limits)
+        super().__init__(name, scope=scope, context=context, strengths=strengths, limits=limits,
+                         allow_suppressions=allow_suppressions)
         self.select = list(select)
         self.ignore = list(ignore)
         if not self.select:
@@ -152,7 +166,7 @@ class RuffAdapter(ToolAdapter):
             args += ["--ignore", ",".join(self.ignore)]
         if self.target_version:
             args += ["--target-version", self.target_version]
-        return [*args, *paths]
+        return [*args, *self.suppression_args(), *paths]
 
     def parse(self, stdout: bytes, root: str) -> tuple[list[AgentFinding], list[str]]:
         """ruff's JSON list of diagnostics as findings (runs in a worker thread)."""

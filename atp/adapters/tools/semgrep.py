@@ -10,7 +10,9 @@ environment). semgrep writes ``~/.semgrep`` (settings, log), so ``HOME``,
 ``XDG_CONFIG_HOME`` and ``XDG_CACHE_HOME`` point into the work directory, which
 is removed after the run. Only ``.py`` files are written there, so no
 ``.semgrepignore``, ``.semgrep.yml`` or ``.semgrep/`` settings of a task are
-read, and the targets are given explicitly.
+read, and the targets are given explicitly. ``# nosemgrep`` / ``# nosem``
+comments are not honoured unless the operator allows them (``--disable-nosem``,
+and :data:`SUPPRESSIONS` neutralised; see :mod:`atp.adapters.tools.suppressions`).
 
 Rule packs (``rules`` option, default all; :data:`RULE_PACKS`): ``regex``
 (ReDoS-prone patterns, flags passed as count), ``security`` (shell injection,
@@ -53,11 +55,11 @@ from atp.adapters.tools.base import (
     _ENV_KEEP,
     DEFAULT_LIMITS,
     GiB,
-    ToolAdapter,
     ToolLimits,
     decode_items,
     relative,
 )
+from atp.adapters.tools.suppressions import SuppressionAwareAdapter
 from atp.consensus.types import AgentFinding, Severity
 
 __all__ = [
@@ -66,6 +68,7 @@ __all__ = [
     "RULES_DIR",
     "RULE_PACKS",
     "SEVERITY",
+    "SUPPRESSIONS",
     "SemgrepAdapter",
     "rule_ids",
 ]
@@ -86,6 +89,9 @@ CONFIDENCE: dict[str, float] = {"HIGH": 0.85, "MEDIUM": 0.65, "LOW": 0.4}
 #: semgrep's limits: the shared defaults with 4 GiB of address space (see the
 #: module docstring: semgrep-core does not start under 2 GiB).
 DEFAULT_SEMGREP_LIMITS = dataclasses.replace(DEFAULT_LIMITS, address_space_bytes=4 * GiB)
+
+#: semgrep's suppression keyword (``# nosemgrep``, ``# nosem: rule-id``).
+SUPPRESSIONS = re.compile(r"nosem", re.IGNORECASE)
 
 _CWE_RE = re.compile(r"CWE-(\d+)")
 _RULE_ID_RE = re.compile(r"^\s*-\s+id:\s*([A-Za-z0-9_.-]+)\s*$", re.MULTILINE)
@@ -128,13 +134,16 @@ class _Report(msgspec.Struct):
     errors: list[dict[str, Any]] = []
 
 
-class SemgrepAdapter(ToolAdapter):
+class SemgrepAdapter(SuppressionAwareAdapter):
     """semgrep next-hop. ``rules`` names the rule packs to run (default all of
     :data:`RULE_PACKS`), ``exclude_rules`` rule ids of those packs not to report.
     Default limits :data:`DEFAULT_SEMGREP_LIMITS`. Raises ``ValueError`` on an
-    unknown pack or rule id, or no pack. Other arguments: :class:`ToolAdapter`."""
+    unknown pack or rule id, or no pack. Other arguments:
+    :class:`~atp.adapters.tools.suppressions.SuppressionAwareAdapter`."""
 
     tool = "semgrep"
+    suppression_pattern = SUPPRESSIONS
+    suppression_flags = ("--disable-nosem",)
     default_strengths = ("static_analysis", "security", "bug_detection", "cwe")
 
     def __init__(
@@ -147,8 +156,10 @@ class SemgrepAdapter(ToolAdapter):
         rules: Iterable[str] = RULE_PACKS,
         exclude_rules: Iterable[str] = (),
         limits: ToolLimits = DEFAULT_SEMGREP_LIMITS,
+        allow_suppressions: bool = False,
     ) -> None:
-        super().__init__(name, scope=scope, context=context, strengths=strengths, limits=limits)
+        super().__init__(name, scope=scope, context=context, strengths=strengths, limits=limits,
+                         allow_suppressions=allow_suppressions)
         self.rules = list(rules)
         if not self.rules:
             raise ValueError("rules: must name at least one semgrep rule pack")
@@ -171,7 +182,7 @@ class SemgrepAdapter(ToolAdapter):
         ]  # fmt: skip
         for rid in self.exclude_rules:
             args += ["--exclude-rule", rid]
-        return [*args, "--", *paths]
+        return [*args, *self.suppression_args(), "--", *paths]
 
     def environment(self, root: str) -> dict[str, str]:
         """The analyser's environment: the router's minimal one with ``HOME`` and
