@@ -61,6 +61,7 @@ import secrets
 import shutil
 import tempfile
 import time
+from functools import partial
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,7 @@ from atp.security.audit import AuditLog, AuditOptions
 from atp.security.tls import ServerTls
 from atp.store import SqliteStore, StoreJournal, StoreUnavailable
 from atp.security.redact import DataScopeGuard, Redacted, Refused
+from atp.security.redact import warm as redact_warm
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec, KeyRing
 from atp.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode, LocalProtocolError, PolicyError
@@ -1097,6 +1099,8 @@ class Router:
                 nursery.start_soon(self.streams.run_flusher)
                 nursery.start_soon(self._audit_checkpoints)
                 nursery.start_soon(self.learning.run)
+                # The secrets detectors' imports, off the event loop before the first task needs them.
+                nursery.start_soon(partial(trio.to_thread.run_sync, redact_warm, abandon_on_cancel=True))
                 if self.config.watch_policies:
                     nursery.start_soon(self._watch_policies)
                 for task in self._background_tasks():
