@@ -574,9 +574,10 @@ async def test_large_report_is_parsed_off_the_event_loop() -> None:
     ticker on the event loop keeps its 5 ms beat: no gap near 100 ms."""
     gaps: list[float] = []
     report: list[AgentReport] = []
+    ruff = RuffAdapter("ruff", scope="file")  # built first, as at RIB load (the sandbox probe runs once there)
 
     async def run() -> None:
-        r, _ = await _report(RuffAdapter("ruff", scope="file"),
+        r, _ = await _report(ruff,
                              Prompt(task_type="code_review", content={"files": {"d.py": dense(160 * KIB)}}))
         report.append(r)
 

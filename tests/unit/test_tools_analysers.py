@@ -478,7 +478,9 @@ async def test_pylint_found_something_statuses_are_success(status: int) -> None:
 async def test_pylint_fatal_and_usage_statuses_are_agentdown(status: int) -> None:
     with pytest.raises(AgentError) as e:
         await _report(_ScriptPylint(status), _prompt({"a.py": "x = 1\n"}))
-    assert e.value.code is ErrorCode.EAGENTDOWN and e.value.reason == f"python exited with status {status}: oops"
+    # The canary (the same script) fails too: the next-hop's fault.
+    assert e.value.code is ErrorCode.EAGENTDOWN and not e.value.client_fault
+    assert e.value.reason == f"python exited with status {status}: oops; a canary task failed on python too"
 
 
 async def test_mypy_statuses() -> None:
@@ -496,7 +498,9 @@ async def test_pylint_wall_clock_timeout() -> None:
     src = "".join(f"def f{i}(a=[]):\n    return undefined_{i} + a[0]\n" for i in range(3000))
     with pytest.raises(AgentError) as e:
         await _report(PylintAdapter("pylint", scope="file", limits=ToolLimits(timeout_s=1)), _prompt({"d.py": src}))
-    assert (e.value.code, e.value.reason) == (ErrorCode.ETIMEOUT, "pylint ran past its wall-clock limit timeout_s=1 s; killed")
+    # Whose the timeout is depends on the canary (pylint's start-up alone may take 1 s on a loaded host).
+    assert e.value.code is ErrorCode.ETIMEOUT
+    assert e.value.reason.startswith("pylint ran past its wall-clock limit timeout_s=1 s; killed")
 
 
 async def test_semgrep_needs_more_than_2_gib_of_address_space() -> None:

@@ -185,8 +185,9 @@ def _within(path: str, parent: str) -> bool:
 
 @dataclass(slots=True)
 class RunResult:
-    """What one run left: its exit status (negative: killed by that signal;
-    ``None`` when it was killed at a limit), its stdout, stderr and report pipe
+    """What one run left: its exit status (negative: killed by that signal —
+    bwrap reports a command killed by signal N as status 128 + N, read back as
+    -N; ``None`` when the run was killed at a limit), its stdout, stderr and report pipe
     (bytes, at most ``output_bytes`` together), and which limit stopped it:
     ``timed_out`` (wall clock), ``capped`` (output), ``oom`` (the memory cgroup's
     limit), ``procs_capped`` (a fork refused at ``max_procs``)."""
@@ -525,27 +526,38 @@ class Sandbox:
         extra = self._checked(ro_paths)
         size = await trio.to_thread.run_sync(_tree_bytes, tree)
         want_report = any(REPORT in c for c in command)
-        with _uid() as uid, _cgroups(host, lim) as cgroups, _Fds() as fds:
-            pipes = {}
-            for name in ("out", "err", *(("report",) if want_report else ())):
-                pipes[name] = fds.pipe()
-            if want_report:
-                command = [c.replace(REPORT, f"/proc/self/fd/{pipes['report'][1]}") for c in command]
-            argv = self.argv(command, tree=tree, uid=uid, bwrap=host.bwrap, env=env, tree_bytes=size, ro_paths=extra)
-            spawn = functools.partial(
-                subprocess.Popen, argv, cwd="/", env={}, stdin=subprocess.DEVNULL, stdout=pipes["out"][1],
-                stderr=pipes["err"][1], start_new_session=True,
-                pass_fds=(pipes["report"][1],) if want_report else (),
-                preexec_fn=functools.partial(_child_setup, self._rlimits(host), cgroups),
-            )
-            proc = await trio.to_thread.run_sync(_spawn, spawn)
-            for _, w in pipes.values():
-                fds.close(w)
-            streams = {name: trio.lowlevel.FdStream(fds.take(r)) for name, (r, _) in pipes.items()}
-            result = await self._supervise(proc, streams, cgroups)
-            if cgroups:
-                result.oom, result.procs_capped = await trio.to_thread.run_sync(_cgroup_events, cgroups)
-            return result
+        with _uid() as uid, _Fds() as fds:
+            cgroups = await trio.to_thread.run_sync(_make_cgroups, host, lim)
+            try:
+                return await self._run(command, tree=tree, env=env, host=host, uid=uid, fds=fds, cgroups=cgroups,
+                                       want_report=want_report, size=size, extra=extra)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(_remove_cgroups, cgroups)
+
+    async def _run(self, command: Sequence[str], *, tree: str, env: Mapping[str, str] | None, host: _Host,
+                   uid: int, fds: _Fds, cgroups: list[str], want_report: bool, size: int,
+                   extra: Sequence[str]) -> RunResult:
+        pipes = {}
+        for name in ("out", "err", *(("report",) if want_report else ())):
+            pipes[name] = fds.pipe()
+        if want_report:
+            command = [c.replace(REPORT, f"/proc/self/fd/{pipes['report'][1]}") for c in command]
+        argv = self.argv(command, tree=tree, uid=uid, bwrap=host.bwrap, env=env, tree_bytes=size, ro_paths=extra)
+        spawn = functools.partial(
+            subprocess.Popen, argv, cwd="/", env={}, stdin=subprocess.DEVNULL, stdout=pipes["out"][1],
+            stderr=pipes["err"][1], start_new_session=True,
+            pass_fds=(pipes["report"][1],) if want_report else (),
+            preexec_fn=functools.partial(_child_setup, self._rlimits(host), cgroups),
+        )
+        proc = await trio.to_thread.run_sync(_spawn, spawn)
+        for _, w in pipes.values():
+            fds.close(w)
+        streams = {name: trio.lowlevel.FdStream(fds.take(r)) for name, (r, _) in pipes.items()}
+        result = await self._supervise(proc, streams, cgroups)
+        if cgroups:
+            result.oom, result.procs_capped = await trio.to_thread.run_sync(_cgroup_events, cgroups)
+        return result
 
     async def _supervise(self, proc: subprocess.Popen[bytes], streams: dict[str, trio.lowlevel.FdStream],
                          cgroups: Sequence[str]) -> RunResult:
@@ -583,8 +595,11 @@ class Sandbox:
                     await stream.aclose()
                 if cgroups:
                     await trio.to_thread.run_sync(_sweep, cgroups)
+        status = proc.returncode
+        if status is not None and 128 < status <= 128 + 64:
+            status = 128 - status  # bwrap's init exits 128 + N for a command killed by signal N
         return RunResult(
-            returncode=None if (timed_out or capped) else proc.returncode,
+            returncode=None if (timed_out or capped) else status,
             stdout=bytes(bufs["out"]), stderr=bytes(bufs["err"]),
             report=bytes(bufs["report"]) if "report" in streams else None,
             timed_out=timed_out, capped=capped,
@@ -632,10 +647,10 @@ def _spawn(start: functools.partial[subprocess.Popen[bytes]]) -> subprocess.Pope
     return _spawner.submit(start).result()
 
 
-@contextlib.contextmanager
-def _cgroups(host: _Host, lim: ToolLimits) -> Iterator[list[str]]:
+def _make_cgroups(host: _Host, lim: ToolLimits) -> list[str]:
     """The run's cgroups (pids: ``pids.max``; memory: ``memory.limit_in_bytes``),
-    made under this process's own; swept and removed on the way out."""
+    made under this process's own (blocking). Raises OSError (nothing left
+    behind) when the pids cgroup cannot be made."""
     made: list[str] = []
     name = f"atp-run-{os.getpid()}-{next(_seq)}"
     try:
@@ -653,8 +668,15 @@ def _cgroups(host: _Host, lim: ToolLimits) -> Iterator[list[str]]:
             else:
                 made.append(d)
                 Path(d, "memory.limit_in_bytes").write_text(str(lim.address_space_bytes))
-        yield made
-    finally:
+    except BaseException:
+        _remove_cgroups(made)
+        raise
+    return made
+
+
+def _remove_cgroups(made: Sequence[str]) -> None:
+    """Sweep (SIGKILL) and remove the run's cgroups (blocking)."""
+    if made:
         _sweep(made)
         for d in made:
             for _ in range(50):
