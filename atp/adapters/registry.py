@@ -8,7 +8,8 @@ entry, for model agents) into a :class:`ProviderAdapter`:
                                               (semgrep offline, with the rules shipped in
                                               atp/adapters/tools/semgrep_rules/)
     tool: pytest (alias tests)              → TestRunnerAdapter: the task's tests run in a
-                                              sandbox without network; failing tests are
+                                              sandbox without network (``allow_network``:
+                                              the host's); failing tests are
                                               ``test_fail`` findings
     tool: retriever | summariser            → RetrieverAdapter / SummariserAdapter (in-process,
                                               in a worker thread; §15.3 / §15.2)
@@ -22,6 +23,11 @@ entry, for model agents) into a :class:`ProviderAdapter`:
     remote protocol: mqtt2389 | a2a | agent_api
                                             → the adapter named in REMOTE_FACTORIES, imported
                                               on first use ("module:callable")
+
+Every subprocess next-hop (the analysers, pytest) runs in the bubblewrap sandbox
+of :mod:`atp.adapters.tools.sandbox`; where that sandbox cannot be made on this
+host, building it is refused (``ValueError`` ``sandbox: <why>``), so the RIB
+naming it is refused at load — never served without the sandbox.
 
 ``agent.options`` carries adapter settings; each factory accepts a fixed set and
 refuses the rest. Every refusal is a ``ValueError`` whose message names the field
@@ -48,9 +54,9 @@ from atp.adapters.tools.bandit import BanditAdapter
 from atp.adapters.tools.base import DEFAULT_LIMITS, LIMIT_OPTIONS, ToolLimits
 from atp.adapters.tools.mypy import MypyAdapter
 from atp.adapters.tools.pylint import PylintAdapter
+from atp.adapters.tools.retriever import RetrieverAdapter, RetrieverLimits
 from atp.adapters.tools.ruff import RuffAdapter
 from atp.adapters.tools.semgrep import DEFAULT_SEMGREP_LIMITS, SemgrepAdapter
-from atp.adapters.tools.retriever import RetrieverAdapter, RetrieverLimits
 from atp.adapters.tools.summariser import SummariserAdapter, SummariserLimits
 from atp.adapters.tools.testrunner import TestRunnerAdapter
 from atp.policy.rib import AgentSpec, ModelSpec, TlsClientSpec
@@ -157,8 +163,9 @@ _semgrep = _analyser(SemgrepAdapter, {"rules": _STR_LIST, "exclude_rules": _STR_
 
 def _pytest(name: str, agent: AgentSpec) -> ProviderAdapter:
     """``tool: pytest`` / ``tests`` (:mod:`atp.adapters.tools.testrunner`): ``repos``
-    (checkout roots a task's ``content.repo`` may name), ``allow_network`` (run where
-    network namespaces are unavailable), ``max_write_bytes`` and the tool limits."""
+    (checkout roots a task's ``content.repo`` may name), ``allow_network`` (the
+    sandbox keeps the host's network instead of an empty network namespace; only
+    when the RIB says so), ``max_write_bytes`` and the tool limits."""
     opts, limits = _tool_options(
         agent, {"repos": _STR_LIST, "allow_network": (bool,), "max_write_bytes": (int,)}, "tool pytest"
     )

@@ -3,6 +3,12 @@ compiles to (spec §6, §22), before a reload or in CI.
 
 Exit status 0 with the compiled FIB on standard output; 1 with every fault, one
 per line as ``file:line: key: reason``, on standard error; 2 on a usage error.
+Faults include the local next-hops (``tool:`` agents) this host cannot serve:
+each is built as the router would at load (:func:`~atp.adapters.registry.build_adapter`),
+so a tool whose sandbox cannot be made here (no bubblewrap, no user namespaces,
+no process-count limit: :mod:`atp.adapters.tools.sandbox`) or whose options are
+refused is reported as ``file: agents.<name>: <reason>`` — the same refusal the
+router gives at load.
 The text form is stable (snapshot-tested for every policy file shipped):
 
 * the RIB's models and agents, one line each;
@@ -112,6 +118,26 @@ def render_fib(fib: Fib) -> str:
     return "\n".join(out) + "\n"
 
 
+def _check_local_next_hops(rib: Any, source: str) -> None:
+    """Build every ``tool:`` agent as the router would at load; raise
+    :class:`PolicyError` (one fault per refused agent, as in the router:
+    ``agents.<name>: <reason>``) when any is refused. Model and remote agents
+    are not built here (they need no local set-up)."""
+    from atp.adapters.registry import build_adapter
+
+    faults: list[PolicyError] = []
+    for name, agent in rib.agents.items():
+        if agent.tool is None or agent.remote is not None:
+            continue
+        try:
+            build_adapter(name, agent)
+        except (ValueError, KeyError) as e:
+            faults.append(PolicyError(source, f"agents.{name}", str(e)))
+    if faults:
+        faults[0].errors = faults
+        raise faults[0]
+
+
 def check_main(argv: list[str]) -> int:
     from atp.router.helpfmt import DefaultsHelpFormatter
 
@@ -121,7 +147,9 @@ def check_main(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true", help="print the compiled FIB as JSON")
     args = ap.parse_args(argv)
     try:
-        fib = compile_fib(load_rib(args.path), version=1)
+        rib = load_rib(args.path)
+        fib = compile_fib(rib, version=1)
+        _check_local_next_hops(rib, args.path)
     except PolicyError as e:
         for x in e.errors:
             print(x.where(), file=sys.stderr)

@@ -325,6 +325,10 @@ class Router:
             self._tmp_state = Path(tempfile.mkdtemp(prefix="atp-state-"))
         #: Where the durable state lives (spec §8, §11 audit; atp.store).
         self.state_dir = config.state_dir or self._tmp_state
+        # No local next-hop's sandbox may mount it (atp.adapters.tools.sandbox).
+        from atp.adapters.tools.sandbox import forbid_paths
+
+        forbid_paths(self.state_dir)
         self._lock = self._lock_state()
         self.store = self._open_store()
         self.ledger = self._restore_ledger()

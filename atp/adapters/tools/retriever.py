@@ -47,6 +47,14 @@ Errors: a question missing, empty, too long or without a searchable term, a
 ``docs`` that is not an absolute directory inside ``roots`` → ``ClientInputError``
 (``EPROTO``, the client's fault); the adapter's own ``docs`` directory missing →
 ``AgentError(EAGENTDOWN)``. Costs nothing (zero tokens and USD).
+
+Why it runs in a worker thread of the router and not in the sandbox of
+:mod:`atp.adapters.tools.sandbox` (issue 19): it executes nothing of the
+tenant's. The tenant sends a question (at most ``max_question_chars``, used only
+as quoted FTS5 phrases, never as query syntax) and at most names a directory,
+which must lie inside the operator's ``roots``; the files there are read as text,
+cut into passages by regular expressions and indexed by SQLite's FTS5 in memory,
+all within :class:`RetrieverLimits`. Nothing is parsed as code, imported or run.
 """
 
 from __future__ import annotations
@@ -63,7 +71,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
 
 from atp.adapters.base import CallStats
 from atp.adapters.tools.base import InThreadToolAdapter, confined_dir
@@ -103,7 +110,7 @@ STOPWORDS = frozenset(
     her here hers how i if in into is it its itself just me more most my no nor not now of off on once only or
     other our ours out over own same she should so some such than that the their theirs them then there these
     they this those through to too under until up very was we were what when where which while who whom why will
-    with would you your yours s t don explain describe tell give mean means meaning does did say says said""".split()
+    with would you your yours s t don explain describe tell give mean means meaning does did say says said""".split()  # noqa: SIM905
 )
 
 
@@ -253,7 +260,7 @@ class Corpus:
             held: dict[int, int] = dict.fromkeys(ids, 0)
             for t in terms:
                 for (rid,) in self._db.execute(
-                    f"SELECT rowid FROM p WHERE p MATCH ? AND rowid IN ({marks})", (_fts_phrase(t), *ids)  # noqa: S608
+                    f"SELECT rowid FROM p WHERE p MATCH ? AND rowid IN ({marks})", (_fts_phrase(t), *ids)
                 ):
                     held[rid] += 1
         return [(self.passages[rid], -score, held[rid]) for rid, score in rows]

@@ -37,7 +37,20 @@ The report (``AgentReport``):
 
 Errors: a ``repo`` that is not an absolute directory inside ``roots`` →
 ``ClientInputError`` (``EPROTO``); the adapter's own ``repo`` gone →
-``AgentError(EAGENTDOWN)``. Costs nothing (zero tokens and USD).
+``AgentError(EAGENTDOWN)``. A file that cannot be parsed — including one nested
+so deep that the parser raises ``RecursionError`` or ``MemoryError`` — is listed
+as unparsable, never a failure of the next-hop. Costs nothing (zero tokens and USD).
+
+Why it runs in a worker thread of the router and not in the sandbox of
+:mod:`atp.adapters.tools.sandbox` (issue 19): it executes nothing of the
+tenant's. The tenant sends no files to it; it names at most a directory, which
+must lie inside the operator's ``roots``; what it reads there it only parses —
+``ast.parse`` (never compiled, imported or run), ``tomllib``, regular
+expressions — within :class:`SummariserLimits` (files, bytes, one file's bytes),
+and never follows a symlink. Parsing is not execution: the worst a hostile file
+under ``roots`` can do is be slow within those bounds or fail to parse. An
+operator who puts tenant-writable checkouts under ``roots`` should know that
+their content is parsed in the router's process.
 """
 
 from __future__ import annotations
@@ -51,7 +64,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
 
 from atp.adapters.base import CallStats
 from atp.adapters.tools.base import InThreadToolAdapter, confined_dir
@@ -214,7 +226,7 @@ def _line_of(lines: list[str], pattern: re.Pattern[str], after: int = 0) -> int:
 def _pyproject(text: str, facts: RepoFacts) -> None:
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError, MemoryError):  # e.g. arrays nested thousands deep
         facts.unparsable.append("pyproject.toml")
         return
     lines = text.splitlines()
@@ -236,7 +248,7 @@ def _pyproject(text: str, facts: RepoFacts) -> None:
 def _module(rel: str, text: str, facts: RepoFacts) -> None:
     try:
         tree = ast.parse(text, filename=rel)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # absurd nesting: unparsable, not a crash
         facts.unparsable.append(rel)
         return
     mod = Module(rel, lines=text.count("\n") + 1)
