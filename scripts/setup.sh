@@ -33,6 +33,22 @@ T0=$SECONDS
 # `pip install ARGS…` into .venv, through the progress output.
 pip() { [ "$1" = install ] || exit 2; shift; pip_install .venv "$LOG" "$@"; }
 
+# bubblewrap: every local next-hop (the analysers, pytest) runs in its sandbox, and
+# the router refuses a RIB naming one where it cannot make it (README "Sharing the
+# router"; atp/adapters/tools/sandbox.py). Debian's package, like the peers'.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    step bubblewrap "installing Debian's bubblewrap (the tool next-hops' sandbox) with apt-get" "20 s"
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap; } >>"$LOG" 2>&1 \
+      || { echo "apt-get install bubblewrap failed; see $LOG" >&2; tail -n 20 "$LOG" >&2; exit 1; }
+    step_done
+  else
+    echo "setup: bubblewrap (bwrap) is missing and this is not root with apt-get: install Debian's" \
+         "'bubblewrap' package (sudo apt-get install bubblewrap; Fedora/RHEL: dnf install bubblewrap)." \
+         "Without it the router refuses every tool next-hop (ruff, bandit, mypy, pylint, semgrep, pytest)." >&2
+  fi
+fi
+
 # The editable install maps the packages that exist when it runs: a new subpackage
 # of atp/ needs a reinstall, so the package list is part of the stamp.
 stamp=$( (cat pyproject.toml sdk/python/pyproject.toml sdk/python/atp/*.py scripts/setup.sh; ls -d atp/*/) | sha256sum | cut -c1-16)
