@@ -16,6 +16,15 @@ Every row is one ~1.3 KB signed frame (``bench_codec.realistic_frame`` with
 
 The floor is ``msgspec`` decoding the same bytes into ``Frame`` (no checks at all),
 measured in the same run; the ratio says what the trust checks cost on top of it.
+
+Then the sandbox every local next-hop runs in (:mod:`atp.adapters.tools.sandbox`,
+bubblewrap + cgroups): ``true`` and ``ruff --version`` run ``--sandbox-runs`` times
+each directly (``subprocess``) and in a fresh sandbox (``Sandbox.run``: namespaces,
+mounts, the copy of an empty work tree, the run's cgroups made and removed), medians
+of the same run. The last line, ``SANDBOX startup_ms p50=… tool_ms p50=…``, is the
+sandbox's start-up cost per run (sandboxed ``true`` − direct ``true``) beside the
+tool's own run time (direct ``ruff --version``). ``--sandbox-runs 0`` skips it;
+where no sandbox can be made it prints why.
 """
 
 from __future__ import annotations
@@ -23,6 +32,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import secrets
+import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,19 +46,23 @@ from joserfc import jwt
 from joserfc.jwk import KeySet, RSAKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_codec import best_us, realistic_frame  # noqa: E402
+from bench_codec import best_us, realistic_frame
 
-from atp.security.authn import ApiKeySpec, AuthConfig, Authenticator, JwtSpec  # noqa: E402
-from atp.security.signing import ReplayGuard, sign_outbound  # noqa: E402
-from atp.wire.codec import FrameCodec, KeyRing  # noqa: E402
-from atp.wire.frame import Frame  # noqa: E402
+from atp.security.authn import ApiKeySpec, AuthConfig, Authenticator, JwtSpec
+from atp.security.signing import ReplayGuard, sign_outbound
+from atp.wire.codec import FrameCodec, KeyRing
+from atp.wire.frame import Frame
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=15, help="repeats per case; the best is reported")
     ap.add_argument("--seconds", type=float, default=1.0, help="time budget per case (s)")
+    ap.add_argument("--sandbox-runs", type=int, default=20, help="runs per sandbox case (0: skip them)")
+    ap.add_argument("--only-sandbox", action="store_true", help="only the sandbox cases")
     args = ap.parse_args(argv)
+    if args.only_sandbox:
+        return sandbox_costs(args.sandbox_runs)
 
     ring = KeyRing({"k2": secrets.token_bytes(32), "k1": secrets.token_bytes(32)})
     codec = FrameCodec("json", keyring=ring)
@@ -124,6 +140,48 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in cases:
         us, floor_us = best_us([fn, floor], repeat=args.repeat, budget_s=args.seconds)
         print(f"{name:<46} {us:>8.2f} {1e6 / us:>10,.0f} {floor_us:>9.2f} {us / floor_us:>6.2f}")
+    return sandbox_costs(args.sandbox_runs) if args.sandbox_runs > 0 else 0
+
+
+def sandbox_costs(runs: int) -> int:
+    """The sandbox rows of the module docstring; prints why when no sandbox can be made."""
+    import trio
+
+    from atp.adapters.tools.base import DEFAULT_LIMITS, find_executable
+    from atp.adapters.tools.sandbox import Sandbox, probe
+
+    reason = probe()
+    if reason is not None:
+        print(f"SANDBOX unavailable: {reason}")
+        return 1
+    ruff = find_executable("ruff")
+    commands = {"true": [shutil.which("true") or "/bin/true"]}
+    if ruff is not None:
+        commands["ruff --version"] = [ruff, "--version"]
+    tree = tempfile.mkdtemp(prefix="atp-tool-bench-")
+    results: dict[str, tuple[float, float]] = {}
+    try:
+        for name, argv in commands.items():
+            box = Sandbox(tool=name, limits=DEFAULT_LIMITS, executables=argv[:1])
+            direct, boxed = [], []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                subprocess.run(argv, cwd=tree, stdout=subprocess.DEVNULL, check=True)
+                direct.append((time.perf_counter() - t0) * 1000)
+                t0 = time.perf_counter()
+                res = trio.run(lambda box=box, argv=argv: box.run(argv, tree=tree))
+                boxed.append((time.perf_counter() - t0) * 1000)
+                if res.returncode != 0:
+                    print(f"SANDBOX {name} failed in the sandbox: {res.stderr[-300:]!r}")
+                    return 1
+            results[name] = statistics.median(direct), statistics.median(boxed)
+            print(f"sandbox: {name:<16} direct p50 {results[name][0]:>7.1f} ms   sandboxed p50 "
+                  f"{results[name][1]:>7.1f} ms   ({runs} runs each)")
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+    startup = results["true"][1] - results["true"][0]
+    tool = results.get("ruff --version", (float("nan"),))[0]
+    print(f"SANDBOX startup_ms p50={startup:.1f} tool_ms p50={tool:.1f}")
     return 0
 
 
