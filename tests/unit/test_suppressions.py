@@ -13,12 +13,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import trio
 
 from atp.adapters.base import Prompt
 from atp.adapters.registry import build_adapter
 from atp.adapters.tools.bandit import SUPPRESSIONS as BANDIT
 from atp.adapters.tools.bandit import BanditAdapter
-from atp.adapters.tools.base import ToolAdapter
+from atp.adapters.tools.base import ToolAdapter, ToolLimits
 from atp.adapters.tools.mypy import SUPPRESSIONS as MYPY
 from atp.adapters.tools.mypy import MypyAdapter
 from atp.adapters.tools.pylint import SUPPRESSIONS as PYLINT
@@ -35,6 +36,7 @@ from atp.adapters.tools.suppressions import (
 from atp.consensus.strategies import merge
 from atp.consensus.types import AgentFinding, AgentReport, Severity
 from atp.policy.rib import AgentSpec
+from atp.wire.errors import AgentError, ErrorCode
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Every analyser's keywords at once, for the neutraliser's own tests.
@@ -351,3 +353,33 @@ async def test_a_change_without_suppressions_runs_the_analyser_once(monkeypatch)
     report = await RuffAdapter("ruff").review(_prompt("m.py", old, new.replace("re\n", "re  # noqa\n")))
     assert len(runs) == 2 and [(f.start, f.suppressed_by_change) for f in report.findings] == [(2, True)]
     assert runs[1]["m.py"] == b"import os  # ~~~~\nimport re  # noqa\n"
+
+
+@pytest.mark.parametrize("failure", ["error", "slow"])
+async def test_a_failing_second_run_loses_the_marks_never_the_findings(monkeypatch, failure: str) -> None:
+    """The second run (the change's suppressions honoured) only marks: when it
+    fails, or would outlast what is left of ``timeout_s``, the first run's
+    findings stand, unmarked, and the summary says the marks are unknown."""
+    real = ToolAdapter._run
+    calls = 0
+
+    async def second_fails(self, targets):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return await real(self, targets)
+        if failure == "error":
+            raise AgentError(ErrorCode.EAGENTDOWN, "ruff exited with signal SIGSEGV")
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(ToolAdapter, "_run", second_fails)
+    adapter = RuffAdapter("ruff", limits=ToolLimits(timeout_s=3.0))
+    old = "import os\n"
+    with trio.fail_after(60):  # the budget stops the second run, not this
+        report = await adapter.review(_prompt("m.py", old, old + "import re  # noqa\n"))
+    assert calls == 2 and [(f.start, f.rule, f.suppressed_by_change) for f in report.findings] == [(2, "F401", False)]
+    assert "which findings the change's suppression comments hide is unknown" in report.summary
+    if failure == "error":
+        assert "SIGSEGV" in report.summary
+    else:
+        assert "the second run would pass timeout_s=3 s" in report.summary

@@ -34,8 +34,9 @@ some outside comments), the analyser runs a second time on a copy where only
 the comments of the *unchanged* lines are neutralised, without its switch, and
 the findings of the first run it does not repeat (same file, lines and rule)
 are the ones the change silenced. A change that adds no suppression costs one
-run; one that does, two (each under the tool's limits). If the second run
-fails, the findings stand unmarked and the summary says the marks are missing.
+run; one that does, two, the second within what is left of the tool's
+``timeout_s``. If the second run fails or runs out of time, the findings stand
+unmarked and the summary says the marks are missing.
 
 Suppressions on lines the change does not touch are not honoured either: the
 diff that says which lines are "old" is the tenant's input as much as the
@@ -135,14 +136,16 @@ def _scan(data: bytes, pattern: re.Pattern[str], *, after_hash: bool = False) ->
         return None
     lines = text.split("\n")
     spans: dict[int, list[tuple[int, int]]] = {}
-    if after_hash:
-        for row, line in enumerate(lines, 1):
-            col = line.find("#")
-            if col >= 0:
-                found = [(m.start(), m.end()) for m in pattern.finditer(line, col)]
-                if found:
-                    spans[row] = found
+    for row, line in enumerate(lines, 1):
+        col = line.find("#")
+        if col >= 0:
+            found = [(m.start(), m.end()) for m in pattern.finditer(line, col)]
+            if found:
+                spans[row] = found
+    if after_hash or not spans:
+        # A comment match follows a '#' on its line: no such line, no tokenizing.
         return _Scan(encoding, lines, spans)
+    spans = {}
     try:
         for tok in tokenize.generate_tokens(io.StringIO(text).readline):
             if tok.type == tokenize.COMMENT:
@@ -233,8 +236,8 @@ def plan_suppressions(
     """The :class:`SuppressionPlan` of ``targets`` (path → bytes) for a tool whose
     suppression keywords ``pattern`` matches; ``changed`` maps paths to the
     lines the diff touched (``None``: no diff, every line is the change's);
-    ``after_hash`` as for :func:`neutralise`. Blocking (tokenizes each file that mentions a keyword, once): run it in a
-    worker thread."""
+    ``after_hash`` as for :func:`neutralise`. Blocking (tokenizes each file
+    that mentions a keyword, once): run it in a worker thread."""
     off: dict[str, bytes] = {}
     honour: dict[str, bytes] = {}
     found = added = 0
@@ -337,6 +340,7 @@ class SuppressionAwareAdapter(ToolAdapter):
         if self.allow_suppressions:
             return await super()._run(targets)
         diff = _DIFF.get()
+        t0 = trio.current_time()
         plan = await trio.to_thread.run_sync(self._plan, targets, diff)
         findings, notes = await super()._run(plan.off)
         notes = list(notes)
@@ -344,16 +348,22 @@ class SuppressionAwareAdapter(ToolAdapter):
             notes.append(f"{plan.found} suppression comment(s) not honoured ({plan.added} on changed lines)")
         if plan.honour is None or not findings:
             return findings, notes
+        # The second run only marks: it gets what is left of timeout_s, so it
+        # never makes the call outlast the tool's own wall-clock limit, and its
+        # failure loses the marks, never the findings.
+        unknown = "which findings the change's suppression comments hide is unknown"
         token = _HONOURING.set(True)
         try:
-            quiet, _ = await super()._run(plan.honour)
-        except trio.Cancelled:
-            raise
-        except AgentError as e:  # the marks are lost, not the findings
-            notes.append(f"which findings the change's suppression comments hide is unknown: {e.reason[:200]}")
+            with trio.move_on_after(self.limits.timeout_s - (trio.current_time() - t0)) as budget:
+                quiet, _ = await super()._run(plan.honour)
+        except AgentError as e:
+            notes.append(f"{unknown}: {e.reason[:200]}")
             return findings, notes
         finally:
             _HONOURING.reset(token)
+        if budget.cancelled_caught:
+            notes.append(f"{unknown}: the second run would pass timeout_s={self.limits.timeout_s:g} s")
+            return findings, notes
         if mark_suppressed(findings, quiet):
             notes.append("findings the change's own suppression comments silence are reported, marked "
                          "suppressed_by_change")
