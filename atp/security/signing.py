@@ -294,7 +294,8 @@ class DurableReplayGuard:
     verified its signature with ``keyring``. Raises ``LocalProtocolError(ESEC)``
     for what :meth:`ReplayGuard.check` refuses, a nonce the store holds (a
     replay: "recorded before"), a tenant holding ``max_per_tenant`` nonces, and a
-    store that failed (refused, never accepted unchecked). A frame refused for
+    store that failed (:class:`~atp.store.base.StoreError`: refused, never
+    accepted unchecked; logged with the error, which the client is not told). A frame refused for
     one of the last two reasons is forgotten by ``memory`` and may be sent again
     (a store write that timed out may have recorded it: then sign it anew).
     Raises ``ValueError`` for ``slack_ms < 1`` or ``max_per_tenant < 1``.
@@ -336,7 +337,7 @@ class DurableReplayGuard:
                                      f"{self.max_per_tenant} nonces within the replay window; send again once "
                                      f"some expired (at most {(2 * self.window_ms + self.slack_ms) // 1000} s)") \
                 from None
-        except StoreError as e:
+        except StoreError as e:  # StoreUnavailable, or any other failure of the store
             self.memory.forget(key, nonce)
             self._unavailable += 1
             log.warning("replay check of a signed frame of %s failed, frame refused: %s", tenant, e)

@@ -589,28 +589,14 @@ class SqliteStore(Store):
     def record_nonce(self, tenant: str, kid: str, nonce: str, *, now_ms: int, expires_ms: int,
                      max_per_tenant: int) -> bool:
         check_nonce_args(tenant, kid, nonce, now_ms, expires_ms, max_per_tenant)
-        with self._tx() as c:
-            _sweep_nonces(c, "expires_ms <= ? ORDER BY expires_ms LIMIT ?", (now_ms, NONCE_SWEEP))
-            row = c.execute("SELECT expires_ms FROM nonce WHERE tenant = ? AND kid = ? AND nonce = ?",
-                            (tenant, kid, nonce)).fetchone()
-            if row is not None:
-                if row[0] > now_ms:
-                    return False
-                _sweep_nonces(c, "tenant = ? AND kid = ? AND nonce = ?", (tenant, kid, nonce))
-            held = _nonces_held(c, tenant)
-            if held >= max_per_tenant:
-                _sweep_nonces(c, "expires_ms <= ? ORDER BY expires_ms LIMIT ?", (now_ms, NONCE_FULL_SWEEP))
-                held = _nonces_held(c, tenant)
-            # At the bound: nothing recorded, the sweeps kept (committed), refused below.
-            full = held >= max_per_tenant
-            if not full:
-                c.execute("INSERT INTO nonce (tenant, kid, nonce, expires_ms) VALUES (?, ?, ?, ?)",
-                          (tenant, kid, nonce, expires_ms))
-                c.execute("INSERT INTO nonce_count (tenant, n) VALUES (?, 1) "
-                          "ON CONFLICT (tenant) DO UPDATE SET n = n + 1", (tenant,))
-        if full:
+        try:
+            with self._tx() as c:
+                got = _record_nonce(c, tenant, kid, nonce, now_ms, expires_ms, max_per_tenant)
+        except sqlite3.Error as e:  # a disk error, or the file locked past the busy timeout
+            raise StoreError(f"{self.path}: nonce not recorded: {e}") from None
+        if got < 0:
             raise nonce_limit_error(tenant, max_per_tenant)
-        return True
+        return got == 1
 
     # ------------------------------------------------------------------ streams
     def put_stream(self, record: StreamRecord) -> None:
@@ -914,6 +900,27 @@ def _cache_remove(c: sqlite3.Connection, sql: str, args: tuple) -> int:
     if sizes:
         c.execute("UPDATE cache_total SET entries = entries - ?, bytes = bytes - ?", (len(sizes), sum(sizes)))
     return len(sizes)
+
+
+def _record_nonce(c: sqlite3.Connection, tenant: str, kid: str, nonce: str, now_ms: int, expires_ms: int,
+                  max_per_tenant: int) -> int:
+    """:meth:`SqliteStore.record_nonce` inside its transaction: 1 recorded, 0 a
+    replay, -1 the tenant at its bound (nothing recorded; the sweeps are kept)."""
+    _sweep_nonces(c, "expires_ms <= ? ORDER BY expires_ms LIMIT ?", (now_ms, NONCE_SWEEP))
+    row = c.execute("SELECT expires_ms FROM nonce WHERE tenant = ? AND kid = ? AND nonce = ?",
+                    (tenant, kid, nonce)).fetchone()
+    if row is not None:
+        if row[0] > now_ms:
+            return 0
+        _sweep_nonces(c, "tenant = ? AND kid = ? AND nonce = ?", (tenant, kid, nonce))
+    if _nonces_held(c, tenant) >= max_per_tenant:
+        _sweep_nonces(c, "expires_ms <= ? ORDER BY expires_ms LIMIT ?", (now_ms, NONCE_FULL_SWEEP))
+        if _nonces_held(c, tenant) >= max_per_tenant:
+            return -1
+    c.execute("INSERT INTO nonce (tenant, kid, nonce, expires_ms) VALUES (?, ?, ?, ?)", (tenant, kid, nonce, expires_ms))
+    c.execute("INSERT INTO nonce_count (tenant, n) VALUES (?, 1) ON CONFLICT (tenant) DO UPDATE SET n = n + 1",
+              (tenant,))
+    return 1
 
 
 def _sweep_nonces(c: sqlite3.Connection, where: str, args: tuple) -> int:

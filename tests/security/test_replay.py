@@ -325,6 +325,17 @@ def test_a_store_that_cannot_be_reached_refuses_and_the_frame_is_judged_again_la
         store.close()
 
 
+def test_a_store_that_fails_refuses_the_frame(tmp_path):
+    """Any store failure (here SQLite's own error on a closed database, wrapped as
+    a StoreError) refuses the frame: ESEC, nothing about the store told."""
+    store = SqliteStore.open(tmp_path / "st")
+    guard = DurableReplayGuard(store, RING)
+    store.close()
+    reason = _esec(guard, "alice", _signed(nonce="e" * 20))
+    assert "replay check unavailable" in reason and "nonce store failed" in reason
+    assert str(tmp_path) not in reason and guard.statistics().store_unavailable == 1
+
+
 def test_guard_parameters_are_checked(tmp_path):
     store = SqliteStore.open(tmp_path / "st")
     for kw in ({"slack_ms": 0}, {"max_per_tenant": 0}):
