@@ -1221,7 +1221,8 @@ def build_authenticator(config: RouterConfig) -> Authenticator:
         tenant = "tok_" + digest.hex()[:12]
         tokens.append(EnvToken(Identity(tenant, frozenset({Role.CLIENT}), f"env:{tenant}", "api_key"), digest))
     base = config.auth_file.parent if config.auth_file is not None else Path(".")
-    return Authenticator(doc, env_tokens=tokens, base_dir=base, file=str(config.auth_file or "ATP_ROUTER_TOKENS"))
+    return Authenticator(doc, env_tokens=tokens, base_dir=base, file=str(config.auth_file or "ATP_ROUTER_TOKENS"),
+                         required=config.auth_file is not None)
 
 
 def _check_task(content: Any) -> None:

@@ -504,7 +504,10 @@ class Authenticator:
     """The one authenticator every ingress calls (spec §11 AuthN).
 
     Build it with :meth:`from_sources`; ``enabled`` is ``False`` when no credential
-    is configured (every caller is then :data:`~atp.security.identity.ANONYMOUS`).
+    is configured and no auth file was given (every caller is then
+    :data:`~atp.security.identity.ANONYMOUS`). An auth file with every credential
+    removed (``required=True``) keeps authentication on and refuses everyone: an
+    operator who revoked the last key gets a closed router, never an open one.
     When a ``jwt`` section is configured, run :meth:`run` in a nursery
     (``await nursery.start(auth.run)``): it keeps the JWKS fresh.
     ``kid_refresh_min_s`` (s) bounds how often an unknown ``kid`` forces an early
@@ -512,7 +515,7 @@ class Authenticator:
     """
 
     def __init__(self, config: AuthConfig | None = None, *, env_tokens: Iterable[EnvToken] = (),
-                 base_dir: Path = Path("."), file: str = "<auth>"):
+                 base_dir: Path = Path("."), file: str = "<auth>", required: bool = False):
         config = validate_auth_config(config or AuthConfig(), file)
         self._keys: dict[bytes, _Key] = {}
         for k in config.api_keys:
@@ -527,7 +530,7 @@ class Authenticator:
             for m in config.mtls.identities:
                 self._mtls[m.san] = Identity(m.tenant, frozenset(m.roles), m.san, "mtls")
         self._jwt = _Jwt(config.jwt, base_dir, file) if config.jwt is not None else None
-        self.enabled = bool(self._keys or self._mtls or self._jwt)
+        self.enabled = bool(required or self._keys or self._mtls or self._jwt)
         self.kid_refresh_min_s = KID_REFRESH_MIN_S
 
     @classmethod
@@ -538,7 +541,8 @@ class Authenticator:
         config = load_auth_config(auth_file) if auth_file is not None else AuthConfig()
         env = parse_tokens_env(tokens_env) if tokens_env else []
         base = auth_file.parent if auth_file is not None else Path(".")
-        return cls(config, env_tokens=env, base_dir=base, file=str(auth_file or "<auth>"))
+        return cls(config, env_tokens=env, base_dir=base, file=str(auth_file or "<auth>"),
+                   required=auth_file is not None)
 
     # ------------------------------------------------------------- per request
     def authenticate(self, authorization: str | None, *, now: float, peer_cert: dict | None = None) -> Identity:

@@ -211,7 +211,8 @@ def test_config_file_unreadable_or_not_yaml(tmp_path: Path) -> None:
         load_auth_config(bad)
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
-    assert not Authenticator.from_sources(auth_file=empty, tokens_env=None).enabled
+    # An empty --auth file is a router nobody may use yet, not an open one.
+    assert Authenticator.from_sources(auth_file=empty, tokens_env=None).enabled
 
 
 # ----------------------------------------------------------------------- JWT
@@ -498,3 +499,19 @@ def test_api_key_path_is_fast(tmp_path: Path) -> None:
             auth.authenticate("Bearer alice-secret", now=NOW)
         best = min(best, (time.perf_counter() - t0) / n)
     assert best < 50e-6, f"{best * 1e6:.1f} µs per API-key authentication"
+
+
+def test_an_auth_file_with_every_key_revoked_refuses_everyone(tmp_path):
+    """Refuse rather than weaken: an ``--auth`` file whose last key was removed keeps
+    authentication on (nobody gets in), never turns the router into an open one where
+    every caller is ``anonymous`` with every role."""
+    from atp.security.authn import AuthError, Authenticator
+
+    auth = tmp_path / "auth.yaml"
+    auth.write_text("api_keys: []\n")
+    authn = Authenticator.from_sources(auth_file=auth, tokens_env=None)
+    assert authn.enabled
+    with pytest.raises(AuthError):
+        authn.authenticate(None, now=0.0)
+    with pytest.raises(AuthError):
+        authn.authenticate("Bearer anything", now=0.0)

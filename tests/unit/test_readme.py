@@ -94,7 +94,7 @@ async def test_the_openai_example_runs_against_the_router_the_readme_starts(tmp_
 
 
 async def test_health_answers_any_caller_as_the_readme_says(tmp_path):
-    assert re.search(r"`GET /v1/health` \| liveness and RIB generation \(any caller\)", README)
+    assert re.search(r"`GET /v1/health` \| liveness for any caller", README)
     auth = tmp_path / "auth.yaml"
     auth.write_text("api_keys: []\n")
     router = _start("--state-dir", str(tmp_path / "state"), "--auth", str(auth))
