@@ -533,11 +533,13 @@ class ToolAdapter(ProviderAdapter):
 
     async def attribute(self, doubt: InDoubt) -> AgentError:
         """The error a run that failed in doubt ends in: the task's
-        (``ClientInputError``, same code) when a canary runs clean on this
-        next-hop, else the next-hop's (``AgentError``)."""
+        (``ClientInputError``: ``ETIMEOUT`` for the wall clock, else ``EPROTO``)
+        when a canary runs clean on this next-hop, else the next-hop's
+        (``AgentError``, the doubt's code)."""
         if await self.canary_ok():
+            code = ErrorCode.ETIMEOUT if doubt.code == ErrorCode.ETIMEOUT else ErrorCode.EPROTO
             return ClientInputError(f"{doubt.reason} — caused by this task: a canary task ran clean on "
-                                    f"{self.tool} in the same sandbox", code=doubt.code)
+                                    f"{self.tool} in the same sandbox", code=code)
         return AgentError(doubt.code, f"{doubt.reason}; a canary task failed on {self.tool} too")
 
     async def canary_ok(self) -> bool:

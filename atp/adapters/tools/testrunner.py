@@ -202,7 +202,7 @@ class TestRunnerAdapter(ToolAdapter):
 
     async def run_canary(self) -> None:
         """A passing test file, run as a task's are; raises AgentError unless it passes."""
-        report = await self._test(_Run(files=dict(_CANARY), repo=None, args=[]))
+        report = await self._test(_Run(files=dict(self.canary_files), repo=None, args=[]))
         if report.findings or not report.summary.startswith("1 passed"):
             raise AgentError(ErrorCode.EAGENTDOWN, f"the canary test did not pass: {report.summary}")
 
