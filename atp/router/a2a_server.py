@@ -203,7 +203,8 @@ def _summary(final: Mapping[str, Any]) -> str:
     lines = []
     for f in result.get("findings") or []:
         lines.append(f"{f.get('file')}:{f.get('span')} {f.get('severity')}: {f.get('claim')} "
-                     f"[{', '.join(f.get('provenance') or [])}]")
+                     f"[{', '.join(f.get('provenance') or [])}]"
+                     + (" (silenced by the change)" if f.get("suppressed_by_change") else ""))
     failed = _failures(final)
     t = final.get("telemetry") or {}
     head = f"{len(lines)} finding(s)" if lines else "no findings"

@@ -582,13 +582,19 @@ def _budget(req: ChatCompletionRequest) -> Budget | None:
 # ------------------------------------------------------------------ answer
 
 
+#: Appended to a finding's line when the change itself carried the comment that would
+#: have suppressed it (issue 19: a reviewer sees that the author silenced it).
+SILENCED = " (silenced by the change)"
+
+
 def completion_text(result: Result) -> str:
     """The message content of a FINAL ``result``, exactly:
 
     * one prose answer, no finding and no failed next-hop: that answer's text;
     * otherwise blocks joined by a blank line: each answer as ``<agent>: <text>``
       (FINAL order); ``N finding(s):`` then one line per merged finding,
-      ``- <file>:<span> <severity>: <claim> [<provenance, …>]``; ``incomplete:``
+      ``- <file>:<span> <severity>: <claim> [<provenance, …>]`` (then `` (silenced
+      by the change)`` when ``suppressed_by_change``); ``incomplete:``
       then ``- next-hop failed: <agent>: <code>: <reason>`` per failed next-hop
       (``consensus.uncertainties``); ``no findings`` when there is nothing else.
     """
@@ -598,7 +604,8 @@ def completion_text(result: Result) -> str:
     blocks = [f"{a.agent}: {a.text}" for a in result.answers]
     if result.findings:
         blocks.append(f"{len(result.findings)} finding(s):\n" + "\n".join(
-            f"- {f.file}:{f.span} {f.severity}: {f.claim} [{', '.join(f.provenance)}]" for f in result.findings))
+            f"- {f.file}:{f.span} {f.severity}: {f.claim} [{', '.join(f.provenance)}]"
+            + (SILENCED if f.suppressed_by_change else "") for f in result.findings))
     if failed:
         blocks.append("incomplete:\n" + "\n".join(f"- {u}" for u in failed))
     return "\n\n".join(blocks) if blocks else "no findings"

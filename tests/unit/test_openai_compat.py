@@ -583,3 +583,18 @@ async def test_scripted_adapter_faults(autojump_clock: trio.testing.MockClock) -
         async for f in cut.stream(REVIEW):
             got.append(f)
     assert got[0].usage == Usage(3, 1, 2)
+
+
+def test_completion_text_marks_a_finding_the_change_silenced():
+    """A plain-text client sees what a JSON client sees in ``suppressed_by_change``."""
+    from atp.consensus.types import ConsensusInfo, Finding, Result
+    from atp.router.openai_ingress import SILENCED, completion_text
+
+    def finding(i: int, silenced: bool) -> Finding:
+        return Finding(id=f"F-{i}", severity="high", file="a.py", span=f"{i}-{i}", claim="eval of input",
+                       confidence=0.9, provenance=["lint.ruff#1"], suppressed_by_change=silenced)
+
+    text = completion_text(Result(findings=[finding(1, True), finding(2, False)],
+                                  consensus=ConsensusInfo(strategy="union_tiebreak", agreement=1.0)))
+    lines = text.splitlines()
+    assert lines[1].endswith("[lint.ruff#1]" + SILENCED) and lines[2].endswith("[lint.ruff#1]"), text
