@@ -19,7 +19,8 @@ One run, from the inside:
   so no two runs can signal, trace or read each other whatever their uids);
 * **what it sees**: a new root (read-only after set-up) holding only the system
   directories (``/usr``, ``/bin``, ``/sbin``, ``/lib*`` and a few files of
-  ``/etc`` the dynamic loader needs: :data:`ETC_FILES`, plus
+  ``/etc`` — the dynamic loader's, the time zone, the public TLS trust
+  anchors: :data:`ETC_FILES`, plus
   :data:`ETC_NETWORK_FILES` with ``allow_network``), the interpreter's and the
   tool's installation prefixes (read-only: ``sys.prefix``, ``sys.base_prefix``,
   the prefix of the tool's executable and of its ``#!`` interpreter), a new
@@ -53,8 +54,11 @@ limit                       how
                             per run, never across runs). A root router without a
                             writable ``pids`` cgroup is refused: ``RLIMIT_NPROC``
                             does not bind host uid 0
-``max_write_bytes``         the size of the private ``/tmp`` tmpfs beyond the work
-                            tree's copy (all bytes the run writes there together) and
+``max_write_bytes``         what the run may write beyond its tree's copy: the
+                            private ``/tmp`` tmpfs (holding the copy when the host's
+                            temporary directory is under ``/tmp``; else the copy's
+                            own tmpfs has the same bound) is the copy's size plus
+                            ``max_write_bytes``, all files together; also
                             ``RLIMIT_FSIZE``; ``/dev/shm`` is a tmpfs of
                             :data:`SHM_BYTES`; everything else is read-only
 ``output_bytes``            stdout + stderr (+ the report pipe) read; past it the run
