@@ -382,6 +382,21 @@ async def test_signals_never_reach_the_router(routed: Routed):
     await bob_is_served(routed)
 
 
+async def test_concurrent_runs_never_share_a_uid(tmp_path):
+    box = sandbox.Sandbox(tool="id", limits=ToolLimits())
+    uids: list[int] = []
+
+    async def one() -> None:
+        res = await box.run(["/bin/sh", "-c", "id -u; sleep 1"], tree=str(tmp_path))
+        assert res.returncode == 0, res.stderr
+        uids.append(int(res.stdout))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(one)
+    assert len(set(uids)) == 4 and all(u in sandbox.UID_RANGE for u in uids), uids
+
+
 # -- refuse rather than weaken -----------------------------------------------------
 
 
