@@ -586,18 +586,23 @@ class TenantShares:
     """Each tenant's share of the shared quality evidence (issue 19: one tenant's
     own tasks moved an agent's shared quality 0.656 → 0.829).
 
-    Rule: per agent, a tenant's decayed quality weight ``w_t`` (decayed as the
-    live statistic's ``q_w`` is, by ``(1−α)^w`` per observation of weight
-    ``w``) may be at most ``share × (n0 + W)``, ``W`` every tenant's decayed
-    weight and ``n0`` the prior's pseudo-observations
-    (:data:`QUALITY_PRIOR_WEIGHT`). An observation's weight is cut to what
-    keeps that true (0 once the tenant holds its share), and the same cut
-    weight is what the live statistic and the policy's bandit learn. Since the
-    live quality is the weighted mean ``(n0·prior + Σ w·q) / (n0 + W)``, a
-    tenant whose weight is at most ``share`` of the denominator moves it by at
-    most ``share × |its mean − the rest's mean|`` ≤ ``share``: ``N`` tenants
-    each hold at most their share whatever their traffic, and alone a tenant
-    moves an agent's score by at most ``share × |q − prior|``.
+    Rule: per agent, with ``N`` tenants holding evidence on it (the one
+    observing included), a tenant's decayed quality weight ``w_t`` (decayed as
+    the live statistic's ``q_w`` is, by ``(1−α)^w`` per observation of weight
+    ``w``) may be at most ``f × (n0 + W)``, where ``f = max(share, 1/N)`` is the
+    tenant's share, ``W`` every tenant's decayed weight and ``n0`` the prior's
+    pseudo-observations (:data:`QUALITY_PRIOR_WEIGHT`). An observation's weight
+    is cut to what keeps that true (0 once the tenant holds its share), and the
+    same cut weight is what the live statistic and the policy's bandit learn.
+    Since the live quality is the weighted mean ``(n0·prior + Σ w·q) / (n0 +
+    W)``, a tenant whose weight is at most ``f`` of the denominator moves it by
+    at most ``f × |its mean − the rest's mean|``: with two tenants on an agent
+    neither outweighs the other and the prior together, with four or more none
+    holds more than ``share`` of the evidence, whatever its traffic. A tenant
+    alone on an agent (``N = 1``) learns it in full: there is no other tenant's
+    evidence to protect, and capping it would freeze learning on a router one
+    team uses (the cap binds from the second tenant's first observation on;
+    the evidence the first gathered alone then decays as observations come).
 
     ``share`` (``RouterConfig.learn_share``, ``--learn-share``, default 0.25)
     in (0, 1]; 1 turns the rule off (as on a router without credentials, where
@@ -626,15 +631,19 @@ class TenantShares:
         if tenant is None or self.share >= 1.0 or weight <= 0:
             return weight
         total, ws = self._by_agent.get(agent, (0.0, {}))
-        mine, f, n0 = ws.get(tenant, 0.0), self.share, self._prior_weight
+        mine, n0 = ws.get(tenant, 0.0), self._prior_weight
+        f = max(self.share, 1.0 / (len(ws) + (tenant not in ws)))
 
         def room(d: float) -> float:
             # mine·d + x <= f·(n0 + total·d + x), solved for x.
             return (f * (n0 + total * d) - mine * d) / (1.0 - f)
 
-        # The decay the admitted weight brings lies in [(1−α)^weight, 1] and the
-        # room is linear in it: the smaller end value holds for any of them.
-        eff = max(0.0, min(weight, room((1.0 - ALPHA) ** weight), room(1.0)))
+        if f >= 1.0:  # alone on this agent: its evidence counts whole
+            eff = weight
+        else:
+            # The decay the admitted weight brings lies in [(1−α)^weight, 1] and the
+            # room is linear in it: the smaller end value holds for any of them.
+            eff = max(0.0, min(weight, room((1.0 - ALPHA) ** weight), room(1.0)))
         if eff > 0.0:
             d = (1.0 - ALPHA) ** eff
             ws = {t: w * d for t, w in ws.items() if w * d > 1e-6}

@@ -461,10 +461,11 @@ def keys_main(argv: list[str]) -> int:
     new = sub.add_parser("new", help="make an API key", formatter_class=DefaultsHelpFormatter)
     new.add_argument("key_id")
     new.add_argument("tenant")
-    new.add_argument("roles", nargs="*", default=["client"],
+    new.add_argument("roles", nargs="*", default="client",
                      help="client, operator, admin: comma- or space-separated (admin,operator or admin operator)")
     args = ap.parse_args(argv)
-    roles = [r.strip() for arg in args.roles for r in arg.split(",") if r.strip()]
+    given = [args.roles] if isinstance(args.roles, str) else args.roles  # the default is one string
+    roles = [r.strip() for arg in given for r in arg.split(",") if r.strip()]
     try:
         secret, entry = new_api_key(args.key_id, args.tenant, roles)
     except ValueError as e:

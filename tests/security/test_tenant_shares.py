@@ -191,29 +191,54 @@ async def test_pre_handshake_websocket_sockets_are_bounded_and_closed_after_the_
 # ------------------------------------------------------------------ learning share
 
 def test_one_tenant_moves_a_shared_quality_by_at_most_its_share():
-    """The rule on the live statistics: alice alone, 100 tasks all scoring 1.0,
-    moves the agent's quality by at most ``share × (1 − prior)``; bob's evidence
-    then still counts in full."""
+    """The rule on the live statistics: bob has rated an agent at its prior; alice's
+    100 tasks all scoring 1.0 then move its quality by at most her share (a half,
+    with two tenants) of the distance, where without the rule they take it most
+    of the way; bob's evidence still counts in full after."""
     share, prior = 0.25, 0.656
     learner = RoutingLearner(share=share)
     learner._priors["a"] = prior
-    before = prior
+    for _ in range(20):
+        learner.observe_quality("a", prior, policy="p", tenant="bob")
+    before = learner.live.view()["a"].quality
     for _ in range(100):
         learner.observe_quality("a", 1.0, policy="p", tenant="alice")
     after = learner.live.view()["a"].quality
     assert after > before  # the condition: alice's tasks did move it
-    assert after - before <= share * (1.0 - prior) + 1e-9, (before, after)
+    assert after - before <= 0.5 * (1.0 - before) + 1e-9, (before, after)
     mine, total = learner.shares.held("a", "alice")
-    assert mine <= share * (QUALITY_PRIOR_WEIGHT + total) + 1e-9
+    assert mine <= 0.5 * (QUALITY_PRIOR_WEIGHT + total) + 1e-9
     for _ in range(10):
         learner.observe_quality("a", 0.0, policy="p", tenant="bob")
-    assert learner.live.view()["a"].quality < before
-    # Without the rule (share 1.0) the same traffic moves it far more.
+    assert learner.live.view()["a"].quality < after - 0.05
+    # Without the rule (share 1.0) the same traffic takes it most of the way to 1.0.
     free = RoutingLearner(share=1.0)
     free._priors["a"] = prior
+    for _ in range(20):
+        free.observe_quality("a", prior, policy="p", tenant="bob")
     for _ in range(100):
         free.observe_quality("a", 1.0, policy="p", tenant="alice")
-    assert free.live.view()["a"].quality - prior > 2 * share * (1.0 - prior)
+    assert free.live.view()["a"].quality - before > 0.5 * (1.0 - before) + 0.03
+
+
+def test_four_tenants_hold_at_most_the_share_each_and_a_lone_tenant_learns_in_full():
+    """With four or more tenants on an agent the floor is ``share``; a tenant alone on
+    an agent is not capped (capping it would freeze learning on a one-team router)."""
+    s = TenantShares(0.25)
+    seen: set[str] = set()
+    for i in range(400):
+        tenant = ("bob", "carol", "dave")[(i // 2) % 3] if i % 2 else "alice"  # alice sends half the traffic
+        s.admit("a", tenant, 1.0)
+        seen.add(tenant)
+        if len(seen) < 2:
+            continue
+        for t in seen:
+            mine, total = s.held("a", t)
+            assert mine <= max(0.25, 1 / len(seen)) * (QUALITY_PRIOR_WEIGHT + total) + 1e-9, (i, t)
+    assert len(seen) == 4
+    assert s.held("a", "alice")[0] <= 0.25 * (QUALITY_PRIOR_WEIGHT + s.held("a", "alice")[1]) + 1e-9
+    lone = TenantShares(0.25)
+    assert [lone.admit("b", "alice", 1.0) for _ in range(50)] == [1.0] * 50
 
 
 @pytest.mark.parametrize("share", [0.1, 0.25, 0.5])
@@ -224,7 +249,10 @@ def test_tenant_shares_hold_under_mixed_weights(share):
         tenant = "alice" if i % 5 else "bob"
         eff = s.admit("a", tenant, 2.0 if i % 3 == 0 else 1.0)
         total_w = total_w * (1 - ALPHA) ** eff + eff
+        if i == 0:
+            continue  # alice alone so far: uncapped
         for t in ("alice", "bob"):
             mine, total = s.held("a", t)
-            assert mine <= share * (QUALITY_PRIOR_WEIGHT + total) + 1e-9
+            # Once bob holds evidence too, each tenant holds at most max(share, 1/2).
+            assert mine <= max(share, 0.5) * (QUALITY_PRIOR_WEIGHT + total) + 1e-9
     assert s.held("a", "alice")[1] == pytest.approx(total_w)

@@ -78,7 +78,9 @@ def test_demo_shows_several_agents_consensus_a_catch_and_an_escalation_with_a_co
     r = subprocess.run(["bash", str(ROOT / "scripts/demo.sh")], capture_output=True, text=True, timeout=600,
                        stdin=subprocess.DEVNULL, cwd=tmp_path, env={**os.environ, "HOME": str(tmp_path)})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    one, two, three = r.stdout.split("\n\x1b[1m== ")[1:4]
+    assert "\x1b" not in r.stdout  # piped: no escape codes (issue 20)
+    one, two, three = re.split(r"\n== \d\. ", r.stdout)[1:4]
+    assert "(agreement: how often two next-hops flagged the same places" in one  # the demo explains itself
     for line in ("inventory/sync.py:12-12", "inventory/sync.py:18-18", "inventory/sync.py:29-29",
                  "inventory/sync.py:36-36"):
         assert line in one, one
