@@ -76,11 +76,11 @@ class HealthProbe:
     def __init__(self) -> None:
         self.latencies: list[float] = []
 
-    def check(self, at_least: int, idle: HealthProbe) -> None:
+    def check(self, at_least: int, idle: HealthProbe, *, floor_s: float = HEALTH_FLOOR_S) -> None:
         """At least ``at_least`` polls, the worst within :data:`HEALTH_FACTOR`
-        times the ``idle`` probe's worst (or :data:`HEALTH_FLOOR_S`)."""
+        times the ``idle`` probe's worst (or ``floor_s``, default :data:`HEALTH_FLOOR_S`)."""
         worst, idle_worst = max(self.latencies), max(idle.latencies)
-        bound = max(HEALTH_FACTOR * idle_worst, HEALTH_FLOOR_S)
+        bound = max(HEALTH_FACTOR * idle_worst, floor_s)
         print(f"\nGET /v1/health from another process: {len(self.latencies)} polls, max {worst * 1000:.1f} ms, "
               f"median {sorted(self.latencies)[len(self.latencies) // 2] * 1000:.1f} ms; idle max "
               f"{idle_worst * 1000:.1f} ms (bound {bound * 1000:.0f} ms)")
