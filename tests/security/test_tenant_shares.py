@@ -323,3 +323,57 @@ async def test_forty_big_bodies_from_one_tenant_keep_the_router_small_and_bob_se
     # Two admitted 15 MiB tasks are still stored on the event loop (tens of ms each,
     # more on a loaded machine): 0.25 s is the floor here; the attack's 5.3 s is 20× it.
     probe.check(at_least=3, idle=idle, floor_s=0.25)
+
+
+async def _quality_after(nursery, tmp_path, share: float) -> tuple[float, float]:
+    """Bob's 4 reviews scored 0.5, then alice's 16 scored 1.0, through a router with
+    credentials and ``learn_share``: lint.ruff's live quality (before alice, after)."""
+    import yaml
+
+    from tests.conftest import MECHANICS_RIB
+
+    # Both tenants' feedback trains the shared statistics (clients.<t>.feedback: shared;
+    # the default, "tenant", keeps a tenant's scores to its own routing).
+    doc = yaml.safe_load((MECHANICS_RIB / "default.yaml").read_text())
+    doc.setdefault("clients", {}).update({t: {"feedback": "shared"} for t in ("alice", "bob")})
+    path = tmp_path / f"rib-{share}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    env = await start_router(nursery, path, tokens_env=TOKENS, state_dir=tmp_path / f"state-{share}",
+                             learn_share=share)
+    task = {"task": {"task_type": "code_review"},
+            "content": {"diff": "--- a/a.py\n+++ b/a.py\n@@ -1 +1 @@\n-x = 1\n+x = eval(input())\n",
+                        "files": {"a.py": "x = eval(input())\n"}}}
+
+    async def reviews(token: str, n: int, score: float) -> None:
+        async with httpx.AsyncClient(base_url=env.url, timeout=60,
+                                     headers={"Authorization": f"Bearer {token}"}) as h:
+            for _ in range(n):
+                sid = (await h.post("/v1/streams", json=task)).json()["stream_id"]
+                async with h.stream("GET", f"/v1/streams/{sid}/events") as ev:
+                    async for line in ev.aiter_lines():
+                        if line.startswith("event: FIN") or line.startswith("event: RST"):
+                            break
+                r = await h.post(f"/v1/streams/{sid}/feedback", json={"score": score})
+                assert r.status_code == 200, r.text
+
+    async def quality() -> float:
+        async with httpx.AsyncClient(base_url=env.url, headers={"Authorization": "Bearer tok-ops"}) as h:
+            return (await h.get("/v1/fib")).json()["live"]["lint.ruff"]["quality"]
+
+    await reviews("tok-bob", 4, 0.5)
+    before = await quality()
+    await reviews("tok-alice", 16, 1.0)
+    return before, await quality()
+
+
+async def test_one_tenants_feedback_moves_a_shared_score_by_at_most_its_share_over_the_wire(nursery, tmp_path):
+    """The issue's finding over the wire: alice's own tasks (scored 1.0) moved an agent's
+    shared quality 0.656 → 0.829 although bob had rated it lower. With two tenants on
+    the agent (both trusted to train the shared statistics) she now holds at most half
+    of its evidence: she moves it by at most half the way to her rating, where the same
+    traffic without the rule moves it further."""
+    before, capped = await _quality_after(nursery, tmp_path, 0.25)
+    free_before, free = await _quality_after(nursery, tmp_path, 1.0)
+    assert capped > before  # the condition: her feedback did move it
+    assert capped - before <= 0.5 * (1.0 - before) + 1e-6, (before, capped)
+    assert free - free_before > capped - before + 0.02, (free_before, free, before, capped)
