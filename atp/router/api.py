@@ -387,6 +387,8 @@ def build_app(router: Router) -> Starlette:
             direct = router.receive_frame(frame, identity=identity, now=trio.current_time())
         except BodyTooLarge as e:
             return _error(e, 413)
+        except BodyRefused:
+            raise  # the authorized wrapper answers 429 + Retry-After and closes
         except ATPError as e:
             return _error(e)
         new = ctx.log.events[before:]
@@ -427,6 +429,8 @@ def build_app(router: Router) -> Starlette:
             return _error(ATPError(ErrorCode.EPROTO, "policy body is not UTF-8"))
         except BodyTooLarge as e:
             return _error(e, 413)
+        except BodyRefused:
+            raise  # the authorized wrapper answers 429 + Retry-After and closes
         except ATPError as e:
             return _error(e)
 
@@ -444,6 +448,8 @@ def build_app(router: Router) -> Starlette:
                 raise ATPError(ErrorCode.EPROTO, f"bad feedback body: {e}") from None
         except BodyTooLarge as e:
             return _error(e, 413)
+        except BodyRefused:
+            raise  # the authorized wrapper answers 429 + Retry-After and closes
         except ATPError as e:
             return _error(e)
         ctx = router.find_stream(identity, sid)

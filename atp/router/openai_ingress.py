@@ -137,7 +137,7 @@ from atp.consensus.types import (
 from atp.policy.match import CompiledMatch, compile_match
 from atp.review.diff import count_changed_lines, parse_diff
 from atp.router.a2a_server import _complete_from_repo  # the A2A server's --repo reader
-from atp.router.bodies import decode_off_loop
+from atp.router.bodies import BodyRefused, decode_off_loop, release_body
 from atp.router.core import Router, StreamCtx
 from atp.router.dispatch import NEXT_HOP_FAILED
 from atp.security.identity import Identity
@@ -727,6 +727,7 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
     async def prepare(request: Request, identity: Identity) -> tuple[ChatCompletionRequest, StreamCtx]:
         # A large body is decoded in a worker thread (atp.router.bodies): the event loop stays free.
         req = await decode_off_loop(decode_request, await read_body(request, max_body))
+        release_body(request)  # decoded: the raw bytes are done with (the task may run for minutes)
         v = view.refresh(router.gen.fib)
         target = resolve_model(req.model, v, allowed(identity))
         meta = dict(target.meta)
@@ -763,6 +764,8 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
             req, ctx = await prepare(request, identity)
         except body_too_large as e:
             return error_response(e, 413)
+        except BodyRefused:
+            raise  # the authorized wrapper answers 429 + Retry-After and closes
         except ATPError as e:
             return error_response(e)
         created = int(time.time())

@@ -128,6 +128,11 @@ GENESIS = "0" * 64
 #: The writer's checkpoint cadence: at most this many records after the newest
 #: checkpoint (also :func:`audit_main`'s ``--max-unsigned``), …
 DEFAULT_EVERY = 100
+#: Records the writers of one log (``--workers``) may append between a checkpoint
+#: falling due and its being stored: a crash in that window leaves up to
+#: ``every + WRITER_RACE`` unsigned records, which the router's start and
+#: ``audit verify``'s default accept (a legitimate kill -9 never blocks a restart).
+WRITER_RACE = 16
 #: … and a checkpoint this long (ms) after the oldest unsigned record.
 DEFAULT_INTERVAL_MS = 5_000
 #: The text before a checkpoint's JSON in a syslog message.
@@ -575,6 +580,10 @@ class AnchorFile:
             self.fd = -1
 
 
+#: Seconds one checkpoint may take to reach a syslog server (``--audit-syslog``).
+SYSLOG_TIMEOUT_S = 2.0
+
+
 class SyslogSink:
     """Checkpoints sent to syslog (``--audit-syslog``) with the standard
     library's :class:`logging.handlers.SysLogHandler`, facility ``authpriv``,
@@ -610,16 +619,33 @@ class SyslogSink:
         except OSError as e:
             raise AuditError(f"--audit-syslog {address} cannot be reached: {e.strerror or e}") from None
         handler.ident = f"atp-router[{os.getpid()}]: "
+        if handler.socket is not None:
+            # A syslog server that stops reading must not hold the router's event loop.
+            handler.socket.settimeout(SYSLOG_TIMEOUT_S)
         self.handler = handler
 
     def append(self, cp: AuditCheckpoint) -> None:
-        """Send ``cp``. Raises :class:`AuditError` when it cannot be sent."""
+        """Send ``cp`` (each send bounded by :data:`SYSLOG_TIMEOUT_S`; a broken TCP
+        connection is made again once). Raises :class:`AuditError` when it cannot
+        be sent."""
         rec = logging.LogRecord("atp.audit.anchor", logging.INFO, __file__, 0,
                                 SYSLOG_TAG + _checkpoint_line(cp).decode(), None, None)
         try:
-            self.handler.emit(rec)
+            try:
+                self.handler.emit(rec)
+            except OSError:
+                if self.handler.socktype != socket.SOCK_STREAM:
+                    raise
+                # The server went away and came back: the stdlib handler never reconnects.
+                self.handler.socket.close()
+                self.handler.socket = None
+                self.handler.createSocket()
+                if self.handler.socket is None:
+                    raise OSError("cannot reconnect") from None
+                self.handler.socket.settimeout(SYSLOG_TIMEOUT_S)
+                self.handler.emit(rec)
         except OSError as e:
-            raise AuditError(f"--audit-syslog {self.address}: checkpoint {cp.seq} not sent: {e}") from None
+            raise AuditError(f"--audit-syslog {self.address}: checkpoint {cp.seq} not anchored: {e}") from None
 
     def close(self) -> None:
         self.handler.close()
@@ -724,9 +750,9 @@ class AuditLog:
             if not at or at[0].hash != cp.hash:
                 raise AuditError(f"audit record {cp.seq} differs from its MACed checkpoint")
             signed = max(signed, cp.seq)
-        if self._seq - signed > every:
+        if self._seq - signed > every + WRITER_RACE:
             raise AuditError(f"audit log: records {signed + 1}-{self._seq} are not covered by any checkpoint (a crash "
-                             f"leaves at most {every}): checkpoints were removed or the log rewritten; "
+                             f"leaves at most {every + WRITER_RACE}): checkpoints were removed or the log rewritten; "
                              "run atp-router audit verify")
         self._signed = signed
         self._pending = self._seq - signed
@@ -855,7 +881,7 @@ def audit_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
     ``--key-file``, else ``D/audit.key``; exit 0 ``audit: OK, N records, head
     <hash12>`` (then ``, K anchored checkpoints`` with ``--anchor``, and
     ``; U records after the last checkpoint …`` for the tail a crash left,
-    at most ``--max-unsigned``, default :data:`DEFAULT_EVERY`); exit 1
+    at most ``--max-unsigned``, default :data:`DEFAULT_EVERY` + :data:`WRITER_RACE`); exit 1
     ``audit: BROKEN at record <seq>: <reason>`` (a record edited, deleted,
     reordered, rewritten or cut off, a forged checkpoint, more unsigned records
     than a crash leaves). ``show [--state-dir D] [--since SEQ] [--json]``
@@ -885,7 +911,7 @@ def audit_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
     v.add_argument("--key-file", type=Path, metavar="PATH",
                    help="the MAC key's file (the router's --audit-key-file); default: ATP_AUDIT_KEY, else "
                         "DIR/audit.key")
-    v.add_argument("--max-unsigned", type=int, default=DEFAULT_EVERY, metavar="N",
+    v.add_argument("--max-unsigned", type=int, default=DEFAULT_EVERY + WRITER_RACE, metavar="N",
                    help="records after the newest checkpoint accepted as the tail of a crash (the writer's "
                         "checkpoint cadence)")
     s = sub.add_parser("show", help="print audit records", formatter_class=DefaultsHelpFormatter)

@@ -283,8 +283,13 @@ def characters(view: View) -> View:
 
 
 # ---------------------------------------------------------------------- 3. literals
-_LIT = r"""(?:\b[rRbBuUfF]{1,2})?(?:"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'|`(?:[^`\\\n]|\\.)*`)"""
-_GAP = r"[ \t\r\n\f\v]*"
+# Possessive and bounded (a literal of at most MAX_LITERAL_CHARS characters): a line
+# of unclosed quotes (`\"\"\"…`) costs linear time, never quadratic (every quote
+# would otherwise scan to the line's end); a longer literal is scanned as written.
+MAX_LITERAL_CHARS = 256
+_LIT = (r"""(?:\b[rRbBuUfF]{1,2})?(?:"(?:[^"\\\n]|\\.){0,%d}+"|'(?:[^'\\\n]|\\.){0,%d}+'|`(?:[^`\\\n]|\\.){0,%d}+`)"""
+        % ((MAX_LITERAL_CHARS,) * 3))
+_GAP = r"[ \t\r\n\f\v]*+"
 _OP = r"(?:\+\+|\+|\.\.|\.|\|\||&|~|<>)"
 _RUN = re.compile(rf"{_LIT}(?:{_GAP}(?:{_OP}{_GAP})?{_LIT})+")
 _LIST = re.compile(
@@ -386,7 +391,7 @@ def _python_join(view: View) -> View | None:
 #: A quote, then blanks, a ``+``, a comment or a line break (at least one of them),
 #: then a quote: where two Python literals may be adjacent (the tokenizer, a few µs
 #: a token, runs only where this matches; ``x = ""`` does not).
-_ADJACENT = re.compile(r"""["'](?:[ \t]*\+|[ \t]*(?:#[^\n]*)?\n|[ \t]+)[ \t\n]*(?:\+[ \t\n]*)?[rRbBuUfF]{0,2}["']""")
+_ADJACENT = re.compile(r"""["'](?=[ \t\n+#])[ \t]*+(?:#[^\n]*+)?[ \t\n]*+(?:\+[ \t\n]*+)?[rRbBuUfF]{0,2}["']""")
 
 #: Python sources larger than this are lexed by the regular lexer (the tokenizer
 #: costs a few µs a token).

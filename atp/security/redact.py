@@ -930,7 +930,7 @@ def _apply(content: Any, hits: list[_Hit]) -> Any:
 # ---------------------------------------------------------------------- task meta
 #: Characters of one task meta scanned by :func:`redact_meta`; strings past the
 #: bound are stored as :data:`UNSCANNED`.
-MAX_META_SCAN_CHARS = 256 * 1024
+MAX_META_SCAN_CHARS = 4 * 1024  # labels and ids: a few hundred bytes; scanned on the event loop, so bounded
 #: What :func:`redact_meta` stores in place of a string it did not scan.
 UNSCANNED = "[REDACTED:unscanned]"
 _META_KEY_CONTEXT = "agent_context"

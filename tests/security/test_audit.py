@@ -316,7 +316,7 @@ def test_records_without_a_checkpoint_beyond_a_crash_tail_are_refused(tmp_path: 
         c.execute("DELETE FROM audit_checkpoint")
     (d / "audit.head").unlink()
     assert check(d) == (1, ("audit: BROKEN at record 1: records 1-119 (119) are not covered by any checkpoint; a "
-                           "crash leaves at most 100: checkpoints were removed or the log rewritten"))
+                           "crash leaves at most 116: checkpoints were removed or the log rewritten"))
     with SqliteStore.open(d) as s, pytest.raises(AuditError, match="records 1-119 are not covered"):
         AuditLog.open(s, d, env={})
 
@@ -333,7 +333,7 @@ def test_a_crash_tail_verifies_with_a_note(tmp_path: Path, monkeypatch):
         # no close(): the process died
     code, line = check(d)
     assert code == 0 and line.endswith("; 30 records after the last checkpoint (record 100): the tail a crash leaves "
-                                       "unsigned (at most 100); removed or rewritten records there cannot be told apart")
+                                       "unsigned (at most 116); removed or rewritten records there cannot be told apart")
     rep = verify(SqliteStore.open(d).audit_records(), [], load_audit_key(d, {}), max_unsigned=100)
     assert (rep.ok, rep.first_bad_seq, rep.signed) == (False, 1, 0)  # the same log with its checkpoints removed
     with SqliteStore.open(d) as store:
@@ -520,3 +520,42 @@ def test_key_outside_the_state_dir_and_the_dev_warning(tmp_path: Path, monkeypat
     assert check_with(d, "--key-file", str(key_file))[0] == 0
     assert check(d) == (1, ("audit: BROKEN at record 3: checkpoint at record 3 has a bad MAC (forged, or another "
                            "audit key)"))
+
+
+def test_a_tcp_syslog_sink_reconnects_after_the_server_dropped_it():
+    """A syslog server that closes the connection (a restart) gets the next
+    checkpoints on a new one; the standard library's handler never reconnects,
+    so every later checkpoint went unanchored (review of issue 19 item 7)."""
+    import socket
+    import threading
+    import time
+
+    from atp.security.audit import SyslogSink, make_checkpoint
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    got: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            got.append(conn.recv(65536))
+            conn.close()  # one message a connection: the server "restarts"
+
+    threading.Thread(target=serve, daemon=True).start()
+    sink = SyslogSink(f"tcp://127.0.0.1:{srv.getsockname()[1]}")
+    try:
+        for i in range(1, 5):
+            try:
+                sink.append(make_checkpoint(i, "ab" * 32, b"k" * 32))
+            except Exception as e:  # noqa: BLE001 - the assertion below names it
+                raise AssertionError(f"checkpoint {i}: {e}") from None
+            time.sleep(0.1)
+    finally:
+        sink.close()
+        srv.close()
+    assert len(got) >= 2 and all(b"atp-audit checkpoint" in m for m in got), got

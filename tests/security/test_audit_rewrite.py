@@ -237,7 +237,7 @@ def test_delete_rehash_and_drop_every_checkpoint_without_an_anchor(dev_run: Run,
     drop_checkpoints(run)
     code, out = verify(run)
     assert code == 1 and out == (f"audit: BROKEN at record 1: records 1-{last - 1} ({last - 1}) are not covered by "
-                                 "any checkpoint; a crash leaves at most 100: checkpoints were removed or the log "
+                                 "any checkpoint; a crash leaves at most 116: checkpoints were removed or the log "
                                  "rewritten"), out
     proc = RouterProcess("--policies", run.root / "rib.yaml", "--state-dir", run.state, "--http-port", "0",
                          "--ws-port", "0", "--no-watch", env={"ATP_ROUTER_TOKENS": TOKENS})
@@ -343,7 +343,7 @@ def test_kill9_between_checkpoints_verifies_with_a_note(tmp_path: Path):
     assert last > signed
     code, out = verify(run, env=_env(**env))
     assert code == 0 and out.endswith(f"; {last - signed} records after the last checkpoint (record {signed}): the "
-                                      "tail a crash leaves unsigned (at most 100); removed or rewritten records "
+                                      "tail a crash leaves unsigned (at most 116); removed or rewritten records "
                                       "there cannot be told apart"), out
     proc = _start(tmp_path / "rib.yaml", "--state-dir", run.state, env=env)
     assert proc.stop() == 0
