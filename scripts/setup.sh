@@ -24,7 +24,15 @@ case "${1:-}" in
   *) echo "usage: scripts/setup.sh [--model | --test-tools | --test]" >&2; exit 2 ;;
 esac
 
-PY=${PYTHON:-python3}
+# The interpreter: $PYTHON, else the system's python3 (/usr/bin) when it is >= 3.11,
+# else python3 on PATH. A router running as root starts each sandboxed tool run as an
+# unprivileged user, who must be able to read the interpreter: one under a home only
+# its owner may enter (pyenv in /root) is refused by the sandbox's probe.
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif /usr/bin/python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  PY=/usr/bin/python3
+else PY=python3
+fi
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "python3 >= 3.11 is required" >&2; exit 1; }
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 LOG=.venv/setup.log

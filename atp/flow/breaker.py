@@ -631,8 +631,13 @@ class BreakerBoard:
 
     def on_canary(self, agent: str, now: float, ok: bool, code: ErrorCode | None = None, *,
                   client_fault: bool = False) -> bool:
-        """:meth:`CircuitBreaker.on_canary` of ``agent``: start another canary now?"""
-        return self.breaker(agent).on_canary(now, ok, code, client_fault=client_fault)
+        """:meth:`CircuitBreaker.on_canary` of ``agent``: start another canary now?
+        ``False`` for an agent without a running canary — one a reload removed
+        while its canary ran (its breaker was forgotten): nothing to count."""
+        b = self._breakers.get(agent)
+        if b is None or not b._canary_out:
+            return False
+        return b.on_canary(now, ok, code, client_fault=client_fault)
 
     def on_canary_cancel(self, agent: str, now: float) -> None:
         """:meth:`CircuitBreaker.on_canary_cancel` of ``agent`` (ignored if unseen)."""

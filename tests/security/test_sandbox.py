@@ -387,7 +387,12 @@ async def test_concurrent_runs_never_share_a_uid(tmp_path):
     uids: list[int] = []
 
     async def one() -> None:
-        res = await box.run(["/bin/sh", "-c", "id -u; sleep 1"], tree=str(tmp_path))
+        # A tree of its own, as the adapters give each run (a root router hands it to the run's user).
+        tree = tempfile.mkdtemp(prefix="atp-test-tree-", dir=str(tmp_path.parent if os.geteuid() else "/tmp"))
+        try:
+            res = await box.run(["/bin/sh", "-c", "id -u; sleep 1"], tree=tree)
+        finally:
+            shutil.rmtree(tree, ignore_errors=True)
         assert res.returncode == 0, res.stderr
         uids.append(int(res.stdout))
 
@@ -454,6 +459,9 @@ async def test_a_thousand_hostile_requests_leave_no_directory_behind(tmp_path, m
     its own run, a test file that is not Python) — each ends in the tenant's
     error or a report, never an uncaught exception, and not one ``atp-tool-*``
     or ``atp-tests-*`` directory is left (the adapters' temp dir is this test's)."""
+    # The adapters' temp dir is this test's own, under /tmp (any user may search it: a root
+    # router's runs are unprivileged users; the router's own atp-* dirs are made searchable).
+    tmp_path = Path(tempfile.mkdtemp(prefix="atp-thousand-", dir="/tmp"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     ruff = RuffAdapter("ruff", scope="file", limits=ToolLimits(timeout_s=20, max_files=50))
     tests = TestRunnerAdapter("tests", limits=ToolLimits(timeout_s=10, max_files=50))
@@ -509,7 +517,9 @@ async def test_a_thousand_hostile_requests_leave_no_directory_behind(tmp_path, m
     assert n == 1000
     print(f"\n1,000 hostile requests: {outcomes}")
     assert outcomes["client"] >= 990 and outcomes.get("report", 0) >= 4
-    assert sorted(os.listdir(tmp_path)) == before == []
+    left = sorted(os.listdir(tmp_path))
+    shutil.rmtree(tmp_path, ignore_errors=True)
+    assert left == before == []
     assert ruff.health().error_rate == 0 and tests.health().error_rate == 0
 
 
@@ -535,3 +545,44 @@ def test_the_summariser_survives_a_file_nested_past_the_parser(tmp_path):
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'p'\nx = " + "[" * 100_000 + "]" * 100_000 + "\n")
     facts = scan_repo(str(tmp_path))
     assert "deep.py" in facts.unparsable and "pyproject.toml" in facts.unparsable
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the host-uid drop is what a root router does; an unprivileged "
+                    "router's runs are its own unprivileged user already")
+async def test_a_root_routers_run_is_an_unprivileged_host_user_that_cannot_write_kernel_settings():
+    """Review of issue 19: bwrap maps the sandbox's uid to its caller's, so a root
+    router's runs were host uid 0 inside their namespaces — no capability, yet the
+    owner of /proc/sys (core_pattern: a pipe handler the kernel runs as root) and of
+    root's keyrings. Each run now starts as its own unprivileged host uid: seen from
+    the host, the run's processes are that uid; inside, the write is refused."""
+    box = sandbox.Sandbox(tool="sh", limits=ToolLimits())
+    tree = tempfile.mkdtemp(prefix="atp-test-tree-")
+    marker = f"atp-uid-marker-{os.getpid()}"
+    # The write puts back the value it read: were it allowed, it would change nothing on the host.
+    script = ("v=$(cat /proc/sys/kernel/core_pattern); "
+              "if (echo \"$v\" > /proc/sys/kernel/core_pattern) 2>/dev/null; then echo WROTE; else echo REFUSED; fi; "
+              "if cat /proc/keys 2>/dev/null | grep -q '_uid.0'; then echo ROOTKEYS; fi; "
+              f"exec /bin/sh -c 'sleep 2; :' {marker}")  # a marker the host finds in its command line
+    host_uids: set[int] = set()
+
+    async def watch() -> None:
+        while True:
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    if marker.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                        status = open(f"/proc/{pid}/status").read()
+                        host_uids.add(int(next(ln for ln in status.splitlines() if ln.startswith("Uid:")).split()[1]))
+                except (OSError, StopIteration):
+                    pass
+            await trio.sleep(0.1)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            res = await box.run(["/bin/sh", "-c", script], tree=tree)
+            nursery.cancel_scope.cancel()
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+    assert res.returncode == 0, res.stderr
+    assert host_uids and all(u in sandbox.UID_RANGE for u in host_uids), host_uids  # never host uid 0
+    assert b"REFUSED" in res.stdout and b"WROTE" not in res.stdout and b"ROOTKEYS" not in res.stdout, res.stdout

@@ -545,3 +545,13 @@ def test_retry_policy_is_a_strict_config_struct():
         msgspec.convert({"retries": 3}, RetryPolicy)
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"base_backoff_s": 5.0, "max_backoff_s": 1.0}, RetryPolicy)
+
+
+def test_a_canary_ending_after_a_reload_removed_its_agent_is_ignored():
+    """A reload forgets a removed agent's breaker while its canary runs; the canary's
+    end must not raise (it ended the router's canary task and then the router)."""
+    from atp.flow.breaker import BreakerBoard
+
+    board = BreakerBoard()
+    assert board.on_canary("gone", 0.0, False) is False
+    assert board.on_canary("gone", 0.0, True) is False

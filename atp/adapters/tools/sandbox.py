@@ -279,24 +279,36 @@ def _probe() -> _Host | str:
 
     box = Sandbox(tool="probe", limits=DEFAULT_LIMITS)
     tree = tempfile.mkdtemp(prefix="atp-tool-probe-")
+    drop = _drop_uid(UID_RANGE[0])
     try:
         with open(os.path.join(tree, "probe.txt"), "w") as fh:
             fh.write("ok")
+        if drop is not None:
+            _give_tree(tree, drop)
+        tree_fd = os.open(tree, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         argv = box.argv([sys.executable, "-I", "-c",
                          "import os; print(os.getuid(), os.getpid(), open('probe.txt').read())"],
-                        tree=tree, uid=UID_RANGE[0], bwrap=bwrap)
+                        tree=tree, uid=UID_RANGE[0], bwrap=bwrap, tree_fd=tree_fd)
         try:
             done = subprocess.run(argv, check=False, capture_output=True, timeout=60, stdin=subprocess.DEVNULL,
-                                  env={}, preexec_fn=functools.partial(_child_setup, box._rlimits(host), ()))
+                                  env={}, pass_fds=(tree_fd,),
+                                  preexec_fn=functools.partial(_child_setup, box._rlimits(host), (), drop))
         except (OSError, subprocess.SubprocessError) as e:
             return f"bubblewrap ({bwrap}) could not run: {e}"
+        finally:
+            os.close(tree_fd)
     finally:
         shutil.rmtree(tree, ignore_errors=True)
     want = f"{UID_RANGE[0]} 2 ok"
     if done.returncode != 0 or done.stdout.decode(errors="replace").strip() != want:
         err = done.stderr.decode(errors="replace").strip()[-300:] or f"exit status {done.returncode}"
         hint = ""
-        if "namespace" in err.lower() or "permission" in err.lower():
+        if drop is not None and ("permission denied" in err.lower() or "no such file" in err.lower()):
+            hint = (f" (the router runs as root, and each run starts as an unprivileged user of its own, who "
+                    f"cannot reach this interpreter or its libraries: {sys.prefix}, {sys.base_prefix}; install "
+                    "the router where any user may read it — scripts/setup.sh builds .venv on /usr/bin/python3 — "
+                    "or run the router as a user of its own)")
+        elif "namespace" in err.lower() or "permission" in err.lower():
             hint = (" (user namespaces unavailable: check sysctl user.max_user_namespaces > 0 and, on Debian/"
                     "Ubuntu, kernel.unprivileged_userns_clone / kernel.apparmor_restrict_unprivileged_userns)")
         return f"bubblewrap ({bwrap}) cannot make a sandbox here: {err}{hint}"
@@ -384,10 +396,15 @@ def _tree_bytes(tree: str) -> int:
     return total
 
 
-def _child_setup(limits: Sequence[tuple[int, tuple[int, int]]], cgroups: Sequence[str]) -> None:
+def _child_setup(limits: Sequence[tuple[int, tuple[int, int]]], cgroups: Sequence[str],
+                 drop_to: int | None = None) -> None:
     """``preexec_fn`` (in the forked child, before ``exec`` of bwrap): rlimits,
     then join the run's cgroups, so bwrap and everything it starts are in them
-    from the first instruction."""
+    from the first instruction; then, for a root router (``drop_to``), become
+    that unprivileged host uid/gid with no supplementary groups — bwrap maps the
+    sandbox's uid to its caller's, and a run mapped to host uid 0 could write
+    root-owned kernel interfaces (``/proc/sys``) and reach root's keyrings
+    without any capability."""
     for res, pair in limits:
         resource.setrlimit(res, pair)
     pid = str(os.getpid()).encode()
@@ -397,6 +414,39 @@ def _child_setup(limits: Sequence[tuple[int, tuple[int, int]]], cgroups: Sequenc
             os.write(fd, pid)
         finally:
             os.close(fd)
+    if drop_to is not None:
+        os.setgroups([])
+        os.setresgid(drop_to, drop_to, drop_to)
+        os.setresuid(drop_to, drop_to, drop_to)
+
+
+def _drop_uid(uid: int) -> int | None:
+    """The host uid a run starts as: ``uid`` when the router is root, else None
+    (it runs as the router's own unprivileged user, in a user namespace)."""
+    return uid if os.geteuid() == 0 else None
+
+
+def _give_tree(tree: str, uid: int) -> None:
+    """Hand a run's host work tree to the unprivileged ``uid`` a root router's run
+    starts as (owner only, 0700), and let it search (not list) the router's own
+    temporary parent directories (``atp-*``). Raises :class:`SandboxUnavailable`
+    for another parent it could not search (a ``TMPDIR`` only root may enter:
+    give the router one any user may search, like ``/tmp``)."""
+    for root, dirs, files in os.walk(tree):
+        os.lchown(root, uid, uid)
+        for name in (*dirs, *files):
+            os.lchown(os.path.join(root, name), uid, uid)
+    os.chmod(tree, 0o700)
+    parent = os.path.dirname(os.path.abspath(tree))
+    while parent != "/":
+        mode = os.stat(parent).st_mode
+        if not mode & 0o001:
+            if not os.path.basename(parent).startswith("atp-"):
+                raise SandboxUnavailable(f"sandbox: {parent} is not searchable by other users, so the run's "
+                                         "unprivileged user cannot reach its work tree: give the router a TMPDIR "
+                                         "any user may search (like /tmp)")
+            os.chmod(parent, (mode & 0o7777) | 0o001)
+        parent = os.path.dirname(parent)
 
 
 class Sandbox:
@@ -475,7 +525,8 @@ class Sandbox:
         return out
 
     def argv(self, command: Sequence[str], *, tree: str, uid: int, bwrap: str = "bwrap",
-             env: Mapping[str, str] | None = None, tree_bytes: int = 0, ro_paths: Sequence[str] = ()) -> list[str]:
+             env: Mapping[str, str] | None = None, tree_bytes: int = 0, ro_paths: Sequence[str] = (),
+             tree_fd: int | None = None) -> list[str]:
         """The bwrap command line that runs ``command`` in ``tree``'s copy as
         ``uid`` (module docstring). ``tree`` is an absolute host directory;
         ``tree_bytes`` its size in a tmpfs (the run's ``/tmp`` is that plus
@@ -499,7 +550,9 @@ class Sandbox:
         a += ["--proc", "/proc", "--dev", "/dev",
               "--size", str(tmp_bytes), "--tmpfs", "/tmp",
               "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm",
-              "--ro-bind", tree, _STAGE]
+              # By an open descriptor when given: bwrap then needs no search permission on
+              # the tree's parents (a root router's runs are an unprivileged user).
+              *(("--ro-bind-fd", str(tree_fd)) if tree_fd is not None else ("--ro-bind", tree)), _STAGE]
         if not _within(tree, "/tmp"):
             a += ["--size", str(tmp_bytes), "--tmpfs", tree]
         else:
@@ -531,6 +584,8 @@ class Sandbox:
         size = await trio.to_thread.run_sync(_tree_bytes, tree)
         want_report = any(REPORT in c for c in command)
         with _uid() as uid, _Fds() as fds:
+            if _drop_uid(uid) is not None:
+                await trio.to_thread.run_sync(_give_tree, tree, uid)
             cgroups = await trio.to_thread.run_sync(_make_cgroups, host, lim)
             try:
                 return await self._run(command, tree=tree, env=env, host=host, uid=uid, fds=fds, cgroups=cgroups,
@@ -547,14 +602,19 @@ class Sandbox:
             pipes[name] = fds.pipe()
         if want_report:
             command = [c.replace(REPORT, f"/proc/self/fd/{pipes['report'][1]}") for c in command]
-        argv = self.argv(command, tree=tree, uid=uid, bwrap=host.bwrap, env=env, tree_bytes=size, ro_paths=extra)
+            if _drop_uid(uid) is not None:  # opened by path inside: the run's unprivileged user must own it
+                os.fchown(pipes["report"][1], uid, uid)
+        tree_fd = fds.keep(os.open(tree, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+        argv = self.argv(command, tree=tree, uid=uid, bwrap=host.bwrap, env=env, tree_bytes=size, ro_paths=extra,
+                         tree_fd=tree_fd)
         spawn = functools.partial(
             subprocess.Popen, argv, cwd="/", env={}, stdin=subprocess.DEVNULL, stdout=pipes["out"][1],
             stderr=pipes["err"][1], start_new_session=True,
-            pass_fds=(pipes["report"][1],) if want_report else (),
-            preexec_fn=functools.partial(_child_setup, self._rlimits(host), cgroups),
+            pass_fds=(tree_fd, *((pipes["report"][1],) if want_report else ())),
+            preexec_fn=functools.partial(_child_setup, self._rlimits(host), cgroups, _drop_uid(uid)),
         )
         proc = await trio.to_thread.run_sync(_spawn, spawn)
+        fds.close(tree_fd)
         for _, w in pipes.values():
             fds.close(w)
         streams = {name: trio.lowlevel.FdStream(fds.take(r)) for name, (r, _) in pipes.items()}
@@ -628,6 +688,11 @@ class _Fds:
         r, w = os.pipe()
         self._open.update((r, w))
         return r, w
+
+    def keep(self, fd: int) -> int:
+        """Own ``fd`` (closed on the way out); returns it."""
+        self._open.add(fd)
+        return fd
 
     def close(self, fd: int) -> None:
         if fd in self._open:
