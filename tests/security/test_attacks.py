@@ -361,13 +361,18 @@ async def test_mtls_websocket_identity_from_the_client_certificate(nursery, tmp_
     for ctx, alert in ((client(foreign), "CERTIFICATE_VERIFY_FAILED"), (client(), "PEER_DID_NOT_RETURN_A_CERTIFICATE")):
         tcp = await trio.open_tcp_stream(host, int(port))
         conn = trio.SSLStream(tcp, ctx, server_hostname=host)
-        with trio.fail_after(10), pytest.raises(trio.BrokenResourceError) as broken:
+        answer = None
+        with trio.fail_after(10):
             # TLS 1.3: the client's handshake ends before the server has checked
-            # its certificate; the server's alert arrives on the first read.
-            await conn.do_handshake()
-            await conn.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            await conn.receive_some(1024)
-        assert isinstance(broken.value.__cause__, ssl.SSLError)  # no HTTP answer: the TLS session failed
+            # its certificate; the server's alert arrives on the first read (or,
+            # with some Python builds' ssl, the connection's end).
+            try:
+                await conn.do_handshake()
+                await conn.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                answer = await conn.receive_some(1024)
+            except trio.BrokenResourceError as broken:
+                assert isinstance(broken.__cause__, ssl.SSLError)  # the TLS session failed
+        assert not answer  # no HTTP answer
         await trio.aclose_forcefully(conn)
         with trio.fail_after(5):
             while not any(alert in r.getMessage() for r in caplog.records):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -416,8 +417,9 @@ async def test_planted_configuration_is_not_read(tmp_path: Path, monkeypatch: py
 
     # The task's own config files (never written: not Python), the parent of the
     # work dir (pylint and mypy look upwards) and $HOME all carry the same config.
-    parent, home = tmp_path / "tmp", tmp_path / "home"
-    parent.mkdir()
+    # The parent is under /tmp (any user may search it: a root router's runs are
+    # unprivileged users of their own; the router's own atp-* dirs are made searchable).
+    parent, home = Path(tempfile.mkdtemp(prefix="atp-planted-", dir="/tmp")), tmp_path / "home"
     home.mkdir()
     _plant(parent, planted)
     _plant(home, planted)
@@ -438,6 +440,7 @@ async def test_planted_configuration_is_not_read(tmp_path: Path, monkeypatch: py
     assert not marker.exists()  # no hook ran
     assert not (home / ".semgrep").exists() and not (home / ".cache").exists()  # semgrep wrote into its work dir
     assert not any(p.name.startswith("atp-tool-") for p in parent.iterdir())  # work dirs removed
+    shutil.rmtree(parent)
 
 
 # --- exit statuses, limits -------------------------------------------------------------
