@@ -198,18 +198,28 @@ async def test_with_two_workers_a_replay_landing_on_the_other_worker_is_esec(tmp
         captured = await run_once(sup.ws_url, "sess-w", "t1")
         ran_on = await _worker_of(state, "t1")
         landed: dict[str, str] = {}
-        for i in range(60):
-            async with ws(sup.ws_url, f"sess-probe-{i}") as peer:
-                probe = signed_syn(peer.session, f"probe-{i}", task=False)  # opens, runs nothing
+        claimed: set[str] = set()
+
+        async def probe_one(name: str) -> None:
+            async with ws(sup.ws_url, f"sess-probe-{name}") as peer:
+                probe = signed_syn(peer.session, f"probe-{name}", task=False)  # opens, runs nothing
                 await peer.send_raw(wire(probe))
                 await peer.pump_until(lambda p=probe: bool(peer.events[p.stream_id]), timeout=30)
                 slot = await _worker_of(state, probe.stream_id)
-                if slot in landed:
-                    continue
-                landed[slot] = await replay_refused(peer, captured, "t1")
+                if slot not in claimed:
+                    claimed.add(slot)
+                    landed[slot] = await replay_refused(peer, captured, "t1")
+
+        # Connections opened a batch at a time: while one worker is busy accepting and
+        # answering, the kernel hands the next to the other (one at a time, an idle
+        # worker can win every accept).
+        for batch in range(8):
+            async with trio.open_nursery() as nursery:
+                for i in range(8):
+                    nursery.start_soon(probe_one, f"{batch}-{i}")
             if len(landed) == 2:
                 break
-        assert set(landed) == {"w0", "w1"}, f"60 connections did not reach both workers: {landed}"
+        assert set(landed) == {"w0", "w1"}, f"64 connections did not reach both workers: {landed}"
         other = next(s for s in landed if s != ran_on)
         assert "replayed frame" in landed[other] and "another worker" in landed[other]  # the store's refusal
     finally:
