@@ -801,16 +801,7 @@ class SqliteStore(Store):
             evicted = 0
             entries, total = c.execute("SELECT entries, bytes FROM cache_total").fetchone()
             if total > max_bytes:
-                victims: list[bytes] = []
-                excess = total - max_bytes
-                for k, n in c.execute("SELECT key, size FROM cache WHERE key != ? ORDER BY used_ms, created_ms",
-                                      (key,)):
-                    if excess <= 0:
-                        break
-                    victims.append(k)
-                    excess -= n
-                for k in victims:
-                    evicted += _cache_remove(c, "DELETE FROM cache WHERE key = ? RETURNING size", (k,))
+                evicted = _cache_evict_lru(c, "key != ?", (key,), total - max_bytes)
                 entries, total = c.execute("SELECT entries, bytes FROM cache_total").fetchone()
         return CachePut(stored=stored, expired=expired, evicted=evicted, stats=CacheStats(entries, total))
 
@@ -856,6 +847,18 @@ def ledger_snapshot(accts: list[tuple], res: list[Reservation], next_id: int) ->
                           next_id=max(next_id, max((r.id for r in res), default=0) + 1))
 
 
+def _cache_evict_lru(c: sqlite3.Connection, where: str, params: tuple[Any, ...], excess: int) -> int:
+    """Remove the least recently used cache entries matching ``where`` until at
+    least ``excess`` bytes are freed (or none is left); how many went."""
+    victims: list[bytes] = []
+    for k, n in c.execute(f"SELECT key, size FROM cache WHERE {where} ORDER BY used_ms, created_ms", params):
+        if excess <= 0:
+            break
+        victims.append(k)
+        excess -= n
+    return sum(_cache_remove(c, "DELETE FROM cache WHERE key = ? RETURNING size", (k,)) for k in victims)
+
+
 def _cache_put_own(c: sqlite3.Connection, key: bytes, value: bytes, tenant: str, now_ms: int, expires_ms: int,
                    max_bytes: int, tenant_max_bytes: int, expired: int) -> CachePut:
     """``cache_put`` with a per-tenant budget (after expired entries and the
@@ -874,15 +877,7 @@ def _cache_put_own(c: sqlite3.Connection, key: bytes, value: bytes, tenant: str,
         # the whole cache is full, for the cache's bound.
         excess = max(own + size - tenant_max_bytes, total + size - max_bytes)
         if excess > 0:
-            victims: list[bytes] = []
-            for k, n in c.execute("SELECT key, size FROM cache WHERE tenant = ? ORDER BY used_ms, created_ms",
-                                  (tenant,)):
-                if excess <= 0:
-                    break
-                victims.append(k)
-                excess -= n
-            for k in victims:
-                evicted += _cache_remove(c, "DELETE FROM cache WHERE key = ? RETURNING size", (k,))
+            evicted = _cache_evict_lru(c, "tenant = ?", (tenant,), excess)
         (total,) = c.execute("SELECT bytes FROM cache_total").fetchone()
         stored = total + size <= max_bytes
     if stored:
