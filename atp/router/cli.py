@@ -540,10 +540,11 @@ def main(argv: list[str] | None = None) -> int:
                 return
             http, ws = ("https", "wss") if config.tls is not None else ("http", "ws")
             owner = getattr(router, "owner", None)  # a router on a shared store names itself
-            print(f"atp-router listening {http}://{config.host}:{http_port} {ws}://{config.host}:{ws_port} "
-                  f"(RIB generation {router.gen.version}: {', '.join(router.rib_summary()['agents'])})"
-                  + (f" router={owner}" if owner else ""), flush=True)
+            # The handler is in place before "listening": a supervisor's SIGTERM right after it is a clean stop.
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                print(f"atp-router listening {http}://{config.host}:{http_port} {ws}://{config.host}:{ws_port} "
+                      f"(RIB generation {router.gen.version}: {', '.join(router.rib_summary()['agents'])})"
+                      + (f" router={owner}" if owner else ""), flush=True)
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
                     break

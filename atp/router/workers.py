@@ -683,8 +683,8 @@ def worker_main(config: RouterConfig, spec: WorkerSpec) -> int:
                                                                  task_status=task_status))
                 importlib.import_module("anyio._backends._trio")
                 gc.freeze()
-                report("ready")
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    report("ready")  # after the handler: a SIGTERM right after "ready" is a clean stop
                     async for _ in signals:
                         break
                 nursery.cancel_scope.cancel()
@@ -865,10 +865,10 @@ class _Supervisor:
                 c = self.config
                 http_scheme, ws_scheme = ("https", "wss") if c.tls is not None else ("http", "ws")
                 host = c.host if ":" not in c.host else f"[{c.host}]"
-                print(f"atp-router listening {http_scheme}://{host}:{self.http.getsockname()[1]} "
-                      f"{ws_scheme}://{host}:{self.ws.getsockname()[1]} (RIB generation {summary['version']}: "
-                      f"{', '.join(summary['agents'])}) workers={self.n}", flush=True)
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    print(f"atp-router listening {http_scheme}://{host}:{self.http.getsockname()[1]} "
+                          f"{ws_scheme}://{host}:{self.ws.getsockname()[1]} (RIB generation {summary['version']}: "
+                          f"{', '.join(summary['agents'])}) workers={self.n}", flush=True)
                     async for _ in signals:
                         break
                 self._stop()
