@@ -62,6 +62,10 @@ def open_spec(spec: str, **options: Any) -> Store:
     if kind == "sqlite":
         return SqliteStore.open(rest, **options)
     options.pop("multiprocess", None)
+    # These tests check accounting, not fast fail (tests/store/test_redis_store.py does, with its own
+    # timeouts): a Redis on a loaded machine may answer slower than the router's 0.5 s default.
+    options.setdefault("socket_timeout_s", 10.0)
+    options.setdefault("connect_timeout_s", 10.0)
     ns, _, url = rest.partition(":")
     return RedisStore.open(url, namespace=ns, **options)
 

@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -570,11 +572,25 @@ async def test_real_ruff_past_its_output_and_memory_limits() -> None:
 
 
 async def test_large_report_is_parsed_off_the_event_loop() -> None:
-    """~12 MB of ruff JSON (under the 16 MiB cap) becomes ~19,000 findings while a
-    ticker on the event loop keeps its 5 ms beat: no gap near 100 ms."""
+    """~12 MB of ruff JSON (under the 16 MiB cap) becomes ~19,000 findings in a
+    worker thread while a ticker on the event loop keeps beating: its longest gap
+    is under the parse's own duration (a parse on the loop would stall the ticker
+    for all of it). Relative, not a fixed number of ms, so a loaded machine
+    slows both sides alike (issue 20)."""
     gaps: list[float] = []
     report: list[AgentReport] = []
     ruff = RuffAdapter("ruff", scope="file")  # built first, as at RIB load (the sandbox probe runs once there)
+    parsed: list[tuple[bool, float]] = []  # (on the event loop's thread, seconds)
+    parse, loop_thread = ruff.parse, threading.get_ident()
+
+    def timed_parse(*args):
+        t0 = time.perf_counter()
+        try:
+            return parse(*args)
+        finally:
+            parsed.append((threading.get_ident() == loop_thread, time.perf_counter() - t0))
+
+    ruff.parse = timed_parse
 
     async def run() -> None:
         r, _ = await _report(ruff,
@@ -592,5 +608,8 @@ async def test_large_report_is_parsed_off_the_event_loop() -> None:
     findings = report[0].findings
     assert len(findings) > 10_000 and {f.file for f in findings} == {"d.py"}
     assert {"B006", "S307", "E711", "F401"} <= {f.rule for f in findings}
-    print(f"\n{len(findings)} findings; event-loop gaps: max {max(gaps) * 1000:.1f} ms over {len(gaps)} ticks")
-    assert max(gaps) < 0.1
+    [(on_loop, parse_s)] = parsed
+    print(f"\n{len(findings)} findings parsed in {parse_s * 1000:.0f} ms; event-loop gaps: max "
+          f"{max(gaps) * 1000:.1f} ms over {len(gaps)} ticks")
+    assert not on_loop  # the check that cannot flake; the gaps below show what it buys
+    assert max(gaps) < max(0.25, parse_s)  # a parse on the loop stalls the ticker for all of parse_s
