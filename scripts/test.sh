@@ -26,13 +26,21 @@ if [ "$hogs" -gt 0 ]; then
   trap 'kill "${hog_pids[@]}" 2>/dev/null || true' EXIT
   echo "test.sh: $hogs busy processes run beside the tests (load ≥ $hogs)"
 fi
+# Tests run side by side in ATP_TEST_WORKERS pytest-xdist processes (default: cores + 1, as
+# many tests wait on real processes — routers, peers, sandboxes), a file to a worker so
+# each file's fixtures start once. ATP_TEST_WORKERS=0 runs serially, and so does
+# ATP_UPDATE_SLOW_TESTS=1 (it records serial times into tests/slow_tests.txt).
+workers=${ATP_TEST_WORKERS:-$(( $(nproc) + 1 ))}
+[ "${ATP_UPDATE_SLOW_TESTS:-}" = 1 ] && workers=0
+xdist=(-n "$workers")
+[ "$workers" != 0 ] && xdist+=(--dist loadfile)
 t0=$SECONDS
 if [ "${1:-}" = "--fast" ]; then
   shift
   scripts/setup.sh --test-tools
   t1=$SECONDS
-  rc=0; .venv/bin/python -m pytest -m "not peers and not model and not slow" "$@" || rc=$?
-  echo "test.sh --fast: set-up $((t1 - t0)) s, tests $((SECONDS - t1)) s, in all $((SECONDS - t0)) s"
+  rc=0; .venv/bin/python -m pytest "${xdist[@]}" -m "not peers and not model and not slow" "$@" || rc=$?
+  echo "test.sh --fast: set-up $((t1 - t0)) s, tests $((SECONDS - t1)) s (${workers} workers), in all $((SECONDS - t0)) s"
   exit $rc
 fi
 # The router and the test tools first (a minute); then the local model server (on a
@@ -54,7 +62,7 @@ t3=$SECONDS
 export ATP_REQUIRE_MODEL=${ATP_REQUIRE_MODEL:-1}
 # Peers installed above must be there: a missing one fails its tests instead of skipping.
 export ATP_REQUIRE_PEERS=${ATP_REQUIRE_PEERS:-1}
-rc=0; .venv/bin/python -m pytest "$@" || rc=$?
+rc=0; .venv/bin/python -m pytest "${xdist[@]}" "$@" || rc=$?
 echo "test.sh: set-up $((t1 - t0)) s, peers $((t2 - t1)) s (the model server beside them, then $((t3 - t2)) s more)," \
-     "tests $((SECONDS - t3)) s, in all $((SECONDS - t0)) s"
+     "tests $((SECONDS - t3)) s (${workers} workers), in all $((SECONDS - t0)) s"
 exit $rc

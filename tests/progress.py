@@ -12,6 +12,11 @@
   protection whose test cannot run here is not known to hold — unless the run
   opts out explicitly with ``ATP_ALLOW_SECURITY_SKIPS=<why>``, whose text is
   printed in the summary.
+
+Under pytest-xdist (``scripts/test.sh`` runs ``-n``) the heartbeat runs in the
+controller only: it counts what the workers report and names the longest-running
+of the tests in flight; the skip rules run in the workers, whose (rewritten)
+reports the controller prints.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ class _Progress:
         self.total = 0
         self.done = 0
         self.failed = 0
-        self.current: str | None = None
-        self.current_t0 = 0.0
+        self.running: dict[str, float] = {}  # node id → when it started (several under xdist)
+        self.workers = 0  # xdist workers that finished collecting (0: a serial run)
         self.stop = threading.Event()
 
     def line(self) -> str:
@@ -44,11 +49,16 @@ class _Progress:
         head = f"[tests {elapsed // 60}m{elapsed % 60:02d}s]"
         if self.phase == "collecting":
             return f"{head} collecting: {self.files:,} files, {self.collected:,} tests so far"
+        if self.phase == "workers":
+            return f"{head} starting workers: {self.workers} collected {self.total:,} tests"
         failed = f" ({self.failed} failed)" if self.failed else ""
-        if self.current is None:
+        running = dict(self.running)  # the controller's reader thread may change it
+        if not running:
             return f"{head} {self.done:,}/{self.total:,} done{failed}"
-        running = int(time.monotonic() - self.current_t0)
-        return f"{head} {self.done:,}/{self.total:,} done{failed}, running {self.current} for {running} s"
+        nodeid, t0 = min(running.items(), key=lambda kv: kv[1])
+        more = f" and {len(running) - 1} more" if len(running) > 1 else ""
+        return (f"{head} {self.done:,}/{self.total:,} done{failed}, running {nodeid} for "
+                f"{int(time.monotonic() - t0)} s{more}")
 
     def beat(self, every: float, fd: int) -> None:
         while not self.stop.wait(every):
@@ -61,9 +71,16 @@ class _Progress:
 _progress = _Progress()
 
 
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     every = float(os.environ.get("ATP_TEST_HEARTBEAT_S", "60") or 0)
-    _progress.phase = "collecting"
+    if _is_xdist_worker(session.config):
+        return  # the controller beats for the whole run
+    dist = getattr(session.config.option, "dist", "no")
+    _progress.phase = "workers" if dist and dist != "no" else "collecting"
     if every > 0 and not session.config.option.collectonly:
         threading.Thread(target=_progress.beat, args=(every, _terminal_fd(session.config)), name="test-heartbeat",
                          daemon=True).start()
@@ -85,6 +102,8 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if _is_xdist_worker(session.config):
+        return  # the controller says it once (pytest_xdist_node_collection_finished)
     _progress.total = len(session.items)
     _progress.phase = "running"
     elapsed = time.monotonic() - _progress.t0
@@ -92,21 +111,36 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     sys.stderr.flush()
 
 
+@pytest.hookimpl(optionalhook=True)  # defined by pytest-xdist
+def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
+    """xdist's controller: a worker collected ``ids`` (every worker collects all)."""
+    _progress.workers += 1
+    _progress.total = len(ids)
+    if _progress.phase == "workers":
+        _progress.phase = "running"
+        sys.stderr.write(f"collected {len(ids):,} tests in {time.monotonic() - _progress.t0:.1f} s (a worker)\n")
+        sys.stderr.flush()
+
+
 def pytest_runtest_logstart(nodeid: str, location: object) -> None:
-    _progress.current, _progress.current_t0 = nodeid, time.monotonic()
+    _progress.running[nodeid] = time.monotonic()
 
 
 def pytest_runtest_logfinish(nodeid: str, location: object) -> None:
     _progress.done += 1
-    _progress.current = None
+    _progress.running.pop(nodeid, None)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Failures counted where reports arrive: the run's process, or xdist's controller."""
+    if report.failed:
+        _progress.failed += 1
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
-    if report.failed:
-        _progress.failed += 1
     if not report.skipped or hasattr(report, "wasxfail"):
         return
     reason = _skip_reason(report).strip()
@@ -120,7 +154,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
     if refusal is not None:
         report.outcome = "failed"
         report.longrepr = refusal
-        _progress.failed += 1
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
