@@ -52,8 +52,19 @@ model_pid=$!
 t1=$SECONDS
 # Real peers for the adapter tests (brokers, A2A / Agent API servers): each script
 # installs one peer, idempotently, into .peers/ or from Debian, and prints what it did.
+# The ones with their own venv under .peers/ (pip: mostly download and unpack) install
+# side by side; the Debian ones in turn (apt-get holds one lock).
+venv_peers=(scripts/peers/a2a.sh scripts/peers/agentscope.sh)
+venv_pids=()
+for peer in "${venv_peers[@]}"; do
+  bash "$peer" & venv_pids+=($!)
+done
 for peer in scripts/peers/*.sh; do
+  case " ${venv_peers[*]} " in *" $peer "*) continue ;; esac
   [ -e "$peer" ] && bash "$peer"
+done
+for pid in "${venv_pids[@]}"; do
+  wait "$pid" || { echo "test.sh: a peer's set-up failed (above, peers: lines)" >&2; exit 1; }
 done
 t2=$SECONDS
 wait "$model_pid" || { echo "test.sh: the model server's set-up failed (above, [model] lines)" >&2; exit 1; }

@@ -310,14 +310,16 @@ def _start_a2a_peer(venv: str, script: str, ready_path: str, timeout_s: float) -
                            timeout_s=timeout_s)
 
 
-def start_jaf_server(*, timeout_s: float = 60.0) -> contextlib.AbstractContextManager[str]:
+def start_jaf_server(*, timeout_s: float = 180.0) -> contextlib.AbstractContextManager[str]:
     """jaf-py's A2A server with the deterministic ``reviewer`` agent; yields its base
     URL (card ``/.well-known/agent-card``, JSON-RPC ``/a2a``). Importing jaf takes
-    ~7 s (litellm)."""
+    ~7 s (litellm); the first time, also compiling what it imports (its venv is
+    installed with ``--no-compile``), so the start waits up to 3 minutes on a
+    loaded machine."""
     return _start_a2a_peer("jaf", "jaf_server.py", "/a2a/health", timeout_s)
 
 
-def start_a2a_sdk_server(*, timeout_s: float = 30.0) -> contextlib.AbstractContextManager[str]:
+def start_a2a_sdk_server(*, timeout_s: float = 180.0) -> contextlib.AbstractContextManager[str]:
     """a2a-sdk's server (A2A 1.0 with v0.3 compatibility) with the compile reviewer;
     yields its base URL (card ``/.well-known/agent-card.json``, JSON-RPC ``/``)."""
     return _start_a2a_peer("a2a-sdk", "a2a_sdk_server.py", "/.well-known/agent-card.json", timeout_s)
@@ -345,7 +347,7 @@ def agentscope_python() -> Path:
     return python
 
 
-def start_agentscope_server(*, timeout_s: float = 60.0) -> contextlib.AbstractContextManager[str]:
+def start_agentscope_server(*, timeout_s: float = 180.0) -> contextlib.AbstractContextManager[str]:
     """Start the agentscope-runtime review server on a free port and yield its base
     URL once ``GET /health`` answers 200; terminate (then kill) it on exit. Fails
     with the server's log if it exits or does not come up within ``timeout_s``."""
