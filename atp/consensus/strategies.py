@@ -73,13 +73,29 @@ from atp.consensus.scorers import (
     evidence_score,
     span_of,
 )
-from atp.consensus.types import AgentFinding, AgentReport, ConsensusInfo, Finding, FindingScores, Result, Severity
+from atp.consensus.types import (
+    AgentFinding,
+    AgentReport,
+    ConsensusInfo,
+    Finding,
+    FindingScores,
+    Result,
+    Severity,
+)
 
 STRATEGIES = ("union_tiebreak", "two_phase_commit", "champion_challenger")
 NO_QUORUM = "ECONSENSUS: a high-severity finding lacks a second agent's ACK"
 NO_CHAMPION = "no report reached the confidence threshold"
 DEFAULT_THRESHOLD = 0.6
 _CLAIM_CHARS = 60
+
+
+#: A contribution's claim/provenance order, lower first: severity, win-rate, cost
+#: score and confidence (each negated: highest first), then agent and finding index.
+_Rank = tuple[int, float, float, float, str, int]
+#: A merged finding's place in the report: severity (negated), file, first line,
+#: last line, claim.
+_Order = tuple[int, str, int, int, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +107,7 @@ class _Contribution:
     last: int
     evidence: float  # evidence_score × change_evidence
     cost: float  # cost_score
-    rank: tuple  # claim/provenance order: lower sorts first
+    rank: _Rank  # claim/provenance order: lower sorts first
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +115,7 @@ class _Cluster:
     finding: Finding  # id left empty until numbering
     agents: frozenset[str]
     sources: frozenset[str]  # independent sources behind ``agents``
-    order: tuple
+    order: _Order
     disputed: tuple[Severity, Severity] | None
 
 
@@ -163,7 +179,7 @@ def merge(
     )
 
     flags: list[str] = []
-    notes: list[tuple[tuple, str]] = [(c.order, _note(c, "uncited: " + c.finding.claim)) for c in uncited]
+    notes: list[tuple[_Order, str]] = [(c.order, _note(c, "uncited: " + c.finding.claim)) for c in uncited]
 
     if strategy == "union_tiebreak":
         kept = cited
@@ -231,7 +247,7 @@ def _contributions(
         for i, f in enumerate(reports[agent].findings):
             first, last = span_of(f)
             cs = cost_score(costs.get(agent, 0), max_cost_usd_micros=max_cost, severity=f.severity)
-            rank = (-f.severity.rank, -win, -cs, -f.confidence, agent, i)
+            rank: _Rank = (-f.severity.rank, -win, -cs, -f.confidence, agent, i)
             ev = evidence_score(f, line_counts)
             if ev > HALLUCINATED:
                 ev *= change_evidence(f, changed)
@@ -284,7 +300,7 @@ def _merge_cluster(group: list[_Contribution], sources: Mapping[str, str], voice
         scores=scores,
         suppressed_by_change=any(c.finding.suppressed_by_change for c in group),
     )
-    order = (-lead.finding.severity.rank, lead.finding.file, first, last, lead.finding.claim)
+    order: _Order = (-lead.finding.severity.rank, lead.finding.file, first, last, lead.finding.claim)
     return _Cluster(finding, frozenset(c.agent for c in group), frozenset(best), order, disputed)
 
 

@@ -145,7 +145,7 @@ class Call:
     _stream_call: InFlight | None = None
     _slot: int | None = None  # QoS ticket, queued or running
     _granted: bool = False  # the ticket holds a slot
-    _hop_queue: WindowQueue | None = None  # waiting in it
+    _hop_queue: WindowQueue[Call] | None = None  # waiting in it
     _hop_window: Window | None = None  # holds _hop_call
     _hop_call: InFlight | None = None
     _dropped: Preempt | None = None  # its queued ticket was shed / withdrawn
@@ -251,7 +251,7 @@ class AdmissionControl:
     Methods raise ``ValueError`` when used out of order (stepping a call that
     was released, releasing it twice, usage for a call that never ran)."""
 
-    def __init__(self, breakers: BreakerBoard, agent_windows: WindowTable, scheduler: QosScheduler) -> None:
+    def __init__(self, breakers: BreakerBoard, agent_windows: WindowTable[Call], scheduler: QosScheduler) -> None:
         self.breakers = breakers
         self.agent_windows = agent_windows
         self.scheduler = scheduler
@@ -578,11 +578,10 @@ class AdmissionControl:
                 self._move(call, Stage.SLOT)
         self._grant(grants)
 
-    def _pump(self, queue: WindowQueue, now: float, stepping: Call | None = None) -> None:
+    def _pump(self, queue: WindowQueue[Call], now: float, stepping: Call | None = None) -> None:
         """Hand the room that opened in ``queue``'s window to its waiters (and
         wake them, but not ``stepping``: it is being stepped)."""
-        for key, room in queue.pump():
-            call: Call = key  # type: ignore[assignment]
+        for call, room in queue.pump():
             call._hop_queue = None
             call._hop_call = room
             call._hop_window = queue.window
@@ -617,7 +616,7 @@ class AdmissionControl:
             self._woken.append(nxt)
 
     @staticmethod
-    def _hop_nack(call: Call, queue: WindowQueue) -> Nack:
+    def _hop_nack(call: Call, queue: WindowQueue[Call]) -> Nack:
         fit = queue.window.admit(call.estimate, qos=call.flow.qos)
         if fit.admitted:
             # It fits, but calls of its class order came first.

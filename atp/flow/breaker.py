@@ -76,7 +76,7 @@ import enum
 import math
 import random
 from collections.abc import Callable, Container, Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, TypedDict
 
 from msgspec import Meta, Struct
 
@@ -539,6 +539,19 @@ class CircuitBreaker:
                                                   reopen_at=self._reopen_at, openings=self._openings))
 
 
+class _BoardSettings(TypedDict):
+    """The keywords a :class:`BreakerBoard` passes to each :class:`CircuitBreaker`."""
+
+    failure_threshold: int
+    window_s: float
+    base_backoff_s: float
+    max_backoff_s: float
+    jitter: float
+    half_open_probes: int
+    canary_interval_s: float
+    canary_confirm: int
+
+
 class BreakerBoard:
     """One :class:`CircuitBreaker` per next-hop agent name, created on first use
     with the same settings (keywords as :class:`CircuitBreaker`) and one
@@ -562,7 +575,7 @@ class BreakerBoard:
     ) -> None:
         self._on_transition = on_transition
         self._listeners: list[Callable[[BreakerTransition], None]] = []
-        self._settings = {
+        self._settings: _BoardSettings = {
             "failure_threshold": failure_threshold,
             "window_s": window_s,
             "base_backoff_s": base_backoff_s,

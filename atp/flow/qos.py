@@ -230,8 +230,9 @@ class QosScheduler:
         self._running: dict[QoS, OrderedDict[int, _Ticket]] = {c: OrderedDict() for c in _CLASSES}
         self._tickets: dict[int, _Ticket] = {}
         self._preempting: set[int] = set()
-        # Gold tickets blocked at their next-hop, in blocking order (FIFO).
-        self._blocked_gold: OrderedDict[int, _Ticket] = OrderedDict()
+        # Gold tickets blocked at their next-hop, in blocking order (FIFO), each with
+        # its blocked_since (never None here: _clear_block drops the entry with it).
+        self._blocked_gold: OrderedDict[int, tuple[_Ticket, float]] = OrderedDict()
         self._n_blocked = dict.fromkeys(_CLASSES, 0)
         self._n_running = 0
         self._counts = {c: _Counts() for c in _CLASSES}
@@ -276,7 +277,7 @@ class QosScheduler:
             t.blocked_since = now
             self._n_blocked[t.qos] += 1
             if t.qos is QoS.GOLD:
-                self._blocked_gold[ticket] = t
+                self._blocked_gold[ticket] = (t, now)
 
     def unblock(self, ticket: int, now: float) -> None:
         """The call holding ``ticket`` got its room at the next-hop at ``now``
@@ -399,15 +400,15 @@ class QosScheduler:
             )
         # Marked only now: the generator above skips members of _preempting.
         self._preempting.update(p.ticket for p in out)
-        for gold, victim in self._relief():
-            if now < gold.blocked_since + limit:
+        for gold, blocked_since, victim in self._relief():
+            if now < blocked_since + limit:
                 break  # FIFO: everyone behind it was blocked later
             out.append(
                 Preempt(
                     stream_id=victim.stream_id,
                     ticket=victim.ticket,
                     reason=(
-                        f"preempted for gold stream {gold.stream_id!r}, waiting {(now - gold.blocked_since) * 1000.0:.0f}"
+                        f"preempted for gold stream {gold.stream_id!r}, waiting {(now - blocked_since) * 1000.0:.0f}"
                         f" ms for next-hop {gold.key} (preempt after {self.preempt_after_ms:g} ms, "
                         f"SLA {self.gold_sla_ms:g} ms)"
                     ),
@@ -418,8 +419,8 @@ class QosScheduler:
         self._counts[QoS.BRONZE].preempted += len(out)
         return out
 
-    def _relief(self) -> Iterator[tuple[_Ticket, _Ticket]]:
-        """``(blocked gold, bronze victim)`` pairs, in blocking order: each gold
+    def _relief(self) -> Iterator[tuple[_Ticket, float, _Ticket]]:
+        """``(blocked gold, its blocked_since, bronze victim)``, in blocking order: each gold
         ticket blocked at next-hop ``key`` and not covered by a preemption still
         on its way at that key, with the youngest bronze ticket running there
         (not blocked, not preempted, not paired already). Gold without such a
@@ -432,7 +433,7 @@ class QosScheduler:
             if t is not None:
                 covered[t.key] = covered.get(t.key, 0) + 1
         paired: set[int] = set()
-        for gold in self._blocked_gold.values():
+        for gold, blocked_since in self._blocked_gold.values():
             if covered.get(gold.key, 0) > 0:
                 covered[gold.key] -= 1
                 continue
@@ -444,7 +445,7 @@ class QosScheduler:
             )
             if victim is not None:
                 paired.add(victim.ticket)
-                yield gold, victim
+                yield gold, blocked_since, victim
 
     def shed(self, now: float) -> list[Preempt]:
         """Drop queued bronze tickets that have waited ≥ ``shed_after_ms`` while
@@ -492,7 +493,7 @@ class QosScheduler:
         # would be a deadline in the past that preemptions() never acts on.
         relief = next(self._relief(), None)
         if relief is not None:
-            deadlines.append(relief[0].blocked_since + self.preempt_after_ms / 1000.0)
+            deadlines.append(relief[1] + self.preempt_after_ms / 1000.0)
         return min(deadlines, default=None)
 
     def statistics(self) -> QosStatistics:

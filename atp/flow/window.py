@@ -48,7 +48,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping
 from fractions import Fraction
-from typing import Annotated
+from typing import Annotated, Generic, TypeVar
 
 from msgspec import Meta, Struct
 
@@ -315,8 +315,11 @@ class Window:
 
 _CLASSES = (QoS.GOLD, QoS.SILVER, QoS.BRONZE)
 
+#: The key a call waits under in a :class:`WindowQueue` (admission's ``Call``).
+K = TypeVar("K", bound=Hashable)
 
-class WindowQueue:
+
+class WindowQueue(Generic[K]):
     """Calls waiting for room in one :class:`Window`, admitted in class order
     (spec §9): **gold first**; silver and bronze by weighted fair queuing (virtual
     finish tags with ``weights``, as :class:`~atp.flow.qos.QosScheduler`: a class
@@ -329,7 +332,8 @@ class WindowQueue:
     freed room, no thundering herd. The pump stops at the first head that does
     not fit, so a large call is not overtaken forever by smaller ones.
     Call :meth:`pump` whenever room may have opened (a call completed or was
-    cancelled, the limits moved) and after :meth:`enqueue`.
+    cancelled, the limits moved) and after :meth:`enqueue`. Generic in the key
+    type ``K``: :meth:`pump` hands back the keys :meth:`enqueue` was given.
     """
 
     def __init__(self, window: Window, *, weights: Mapping[QoS, float] = DEFAULT_WEIGHTS) -> None:
@@ -337,8 +341,8 @@ class WindowQueue:
         self._cost = {c: 1.0 / float(weights[c]) for c in _CLASSES}
         self._finish = dict.fromkeys(_CLASSES, 0.0)
         self._vtime = 0.0
-        self._queues: dict[QoS, OrderedDict[Hashable, Estimate]] = {c: OrderedDict() for c in _CLASSES}
-        self._class_of: dict[Hashable, QoS] = {}
+        self._queues: dict[QoS, OrderedDict[K, Estimate]] = {c: OrderedDict() for c in _CLASSES}
+        self._class_of: dict[K, QoS] = {}
 
     def __len__(self) -> int:
         return len(self._class_of)
@@ -347,7 +351,7 @@ class WindowQueue:
         """Calls of class ``qos`` waiting now."""
         return len(self._queues[qos])
 
-    def enqueue(self, key: Hashable, est: Estimate, qos: QoS) -> None:
+    def enqueue(self, key: K, est: Estimate, qos: QoS) -> None:
         """Queue a call of ``est`` in class ``qos`` under ``key`` (unique among the
         waiting ones; raises ``ValueError`` if it waits already). It is admitted
         by a later :meth:`pump`."""
@@ -360,7 +364,7 @@ class WindowQueue:
         queue[key] = est
         self._class_of[key] = qos
 
-    def cancel(self, key: Hashable) -> bool:
+    def cancel(self, key: K) -> bool:
         """Withdraw a waiting call; ``False`` if ``key`` is not waiting (admitted
         already, or unknown)."""
         qos = self._class_of.pop(key, None)
@@ -370,11 +374,11 @@ class WindowQueue:
         self._advance_vtime()
         return True
 
-    def pump(self) -> list[tuple[Hashable, InFlight]]:
+    def pump(self) -> list[tuple[K, InFlight]]:
         """Admit waiting calls in class order while the head fits the window;
         each is accounted on the window (its :class:`InFlight` returned with its
         key, in admission order)."""
-        out: list[tuple[Hashable, InFlight]] = []
+        out: list[tuple[K, InFlight]] = []
         while (c := self._pick()) is not None:
             queue = self._queues[c]
             key, est = next(iter(queue.items()))
@@ -403,7 +407,7 @@ class WindowQueue:
                           default=self._vtime)
 
 
-class WindowTable:
+class WindowTable(Generic[K]):
     """One :class:`Window` per next-hop agent (spec §5.1 "per agent next-hop"),
     shared by every stream that calls it.
 
@@ -411,7 +415,8 @@ class WindowTable:
     name → its own triplet (RIB ``agents.<name>.window``), ``None`` for the
     default. Windows are created on first use and keep their AIMD state
     (``cwnd``, ``ssthresh``) and calls in flight across :meth:`configure`,
-    which only adopts new limits.
+    which only adopts new limits. ``K``: the key of the calls waiting in the
+    windows' :class:`WindowQueue`.
     """
 
     def __init__(
@@ -427,7 +432,7 @@ class WindowTable:
         self._interval = update_interval_ms
         self._delta = update_delta
         self._windows: dict[str, Window] = {}
-        self._queues: dict[str, WindowQueue] = {}
+        self._queues: dict[str, WindowQueue[K]] = {}
 
     def limits_of(self, agent: str) -> WireWindow:
         """The triplet ``agent``'s window uses (its own, else the default)."""
@@ -442,7 +447,7 @@ class WindowTable:
             )
         return w
 
-    def queue(self, agent: str) -> WindowQueue:
+    def queue(self, agent: str) -> WindowQueue[K]:
         """The :class:`WindowQueue` of ``agent``'s window (created on first use)."""
         q = self._queues.get(agent)
         if q is None:

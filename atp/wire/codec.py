@@ -502,9 +502,9 @@ def _check_untyped(frame: Frame) -> None:
                     raise
             ce = p.cost_est
             if ce is not None and ce.usd - ce.usd != 0.0:
-                e = _NotJson(f"non-finite float {ce.usd!r}")
-                e.path.append(".payload.cost_est.usd")
-                raise e
+                bad = _NotJson(f"non-finite float {ce.usd!r}")
+                bad.path.append(".payload.cost_est.usd")
+                raise bad
     except _NotJson as e:
         path = "$" + "".join(reversed(e.path))
         raise LocalProtocolError(ErrorCode.EPROTO, f"invalid frame: {e.reason} - at `{path}`") from None

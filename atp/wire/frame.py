@@ -12,14 +12,14 @@ shows a float USD (``payload.cost_est.usd``, FINAL ``telemetry.usd``).
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
 from atp.wire.errors import ErrorCode
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION: Final = 1  # Final: typed Literal[1], the one value Frame.v accepts
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 Id = Annotated[str, Meta(min_length=1, max_length=128)]

@@ -29,7 +29,7 @@ the buffers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, final
 
 import msgspec
 from msgspec import Struct
@@ -45,6 +45,7 @@ _json_encode = msgspec.json.encode
 _MORE = Flag.MORE  # bound once: Enum member lookup on the class is slow on the per-frame path
 
 
+@final
 class MessageComplete(Struct, frozen=True, kw_only=True):
     """Message ``msg_seq`` reassembled from ``frames`` fragments.
 
@@ -59,6 +60,7 @@ class MessageComplete(Struct, frozen=True, kw_only=True):
     frames: int
 
 
+@final
 class RetransmitRequest(Struct, frozen=True, kw_only=True):
     """Ask the peer to resend (msg_seq, frag_seq): ERROR ``ESEQ_RETRY`` (§4.5, §10)."""
 
@@ -67,6 +69,7 @@ class RetransmitRequest(Struct, frozen=True, kw_only=True):
     reason: str
 
 
+@final
 class Dropped(Struct, frozen=True, kw_only=True):
     """A late or duplicate fragment, discarded (§4.5)."""
 
@@ -75,6 +78,7 @@ class Dropped(Struct, frozen=True, kw_only=True):
     reason: str
 
 
+# The three are final: the session dispatches on ``type(ev) is …``, so no subclass may stand in.
 ReassemblyEvent = MessageComplete | RetransmitRequest | Dropped
 
 
