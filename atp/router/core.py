@@ -62,7 +62,7 @@ import shutil
 import tempfile
 import time
 from functools import partial
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,7 +71,6 @@ import msgspec
 import trio
 
 from atp.adapters.base import Prompt
-from atp.adapters.context import with_context_scope
 from atp.adapters.http import install_secret_resolver
 from atp.consensus.types import FinalResult, SignedUsage
 from atp.flow.body_budget import BodyBudget
@@ -82,7 +81,6 @@ from atp.flow.window import Window as FlowWindow
 from atp.flow.window import WindowTable
 from atp.policy.fib import data_scope_labels
 from atp.policy.rib import ClientSpec, RateSpec
-from atp.review.diff import count_changed_lines
 from atp.router import memory
 from atp.router.cache import DEFAULT_MAX_BYTES as DEFAULT_CACHE_MAX_BYTES
 from atp.router.cache import ResponseCache, annotate
@@ -90,7 +88,9 @@ from atp.router.control import BODY_SOURCE, ControlPlane, Generation
 from atp.router.dispatch import FlowGates, LegOutcome, SlotGate, TaskPlan
 from atp.router.learning import Learning
 from atp.router.metrics import RouterMetrics
-from atp.router.streams import DEFAULT_RETAIN_CLOSED_BYTES, StreamCtx, StreamTable, stream_account
+from atp.router.opening import (DEFAULT_STAGES, OpenCtx, OpenParts, Stage, StageType, check_task, min_budget,
+                                run_stages)
+from atp.router.streams import DEFAULT_RETAIN_CLOSED_BYTES, StreamCtx, StreamTable
 from atp.router.tracing import RouterTracing
 from atp.security.authn import Authenticator, EnvToken, load_auth_config, parse_tokens_env
 from atp.security.authz import Action, Forbidden, Refuse, StreamAdmission, authorize, clamp_qos
@@ -313,9 +313,14 @@ class Router:
     (:attr:`streams`) and the data plane (frames, SYNs, tasks, flow control).
     Built synchronously (raises :class:`~atp.wire.errors.PolicyError` if the RIB
     is refused); :meth:`serve` runs its background tasks. ``authenticator``
-    replaces the one :func:`build_authenticator` makes from ``config``."""
+    replaces the one :func:`build_authenticator` makes from ``config``;
+    ``syn_stages`` the SYN pipeline's stage types (default
+    :data:`~atp.router.opening.DEFAULT_STAGES`; a deployment mode or a test
+    adds or replaces one with :func:`~atp.router.opening.insert_stage` /
+    :func:`~atp.router.opening.replace_stage`), built into :attr:`syn_stages`."""
 
-    def __init__(self, config: RouterConfig, *, authenticator: Authenticator | None = None):
+    def __init__(self, config: RouterConfig, *, authenticator: Authenticator | None = None,
+                 syn_stages: Sequence[StageType] = DEFAULT_STAGES):
         self.config = config
         self.metrics = RouterMetrics()
         #: Data-scope redaction and refusal at dispatch (spec §11), one for every stream.
@@ -396,6 +401,12 @@ class Router:
         #: Live FIB metrics, the policies' bandits, feedback and shadow routing (§6.2, §18).
         self.learning = Learning(self, seed=config.seed)
         self.learning.sync(self.gen)
+        #: What the SYN stages are built from (atp.router.opening).
+        self.open_parts = OpenParts(admission=self.admission, streams=self.streams, learning=self.learning,
+                                    control=self.control, generation=lambda: self.gen, ledger=self.ledger,
+                                    client_spec=self.client_spec, client_account=self.client_account)
+        #: The SYN pipeline (atp.router.opening), in order: each stage continues or refuses.
+        self.syn_stages: list[Stage] = [t.of(self.open_parts) for t in syn_stages]
 
     # ------------------------------------------------------------------ durable state
     # (each step a method: a worker of ``atp-router --workers N`` shares the state
@@ -741,66 +752,47 @@ class Router:
                                  f"stream is closed: message msg_seq={frame.msg_seq} not delivered")]
 
     def _on_syn(self, sess: S.Session, ev: Any, *, identity: Identity, direct: list[Frame], ttl: int) -> None:
-        tenant = identity.tenant
-        meta = dict(ev.meta)
-        content = None
-        if ev.payload is not None and ev.payload.type is PayloadType.TASK:
-            content = ev.payload.content
-        try:
-            # Agent Context Protocol (atp.adapters.context): a bad meta.agent_context
-            # is EPROTO naming the field; its secrets are registered for the log
-            # filter; its policyContext labels join meta.data_scope for the FIB.
-            meta = with_context_scope(meta)
-            if isinstance(content, dict):
-                _check_task(content)
-                if "diff" in content and "diff_loc" not in meta:
-                    meta["diff_loc"] = count_changed_lines(content["diff"])  # C speed: no stall at SYN
-            self.streams.admit(tenant, ev.stream_id)
-            client_budget = _client_budget(meta)
-            # Spec §11 AuthZ: the tenant's scopes (task types, data categories), its
-            # stream quota and open rate; QoS served at most at qos_max, the budget
-            # capped at max_stream_budget.
-            decision = self.admission.decide(
-                identity, self.client_spec(tenant), task_type=str(meta.get("task_type", "")), qos=ev.qos,
-                budget=client_budget, labels=data_scope_labels(meta),
-                open_streams=self.streams.tenant_open[tenant], now=trio.current_time())
-            if isinstance(decision, Refuse):
-                raise ATPError(decision.code, decision.reason, retry_after_ms=decision.retry_after_ms)
-            client_budget, admitted_qos = decision.budget, decision.qos
-            gen = self.gen
-            self.learning.sync(gen)
-            route = gen.fib.lookup(meta, health=self.control.health(gen, trio.current_time()),
-                                   live=self.learning.live_view())
-            policy_budget = _min_budget(client_budget, route.budget)
-            route, decision = self.learning.route(route, gen, meta, content, tenant=tenant,
-                                                  budget_usd_micros=usd_to_micros(policy_budget.usd)
-                                                  if policy_budget.usd is not None else None,
-                                                  qos=admitted_qos or route.qos)
-            budget = _min_budget(client_budget, route.budget)
-            # Last: a shared ledger may refuse (its store unreachable, EBUDGET; atp.router.cluster).
-            self.ledger.open(stream_account(tenant, ev.stream_id), Allowance.from_budget(budget),
-                             parent=self.client_account(tenant))
-        except ATPError as e:
-            self.metrics.errors.labels(str(e.code)).inc()
-            if e.code is ErrorCode.ESEC:
-                self.audit_event("esec", identity, {"session_id": sess.session_id, "stream_id": ev.stream_id,
-                                                    "reason": e.reason})
-            rst = sess.reset(ev.stream_id, e.code, e.reason)
-            if e.retry_after_ms is not None and rst.payload is not None and isinstance(rst.payload.content, dict):
-                # A quota or rate refusal says when to try again (spec §10 retry_after_ms).
-                rst = msgspec.structs.replace(rst, payload=msgspec.structs.replace(
-                    rst.payload, content={**rst.payload.content, "retry_after_ms": e.retry_after_ms}))
-            direct.append(rst)
-            self.streams.refused(tenant, sess.session_id, ev.stream_id)
-            if self.tracing is not None:
-                self.tracing.refused(tenant, sess.session_id, ev.stream_id, meta, e.code, e.reason)
-            return
+        """A SYN the session accepted (``ev``: :class:`~atp.wire.session.StreamOpened`)
+        goes through :attr:`syn_stages` (:mod:`atp.router.opening`); refused, it
+        is reset with the stage's code (:meth:`_refuse_syn`), else opened
+        (:meth:`_open`)."""
+        content = ev.payload.content if ev.payload is not None and ev.payload.type is PayloadType.TASK else None
+        o = OpenCtx(identity, sess.session_id, ev.stream_id, dict(ev.meta), content, ev.qos, ev.window,
+                    trio.current_time())
+        refused = run_stages(self.syn_stages, o)
+        if refused is not None:
+            self._refuse_syn(sess, o, refused, direct)
+        else:
+            self._open(sess, ev, o, ttl)
+
+    def _refuse_syn(self, sess: S.Session, o: OpenCtx, refused: Refuse, direct: list[Frame]) -> None:
+        """Reset a refused SYN's stream (spec §10): counted, an ``ESEC`` audited,
+        the RST's ERROR carrying ``retry_after_ms`` when the stage gave one."""
+        self.metrics.errors.labels(str(refused.code)).inc()
+        if refused.code is ErrorCode.ESEC:
+            self.audit_event("esec", o.identity, {"session_id": sess.session_id, "stream_id": o.stream_id,
+                                                  "reason": refused.reason})
+        rst = sess.reset(o.stream_id, refused.code, refused.reason)
+        if refused.retry_after_ms is not None and rst.payload is not None and isinstance(rst.payload.content, dict):
+            # A quota or rate refusal says when to try again (spec §10 retry_after_ms).
+            rst = msgspec.structs.replace(rst, payload=msgspec.structs.replace(
+                rst.payload, content={**rst.payload.content, "retry_after_ms": refused.retry_after_ms}))
+        direct.append(rst)
+        self.streams.refused(o.tenant, sess.session_id, o.stream_id)
+        if self.tracing is not None:
+            self.tracing.refused(o.tenant, sess.session_id, o.stream_id, o.meta, refused.code, refused.reason)
+
+    def _open(self, sess: S.Session, ev: Any, o: OpenCtx, ttl: int) -> None:
+        """Open the stream every stage let through: its context on the routed
+        generation (held), in the table, SYN+ACK with the route (and trace),
+        audited, its task started when the SYN carried one."""
+        route, gen, budget = o.route, o.gen, o.budget
+        assert route is not None and gen is not None and budget is not None
         window = _min_window(ev.window, route.window or DEFAULT_WINDOW)
-        qos = admitted_qos if admitted_qos is not None else (route.qos or QoS.SILVER)
-        ctx = StreamCtx(self.streams, sess, ev.stream_id, identity, meta, qos, window, budget, route,
-                        trio.current_time(), gen=gen, ttl=ttl, account=stream_account(tenant, ev.stream_id),
-                        idempotency_key=ev.idempotency_key)
-        ctx.decision = decision
+        qos = o.admitted_qos if o.admitted_qos is not None else (route.qos or QoS.SILVER)
+        ctx = StreamCtx(self.streams, sess, ev.stream_id, o.identity, o.meta, qos, window, budget, route,
+                        o.now, gen=gen, ttl=ttl, account=o.account, idempotency_key=ev.idempotency_key)
+        ctx.decision = o.decision
         self.control.hold(ctx)
         self.streams.insert(ctx)
         self.metrics.streams_opened.labels(str(qos)).inc()
@@ -813,11 +805,11 @@ class Router:
         if self.tracing is not None:
             synack.meta["trace"] = self.tracing.stream_opened(ctx)
         ctx.push(synack)
-        self.audit_event("session_open", identity, {
+        self.audit_event("session_open", o.identity, {
             "session_id": sess.session_id, "stream_id": ev.stream_id, "policy": route.policy,
             "next_hops": [h.agent for h in route.next_hops], "qos": str(qos),
             "budget": msgspec.to_builtins(budget)})
-        if content is not None:
+        if o.content is not None:
             self._on_message(ctx, ev.payload)
 
     def _on_message(self, ctx: StreamCtx, payload: Payload) -> None:
@@ -835,7 +827,7 @@ class Router:
                 ctx.reset(ErrorCode.EPROTO, f"fragmented task body is not JSON: {e}")
                 return
         try:
-            _check_task(content)
+            check_task(content)
         except LocalProtocolError as e:
             ctx.reset(e.code, e.reason)
             return
@@ -854,7 +846,7 @@ class Router:
         the policy's budget on each axis; a limit below what the stream already
         spent and holds is clamped to it (no further call is admitted)."""
         if isinstance(control, BudgetUpdate):
-            b = _min_budget(control.budget, ctx.route.budget)
+            b = min_budget(control.budget, ctx.route.budget)
             self.ledger.set_limit(ctx.account, Allowance.from_budget(b), clamp=True)
             ctx.budget = b
             self.audit_event("window_change", ctx.identity, {
@@ -1225,22 +1217,6 @@ def build_authenticator(config: RouterConfig) -> Authenticator:
                          required=config.auth_file is not None)
 
 
-def _check_task(content: Any) -> None:
-    """The task body fields the router itself reads (``diff`` for ``diff_loc``,
-    ``files`` for consensus evidence) must have their documented shapes:
-    ``{"diff": str, "files": {path: text}}``. Raises LocalProtocolError(EPROTO)."""
-    if not isinstance(content, dict):
-        raise LocalProtocolError(ErrorCode.EPROTO, "task content must be an object")
-    diff = content.get("diff")
-    if diff is not None and not isinstance(diff, str):
-        raise LocalProtocolError(ErrorCode.EPROTO, "task content.diff must be a string (a unified diff)")
-    files = content.get("files")
-    if files is not None and not (
-        isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
-    ):
-        raise LocalProtocolError(ErrorCode.EPROTO, "task content.files must map paths to file text")
-
-
 def _kind(frame: Frame) -> str:
     for f in (Flag.SYN, Flag.RST, Flag.FIN, Flag.HB, Flag.CTRL, Flag.ACK):
         if f in frame.flags:
@@ -1267,24 +1243,3 @@ def _min_window(a: Window | None, b: Window) -> Window:
         max_tokens=min(a.max_tokens, b.max_tokens),
         max_usd_micros=min(a.max_usd_micros, b.max_usd_micros),
     )
-
-
-def _client_budget(meta: dict[str, Any]) -> Budget | None:
-    b = meta.get("budget")
-    if b is None:
-        return None
-    try:
-        return msgspec.convert(b, Budget)
-    except msgspec.ValidationError as e:
-        raise LocalProtocolError(ErrorCode.EPROTO, f"meta.budget: {e}") from None
-
-
-def _min_budget(client: Budget | None, policy: Any) -> Budget:
-    """The tighter of the client's and the policy's budget on each axis."""
-    pu = getattr(policy, "usd", None) if policy is not None else None
-    pt = getattr(policy, "tokens", None) if policy is not None else None
-    cu = client.usd if client is not None else None
-    ct = client.tokens if client is not None else None
-    usd = min((x for x in (pu, cu) if x is not None), default=None)
-    tokens = min((x for x in (pt, ct) if x is not None), default=None)
-    return Budget(usd=usd, tokens=tokens)
