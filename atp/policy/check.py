@@ -1,5 +1,7 @@
 """``atp-router policy check PATH [--json]``: validate a RIB and print the FIB it
-compiles to (spec §6, §22), before a reload or in CI.
+compiles to (spec §6, §22), before a reload or in CI. ``--stages`` prints the
+router's SYN pipeline, one stage a line (``N. name  what it checks``,
+:mod:`atp.router.opening`), after the FIB when a PATH is given too.
 
 Exit status 0 with the compiled FIB on standard output; 1 with every fault, one
 per line as ``file:line: key: reason``, on standard error; 2 on a usage error.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -31,7 +34,7 @@ from atp.policy.fib import Fib, compile_fib
 from atp.policy.loader import load_rib
 from atp.wire.errors import PolicyError
 
-__all__ = ["check_main", "fib_summary", "render_fib"]
+__all__ = ["check_main", "fib_summary", "render_fib", "render_stages"]
 
 
 def _fmt(value: Any) -> str:
@@ -138,14 +141,32 @@ def _check_local_next_hops(rib: Any, source: str) -> None:
         raise faults[0]
 
 
-def check_main(argv: list[str]) -> int:
+def render_stages(stages: list[tuple[str, str]]) -> str:
+    """The SYN pipeline as text: ``N. name  doc`` a line, in order."""
+    width = max((len(name) for name, _ in stages), default=0)
+    return "".join(f"{i}. {name:<{width}}  {doc}\n" for i, (name, doc) in enumerate(stages, 1))
+
+
+def check_main(argv: list[str], *, stages: Callable[[], list[tuple[str, str]]] | None = None) -> int:
+    """``stages()``: the router's SYN stages as ``(name, doc)`` (the caller's:
+    this package imports nothing of the router); None: no ``--stages``."""
     from atp.router.helpfmt import DefaultsHelpFormatter
 
     ap = argparse.ArgumentParser(prog="atp-router policy check", formatter_class=DefaultsHelpFormatter,
                                  description="Validate a RIB (file or directory) and print its compiled FIB.")
-    ap.add_argument("path", help="a RIB YAML file or a directory of *.yaml")
+    ap.add_argument("path", nargs="?", help="a RIB YAML file or a directory of *.yaml (optional with --stages)")
     ap.add_argument("--json", action="store_true", help="print the compiled FIB as JSON")
+    if stages is not None:
+        ap.add_argument("--stages", action="store_true",
+                        help="print the router's SYN pipeline: each stage's name and what it checks, in order")
     args = ap.parse_args(argv)
+    show_stages = getattr(args, "stages", False)
+    if args.path is None:
+        if not show_stages:
+            ap.error("the following arguments are required: path")
+        assert stages is not None
+        sys.stdout.write(render_stages(stages()))
+        return 0
     try:
         rib = load_rib(args.path)
         fib = compile_fib(rib, version=1)
@@ -159,12 +180,15 @@ def check_main(argv: list[str]) -> int:
         print(json.dumps(fib_summary(fib), indent=2, sort_keys=False))
     else:
         sys.stdout.write(render_fib(fib))
+    if show_stages:
+        assert stages is not None
+        sys.stdout.write("\nSYN stages:\n" + render_stages(stages()))
     return 0
 
 
-def policy_main(argv: list[str]) -> int:
-    """``atp-router policy <subcommand>``."""
+def policy_main(argv: list[str], *, stages: Callable[[], list[tuple[str, str]]] | None = None) -> int:
+    """``atp-router policy <subcommand>``; ``stages`` as in :func:`check_main`."""
     if not argv or argv[0] != "check":
-        print("usage: atp-router policy check PATH [--json]", file=sys.stderr)
+        print("usage: atp-router policy check PATH [--json] [--stages]", file=sys.stderr)
         return 2
-    return check_main(argv[1:])
+    return check_main(argv[1:], stages=stages)

@@ -195,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
     d = RouterConfig(policies=Path("policies"))
     ap = argparse.ArgumentParser(prog="atp-router", description="ATP router appliance (Agent Transport Protocol v0.1)",
                                  formatter_class=DefaultsHelpFormatter,
-                                 epilog="subcommands: 'atp-router keys new', 'atp-router policy check PATH', "
+                                 epilog="subcommands: 'atp-router keys new', 'atp-router policy check PATH|--stages', "
                                         "'atp-router audit …', 'atp-router eval --tasks FILE [--policies RIB …] "
                                         "[--url URL]', 'atp-router model-server [--port N]' (each with --help)")
     ap.add_argument("--policies", type=Path, default=Path("policies"), help="RIB file or directory of *.yaml")
@@ -491,8 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         return eval_main(argv[1:])
     if argv and argv[0] == "policy":
         from atp.policy.check import policy_main
+        from atp.router.opening import DEFAULT_STAGES, describe
 
-        return policy_main(argv[1:])
+        return policy_main(argv[1:], stages=lambda: describe(DEFAULT_STAGES))
     if argv and argv[0] == "audit":
         from atp.security.audit import audit_main
 

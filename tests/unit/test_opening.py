@@ -4,11 +4,13 @@ the cases it lets through with what it decides, the cases it refuses with their
 spec §10 code, reason and retry hint. Stages are built from a real router's parts
 (stream table, admission, learning, control plane, ledger); none reads a clock —
 ``now`` is the OpenCtx's. Then the pipeline (first refusal stops it, order as
-shipped) and a stage given through ``Router(syn_stages=…)`` running in its place
-in a real router."""
+shipped), a stage given through ``Router(syn_stages=…)`` running in its place in
+a real router, and ``atp-router policy check --stages``."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -44,6 +46,7 @@ from atp.security.identity import ANONYMOUS, Identity, Role
 from atp.wire.errors import ATPError, ErrorCode
 from atp.wire.frame import Budget, QoS
 from tests.conftest import MECHANICS_RIB, ROOT
+from tests.helpers import ROUTER
 from tests.unit.test_context import EXAMPLE
 from tests.unit.test_router_dispatch import CLEAN
 
@@ -358,3 +361,25 @@ async def test_a_stage_given_to_the_router_runs_in_its_place(tmp_path):
     finally:
         default.close_state()
     await trio.lowlevel.checkpoint()
+
+
+# ------------------------------------------------------------------ atp-router policy check --stages
+def test_policy_check_stages_prints_each_stage_and_what_it_checks():
+    out = subprocess.run([ROUTER, "policy", "check", "--stages"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    lines = out.splitlines()
+    assert [line.split()[1] for line in lines] == [s.name for s in DEFAULT_STAGES]
+    for i, (line, (name, doc)) in enumerate(zip(lines, describe(DEFAULT_STAGES), strict=True), 1):
+        assert line.startswith(f"{i}. {name}") and line.endswith(doc)
+    assert lines[4].startswith("5. tenant_admission  Spec §11 AuthZ: role, task types, data categories (ESEC)")
+    # With a RIB: its FIB first, as without --stages, then the stages.
+    both = subprocess.run([ROUTER, "policy", "check", str(MECHANICS_RIB), "--stages"], capture_output=True,
+                          text=True, timeout=60, check=True).stdout
+    fib = subprocess.run([ROUTER, "policy", "check", str(MECHANICS_RIB)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert both == fib + "\nSYN stages:\n" + out
+    # Neither a RIB nor --stages: a usage error, as before.
+    none = subprocess.run([ROUTER, "policy", "check"], capture_output=True, text=True, timeout=60, check=False)
+    assert none.returncode == 2 and "required: path" in none.stderr
+    json.loads(subprocess.run([ROUTER, "policy", "check", "--json", str(MECHANICS_RIB)], capture_output=True,
+                              text=True, timeout=60, check=True).stdout)
