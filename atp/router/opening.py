@@ -64,8 +64,8 @@ from atp.wire.frame import Budget, QoS, Window
 
 if TYPE_CHECKING:
     from atp.flow.budget import BudgetLedger
-    from atp.policy.bandit import Decision
     from atp.policy.fib import Route
+    from atp.policy.learn import Decision
     from atp.policy.rib import ClientSpec
     from atp.router.control import ControlPlane, Generation
     from atp.router.learning import Learning
@@ -80,10 +80,10 @@ __all__ = [
     "ClientBudget",
     "ContextScope",
     "Continue",
+    "FibLookup",
     "OpenCtx",
     "OpenParts",
     "Refuse",
-    "Route",
     "Stage",
     "StageType",
     "StreamSlot",
@@ -178,8 +178,8 @@ class Stage(Protocol):
 class StageType(Protocol):
     """A stage's class: its ``name``, its docstring, and ``of(parts)`` building it."""
 
-    name: ClassVar[str]
-    __doc__: str | None
+    @property
+    def name(self) -> str: ...
 
     def of(self, parts: OpenParts, /) -> Stage: ...
 
@@ -300,7 +300,7 @@ class TenantAdmission:
         return CONTINUE
 
 
-class Route:
+class FibLookup:
     """The running RIB generation's FIB lookup with live next-hop health (EAGENTDOWN: no route)."""
 
     name: ClassVar[str] = "route"
@@ -312,7 +312,7 @@ class Route:
         self.control = control
 
     @classmethod
-    def of(cls, parts: OpenParts) -> Route:
+    def of(cls, parts: OpenParts) -> FibLookup:
         return cls(parts.generation, parts.learning, parts.control)
 
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
@@ -379,7 +379,7 @@ class BudgetOpen:
 
 #: The router's SYN pipeline, in order (module docstring).
 DEFAULT_STAGES: Final[tuple[StageType, ...]] = (
-    ContextScope, TaskShape, StreamSlot, ClientBudget, TenantAdmission, Route, Bandit, BudgetOpen)
+    ContextScope, TaskShape, StreamSlot, ClientBudget, TenantAdmission, FibLookup, Bandit, BudgetOpen)
 
 
 # ------------------------------------------------------------------ the pipeline

@@ -29,10 +29,10 @@ from atp.router.opening import (
     ClientBudget,
     ContextScope,
     Continue,
+    FibLookup,
     OpenCtx,
     OpenParts,
     Refuse,
-    Route,
     StreamSlot,
     TaskShape,
     TenantAdmission,
@@ -216,25 +216,25 @@ def test_tenant_admission_rate_uses_the_ctx_clock_not_its_own():
 # ------------------------------------------------------------------ route, bandit
 def test_route_looks_up_the_running_generation(router):
     o = syn()
-    assert Route.of(router.open_parts)(o) is CONTINUE
+    assert FibLookup.of(router.open_parts)(o) is CONTINUE
     assert o.gen is router.gen and o.route is not None and o.route.policy
     assert [h.agent for h in o.route.next_hops]
 
 
 def test_route_refuses_a_task_no_policy_matches_with_eagentdown(router):
     o = syn({"task_type": "poetry"})
-    assert refused(Route.of(router.open_parts)(o)) == (ErrorCode.EAGENTDOWN, "no route for task_type='poetry'", None)
+    assert refused(FibLookup.of(router.open_parts)(o)) == (ErrorCode.EAGENTDOWN, "no route for task_type='poetry'", None)
     assert o.route is None
 
 
 def test_bandit_leaves_a_route_without_bandit_and_decides_one_with(router, learning_router):
     o = syn()
-    Route.of(router.open_parts)(o)
+    FibLookup.of(router.open_parts)(o)
     before = o.route
     assert Bandit.of(router.open_parts)(o) is CONTINUE
     assert o.route == before and o.decision is None
     o = syn(content=CLEAN)
-    Route.of(learning_router.open_parts)(o)
+    FibLookup.of(learning_router.open_parts)(o)
     assert Bandit.of(learning_router.open_parts)(o) is CONTINUE
     assert o.route.policy == "review" and o.decision is not None
     assert len(o.decision.order[: o.decision.k]) == 1  # fanout_k: 1 picks one cheap next-hop
@@ -243,7 +243,7 @@ def test_bandit_leaves_a_route_without_bandit_and_decides_one_with(router, learn
 # ------------------------------------------------------------------ budget_open
 def test_budget_open_opens_the_stream_account_at_the_tighter_budget(router):
     o = syn(client_budget=Budget(usd=0.01))
-    Route.of(router.open_parts)(o)
+    FibLookup.of(router.open_parts)(o)
     assert BudgetOpen.of(router.open_parts)(o) is CONTINUE
     assert o.budget.usd == 0.01
     assert router.ledger.has(o.account) and o.account == "stream:acme:s1"
@@ -258,7 +258,7 @@ class DownLedger(BudgetLedger):
 
 def test_budget_open_refusal_of_a_shared_ledger_keeps_its_retry_hint(router):
     o = syn()
-    Route.of(router.open_parts)(o)
+    FibLookup.of(router.open_parts)(o)
     stage = BudgetOpen(DownLedger(), router.client_account)
     assert refused(stage(o)) == (ErrorCode.EBUDGET, "budget store unavailable: down; retry", 250)
 
