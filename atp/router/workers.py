@@ -268,12 +268,12 @@ class WorkerRouter(SharedRib, Router):
     :class:`~atp.flow.budget.SharedBudgetLedger`, the audit chain shared, its
     streams stored with its owner name, RIB versions from the store and a
     follower adopting the RIB other workers load (:class:`SharedRib`; module
-    docstring)."""
+    docstring). ``kw`` as for :class:`Router` (``syn_stages``)."""
 
-    def __init__(self, config: RouterConfig, spec: WorkerSpec) -> None:
+    def __init__(self, config: RouterConfig, spec: WorkerSpec, **kw: Any) -> None:
         self.worker = spec
         self.owner = spec.owner
-        super().__init__(config)
+        super().__init__(config, **kw)
         self.streams.owner = self.owner
 
     def _lock_state(self) -> Any:
