@@ -9,11 +9,17 @@
 :mod:`atp.router.streams`          stream table keyed by (tenant, session_id,
                                    stream_id): lifecycle, idempotency, resumption,
                                    retention, grace and idle expiry
+:mod:`atp.router.opening`          the SYN pipeline: a list of named stages
+                                   (context scope, task shape, stream slot,
+                                   client budget, tenant admission, route,
+                                   bandit, budget open), each continuing or
+                                   refusing; ``Router(syn_stages=...)``
 this module                        identity (:meth:`Router.authenticate`, one call
                                    for every ingress), authorization
                                    (:meth:`Router.authorize`), and the data plane:
-                                   frames in (:meth:`Router.receive_frame`), SYN
-                                   handling, task running
+                                   frames in (:meth:`Router.receive_frame`), a SYN
+                                   through the stages then opened or reset, task
+                                   running
 =================================  ==============================================
 
 Ingresses — the WebSocket server (:mod:`atp.router.ws`), the HTTP control API
