@@ -154,12 +154,18 @@ async def test_syn_ack_confirms_the_qos_class(target):
         assert (await c.recv()).get("qos", "silver") == "silver"
 
 
+#: The ``long`` next-hop's call (policies/conformance.yaml: 4 chunks 1 s apart), s.
+LONG_CALL_S = 4.0
+
+
 async def test_gold_preempts_a_bronze_flood_and_silver_is_not_starved(target):
     """§9 gold "reserved windows; preempt bronze", bronze "may be dropped during
     congestion", §9 Preemption "RST to bronze streams with code=EPREEMPT when SLAs
     threaten gold", silver WFQ (starvation-free), §5.3 "Bronze preemption under
     pressure; gold has reserved minima": with the target's call slots full of
-    bronze calls of 2 s, gold tasks finish well before any bronze call could end,
+    bronze calls of LONG_CALL_S, gold tasks (0.8 s of next-hop work) finish well
+    before any bronze call could end — a bound relative to the bronze call, with
+    room for a loaded machine (issue 20) —
     at least one bronze stream is reset with EPREEMPT, and a silver task completes."""
     p = target.profile
     outcomes: dict[str, list] = {"bronze": [], "gold": [], "silver": []}
@@ -185,7 +191,7 @@ async def test_gold_preempts_a_bronze_flood_and_silver_is_not_starved(target):
 
     for took, frames in outcomes["gold"]:
         assert sum(is_final(f) for f in frames) == 1, frames[-1]
-        assert took < 1.6, f"gold took {took:.2f} s behind bronze calls of 2 s"
+        assert took < 0.8 * LONG_CALL_S, f"gold took {took:.2f} s behind bronze calls of {LONG_CALL_S:g} s"
     preempted = [fr for _, fr in outcomes["bronze"] if "RST" in flags(fr[-1]) and error_of(fr[-1])["code"] == "EPREEMPT"]
     assert preempted, "no bronze stream was preempted"
     (took, frames), = outcomes["silver"]

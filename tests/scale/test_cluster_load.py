@@ -146,7 +146,9 @@ class LoadCluster:
             "--store", redis.url, "--policies", self.policies, "--state-dir", directory / f"s{i}",
             "--http-port", "0", "--ws-port", "0", "--no-watch", "--lease-ms", str(LEASE_MS),
             "--slots", "5000", "--log-level", "WARNING", env=_ENV) for i in range(ROUTERS)]
-        self.store = RedisStore.open(redis.url)
+        # The test's own reader: it checks the ledger, not fast fail, so a loaded machine's slow
+        # answer to load_ledger (2,000 reservations) is waited for, not a 0.5 s timeout.
+        self.store = RedisStore.open(redis.url, socket_timeout_s=10.0, connect_timeout_s=10.0)
         self.gate = Gate(ANSWER_RATE)
 
     def totals(self) -> AccountTotals:
@@ -218,6 +220,17 @@ class Load:
         #: The router (index) whose 201 opened each stream id; streams ended.
         self.opened_on: dict[str, int] = {}
         self.ended = 0
+        #: Opens that moved to the next router because theirs could not be reached (a
+        #: kill -9; or, on a loaded machine, a connection its backlog dropped).
+        self.moved = 0
+
+    def spread_round_robin(self) -> None:
+        """The streams opened on router ``i % ROUTERS``, but for the moves recorded:
+        each moved open takes one stream from a router and gives it to another."""
+        on = Counter(self.opened_on.values())
+        want = {r: len(range(r, STREAMS, ROUTERS)) for r in range(ROUTERS)}
+        off = sum(abs(on[r] - want[r]) for r in range(ROUTERS))
+        assert len(self.opened_on) == STREAMS and off <= 2 * self.moved, (on, self.moved)
 
     async def aclose(self) -> None:
         for h in self.http:
@@ -260,6 +273,7 @@ class Load:
                     data = await ev.aread()
             except httpx.TransportError:
                 # Its router is gone (kill -9): re-open it by key on another (spread over them).
+                self.moved += 1
                 r = (r + 1 + i // ROUTERS % (ROUTERS - 1)) % ROUTERS
                 await trio.sleep(0.2)
                 continue
@@ -326,7 +340,7 @@ async def test_1000_concurrent_streams_on_3_routers_spend_the_budget_exactly(clu
                 held = cluster.totals()
                 assert 0 < held.reserved_tokens <= LIMIT_TOKENS and held.committed_tokens == 0, held
                 assert len(load.opened_on) == STREAMS and load.ended == 0  # 1,000 streams in flight at once
-                assert Counter(load.opened_on.values()) == {r: len(range(r, STREAMS, ROUTERS)) for r in range(ROUTERS)}
+                load.spread_round_robin()
                 cluster.gate.set()
     finally:
         await load.aclose()
@@ -348,7 +362,8 @@ async def test_kill9_of_a_router_mid_run_releases_its_reservations_and_its_strea
                 await cluster.admitted(2 * STREAMS, load, opened=STREAMS)
                 before = cluster.totals()
                 lost = {sid for sid, r in load.opened_on.items() if r == 0}
-                assert len(load.opened_on) == STREAMS and len(lost) == len(range(0, STREAMS, ROUTERS))
+                load.spread_round_robin()
+                assert lost
 
                 dead.kill9()
                 killed_at = len(cluster.ok.requests)
