@@ -96,8 +96,8 @@ from atp.mqtt.client import (
     parse_broker_url,
     tls_context,
 )
+from atp.observability import tracing
 from atp.policy.rib import AgentSpec
-from atp.router import tracing
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 

@@ -93,6 +93,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from atp.observability.metrics import CONTENT_TYPE_LATEST
+from atp.observability.tracing import TraceContextMiddleware
 from atp.review.diff import count_changed_lines
 from atp.router.a2a_server import a2a_routes
 from atp.router.bodies import (
@@ -105,9 +107,7 @@ from atp.router.bodies import (
 )
 from atp.router.core import Router
 from atp.router.fibview import FibView
-from atp.router.metrics import CONTENT_TYPE_LATEST
 from atp.router.status import status_routes
-from atp.router.tracing import TraceContextMiddleware
 from atp.router.learning import FeedbackRefused
 from atp.security.identity import Identity
 from atp.wire.codec import FrameCodec

@@ -53,13 +53,13 @@ never from the command line, so they stay out of ``ps``. TLS 1.3 on both
 ingresses with ``--tls-cert/--tls-key``; plain HTTP/WS only on a loopback host or
 with ``--plaintext``.
 
-Logs (:mod:`atp.router.logs`) go to stderr, every line — the router's and its
+Logs (:mod:`atp.observability.logs`) go to stderr, every line — the router's and its
 libraries' — through one scrubber (Agent Context secrets and what detect-secrets
 recognises are masked) and one format: ``--log-format json`` (one JSON object a
 line: ``timestamp``, ``level``, ``logger``, ``event``, extra fields, ``trace_id``
 / ``span_id`` inside a traced stream) or ``console`` (human, aligned); the
 default is ``console`` when stderr is a terminal, else ``json``. Traces
-(:mod:`atp.router.tracing`, spec §12) are exported over OTLP/HTTP only when the
+(:mod:`atp.observability.tracing`, spec §12) are exported over OTLP/HTTP only when the
 standard ``OTEL_*`` variables configure an exporter (``OTEL_EXPORTER_OTLP_ENDPOINT``,
 ``OTEL_TRACES_EXPORTER``, ``OTEL_SERVICE_NAME``, ``OTEL_SDK_DISABLED``, …); off
 otherwise, at no cost.
@@ -116,8 +116,8 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
 from atp.adapters.context import install_log_redaction
-from atp.router import logs, tracing
 from atp.flow.breaker import RetryPolicy
+from atp.observability import logs, tracing
 from atp.router.api import build_app
 from atp.router.core import Router, RouterConfig, build_authenticator
 from atp.router.helpfmt import DefaultsHelpFormatter
@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
 
         spec = WorkerSpec.from_json(args.worker_spec)
     try:
-        logs.configure(level=args.log_level, fmt=args.log_format,
+        logs.configure(redaction=install_log_redaction, level=args.log_level, fmt=args.log_format,
                        fields={"worker": spec.slot} if spec is not None else None)
         tracing.configure_from_env()  # an SDK TracerProvider only when OTEL_* configure an exporter
     except ValueError as e:  # a bad --log-level, or OTEL_* naming what cannot be exported

@@ -80,6 +80,8 @@ from atp.flow.budget import Allowance, BudgetLedger, usd_to_micros
 from atp.flow.qos import Preempt, QosScheduler
 from atp.flow.window import Window as FlowWindow
 from atp.flow.window import WindowTable
+from atp.observability.metrics import RouterMetrics
+from atp.observability.tracing import RouterTracing
 from atp.policy.fib import data_scope_labels
 from atp.policy.rib import ClientSpec, RateSpec
 from atp.review.diff import count_changed_lines
@@ -89,9 +91,7 @@ from atp.router.cache import ResponseCache, annotate
 from atp.router.control import BODY_SOURCE, ControlPlane, Generation
 from atp.router.dispatch import FlowGates, LegOutcome, SlotGate, TaskPlan
 from atp.router.learning import Learning
-from atp.router.metrics import RouterMetrics
 from atp.router.streams import DEFAULT_RETAIN_CLOSED_BYTES, StreamCtx, StreamTable, stream_account
-from atp.router.tracing import RouterTracing
 from atp.security.authn import Authenticator, EnvToken, load_auth_config, parse_tokens_env
 from atp.security.authz import Action, Forbidden, Refuse, StreamAdmission, authorize, clamp_qos
 from atp.security.identity import Identity, Role
@@ -379,7 +379,7 @@ class Router:
             rng=rng,
         )
         #: Spans of sessions, streams, legs and consensus (spec §12); None: tracing
-        #: is off (no OTEL_* exporter configured, atp.router.tracing) and costs nothing.
+        #: is off (no OTEL_* exporter configured, atp.observability.tracing) and costs nothing.
         self.tracing = RouterTracing.for_router(agent_windows=self.gates.agent_windows)
         self.control = ControlPlane(config.policies, ledger=self.ledger, gates=self.gates, metrics=self.metrics,
                                     on_leg=self._on_leg, secrets=config.policy_secrets)
