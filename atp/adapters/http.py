@@ -43,10 +43,11 @@ import httpx
 import httpx_sse
 import trio
 
-from atp.adapters.base import CallStats, Health, ProviderAdapter, estimate_tokens
+from atp.adapters.base import CallStats, ProviderAdapter, estimate_tokens
 from atp.adapters.context import scrub_error
 from atp.consensus.types import Usage
 from atp.observability import tracing
+from atp.policy.health import Health
 from atp.wire.errors import AgentError, ErrorCode
 
 __all__ = [

@@ -83,7 +83,7 @@ from typing import Any
 import msgspec
 import trio
 
-from atp.adapters.base import CallStats, Fragment, Health, Prompt, ProviderAdapter
+from atp.adapters.base import CallStats, Fragment, Prompt, ProviderAdapter
 from atp.adapters.context import META_KEY, scrub_error, secret_values
 from atp.adapters.http import secret_value
 from atp.adapters.openai_compat import parse_review
@@ -97,6 +97,7 @@ from atp.mqtt.client import (
     tls_context,
 )
 from atp.observability import tracing
+from atp.policy.health import Health
 from atp.policy.rib import AgentSpec
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType

@@ -60,7 +60,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-from atp.adapters.base import Health
+from atp.policy.health import Health
 from atp.policy.learn import MIN_OBS, LiveView
 from atp.policy.match import CompiledMatch, compile_match
 from atp.policy.rib import (
@@ -293,7 +293,7 @@ class Fib:
                live: Mapping[str, LiveView] | None = None) -> Route:
         """Route a task by its frame ``meta`` (spec §6.2).
 
-        ``health`` maps agent names to live :class:`~atp.adapters.base.Health`;
+        ``health`` maps agent names to live :class:`~atp.policy.health.Health`;
         agents absent from it count as healthy with their RIB figures.
         ``live`` is :meth:`LiveMetrics.view() <atp.policy.learn.LiveMetrics.view>`
         (keys ``agent`` and ``policy|agent``): the router's own observations.

@@ -100,10 +100,11 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 import trio
 
-from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
+from atp.adapters.base import Fragment, Prompt, ProviderAdapter
 from atp.adapters.openai_compat import CallStats
 from atp.adapters.tools.sandbox import Sandbox, SandboxUnavailable
 from atp.consensus.types import AgentFinding, AgentReport, Usage
+from atp.policy.health import Health
 from atp.review.diff import changed_lines_of
 from atp.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
