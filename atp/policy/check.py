@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from atp.cliutil.helpfmt import DefaultsHelpFormatter
 from atp.policy.fib import Fib, compile_fib
 from atp.policy.loader import load_rib
 from atp.wire.errors import PolicyError
@@ -139,8 +140,6 @@ def _check_local_next_hops(rib: Any, source: str) -> None:
 
 
 def check_main(argv: list[str]) -> int:
-    from atp.router.helpfmt import DefaultsHelpFormatter
-
     ap = argparse.ArgumentParser(prog="atp-router policy check", formatter_class=DefaultsHelpFormatter,
                                  description="Validate a RIB (file or directory) and print its compiled FIB.")
     ap.add_argument("path", help="a RIB YAML file or a directory of *.yaml")

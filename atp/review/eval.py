@@ -69,6 +69,7 @@ import msgspec
 import trio
 
 import atp
+from atp.cliutil.helpfmt import DefaultsHelpFormatter
 from atp.consensus.types import FinalResult
 from atp.review.diff import parse_diff
 
@@ -804,8 +805,6 @@ def default_variants() -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     """``atp-router eval``: exit 0 when every task produced a FINAL, 1 when some
     did not (they are listed), 2 on bad arguments or a refused RIB."""
-    from atp.router.helpfmt import DefaultsHelpFormatter
-
     ap = argparse.ArgumentParser(
         prog="atp-router eval", formatter_class=DefaultsHelpFormatter,
         description="Run labelled code-review tasks through a router as a client would and score them "

@@ -116,11 +116,11 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
 from atp.adapters.context import install_log_redaction
+from atp.cliutil.helpfmt import DefaultsHelpFormatter
 from atp.flow.breaker import RetryPolicy
 from atp.observability import logs, tracing
 from atp.router.api import build_app
 from atp.router.core import Router, RouterConfig, build_authenticator
-from atp.router.helpfmt import DefaultsHelpFormatter
 from atp.router.ws import serve_ws
 from atp.security.audit import AuditOptions
 from atp.security.authn import new_api_key

@@ -92,6 +92,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from atp.cliutil.helpfmt import DefaultsHelpFormatter
 from atp.store.audit_records import GENESIS, AuditCheckpoint, AuditRecord
 from atp.store.base import Store, StoreError
 from atp.store.sqlite import SqliteStore
@@ -858,8 +859,6 @@ def audit_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
     ``--json``). ``keygen PATH`` writes a new key file (0600; never over an
     existing one) for ``--audit-key-file``. Exit 2: no state, no key, an
     unreadable anchor, both ``ATP_AUDIT_KEY`` and ``--key-file``."""
-    from atp.router.helpfmt import DefaultsHelpFormatter
-
     ap = argparse.ArgumentParser(prog="atp-router audit", description="Check or print the audit log (spec §11).",
                                  formatter_class=DefaultsHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
