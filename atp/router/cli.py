@@ -116,6 +116,7 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
 from atp.adapters.context import install_log_redaction
+from atp.adapters.registry import build_adapter
 from atp.cliutil.helpfmt import DefaultsHelpFormatter
 from atp.flow.breaker import RetryPolicy
 from atp.observability import logs, tracing
@@ -492,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "policy":
         from atp.policy.check import policy_main
 
-        return policy_main(argv[1:])
+        return policy_main(argv[1:], build_adapter=build_adapter)
     if argv and argv[0] == "audit":
         from atp.security.audit import audit_main
 
