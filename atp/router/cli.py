@@ -158,6 +158,19 @@ async def run(config: RouterConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> 
                 await app.aclose()
 
 
+async def serve_private(policies: Path, state_dir: Path, *, task_status=trio.TASK_STATUS_IGNORED,
+                        **config: Any) -> None:
+    """A private router (``atp-router eval``'s, :data:`atp.review.eval.ServeRouter`):
+    the RIB at ``policies``, its state in ``state_dir``, free loopback ports and
+    ``config`` (other :class:`RouterConfig` fields). ``task_status.started``
+    receives its HTTP port; it serves until cancelled. Raises
+    :class:`PolicyError` if the RIB is refused."""
+    router_config = RouterConfig(policies=policies, http_port=0, ws_port=0, state_dir=state_dir, **config)
+    async with trio.open_nursery() as nursery:
+        _, http_port, _ = await nursery.start(run, router_config)
+        task_status.started(http_port)
+
+
 async def _serve(router: Router, app: Any, hc: HyperConfig, config: RouterConfig, task_status: Any) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(router.serve)
@@ -487,9 +500,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return model_server_main(argv[1:])
     if argv and argv[0] == "eval":
+        from atp.adapters import local_model
         from atp.review.eval import main as eval_main
 
-        return eval_main(argv[1:])
+        return eval_main(argv[1:], serve_router=serve_private, model_servers=local_model)
     if argv and argv[0] == "policy":
         from atp.policy.check import policy_main
 
