@@ -280,7 +280,7 @@ def test_the_2389_envelope_carries_the_callers_trace_context(receiver):
 
     from atp.adapters.base import Prompt
     from atp.adapters.mqtt2389 import Mqtt2389Adapter
-    from atp.agent2389 import protocol as P
+    from atp.mqtt import agent_protocol as P
 
     ad = Mqtt2389Adapter("a", host="h", port=1, agent_id="rev")
     prompt = Prompt(task_type="code_review", content=CLEAN, meta={})
