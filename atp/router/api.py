@@ -109,6 +109,7 @@ from atp.router.core import Router
 from atp.router.fibview import FibView
 from atp.router.status import status_routes
 from atp.router.learning import FeedbackRefused
+from atp.router.openai_ingress import openai_routes
 from atp.security.identity import Identity
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ATPError, ErrorCode, PolicyError
@@ -508,8 +509,6 @@ def build_app(router: Router) -> Starlette:
             except ATPError:
                 return _json(Liveness(status="ok"))
         return await detailed_health(request)
-
-    from atp.router.openai_ingress import openai_routes  # imports this module
 
     # With tracing on (spec §12), a request's W3C traceparent is the parent of what it opens.
     middleware = [Middleware(TraceContextMiddleware)] if router.tracing is not None else []

@@ -115,15 +115,19 @@ import yaml
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
+from atp.adapters import local_model
 from atp.adapters.context import install_log_redaction
 from atp.adapters.registry import build_adapter
 from atp.cliutil.helpfmt import DefaultsHelpFormatter
 from atp.flow.breaker import RetryPolicy
 from atp.observability import logs, tracing
+from atp.policy.check import policy_main
 from atp.router.api import build_app
+from atp.router.cluster import ClusterRouter, is_cluster_store
 from atp.router.core import Router, RouterConfig, build_authenticator
+from atp.router.workers import WorkerSpec, supervise, worker_main
 from atp.router.ws import serve_ws
-from atp.security.audit import AuditOptions
+from atp.security.audit import AuditOptions, audit_main
 from atp.security.authn import new_api_key
 from atp.security.policy_guard import PolicySecrets
 from atp.security.tls import ServerTls, hypercorn_ssl
@@ -190,8 +194,6 @@ async def _serve(router: Router, app: Any, hc: HyperConfig, config: RouterConfig
 
 
 def _cluster_router(config: RouterConfig) -> Router:
-    from atp.router.cluster import ClusterRouter
-
     return ClusterRouter(config)
 
 
@@ -391,8 +393,6 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
         ap.error("--tls-client-ca / --require-client-cert need --tls-cert and --tls-key")
     args.store = args.store or env.get("ATP_STORE_URL") or RouterConfig.store
     if args.store != "sqlite":
-        from atp.router.cluster import is_cluster_store
-
         if not is_cluster_store(args.store):
             ap.error("--store: give sqlite or a redis://, rediss:// or unix:// URL")
         if args.workers > 1:
@@ -496,27 +496,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "keys":
         return keys_main(argv[1:])
     if argv and argv[0] == "model-server":
-        from atp.adapters.local_model import model_server_main
-
-        return model_server_main(argv[1:])
+        return local_model.model_server_main(argv[1:])
     if argv and argv[0] == "eval":
-        from atp.adapters import local_model
-        from atp.review.eval import main as eval_main
+        from atp.review.eval import main as eval_main  # it imports the SDK (atp.Client): only eval needs it
 
         return eval_main(argv[1:], serve_router=serve_private, model_servers=local_model)
     if argv and argv[0] == "policy":
-        from atp.policy.check import policy_main
-
         return policy_main(argv[1:], build_adapter=build_adapter)
     if argv and argv[0] == "audit":
-        from atp.security.audit import audit_main
-
         return audit_main(argv[1:], default_state_dir=_default_state_dir())
     args, config = _parse(argv, os.environ)
     spec = None
     if args.worker_spec is not None:
-        from atp.router.workers import WorkerSpec
-
         spec = WorkerSpec.from_json(args.worker_spec)
     try:
         logs.configure(redaction=install_log_redaction, level=args.log_level, fmt=args.log_format,
@@ -531,14 +522,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     install_log_redaction()  # Agent Context secrets never reach any log handler's output
     if spec is not None:
-        from atp.router.workers import worker_main
-
         return worker_main(config, spec)
     if not build_authenticator(config).enabled:
         logging.getLogger("atp.router").warning("no --auth file and no ATP_ROUTER_TOKENS: authentication is off")
     if args.workers > 1:
-        from atp.router.workers import supervise
-
         return supervise(config, args.workers, argv)
 
     refused: Exception | None = None

@@ -73,6 +73,7 @@ import trio
 from atp.adapters.base import Prompt
 from atp.adapters.context import with_context_scope
 from atp.adapters.http import install_secret_resolver
+from atp.adapters.tools.sandbox import forbid_paths
 from atp.consensus.types import FinalResult, SignedUsage
 from atp.flow.body_budget import BodyBudget
 from atp.flow.breaker import BreakerBoard, BreakerState, BreakerTransition, RetryPolicy
@@ -326,8 +327,6 @@ class Router:
         #: Where the durable state lives (spec §8, §11 audit; atp.store).
         self.state_dir = config.state_dir or self._tmp_state
         # No local next-hop's sandbox may mount it (atp.adapters.tools.sandbox).
-        from atp.adapters.tools.sandbox import forbid_paths
-
         forbid_paths(self.state_dir)
         self._lock = self._lock_state()
         self.store = self._open_store()
