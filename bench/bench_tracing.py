@@ -1,4 +1,4 @@
-"""What tracing costs the router (spec §12, :mod:`atp.router.tracing`): CPU per
+"""What tracing costs the router (spec §12, :mod:`atp.observability.tracing`): CPU per
 task with tracing off and on, in the same run.
 
 Run: ``python bench/bench_tracing.py [--seconds 6] [--repeats 3] [--k 16]

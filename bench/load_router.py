@@ -63,10 +63,11 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
+from atp.adapters.base import Fragment, Prompt, ProviderAdapter
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import Usage
 from atp.flow.budget import usd_to_micros
+from atp.policy.health import Health
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 

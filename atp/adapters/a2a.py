@@ -94,9 +94,9 @@ from atp.adapters.context import forwarded_context, scrub
 from atp.adapters.http import HTTPNextHop, env_secret, retry_after_ms
 from atp.adapters.openai_compat import SYSTEM_PROMPT, parse_review, render_diff
 from atp.consensus.types import AgentFinding, AgentReport, Usage
+from atp.observability import tracing
 from atp.policy.rib import AgentSpec
 from atp.review.diff import parse_diff
-from atp.router import tracing
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
@@ -742,7 +742,7 @@ class A2AAdapter(HTTPNextHop):
         :func:`~atp.adapters.context.forwarded_context`) goes in
         ``message.metadata.agent_context`` unchanged; with tracing on, the call's
         W3C trace context in ``message.metadata.traceparent`` (and ``tracestate``;
-        spec §12, :func:`atp.router.tracing.outbound`)."""
+        spec §12, :func:`atp.observability.tracing.outbound`)."""
         data = {"atp": {"task_type": prompt.task_type, "content": prompt.content}}
         message: dict[str, Any] = {"messageId": uuid.uuid4().hex, "contextId": uuid.uuid4().hex}
         if self.dialect == "1.0":

@@ -17,7 +17,7 @@ Contract for ``stream``:
 
 Also the accounting every adapter shares: :func:`estimate_tokens` (chars/4),
 :func:`usd_micros` (token prices → USD micros), :func:`usd_micros_ceil` (a USD
-price → USD micros) and :class:`CallStats` (recent calls → :class:`Health`).
+price → USD micros) and :class:`CallStats` (recent calls → :class:`~atp.policy.health.Health`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import msgspec
 from msgspec import Struct
 
 from atp.consensus.types import Usage
+from atp.policy.health import Health
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
 
@@ -59,15 +60,6 @@ class Fragment(Struct, forbid_unknown_fields=True, omit_defaults=True):
     content: Any = None
     confidence: float | None = None
     usage: Usage | None = None
-
-
-class Health(Struct, forbid_unknown_fields=True):
-    """Live health of a next-hop: p95 latency (ms) and error rate (0..1) over the
-    recent calls, and whether it is reachable right now."""
-
-    p95_ms: float = 0.0
-    error_rate: float = 0.0
-    up: bool = True
 
 
 #: Tokens are estimated as characters / 4 where no tokenizer is at hand (the

@@ -60,10 +60,12 @@ import msgspec
 from msgspec import Meta, Struct
 
 from atp.security.redact import (
+    CONTEXT_PUBLIC,
     MAX_KNOWN_SECRETS,
     MIN_SECRET_LEN,
     REDACTED,
     known_secrets,
+    redact_context_message,
     register_secrets,
     scrub,
     scrub_error,
@@ -295,15 +297,12 @@ def _leaves(value: Any) -> Iterable[str]:
         yield str(value)
 
 
-#: securityContext members that are not secrets, and their non-secret keys.
-_PUBLIC = {"accessControl": ("role", "permissions"), "dataProtection": ("encryptionEnabled", "encryptionAlgorithm")}
-
-
 def _secret_parts(sec: Mapping[str, Any]) -> Iterable[Any]:
     """Every part of a raw securityContext that may hold a secret: all of it but
-    the public members of :data:`_PUBLIC` (an unknown member counts as secret)."""
+    the public members of :data:`~atp.security.redact.CONTEXT_PUBLIC` (an unknown
+    member counts as secret)."""
     for key, value in sec.items():
-        public = _PUBLIC.get(key)
+        public = CONTEXT_PUBLIC.get(key)
         if public is None or not isinstance(value, Mapping):
             yield value
         else:
@@ -330,41 +329,14 @@ def secret_values(obj: Any) -> frozenset[str]:
 def redact_context(obj: Any) -> Any:
     """A copy of a context message (raw mapping or :class:`AgentContext`, which is
     first turned into its message) with every secret of ``securityContext``
-    replaced by :data:`REDACTED`, keys kept; fit for logs, traces and errors.
-    Anything that is not a mapping is returned as :data:`REDACTED` if it holds a
-    known secret, else unchanged."""
+    replaced by :data:`REDACTED`, keys kept
+    (:func:`atp.security.redact.redact_context_message`); fit for logs, traces
+    and errors. Anything that is not a mapping is returned unchanged."""
     if isinstance(obj, AgentContext):
         obj = {"agentContext": msgspec.to_builtins(obj, order=None)}
     if not isinstance(obj, Mapping):
         return obj
-    out = dict(obj)
-    inner = out.get("agentContext", None)
-    target = out
-    if isinstance(inner, Mapping):
-        target = out["agentContext"] = dict(inner)
-    sec = target.get("securityContext")
-    if sec is None:
-        return out
-    if not isinstance(sec, Mapping):
-        target["securityContext"] = REDACTED
-        return out
-    masked: dict[str, Any] = {}
-    for key, value in sec.items():
-        public = _PUBLIC.get(key)
-        if public is not None and isinstance(value, Mapping):
-            masked[key] = {k: (v if k in public else _mask(v)) for k, v in value.items()}
-        else:
-            masked[key] = _mask(value)
-    target["securityContext"] = masked
-    return out
-
-
-def _mask(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _mask(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_mask(v) for v in value]
-    return REDACTED
+    return redact_context_message(obj)
 
 
 # -- logs ------------------------------------------------------------------------------

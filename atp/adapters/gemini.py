@@ -56,15 +56,14 @@ from atp.adapters.http import (
     token_count,
 )
 from atp.adapters.openai_compat import ChatModelAdapter
+from atp.policy.rib import GOOGLE_KEY_ENVS
 from atp.wire.errors import AgentError, ErrorCode
 
-__all__ = ["DEFAULT_BASE_URL", "DEFAULT_RETRY", "KEY_ENVS", "GeminiAdapter"]
+__all__ = ["DEFAULT_BASE_URL", "DEFAULT_RETRY", "GeminiAdapter"]
 
 DEFAULT_BASE_URL = "https://generativelanguage.googleapis.com/v1beta"
 #: Two retries, 0.5 s then 1 s (jittered), never sooner than the server's hint, at most 8 s.
 DEFAULT_RETRY = RetryPolicy()
-#: Environment variables holding the key when ``api_key_env`` is not set, in order.
-KEY_ENVS = ("GOOGLE_API_KEY", "GEMINI_API_KEY")
 
 _DONE = frozenset({"STOP", "MAX_TOKENS"})
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)s\s*$")
@@ -89,11 +88,11 @@ class GeminiAdapter(ChatModelAdapter):
     def _key(self) -> str | None:
         if self._api_key is not None or self._api_key_env is not None:
             return super()._key()
-        for env in KEY_ENVS:
+        for env in GOOGLE_KEY_ENVS:
             key = secret_value(env)
             if key:
                 return key
-        raise AgentError(ErrorCode.EAGENTDOWN, f"no Gemini API key: set {' or '.join(KEY_ENVS)} (or api_key_env)")
+        raise AgentError(ErrorCode.EAGENTDOWN, f"no Gemini API key: set {' or '.join(GOOGLE_KEY_ENVS)} (or api_key_env)")
 
     def _auth(self) -> dict[str, str]:
         key = self._key()

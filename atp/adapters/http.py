@@ -22,7 +22,7 @@
   priced by :meth:`HTTPNextHop._price`, failures stamped with the agent and
   scrubbed of the Agent Context's secrets; with tracing on (spec §12), every
   request carries the W3C ``traceparent`` of its leg span
-  (:func:`atp.router.tracing.httpx_hooks`).
+  (:func:`atp.observability.tracing.httpx_hooks`).
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ import httpx
 import httpx_sse
 import trio
 
-from atp.adapters.base import CallStats, Health, ProviderAdapter, estimate_tokens
+from atp.adapters.base import CallStats, ProviderAdapter, estimate_tokens
 from atp.adapters.context import scrub_error
 from atp.consensus.types import Usage
-from atp.router import tracing
+from atp.observability import tracing
+from atp.policy.health import Health
 from atp.wire.errors import AgentError, ErrorCode
 
 __all__ = [

@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from atp.cliutil.helpfmt import DefaultsHelpFormatter
+
 __all__ = ["GGUF_NAME", "MODEL_ALIAS", "ModelServerError", "find_smollm2_gguf", "is_up", "loopback_models",
            "model_server_main", "serve"]
 
@@ -141,8 +143,6 @@ def loopback_models(rib: Mapping[str, Any]) -> list[tuple[int, str]]:
 
 def model_server_main(args_in: list[str]) -> int:
     """``atp-router model-server``: run the local model server in the foreground."""
-    from atp.router.helpfmt import DefaultsHelpFormatter
-
     ap = argparse.ArgumentParser(prog="atp-router model-server", formatter_class=DefaultsHelpFormatter,
                                  description="Run the local OpenAI-compatible model server (llama-cpp-python + "
                                              "SmolLM2-135M) on 127.0.0.1 until interrupted.")

@@ -46,7 +46,7 @@ conversation and agent). The session is persistent across reconnects (``clean_st
 off, ``session_expiry_s``), so a broker restart loses neither the task nor the reply.
 Pipeline depth is the spec's (§2): the number of nested ``next`` objects, at most 16.
 
-Results: the spec defines no success shape; :func:`~atp.agent2389.protocol.decode_reply`
+Results: the spec defines no success shape; :func:`~atp.mqtt.agent_protocol.decode_reply`
 takes the reference's ``response`` or ``result``/``output``/``content``/``text``/``answer``,
 a findings object or a bare list. JSON ``{"findings": [...], "summary"?, "confidence"?,
 "usage"?}`` (what :mod:`atp.agent2389` agents send; a bare list is the findings)
@@ -83,12 +83,12 @@ from typing import Any
 import msgspec
 import trio
 
-from atp.adapters.base import CallStats, Fragment, Health, Prompt, ProviderAdapter
+from atp.adapters.base import CallStats, Fragment, Prompt, ProviderAdapter
 from atp.adapters.context import META_KEY, scrub_error, secret_values
 from atp.adapters.http import secret_value
 from atp.adapters.openai_compat import parse_review
-from atp.agent2389 import protocol as P
 from atp.consensus.types import AgentFinding, AgentReport, Usage
+from atp.mqtt import agent_protocol as P
 from atp.mqtt.client import (
     MQTTClient,
     MQTTError,
@@ -96,8 +96,9 @@ from atp.mqtt.client import (
     parse_broker_url,
     tls_context,
 )
+from atp.observability import tracing
+from atp.policy.health import Health
 from atp.policy.rib import AgentSpec
-from atp.router import tracing
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 

@@ -27,8 +27,9 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import trio
 
-from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
+from atp.adapters.base import Fragment, Prompt, ProviderAdapter
 from atp.consensus.types import AgentFinding, AgentReport, Usage
+from atp.policy.health import Health
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 

@@ -2,7 +2,8 @@
 exposes any ATP next-hop (:class:`~atp.adapters.base.ProviderAdapter`) as a
 conformant 2389 agent over MQTT.
 
-* :mod:`atp.agent2389.protocol` — topics, messages, steps 2-6 of §7.4 (sans-IO);
+* :mod:`atp.mqtt.agent_protocol` — topics, messages, steps 2-6 of §7.4 (sans-IO; in
+  :mod:`atp.mqtt`, since the router's adapter speaks it too);
 * :mod:`atp.agent2389.config` — ``agent.toml``;
 * :mod:`atp.agent2389.tools` — the §8 tool interface and schema validation;
 * :mod:`atp.agent2389.runtime` — the agent (:class:`AgentRuntime`);

@@ -53,7 +53,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from atp.agent2389.protocol import MAX_DEPTH, MAX_MESSAGE_BYTES
+from atp.mqtt.agent_protocol import MAX_DEPTH, MAX_MESSAGE_BYTES
 from atp.mqtt.client import parse_broker_url
 from atp.policy.rib import AgentSpec, ModelSpec
 

@@ -12,7 +12,7 @@ Lifecycle (§7.1-§7.3)::
 A hard kill leaves the broker to publish the LWT: a retained "unavailable".
 
 Each message on ``/control/agents/{id}/input`` goes through the nine steps of §7.4:
-steps 2-6 are :func:`~atp.agent2389.protocol.screen_task` (retained ignored, topic
+steps 2-6 are :func:`~atp.mqtt.agent_protocol.screen_task` (retained ignored, topic
 canonicalized and matched, duplicate ``task_id`` discarded, more than 16 nested
 ``next`` objects refused with ``pipeline_depth_exceeded``, envelope parsed); step 7
 maps ``input`` to a tool call —
@@ -47,7 +47,6 @@ import trio
 
 from atp.adapters.base import ProviderAdapter
 from atp.adapters.registry import build_adapter
-from atp.agent2389 import protocol as P
 from atp.agent2389.config import AgentConfig, ConfigError
 from atp.agent2389.tools import (
     TOOL_IMPLS,
@@ -60,6 +59,7 @@ from atp.agent2389.tools import (
     check_schema,
     validate,
 )
+from atp.mqtt import agent_protocol as P
 from atp.mqtt.client import (
     Message,
     MQTTClient,

@@ -48,16 +48,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import msgspec
 from msgspec import Meta, Struct
 
 from atp.consensus.types import ANSWER_CHARS, AgentReport, Usage
 from atp.policy.rib import AgentSpec, CacheSpec, Rib
-
-if TYPE_CHECKING:  # the policy layer reads a prompt's fields, it needs no adapter
-    from atp.adapters.base import Prompt
 
 __all__ = [
     "KEY_VERSION",
@@ -66,6 +63,7 @@ __all__ = [
     "VOLATILE_META",
     "CacheEntry",
     "CachePlan",
+    "Prompt",
     "agent_fingerprint",
     "approx_chars",
     "cache_key",
@@ -140,6 +138,21 @@ def agent_fingerprint(rib: Rib, agent: str) -> str:
         for k in ROUTER_MODEL_KEYS:
             m.pop(k, None)
     return hashlib.sha256(_canonical.encode([a, m])).hexdigest()
+
+
+class Prompt(Protocol):
+    """What a cache key reads of a prompt: the fields of the adapters'
+    :class:`~atp.adapters.base.Prompt`, named structurally (the policy layer reads
+    a prompt's fields, it needs no adapter)."""
+
+    @property
+    def task_type(self) -> str: ...
+    @property
+    def instruction(self) -> str: ...
+    @property
+    def content(self) -> Mapping[str, Any]: ...
+    @property
+    def meta(self) -> Mapping[str, Any]: ...
 
 
 def cache_key(*, agent: str, fingerprint: str, prompt: Prompt, tenant: str | None) -> bytes:

@@ -6,8 +6,8 @@ router's SYN pipeline, one stage a line (``N. name  what it checks``,
 Exit status 0 with the compiled FIB on standard output; 1 with every fault, one
 per line as ``file:line: key: reason``, on standard error; 2 on a usage error.
 Faults include the local next-hops (``tool:`` agents) this host cannot serve:
-each is built as the router would at load (:func:`~atp.adapters.registry.build_adapter`),
-so a tool whose sandbox cannot be made here (no bubblewrap, no user namespaces,
+each is built as the router would at load (with the ``build_adapter`` the caller
+passes: ``atp-router`` passes :func:`~atp.adapters.registry.build_adapter`), so a tool whose sandbox cannot be made here (no bubblewrap, no user namespaces,
 no process-count limit: :mod:`atp.adapters.tools.sandbox`) or whose options are
 refused is reported as ``file: agents.<name>: <reason>`` — the same refusal the
 router gives at load.
@@ -30,11 +30,18 @@ from typing import Any
 
 import msgspec
 
+from atp.cliutil.helpfmt import DefaultsHelpFormatter
 from atp.policy.fib import Fib, compile_fib
 from atp.policy.loader import load_rib
+from atp.policy.rib import AgentSpec
 from atp.wire.errors import PolicyError
 
-__all__ = ["check_main", "fib_summary", "render_fib", "render_stages"]
+__all__ = ["AdapterBuilder", "check_main", "fib_summary", "policy_main", "render_fib", "render_stages"]
+
+#: Builds one RIB agent's adapter as the router does at load, raising
+#: ``ValueError`` / ``KeyError`` when this host cannot serve it
+#: (:func:`atp.adapters.registry.build_adapter`; the policy layer imports no adapter).
+AdapterBuilder = Callable[[str, AgentSpec], object]
 
 
 def _fmt(value: Any) -> str:
@@ -121,13 +128,11 @@ def render_fib(fib: Fib) -> str:
     return "\n".join(out) + "\n"
 
 
-def _check_local_next_hops(rib: Any, source: str) -> None:
+def _check_local_next_hops(rib: Any, source: str, build_adapter: AdapterBuilder) -> None:
     """Build every ``tool:`` agent as the router would at load; raise
     :class:`PolicyError` (one fault per refused agent, as in the router:
     ``agents.<name>: <reason>``) when any is refused. Model and remote agents
     are not built here (they need no local set-up)."""
-    from atp.adapters.registry import build_adapter
-
     faults: list[PolicyError] = []
     for name, agent in rib.agents.items():
         if agent.tool is None or agent.remote is not None:
@@ -147,11 +152,11 @@ def render_stages(stages: list[tuple[str, str]]) -> str:
     return "".join(f"{i}. {name:<{width}}  {doc}\n" for i, (name, doc) in enumerate(stages, 1))
 
 
-def check_main(argv: list[str], *, stages: Callable[[], list[tuple[str, str]]] | None = None) -> int:
-    """``stages()``: the router's SYN stages as ``(name, doc)`` (the caller's:
-    this package imports nothing of the router); None: no ``--stages``."""
-    from atp.router.helpfmt import DefaultsHelpFormatter
-
+def check_main(argv: list[str], *, build_adapter: AdapterBuilder,
+               stages: Callable[[], list[tuple[str, str]]] | None = None) -> int:
+    """``build_adapter``: as :data:`AdapterBuilder`. ``stages()``: the router's SYN
+    stages as ``(name, doc)`` (the caller's: this package imports nothing of the
+    router); None: no ``--stages``."""
     ap = argparse.ArgumentParser(prog="atp-router policy check", formatter_class=DefaultsHelpFormatter,
                                  description="Validate a RIB (file or directory) and print its compiled FIB.")
     ap.add_argument("path", nargs="?", help="a RIB YAML file or a directory of *.yaml (optional with --stages)")
@@ -170,7 +175,7 @@ def check_main(argv: list[str], *, stages: Callable[[], list[tuple[str, str]]] |
     try:
         rib = load_rib(args.path)
         fib = compile_fib(rib, version=1)
-        _check_local_next_hops(rib, args.path)
+        _check_local_next_hops(rib, args.path, build_adapter)
     except PolicyError as e:
         for x in e.errors:
             print(x.where(), file=sys.stderr)
@@ -186,9 +191,12 @@ def check_main(argv: list[str], *, stages: Callable[[], list[tuple[str, str]]] |
     return 0
 
 
-def policy_main(argv: list[str], *, stages: Callable[[], list[tuple[str, str]]] | None = None) -> int:
-    """``atp-router policy <subcommand>``; ``stages`` as in :func:`check_main`."""
+def policy_main(argv: list[str], *, build_adapter: AdapterBuilder,
+                stages: Callable[[], list[tuple[str, str]]] | None = None) -> int:
+    """``atp-router policy <subcommand>``; ``build_adapter`` builds the local
+    next-hops ``check`` tries (:data:`AdapterBuilder`), ``stages`` as in
+    :func:`check_main`."""
     if not argv or argv[0] != "check":
         print("usage: atp-router policy check PATH [--json] [--stages]", file=sys.stderr)
         return 2
-    return check_main(argv[1:], stages=stages)
+    return check_main(argv[1:], build_adapter=build_adapter, stages=stages)

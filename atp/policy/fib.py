@@ -35,7 +35,7 @@
    ``alternates``: the dispatcher reroutes a failing call (``EAGENTDOWN``) to
    the first one not yet tried, after the failing agent's RIB ``fallback``
    (:meth:`Fib.next_hop`).
-3. **Data scope** (spec §11; grammar in :mod:`atp.security.redact`): labels whose
+3. **Data scope** (spec §11; grammar in :mod:`atp.policy.labels`): labels whose
    category a detector covers (``secrets``/``no_secrets``, ``pii``,
    ``<region>_personal_data``, in ``redact`` or ``forbidden`` mode) exclude no
    next-hop: at dispatch the :class:`~atp.security.redact.DataScopeGuard` gives an
@@ -60,7 +60,8 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-from atp.adapters.base import Health
+from atp.policy.health import Health
+from atp.policy.labels import clearance_of, parse_label
 from atp.policy.learn import MIN_OBS, LiveView
 from atp.policy.match import CompiledMatch, compile_match
 from atp.policy.rib import (
@@ -72,7 +73,6 @@ from atp.policy.rib import (
     SpecError,
     reference_errors,
 )
-from atp.security.redact import clearance_of, parse_label
 from atp.wire.errors import AgentError, ErrorCode, PolicyError
 from atp.wire.frame import QoS, RouteEntry, RouteUpdate, Window
 
@@ -273,7 +273,7 @@ class Fib:
 
     def clearance(self, agent: str) -> frozenset[str] | None:
         """The data-scope categories ``agent`` is cleared for (normalised
-        ``agents.<agent>.data_scope``, see :func:`atp.security.redact.clearance_of`),
+        ``agents.<agent>.data_scope``, see :func:`atp.policy.labels.clearance_of`),
         for :meth:`~atp.security.redact.DataScopeGuard.for_agent`; None when the
         agent has no ``data_scope`` or the RIB no such agent."""
         c = self._candidates.get(agent)
@@ -293,7 +293,7 @@ class Fib:
                live: Mapping[str, LiveView] | None = None) -> Route:
         """Route a task by its frame ``meta`` (spec §6.2).
 
-        ``health`` maps agent names to live :class:`~atp.adapters.base.Health`;
+        ``health`` maps agent names to live :class:`~atp.policy.health.Health`;
         agents absent from it count as healthy with their RIB figures.
         ``live`` is :meth:`LiveMetrics.view() <atp.policy.learn.LiveMetrics.view>`
         (keys ``agent`` and ``policy|agent``): the router's own observations.

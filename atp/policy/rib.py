@@ -35,6 +35,7 @@ from msgspec import Meta, Struct
 from atp.wire.frame import Budget, QoS, Window
 
 __all__ = [
+    "GOOGLE_KEY_ENVS",
     "PROVIDERS",
     "TOOLS",
     "TRIGGERS",
@@ -59,6 +60,10 @@ __all__ = [
 
 #: Model providers an adapter exists for (spec §14).
 PROVIDERS: tuple[str, ...] = ("openai", "openai_compat", "ollama", "google")
+#: The environment variables a ``google`` model's key is read from when it sets no
+#: ``api_key_env``, in order (the Gemini API's own names): the adapter reads them,
+#: and the policy guard counts them among the variables a RIB makes the router read.
+GOOGLE_KEY_ENVS: tuple[str, ...] = ("GOOGLE_API_KEY", "GEMINI_API_KEY")
 
 #: Local tools usable as ``agents.<name>.tool``. Add a name here when its
 #: adapter lands in :mod:`atp.adapters.tools`.

@@ -37,7 +37,7 @@ usd_per_task=<u>`` for the best variant (highest F1, then lowest USD per task,
 then highest recall).
 
 A variant naming an ``openai_compat`` model on a loopback port that is not
-answering gets the local model server (:mod:`atp.adapters.local_model`) started
+answering gets the local model server (:class:`ModelServers`) started
 on that port for its run, unless ``--no-start-models``.
 
 Where the tasks run: without ``--url`` each variant gets a private router,
@@ -48,7 +48,12 @@ stopped after its tasks. With ``--url`` the running router is used: with no
 router's own policy path is reloaded afterwards, whatever happened.
 
 The scoring functions are pure (no I/O, no clock); :func:`review_task`,
-:func:`run_tasks`, :func:`run_variant` and :func:`main` talk to routers.
+:func:`run_tasks`, :func:`run_variant` and :func:`main` talk to routers. What
+the harness needs of the layers above it — a private router
+(:data:`ServeRouter`) and the local model servers (:class:`ModelServers`) — its
+caller passes in (``atp-router eval`` passes :func:`atp.router.cli.serve_private`
+and :mod:`atp.adapters.local_model`), so this package imports neither the router
+nor an adapter.
 """
 
 from __future__ import annotations
@@ -60,25 +65,31 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import msgspec
 import trio
 
 import atp
+from atp.cliutil.helpfmt import DefaultsHelpFormatter
 from atp.consensus.types import FinalResult
 from atp.review.diff import parse_diff
+from atp.wire.errors import PolicyError
 
 __all__ = [
+    "PRIVATE_ROUTER",
     "SLACK",
     "AgentScore",
     "Baseline",
     "EvalReport",
     "Expected",
     "GoldenTask",
+    "ModelServers",
+    "ServeRouter",
     "TaskRun",
     "TaskScore",
     "best_variant",
@@ -112,6 +123,27 @@ DEFAULT_BUDGET = {"usd": 0.10, "tokens": 200_000}
 #: A task file larger than this is refused (bytes): eval reads it whole.
 MAX_TASK_FILE_BYTES = 256 * 1024 * 1024
 _SEVERITY_RANK = {"critical": 4, "high": 3, "medium": 2, "low": 1, "info": 0}
+
+#: The RouterConfig fields of a private router: rates that never throttle the tasks.
+PRIVATE_ROUTER: dict[str, Any] = {"tenant_rate_per_s": 1000.0, "tenant_rate_burst": 1000, "learn_rate_per_s": 1000.0,
+                                  "learn_burst": 1000}
+#: ``serve_router(policies, state_dir, *, task_status, **config)``: serve a private
+#: router for the RIB at ``policies`` on free loopback ports, its state in
+#: ``state_dir`` and ``config`` (RouterConfig fields, :data:`PRIVATE_ROUTER`)
+#: applied; ``task_status.started(http_port)``, then serve until cancelled; raise
+#: ``PolicyError`` for a refused RIB (:func:`atp.router.cli.serve_private`).
+ServeRouter = Callable[..., Awaitable[None]]
+
+
+class ModelServers(Protocol):
+    """The local model server as the harness starts it for a variant's loopback
+    models: :mod:`atp.adapters.local_model` (the module itself is passed)."""
+
+    ModelServerError: type[Exception]
+
+    def loopback_models(self, rib: Mapping[str, Any]) -> list[tuple[int, str]]: ...
+    def is_up(self, base_url: str) -> bool: ...
+    def serve(self, port: int, alias: str) -> contextlib.AbstractContextManager[Any]: ...
 
 
 # --- the data set --------------------------------------------------------------------
@@ -659,20 +691,16 @@ async def run_tasks(
 
 
 async def run_in_process(
-    policies: Path, tasks: Sequence[GoldenTask], *, concurrency: int = 1, budget: Mapping[str, Any] = DEFAULT_BUDGET
+    policies: Path, tasks: Sequence[GoldenTask], *, serve_router: ServeRouter, concurrency: int = 1,
+    budget: Mapping[str, Any] = DEFAULT_BUDGET,
 ) -> list[TaskRun]:
-    """:func:`run_tasks` against a private router on loopback (free ports, a
-    temporary state directory) with the RIB at ``policies``, stopped afterwards.
-    Raises :class:`~atp.wire.errors.PolicyError` when the RIB is refused."""
-    from atp.router.cli import run
-    from atp.router.core import RouterConfig
-
+    """:func:`run_tasks` against a private router (``serve_router``) on loopback
+    (free ports, a temporary state directory) with the RIB at ``policies``,
+    stopped afterwards. Raises :class:`~atp.wire.errors.PolicyError` when the
+    RIB is refused."""
     with tempfile.TemporaryDirectory(prefix="atp-eval-") as state:
-        config = RouterConfig(policies=policies, http_port=0, ws_port=0, state_dir=Path(state),
-                              tenant_rate_per_s=1000.0, tenant_rate_burst=1000, learn_rate_per_s=1000.0,
-                              learn_burst=1000)
         async with trio.open_nursery() as nursery:
-            _, http_port, _ = await nursery.start(run, config)
+            http_port = await nursery.start(partial(serve_router, policies, Path(state), **PRIVATE_ROUTER))
             runs = await run_tasks(f"http://127.0.0.1:{http_port}", tasks, concurrency=concurrency, budget=budget)
             nursery.cancel_scope.cancel()
     return runs
@@ -697,15 +725,18 @@ async def run_variant(
     url: str | None,
     token: str | None,
     concurrency: int,
+    serve_router: ServeRouter,
     budget: Mapping[str, Any] = DEFAULT_BUDGET,
 ) -> list[TaskRun]:
-    """One variant's runs: a private router for ``policies`` (no ``url``), the
-    running router as it is (``url``, no ``policies``), or the running router
-    with ``policies`` hot-loaded (then its own policy path reloaded again).
+    """One variant's runs: a private router (``serve_router``) for ``policies``
+    (no ``url``), the running router as it is (``url``, no ``policies``), or the
+    running router with ``policies`` hot-loaded (then its own policy path
+    reloaded again).
     Raises ``RuntimeError`` when the running router refuses the RIB."""
     if url is None:
         assert policies is not None
-        return await run_in_process(policies, tasks, concurrency=concurrency, budget=budget)
+        return await run_in_process(policies, tasks, serve_router=serve_router, concurrency=concurrency,
+                                    budget=budget)
     if policies is None:
         return await run_tasks(url, tasks, token=token, concurrency=concurrency, budget=budget)
     await _reload(url, token, policies.read_bytes())
@@ -761,13 +792,11 @@ def _rib_documents(path: Path) -> list[Any]:
     return docs
 
 
-def _start_models(policies: Path, stack: contextlib.ExitStack, name: str) -> None:
+def _start_models(local_model: ModelServers, policies: Path, stack: contextlib.ExitStack, name: str) -> None:
     """Start the local model server for each loopback ``openai_compat`` model of
     the RIB at ``policies`` that is not answering (when llama_cpp and the GGUF
     are installed); a server that cannot start is a warning, and the variant
     runs without it (its calls fail with EAGENTDOWN, as they would in production)."""
-    from atp.adapters import local_model
-
     for doc in _rib_documents(policies):
         for port, alias in local_model.loopback_models(doc if isinstance(doc, dict) else {}):
             if local_model.is_up(f"http://127.0.0.1:{port}/v1"):
@@ -783,8 +812,6 @@ def _start_models(policies: Path, stack: contextlib.ExitStack, name: str) -> Non
 
 def _policy_error(e: BaseException) -> BaseException | None:
     """The PolicyError inside ``e`` (possibly wrapped in nursery exception groups)."""
-    from atp.wire.errors import PolicyError
-
     if isinstance(e, PolicyError):
         return e
     if isinstance(e, BaseExceptionGroup):
@@ -801,11 +828,11 @@ def default_variants() -> list[Path]:
     return sorted(root.glob("*.yaml"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, serve_router: ServeRouter, model_servers: ModelServers) -> int:
     """``atp-router eval``: exit 0 when every task produced a FINAL, 1 when some
-    did not (they are listed), 2 on bad arguments or a refused RIB."""
-    from atp.router.helpfmt import DefaultsHelpFormatter
-
+    did not (they are listed), 2 on bad arguments or a refused RIB. A variant
+    without ``--url`` runs on ``serve_router``'s private router, after
+    ``model_servers`` started what it needs (unless ``--no-start-models``)."""
     ap = argparse.ArgumentParser(
         prog="atp-router eval", formatter_class=DefaultsHelpFormatter,
         description="Run labelled code-review tasks through a router as a client would and score them "
@@ -866,9 +893,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with contextlib.ExitStack() as models:
                 if v is not None and args.url is None and args.start_models:
-                    _start_models(v, models, name)
+                    _start_models(model_servers, v, models, name)
                 runs = trio.run(lambda v=v: run_variant(tasks, policies=v, url=args.url, token=args.token,
-                                                        concurrency=args.concurrency))
+                                                        concurrency=args.concurrency, serve_router=serve_router))
         except (RuntimeError, atp.ATPClientError, httpx.HTTPError) as e:
             print(f"atp-router eval: {name}: {e}", file=sys.stderr)
             return 2

@@ -5,7 +5,7 @@ client that sends only a diff (an A2A text message) then gets the files the
 diff's review needs read from there. Everything read is bounded and confined
 to the repository's root:
 
-* a path must be relative and normal (:func:`~atp.adapters.tools.base.safe_relpath`:
+* a path must be relative and normal (:func:`~atp.review.paths.safe_relpath`:
   no ``..``, no absolute path, no backslash, NUL or ``./``), and none of its
   components may be ``.git``;
 * its real path (symlinks resolved) must stay inside the root's real path — a
@@ -31,8 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from atp.adapters.tools.base import safe_relpath
 from atp.review.diff import FileDiff
+from atp.review.paths import safe_relpath
 from atp.wire.errors import ClientInputError
 
 __all__ = ["MAX_FILES", "MAX_FILE_BYTES", "MAX_TOTAL_BYTES", "RepoFiles", "files_after"]

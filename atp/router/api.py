@@ -93,6 +93,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from atp.observability.metrics import CONTENT_TYPE_LATEST
+from atp.observability.tracing import TraceContextMiddleware
 from atp.review.diff import count_changed_lines
 from atp.router.a2a_server import a2a_routes
 from atp.router.bodies import (
@@ -105,10 +107,9 @@ from atp.router.bodies import (
 )
 from atp.router.core import Router
 from atp.router.fibview import FibView
-from atp.router.metrics import CONTENT_TYPE_LATEST
 from atp.router.status import status_routes
-from atp.router.tracing import TraceContextMiddleware
 from atp.router.learning import FeedbackRefused
+from atp.router.openai_ingress import openai_routes
 from atp.security.identity import Identity
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ATPError, ErrorCode, PolicyError
@@ -508,8 +509,6 @@ def build_app(router: Router) -> Starlette:
             except ATPError:
                 return _json(Liveness(status="ok"))
         return await detailed_health(request)
-
-    from atp.router.openai_ingress import openai_routes  # imports this module
 
     # With tracing on (spec §12), a request's W3C traceparent is the parent of what it opens.
     middleware = [Middleware(TraceContextMiddleware)] if router.tracing is not None else []

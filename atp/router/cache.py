@@ -46,7 +46,7 @@ the tenant's labels would have shaped differently.
 A store failure never fails a task: a lookup that fails is a miss, a write that
 fails is dropped (both logged and counted).
 
-Metrics (:class:`~atp.router.metrics.RouterMetrics`): ``atp_cache_lookups``
+Metrics (:class:`~atp.observability.metrics.RouterMetrics`): ``atp_cache_lookups``
 (agent, result hit/miss), ``atp_cache_stores`` (result stored / too_large /
 error), ``atp_cache_evictions`` (reason expired / size), ``atp_cache_bytes``,
 ``atp_cache_entries``, ``atp_cache_saved_tokens`` and
@@ -67,6 +67,7 @@ import trio
 
 from atp.adapters.base import Prompt
 from atp.consensus.types import ANSWER_CHARS, FinalResult
+from atp.observability.metrics import RouterMetrics
 from atp.policy.cache import (
     CacheEntry,
     CachePlan,
@@ -78,7 +79,6 @@ from atp.policy.cache import (
     fresh,
 )
 from atp.policy.rib import CacheSpec
-from atp.router.metrics import RouterMetrics
 from atp.store.base import Store, StoreError
 
 __all__ = ["DEFAULT_MAX_BYTES", "MAX_ENTRY_BYTES", "CacheView", "ResponseCache", "annotate"]

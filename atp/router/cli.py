@@ -53,13 +53,13 @@ never from the command line, so they stay out of ``ps``. TLS 1.3 on both
 ingresses with ``--tls-cert/--tls-key``; plain HTTP/WS only on a loopback host or
 with ``--plaintext``.
 
-Logs (:mod:`atp.router.logs`) go to stderr, every line — the router's and its
+Logs (:mod:`atp.observability.logs`) go to stderr, every line — the router's and its
 libraries' — through one scrubber (Agent Context secrets and what detect-secrets
 recognises are masked) and one format: ``--log-format json`` (one JSON object a
 line: ``timestamp``, ``level``, ``logger``, ``event``, extra fields, ``trace_id``
 / ``span_id`` inside a traced stream) or ``console`` (human, aligned); the
 default is ``console`` when stderr is a terminal, else ``json``. Traces
-(:mod:`atp.router.tracing`, spec §12) are exported over OTLP/HTTP only when the
+(:mod:`atp.observability.tracing`, spec §12) are exported over OTLP/HTTP only when the
 standard ``OTEL_*`` variables configure an exporter (``OTEL_EXPORTER_OTLP_ENDPOINT``,
 ``OTEL_TRACES_EXPORTER``, ``OTEL_SERVICE_NAME``, ``OTEL_SDK_DISABLED``, …); off
 otherwise, at no cost.
@@ -115,14 +115,20 @@ import yaml
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
+from atp.adapters import local_model
 from atp.adapters.context import install_log_redaction
-from atp.router import logs, tracing
+from atp.adapters.registry import build_adapter
+from atp.cliutil.helpfmt import DefaultsHelpFormatter
 from atp.flow.breaker import RetryPolicy
+from atp.observability import logs, tracing
+from atp.policy.check import policy_main
 from atp.router.api import build_app
+from atp.router.cluster import ClusterRouter, is_cluster_store
 from atp.router.core import Router, RouterConfig, build_authenticator
-from atp.router.helpfmt import DefaultsHelpFormatter
+from atp.router.workers import WorkerSpec, supervise, worker_main
+from atp.router.opening import DEFAULT_STAGES, describe
 from atp.router.ws import serve_ws
-from atp.security.audit import AuditOptions
+from atp.security.audit import AuditOptions, audit_main
 from atp.security.authn import new_api_key
 from atp.security.policy_guard import PolicySecrets
 from atp.security.tls import ServerTls, hypercorn_ssl
@@ -157,6 +163,19 @@ async def run(config: RouterConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> 
                 await app.aclose()
 
 
+async def serve_private(policies: Path, state_dir: Path, *, task_status=trio.TASK_STATUS_IGNORED,
+                        **config: Any) -> None:
+    """A private router (``atp-router eval``'s, :data:`atp.review.eval.ServeRouter`):
+    the RIB at ``policies``, its state in ``state_dir``, free loopback ports and
+    ``config`` (other :class:`RouterConfig` fields). ``task_status.started``
+    receives its HTTP port; it serves until cancelled. Raises
+    :class:`PolicyError` if the RIB is refused."""
+    router_config = RouterConfig(policies=policies, http_port=0, ws_port=0, state_dir=state_dir, **config)
+    async with trio.open_nursery() as nursery:
+        _, http_port, _ = await nursery.start(run, router_config)
+        task_status.started(http_port)
+
+
 async def _serve(router: Router, app: Any, hc: HyperConfig, config: RouterConfig, task_status: Any) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(router.serve)
@@ -176,8 +195,6 @@ async def _serve(router: Router, app: Any, hc: HyperConfig, config: RouterConfig
 
 
 def _cluster_router(config: RouterConfig) -> Router:
-    from atp.router.cluster import ClusterRouter
-
     return ClusterRouter(config)
 
 
@@ -377,8 +394,6 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
         ap.error("--tls-client-ca / --require-client-cert need --tls-cert and --tls-key")
     args.store = args.store or env.get("ATP_STORE_URL") or RouterConfig.store
     if args.store != "sqlite":
-        from atp.router.cluster import is_cluster_store
-
         if not is_cluster_store(args.store):
             ap.error("--store: give sqlite or a redis://, rediss:// or unix:// URL")
         if args.workers > 1:
@@ -482,30 +497,21 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "keys":
         return keys_main(argv[1:])
     if argv and argv[0] == "model-server":
-        from atp.adapters.local_model import model_server_main
-
-        return model_server_main(argv[1:])
+        return local_model.model_server_main(argv[1:])
     if argv and argv[0] == "eval":
-        from atp.review.eval import main as eval_main
+        from atp.review.eval import main as eval_main  # it imports the SDK (atp.Client): only eval needs it
 
-        return eval_main(argv[1:])
+        return eval_main(argv[1:], serve_router=serve_private, model_servers=local_model)
     if argv and argv[0] == "policy":
-        from atp.policy.check import policy_main
-        from atp.router.opening import DEFAULT_STAGES, describe
-
-        return policy_main(argv[1:], stages=lambda: describe(DEFAULT_STAGES))
+        return policy_main(argv[1:], build_adapter=build_adapter, stages=lambda: describe(DEFAULT_STAGES))
     if argv and argv[0] == "audit":
-        from atp.security.audit import audit_main
-
         return audit_main(argv[1:], default_state_dir=_default_state_dir())
     args, config = _parse(argv, os.environ)
     spec = None
     if args.worker_spec is not None:
-        from atp.router.workers import WorkerSpec
-
         spec = WorkerSpec.from_json(args.worker_spec)
     try:
-        logs.configure(level=args.log_level, fmt=args.log_format,
+        logs.configure(redaction=install_log_redaction, level=args.log_level, fmt=args.log_format,
                        fields={"worker": spec.slot} if spec is not None else None)
         tracing.configure_from_env()  # an SDK TracerProvider only when OTEL_* configure an exporter
     except ValueError as e:  # a bad --log-level, or OTEL_* naming what cannot be exported
@@ -517,14 +523,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     install_log_redaction()  # Agent Context secrets never reach any log handler's output
     if spec is not None:
-        from atp.router.workers import worker_main
-
         return worker_main(config, spec)
     if not build_authenticator(config).enabled:
         logging.getLogger("atp.router").warning("no --auth file and no ATP_ROUTER_TOKENS: authentication is off")
     if args.workers > 1:
-        from atp.router.workers import supervise
-
         return supervise(config, args.workers, argv)
 
     refused: Exception | None = None

@@ -29,16 +29,17 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
-from atp.adapters.base import Health, ProviderAdapter
+from atp.adapters.base import ProviderAdapter
 from atp.adapters.registry import build_adapter
 from atp.flow.budget import Allowance, BudgetLedger
+from atp.observability.metrics import RouterMetrics
 from atp.policy.cache import CachePlan, compile_cache
 from atp.policy.fib import Fib, compile_fib
+from atp.policy.health import Health
 from atp.policy.loader import load_rib, load_rib_text
 from atp.policy.rib import ClientSpec, Rib, independence_source
 from atp.security.policy_guard import PolicySecrets
 from atp.router.dispatch import Dispatcher, FlowGates, LegOutcome
-from atp.router.metrics import RouterMetrics
 from atp.wire.errors import PolicyError
 
 __all__ = ["ControlPlane", "GenUser", "Generation"]

@@ -78,6 +78,7 @@ import trio
 
 from atp.adapters.base import Prompt
 from atp.adapters.http import install_secret_resolver
+from atp.adapters.tools.sandbox import forbid_paths
 from atp.consensus.types import FinalResult, SignedUsage
 from atp.flow.body_budget import BodyBudget
 from atp.flow.breaker import BreakerBoard, BreakerState, BreakerTransition, RetryPolicy
@@ -85,6 +86,8 @@ from atp.flow.budget import Allowance, BudgetLedger, usd_to_micros
 from atp.flow.qos import Preempt, QosScheduler
 from atp.flow.window import Window as FlowWindow
 from atp.flow.window import WindowTable
+from atp.observability.metrics import RouterMetrics
+from atp.observability.tracing import RouterTracing
 from atp.policy.fib import data_scope_labels
 from atp.policy.rib import ClientSpec, RateSpec
 from atp.router import memory
@@ -93,11 +96,9 @@ from atp.router.cache import ResponseCache, annotate
 from atp.router.control import BODY_SOURCE, ControlPlane, Generation
 from atp.router.dispatch import FlowGates, LegOutcome, SlotGate, TaskPlan
 from atp.router.learning import Learning
-from atp.router.metrics import RouterMetrics
 from atp.router.opening import (DEFAULT_STAGES, OpenCtx, OpenParts, Stage, StageType, check_task, min_budget,
                                 run_stages)
 from atp.router.streams import DEFAULT_RETAIN_CLOSED_BYTES, StreamCtx, StreamTable
-from atp.router.tracing import RouterTracing
 from atp.security.authn import Authenticator, EnvToken, load_auth_config, parse_tokens_env
 from atp.security.authz import Action, Forbidden, Refuse, StreamAdmission, authorize, clamp_qos
 from atp.security.identity import Identity, Role
@@ -337,8 +338,6 @@ class Router:
         #: Where the durable state lives (spec §8, §11 audit; atp.store).
         self.state_dir = config.state_dir or self._tmp_state
         # No local next-hop's sandbox may mount it (atp.adapters.tools.sandbox).
-        from atp.adapters.tools.sandbox import forbid_paths
-
         forbid_paths(self.state_dir)
         self._lock = self._lock_state()
         self.store = self._open_store()
@@ -390,7 +389,7 @@ class Router:
             rng=rng,
         )
         #: Spans of sessions, streams, legs and consensus (spec §12); None: tracing
-        #: is off (no OTEL_* exporter configured, atp.router.tracing) and costs nothing.
+        #: is off (no OTEL_* exporter configured, atp.observability.tracing) and costs nothing.
         self.tracing = RouterTracing.for_router(agent_windows=self.gates.agent_windows)
         self.control = ControlPlane(config.policies, ledger=self.ledger, gates=self.gates, metrics=self.metrics,
                                     on_leg=self._on_leg, secrets=config.policy_secrets)

@@ -64,7 +64,7 @@ from atp.policy.learn import (
 )
 from atp.policy.rib import PolicySpec
 from atp.router.dispatch import TaskPlan, _client_fault
-from atp.wire.errors import AgentError, ErrorCode
+from atp.wire.errors import AgentError, ATPError, ErrorCode
 from atp.wire.frame import QoS, Window
 
 if TYPE_CHECKING:
@@ -158,8 +158,6 @@ def _bump_index(written: Mapping[str, int], old: bytes | None) -> bytes:
 
 def _has_tenants(router: Router) -> bool:
     """Does ``router`` tell callers apart (a caller without credentials is refused)?"""
-    from atp.wire.errors import ATPError
-
     try:
         router.authenticate(None)
     except ATPError:

@@ -82,8 +82,8 @@ from atp.wire.frame import (
 
 if TYPE_CHECKING:
     from atp.consensus.types import FinalResult
+    from atp.observability.metrics import RouterMetrics
     from atp.router.control import Generation
-    from atp.router.metrics import RouterMetrics
 
 __all__ = ["EventLog", "LoggedEvent", "StreamCtx", "StreamKey", "StreamTable", "event_type", "stream_account"]
 

@@ -108,6 +108,7 @@ from prometheus_client import Counter
 
 from atp.flow.budget import SharedBudgetLedger
 from atp.router import shared_state
+from atp.router.api import build_app
 from atp.router.control import BODY_SOURCE
 from atp.router.core import (
     Router,
@@ -116,6 +117,7 @@ from atp.router.core import (
     connection_error,
     end_interrupted,
 )
+from atp.router.ws import serve_ws
 from atp.security.audit import AuditLog
 from atp.security.identity import Identity
 from atp.security.tls import hypercorn_ssl
@@ -655,9 +657,6 @@ def worker_main(config: RouterConfig, spec: WorkerSpec) -> int:
 
     async def main_async() -> None:
         nonlocal refused
-        from atp.router.api import build_app
-        from atp.router.ws import serve_ws
-
         try:
             router = WorkerRouter(config, spec)
         except (PolicyError, RuntimeError, StoreError) as e:

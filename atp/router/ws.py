@@ -78,7 +78,7 @@ from wsproto.events import AcceptConnection
 from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import CloseReason
 
-from atp.router import tracing
+from atp.observability import tracing
 from atp.router.core import Router, StreamCtx, connection_error
 from atp.security.identity import Identity
 from atp.security.tls import serve_websocket_tls

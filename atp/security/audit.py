@@ -2,7 +2,7 @@
 issue 19 item 7): an append-only, hash-chained log whose head is MACed, with
 copies of the MACs outside the state directory.
 
-Each :class:`AuditRecord` carries ``prev``, the previous record's ``hash`` (64
+Each :class:`~atp.store.audit_records.AuditRecord` carries ``prev``, the previous record's ``hash`` (64
 zeros for the first), and ``hash`` = SHA-256 over the canonical JSON (sorted
 keys, no spaces, UTF-8) of every other field. Editing a record breaks its hash;
 deleting or reordering records breaks ``seq`` continuity or a ``prev`` link;
@@ -90,24 +90,21 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from msgspec import Struct
-
-if TYPE_CHECKING:
-    from atp.store.base import Store
+from atp.cliutil.helpfmt import DefaultsHelpFormatter
+from atp.store.audit_records import GENESIS, AuditCheckpoint, AuditRecord
+from atp.store.base import Store, StoreError
+from atp.store.sqlite import SqliteStore
 
 __all__ = [
     "DEFAULT_EVERY",
     "DEFAULT_INTERVAL_MS",
-    "GENESIS",
     "AnchorFile",
-    "AuditCheckpoint",
     "AuditError",
     "AuditKind",
     "AuditLog",
     "AuditOptions",
-    "AuditRecord",
     "SyslogSink",
     "VerifyReport",
     "audit_main",
@@ -123,8 +120,6 @@ __all__ = [
     "verify",
 ]
 
-#: ``prev`` of the first record.
-GENESIS = "0" * 64
 #: The writer's checkpoint cadence: at most this many records after the newest
 #: checkpoint (also :func:`audit_main`'s ``--max-unsigned``), …
 DEFAULT_EVERY = 100
@@ -176,31 +171,6 @@ class AuditKind(StrEnum):
     FEEDBACK = "feedback"
     #: A shadow challenger's run (spec §18): agent, outcome, quality, regret.
     SHADOW = "shadow"
-
-
-class AuditRecord(Struct, frozen=True, forbid_unknown_fields=True):
-    """One audit record. ``seq`` counts from 1; ``ts_ms`` is Unix ms; ``actor``
-    who caused it (an identity's subject, or ``"router"``); ``tenant`` whose data
-    it concerns (``None``: router-wide); ``detail`` JSON-safe and scrubbed;
-    ``prev`` / ``hash`` lowercase hex SHA-256 (see the module docstring)."""
-
-    seq: int
-    ts_ms: int
-    kind: str
-    actor: str
-    tenant: str | None
-    detail: dict[str, Any]
-    prev: str
-    hash: str
-
-
-class AuditCheckpoint(Struct, frozen=True, forbid_unknown_fields=True):
-    """The chain head ``(seq, hash)`` and ``mac`` = hex HMAC-SHA256 of
-    ``canonical_json({"seq", "hash"})`` under the audit key."""
-
-    seq: int
-    hash: str
-    mac: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -889,10 +859,6 @@ def audit_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
     ``--json``). ``keygen PATH`` writes a new key file (0600; never over an
     existing one) for ``--audit-key-file``. Exit 2: no state, no key, an
     unreadable anchor, both ``ATP_AUDIT_KEY`` and ``--key-file``."""
-    from atp.router.helpfmt import DefaultsHelpFormatter
-    from atp.store.base import StoreError
-    from atp.store.sqlite import SqliteStore
-
     ap = argparse.ArgumentParser(prog="atp-router audit", description="Check or print the audit log (spec §11).",
                                  formatter_class=DefaultsHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)

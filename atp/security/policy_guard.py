@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from atp.adapters.gemini import KEY_ENVS as GOOGLE_KEY_ENVS
-from atp.policy.rib import Rib
+from atp.policy.rib import GOOGLE_KEY_ENVS, Rib
 from atp.wire.errors import PolicyError
 
 __all__ = [

@@ -1,33 +1,14 @@
-"""Data scope (spec §11): label grammar, detectors, redaction or refusal per agent,
+"""Data scope (spec §11): detectors, redaction or refusal per agent,
 and the one scrubber every adapter error path and log record goes through.
 
 Sans-IO: no I/O and no clock; the detectors are pure CPU work, safe to run in a worker
 thread (``trio.to_thread.run_sync(guard.inspect, content, labels)``) so that a large
 task does not hold the event loop.
 
-Label grammar (``meta.data_scope``: a string or a list; Agent Context ``policyContext``
-labels join it, :func:`atp.adapters.context.with_context_scope`)::
-
-    label    := category [":" mode]
-    mode     := "redact" (default) | "forbidden"
-
-A suffix that is not a mode belongs to the category (``acp.policy:P001`` is the
-category ``acp.policy:P001``, mode ``redact``). Categories a detector covers
-(:data:`SECRETS`, personal data) are normalised; every other label is *opaque*::
-
-    secrets, no_secrets                    -> "secrets"   detect-secrets plugins
-    pii, no_pii, personal_data             -> "pii"       personal data, phone numbers
-                                                          in international form
-    <cc>_personal_data (us_, de_, ...)     -> itself      personal data, phone numbers
-                                                          also in <cc>'s national form
-    <anything>_personal_data (eu_, ...)    -> itself      personal data, international form
-    anything else                          -> itself      opaque: no detector
-
-Clearance: an agent is cleared for a category when its ``agents.<name>.data_scope``
-lists it (aliases and ``:mode`` suffixes are normalised the same way; ``pii`` clears
-every personal-data category). An agent without ``data_scope`` (``clearance=None``)
-is cleared for every *opaque* label (the RIB's historical "None: any", which the FIB
-keeps) and for no detector-covered category: it gets redacted content.
+Labels: their grammar (``category[:redact|forbidden]``, the detector-covered
+categories ``secrets`` and personal data, every other label *opaque*) and an
+agent's clearance are :mod:`atp.policy.labels`' (:func:`~atp.policy.labels.parse_label`,
+:func:`~atp.policy.labels.clearance_of`).
 
 Decisions (:meth:`DataScopeGuard.for_agent`), for a task's labels and one agent:
 
@@ -68,22 +49,29 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from atp.policy.labels import (
+    FORBIDDEN,
+    PII,
+    REDACT,
+    SECRETS,
+    Mode,
+    ScopeLabel,
+    clearance_of,
+    parse_label,
+)
 from atp.security import normalise
 from atp.wire.errors import ATPError, ErrorCode
 
 __all__ = [
-    "FORBIDDEN",
+    "CONTEXT_PUBLIC",
     "MAX_KNOWN_SECRETS",
     "MAX_META_SCAN_CHARS",
     "MAX_SCAN_CHARS",
     "MAX_SCRUB_CHARS",
     "MIN_SECRET_LEN",
-    "PII",
-    "REDACT",
     "REDACTED",
-    "SECRETS",
     "UNSCANNED",
     "DataScopeGuard",
     "Pass",
@@ -91,12 +79,9 @@ __all__ = [
     "Redaction",
     "Refused",
     "ScopeDecision",
-    "ScopeLabel",
     "ScopeScan",
-    "clearance_of",
-    "is_covered",
     "known_secrets",
-    "parse_label",
+    "redact_context_message",
     "redact_meta",
     "register_secrets",
     "scrub",
@@ -115,75 +100,12 @@ MAX_SCRUB_CHARS = 2048
 #: detect-secrets costs about 1 µs per character of code on one core).
 MAX_SCAN_CHARS = 4 * 1024 * 1024
 
-REDACT = "redact"
-FORBIDDEN = "forbidden"
-Mode = Literal["redact", "forbidden"]
-SECRETS = "secrets"
-PII = "pii"
-_PERSONAL_DATA = "personal_data"
-_ALIASES = {"no_secrets": SECRETS, "no_pii": PII, "personal_data": PII}
-
-
-# ---------------------------------------------------------------------- label grammar
-@dataclass(frozen=True, slots=True)
-class ScopeLabel:
-    """One parsed data-scope label: ``category`` (normalised), ``mode``, and the
-    ``detector`` family that covers it (``"secrets"``, ``"personal_data"``, or None
-    for an opaque label); ``region`` is the ISO 3166 region whose national phone
-    formats are also recognised (``us_personal_data`` → ``"US"``)."""
-
-    label: str
-    category: str
-    mode: Mode = REDACT
-    detector: Literal["secrets", "personal_data"] | None = None
-    region: str | None = None
-
-
-@functools.lru_cache(maxsize=4096)
-def parse_label(label: str) -> ScopeLabel:
-    """``label`` per the module's grammar. Never raises: any string is a label."""
-    category, mode = label, REDACT
-    head, sep, tail = label.rpartition(":")
-    if sep and head and tail in (REDACT, FORBIDDEN):
-        category, mode = head, tail
-    category = _ALIASES.get(category, category)
-    if category == SECRETS:
-        return ScopeLabel(label, category, mode, "secrets")  # type: ignore[arg-type]
-    if category == PII:
-        return ScopeLabel(label, category, mode, "personal_data")  # type: ignore[arg-type]
-    if category.endswith("_" + _PERSONAL_DATA) and len(category) > len(_PERSONAL_DATA) + 1:
-        prefix = category[: -len(_PERSONAL_DATA) - 1].upper()
-        return ScopeLabel(label, category, mode, "personal_data", prefix if _phone_region(prefix) else None)  # type: ignore[arg-type]
-    return ScopeLabel(label, category, mode)  # type: ignore[arg-type]
-
-
-def is_covered(label: str) -> bool:
-    """Does a detector cover ``label``'s category (so an uncleared agent can get
-    redacted content instead of being excluded)?"""
-    return parse_label(label).detector is not None
-
-
-def clearance_of(data_scope: Iterable[str] | None) -> frozenset[str] | None:
-    """The categories an agent's ``agents.<name>.data_scope`` clears (normalised
-    like task labels); None when the agent has no ``data_scope``."""
-    if data_scope is None:
-        return None
-    return frozenset(parse_label(s).category for s in data_scope)
-
-
 def _cleared(label: ScopeLabel, clearance: frozenset[str] | None) -> bool:
     if clearance is None:
         return label.detector is None
     if label.category in clearance:
         return True
     return label.detector == "personal_data" and PII in clearance
-
-
-@functools.cache
-def _phone_region(code: str) -> bool:
-    import phonenumbers
-
-    return code in phonenumbers.SUPPORTED_REGIONS
 
 
 # ---------------------------------------------------------------------- decisions
@@ -927,6 +849,51 @@ def _apply(content: Any, hits: list[_Hit]) -> Any:
     return walk(content, ())
 
 
+# ---------------------------------------------------------------------- Agent Context messages
+#: The members of an Agent Context ``securityContext`` that are authorisation facts,
+#: not secrets, and their non-secret keys (every other member is a secret).
+CONTEXT_PUBLIC = {"accessControl": ("role", "permissions"),
+                  "dataProtection": ("encryptionEnabled", "encryptionAlgorithm")}
+
+
+def redact_context_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a raw Agent Context message (``{"agentContext": {…}}``, or the
+    inner object itself) with every secret of its ``securityContext`` replaced by
+    :data:`REDACTED`, keys kept; members outside :data:`CONTEXT_PUBLIC` are masked
+    whole. The message's schema and its parsed Structs are
+    :mod:`atp.adapters.context`'s (:func:`~atp.adapters.context.redact_context`
+    takes either); this is the shape-only part that the stored meta
+    (:func:`redact_meta`) and the logs need."""
+    out = dict(message)
+    inner = out.get("agentContext", None)
+    target = out
+    if isinstance(inner, Mapping):
+        target = out["agentContext"] = dict(inner)
+    sec = target.get("securityContext")
+    if sec is None:
+        return out
+    if not isinstance(sec, Mapping):
+        target["securityContext"] = REDACTED
+        return out
+    masked: dict[str, Any] = {}
+    for key, value in sec.items():
+        public = CONTEXT_PUBLIC.get(key)
+        if public is not None and isinstance(value, Mapping):
+            masked[key] = {k: (v if k in public else _mask(v)) for k, v in value.items()}
+        else:
+            masked[key] = _mask(value)
+    target["securityContext"] = masked
+    return out
+
+
+def _mask(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _mask(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mask(v) for v in value]
+    return REDACTED
+
+
 # ---------------------------------------------------------------------- task meta
 #: Characters of one task meta scanned by :func:`redact_meta`; strings past the
 #: bound are stored as :data:`UNSCANNED`.
@@ -994,7 +961,7 @@ def _remember_clean(value: Any, hit_paths: set[tuple[str | int, ...]], path: tup
 def redact_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of a task's ``meta`` fit to be stored (spec §11, §19): the
     ``securityContext`` secrets of an Agent Context (``meta.agent_context``)
-    masked (:func:`atp.adapters.context.redact_context`), and every string leaf
+    masked (:func:`redact_context_message`), and every string leaf
     scanned for secrets as prose (the detectors and the normalised pass of
     :class:`DataScopeGuard`), detected values replaced by ``[REDACTED:<type>]``;
     strings past :data:`MAX_META_SCAN_CHARS` replaced by :data:`UNSCANNED`.
@@ -1007,9 +974,7 @@ def redact_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(meta)
     context = out.get(_META_KEY_CONTEXT)
     if isinstance(context, Mapping):
-        from atp.adapters.context import redact_context  # it imports this module
-
-        out[_META_KEY_CONTEXT] = redact_context(context)
+        out[_META_KEY_CONTEXT] = redact_context_message(context)
     guard = _meta_guard()
     to_scan = _meta_to_scan(out)
     scan = guard.inspect(to_scan, frozenset({SECRETS}))

@@ -77,7 +77,7 @@ from typing import Any, Literal, Self
 from msgspec import Struct
 
 from atp.flow.budget import Allowance, Charge, LedgerSnapshot, Reservation, SharedResult
-from atp.security.audit import AuditCheckpoint, AuditRecord
+from atp.store.audit_records import AuditCheckpoint, AuditRecord
 from atp.wire.frame import Budget, QoS
 
 __all__ = [

@@ -103,8 +103,8 @@ from atp.flow.budget import (
     SharedResult,
     refusal,
 )
-from atp.security.audit import GENESIS, AuditCheckpoint, AuditRecord
 from atp.store._redis_lua import LAYOUT_VERSION, OPEN, SCRIPTS
+from atp.store.audit_records import GENESIS, AuditCheckpoint, AuditRecord
 from atp.store.base import (
     NONCE_SWEEP,
     CachePut,

@@ -83,7 +83,7 @@ from atp.flow.budget import (
     SharedResult,
     refusal,
 )
-from atp.security.audit import GENESIS, AuditCheckpoint, AuditRecord
+from atp.store.audit_records import GENESIS, AuditCheckpoint, AuditRecord
 from atp.store.base import (
     NONCE_SWEEP,
     CachePut,

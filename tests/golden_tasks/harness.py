@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from atp.adapters import local_model
 from atp.review import eval as _eval
 from atp.review.eval import (  # noqa: F401  (re-exported for the tests)
     DEFAULT_BUDGET,
@@ -38,6 +39,7 @@ from atp.review.eval import (  # noqa: F401  (re-exported for the tests)
     summarize,
     task_meta,
 )
+from atp.router.cli import serve_private
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The dev set (``shared/`` sits beside the repository).
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         argv += ["--tasks", str(GOLDEN_PATH)]
     if "--policies" not in argv and "--url" not in argv:
         argv += ["--policies", str(DEFAULT_POLICIES)]
-    return _eval.main(["--verbose", *argv])
+    return _eval.main(["--verbose", *argv], serve_router=serve_private, model_servers=local_model)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 
 from atp.security.audit import (
-    GENESIS,
-    AuditCheckpoint,
     AuditError,
     AuditKind,
     AuditLog,
@@ -32,6 +30,7 @@ from atp.security.audit import (
     verify,
 )
 from atp.store import SqliteStore
+from atp.store.audit_records import GENESIS, AuditCheckpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = list(AuditKind)

@@ -15,6 +15,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from atp.policy.labels import ScopeLabel, clearance_of, is_covered, parse_label
 from atp.review.diff import parse_diff
 from atp.security.redact import (
     MAX_SCRUB_CHARS,
@@ -24,10 +25,6 @@ from atp.security.redact import (
     Redacted,
     Redaction,
     Refused,
-    ScopeLabel,
-    clearance_of,
-    is_covered,
-    parse_label,
     register_secrets,
     scrub,
 )

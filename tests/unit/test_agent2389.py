@@ -23,12 +23,12 @@ import msgspec
 import pytest
 import trio
 
-from atp.agent2389 import protocol as P
 from atp.agent2389.cli import main as cli_main
 from atp.agent2389.config import ConfigError, parse_config
 from atp.agent2389.runtime import AgentRuntime, StartupError
 from atp.agent2389.tools import ParameterError, SchemaError, check_schema, validate
 from atp.mqtt import MQTTClient, open_mqtt_client
+from atp.mqtt import agent_protocol as P
 from atp.security.redact import REDACTED, register_secrets
 from tests.peers import MOSQUITTO_TLS, make_test_pki, mosquitto_passwd, start_mosquitto
 

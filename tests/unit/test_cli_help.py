@@ -1,5 +1,5 @@
 """``atp-router --help`` and its subcommands' help show each option's default
-(atp/router/helpfmt.py)."""
+(atp/cliutil/helpfmt.py)."""
 
 from __future__ import annotations
 

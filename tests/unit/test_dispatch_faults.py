@@ -17,10 +17,11 @@ import msgspec
 import trio
 
 import atp
-from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
+from atp.adapters.base import Fragment, Prompt, ProviderAdapter
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentReport, Usage
 from atp.policy.fib import compile_fib
+from atp.policy.health import Health
 from atp.policy.loader import load_rib_text
 from atp.router.dispatch import CANARY, NEXT_HOP_FAILED
 from atp.wire.errors import AgentError, ClientInputError, ErrorCode

@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import msgspec
 import pytest
 import trio
 
+from atp.adapters import local_model
 from atp.review import eval as ev
 from atp.review.eval import (
     Expected,
@@ -29,11 +31,14 @@ from atp.review.eval import (
     score_task,
     summarize,
 )
+from atp.router.cli import serve_private
 from atp.security.identity import Role
 from tests.conftest import MECHANICS_RIB, ROOT, SHARED
 from tests.helpers import start_router_on
 
 GOLDEN = SHARED / "golden" / "dev.jsonl"
+#: ``atp-router eval`` as the router's CLI runs it.
+eval_main = partial(ev.main, serve_router=serve_private, model_servers=local_model)
 VARIANTS = ROOT / "examples" / "eval" / "policies"
 EVAL_LINE = re.compile(r"^EVAL tasks=\d+ caught=\d+ recall=\d\.\d{3} precision=\d\.\d{3} f1=\d\.\d{3} "
                        r"usd_per_task=\d+\.\d{6}$")
@@ -182,7 +187,7 @@ async def test_eval_against_a_running_router_swaps_variants_and_restores_its_rib
     before = env.router.gen.version
     argv = ["--tasks", str(tasks), "--url", env.url, "--token", "tok-root", "--png", str(tmp_path / "u.png"),
             "--json", str(tmp_path / "u.json"), "--policies", str(VARIANTS / "ruff.yaml")]
-    code = await trio.to_thread.run_sync(ev.main, argv)
+    code = await trio.to_thread.run_sync(eval_main, argv)
     assert code == 0
     report = json.loads((tmp_path / "u.json").read_text())["ruff"]
     assert report["tasks_caught"] == 1 and {a["agent"] for a in report["agents"]} == {"lint.ruff"}
@@ -190,5 +195,5 @@ async def test_eval_against_a_running_router_swaps_variants_and_restores_its_rib
     assert env.router.gen.version == before + 2
     assert {p.name for p in env.router.gen.rib.policies} == {"code_review", "code_review.large"}
     # A token without the policy_reload role is refused before any task runs, and says why.
-    code = await trio.to_thread.run_sync(ev.main, [*argv[:4], "--token", "nope", *argv[6:]])
+    code = await trio.to_thread.run_sync(eval_main, [*argv[:4], "--token", "nope", *argv[6:]])
     assert code == 2

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from atp.adapters.base import Health
 from atp.policy.fib import FIT_FLOOR, NextHop, Route, compile_fib
+from atp.policy.health import Health
 from atp.policy.loader import load_rib, load_rib_text
 from atp.policy.match import Compare, compile_match, compile_value
 from atp.policy.rib import AgentSpec, PolicySpec, Rib, SpecError

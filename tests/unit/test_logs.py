@@ -1,4 +1,4 @@
-"""Structured logs (spec §12, :mod:`atp.router.logs`): one format and one
+"""Structured logs (spec §12, :mod:`atp.observability.logs`): one format and one
 scrubber for the router's lines and its libraries', JSON or console, with the
 current span's trace ids; and, through real routers, exactly one line for each
 refused reload, ESEC, preemption and circuit-breaker transition.
@@ -20,9 +20,9 @@ import trio
 from opentelemetry.sdk.trace import TracerProvider
 
 import atp
-from atp.adapters.context import REDACTED, with_context_scope
+from atp.adapters.context import REDACTED, install_log_redaction, with_context_scope
 from atp.adapters.testing import ScriptedAdapter
-from atp.router import logs
+from atp.observability import logs
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import QoS
@@ -85,7 +85,7 @@ def _emit_everything(secret: str) -> None:
 @pytest.mark.parametrize("fmt", ["json", "console"])
 def test_secrets_and_agent_context_values_are_redacted_in_both_formats(logged, fmt):
     secret = context_secret()
-    logs.configure(level="INFO", fmt=fmt, stream=logged)
+    logs.configure(redaction=install_log_redaction, level="INFO", fmt=fmt, stream=logged)
     _emit_everything(secret)
     out = logged.getvalue()
     assert secret not in out and AWS_KEY not in out
@@ -105,7 +105,7 @@ def test_secrets_and_agent_context_values_are_redacted_in_both_formats(logged, f
 
 
 def test_json_lines_carry_the_current_spans_trace_ids_and_the_configured_fields(logged):
-    logs.configure(level="DEBUG", fmt="json", stream=logged, fields={"worker": 2})
+    logs.configure(redaction=install_log_redaction, level="DEBUG", fmt="json", stream=logged, fields={"worker": 2})
     log = logging.getLogger("atp.test")
     log.info("outside")
     with TracerProvider().get_tracer("test").start_as_current_span("stream") as span:
@@ -120,15 +120,15 @@ def test_json_lines_carry_the_current_spans_trace_ids_and_the_configured_fields(
 
 
 def test_levels_below_the_configured_one_are_not_rendered_and_bad_settings_are_refused(logged):
-    logs.configure(level="warning", fmt="json", stream=logged)
+    logs.configure(redaction=install_log_redaction, level="warning", fmt="json", stream=logged)
     logging.getLogger("atp.test").info("routine")
     structlog.get_logger("atp.test").info("routine too")
     logging.getLogger("atp.test").warning("kept")
     assert [x["event"] for x in lines(logged)] == ["kept"]
     with pytest.raises(ValueError, match="log format 'xml'"):
-        logs.configure(fmt="xml", stream=logged)
+        logs.configure(redaction=install_log_redaction, fmt="xml", stream=logged)
     with pytest.raises(ValueError, match="log level 'LOUD'"):
-        logs.configure(level="LOUD", stream=logged)
+        logs.configure(redaction=install_log_redaction, level="LOUD", stream=logged)
 
 
 def test_the_default_format_is_console_on_a_terminal_and_json_elsewhere():
@@ -153,7 +153,7 @@ def router_lines(buf: io.StringIO, at_least: int = logging.INFO) -> list[dict]:
 
 @pytest.mark.slow  # the policy watcher takes ~5 s to stop
 async def test_a_refused_reload_is_logged_once_whether_posted_or_watched(logged, nursery, tmp_path, scripted):
-    logs.configure(level="INFO", fmt="json", stream=logged)
+    logs.configure(redaction=install_log_redaction, level="INFO", fmt="json", stream=logged)
     scripted["gen.a"] = ScriptedAdapter.returning("gen.a")
     good = json.dumps({"agents": {"gen.a": scripted_agent()},
                        "policies": [{"name": "review", "match": {"task_type": "code_review"}, "fanout": ["gen.a"]}]})
@@ -180,7 +180,7 @@ async def test_each_esec_is_logged_once(logged, nursery, tmp_path, scripted):
     """401 (unknown key), 403 (a role the action needs), a SYN whose data scope no
     next-hop is cleared for, and a task whose secrets an agent may not see (its
     refusal; the stream's ESEC reset adds no line): one WARNING line each."""
-    logs.configure(level="INFO", fmt="json", stream=logged)
+    logs.configure(redaction=install_log_redaction, level="INFO", fmt="json", stream=logged)
     scripted["m.public"] = ScriptedAdapter.returning("m.public")
     doc = {"agents": {"m.public": {**scripted_agent(), "data_scope": ["public"]}},
            "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.public"]}]}
@@ -211,7 +211,7 @@ async def test_a_frame_with_a_bad_signature_is_one_esec_line(logged, nursery, po
     """A router that requires signed frames (§11) refuses an unsigned SYN on a
     WebSocket with ERROR ESEC: one audit line; the signed SYN that follows runs
     and adds none."""
-    logs.configure(level="INFO", fmt="json", stream=logged)
+    logs.configure(redaction=install_log_redaction, level="INFO", fmt="json", stream=logged)
     env = await start_router(nursery, policies_dir, hmac_key=KEY)
     async with connect(env.ws_url, "json", "sess-hmac", hmac_key=KEY) as peer:
         await peer.send(peer.session.open_stream("t1", META, WINDOW, payload=task_payload()),
@@ -227,7 +227,7 @@ async def test_each_preemption_is_logged_once(logged, tmp_path, scripted, autoju
     """Bronze streams hold the shared slots; gold kept waiting past
     ``preempt_after_ms`` RSTs them with EPREEMPT: one line per preempted stream,
     and no second line for its reset."""
-    logs.configure(level="INFO", fmt="json", stream=logged)
+    logs.configure(redaction=install_log_redaction, level="INFO", fmt="json", stream=logged)
     scripted["g.fast"] = ScriptedAdapter.returning("g.fast", delay_s=0.2)
     scripted["s.slow"] = ScriptedAdapter.returning("s.slow", delay_s=3.0)
     scripted["b.slow"] = ScriptedAdapter.returning("b.slow", delay_s=3.0)
@@ -258,7 +258,7 @@ async def test_each_preemption_is_logged_once(logged, tmp_path, scripted, autoju
 async def test_each_breaker_transition_is_logged_once(logged, tmp_path, scripted, autojump_clock):
     """closed → open (WARNING), open → half_open and half_open → closed (INFO):
     three transitions, three lines, each naming the agent."""
-    logs.configure(level="INFO", fmt="json", stream=logged)
+    logs.configure(redaction=install_log_redaction, level="INFO", fmt="json", stream=logged)
     down = scripted["a.down"] = ScriptedAdapter("a.down", fail_with=ErrorCode.EAGENTDOWN, fail_reason="HTTP 502")
     scripted["b.ok"] = ScriptedAdapter.returning("b.ok")
     doc = {"agents": {"a.down": {**scripted_agent(), "p95_ms": 100}, "b.ok": {**scripted_agent(), "p95_ms": 900}},

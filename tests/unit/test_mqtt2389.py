@@ -29,10 +29,10 @@ import atp
 from atp.adapters.base import Prompt
 from atp.adapters.mqtt2389 import Mqtt2389Adapter, Stage, from_spec, parse_report
 from atp.adapters.registry import build_adapter
-from atp.agent2389 import protocol as P
 from atp.agent2389.config import parse_config
 from atp.agent2389.runtime import AgentRuntime
 from atp.consensus.types import AgentReport, Usage
+from atp.mqtt import agent_protocol as P
 from atp.mqtt import open_mqtt_client
 from atp.policy.fib import compile_fib
 from atp.policy.loader import load_rib_text

@@ -25,7 +25,7 @@ import trio
 import trio.testing
 from peers import MODEL_ALIAS, free_port, start_llama_server  # tests/peers.py (tests/ is on sys.path via its conftest)
 
-from atp.adapters.base import Fragment, Health, Prompt
+from atp.adapters.base import Fragment, Prompt
 from atp.adapters.openai_compat import (
     CallStats,
     OpenAICompatAdapter,
@@ -37,6 +37,7 @@ from atp.adapters.openai_compat import (
 from atp.adapters.registry import build_adapter
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
+from atp.policy.health import Health
 from atp.policy.rib import AgentSpec, ModelSpec
 from atp.review.diff import parse_diff
 from atp.wire.errors import AgentError, ErrorCode

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (spec §12, :mod:`atp.router.tracing`), checked on the side
+"""OpenTelemetry traces (spec §12, :mod:`atp.observability.tracing`), checked on the side
 of a real OTLP/HTTP receiver built on the official ``opentelemetry-proto``
 messages (:mod:`tests.otlp_receiver`; no Collector can be installed here):
 
@@ -31,7 +31,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from trio_websocket import open_websocket_url
 
 from atp.adapters.testing import ScriptedAdapter
-from atp.router import tracing
+from atp.observability import tracing
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import Flag
@@ -280,7 +280,7 @@ def test_the_2389_envelope_carries_the_callers_trace_context(receiver):
 
     from atp.adapters.base import Prompt
     from atp.adapters.mqtt2389 import Mqtt2389Adapter
-    from atp.agent2389 import protocol as P
+    from atp.mqtt import agent_protocol as P
 
     ad = Mqtt2389Adapter("a", host="h", port=1, agent_id="rev")
     prompt = Prompt(task_type="code_review", content=CLEAN, meta={})

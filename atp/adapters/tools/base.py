@@ -55,7 +55,8 @@ in ``files`` are never written nor analysed and only count toward ``max_files``.
 Errors (spec §10). Failures the client's input caused are
 :class:`~atp.wire.errors.ClientInputError` (``EPROTO``, ``client_fault``; never
 counted against the next-hop): a refused path (also one deeper than
-:data:`MAX_PATH_DEPTH` components or longer than :data:`MAX_PATH_CHARS`) or
+:data:`~atp.review.paths.MAX_PATH_DEPTH` components or longer than
+:data:`~atp.review.paths.MAX_PATH_CHARS`) or
 non-text file, content that is not a ``code_review`` body, a task over a limit,
 an analyser run that hit its CPU, address-space, memory or output limit on that
 input — the reason names the limit and its value — and any exception the task's
@@ -84,8 +85,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
-import posixpath
-import re
 import shutil
 import signal
 import subprocess
@@ -100,11 +99,13 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 import trio
 
-from atp.adapters.base import Fragment, Health, Prompt, ProviderAdapter
+from atp.adapters.base import Fragment, Prompt, ProviderAdapter
 from atp.adapters.openai_compat import CallStats
 from atp.adapters.tools.sandbox import Sandbox, SandboxUnavailable
 from atp.consensus.types import AgentFinding, AgentReport, Usage
+from atp.policy.health import Health
 from atp.review.diff import changed_lines_of
+from atp.review.paths import safe_relpath
 from atp.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
@@ -112,8 +113,6 @@ __all__ = [
     "CANARY_TTL_S",
     "DEFAULT_LIMITS",
     "LIMIT_OPTIONS",
-    "MAX_PATH_CHARS",
-    "MAX_PATH_DEPTH",
     "InDoubt",
     "InThreadToolAdapter",
     "ToolAdapter",
@@ -124,7 +123,6 @@ __all__ = [
     "find_executable",
     "longest_prefix",
     "relative",
-    "safe_relpath",
     "tenant_fault",
 ]
 
@@ -137,14 +135,8 @@ _STDERR_TAIL = 400
 # gives it PATH, HOME and TMPDIR of its own, and API keys and other secrets
 # never reach it.
 _ENV_KEEP = ("LANG", "LC_ALL", "LC_CTYPE")
-#: A file path of a task has at most this many components …
-MAX_PATH_DEPTH = 64
-#: … and at most this many characters (each component at most 255 UTF-8 bytes).
-MAX_PATH_CHARS = 1024
-_NAME_MAX = 255
 #: Seconds a canary's verdict on a next-hop is kept (module docstring).
 CANARY_TTL_S = 30.0
-_DRIVE_RE = re.compile(r"^[A-Za-z]:")
 # Items decoded between two releases of the GIL while parsing (a few hundred µs
 # of work): the event loop thread waits at most that long for it.
 _ITEMS_PER_YIELD = 64
@@ -221,38 +213,6 @@ def find_executable(name: str) -> str | None:
     return shutil.which(name)
 
 
-def safe_relpath(path: object) -> str:
-    """Return ``path`` if it is a normalised relative POSIX path that stays inside
-    the directory it is joined to; raise ``ClientInputError(EPROTO)`` otherwise.
-
-    Refused: non-strings, empty, absolute (``/x``, ``C:x``), any ``..`` component,
-    backslashes (a Windows separator here would mean something else), NUL,
-    non-normal forms (``./x``, ``a//b``) that would make the tool's paths differ
-    from the diff's, and paths deeper than :data:`MAX_PATH_DEPTH` components,
-    longer than :data:`MAX_PATH_CHARS` characters or with a component over 255
-    UTF-8 bytes (checked first, before any other work on the path).
-    """
-    if not isinstance(path, str) or not path:
-        raise ClientInputError(f"file path must be a non-empty string, got {path!r:.80}")
-    if len(path) > MAX_PATH_CHARS:
-        raise ClientInputError(f"refused file path {path[:80]!r}…: longer than {MAX_PATH_CHARS:,} characters")
-    parts = path.split("/")
-    if len(parts) > MAX_PATH_DEPTH:
-        raise ClientInputError(f"refused file path {path[:80]!r}…: deeper than {MAX_PATH_DEPTH} components")
-    if any(len(p.encode("utf-8", "surrogatepass")) > _NAME_MAX for p in parts):
-        raise ClientInputError(f"refused file path {path[:80]!r}…: a component is over {_NAME_MAX} bytes")
-    if (
-        path.startswith("/")
-        or _DRIVE_RE.match(path)
-        or "\\" in path
-        or "\x00" in path
-        or ".." in path.split("/")
-        or posixpath.normpath(path) != path
-    ):
-        raise ClientInputError(f"refused file path {path!r:.200}: must be relative and inside the task")
-    return path
-
-
 def confined_dir(value: object, *, field: str, default: str, roots: Iterable[str], who: str) -> str:
     """The directory a task names in ``content.<field>`` (resolved), or
     ``default`` when it names none. Raises ``ClientInputError`` for a value that
@@ -287,7 +247,7 @@ def longest_prefix(table: Mapping[str, T], code: str, default: T) -> T:
 
 def encode_files(files: Mapping[str, Any], lim: ToolLimits, *, suffixes: tuple[str, ...] | None = None,
                  refuse_git: bool = False, total_what: str = "content.files") -> dict[str, bytes]:
-    """``content.files`` checked and encoded: every path safe (:func:`safe_relpath`;
+    """``content.files`` checked and encoded: every path safe (:func:`~atp.review.paths.safe_relpath`;
     inside ``.git`` refused with ``refuse_git``), every value text; those ending in
     one of ``suffixes`` (all when None) as UTF-8 bytes, each within
     ``max_file_bytes`` and together within ``max_files_bytes`` (``total_what``

@@ -8,7 +8,7 @@ The task (``content``):
                     ``*_test.py``), any suffix (data files, ``conftest.py``,
                     ``pyproject.toml``); written byte for byte into a private
                     temporary directory (paths checked by
-                    :func:`~atp.adapters.tools.base.safe_relpath`)
+                    :func:`~atp.review.paths.safe_relpath`)
 ``repo``            optional: a checkout path on the router host, allowed only
                     inside one of the operator's ``options.repos`` roots (RIB
                     ``agents.<x>.options``, never the client's choice); its regular
@@ -100,11 +100,11 @@ from atp.adapters.tools.base import (
     _over,
     _tail,
     encode_files,
-    safe_relpath,
 )
 from atp.adapters.tools.sandbox import REPORT, SandboxUnavailable
 from atp.consensus.escalation import TEST_FAIL_RULE
 from atp.consensus.types import AgentFinding, AgentReport, Severity
+from atp.review.paths import safe_relpath
 from atp.wire.errors import AgentError, ClientInputError, ErrorCode
 
 __all__ = ["ALLOWED_FLAGS", "DEFAULT_MAX_WRITE_BYTES", "TestRunnerAdapter"]

@@ -74,7 +74,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from opentelemetry import context as otel_context
@@ -85,14 +85,16 @@ from atp.security.redact import scrub
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from atp.consensus.types import FinalResult
-    from atp.router.dispatch import LegOutcome, TaskPlan
-    from atp.router.streams import StreamCtx
+    from atp.consensus.types import AgentReport, FinalResult, Usage
+    from atp.wire.errors import ATPError
 
 __all__ = [
     "DEFAULT_SERVICE_NAME",
     "RouterTracing",
     "TraceContextMiddleware",
+    "TracedLeg",
+    "TracedPlan",
+    "TracedStream",
     "TracingConfigError",
     "active",
     "attach_headers",
@@ -107,6 +109,65 @@ __all__ = [
 ]
 
 log = logging.getLogger("atp.router.tracing")
+
+
+class TracedStream(Protocol):
+    """What the spans read of one open stream (the router's
+    :class:`~atp.router.streams.StreamCtx`; named structurally here, as this
+    package imports no router module)."""
+
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def stream_id(self) -> str: ...
+    @property
+    def account(self) -> str: ...
+    @property
+    def meta(self) -> Mapping[str, Any]: ...
+    @property
+    def qos(self) -> Any: ...
+    @property
+    def route(self) -> Any: ...  # atp.policy.fib.Route
+    @property
+    def gen(self) -> Any: ...  # the RIB generation (``.fib``), or None
+    @property
+    def window(self) -> Any: ...  # atp.flow.window.Window
+    @property
+    def log(self) -> Any: ...  # its EventLog (``.events[-1].frame.msg_seq``)
+    @property
+    def started(self) -> float: ...
+    @property
+    def closed_at(self) -> float | None: ...
+
+
+class TracedLeg(Protocol):
+    """What a leg's span reads of one attempt of one next-hop call (the
+    router's :class:`~atp.router.dispatch.LegOutcome`)."""
+
+    @property
+    def agent(self) -> str: ...
+    @property
+    def report(self) -> AgentReport | None: ...
+    @property
+    def usage(self) -> Usage: ...
+    @property
+    def error(self) -> ATPError | None: ...
+    @property
+    def latency_ms(self) -> float: ...
+    @property
+    def cancelled(self) -> bool: ...
+    @property
+    def attempt(self) -> int: ...
+
+
+class TracedPlan(Protocol):
+    """What the consensus span reads of a task's plan (the router's
+    :class:`~atp.router.dispatch.TaskPlan`): its flow window."""
+
+    @property
+    def window(self) -> Any: ...
 
 DEFAULT_SERVICE_NAME = "atp-router"
 #: The instrumentation scope of the router's spans.
@@ -406,7 +467,7 @@ class _StreamTrace:
                 attributes={**self.attrs, "agent": agent})
         return trace.set_span_in_context(span)
 
-    def leg_done(self, out: LegOutcome) -> None:
+    def leg_done(self, out: TracedLeg) -> None:
         end = _ns()
         start = end - int(out.latency_ms * 1e6)
         span = self.pending.pop(out.agent, None)
@@ -499,7 +560,7 @@ class RouterTracing:
             return None
         return _window_json(table.window(agent).statistics())
 
-    def stream_opened(self, ctx: StreamCtx) -> dict[str, str]:
+    def stream_opened(self, ctx: TracedStream) -> dict[str, str]:
         """Start the stream's span (and its session's, when it is the session's
         first open stream) under the SYN's ``meta.trace``, else the ingress
         request's context. Returns the SYN+ACK's ``meta.trace``."""
@@ -540,7 +601,7 @@ class RouterTracing:
         span.end()
 
     @contextlib.contextmanager
-    def running(self, ctx: StreamCtx) -> Iterator[None]:
+    def running(self, ctx: TracedStream) -> Iterator[None]:
         """Run the stream's task with its span current: its legs, their requests
         and the log lines it writes carry the stream's trace."""
         st = self._streams.get(ctx.account)
@@ -555,19 +616,19 @@ class RouterTracing:
             otel_context.detach(token)
             _STREAM.reset(reset)
 
-    def leg(self, out: LegOutcome) -> None:
+    def leg(self, out: TracedLeg) -> None:
         """One attempt of one next-hop ended (the dispatcher's ``on_leg``)."""
         st = _STREAM.get()
         if st is not None and st.owner is self:
             st.leg_done(out)
 
-    def merged(self, ctx: StreamCtx, plan: TaskPlan, final: FinalResult, triggers: list[str]) -> None:
+    def merged(self, ctx: TracedStream, plan: TracedPlan, final: FinalResult, triggers: list[str]) -> None:
         """The FINAL is merged: the consensus span (and the escalation's) end."""
         st = self._streams.get(ctx.account)
         if st is not None:
             st.merged(final, triggers, plan.window)
 
-    def stream_closed(self, ctx: StreamCtx, *, outcome: str, code: str | None, usd_micros: int | None) -> None:
+    def stream_closed(self, ctx: TracedStream, *, outcome: str, code: str | None, usd_micros: int | None) -> None:
         """The stream ended (FIN or RST): its span ends, and its session's when no
         other stream of the session is open."""
         st = self._streams.pop(ctx.account, None)
@@ -599,6 +660,6 @@ class RouterTracing:
                 sess.span.end()
 
 
-def _last_seq(ctx: StreamCtx) -> int:
+def _last_seq(ctx: TracedStream) -> int:
     events = ctx.log.events
     return events[-1].frame.msg_seq if events else 0

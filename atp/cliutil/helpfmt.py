@@ -1,5 +1,6 @@
-"""The help formatter of the ``atp-router`` commands: every option's default in its
-``--help`` line."""
+"""The help formatter of the ``atp-router`` commands (the router's own and the
+subcommands other packages implement): every option's default in its ``--help``
+line."""
 
 from __future__ import annotations
 

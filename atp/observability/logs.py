@@ -3,8 +3,9 @@ one scrubber for every line, the router's own and its libraries'.
 
 :func:`configure` replaces the root logger's handlers with one stderr handler:
 
-* **one scrubber**: the handler's :class:`~atp.adapters.context.RedactingFilter`
-  (:func:`~atp.adapters.context.install_log_redaction`) masks registered Agent
+* **one scrubber**: the caller's ``redaction`` (the router's is
+  :func:`~atp.adapters.context.install_log_redaction`, which attaches a
+  :class:`~atp.adapters.context.RedactingFilter`) masks registered Agent
   Context secrets and whatever detect-secrets recognises
   (:func:`atp.security.redact.scrub`) in the message and its ``%``-args, the
   ``extra`` fields, the exception text — and, for a structlog event, in every
@@ -15,7 +16,7 @@ one scrubber for every line, the router's own and its libraries'.
   ``event`` (the message), the record's ``extra`` fields, ``exception`` (its
   traceback, scrubbed), ``trace_id`` / ``span_id`` (32 / 16 hex digits) whenever
   an OpenTelemetry span is current (a stream's task runs inside its stream span,
-  :mod:`atp.router.tracing`), and the static ``fields`` given (a worker's
+  :mod:`atp.observability.tracing`), and the static ``fields`` given (a worker's
   ``worker`` slot);
 * **two renderings**: ``json`` — one JSON object per line, for collectors;
   ``console`` — structlog's aligned, human ``ConsoleRenderer`` (colours on a
@@ -31,13 +32,11 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 import structlog
 from opentelemetry import trace
-
-from atp.adapters.context import install_log_redaction
 
 __all__ = ["FORMATS", "add_trace_ids", "configure", "default_format"]
 
@@ -82,12 +81,16 @@ class _Handler(logging.StreamHandler):
     second call)."""
 
 
-def configure(*, level: str | int = "INFO", fmt: str | None = None, stream: IO[str] | None = None,
+def configure(*, redaction: Callable[[logging.Handler], object], level: str | int = "INFO",
+              fmt: str | None = None, stream: IO[str] | None = None,
               fields: Mapping[str, Any] | None = None) -> logging.Handler:
     """Route every log line of the process through one handler on ``stream``
     (default stderr) at ``level`` (name or number), rendered as ``fmt``
     (:data:`FORMATS`; default :func:`default_format`), with ``fields`` added to
-    every line; configure structlog to log through it. Replaces the root
+    every line; configure structlog to log through it. ``redaction(handler)``
+    attaches the one scrubber to the handler before it is installed (the
+    router passes :func:`atp.adapters.context.install_log_redaction`: this
+    package imports no adapter). Replaces the root
     logger's handlers (idempotent). Returns the handler. Raises ``ValueError``
     for an unknown format or level."""
     stream = sys.stderr if stream is None else stream
@@ -124,7 +127,7 @@ def configure(*, level: str | int = "INFO", fmt: str | None = None, stream: IO[s
         ],
     ))
     # The one scrubber, before any rendering (it also cleans a structlog event's dict).
-    install_log_redaction(handler)
+    redaction(handler)
     root = logging.getLogger()
     for h in list(root.handlers):
         if isinstance(h, _Handler) or type(h) is logging.StreamHandler:
