@@ -165,6 +165,12 @@ def prod_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             assert proc.stop() == 0
     done.set()
     thread.join()
+    listener.setblocking(False)  # what the router sent before it exited and the thread had not read yet
+    while True:
+        try:
+            received.append(listener.recv(65536))
+        except BlockingIOError:
+            break
     listener.close()
     run.syslog.write_bytes(b"".join(m.rstrip(b"\x00") + b"\n" for m in received))
     run.output = "".join(proc.lines)
