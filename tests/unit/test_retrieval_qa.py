@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,12 +17,18 @@ import pytest
 
 from atp.adapters.base import Prompt
 from atp.adapters.registry import build_adapter
-from atp.adapters.tools.retriever import RetrieverAdapter, RetrieverLimits, chunk, query_terms
+from atp.adapters.tools.retriever import (
+    RetrieverAdapter,
+    RetrieverLimits,
+    chunk,
+    query_terms,
+)
 from atp.consensus.escalation import CITATION_RULE, should_escalate
 from atp.consensus.strategies import merge
 from atp.consensus.types import AgentFinding, AgentReport, Severity
 from atp.policy.rib import AgentSpec
-from atp.wire.errors import ClientInputError
+from atp.router.dispatch import NEXT_HOP_FAILED
+from atp.wire.errors import ClientInputError, ErrorCode
 from tests.helpers import rib_with_root, router_process
 from tests.peers import MODEL_ALIAS, start_llama_server
 
@@ -201,7 +209,7 @@ def test_retrievers_citing_different_places_disagree():
 
 
 def _run(script: str, args: list[str], url: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(EXAMPLE / script), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(EXAMPLE / script), *args], check=False, capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, env={**os.environ, "ATP_ROUTER_URL": url})
 
 
@@ -259,6 +267,27 @@ def llama_url() -> Iterator[str]:
         yield url
 
 
+#: Asks of the model test (one, and again only after a synthesis timed out).
+_MODEL_TRIES = 4
+
+
+def _synth_retry(texts: list[str], timed_out: bool) -> tuple[bool, float]:
+    """Whether to ask again, and after how many seconds: the uncertainties (or
+    ask.py's printed answer) say the escalation to synth.local ran past its
+    ``timeout_ms`` (ETIMEOUT) — or, once that happened (``timed_out``), that the
+    breaker it opened is still open (EAGENTDOWN "circuit open (next probe in N
+    ms)": asked again after N ms). Any other failure is the test's failure,
+    never retried."""
+    failed = f"{NEXT_HOP_FAILED}synth.local: "
+    if any(failed + str(ErrorCode.ETIMEOUT) in t for t in texts):
+        return True, 0.0
+    probe = next((m for t in texts if (m := re.search(re.escape(failed) + r"EAGENTDOWN: circuit open "
+                                                       r"\(next probe in (\d+) ms\)", t))), None)
+    if timed_out and probe is not None:
+        return True, int(probe.group(1)) / 1000 + 0.2
+    return False, 0.0
+
+
 @pytest.mark.model
 def test_weak_question_escalates_to_the_model_with_the_snippets(llama_url, tmp_path):
     if not SPECS.is_dir():
@@ -266,18 +295,36 @@ def test_weak_question_escalates_to_the_model_with_the_snippets(llama_url, tmp_p
     rib = rib_with_root(EXAMPLE / "rib.yaml", tmp_path).read_text()
     assert "http://127.0.0.1:8080/v1" in rib
     (tmp_path / "rib.yaml").write_text(rib.replace("http://127.0.0.1:8080/v1", llama_url))
+    question = "Which colour are the routers painted in the data centre?"
     with router_process(tmp_path / "rib.yaml", tmp_path / "state", cwd=ROOT) as url:
         # Few of these terms occur together anywhere: weak citations, escalated.
-        r = _run("ask.py", ["--json", "Which colour are the routers painted in the data centre?"], url, tmp_path)
-        assert r.returncode == 0, r.stderr
-        final = json.loads(r.stdout)
-        cons = final["result"]["consensus"]
-        assert any(u.startswith("escalated on ") and "weak_citations" in u for u in cons["uncertainties"]), cons
-        synth = [a for a in final["result"]["answers"] if a["agent"] == "synth.local"]
-        assert synth and synth[0]["text"].strip()
+        # The model answers within synth.local's timeout_ms (120 s) on any idle
+        # machine, not always on a CPU-starved one: a run whose synthesis timed
+        # out (and only that) is asked again (issue 20: retry the provocation).
+        timed_out = False
+        for _ in range(_MODEL_TRIES):
+            r = _run("ask.py", ["--json", question], url, tmp_path)
+            assert r.returncode == 0, r.stderr
+            final = json.loads(r.stdout)
+            cons = final["result"]["consensus"]
+            assert any(u.startswith("escalated on ") and "weak_citations" in u for u in cons["uncertainties"]), cons
+            synth = [a for a in final["result"]["answers"] if a["agent"] == "synth.local"]
+            again, after = _synth_retry(cons["uncertainties"], timed_out)
+            if synth or not again:
+                break
+            timed_out = True
+            time.sleep(after)
+        assert synth and synth[0]["text"].strip(), cons
         assert final["telemetry"]["tokens"] > 0  # the model's tokens are charged and reported
-        human = _run("ask.py", ["Which colour are the routers painted in the data centre?"], url, tmp_path)
-        assert "Answer (synth.local, escalated on" in human.stdout and "cost: tokens=" in human.stdout
+        # (A breaker the timeouts above opened may still be open: timed_out carries on.)
+        for _ in range(_MODEL_TRIES):
+            human = _run("ask.py", [question], url, tmp_path)
+            again, after = _synth_retry([human.stdout], timed_out)
+            if "Answer (synth.local, escalated on" in human.stdout or not again:
+                break
+            timed_out = True
+            time.sleep(after)
+        assert "Answer (synth.local, escalated on" in human.stdout and "cost: tokens=" in human.stdout, human.stdout
     assert MODEL_ALIAS in rib
 
 
