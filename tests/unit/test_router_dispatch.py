@@ -178,6 +178,36 @@ async def test_stream_deadline_cuts_running_and_queued_next_hops(nursery, tmp_pa
     assert (len(scripted["review.hang"].calls), len(scripted["review.hang2"].calls)) == (2, 0)
 
 
+class _NurseryHang(ScriptedAdapter):
+    """Hangs inside a nursery of its own, as a tool adapter's sandbox reads its
+    pipes: a cancellation leaves it as a group of ``Cancelled``."""
+
+    async def stream(self, prompt):
+        self.calls.append(prompt)
+        async with trio.open_nursery() as n:
+            n.start_soon(trio.sleep_forever)
+            await trio.sleep_forever()
+        yield Fragment(type=PayloadType.FINAL, content={})  # pragma: no cover (never reached)
+
+
+async def test_stream_deadline_cuts_a_next_hop_cancelled_inside_its_own_nursery(nursery, tmp_path, scripted):
+    """The deadline's cancellation crossing a nursery in the adapter is still a
+    cut: the next-hop gets its ETIMEOUT and the stream's window is not halved
+    (a cancelled call leaves AIMD alone)."""
+    scripted["review.hang"] = ScriptedAdapter("review.hang", delay_s=math.inf)
+    scripted["review.nest"] = _NurseryHang("review.nest")
+    agents = {"review.hang": scripted_agent(timeout_ms=600_000), "review.nest": scripted_agent(timeout_ms=600_000)}
+    env = await router_with(nursery, tmp_path, agents, fanout=["review.hang", "review.nest"], deadline_ms=300)
+    events, _ = await run_stream(env)
+    assert sorted((e["code"], e["reason"]) for e in errors(events)) == [
+        ("ETIMEOUT", "review.hang: stream deadline reached before the next-hop answered"),
+        ("ETIMEOUT", "review.nest: stream deadline reached before the next-hop answered"),
+    ]
+    assert [ev.payload["window"]["max_parallel"] for ev in events if ev.type == "WINDOW_UPDATE"] == []
+    assert events[-1].type == "RST" and "review.nest: ETIMEOUT" in events[-1].payload["reason"]
+    assert len(scripted["review.nest"].calls) == 1
+
+
 async def test_budget_too_small_for_an_estimate_skips_that_call(nursery, tmp_path, scripted):
     pricey = scripted["review.pricey"] = ScriptedAdapter.returning(
         "review.pricey", [finding()], estimate=CostEstimate(in_tokens=5_000, out_tokens=1_000, usd=0.002)
