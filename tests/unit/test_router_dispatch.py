@@ -150,12 +150,21 @@ async def test_stream_deadline_cuts_running_and_queued_next_hops(nursery, tmp_pa
     scripted["review.hang"] = ScriptedAdapter("review.hang", delay_s=math.inf)
     agents = {"lint.ruff": RUFF, "review.hang": scripted_agent(timeout_ms=600_000)}
     env = await router_with(nursery, tmp_path, agents, fanout=["lint.ruff", "review.hang"], deadline_ms=500)
-    t0 = trio.current_time()
-    events, _ = await run_stream(env)
-    assert 0.5 <= trio.current_time() - t0 < 10
+    # The condition first: ruff answers within the 500 ms while review.hang runs.
+    # On a loaded machine its sandboxed run may take longer; the deadline then cuts
+    # it too (an ETIMEOUT of its own) and the stream is run again — the
+    # provocation is retried, never the assertion.
+    cut = "lint.ruff: stream deadline reached before the next-hop answered"
+    for _ in range(5):
+        t0 = trio.current_time()
+        events, _ = await run_stream(env)
+        assert 0.5 <= trio.current_time() - t0 < 10
+        if ("ETIMEOUT", cut) not in [(e["code"], e["reason"]) for e in errors(events)]:
+            break
+        assert reporters(events) == set() and events[-1].type == "RST"
     assert [(e["code"], e["reason"]) for e in errors(events)] == [
         ("ETIMEOUT", "review.hang: stream deadline reached before the next-hop answered")
-    ]
+    ], "ruff never answered within the 500 ms stream deadline in 5 streams"
     assert reporters(events) == {"lint.ruff"}
     final_of(events)
 
