@@ -709,8 +709,9 @@ class Dispatcher:
             plan.attempts.append(out)
             try:
                 await self._attempt(io, plan, hop, out, turn if first else None)
-            except trio.Cancelled:
-                out.cancelled = True
+            except BaseException as e:
+                if _is_cancellation(e):
+                    out.cancelled = True
                 raise
             first = False
             if out.error is None:
@@ -816,6 +817,12 @@ class Dispatcher:
                 log.exception("next-hop %s: adapter raised", agent)
                 origin, crash = Origin.CRASH, type(e).__name__
                 out.error = AgentError(ErrorCode.EAGENTDOWN, f"adapter error: {crash}", agent=agent)
+            except BaseExceptionGroup as eg:
+                # A cancellation that crossed a nursery inside the adapter (the
+                # sandbox's pipe readers) arrives as a group of Cancelled.
+                if _is_cancellation(eg):
+                    out.cancelled = True
+                raise
             if out.error is not None:
                 _attribute(out, ready.adapter, origin, crash)
             if timely and plan.cache is not None:
@@ -1017,6 +1024,15 @@ async def _run_canary(adapter: ProviderAdapter) -> None:
                         raise AgentError(ErrorCode.EPROTO, f"canary FINAL is not a review report: {e}") from None
                 return
     raise AgentError(ErrorCode.EPROTO, "canary ended without a FINAL fragment")
+
+
+def _is_cancellation(e: BaseException) -> bool:
+    """Whether ``e`` is a cancellation: ``trio.Cancelled``, or a group of only
+    ``Cancelled`` (what a nursery the cancellation crossed raises — a tool
+    adapter's sandbox reads its pipes in one)."""
+    if isinstance(e, trio.Cancelled):
+        return True
+    return isinstance(e, BaseExceptionGroup) and e.split(trio.Cancelled)[1] is None
 
 
 def _client_fault(err: ATPError | None) -> bool:
