@@ -46,9 +46,10 @@ tracing, audit, task start) is the router's.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol, TypeVar
 
 import msgspec
 
@@ -184,8 +185,19 @@ class StageType(Protocol):
     def of(self, parts: OpenParts, /) -> Stage: ...
 
 
-def _refused(e: ATPError) -> Refuse:
-    return Refuse(e.code, e.reason, e.retry_after_ms)
+_S = TypeVar("_S")
+
+
+def _refusing(call: Callable[[_S, OpenCtx], Continue | Refuse]) -> Callable[[_S, OpenCtx], Continue | Refuse]:
+    """A stage's ``__call__`` whose parts raise :class:`ATPError`: the error becomes
+    the :class:`Refuse` with its code, reason and ``retry_after_ms``."""
+    @functools.wraps(call)
+    def stage(self: _S, o: OpenCtx) -> Continue | Refuse:
+        try:
+            return call(self, o)
+        except ATPError as e:
+            return Refuse(e.code, e.reason, e.retry_after_ms)
+    return stage
 
 
 # ------------------------------------------------------------------ stages
@@ -199,11 +211,9 @@ class ContextScope:
     def of(cls, parts: OpenParts) -> ContextScope:
         return cls()
 
+    @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
-        try:
-            o.meta = with_context_scope(o.meta)
-        except ATPError as e:
-            return _refused(e)
+        o.meta = with_context_scope(o.meta)
         return CONTINUE
 
 
@@ -217,13 +227,11 @@ class TaskShape:
     def of(cls, parts: OpenParts) -> TaskShape:
         return cls()
 
+    @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
         content = o.content
         if isinstance(content, dict):
-            try:
-                check_task(content)
-            except ATPError as e:
-                return _refused(e)
+            check_task(content)
             if "diff" in content and "diff_loc" not in o.meta:
                 o.meta["diff_loc"] = count_changed_lines(content["diff"])  # C speed: no stall at SYN
         return CONTINUE
@@ -242,11 +250,9 @@ class StreamSlot:
     def of(cls, parts: OpenParts) -> StreamSlot:
         return cls(parts.streams)
 
+    @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
-        try:
-            self.streams.admit(o.tenant, o.stream_id)
-        except ATPError as e:
-            return _refused(e)
+        self.streams.admit(o.tenant, o.stream_id)
         return CONTINUE
 
 
@@ -315,13 +321,11 @@ class FibLookup:
     def of(cls, parts: OpenParts) -> FibLookup:
         return cls(parts.generation, parts.learning, parts.control)
 
+    @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
         o.gen = gen = self.generation()
         self.learning.sync(gen)
-        try:
-            o.route = gen.fib.lookup(o.meta, health=self.control.health(gen, o.now), live=self.learning.live_view())
-        except ATPError as e:
-            return _refused(e)
+        o.route = gen.fib.lookup(o.meta, health=self.control.health(gen, o.now), live=self.learning.live_view())
         return CONTINUE
 
 
@@ -338,17 +342,15 @@ class Bandit:
     def of(cls, parts: OpenParts) -> Bandit:
         return cls(parts.learning)
 
+    @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
         route, gen = o.route, o.gen
         assert route is not None and gen is not None, "bandit runs after route"
         policy_budget = min_budget(o.client_budget, route.budget)
-        try:
-            o.route, o.decision = self.learning.route(
-                route, gen, o.meta, o.content, tenant=o.tenant,
-                budget_usd_micros=usd_to_micros(policy_budget.usd) if policy_budget.usd is not None else None,
-                qos=o.admitted_qos or route.qos)
-        except ATPError as e:
-            return _refused(e)
+        o.route, o.decision = self.learning.route(
+            route, gen, o.meta, o.content, tenant=o.tenant,
+            budget_usd_micros=usd_to_micros(policy_budget.usd) if policy_budget.usd is not None else None,
+            qos=o.admitted_qos or route.qos)
         return CONTINUE
 
 
@@ -366,14 +368,12 @@ class BudgetOpen:
     def of(cls, parts: OpenParts) -> BudgetOpen:
         return cls(parts.ledger, parts.client_account)
 
+    @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
         assert o.route is not None, "budget_open runs after route"
         o.budget = budget = min_budget(o.client_budget, o.route.budget)
-        try:
-            # A shared ledger may refuse (its store unreachable, EBUDGET; atp.router.cluster).
-            self.ledger.open(o.account, Allowance.from_budget(budget), parent=self.client_account(o.tenant))
-        except ATPError as e:
-            return _refused(e)
+        # A shared ledger may refuse (its store unreachable, EBUDGET; atp.router.cluster).
+        self.ledger.open(o.account, Allowance.from_budget(budget), parent=self.client_account(o.tenant))
         return CONTINUE
 
 
