@@ -869,17 +869,21 @@ class ClusterRouter(SharedRib, Router):
         it is forwarded) instead of running its task twice; one that re-opens
         a stream interrupted by :data:`ROUTER_LOST` with its task runs it
         again if this router wins the re-run claim. A store that cannot be
-        reached refuses it (``EBUDGET``)."""
+        reached refuses it (``EBUDGET`` with ``retry_after_ms``
+        :data:`RETRY_AFTER_MS`: over HTTP 503 + ``Retry-After``)."""
         key = frame.meta.get("idempotency_key")
         if Flag.SYN in frame.flags and frame.ttl != 0 and isinstance(key, str):
+            retry_after_ms = None
             try:
                 refused = self._keyed_syn(frame, identity, key)
             except StoreUnavailable as e:
                 self.store_unavailable("read", e)
-                refused = (ErrorCode.EBUDGET, store_unavailable_reason(e))
+                # Like every spend refused while the store is away: retry in a moment (HTTP 503
+                # + Retry-After), not a bare 402 that a client reads as a spent budget.
+                refused, retry_after_ms = (ErrorCode.EBUDGET, store_unavailable_reason(e)), RETRY_AFTER_MS
             if refused is not None:
                 self.metrics.errors.labels(str(refused[0])).inc()
-                return [connection_error(frame.session_id, frame.stream_id, *refused)]
+                return [connection_error(frame.session_id, frame.stream_id, *refused, retry_after_ms)]
         return super().receive_frame(frame, identity=identity, now=now)
 
     def _keyed_record(self, frame: Frame, tenant: str, key: str) -> StreamRecord | None:

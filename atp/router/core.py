@@ -1178,14 +1178,18 @@ def end_interrupted(store: SqliteStore, rec: Any, reason: str) -> None:
     store.append_event(rec.tenant, rec.session_id, rec.stream_id, len(events) + 1, "RST", msgspec.json.encode(rst))
 
 
-def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: str) -> Frame:
+def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: str,
+                     retry_after_ms: int | None = None) -> Frame:
     """An ERROR (spec §10) outside any session's sequence: for a frame the router
     could not attribute to an open stream of the sender (undecodable, a late
-    message on a closed stream, a frame the ingress could not process).
-    ``stream_id`` ``"0"`` means the connection itself."""
+    message on a closed stream, a frame the ingress could not process, a SYN
+    refused before it had a stream). ``stream_id`` ``"0"`` means the connection
+    itself; ``retry_after_ms`` is the backoff hint (ms; over HTTP a 503 or 429
+    with ``Retry-After``)."""
     return Frame(
         v=1, session_id=session_id, stream_id=stream_id, msg_seq=0, flags=[Flag.CTRL],
-        payload=Payload(type=PayloadType.CONTROL, content=ErrorPayload(code=code, reason=reason)),
+        payload=Payload(type=PayloadType.CONTROL,
+                        content=ErrorPayload(code=code, reason=reason, retry_after_ms=retry_after_ms)),
     )
 
 

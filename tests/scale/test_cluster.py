@@ -356,6 +356,18 @@ async def test_redis_down_refuses_spend_and_recovers_without_a_restart(cluster):
     assert refused.json()["error"]["code"] == "EBUDGET"
     assert refused.json()["error"]["reason"].startswith("budget store unavailable")
     assert refused.headers["retry-after"] == "1"
+    # One with an idempotency key: refused the same way (retry in a moment, never a bare 402),
+    # over HTTP by the forwarding app's lookup, over a WebSocket by the SYN's own.
+    keyed = await _open(a.url, "bob", idempotency_key="down-1")
+    assert (keyed.status_code, keyed.headers.get("retry-after")) == (503, "1"), keyed.text
+    assert "store unavailable" in keyed.json()["error"]["reason"]
+    async with connect(a.ws_url, "json", "sess-down", token=TOKENS["bob"]) as peer:
+        await peer.send(peer.session.open_stream("t-down", {**TASK, "idempotency_key": "down-ws"}, WINDOW,
+                                                 payload=Payload(type=PayloadType.TASK, content=CONTENT)))
+        await peer.pump_until(lambda: bool(peer.raw_errors("t-down")), timeout=30)
+        err = peer.raw_errors("t-down")[0]
+        assert (err.code, err.retry_after_ms) == (ErrorCode.EBUDGET, 1000), err
+        assert err.reason.startswith("budget store unavailable"), err
     assert await router_metric(a.url, "atp_store_up", TOKENS["ops"]) == {"": 0.0}
     down = await router_metric(a.url, "atp_store_unavailable_total", TOKENS["ops"])
     assert sum(down.values()) > 0 and set(down) <= {f'op="{op}"' for op in (

@@ -150,6 +150,7 @@ class LoadCluster:
         # answer to load_ledger (2,000 reservations) is waited for, not a 0.5 s timeout.
         self.store = RedisStore.open(redis.url, socket_timeout_s=10.0, connect_timeout_s=10.0)
         self.gate = Gate(ANSWER_RATE)
+        self._arrived0 = 0
 
     def totals(self) -> AccountTotals:
         """The tenant's account in Redis, as the routers share it."""
@@ -158,6 +159,7 @@ class LoadCluster:
     def hold(self) -> None:
         self.gate = Gate(ANSWER_RATE)
         self.ok.hold = self.flaky.hold = self.gate  # type: ignore[assignment]  # duck-typed: wait()
+        self._arrived0 = self.ok.waiting + self.flaky.waiting
 
     def calls(self, model: BillingModel, start: int = 0) -> Counter[str]:
         """Calls ``model`` got (from its ``start``-th on), by stream key."""
@@ -167,14 +169,21 @@ class LoadCluster:
         """Until the store holds ``reservations`` open reservations (each stream's
         two calls admitted: both hold their estimate in the shared ledger) and
         the client has read ``opened`` streams' open answers (a router may admit
-        a stream's calls before its answer to the POST reaches the client)."""
+        a stream's calls before its answer to the POST reaches the client); with
+        ``opened``, also until the models hold that many calls since :meth:`hold`
+        (a call is reserved before its request is sent: counting the models'
+        requests before it has arrived would miss it)."""
+        def arrived() -> int:
+            return self.ok.waiting + self.flaky.waiting - self._arrived0 if opened else reservations
+
         with trio.move_on_after(timeout):
-            while len(self.store.load_ledger().reservations) < reservations or len(load.opened_on) < opened:
+            while (len(self.store.load_ledger().reservations) < reservations or len(load.opened_on) < opened
+                   or arrived() < reservations):
                 await trio.sleep(0.5)
             return
         raise AssertionError(
             f"{reservations} reservations not held within {timeout} s: {len(self.store.load_ledger().reservations)}"
-            f" are; streams opened {len(load.opened_on)}, ended {load.ended}, refused {load.refused} {load.reasons}; "
+            f" are, {arrived()} calls reached the models; streams opened {len(load.opened_on)}, ended {load.ended}, refused {load.refused} {load.reasons}; "
             "router logs:\n" + "".join(line for r in self.routers for line in r.lines[-20:]))
 
     def stop(self) -> None:
