@@ -485,6 +485,10 @@ def test_kill9_loses_nothing_acknowledged(backend: Backend):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        # What the child acknowledged before the kill landed: on a busy machine it may be
+        # several iterations past the line read above, those lines still in the pipe.
+        for line in proc.stdout:
+            acked = int(line)
         proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL and acked >= 150
     s = backend.open()
