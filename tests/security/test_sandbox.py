@@ -491,6 +491,24 @@ def test_a_checkout_under_tmp_is_refused_at_load_and_start_naming_the_cause_and_
         shutil.rmtree(checkout, ignore_errors=True)
 
 
+def test_the_probe_names_an_interpreter_no_run_can_see(monkeypatch):
+    """:func:`~atp.adapters.tools.sandbox.probe` says why, without trying a run
+    that would fail with ``exec: …: not found``, for an interpreter outside the
+    router's checkout too."""
+    tmp = Path(tempfile.mkdtemp(prefix="atp-test-python-", dir="/tmp"))
+    try:
+        (tmp / "bin").mkdir()
+        (tmp / "bin" / "python3").symlink_to(os.path.realpath(sys.executable))
+        monkeypatch.setattr(sys, "executable", str(tmp / "bin" / "python3"))
+        monkeypatch.setattr(sys, "prefix", str(tmp))
+        monkeypatch.setattr(sandbox, "_probed", [])
+        assert sandbox.probe() == (f"the interpreter {tmp}/bin/python3 lives under /tmp, which every sandboxed run "
+                                   "gets private (it cannot be seen inside); install the router's interpreter and "
+                                   "its environment outside /tmp")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_a_tool_or_file_a_run_cannot_see_is_refused_naming_it(monkeypatch):
     """An executable, its ``#!`` interpreter (as written or where a symlink
     leads) or a file a run mounts under a directory every run gets private is

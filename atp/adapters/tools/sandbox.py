@@ -233,7 +233,7 @@ def _interpreter_hidden() -> str | None:
     if _within(os.path.normpath(sys.prefix), _CHECKOUT):
         fix = "keep the checkout (and its .venv) outside {dir}"
     else:
-        fix = f"install the router's Python environment ({sys.prefix}) outside {{dir}}"
+        fix = "install the router's interpreter and its environment outside {dir}"
     reason = _hidden("interpreter", sys.executable, fix) if sys.executable else None
     for p in (sys.prefix, sys.base_prefix, sys.exec_prefix):
         reason = reason or _hidden("interpreter's installation", p, fix)
