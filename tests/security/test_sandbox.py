@@ -21,6 +21,7 @@ leave no ``atp-tool-*`` / ``atp-tests-*`` directory behind.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -28,8 +29,10 @@ import socket
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+import venv
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +42,7 @@ import trio
 
 import atp
 from atp.adapters.base import Prompt
-from atp.adapters.tools import sandbox
+from atp.adapters.tools import sandbox, semgrep
 from atp.adapters.tools.base import ToolLimits
 from atp.adapters.tools.ruff import RuffAdapter
 from atp.adapters.tools.summariser import scan_repo
@@ -449,6 +452,118 @@ def test_a_sandbox_never_mounts_the_routers_state_or_home(tmp_path, monkeypatch)
         box._checked([str(tmp_path / "home")])
 
 
+def test_a_checkout_under_tmp_is_refused_at_load_and_start_naming_the_cause_and_the_fix(tmp_path):
+    """Every run gets a private ``/tmp``, so the interpreter of a checkout (and
+    its ``.venv``) under ``/tmp`` cannot be seen inside a sandbox: the RIB is
+    refused at load and at start with one line naming the cause and the fix, not
+    with bubblewrap's ``exec: …/python: not found`` (finding "checkout under
+    /tmp"). The checkout here: a copy of the code under test and a venv beside it."""
+    checkout = Path(tempfile.mkdtemp(prefix="atp-test-checkout-", dir="/tmp"))
+    checkout.chmod(0o755)  # as `git clone` leaves it: any user may read it
+    try:
+        shutil.copytree(Path(sandbox.__file__).resolve().parents[2], checkout / "atp",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        venv.create(checkout / ".venv", with_pip=False, symlinks=True)
+        # Its dependencies: this interpreter's site-packages (behind PYTHONPATH, so the copy's atp is the one run).
+        site = checkout / ".venv" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+        (site / "atp_test_deps.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+        python = checkout / ".venv" / "bin" / "python"
+        rib = tmp_path / "rib.yaml"
+        rib.write_text(json.dumps({
+            "agents": {"lint.ruff": {"layer": "L1", "tool": "ruff", "p95_ms": 3000, "timeout_ms": 60_000,
+                                     "strengths": ["code_review"]}},
+            "policies": [{"name": "lint", "match": {"task_type": "code_review"}, "fanout": ["lint.ruff"]}],
+        }))
+        env = {**os.environ, "PYTHONPATH": str(checkout)}
+        router = [str(python), "-m", "atp.router.cli"]  # run in the checkout, as scripts/demo.sh does
+        line = (f"agents.lint.ruff: sandbox: the interpreter {python} lives under /tmp, which every sandboxed run "
+                "gets private (it cannot be seen inside); keep the checkout (and its .venv) outside /tmp")
+        check = subprocess.run([*router, "policy", "check", str(rib)], env=env, cwd=checkout, capture_output=True,
+                               text=True, timeout=120, check=False)
+        assert check.returncode == 1, check
+        assert f"{rib}: {line}" in check.stderr.splitlines(), check.stderr
+        start = subprocess.run([*router, "--policies", str(rib), "--state-dir", str(tmp_path / "state"),
+                                "--http-port", str(free_port()), "--ws-port", str(free_port()), "--no-watch"],
+                               env=env, cwd=checkout, capture_output=True, text=True, timeout=120, check=False)
+        assert start.returncode != 0
+        assert line in start.stdout + start.stderr, start
+    finally:
+        shutil.rmtree(checkout, ignore_errors=True)
+
+
+def test_the_probe_names_an_interpreter_no_run_can_see(monkeypatch):
+    """:func:`~atp.adapters.tools.sandbox.probe` says why, without trying a run
+    that would fail with ``exec: …: not found``, for an interpreter outside the
+    router's checkout too."""
+    tmp = Path(tempfile.mkdtemp(prefix="atp-test-python-", dir="/tmp"))
+    try:
+        (tmp / "bin").mkdir()
+        (tmp / "bin" / "python3").symlink_to(os.path.realpath(sys.executable))
+        monkeypatch.setattr(sys, "executable", str(tmp / "bin" / "python3"))
+        monkeypatch.setattr(sys, "prefix", str(tmp))
+        monkeypatch.setattr(sandbox, "_probed", [])
+        assert sandbox.probe() == (f"the interpreter {tmp}/bin/python3 lives under /tmp, which every sandboxed run "
+                                   "gets private (it cannot be seen inside); install the router's interpreter and "
+                                   "its environment outside /tmp")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_tool_or_file_a_run_cannot_see_is_refused_naming_it(monkeypatch):
+    """An executable, its ``#!`` interpreter (as written or where a symlink
+    leads) or a file a run mounts under a directory every run gets private is
+    refused when the policy is made, with the path, the cause and the fix."""
+    private = " which every sandboxed run gets private (it cannot be seen inside);"
+    tmp = Path(tempfile.mkdtemp(prefix="atp-test-tool-", dir="/tmp"))
+    host = Path(tempfile.mkdtemp(prefix="atp-test-tool-", dir="/var/tmp"))  # a host directory runs can see
+    shm = Path(tempfile.mkdtemp(prefix="atp-test-tool-", dir="/dev/shm"))
+    try:
+        exe = tmp / "bin" / "ruff"
+        exe.parent.mkdir()
+        shutil.copy("/bin/true", exe)
+        with pytest.raises(sandbox.SandboxUnavailable) as e:
+            sandbox.Sandbox(tool="ruff", limits=ToolLimits(), executables=[str(exe)])
+        assert str(e.value) == f"sandbox: the ruff executable {exe} lives under /tmp,{private} install it outside /tmp"
+        (host / "ruff").symlink_to(exe)
+        with pytest.raises(sandbox.SandboxUnavailable) as e:
+            sandbox.Sandbox(tool="ruff", limits=ToolLimits(), executables=[str(host / "ruff")])
+        assert str(e.value) == (f"sandbox: the ruff executable {host / 'ruff'} (really {exe}) lives under /tmp,"
+                                f"{private} install it outside /tmp")
+        shutil.copy("/bin/true", shm / "ruff")
+        with pytest.raises(sandbox.SandboxUnavailable) as e:
+            sandbox.Sandbox(tool="ruff", limits=ToolLimits(), executables=[str(shm / "ruff")])
+        assert str(e.value) == (f"sandbox: the ruff executable {shm / 'ruff'} lives under /dev/shm,{private} "
+                                "install it outside /dev/shm")
+        script = host / "bandit"
+        script.write_text(f"#!{tmp}/bin/python3 -I\nprint('hi')\n")
+        script.chmod(0o755)
+        with pytest.raises(sandbox.SandboxUnavailable) as e:
+            sandbox.Sandbox(tool="bandit", limits=ToolLimits(), executables=[str(script)])
+        assert str(e.value) == (f"sandbox: the bandit executable's #! interpreter {tmp}/bin/python3 lives under "
+                                f"/tmp,{private} install it outside /tmp")
+        # A file runs mount (semgrep's rules): refused at load, and by the run itself.
+        rules = tmp / "rules"
+        shutil.copytree(semgrep.RULES_DIR, rules)
+        box = sandbox.Sandbox(tool="semgrep", limits=ToolLimits())
+        want = f"sandbox: the semgrep file {rules}/{semgrep.RULE_PACKS[0]}.yaml lives under /tmp,{private} " \
+               "keep it outside /tmp"
+        with pytest.raises(sandbox.SandboxUnavailable) as e:
+            box.check([str(rules / f"{semgrep.RULE_PACKS[0]}.yaml")])
+        assert str(e.value) == want
+        assert box._checked(["/dev/null"]) == []  # mypy's and pylint's --rcfile=/dev/null: every run's /dev has it
+        with pytest.raises(sandbox.SandboxUnavailable) as e:
+            trio.run(functools.partial(box.run, ["/bin/true"], tree=str(host),
+                                       ro_paths=[str(rules / f"{semgrep.RULE_PACKS[0]}.yaml")]))
+        assert str(e.value) == want
+        monkeypatch.setattr(semgrep, "RULES_DIR", rules)
+        with pytest.raises(sandbox.SandboxUnavailable) as e:
+            semgrep.SemgrepAdapter()
+        assert str(e.value) == want
+    finally:
+        for d in (tmp, host, shm):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 # -- no leaks, no crashes on absurd input -----------------------------------------
 
 
@@ -565,15 +680,18 @@ async def test_a_root_routers_run_is_an_unprivileged_host_user_that_cannot_write
               f"exec /bin/sh -c 'sleep 2; :' {marker}")  # a marker the host finds in its command line
     host_uids: set[int] = set()
 
+    def look() -> None:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    status = Path(f"/proc/{pid}/status").read_text()
+                    host_uids.add(int(next(ln for ln in status.splitlines() if ln.startswith("Uid:")).split()[1]))
+            except (OSError, StopIteration):
+                pass
+
     async def watch() -> None:
         while True:
-            for pid in filter(str.isdigit, os.listdir("/proc")):
-                try:
-                    if marker.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
-                        status = open(f"/proc/{pid}/status").read()
-                        host_uids.add(int(next(ln for ln in status.splitlines() if ln.startswith("Uid:")).split()[1]))
-                except (OSError, StopIteration):
-                    pass
+            look()
             await trio.sleep(0.1)
 
     try:

@@ -27,7 +27,14 @@ One run, from the inside:
   ``/proc`` (its own PIDs only), a minimal ``/dev``, and, private to the run and
   size-bounded, ``/tmp`` and ``/dev/shm``. Never the router's state directory,
   its home or its keys: a mount that would hold one of :func:`forbidden_paths`
-  is refused (:class:`SandboxUnavailable`);
+  is refused (:class:`SandboxUnavailable`). Nor the host's ``/tmp``: a path a
+  run needs (the interpreter, the tool's executable and its ``#!`` interpreter —
+  as written and where their symlinks lead —, their installation prefixes, a
+  file a run mounts) under a directory every run gets private
+  (:data:`PRIVATE_DIRS`) cannot be seen inside, so the policy is refused
+  (:class:`SandboxUnavailable` naming the path and the fix: e.g. keep the
+  checkout and its ``.venv`` outside ``/tmp``), never made to work by binding
+  the host's directory in;
 * **the work tree**: the host directory the adapter wrote is mounted read-only
   at ``/run/atp-in`` and copied into a private tmpfs mounted at the same path
   as on the host (so the tool's paths are the adapter's), which is the
@@ -107,6 +114,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ETC_FILES",
     "ETC_NETWORK_FILES",
+    "PRIVATE_DIRS",
     "REPORT",
     "SHM_BYTES",
     "UID_RANGE",
@@ -140,6 +148,16 @@ REPORT = "@ATP_REPORT@"
 
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _STAGE = "/run/atp-in"
+#: Directories every run gets a private mount of (a tmpfs, a new ``/proc`` or
+#: ``/dev``, its work tree's stage), mounted over whatever the host has there: a
+#: host path under one cannot be seen inside a sandbox. Most specific first.
+PRIVATE_DIRS = ("/tmp", "/dev/shm", "/dev", "/proc", _STAGE)
+#: Device files every run's own ``/dev`` has (an analyser's ``--rcfile=/dev/null``):
+#: named, they need no mount.
+_DEV_FILES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
+#: The router's checkout (``atp/adapters/tools/sandbox.py`` is in it), named in
+#: the fix when the interpreter's environment is its ``.venv``.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 _CGROUP_ROOT = "/sys/fs/cgroup"
 _READ_CHUNK = 64 * KiB
 _PAGE = 4 * KiB
@@ -185,6 +203,41 @@ def forbidden_paths() -> list[str]:
 
 def _within(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _private_dir(path: str) -> str | None:
+    """The :data:`PRIVATE_DIRS` entry that hides absolute ``path`` inside a
+    sandbox, or ``None`` when a mount of it can be seen there."""
+    path = os.path.normpath(path)
+    return next((d for d in PRIVATE_DIRS if _within(path, d)), None)
+
+
+def _hidden(what: str, path: str, fix: str) -> str | None:
+    """The reason (without the ``sandbox:`` prefix) when ``path`` — as written or
+    where its symlinks lead — lies under a :data:`PRIVATE_DIRS` entry: ``what``
+    names it, ``fix`` says what to do (``{dir}``: that entry). ``None`` when it
+    can be seen inside."""
+    real = os.path.realpath(path)
+    for form in (path, real):
+        d = _private_dir(form)
+        if d is not None:
+            shown = path if form == path else f"{path} (really {real})"
+            return (f"the {what} {shown} lives under {d}, which every sandboxed run gets private (it cannot be "
+                    f"seen inside); {fix.replace('{dir}', d)}")
+    return None
+
+
+def _interpreter_hidden() -> str | None:
+    """:func:`_hidden`'s reason for this interpreter (``sys.executable``) or its
+    installation (``sys.prefix``, ``sys.base_prefix``, ``sys.exec_prefix``)."""
+    if _within(os.path.normpath(sys.prefix), _CHECKOUT):
+        fix = "keep the checkout (and its .venv) outside {dir}"
+    else:
+        fix = "install the router's interpreter and its environment outside {dir}"
+    reason = _hidden("interpreter", sys.executable, fix) if sys.executable else None
+    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix):
+        reason = reason or _hidden("interpreter's installation", p, fix)
+    return reason
 
 
 @dataclass(slots=True)
@@ -274,6 +327,9 @@ def _probe() -> _Host | str:
         return ("no writable cgroup v1 'pids' controller (/sys/fs/cgroup/pids) and the router runs as root, "
                 "whose processes RLIMIT_NPROC does not bound: mount the pids controller, or run the router "
                 "as a user of its own")
+    hidden = _interpreter_hidden()
+    if hidden is not None:
+        return hidden
     host = _Host(bwrap=bwrap, procs_by="cgroup" if pids else "rlimit", pids_cgroup=pids, memory_cgroup=memory)
     from atp.adapters.tools.base import DEFAULT_LIMITS
 
@@ -459,7 +515,10 @@ class Sandbox:
     ``cpu_s``, ``address_space_bytes``, ``max_procs``, ``max_write_bytes``,
     ``output_bytes``); ``env``: variables added to :meth:`environment`. Raises
     :class:`SandboxUnavailable` when a mount would expose a
-    :func:`forbidden_paths` entry."""
+    :func:`forbidden_paths` entry, or when the interpreter, an executable, its
+    ``#!`` interpreter (as written or where their symlinks lead) or the
+    interpreter's installation lies under a :data:`PRIVATE_DIRS` entry, where no
+    run could see it."""
 
     def __init__(self, *, tool: str, limits: ToolLimits, executables: Iterable[str] = (),
                  allow_network: bool = False, env: Mapping[str, str] | None = None) -> None:
@@ -467,6 +526,14 @@ class Sandbox:
         self.limits = limits
         self.allow_network = bool(allow_network)
         exes = [e for e in executables if e]
+        reason = _interpreter_hidden()
+        for exe in exes:
+            reason = reason or _hidden(f"{tool} executable", exe, "install it outside {dir}")
+            interp = _shebang(exe)
+            if interp and os.path.isabs(interp):
+                reason = reason or _hidden(f"{tool} executable's #! interpreter", interp, "install it outside {dir}")
+        if reason is not None:
+            raise SandboxUnavailable(f"sandbox: {reason}")
         self.mounts = self._checked(install_paths(exes), what="installation")
         bins = [os.path.dirname(e) for e in exes] + [os.path.join(sys.prefix, "bin")]
         self.path = ":".join(dict.fromkeys([*bins, "/usr/local/bin", "/usr/bin", "/bin"]))
@@ -476,24 +543,35 @@ class Sandbox:
 
     def _checked(self, paths: Iterable[str], what: str = "file") -> list[str]:
         """``paths`` (normalised, existing ones, outside the always-mounted system
-        directories); raises :class:`SandboxUnavailable` for one that is or holds
-        a :func:`forbidden_paths` entry."""
+        directories and other than the device files every run's ``/dev`` has);
+        raises :class:`SandboxUnavailable` for one that is or holds a
+        :func:`forbidden_paths` entry, or lies under a :data:`PRIVATE_DIRS` entry
+        (mounted there, it could not be seen inside)."""
         out = []
         for p in paths:
             m = os.path.normpath(p)
-            if not os.path.isabs(m) or not os.path.exists(m) or any(_within(m, d) for d in _SYSTEM_DIRS):
+            if (not os.path.isabs(m) or not os.path.exists(m) or any(_within(m, d) for d in _SYSTEM_DIRS)
+                    or m in _DEV_FILES):
                 continue
             for f in forbidden_paths():
                 if _within(f, m):
                     raise SandboxUnavailable(
                         f"sandbox: the {self.tool} {what} at {m} holds {f} (the router's home or state), which no "
                         "sandbox may see: install the tools and their files outside it")
+            d = _private_dir(m)
+            if d is not None:
+                raise SandboxUnavailable(
+                    f"sandbox: the {self.tool} {what} {m} lives under {d}, which every sandboxed run gets private "
+                    f"(it cannot be seen inside); keep it outside {d}")
             out.append(m)
         return out
 
-    def check(self) -> None:
-        """Raise :class:`SandboxUnavailable` with :func:`probe`'s reason when no
-        sandbox can be made here."""
+    def check(self, paths: Iterable[str] = ()) -> None:
+        """Raise :class:`SandboxUnavailable` when a run could not see one of
+        ``paths`` (host files its runs will mount read-only, as
+        :meth:`run`'s ``ro_paths``: :meth:`_checked`), or with :func:`probe`'s
+        reason when no sandbox can be made here."""
+        self._checked(paths)
         reason = probe()
         if reason is not None:
             raise SandboxUnavailable(f"sandbox: {reason}")

@@ -57,6 +57,7 @@ from atp.adapters.tools.base import (
     GiB,
     ToolLimits,
     decode_items,
+    find_executable,
     relative,
 )
 from atp.adapters.tools.suppressions import SuppressionAwareAdapter
@@ -138,7 +139,9 @@ class SemgrepAdapter(SuppressionAwareAdapter):
     """semgrep next-hop. ``rules`` names the rule packs to run (default all of
     :data:`RULE_PACKS`), ``exclude_rules`` rule ids of those packs not to report.
     Default limits :data:`DEFAULT_SEMGREP_LIMITS`. Raises ``ValueError`` on an
-    unknown pack or rule id, or no pack. Other arguments:
+    unknown pack or rule id, or no pack, and
+    :class:`~atp.adapters.tools.sandbox.SandboxUnavailable` (a ``ValueError``)
+    when a run could not see the packs' rule files (e.g. under ``/tmp``). Other arguments:
     :class:`~atp.adapters.tools.suppressions.SuppressionAwareAdapter`."""
 
     tool = "semgrep"
@@ -171,6 +174,8 @@ class SemgrepAdapter(SuppressionAwareAdapter):
         for rid in self.exclude_rules:
             if rid not in known:
                 raise ValueError(f"exclude_rules: not a rule id of the selected semgrep packs: {rid!r:.80}")
+        # Each run mounts the rule files read-only: refused at load, not on the first task, when it could not see them.
+        self.sandbox(find_executable(self.tool)).check([str(RULES_DIR / f"{pack}.yaml") for pack in self.rules])
 
     def argv(self, paths: list[str]) -> list[str]:
         args = ["scan"]
