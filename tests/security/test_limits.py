@@ -2,8 +2,14 @@
 oversized or pathological task ends with an error naming the limit it hit, and
 another tenant's ``GET /v1/health`` keeps answering meanwhile: its worst latency
 stays within :data:`HEALTH_FACTOR` times the worst of the same probe against the
-idle router in the same run (issue 20: no absolute bound that machine load can
-break), at least :data:`HEALTH_FLOOR_S`.
+idle router just before, at least :data:`HEALTH_FLOOR_S` (issue 20: no absolute
+bound that machine load can break). :func:`health_beside`, which the tenant-share
+test of ``tests/security/test_tenant_shares.py`` uses too, takes that baseline
+afresh for each run of the provocation, which asserts its own condition (the
+refusal, the limits hit); a run over the bound is run again, up to
+:data:`HEALTH_ATTEMPTS` in all, and the test fails when every run is over: a stall
+of the router is there on every run, a burst of load on the machine is not.
+``tests/security/test_health_beside.py`` shows it fails a router whose loop stalls.
 
 A real router on loopback (``tests.conftest.start_router``) with the default RIB
 (real ruff and bandit next-hops) or a RIB of real ruff next-hops under small
@@ -21,8 +27,9 @@ import json
 import math
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -43,6 +50,11 @@ META = {"task_type": "code_review", "languages": ["py"]}
 HEALTH_FACTOR = 10.0
 #: ...and in any case this slow (s: the idle probe's own scheduling noise).
 HEALTH_FLOOR_S = 0.100
+#: Provocations run (each after its own idle baseline) before health over its bound fails a test.
+HEALTH_ATTEMPTS = 3
+#: How long each attempt's idle baseline polls (s, ~50 polls): long enough that its
+#: worst is the machine's current noise, not one lucky second.
+IDLE_S = 1.0
 POLL_S = 0.020
 WARM_UP_POLLS = 3  # the first requests open the connection
 
@@ -76,24 +88,73 @@ class HealthProbe:
     def __init__(self) -> None:
         self.latencies: list[float] = []
 
-    def check(self, at_least: int, idle: HealthProbe, *, floor_s: float = HEALTH_FLOOR_S) -> None:
-        """At least ``at_least`` polls, the worst within :data:`HEALTH_FACTOR`
-        times the ``idle`` probe's worst (or ``floor_s``, default :data:`HEALTH_FLOOR_S`)."""
-        worst, idle_worst = max(self.latencies), max(idle.latencies)
-        bound = max(HEALTH_FACTOR * idle_worst, floor_s)
-        print(f"\nGET /v1/health from another process: {len(self.latencies)} polls, max {worst * 1000:.1f} ms, "
-              f"median {sorted(self.latencies)[len(self.latencies) // 2] * 1000:.1f} ms; idle max "
-              f"{idle_worst * 1000:.1f} ms (bound {bound * 1000:.0f} ms)")
-        assert len(self.latencies) >= at_least
-        assert worst < bound, f"health took {worst * 1000:.1f} ms, idle at most {idle_worst * 1000:.1f} ms"
+
+@dataclass(frozen=True)
+class HealthAttempt:
+    """One attempt of :func:`health_beside`: health's worst latency (s) of
+    ``polls`` polls beside the provocation, the same probe's worst against the
+    idle router just before, and the bound the worst had to stay under."""
+
+    polls: int
+    worst: float
+    median: float
+    idle_worst: float
+    bound: float
+
+    @property
+    def within(self) -> bool:
+        return self.worst < self.bound
+
+    def __str__(self) -> str:
+        return (f"worst {self.worst * 1000:.1f} ms (median {self.median * 1000:.1f} ms, {self.polls} polls) / "
+                f"idle worst {self.idle_worst * 1000:.1f} ms / bound {self.bound * 1000:.0f} ms")
 
 
-async def idle_probe(url: str, polls: int = 15) -> HealthProbe:
-    """The same poller against the idle router: the baseline of
-    :meth:`HealthProbe.check`. Call it after one ordinary task has run (the
-    first task's one-time imports of the tool adapters are not what is measured)."""
+async def health_beside(url: str, provoke: Callable[[], Awaitable[None]], *, floor_s: float = HEALTH_FLOOR_S,
+                        at_least: int = 3, attempts: int = HEALTH_ATTEMPTS) -> list[HealthAttempt]:
+    """Health answers another tenant while ``provoke`` runs (issue 20: the bound
+    is relative, and the provocation is retried, never the assertion).
+
+    Each attempt measures health against the idle router for :data:`IDLE_S`
+    (:func:`idle_probe`: its worst is this machine's noise right now), then runs
+    ``provoke()`` with :data:`POLLER` polling beside it (and a few polls after);
+    the attempt holds when health's worst of at least ``at_least`` polls is
+    under ``max(HEALTH_FACTOR × idle worst, floor_s)``. ``provoke`` asserts
+    itself that its condition happened (the refusal, the limits hit, the 429s):
+    its AssertionError fails the test at once. A stall the router causes is
+    there on every attempt and a burst of machine load is not: when an attempt
+    is over its bound the provocation runs again, up to ``attempts`` in all,
+    and only when every one is over does this raise AssertionError listing each
+    attempt's worst / idle worst / bound. Each attempt's figures are printed.
+
+    Returns the attempts made (the last one held): a caller whose provocation
+    leaves counts behind (breakers' ignored failures) reads how many ran."""
+    seen: list[HealthAttempt] = []
+    for n in range(1, attempts + 1):
+        idle = await idle_probe(url)
+        async with health_probe(url) as probe:
+            await provoke()
+            await trio.sleep(5 * POLL_S)  # a few polls after the provocation too
+        assert len(probe.latencies) >= at_least, f"health answered {len(probe.latencies)} polls, not {at_least}"
+        idle_worst = max(idle.latencies)
+        attempt = HealthAttempt(polls=len(probe.latencies), worst=max(probe.latencies),
+                                median=sorted(probe.latencies)[len(probe.latencies) // 2], idle_worst=idle_worst,
+                                bound=max(HEALTH_FACTOR * idle_worst, floor_s))
+        seen.append(attempt)
+        print(f"\nGET /v1/health from another process, attempt {n}/{attempts}: {attempt}"
+              f"{'' if attempt.within else ' — over'}")
+        if attempt.within:
+            return seen
+    raise AssertionError(f"health over its bound on all {attempts} attempts: "
+                         + "; ".join(f"#{i} {a}" for i, a in enumerate(seen, 1)))
+
+
+async def idle_probe(url: str, seconds: float = IDLE_S) -> HealthProbe:
+    """The same poller against the idle router for ``seconds`` after its warm-up:
+    the baseline of :func:`health_beside`. Call it after one ordinary task has run
+    (the first task's one-time imports of the tool adapters are not what is measured)."""
     async with health_probe(url) as probe:
-        await trio.sleep((polls + WARM_UP_POLLS) * POLL_S)
+        await trio.sleep(seconds + WARM_UP_POLLS * POLL_S)
     assert probe.latencies, "the idle health probe saw no answer"
     return probe
 
@@ -154,23 +215,27 @@ async def follow(c: atp.Client, stream_id: str) -> list[atp.Event]:
         return [ev async for ev in c.events(stream_id)]
 
 
-async def big_task_beside_health(env: RouterEnv, meta: dict) -> tuple[list[atp.Event], HealthProbe, float]:
-    """The 5 MB attack of issue 7 while another tenant polls health: the big
-    task's events, the probe, and how long the task took (s)."""
+async def big_task_refused_beside_health(env: RouterEnv, meta: dict) -> list[HealthAttempt]:
+    """The 5 MB attack of issue 7 while another tenant polls health
+    (:func:`health_beside`, default floor): each run of it asserts that the task
+    reached the router and was refused for its size, within 10 s. The body is
+    encoded and the clients opened before any polling."""
     text = "".join(f"value_{i} = compute({i}, key='k{i}')\n" for i in range(150_000))
     assert len(text) > 5_000_000
     body = json.dumps({"task": meta, "content": {"diff": new_file_diff("big.py", text), "files": {"big.py": text}}})
     body_bytes = body.encode()
-    async with (
-        httpx.AsyncClient(base_url=env.url, timeout=60) as h,
-        atp.Client(env.url) as c,
-        health_probe(env.url) as probe,
-    ):
-        t0 = trio.current_time()
-        events = await follow(c, await open_raw(h, body_bytes))
-        took = trio.current_time() - t0
-        await trio.sleep(5 * POLL_S)  # a few polls after the task too
-    return events, probe, took
+    async with httpx.AsyncClient(base_url=env.url, timeout=60) as h, atp.Client(env.url) as c:
+
+        async def provoke() -> None:
+            t0 = trio.current_time()
+            events = await follow(c, await open_raw(h, body_bytes))
+            took = trio.current_time() - t0
+            # The condition happened: the 5 MB task reached the router and was refused for its size.
+            assert_refused_for_size(events)
+            print(f"\n5 MB task refused in {took * 1000:.0f} ms")
+            assert took < 10
+
+        return await health_beside(env.url, provoke)
 
 
 def assert_refused_for_size(events: list[atp.Event]) -> None:
@@ -196,34 +261,31 @@ async def assert_tools_still_serve(env: RouterEnv) -> None:
 async def test_5mb_file_is_refused_without_delaying_another_tenants_health(nursery, policies_dir: Path):
     """Issue 7: a 2 MB file froze the router ~31 s, 5 MB ~75 s. The 5 MB file must
     be refused (RST EPROTO naming ``max_file_bytes``) with health answering
-    throughout within a factor of its idle latency (issue 20: the 13 MB body was
-    decoded and its diff counted on the event loop, ~120 ms in one step; now
-    both run in a worker thread)."""
+    throughout within a factor of its idle latency (:func:`health_beside`).
+
+    Guards that freeze (tens of seconds: over any bound here, on every attempt)
+    and issue 20's on-loop step: the 13 MB body decoded and its diff counted on
+    the event loop, ~120 ms in one step (592 ms at worst at load ~2, where idle
+    health was 25–41 ms: over 10× that); now both run in a worker thread. The
+    ~120 ms step itself fails only against a quiet machine (idle worst under 12 ms)."""
     env = await start_router(nursery, policies_dir)
     await assert_tools_still_serve(env)  # warm: one ordinary task first
-    idle = await idle_probe(env.url)
-    events, probe, took = await big_task_beside_health(env, META)
-    # The condition happened: the 5 MB task reached the router and was refused for its size.
-    assert_refused_for_size(events)
-    print(f"\n5 MB task refused in {took * 1000:.0f} ms")
-    assert took < 10
+    await big_task_refused_beside_health(env, META)
     await assert_tools_still_serve(env)
-    probe.check(at_least=3, idle=idle)
 
 
 async def test_5mb_file_past_the_syn_is_refused_by_the_tools_off_the_event_loop(nursery, policies_dir: Path):
     """The same 5 MB task with ``diff_loc`` given in the meta, so nothing counts
     the diff: reading and decoding the body, routing, and both tools refusing
     the file (in worker threads, before anything is written or run) keep health
-    within a factor of its idle latency."""
+    within a factor of its idle latency (:func:`health_beside`).
+
+    Guards issue 7's freeze past the SYN (the tools writing and analysing the
+    5 MB file: ~75 s) and the on-loop decode of the body (592 ms at load ~2):
+    both stay over the bound on every attempt."""
     env = await start_router(nursery, policies_dir)
     await assert_tools_still_serve(env)  # warm: one ordinary task first
-    idle = await idle_probe(env.url)
-    events, probe, took = await big_task_beside_health(env, {**META, "diff_loc": 150_000})
-    assert_refused_for_size(events)
-    print(f"\n5 MB task refused in {took * 1000:.0f} ms")
-    assert took < 10
-    probe.check(at_least=3, idle=idle)
+    await big_task_refused_beside_health(env, {**META, "diff_loc": 150_000})
     await assert_tools_still_serve(env)
 
 
@@ -266,9 +328,16 @@ def _limited_ruff(name: str, agent: AgentSpec):
 
 
 async def test_tools_past_their_limits_fail_cleanly_and_the_router_keeps_serving(nursery, tmp_path, monkeypatch):
+    """Three tasks at once, each past one limit of its tool (address space, output,
+    CPU: the spinner burns its 1 s): each ends RST EPROTO naming its limit, no
+    breaker counts it against the tool, and health stays within a factor of its
+    idle latency (:func:`health_beside`, default floor) while the three run.
+
+    Guards a tool run or its output read on the event loop: the spinner's 1 s of
+    CPU, or ruff's report of ~80× its input decoded there, is a stall over the
+    bound on every attempt."""
     monkeypatch.setitem(TOOL_FACTORIES, "ruff", _limited_ruff)
     env = await start_router_on(nursery, tmp_path, LIMITS_RIB)
-    idle = await idle_probe(env.url)
     tasks = {
         "lim_mem": ({"files": {"d.py": dense(600 * 1024)}},
                     "lint.mem: ruff ran out of its address-space limit address_space_bytes=67,108,864 (64 MiB)"),
@@ -278,27 +347,29 @@ async def test_tools_past_their_limits_fail_cleanly_and_the_router_keeps_serving
                      "lint.spin: python used up its CPU limit cpu_s=1 s on this task; killed"),
     }
     bodies = {t: json.dumps({"task": {"task_type": t}, "content": content}).encode() for t, (content, _) in tasks.items()}
-    results: dict[str, list[atp.Event]] = {}
     async with httpx.AsyncClient(base_url=env.url, timeout=60) as h, atp.Client(env.url) as c:
 
-        async def one(task_type: str) -> None:
-            results[task_type] = await follow(c, await open_raw(h, bodies[task_type]))
+        async def provoke() -> None:
+            results: dict[str, list[atp.Event]] = {}
 
-        async with health_probe(env.url) as probe:
+            async def one(task_type: str) -> None:
+                results[task_type] = await follow(c, await open_raw(h, bodies[task_type]))
+
             async with trio.open_nursery() as tenants:
                 for t in tasks:
                     tenants.start_soon(one, t)
-            await trio.sleep(5 * POLL_S)
-    for task_type, (_, reason) in tasks.items():
-        events = results[task_type]
-        rst = events[-1]
-        assert rst.type == "RST" and rst.payload["code"] == "EPROTO", (task_type, rst)
-        assert reason in rst.payload["reason"], (task_type, rst.payload["reason"])
-    probe.check(at_least=3, idle=idle)
-    # The limits were the tasks', not the tools': every breaker closed, nothing counted.
+            # The condition happened: each task hit its limit (three RSTs naming it).
+            for task_type, (_, reason) in tasks.items():
+                rst = results[task_type][-1]
+                assert rst.type == "RST" and rst.payload["code"] == "EPROTO", (task_type, rst)
+                assert reason in rst.payload["reason"], (task_type, rst.payload["reason"])
+
+        runs = len(await health_beside(env.url, provoke))
+    # The limits were the tasks', not the tools': every breaker closed, nothing counted
+    # (one ignored failure per run of the three tasks).
     stats = env.router.gates.breakers.statistics(trio.current_time())
     assert {a: (s.state, s.failures, s.ignored) for a, s in stats.items()} == {
-        "lint.mem": ("closed", 0, 1), "lint.out": ("closed", 0, 1), "lint.spin": ("closed", 0, 1),
+        "lint.mem": ("closed", 0, runs), "lint.out": ("closed", 0, runs), "lint.spin": ("closed", 0, runs),
     }
     async with atp.Client(env.url) as c:
         _, st = await c.open_stream(task=META, content=golden())

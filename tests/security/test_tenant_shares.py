@@ -261,68 +261,80 @@ def test_tenant_shares_hold_under_mixed_weights(share):
 # ------------------------------------------------------------------ big bodies against a router process
 
 def _rss_bytes(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for {pid}")
+
+
+#: Health's floor (s) beside the forty bodies. The two bodies alice's share admits
+#: are still stored on the router's event loop after their upload (a known cost left
+#: for a later issue): tens of ms each on a quiet machine, 651.6 ms of health at
+#: load 10–13 with an idle worst of 37.4 ms (a bound of 374 ms at the factor alone).
+#: 1.0 s passes that on every machine this suite runs on, and the regression this
+#: test guards, health at 5.3 s while all forty were read, is over 5× it.
+FORTY_BODIES_HEALTH_FLOOR_S = 1.0
 
 
 async def test_forty_big_bodies_from_one_tenant_keep_the_router_small_and_bob_served(tmp_path):
     """The issue's attack on a real ``atp-router`` process: 40 concurrent ~15 MiB
     bodies from alice took its RSS from 119 to 635 MB and bob's health to 5.3 s.
     Now at most ``--tenant-body-bytes`` (32 MiB here, the default) of hers are in
-    flight: the rest are refused 429 before they are read, the router's peak RSS
-    grows by far less than the 40 bodies' 600 MB, and health — polled from a
-    process of its own, so this process's uploads do not delay the probe — stays
-    within a factor of its idle latency measured in the same run."""
+    flight: the rest are refused 429 before they are read (at least 30, asserted
+    on each run), the router's peak RSS grows by far less than the 40 bodies'
+    600 MB, and health — polled from a process of its own, so this process's
+    uploads do not delay the probe — stays within a factor of its idle latency
+    measured in the same run, at least :data:`FORTY_BODIES_HEALTH_FLOOR_S`
+    (``tests.security.test_limits.health_beside``: the attack runs again when
+    load alone put health over). Guards the 5.3 s and the +516 MB: both fail it."""
     from tests.conftest import MECHANICS_RIB
     from tests.helpers import RouterProcess
     from tests.peers import free_port
-    from tests.security.test_limits import health_probe, idle_probe
+    from tests.security.test_limits import health_beside
 
     router = RouterProcess("--policies", MECHANICS_RIB, "--state-dir", tmp_path / "state", "--no-watch",
                            "--http-port", free_port(), "--ws-port", free_port(),
                            env={"ATP_ROUTER_TOKENS": TOKENS})
     try:
         url = await router.wait_listening()
-        idle = await idle_probe(url)
-        rss0 = _rss_bytes(router.pid)
         text = "x = 1\n" * (13 * 2**20 // 6)  # JSON escapes each newline: ~15 MiB of body
         body = json.dumps({"task": {"task_type": "code_review"},
                            "content": {"diff": "--- a/a.py\n+++ b/a.py\n", "files": {"a.py": text}}}).encode()
         assert 14 * 2**20 < len(body) < 16 * 2**20  # under the per-body limit: only the tenant's share stops it
-        statuses: list[int] = []
-        peak = [rss0]
+        rss0 = _rss_bytes(router.pid)  # before any attack: later runs are measured from here too
 
-        async def upload() -> None:
+        async def upload(statuses: list[int]) -> None:
             async with httpx.AsyncClient(base_url=url, timeout=120) as own:
                 r = await own.post("/v1/streams", content=body, headers={
                     "Authorization": "Bearer tok-alice", "Content-Type": "application/json"})
             statuses.append(r.status_code)
 
-        async def watch_rss(done: trio.Event) -> None:
+        async def watch_rss(peak: list[int], done: trio.Event) -> None:
             while not done.is_set():
                 peak[0] = max(peak[0], _rss_bytes(router.pid))
                 await trio.sleep(0.02)
 
-        done = trio.Event()
-        async with health_probe(url) as probe, trio.open_nursery() as n:
-            n.start_soon(watch_rss, done)
-            async with trio.open_nursery() as attack:
-                for _ in range(40):
-                    attack.start_soon(upload)
-            await trio.sleep(0.5)  # a few polls after the attack too
-            done.set()
+        async def attack() -> None:
+            statuses: list[int] = []
+            peak = [rss0]
+            done = trio.Event()
+            async with trio.open_nursery() as n:
+                n.start_soon(watch_rss, peak, done)
+                async with trio.open_nursery() as uploads:
+                    for _ in range(40):
+                        uploads.start_soon(upload, statuses)
+                await trio.sleep(0.5)  # the RSS a few polls after the attack too
+                done.set()
+            refused = statuses.count(429)
+            assert len(statuses) == 40 and refused >= 30, sorted(statuses)  # the condition: the share bound
+            grown = peak[0] - rss0
+            print(f"\nRSS {rss0 / 2**20:.0f} MB → peak {peak[0] / 2**20:.0f} MB; {refused}/40 refused 429")
+            assert grown < 250 * 2**20, f"RSS grew {grown / 2**20:.0f} MB"
+
+        await health_beside(url, attack, floor_s=FORTY_BODIES_HEALTH_FLOOR_S)
     finally:
         router.stop()
-    refused = statuses.count(429)
-    assert len(statuses) == 40 and refused >= 30, sorted(statuses)  # the condition: the share bound
-    grown = peak[0] - rss0
-    print(f"\nRSS {rss0 / 2**20:.0f} MB → peak {peak[0] / 2**20:.0f} MB; {refused}/40 refused 429")
-    assert grown < 250 * 2**20, f"RSS grew {grown / 2**20:.0f} MB"
-    # Two admitted 15 MiB tasks are still stored on the event loop (tens of ms each,
-    # more on a loaded machine): 0.25 s is the floor here; the attack's 5.3 s is 20× it.
-    probe.check(at_least=3, idle=idle, floor_s=0.25)
 
 
 async def _quality_after(nursery, tmp_path, share: float) -> tuple[float, float]:
@@ -351,7 +363,7 @@ async def _quality_after(nursery, tmp_path, share: float) -> tuple[float, float]
                 sid = (await h.post("/v1/streams", json=task)).json()["stream_id"]
                 async with h.stream("GET", f"/v1/streams/{sid}/events") as ev:
                     async for line in ev.aiter_lines():
-                        if line.startswith("event: FIN") or line.startswith("event: RST"):
+                        if line.startswith(("event: FIN", "event: RST")):
                             break
                 r = await h.post(f"/v1/streams/{sid}/feedback", json={"score": score})
                 assert r.status_code == 200, r.text
