@@ -526,10 +526,18 @@ class SharedAccounts(Protocol):
     def close_shared(self, key: str) -> None:
         """Close child account ``key`` (its spend stays in its ancestors)."""
 
-    def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str) -> SharedResult:
+    def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str,
+                       request: str = "") -> SharedResult:
         """Hold ``tokens`` / ``usd_micros`` on ``key``'s chain if every account of
         it can take them: ``reservation`` (a new id), else ``refusal`` naming the
-        nearest account that cannot."""
+        nearest account that cannot. ``request`` (unique per call, or ``""``)
+        names this call for :meth:`cancel_reserve_shared`."""
+
+    def cancel_reserve_shared(self, request: str) -> bool:
+        """Undo the :meth:`reserve_shared` call named ``request`` whose answer
+        never came (a timeout: it may have been applied, or may still be, later):
+        its reservation released if it was made, and the call refused if it
+        runs after this. True when a reservation was released."""
 
     def extend_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:
         """Grow an open reservation by ``tokens`` / ``usd_micros`` if the chain can
@@ -583,6 +591,7 @@ class SharedBudgetLedger(BudgetLedger):
         super().__init__()
         self.shared = shared
         self.owner = owner
+        self._requests = 0  # reserve calls named (new_request)
         self._skeys: dict[str, str] = {}  # local key → key in shared
         self._lkeys: dict[str, str] = {}  # key in shared → local key
 
@@ -621,10 +630,22 @@ class SharedBudgetLedger(BudgetLedger):
         del self._lkeys[self._skeys.pop(key)]
         return state
 
+    def new_request(self) -> str:
+        """A name for one reserve call, unique across processes (``<owner>/<n>``:
+        owners are unique per process), for
+        :meth:`SharedAccounts.cancel_reserve_shared`."""
+        self._requests += 1
+        return f"{self.owner}/{self._requests}"
+
     def reserve(self, key: str, tokens: int, usd_micros: int) -> Reservation | Refusal:
+        return self.reserve_as(key, tokens, usd_micros, request=self.new_request())
+
+    def reserve_as(self, key: str, tokens: int, usd_micros: int, *, request: str) -> Reservation | Refusal:
+        """:meth:`reserve`, the call to the shared accounts named ``request``
+        (:meth:`new_request`)."""
         _check_amounts(tokens, usd_micros)
         acct = self._get(key)
-        out = self.shared.reserve_shared(self._skeys[key], tokens, usd_micros, owner=self.owner)
+        out = self.shared.reserve_shared(self._skeys[key], tokens, usd_micros, owner=self.owner, request=request)
         self._mirror(out)
         if out.refusal is not None:
             return self._local_refusal(out.refusal)

@@ -206,7 +206,9 @@ class ClusterLedger(SharedBudgetLedger):
 
     * :meth:`reserve` / :meth:`extend` return an ``EBUDGET``
       :class:`~atp.flow.budget.Refusal` "budget store unavailable: … retry"
-      (the call is not made);
+      (the call is not made); a reserve whose answer was lost (a timeout) is
+      cancelled in the store by :meth:`settle_pending` once it answers, so a
+      reservation Redis made late is released, never held for good;
     * :meth:`open` raises :class:`~atp.wire.errors.ATPError` ``EBUDGET`` with
       ``retry_after_ms`` (the SYN is refused); :meth:`set_limit` returns a
       refusal; :meth:`close` raises ``ValueError`` (the stream table tries again);
@@ -237,11 +239,13 @@ class ClusterLedger(SharedBudgetLedger):
         self.on_settled = on_settled
         #: Settlements the store could not take yet: (stored reservation, usage or None: release, account).
         self._unsettled: list[tuple[Reservation, tuple[int, int] | None, Any]] = []
+        #: Reserve calls whose answer was lost, to cancel (SharedAccounts.cancel_reserve_shared).
+        self._cancels: list[str] = []
 
     @property
     def unsettled(self) -> int:
-        """Commits and releases waiting for the store."""
-        return len(self._unsettled)
+        """Commits, releases and reserve cancels waiting for the store."""
+        return len(self._unsettled) + len(self._cancels)
 
     def _down(self, op: str, e: StoreError) -> None:
         if self.on_unavailable is not None:
@@ -281,10 +285,15 @@ class ClusterLedger(SharedBudgetLedger):
             return state
 
     def reserve(self, key: str, tokens: int, usd_micros: int) -> Reservation | Refusal:
+        request = self.new_request()
         try:
-            return super().reserve(key, tokens, usd_micros)
+            return self.reserve_as(key, tokens, usd_micros, request=request)
         except StoreUnavailable as e:
             self._down("reserve", e)
+            # A timeout: the reserve may have been applied, or may be later (from the
+            # closed connection's buffer). Cancelled once the store answers, so the
+            # refused call never holds the tenant's headroom.
+            self._cancels.append(request)
             return Refusal(key=key, reason=store_unavailable_reason(e), remaining=Allowance(tokens=0, usd_micros=0))
         except NotFound as e:
             return self._settled("reserve", key, e)
@@ -367,10 +376,21 @@ class ClusterLedger(SharedBudgetLedger):
         return out.charge
 
     def settle_pending(self) -> int:
-        """Apply the commits and releases the store could not take, in order,
-        until it cannot be reached again; returns how many are left. One the
-        store refuses otherwise is logged and dropped (its reservation stays
-        held in the store until this router's state is settled)."""
+        """Cancel the reserves whose answer was lost, then apply the commits and
+        releases the store could not take, in order, until it cannot be reached
+        again; returns how many are left (:attr:`unsettled`). One the store
+        refuses otherwise is logged and dropped (its reservation stays held in
+        the store until this router's state is settled)."""
+        while self._cancels:
+            request = self._cancels[0]
+            try:
+                if self.shared.cancel_reserve_shared(request):
+                    log.warning("reserve %s timed out but had been applied: its reservation is released", request)
+            except StoreUnavailable:
+                return self.unsettled
+            except StoreError:
+                log.exception("reserve %s timed out; cancelling it failed; dropped", request)
+            self._cancels.pop(0)
         while self._unsettled:
             stored, usage, acct = self._unsettled[0]
             try:
@@ -381,7 +401,7 @@ class ClusterLedger(SharedBudgetLedger):
                 log.exception("reservation %d on %s: settling it failed; dropped", stored.id, stored.key)
                 acct.open -= 1
             self._unsettled.pop(0)
-        return len(self._unsettled)
+        return self.unsettled
 
 
 def _certain(r: Reservation, usage: tuple[int, int]) -> Charge:

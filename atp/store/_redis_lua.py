@@ -322,9 +322,12 @@ end
 return n
 """),
     # ------------------------------------------------------------ ledger (shared)
-    # A: key, t, u, owner -> {1, id, chain} | {0, refusing index, chain}
+    # A: key, t, u, owner, request ('' none), request ttl ms -> {1, id, chain} | {0, refusing index, chain}
     "reserve_shared": (_LEDGER, """
-local key, owner = A[1], A[4]
+local key, owner, q = A[1], A[4], A[5]
+if q ~= '' and redis.call('EXISTS', P .. 'rq:' .. q) == 1 then
+  return redis.error_reply('ATPCANCELLED reserve ' .. q .. ' was cancelled before it ran')
+end
 local rows = chain(key)
 if #rows == 0 or not rows[1][10] then return nf('acct', key) end
 local t, u = tonumber(A[2]), tonumber(A[3])
@@ -332,6 +335,7 @@ local bad = no_room(rows, t, u)
 if bad > 0 then return {0, bad, encode(rows)} end
 local id = redis.call('INCR', P .. 'rid')
 redis.call('HSET', P .. 'r:' .. id, 'a', key, 't', A[2], 'u', A[3], 'w', owner)
+if q ~= '' then redis.call('SET', P .. 'rq:' .. q, id, 'PX', A[6]) end
 redis.call('ZADD', P .. 'rs', id, id)
 if owner ~= '' then
   redis.call('SADD', P .. 'rw:' .. owner, id)
@@ -358,6 +362,18 @@ redis.call('HINCRBY', rk, 't', A[5])
 redis.call('HINCRBY', rk, 'u', A[6])
 move(rows, 0, 0, 0, 0, t, u)
 return {1, 0, encode(rows)}
+"""),
+    # A: request, ttl ms -> 1 (its reservation released) | 0 (none made; the request refused from now on)
+    "cancel_reserve": (_LEDGER, """
+local qk = P .. 'rq:' .. A[1]
+local id = redis.call('GET', qk)
+redis.call('SET', qk, 'x', 'PX', A[2])
+if not id or id == 'x' then return 0 end
+local h = redis.call('HMGET', P .. 'r:' .. id, 'a', 't', 'u', 'w')
+if not h[1] then return 0 end
+move(chain(h[1]), 0, 0, 0, 0, -tonumber(h[2]), -tonumber(h[3]))
+del_res(id, h[4])
+return 1
 """),
     # A: key -> chain (open)
     "shared_totals": (_LEDGER, """

@@ -255,11 +255,20 @@ class Store(ABC):
         """Close child account ``key``. Raises :class:`NotFound`."""
 
     @abstractmethod
-    def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str) -> SharedResult:
+    def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str,
+                       request: str = "") -> SharedResult:
         """In one atomic step: if every account of ``key``'s chain has
         ``limit - committed - reserved >= amount`` on both axes, record a new
         reservation (a fresh id, never reused) for ``owner`` and hold it along
-        the chain; else a refusal (nothing changed). Raises :class:`NotFound`."""
+        the chain; else a refusal (nothing changed). ``request`` names the call
+        for :meth:`cancel_reserve_shared` (``""``: none). Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def cancel_reserve_shared(self, request: str) -> bool:
+        """Undo the :meth:`reserve_shared` call named ``request`` whose answer
+        was lost (a timeout): release its reservation if it was made, and make
+        the call a no-op if the store runs it after this. True when one was
+        released."""
 
     @abstractmethod
     def extend_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:

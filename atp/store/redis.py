@@ -32,7 +32,12 @@ Failures:
   after it every call raises it at once, without I/O; then one call probes
   again. So the caller's thread is never held longer than one socket timeout,
   and :attr:`RedisStore.available` says which state the store is in. A write
-  that timed out may or may not have been applied.
+  that timed out may or may not have been applied — or be applied later, when
+  Redis reads it from the closed connection's buffer. So a shared reserve is
+  named (``request``, remembered :data:`REQUEST_TTL_MS`) and its caller cancels
+  a timed-out one (:meth:`RedisStore.cancel_reserve_shared`): the reservation
+  released if it was made, the reserve refused if it runs after the cancel —
+  nothing is held for good by a call whose answer was lost.
 * **epoch marker**: on open the store sets ``<ns>:epoch`` to a uuid unless it
   is set (``SET NX``) and remembers it; every script checks it first. When it
   is gone or another (Redis restarted without persistence, ``FLUSHALL``), the
@@ -122,11 +127,15 @@ from atp.store.base import (
 )
 from atp.store.sqlite import RIB_KEPT, _remaining, _totals, ledger_snapshot
 
-__all__ = ["EXPIRE_STEP", "RedisStore"]
+__all__ = ["EXPIRE_STEP", "REQUEST_TTL_MS", "RedisStore"]
 
 _APP = "atp-router"
 #: Streams :meth:`RedisStore.expire` drops per script (Redis runs one script at a time).
 EXPIRE_STEP = 500
+#: How long a named reserve call (``<ns>:rq:<request>``: its reservation id, or
+#: ``x`` once cancelled) is remembered, ms: far longer than a call can wait in
+#: Redis' input buffer after its caller gave up (a Redis paused for minutes).
+REQUEST_TTL_MS = 3_600_000
 #: Ledger amounts must stay below this (exact integers in Lua's doubles).
 _MAX_AMOUNT = 2**53
 #: Redis error codes that mean "the server cannot serve now", like a lost connection.
@@ -459,13 +468,20 @@ class RedisStore(Store):
     def close_shared(self, key: str) -> None:
         self.close_account(key)
 
-    def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str) -> SharedResult:
-        ok, n, raw = self._run("reserve_shared", key, _amount(tokens), _amount(usd_micros), owner)
+    def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str,
+                       request: str = "") -> SharedResult:
+        ok, n, raw = self._run("reserve_shared", key, _amount(tokens), _amount(usd_micros), owner, request,
+                               REQUEST_TTL_MS)
         rows = _rows(raw)
         if not ok:
             return _refused(rows, n, f"reserve {tokens} tokens / {usd_micros} usd_micros on {key!r}")
         return SharedResult(totals=_totals(rows),
                             reservation=Reservation(id=int(n), key=key, tokens=tokens, usd_micros=usd_micros))
+
+    def cancel_reserve_shared(self, request: str) -> bool:
+        if not request:
+            raise ValueError("cancel_reserve_shared needs the request the reserve was named")
+        return bool(self._run("cancel_reserve", request, REQUEST_TTL_MS))
 
     def extend_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:
         r = reservation

@@ -515,7 +515,10 @@ class SqliteStore(Store):
     def close_shared(self, key: str) -> None:
         self.close_account(key)
 
-    def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str) -> SharedResult:
+    def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str,
+                       request: str = "") -> SharedResult:
+        # ``request`` is not kept: a reserve here is one local transaction that is
+        # either committed before the call returns or, when the call raises, never.
         with self._tx() as c:
             rows = _open_chain(c, key)
             refused = _check_room(rows, tokens, usd_micros, f"reserve {tokens} tokens / {usd_micros} usd_micros "
@@ -564,6 +567,11 @@ class SqliteStore(Store):
             c.execute(_CHAIN_UPDATE, {"key": key, **moves})
             c.execute("DELETE FROM reservation WHERE id = ?", (reservation.id,))
             return SharedResult(totals=_totals(rows, **moves), charge=charge)
+
+    def cancel_reserve_shared(self, request: str) -> bool:
+        """Nothing to undo here: a :meth:`reserve_shared` that raised rolled back
+        (one local transaction), and none can run after its caller gave up."""
+        return False
 
     def release_shared(self, reservation: Reservation) -> SharedResult:
         with self._tx() as c:

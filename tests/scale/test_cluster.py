@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -37,6 +40,7 @@ import trio
 
 from atp.flow.budget import Allowance, Refusal, Reservation
 from atp.router.cluster import ClusterLedger
+from atp.store import StoreError
 from atp.store.redis import RedisStore
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import Payload, PayloadType
@@ -483,6 +487,55 @@ def test_a_ledger_settled_by_another_router_refuses_spend_instead_of_crashing():
             assert isinstance(a.reserve("stream:s2", 1_000, 0), Reservation)
         finally:
             store.close()
+
+
+def test_a_reserve_redis_runs_after_it_timed_out_is_released_not_held_for_good():
+    """Issue 22: during a SIGSTOP of Redis a router's reserve times out (refused:
+    the call is not made) but stays in Redis' input buffer, and Redis runs it
+    when it resumes — a reservation nobody will settle, holding the tenant's
+    headroom for good. The router cancels every reserve whose answer it lost once
+    the store answers: the late reservation is released. And a reserve that
+    reaches Redis only after its cancel is refused by the script (nothing held)."""
+    with start_redis() as redis:
+        store = RedisStore.open(redis.url, socket_timeout_s=0.3, connect_timeout_s=0.3, backoff_s=0.3)
+        reader = RedisStore.open(redis.url, socket_timeout_s=10.0, connect_timeout_s=10.0)
+        try:
+            a = ClusterLedger(store, owner="r.test.2.bbbbbb")
+            a.open("client:t", Allowance(tokens=10_000, usd_micros=None))
+            a.open("stream:s1", Allowance(tokens=5_000, usd_micros=None), parent="client:t")
+            kept = a.reserve("stream:s1", 100, 0)
+            assert isinstance(kept, Reservation)
+            os.kill(redis.proc.pid, signal.SIGSTOP)
+            try:
+                late = a.reserve("stream:s1", 1_000, 0)
+            finally:
+                os.kill(redis.proc.pid, signal.SIGCONT)
+            assert isinstance(late, Refusal) and "budget store unavailable" in late.reason, late
+            assert a.unsettled == 1
+            # The condition: Redis ran the timed-out reserve when it resumed.
+            deadline = time.monotonic() + 10
+            while reader.shared_totals("client:t").totals[0].reserved_tokens != 1_100:
+                assert time.monotonic() < deadline, reader.shared_totals("client:t")
+                time.sleep(0.05)
+            deadline = time.monotonic() + 10
+            while a.settle_pending():  # the router's background task, after the back-off
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            t = reader.shared_totals("client:t").totals[0]
+            assert (t.reserved_tokens, t.committed_tokens) == (100, 0)
+            assert [r.id for r in reader.load_ledger().reservations] == [kept.id]
+            assert a.commit(kept, 80, 0).tokens == 80
+
+            # Cancelled before it ran (a reserve still queued behind a paused Redis): refused, nothing held.
+            request = a.new_request()
+            assert store.cancel_reserve_shared(request) is False
+            with pytest.raises(StoreError, match="ATPCANCELLED"):
+                store.reserve_shared(a.store_key("stream:s1"), 500, 0, owner=a.owner, request=request)
+            t = reader.shared_totals("client:t").totals[0]
+            assert (t.reserved_tokens, t.committed_tokens) == (0, 80)
+        finally:
+            store.close()
+            reader.close()
 
 
 async def test_a_router_whose_loop_is_busy_past_its_lease_keeps_it(cluster):
