@@ -543,10 +543,20 @@ class SharedAccounts(Protocol):
         """Grow an open reservation by ``tokens`` / ``usd_micros`` if the chain can
         take them: the grown ``reservation``, else ``refusal``."""
 
-    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:
+    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                      request: str = "") -> SharedResult:
         """Settle ``reservation`` with the actual usage: ``charge`` is per axis
         ``min(actual, what the chain can take once this hold is lifted)``, the
-        rest overage (:meth:`BudgetLedger.commit`'s rule)."""
+        rest overage (:meth:`BudgetLedger.commit`'s rule). ``request`` (unique,
+        or ``""``) names the call for :meth:`recommit_shared`."""
+
+    def recommit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                        request: str) -> SharedResult:
+        """Settle, charging exactly ``tokens`` / ``usd_micros`` (at most the
+        reservation's), a commit whose first attempt, named ``request``, lost its
+        answer: if that attempt was applied, its charge is corrected to these
+        amounts (no overage); otherwise this one applies and the first attempt
+        is refused if it runs later. ``charge`` is what the ledger holds for it."""
 
     def release_shared(self, reservation: Reservation) -> SharedResult:
         """Settle ``reservation`` with no usage."""

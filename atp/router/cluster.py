@@ -238,7 +238,8 @@ class ClusterLedger(SharedBudgetLedger):
         self.on_unavailable = on_unavailable
         self.on_settled = on_settled
         #: Settlements the store could not take yet: (stored reservation, usage or None: release, account).
-        self._unsettled: list[tuple[Reservation, tuple[int, int] | None, Any]] = []
+        #: The commit's request name (SharedAccounts.recommit_shared; "" for a release).
+        self._unsettled: list[tuple[Reservation, tuple[int, int] | None, Any, str]] = []
         #: Reserve calls whose answer was lost, to cancel (SharedAccounts.cancel_reserve_shared).
         self._cancels: list[str] = []
 
@@ -327,7 +328,7 @@ class ClusterLedger(SharedBudgetLedger):
         certain = _certain(reservation, usage)
         if self._unsettled:
             # Settled in order: an earlier settlement still waits for the store.
-            self._unsettled.append((stored, (certain.tokens, certain.usd_micros), acct))
+            self._unsettled.append((stored, (certain.tokens, certain.usd_micros), acct, self.new_request()))
             return certain
         charge = self._settle(stored, usage, acct, held=(certain.tokens, certain.usd_micros))
         return charge if charge is not None else certain
@@ -336,12 +337,12 @@ class ClusterLedger(SharedBudgetLedger):
         acct = self._forget(reservation)
         stored = self._stored(reservation)
         if self._unsettled:
-            self._unsettled.append((stored, None, acct))
+            self._unsettled.append((stored, None, acct, ""))
             return
         self._settle(stored, None, acct)
 
     def _settle(self, stored: Reservation, usage: tuple[int, int] | None, acct: Any,
-                *, queue: bool = True, held: tuple[int, int] | None = None) -> Charge | None:
+                *, queue: bool = True, held: tuple[int, int] | None = None, request: str = "") -> Charge | None:
         """Commit (``usage``) or release ``stored`` in the store; on
         :class:`StoreUnavailable` queue it (``queue``) or raise. Returns the charge.
 
@@ -350,12 +351,22 @@ class ClusterLedger(SharedBudgetLedger):
         returned, which the FINAL's signed usage reports — never at ``usage``:
         headroom beyond the reservation could not be checked while the store
         was down, so it is not taken afterwards either (the rest is the
-        caller's overage, logged)."""
+        caller's overage, logged). A commit is named (``request``): the queued
+        one (``queue`` False) is a
+        :meth:`~atp.flow.budget.SharedAccounts.recommit_shared` of that name,
+        so if the first attempt timed out but Redis ran it after all (from the
+        closed connection's buffer: at the full usage), its charge is corrected
+        to ``held``, and if it runs later still it is refused — the ledger
+        ends equal to the FINAL either way."""
+        if usage is not None and not request:
+            request = self.new_request()
         try:
             if usage is None:
                 out = self.shared.release_shared(stored)
+            elif queue:
+                out = self.shared.commit_shared(stored, *usage, request=request)
             else:
-                out = self.shared.commit_shared(stored, *usage)
+                out = self.shared.recommit_shared(stored, *usage, request=request)
         except StoreUnavailable as e:
             self._down("commit" if usage is not None else "release", e)
             if not queue:
@@ -364,7 +375,8 @@ class ClusterLedger(SharedBudgetLedger):
                 log.warning("reservation %d on %s: the store cannot be reached; the commit will charge %s "
                             "(within the reservation), the usage beyond it (%s) is overage not charged",
                             stored.id, stored.key, held, (usage[0] - held[0], usage[1] - held[1]))
-            self._unsettled.append((stored, held if usage is not None and held is not None else usage, acct))
+            self._unsettled.append((stored, held if usage is not None and held is not None else usage, acct,
+                                    request))
             return None
         except NotFound:
             log.warning("reservation %d on %s is no longer in the store (settled by another router, or a retried "
@@ -392,9 +404,9 @@ class ClusterLedger(SharedBudgetLedger):
                 log.exception("reserve %s timed out; cancelling it failed; dropped", request)
             self._cancels.pop(0)
         while self._unsettled:
-            stored, usage, acct = self._unsettled[0]
+            stored, usage, acct, request = self._unsettled[0]
             try:
-                self._settle(stored, usage, acct, queue=False)
+                self._settle(stored, usage, acct, queue=False, request=request)
             except StoreUnavailable:
                 break
             except StoreError:

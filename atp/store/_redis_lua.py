@@ -238,9 +238,30 @@ move(chain(key), 0, 0, 0, 0, t - tonumber(old[1] or '0'), u - tonumber(old[2] or
 if tonumber(id) > tonumber(redis.call('GET', P .. 'rid') or '0') then redis.call('SET', P .. 'rid', id) end
 return 1
 """),
-    # A: id, mode ('release' | 'charge' | 'actual'), t, u, ot, ou -> {chain, t, u, ot, ou} charged
+    # A: id, mode ('release' | 'charge' | 'actual' | 'recommit'), t, u, ot, ou[, request, request ttl ms]
+    #   -> {chain, t, u, ot, ou} charged. A named commit records 'key|t|u|ot|ou' under rq:<request>;
+    #   'recommit' (the retry of a named commit whose answer was lost) corrects that record's charge to
+    #   t / u if the first attempt ran, else charges t / u and marks the name so the first is refused.
     "settle": (_LEDGER, """
-local id, mode = A[1], A[2]
+local id, mode, q = A[1], A[2], A[7] or ''
+local qk = P .. 'rq:' .. q
+if q ~= '' then
+  local done = redis.call('GET', qk)
+  if mode == 'recommit' then
+    redis.call('SET', qk, 'x', 'PX', A[8])
+    if done and done ~= 'x' then
+      local key, dt, du, dot, dou = string.match(done, '^(.*)|(%d+)|(%d+)|(%d+)|(%d+)$')
+      local rows = chain(key)
+      local t, u = tonumber(A[3]), tonumber(A[4])
+      move(rows, t - tonumber(dt), u - tonumber(du), -tonumber(dot), -tonumber(dou), 0, 0)
+      return {encode(rows), t, u, 0, 0}
+    end
+    mode = 'charge'
+    A[5], A[6] = '0', '0'
+  elseif done then
+    return redis.error_reply('ATPCANCELLED commit ' .. q .. ' was settled again before it ran')
+  end
+end
 local h = redis.call('HMGET', P .. 'r:' .. id, 'a', 't', 'u', 'w')
 if not h[1] then return nf('res', id) end
 local ht, hu = tonumber(h[2]), tonumber(h[3])
@@ -260,6 +281,9 @@ elseif mode == 'actual' then
 end
 move(rows, ct, cu, ot, ou, -ht, -hu)
 del_res(id, h[4])
+if q ~= '' and A[2] ~= 'recommit' then
+  redis.call('SET', qk, h[1] .. '|' .. I(ct) .. '|' .. I(cu) .. '|' .. I(ot) .. '|' .. I(ou), 'PX', A[8])
+end
 return {encode(rows), ct, cu, ot, ou}
 """),
     # A: key, lt, lu, mode ('plain' | 'clamp' | 'strict') -> {ok, chain}

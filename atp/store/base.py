@@ -277,10 +277,22 @@ class Store(ABC):
         :class:`StoreError` when the store holds other amounts for it."""
 
     @abstractmethod
-    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:
+    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                      request: str = "") -> SharedResult:
         """Atomically settle ``reservation`` with its actual usage: charged
         ``min(actual, the chain's room once its hold is lifted)`` per axis,
-        the rest recorded as overage. Raises :class:`NotFound`."""
+        the rest recorded as overage. ``request`` names the call for
+        :meth:`recommit_shared` (``""``: none). Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def recommit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                        request: str) -> SharedResult:
+        """Settle a commit whose first attempt (named ``request``) lost its
+        answer, charging exactly ``tokens`` / ``usd_micros`` (at most the
+        reservation's; no overage): if that attempt was applied, its charge is
+        corrected to these amounts; else this one applies, and the first is
+        refused if it runs later. Raises :class:`NotFound` (the reservation
+        settled otherwise, and no first attempt on record)."""
 
     @abstractmethod
     def release_shared(self, reservation: Reservation) -> SharedResult:

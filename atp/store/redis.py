@@ -37,7 +37,10 @@ Failures:
   named (``request``, remembered :data:`REQUEST_TTL_MS`) and its caller cancels
   a timed-out one (:meth:`RedisStore.cancel_reserve_shared`): the reservation
   released if it was made, the reserve refused if it runs after the cancel —
-  nothing is held for good by a call whose answer was lost.
+  nothing is held for good by a call whose answer was lost. A shared commit is
+  named too, and settled again by name (:meth:`RedisStore.recommit_shared`):
+  a first attempt Redis ran after all is corrected to the retry's amounts, one
+  it runs later is refused — charged once, at what the caller reported.
 * **epoch marker**: on open the store sets ``<ns>:epoch`` to a uuid unless it
   is set (``SET NX``) and remembers it; every script checks it first. When it
   is gone or another (Redis restarted without persistence, ``FLUSHALL``), the
@@ -499,8 +502,18 @@ class RedisStore(Store):
         return SharedResult(totals=_totals(rows), reservation=Reservation(
             id=r.id, key=r.key, tokens=r.tokens + tokens, usd_micros=r.usd_micros + usd_micros))
 
-    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:
-        raw, t, u, ot, ou = self._run("settle", reservation.id, "actual", _amount(tokens), _amount(usd_micros), 0, 0)
+    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                      request: str = "") -> SharedResult:
+        raw, t, u, ot, ou = self._run("settle", reservation.id, "actual", _amount(tokens), _amount(usd_micros), 0, 0,
+                                      request, REQUEST_TTL_MS)
+        return SharedResult(totals=_totals(_rows(raw)), charge=Charge(int(t), int(u), int(ot), int(ou)))
+
+    def recommit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                        request: str) -> SharedResult:
+        if not request:
+            raise ValueError("recommit_shared needs the request the first commit was named")
+        raw, t, u, ot, ou = self._run("settle", reservation.id, "recommit", _amount(tokens), _amount(usd_micros),
+                                      0, 0, request, REQUEST_TTL_MS)
         return SharedResult(totals=_totals(_rows(raw)), charge=Charge(int(t), int(u), int(ot), int(ou)))
 
     def release_shared(self, reservation: Reservation) -> SharedResult:

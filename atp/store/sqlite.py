@@ -553,7 +553,15 @@ class SqliteStore(Store):
                                 reservation=Reservation(id=r.id, key=r.key, tokens=r.tokens + tokens,
                                                         usd_micros=r.usd_micros + usd_micros))
 
-    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:
+    def recommit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                        request: str) -> SharedResult:
+        """A commit that raised here rolled back (one local transaction), so
+        this is the first that applies: :meth:`commit_shared` at these amounts
+        (within the reservation: charged in full)."""
+        return self.commit_shared(reservation, tokens, usd_micros)
+
+    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                      request: str = "") -> SharedResult:
         with self._tx() as c:
             key, held_t, held_u = _reservation(c, reservation.id)
             rows = _chain(c, key)

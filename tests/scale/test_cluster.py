@@ -489,13 +489,16 @@ def test_a_ledger_settled_by_another_router_refuses_spend_instead_of_crashing():
             store.close()
 
 
-def test_a_reserve_redis_runs_after_it_timed_out_is_released_not_held_for_good():
+def test_a_reserve_or_commit_redis_runs_after_it_timed_out_is_undone_or_corrected():
     """Issue 22: during a SIGSTOP of Redis a router's reserve times out (refused:
     the call is not made) but stays in Redis' input buffer, and Redis runs it
     when it resumes — a reservation nobody will settle, holding the tenant's
     headroom for good. The router cancels every reserve whose answer it lost once
     the store answers: the late reservation is released. And a reserve that
-    reaches Redis only after its cancel is refused by the script (nothing held)."""
+    reaches Redis only after its cancel is refused by the script (nothing held).
+    The same for a commit, which Redis would charge at the full usage while the
+    router reported only the usage within the reservation: corrected to the
+    report, or refused if it comes after the retry."""
     with start_redis() as redis:
         store = RedisStore.open(redis.url, socket_timeout_s=0.3, connect_timeout_s=0.3, backoff_s=0.3)
         reader = RedisStore.open(redis.url, socket_timeout_s=10.0, connect_timeout_s=10.0)
@@ -533,6 +536,40 @@ def test_a_reserve_redis_runs_after_it_timed_out_is_released_not_held_for_good()
                 store.reserve_shared(a.store_key("stream:s1"), 500, 0, owner=a.owner, request=request)
             t = reader.shared_totals("client:t").totals[0]
             assert (t.reserved_tokens, t.committed_tokens) == (0, 80)
+
+            # A commit that times out the same way: Redis runs it late at the full usage (1,000
+            # over a 100-token reservation: 1,000 charged), while the router has reported what it
+            # could be sure of (the usage within the reservation, 100). Settled again by name once
+            # Redis answers, the late charge is corrected: the ledger ends equal to the report.
+            held = a.reserve("stream:s1", 100, 0)
+            assert isinstance(held, Reservation)
+            os.kill(redis.proc.pid, signal.SIGSTOP)
+            try:
+                reported = a.commit(held, 1_000, 0)
+            finally:
+                os.kill(redis.proc.pid, signal.SIGCONT)
+            assert (reported.tokens, reported.overage_tokens) == (100, 900) and a.unsettled == 1
+            deadline = time.monotonic() + 10
+            while reader.shared_totals("client:t").totals[0].committed_tokens != 80 + 1_000:
+                assert time.monotonic() < deadline, reader.shared_totals("client:t")  # the condition: it ran late
+                time.sleep(0.05)
+            deadline = time.monotonic() + 10
+            while a.settle_pending():
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            t = reader.shared_totals("client:t").totals[0]
+            assert (t.reserved_tokens, t.committed_tokens, t.overage_tokens) == (0, 80 + 100, 0)
+
+            # Settled again before the first attempt ran: the first is refused when it comes.
+            r = a.reserve("stream:s1", 100, 0)
+            assert isinstance(r, Reservation)
+            stored = Reservation(id=r.id, key=a.store_key(r.key), tokens=r.tokens, usd_micros=r.usd_micros)
+            request = a.new_request()
+            assert store.recommit_shared(stored, 40, 0, request=request).charge.tokens == 40
+            with pytest.raises(StoreError, match="ATPCANCELLED"):
+                store.commit_shared(stored, 1_000, 0, request=request)
+            t = reader.shared_totals("client:t").totals[0]
+            assert (t.reserved_tokens, t.committed_tokens) == (0, 80 + 100 + 40)
         finally:
             store.close()
             reader.close()
