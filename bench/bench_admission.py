@@ -11,13 +11,14 @@ Then a contended call: it waits at the next-hop window and is handed the room
 when the call ahead of it is released.
 
 Part 2, trio, µs of CPU per next-hop call through :meth:`Dispatcher.run
-<atp.router.dispatch.Dispatcher.run>` (zero-cost adapters answering at once, a
+<atp.runtime.dataplane.dispatch.Dispatcher.run>` (zero-cost adapters answering at once, a
 two-next-hop route): ``--tasks`` tasks one after another (uncontended), and the
 same tasks 32 at a time against next-hop windows of 2 calls and 8 QoS slots
 (queueing, NACKs, hand-offs). The new dispatcher is compared with the baseline
-in the same run: ``atp/router/dispatch.py`` as of ``--baseline`` (default: the
+in the same run: ``atp/runtime/dataplane/dispatch.py`` as of ``--baseline`` (default: the
 commit before ``atp/flow/admission.py`` was added, or ``HEAD`` while it is not
-committed), loaded from git beside the current one; both runs alternate, best
+committed; at the path it had then, git following its renames), loaded from git
+beside the current one; both runs alternate, best
 of ``--repeat``. Each row also counts the NACKs (EWINDOW) and WINDOW_UPDATEs the
 dispatchers sent, which must be alike.
 """
@@ -49,7 +50,7 @@ from atp.flow.qos import QosScheduler
 from atp.flow.window import Estimate, WindowTable
 from atp.flow.window import Window as FlowWindow
 from atp.policy.fib import NextHop, Route
-from atp.router import dispatch as new_dispatch
+from atp.runtime.dataplane import dispatch as new_dispatch
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType, QoS, Window
 
 EST = Estimate(tokens=900, usd_micros=1_800)
@@ -177,26 +178,43 @@ class CountingIO:
         self.counts["WINDOW_UPDATE"] += 1
 
 
+#: The dispatcher's path in this tree; an older ``rev`` may have it elsewhere.
+DISPATCH = "atp/runtime/dataplane/dispatch.py"
+
+
+def dispatch_path_at(rev: str) -> str:
+    """The path :data:`DISPATCH` had at ``rev``: git follows its renames back from
+    ``HEAD`` and the first of those names that ``rev`` has is it (``DISPATCH``
+    when none is, and ``git show`` then says so)."""
+    names = subprocess.run(["git", "log", "--follow", "--name-only", "--format=", "--", DISPATCH], cwd=ROOT,
+                           capture_output=True, text=True, check=False).stdout.split()
+    for path in dict.fromkeys([DISPATCH, *names]):
+        if subprocess.run(["git", "cat-file", "-e", f"{rev}:{path}"], cwd=ROOT, capture_output=True,
+                          check=False).returncode == 0:
+            return path
+    return DISPATCH
+
+
 def baseline_module(rev: str | None) -> tuple[ModuleType | None, str]:
-    """``atp/router/dispatch.py`` as of ``rev`` (see the module doc), imported
+    """The dispatcher (:data:`DISPATCH`) as of ``rev`` (see the module doc), imported
     beside the current one; ``None`` with the reason when it cannot be."""
     if rev is None:
         added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", "atp/flow/admission.py"],
                                cwd=ROOT, capture_output=True, text=True, check=False).stdout.split()
         rev = f"{added[-1]}^" if added else "HEAD"
-    src = subprocess.run(["git", "show", f"{rev}:atp/router/dispatch.py"], cwd=ROOT, capture_output=True, text=True,
-                         check=False)
+    path = dispatch_path_at(rev)
+    src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=False)
     if src.returncode != 0:
         return None, f"git show {rev}: {src.stderr.strip()}"
     if "class AdmissionControl" in src.stdout or "AdmissionControl(" in src.stdout:
         return None, f"{rev} already has the new admission"
-    name = "atp.router._dispatch_baseline"
+    name = "atp.runtime.dataplane._dispatch_baseline"
     spec = importlib.util.spec_from_loader(name, loader=None)
     assert spec is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     try:
-        exec(compile(src.stdout, f"{rev}:atp/router/dispatch.py", "exec"), mod.__dict__)  # noqa: S102
+        exec(compile(src.stdout, f"{rev}:{path}", "exec"), mod.__dict__)  # noqa: S102
     except (ImportError, AttributeError, NameError, TypeError, SyntaxError) as e:  # what the old file needs may be gone
         return None, f"{rev}: {type(e).__name__}: {e}"
     return mod, rev

@@ -36,9 +36,9 @@ import trio
 import atp
 from atp.adapters.base import Prompt
 from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
+from atp.deploy.cli import run
 from atp.policy.cache import CacheEntry, cache_key, encode_entry
-from atp.router.cli import run
-from atp.router.core import RouterConfig
+from atp.runtime.router import RouterConfig
 from atp.store import SqliteStore
 
 ROOT = Path(__file__).resolve().parents[1]

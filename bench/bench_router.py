@@ -2,7 +2,7 @@
 
 Run: ``python bench/bench_router.py [--tasks N] [--zero-tasks M] [--k 1,8,32]``.
 Plain script, < 2 min on 2 cores. Starts a real router in-process on 127.0.0.1
-(``atp.router.cli.run``, the two-tool RIB ``tests/fixtures/rib_ruff_bandit``:
+(``atp.deploy.cli.run``, the two-tool RIB ``tests/fixtures/rib_ruff_bandit``:
 ruff and bandit with ``scope: changed``, the default RIB before mypy and semgrep
 joined it, so the router's own overhead is not lost in semgrep's seconds) and feeds it the golden code-review tasks
 (``shared/golden/dev.jsonl``: each task's diff and after-diff files), cycled.
@@ -54,8 +54,8 @@ from trio_websocket import WebSocketConnection, open_websocket_url
 import atp
 from atp.adapters.base import Prompt, ProviderAdapter
 from atp.adapters.testing import ScriptedAdapter
-from atp.router.cli import run
-from atp.router.core import Router, RouterConfig
+from atp.deploy.cli import run
+from atp.runtime.router import Router, RouterConfig
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec
 from atp.wire.frame import Payload, PayloadType

@@ -1,5 +1,5 @@
 """What merging the learned routing state through a shared store costs (issue 12,
-atp.router.shared_state): one router's periodic sync, against what a single
+atp.runtime.controlplane.shared_state): one router's periodic sync, against what a single
 router does in the same interval (its last-writer-wins save), in the same run.
 
     .venv/bin/python bench/bench_shared_learning.py [--rounds 60] [--bits 12]
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atp.policy.learn import Decision
 from atp.policy.rib import Rib
-from atp.router.learning import Learning
+from atp.runtime.controlplane.learning import Learning
 from atp.store import SqliteStore
 from bench.bench_learning import META, RIB, TEXT
 

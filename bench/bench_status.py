@@ -8,10 +8,10 @@ the same run:
 
 * **baseline**: rendering ``GET /v1/metrics`` (what a Prometheus scrape costs
   now), and copying the stream table (``list(streams.values())``);
-* **status**: one :class:`~atp.router.status.StatusBuilder` snapshot (scan +
+* **status**: one :class:`~atp.runtime.admin.status.StatusBuilder` snapshot (scan +
   build + JSON encode), first (it reads up to ``max_closed_per_scan`` closed
   logs) and steady (nothing new), its size, and the longest stretch the event
-  loop is held: the largest of :class:`~atp.router.status.StatusFeed`'s chunks
+  loop is held: the largest of :class:`~atp.runtime.admin.status.StatusFeed`'s chunks
   (2,000 streams, a checkpoint between them) and the build after them.
 
 Times are CPU ms of the event loop's thread (``time.thread_time``), best of
@@ -37,9 +37,9 @@ import atp.policy.rib
 from atp.adapters.registry import TOOL_FACTORIES
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import Usage
-from atp.router.cli import run
-from atp.router.core import RouterConfig
-from atp.router.status import StatusBuilder
+from atp.deploy.cli import run
+from atp.runtime.admin.status import StatusBuilder
+from atp.runtime.router import RouterConfig
 from atp.security.identity import ANONYMOUS
 
 AGENT = {"layer": "L2", "tool": "scripted", "p95_ms": 300, "timeout_ms": 30_000, "strengths": ["code_review"]}

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +91,18 @@ async def measure(args: argparse.Namespace, routers: dict[str, tuple[int, str]],
     return runs
 
 
+def cli_module(src: Path) -> str | None:
+    """The module that the ``atp-router`` console script of the checkout ``src``
+    runs (its pyproject.toml's ``[project.scripts]``), so a baseline from before or
+    after a move of the CLI starts the same way; None when it names none that is there."""
+    try:
+        target = tomllib.loads((src / "pyproject.toml").read_text())["project"]["scripts"]["atp-router"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return None
+    module = target.partition(":")[0]
+    return module if (src / Path(*module.split("."))).with_suffix(".py").is_file() else None
+
+
 def report(runs: dict[str, list[dict]], args: argparse.Namespace) -> None:
     print(f"\nclosed loop, {args.k} in flight, {args.seconds:g} s × {args.repeats} rounds, ATP HTTP+SSE, "
           "one openai_compat next-hop call a task")
@@ -131,19 +144,22 @@ def main(argv: list[str] | None = None) -> int:
             if started is None:
                 return 1
             mock_port, _ = started
+            clis = dict.fromkeys(("off", "on"), "atp.deploy.cli")
             configs = {"off": base_env, "on": base_env | {"OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint,
                                                           "OTEL_SERVICE_NAME": "atp-bench"}}
             if args.baseline_src is not None:
                 src = args.baseline_src.resolve()
-                if not (src / "atp" / "router" / "cli.py").is_file():
-                    print(f"--baseline-src {src}: no atp/router/cli.py there")
+                baseline_cli = cli_module(src)
+                if baseline_cli is None:
+                    print(f"--baseline-src {src}: no atp-router console script (pyproject.toml) whose module is there")
                     return 2
                 configs["baseline"] = base_env | {"PYTHONPATH": str(src)}
+                clis["baseline"] = baseline_cli
             routers: dict[str, tuple[int, str]] = {}
             for name, env in configs.items():
                 # `python -m`, so that PYTHONPATH (the baseline's source) decides which atp runs
                 r = gw.start_router(tmp / name, gw.RIB.format(port=mock_port), procs, env=env,
-                                    exe=[sys.executable, "-m", "atp.router.cli"],
+                                    exe=[sys.executable, "-m", clis[name]],
                                     args=["--tenant-rate-per-s", "100000", "--tenant-rate-burst", "100000"])
                 if r is None:
                     return 1

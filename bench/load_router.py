@@ -4,7 +4,7 @@ Run: ``python bench/load_router.py [--streams 1000] [--gold 100] [--seed 7]``.
 Plain script, < 3 min on 2 cores, loopback only (127.0.0.1). Exit status 1 when
 any budget is overshot (or fewer streams than asked were open at once), else 0.
 
-A real router runs in this process (``atp.router.cli.run``) on a RIB written to a
+A real router runs in this process (``atp.deploy.cli.run``) on a RIB written to a
 temporary directory: one policy, three next-hops (top-2 fan-out, the third an
 alternate for reroutes), a window of 2 calls per stream, and four clients, one
 of which (``c3``) has a client budget it exhausts during the run. Its next-hops
@@ -398,8 +398,8 @@ def ledger_overshoot(router: Any, records: list[dict[str, Any]]) -> list[str]:
 
 
 async def bench(args: argparse.Namespace) -> int:
-    from atp.router.cli import run
-    from atp.router.core import RouterConfig
+    from atp.deploy.cli import run
+    from atp.runtime.router import RouterConfig
 
     d = Path(tempfile.mkdtemp(prefix="atp-load-"))
     agent_window = ("" if args.agent_window is None else

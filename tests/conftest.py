@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from atp.router.cli import run
-from atp.router.core import Router, RouterConfig
+from atp.deploy.cli import run
+from atp.runtime.router import Router, RouterConfig
 from tests.peers import start_llama_server
 
 #: Progress lines and the skip rules (tests/progress.py).

@@ -81,12 +81,11 @@ def router_process(policies: Path, state_dir: Path, *, cwd: Path | None = None,
     it exits first or does not listen within ``timeout_s`` seconds."""
     from tests.peers import free_port, stop_process, wait_until_up
 
-    exe = Path(sys.executable).parent / "atp-router"
     http, ws = free_port(), free_port()
     log = state_dir.parent / f"{state_dir.name}.router.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [str(exe), "--policies", str(policies), "--state-dir", str(state_dir), "--http-port", str(http),
+            [*ROUTER, "--policies", str(policies), "--state-dir", str(state_dir), "--http-port", str(http),
              "--ws-port", str(ws), "--no-watch"],
             cwd=cwd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
@@ -99,8 +98,11 @@ def router_process(policies: Path, state_dir: Path, *, cwd: Path | None = None,
             stop_process(proc)
 
 
-#: The venv's ``atp-router`` (beside ``sys.executable``).
-ROUTER = str(Path(sys.executable).parent / "atp-router")
+#: ``atp-router`` as a command line: its CLI module run by this interpreter
+#: (``python -m``, as the worker supervisor starts its workers), the same
+#: ``main`` the installed ``atp-router`` script calls but found by import, so it
+#: runs the tree under test even while the venv's script names an older module.
+ROUTER: list[str] = [sys.executable, "-m", "atp.deploy.cli"]
 _ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -112,7 +114,7 @@ class RouterProcess:
     :meth:`kill9` is a crash, :meth:`stop` a SIGTERM (SIGKILL after ``timeout``)."""
 
     def __init__(self, *args: str | Path, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([ROUTER, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen([*ROUTER, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, text=True,
                                      cwd=_ROOT)
         self.lines: list[str] = []

@@ -706,7 +706,7 @@ class BreakerShare:
     **Bound**: a router publishes as soon as its breaker opens (one store
     write); the others read every poll interval P; so every router's breaker
     is open within ``P + 2 store round trips`` of the opening (P = 0.5 s in
-    :mod:`atp.router.shared_state`), or immediately for a router starting
+    :mod:`atp.runtime.controlplane.shared_state`), or immediately for a router starting
     while the record is in force. ``owner``: this router's name in the store."""
 
     def __init__(self, owner: str) -> None:

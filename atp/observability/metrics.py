@@ -57,7 +57,7 @@ class RouterMetrics:
             "atp_shadow_regret", "Shadow challenger quality minus the served quality (> 0: the challenger was better)",
             ["policy", "agent"], buckets=(-1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0), registry=r)
         self.rib_version = Gauge("atp_rib_version", "Generation of the running RIB", registry=r)
-        # The response cache (spec §13, atp.router.cache); hit rate = hit / (hit + miss).
+        # The response cache (spec §13, atp.runtime.dataplane.cache); hit rate = hit / (hit + miss).
         self.cache_lookups = Counter("atp_cache_lookups", "Response cache lookups by next-hop and result (hit, miss)",
                                      ["agent", "result"], registry=r)
         self.cache_stores = Counter("atp_cache_stores", "Answers offered to the response cache, by result "

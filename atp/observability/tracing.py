@@ -108,12 +108,12 @@ __all__ = [
     "uninstall",
 ]
 
-log = logging.getLogger("atp.router.tracing")
+log = logging.getLogger("atp.observability.tracing")
 
 
 class TracedStream(Protocol):
     """What the spans read of one open stream (the router's
-    :class:`~atp.router.streams.StreamCtx`; named structurally here, as this
+    :class:`~atp.runtime.dataplane.streams.StreamCtx`; named structurally here, as this
     package imports no router module)."""
 
     @property
@@ -144,7 +144,7 @@ class TracedStream(Protocol):
 
 class TracedLeg(Protocol):
     """What a leg's span reads of one attempt of one next-hop call (the
-    router's :class:`~atp.router.dispatch.LegOutcome`)."""
+    router's :class:`~atp.runtime.dataplane.dispatch.LegOutcome`)."""
 
     @property
     def agent(self) -> str: ...
@@ -164,14 +164,14 @@ class TracedLeg(Protocol):
 
 class TracedPlan(Protocol):
     """What the consensus span reads of a task's plan (the router's
-    :class:`~atp.router.dispatch.TaskPlan`): its flow window."""
+    :class:`~atp.runtime.dataplane.dispatch.TaskPlan`): its flow window."""
 
     @property
     def window(self) -> Any: ...
 
 DEFAULT_SERVICE_NAME = "atp-router"
 #: The instrumentation scope of the router's spans.
-SCOPE = "atp.router"
+SCOPE = "atp.runtime"
 
 _TRUE = {"true", "1", "yes", "on"}
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -536,7 +536,7 @@ class _StreamTrace:
 
 
 class RouterTracing:
-    """The spans of one :class:`~atp.router.core.Router` (module docstring). The
+    """The spans of one :class:`~atp.runtime.router.Router` (module docstring). The
     router calls :meth:`stream_opened` at SYN, runs each task inside
     :meth:`running`, reports every leg (:meth:`leg`), the merge
     (:meth:`merged`) and the close (:meth:`stream_closed`). Memory: one entry

@@ -1,7 +1,7 @@
 """The content-addressed response cache, sans-IO (spec §13 "cache (content-addressed)").
 
 What a cached answer is keyed by, what is stored, and when a stored answer may be
-served. No store, no clock: :mod:`atp.router.cache` holds the store
+served. No store, no clock: :mod:`atp.runtime.dataplane.cache` holds the store
 (:meth:`~atp.store.base.Store.cache_get` / :meth:`~atp.store.base.Store.cache_put`)
 and passes the time in.
 

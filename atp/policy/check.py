@@ -1,7 +1,7 @@
 """``atp-router policy check PATH [--json]``: validate a RIB and print the FIB it
 compiles to (spec §6, §22), before a reload or in CI. ``--stages`` prints the
 router's SYN pipeline, one stage a line (``N. name  what it checks``,
-:mod:`atp.router.opening`), after the FIB when a PATH is given too.
+:mod:`atp.runtime.dataplane.opening`), after the FIB when a PATH is given too.
 
 Exit status 0 with the compiled FIB on standard output; 1 with every fault, one
 per line as ``file:line: key: reason``, on standard error; 2 on a usage error.

@@ -313,7 +313,7 @@ class EscalationSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     ``threshold`` is the confidence under which ``low_conf`` fires. With
     ``evidence`` the escalation next-hop gets what the first stage found as
     ``content["evidence"]`` (spec §15.3: synthesis "only with document
-    snippets"; see :mod:`atp.router.dispatch`)."""
+    snippets"; see :mod:`atp.runtime.dataplane.dispatch`)."""
 
     on: Annotated[list[Trigger], Meta(min_length=1)]
     to: NonEmptyStr
@@ -364,7 +364,7 @@ class ShadowSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
 
 class CacheSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """The policy's content-addressed response cache (spec §13;
-    :mod:`atp.policy.cache`, :mod:`atp.router.cache`): a next-hop answer that
+    :mod:`atp.policy.cache`, :mod:`atp.runtime.dataplane.cache`): a next-hop answer that
     completed is stored, and the same call again (same agent and agent
     config, same prompt as that agent sees it, same task meta but for its
     volatile fields) is served from the store at zero cost while it is

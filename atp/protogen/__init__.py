@@ -15,11 +15,11 @@ fails the suite.
 import heavy modules inside ``produce`` so the generator stays cheap to import::
 
     def _openapi() -> str:
-        from atp.router.api import openapi_document   # whatever builds the dict
+        from atp.runtime.ingress.http_api import openapi_document   # whatever builds the dict
         return json_text(openapi_document())
 
     REGISTRY.append(Artefact("openapi.json", "OpenAPI 3.1 document of the control API (spec §22).",
-                             "atp/router/api.py", _openapi))
+                             "atp/runtime/ingress/http_api.py", _openapi))
 
 then drop its line from :data:`EXTERNAL` and run ``python -m atp.protogen``. A
 ``produce`` may raise :class:`Skip` when an optional source is missing; the file is
@@ -320,7 +320,7 @@ def _cbor_md() -> str:
 
 
 def _openapi() -> str:
-    from atp.router.openapi import openapi_document
+    from atp.runtime.admin.openapi import openapi_document
 
     return json_text(openapi_document())
 
@@ -363,7 +363,7 @@ REGISTRY: list[Artefact] = [
     Artefact(
         "openapi.json",
         "OpenAPI 3.1 document of the HTTP control API (spec §22).",
-        "atp/router/openapi.py `openapi_document`",
+        "atp/runtime/admin/openapi.py `openapi_document`",
         _openapi,
     ),
 ]

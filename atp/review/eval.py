@@ -51,7 +51,7 @@ The scoring functions are pure (no I/O, no clock); :func:`review_task`,
 :func:`run_tasks`, :func:`run_variant` and :func:`main` talk to routers. What
 the harness needs of the layers above it — a private router
 (:data:`ServeRouter`) and the local model servers (:class:`ModelServers`) — its
-caller passes in (``atp-router eval`` passes :func:`atp.router.cli.serve_private`
+caller passes in (``atp-router eval`` passes :func:`atp.deploy.cli.serve_private`
 and :mod:`atp.adapters.local_model`), so this package imports neither the router
 nor an adapter.
 """
@@ -131,7 +131,7 @@ PRIVATE_ROUTER: dict[str, Any] = {"tenant_rate_per_s": 1000.0, "tenant_rate_burs
 #: router for the RIB at ``policies`` on free loopback ports, its state in
 #: ``state_dir`` and ``config`` (RouterConfig fields, :data:`PRIVATE_ROUTER`)
 #: applied; ``task_status.started(http_port)``, then serve until cancelled; raise
-#: ``PolicyError`` for a refused RIB (:func:`atp.router.cli.serve_private`).
+#: ``PolicyError`` for a refused RIB (:func:`atp.deploy.cli.serve_private`).
 ServeRouter = Callable[..., Awaitable[None]]
 
 

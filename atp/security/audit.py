@@ -843,7 +843,7 @@ def _fmt_ts(ms: int) -> str:
 def audit_main(argv: list[str], *, default_state_dir: Path | None = None) -> int:
     """``atp-router audit verify|show|keygen``; ``--state-dir`` defaults to
     ``default_state_dir`` (the router's default, passed by
-    :func:`atp.router.cli.main`; None: required).
+    :func:`atp.deploy.cli.main`; None: required).
 
     ``verify [--state-dir D] [--anchor FILE]… [--key-file PATH]
     [--max-unsigned N]`` checks the chain against every checkpoint (the store's,

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from atp.adapters import local_model
+from atp.deploy.cli import serve_private
 from atp.review import eval as _eval
 from atp.review.eval import (  # noqa: F401  (re-exported for the tests)
     DEFAULT_BUDGET,
@@ -39,7 +40,6 @@ from atp.review.eval import (  # noqa: F401  (re-exported for the tests)
     summarize,
     task_meta,
 )
-from atp.router.cli import serve_private
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The dev set (``shared/`` sits beside the repository).

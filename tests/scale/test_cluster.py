@@ -1,4 +1,4 @@
-"""Several ``atp-router`` processes on one Redis (issue 12, atp.router.cluster): real
+"""Several ``atp-router`` processes on one Redis (issue 12, atp.deploy.cluster): real
 router processes (``--store redis://…``, each its own state directory and ports) and a
 real ``redis-server`` on loopback (tests/peers.py ``start_redis``, append-only file
 fsynced at every write), driven over real sockets.
@@ -38,8 +38,8 @@ import httpx
 import pytest
 import trio
 
+from atp.deploy.cluster import ClusterLedger
 from atp.flow.budget import Allowance, Refusal, Reservation
-from atp.router.cluster import ClusterLedger
 from atp.store import StoreError
 from atp.store.redis import RedisStore
 from atp.wire.errors import ErrorCode
@@ -467,7 +467,7 @@ def test_a_ledger_settled_by_another_router_refuses_spend_instead_of_crashing():
             a.open("stream:s1", Allowance(tokens=5_000, usd_micros=None), parent="client:t")
             r = a.reserve("stream:s1", 1_000, 0)
             assert isinstance(r, Reservation)
-            # Router B settles A (atp.router.workers.settle with release=True, as the reaper does).
+            # Router B settles A (atp.deploy.workers.settle with release=True, as the reaper does).
             assert [x.id for x in store.release_owned("r.test.1.aaaaaa")] == [r.id]
             assert store.close_owned_accounts("r.test.1.aaaaaa") == 1
 

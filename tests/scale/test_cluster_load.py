@@ -89,7 +89,7 @@ LEASE_MS = 5_000
 TENANT = "load"
 TOKENS = {TENANT: "tok-load-0123456789", "ops": "tok-ops-0123456789"}
 TASK = {"task_type": "summarize"}
-#: The RST reason of a stream whose router was lost (atp.router.cluster.ROUTER_LOST).
+#: The RST reason of a stream whose router was lost (atp.deploy.cluster.ROUTER_LOST).
 LOST = "the router running the stream was lost"
 _ENV = {"ATP_ROUTER_TOKENS": f"{TENANT}:{TOKENS[TENANT]},ops:{TOKENS['ops']}:admin+operator",
         "ATP_AUDIT_KEY": "cluster-load-test-audit-key-0123456789"}

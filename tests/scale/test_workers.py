@@ -25,7 +25,6 @@ import os
 import re
 import signal
 import sqlite3
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import httpx
 import pytest
 import trio
 
-from tests.helpers import RouterProcess
+from tests.helpers import ROUTER, RouterProcess
 from tests.replay_server import BillingModel, serve
 from tests.scale.common import (
     ALICE_TOKENS,
@@ -46,7 +45,6 @@ from tests.scale.common import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-ROUTER = str(Path(sys.executable).parent / "atp-router")
 
 
 class Supervisor(RouterProcess):
@@ -296,7 +294,7 @@ async def test_kill9_of_a_worker_settles_once_and_the_other_goes_on(setup):
             assert events[-2][0] == "FINAL"
             slots.add(slot)
     assert sup.stop() == 0
-    verify = await trio.run_process([ROUTER, "audit", "verify", "--state-dir", str(sup.state)], capture_stdout=True,
+    verify = await trio.run_process([*ROUTER, "audit", "verify", "--state-dir", str(sup.state)], capture_stdout=True,
                                     capture_stderr=True, check=False, cwd=ROOT)
     assert verify.returncode == 0 and verify.stdout.startswith(b"audit: OK"), verify.stdout + verify.stderr
 
@@ -346,7 +344,7 @@ async def test_refusals_before_any_worker_starts(tmp_path):
     supervisor itself (exit 2, the reason on stderr), as by a single router."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("agents:\n  a: {layer: L9}\n")
-    r = await trio.run_process([ROUTER, "--workers", "2", "--policies", str(bad), "--state-dir", str(tmp_path / "s1"),
+    r = await trio.run_process([*ROUTER, "--workers", "2", "--policies", str(bad), "--state-dir", str(tmp_path / "s1"),
                                 "--http-port", "0", "--ws-port", "0"], capture_stdout=True, capture_stderr=True,
                                check=False, cwd=ROOT)
     assert r.returncode == 2 and b"policy refused" in r.stderr and b"listening" not in r.stdout
@@ -356,11 +354,11 @@ async def test_refusals_before_any_worker_starts(tmp_path):
     try:
         await first.wait_listening()
         second = await trio.run_process(
-            [ROUTER, "--workers", "2", "--policies", str(policies), "--state-dir", str(tmp_path / "s2"),
+            [*ROUTER, "--workers", "2", "--policies", str(policies), "--state-dir", str(tmp_path / "s2"),
              "--http-port", "0", "--ws-port", "0"], capture_stdout=True, capture_stderr=True, check=False, cwd=ROOT)
         assert second.returncode == 2 and b"is in use by another atp-router" in second.stderr
         single = await trio.run_process(
-            [ROUTER, "--policies", str(policies), "--state-dir", str(tmp_path / "s2"), "--http-port", "0",
+            [*ROUTER, "--policies", str(policies), "--state-dir", str(tmp_path / "s2"), "--http-port", "0",
              "--ws-port", "0"], capture_stdout=True, capture_stderr=True, check=False, cwd=ROOT)
         assert single.returncode == 2 and b"is in use by another atp-router" in single.stderr
     finally:

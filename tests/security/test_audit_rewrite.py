@@ -101,7 +101,7 @@ def _forbidden_reloads(url: str, n: int, *, fresh: bool = False) -> None:
 
 def verify(run: Run, *args: str | Path, state_flag: bool = True, env: dict[str, str] | None = None) -> tuple[int, str]:
     """``atp-router audit verify`` as a process: (exit status, stdout + stderr)."""
-    cmd = [ROUTER, "audit", "verify", *(["--state-dir", str(run.state)] if state_flag else []), *map(str, args)]
+    cmd = [*ROUTER, "audit", "verify", *(["--state-dir", str(run.state)] if state_flag else []), *map(str, args)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env or _env(), check=False)
     return p.returncode, (p.stdout + p.stderr).strip()
 
@@ -137,7 +137,7 @@ def prod_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
               syslog=root / "syslog.txt")
     run.key.parent.mkdir()
     run.anchor.parent.mkdir()
-    made = subprocess.run([ROUTER, "audit", "keygen", str(run.key)], capture_output=True, text=True, env=_env(),
+    made = subprocess.run([*ROUTER, "audit", "keygen", str(run.key)], capture_output=True, text=True, env=_env(),
                           check=False)
     assert made.returncode == 0, made.stderr
     listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -215,7 +215,7 @@ def test_intact_runs_verify_with_the_default_state_dir_and_every_sink(dev_run: R
     env = _env(XDG_STATE_HOME=str(dev_run.state.parent))
     code, out = verify(dev_run, state_flag=False, env=env)  # issue 20: the router's default state dir
     assert code == 0 and out.startswith(f"audit: OK, {last} records, head "), out
-    shown = subprocess.run([ROUTER, "audit", "show", "--json", "--since", str(last)], capture_output=True, text=True,
+    shown = subprocess.run([*ROUTER, "audit", "show", "--json", "--since", str(last)], capture_output=True, text=True,
                            env=env, cwd=ROOT, check=False)
     assert shown.returncode == 0 and json.loads(shown.stdout)["kind"] == "esec"
     assert dev_run.output.count(DEV_WARNING) == 1  # the state-dir key, said once
@@ -382,7 +382,7 @@ def test_workers_share_one_anchor(tmp_path: Path):
     (tmp_path / "rib.yaml").write_text(RIB)
     run = Run(tmp_path, tmp_path / "state", key=tmp_path / "audit.key", anchor=tmp_path / "anchor" / "audit.anchor")
     run.anchor.parent.mkdir()
-    assert subprocess.run([ROUTER, "audit", "keygen", str(run.key)], env=_env(), check=False).returncode == 0
+    assert subprocess.run([*ROUTER, "audit", "keygen", str(run.key)], env=_env(), check=False).returncode == 0
     proc = _start(tmp_path / "rib.yaml", "--state-dir", run.state, "--workers", "2", "--audit-key-file", run.key,
                   "--audit-anchor", run.anchor, env={"ATP_AUDIT_KEY": ""})
     try:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -31,7 +30,6 @@ from tests import helpers
 from tests.replay_server import Replay, serve
 
 ROOT = Path(__file__).resolve().parents[2]
-ROUTER = str(Path(sys.executable).parent / "atp-router")
 TOKENS = {"alice": "tok-alice-0123456789", "bob": "tok-bob-0123456789", "ops": "tok-ops-0123456789"}
 TASK = {"task_type": "summarize"}
 CONTENT = {"text": "summarise this"}
@@ -78,7 +76,7 @@ async def _events(url: str, tenant: str, stream: str) -> list[atp.Event]:
 
 
 def _audit(state: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([ROUTER, "audit", "verify", "--state-dir", str(state)], capture_output=True, text=True,
+    return subprocess.run([*helpers.ROUTER, "audit", "verify", "--state-dir", str(state)], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
 
 
@@ -193,7 +191,7 @@ async def test_kill9_keeps_what_the_router_learned(nursery, tmp_path, router_pro
     """Issue 8: a router killed with SIGKILL and restarted on its state directory
     routes with the weights it learned (saved every 5 s, so the test waits 6 s
     before the kill)."""
-    from atp.router.learning import SAVE_INTERVAL_S
+    from atp.runtime.controlplane.learning import SAVE_INTERVAL_S
 
     model = await serve(nursery, Replay(chunked=True))
     for _ in range(40):

@@ -20,7 +20,7 @@ import shutil
 import trio
 
 import atp
-from atp.router.dispatch import NEXT_HOP_FAILED
+from atp.runtime.dataplane.dispatch import NEXT_HOP_FAILED
 from tests.conftest import MECHANICS_RIB, start_router
 from tests.helpers import golden, router_metric, start_router_on
 from tests.peers import free_port

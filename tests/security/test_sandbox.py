@@ -132,7 +132,7 @@ def router(as_user: str) -> Iterator[Routed]:
         for p in (home, home / "secret", state):
             os.chown(p, NOBODY, NOBODY)
     http, ws = free_port(), free_port()
-    argv = [ROUTER, "--policies", str(rib), "--state-dir", str(state), "--http-port", str(http),
+    argv = [*ROUTER, "--policies", str(rib), "--state-dir", str(state), "--http-port", str(http),
             "--ws-port", str(ws), "--no-watch"]
     if as_user == "nobody":
         argv = _as_nobody(argv)
@@ -412,18 +412,18 @@ def test_without_bubblewrap_the_rib_is_refused_and_policy_check_says_why(tmp_pat
     rib = tmp_path / "rib.yaml"
     rib.write_text(json.dumps(RIB))
     env = {"PATH": "/nonexistent", "HOME": str(tmp_path), "LANG": "C.UTF-8"}
-    check = subprocess.run([ROUTER, "policy", "check", str(rib)], env=env, capture_output=True, text=True,
+    check = subprocess.run([*ROUTER, "policy", "check", str(rib)], env=env, capture_output=True, text=True,
                            timeout=120, check=False)
     assert check.returncode == 1, check
     assert (f"{rib}: agents.tests.pytest: sandbox: bubblewrap is not installed (no 'bwrap' on PATH)"
             in check.stderr), check.stderr
     state = tmp_path / "state"
-    start = subprocess.run([ROUTER, "--policies", str(rib), "--state-dir", str(state), "--http-port",
+    start = subprocess.run([*ROUTER, "--policies", str(rib), "--state-dir", str(state), "--http-port",
                             str(free_port()), "--ws-port", str(free_port()), "--no-watch"],
                            env=env, capture_output=True, text=True, timeout=120, check=False)
     assert start.returncode != 0
     assert "agents.tests.pytest: sandbox: bubblewrap is not installed" in start.stdout + start.stderr
-    with_bwrap = subprocess.run([ROUTER, "policy", "check", str(rib)], capture_output=True, text=True,
+    with_bwrap = subprocess.run([*ROUTER, "policy", "check", str(rib)], capture_output=True, text=True,
                                 timeout=120, check=False)
     assert with_bwrap.returncode == 0, with_bwrap.stderr
 
@@ -475,7 +475,7 @@ def test_a_checkout_under_tmp_is_refused_at_load_and_start_naming_the_cause_and_
             "policies": [{"name": "lint", "match": {"task_type": "code_review"}, "fanout": ["lint.ruff"]}],
         }))
         env = {**os.environ, "PYTHONPATH": str(checkout)}
-        router = [str(python), "-m", "atp.router.cli"]  # run in the checkout, as scripts/demo.sh does
+        router = [str(python), "-m", "atp.deploy.cli"]  # run in the checkout, as scripts/demo.sh does
         line = (f"agents.lint.ruff: sandbox: the interpreter {python} lives under /tmp, which every sandboxed run "
                 "gets private (it cannot be seen inside); keep the checkout (and its .venv) outside /tmp")
         check = subprocess.run([*router, "policy", "check", str(rib)], env=env, cwd=checkout, capture_output=True,

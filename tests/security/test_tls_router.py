@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import ssl
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -15,12 +14,13 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
+from tests.helpers import ROUTER
+
 ROOT = Path(__file__).resolve().parents[2]
-ROUTER = str(Path(sys.executable).parent / "atp-router")
 
 
 async def _start(args: list[str]) -> tuple[trio.Process, str]:
-    proc = await trio.lowlevel.open_process([ROUTER, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = await trio.lowlevel.open_process([*ROUTER, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                             cwd=ROOT)
     out = b""
     with trio.fail_after(60):
@@ -59,7 +59,7 @@ async def test_https_and_wss_with_tls13_only(tmp_path, tls_server_files, tls_cli
 
 
 def test_plaintext_on_a_non_loopback_host_must_be_asked_for(tmp_path):
-    r = subprocess.run([ROUTER, "--policies", "policies", "--state-dir", str(tmp_path / "s"), "--host", "0.0.0.0"],
+    r = subprocess.run([*ROUTER, "--policies", "policies", "--state-dir", str(tmp_path / "s"), "--host", "0.0.0.0"],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 2 and "--plaintext" in r.stderr
 
@@ -68,7 +68,7 @@ async def test_two_routers_cannot_share_a_state_directory(tmp_path):
     state = str(tmp_path / "s")
     first, _ = await _start(["--policies", "policies", "--state-dir", state, "--http-port", "0", "--ws-port", "0"])
     try:
-        r = await trio.run_process([ROUTER, "--policies", "policies", "--state-dir", state, "--http-port", "0",
+        r = await trio.run_process([*ROUTER, "--policies", "policies", "--state-dir", state, "--http-port", "0",
                                     "--ws-port", "0"], capture_stdout=True, capture_stderr=True, check=False,
                                    cwd=ROOT)
         assert r.returncode == 2 and b"in use by another atp-router" in r.stderr

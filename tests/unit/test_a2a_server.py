@@ -1,4 +1,4 @@
-"""The router as an A2A server (atp.router.a2a_server), spoken to by real A2A clients.
+"""The router as an A2A server (atp.runtime.ingress.a2a), spoken to by real A2A clients.
 
 The router runs on loopback with the control API and the A2A routes mounted side by
 side (``build_app(router).routes + a2a_routes(router)``), real ruff and bandit as
@@ -41,12 +41,12 @@ from atp.adapters.a2a import A2AAdapter
 from atp.adapters.base import Prompt
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import Severity
+from atp.deploy.cli import _parser, config_from_args
 from atp.review.diff import parse_diff
 from atp.review.repo import files_after
-from atp.router.a2a_server import a2a_routes, agent_card
-from atp.router.api import build_app
-from atp.router.cli import _parser, config_from_args
-from atp.router.core import Router, RouterConfig, StreamCtx
+from atp.runtime.ingress.a2a import a2a_routes, agent_card
+from atp.runtime.ingress.http_api import build_app
+from atp.runtime.router import Router, RouterConfig, StreamCtx
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import PayloadType
 from tests.helpers import serve_scripted
@@ -116,7 +116,7 @@ def keep_reset_streams(monkeypatch) -> None:
     without this they leave after REFUSED_RETAIN_S (1 s), which a loaded machine
     can spend between the cancel and the test's :func:`stream_of`. The A2A side
     does not depend on it (its task answers for ``retain_closed_s``)."""
-    monkeypatch.setattr("atp.router.streams.REFUSED_RETAIN_S", 3600.0)
+    monkeypatch.setattr("atp.runtime.dataplane.streams.REFUSED_RETAIN_S", 3600.0)
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def auth(token: str = TOKEN) -> dict[str, str]:
 def stream_of(router: Router, task_id: str, token: str = TOKEN) -> StreamCtx:
     """The ATP stream behind A2A task ``task_id`` of ``token``'s tenant. A stream
     reset before any result (a cancelled task) leaves the router's table
-    :data:`~atp.router.streams.REFUSED_RETAIN_S` after its close, however long
+    :data:`~atp.runtime.dataplane.streams.REFUSED_RETAIN_S` after its close, however long
     its A2A task still answers: a test that reads such a stream afterwards uses
     the ``keep_reset_streams`` fixture, or a loaded machine's delay between the
     cancel and the read removes it first."""
@@ -545,14 +545,14 @@ asyncio.run(main(*sys.argv[1:]))
 
 
 async def start_router_process(tmp_path: Path, *extra: str) -> tuple[trio.Process, str]:
-    """``atp-router`` as a process (``python -m atp.router.cli``) on free ports with
+    """``atp-router`` as a process (``python -m atp.deploy.cli``) on free ports with
     PROC_RIB and ``extra`` flags; returns it and its HTTP base URL."""
     env = {**os.environ, "ATP_ROUTER_TOKENS": TOKEN, "PYTHONUNBUFFERED": "1"}
     for k in ("ATP_HMAC_KEY", "ATP_HMAC_KEYS"):
         env.pop(k, None)
     rib = tmp_path / "proc-rib.yaml"
     rib.write_text(PROC_RIB)
-    argv = [sys.executable, "-m", "atp.router.cli", "--policies", str(rib), "--no-watch",
+    argv = [sys.executable, "-m", "atp.deploy.cli", "--policies", str(rib), "--no-watch",
             "--state-dir", str(tmp_path / "state"), "--http-port", "0", "--ws-port", "0", "--log-level", "WARNING",
             *extra]
     proc = await trio.lowlevel.open_process(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)

@@ -1,4 +1,4 @@
-"""The content-addressed response cache (spec §13; atp.policy.cache, atp.router.cache).
+"""The content-addressed response cache (spec §13; atp.policy.cache, atp.runtime.dataplane.cache).
 
 Three layers, each against the real thing below it:
 

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from atp.router import cli
+from atp.deploy import cli
 
 
 def _help(capsys, argv: list[str]) -> str:

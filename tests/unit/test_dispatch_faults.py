@@ -1,4 +1,4 @@
-"""Faults are attributed (issue 19; atp.router.dispatch module doc 3 and 4,
+"""Faults are attributed (issue 19; atp.runtime.dataplane.dispatch module doc 3 and 4,
 atp.flow.breaker "Faults are attributed") on a real router on loopback.
 
 The next-hops are :class:`TaskTool` s: tenant-bound adapters (``tenant_bound =
@@ -23,7 +23,7 @@ from atp.consensus.types import AgentReport, Usage
 from atp.policy.fib import compile_fib
 from atp.policy.health import Health
 from atp.policy.loader import load_rib_text
-from atp.router.dispatch import CANARY, NEXT_HOP_FAILED
+from atp.runtime.dataplane.dispatch import CANARY, NEXT_HOP_FAILED
 from atp.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 from tests.conftest import RouterEnv

@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from atp.router.streams import EventLog
+from atp.runtime.dataplane.streams import EventLog
 from atp.wire.frame import Flag, Frame, Payload, PayloadType, Window, WindowUpdate
 
 

@@ -6,8 +6,8 @@ checks that
 * every package imports only packages of a lower layer (:data:`LAYERS`): the
   sans-IO core (``wire``, ``flow``, ``policy``, ``consensus``, and ``task`` once it
   exists) imports nothing above it;
-* the adapters never import the runtime (``router``, later ``runtime`` and
-  ``deploy``), and ``observability`` imports neither the runtime nor the adapters;
+* the adapters never import the runtime (``runtime`` and ``deploy``), and
+  ``observability`` imports neither the runtime nor the adapters;
 * the package graph (module- and function-level imports alike) has no cycle;
 * an ``atp`` import inside a function is one of :data:`FUNCTION_LEVEL_IMPORTS`, each
   with its reason; a new one fails, and so does an entry that no longer matches.
@@ -31,9 +31,9 @@ import pytest
 ROOT = Path(os.environ.get("ATP_LAYERS_ROOT") or Path(__file__).resolve().parents[2]).resolve()
 
 #: The layers, lowest first; a package imports only packages of the layers below
-#: its own. Names not (yet) in the tree are the issue 21 plan's (``task``,
-#: ``runtime``, ``deploy``) and are skipped until they exist; a package in the
-#: tree and in no layer fails :func:`test_every_package_has_a_layer`.
+#: its own. Names not (yet) in the tree are the issue 21 plan's (``task``) and
+#: are skipped until they exist; a package in the tree and in no layer fails
+#: :func:`test_every_package_has_a_layer`.
 LAYERS: list[frozenset[str]] = [
     # The frame, its codecs and errors; the --help formatter every command shares.
     frozenset({"wire", "cliutil"}),
@@ -55,8 +55,8 @@ LAYERS: list[frozenset[str]] = [
     frozenset({"adapters"}),
     # The 2389 agent runtime: an adapter exposed as a 2389 agent.
     frozenset({"agent2389"}),
-    # The router's runtime (issue 21: ``runtime`` replaces ``router``).
-    frozenset({"router", "runtime"}),
+    # The router's runtime: ingress, data plane, control plane, admin (issue 21).
+    frozenset({"runtime"}),
     # Deployment modes assembled from the runtime.
     frozenset({"deploy"}),
     # Generators of proto/ from every layer's Structs.
@@ -66,7 +66,7 @@ LEVEL: dict[str, int] = {pkg: i for i, layer in enumerate(LAYERS) for pkg in lay
 #: The sans-IO core that no I/O layer may leak into.
 CORE = ("wire", "flow", "policy", "consensus", "task")
 #: What the next-hops may never import.
-RUNTIME = frozenset({"router", "runtime", "deploy"})
+RUNTIME = frozenset({"runtime", "deploy"})
 
 #: The function-level ``atp`` imports that remain, as ``(file, function,
 #: imported module)`` → why it is not at module level. Everything else is
@@ -81,12 +81,12 @@ FUNCTION_LEVEL_IMPORTS: dict[tuple[str, str, str], str] = {
     ("atp/protogen/__init__.py", "_rib_schema", "atp.policy.rib"): "protogen: an ImportError is a Skip",
     ("atp/protogen/__init__.py", "_cbor_md", "atp.wire.codec"): "protogen: imported when produced",
     ("atp/protogen/__init__.py", "_cbor_md", "atp.wire.frame"): "protogen: imported when produced",
-    ("atp/protogen/__init__.py", "_openapi", "atp.router.openapi"): "protogen: imported when produced",
+    ("atp/protogen/__init__.py", "_openapi", "atp.runtime.admin.openapi"): "protogen: imported when produced",
     # Optional dependency: the SDK (``import atp``; atp.Client), which only
     # ``atp-router eval`` needs; the router starts without it.
-    ("atp/router/cli.py", "main", "atp.review.eval"): "optional dependency: the SDK, for eval only",
+    ("atp/deploy/cli.py", "main", "atp.review.eval"): "optional dependency: the SDK, for eval only",
     # Optional dependency: redis-py, imported only by a router on a shared store.
-    ("atp/router/cluster.py", "open_store", "atp.store.redis"): "optional dependency: redis-py",
+    ("atp/deploy/cluster.py", "open_store", "atp.store.redis"): "optional dependency: redis-py",
     ("atp/store/__init__.py", "__getattr__", "atp.store.redis"): "optional dependency: redis-py (lazy attribute)",
     # A module cycle inside adapters/tools: base imports the sandbox at load
     # (Sandbox, SandboxUnavailable); the sandbox's host probe needs base's limits.
@@ -243,7 +243,7 @@ def test_a_package_imports_nothing_above_its_layer(package: str) -> None:
 
 def test_the_core_is_at_the_bottom() -> None:
     """The sans-IO core sits below every I/O layer (the order itself is checked)."""
-    io = ("store", "mqtt", "security", "observability", "adapters", "router")
+    io = ("store", "mqtt", "security", "observability", "adapters", "runtime", "deploy")
     assert max(LEVEL[p] for p in CORE) < min(LEVEL[p] for p in io)
 
 

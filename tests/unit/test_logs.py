@@ -273,7 +273,7 @@ async def test_each_breaker_transition_is_logged_once(logged, tmp_path, scripted
         down.fragments = ScriptedAdapter.returning("a.down").fragments
         await drain(open_inproc(router))  # the half-open probe succeeds: closed
         assert router.gates.breakers.statistics()["a.down"].state == "closed"
-    said = [x for x in router_lines(logged) if x["logger"] == "atp.router" and "circuit breaker" in x["event"]]
+    said = [x for x in router_lines(logged) if x["logger"] == "atp.runtime" and "circuit breaker" in x["event"]]
     assert [(x["level"], x["agent"], x["breaker"], x["breaker_event"]) for x in said] == [
         ("warning", "a.down", "open", "trip"),
         ("info", "a.down", "half_open", "backoff_elapsed"),

@@ -589,7 +589,7 @@ async def test_scripted_adapter_faults(autojump_clock: trio.testing.MockClock) -
 def test_completion_text_marks_a_finding_the_change_silenced():
     """A plain-text client sees what a JSON client sees in ``suppressed_by_change``."""
     from atp.consensus.types import ConsensusInfo, Finding, Result
-    from atp.router.openai_ingress import SILENCED, completion_text
+    from atp.runtime.ingress.openai import SILENCED, completion_text
 
     def finding(i: int, silenced: bool) -> Finding:
         return Finding(id=f"F-{i}", severity="high", file="a.py", span=f"{i}-{i}", claim="eval of input",

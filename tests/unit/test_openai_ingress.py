@@ -1,4 +1,4 @@
-"""The OpenAI-compatible ingress (issue 10 item 1; ``atp/router/openai_ingress.py``),
+"""The OpenAI-compatible ingress (issue 10 item 1; ``atp/runtime/ingress/openai.py``),
 driven with the official ``openai`` package against a real router in process.
 
 The next-hops are :class:`~atp.adapters.testing.ScriptedAdapter` tools (RIB
@@ -309,7 +309,7 @@ def test_streamed_text_ending_in_whitespace_is_not_repeated():
     """A model's live deltas end in a space or newline while the answer text is
     trimmed: the client gets the rest, never the whole answer a second time
     (found by bench/bench_gateway.py)."""
-    from atp.router.openai_ingress import remaining_text
+    from atp.runtime.ingress.openai import remaining_text
 
     assert remaining_text("tok0 tok1", "tok0 tok1 ") == ""
     assert remaining_text("tok0 tok1\n\nF-1 x.py:3", "tok0 tok1 ") == "\n\nF-1 x.py:3"

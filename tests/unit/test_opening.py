@@ -1,4 +1,4 @@
-"""The SYN pipeline as a list of stages (atp.router.opening; spec §8 steps 1–2, §10,
+"""The SYN pipeline as a list of stages (atp.runtime.dataplane.opening; spec §8 steps 1–2, §10,
 §11). Each stage alone, table-tested like admission (tests/unit/test_admission.py):
 the cases it lets through with what it decides, the cases it refuses with their
 spec §10 code, reason and retry hint. Stages are built from a real router's parts
@@ -20,8 +20,7 @@ import trio
 
 from atp.flow.budget import Allowance, BudgetLedger
 from atp.policy.rib import ClientSpec, RateSpec
-from atp.router.core import Router, RouterConfig
-from atp.router.opening import (
+from atp.runtime.dataplane.opening import (
     CONTINUE,
     DEFAULT_STAGES,
     Bandit,
@@ -41,6 +40,7 @@ from atp.router.opening import (
     replace_stage,
     run_stages,
 )
+from atp.runtime.router import Router, RouterConfig
 from atp.security.authz import QUOTA_RETRY_MS, StreamAdmission
 from atp.security.identity import ANONYMOUS, Identity, Role
 from atp.wire.errors import ATPError, ErrorCode
@@ -250,7 +250,7 @@ def test_budget_open_opens_the_stream_account_at_the_tighter_budget(router):
 
 
 class DownLedger(BudgetLedger):
-    """A shared ledger whose store cannot be reached (atp.router.cluster.ClusterLedger.open's refusal)."""
+    """A shared ledger whose store cannot be reached (atp.deploy.cluster.ClusterLedger.open's refusal)."""
 
     def open(self, key: str, limit: Allowance, *, parent: str | None = None) -> None:
         raise ATPError(ErrorCode.EBUDGET, "budget store unavailable: down; retry", retry_after_ms=250)
@@ -365,7 +365,7 @@ async def test_a_stage_given_to_the_router_runs_in_its_place(tmp_path):
 
 # ------------------------------------------------------------------ atp-router policy check --stages
 def test_policy_check_stages_prints_each_stage_and_what_it_checks():
-    out = subprocess.run([ROUTER, "policy", "check", "--stages"], capture_output=True, text=True, timeout=60,
+    out = subprocess.run([*ROUTER, "policy", "check", "--stages"], capture_output=True, text=True, timeout=60,
                          check=True).stdout
     lines = out.splitlines()
     assert [line.split()[1] for line in lines] == [s.name for s in DEFAULT_STAGES]
@@ -373,13 +373,13 @@ def test_policy_check_stages_prints_each_stage_and_what_it_checks():
         assert line.startswith(f"{i}. {name}") and line.endswith(doc)
     assert lines[4].startswith("5. tenant_admission  Spec §11 AuthZ: role, task types, data categories (ESEC)")
     # With a RIB: its FIB first, as without --stages, then the stages.
-    both = subprocess.run([ROUTER, "policy", "check", str(MECHANICS_RIB), "--stages"], capture_output=True,
+    both = subprocess.run([*ROUTER, "policy", "check", str(MECHANICS_RIB), "--stages"], capture_output=True,
                           text=True, timeout=60, check=True).stdout
-    fib = subprocess.run([ROUTER, "policy", "check", str(MECHANICS_RIB)], capture_output=True, text=True,
+    fib = subprocess.run([*ROUTER, "policy", "check", str(MECHANICS_RIB)], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert both == fib + "\nSYN stages:\n" + out
     # Neither a RIB nor --stages: a usage error, as before.
-    none = subprocess.run([ROUTER, "policy", "check"], capture_output=True, text=True, timeout=60, check=False)
+    none = subprocess.run([*ROUTER, "policy", "check"], capture_output=True, text=True, timeout=60, check=False)
     assert none.returncode == 2 and "required: path" in none.stderr
-    json.loads(subprocess.run([ROUTER, "policy", "check", "--json", str(MECHANICS_RIB)], capture_output=True,
+    json.loads(subprocess.run([*ROUTER, "policy", "check", "--json", str(MECHANICS_RIB)], capture_output=True,
                               text=True, timeout=60, check=True).stdout)

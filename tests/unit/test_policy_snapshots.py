@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,10 @@ import pytest
 from atp.policy.check import render_fib
 from atp.policy.fib import compile_fib
 from atp.policy.loader import load_rib
+from tests.helpers import ROUTER
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = ROOT / "tests" / "snapshots"
-ROUTER = str(Path(sys.executable).parent / "atp-router")
 SHIPPED = {
     "default": ROOT / "policies",
     # atp-router eval's variants: each file is a RIB of its own.
@@ -52,16 +51,16 @@ def test_every_yaml_policy_in_the_repo_has_a_snapshot():
 
 
 def test_policy_check_cli(tmp_path):
-    ok = subprocess.run([ROUTER, "policy", "check", str(SHIPPED["default"])], capture_output=True, text=True,
+    ok = subprocess.run([*ROUTER, "policy", "check", str(SHIPPED["default"])], capture_output=True, text=True,
                         timeout=60, check=False)
     assert ok.returncode == 0 and ok.stdout == (SNAPSHOTS / "default.txt").read_text()
-    js = subprocess.run([ROUTER, "policy", "check", "--json", str(SHIPPED["learning"])], capture_output=True,
+    js = subprocess.run([*ROUTER, "policy", "check", "--json", str(SHIPPED["learning"])], capture_output=True,
                         text=True, timeout=60, check=False)
     assert js.returncode == 0 and '"target_cost": 0.3' in js.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("agents:\n  a: {layer: L2, tool: ruff, p95_ms: 1, bogus: 2}\n"
                    "policies:\n  - {match: {task_type: x}, fanout: [ghost]}\n")
-    out = subprocess.run([ROUTER, "policy", "check", str(bad)], capture_output=True, text=True, timeout=60,
+    out = subprocess.run([*ROUTER, "policy", "check", str(bad)], capture_output=True, text=True, timeout=60,
                          check=False)
     assert out.returncode == 1 and out.stdout == ""
     lines = out.stderr.splitlines()

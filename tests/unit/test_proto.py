@@ -112,9 +112,9 @@ def test_openapi_paths_match_the_control_api_routes(tmp_path):
 
     from starlette.routing import Route
 
-    from atp.router.api import build_app
-    from atp.router.core import Router, RouterConfig
-    from atp.router.openapi import openapi_document
+    from atp.runtime.admin.openapi import openapi_document
+    from atp.runtime.ingress.http_api import build_app
+    from atp.runtime.router import Router, RouterConfig
 
     policies = tmp_path / "policies"
     shutil.copytree(Path(__file__).resolve().parents[2] / "policies", policies)

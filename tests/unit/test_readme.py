@@ -50,7 +50,7 @@ def test_keys_new_prints_the_line_the_readme_shows():
     command = re.search(r"`atp-router (keys new [^`]+)`", sharing)
     assert command, "the README names a keys new command"
     shown = next(ln.strip() for ln in _blocks(sharing, "yaml")[0].splitlines() if "id: alice-ci" in ln)
-    out = subprocess.run([ROUTER, *command[1].split()], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run([*ROUTER, *command[1].split()], capture_output=True, text=True, timeout=60, check=True)
     printed = next(ln.strip() for ln in out.stdout.splitlines() if ln.strip().startswith("- {"))
     # The README elides the hash as "…": every other character is what is printed.
     pattern = re.escape(shown).replace(re.escape('"…"'), '"?[0-9a-f]{64}"?')
@@ -119,7 +119,7 @@ async def test_audit_commands_use_the_routers_default_state_dir(tmp_path, comman
         await router.wait_listening()
     finally:
         router.stop()
-    done = subprocess.run([ROUTER, *command.split()], capture_output=True, text=True, timeout=60,
+    done = subprocess.run([*ROUTER, *command.split()], capture_output=True, text=True, timeout=60,
                           env={**os.environ, **env})
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "xdg" / "atp-router").is_dir()

@@ -170,10 +170,10 @@ def test_summarise_this_repository(example_router, tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "Name: atp-router. [pyproject.toml:" in out
-    assert "`atp-router` runs `atp.router.cli:main`." in out
-    # A package's largest modules are cited (their docstrings, from line 1): the router's largest surely.
-    largest = max((ROOT / "atp" / "router").glob("*.py"), key=lambda p: len(p.read_text().splitlines()))
-    assert f"[atp/router/{largest.name}:1-" in out, out
+    assert "`atp-router` runs `atp.deploy.cli:main`." in out
+    # A package's largest modules are cited (their docstrings, from line 1): the runtime's largest surely.
+    largest = max((ROOT / "atp" / "runtime").glob("*.py"), key=lambda p: len(p.read_text().splitlines()))
+    assert f"[atp/runtime/{largest.name}:1-" in out, out
     assert "escalated" not in out  # a documented repository needs no model
     assert "cost: tokens=0 usd=0.000000" in out
 

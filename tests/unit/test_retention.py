@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from atp.adapters.testing import ScriptedAdapter
-from atp.router.streams import REFUSED_RETAIN_S
+from atp.runtime.dataplane.streams import REFUSED_RETAIN_S
 from atp.security.identity import Role
 from atp.wire import session as S
 from atp.wire.errors import ErrorCode
@@ -328,10 +328,10 @@ def test_reading_a_stream_by_its_id_is_an_index_search_also_in_an_older_state_di
 # ------------------------------------------------------------------ idle trim
 
 async def test_memory_is_trimmed_only_once_no_stream_is_open(nursery, tmp_path, agent, monkeypatch):
-    """The router gives memory back (:func:`atp.router.memory.trim`) when it went
+    """The router gives memory back (:func:`atp.runtime.dataplane.memory.trim`) when it went
     idle: not while a stream is open, once within seconds after the last one
     closed and left memory — and never with ``idle_trim=False``."""
-    from atp.router import memory
+    from atp.runtime.dataplane import memory
 
     calls: list[float] = []
     real = memory.trim

@@ -27,7 +27,7 @@ from atp.consensus.escalation import CITATION_RULE, should_escalate
 from atp.consensus.strategies import merge
 from atp.consensus.types import AgentFinding, AgentReport, Severity
 from atp.policy.rib import AgentSpec
-from atp.router.dispatch import NEXT_HOP_FAILED
+from atp.runtime.dataplane.dispatch import NEXT_HOP_FAILED
 from atp.wire.errors import ClientInputError, ErrorCode
 from tests.helpers import rib_with_root, router_process
 from tests.peers import MODEL_ALIAS, start_llama_server

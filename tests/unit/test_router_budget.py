@@ -4,7 +4,7 @@ BUDGET_UPDATE, §10 EBUDGET, DESIGN principle 4 "cost is bandwidth").
 The invariant under test: the committed spend of a stream, and of a client across
 all its streams, never exceeds its budget — under any interleaving of concurrent
 calls, streamed usage, failures, cuts and live budget updates. It is checked on a
-real :class:`~atp.router.core.Router` (FIB, dispatcher, ledger, windows, QoS) run
+real :class:`~atp.runtime.router.Router` (FIB, dispatcher, ledger, windows, QoS) run
 in process under trio's autojump clock, with many concurrent streams and, with
 Hypothesis, randomized schedules of next-hop delays, usages, estimates, failures
 and BUDGET_UPDATEs.
@@ -32,7 +32,7 @@ from atp.adapters.base import Fragment, Prompt
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentReport, Usage
 from atp.policy.loader import load_rib_text
-from atp.router.core import Router
+from atp.runtime.router import Router
 from atp.security.authn import parse_tokens_env
 from atp.security.identity import ANONYMOUS, Role
 from atp.wire.errors import AgentError, ErrorCode, PolicyError
@@ -169,7 +169,7 @@ async def _play(tmp_path, schedule: Schedule) -> None:
         serve_scripted(mp, adapters)
         # Streams that end without a result (EBUDGET) would leave the table after
         # REFUSED_RETAIN_S, closing their accounts before the checks read them.
-        mp.setattr("atp.router.streams.REFUSED_RETAIN_S", 3600.0)
+        mp.setattr("atp.runtime.dataplane.streams.REFUSED_RETAIN_S", 3600.0)
         async with serving(tmp_path, doc, slots=32, gold_reserved=4, **UNTHROTTLED) as router:
             results: dict[int, list] = {}
             ctxs = {}

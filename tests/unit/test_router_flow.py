@@ -2,7 +2,7 @@
 of §10 in the situation its row names, plus windows and AIMD, the WINDOW_UPDATE
 cadence, QoS preemption, circuit breakers, reroutes, fallbacks and ``ttl``.
 
-Two harnesses, both the real :class:`~atp.router.core.Router` (sessions, FIB,
+Two harnesses, both the real :class:`~atp.runtime.router.Router` (sessions, FIB,
 dispatcher, ledger, QoS scheduler, breakers):
 
 * over the wire — the WebSocket ingress with the project's sans-IO client
@@ -40,8 +40,8 @@ from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentFinding, Severity, Usage
 from atp.flow.breaker import RetryPolicy
 from atp.policy.loader import load_rib_text
-from atp.router.core import Router, RouterConfig, StreamCtx, build_authenticator
-from atp.router.streams import LoggedEvent
+from atp.runtime.router import Router, RouterConfig, StreamCtx, build_authenticator
+from atp.runtime.dataplane.streams import LoggedEvent
 from atp.security.identity import ANONYMOUS, Identity, Role
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec
@@ -634,7 +634,7 @@ def test_cli_flags_configure_flow_control_as_the_conformance_profile_documents(t
     import re
     import shlex
 
-    from atp.router import cli
+    from atp.deploy import cli
     from tests.conformance.conftest import local_config
 
     documented = re.search(r"its local\s+profile: ``(.+?)``", cli.__doc__, re.DOTALL).group(1)
@@ -664,14 +664,14 @@ def test_cli_installs_log_redaction_after_configuring_logging(tmp_path, caplog):
     ``main`` (here it stops at once: no RIB there), a record carrying a secret a
     client sent is printed with ``[REDACTED]``."""
     from atp.adapters.context import REDACTED, RedactingFilter, register_secrets
-    from atp.router import cli
+    from atp.deploy import cli
 
     root = logging.getLogger()
     try:
         assert cli.main(["--policies", str(tmp_path / "missing")]) == 2
         secret = "tok-" + secrets.token_hex(8)
         register_secrets([secret])
-        logging.getLogger("atp.router").warning("client sent %s", secret)
+        logging.getLogger("atp.runtime").warning("client sent %s", secret)
         assert caplog.records[-1].getMessage() == f"client sent {REDACTED}"
     finally:
         for h in root.handlers:

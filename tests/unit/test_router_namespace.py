@@ -22,7 +22,7 @@ import trio
 
 import atp
 from atp.adapters.testing import ScriptedAdapter
-from atp.router.core import ACTIONS, Router, RouterConfig, build_authenticator
+from atp.runtime.router import ACTIONS, Router, RouterConfig, build_authenticator
 from atp.security.identity import ANONYMOUS, Identity, Role
 from atp.wire.errors import ATPError, ErrorCode
 from atp.wire.frame import Flag, Frame, Payload, PayloadType
@@ -320,8 +320,8 @@ async def test_a_client_token_may_not_reload_or_read_routes_an_admin_may(nursery
 
 
 def test_router_is_importable_from_core():
-    """The split keeps the names other modules import from atp.router.core."""
-    from atp.router import core
+    """The split keeps the names other modules import from atp.runtime.router."""
+    from atp.runtime import router as core
 
     for name in ("Router", "RouterConfig", "StreamCtx", "connection_error", "parse_tokens_env", "Generation"):
         assert hasattr(core, name), name

@@ -12,7 +12,7 @@ scheduler, which preempts a bronze call running *at that next-hop*, and takes
 back the slot of a silver or bronze call still waiting for its next-hop.
 
 Sans-IO tests for :class:`~atp.flow.window.WindowQueue` and the scheduler's
-``block`` / ``reclaim``; then the real :class:`~atp.router.core.Router` in
+``block`` / ``reclaim``; then the real :class:`~atp.runtime.router.Router` in
 process under trio's autojump clock with :class:`~atp.adapters.testing.ScriptedAdapter`
 next-hops (the shape of a model adapter answering after a fixed delay; no real
 peer can be paced to the millisecond).
@@ -26,7 +26,7 @@ import trio
 from atp.adapters.testing import ScriptedAdapter
 from atp.flow.qos import Grant, QosScheduler, Queued, Revoke
 from atp.flow.window import Estimate, Window, WindowQueue
-from atp.router.core import Router
+from atp.runtime.router import Router
 from atp.wire.frame import QoS
 from atp.wire.frame import Window as WireWindow
 from tests.unit.test_router_flow import (

@@ -37,7 +37,6 @@ from tests.conftest import start_router
 from tests.unit.test_router_dispatch import CLEAN, META, scripted_agent
 from tests.unit.test_router_ws import WINDOW, Peer, connect
 
-
 STEPS = 8  # PARTIALs per call, 100 tokens each (cumulative usage)
 
 
@@ -329,8 +328,8 @@ async def test_peer_gone_while_a_heartbeat_is_sent_ends_the_connection_without_a
     from trio.testing import memory_stream_pair
     from trio_websocket import wrap_client_stream, wrap_server_stream
 
-    from atp.router.core import Router, RouterConfig
-    from atp.router.ws import _connection
+    from atp.runtime.ingress.ws import _connection
+    from atp.runtime.router import Router, RouterConfig
 
     scripted["m.stream"] = Streamer("m.stream")
     doc = {"agents": {"m.stream": scripted_agent()},

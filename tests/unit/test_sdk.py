@@ -231,11 +231,11 @@ _ISOLATED = textwrap.dedent(
     import atp
 
     try:
-        import atp.router.core
+        import atp.runtime.router
     except ImportError:
         pass
     else:
-        raise SystemExit("the block did not hold: atp.router imported")
+        raise SystemExit("the block did not hold: atp.runtime imported")
 
     async def main(url, task):
         async with atp.Client(url) as c:
@@ -272,7 +272,7 @@ async def test_cli_reads_tokens_from_the_environment(policies_dir, tmp_path):
     blanks ignored): a listed token works, anything else is ESEC 401."""
     env = {**os.environ, "ATP_ROUTER_TOKENS": f" {TOKEN_A} ,, {TOKEN_B} ", "PYTHONUNBUFFERED": "1"}
     env.pop("ATP_HMAC_KEY", None)
-    argv = [sys.executable, "-m", "atp.router.cli", "--policies", str(policies_dir),
+    argv = [sys.executable, "-m", "atp.deploy.cli", "--policies", str(policies_dir),
             "--state-dir", str(tmp_path / "state"), "--http-port", "0", "--ws-port", "0", "--log-level", "WARNING"]
     proc = await trio.lowlevel.open_process(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:

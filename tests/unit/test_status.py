@@ -1,4 +1,4 @@
-"""The live status snapshot (issue 11 item 4, :mod:`atp.router.status`): a real
+"""The live status snapshot (issue 11 item 4, :mod:`atp.runtime.admin.status`): a real
 router on scripted next-hops, its snapshot read by the sans-IO builder and over
 HTTP/SSE. The page itself is tested in headless Chromium (tests/ops)."""
 
@@ -13,7 +13,7 @@ import trio
 
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import Usage
-from atp.router.status import (
+from atp.runtime.admin.status import (
     StatusBuilder,
     StatusFeed,
     StatusLimits,

@@ -36,7 +36,7 @@ from atp.wire.codec import FrameCodec
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import Flag
 from tests.conftest import MECHANICS_RIB
-from tests.helpers import golden, router_process, start_router_on
+from tests.helpers import ROUTER, golden, router_process, start_router_on
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.replay_server import LoopbackHTTP, serve
 from tests.unit.test_openai_compat import chunk, sse
@@ -361,13 +361,10 @@ def test_an_exporter_the_router_has_not_is_refused_naming_the_variable(env, mess
 def test_atp_router_refuses_an_unsupported_otlp_protocol_at_start(tmp_path):
     """A misconfigured exporter is a clear start-up error (exit 2), not silence."""
     import subprocess
-    import sys
-    from pathlib import Path
 
-    exe = Path(sys.executable).parent / "atp-router"
     env = {"PATH": "/usr/bin:/bin", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "HOME": str(tmp_path)}
-    p = subprocess.run([str(exe), "--policies", str(MECHANICS_RIB), "--state-dir", str(tmp_path / "s"),
+    p = subprocess.run([*ROUTER, "--policies", str(MECHANICS_RIB), "--state-dir", str(tmp_path / "s"),
                         "--http-port", "0", "--ws-port", "0"], env=env, capture_output=True, text=True, timeout=60,
                        check=False)
     assert p.returncode == 2 and "OTEL_EXPORTER_OTLP_PROTOCOL: 'grpc'" in p.stderr

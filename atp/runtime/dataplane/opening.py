@@ -57,7 +57,7 @@ from atp.adapters.context import with_context_scope
 from atp.flow.budget import Allowance, usd_to_micros
 from atp.policy.fib import data_scope_labels
 from atp.review.diff import count_changed_lines
-from atp.router.streams import stream_account
+from atp.runtime.dataplane.streams import stream_account
 from atp.security.authz import Refuse
 from atp.security.identity import Identity
 from atp.wire.errors import ATPError, ErrorCode, LocalProtocolError
@@ -68,9 +68,9 @@ if TYPE_CHECKING:
     from atp.policy.fib import Route
     from atp.policy.learn import Decision
     from atp.policy.rib import ClientSpec
-    from atp.router.control import ControlPlane, Generation
-    from atp.router.learning import Learning
-    from atp.router.streams import StreamTable
+    from atp.runtime.controlplane.control import ControlPlane, Generation
+    from atp.runtime.controlplane.learning import Learning
+    from atp.runtime.dataplane.streams import StreamTable
     from atp.security.authz import StreamAdmission
 
 __all__ = [
@@ -146,7 +146,7 @@ class OpenCtx:
 
     @property
     def account(self) -> str:
-        """The stream's budget-ledger account (:func:`~atp.router.streams.stream_account`)."""
+        """The stream's budget-ledger account (:func:`~atp.runtime.dataplane.streams.stream_account`)."""
         return stream_account(self.identity.tenant, self.stream_id)
 
 
@@ -372,7 +372,7 @@ class BudgetOpen:
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
         assert o.route is not None, "budget_open runs after route"
         o.budget = budget = min_budget(o.client_budget, o.route.budget)
-        # A shared ledger may refuse (its store unreachable, EBUDGET; atp.router.cluster).
+        # A shared ledger may refuse (its store unreachable, EBUDGET; atp.deploy.cluster).
         self.ledger.open(o.account, Allowance.from_budget(budget), parent=self.client_account(o.tenant))
         return CONTINUE
 

@@ -37,7 +37,7 @@ idle expiry         a stream opened without a task (SYN without payload) that
 refused SYNs        remembered (bounded) so their late frames are dropped;
                     nothing else of them stays (not even their session)
 idle trim           with no stream open, once freed memory settled:
-                    ``idle_trim()`` (:func:`atp.router.memory.trim`: a full
+                    ``idle_trim()`` (:func:`atp.runtime.dataplane.memory.trim`: a full
                     collection and ``malloc_trim``), at most every 10 s
 ==================  =============================================================
 
@@ -62,10 +62,17 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
-from atp.router.memory import TRIM_EVERY_S
+from atp.runtime.dataplane.memory import TRIM_EVERY_S
 from atp.security.identity import Identity
 from atp.security.redact import redact_meta
-from atp.store.base import Store, StoredEvent, StoreError, StoreLimitError, StoreUnavailable, StreamRecord
+from atp.store.base import (
+    Store,
+    StoredEvent,
+    StoreError,
+    StoreLimitError,
+    StoreUnavailable,
+    StreamRecord,
+)
 from atp.wire import session as S
 from atp.wire.errors import ATPError, ErrorCode, LocalProtocolError
 from atp.wire.frame import (
@@ -83,11 +90,11 @@ from atp.wire.frame import (
 if TYPE_CHECKING:
     from atp.consensus.types import FinalResult
     from atp.observability.metrics import RouterMetrics
-    from atp.router.control import Generation
+    from atp.runtime.controlplane.control import Generation
 
 __all__ = ["EventLog", "LoggedEvent", "StreamCtx", "StreamKey", "StreamTable", "event_type", "stream_account"]
 
-log = logging.getLogger("atp.router")
+log = logging.getLogger("atp.runtime")
 
 #: A stream's identity in the table: (tenant, session_id, stream_id).
 StreamKey = tuple[str, str, str]
@@ -104,7 +111,7 @@ REFUSED_RETAIN_S = 1.0
 DEFAULT_RETAIN_CLOSED_BYTES = 16 * 2**20
 #: A group commit the store could not take (unreachable) is tried again this much later, s.
 _FLUSH_RETRY_S = 0.25
-#: The router trims its memory this long after it went idle, s (atp.router.memory).
+#: The router trims its memory this long after it went idle, s (atp.runtime.dataplane.memory).
 _IDLE_TRIM_AFTER_S = 2.0
 #: Timers of removed streams are purged once more than this many streams left
 #: the table (and their timers, up to ~3 each, may be half of them).
@@ -540,7 +547,7 @@ class StreamTable:
         self.retain_closed_max = retain_closed_max
         self.retain_closed_bytes = retain_closed_bytes
         #: Called when the router went idle (no open stream, streams left memory
-        #: since the last call), at most every ``TRIM_EVERY_S``: atp.router.memory.trim.
+        #: since the last call), at most every ``TRIM_EVERY_S``: atp.runtime.dataplane.memory.trim.
         self._idle_trim = idle_trim
         self._trim_due = False
         self._trim_at = self._trimmed_at = -math.inf
@@ -586,9 +593,9 @@ class StreamTable:
         self._pending: list[tuple[StreamCtx, LoggedEvent | StreamRecord | None]] = []
         self._flush_wanted = trio.Event()
         self._flushing = False
-        #: Told ``(op, error)`` when a flush found the store unreachable (metrics, atp.router.cluster).
+        #: Told ``(op, error)`` when a flush found the store unreachable (metrics, atp.deploy.cluster).
         self.on_store_unavailable: Callable[[str, StoreError], None] | None = None
-        #: When set, a flush writes only while it returns True (atp.router.cluster: not
+        #: When set, a flush writes only while it returns True (atp.deploy.cluster: not
         #: until the router checked, after an outage, which of its streams it still owns).
         self.flush_gate: Callable[[], bool] | None = None
 
@@ -792,7 +799,7 @@ class StreamTable:
 
     def abandon(self, ctx: StreamCtx, stored: list[StoredEvent]) -> None:
         """Stream ``ctx`` was settled by another router process while this one
-        could not reach the shared store (atp.router.cluster): ``stored`` — its
+        could not reach the shared store (atp.deploy.cluster): ``stored`` — its
         log in the store, ending with the RST the other router wrote — is its
         log from now on. Its task is cancelled and its queued writes dropped;
         followers send what they have not sent of ``stored`` and stop; it
@@ -949,7 +956,7 @@ class StreamTable:
         if not self._pending:
             return True
         if self.flush_gate is not None and not self.flush_gate():
-            return False  # the store is not confirmed back yet (atp.router.cluster): the writes wait
+            return False  # the store is not confirmed back yet (atp.deploy.cluster): the writes wait
         pending, self._pending = self._pending, []
         assert self.store is not None
         for _, ev in pending:

@@ -38,13 +38,13 @@ from atp.policy.fib import Fib, compile_fib
 from atp.policy.health import Health
 from atp.policy.loader import load_rib, load_rib_text
 from atp.policy.rib import ClientSpec, Rib, independence_source
+from atp.runtime.dataplane.dispatch import Dispatcher, FlowGates, LegOutcome
 from atp.security.policy_guard import PolicySecrets
-from atp.router.dispatch import Dispatcher, FlowGates, LegOutcome
 from atp.wire.errors import PolicyError
 
 __all__ = ["ControlPlane", "GenUser", "Generation"]
 
-log = logging.getLogger("atp.router")
+log = logging.getLogger("atp.runtime")
 
 _NO_CLIENT_SPEC = ClientSpec()
 
@@ -200,7 +200,7 @@ class ControlPlane:
     def reload(self, text: str | None = None, *, version: int | None = None) -> dict[str, Any]:
         """Hot-reload the RIB from ``policies`` or from YAML ``text`` (§22) as
         generation ``version`` (default: the running one's + 1; router workers
-        sharing a store number generations alike, ``atp.router.workers``).
+        sharing a store number generations alike, ``atp.deploy.workers``).
 
         Returns :meth:`rib_summary`. Raises :class:`PolicyError` (file, key,
         reason) and keeps the running RIB when the new one is refused. Streams

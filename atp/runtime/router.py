@@ -2,32 +2,32 @@
 
 :class:`Router` is thin; the parts it composes are split the agentgateway way:
 
-=================================  ==============================================
-:mod:`atp.router.control`          control plane: the running RIB compiled into a
-                                   FIB, its generations, hot reload (§22), the
-                                   next-hop adapters and their retirement
-:mod:`atp.router.streams`          stream table keyed by (tenant, session_id,
-                                   stream_id): lifecycle, idempotency, resumption,
-                                   retention, grace and idle expiry
-:mod:`atp.router.opening`          the SYN pipeline: a list of named stages
-                                   (context scope, task shape, stream slot,
-                                   client budget, tenant admission, route,
-                                   bandit, budget open), each continuing or
-                                   refusing; ``Router(syn_stages=...)``
-this module                        identity (:meth:`Router.authenticate`, one call
-                                   for every ingress), authorization
-                                   (:meth:`Router.authorize`), and the data plane:
-                                   frames in (:meth:`Router.receive_frame`), a SYN
-                                   through the stages then opened or reset, task
-                                   running
-=================================  ==============================================
+=======================================  ==============================================
+:mod:`atp.runtime.controlplane.control`  control plane: the running RIB compiled into a
+                                         FIB, its generations, hot reload (§22), the
+                                         next-hop adapters and their retirement
+:mod:`atp.runtime.dataplane.streams`     stream table keyed by (tenant, session_id,
+                                         stream_id): lifecycle, idempotency, resumption,
+                                         retention, grace and idle expiry
+:mod:`atp.runtime.dataplane.opening`     the SYN pipeline: a list of named stages
+                                         (context scope, task shape, stream slot,
+                                         client budget, tenant admission, route,
+                                         bandit, budget open), each continuing or
+                                         refusing; ``Router(syn_stages=...)``
+this module                              identity (:meth:`Router.authenticate`, one call
+                                         for every ingress), authorization
+                                         (:meth:`Router.authorize`), and the data plane:
+                                         frames in (:meth:`Router.receive_frame`), a SYN
+                                         through the stages then opened or reset, task
+                                         running
+=======================================  ==============================================
 
-Ingresses — the WebSocket server (:mod:`atp.router.ws`), the HTTP control API
-(:mod:`atp.router.api`) and the A2A server (:mod:`atp.router.a2a_server`) —
+Ingresses — the WebSocket server (:mod:`atp.runtime.ingress.ws`), the HTTP control API
+(:mod:`atp.runtime.ingress.http_api`) and the A2A server (:mod:`atp.runtime.ingress.a2a`) —
 authenticate once per connection or request, check the action with
 :meth:`Router.authorize`, and only move frames: they feed inbound frames to the
 sans-IO :class:`~atp.wire.session.Session` of the caller's tenant and send what
-the stream's :class:`~atp.router.streams.EventLog` holds, so a stream behaves the
+the stream's :class:`~atp.runtime.dataplane.streams.EventLog` holds, so a stream behaves the
 same whichever way it was opened.
 
 Tenants (spec §11): every :class:`~atp.security.identity.Identity` names a
@@ -42,7 +42,7 @@ also sees calls held up at a next-hop's window), the circuit breakers (their hea
 the FIB lookup: an open circuit is excluded) and the retry policy. The budget
 ledger has one account per tenant (``client:<name>``, limit from the RIB's
 ``clients`` section) and, under it, one per stream
-(:func:`~atp.router.streams.stream_account`), so a tenant's streams together
+(:func:`~atp.runtime.dataplane.streams.stream_account`), so a tenant's streams together
 never spend more than its budget.
 
 Connections and streams (spec §8 resumption): a stream belongs to its tenant, not
@@ -67,9 +67,9 @@ import secrets
 import shutil
 import tempfile
 import time
-from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -90,28 +90,59 @@ from atp.observability.metrics import RouterMetrics
 from atp.observability.tracing import RouterTracing
 from atp.policy.fib import data_scope_labels
 from atp.policy.rib import ClientSpec, RateSpec
-from atp.router import memory
-from atp.router.cache import DEFAULT_MAX_BYTES as DEFAULT_CACHE_MAX_BYTES
-from atp.router.cache import ResponseCache, annotate
-from atp.router.control import BODY_SOURCE, ControlPlane, Generation
-from atp.router.dispatch import FlowGates, LegOutcome, SlotGate, TaskPlan
-from atp.router.learning import Learning
-from atp.router.opening import (DEFAULT_STAGES, OpenCtx, OpenParts, Stage, StageType, check_task, min_budget,
-                                run_stages)
-from atp.router.streams import DEFAULT_RETAIN_CLOSED_BYTES, StreamCtx, StreamTable
-from atp.security.authn import Authenticator, EnvToken, load_auth_config, parse_tokens_env
-from atp.security.authz import Action, Forbidden, Refuse, StreamAdmission, authorize, clamp_qos
+from atp.runtime.controlplane.control import BODY_SOURCE, ControlPlane, Generation
+from atp.runtime.controlplane.learning import Learning
+from atp.runtime.dataplane import memory
+from atp.runtime.dataplane.cache import DEFAULT_MAX_BYTES as DEFAULT_CACHE_MAX_BYTES
+from atp.runtime.dataplane.cache import ResponseCache, annotate
+from atp.runtime.dataplane.dispatch import FlowGates, LegOutcome, SlotGate, TaskPlan
+from atp.runtime.dataplane.opening import (
+    DEFAULT_STAGES,
+    OpenCtx,
+    OpenParts,
+    Stage,
+    StageType,
+    check_task,
+    min_budget,
+    run_stages,
+)
+from atp.runtime.dataplane.streams import (
+    DEFAULT_RETAIN_CLOSED_BYTES,
+    StreamCtx,
+    StreamTable,
+)
+from atp.security.audit import AuditLog, AuditOptions
+from atp.security.authn import (
+    Authenticator,
+    EnvToken,
+    load_auth_config,
+    parse_tokens_env,
+)
+from atp.security.authz import (
+    Action,
+    Forbidden,
+    Refuse,
+    StreamAdmission,
+    authorize,
+    clamp_qos,
+)
 from atp.security.identity import Identity, Role
 from atp.security.policy_guard import PolicySecrets, egress_changes
-from atp.security.signing import DurableReplayGuard, UsageSigner
-from atp.security.audit import AuditLog, AuditOptions
-from atp.security.tls import ServerTls
-from atp.store import SqliteStore, StoreJournal, StoreUnavailable
 from atp.security.redact import DataScopeGuard, Redacted, Refused
 from atp.security.redact import warm as redact_warm
+from atp.security.signing import DurableReplayGuard, UsageSigner
+from atp.security.tls import ServerTls
+from atp.store import SqliteStore, StoreJournal, StoreUnavailable
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec, KeyRing
-from atp.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode, LocalProtocolError, PolicyError
+from atp.wire.errors import (
+    AgentError,
+    ATPError,
+    ClientInputError,
+    ErrorCode,
+    LocalProtocolError,
+    PolicyError,
+)
 from atp.wire.frame import (
     Budget,
     BudgetUpdate,
@@ -134,7 +165,7 @@ __all__ = [
     "connection_error",
 ]
 
-log = logging.getLogger("atp.router")
+log = logging.getLogger("atp.runtime")
 #: Security audit trail (spec §11 "audit"): ESEC refusals.
 audit = logging.getLogger("atp.audit")
 #: The log level of an audit record's log line. Every record is in the audit trail
@@ -193,7 +224,7 @@ class RouterConfig:
     kept). ``state_sync`` ``"NORMAL"`` survives a process crash, ``"FULL"`` an OS
     crash too. Closed streams stay in the store ``state_retain_s`` (default 7 days).
     The response cache of the policies with a ``cache`` key (spec §13,
-    :mod:`atp.router.cache`) keeps at most ``cache_max_bytes`` bytes of answers
+    :mod:`atp.runtime.dataplane.cache`) keeps at most ``cache_max_bytes`` bytes of answers
     there (0: no policy caches).
 
     Flow control (spec §5, §9, §10): ``window_update_interval_ms`` /
@@ -212,7 +243,7 @@ class RouterConfig:
     ``retain_closed_bytes`` bytes of closed logs (the oldest go first); reads of
     a stream no longer in memory are served from the state store. With
     ``idle_trim`` the router gives freed memory back to the OS when no stream is
-    open (:func:`atp.router.memory.trim`, at most every 10 s). A stream
+    open (:func:`atp.runtime.dataplane.memory.trim`, at most every 10 s). A stream
     opened without a task that gets none within ``idle_task_s`` is reset with
     ``ETIMEOUT``.
 
@@ -258,7 +289,7 @@ class RouterConfig:
     #: together (atp.flow.body_budget; None: twice the larger body limit).
     tenant_body_bytes: int | None = None
     #: A WebSocket connection must finish its upgrade (and TLS) within this, s;
-    #: at most ``ws_pending_per_peer`` such connections per peer address (atp.router.ws).
+    #: at most ``ws_pending_per_peer`` such connections per peer address (atp.runtime.ingress.ws).
     ws_handshake_timeout_s: float = 10.0
     ws_pending_per_peer: int = 32
     tls: ServerTls | None = None
@@ -268,7 +299,7 @@ class RouterConfig:
     retain_closed_s: float = 300.0
     retain_closed_max: int = 1000
     retain_closed_bytes: int = DEFAULT_RETAIN_CLOSED_BYTES
-    #: Give freed memory back to the OS when no stream is open (atp.router.memory).
+    #: Give freed memory back to the OS when no stream is open (atp.runtime.dataplane.memory).
     idle_trim: bool = True
     max_streams: int = 10_000
     idle_task_s: float = 30.0
@@ -301,7 +332,7 @@ class RouterConfig:
     cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES
     #: Bytes of the response cache one tenant's answers may hold (None: a quarter of ``cache_max_bytes``).
     cache_tenant_max_bytes: int | None = None
-    #: The store several routers share (issue 12, atp.router.cluster): ``"sqlite"``
+    #: The store several routers share (issue 12, atp.deploy.cluster): ``"sqlite"``
     #: (the embedded one in ``state_dir``, this router alone) or a ``redis://``,
     #: ``rediss://`` or ``unix://`` URL; its keys live under ``store_namespace``.
     store: str = "sqlite"
@@ -322,9 +353,9 @@ class Router:
     is refused); :meth:`serve` runs its background tasks. ``authenticator``
     replaces the one :func:`build_authenticator` makes from ``config``;
     ``syn_stages`` the SYN pipeline's stage types (default
-    :data:`~atp.router.opening.DEFAULT_STAGES`; a deployment mode or a test
-    adds or replaces one with :func:`~atp.router.opening.insert_stage` /
-    :func:`~atp.router.opening.replace_stage`), built into :attr:`syn_stages`."""
+    :data:`~atp.runtime.dataplane.opening.DEFAULT_STAGES`; a deployment mode or a test
+    adds or replaces one with :func:`~atp.runtime.dataplane.opening.insert_stage` /
+    :func:`~atp.runtime.dataplane.opening.replace_stage`), built into :attr:`syn_stages`."""
 
     def __init__(self, config: RouterConfig, *, authenticator: Authenticator | None = None,
                  syn_stages: Sequence[StageType] = DEFAULT_STAGES):
@@ -406,16 +437,16 @@ class Router:
         #: Live FIB metrics, the policies' bandits, feedback and shadow routing (§6.2, §18).
         self.learning = Learning(self, seed=config.seed)
         self.learning.sync(self.gen)
-        #: What the SYN stages are built from (atp.router.opening).
+        #: What the SYN stages are built from (atp.runtime.dataplane.opening).
         self.open_parts = OpenParts(admission=self.admission, streams=self.streams, learning=self.learning,
                                     control=self.control, generation=lambda: self.gen, ledger=self.ledger,
                                     client_spec=self.client_spec, client_account=self.client_account)
-        #: The SYN pipeline (atp.router.opening), in order: each stage continues or refuses.
+        #: The SYN pipeline (atp.runtime.dataplane.opening), in order: each stage continues or refuses.
         self.syn_stages: list[Stage] = [t.of(self.open_parts) for t in syn_stages]
 
     # ------------------------------------------------------------------ durable state
     # (each step a method: a worker of ``atp-router --workers N`` shares the state
-    # directory with its siblings and overrides them, atp.router.workers)
+    # directory with its siblings and overrides them, atp.deploy.workers)
     def _lock_state(self) -> Any:
         return _lock_state_dir(self.state_dir)
 
@@ -482,7 +513,7 @@ class Router:
     # ------------------------------------------------------------------ control plane
     @property
     def gen(self) -> Generation:
-        """The running RIB generation (:attr:`ControlPlane.gen <atp.router.control.ControlPlane.gen>`)."""
+        """The running RIB generation (:attr:`ControlPlane.gen <atp.runtime.controlplane.control.ControlPlane.gen>`)."""
         return self.control.gen
 
     @gen.setter
@@ -496,7 +527,7 @@ class Router:
 
     def reload(self, text: str | None = None, *, identity: Identity | None = None,
                version: int | None = None, cause: str | None = None) -> dict[str, Any]:
-        """Hot-reload the RIB (:meth:`ControlPlane.reload <atp.router.control.ControlPlane.reload>`, §22)
+        """Hot-reload the RIB (:meth:`ControlPlane.reload <atp.runtime.controlplane.control.ControlPlane.reload>`, §22)
         as generation ``version`` (default: the next one),
         audited with who asked and every endpoint and secret reference it adds,
         removes or changes (:func:`~atp.security.policy_guard.egress_changes`);
@@ -758,7 +789,7 @@ class Router:
 
     def _on_syn(self, sess: S.Session, ev: Any, *, identity: Identity, direct: list[Frame], ttl: int) -> None:
         """A SYN the session accepted (``ev``: :class:`~atp.wire.session.StreamOpened`)
-        goes through :attr:`syn_stages` (:mod:`atp.router.opening`); refused, it
+        goes through :attr:`syn_stages` (:mod:`atp.runtime.dataplane.opening`); refused, it
         is reset with the stage's code (:meth:`_refuse_syn`), else opened
         (:meth:`_open`)."""
         content = ev.payload.content if ev.payload is not None and ev.payload.type is PayloadType.TASK else None
@@ -1160,7 +1191,7 @@ class Router:
                 self.audit_log.tick(now_ms)
                 self.store.expire(now_ms - retain_ms)
             except StoreUnavailable:
-                continue  # a shared store that cannot be reached: done when it answers (atp.router.cluster)
+                continue  # a shared store that cannot be reached: done when it answers (atp.deploy.cluster)
             except Exception:
                 log.exception("state: audit checkpoint or expiry failed")
 

@@ -47,11 +47,11 @@ import msgspec
 import trio
 
 from atp.flow.breaker import BreakerState
-from atp.router.fibview import FibBandit
+from atp.runtime.admin.fibview import FibBandit
 
 if TYPE_CHECKING:
-    from atp.router.core import Router
-    from atp.router.streams import StreamCtx
+    from atp.runtime.dataplane.streams import StreamCtx
+    from atp.runtime.router import Router
 
 __all__ = [
     "PAGE_ASSETS",
@@ -831,7 +831,7 @@ def _wall_ms() -> int:
 
 
 # ---------------------------------------------------------------------------- HTTP
-#: The page's files (atp/router/static), served as they are: no CDN, no fetch
+#: The page's files (atp/runtime/admin/static), served as they are: no CDN, no fetch
 #: of anything else (the page works without internet).
 PAGE_ASSETS = {"status.js": "text/javascript; charset=utf-8", "status.css": "text/css; charset=utf-8"}
 #: The page runs only its own script and talks only to this router.
@@ -845,7 +845,7 @@ PAGE_HEADERS = {
 
 
 def status_routes(router: Router, authorized: Callable[..., Any], feed: StatusFeed | None = None) -> list[Any]:
-    """The status routes of ``router`` (wired by :func:`atp.router.api.build_app`):
+    """The status routes of ``router`` (wired by :func:`atp.runtime.ingress.http_api.build_app`):
 
     ==============================  =============================================
     ``GET /status``                 the page (public HTML; it holds no data)
@@ -865,7 +865,7 @@ def status_routes(router: Router, authorized: Callable[..., Any], feed: StatusFe
     from starlette.routing import Route
 
     feed = feed or StatusFeed(router)
-    static = files("atp.router") / "static"
+    static = files("atp.runtime.admin") / "static"
     page = (static / "status.html").read_bytes()
     assets = {name: (static / name).read_bytes() for name in PAGE_ASSETS}
 

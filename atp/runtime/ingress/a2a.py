@@ -15,7 +15,7 @@
 
 A message enters the router as an ATP stream (:meth:`Router.open_stream`, the same
 SYN the HTTP control API synthesises); the A2A task id is the ATP ``stream_id`` and
-the task is a view of the stream's :class:`~atp.router.streams.EventLog`:
+the task is a view of the stream's :class:`~atp.runtime.dataplane.streams.EventLog`:
 
 ===============================  ===================================================
 ATP event                         A2A
@@ -66,9 +66,9 @@ its SSE requests are not stream followers: a dropped ``message/stream`` leaves t
 task running to its end, its deadline or ``tasks/cancel``.
 
 Authentication: ``POST /a2a`` is authenticated once per request
-(:meth:`Router.authenticate <atp.router.core.Router.authenticate>`; HTTP 401 when
+(:meth:`Router.authenticate <atp.runtime.router.Router.authenticate>`; HTTP 401 when
 refused) and authorized (:meth:`Router.authorize
-<atp.router.core.Router.authorize>`: ``stream_open`` to send, ``stream_access``
+<atp.runtime.router.Router.authorize>`: ``stream_open`` to send, ``stream_access``
 to get, cancel or subscribe; HTTP 403). Task ids are scoped by tenant like
 stream ids (spec §11): another tenant's task id answers ``-32001`` exactly like
 one that never existed. Errors:
@@ -78,7 +78,7 @@ one that never existed. Errors:
 ``A2A-Version`` other than 0.3 / 1.0, ``-32603`` any other refusal (``data``:
 ``{code, reason}`` with the ATP code, e.g. EAGENTDOWN when no policy routes it).
 
-Bodies (:mod:`atp.router.bodies`): after authentication and before the body is
+Bodies (:mod:`atp.runtime.ingress.bodies`): after authentication and before the body is
 read, the tenant's request bodies in flight are checked against
 ``tenant_body_bytes`` (over it: HTTP 429, ``Retry-After``, error ``-32000`` with
 ``data.code`` ``EWINDOW``, the body unread); a body over ``max_body_bytes`` is
@@ -103,7 +103,9 @@ from starlette.routing import Route
 from atp.adapters.a2a import parts_of, restore_ints
 from atp.review.diff import parse_diff
 from atp.review.repo import files_after
-from atp.router.bodies import (
+from atp.runtime.dataplane.dispatch import NEXT_HOP_FAILED
+from atp.runtime.dataplane.streams import LoggedEvent
+from atp.runtime.ingress.bodies import (
     BodyRefused,
     BodyTooLarge,
     decode_off_loop,
@@ -111,9 +113,7 @@ from atp.router.bodies import (
     read_body,
     release_body,
 )
-from atp.router.core import Router, StreamCtx
-from atp.router.dispatch import NEXT_HOP_FAILED
-from atp.router.streams import LoggedEvent
+from atp.runtime.router import Router, StreamCtx
 from atp.security.identity import Identity
 from atp.wire.errors import ATPError, ErrorCode
 from atp.wire.frame import Budget, ErrorPayload, Flag, Frame, Payload, PayloadType
@@ -191,7 +191,7 @@ def _to_plain(content: Any) -> Any:
 
 def _failures(final: Mapping[str, Any] | None) -> list[str]:
     """The next-hops that failed in a FINAL (``agent: CODE: reason``, from its
-    ``consensus.uncertainties``; :data:`~atp.router.dispatch.NEXT_HOP_FAILED`)."""
+    ``consensus.uncertainties``; :data:`~atp.runtime.dataplane.dispatch.NEXT_HOP_FAILED`)."""
     consensus = ((final or {}).get("result") or {}).get("consensus") or {}
     return [u[len(NEXT_HOP_FAILED):] for u in consensus.get("uncertainties") or []
             if isinstance(u, str) and u.startswith(NEXT_HOP_FAILED)]
@@ -409,7 +409,7 @@ def _auth_required(router: Router) -> bool:
 
 def a2a_routes(router: Router) -> list[Route]:
     """The A2A server of ``router`` as Starlette routes (see the module docstring),
-    to mount beside :func:`atp.router.api.build_app`'s."""
+    to mount beside :func:`atp.runtime.ingress.http_api.build_app`'s."""
     #: tenant → task id (the stream id) → the task: one tenant's tasks never
     #: displace another's.
     tasks: dict[str, dict[str, _Task]] = {}
@@ -532,7 +532,7 @@ def a2a_routes(router: Router) -> list[Route]:
             identity = identity_of(request)
             # The tenant is known: its bodies in flight are bounded before this one
             # is read, the body by max_body_bytes, and a large one is decoded off the
-            # event loop (atp.router.bodies).
+            # event loop (atp.runtime.ingress.bodies).
             try:
                 open_body(router.body_budget, request, identity.tenant)
                 raw = await read_body(request, router.config.max_body_bytes)

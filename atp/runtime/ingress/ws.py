@@ -4,7 +4,7 @@ The encoding is chosen per connection at the WebSocket handshake by subprotocol:
 ``atp.v1.cbor`` (binary messages) when the client offers it, else ``atp.v1.json``
 (text messages). One WebSocket message carries exactly one frame. The
 handshake's ``Authorization`` header is authenticated once
-(:meth:`Router.authenticate <atp.router.core.Router.authenticate>`: HTTP 401
+(:meth:`Router.authenticate <atp.runtime.router.Router.authenticate>`: HTTP 401
 when refused) and the identity must be allowed to open streams
 (``stream_open``: HTTP 403); every frame of the connection then acts for that
 identity's tenant. Sessions and streams are the tenant's (spec §11): a session
@@ -19,7 +19,7 @@ Outbound frames of every stream whose SYN this connection got accepted (for its
 tenant), or re-opened by idempotency key, are sent from the stream's event log;
 a refused SYN attaches nothing. A reply about a stream the router has closed (a
 late message, see :meth:`Router.receive_frame
-<atp.router.core.Router.receive_frame>`) goes out only after that stream's own
+<atp.runtime.router.Router.receive_frame>`) goes out only after that stream's own
 last frames, so its RST/FIN arrives first.
 
 ROUTE_UPDATE subscription (spec §4.3): a downstream router or agent whose
@@ -47,7 +47,7 @@ Resumption (spec §8): a SYN with a known ``meta.idempotency_key`` of this tenan
 (optionally ``meta.resume_after``: the last router ``msg_seq`` received) re-opens
 the stream on this connection: its logged events are replayed from that point
 and the stream continues live, with no second task and no second charge (see
-:meth:`Router.resume_point <atp.router.core.Router.resume_point>`). Two client
+:meth:`Router.resume_point <atp.runtime.router.Router.resume_point>`). Two client
 kinds: one that lost its state sends a fresh SYN on the stream's ids and gets
 everything from the SYN+ACK on (its task should ride on its first SYN, as over
 the HTTP API, since the replay includes the router's ACKs of its earlier
@@ -79,16 +79,16 @@ from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import CloseReason
 
 from atp.observability import tracing
-from atp.router.core import Router, StreamCtx, connection_error
+from atp.policy.fib import fib_delta
+from atp.runtime.router import Router, StreamCtx, connection_error
 from atp.security.identity import Identity
 from atp.security.tls import serve_websocket_tls
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ATPError, ErrorCode, LocalProtocolError
-from atp.policy.fib import fib_delta
 from atp.wire.frame import Flag, Frame, Payload, PayloadType
 
-log = logging.getLogger("atp.router.ws")
+log = logging.getLogger("atp.runtime.ingress.ws")
 
 SUBPROTOCOLS = {"atp.v1.cbor": "cbor", "atp.v1.json": "json"}
 CONNECTION_STREAM = "0"
@@ -426,7 +426,7 @@ class _Follower:
 
     It runs as a task while the stream has one; a stream still waiting for its
     task (opened idle) that has nothing more to send *parks* its follower on the
-    log (:meth:`~atp.router.streams.EventLog.park`) and the log's next change
+    log (:meth:`~atp.runtime.dataplane.streams.EventLog.park`) and the log's next change
     starts it again: an idle stream costs no task (≈ 3.5 KB less, issue 10).
     :meth:`stop` ends it for good (the stream is detached when it was the last)."""
 

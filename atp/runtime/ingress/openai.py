@@ -13,14 +13,14 @@
 Any OpenAI client works against it (``OpenAI(base_url="http://host:7070/v1",
 api_key=<the tenant's ATP key>)``). Nothing here is a second data plane: a
 completion is a stream opened with :meth:`Router.open_stream
-<atp.router.core.Router.open_stream>` — the SYN ``POST /v1/streams`` synthesises —
+<atp.runtime.router.Router.open_stream>` — the SYN ``POST /v1/streams`` synthesises —
 so the policy's fan-out, escalation, consensus, budget, QoS and the tenant's
 scopes, quotas, open rate and budget all apply, and the stream is audited and
 stored like any other (its ``stream_id`` is in the answer's ``atp`` field:
 ``GET /v1/streams/{id}/events`` and ``POST /v1/streams/{id}/feedback`` work on it).
 
 Authentication and authorization are the control API's own (``authorized`` in
-:func:`atp.router.api.build_app`): the ``Authorization: Bearer <key>`` header,
+:func:`atp.runtime.ingress.http_api.build_app`): the ``Authorization: Bearer <key>`` header,
 action ``stream_open`` (role ``client``) for both endpoints.
 
 **Models** (``model``; :func:`resolve_model`), in this order:
@@ -53,7 +53,7 @@ types behind it.
 task type ``code_review``, when the last user message is a unified diff, the
 content is ``{"diff": <that text>}`` instead, with ``files`` from ``atp.files``
 (path → after-diff text) or, when the router runs with ``--repo``, read from the
-checkout exactly as the A2A server does (:mod:`atp.router.a2a_server`). A task
+checkout exactly as the A2A server does (:mod:`atp.runtime.ingress.a2a`). A task
 whose routed next-hops need files they cannot get is refused (400 ``EPROTO``).
 
 **Request** (:class:`ChatCompletionRequest`, strict: an unknown field is 400
@@ -136,10 +136,12 @@ from atp.consensus.types import (
 )
 from atp.policy.match import CompiledMatch, compile_match
 from atp.review.diff import count_changed_lines, parse_diff
-from atp.router.a2a_server import _complete_from_repo  # the A2A server's --repo reader
-from atp.router.bodies import BodyRefused, decode_off_loop, release_body
-from atp.router.core import Router, StreamCtx
-from atp.router.dispatch import NEXT_HOP_FAILED
+from atp.runtime.dataplane.dispatch import NEXT_HOP_FAILED
+from atp.runtime.ingress.a2a import (
+    _complete_from_repo,  # the A2A server's --repo reader
+)
+from atp.runtime.ingress.bodies import BodyRefused, decode_off_loop, release_body
+from atp.runtime.router import Router, StreamCtx
 from atp.security.identity import Identity
 from atp.wire.errors import ATPError, ErrorCode
 from atp.wire.frame import Budget, ErrorPayload, Frame, QoS
@@ -725,7 +727,7 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
         return Response(_enc.encode(_models(v, allowed(identity), v.seen_at)), media_type="application/json")
 
     async def prepare(request: Request, identity: Identity) -> tuple[ChatCompletionRequest, StreamCtx]:
-        # A large body is decoded in a worker thread (atp.router.bodies): the event loop stays free.
+        # A large body is decoded in a worker thread (atp.runtime.ingress.bodies): the event loop stays free.
         req = await decode_off_loop(decode_request, await read_body(request, max_body))
         release_body(request)  # decoded: the raw bytes are done with (the task may run for minutes)
         v = view.refresh(router.gen.fib)

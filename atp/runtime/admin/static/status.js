@@ -1,5 +1,5 @@
 // ATP router status page: reads GET /v1/status/events (Server-Sent Events of
-// StatusSnapshot JSON, atp/router/status.py) with fetch, because EventSource
+// StatusSnapshot JSON, atp/runtime/admin/status.py) with fetch, because EventSource
 // cannot send an Authorization header. The admin token comes from the URL
 // fragment (#token=…, removed from the address bar at once) or the form, and
 // lives in this tab's memory only. Everything shown is set with textContent

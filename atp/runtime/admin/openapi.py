@@ -1,5 +1,5 @@
 """The OpenAPI 3.1 document of the HTTP control API (spec §22), built from the
-same msgspec Structs the API decodes and encodes (``atp.router.api``), so it cannot
+same msgspec Structs the API decodes and encodes (``atp.runtime.ingress.http_api``), so it cannot
 drift from the code; ``python -m atp.protogen`` writes it to ``proto/openapi.json``.
 """
 
@@ -10,8 +10,10 @@ from typing import Any
 import msgspec
 
 from atp.consensus.types import FinalResult
-from atp.router.a2a_server import A2A_PATH, CARD_PATHS
-from atp.router.api import (
+from atp.runtime.admin.fibview import FibView
+from atp.runtime.admin.status import StatusSnapshot
+from atp.runtime.ingress.a2a import A2A_PATH, CARD_PATHS
+from atp.runtime.ingress.http_api import (
     ErrorResponse,
     FeedbackRequest,
     FeedbackResponse,
@@ -22,8 +24,7 @@ from atp.router.api import (
     StreamOpenRequest,
     StreamOpenResponse,
 )
-from atp.router.fibview import FibView
-from atp.router.openai_ingress import (
+from atp.runtime.ingress.openai import (
     CHAT_PATH,
     MODELS_PATH,
     ChatCompletion,
@@ -32,7 +33,6 @@ from atp.router.openai_ingress import (
     ModelList,
     OpenAIErrorResponse,
 )
-from atp.router.status import StatusSnapshot
 from atp.wire.frame import Control, Frame, RouteUpdate
 
 _STRUCTS = (

@@ -2,12 +2,12 @@
 
 Several router processes on one store — ``atp-router --workers N`` on the
 embedded SQLite store, or routers on a shared store (``--store redis://…``,
-:mod:`atp.router.cluster`) — call :func:`background_tasks` from their
+:mod:`atp.deploy.cluster`) — call :func:`background_tasks` from their
 ``_background_tasks()``; it switches the router to shared mode and returns the
 loops that keep it so:
 
-* **learning** (:meth:`~atp.router.learning.Learning.sync_shared`, every
-  :data:`~atp.router.learning.SHARED_SYNC_S` and once more at shutdown): the
+* **learning** (:meth:`~atp.runtime.controlplane.learning.Learning.sync_shared`, every
+  :data:`~atp.runtime.controlplane.learning.SHARED_SYNC_S` and once more at shutdown): the
   bandit arms and the live FIB statistics are *merged* — each router pushes
   what it learned since its last sync and adopts the merged result — never
   last-writer-wins: an arm's observation count is the sum of every router's.
@@ -48,15 +48,15 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from atp.flow.breaker import BreakerShare, BreakerTransition
-from atp.router.learning import SHARED_SYNC_S
+from atp.runtime.controlplane.learning import SHARED_SYNC_S
 from atp.store import StoreError
 
 if TYPE_CHECKING:
-    from atp.router.core import Router
+    from atp.runtime.router import Router
 
 __all__ = ["BREAKER_POLL_S", "BREAKER_PREFIX", "background_tasks"]
 
-log = logging.getLogger("atp.router.shared_state")
+log = logging.getLogger("atp.runtime.controlplane.shared_state")
 
 #: How often a router reads the other routers' breaker records, s.
 BREAKER_POLL_S = 0.5

@@ -83,7 +83,7 @@ from atp.store.base import Store, StoreError
 
 __all__ = ["DEFAULT_MAX_BYTES", "MAX_ENTRY_BYTES", "CacheView", "ResponseCache", "annotate"]
 
-log = logging.getLogger("atp.router.cache")
+log = logging.getLogger("atp.runtime.dataplane.cache")
 
 #: The cache's default bound on its stored values (``--cache-max-bytes``): 64 MiB.
 DEFAULT_MAX_BYTES = 64 << 20
@@ -177,7 +177,7 @@ class CacheView:
 
     async def serve(self, io: Any, agent: str, prompt: Prompt, out: Any) -> bool:
         """Answer ``agent``'s attempt ``out`` (a
-        :class:`~atp.router.dispatch.LegOutcome`) for ``prompt`` — the prompt
+        :class:`~atp.runtime.dataplane.dispatch.LegOutcome`) for ``prompt`` — the prompt
         the agent would receive — from the cache. On a hit: emits the stored
         answer on ``io`` as the agent's PARTIALs, sets ``out.report``,
         ``out.text``, ``out.cached`` and ``out.usage`` (the stored call's, for

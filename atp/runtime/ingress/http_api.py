@@ -31,12 +31,12 @@
                                        open streams
 ``POST /v1/chat/completions``          OpenAI-compatible chat completion (a
                                        stream opened like ``POST /v1/streams``;
-                                       :mod:`atp.router.openai_ingress`)
+                                       :mod:`atp.runtime.ingress.openai`)
 ``GET  /v1/models``                    the models (task types, policies) the
                                        caller's tenant may use
 ``GET  /v1/status``                    the live status snapshot (streams, windows,
                                        budgets, next-hops, FIB, errors, history;
-                                       :mod:`atp.router.status`)
+                                       :mod:`atp.runtime.admin.status`)
 ``GET  /v1/status/events``             that snapshot as Server-Sent Events, every
                                        second and on change
 ``GET  /status``                       the status page (public HTML + JS; its data
@@ -44,8 +44,8 @@
 =====================================  =========================================
 
 Every request is authenticated once (:meth:`Router.authenticate
-<atp.router.core.Router.authenticate>`, the ``Authorization`` header) and its
-action authorized (:meth:`Router.authorize <atp.router.core.Router.authorize>`):
+<atp.runtime.router.Router.authenticate>`, the ``Authorization`` header) and its
+action authorized (:meth:`Router.authorize <atp.runtime.router.Router.authorize>`):
 
 ====================================  ==========================================
 action                                endpoints
@@ -72,12 +72,12 @@ endpoint but a credential-less ``GET /v1/health`` when the router has tokens), 4
 bad frame signature), 404 (unknown stream), 409 (EWINDOW: the router's stream
 table is full), 413 (EPROTO: a body over ``max_body_bytes`` / ``max_policy_bytes``),
 422 (refused policy), 429 (EWINDOW: the tenant's stream quota or open rate, or
-its request bodies in flight over ``tenant_body_bytes`` — :mod:`atp.router.bodies`,
+its request bodies in flight over ``tenant_body_bytes`` — :mod:`atp.runtime.ingress.bodies`,
 refused before the body is read —, with ``Retry-After`` in s), 503 (EAGENTDOWN: no route; EBUDGET with ``Retry-After``:
 the budget store several routers share cannot be reached). The OpenAI-compatible
 endpoints answer in OpenAI's error shape instead, ``{"error": {"message",
 "type", "code", "param"}}`` with the same codes and statuses
-(:mod:`atp.router.openai_ingress`).
+(:mod:`atp.runtime.ingress.openai`).
 """
 
 from __future__ import annotations
@@ -96,8 +96,11 @@ from starlette.routing import Route
 from atp.observability.metrics import CONTENT_TYPE_LATEST
 from atp.observability.tracing import TraceContextMiddleware
 from atp.review.diff import count_changed_lines
-from atp.router.a2a_server import a2a_routes
-from atp.router.bodies import (
+from atp.runtime.admin.fibview import FibView
+from atp.runtime.admin.status import status_routes
+from atp.runtime.controlplane.learning import FeedbackRefused
+from atp.runtime.ingress.a2a import a2a_routes
+from atp.runtime.ingress.bodies import (
     BodyRefused,
     BodyTooLarge,
     decode_off_loop,
@@ -105,11 +108,8 @@ from atp.router.bodies import (
     read_body,
     release_body,
 )
-from atp.router.core import Router
-from atp.router.fibview import FibView
-from atp.router.status import status_routes
-from atp.router.learning import FeedbackRefused
-from atp.router.openai_ingress import openai_routes
+from atp.runtime.ingress.openai import openai_routes
+from atp.runtime.router import Router
 from atp.security.identity import Identity
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ATPError, ErrorCode, PolicyError
@@ -277,7 +277,7 @@ def _error(e: ATPError, status: int | None = None) -> Response:
         status = status or 422
     if status is None and e.code in (ErrorCode.EWINDOW, ErrorCode.EBUDGET) and e.retry_after_ms is not None:
         # EWINDOW: the tenant's stream quota or open rate (spec §11); EBUDGET: the
-        # shared budget store cannot be reached (atp.router.cluster). Try again later.
+        # shared budget store cannot be reached (atp.deploy.cluster). Try again later.
         resp = _json(ErrorResponse(error=body), 429 if e.code is ErrorCode.EWINDOW else 503)
         resp.headers["Retry-After"] = str(max(1, -(-e.retry_after_ms // 1000)))
         return resp
@@ -288,7 +288,7 @@ def _decode_open(body: bytes) -> StreamOpenRequest:
     """``POST /v1/streams``'s body decoded, with the task's ``diff_loc`` counted
     here when the client did not give it (the router would count it at SYN: ~15 ms
     for 5 MB of diff, on the event loop; here it runs off it with the decoding,
-    :func:`~atp.router.bodies.decode_off_loop`)."""
+    :func:`~atp.runtime.ingress.bodies.decode_off_loop`)."""
     try:
         req = msgspec.json.decode(body, type=StreamOpenRequest)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -329,7 +329,7 @@ def build_app(router: Router) -> Starlette:
             if request.method != "POST":
                 return await handler(request, identity)
             # The tenant is known before a byte of the body is read: its bodies in
-            # flight are bounded (atp.router.bodies; 429 EWINDOW, the body unread).
+            # flight are bounded (atp.runtime.ingress.bodies; 429 EWINDOW, the body unread).
             try:
                 open_body(router.body_budget, request, identity.tenant)
             except BodyRefused as e:
@@ -526,7 +526,7 @@ def build_app(router: Router) -> Starlette:
         Route("/v1/keys", authorized("health_read", keys), methods=["GET"]),
         Route("/v1/audit", authorized("audit_read", audit), methods=["GET"]),
         *a2a_routes(router),
-        # The live status page and its admin-only data (atp.router.status).
+        # The live status page and its admin-only data (atp.runtime.admin.status).
         *status_routes(router, authorized),
         # OpenAI-compatible ingress: the same authorized() and the same stream-open path.
         *openai_routes(router, authorized, read_body, BodyTooLarge),

@@ -18,7 +18,7 @@ sans-IO :class:`~atp.policy.learn.RoutingLearner` decides.
   every :data:`SAVE_INTERVAL_S` (and at shutdown): learned weights survive a
   restart; a kill -9 loses at most that interval of learning.
 * :meth:`Learning.sync_shared` — instead of that, for routers that share their
-  store (``--workers N``, a shared store; :mod:`atp.router.shared_state` runs
+  store (``--workers N``, a shared store; :mod:`atp.runtime.controlplane.shared_state` runs
   it every :data:`SHARED_SYNC_S` and at shutdown): each bandit arm's
   :class:`~atp.policy.bandit.ArmDelta` since its last sync is merged into
   ``bandit/<policy>/<arm>`` and the live statistics' contributions into
@@ -63,18 +63,18 @@ from atp.policy.learn import (
     result_quality,
 )
 from atp.policy.rib import PolicySpec
-from atp.router.dispatch import TaskPlan, _client_fault
+from atp.runtime.dataplane.dispatch import TaskPlan, _client_fault
 from atp.wire.errors import AgentError, ATPError, ErrorCode
 from atp.wire.frame import QoS, Window
 
 if TYPE_CHECKING:
-    from atp.router.control import Generation
-    from atp.router.core import Router
-    from atp.router.streams import StreamCtx
+    from atp.runtime.controlplane.control import Generation
+    from atp.runtime.dataplane.streams import StreamCtx
+    from atp.runtime.router import Router
 
 __all__ = ["SAVE_INTERVAL_S", "SHARED_SYNC_S", "FeedbackRefused", "Learning", "prompt_text"]
 
-log = logging.getLogger("atp.router.learning")
+log = logging.getLogger("atp.runtime.controlplane.learning")
 
 #: How often changed bandit arms and live statistics are written to the store (s).
 SAVE_INTERVAL_S = 5.0

@@ -18,8 +18,8 @@ streams           stored with their **owner** router (``r.<host>.<pid>.<6
 audit             one hash chain, each record chained at the store's head
 RIB               a reload on one router (the API, or its own ``--policies``
                   watch) gets a store-wide version and is in force on all
-                  within :data:`~atp.router.workers.RIB_POLL_S`
-                  (:class:`~atp.router.workers.SharedRib`); a router started
+                  within :data:`~atp.deploy.workers.RIB_POLL_S`
+                  (:class:`~atp.deploy.workers.SharedRib`); a router started
                   later adopts the active one
 leases            each router renews its lease every ``lease_ms / 5``
                   (:meth:`Store.heartbeat <atp.store.base.Store.heartbeat>`,
@@ -28,7 +28,7 @@ leases            each router renews its lease every ``lease_ms / 5``
                   store calls are synchronous) keeps its lease; one whose
                   loop has not run for :attr:`LeaseClock.stall_s` stops
                   renewing it (it cannot serve: the others settle it)
-learning,         :mod:`atp.router.shared_state`: merged bandit and live
+learning,         :mod:`atp.runtime.controlplane.shared_state`: merged bandit and live
 breakers          statistics, a breaker opened on one router opened on all
 ================  ==========================================================
 
@@ -36,7 +36,7 @@ breakers          statistics, a breaker opened on one router opened on all
 lease): every second any router asks the store for owners with open
 reservations, accounts or streams and no live lease
 (:meth:`Store.lost_owners <atp.store.base.Store.lost_owners>`); one of them
-takes the claim ``settle/<owner>`` and settles it (:func:`~atp.router.workers.settle`):
+takes the claim ``settle/<owner>`` and settles it (:func:`~atp.deploy.workers.settle`):
 its open reservations are **released** — the issue's rule: the stream is
 re-run elsewhere and that run is what is charged, nothing twice —, its stream
 accounts closed, its open streams marked interrupted with an RST saying so
@@ -61,7 +61,7 @@ interrupted by its restart is reported, never re-run.)
 owns (``/v1/streams/{id}/events|frames|feedback``, an idempotent open, A2A
 ``tasks/*``) is forwarded to that router's advertised URL with the caller's own
 ``Authorization`` (:class:`ClusterForwardingApp`, the
-:class:`~atp.router.workers.ForwardingApp` of ``--workers``); answers carry
+:class:`~atp.deploy.workers.ForwardingApp` of ``--workers``); answers carry
 ``x-atp-router`` (who answered) and, forwarded, ``x-atp-served-by``. While the
 owner of an open stream is lost and not yet settled, a request about it answers
 503 ``EAGENTDOWN`` with ``Retry-After: 1``.
@@ -98,10 +98,17 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from atp.flow.budget import Allowance, Charge, Refusal, Reservation, SharedAccounts, SharedBudgetLedger
-from atp.router import shared_state
-from atp.router.core import Router, RouterConfig, connection_error
-from atp.router.workers import RETRY, ForwardingApp, Peer, SharedRib, settle
+from atp.deploy.workers import RETRY, ForwardingApp, Peer, SharedRib, settle
+from atp.flow.budget import (
+    Allowance,
+    Charge,
+    Refusal,
+    Reservation,
+    SharedAccounts,
+    SharedBudgetLedger,
+)
+from atp.runtime.controlplane import shared_state
+from atp.runtime.router import Router, RouterConfig, connection_error
 from atp.security.audit import AuditLog
 from atp.security.identity import Identity
 from atp.store import NotFound, Store, StoreError, StoreUnavailable, StreamRecord
@@ -120,7 +127,7 @@ __all__ = [
     "store_unavailable_reason",
 ]
 
-log = logging.getLogger("atp.router.cluster")
+log = logging.getLogger("atp.deploy.cluster")
 
 #: The RST reason (and stored close reason) of a stream whose router was lost
 #: (spec §8): the mark of a stream that is re-run when its key is re-opened.
@@ -510,11 +517,11 @@ class LeaseClock:
 
 # ----------------------------------------------------------------------- router
 class ClusterRouter(SharedRib, Router):
-    """A :class:`~atp.router.core.Router` that is one of several on a shared
+    """A :class:`~atp.runtime.router.Router` that is one of several on a shared
     store (module docstring): the store opened from ``config.store`` (a
     ``redis://`` URL), its own state-directory lock, budgets in a
     :class:`ClusterLedger`, the shared audit chain, RIB versions from the
-    store (:class:`~atp.router.workers.SharedRib`), no crash recovery at start
+    store (:class:`~atp.deploy.workers.SharedRib`), no crash recovery at start
     (the others are running: lost routers are settled by the reaper), its lease
     renewed every ``config.lease_ms / 5`` ms by a thread of its own while it
     serves (:class:`LeaseClock`). Raises
@@ -753,7 +760,7 @@ class ClusterRouter(SharedRib, Router):
         lease or more): each of its streams still running or with events not
         yet stored that the store no longer has open was settled by another
         router — it is stopped here without a frame of ours
-        (:meth:`StreamTable.abandon <atp.router.streams.StreamTable.abandon>`:
+        (:meth:`StreamTable.abandon <atp.runtime.dataplane.streams.StreamTable.abandon>`:
         its task cancelled, what the store has not got dropped; a client reads
         it, and re-runs it, from the store). Runs before any queued write goes
         to the store again (the stream table's flush waits for the heartbeat
@@ -810,7 +817,7 @@ class ClusterRouter(SharedRib, Router):
                 log.info("commits and releases held while the store was unreachable: all applied")
 
     def _background_tasks(self) -> list[Callable[[], Any]]:
-        # Merged learning and breaker propagation through the store (atp.router.shared_state).
+        # Merged learning and breaker propagation through the store (atp.runtime.controlplane.shared_state).
         return [self._follow_rib, self._leases, self._reaper, self._settle_commits,
                 *shared_state.background_tasks(self)]
 
@@ -833,8 +840,8 @@ class ClusterRouter(SharedRib, Router):
 
     def forward_target(self, rec: StreamRecord | None) -> Any:
         """Where a request about stored stream ``rec`` goes: the
-        :class:`~atp.router.workers.Peer` of its owner when that is another
-        live router with an advertised URL; :data:`~atp.router.workers.RETRY`
+        :class:`~atp.deploy.workers.Peer` of its owner when that is another
+        live router with an advertised URL; :data:`~atp.deploy.workers.RETRY`
         when its owner is lost (or not yet reachable) with the stream open; None:
         served here (ours, or finished: from the store)."""
         if rec is None or rec.owner is None or rec.owner == self.owner:
@@ -846,7 +853,7 @@ class ClusterRouter(SharedRib, Router):
         return RETRY if rec.state == "open" else None
 
     def http_app(self, app: Any) -> ClusterForwardingApp:
-        """``app`` (the HTTP API, :func:`~atp.router.api.build_app`) behind
+        """``app`` (the HTTP API, :func:`~atp.runtime.ingress.http_api.build_app`) behind
         forwarding, a store that cannot be reached answering 503 ``EAGENTDOWN``
         with ``Retry-After`` instead of 500."""
         async def unavailable(request: Request, exc: Exception) -> JSONResponse:
@@ -860,7 +867,7 @@ class ClusterRouter(SharedRib, Router):
 
     # ------------------------------------------------------------ resumption and re-run
     def open_stream(self, **kw: Any):  # noqa: ANN201 (StreamCtx, as the base)
-        """:meth:`Router.open_stream <atp.router.core.Router.open_stream>`; a
+        """:meth:`Router.open_stream <atp.runtime.router.Router.open_stream>`; a
         store that cannot be reached refuses the open (``EBUDGET``, ``retry_after_ms``)."""
         try:
             return super().open_stream(**kw)
@@ -869,7 +876,7 @@ class ClusterRouter(SharedRib, Router):
             raise ATPError(ErrorCode.EBUDGET, store_unavailable_reason(e), retry_after_ms=RETRY_AFTER_MS) from None
 
     def resume_point(self, frame: Frame, *, identity: Identity):  # noqa: ANN201 (as the base)
-        """:meth:`Router.resume_point <atp.router.core.Router.resume_point>`
+        """:meth:`Router.resume_point <atp.runtime.router.Router.resume_point>`
         across routers: a SYN with its task re-opening a stream interrupted by
         :data:`ROUTER_LOST` is not a resumption (it is re-run:
         :meth:`receive_frame`), and a key whose newest stream is not the one
@@ -894,7 +901,7 @@ class ClusterRouter(SharedRib, Router):
         return super().resume_point(frame, identity=identity)
 
     def receive_frame(self, frame: Frame, *, identity: Identity, now: float) -> list[Frame]:
-        """:meth:`Router.receive_frame <atp.router.core.Router.receive_frame>`,
+        """:meth:`Router.receive_frame <atp.runtime.router.Router.receive_frame>`,
         but a SYN re-opening (by idempotency key) a stream that runs on another
         router, or whose lost router is not settled yet, or that another router
         is re-running, is refused with ``EAGENTDOWN`` (resume again; over HTTP
@@ -961,7 +968,7 @@ class _Opening(msgspec.Struct):
 
 
 class ClusterForwardingApp(ForwardingApp):
-    """:class:`~atp.router.workers.ForwardingApp` of a cluster router (module
+    """:class:`~atp.deploy.workers.ForwardingApp` of a cluster router (module
     docstring): forwards to the owner's advertised URL; a request re-opening by
     key a stream whose router was lost (with its task) takes the re-run claim
     — won, the stream runs here; lost, the request waits for the winner's

@@ -168,7 +168,7 @@ from atp.security.redact import scrub
 from atp.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode
 from atp.wire.frame import PayloadType, QoS, WindowUpdate
 
-log = logging.getLogger("atp.router.dispatch")
+log = logging.getLogger("atp.runtime.dataplane.dispatch")
 
 #: Failures that a reroute to another next-hop can cure.
 REROUTABLE = frozenset({ErrorCode.ETIMEOUT, ErrorCode.EAGENTDOWN})
@@ -283,7 +283,7 @@ class TaskPlan:
     #: turns): made by :meth:`Dispatcher.run` unless given.
     flow: StreamFlow | None = None
     #: The response cache as this stream's tenant and policy see it
-    #: (:class:`~atp.router.cache.CacheView`; None: the policy does not cache).
+    #: (:class:`~atp.runtime.dataplane.cache.CacheView`; None: the policy does not cache).
     cache: Any = None
 
     @property

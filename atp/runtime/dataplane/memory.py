@@ -1,7 +1,7 @@
 """Giving memory back when the router goes idle (issue 10).
 
 After a load run the Python heap shrinks back (closed streams leave memory,
-:mod:`atp.router.streams`), but the process's RSS does not: CPython's small
+:mod:`atp.runtime.dataplane.streams`), but the process's RSS does not: CPython's small
 object allocator frees an arena only when all of it is free, and glibc's
 ``malloc`` keeps freed chunks in its arenas instead of returning them to the
 kernel. :func:`trim` runs a full garbage collection and then glibc's

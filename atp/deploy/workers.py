@@ -10,7 +10,7 @@ frames, SSE and next-hop calls). With ``--workers N`` a **supervisor** process:
    (:class:`_RecoveryRouter`, the single-process code path);
 2. binds the HTTP and WebSocket listening sockets once (the A2A server and the
    OpenAI ingress are routes of the HTTP app: no socket of their own);
-3. starts N **worker** processes (``python -m atp.router.cli <the same
+3. starts N **worker** processes (``python -m atp.deploy.cli <the same
    arguments>`` plus a private ``--worker-spec``) that inherit both sockets and
    accept on them — the kernel spreads the connections — and prints one
    ``listening`` line (``workers=N``) once all are ready;
@@ -65,7 +65,7 @@ whose owner is gone is served from the store by whoever gets the request
 (finished or interrupted); while its owner is being settled, a request about
 it answers 503 ``EAGENTDOWN`` with ``Retry-After: 1``.
 
-Also shared (:mod:`atp.router.shared_state`): the learned routing state — the
+Also shared (:mod:`atp.runtime.controlplane.shared_state`): the learned routing state — the
 bandit arms and live FIB statistics are *merged* through the store every
 second (each worker learns from every worker's traffic) — and circuit-breaker
 openings (a breaker that opens on one worker is open on the others within
@@ -107,17 +107,17 @@ from hypercorn.trio import serve as hyper_serve
 from prometheus_client import Counter
 
 from atp.flow.budget import SharedBudgetLedger
-from atp.router import shared_state
-from atp.router.api import build_app
-from atp.router.control import BODY_SOURCE
-from atp.router.core import (
+from atp.runtime.controlplane import shared_state
+from atp.runtime.controlplane.control import BODY_SOURCE
+from atp.runtime.ingress.http_api import build_app
+from atp.runtime.ingress.ws import serve_ws
+from atp.runtime.router import (
     Router,
     RouterConfig,
     _lock_state_dir,
     connection_error,
     end_interrupted,
 )
-from atp.router.ws import serve_ws
 from atp.security.audit import AuditLog
 from atp.security.identity import Identity
 from atp.security.tls import hypercorn_ssl
@@ -128,7 +128,7 @@ from atp.wire.frame import Flag, Frame
 __all__ = ["RETRY", "RIB_POLL_S", "ForwardingApp", "Peer", "SharedRib", "WorkerRouter", "WorkerSpec", "settle",
            "supervise", "worker_main"]
 
-log = logging.getLogger("atp.router.workers")
+log = logging.getLogger("atp.deploy.workers")
 
 #: How often a worker polls the store for a RIB another worker loaded, s.
 RIB_POLL_S = 0.5
@@ -212,8 +212,8 @@ def worker_socket(state_dir: Path, slot: int) -> Path:
 
 # ------------------------------------------------------------------ shared RIB
 class SharedRib:
-    """Mixin of a :class:`~atp.router.core.Router` whose store other router
-    processes share (:class:`WorkerRouter`, :class:`~atp.router.cluster.ClusterRouter`):
+    """Mixin of a :class:`~atp.runtime.router.Router` whose store other router
+    processes share (:class:`WorkerRouter`, :class:`~atp.deploy.cluster.ClusterRouter`):
     a reload gets a store-wide version (:meth:`Store.next_rib_version
     <atp.store.base.Store.next_rib_version>`) and is saved as the active RIB; the
     follower (:meth:`_follow_rib`, one of the router's background tasks) polls
@@ -225,7 +225,7 @@ class SharedRib:
 
     def reload(self, text: str | None = None, *, identity: Identity | None = None, version: int | None = None,
                **kw: Any) -> dict[str, Any]:
-        """:meth:`Router.reload <atp.router.core.Router.reload>` as a store-wide
+        """:meth:`Router.reload <atp.runtime.router.Router.reload>` as a store-wide
         version (the other processes load it from the store within :data:`RIB_POLL_S`)."""
         return super().reload(text, identity=identity,  # type: ignore[misc]
                               version=version if version is not None else self.store.next_rib_version(), **kw)
@@ -257,14 +257,14 @@ class SharedRib:
                 log.error("RIB generation %s refused here (kept generation %d): %s", self._rib_refused,
                           self.gen.version, "; ".join(x.where() for x in e.errors))
             except StoreUnavailable:
-                continue  # a shared store that cannot be reached: the router says so, once (atp.router.cluster)
+                continue  # a shared store that cannot be reached: the router says so, once (atp.deploy.cluster)
             except Exception:
                 log.exception("RIB follower: store read failed")
 
 
 # ---------------------------------------------------------------------------- worker
 class WorkerRouter(SharedRib, Router):
-    """A :class:`~atp.router.core.Router` that is one of N workers on a state
+    """A :class:`~atp.runtime.router.Router` that is one of N workers on a state
     directory its supervisor holds: no lock of its own, no crash recovery (the
     supervisor's), the store opened ``multiprocess``, budgets in a
     :class:`~atp.flow.budget.SharedBudgetLedger`, the audit chain shared, its
@@ -304,7 +304,7 @@ class WorkerRouter(SharedRib, Router):
             await super()._watch_policies()
 
     def _background_tasks(self) -> list[Callable[[], Any]]:
-        # Learning merged and breaker openings followed across workers (atp.router.shared_state).
+        # Learning merged and breaker openings followed across workers (atp.runtime.controlplane.shared_state).
         return [self._follow_rib, *shared_state.background_tasks(self)]
 
     def forward_target(self, rec: Any) -> Any:
@@ -768,7 +768,7 @@ class _Slot:
 
 def supervise(config: RouterConfig, workers: int, argv: list[str]) -> int:
     """Run ``atp-router --workers N`` (module docstring): recovery, sockets, N
-    workers started as ``python -m atp.router.cli <argv> --worker-spec …``,
+    workers started as ``python -m atp.deploy.cli <argv> --worker-spec …``,
     restarts, shutdown. Prints the ``listening`` line; returns the exit status
     (2: the configuration, RIB or state was refused)."""
     state_dir = config.state_dir
@@ -898,7 +898,7 @@ class _Supervisor:
         http, ws = self.http.fileno(), self.ws.fileno()
         spec = WorkerSpec(slot=s.slot, workers=self.n, http_fd=http, ws_fd=ws, lock_fd=self.lock_fd, ready_fd=w,
                           parent=os.getpid())
-        cmd = [sys.executable, "-m", "atp.router.cli", *self.argv, "--worker-spec", spec.to_json()]
+        cmd = [sys.executable, "-m", "atp.deploy.cli", *self.argv, "--worker-spec", spec.to_json()]
         try:
             s.proc = await trio.lowlevel.open_process(cmd, pass_fds=(http, ws, self.lock_fd, w),
                                                       stdin=subprocess.DEVNULL)

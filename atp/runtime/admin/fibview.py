@@ -1,10 +1,10 @@
 """The learning FIB as the router shows it (spec §6.2): one schema for the body
-of ``GET /v1/fib`` (:class:`FibView`, :mod:`atp.router.api`) and the bandits of
-the status snapshot (``fib.bandits``, :mod:`atp.router.status`).
+of ``GET /v1/fib`` (:class:`FibView`, :mod:`atp.runtime.ingress.http_api`) and the bandits of
+the status snapshot (``fib.bandits``, :mod:`atp.runtime.admin.status`).
 
 Pure data (msgspec Structs), filled from
 :meth:`atp.policy.learn.RoutingLearner.fib_view`. Its own module because
-:mod:`atp.router.api` imports :mod:`atp.router.status`: both import it, neither
+:mod:`atp.runtime.ingress.http_api` imports :mod:`atp.runtime.admin.status`: both import it, neither
 imports the other for it.
 """
 

@@ -2,7 +2,7 @@
 
     atp-router --policies policies/ [--host 127.0.0.1] [--http-port 7070] [--ws-port 7071]
 
-Flow control, liveness and resumption (defaults: :class:`~atp.router.core.RouterConfig`'s;
+Flow control, liveness and resumption (defaults: :class:`~atp.runtime.router.RouterConfig`'s;
 spec §4.4, §5, §8, §9, §10):
 
 =============================  =======  ==================================================
@@ -75,7 +75,7 @@ Every core: ``--workers N`` (default 1, one process) runs a supervisor that
 binds the sockets once, recovers the state directory once and starts N worker
 processes accepting on them; budgets stay exact across workers through the
 state store, a request about a stream reaches the worker that runs it, a
-worker that dies is settled and restarted (:mod:`atp.router.workers`).
+worker that dies is settled and restarted (:mod:`atp.deploy.workers`).
 
 Several routers, one state (issue 12): ``--store redis://host:6379/0`` (or
 ``ATP_STORE_URL``, which keeps a password out of ``ps``) on each (its own
@@ -84,7 +84,7 @@ router — budgets exact across them, a request about a stream reaches the
 router running it, a reload reaches all, a router killed is settled by the
 others after ``--lease-ms`` and its streams re-run when their idempotency key
 is re-opened; while the store cannot be reached new spend is refused
-(:mod:`atp.router.cluster`).
+(:mod:`atp.deploy.cluster`).
 
 Subcommands: ``atp-router keys new KEY_ID TENANT [ROLES]`` (a new API key) and
 ``atp-router audit verify|show|keygen`` (:func:`atp.security.audit.audit_main`; the
@@ -119,15 +119,15 @@ from atp.adapters import local_model
 from atp.adapters.context import install_log_redaction
 from atp.adapters.registry import build_adapter
 from atp.cliutil.helpfmt import DefaultsHelpFormatter
+from atp.deploy.cluster import ClusterRouter, is_cluster_store
+from atp.deploy.workers import WorkerSpec, supervise, worker_main
 from atp.flow.breaker import RetryPolicy
 from atp.observability import logs, tracing
 from atp.policy.check import policy_main
-from atp.router.api import build_app
-from atp.router.cluster import ClusterRouter, is_cluster_store
-from atp.router.core import Router, RouterConfig, build_authenticator
-from atp.router.workers import WorkerSpec, supervise, worker_main
-from atp.router.opening import DEFAULT_STAGES, describe
-from atp.router.ws import serve_ws
+from atp.runtime.dataplane.opening import DEFAULT_STAGES, describe
+from atp.runtime.ingress.http_api import build_app
+from atp.runtime.ingress.ws import serve_ws
+from atp.runtime.router import Router, RouterConfig, build_authenticator
 from atp.security.audit import AuditOptions, audit_main
 from atp.security.authn import new_api_key
 from atp.security.policy_guard import PolicySecrets
@@ -153,7 +153,7 @@ async def run(config: RouterConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> 
     if config.tls is not None:
         hypercorn_ssl(hc, config.tls)  # HTTPS, TLS 1.3, the same reloadable context as WSS
     app = build_app(router)
-    # Several routers on one store (atp.router.cluster): requests about another router's streams are forwarded.
+    # Several routers on one store (atp.deploy.cluster): requests about another router's streams are forwarded.
     app = router.http_app(app) if hasattr(router, "http_app") else app
     try:
         await _serve(router, app, hc, config, task_status)
@@ -227,7 +227,7 @@ def _parser() -> argparse.ArgumentParser:
                          "(default: console when stderr is a terminal, else json)")
     ap.add_argument("--workers", type=_positive(int), default=1,
                     help="router processes sharing the listening sockets and the state directory (one a core); "
-                         "budgets stay exact across them (atp.router.workers)")
+                         "budgets stay exact across them (atp.deploy.workers)")
     ap.add_argument("--worker-spec", help=argparse.SUPPRESS)  # set by the supervisor for its workers
     ap.add_argument("--repo", type=Path, metavar="PATH",
                     help="a local checkout: an A2A client sending only a diff (plain text) gets the after-diff "
@@ -261,7 +261,7 @@ def _parser() -> argparse.ArgumentParser:
     sec.add_argument("--store", metavar="URL",
                      help="where budgets, streams, the RIB and the audit chain live: sqlite (embedded, in "
                           "--state-dir, this router alone) or redis://[:password@]host:port/db (also rediss://, "
-                          "unix://): several routers share it (atp.router.cluster). Default: $ATP_STORE_URL "
+                          "unix://): several routers share it (atp.deploy.cluster). Default: $ATP_STORE_URL "
                           "(keeps a password out of ps), else sqlite")
     sec.add_argument("--store-namespace", default=d.store_namespace, metavar="NAME",
                      help="prefix of every key in a shared store (several clusters on one Redis)")
@@ -499,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "model-server":
         return local_model.model_server_main(argv[1:])
     if argv and argv[0] == "eval":
-        from atp.review.eval import main as eval_main  # it imports the SDK (atp.Client): only eval needs it
+        from atp.review.eval import (
+            main as eval_main,  # it imports the SDK (atp.Client): only eval needs it
+        )
 
         return eval_main(argv[1:], serve_router=serve_private, model_servers=local_model)
     if argv and argv[0] == "policy":
@@ -525,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     if spec is not None:
         return worker_main(config, spec)
     if not build_authenticator(config).enabled:
-        logging.getLogger("atp.router").warning("no --auth file and no ATP_ROUTER_TOKENS: authentication is off")
+        logging.getLogger("atp.deploy").warning("no --auth file and no ATP_ROUTER_TOKENS: authentication is off")
     if args.workers > 1:
         return supervise(config, args.workers, argv)
 
