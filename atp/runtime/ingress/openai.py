@@ -144,6 +144,7 @@ from atp.runtime.router import Router, StreamCtx
 from atp.security.identity import Identity
 from atp.task.body import MAX_FILES, MAX_MESSAGES, Chat, ChatMessage
 from atp.task.diff import count_changed_lines, parse_diff
+from atp.task.meta import IDEMPOTENCY_KEY_CHARS
 from atp.wire.errors import ATPError, ErrorCode
 from atp.wire.frame import Budget, ErrorPayload, Frame, QoS
 
@@ -189,7 +190,7 @@ class AtpOptions(Struct, forbid_unknown_fields=True, omit_defaults=True):
 
     budget: Budget | None = None
     qos: QoS | None = None
-    idempotency_key: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+    idempotency_key: Annotated[str, Meta(min_length=1, max_length=IDEMPOTENCY_KEY_CHARS)] | None = None
     files: Annotated[dict[str, str], Meta(max_length=MAX_FILES)] | None = None
 
 
