@@ -87,6 +87,7 @@ from atp.adapters.base import (
     Fragment,
     Prompt,
     ProviderAdapter,
+    change_of,
     estimate_tokens,
     usd_micros_ceil,
 )
@@ -96,7 +97,7 @@ from atp.adapters.openai_compat import SYSTEM_PROMPT, parse_review, render_diff
 from atp.consensus.types import AgentFinding, AgentReport, Usage
 from atp.observability import tracing
 from atp.policy.rib import AgentSpec
-from atp.review.diff import parse_diff
+from atp.task.change import ParsedChange
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
@@ -473,18 +474,20 @@ def _merged_findings(value: Any) -> dict[str, Any] | None:
     return {"findings": out}
 
 
-def report_of(parts: list[tuple[str, Any]], content: Mapping[str, Any]) -> AgentReport:
+def report_of(parts: list[tuple[str, Any]], content: Mapping[str, Any], *,
+              change: ParsedChange | None = None) -> AgentReport:
     """An :class:`AgentReport` from answer parts: findings from JSON in data parts
     and in the text (see :func:`~atp.adapters.openai_compat.parse_review`), the
     summary from the JSON's ``summary`` or else the plain text. When a data part
     is an ATP FINAL payload (an ATP router behind A2A), only its merged findings
-    count, not the per-agent reports beside it."""
+    count, not the per-agent reports beside it. ``change``: ``content["diff"]``
+    parsed, when the caller has it."""
     findings: list[AgentFinding] = []
     summaries: list[str] = []
     datas = [restore_ints(v) for k, v in parts if k == "data"]
     merged = [m for m in map(_merged_findings, datas) if m is not None]
     for value in merged or datas:
-        found, summary = parse_review(json.dumps(value), content)
+        found, summary = parse_review(json.dumps(value), content, change=change)
         findings.extend(f for f in found if f not in findings)
         if summary:
             summaries.append(summary)
@@ -492,7 +495,7 @@ def report_of(parts: list[tuple[str, Any]], content: Mapping[str, Any]) -> Agent
     if text.strip() and merged:
         summaries.append(text.strip())  # the router's own rendering of its findings
     elif text.strip():
-        found, summary = parse_review(text, content)
+        found, summary = parse_review(text, content, change=change)
         findings.extend(f for f in found if f not in findings)
         if summary:
             summaries.append(summary)
@@ -662,7 +665,7 @@ class A2AAdapter(HTTPNextHop):
         self._succeeded(t0)
         yield Fragment(
             type=PayloadType.FINAL,
-            content=report_of(reply.parts(), prompt.content),
+            content=report_of(reply.parts(), prompt.content, change=prompt.change),
             usage=_usage_of(reply.usage, self.flat_micros),
         )
 
@@ -729,10 +732,10 @@ class A2AAdapter(HTTPNextHop):
         """The text part: the instruction (for a diff, by default the reviewer
         instruction asking for JSON findings) and the numbered diff, or the JSON
         content for other task types."""
-        diff = prompt.content.get("diff")
-        if isinstance(diff, str):
+        change = change_of(prompt)
+        if change is not None:
             head = prompt.instruction or SYSTEM_PROMPT
-            return f"{head}\n\nReview this diff:\n\n{render_diff(parse_diff(diff))}"
+            return f"{head}\n\nReview this diff:\n\n{render_diff(change.files)}"
         head = prompt.instruction or f"Task: {prompt.task_type}"
         return f"{head}\n\n{json.dumps(prompt.content, ensure_ascii=False, indent=1)}"
 

@@ -67,6 +67,7 @@ from atp.adapters.base import (
     Fragment,
     Prompt,
     ProviderAdapter,
+    change_of,
     estimate_tokens,
     usd_micros,
     usd_micros_ceil,
@@ -83,7 +84,6 @@ from atp.adapters.http import (
 from atp.adapters.openai_compat import SYSTEM_PROMPT, parse_review, render_diff
 from atp.consensus.types import AgentReport
 from atp.policy.rib import AgentSpec
-from atp.review.diff import parse_diff
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
@@ -464,10 +464,10 @@ class AgentApiAdapter(HTTPNextHop):
         except httpx.HTTPError as e:
             raise self._fail(transport_error(e, self.url, self.timeout_ms), t0, secrets) from None
         self._succeeded(t0)
-        findings, summary = parse_review(answer.text, prompt.content)
+        findings, summary = parse_review(answer.text, prompt.content, change=prompt.change)
         for data in answer.data:
             if not findings and isinstance(data.get("findings"), list):
-                findings, summary = parse_review(json.dumps(data), prompt.content)
+                findings, summary = parse_review(json.dumps(data), prompt.content, change=prompt.change)
         yield Fragment(
             type=PayloadType.FINAL,
             content=AgentReport(findings=findings, summary=summary),
@@ -479,11 +479,11 @@ class AgentApiAdapter(HTTPNextHop):
     def request(self, prompt: Prompt) -> dict[str, Any]:
         """The ``AgentRequest`` body for ``prompt`` (shape in the module docstring;
         the ``session_id`` is fresh per call)."""
-        diff = prompt.content.get("diff")
-        if isinstance(diff, str):
+        change = change_of(prompt)
+        if change is not None:
             text = (
                 SYSTEM_PROMPT + "\n\n" + (prompt.instruction + "\n\n" if prompt.instruction else "")
-                + "Review this diff:\n\n" + render_diff(parse_diff(diff))
+                + "Review this diff:\n\n" + render_diff(change.files)
             )  # fmt: skip
         else:
             text = (prompt.instruction or prompt.task_type) + "\n\n" + json.dumps(prompt.content, ensure_ascii=False)

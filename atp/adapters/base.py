@@ -17,7 +17,8 @@ Contract for ``stream``:
 
 Also the accounting every adapter shares: :func:`estimate_tokens` (chars/4),
 :func:`usd_micros` (token prices → USD micros), :func:`usd_micros_ceil` (a USD
-price → USD micros) and :class:`CallStats` (recent calls → :class:`~atp.policy.health.Health`).
+price → USD micros), :class:`CallStats` (recent calls → :class:`~atp.policy.health.Health`)
+and :func:`change_of` (a prompt's diff, parsed once per task).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from msgspec import Struct
 
 from atp.consensus.types import Usage
 from atp.policy.health import Health
+from atp.task.change import ParsedChange, parse_change
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
 
@@ -43,13 +45,29 @@ class Prompt(Struct, forbid_unknown_fields=True, omit_defaults=True):
 
     ``content`` for ``code_review``: ``{"diff": str, "files": {path: full text after
     the diff}}``. ``meta`` is the stream's frame meta (task_type, languages, risk,
-    data_scope, trace, ...), passed through unchanged.
+    data_scope, trace, ...), passed through unchanged. ``change`` is
+    ``content["diff"]`` parsed (:class:`~atp.task.change.ParsedChange`): the
+    dispatcher parses a task's diff once and hands it to every leg here; None on
+    a prompt built without it (an adapter then parses the diff itself,
+    :func:`change_of`).
     """
 
     task_type: str
     content: dict[str, Any]
     meta: dict[str, Any] = msgspec.field(default_factory=dict)
     instruction: str = ""
+    change: ParsedChange | None = None
+
+
+def change_of(prompt: Prompt) -> ParsedChange | None:
+    """``prompt``'s diff parsed: :attr:`Prompt.change` when the prompt carries it
+    (the task's diff, parsed once by the dispatcher), else ``content["diff"]``
+    parsed here (blocking: call it off the event loop for a large diff); None
+    when the content has no diff string."""
+    if prompt.change is not None:
+        return prompt.change
+    diff = prompt.content.get("diff")
+    return parse_change(diff) if isinstance(diff, str) else None
 
 
 class Fragment(Struct, forbid_unknown_fields=True, omit_defaults=True):

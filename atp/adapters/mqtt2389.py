@@ -99,6 +99,7 @@ from atp.mqtt.client import (
 from atp.observability import tracing
 from atp.policy.health import Health
 from atp.policy.rib import AgentSpec
+from atp.task.change import ParsedChange
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
@@ -461,7 +462,7 @@ class Mqtt2389Adapter(ProviderAdapter):
             raise AgentError(code, f"2389 agent {call.replier!r}: {reply.code}: {P.sanitize(reply.message)}",
                              agent=self.name)
         assert isinstance(reply, P.Reply)
-        report, reported = parse_report(reply.response, prompt.content)
+        report, reported = parse_report(reply.response, prompt.content, change=prompt.change)
         flat = round(self.cost_usd_per_call * 1_000_000)
         usage = reported or Usage()
         if usage.usd_micros == 0 and flat:
@@ -474,11 +475,13 @@ _FINDING_SHAPE = ("expected the ATP findings schema {file, start, end, severity,
                   "citing a line of the reviewed content")
 
 
-def parse_report(text: str, content: Mapping[str, Any] | None = None) -> tuple[AgentReport, Usage | None]:
+def parse_report(text: str, content: Mapping[str, Any] | None = None, *,
+                 change: ParsedChange | None = None) -> tuple[AgentReport, Usage | None]:
     """A 2389 answer as an AgentReport and the usage it reported (see the module
     docstring); ``content`` is the task's (``{"diff", "files"}``), against which
-    findings in a non-ATP shape are checked. Raises AgentError(EPROTO) naming the
-    expected shape when a finding fits neither."""
+    findings in a non-ATP shape are checked (``change``: its diff parsed, when the
+    caller has it). Raises AgentError(EPROTO) naming the expected shape when a
+    finding fits neither."""
     try:
         data = msgspec.json.decode(text)
     except msgspec.DecodeError:
@@ -487,7 +490,7 @@ def parse_report(text: str, content: Mapping[str, Any] | None = None) -> tuple[A
         data = {"findings": data}
     if not (isinstance(data, dict) and isinstance(data.get("findings"), list)):
         return AgentReport(summary=text.strip()[:_MAX_SUMMARY]), None
-    findings = [_finding(entry, i, content or {}) for i, entry in enumerate(data["findings"])]
+    findings = [_finding(entry, i, content or {}, change) for i, entry in enumerate(data["findings"])]
     summary = data.get("summary") if isinstance(data.get("summary"), str) else ""
     conf = data.get("confidence")
     ok_conf = isinstance(conf, int | float) and not isinstance(conf, bool) and 0.0 <= conf <= 1.0
@@ -500,12 +503,12 @@ def parse_report(text: str, content: Mapping[str, Any] | None = None) -> tuple[A
     return AgentReport(findings=findings, summary=summary[:_MAX_SUMMARY], confidence=conf if ok_conf else None), usage
 
 
-def _finding(entry: Any, i: int, content: Mapping[str, Any]) -> AgentFinding:
+def _finding(entry: Any, i: int, content: Mapping[str, Any], change: ParsedChange | None) -> AgentFinding:
     try:
         return msgspec.convert(entry, AgentFinding)
     except msgspec.ValidationError as e:
         strict = str(e)
-    found, _ = parse_review(msgspec.json.encode({"findings": [entry]}).decode(), content)
+    found, _ = parse_review(msgspec.json.encode({"findings": [entry]}).decode(), content, change=change)
     if not found:
         raise AgentError(ErrorCode.EPROTO, f"finding [{i}] ({strict}): {_FINDING_SHAPE}")
     f = found[0]

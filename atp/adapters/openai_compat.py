@@ -48,6 +48,7 @@ from atp.adapters.base import (
     CallStats,
     Fragment,
     Prompt,
+    change_of,
     estimate_tokens,
     usd_micros,
 )
@@ -65,7 +66,8 @@ from atp.adapters.http import (
     transport_error,
 )
 from atp.consensus.types import AgentFinding, AgentReport, Severity
-from atp.review.diff import FileDiff, parse_diff
+from atp.task.change import ParsedChange, parse_change
+from atp.task.diff import FileDiff
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
@@ -221,7 +223,7 @@ class ChatModelAdapter(HTTPNextHop):
         except httpx.HTTPError as e:
             raise self._fail(transport_error(e, self.base_url, self.timeout_ms), t0, secrets) from None
         self._succeeded(t0)
-        findings, summary = parse_review("".join(parts), prompt.content)
+        findings, summary = parse_review("".join(parts), prompt.content, change=prompt.change)
         yield Fragment(
             type=PayloadType.FINAL,
             content=AgentReport(findings=findings, summary=summary),
@@ -236,11 +238,11 @@ class ChatModelAdapter(HTTPNextHop):
         (other task types), cut to ``ctx_tokens - max_out_tokens``. With
         ``context_in_prompt`` the system prompt ends with the Agent Context
         Message as JSON, ``securityContext`` removed."""
-        diff = prompt.content.get("diff")
-        if isinstance(diff, str):
+        change = change_of(prompt)
+        if change is not None:
             system = SYSTEM_PROMPT
             head = (prompt.instruction + "\n\n" if prompt.instruction else "") + "Review this diff:\n\n"
-            body = render_diff(parse_diff(diff))
+            body = render_diff(change.files)
         else:
             system = "You are a precise assistant. Answer concisely."
             head = (prompt.instruction or prompt.task_type) + "\n\n"
@@ -403,17 +405,19 @@ _SEVERITY = {
 }  # fmt: skip
 
 
-def parse_review(text: str, content: Mapping[str, Any]) -> tuple[list[AgentFinding], str]:
+def parse_review(text: str, content: Mapping[str, Any], *,
+                 change: ParsedChange | None = None) -> tuple[list[AgentFinding], str]:
     """Findings and a summary from a model's free-form answer to a review prompt.
 
     Looks for ``{"findings": [...]}`` (or a bare list of findings) in code fences,
     then anywhere in the text; failing that, gathers standalone finding objects (an
     answer cut off by ``max_tokens`` keeps its complete entries). Entries without a
     known ``file``, a ``line`` inside that file (``content["files"]``, else inside a
-    hunk of ``content["diff"]``) or a ``claim`` are dropped. When nothing parses,
-    returns no findings and the text (up to 2000 chars) as the summary.
+    hunk of ``content["diff"]``: ``change``, its parse when the caller has it) or a
+    ``claim`` are dropped. When nothing parses, returns no findings and the text
+    (up to 2000 chars) as the summary.
     """
-    known = _known_lines(content)
+    known = _known_lines(content, change)
     entries, summary = _json_findings(text)
     if entries is None:
         return [], text.strip()[:_MAX_SUMMARY]
@@ -429,8 +433,8 @@ def parse_review(text: str, content: Mapping[str, Any]) -> tuple[list[AgentFindi
     return findings, summary
 
 
-def _known_lines(content: Mapping[str, Any]) -> dict[str, range | set[int]]:
-    """Path → the lines a finding may cite."""
+def _known_lines(content: Mapping[str, Any], change: ParsedChange | None = None) -> dict[str, range | set[int]]:
+    """Path → the lines a finding may cite (``change``: ``content["diff"]`` parsed, else parsed here)."""
     known: dict[str, range | set[int]] = {}
     files = content.get("files")
     if isinstance(files, dict):
@@ -440,7 +444,7 @@ def _known_lines(content: Mapping[str, Any]) -> dict[str, range | set[int]]:
                 known[path] = range(1, n + 1)
     diff = content.get("diff")
     if isinstance(diff, str):
-        for fd in parse_diff(diff):
+        for fd in (change if change is not None else parse_change(diff)).files:
             if fd.path not in known and fd.status != "deleted":
                 known[fd.path] = {n for h in fd.hunks for n in h.new_range}
     return known

@@ -20,8 +20,8 @@ exactly (repo-relative POSIX paths, as in the task's ``files``); lines are
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
 import re
+from collections.abc import Callable, Iterable, Mapping
 from itertools import combinations
 from typing import TypeVar
 
@@ -86,7 +86,7 @@ def change_evidence(finding: AgentFinding, changed: Mapping[str, Iterable[int]] 
     span touches a changed line of its file (± ``slack`` lines) or the finding
     names a test (``tests`` non-empty, or rule ``test_fail``); :data:`OFF_CHANGE`
     otherwise. ``changed`` (path → changed line numbers after the diff, from
-    :func:`atp.review.diff.changed_lines`) ``None`` means no diff is known: 1.0."""
+    :func:`atp.task.diff.changed_lines`) ``None`` means no diff is known: 1.0."""
     if changed is None or finding.tests or finding.rule == "test_fail":
         return 1.0
     lines = changed.get(finding.file)

@@ -1,6 +1,7 @@
 """Review-task helpers shared by the policy engine, the adapters and consensus.
 
-Pure code (no I/O): :mod:`atp.review.diff` parses unified diffs into the line sets
-a code-review task is scored on; :mod:`atp.review.paths` checks the file paths a
-task names.
+:mod:`atp.review.paths` (pure) checks the file paths a task names;
+:mod:`atp.review.repo` reads a diff's files from a checkout; :mod:`atp.review.eval`
+is ``atp-router eval``. Unified-diff parsing is the task's (:mod:`atp.task.diff`,
+:mod:`atp.task.change`).
 """

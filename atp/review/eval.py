@@ -77,7 +77,7 @@ import trio
 import atp
 from atp.cliutil.helpfmt import DefaultsHelpFormatter
 from atp.consensus.types import FinalResult
-from atp.review.diff import parse_diff
+from atp.task.diff import parse_diff
 from atp.wire.errors import PolicyError
 
 __all__ = [
@@ -536,8 +536,8 @@ def format_report(report: EvalReport, *, title: str = "golden dev set") -> str:
     lines += [
         "-" * len(head),
         f"tasks caught      {report.tasks_caught}/{report.n_tasks}",
-        f"recall (units)    {report.units_caught}/{report.units} = {report.recall:.3f}"
-        f"   (BugsInPy per expected finding, advisories per task); recall@{report.top} {report.recall_at_top:.3f}",
+        (f"recall (units)    {report.units_caught}/{report.units} = {report.recall:.3f}"
+         f"   (BugsInPy per expected finding, advisories per task); recall@{report.top} {report.recall_at_top:.3f}"),
         f"precision         {report.matched}/{report.findings} = {p}",
         f"F1                {report.f1:.3f}",
         f"cost              {report.tokens} tokens, {report.usd:.6f} USD ({report.usd_per_task:.6f} USD per task)",

@@ -31,8 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from atp.review.diff import FileDiff
 from atp.review.paths import safe_relpath
+from atp.task.diff import FileDiff
 from atp.wire.errors import ClientInputError
 
 __all__ = ["MAX_FILES", "MAX_FILE_BYTES", "MAX_TOTAL_BYTES", "RepoFiles", "files_after"]

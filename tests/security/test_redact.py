@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atp.policy.labels import ScopeLabel, clearance_of, is_covered, parse_label
-from atp.review.diff import parse_diff
 from atp.security.redact import (
     MAX_SCRUB_CHARS,
     REDACTED,
@@ -28,6 +27,7 @@ from atp.security.redact import (
     register_secrets,
     scrub,
 )
+from atp.task.diff import parse_diff
 from atp.wire.errors import AgentError, ErrorCode
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -42,11 +42,11 @@ from atp.adapters.base import Prompt
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import Severity
 from atp.deploy.cli import _parser, config_from_args
-from atp.review.diff import parse_diff
 from atp.review.repo import files_after
 from atp.runtime.ingress.a2a import a2a_routes, agent_card
 from atp.runtime.ingress.http_api import build_app
 from atp.runtime.router import Router, RouterConfig, StreamCtx
+from atp.task.diff import parse_diff
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import PayloadType
 from tests.helpers import serve_scripted

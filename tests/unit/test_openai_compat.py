@@ -19,11 +19,16 @@ from typing import Any
 
 import msgspec
 import pytest
+import trio
+import trio.lowlevel
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import trio
-import trio.testing
-from peers import MODEL_ALIAS, free_port, start_llama_server  # tests/peers.py (tests/ is on sys.path via its conftest)
+from peers import (  # tests/peers.py (tests/ is on sys.path via its conftest)
+    MODEL_ALIAS,
+    free_port,
+    start_llama_server,
+)
 
 from atp.adapters.base import Fragment, Prompt
 from atp.adapters.openai_compat import (
@@ -39,7 +44,7 @@ from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
 from atp.policy.health import Health
 from atp.policy.rib import AgentSpec, ModelSpec
-from atp.review.diff import parse_diff
+from atp.task.diff import parse_diff
 from atp.wire.errors import AgentError, ErrorCode
 from atp.wire.frame import CostEstimate, PayloadType
 from tests.replay_server import Behaviour, LoopbackHTTP, serve
@@ -78,16 +83,16 @@ def llama_url() -> Iterator[str]:
 
 
 def _smol(url: str, **kw: Any) -> OpenAICompatAdapter:
-    args: dict[str, Any] = dict(
-        base_url=url,
-        model=MODEL_ALIAS,
-        cost_in_per_mtok=COST_IN,
-        cost_out_per_mtok=COST_OUT,
-        max_out_tokens=96,
-        temperature=0.0,
-        timeout_ms=60_000,
-        ctx_tokens=2048,
-    )
+    args: dict[str, Any] = {
+        "base_url": url,
+        "model": MODEL_ALIAS,
+        "cost_in_per_mtok": COST_IN,
+        "cost_out_per_mtok": COST_OUT,
+        "max_out_tokens": 96,
+        "temperature": 0.0,
+        "timeout_ms": 60_000,
+        "ctx_tokens": 2048,
+    }
     args.update(kw)
     return OpenAICompatAdapter("reviewer.smol", **args)
 
@@ -175,7 +180,7 @@ async def test_cancel_mid_stream_then_reuse(llama_url: str) -> None:
                 seen += 1
                 if seen == 3:
                     scope.cancel()
-                    await trio.sleep(0)  # the cancel point
+                    await trio.lowlevel.checkpoint()  # the cancel point
         assert scope.cancelled_caught and seen == 3
         assert adapter.health().error_rate == 0  # the router's deadline, not the agent's failure
         [*_, final] = await _collect(_smol(llama_url, max_out_tokens=16))
@@ -234,10 +239,10 @@ async def peer(nursery: trio.Nursery) -> LoopbackHTTP:
 
 
 def _adapter(peer: LoopbackHTTP, **kw: Any) -> OpenAICompatAdapter:
-    args: dict[str, Any] = dict(
-        base_url=peer.url, model="m", cost_in_per_mtok=2.5, cost_out_per_mtok=10.0, max_out_tokens=256,
-        timeout_ms=2000, ctx_tokens=4096,
-    )  # fmt: skip
+    args: dict[str, Any] = {
+        "base_url": peer.url, "model": "m", "cost_in_per_mtok": 2.5, "cost_out_per_mtok": 10.0, "max_out_tokens": 256,
+        "timeout_ms": 2000, "ctx_tokens": 4096,
+    }  # fmt: skip
     args.update(kw)
     return OpenAICompatAdapter("peer", **args)
 

@@ -27,7 +27,7 @@ from atp.adapters.tools.base import (
 from atp.adapters.tools.ruff import RuffAdapter, grade
 from atp.consensus.types import AgentReport, Severity
 from atp.policy.rib import AgentSpec, ModelSpec
-from atp.review.diff import changed_lines, parse_diff
+from atp.task.diff import changed_lines, parse_diff
 from atp.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp.wire.frame import CostEstimate, PayloadType
 

@@ -5,9 +5,9 @@ the RIB entries that build them. Every analyser run here is the real binary."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from atp.adapters.tools.semgrep import (
 )
 from atp.consensus.types import AgentReport, Severity
 from atp.policy.rib import AgentSpec
-from atp.review.diff import changed_lines, parse_diff
+from atp.task.diff import changed_lines, parse_diff
 from atp.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp.wire.frame import CostEstimate, PayloadType
 

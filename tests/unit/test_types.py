@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The packages and modules held to ``--strict``.
-PACKAGES = ("atp/wire", "atp/flow", "atp/consensus", "atp/runtime/dataplane/opening.py")
+PACKAGES = ("atp/wire", "atp/task", "atp/flow", "atp/consensus", "atp/runtime/dataplane/opening.py")
 #: Strict errors the check reports; the canary below hides one of each in every package.
 _CANARY = '''\
 def untyped(x):  # disallow_untyped_defs

@@ -104,8 +104,8 @@ from atp.adapters.openai_compat import CallStats
 from atp.adapters.tools.sandbox import Sandbox, SandboxUnavailable
 from atp.consensus.types import AgentFinding, AgentReport, Usage
 from atp.policy.health import Health
-from atp.review.diff import changed_lines_of
 from atp.review.paths import safe_relpath
+from atp.task.change import ParsedChange, parse_change
 from atp.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp.wire.frame import Capabilities, CostEstimate, PayloadType
 
@@ -422,16 +422,18 @@ class ToolAdapter(ProviderAdapter):
 
     async def review(self, prompt: Prompt) -> AgentReport:
         """The report :meth:`stream` yields, for callers that want it directly."""
-        task = await trio.to_thread.run_sync(self._bound, prompt.content)
+        task = await trio.to_thread.run_sync(self._bound, prompt.content, prompt.change)
         findings: list[AgentFinding] = []
         notes: list[str] = []
         if task.targets:
             findings, notes = await self._run(task.targets)
         return await trio.to_thread.run_sync(self._conclude, task, findings, notes)
 
-    def _bound(self, content: Any) -> _Task:
+    def _bound(self, content: Any, change: ParsedChange | None = None) -> _Task:
         """Validate and bound the task (module docstring, step 1-2); runs in a
-        worker thread. Raises ClientInputError naming the limit or the field."""
+        worker thread. ``change`` is the diff already parsed (the task's, from the
+        dispatcher), else it is parsed here when ``scope`` is ``"changed"``.
+        Raises ClientInputError naming the limit or the field."""
         lim = self.limits
         if not isinstance(content, Mapping):
             raise ClientInputError("content must be an object with 'files' (and 'diff')")
@@ -453,7 +455,7 @@ class ToolAdapter(ProviderAdapter):
         if self.scope == "changed":
             if not isinstance(diff, str):
                 raise ClientInputError("scope 'changed' needs content.diff (a unified diff string)")
-            keep = _widen(changed_lines_of(diff), self.context)
+            keep = _widen((change if change is not None else parse_change(diff)).changed, self.context)
         targets = {p: data for p, data in encoded.items() if keep is None or keep.get(p)}
         missing = sorted(p for p in keep or () if p.endswith(self.suffixes) and p not in files)
         if missing and not targets:

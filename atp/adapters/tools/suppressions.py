@@ -25,7 +25,7 @@ semgrep, pylint, mypy) honour **no** suppression comment in the reviewed code:
 Every finding is reported. A finding the change itself silenced carries
 ``suppressed_by_change: true`` (:class:`~atp.consensus.types.AgentFinding`,
 and the merged finding in the FINAL): the analyser, honouring only the
-suppression comments on the lines the diff touched (``changed_lines_of``:
+suppression comments on the lines the diff touched (``ParsedChange.changed``:
 added or changed lines, and where a deletion was), would not have reported
 it — an inline comment on that line or a file-level one the change adds alike.
 This is measured, not guessed: when a changed line contains one of the
@@ -73,7 +73,7 @@ import trio
 from atp.adapters.base import Prompt
 from atp.adapters.tools.base import DEFAULT_LIMITS, ToolAdapter, ToolLimits
 from atp.consensus.types import AgentFinding, AgentReport
-from atp.review.diff import changed_lines_of
+from atp.task.change import ParsedChange, parse_change
 from atp.wire.errors import AgentError
 
 __all__ = [
@@ -90,11 +90,12 @@ __all__ = [
 #: columns in characters stay, and no tool reads ``~`` as a directive).
 BLANK = "~"
 
-#: The diff of the task under review, for :meth:`SuppressionAwareAdapter._run`
-#: (set around :meth:`ToolAdapter.review` in the task that runs it; ``None``:
-#: no diff). A context variable, not an attribute: one adapter serves many
+#: The diff of the task under review and its parse (None: parsed where needed),
+#: for :meth:`SuppressionAwareAdapter._run` (set around :meth:`ToolAdapter.review`
+#: in the task that runs it; ``None``: no diff). A context variable, not an attribute: one adapter serves many
 #: streams at once.
-_DIFF: contextvars.ContextVar[str | None] = contextvars.ContextVar("atp_review_diff", default=None)
+_DIFF: contextvars.ContextVar[tuple[str, ParsedChange | None] | None] = contextvars.ContextVar(
+    "atp_review_diff", default=None)
 #: True while the second run (the change's suppressions honoured) builds its argv.
 _HONOURING: contextvars.ContextVar[bool] = contextvars.ContextVar("atp_honouring_suppressions", default=False)
 
@@ -324,10 +325,11 @@ class SuppressionAwareAdapter(ToolAdapter):
         return list(self.suppression_flags)
 
     async def review(self, prompt: Prompt) -> AgentReport:
-        """:meth:`ToolAdapter.review` with the task's diff at hand for :meth:`_run`."""
+        """:meth:`ToolAdapter.review` with the task's diff (and its parse, when the
+        prompt carries it) at hand for :meth:`_run`."""
         content: Any = prompt.content
         diff = content.get("diff") if isinstance(content, Mapping) else None
-        token = _DIFF.set(diff if isinstance(diff, str) else None)
+        token = _DIFF.set((diff, prompt.change) if isinstance(diff, str) else None)
         try:
             return await super().review(prompt)
         finally:
@@ -369,6 +371,11 @@ class SuppressionAwareAdapter(ToolAdapter):
                          "suppressed_by_change")
         return findings, notes
 
-    def _plan(self, targets: Mapping[str, bytes], diff: str | None) -> SuppressionPlan:
-        changed = changed_lines_of(diff) if diff is not None else None
+    def _plan(self, targets: Mapping[str, bytes], diff: tuple[str, ParsedChange | None] | None) -> SuppressionPlan:
+        """The suppression plan of ``targets``; ``diff`` is the task's diff and its
+        parse when the prompt carried one (else parsed here), None without a diff."""
+        changed = None
+        if diff is not None:
+            text, change = diff
+            changed = (change if change is not None else parse_change(text)).changed
         return plan_suppressions(targets, self.suppression_pattern, changed, after_hash=self.suppression_after_hash)

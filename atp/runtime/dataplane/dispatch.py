@@ -104,6 +104,12 @@ For one stream the dispatcher
    at routing: circuit open (next probe in N ms)"`` — although its slot may have
    gone to the next best.
 
+A code-review task's diff is parsed once, before the fan-out (a large one in a
+worker thread): the :class:`~atp.task.change.ParsedChange` rides on every leg's
+prompt (:attr:`Prompt.change <atp.adapters.base.Prompt.change>`; a leg whose
+data-scoped diff was rewritten parses its own) and gives the merge's evidence
+scorer its changed lines.
+
 Budget exhaustion (§10 ``EBUDGET`` → FIN): once the committed spend of the stream's
 account or of its client's reaches a limit, no further call is admitted (queued
 next-hops and the escalation get ERROR ``EBUDGET`` "not called: budget exhausted");
@@ -163,8 +169,8 @@ from atp.flow.budget import BudgetLedger, Refusal, usd_to_micros
 from atp.flow.qos import Preempt, QosScheduler
 from atp.flow.window import Estimate, WindowTable
 from atp.flow.window import Window as FlowWindow
-from atp.review.diff import changed_lines_of
 from atp.security.redact import scrub
+from atp.task.change import parse_change
 from atp.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode
 from atp.wire.frame import PayloadType, QoS, WindowUpdate
 
@@ -179,6 +185,11 @@ REROUTABLE = frozenset({ErrorCode.ETIMEOUT, ErrorCode.EAGENTDOWN})
 #: "nothing found"); the A2A server fails such a task when nothing was found.
 NEXT_HOP_FAILED = "next-hop failed: "
 
+#: The diff of :data:`CANARY`, parsed once at import into its ``change``.
+_CANARY_DIFF = (
+    "--- /dev/null\n+++ b/atp_canary.py\n@@ -0,0 +1,2 @@\n+def add(a, b):\n+    return a + b\n"
+    "--- /dev/null\n+++ b/test_atp_canary.py\n@@ -0,0 +1,2 @@\n+def test_add():\n+    assert 1 + 1 == 2\n"
+)
 #: The canary the router runs itself on a tenant-bound next-hop after a call to it
 #: failed in doubt (module doc, 3): a code review of one small, clean, changed
 #: Python module and its one passing test — well-formed and far within every
@@ -188,16 +199,14 @@ NEXT_HOP_FAILED = "next-hop failed: "
 CANARY = Prompt(
     task_type="code_review",
     content={
-        "diff": (
-            "--- /dev/null\n+++ b/atp_canary.py\n@@ -0,0 +1,2 @@\n+def add(a, b):\n+    return a + b\n"
-            "--- /dev/null\n+++ b/test_atp_canary.py\n@@ -0,0 +1,2 @@\n+def test_add():\n+    assert 1 + 1 == 2\n"
-        ),
+        "diff": _CANARY_DIFF,
         "files": {
             "atp_canary.py": "def add(a, b):\n    return a + b\n",
             "test_atp_canary.py": "def test_add():\n    assert 1 + 1 == 2\n",
         },
     },
     meta={"task_type": "code_review", "languages": ["py"], "canary": True},
+    change=parse_change(_CANARY_DIFF),
 )
 
 
@@ -269,7 +278,7 @@ class TaskPlan:
     #: Agents called or chosen for this stream: a reroute never goes back to one.
     tried: set[str] = field(default_factory=set)
     #: Changed lines of the task's diff (path → after-diff lines) for the
-    #: evidence scorer, parsed off the event loop before the first merge.
+    #: evidence scorer: ``prompt.change.changed``, parsed once before the fan-out.
     changed: Mapping[str, frozenset[int]] | None = None
     #: The policy's champion/challenger bandit chose "cheap then escalate": escalate
     #: (trigger ``bandit``) even when no policy trigger fires.
@@ -532,6 +541,7 @@ class Dispatcher:
 
     async def _run(self, io: StreamIO, plan: TaskPlan) -> FinalResult:
         route = plan.route
+        await _parse_change(plan)  # once per task: every leg and the merge share it
         plan.tried.update(h.agent for h in route.next_hops)
         legs: dict[int, LegOutcome] = {}
         with trio.move_on_at(plan.deadline) as scope:
@@ -542,13 +552,6 @@ class Dispatcher:
             for turn, hop in enumerate(route.next_hops):
                 self._deadline_error(io, plan, legs, turn, hop.agent)
 
-        # A diff may be megabytes: a large one is parsed in a worker thread, never
-        # on the loop; a small one (µs of work) inline.
-        diff = plan.prompt.content.get("diff") if isinstance(plan.prompt.content, Mapping) else None
-        if isinstance(diff, str) and len(diff) > _INLINE_DIFF_CHARS:
-            plan.changed = await trio.to_thread.run_sync(_changed_lines, plan.prompt.content)
-        else:
-            plan.changed = _changed_lines(plan.prompt.content)
         result, reports = self._merge(plan)
         triggers: list[str] = []
         no_quorum = consensus_error(result) is not None
@@ -875,7 +878,7 @@ class Dispatcher:
             out.error = AgentError(ErrorCode.EBUDGET, f"{agent} not called: budget exhausted ({why})", agent=agent)
             return None
         try:
-            prompt = plan.prompt if plan.prompt_for is None else plan.prompt_for(agent)
+            prompt = _leg_prompt(plan, agent)
             est = adapter.estimate(prompt)
         except ATPError as e:
             out.error = e
@@ -1049,10 +1052,39 @@ def _agent_reason(agent: str, err: ATPError) -> str:
 _INLINE_DIFF_CHARS = 32 * 1024
 
 
-def _changed_lines(content: Any) -> Mapping[str, frozenset[int]] | None:
-    """Changed lines of the task's diff (path → after-diff line numbers) for the
-    evidence scorer; ``None`` when the task has no readable diff."""
-    diff = content.get("diff") if isinstance(content, Mapping) else None
-    if not isinstance(diff, str) or not diff:
-        return None
-    return changed_lines_of(diff)
+def _diff_of(prompt: Prompt) -> str | None:
+    diff = prompt.content.get("diff") if isinstance(prompt.content, Mapping) else None
+    return diff if isinstance(diff, str) else None
+
+
+async def _parse_change(plan: TaskPlan) -> None:
+    """Parse the task's diff once (:func:`~atp.task.change.parse_change`; a large
+    one in a worker thread, never on the loop) onto ``plan.prompt.change``, which
+    every leg gets (:func:`_leg_prompt`), and set ``plan.changed`` for the evidence
+    scorer (``None`` when the task has no diff or an empty one). A prompt that
+    already carries its change (a shadow run of a task) is not parsed again."""
+    diff = _diff_of(plan.prompt)
+    if diff is None:
+        return
+    if plan.prompt.change is None:
+        if len(diff) > _INLINE_DIFF_CHARS:
+            change = await trio.to_thread.run_sync(parse_change, diff)
+        else:
+            change = parse_change(diff)
+        plan.prompt = msgspec.structs.replace(plan.prompt, change=change)
+    assert plan.prompt.change is not None
+    plan.changed = plan.prompt.change.changed if diff else None
+
+
+def _leg_prompt(plan: TaskPlan, agent: str) -> Prompt:
+    """The prompt ``agent`` may see (``plan.prompt_for``, spec §11) carrying the
+    task's parsed diff (``plan.prompt.change``) when its diff is the task's; a
+    data-scope redaction that rewrote the diff leaves that leg to parse its own."""
+    prompt = plan.prompt if plan.prompt_for is None else plan.prompt_for(agent)
+    change = plan.prompt.change
+    if change is None:
+        return prompt
+    diff, task_diff = _diff_of(prompt), _diff_of(plan.prompt)
+    if diff is not None and (diff is task_diff or diff == task_diff):
+        return prompt if prompt.change is change else msgspec.structs.replace(prompt, change=change)
+    return msgspec.structs.replace(prompt, change=None) if prompt.change is not None else prompt

@@ -56,10 +56,10 @@ import msgspec
 from atp.adapters.context import with_context_scope
 from atp.flow.budget import Allowance, usd_to_micros
 from atp.policy.fib import data_scope_labels
-from atp.review.diff import count_changed_lines
 from atp.runtime.dataplane.streams import stream_account
 from atp.security.authz import Refuse
 from atp.security.identity import Identity
+from atp.task.diff import count_changed_lines
 from atp.wire.errors import ATPError, ErrorCode, LocalProtocolError
 from atp.wire.frame import Budget, QoS, Window
 

@@ -101,7 +101,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from atp.adapters.a2a import parts_of, restore_ints
-from atp.review.diff import parse_diff
 from atp.review.repo import files_after
 from atp.runtime.dataplane.dispatch import NEXT_HOP_FAILED
 from atp.runtime.dataplane.streams import LoggedEvent
@@ -115,6 +114,7 @@ from atp.runtime.ingress.bodies import (
 )
 from atp.runtime.router import Router, StreamCtx
 from atp.security.identity import Identity
+from atp.task.diff import parse_diff
 from atp.wire.errors import ATPError, ErrorCode
 from atp.wire.frame import Budget, ErrorPayload, Flag, Frame, Payload, PayloadType
 

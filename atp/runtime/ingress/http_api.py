@@ -95,7 +95,6 @@ from starlette.routing import Route
 
 from atp.observability.metrics import CONTENT_TYPE_LATEST
 from atp.observability.tracing import TraceContextMiddleware
-from atp.review.diff import count_changed_lines
 from atp.runtime.admin.fibview import FibView
 from atp.runtime.admin.status import status_routes
 from atp.runtime.controlplane.learning import FeedbackRefused
@@ -111,6 +110,7 @@ from atp.runtime.ingress.bodies import (
 from atp.runtime.ingress.openai import openai_routes
 from atp.runtime.router import Router
 from atp.security.identity import Identity
+from atp.task.diff import count_changed_lines
 from atp.wire.codec import FrameCodec
 from atp.wire.errors import ATPError, ErrorCode, PolicyError
 from atp.wire.frame import Budget, Frame, QoS, RouteUpdate, Window

@@ -135,7 +135,6 @@ from atp.consensus.types import (
     SignedUsage,
 )
 from atp.policy.match import CompiledMatch, compile_match
-from atp.review.diff import count_changed_lines, parse_diff
 from atp.runtime.dataplane.dispatch import NEXT_HOP_FAILED
 from atp.runtime.ingress.a2a import (
     _complete_from_repo,  # the A2A server's --repo reader
@@ -143,6 +142,9 @@ from atp.runtime.ingress.a2a import (
 from atp.runtime.ingress.bodies import BodyRefused, decode_off_loop, release_body
 from atp.runtime.router import Router, StreamCtx
 from atp.security.identity import Identity
+from atp.task.body import MAX_FILES, MAX_MESSAGES, Chat, ChatMessage
+from atp.task.diff import count_changed_lines, parse_diff
+from atp.task.meta import IDEMPOTENCY_KEY_CHARS
 from atp.wire.errors import ATPError, ErrorCode
 from atp.wire.frame import Budget, ErrorPayload, Frame, QoS
 
@@ -164,12 +166,6 @@ __all__ = [
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
 
-#: Messages per request, characters per message, text parts per message.
-MAX_MESSAGES = 256
-MAX_MESSAGE_CHARS = 1_000_000
-MAX_PARTS = 64
-#: Files in ``atp.files`` (as the A2A server's ``--repo`` reader allows).
-MAX_FILES = 2_000
 
 POLICY_PREFIX = "policy:"
 TASK_PREFIX = "task:"
@@ -177,28 +173,6 @@ TASK_PREFIX = "task:"
 CODE_REVIEW = "code_review"
 
 # ------------------------------------------------------------------ request Structs
-
-
-class TextPart(Struct, forbid_unknown_fields=True):
-    """A text content part (``{"type": "text", "text": …}``); other part types
-    (images, audio, files) are refused."""
-
-    type: Literal["text"]
-    text: Annotated[str, Meta(max_length=MAX_MESSAGE_CHARS)]
-
-
-class ChatMessage(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """One input message: ``role`` and ``content`` (a string or text parts, at
-    most 1,000,000 characters); ``name`` is kept in the task content."""
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, Meta(max_length=MAX_MESSAGE_CHARS)] | Annotated[list[TextPart], Meta(max_length=MAX_PARTS)]
-    name: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
-
-    def text(self) -> str:
-        """The message text (text parts joined with ``\\n``)."""
-        c = self.content
-        return c if isinstance(c, str) else "\n".join(p.text for p in c)
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
@@ -216,7 +190,7 @@ class AtpOptions(Struct, forbid_unknown_fields=True, omit_defaults=True):
 
     budget: Budget | None = None
     qos: QoS | None = None
-    idempotency_key: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+    idempotency_key: Annotated[str, Meta(min_length=1, max_length=IDEMPOTENCY_KEY_CHARS)] | None = None
     files: Annotated[dict[str, str], Meta(max_length=MAX_FILES)] | None = None
 
 
@@ -568,8 +542,8 @@ def task_content(req: ChatCompletionRequest, task_type: str | None) -> dict[str,
     if files is not None:
         raise IngressError(ErrorCode.EPROTO, "atp.files goes with a code_review task whose last user message is a "
                            "unified diff", param="atp.files")
-    return {"messages": [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                         for m in req.messages]}
+    body: dict[str, Any] = msgspec.to_builtins(Chat(messages=[m.turn() for m in req.messages]))
+    return body
 
 
 def _budget(req: ChatCompletionRequest) -> Budget | None:
@@ -704,7 +678,7 @@ def remaining_text(full: str, streamed: str) -> str:
     head = streamed.rstrip()
     if head and full.startswith(head):
         tail, sent_ws = full[len(head):], streamed[len(head):]
-        return tail[len(sent_ws):] if tail.startswith(sent_ws) else tail
+        return tail.removeprefix(sent_ws)
     return ("\n\n" if streamed else "") + full
 
 

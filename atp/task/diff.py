@@ -4,6 +4,8 @@ A code-review task carries ``content["diff"]`` (``git diff`` output) and
 ``content["files"]`` (path -> full text *after* the diff). Scoring, the policy's
 ``diff_loc`` match and the ``scope: changed`` filter of the tool agents all need
 the same thing from the diff: which lines of which after-diff file it touched.
+A task's diff is parsed once, into :class:`~atp.task.change.ParsedChange`, and
+shared by all of them.
 
     >>> [d] = parse_diff("--- a/x.py\\n+++ b/x.py\\n@@ -1,2 +1,2 @@\\n a = 1\\n-b = 2\\n+b = 3\\n")
     >>> d.path, d.status, sorted(d.added), diff_loc([d])
@@ -22,15 +24,13 @@ Line numbers are 1-based. ``DiffLine.text`` excludes the line terminator.
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Iterable, Mapping
-from types import MappingProxyType
+from collections.abc import Iterable
 from typing import Literal
 
 from msgspec import Struct
 
-__all__ = ["DiffLine", "Hunk", "FileDiff", "parse_diff", "changed_lines", "diff_loc"]
+__all__ = ["DiffLine", "FileDiff", "Hunk", "changed_lines", "count_changed_lines", "diff_loc", "parse_diff"]
 
 Status = Literal["added", "modified", "deleted", "renamed"]
 
@@ -104,15 +104,6 @@ def changed_lines(diffs: Iterable[FileDiff]) -> dict[str, set[int]]:
     return out
 
 
-@functools.lru_cache(maxsize=4)
-def changed_lines_of(diff: str) -> Mapping[str, frozenset[int]]:
-    """:func:`changed_lines` of the unified diff text ``diff``, read-only and
-    cached for the few diffs in flight: every analyser of a task and the
-    consensus engine ask for the same diff's lines, and a large diff is parsed
-    once instead of once each (a 5 MB diff takes ~0.5 s to parse)."""
-    return MappingProxyType({p: frozenset(ns) for p, ns in changed_lines(parse_diff(diff)).items()})
-
-
 def diff_loc(diffs: Iterable[FileDiff]) -> int:
     """Added plus removed lines over all files: the policy's ``diff_loc`` meta."""
     return sum(len(d.added) + d.removed for d in diffs)
@@ -137,7 +128,7 @@ def parse_diff(text: str) -> list[FileDiff]:
 
     Binary files, and sections without any file header, are skipped. Never raises.
     """
-    lines = [ln[:-1] if ln.endswith("\r") else ln for ln in text.split("\n")]
+    lines = [ln.removesuffix("\r") for ln in text.split("\n")]
     if lines and lines[-1] == "":
         lines.pop()
     out: list[FileDiff] = []
@@ -179,8 +170,8 @@ class _Builder:
     """Mutable state of the file section being parsed."""
 
     __slots__ = (
-        "git_old", "git_new", "old_marker", "new_marker", "saw_markers", "rename_from", "rename_to",
-        "copy", "new_file", "deleted_file", "binary", "hunks",
+        "binary", "copy", "deleted_file", "git_new", "git_old", "hunks", "new_file", "new_marker", "old_marker",
+        "rename_from", "rename_to", "saw_markers",
     )  # fmt: skip
 
     def __init__(self) -> None:
