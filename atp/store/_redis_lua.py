@@ -509,7 +509,11 @@ local n = redis.call('HGET', s, 'n')
 if not n then return nf('stream', sk) end
 if tonumber(n) >= tonumber(A[4]) then return redis.error_reply('ATPLIMIT events_per_stream ' .. sk) end
 local e = P .. 'e:' .. sk
-if redis.call('ZCOUNT', e, id, id) > 0 then return redis.error_reply('ATPDUP event ' .. id .. ' ' .. sk) end
+local have = redis.call('ZRANGEBYSCORE', e, id, id)
+if #have > 0 then
+  if have[1] == A[3] then return 1 end  -- a retried write whose first attempt was applied
+  return redis.error_reply('ATPDUP event ' .. id .. ' ' .. sk)
+end
 redis.call('ZADD', e, id, A[3])
 redis.call('HINCRBY', s, 'n', 1)
 return 1

@@ -408,9 +408,12 @@ class Store(ABC):
         """Append event ``event_id`` (the next id of the stream's log, from 1) of
         ``type`` with the encoded ``frame``; allowed in every state (the RST of
         an interrupted stream is appended after :meth:`interrupt_open_streams`).
-        Raises :class:`NotFound` for an unknown stream, :class:`StoreLimitError`
-        when the frame or the stream's event count passes the store's bounds,
-        :class:`StoreError` when ``event_id`` is already stored."""
+        Appending exactly the event already stored under ``event_id`` (type and
+        frame) changes nothing and raises nothing: a retried write whose first
+        attempt was applied (a timeout of a shared store). Raises
+        :class:`NotFound` for an unknown stream, :class:`StoreLimitError` when
+        the frame or the stream's event count passes the store's bounds,
+        :class:`StoreError` when another event is stored under ``event_id``."""
 
     @abstractmethod
     def events(self, tenant: str, session_id: str, stream_id: str, after: int = 0) -> list[StoredEvent]:

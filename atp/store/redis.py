@@ -191,8 +191,10 @@ class RedisStore(Store):
         """Connect to the Redis at ``url`` (``redis://[[user]:password@]host[:port][/db]``,
         ``rediss://…``, ``unix:///path?db=N``), check the namespace's layout, set
         or read its epoch and load the scripts. ``socket_timeout_s`` /
-        ``connect_timeout_s`` bound every call, ``backoff_s`` is the fast-fail
-        back-off (see the module docstring). Raises ``ValueError`` for a bad URL
+        ``connect_timeout_s`` bound every call (s; redis-py's URL options
+        ``?socket_timeout=S&socket_connect_timeout=S`` override them: a Redis
+        over a slower link), ``backoff_s`` is the fast-fail back-off (see the
+        module docstring). Raises ``ValueError`` for a bad URL
         or namespace, :class:`~atp.store.base.StoreUnavailable` when Redis cannot
         be reached, :class:`~atp.store.base.SchemaError` for a namespace of
         another layout or application, :class:`~atp.store.base.StoreError` for

@@ -668,7 +668,14 @@ class SqliteStore(Store):
             try:
                 c.execute("INSERT INTO event VALUES (?, ?, ?, ?, ?, ?)", (*key, event_id, type, frame))
             except sqlite3.IntegrityError:
-                raise StoreError(f"event {event_id} of stream {stream_id} is already stored") from None
+                same = c.execute("SELECT 1 FROM event WHERE tenant = ? AND session_id = ? AND stream_id = ? "
+                                 "AND event_id = ? AND type = ? AND frame = ?",
+                                 (*key, event_id, type, frame)).fetchone()
+                if same is None:
+                    raise StoreError(f"event {event_id} of stream {stream_id} is already stored") from None
+                # The same event again (a retried write): it does not count twice.
+                c.execute("UPDATE stream SET n_events = n_events - 1 WHERE tenant = ? AND session_id = ? "
+                          "AND stream_id = ?", key)
 
     def events(self, tenant: str, session_id: str, stream_id: str, after: int = 0) -> list[StoredEvent]:
         with self._lock:

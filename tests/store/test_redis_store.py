@@ -107,6 +107,25 @@ def test_a_hung_redis_holds_a_call_one_socket_timeout_at_most():
         assert store.get("k") == b"v"
 
 
+def test_the_url_sets_a_longer_call_timeout():
+    """redis-py's URL options override the 0.5 s fast fail (a Redis over a slower
+    link, or an fsync-always Redis on a busy machine): a hung Redis holds a call
+    that long, and no longer."""
+    with start_redis() as server:
+        store = RedisStore.open(server.url + "?socket_timeout=1.5", namespace=ns())
+        store.put("k", b"v")
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="[Tt]imeout|timed out"):
+                store.get("k")
+            assert 1.4 <= time.monotonic() - t0 < 1.5 + 1.0
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        until_available(store)
+        assert store.get("k") == b"v"
+
+
 def test_flushall_makes_the_store_refuse_everything():
     """Redis lost its data: the epoch marker is gone, so an empty ledger is never
     spent as if it were the real one — every call refuses, until a new open."""

@@ -202,6 +202,9 @@ def test_event_bounds_and_errors(backend: Backend):
         s.append_event("t", "sess", "s", i, "PARTIAL", b"x" * 64)
     with pytest.raises(StoreError, match="already stored"):
         s.append_event("t", "sess", "s", 2, "PARTIAL", b"y")
+    with pytest.raises(StoreError, match="already stored"):
+        s.append_event("t", "sess", "s", 2, "FINAL", b"x" * 64)
+    s.append_event("t", "sess", "s", 2, "PARTIAL", b"x" * 64)  # the same event again (a retried write): no-op
     s.append_event("t", "sess", "s", 3, "PARTIAL", b"z")  # the duplicate did not count
     with pytest.raises(StoreLimitError, match="limit of 3 events") as e:
         s.append_event("t", "sess", "s", 4, "FIN", b"")
