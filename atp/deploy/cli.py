@@ -119,6 +119,7 @@ from atp.adapters import local_model
 from atp.adapters.context import install_log_redaction
 from atp.adapters.registry import build_adapter
 from atp.cliutil.helpfmt import DefaultsHelpFormatter
+from atp.deploy import single
 from atp.deploy.cluster import ClusterRouter, is_cluster_store
 from atp.deploy.workers import WorkerSpec, supervise, worker_main
 from atp.flow.breaker import RetryPolicy
@@ -143,7 +144,7 @@ async def run(config: RouterConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> 
     ``task_status.started`` receives ``(router, http_port, ws_port)`` with the bound
     ports (useful with port 0). Raises :class:`PolicyError` if the initial RIB is bad.
     """
-    router = Router(config) if config.store == "sqlite" else _cluster_router(config)
+    router = single.build(config) if config.store == "sqlite" else _cluster_router(config)
     hc = HyperConfig()
     hc.bind = [f"{config.host}:{config.http_port}"]
     hc.accesslog = None

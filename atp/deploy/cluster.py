@@ -98,6 +98,7 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from atp.deploy import single
 from atp.deploy.workers import RETRY, ForwardingApp, Peer, SharedRib, settle
 from atp.flow.budget import (
     Allowance,
@@ -108,6 +109,7 @@ from atp.flow.budget import (
     SharedBudgetLedger,
 )
 from atp.runtime.controlplane import shared_state
+from atp.runtime.deployment import StateParts
 from atp.runtime.router import Router, RouterConfig, connection_error
 from atp.security.audit import AuditLog
 from atp.security.identity import Identity
@@ -276,7 +278,7 @@ class ClusterLedger(SharedBudgetLedger):
             raise ATPError(ErrorCode.EBUDGET, self._settled("open", parent or key, e).reason,
                            retry_after_ms=RETRY_AFTER_MS) from None
 
-    def close(self, key: str):  # noqa: ANN201 (AccountState, as the base)
+    def close(self, key: str):
         try:
             return super().close(key)
         except StoreUnavailable as e:
@@ -547,7 +549,7 @@ class ClusterRouter(SharedRib, Router):
         #: The reaper settles no one before this (time.monotonic()): one lease after
         #: the start, or after the store came back (the others renew theirs first).
         self._reap_after = now + self.lease_ms / 1000
-        super().__init__(config, **kw)
+        super().__init__(config, self._open_state(config), **kw)
         self.streams.owner = self.owner
         self.streams.on_store_unavailable = self.store_unavailable
         self.streams.flush_gate = self._writes_allowed
@@ -559,23 +561,26 @@ class ClusterRouter(SharedRib, Router):
         log.info("router %s on the shared store %s (lease %d ms)", self.owner, self.store.describe(), self.lease_ms)
 
     # ------------------------------------------------------------ durable state
-    def _open_store(self) -> Store:
-        return open_store(self.config.store, namespace=self.config.store_namespace)
-
-    def _open_audit(self) -> AuditLog:
-        return AuditLog.open(self.store, self.state_dir, shared=True, options=self.config.audit)
-
-    def _restore_ledger(self) -> ClusterLedger:
-        return ClusterLedger(self.store, owner=self.owner, on_unavailable=self.store_unavailable,
-                             on_settled=self._found_settled)
+    def _open_state(self, config: RouterConfig) -> StateParts:
+        """This router's state: its own state directory locked
+        (:func:`~atp.deploy.single.state_directory`), the shared store opened
+        from ``config.store``, budgets in a :class:`ClusterLedger`, the shared
+        audit chain; no crash recovery at start (other routers run: a lost one
+        is settled by the reaper); restored by adopting the store's active RIB
+        (or saving the running one as the first); closed by :meth:`_close_state`."""
+        state_dir, tmp, lock = single.state_directory(config)
+        store = open_store(config.store, namespace=config.store_namespace)
+        ledger = ClusterLedger(store, owner=self.owner, on_unavailable=self.store_unavailable,
+                               on_settled=self._found_settled)
+        audit_log = AuditLog.open(store, state_dir, shared=True, options=config.audit)
+        close = single.closing(audit_log, store, lock=lock, tmp=tmp)
+        return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
+                          close=lambda: self._close_state(close), restore=(lambda router: self._restore_rib(),))
 
     def _found_settled(self, key: str) -> None:
         # The ledger found an account of ours settled by another router: check our streams (writes wait).
         with self._lease_lock:
             self._lease.request_fence()
-
-    def _mark_interrupted(self) -> int:
-        return 0  # other routers run: a lost one is settled by the reaper, not at start
 
     def _restore_rib(self) -> None:
         if self.store.active_rib() is None:
@@ -583,12 +588,12 @@ class ClusterRouter(SharedRib, Router):
         else:
             self._adopt_rib()
 
-    def close_state(self) -> None:
+    def _close_state(self, close: Callable[[], None]) -> None:
         """Clean shutdown: what the store could not take is tried once more,
         this router's own state settled as the reaper would (its streams still
         open are interrupted with :data:`ROUTER_LOST`: re-opened elsewhere they
-        run again), its lease dropped; then the store is closed. A store that
-        cannot be reached leaves it to the other routers (after the lease)."""
+        run again), its lease dropped; then the store is closed (``close``). A
+        store that cannot be reached leaves it to the other routers (after the lease)."""
         try:
             assert isinstance(self.ledger, ClusterLedger)
             if self.ledger.settle_pending():
@@ -602,7 +607,7 @@ class ClusterRouter(SharedRib, Router):
             log.error("router %s stopped without settling its state (%s): the other routers will, when its lease "
                       "expires", self.owner, e)
         finally:
-            super().close_state()
+            close()
 
     # ------------------------------------------------------------ store health
     def store_unavailable(self, op: str, e: StoreError) -> None:
@@ -866,7 +871,7 @@ class ClusterRouter(SharedRib, Router):
         return ClusterForwardingApp(app, self)
 
     # ------------------------------------------------------------ resumption and re-run
-    def open_stream(self, **kw: Any):  # noqa: ANN201 (StreamCtx, as the base)
+    def open_stream(self, **kw: Any):
         """:meth:`Router.open_stream <atp.runtime.router.Router.open_stream>`; a
         store that cannot be reached refuses the open (``EBUDGET``, ``retry_after_ms``)."""
         try:
@@ -875,7 +880,7 @@ class ClusterRouter(SharedRib, Router):
             self.store_unavailable("open", e)
             raise ATPError(ErrorCode.EBUDGET, store_unavailable_reason(e), retry_after_ms=RETRY_AFTER_MS) from None
 
-    def resume_point(self, frame: Frame, *, identity: Identity):  # noqa: ANN201 (as the base)
+    def resume_point(self, frame: Frame, *, identity: Identity):
         """:meth:`Router.resume_point <atp.runtime.router.Router.resume_point>`
         across routers: a SYN with its task re-opening a stream interrupted by
         :data:`ROUTER_LOST` is not a resumption (it is re-run:

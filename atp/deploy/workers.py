@@ -7,7 +7,7 @@ frames, SSE and next-hop calls). With ``--workers N`` a **supervisor** process:
    and runs crash recovery once — the reservations a previous run left open
    are committed at their reserved amount, its open streams reported
    interrupted, the audit chain checked, the RIB validated
-   (:class:`_RecoveryRouter`, the single-process code path);
+   (:func:`atp.deploy.single.build`, the single-process code path);
 2. binds the HTTP and WebSocket listening sockets once (the A2A server and the
    OpenAI ingress are routes of the HTTP app: no socket of their own);
 3. starts N **worker** processes (``python -m atp.deploy.cli <the same
@@ -106,18 +106,15 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 from prometheus_client import Counter
 
+from atp.deploy import single
+from atp.deploy.single import end_interrupted
 from atp.flow.budget import SharedBudgetLedger
 from atp.runtime.controlplane import shared_state
 from atp.runtime.controlplane.control import BODY_SOURCE
+from atp.runtime.deployment import StateParts
 from atp.runtime.ingress.http_api import build_app
 from atp.runtime.ingress.ws import serve_ws
-from atp.runtime.router import (
-    Router,
-    RouterConfig,
-    _lock_state_dir,
-    connection_error,
-    end_interrupted,
-)
+from atp.runtime.router import Router, RouterConfig, connection_error
 from atp.security.audit import AuditLog
 from atp.security.identity import Identity
 from atp.security.tls import hypercorn_ssl
@@ -263,6 +260,24 @@ class SharedRib:
 
 
 # ---------------------------------------------------------------------------- worker
+def open_worker_state(config: RouterConfig, owner: str) -> StateParts:
+    """The state of worker ``owner`` on the directory its supervisor holds: no
+    lock of its own, no crash recovery (the supervisor's), the store opened
+    ``multiprocess`` without checkpoints (the supervisor runs them aside: a
+    worker's commit never holds the write lock through a checkpoint's copy and
+    fsync), budgets in a :class:`~atp.flow.budget.SharedBudgetLedger`, the
+    audit chain shared; restored by adopting the store's active RIB."""
+    state_dir = config.state_dir
+    assert state_dir is not None, "--workers needs a --state-dir"
+    store = SqliteStore.open(state_dir, synchronous=config.state_sync.upper(), multiprocess=True,
+                             autocheckpoint=False)
+    ledger = SharedBudgetLedger(store, owner=owner)
+    audit_log = AuditLog.open(store, state_dir, shared=True, options=config.audit)
+    return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
+                      close=single.closing(audit_log, store),
+                      restore=(lambda router: router._adopt_rib(),))  # type: ignore[attr-defined]
+
+
 class WorkerRouter(SharedRib, Router):
     """A :class:`~atp.runtime.router.Router` that is one of N workers on a state
     directory its supervisor holds: no lock of its own, no crash recovery (the
@@ -275,29 +290,8 @@ class WorkerRouter(SharedRib, Router):
     def __init__(self, config: RouterConfig, spec: WorkerSpec, **kw: Any) -> None:
         self.worker = spec
         self.owner = spec.owner
-        super().__init__(config, **kw)
+        super().__init__(config, open_worker_state(config, spec.owner), **kw)
         self.streams.owner = self.owner
-
-    def _lock_state(self) -> Any:
-        return None  # the supervisor holds it
-
-    def _open_store(self) -> SqliteStore:
-        # Checkpoints are the supervisor's (it runs them aside): a worker's commit
-        # never holds the write lock through a checkpoint's copy and fsync.
-        return SqliteStore.open(self.state_dir, synchronous=self.config.state_sync.upper(), multiprocess=True,
-                                autocheckpoint=False)
-
-    def _open_audit(self) -> AuditLog:
-        return AuditLog.open(self.store, self.state_dir, shared=True, options=self.config.audit)
-
-    def _restore_ledger(self) -> SharedBudgetLedger:
-        return SharedBudgetLedger(self.store, owner=self.owner)
-
-    def _mark_interrupted(self) -> int:
-        return 0  # the supervisor did, once, before starting the workers
-
-    def _restore_rib(self) -> None:
-        self._adopt_rib()
 
     async def _watch_policies(self) -> None:
         if self.worker.slot == 0:  # one watcher: its reload reaches the others through the store
@@ -712,14 +706,6 @@ def _hyper_config(config: RouterConfig, binds: list[str], *, tls: bool) -> Hyper
 
 
 # ---------------------------------------------------------------------- supervisor
-class _RecoveryRouter(Router):
-    """The single-process start-up on a state directory whose lock the
-    supervisor already holds: crash recovery, RIB validation, audit check."""
-
-    def _lock_state(self) -> Any:
-        return None
-
-
 def settle(store: Store, audit: AuditLog, owner: str, *, reason: str = WORKER_INTERRUPTED,
            release: bool = False, who: str = "worker") -> dict[str, int]:
     """Settle what router process ``owner`` left when it stopped (spec §5, §8):
@@ -774,7 +760,7 @@ def supervise(config: RouterConfig, workers: int, argv: list[str]) -> int:
     state_dir = config.state_dir
     assert state_dir is not None, "--workers needs a --state-dir"
     try:
-        lock = _lock_state_dir(state_dir)
+        lock = single.lock_state_dir(state_dir)
     except RuntimeError as e:
         print(f"atp-router: {e}", file=sys.stderr)
         return 2
@@ -811,7 +797,7 @@ def supervise(config: RouterConfig, workers: int, argv: list[str]) -> int:
 
 
 async def _recover(config: RouterConfig) -> dict[str, Any]:
-    router = _RecoveryRouter(config)
+    router = single.build(config, lock=False)  # the supervisor holds the lock
     async with trio.open_nursery() as nursery:
         await nursery.start(router.serve)  # and stop at once: adapters and state closed cleanly
         summary = {"version": router.store.active_rib_version() or router.gen.version,

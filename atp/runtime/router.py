@@ -59,13 +59,10 @@ gets none within ``idle_task_s``.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
 import random
 import secrets
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,7 +87,7 @@ from atp.observability.metrics import RouterMetrics
 from atp.observability.tracing import RouterTracing
 from atp.policy.fib import data_scope_labels
 from atp.policy.rib import ClientSpec, RateSpec
-from atp.runtime.controlplane.control import BODY_SOURCE, ControlPlane, Generation
+from atp.runtime.controlplane.control import ControlPlane, Generation
 from atp.runtime.controlplane.learning import Learning
 from atp.runtime.dataplane import memory
 from atp.runtime.dataplane.cache import DEFAULT_MAX_BYTES as DEFAULT_CACHE_MAX_BYTES
@@ -111,6 +108,7 @@ from atp.runtime.dataplane.streams import (
     StreamCtx,
     StreamTable,
 )
+from atp.runtime.deployment import StateParts
 from atp.security.audit import AuditLog, AuditOptions
 from atp.security.authn import (
     Authenticator,
@@ -132,7 +130,7 @@ from atp.security.redact import DataScopeGuard, Redacted, Refused
 from atp.security.redact import warm as redact_warm
 from atp.security.signing import DurableReplayGuard, UsageSigner
 from atp.security.tls import ServerTls
-from atp.store import SqliteStore, StoreJournal, StoreUnavailable
+from atp.store import Store, StoreUnavailable
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec, KeyRing
 from atp.wire.errors import (
@@ -181,11 +179,6 @@ _AUDIT_LOG_LEVEL = {"session_open": logging.DEBUG, "session_close": logging.DEBU
 DEFAULT_WINDOW = Window(max_parallel=4, max_tokens=120_000, max_usd_micros=1_250_000)
 #: Per-next-hop window of an agent without ``agents.<name>.window`` in the RIB.
 DEFAULT_AGENT_WINDOW = Window(max_parallel=16, max_tokens=2_000_000, max_usd_micros=20_000_000)
-
-#: The RST reason of a stream that was running when the router stopped (spec §8).
-INTERRUPTED = ("interrupted: the router restarted while the stream ran; it was not re-run — "
-               "open a new stream (new idempotency_key) to run it again")
-_stored_decoder = msgspec.json.Decoder(Frame)
 
 #: The ingresses' action names → :class:`~atp.security.authz.Action`.
 ACTIONS: Mapping[str, Action] = {a.name.lower(): a for a in Action}
@@ -357,29 +350,27 @@ class Router:
     adds or replaces one with :func:`~atp.runtime.dataplane.opening.insert_stage` /
     :func:`~atp.runtime.dataplane.opening.replace_stage`), built into :attr:`syn_stages`."""
 
-    def __init__(self, config: RouterConfig, *, authenticator: Authenticator | None = None,
+    def __init__(self, config: RouterConfig, state: StateParts, *, authenticator: Authenticator | None = None,
                  syn_stages: Sequence[StageType] = DEFAULT_STAGES):
         self.config = config
         self.metrics = RouterMetrics()
         #: Data-scope redaction and refusal at dispatch (spec §11), one for every stream.
         self.scope_guard = DataScopeGuard()
-        self._tmp_state: Path | None = None
-        if config.state_dir is None:
-            self._tmp_state = Path(tempfile.mkdtemp(prefix="atp-state-"))
+        #: The durable state its deployment mode opened (atp.runtime.deployment, atp.deploy).
+        self.state = state
         #: Where the durable state lives (spec §8, §11 audit; atp.store).
-        self.state_dir = config.state_dir or self._tmp_state
+        self.state_dir = state.state_dir
         # No local next-hop's sandbox may mount it (atp.adapters.tools.sandbox).
         forbid_paths(self.state_dir)
-        self._lock = self._lock_state()
-        self.store = self._open_store()
-        self.ledger = self._restore_ledger()
+        self.store: Store = state.store
+        self.ledger: BudgetLedger = state.ledger
         #: Answers of the policies that cache them (spec §13), in the store.
         self.cache = ResponseCache(self.store, self.metrics, max_bytes=config.cache_max_bytes,
                                    tenant_max_bytes=config.cache_tenant_max_bytes)
         #: Bytes of request bodies in flight per tenant, every ingress (atp.flow.body_budget).
         self.body_budget = BodyBudget(config.tenant_body_bytes
                                       or 2 * max(config.max_body_bytes, config.max_ws_message_bytes))
-        self.audit_log = self._open_audit()
+        self.audit_log: AuditLog = state.audit_log
         #: Signs each FINAL's usage summary (Ed25519; public key at GET /v1/keys).
         self.usage_signer = UsageSigner.load_or_create(self.state_dir / "usage.pem")
         self.authenticator: Authenticator = authenticator or build_authenticator(config)
@@ -432,8 +423,8 @@ class Router:
             retain_closed_bytes=config.retain_closed_bytes,
             idle_trim=memory.trim if config.idle_trim else None,
         )
-        self._interrupted = self._mark_interrupted()
-        self._restore_rib()
+        for restore in state.restore:
+            restore(self)
         #: Live FIB metrics, the policies' bandits, feedback and shadow routing (§6.2, §18).
         self.learning = Learning(self, seed=config.seed)
         self.learning.sync(self.gen)
@@ -444,71 +435,10 @@ class Router:
         #: The SYN pipeline (atp.runtime.dataplane.opening), in order: each stage continues or refuses.
         self.syn_stages: list[Stage] = [t.of(self.open_parts) for t in syn_stages]
 
-    # ------------------------------------------------------------------ durable state
-    # (each step a method: a worker of ``atp-router --workers N`` shares the state
-    # directory with its siblings and overrides them, atp.deploy.workers)
-    def _lock_state(self) -> Any:
-        return _lock_state_dir(self.state_dir)
-
-    def _open_store(self) -> SqliteStore:
-        return SqliteStore.open(self.state_dir, synchronous=self.config.state_sync.upper())
-
-    def _open_audit(self) -> AuditLog:
-        return AuditLog.open(self.store, self.state_dir, options=self.config.audit, warn=self._tmp_state is None)
-
-    def _restore_ledger(self) -> BudgetLedger:
-        """The budget ledger as the store has it (spec §5 across a crash): calls in
-        flight at the crash are committed at their reservation (their outcome is
-        unknown: a budget never comes back), stream accounts are closed (their
-        spend stays in their tenant's), every later mutation is journaled."""
-        recovered = self.store.recover()
-        if recovered:
-            log.warning("state: %d calls in flight at the last stop committed at their reserved amount",
-                        len(recovered))
-        ledger = BudgetLedger()
-        snapshot = self.store.load_ledger()
-        ledger.restore(snapshot)
-        ledger.journal = StoreJournal(self.store)
-        for acct in reversed(snapshot.accounts):  # children before parents
-            if acct.key.startswith("stream:"):
-                ledger.close(acct.key)
-        return ledger
-
-    def _mark_interrupted(self) -> int:
-        """Streams that were running when the router stopped are not re-run: each
-        is marked interrupted and its stored log ends with an RST saying so."""
-        now_ms = int(time.time() * 1000)
-        records = self.store.interrupt_open_streams(INTERRUPTED, now_ms=now_ms)
-        for rec in records:
-            end_interrupted(self.store, rec, INTERRUPTED)
-            self.audit_event("session_close", None, {"tenant": rec.tenant, "session_id": rec.session_id,
-                                                      "stream_id": rec.stream_id, "outcome": "interrupted"})
-        if records:
-            log.warning("state: %d streams were running at the last stop: reported as interrupted", len(records))
-        return len(records)
-
-    def _restore_rib(self) -> None:
-        """A RIB hot-reloaded through the API survives a restart; one loaded from
-        ``--policies`` is read from the files again."""
-        active = self.store.active_rib()
-        if active is not None and active[2] == BODY_SOURCE and active[1]:
-            self.control.reload(active[1])
-            log.info("RIB restored from the state directory (hot-reloaded as generation %d before the restart)",
-                     active[0])
-        else:
-            self.store.save_rib(self.gen.version, "", self.gen.source, "router")
-
     def close_state(self) -> None:
-        """Checkpoint the audit chain and close the store (clean shutdown); a
-        temporary state directory is removed."""
-        try:
-            self.audit_log.close()
-        finally:
-            self.store.close()
-            if self._lock is not None:
-                self._lock.close()
-            if self._tmp_state is not None:
-                shutil.rmtree(self._tmp_state, ignore_errors=True)
+        """Checkpoint the audit chain and close the store (clean shutdown):
+        :attr:`StateParts.close <atp.runtime.deployment.StateParts.close>`."""
+        self.state.close()
 
     # ------------------------------------------------------------------ control plane
     @property
@@ -1196,19 +1126,6 @@ class Router:
                 log.exception("state: audit checkpoint or expiry failed")
 
 
-def end_interrupted(store: SqliteStore, rec: Any, reason: str) -> None:
-    """End the stored log of stream ``rec`` (a :class:`~atp.store.base.StreamRecord`
-    just marked interrupted) with an RST ``EAGENTDOWN`` giving ``reason`` (spec
-    §8: a client reading or resuming it learns it was not finished)."""
-    events = store.events(rec.tenant, rec.session_id, rec.stream_id)
-    last = _stored_decoder.decode(events[-1].frame) if events else None
-    rst = Frame(v=1, session_id=rec.session_id, stream_id=rec.stream_id,
-                msg_seq=(last.msg_seq + 1) if last is not None else 0, flags=[Flag.RST],
-                payload=Payload(type=PayloadType.CONTROL,
-                                content=ErrorPayload(code=ErrorCode.EAGENTDOWN, reason=reason)))
-    store.append_event(rec.tenant, rec.session_id, rec.stream_id, len(events) + 1, "RST", msgspec.json.encode(rst))
-
-
 def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: str,
                      retry_after_ms: int | None = None) -> Frame:
     """An ERROR (spec §10) outside any session's sequence: for a frame the router
@@ -1222,21 +1139,6 @@ def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: s
         payload=Payload(type=PayloadType.CONTROL,
                         content=ErrorPayload(code=code, reason=reason, retry_after_ms=retry_after_ms)),
     )
-
-
-def _lock_state_dir(state_dir: Path) -> Any:
-    """Hold ``<state_dir>/router.lock`` for the life of the process: two routers on
-    one state directory would interleave ledgers and the audit chain. Raises
-    ``RuntimeError`` naming the directory when another process holds it."""
-    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    f = open(state_dir / "router.lock", "a+")  # noqa: SIM115 (held until the process exits)
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise RuntimeError(f"state directory {state_dir} is in use by another atp-router "
-                           "(give each router its own --state-dir)") from None
-    return f
 
 
 def build_authenticator(config: RouterConfig) -> Authenticator:

@@ -1,0 +1,49 @@
+"""What a deployment mode hands the :class:`~atp.runtime.router.Router` it assembles.
+
+The runtime never opens its own durable state, nor knows which store it runs on:
+each mode of :mod:`atp.deploy` (``single``, ``workers``, ``cluster``) opens the
+store, the audit chain and the budget ledger, and gives them to the router as
+:class:`StateParts`, with the steps that restore the router from them once it is
+built (streams a previous run left, the active RIB) and the one that closes them
+at shutdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from atp.flow.budget import BudgetLedger
+from atp.security.audit import AuditLog
+from atp.store import Store
+
+if TYPE_CHECKING:
+    from atp.runtime.router import Router
+
+__all__ = ["StateParts"]
+
+
+@dataclass
+class StateParts:
+    """A router's durable state (spec §5 budgets, §8 streams, §11 audit), opened
+    by its deployment mode.
+
+    ``state_dir`` holds what is per process (the usage signing key, the audit
+    key unless given, the lock); ``store`` the budget accounts, streams and their
+    events, the active RIB and the audit chain (:class:`~atp.store.base.Store`);
+    ``audit_log`` the audit chain's writer over it; ``ledger`` the budget ledger
+    (a :class:`~atp.flow.budget.BudgetLedger`, or a shared one whose every step is
+    the store's). ``restore`` runs in order once the router's control plane and
+    stream table exist (before it takes a frame): e.g. the streams a previous run
+    left reported interrupted, the RIB hot-reloaded before a restart put back.
+    ``close`` checkpoints and closes it all at shutdown
+    (:meth:`Router.close_state <atp.runtime.router.Router.close_state>`)."""
+
+    state_dir: Path
+    store: Store
+    audit_log: AuditLog
+    ledger: BudgetLedger
+    close: Callable[[], None]
+    restore: Sequence[Callable[[Router], None]] = ()
