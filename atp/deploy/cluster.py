@@ -88,7 +88,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from typing import Any
@@ -99,6 +99,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from atp.deploy import single
+from atp.deploy.single import Deployed
 from atp.deploy.workers import RETRY, ForwardingApp, Peer, SharedRib, settle
 from atp.flow.budget import (
     Allowance,
@@ -123,6 +124,7 @@ __all__ = [
     "ClusterLedger",
     "ClusterRouter",
     "LeaseClock",
+    "deploy",
     "open_store",
     "owner_name",
     "settled_reason",
@@ -518,7 +520,17 @@ class LeaseClock:
 
 
 # ----------------------------------------------------------------------- router
-class ClusterRouter(SharedRib, Router):
+def deploy(config: RouterConfig, **kw: Any) -> Deployed:
+    """A cluster router (:class:`ClusterRouter`) with its HTTP middleware
+    (:meth:`ClusterRouter.http_app`: forwarding, a store that cannot be reached
+    answering 503) and the advertising of its URL with its lease
+    (:meth:`ClusterRouter.advertise`). Raises :class:`~atp.store.base.StoreError`
+    when the store cannot be opened."""
+    router = ClusterRouter(config, **kw)
+    return Deployed(router, http_middleware=router.http_app, advertise=router.advertise)
+
+
+class ClusterRouter(Router):
     """A :class:`~atp.runtime.router.Router` that is one of several on a shared
     store (module docstring): the store opened from ``config.store`` (a
     ``redis://`` URL), its own state-directory lock, budgets in a
@@ -549,7 +561,11 @@ class ClusterRouter(SharedRib, Router):
         #: The reaper settles no one before this (time.monotonic()): one lease after
         #: the start, or after the store came back (the others renew theirs first).
         self._reap_after = now + self.lease_ms / 1000
-        super().__init__(config, self._open_state(config), **kw)
+        state = self._open_state(config)
+        # Merged learning and breaker propagation through the store (atp.runtime.controlplane.shared_state).
+        super().__init__(config, state, rib_version=self.rib.next_version,
+                         services=(self.rib.service, self._services,
+                                   lambda router: shared_state.background_tasks(router, self.owner)), **kw)
         self.streams.owner = self.owner
         self.streams.on_store_unavailable = self.store_unavailable
         self.streams.flush_gate = self._writes_allowed
@@ -574,6 +590,8 @@ class ClusterRouter(SharedRib, Router):
                                on_settled=self._found_settled)
         audit_log = AuditLog.open(store, state_dir, shared=True, options=config.audit)
         close = single.closing(audit_log, store, lock=lock, tmp=tmp)
+        #: RIB versions from the store, the RIB other routers load followed (atp.deploy.workers.SharedRib).
+        self.rib = SharedRib(store)
         return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
                           close=lambda: self._close_state(close), restore=(lambda router: self._restore_rib(),))
 
@@ -586,7 +604,7 @@ class ClusterRouter(SharedRib, Router):
         if self.store.active_rib() is None:
             self.store.save_rib(self.gen.version, "", self.gen.source, "router")
         else:
-            self._adopt_rib()
+            self.rib.adopt(self)
 
     def _close_state(self, close: Callable[[], None]) -> None:
         """Clean shutdown: what the store could not take is tried once more,
@@ -821,10 +839,10 @@ class ClusterRouter(SharedRib, Router):
             if ledger.unsettled and self._store_ok and not ledger.settle_pending():
                 log.info("commits and releases held while the store was unreachable: all applied")
 
-    def _background_tasks(self) -> list[Callable[[], Any]]:
-        # Merged learning and breaker propagation through the store (atp.runtime.controlplane.shared_state).
-        return [self._follow_rib, self._leases, self._reaper, self._settle_commits,
-                *shared_state.background_tasks(self)]
+    def _services(self, router: Router) -> list[Callable[[], Awaitable[None]]]:
+        """The cluster's background services: the lease, the reaper of lost
+        routers and the settling of what the store could not take."""
+        return [self._leases, self._reaper, self._settle_commits]
 
     # ------------------------------------------------------------ forwarding
     @property

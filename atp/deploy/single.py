@@ -28,6 +28,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from atp.store import SqliteStore, Store, StoreJournal
 from atp.wire.errors import ErrorCode
 from atp.wire.frame import ErrorPayload, Flag, Frame, Payload, PayloadType
 
-__all__ = ["INTERRUPTED", "build", "closing", "end_interrupted", "lock_state_dir", "mark_interrupted", "open_state",
+__all__ = ["INTERRUPTED", "Deployed", "build", "closing", "deploy", "end_interrupted", "lock_state_dir", "mark_interrupted", "open_state",
            "restore_ledger", "restore_rib", "state_directory"]
 
 log = logging.getLogger("atp.deploy.single")
@@ -51,6 +52,26 @@ log = logging.getLogger("atp.deploy.single")
 INTERRUPTED = ("interrupted: the router restarted while the stream ran; it was not re-run — "
                "open a new stream (new idempotency_key) to run it again")
 _stored_decoder = msgspec.json.Decoder(Frame)
+
+
+@dataclass
+class Deployed:
+    """A router a deployment mode assembled (:func:`deploy`,
+    :func:`atp.deploy.cluster.deploy`) and what its process wraps around it:
+    ``http_middleware`` (the HTTP API app → the app served, e.g. a cluster
+    router's forwarding, :class:`~atp.deploy.cluster.ClusterForwardingApp`; it
+    has an async ``aclose()`` for its clients, called at shutdown; None: the app
+    as it is) and ``advertise`` (told the URL the HTTP API is reached on once
+    it listens; None: nobody needs it)."""
+
+    router: Router
+    http_middleware: Callable[[Any], Any] | None = None
+    advertise: Callable[[str], None] | None = None
+
+
+def deploy(config: RouterConfig, **kw: Any) -> Deployed:
+    """``atp-router`` on the embedded store (:func:`build`): no middleware, nothing advertised."""
+    return Deployed(build(config, **kw))
 
 
 def build(config: RouterConfig, *, lock: bool = True, **kw: Any) -> Router:

@@ -83,6 +83,7 @@ pick the owner) or follow it over HTTP, which forwards.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import json
@@ -95,7 +96,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -209,50 +210,57 @@ def worker_socket(state_dir: Path, slot: int) -> Path:
 
 # ------------------------------------------------------------------ shared RIB
 class SharedRib:
-    """Mixin of a :class:`~atp.runtime.router.Router` whose store other router
-    processes share (:class:`WorkerRouter`, :class:`~atp.deploy.cluster.ClusterRouter`):
-    a reload gets a store-wide version (:meth:`Store.next_rib_version
-    <atp.store.base.Store.next_rib_version>`) and is saved as the active RIB; the
-    follower (:meth:`_follow_rib`, one of the router's background tasks) polls
-    the active version every :data:`RIB_POLL_S` and loads one another process
-    set — its saved text, or ``--policies`` for a file reload. A RIB refused here
-    is logged once and not retried until the next version."""
+    """The RIB of router processes that share one store (:class:`WorkerRouter`,
+    :mod:`atp.deploy.cluster`), a part their routers are assembled with: a
+    reload gets a store-wide version (:meth:`next_version`, the router's
+    ``rib_version``; :meth:`Store.next_rib_version
+    <atp.store.base.Store.next_rib_version>`) and is saved as the active RIB;
+    the follower (:meth:`service`, one of the router's background services)
+    polls the active version every :data:`RIB_POLL_S` and loads one another
+    process set — its saved text, or ``--policies`` for a file reload. A RIB
+    refused here is logged once and not retried until the next version."""
 
-    _rib_refused: int | None = None
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        #: The version last refused here (not retried until the next one).
+        self.refused: int | None = None
 
-    def reload(self, text: str | None = None, *, identity: Identity | None = None, version: int | None = None,
-               **kw: Any) -> dict[str, Any]:
-        """:meth:`Router.reload <atp.runtime.router.Router.reload>` as a store-wide
-        version (the other processes load it from the store within :data:`RIB_POLL_S`)."""
-        return super().reload(text, identity=identity,  # type: ignore[misc]
-                              version=version if version is not None else self.store.next_rib_version(), **kw)
+    def next_version(self) -> int:
+        """The version of a reload on this router: the next store-wide one (the
+        other processes load it from the store within :data:`RIB_POLL_S`)."""
+        return self.store.next_rib_version()
 
-    def _adopt_rib(self) -> bool:
-        """Load the store's active RIB if it is not the running one (a reload by
-        another process): its saved text, or ``--policies`` for a file reload.
-        Returns whether it changed. Raises PolicyError."""
+    def adopt(self, router: Router) -> bool:
+        """Load the store's active RIB into ``router`` if it is not the running one
+        (a reload by another process): its saved text, or ``--policies`` for a
+        file reload. Returns whether it changed. Raises PolicyError."""
         active = self.store.active_rib()
-        if active is None or active[0] == self.gen.version or active[0] == self._rib_refused:
+        if active is None or active[0] == router.gen.version or active[0] == self.refused:
             return False
         version, text, source = active
         try:
-            self.control.reload(text if source == BODY_SOURCE and text else None, version=version)
+            router.control.reload(text if source == BODY_SOURCE and text else None, version=version)
         except PolicyError:
-            self._rib_refused = version
+            self.refused = version
             raise
         return True
 
-    async def _follow_rib(self) -> None:
+    def service(self, router: Router) -> list[Callable[[], Awaitable[None]]]:
+        """The follower, as a background service of ``router``."""
+        return [functools.partial(self.follow, router)]
+
+    async def follow(self, router: Router) -> None:
+        """Adopt the RIB another process loaded, every :data:`RIB_POLL_S`."""
         while True:
             await trio.sleep(RIB_POLL_S)
             try:
-                if self.store.active_rib_version() in (self.gen.version, self._rib_refused, None):
+                if self.store.active_rib_version() in (router.gen.version, self.refused, None):
                     continue
-                if self._adopt_rib():
-                    log.info("RIB generation %d loaded (reloaded by another router process)", self.gen.version)
+                if self.adopt(router):
+                    log.info("RIB generation %d loaded (reloaded by another router process)", router.gen.version)
             except PolicyError as e:
-                log.error("RIB generation %s refused here (kept generation %d): %s", self._rib_refused,
-                          self.gen.version, "; ".join(x.where() for x in e.errors))
+                log.error("RIB generation %s refused here (kept generation %d): %s", self.refused,
+                          router.gen.version, "; ".join(x.where() for x in e.errors))
             except StoreUnavailable:
                 continue  # a shared store that cannot be reached: the router says so, once (atp.deploy.cluster)
             except Exception:
@@ -260,46 +268,43 @@ class SharedRib:
 
 
 # ---------------------------------------------------------------------------- worker
-def open_worker_state(config: RouterConfig, owner: str) -> StateParts:
+def open_worker_state(config: RouterConfig, owner: str) -> tuple[StateParts, SharedRib]:
     """The state of worker ``owner`` on the directory its supervisor holds: no
     lock of its own, no crash recovery (the supervisor's), the store opened
     ``multiprocess`` without checkpoints (the supervisor runs them aside: a
     worker's commit never holds the write lock through a checkpoint's copy and
     fsync), budgets in a :class:`~atp.flow.budget.SharedBudgetLedger`, the
-    audit chain shared; restored by adopting the store's active RIB."""
+    audit chain shared; restored by adopting the store's active RIB (the
+    :class:`SharedRib` returned with it)."""
     state_dir = config.state_dir
     assert state_dir is not None, "--workers needs a --state-dir"
     store = SqliteStore.open(state_dir, synchronous=config.state_sync.upper(), multiprocess=True,
                              autocheckpoint=False)
     ledger = SharedBudgetLedger(store, owner=owner)
     audit_log = AuditLog.open(store, state_dir, shared=True, options=config.audit)
+    rib = SharedRib(store)
     return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
-                      close=single.closing(audit_log, store),
-                      restore=(lambda router: router._adopt_rib(),))  # type: ignore[attr-defined]
+                      close=single.closing(audit_log, store), restore=(rib.adopt,)), rib
 
 
-class WorkerRouter(SharedRib, Router):
+class WorkerRouter(Router):
     """A :class:`~atp.runtime.router.Router` that is one of N workers on a state
-    directory its supervisor holds: no lock of its own, no crash recovery (the
-    supervisor's), the store opened ``multiprocess``, budgets in a
-    :class:`~atp.flow.budget.SharedBudgetLedger`, the audit chain shared, its
-    streams stored with its owner name, RIB versions from the store and a
-    follower adopting the RIB other workers load (:class:`SharedRib`; module
-    docstring). ``kw`` as for :class:`Router` (``syn_stages``)."""
+    directory its supervisor holds (:func:`open_worker_state`): its streams
+    stored with its owner name, RIB versions from the store and a follower
+    adopting the RIB other workers load (:class:`SharedRib`), learning and
+    breakers shared (:mod:`atp.runtime.controlplane.shared_state`); only worker
+    0 watches ``--policies`` (its reload reaches the others through the store;
+    module docstring). ``kw`` as for :class:`Router` (``syn_stages``)."""
 
     def __init__(self, config: RouterConfig, spec: WorkerSpec, **kw: Any) -> None:
         self.worker = spec
-        self.owner = spec.owner
-        super().__init__(config, open_worker_state(config, spec.owner), **kw)
-        self.streams.owner = self.owner
-
-    async def _watch_policies(self) -> None:
-        if self.worker.slot == 0:  # one watcher: its reload reaches the others through the store
-            await super()._watch_policies()
-
-    def _background_tasks(self) -> list[Callable[[], Any]]:
+        self.owner = owner = spec.owner
+        state, rib = open_worker_state(config, owner)
         # Learning merged and breaker openings followed across workers (atp.runtime.controlplane.shared_state).
-        return [self._follow_rib, *shared_state.background_tasks(self)]
+        super().__init__(replace(config, watch_policies=config.watch_policies and spec.slot == 0), state,
+                         services=(rib.service, lambda router: shared_state.background_tasks(router, owner)),
+                         rib_version=rib.next_version, **kw)
+        self.streams.owner = owner
 
     def forward_target(self, rec: Any) -> Any:
         """Where :class:`ForwardingApp` sends a request about stored stream

@@ -5,12 +5,13 @@ each mode of :mod:`atp.deploy` (``single``, ``workers``, ``cluster``) opens the
 store, the audit chain and the budget ledger, and gives them to the router as
 :class:`StateParts`, with the steps that restore the router from them once it is
 built (streams a previous run left, the active RIB) and the one that closes them
-at shutdown.
+at shutdown; its background services (:data:`Service`), the version a RIB
+reload gets, and the hooks the SYN path calls at defined points.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +23,12 @@ from atp.store import Store
 if TYPE_CHECKING:
     from atp.runtime.router import Router
 
-__all__ = ["StateParts"]
+__all__ = ["Service", "StateParts"]
+
+#: A background service of a deployment mode (``Router(services=[...])``): called
+#: with the router when it starts serving, before it reports started; returns the
+#: loops the router's nursery runs until it stops.
+Service = Callable[["Router"], Sequence[Callable[[], Awaitable[None]]]]
 
 
 @dataclass

@@ -108,7 +108,7 @@ from atp.runtime.dataplane.streams import (
     StreamCtx,
     StreamTable,
 )
-from atp.runtime.deployment import StateParts
+from atp.runtime.deployment import Service, StateParts
 from atp.security.audit import AuditLog, AuditOptions
 from atp.security.authn import (
     Authenticator,
@@ -348,11 +348,23 @@ class Router:
     ``syn_stages`` the SYN pipeline's stage types (default
     :data:`~atp.runtime.dataplane.opening.DEFAULT_STAGES`; a deployment mode or a test
     adds or replaces one with :func:`~atp.runtime.dataplane.opening.insert_stage` /
-    :func:`~atp.runtime.dataplane.opening.replace_stage`), built into :attr:`syn_stages`."""
+    :func:`~atp.runtime.dataplane.opening.replace_stage`), built into :attr:`syn_stages`.
+
+    What is not the data plane's own comes from the deployment mode that
+    assembles it (:mod:`atp.deploy`; :mod:`atp.runtime.deployment`): ``state``
+    (:class:`~atp.runtime.deployment.StateParts`: the store, audit chain and
+    budget ledger, how they are restored into the router and closed),
+    ``services`` (:data:`~atp.runtime.deployment.Service`: more background
+    loops, e.g. following a RIB another router process loaded) and
+    ``rib_version`` (the version a reload gets, e.g. a store-wide one; None:
+    the next one of this router)."""
 
     def __init__(self, config: RouterConfig, state: StateParts, *, authenticator: Authenticator | None = None,
-                 syn_stages: Sequence[StageType] = DEFAULT_STAGES):
+                 syn_stages: Sequence[StageType] = DEFAULT_STAGES, services: Sequence[Service] = (),
+                 rib_version: Callable[[], int] | None = None):
         self.config = config
+        self.services = tuple(services)
+        self.rib_version = rib_version
         self.metrics = RouterMetrics()
         #: Data-scope redaction and refusal at dispatch (spec §11), one for every stream.
         self.scope_guard = DataScopeGuard()
@@ -458,13 +470,16 @@ class Router:
     def reload(self, text: str | None = None, *, identity: Identity | None = None,
                version: int | None = None, cause: str | None = None) -> dict[str, Any]:
         """Hot-reload the RIB (:meth:`ControlPlane.reload <atp.runtime.controlplane.control.ControlPlane.reload>`, §22)
-        as generation ``version`` (default: the next one),
+        as generation ``version`` (default: the deployment's ``rib_version()``, a
+        store-wide one, else the next one),
         audited with who asked and every endpoint and secret reference it adds,
         removes or changes (:func:`~atp.security.policy_guard.egress_changes`);
         a refused reload is audited too, and logged once (ERROR, every fault with
         its file and line; ``cause`` says what triggered it, e.g. the policy
         watch). Returns :meth:`rib_summary` with ``changes`` (those egress
         changes) and ``by`` (the actor's subject). Raises :class:`PolicyError`."""
+        if version is None and self.rib_version is not None:
+            version = self.rib_version()
         old = self.gen.rib
         try:
             summary = self.control.reload(text, version=version)
@@ -1065,8 +1080,9 @@ class Router:
                 nursery.start_soon(partial(trio.to_thread.run_sync, redact_warm, abandon_on_cancel=True))
                 if self.config.watch_policies:
                     nursery.start_soon(self._watch_policies)
-                for task in self._background_tasks():
-                    nursery.start_soon(task)
+                for service in self.services:
+                    for task in service(self):
+                        nursery.start_soon(task)
                 self._nursery = nursery
                 task_status.started(self)
                 try:
@@ -1078,10 +1094,6 @@ class Router:
             # Also when cancelled from outside: the state directory's lock is
             # released, so a router can start on it again in this process.
             self.close_state()
-
-    def _background_tasks(self) -> list[Callable[[], Any]]:
-        """More background loops :meth:`serve` runs (a worker's RIB follower)."""
-        return []
 
     async def _watch_policies(self) -> None:
         """Reload the RIB when a policy file changes (``watch_policies``)."""

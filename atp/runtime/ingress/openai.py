@@ -704,7 +704,7 @@ def remaining_text(full: str, streamed: str) -> str:
     head = streamed.rstrip()
     if head and full.startswith(head):
         tail, sent_ws = full[len(head):], streamed[len(head):]
-        return tail[len(sent_ws):] if tail.startswith(sent_ws) else tail
+        return tail.removeprefix(sent_ws)
     return ("\n\n" if streamed else "") + full
 
 
