@@ -453,19 +453,19 @@ def _loopback(host: str) -> bool:
 
 
 def _flow_config(args: argparse.Namespace) -> dict:
-    return dict(
-        window_update_interval_ms=args.window_update_ms, window_update_delta=args.window_update_delta,
-        hb_interval_s=args.hb_interval_s, hb_timeout_s=args.hb_timeout_s, resume_grace_s=args.resume_grace_s,
-        breaker_failures=args.breaker_failures, breaker_window_s=args.breaker_window_s,
-        breaker_backoff_s=args.breaker_backoff_s, breaker_max_backoff_s=args.breaker_max_backoff_s,
-        retry=RetryPolicy(max_attempts=args.retry_attempts, base_backoff_s=args.retry_backoff_s,
+    return {
+        "window_update_interval_ms": args.window_update_ms, "window_update_delta": args.window_update_delta,
+        "hb_interval_s": args.hb_interval_s, "hb_timeout_s": args.hb_timeout_s, "resume_grace_s": args.resume_grace_s,
+        "breaker_failures": args.breaker_failures, "breaker_window_s": args.breaker_window_s,
+        "breaker_backoff_s": args.breaker_backoff_s, "breaker_max_backoff_s": args.breaker_max_backoff_s,
+        "retry": RetryPolicy(max_attempts=args.retry_attempts, base_backoff_s=args.retry_backoff_s,
                           max_backoff_s=args.retry_max_backoff_s),
-        slots=args.slots, gold_reserved=args.gold_reserved,
-        preempt_after_ms=args.preempt_after_ms, gold_sla_ms=args.gold_sla_ms,
-        max_streams=args.max_streams, idle_task_s=args.idle_task_s, retain_closed_s=args.retain_closed_s,
-        retain_closed_max=args.retain_closed_max, retain_closed_bytes=args.retain_closed_bytes,
-        idle_trim=not args.no_idle_trim,
-    )
+        "slots": args.slots, "gold_reserved": args.gold_reserved,
+        "preempt_after_ms": args.preempt_after_ms, "gold_sla_ms": args.gold_sla_ms,
+        "max_streams": args.max_streams, "idle_task_s": args.idle_task_s, "retain_closed_s": args.retain_closed_s,
+        "retain_closed_max": args.retain_closed_max, "retain_closed_bytes": args.retain_closed_bytes,
+        "idle_trim": not args.no_idle_trim,
+    }
 
 
 def keys_main(argv: list[str]) -> int:
@@ -546,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
                 nursery.cancel_scope.cancel()
                 return
             http, ws = ("https", "wss") if config.tls is not None else ("http", "ws")
-            owner = getattr(router, "owner", None)  # a router on a shared store names itself
+            owner = router.streams.owner  # a router on a shared store names itself (its streams' owner)
             # The handler is in place before "listening": a supervisor's SIGTERM right after it is a clean stop.
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 print(f"atp-router listening {http}://{config.host}:{http_port} {ws}://{config.host}:{ws_port} "

@@ -25,7 +25,7 @@ frames, SSE and next-hop calls). With ``--workers N`` a **supervisor** process:
    parent) and hold its inherited lock, so no second router starts on the
    directory while one of them lives.
 
-Every worker is a whole router (:class:`WorkerRouter`) on the one SQLite store
+Every worker is a whole router (:func:`build`, its :class:`Worker`) on the one SQLite store
 (WAL, ``multiprocess``; :mod:`atp.store.sqlite`). What they share through it:
 
 ================  ==========================================================
@@ -112,19 +112,20 @@ from atp.deploy.single import end_interrupted
 from atp.flow.budget import SharedBudgetLedger
 from atp.runtime.controlplane import shared_state
 from atp.runtime.controlplane.control import BODY_SOURCE
-from atp.runtime.deployment import StateParts
+from atp.runtime.deployment import StateParts, SynGate
 from atp.runtime.ingress.http_api import build_app
 from atp.runtime.ingress.ws import serve_ws
-from atp.runtime.router import Router, RouterConfig, connection_error
+from atp.runtime.router import Router, RouterConfig
 from atp.security.audit import AuditLog
+from atp.security.authz import Refuse
 from atp.security.identity import Identity
 from atp.security.tls import hypercorn_ssl
 from atp.store import SqliteStore, Store, StoreError, StoreUnavailable
 from atp.wire.errors import ATPError, ErrorCode, PolicyError
-from atp.wire.frame import Flag, Frame
+from atp.wire.frame import Frame
 
-__all__ = ["RETRY", "RIB_POLL_S", "ForwardingApp", "Peer", "SharedRib", "WorkerRouter", "WorkerSpec", "settle",
-           "supervise", "worker_main"]
+__all__ = ["RETRY", "RIB_POLL_S", "ForwardingApp", "Peer", "SharedRib", "Worker", "WorkerSpec", "build",
+           "open_worker_state", "settle", "supervise", "worker_main"]
 
 log = logging.getLogger("atp.deploy.workers")
 
@@ -210,7 +211,7 @@ def worker_socket(state_dir: Path, slot: int) -> Path:
 
 # ------------------------------------------------------------------ shared RIB
 class SharedRib:
-    """The RIB of router processes that share one store (:class:`WorkerRouter`,
+    """The RIB of router processes that share one store (:class:`Worker`,
     :mod:`atp.deploy.cluster`), a part their routers are assembled with: a
     reload gets a store-wide version (:meth:`next_version`, the router's
     ``rib_version``; :meth:`Store.next_rib_version
@@ -287,24 +288,54 @@ def open_worker_state(config: RouterConfig, owner: str) -> tuple[StateParts, Sha
                       close=single.closing(audit_log, store), restore=(rib.adopt,)), rib
 
 
-class WorkerRouter(Router):
-    """A :class:`~atp.runtime.router.Router` that is one of N workers on a state
-    directory its supervisor holds (:func:`open_worker_state`): its streams
-    stored with its owner name, RIB versions from the store and a follower
-    adopting the RIB other workers load (:class:`SharedRib`), learning and
-    breakers shared (:mod:`atp.runtime.controlplane.shared_state`); only worker
-    0 watches ``--policies`` (its reload reaches the others through the store;
-    module docstring). ``kw`` as for :class:`Router` (``syn_stages``)."""
+def build(config: RouterConfig, spec: WorkerSpec, **kw: Any) -> tuple[Router, Worker]:
+    """The router of worker ``spec.slot`` (module docstring), assembled from
+    the state its supervisor holds (:func:`open_worker_state`), with RIB
+    versions from the store and a follower adopting the RIB other workers load
+    (:class:`SharedRib`), learning and breakers shared
+    (:mod:`atp.runtime.controlplane.shared_state`), its streams stored with its
+    owner name and the :class:`Worker` gate on its SYNs; only worker 0 watches
+    ``--policies`` (its reload reaches the others through the store). Returns
+    it with its :class:`Worker` (where requests about others' streams go).
+    ``kw`` as for :class:`~atp.runtime.router.Router` (``syn_stages``)."""
+    worker = Worker(spec, config.state_dir)
+    state, rib = open_worker_state(config, worker.owner)
+    # Learning merged and breaker openings followed across workers (atp.runtime.controlplane.shared_state).
+    router = Router(replace(config, watch_policies=config.watch_policies and spec.slot == 0), state,
+                    services=(rib.service, lambda r: shared_state.background_tasks(r, worker.owner)),
+                    rib_version=rib.next_version, syn_gates=(worker,), **kw)
+    router.streams.owner = worker.owner
+    worker.router = router
+    return router, worker
 
-    def __init__(self, config: RouterConfig, spec: WorkerSpec, **kw: Any) -> None:
-        self.worker = spec
-        self.owner = owner = spec.owner
-        state, rib = open_worker_state(config, owner)
-        # Learning merged and breaker openings followed across workers (atp.runtime.controlplane.shared_state).
-        super().__init__(replace(config, watch_policies=config.watch_policies and spec.slot == 0), state,
-                         services=(rib.service, lambda router: shared_state.background_tasks(router, owner)),
-                         rib_version=rib.next_version, **kw)
-        self.streams.owner = owner
+
+class Worker(SynGate):
+    """What makes a router one of N workers (:func:`build`): its owner name
+    ``w<slot>.<pid>``, where a request about a stream another worker owns goes
+    (:meth:`forward_target`, for :class:`ForwardingApp`), the ``x-atp-worker``
+    tag of its answers, and the gate on its SYNs: one re-opening (by
+    idempotency key) a stream that runs on another worker is refused with
+    ``EAGENTDOWN`` instead of running its task a second time (:meth:`refuse`)."""
+
+    def __init__(self, spec: WorkerSpec, state_dir: Path | None) -> None:
+        assert state_dir is not None, "--workers needs a --state-dir"
+        self.spec = spec
+        self.owner = spec.owner
+        self.state_dir = state_dir
+        self.router: Router | None = None
+
+    def refuse(self, frame: Frame, identity: Identity) -> Refuse | None:
+        router = self.router
+        assert router is not None
+        if isinstance(key := frame.meta.get("idempotency_key"), str) \
+                and router.streams.resumable(identity.tenant, key) is None:
+            rec = router.store.find_idempotent(identity.tenant, key)
+            if rec is not None and rec.state == "open" and rec.owner not in (None, self.owner):
+                return Refuse(ErrorCode.EAGENTDOWN,
+                              f"stream {rec.stream_id!r} of this idempotency_key runs on another router "
+                              "worker: follow it over HTTP (GET /v1/streams/{id}/events) or reconnect "
+                              "and resume again")
+        return None
 
     def forward_target(self, rec: Any) -> Any:
         """Where :class:`ForwardingApp` sends a request about stored stream
@@ -324,22 +355,7 @@ class WorkerRouter(Router):
     @property
     def instance_tag(self) -> tuple[bytes, bytes]:
         """The header every response of this worker carries: ``x-atp-worker: <slot>``."""
-        return (b"x-atp-worker", str(self.worker.slot).encode())
-
-    def receive_frame(self, frame: Frame, *, identity: Identity, now: float) -> list[Frame]:
-        """:meth:`Router.receive_frame`, but a SYN re-opening (by idempotency key)
-        a stream that runs on another worker is refused with ``EAGENTDOWN``
-        instead of running its task a second time."""
-        if Flag.SYN in frame.flags and isinstance(key := frame.meta.get("idempotency_key"), str) \
-                and self.streams.resumable(identity.tenant, key) is None:
-            rec = self.store.find_idempotent(identity.tenant, key)
-            if rec is not None and rec.state == "open" and rec.owner not in (None, self.owner):
-                self.metrics.errors.labels(str(ErrorCode.EAGENTDOWN)).inc()
-                return [connection_error(frame.session_id, frame.stream_id, ErrorCode.EAGENTDOWN,
-                                         f"stream {rec.stream_id!r} of this idempotency_key runs on another router "
-                                         "worker: follow it over HTTP (GET /v1/streams/{id}/events) or reconnect "
-                                         "and resume again")]
-        return super().receive_frame(frame, identity=identity, now=now)
+        return (b"x-atp-worker", str(self.spec.slot).encode())
 
 
 # ---------------------------------------------------------------------- forwarding
@@ -351,7 +367,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _STREAM_PATH = re.compile(r"^/v1/streams/([^/]+)/(?:events|frames|feedback)$")
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                          b"trailer", b"transfer-encoding", b"upgrade", b"content-length"})
-#: :meth:`WorkerRouter.forward_target` of a stream whose owner stopped with the
+#: :meth:`Worker.forward_target` of a stream whose owner stopped with the
 #: stream open and is being settled: answered 503, retry.
 RETRY: Any = object()
 #: The header a forwarded request carries (the forwarding process's tag): served where it lands.
@@ -455,11 +471,13 @@ class ForwardingApp:
     request about a stream another live router process owns is forwarded to it
     with the caller's own ``Authorization``; everything else goes to ``app``.
 
-    Where to is the router's: ``router.forward_target(record)`` gives the
+    Where to is the ``placement``'s (the process's :class:`Worker`, or a
+    cluster router's :class:`~atp.deploy.cluster.ClusterNode`):
+    ``placement.forward_target(record)`` gives the
     :class:`Peer` owning a stored stream, :data:`RETRY` (its owner is being
     settled: 503 ``EAGENTDOWN``, ``Retry-After: 1``) or None (served here);
     a string: 503 ``EAGENTDOWN`` with that reason (the process cannot tell now);
-    ``router.instance_tag`` is the header added to every response (a worker's
+    ``placement.instance_tag`` is the header added to every response (a worker's
     ``x-atp-worker``, a cluster router's ``x-atp-router``); an answer forwarded
     from a peer carries the peer's tag as ``x-atp-served-by``. ``private``: the
     app behind a worker's own unix socket (forwarded requests: never forwarded
@@ -471,12 +489,13 @@ class ForwardingApp:
     #: The reason of the 503 answered when the owner cannot be reached.
     unreachable_reason = "the router worker running this stream is restarting; retry"
 
-    def __init__(self, app: ASGIApp, router: Any, *, private: bool = False,
+    def __init__(self, app: ASGIApp, router: Router, placement: Any, *, private: bool = False,
                  metric: str = "atp_worker_forwarded") -> None:
         self.app = app
         self.router = router
+        self.placement = placement
         self.private = private
-        self._tag = router.instance_tag
+        self._tag = placement.instance_tag
         self._clients: dict[Peer, httpx.AsyncClient] = {}
         self._limit = router.config.max_body_bytes
         name = metric + "_private" if private else metric
@@ -519,7 +538,7 @@ class ForwardingApp:
             identity = self._identity(scope)
             if identity is None or self.router.streams.find(identity.tenant, m[1]) is not None:
                 return None, receive, None
-            target = self.router.forward_target(self.router.store.find_stream(identity.tenant, m[1]))
+            target = self.placement.forward_target(self.router.store.find_stream(identity.tenant, m[1]))
             if target is not None and target is not RETRY and method != "GET":
                 body, receive = await _read_body(receive, self._limit)
                 if body is None:
@@ -539,7 +558,7 @@ class ForwardingApp:
             return await self._keyed(identity, value, body, path), receive, body
         if self.router.streams.find(identity.tenant, value) is not None:
             return None, receive, body
-        return self.router.forward_target(self.router.store.find_stream(identity.tenant, value)), receive, body
+        return self.placement.forward_target(self.router.store.find_stream(identity.tenant, value)), receive, body
 
     async def _keyed(self, identity: Identity, key: str, body: bytes, path: str) -> Any:
         """Where a request opening a stream with idempotency key ``key`` goes
@@ -547,7 +566,7 @@ class ForwardingApp:
         the stream, else to the owner of the stream the key opened."""
         if self.router.streams.resumable(identity.tenant, key) is not None:
             return None
-        return self.router.forward_target(self.router.store.find_idempotent(identity.tenant, key))
+        return self.placement.forward_target(self.router.store.find_idempotent(identity.tenant, key))
 
     def _identity(self, scope: Scope) -> Identity | None:
         auth = None
@@ -657,13 +676,13 @@ def worker_main(config: RouterConfig, spec: WorkerSpec) -> int:
     async def main_async() -> None:
         nonlocal refused
         try:
-            router = WorkerRouter(config, spec)
+            router, worker = build(config, spec)
         except (PolicyError, RuntimeError, StoreError) as e:
             refused = e
             return
         app = build_app(router)
-        public = ForwardingApp(app, router, private=False)
-        private = ForwardingApp(app, router, private=True)
+        public = ForwardingApp(app, router, worker, private=False)
+        private = ForwardingApp(app, router, worker, private=True)
         hc = _hyper_config(config, [f"fd://{spec.http_fd}"], tls=True)
         sock_path = worker_socket(router.state_dir, spec.slot)
         hc_private = _hyper_config(config, [f"unix:{sock_path}"], tls=False)

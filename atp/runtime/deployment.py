@@ -18,12 +18,15 @@ from typing import TYPE_CHECKING
 
 from atp.flow.budget import BudgetLedger
 from atp.security.audit import AuditLog
+from atp.security.authz import Refuse
+from atp.security.identity import Identity
 from atp.store import Store
+from atp.wire.frame import Frame
 
 if TYPE_CHECKING:
     from atp.runtime.router import Router
 
-__all__ = ["Service", "StateParts"]
+__all__ = ["Service", "StateParts", "SynGate"]
 
 #: A background service of a deployment mode (``Router(services=[...])``): called
 #: with the router when it starts serving, before it reports started; returns the
@@ -53,3 +56,28 @@ class StateParts:
     ledger: BudgetLedger
     close: Callable[[], None]
     restore: Sequence[Callable[[Router], None]] = ()
+
+
+class SynGate:
+    """A deployment mode's hook on the SYN path (``Router(syn_gates=[...])``),
+    for what only it knows: where a stream of the same idempotency key runs when
+    several router processes share a store. Both calls are synchronous, on the
+    data plane; this base lets everything through.
+
+    * :meth:`refuse` — called by :meth:`Router.receive_frame
+      <atp.runtime.router.Router.receive_frame>` for every inbound SYN before
+      anything else (before its session sees it, before it is counted): a
+      :class:`~atp.security.authz.Refuse` is answered with a lone ERROR of its
+      code, reason and ``retry_after_ms`` (spec §10, outside any stream: no
+      RST), and the SYN goes no further.
+    * :meth:`resumes` — called by :meth:`Router.resume_point
+      <atp.runtime.router.Router.resume_point>` for a SYN (ttl not 0) naming
+      ``idempotency_key`` ``key``: False, the SYN does not resume a stream here
+      (it is a new stream, or :meth:`refuse` answers it); True, the stream
+      table is asked (it may have been made ready to resume here)."""
+
+    def refuse(self, frame: Frame, identity: Identity) -> Refuse | None:
+        return None
+
+    def resumes(self, frame: Frame, identity: Identity, key: str) -> bool:
+        return True

@@ -108,7 +108,7 @@ from atp.runtime.dataplane.streams import (
     StreamCtx,
     StreamTable,
 )
-from atp.runtime.deployment import Service, StateParts
+from atp.runtime.deployment import Service, StateParts, SynGate
 from atp.security.audit import AuditLog, AuditOptions
 from atp.security.authn import (
     Authenticator,
@@ -355,17 +355,29 @@ class Router:
     (:class:`~atp.runtime.deployment.StateParts`: the store, audit chain and
     budget ledger, how they are restored into the router and closed),
     ``services`` (:data:`~atp.runtime.deployment.Service`: more background
-    loops, e.g. following a RIB another router process loaded) and
+    loops, e.g. following a RIB another router process loaded),
     ``rib_version`` (the version a reload gets, e.g. a store-wide one; None:
-    the next one of this router)."""
+    the next one of this router), ``syn_gates``
+    (:class:`~atp.runtime.deployment.SynGate`: a SYN refused before its
+    session sees it, a keyed SYN that must not resume here; called by
+    :meth:`receive_frame` and :meth:`resume_point`), ``store_refusal`` (how
+    :meth:`open_stream` refuses an open the store could not take:
+    ``(operation, error) -> ATPError``; None: the error propagates) and
+    ``metrics`` (its :class:`~atp.observability.metrics.RouterMetrics`, when
+    its parts report there before the router exists; default: new ones)."""
 
     def __init__(self, config: RouterConfig, state: StateParts, *, authenticator: Authenticator | None = None,
                  syn_stages: Sequence[StageType] = DEFAULT_STAGES, services: Sequence[Service] = (),
-                 rib_version: Callable[[], int] | None = None):
+                 rib_version: Callable[[], int] | None = None, syn_gates: Sequence[SynGate] = (),
+                 store_refusal: Callable[[str, StoreUnavailable], ATPError] | None = None,
+                 metrics: RouterMetrics | None = None):
         self.config = config
         self.services = tuple(services)
         self.rib_version = rib_version
-        self.metrics = RouterMetrics()
+        #: The deployment's hooks on the SYN path, in order (atp.runtime.deployment.SynGate).
+        self.syn_gates = tuple(syn_gates)
+        self.store_refusal = store_refusal
+        self.metrics = metrics if metrics is not None else RouterMetrics()
         #: Data-scope redaction and refusal at dispatch (spec §11), one for every stream.
         self.scope_guard = DataScopeGuard()
         #: The durable state its deployment mode opened (atp.runtime.deployment, atp.deploy).
@@ -623,11 +635,14 @@ class Router:
         client that lost its state starts over on the stream's original ids);
         with ``resume_after = N`` (the last router ``msg_seq`` the client
         received) only what followed message N. ``None``: not a resumption (a
-        new key, a ttl-expired SYN, a key of another tenant)."""
+        new key, a ttl-expired SYN, a key of another tenant, a SYN a
+        :attr:`syn_gates` gate does not let resume here)."""
         if Flag.SYN not in frame.flags or frame.ttl == 0:
             return None
         key = frame.meta.get("idempotency_key")
         if not isinstance(key, str):
+            return None
+        if not all(gate.resumes(frame, identity, key) for gate in self.syn_gates):
             return None
         ctx = self.streams.resumable(identity.tenant, key) or self.streams.restore(
             identity, idempotency_key=key, now=trio.current_time())
@@ -658,7 +673,19 @@ class Router:
         closing frame with a wrong cause. A late message (task data) is
         answered with a lone ERROR ``EPROTO`` (no RST) saying the stream is
         closed; the WebSocket ingress sends it after the stream's own frames.
+
+        A SYN a :attr:`syn_gates` gate refuses (e.g. one re-opening by key a
+        stream that runs on another router process) is answered with a lone
+        ERROR with the gate's code, reason and ``retry_after_ms`` (counted in
+        ``atp_errors``), before its session sees it: no stream, no RST.
         """
+        if Flag.SYN in frame.flags:
+            for gate in self.syn_gates:
+                refused = gate.refuse(frame, identity)
+                if refused is not None:
+                    self.metrics.errors.labels(str(refused.code)).inc()
+                    return [connection_error(frame.session_id, frame.stream_id, refused.code, refused.reason,
+                                             refused.retry_after_ms)]
         self.metrics.frames.labels("in", _kind(frame)).inc()
         tenant = identity.tenant
         if Flag.SYN in frame.flags:
@@ -1025,7 +1052,8 @@ class Router:
 
         The same ``idempotency_key`` (per tenant) returns the stream it opened
         before — over HTTP or WebSocket — without a second task or charge (§8).
-        Raises :class:`ATPError` with the code the SYN was reset with.
+        Raises :class:`ATPError` with the code the SYN was reset with (or the
+        deployment's ``store_refusal`` when the store could not be reached).
         """
         session_id = "sess_" + secrets.token_hex(8)
         stream_id = "task_" + secrets.token_hex(8)
@@ -1039,9 +1067,14 @@ class Router:
             qos=qos or QoS.SILVER, window=window, meta=meta,
             payload=Payload(type=PayloadType.TASK, content=content) if content is not None else None,
         )
-        if idempotency_key is not None and (resumed := self.resume_point(syn, identity=identity)) is not None:
-            return resumed[0]
-        direct = self.receive_frame(syn, identity=identity, now=trio.current_time())
+        try:
+            if idempotency_key is not None and (resumed := self.resume_point(syn, identity=identity)) is not None:
+                return resumed[0]
+            direct = self.receive_frame(syn, identity=identity, now=trio.current_time())
+        except StoreUnavailable as e:
+            if self.store_refusal is None:
+                raise
+            raise self.store_refusal("open", e) from None
         ctx = self.streams.get(identity.tenant, session_id, stream_id)
         if ctx is None:
             err = _error_of(direct)
