@@ -45,8 +45,9 @@ class StateParts:
     ``audit_log`` the audit chain's writer over it; ``ledger`` the budget ledger
     (a :class:`~atp.flow.budget.BudgetLedger`, or a shared one whose every step is
     the store's). ``restore`` runs in order once the router's control plane and
-    stream table exist (before it takes a frame): e.g. the streams a previous run
-    left reported interrupted, the RIB hot-reloaded before a restart put back.
+    stream table exist, before it takes a frame (what a step returns is
+    ignored): e.g. the streams a previous run left reported interrupted, the
+    RIB hot-reloaded before a restart put back.
     ``close`` checkpoints and closes it all at shutdown
     (:meth:`Router.close_state <atp.runtime.router.Router.close_state>`)."""
 
@@ -55,7 +56,7 @@ class StateParts:
     audit_log: AuditLog
     ledger: BudgetLedger
     close: Callable[[], None]
-    restore: Sequence[Callable[[Router], None]] = ()
+    restore: Sequence[Callable[[Router], object]] = ()
 
 
 class SynGate:
