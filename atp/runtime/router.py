@@ -14,6 +14,10 @@
                                          client budget, tenant admission, route,
                                          bandit, budget open), each continuing or
                                          refusing; ``Router(syn_stages=...)``
+:mod:`atp.runtime.deployment`            what a deployment mode (:mod:`atp.deploy`)
+                                         gives the router it assembles: its durable
+                                         state (store, audit chain, ledger),
+                                         background services, gates on the SYN path
 this module                              identity (:meth:`Router.authenticate`, one call
                                          for every ingress), authorization
                                          (:meth:`Router.authorize`), and the data plane:
