@@ -119,7 +119,8 @@ from atp.adapters import local_model
 from atp.adapters.context import install_log_redaction
 from atp.adapters.registry import build_adapter
 from atp.cliutil.helpfmt import DefaultsHelpFormatter
-from atp.deploy.cluster import ClusterRouter, is_cluster_store
+from atp.deploy import cluster, single
+from atp.deploy.cluster import is_cluster_store
 from atp.deploy.workers import WorkerSpec, supervise, worker_main
 from atp.flow.breaker import RetryPolicy
 from atp.observability import logs, tracing
@@ -127,7 +128,7 @@ from atp.policy.check import policy_main
 from atp.runtime.dataplane.opening import DEFAULT_STAGES, describe
 from atp.runtime.ingress.http_api import build_app
 from atp.runtime.ingress.ws import serve_ws
-from atp.runtime.router import Router, RouterConfig, build_authenticator
+from atp.runtime.router import RouterConfig, build_authenticator
 from atp.security.audit import AuditOptions, audit_main
 from atp.security.authn import new_api_key
 from atp.security.policy_guard import PolicySecrets
@@ -143,7 +144,8 @@ async def run(config: RouterConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> 
     ``task_status.started`` receives ``(router, http_port, ws_port)`` with the bound
     ports (useful with port 0). Raises :class:`PolicyError` if the initial RIB is bad.
     """
-    router = Router(config) if config.store == "sqlite" else _cluster_router(config)
+    deployed = single.deploy(config) if config.store == "sqlite" else cluster.deploy(config)
+    router = deployed.router
     hc = HyperConfig()
     hc.bind = [f"{config.host}:{config.http_port}"]
     hc.accesslog = None
@@ -154,11 +156,13 @@ async def run(config: RouterConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> 
         hypercorn_ssl(hc, config.tls)  # HTTPS, TLS 1.3, the same reloadable context as WSS
     app = build_app(router)
     # Several routers on one store (atp.deploy.cluster): requests about another router's streams are forwarded.
-    app = router.http_app(app) if hasattr(router, "http_app") else app
+    middleware = deployed.http_middleware
+    if middleware is not None:
+        app = middleware(app)
     try:
-        await _serve(router, app, hc, config, task_status)
+        await _serve(deployed, app, hc, config, task_status)
     finally:
-        if hasattr(app, "aclose"):  # the forwarding clients
+        if middleware is not None:  # the forwarding clients
             with trio.CancelScope(shield=True):
                 await app.aclose()
 
@@ -176,7 +180,9 @@ async def serve_private(policies: Path, state_dir: Path, *, task_status=trio.TAS
         task_status.started(http_port)
 
 
-async def _serve(router: Router, app: Any, hc: HyperConfig, config: RouterConfig, task_status: Any) -> None:
+async def _serve(deployed: single.Deployed, app: Any, hc: HyperConfig, config: RouterConfig,
+                 task_status: Any) -> None:
+    router = deployed.router
     async with trio.open_nursery() as nursery:
         await nursery.start(router.serve)
         await nursery.start(router.authenticator.run)  # JWKS refresh (returns at once without JWT)
@@ -185,17 +191,13 @@ async def _serve(router: Router, app: Any, hc: HyperConfig, config: RouterConfig
         binds = await nursery.start(lambda task_status: hyper_serve(app, hc, task_status=task_status))
         ws_server = await nursery.start(lambda task_status: serve_ws(router, config.host, config.ws_port, task_status=task_status))
         http_port = int(binds[0].rsplit(":", 1)[1])
-        if hasattr(router, "advertise"):
-            router.advertise(config.advertise_url or _advertised(config, http_port))
+        if deployed.advertise is not None:
+            deployed.advertise(config.advertise_url or _advertised(config, http_port))
         # Long-lived start-up objects out of the GC's generations, and the SSE
         # backend imported now: both stalled the event loop 20-70 ms mid-traffic.
         importlib.import_module("anyio._backends._trio")
         gc.freeze()
         task_status.started((router, http_port, ws_server.port))
-
-
-def _cluster_router(config: RouterConfig) -> Router:
-    return ClusterRouter(config)
 
 
 def _advertised(config: RouterConfig, http_port: int) -> str:
@@ -451,19 +453,19 @@ def _loopback(host: str) -> bool:
 
 
 def _flow_config(args: argparse.Namespace) -> dict:
-    return dict(
-        window_update_interval_ms=args.window_update_ms, window_update_delta=args.window_update_delta,
-        hb_interval_s=args.hb_interval_s, hb_timeout_s=args.hb_timeout_s, resume_grace_s=args.resume_grace_s,
-        breaker_failures=args.breaker_failures, breaker_window_s=args.breaker_window_s,
-        breaker_backoff_s=args.breaker_backoff_s, breaker_max_backoff_s=args.breaker_max_backoff_s,
-        retry=RetryPolicy(max_attempts=args.retry_attempts, base_backoff_s=args.retry_backoff_s,
+    return {
+        "window_update_interval_ms": args.window_update_ms, "window_update_delta": args.window_update_delta,
+        "hb_interval_s": args.hb_interval_s, "hb_timeout_s": args.hb_timeout_s, "resume_grace_s": args.resume_grace_s,
+        "breaker_failures": args.breaker_failures, "breaker_window_s": args.breaker_window_s,
+        "breaker_backoff_s": args.breaker_backoff_s, "breaker_max_backoff_s": args.breaker_max_backoff_s,
+        "retry": RetryPolicy(max_attempts=args.retry_attempts, base_backoff_s=args.retry_backoff_s,
                           max_backoff_s=args.retry_max_backoff_s),
-        slots=args.slots, gold_reserved=args.gold_reserved,
-        preempt_after_ms=args.preempt_after_ms, gold_sla_ms=args.gold_sla_ms,
-        max_streams=args.max_streams, idle_task_s=args.idle_task_s, retain_closed_s=args.retain_closed_s,
-        retain_closed_max=args.retain_closed_max, retain_closed_bytes=args.retain_closed_bytes,
-        idle_trim=not args.no_idle_trim,
-    )
+        "slots": args.slots, "gold_reserved": args.gold_reserved,
+        "preempt_after_ms": args.preempt_after_ms, "gold_sla_ms": args.gold_sla_ms,
+        "max_streams": args.max_streams, "idle_task_s": args.idle_task_s, "retain_closed_s": args.retain_closed_s,
+        "retain_closed_max": args.retain_closed_max, "retain_closed_bytes": args.retain_closed_bytes,
+        "idle_trim": not args.no_idle_trim,
+    }
 
 
 def keys_main(argv: list[str]) -> int:
@@ -544,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
                 nursery.cancel_scope.cancel()
                 return
             http, ws = ("https", "wss") if config.tls is not None else ("http", "ws")
-            owner = getattr(router, "owner", None)  # a router on a shared store names itself
+            owner = router.streams.owner  # a router on a shared store names itself (its streams' owner)
             # The handler is in place before "listening": a supervisor's SIGTERM right after it is a clean stop.
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 print(f"atp-router listening {http}://{config.host}:{http_port} {ws}://{config.host}:{ws_port} "

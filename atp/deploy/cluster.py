@@ -43,7 +43,7 @@ accounts closed, its open streams marked interrupted with an RST saying so
 (:data:`ROUTER_LOST`; audited). A router that just regained the store waits one
 lease before settling anyone (the others renew theirs within a fifth of it);
 one that finds, after such a gap, that it was settled itself stops those
-streams here (:meth:`ClusterRouter.fence`).
+streams here (:meth:`ClusterNode.fence`).
 
 **Re-run** (spec §8 resumption across routers): a stream interrupted by
 :data:`ROUTER_LOST` is run again when its tenant re-opens the same
@@ -88,7 +88,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from typing import Any
@@ -98,6 +98,8 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from atp.deploy import single
+from atp.deploy.single import Deployed
 from atp.deploy.workers import RETRY, ForwardingApp, Peer, SharedRib, settle
 from atp.flow.budget import (
     Allowance,
@@ -107,20 +109,24 @@ from atp.flow.budget import (
     SharedAccounts,
     SharedBudgetLedger,
 )
+from atp.observability.metrics import RouterMetrics
 from atp.runtime.controlplane import shared_state
-from atp.runtime.router import Router, RouterConfig, connection_error
+from atp.runtime.deployment import StateParts, SynGate
+from atp.runtime.router import Router, RouterConfig
 from atp.security.audit import AuditLog
+from atp.security.authz import Refuse
 from atp.security.identity import Identity
 from atp.store import NotFound, Store, StoreError, StoreUnavailable, StreamRecord
 from atp.wire.errors import ATPError, ErrorCode
-from atp.wire.frame import Flag, Frame, PayloadType
+from atp.wire.frame import Frame, PayloadType
 
 __all__ = [
     "ROUTER_LOST",
     "ClusterForwardingApp",
     "ClusterLedger",
-    "ClusterRouter",
+    "ClusterNode",
     "LeaseClock",
+    "deploy",
     "open_store",
     "owner_name",
     "settled_reason",
@@ -234,7 +240,7 @@ class ClusterLedger(SharedBudgetLedger):
     (:meth:`reserve`, :meth:`extend`, :meth:`set_limit`; :meth:`open` under a
     parent the store no longer has) is refused with ``EBUDGET``
     (:func:`settled_reason`) and ``on_settled(key)`` is told, so the router
-    stops the streams it no longer owns (:meth:`ClusterRouter.fence`).
+    stops the streams it no longer owns (:meth:`ClusterNode.fence`).
     ``on_unavailable(op, error)`` is told of every operation that found the
     store unreachable (metrics)."""
 
@@ -276,7 +282,7 @@ class ClusterLedger(SharedBudgetLedger):
             raise ATPError(ErrorCode.EBUDGET, self._settled("open", parent or key, e).reason,
                            retry_after_ms=RETRY_AFTER_MS) from None
 
-    def close(self, key: str):  # noqa: ANN201 (AccountState, as the base)
+    def close(self, key: str):
         try:
             return super().close(key)
         except StoreUnavailable as e:
@@ -445,7 +451,7 @@ class LeaseClock:
       (the lease may have lapsed: the gap is timed here, the lease by the
       store) makes a **fence** due (:attr:`fence_due`), as does
       :meth:`request_fence` (the ledger found an account settled by another
-      router); the trio side runs :meth:`ClusterRouter.fence` and calls
+      router); the trio side runs :meth:`ClusterNode.fence` and calls
       :meth:`fenced`;
     * :meth:`writes_allowed`: queued stream writes may go to the store only
       with no fence due and a renewal less than ``0.8 × lease`` ago."""
@@ -516,15 +522,35 @@ class LeaseClock:
 
 
 # ----------------------------------------------------------------------- router
-class ClusterRouter(SharedRib, Router):
-    """A :class:`~atp.runtime.router.Router` that is one of several on a shared
-    store (module docstring): the store opened from ``config.store`` (a
-    ``redis://`` URL), its own state-directory lock, budgets in a
-    :class:`ClusterLedger`, the shared audit chain, RIB versions from the
-    store (:class:`~atp.deploy.workers.SharedRib`), no crash recovery at start
-    (the others are running: lost routers are settled by the reaper), its lease
+def deploy(config: RouterConfig, **kw: Any) -> Deployed:
+    """A cluster router (:func:`build`) with its HTTP middleware
+    (:meth:`ClusterNode.http_app`: forwarding, a store that cannot be reached
+    answering 503) and the advertising of its URL with its lease
+    (:meth:`ClusterNode.advertise`). Raises :class:`~atp.store.base.StoreError`
+    when the store cannot be opened."""
+    node = ClusterNode(config, **kw)
+    return Deployed(node.router, http_middleware=node.http_app, advertise=node.advertise)
+
+
+def build(config: RouterConfig, **kw: Any) -> Router:
+    """The :class:`~atp.runtime.router.Router` of one router of a cluster
+    (:class:`ClusterNode`; ``kw`` as for the Router: ``syn_stages``). Raises
+    :class:`~atp.store.base.StoreError` when the store cannot be opened."""
+    return ClusterNode(config, **kw).router
+
+
+class ClusterNode(SynGate):
+    """What makes a :class:`~atp.runtime.router.Router` one of several on a
+    shared store (module docstring), and the router it assembles
+    (:attr:`router`): the store opened from ``config.store`` (a ``redis://``
+    URL), its own state-directory lock, budgets in a :class:`ClusterLedger`,
+    the shared audit chain, RIB versions from the store
+    (:class:`~atp.deploy.workers.SharedRib`), no crash recovery at start (the
+    others are running: lost routers are settled by the reaper), its lease
     renewed every ``config.lease_ms / 5`` ms by a thread of its own while it
-    serves (:class:`LeaseClock`). Raises
+    serves (:class:`LeaseClock`) — background services of the router —, its
+    streams stored with its owner name, and the gate on its SYNs (:meth:`refuse`,
+    :meth:`resumes`): a stream re-opened by key runs once, across routers. Raises
     :class:`~atp.store.base.StoreError` when the store cannot be opened."""
 
     def __init__(self, config: RouterConfig, **kw: Any) -> None:
@@ -547,10 +573,17 @@ class ClusterRouter(SharedRib, Router):
         #: The reaper settles no one before this (time.monotonic()): one lease after
         #: the start, or after the store came back (the others renew theirs first).
         self._reap_after = now + self.lease_ms / 1000
-        super().__init__(config, **kw)
-        self.streams.owner = self.owner
-        self.streams.on_store_unavailable = self.store_unavailable
-        self.streams.flush_gate = self._writes_allowed
+        #: The router's metrics (atp_store_up, atp_store_unavailable_total), reported before it exists.
+        self.metrics = RouterMetrics()
+        state = self._open_state(config)
+        # Merged learning and breaker propagation through the store (atp.runtime.controlplane.shared_state).
+        self.router = router = Router(
+            config, state, rib_version=self.rib.next_version,
+            services=(self.rib.service, self._services, lambda r: shared_state.background_tasks(r, self.owner)),
+            syn_gates=(self,), store_refusal=self._refusal, metrics=self.metrics, **kw)
+        router.streams.owner = self.owner
+        router.streams.on_store_unavailable = self.store_unavailable
+        router.streams.flush_gate = self._writes_allowed
         #: The lease thread's and the trio side's shared view (under _lease_lock).
         self._lease = LeaseClock(self.lease_ms, now=time.monotonic())
         self._heartbeat()  # the lease exists before this router owns anything
@@ -559,38 +592,43 @@ class ClusterRouter(SharedRib, Router):
         log.info("router %s on the shared store %s (lease %d ms)", self.owner, self.store.describe(), self.lease_ms)
 
     # ------------------------------------------------------------ durable state
-    def _open_store(self) -> Store:
-        return open_store(self.config.store, namespace=self.config.store_namespace)
-
-    def _open_audit(self) -> AuditLog:
-        return AuditLog.open(self.store, self.state_dir, shared=True, options=self.config.audit)
-
-    def _restore_ledger(self) -> ClusterLedger:
-        return ClusterLedger(self.store, owner=self.owner, on_unavailable=self.store_unavailable,
-                             on_settled=self._found_settled)
+    def _open_state(self, config: RouterConfig) -> StateParts:
+        """This router's state: its own state directory locked
+        (:func:`~atp.deploy.single.state_directory`), the shared store opened
+        from ``config.store``, budgets in a :class:`ClusterLedger`, the shared
+        audit chain; no crash recovery at start (other routers run: a lost one
+        is settled by the reaper); restored by adopting the store's active RIB
+        (or saving the running one as the first); closed by :meth:`_close_state`."""
+        state_dir, tmp, lock = single.state_directory(config)
+        store = open_store(config.store, namespace=config.store_namespace)
+        ledger = ClusterLedger(store, owner=self.owner, on_unavailable=self.store_unavailable,
+                               on_settled=self._found_settled)
+        audit_log = AuditLog.open(store, state_dir, shared=True, options=config.audit)
+        close = single.closing(audit_log, store, lock=lock, tmp=tmp)
+        self.store, self.ledger, self.audit_log = store, ledger, audit_log
+        #: RIB versions from the store, the RIB other routers load followed (atp.deploy.workers.SharedRib).
+        self.rib = SharedRib(store)
+        return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
+                          close=lambda: self._close_state(close), restore=(self._restore_rib,))
 
     def _found_settled(self, key: str) -> None:
         # The ledger found an account of ours settled by another router: check our streams (writes wait).
         with self._lease_lock:
             self._lease.request_fence()
 
-    def _mark_interrupted(self) -> int:
-        return 0  # other routers run: a lost one is settled by the reaper, not at start
-
-    def _restore_rib(self) -> None:
+    def _restore_rib(self, router: Router) -> None:
         if self.store.active_rib() is None:
-            self.store.save_rib(self.gen.version, "", self.gen.source, "router")
+            self.store.save_rib(router.gen.version, "", router.gen.source, "router")
         else:
-            self._adopt_rib()
+            self.rib.adopt(router)
 
-    def close_state(self) -> None:
+    def _close_state(self, close: Callable[[], None]) -> None:
         """Clean shutdown: what the store could not take is tried once more,
         this router's own state settled as the reaper would (its streams still
         open are interrupted with :data:`ROUTER_LOST`: re-opened elsewhere they
-        run again), its lease dropped; then the store is closed. A store that
-        cannot be reached leaves it to the other routers (after the lease)."""
+        run again), its lease dropped; then the store is closed (``close``). A
+        store that cannot be reached leaves it to the other routers (after the lease)."""
         try:
-            assert isinstance(self.ledger, ClusterLedger)
             if self.ledger.settle_pending():
                 log.warning("%d commits or releases could not reach the store: the other routers release the "
                             "reservations when this router's lease expires", self.ledger.unsettled)
@@ -602,7 +640,7 @@ class ClusterRouter(SharedRib, Router):
             log.error("router %s stopped without settling its state (%s): the other routers will, when its lease "
                       "expires", self.owner, e)
         finally:
-            super().close_state()
+            close()
 
     # ------------------------------------------------------------ store health
     def store_unavailable(self, op: str, e: StoreError) -> None:
@@ -766,7 +804,7 @@ class ClusterRouter(SharedRib, Router):
         to the store again (the stream table's flush waits for the heartbeat
         that calls it). Returns how many."""
         n = 0
-        for ctx in self.streams.values():
+        for ctx in self.router.streams.values():
             if ctx.restored or (ctx.log.closed and ctx.log.durable >= len(ctx.log)):
                 continue  # all of it is in the store already
             rec = self.store.get_stream(ctx.tenant, ctx.session_id, ctx.stream_id)
@@ -774,7 +812,7 @@ class ClusterRouter(SharedRib, Router):
                 continue
             log.warning("stream %s/%s was settled by another router while this one was cut from the store: "
                         "stopped here", ctx.tenant, ctx.stream_id)
-            self.streams.abandon(ctx, self.store.events(ctx.tenant, ctx.session_id, ctx.stream_id))
+            self.router.streams.abandon(ctx, self.store.events(ctx.tenant, ctx.session_id, ctx.stream_id))
             n += 1
         return n
 
@@ -816,10 +854,10 @@ class ClusterRouter(SharedRib, Router):
             if ledger.unsettled and self._store_ok and not ledger.settle_pending():
                 log.info("commits and releases held while the store was unreachable: all applied")
 
-    def _background_tasks(self) -> list[Callable[[], Any]]:
-        # Merged learning and breaker propagation through the store (atp.runtime.controlplane.shared_state).
-        return [self._follow_rib, self._leases, self._reaper, self._settle_commits,
-                *shared_state.background_tasks(self)]
+    def _services(self, router: Router) -> list[Callable[[], Awaitable[None]]]:
+        """The cluster's background services: the lease, the reaper of lost
+        routers and the settling of what the store could not take."""
+        return [self._leases, self._reaper, self._settle_commits]
 
     # ------------------------------------------------------------ forwarding
     @property
@@ -866,70 +904,63 @@ class ClusterRouter(SharedRib, Router):
         return ClusterForwardingApp(app, self)
 
     # ------------------------------------------------------------ resumption and re-run
-    def open_stream(self, **kw: Any):  # noqa: ANN201 (StreamCtx, as the base)
-        """:meth:`Router.open_stream <atp.runtime.router.Router.open_stream>`; a
-        store that cannot be reached refuses the open (``EBUDGET``, ``retry_after_ms``)."""
-        try:
-            return super().open_stream(**kw)
-        except StoreUnavailable as e:
-            self.store_unavailable("open", e)
-            raise ATPError(ErrorCode.EBUDGET, store_unavailable_reason(e), retry_after_ms=RETRY_AFTER_MS) from None
+    def _refusal(self, op: str, e: StoreUnavailable) -> ATPError:
+        """The router's ``store_refusal``: a store that cannot be reached refuses
+        an open (:meth:`Router.open_stream <atp.runtime.router.Router.open_stream>`;
+        ``EBUDGET``, ``retry_after_ms``)."""
+        self.store_unavailable(op, e)
+        return ATPError(ErrorCode.EBUDGET, store_unavailable_reason(e), retry_after_ms=RETRY_AFTER_MS)
 
-    def resume_point(self, frame: Frame, *, identity: Identity):  # noqa: ANN201 (as the base)
+    def resumes(self, frame: Frame, identity: Identity, key: str) -> bool:
         """:meth:`Router.resume_point <atp.runtime.router.Router.resume_point>`
-        across routers: a SYN with its task re-opening a stream interrupted by
-        :data:`ROUTER_LOST` is not a resumption (it is re-run:
-        :meth:`receive_frame`), and a key whose newest stream is not the one
-        this router holds in memory resumes the newest (read from the store)."""
-        key = frame.meta.get("idempotency_key")
-        if Flag.SYN in frame.flags and frame.ttl != 0 and isinstance(key, str):
-            try:
-                local = self.streams.resumable(identity.tenant, key)
-                if local is None or local.log.closed:
-                    rec = self._keyed_record(frame, identity.tenant, key)
-                    if rec is not None:
-                        if _is_lost(rec) and _has_task(frame):
-                            return None
-                        if local is not None and (local.session_id, local.stream_id) != (rec.session_id,
-                                                                                          rec.stream_id):
-                            if rec.state == "open":
-                                return None  # runs elsewhere: receive_frame refuses, HTTP forwards
-                            self.streams.restore(identity, idempotency_key=key, now=trio.current_time())
-            except StoreUnavailable as e:
-                self.store_unavailable("read", e)
-                return None  # receive_frame refuses it
-        return super().resume_point(frame, identity=identity)
+        across routers (:class:`~atp.runtime.deployment.SynGate`): a SYN with its
+        task re-opening a stream interrupted by :data:`ROUTER_LOST` is not a
+        resumption (it is re-run: :meth:`refuse`), and a key whose newest stream
+        is not the one this router holds in memory resumes the newest (read from
+        the store)."""
+        try:
+            local = self.router.streams.resumable(identity.tenant, key)
+            if local is None or local.log.closed:
+                rec = self._keyed_record(frame, identity.tenant, key)
+                if rec is not None:
+                    if _is_lost(rec) and _has_task(frame):
+                        return False
+                    if local is not None and (local.session_id, local.stream_id) != (rec.session_id,
+                                                                                      rec.stream_id):
+                        if rec.state == "open":
+                            return False  # runs elsewhere: refuse() refuses, HTTP forwards
+                        self.router.streams.restore(identity, idempotency_key=key, now=trio.current_time())
+        except StoreUnavailable as e:
+            self.store_unavailable("read", e)
+            return False  # refuse() refuses it
+        return True
 
-    def receive_frame(self, frame: Frame, *, identity: Identity, now: float) -> list[Frame]:
-        """:meth:`Router.receive_frame <atp.runtime.router.Router.receive_frame>`,
-        but a SYN re-opening (by idempotency key) a stream that runs on another
-        router, or whose lost router is not settled yet, or that another router
-        is re-running, is refused with ``EAGENTDOWN`` (resume again; over HTTP
-        it is forwarded) instead of running its task twice; one that re-opens
-        a stream interrupted by :data:`ROUTER_LOST` with its task runs it
-        again if this router wins the re-run claim. A store that cannot be
-        reached refuses it (``EBUDGET`` with ``retry_after_ms``
+    def refuse(self, frame: Frame, identity: Identity) -> Refuse | None:
+        """The gate on every SYN (:class:`~atp.runtime.deployment.SynGate`, before
+        its session sees it): one re-opening (by idempotency key) a stream that
+        runs on another router, or whose lost router is not settled yet, or that
+        another router is re-running, is refused with ``EAGENTDOWN`` (resume
+        again; over HTTP it is forwarded) instead of running its task twice; one
+        that re-opens a stream interrupted by :data:`ROUTER_LOST` with its task
+        runs it again if this router wins the re-run claim. A store that cannot
+        be reached refuses it (``EBUDGET`` with ``retry_after_ms``
         :data:`RETRY_AFTER_MS`: over HTTP 503 + ``Retry-After``)."""
         key = frame.meta.get("idempotency_key")
-        if Flag.SYN in frame.flags and frame.ttl != 0 and isinstance(key, str):
-            retry_after_ms = None
-            try:
-                refused = self._keyed_syn(frame, identity, key)
-            except StoreUnavailable as e:
-                self.store_unavailable("read", e)
-                # Like every spend refused while the store is away: retry in a moment (HTTP 503
-                # + Retry-After), not a bare 402 that a client reads as a spent budget.
-                refused, retry_after_ms = (ErrorCode.EBUDGET, store_unavailable_reason(e)), RETRY_AFTER_MS
-            if refused is not None:
-                self.metrics.errors.labels(str(refused[0])).inc()
-                return [connection_error(frame.session_id, frame.stream_id, *refused, retry_after_ms)]
-        return super().receive_frame(frame, identity=identity, now=now)
+        if frame.ttl == 0 or not isinstance(key, str):
+            return None
+        try:
+            return self._keyed_syn(frame, identity, key)
+        except StoreUnavailable as e:
+            self.store_unavailable("read", e)
+            # Like every spend refused while the store is away: retry in a moment (HTTP 503
+            # + Retry-After), not a bare 402 that a client reads as a spent budget.
+            return Refuse(ErrorCode.EBUDGET, store_unavailable_reason(e), RETRY_AFTER_MS)
 
     def _keyed_record(self, frame: Frame, tenant: str, key: str) -> StreamRecord | None:
         """The newest stored stream of ``tenant``'s idempotency ``key``, read once
-        per SYN: :meth:`resume_point` and :meth:`receive_frame` (each called
-        twice for one SYN by the ingresses and the core) share the read, made
-        in one synchronous pass."""
+        per SYN: :meth:`resumes` and :meth:`refuse` (each called twice for one
+        SYN by the ingresses and the core) share the read, made in one
+        synchronous pass."""
         memo = self._key_memo
         if memo is not None and memo[0] is frame:
             return memo[1]
@@ -937,8 +968,8 @@ class ClusterRouter(SharedRib, Router):
         self._key_memo = (frame, rec)
         return rec
 
-    def _keyed_syn(self, frame: Frame, identity: Identity, key: str) -> tuple[ErrorCode, str] | None:
-        local = self.streams.resumable(identity.tenant, key)
+    def _keyed_syn(self, frame: Frame, identity: Identity, key: str) -> Refuse | None:
+        local = self.router.streams.resumable(identity.tenant, key)
         if local is not None and not local.log.closed:
             return None  # running here: resumed
         rec = self._keyed_record(frame, identity.tenant, key)
@@ -946,17 +977,17 @@ class ClusterRouter(SharedRib, Router):
             return None
         if rec.state == "open" and rec.owner not in (None, self.owner):
             if self.live_peer(rec.owner) is not None:
-                return (ErrorCode.EAGENTDOWN,
-                        f"stream {rec.stream_id!r} of this idempotency_key runs on another router ({rec.owner}): "
-                        "follow it over HTTP (GET /v1/streams/{id}/events, any router) or resume it there")
-            return (ErrorCode.EAGENTDOWN,
-                    f"stream {rec.stream_id!r} of this idempotency_key ran on a router that was lost and is being "
-                    "settled; re-open it again in a moment (with its task it is run again)")
+                return Refuse(ErrorCode.EAGENTDOWN,
+                              f"stream {rec.stream_id!r} of this idempotency_key runs on another router ({rec.owner}): "
+                              "follow it over HTTP (GET /v1/streams/{id}/events, any router) or resume it there")
+            return Refuse(ErrorCode.EAGENTDOWN,
+                          f"stream {rec.stream_id!r} of this idempotency_key ran on a router that was lost and is "
+                          "being settled; re-open it again in a moment (with its task it is run again)")
         if _is_lost(rec) and _has_task(frame):
             if not self.store.claim(_rerun_claim(rec), self.owner, ttl_ms=self.lease_ms, now_ms=_now_ms()):
-                return (ErrorCode.EAGENTDOWN,
-                        f"stream {rec.stream_id!r} of this idempotency_key is being re-run by another router; "
-                        "re-open it again in a moment to resume the new run")
+                return Refuse(ErrorCode.EAGENTDOWN,
+                              f"stream {rec.stream_id!r} of this idempotency_key is being re-run by another router; "
+                              "re-open it again in a moment to resume the new run")
             log.info("stream %s/%s (key %r) was interrupted with its router %s: re-running it here", rec.tenant,
                      rec.stream_id, key, rec.owner)
         return None
@@ -977,34 +1008,35 @@ class ClusterForwardingApp(ForwardingApp):
     settling_reason = "the router running this stream was lost and is being settled; retry"
     unreachable_reason = "the router running this stream cannot be reached; retry"
 
-    def __init__(self, app: Any, router: ClusterRouter) -> None:
-        super().__init__(app, router, metric="atp_router_forwarded")
+    def __init__(self, app: Any, node: ClusterNode) -> None:
+        super().__init__(app, node.router, node, metric="atp_router_forwarded")
+        self.node = node
 
     async def _target(self, scope: Any, receive: Any) -> tuple[Any, Any, bytes | None]:
         try:
             return await super()._target(scope, receive)
         except StoreUnavailable as e:
-            self.router.store_unavailable("read", e)
+            self.node.store_unavailable("read", e)
             return f"state store unavailable: {e}; retry", receive, None
 
     async def _keyed(self, identity: Identity, key: str, body: bytes, path: str) -> Any:
-        router: ClusterRouter = self.router
-        local = router.streams.resumable(identity.tenant, key)
+        node = self.node
+        local = node.router.streams.resumable(identity.tenant, key)
         if local is not None and not local.log.closed:
             return None
-        rec = router.store.find_idempotent(identity.tenant, key)
+        rec = node.store.find_idempotent(identity.tenant, key)
         if not _is_lost(rec) or not _carries_task(path, body):
-            return router.forward_target(rec)
+            return node.forward_target(rec)
         assert rec is not None
-        if router.store.claim(_rerun_claim(rec), router.owner, ttl_ms=router.lease_ms, now_ms=_now_ms()):
-            return None  # re-run here (receive_frame holds the claim already)
-        with trio.move_on_after(min(_RERUN_WAIT_S, router.lease_ms / 1000)):
+        if node.store.claim(_rerun_claim(rec), node.owner, ttl_ms=node.lease_ms, now_ms=_now_ms()):
+            return None  # re-run here (the SYN gate, refuse(), holds the claim already)
+        with trio.move_on_after(min(_RERUN_WAIT_S, node.lease_ms / 1000)):
             while True:
                 await trio.sleep(0.05)
-                new = router.store.find_idempotent(identity.tenant, key)
+                new = node.store.find_idempotent(identity.tenant, key)
                 if new is not None and (new.session_id, new.stream_id, new.created_ms) != (
                         rec.session_id, rec.stream_id, rec.created_ms):
-                    return router.forward_target(new)  # the winner's run (or here, from the store, when it ended)
+                    return node.forward_target(new)  # the winner's run (or here, from the store, when it ended)
         return RETRY
 
 

@@ -7,7 +7,7 @@ frames, SSE and next-hop calls). With ``--workers N`` a **supervisor** process:
    and runs crash recovery once — the reservations a previous run left open
    are committed at their reserved amount, its open streams reported
    interrupted, the audit chain checked, the RIB validated
-   (:class:`_RecoveryRouter`, the single-process code path);
+   (:func:`atp.deploy.single.build`, the single-process code path);
 2. binds the HTTP and WebSocket listening sockets once (the A2A server and the
    OpenAI ingress are routes of the HTTP app: no socket of their own);
 3. starts N **worker** processes (``python -m atp.deploy.cli <the same
@@ -25,7 +25,7 @@ frames, SSE and next-hop calls). With ``--workers N`` a **supervisor** process:
    parent) and hold its inherited lock, so no second router starts on the
    directory while one of them lives.
 
-Every worker is a whole router (:class:`WorkerRouter`) on the one SQLite store
+Every worker is a whole router (:func:`build`, its :class:`Worker`) on the one SQLite store
 (WAL, ``multiprocess``; :mod:`atp.store.sqlite`). What they share through it:
 
 ================  ==========================================================
@@ -83,6 +83,7 @@ pick the owner) or follow it over HTTP, which forwards.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import json
@@ -95,7 +96,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,27 +107,25 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 from prometheus_client import Counter
 
+from atp.deploy import single
+from atp.deploy.single import end_interrupted
 from atp.flow.budget import SharedBudgetLedger
 from atp.runtime.controlplane import shared_state
 from atp.runtime.controlplane.control import BODY_SOURCE
+from atp.runtime.deployment import StateParts, SynGate
 from atp.runtime.ingress.http_api import build_app
 from atp.runtime.ingress.ws import serve_ws
-from atp.runtime.router import (
-    Router,
-    RouterConfig,
-    _lock_state_dir,
-    connection_error,
-    end_interrupted,
-)
+from atp.runtime.router import Router, RouterConfig
 from atp.security.audit import AuditLog
+from atp.security.authz import Refuse
 from atp.security.identity import Identity
 from atp.security.tls import hypercorn_ssl
 from atp.store import SqliteStore, Store, StoreError, StoreUnavailable
 from atp.wire.errors import ATPError, ErrorCode, PolicyError
-from atp.wire.frame import Flag, Frame
+from atp.wire.frame import Frame
 
-__all__ = ["RETRY", "RIB_POLL_S", "ForwardingApp", "Peer", "SharedRib", "WorkerRouter", "WorkerSpec", "settle",
-           "supervise", "worker_main"]
+__all__ = ["RETRY", "RIB_POLL_S", "ForwardingApp", "Peer", "SharedRib", "Worker", "WorkerSpec", "build",
+           "open_worker_state", "settle", "supervise", "worker_main"]
 
 log = logging.getLogger("atp.deploy.workers")
 
@@ -212,50 +211,57 @@ def worker_socket(state_dir: Path, slot: int) -> Path:
 
 # ------------------------------------------------------------------ shared RIB
 class SharedRib:
-    """Mixin of a :class:`~atp.runtime.router.Router` whose store other router
-    processes share (:class:`WorkerRouter`, :class:`~atp.deploy.cluster.ClusterRouter`):
-    a reload gets a store-wide version (:meth:`Store.next_rib_version
-    <atp.store.base.Store.next_rib_version>`) and is saved as the active RIB; the
-    follower (:meth:`_follow_rib`, one of the router's background tasks) polls
-    the active version every :data:`RIB_POLL_S` and loads one another process
-    set — its saved text, or ``--policies`` for a file reload. A RIB refused here
-    is logged once and not retried until the next version."""
+    """The RIB of router processes that share one store (:class:`Worker`,
+    :mod:`atp.deploy.cluster`), a part their routers are assembled with: a
+    reload gets a store-wide version (:meth:`next_version`, the router's
+    ``rib_version``; :meth:`Store.next_rib_version
+    <atp.store.base.Store.next_rib_version>`) and is saved as the active RIB;
+    the follower (:meth:`service`, one of the router's background services)
+    polls the active version every :data:`RIB_POLL_S` and loads one another
+    process set — its saved text, or ``--policies`` for a file reload. A RIB
+    refused here is logged once and not retried until the next version."""
 
-    _rib_refused: int | None = None
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        #: The version last refused here (not retried until the next one).
+        self.refused: int | None = None
 
-    def reload(self, text: str | None = None, *, identity: Identity | None = None, version: int | None = None,
-               **kw: Any) -> dict[str, Any]:
-        """:meth:`Router.reload <atp.runtime.router.Router.reload>` as a store-wide
-        version (the other processes load it from the store within :data:`RIB_POLL_S`)."""
-        return super().reload(text, identity=identity,  # type: ignore[misc]
-                              version=version if version is not None else self.store.next_rib_version(), **kw)
+    def next_version(self) -> int:
+        """The version of a reload on this router: the next store-wide one (the
+        other processes load it from the store within :data:`RIB_POLL_S`)."""
+        return self.store.next_rib_version()
 
-    def _adopt_rib(self) -> bool:
-        """Load the store's active RIB if it is not the running one (a reload by
-        another process): its saved text, or ``--policies`` for a file reload.
-        Returns whether it changed. Raises PolicyError."""
+    def adopt(self, router: Router) -> bool:
+        """Load the store's active RIB into ``router`` if it is not the running one
+        (a reload by another process): its saved text, or ``--policies`` for a
+        file reload. Returns whether it changed. Raises PolicyError."""
         active = self.store.active_rib()
-        if active is None or active[0] == self.gen.version or active[0] == self._rib_refused:
+        if active is None or active[0] == router.gen.version or active[0] == self.refused:
             return False
         version, text, source = active
         try:
-            self.control.reload(text if source == BODY_SOURCE and text else None, version=version)
+            router.control.reload(text if source == BODY_SOURCE and text else None, version=version)
         except PolicyError:
-            self._rib_refused = version
+            self.refused = version
             raise
         return True
 
-    async def _follow_rib(self) -> None:
+    def service(self, router: Router) -> list[Callable[[], Awaitable[None]]]:
+        """The follower, as a background service of ``router``."""
+        return [functools.partial(self.follow, router)]
+
+    async def follow(self, router: Router) -> None:
+        """Adopt the RIB another process loaded, every :data:`RIB_POLL_S`."""
         while True:
             await trio.sleep(RIB_POLL_S)
             try:
-                if self.store.active_rib_version() in (self.gen.version, self._rib_refused, None):
+                if self.store.active_rib_version() in (router.gen.version, self.refused, None):
                     continue
-                if self._adopt_rib():
-                    log.info("RIB generation %d loaded (reloaded by another router process)", self.gen.version)
+                if self.adopt(router):
+                    log.info("RIB generation %d loaded (reloaded by another router process)", router.gen.version)
             except PolicyError as e:
-                log.error("RIB generation %s refused here (kept generation %d): %s", self._rib_refused,
-                          self.gen.version, "; ".join(x.where() for x in e.errors))
+                log.error("RIB generation %s refused here (kept generation %d): %s", self.refused,
+                          router.gen.version, "; ".join(x.where() for x in e.errors))
             except StoreUnavailable:
                 continue  # a shared store that cannot be reached: the router says so, once (atp.deploy.cluster)
             except Exception:
@@ -263,49 +269,73 @@ class SharedRib:
 
 
 # ---------------------------------------------------------------------------- worker
-class WorkerRouter(SharedRib, Router):
-    """A :class:`~atp.runtime.router.Router` that is one of N workers on a state
-    directory its supervisor holds: no lock of its own, no crash recovery (the
-    supervisor's), the store opened ``multiprocess``, budgets in a
-    :class:`~atp.flow.budget.SharedBudgetLedger`, the audit chain shared, its
-    streams stored with its owner name, RIB versions from the store and a
-    follower adopting the RIB other workers load (:class:`SharedRib`; module
-    docstring). ``kw`` as for :class:`Router` (``syn_stages``)."""
+def open_worker_state(config: RouterConfig, owner: str) -> tuple[StateParts, SharedRib]:
+    """The state of worker ``owner`` on the directory its supervisor holds: no
+    lock of its own, no crash recovery (the supervisor's), the store opened
+    ``multiprocess`` without checkpoints (the supervisor runs them aside: a
+    worker's commit never holds the write lock through a checkpoint's copy and
+    fsync), budgets in a :class:`~atp.flow.budget.SharedBudgetLedger`, the
+    audit chain shared; restored by adopting the store's active RIB (the
+    :class:`SharedRib` returned with it)."""
+    state_dir = config.state_dir
+    assert state_dir is not None, "--workers needs a --state-dir"
+    store = SqliteStore.open(state_dir, synchronous=config.state_sync.upper(), multiprocess=True,
+                             autocheckpoint=False)
+    ledger = SharedBudgetLedger(store, owner=owner)
+    audit_log = AuditLog.open(store, state_dir, shared=True, options=config.audit)
+    rib = SharedRib(store)
+    return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
+                      close=single.closing(audit_log, store), restore=(rib.adopt,)), rib
 
-    def __init__(self, config: RouterConfig, spec: WorkerSpec, **kw: Any) -> None:
-        self.worker = spec
+
+def build(config: RouterConfig, spec: WorkerSpec, **kw: Any) -> tuple[Router, Worker]:
+    """The router of worker ``spec.slot`` (module docstring), assembled from
+    the state its supervisor holds (:func:`open_worker_state`), with RIB
+    versions from the store and a follower adopting the RIB other workers load
+    (:class:`SharedRib`), learning and breakers shared
+    (:mod:`atp.runtime.controlplane.shared_state`), its streams stored with its
+    owner name and the :class:`Worker` gate on its SYNs; only worker 0 watches
+    ``--policies`` (its reload reaches the others through the store). Returns
+    it with its :class:`Worker` (where requests about others' streams go).
+    ``kw`` as for :class:`~atp.runtime.router.Router` (``syn_stages``)."""
+    worker = Worker(spec, config.state_dir)
+    state, rib = open_worker_state(config, worker.owner)
+    # Learning merged and breaker openings followed across workers (atp.runtime.controlplane.shared_state).
+    router = Router(replace(config, watch_policies=config.watch_policies and spec.slot == 0), state,
+                    services=(rib.service, lambda r: shared_state.background_tasks(r, worker.owner)),
+                    rib_version=rib.next_version, syn_gates=(worker,), **kw)
+    router.streams.owner = worker.owner
+    worker.router = router
+    return router, worker
+
+
+class Worker(SynGate):
+    """What makes a router one of N workers (:func:`build`): its owner name
+    ``w<slot>.<pid>``, where a request about a stream another worker owns goes
+    (:meth:`forward_target`, for :class:`ForwardingApp`), the ``x-atp-worker``
+    tag of its answers, and the gate on its SYNs: one re-opening (by
+    idempotency key) a stream that runs on another worker is refused with
+    ``EAGENTDOWN`` instead of running its task a second time (:meth:`refuse`)."""
+
+    def __init__(self, spec: WorkerSpec, state_dir: Path | None) -> None:
+        assert state_dir is not None, "--workers needs a --state-dir"
+        self.spec = spec
         self.owner = spec.owner
-        super().__init__(config, **kw)
-        self.streams.owner = self.owner
+        self.state_dir = state_dir
+        self.router: Router | None = None
 
-    def _lock_state(self) -> Any:
-        return None  # the supervisor holds it
-
-    def _open_store(self) -> SqliteStore:
-        # Checkpoints are the supervisor's (it runs them aside): a worker's commit
-        # never holds the write lock through a checkpoint's copy and fsync.
-        return SqliteStore.open(self.state_dir, synchronous=self.config.state_sync.upper(), multiprocess=True,
-                                autocheckpoint=False)
-
-    def _open_audit(self) -> AuditLog:
-        return AuditLog.open(self.store, self.state_dir, shared=True, options=self.config.audit)
-
-    def _restore_ledger(self) -> SharedBudgetLedger:
-        return SharedBudgetLedger(self.store, owner=self.owner)
-
-    def _mark_interrupted(self) -> int:
-        return 0  # the supervisor did, once, before starting the workers
-
-    def _restore_rib(self) -> None:
-        self._adopt_rib()
-
-    async def _watch_policies(self) -> None:
-        if self.worker.slot == 0:  # one watcher: its reload reaches the others through the store
-            await super()._watch_policies()
-
-    def _background_tasks(self) -> list[Callable[[], Any]]:
-        # Learning merged and breaker openings followed across workers (atp.runtime.controlplane.shared_state).
-        return [self._follow_rib, *shared_state.background_tasks(self)]
+    def refuse(self, frame: Frame, identity: Identity) -> Refuse | None:
+        router = self.router
+        assert router is not None
+        if isinstance(key := frame.meta.get("idempotency_key"), str) \
+                and router.streams.resumable(identity.tenant, key) is None:
+            rec = router.store.find_idempotent(identity.tenant, key)
+            if rec is not None and rec.state == "open" and rec.owner not in (None, self.owner):
+                return Refuse(ErrorCode.EAGENTDOWN,
+                              f"stream {rec.stream_id!r} of this idempotency_key runs on another router "
+                              "worker: follow it over HTTP (GET /v1/streams/{id}/events) or reconnect "
+                              "and resume again")
+        return None
 
     def forward_target(self, rec: Any) -> Any:
         """Where :class:`ForwardingApp` sends a request about stored stream
@@ -325,22 +355,7 @@ class WorkerRouter(SharedRib, Router):
     @property
     def instance_tag(self) -> tuple[bytes, bytes]:
         """The header every response of this worker carries: ``x-atp-worker: <slot>``."""
-        return (b"x-atp-worker", str(self.worker.slot).encode())
-
-    def receive_frame(self, frame: Frame, *, identity: Identity, now: float) -> list[Frame]:
-        """:meth:`Router.receive_frame`, but a SYN re-opening (by idempotency key)
-        a stream that runs on another worker is refused with ``EAGENTDOWN``
-        instead of running its task a second time."""
-        if Flag.SYN in frame.flags and isinstance(key := frame.meta.get("idempotency_key"), str) \
-                and self.streams.resumable(identity.tenant, key) is None:
-            rec = self.store.find_idempotent(identity.tenant, key)
-            if rec is not None and rec.state == "open" and rec.owner not in (None, self.owner):
-                self.metrics.errors.labels(str(ErrorCode.EAGENTDOWN)).inc()
-                return [connection_error(frame.session_id, frame.stream_id, ErrorCode.EAGENTDOWN,
-                                         f"stream {rec.stream_id!r} of this idempotency_key runs on another router "
-                                         "worker: follow it over HTTP (GET /v1/streams/{id}/events) or reconnect "
-                                         "and resume again")]
-        return super().receive_frame(frame, identity=identity, now=now)
+        return (b"x-atp-worker", str(self.spec.slot).encode())
 
 
 # ---------------------------------------------------------------------- forwarding
@@ -352,7 +367,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _STREAM_PATH = re.compile(r"^/v1/streams/([^/]+)/(?:events|frames|feedback)$")
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                          b"trailer", b"transfer-encoding", b"upgrade", b"content-length"})
-#: :meth:`WorkerRouter.forward_target` of a stream whose owner stopped with the
+#: :meth:`Worker.forward_target` of a stream whose owner stopped with the
 #: stream open and is being settled: answered 503, retry.
 RETRY: Any = object()
 #: The header a forwarded request carries (the forwarding process's tag): served where it lands.
@@ -456,11 +471,13 @@ class ForwardingApp:
     request about a stream another live router process owns is forwarded to it
     with the caller's own ``Authorization``; everything else goes to ``app``.
 
-    Where to is the router's: ``router.forward_target(record)`` gives the
+    Where to is the ``placement``'s (the process's :class:`Worker`, or a
+    cluster router's :class:`~atp.deploy.cluster.ClusterNode`):
+    ``placement.forward_target(record)`` gives the
     :class:`Peer` owning a stored stream, :data:`RETRY` (its owner is being
     settled: 503 ``EAGENTDOWN``, ``Retry-After: 1``) or None (served here);
     a string: 503 ``EAGENTDOWN`` with that reason (the process cannot tell now);
-    ``router.instance_tag`` is the header added to every response (a worker's
+    ``placement.instance_tag`` is the header added to every response (a worker's
     ``x-atp-worker``, a cluster router's ``x-atp-router``); an answer forwarded
     from a peer carries the peer's tag as ``x-atp-served-by``. ``private``: the
     app behind a worker's own unix socket (forwarded requests: never forwarded
@@ -472,12 +489,13 @@ class ForwardingApp:
     #: The reason of the 503 answered when the owner cannot be reached.
     unreachable_reason = "the router worker running this stream is restarting; retry"
 
-    def __init__(self, app: ASGIApp, router: Any, *, private: bool = False,
+    def __init__(self, app: ASGIApp, router: Router, placement: Any, *, private: bool = False,
                  metric: str = "atp_worker_forwarded") -> None:
         self.app = app
         self.router = router
+        self.placement = placement
         self.private = private
-        self._tag = router.instance_tag
+        self._tag = placement.instance_tag
         self._clients: dict[Peer, httpx.AsyncClient] = {}
         self._limit = router.config.max_body_bytes
         name = metric + "_private" if private else metric
@@ -520,7 +538,7 @@ class ForwardingApp:
             identity = self._identity(scope)
             if identity is None or self.router.streams.find(identity.tenant, m[1]) is not None:
                 return None, receive, None
-            target = self.router.forward_target(self.router.store.find_stream(identity.tenant, m[1]))
+            target = self.placement.forward_target(self.router.store.find_stream(identity.tenant, m[1]))
             if target is not None and target is not RETRY and method != "GET":
                 body, receive = await _read_body(receive, self._limit)
                 if body is None:
@@ -540,7 +558,7 @@ class ForwardingApp:
             return await self._keyed(identity, value, body, path), receive, body
         if self.router.streams.find(identity.tenant, value) is not None:
             return None, receive, body
-        return self.router.forward_target(self.router.store.find_stream(identity.tenant, value)), receive, body
+        return self.placement.forward_target(self.router.store.find_stream(identity.tenant, value)), receive, body
 
     async def _keyed(self, identity: Identity, key: str, body: bytes, path: str) -> Any:
         """Where a request opening a stream with idempotency key ``key`` goes
@@ -548,7 +566,7 @@ class ForwardingApp:
         the stream, else to the owner of the stream the key opened."""
         if self.router.streams.resumable(identity.tenant, key) is not None:
             return None
-        return self.router.forward_target(self.router.store.find_idempotent(identity.tenant, key))
+        return self.placement.forward_target(self.router.store.find_idempotent(identity.tenant, key))
 
     def _identity(self, scope: Scope) -> Identity | None:
         auth = None
@@ -658,13 +676,13 @@ def worker_main(config: RouterConfig, spec: WorkerSpec) -> int:
     async def main_async() -> None:
         nonlocal refused
         try:
-            router = WorkerRouter(config, spec)
+            router, worker = build(config, spec)
         except (PolicyError, RuntimeError, StoreError) as e:
             refused = e
             return
         app = build_app(router)
-        public = ForwardingApp(app, router, private=False)
-        private = ForwardingApp(app, router, private=True)
+        public = ForwardingApp(app, router, worker, private=False)
+        private = ForwardingApp(app, router, worker, private=True)
         hc = _hyper_config(config, [f"fd://{spec.http_fd}"], tls=True)
         sock_path = worker_socket(router.state_dir, spec.slot)
         hc_private = _hyper_config(config, [f"unix:{sock_path}"], tls=False)
@@ -712,14 +730,6 @@ def _hyper_config(config: RouterConfig, binds: list[str], *, tls: bool) -> Hyper
 
 
 # ---------------------------------------------------------------------- supervisor
-class _RecoveryRouter(Router):
-    """The single-process start-up on a state directory whose lock the
-    supervisor already holds: crash recovery, RIB validation, audit check."""
-
-    def _lock_state(self) -> Any:
-        return None
-
-
 def settle(store: Store, audit: AuditLog, owner: str, *, reason: str = WORKER_INTERRUPTED,
            release: bool = False, who: str = "worker") -> dict[str, int]:
     """Settle what router process ``owner`` left when it stopped (spec §5, §8):
@@ -774,7 +784,7 @@ def supervise(config: RouterConfig, workers: int, argv: list[str]) -> int:
     state_dir = config.state_dir
     assert state_dir is not None, "--workers needs a --state-dir"
     try:
-        lock = _lock_state_dir(state_dir)
+        lock = single.lock_state_dir(state_dir)
     except RuntimeError as e:
         print(f"atp-router: {e}", file=sys.stderr)
         return 2
@@ -811,7 +821,7 @@ def supervise(config: RouterConfig, workers: int, argv: list[str]) -> int:
 
 
 async def _recover(config: RouterConfig) -> dict[str, Any]:
-    router = _RecoveryRouter(config)
+    router = single.build(config, lock=False)  # the supervisor holds the lock
     async with trio.open_nursery() as nursery:
         await nursery.start(router.serve)  # and stop at once: adapters and state closed cleanly
         summary = {"version": router.store.active_rib_version() or router.gen.version,

@@ -14,6 +14,10 @@
                                          client budget, tenant admission, route,
                                          bandit, budget open), each continuing or
                                          refusing; ``Router(syn_stages=...)``
+:mod:`atp.runtime.deployment`            what a deployment mode (:mod:`atp.deploy`)
+                                         gives the router it assembles: its durable
+                                         state (store, audit chain, ledger),
+                                         background services, gates on the SYN path
 this module                              identity (:meth:`Router.authenticate`, one call
                                          for every ingress), authorization
                                          (:meth:`Router.authorize`), and the data plane:
@@ -59,13 +63,10 @@ gets none within ``idle_task_s``.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
 import random
 import secrets
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,7 +91,7 @@ from atp.observability.metrics import RouterMetrics
 from atp.observability.tracing import RouterTracing
 from atp.policy.fib import data_scope_labels
 from atp.policy.rib import ClientSpec, RateSpec
-from atp.runtime.controlplane.control import BODY_SOURCE, ControlPlane, Generation
+from atp.runtime.controlplane.control import ControlPlane, Generation
 from atp.runtime.controlplane.learning import Learning
 from atp.runtime.dataplane import memory
 from atp.runtime.dataplane.cache import DEFAULT_MAX_BYTES as DEFAULT_CACHE_MAX_BYTES
@@ -111,6 +112,7 @@ from atp.runtime.dataplane.streams import (
     StreamCtx,
     StreamTable,
 )
+from atp.runtime.deployment import Service, StateParts, SynGate
 from atp.security.audit import AuditLog, AuditOptions
 from atp.security.authn import (
     Authenticator,
@@ -132,7 +134,7 @@ from atp.security.redact import DataScopeGuard, Redacted, Refused
 from atp.security.redact import warm as redact_warm
 from atp.security.signing import DurableReplayGuard, UsageSigner
 from atp.security.tls import ServerTls
-from atp.store import SqliteStore, StoreJournal, StoreUnavailable
+from atp.store import Store, StoreUnavailable
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec, KeyRing
 from atp.wire.errors import (
@@ -181,11 +183,6 @@ _AUDIT_LOG_LEVEL = {"session_open": logging.DEBUG, "session_close": logging.DEBU
 DEFAULT_WINDOW = Window(max_parallel=4, max_tokens=120_000, max_usd_micros=1_250_000)
 #: Per-next-hop window of an agent without ``agents.<name>.window`` in the RIB.
 DEFAULT_AGENT_WINDOW = Window(max_parallel=16, max_tokens=2_000_000, max_usd_micros=20_000_000)
-
-#: The RST reason of a stream that was running when the router stopped (spec §8).
-INTERRUPTED = ("interrupted: the router restarted while the stream ran; it was not re-run — "
-               "open a new stream (new idempotency_key) to run it again")
-_stored_decoder = msgspec.json.Decoder(Frame)
 
 #: The ingresses' action names → :class:`~atp.security.authz.Action`.
 ACTIONS: Mapping[str, Action] = {a.name.lower(): a for a in Action}
@@ -355,31 +352,53 @@ class Router:
     ``syn_stages`` the SYN pipeline's stage types (default
     :data:`~atp.runtime.dataplane.opening.DEFAULT_STAGES`; a deployment mode or a test
     adds or replaces one with :func:`~atp.runtime.dataplane.opening.insert_stage` /
-    :func:`~atp.runtime.dataplane.opening.replace_stage`), built into :attr:`syn_stages`."""
+    :func:`~atp.runtime.dataplane.opening.replace_stage`), built into :attr:`syn_stages`.
 
-    def __init__(self, config: RouterConfig, *, authenticator: Authenticator | None = None,
-                 syn_stages: Sequence[StageType] = DEFAULT_STAGES):
+    What is not the data plane's own comes from the deployment mode that
+    assembles it (:mod:`atp.deploy`; :mod:`atp.runtime.deployment`): ``state``
+    (:class:`~atp.runtime.deployment.StateParts`: the store, audit chain and
+    budget ledger, how they are restored into the router and closed),
+    ``services`` (:data:`~atp.runtime.deployment.Service`: more background
+    loops, e.g. following a RIB another router process loaded),
+    ``rib_version`` (the version a reload gets, e.g. a store-wide one; None:
+    the next one of this router), ``syn_gates``
+    (:class:`~atp.runtime.deployment.SynGate`: a SYN refused before its
+    session sees it, a keyed SYN that must not resume here; called by
+    :meth:`receive_frame` and :meth:`resume_point`), ``store_refusal`` (how
+    :meth:`open_stream` refuses an open the store could not take:
+    ``(operation, error) -> ATPError``; None: the error propagates) and
+    ``metrics`` (its :class:`~atp.observability.metrics.RouterMetrics`, when
+    its parts report there before the router exists; default: new ones)."""
+
+    def __init__(self, config: RouterConfig, state: StateParts, *, authenticator: Authenticator | None = None,
+                 syn_stages: Sequence[StageType] = DEFAULT_STAGES, services: Sequence[Service] = (),
+                 rib_version: Callable[[], int] | None = None, syn_gates: Sequence[SynGate] = (),
+                 store_refusal: Callable[[str, StoreUnavailable], ATPError] | None = None,
+                 metrics: RouterMetrics | None = None):
         self.config = config
-        self.metrics = RouterMetrics()
+        self.services = tuple(services)
+        self.rib_version = rib_version
+        #: The deployment's hooks on the SYN path, in order (atp.runtime.deployment.SynGate).
+        self.syn_gates = tuple(syn_gates)
+        self.store_refusal = store_refusal
+        self.metrics = metrics if metrics is not None else RouterMetrics()
         #: Data-scope redaction and refusal at dispatch (spec §11), one for every stream.
         self.scope_guard = DataScopeGuard()
-        self._tmp_state: Path | None = None
-        if config.state_dir is None:
-            self._tmp_state = Path(tempfile.mkdtemp(prefix="atp-state-"))
+        #: The durable state its deployment mode opened (atp.runtime.deployment, atp.deploy).
+        self.state = state
         #: Where the durable state lives (spec §8, §11 audit; atp.store).
-        self.state_dir = config.state_dir or self._tmp_state
+        self.state_dir = state.state_dir
         # No local next-hop's sandbox may mount it (atp.adapters.tools.sandbox).
         forbid_paths(self.state_dir)
-        self._lock = self._lock_state()
-        self.store = self._open_store()
-        self.ledger = self._restore_ledger()
+        self.store: Store = state.store
+        self.ledger: BudgetLedger = state.ledger
         #: Answers of the policies that cache them (spec §13), in the store.
         self.cache = ResponseCache(self.store, self.metrics, max_bytes=config.cache_max_bytes,
                                    tenant_max_bytes=config.cache_tenant_max_bytes)
         #: Bytes of request bodies in flight per tenant, every ingress (atp.flow.body_budget).
         self.body_budget = BodyBudget(config.tenant_body_bytes
                                       or 2 * max(config.max_body_bytes, config.max_ws_message_bytes))
-        self.audit_log = self._open_audit()
+        self.audit_log: AuditLog = state.audit_log
         #: Signs each FINAL's usage summary (Ed25519; public key at GET /v1/keys).
         self.usage_signer = UsageSigner.load_or_create(self.state_dir / "usage.pem")
         self.authenticator: Authenticator = authenticator or build_authenticator(config)
@@ -432,8 +451,8 @@ class Router:
             retain_closed_bytes=config.retain_closed_bytes,
             idle_trim=memory.trim if config.idle_trim else None,
         )
-        self._interrupted = self._mark_interrupted()
-        self._restore_rib()
+        for restore in state.restore:
+            restore(self)
         #: Live FIB metrics, the policies' bandits, feedback and shadow routing (§6.2, §18).
         self.learning = Learning(self, seed=config.seed)
         self.learning.sync(self.gen)
@@ -444,71 +463,10 @@ class Router:
         #: The SYN pipeline (atp.runtime.dataplane.opening), in order: each stage continues or refuses.
         self.syn_stages: list[Stage] = [t.of(self.open_parts) for t in syn_stages]
 
-    # ------------------------------------------------------------------ durable state
-    # (each step a method: a worker of ``atp-router --workers N`` shares the state
-    # directory with its siblings and overrides them, atp.deploy.workers)
-    def _lock_state(self) -> Any:
-        return _lock_state_dir(self.state_dir)
-
-    def _open_store(self) -> SqliteStore:
-        return SqliteStore.open(self.state_dir, synchronous=self.config.state_sync.upper())
-
-    def _open_audit(self) -> AuditLog:
-        return AuditLog.open(self.store, self.state_dir, options=self.config.audit, warn=self._tmp_state is None)
-
-    def _restore_ledger(self) -> BudgetLedger:
-        """The budget ledger as the store has it (spec §5 across a crash): calls in
-        flight at the crash are committed at their reservation (their outcome is
-        unknown: a budget never comes back), stream accounts are closed (their
-        spend stays in their tenant's), every later mutation is journaled."""
-        recovered = self.store.recover()
-        if recovered:
-            log.warning("state: %d calls in flight at the last stop committed at their reserved amount",
-                        len(recovered))
-        ledger = BudgetLedger()
-        snapshot = self.store.load_ledger()
-        ledger.restore(snapshot)
-        ledger.journal = StoreJournal(self.store)
-        for acct in reversed(snapshot.accounts):  # children before parents
-            if acct.key.startswith("stream:"):
-                ledger.close(acct.key)
-        return ledger
-
-    def _mark_interrupted(self) -> int:
-        """Streams that were running when the router stopped are not re-run: each
-        is marked interrupted and its stored log ends with an RST saying so."""
-        now_ms = int(time.time() * 1000)
-        records = self.store.interrupt_open_streams(INTERRUPTED, now_ms=now_ms)
-        for rec in records:
-            end_interrupted(self.store, rec, INTERRUPTED)
-            self.audit_event("session_close", None, {"tenant": rec.tenant, "session_id": rec.session_id,
-                                                      "stream_id": rec.stream_id, "outcome": "interrupted"})
-        if records:
-            log.warning("state: %d streams were running at the last stop: reported as interrupted", len(records))
-        return len(records)
-
-    def _restore_rib(self) -> None:
-        """A RIB hot-reloaded through the API survives a restart; one loaded from
-        ``--policies`` is read from the files again."""
-        active = self.store.active_rib()
-        if active is not None and active[2] == BODY_SOURCE and active[1]:
-            self.control.reload(active[1])
-            log.info("RIB restored from the state directory (hot-reloaded as generation %d before the restart)",
-                     active[0])
-        else:
-            self.store.save_rib(self.gen.version, "", self.gen.source, "router")
-
     def close_state(self) -> None:
-        """Checkpoint the audit chain and close the store (clean shutdown); a
-        temporary state directory is removed."""
-        try:
-            self.audit_log.close()
-        finally:
-            self.store.close()
-            if self._lock is not None:
-                self._lock.close()
-            if self._tmp_state is not None:
-                shutil.rmtree(self._tmp_state, ignore_errors=True)
+        """Checkpoint the audit chain and close the store (clean shutdown):
+        :attr:`StateParts.close <atp.runtime.deployment.StateParts.close>`."""
+        self.state.close()
 
     # ------------------------------------------------------------------ control plane
     @property
@@ -528,13 +486,16 @@ class Router:
     def reload(self, text: str | None = None, *, identity: Identity | None = None,
                version: int | None = None, cause: str | None = None) -> dict[str, Any]:
         """Hot-reload the RIB (:meth:`ControlPlane.reload <atp.runtime.controlplane.control.ControlPlane.reload>`, §22)
-        as generation ``version`` (default: the next one),
+        as generation ``version`` (default: the deployment's ``rib_version()``, a
+        store-wide one, else the next one),
         audited with who asked and every endpoint and secret reference it adds,
         removes or changes (:func:`~atp.security.policy_guard.egress_changes`);
         a refused reload is audited too, and logged once (ERROR, every fault with
         its file and line; ``cause`` says what triggered it, e.g. the policy
         watch). Returns :meth:`rib_summary` with ``changes`` (those egress
         changes) and ``by`` (the actor's subject). Raises :class:`PolicyError`."""
+        if version is None and self.rib_version is not None:
+            version = self.rib_version()
         old = self.gen.rib
         try:
             summary = self.control.reload(text, version=version)
@@ -678,11 +639,14 @@ class Router:
         client that lost its state starts over on the stream's original ids);
         with ``resume_after = N`` (the last router ``msg_seq`` the client
         received) only what followed message N. ``None``: not a resumption (a
-        new key, a ttl-expired SYN, a key of another tenant)."""
+        new key, a ttl-expired SYN, a key of another tenant, a SYN a
+        :attr:`syn_gates` gate does not let resume here)."""
         if Flag.SYN not in frame.flags or frame.ttl == 0:
             return None
         key = frame.meta.get("idempotency_key")
         if not isinstance(key, str):
+            return None
+        if not all(gate.resumes(frame, identity, key) for gate in self.syn_gates):
             return None
         ctx = self.streams.resumable(identity.tenant, key) or self.streams.restore(
             identity, idempotency_key=key, now=trio.current_time())
@@ -713,7 +677,19 @@ class Router:
         closing frame with a wrong cause. A late message (task data) is
         answered with a lone ERROR ``EPROTO`` (no RST) saying the stream is
         closed; the WebSocket ingress sends it after the stream's own frames.
+
+        A SYN a :attr:`syn_gates` gate refuses (e.g. one re-opening by key a
+        stream that runs on another router process) is answered with a lone
+        ERROR with the gate's code, reason and ``retry_after_ms`` (counted in
+        ``atp_errors``), before its session sees it: no stream, no RST.
         """
+        if Flag.SYN in frame.flags:
+            for gate in self.syn_gates:
+                refused = gate.refuse(frame, identity)
+                if refused is not None:
+                    self.metrics.errors.labels(str(refused.code)).inc()
+                    return [connection_error(frame.session_id, frame.stream_id, refused.code, refused.reason,
+                                             refused.retry_after_ms)]
         self.metrics.frames.labels("in", _kind(frame)).inc()
         tenant = identity.tenant
         if Flag.SYN in frame.flags:
@@ -1080,7 +1056,8 @@ class Router:
 
         The same ``idempotency_key`` (per tenant) returns the stream it opened
         before — over HTTP or WebSocket — without a second task or charge (§8).
-        Raises :class:`ATPError` with the code the SYN was reset with.
+        Raises :class:`ATPError` with the code the SYN was reset with (or the
+        deployment's ``store_refusal`` when the store could not be reached).
         """
         session_id = "sess_" + secrets.token_hex(8)
         stream_id = "task_" + secrets.token_hex(8)
@@ -1094,9 +1071,14 @@ class Router:
             qos=qos or QoS.SILVER, window=window, meta=meta,
             payload=Payload(type=PayloadType.TASK, content=content) if content is not None else None,
         )
-        if idempotency_key is not None and (resumed := self.resume_point(syn, identity=identity)) is not None:
-            return resumed[0]
-        direct = self.receive_frame(syn, identity=identity, now=trio.current_time())
+        try:
+            if idempotency_key is not None and (resumed := self.resume_point(syn, identity=identity)) is not None:
+                return resumed[0]
+            direct = self.receive_frame(syn, identity=identity, now=trio.current_time())
+        except StoreUnavailable as e:
+            if self.store_refusal is None:
+                raise
+            raise self.store_refusal("open", e) from None
         ctx = self.streams.get(identity.tenant, session_id, stream_id)
         if ctx is None:
             err = _error_of(direct)
@@ -1135,8 +1117,9 @@ class Router:
                 nursery.start_soon(partial(trio.to_thread.run_sync, redact_warm, abandon_on_cancel=True))
                 if self.config.watch_policies:
                     nursery.start_soon(self._watch_policies)
-                for task in self._background_tasks():
-                    nursery.start_soon(task)
+                for service in self.services:
+                    for task in service(self):
+                        nursery.start_soon(task)
                 self._nursery = nursery
                 task_status.started(self)
                 try:
@@ -1148,10 +1131,6 @@ class Router:
             # Also when cancelled from outside: the state directory's lock is
             # released, so a router can start on it again in this process.
             self.close_state()
-
-    def _background_tasks(self) -> list[Callable[[], Any]]:
-        """More background loops :meth:`serve` runs (a worker's RIB follower)."""
-        return []
 
     async def _watch_policies(self) -> None:
         """Reload the RIB when a policy file changes (``watch_policies``)."""
@@ -1196,19 +1175,6 @@ class Router:
                 log.exception("state: audit checkpoint or expiry failed")
 
 
-def end_interrupted(store: SqliteStore, rec: Any, reason: str) -> None:
-    """End the stored log of stream ``rec`` (a :class:`~atp.store.base.StreamRecord`
-    just marked interrupted) with an RST ``EAGENTDOWN`` giving ``reason`` (spec
-    §8: a client reading or resuming it learns it was not finished)."""
-    events = store.events(rec.tenant, rec.session_id, rec.stream_id)
-    last = _stored_decoder.decode(events[-1].frame) if events else None
-    rst = Frame(v=1, session_id=rec.session_id, stream_id=rec.stream_id,
-                msg_seq=(last.msg_seq + 1) if last is not None else 0, flags=[Flag.RST],
-                payload=Payload(type=PayloadType.CONTROL,
-                                content=ErrorPayload(code=ErrorCode.EAGENTDOWN, reason=reason)))
-    store.append_event(rec.tenant, rec.session_id, rec.stream_id, len(events) + 1, "RST", msgspec.json.encode(rst))
-
-
 def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: str,
                      retry_after_ms: int | None = None) -> Frame:
     """An ERROR (spec §10) outside any session's sequence: for a frame the router
@@ -1222,21 +1188,6 @@ def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: s
         payload=Payload(type=PayloadType.CONTROL,
                         content=ErrorPayload(code=code, reason=reason, retry_after_ms=retry_after_ms)),
     )
-
-
-def _lock_state_dir(state_dir: Path) -> Any:
-    """Hold ``<state_dir>/router.lock`` for the life of the process: two routers on
-    one state directory would interleave ledgers and the audit chain. Raises
-    ``RuntimeError`` naming the directory when another process holds it."""
-    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    f = open(state_dir / "router.lock", "a+")  # noqa: SIM115 (held until the process exits)
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise RuntimeError(f"state directory {state_dir} is in use by another atp-router "
-                           "(give each router its own --state-dir)") from None
-    return f
 
 
 def build_authenticator(config: RouterConfig) -> Authenticator:

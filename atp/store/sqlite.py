@@ -798,16 +798,26 @@ class SqliteStore(Store):
         return new
 
     # ------------------------------------------------------- response cache
+    # The response cache's calls raise StoreError for a database error (a disk
+    # error, the file locked past the busy timeout): the router serves without
+    # the cache then (atp.runtime.dataplane.cache), whichever store it runs on.
     def cache_get(self, key: bytes, *, now_ms: int) -> bytes | None:
-        with self._lock:
-            row = self._conn.execute("SELECT value, expires_ms FROM cache WHERE key = ?", (key,)).fetchone()
-        if row is None or row[1] <= now_ms:
-            return None
-        self._one("UPDATE cache SET used_ms = ? WHERE key = ? AND used_ms < ?", (now_ms, key, now_ms))
-        return bytes(row[0])
+        with self._store_error("cache read"):
+            with self._lock:
+                row = self._conn.execute("SELECT value, expires_ms FROM cache WHERE key = ?", (key,)).fetchone()
+            if row is None or row[1] <= now_ms:
+                return None
+            self._one("UPDATE cache SET used_ms = ? WHERE key = ? AND used_ms < ?", (now_ms, key, now_ms))
+            return bytes(row[0])
 
     def cache_put(self, key: bytes, value: bytes, *, tenant: str | None, now_ms: int, expires_ms: int,
                   max_bytes: int, tenant_max_bytes: int | None = None) -> CachePut:
+        with self._store_error("cache write"):
+            return self._cache_put(key, value, tenant=tenant, now_ms=now_ms, expires_ms=expires_ms,
+                                   max_bytes=max_bytes, tenant_max_bytes=tenant_max_bytes)
+
+    def _cache_put(self, key: bytes, value: bytes, *, tenant: str | None, now_ms: int, expires_ms: int,
+                   max_bytes: int, tenant_max_bytes: int | None) -> CachePut:
         size = len(value)
         with self._tx() as c:
             # Expired entries first (the one replaced here too, if it expired), then the replaced one.
@@ -829,12 +839,21 @@ class SqliteStore(Store):
         return CachePut(stored=stored, expired=expired, evicted=evicted, stats=CacheStats(entries, total))
 
     def cache_drop(self, key: bytes) -> None:
-        with self._tx() as c:
+        with self._store_error("cache write"), self._tx() as c:
             _cache_remove(c, "DELETE FROM cache WHERE key = ? RETURNING size", (key,))
 
     def cache_stats(self) -> CacheStats:
-        row = self._row("SELECT entries, bytes FROM cache_total")
+        with self._store_error("cache read"):
+            row = self._row("SELECT entries, bytes FROM cache_total")
         return CacheStats(*row) if row is not None else CacheStats()
+
+    @contextmanager
+    def _store_error(self, what: str) -> Iterator[None]:
+        """A database error inside as :class:`StoreError` naming the file and ``what``."""
+        try:
+            yield
+        except sqlite3.Error as e:
+            raise StoreError(f"{self.path}: {what}: {e}") from e
 
 
 def ledger_snapshot(accts: list[tuple], res: list[Reservation], next_id: int) -> LedgerSnapshot:

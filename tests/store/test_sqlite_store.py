@@ -69,6 +69,25 @@ def test_schema_version_refusal(tmp_path: Path):
         SqliteStore.open(tmp_path / "junk")
 
 
+def test_a_response_cache_call_that_fails_in_sqlite_raises_store_error(tmp_path: Path):
+    # The runtime's cache catches StoreError alone (it names no backend): a database
+    # error of the cache's calls comes as one, naming the file and the call.
+    d = tmp_path / "state"
+    with SqliteStore.open(d) as s:
+        s.cache_put(b"k", b"v", tenant=None, now_ms=1, expires_ms=10, max_bytes=100)
+        with sqlite3.connect(d / "state.db") as c:
+            c.execute("DROP TABLE cache")
+        for call in (lambda: s.cache_get(b"k", now_ms=2), lambda: s.cache_drop(b"k"),
+                     lambda: s.cache_put(b"k", b"v", tenant=None, now_ms=2, expires_ms=10, max_bytes=100)):
+            with pytest.raises(StoreError, match=r"state\.db: cache (read|write): no such table: cache") as e:
+                call()
+            assert isinstance(e.value.__cause__, sqlite3.OperationalError)
+        with sqlite3.connect(d / "state.db") as c:
+            c.execute("DROP TABLE cache_total")
+        with pytest.raises(StoreError, match="cache read: no such table: cache_total"):
+            s.cache_stats()
+
+
 def test_per_call_cost(tmp_path: Path):
     """The router calls the store on its trio thread: append_event and a ledger
     commit must stay small (printed with -s; numbers go in the docs)."""

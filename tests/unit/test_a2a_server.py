@@ -41,6 +41,7 @@ from atp.adapters.a2a import A2AAdapter
 from atp.adapters.base import Prompt
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import Severity
+from atp.deploy import single
 from atp.deploy.cli import _parser, config_from_args
 from atp.review.repo import files_after
 from atp.runtime.ingress.a2a import a2a_routes, agent_card
@@ -97,7 +98,7 @@ async def start_a2a_router(nursery: trio.Nursery, tmp_path: Path, **config: Any)
     a2a_routes)."""
     rib = tmp_path / "rib.yaml"
     rib.write_text(RIB)
-    router = Router(RouterConfig(policies=rib, http_port=0, ws_port=0, **config))
+    router = single.build(RouterConfig(policies=rib, http_port=0, ws_port=0, **config))
     await nursery.start(router.serve)
     app = build_app(router)
     hc = HyperConfig()
@@ -492,7 +493,7 @@ async def test_the_a2a_adapter_against_the_router(env, monkeypatch, dialect):
 def test_routes_are_mounted_in_the_control_api(tmp_path, scripted):
     rib = tmp_path / "rib.yaml"
     rib.write_text(RIB)
-    router = Router(RouterConfig(policies=rib))
+    router = single.build(RouterConfig(policies=rib))
     paths = [r.path for r in a2a_routes(router)]
     assert paths == ["/.well-known/agent-card.json", "/.well-known/agent-card", "/a2a"]
     served = [r.path for r in build_app(router).routes]

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import pytest
 import trio
 
+from atp.deploy import single
 from atp.flow.budget import Allowance, BudgetLedger
 from atp.policy.rib import ClientSpec, RateSpec
 from atp.runtime.dataplane.opening import (
@@ -65,14 +66,14 @@ def syn(meta: dict[str, Any] | None = None, content: Any = None, *, identity: Id
 
 @pytest.fixture
 def router(tmp_path: Path) -> Iterator[Router]:
-    r = Router(RouterConfig(policies=MECHANICS_RIB, state_dir=tmp_path / "state", max_streams=2))
+    r = single.build(RouterConfig(policies=MECHANICS_RIB, state_dir=tmp_path / "state", max_streams=2))
     yield r
     r.close_state()
 
 
 @pytest.fixture
 def learning_router(tmp_path: Path) -> Iterator[Router]:
-    r = Router(RouterConfig(policies=LEARNING_RIB, state_dir=tmp_path / "learning-state"))
+    r = single.build(RouterConfig(policies=LEARNING_RIB, state_dir=tmp_path / "learning-state"))
     yield r
     r.close_state()
 
@@ -340,7 +341,7 @@ def open_http(router: Router, qos: QoS) -> Any:
 async def test_a_stage_given_to_the_router_runs_in_its_place(tmp_path):
     OnlyGold.seen.clear()
     stages = replace_stage(DEFAULT_STAGES, "tenant_admission", OnlyGold)
-    router = Router(RouterConfig(policies=MECHANICS_RIB, state_dir=tmp_path / "state"), syn_stages=stages)
+    router = single.build(RouterConfig(policies=MECHANICS_RIB, state_dir=tmp_path / "state"), syn_stages=stages)
     try:
         assert [s.name for s in router.syn_stages] == [s.name for s in stages]
         with pytest.raises(ATPError) as e:
@@ -354,7 +355,7 @@ async def test_a_stage_given_to_the_router_runs_in_its_place(tmp_path):
         assert router.admission.statistics() == {"tenants": 0}
     finally:
         router.close_state()
-    default = Router(RouterConfig(policies=MECHANICS_RIB, state_dir=tmp_path / "state2"))
+    default = single.build(RouterConfig(policies=MECHANICS_RIB, state_dir=tmp_path / "state2"))
     try:
         ctx = open_http(default, QoS.SILVER)
         assert ctx.qos is QoS.SILVER and default.admission.statistics() == {"tenants": 1}

@@ -112,13 +112,14 @@ def test_openapi_paths_match_the_control_api_routes(tmp_path):
 
     from starlette.routing import Route
 
+    from atp.deploy import single
     from atp.runtime.admin.openapi import openapi_document
     from atp.runtime.ingress.http_api import build_app
-    from atp.runtime.router import Router, RouterConfig
+    from atp.runtime.router import RouterConfig
 
     policies = tmp_path / "policies"
     shutil.copytree(Path(__file__).resolve().parents[2] / "policies", policies)
-    app = build_app(Router(RouterConfig(policies=policies)))
+    app = build_app(single.build(RouterConfig(policies=policies)))
     served = {(r.path, m.lower()) for r in app.routes if isinstance(r, Route) for m in r.methods if m != "HEAD"}
     documented = {(p, m) for p, ops in openapi_document()["paths"].items() for m in ops}
     assert served == documented

@@ -38,10 +38,11 @@ import atp.policy.rib
 from atp.adapters.base import Fragment
 from atp.adapters.testing import ScriptedAdapter
 from atp.consensus.types import AgentFinding, Severity, Usage
+from atp.deploy import single
 from atp.flow.breaker import RetryPolicy
 from atp.policy.loader import load_rib_text
-from atp.runtime.router import Router, RouterConfig, StreamCtx, build_authenticator
 from atp.runtime.dataplane.streams import LoggedEvent
+from atp.runtime.router import Router, RouterConfig, StreamCtx, build_authenticator
 from atp.security.identity import ANONYMOUS, Identity, Role
 from atp.wire import session as S
 from atp.wire.codec import FrameCodec
@@ -68,7 +69,6 @@ from tests.unit.test_router_dispatch import (
 )
 from tests.unit.test_router_ws import WINDOW, connect, task_payload
 
-
 BIG_WINDOW = {"max_parallel": 64, "max_tokens": 10_000_000, "max_usd_micros": 100_000_000}
 
 
@@ -83,7 +83,7 @@ async def serving(tmp_path, doc: dict, **config: Any) -> AsyncIterator[Router]:
     """A real Router on the RIB ``doc`` (JSON is YAML), serving its background tasks."""
     path = tmp_path / f"rib-{secrets.token_hex(4)}.yaml"
     path.write_text(json.dumps(doc))
-    router = Router(RouterConfig(policies=path, **config))
+    router = single.build(RouterConfig(policies=path, **config))
     async with trio.open_nursery() as n:
         await n.start(router.serve)
         try:
@@ -761,7 +761,7 @@ async def test_reload_closes_a_dropped_adapter_once_no_stream_of_its_generation_
 
     path = tmp_path / "rib.yaml"
     path.write_text(rib("m.old", "m.keep"))
-    router = Router(RouterConfig(policies=path))
+    router = single.build(RouterConfig(policies=path))
     async with trio.open_nursery() as n:
         await n.start(router.serve)
         ctx = open_inproc(router)

@@ -328,15 +328,16 @@ async def test_peer_gone_while_a_heartbeat_is_sent_ends_the_connection_without_a
     from trio.testing import memory_stream_pair
     from trio_websocket import wrap_client_stream, wrap_server_stream
 
+    from atp.deploy import single
     from atp.runtime.ingress.ws import _connection
-    from atp.runtime.router import Router, RouterConfig
+    from atp.runtime.router import RouterConfig
 
     scripted["m.stream"] = Streamer("m.stream")
     doc = {"agents": {"m.stream": scripted_agent()},
            "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.stream"]}]}
     path = tmp_path / "rib.yaml"
     path.write_text(json.dumps(doc))
-    router = Router(RouterConfig(policies=path, hb_interval_s=0.05, hb_timeout_s=30.0))
+    router = single.build(RouterConfig(policies=path, hb_interval_s=0.05, hb_timeout_s=30.0))
     codec = FrameCodec("json")
     client_end, server_end = memory_stream_pair()
     async with trio.open_nursery() as nursery:

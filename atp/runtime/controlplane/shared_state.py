@@ -2,8 +2,8 @@
 
 Several router processes on one store — ``atp-router --workers N`` on the
 embedded SQLite store, or routers on a shared store (``--store redis://…``,
-:mod:`atp.deploy.cluster`) — call :func:`background_tasks` from their
-``_background_tasks()``; it switches the router to shared mode and returns the
+:mod:`atp.deploy.cluster`) — run :func:`background_tasks` as one of
+their background services; it switches the router to shared mode and returns the
 loops that keep it so:
 
 * **learning** (:meth:`~atp.runtime.controlplane.learning.Learning.sync_shared`, every
@@ -64,13 +64,14 @@ BREAKER_POLL_S = 0.5
 BREAKER_PREFIX = "breaker/"
 
 
-def background_tasks(router: Router) -> list[Callable[[], Awaitable[None]]]:
+def background_tasks(router: Router, owner: str) -> list[Callable[[], Awaitable[None]]]:
     """Switch ``router`` to shared learning and breakers and return the loops
-    that keep them shared (for its ``_background_tasks()``; see the module
-    doc). Call once, before traffic (its ``serve`` calls ``_background_tasks``
-    at start). ``router.owner`` names it in the breaker records."""
+    that keep them shared (see the module doc): a background service of the
+    router (:data:`~atp.runtime.deployment.Service`, ``Router(services=[...])``),
+    called once when it starts serving, before traffic. ``owner`` (its name in
+    the store) names it in the breaker records."""
     router.learning.share()
-    share = BreakerShare(router.owner)  # type: ignore[attr-defined]  # WorkerRouter, ClusterRouter
+    share = BreakerShare(owner)
     wake = _Wake()
 
     def on_transition(t: BreakerTransition) -> None:

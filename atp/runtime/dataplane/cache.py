@@ -56,7 +56,6 @@ error), ``atp_cache_evictions`` (reason expired / size), ``atp_cache_bytes``,
 from __future__ import annotations
 
 import logging
-import sqlite3
 import time
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -93,7 +92,6 @@ MAX_ENTRY_BYTES = 1 << 20
 #: of encoding and hashing and up), not on the event loop.
 _INLINE_KEY_CHARS = 64 * 1024
 
-_STORE_ERRORS = (StoreError, sqlite3.Error)
 
 
 class ResponseCache:
@@ -117,7 +115,7 @@ class ResponseCache:
         if max_bytes:
             try:
                 stats = store.cache_stats()
-            except _STORE_ERRORS:
+            except StoreError:
                 log.exception("response cache: cannot read its size from the store")
             else:
                 metrics.cache_entries.set(stats.entries)
@@ -192,7 +190,7 @@ class CacheView:
         now_ms = c.now_ms()
         try:
             value = c.store.cache_get(key, now_ms=now_ms)
-        except _STORE_ERRORS:
+        except StoreError:
             log.exception("response cache: lookup failed (a miss)")
             value = None
         entry = decode_entry(value) if value is not None else None
@@ -243,7 +241,7 @@ class CacheView:
             put = c.store.cache_put(key, value, tenant=self.tenant, now_ms=now_ms,
                                     expires_ms=now_ms + int(self.spec.ttl_s * 1000), max_bytes=c.max_bytes,
                                     tenant_max_bytes=c.tenant_max_bytes)
-        except (*_STORE_ERRORS, TypeError, ValueError, msgspec.EncodeError):
+        except (StoreError, TypeError, ValueError, msgspec.EncodeError):
             log.exception("response cache: storing %s's answer failed", agent)
             m.cache_stores.labels("error").inc()
             return
@@ -258,7 +256,7 @@ class CacheView:
     def _drop(self, key: bytes) -> None:
         try:
             self.cache.store.cache_drop(key)
-        except _STORE_ERRORS:
+        except StoreError:
             log.exception("response cache: dropping a bad value failed")
 
 
