@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_admission.py [--n 20000] [--tasks 2000] [--repeat 3] [--baseline REV]
 
 Part 1, sans-IO, µs of CPU per call (best of ``--repeat`` runs of ``--n``): one
-uncontended call through :class:`~atp.flow.admission.AdmissionControl` —
+uncontended call through :class:`~atp_router.flow.admission.AdmissionControl` —
 ``begin`` + ``step`` (breaker, both windows, a QoS slot, the next-hop queue, the
 budget) + ``release`` (commit, AIMD on both windows, slot, breaker) — against the
 floor: the same calls on the same sans-IO pieces made by hand in one function.
@@ -11,12 +11,12 @@ Then a contended call: it waits at the next-hop window and is handed the room
 when the call ahead of it is released.
 
 Part 2, trio, µs of CPU per next-hop call through :meth:`Dispatcher.run
-<atp.runtime.dataplane.dispatch.Dispatcher.run>` (zero-cost adapters answering at once, a
+<atp_router.runtime.dataplane.dispatch.Dispatcher.run>` (zero-cost adapters answering at once, a
 two-next-hop route): ``--tasks`` tasks one after another (uncontended), and the
 same tasks 32 at a time against next-hop windows of 2 calls and 8 QoS slots
 (queueing, NACKs, hand-offs). The new dispatcher is compared with the baseline
-in the same run: ``atp/runtime/dataplane/dispatch.py`` as of ``--baseline`` (default: the
-commit before ``atp/flow/admission.py`` was added, or ``HEAD`` while it is not
+in the same run: ``atp_router/runtime/dataplane/dispatch.py`` as of ``--baseline`` (default: the
+commit before ``atp_router/flow/admission.py`` was added, or ``HEAD`` while it is not
 committed; at the path it had then, git following its renames), loaded from git
 beside the current one; both runs alternate, best
 of ``--repeat``. Each row also counts the NACKs (EWINDOW) and WINDOW_UPDATEs the
@@ -41,17 +41,17 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from atp.adapters.base import Fragment, Prompt, ProviderAdapter
-from atp.consensus.types import AgentReport, Usage
-from atp.flow.admission import AdmissionControl, Admit, Outcome, StreamFlow, Wait
-from atp.flow.breaker import BreakerBoard, RetryPolicy
-from atp.flow.budget import Allowance, BudgetLedger
-from atp.flow.qos import QosScheduler
-from atp.flow.window import Estimate, WindowTable
-from atp.flow.window import Window as FlowWindow
-from atp.policy.fib import NextHop, Route
-from atp.runtime.dataplane import dispatch as new_dispatch
-from atp.wire.frame import Capabilities, CostEstimate, PayloadType, QoS, Window
+from atp_router.adapters.base import Fragment, Prompt, ProviderAdapter
+from atp_router.consensus.types import AgentReport, Usage
+from atp_router.flow.admission import AdmissionControl, Admit, Outcome, StreamFlow, Wait
+from atp_router.flow.breaker import BreakerBoard, RetryPolicy
+from atp_router.flow.budget import Allowance, BudgetLedger
+from atp_router.flow.qos import QosScheduler
+from atp_router.flow.window import Estimate, WindowTable
+from atp_router.flow.window import Window as FlowWindow
+from atp_router.policy.fib import NextHop, Route
+from atp_router.runtime.dataplane import dispatch as new_dispatch
+from atp_router.wire.frame import Capabilities, CostEstimate, PayloadType, QoS, Window
 
 EST = Estimate(tokens=900, usd_micros=1_800)
 ROOMY = Window(max_parallel=8, max_tokens=1_000_000, max_usd_micros=10_000_000)
@@ -179,7 +179,7 @@ class CountingIO:
 
 
 #: The dispatcher's path in this tree; an older ``rev`` may have it elsewhere.
-DISPATCH = "atp/runtime/dataplane/dispatch.py"
+DISPATCH = "atp_router/runtime/dataplane/dispatch.py"
 
 
 def dispatch_path_at(rev: str) -> str:
@@ -199,7 +199,7 @@ def baseline_module(rev: str | None) -> tuple[ModuleType | None, str]:
     """The dispatcher (:data:`DISPATCH`) as of ``rev`` (see the module doc), imported
     beside the current one; ``None`` with the reason when it cannot be."""
     if rev is None:
-        added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", "atp/flow/admission.py"],
+        added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", "atp_router/flow/admission.py"],
                                cwd=ROOT, capture_output=True, text=True, check=False).stdout.split()
         rev = f"{added[-1]}^" if added else "HEAD"
     path = dispatch_path_at(rev)
@@ -208,7 +208,7 @@ def baseline_module(rev: str | None) -> tuple[ModuleType | None, str]:
         return None, f"git show {rev}: {src.stderr.strip()}"
     if "class AdmissionControl" in src.stdout or "AdmissionControl(" in src.stdout:
         return None, f"{rev} already has the new admission"
-    name = "atp.runtime.dataplane._dispatch_baseline"
+    name = "atp_router.runtime.dataplane._dispatch_baseline"
     spec = importlib.util.spec_from_loader(name, loader=None)
     assert spec is not None
     mod = importlib.util.module_from_spec(spec)

@@ -31,14 +31,14 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from atp.adapters.base import Prompt
-from atp.adapters.tools.bandit import BanditAdapter
-from atp.adapters.tools.mypy import MypyAdapter
-from atp.adapters.tools.pylint import PylintAdapter
-from atp.adapters.tools.ruff import RuffAdapter
-from atp.adapters.tools.semgrep import SemgrepAdapter
-from atp.review.eval import score_spans
-from atp.wire.errors import AgentError
+from atp_router.adapters.base import Prompt
+from atp_router.adapters.tools.bandit import BanditAdapter
+from atp_router.adapters.tools.mypy import MypyAdapter
+from atp_router.adapters.tools.pylint import PylintAdapter
+from atp_router.adapters.tools.ruff import RuffAdapter
+from atp_router.adapters.tools.semgrep import SemgrepAdapter
+from atp_router.review.eval import score_spans
+from atp_router.wire.errors import AgentError
 from tests.golden_tasks.harness import GOLDEN_PATH, load_tasks, matches, percentile
 
 ADAPTERS = {"ruff": RuffAdapter, "bandit": BanditAdapter, "pylint": PylintAdapter, "mypy": MypyAdapter,

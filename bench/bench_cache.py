@@ -4,7 +4,7 @@ Run: ``python bench/bench_cache.py [--tasks N]``. Plain script, < 1 min.
 
 Part 1, per operation (CPU µs of this thread, best of 5 rounds of 200):
 
-* **key**: :func:`atp.policy.cache.cache_key` of a golden code-review prompt (its
+* **key**: :func:`atp_router.policy.cache.cache_key` of a golden code-review prompt (its
   diff and files) and of a 1 MiB one, beside the floor in the same run — one
   SHA-256 of the same prompt's JSON (``msgspec.json.encode`` + ``hashlib``);
 * **store**: ``cache_get`` of a hit (read + touch) and ``cache_put`` of a typical
@@ -30,16 +30,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import atp
 import msgspec
 import trio
 
-import atp
-from atp.adapters.base import Prompt
-from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
-from atp.deploy.cli import run
-from atp.policy.cache import CacheEntry, cache_key, encode_entry
-from atp.runtime.router import RouterConfig
-from atp.store import SqliteStore
+from atp_router.adapters.base import Prompt
+from atp_router.consensus.types import AgentFinding, AgentReport, Severity, Usage
+from atp_router.deploy.cli import run
+from atp_router.policy.cache import CacheEntry, cache_key, encode_entry
+from atp_router.runtime.router import RouterConfig
+from atp_router.store import SqliteStore
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT.parent / "shared" / "golden" / "dev.jsonl"

@@ -23,8 +23,16 @@ from collections.abc import Callable
 import cbor2
 import msgspec
 
-from atp.wire.codec import FrameCodec, StreamDecoder, seal
-from atp.wire.frame import CostEstimate, Flag, Frame, Payload, PayloadType, QoS, Window
+from atp_router.wire.codec import FrameCodec, StreamDecoder, seal
+from atp_router.wire.frame import (
+    CostEstimate,
+    Flag,
+    Frame,
+    Payload,
+    PayloadType,
+    QoS,
+    Window,
+)
 
 KEY = b"bench-hmac-key-0123456789abcdef!"
 

@@ -390,7 +390,7 @@ class _WsTasks:
     """bench_router.py's WsClient, with each task's FINAL content checked."""
 
     def __init__(self, ws, ws_client_cls):
-        from atp.wire.frame import Payload, PayloadType
+        from atp_router.wire.frame import Payload, PayloadType
 
         self._c = ws_client_cls(ws)
         self._payload = Payload(type=PayloadType.TASK, content={"messages": MESSAGES})

@@ -18,9 +18,9 @@ import time
 
 import msgspec
 
-from atp.policy.fib import compile_fib
-from atp.policy.learn import RoutingLearner
-from atp.policy.rib import Rib
+from atp_router.policy.fib import compile_fib
+from atp_router.policy.learn import RoutingLearner
+from atp_router.policy.rib import Rib
 
 RIB = {
     "agents": {a: {"layer": "L2", "tool": "ruff", "p95_ms": 300, "win30d": w, "strengths": ["code_review"]}

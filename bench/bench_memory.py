@@ -162,7 +162,7 @@ class IdleConn:
     """One WebSocket carrying one client session of up to :data:`PER_SESSION` streams."""
 
     def __init__(self, ws, session) -> None:
-        from atp.wire.codec import FrameCodec
+        from atp_router.wire.codec import FrameCodec
 
         self.ws = ws
         self.session = session
@@ -175,7 +175,7 @@ class IdleConn:
             await self.ws.send_message(self.codec.encode(f).decode("utf-8"))
 
     async def reader(self) -> None:
-        from atp.wire import session as S
+        from atp_router.wire import session as S
 
         while True:
             msg = await self.ws.get_message()
@@ -205,9 +205,9 @@ async def hold_streams(url: str, ws_url: str, key: str, n: int, task_type: str, 
     import trio
     from trio_websocket import open_websocket_url
 
-    from atp.wire import session as S
-    from atp.wire.errors import ErrorCode
-    from atp.wire.frame import Payload, PayloadType
+    from atp_router.wire import session as S
+    from atp_router.wire.errors import ErrorCode
+    from atp_router.wire.frame import Payload, PayloadType
 
     out: dict = {"before": rss_mb(pid)}
     payload = Payload(type=PayloadType.TASK, content={"messages": [{"role": "user", "content": "wait"}]})

@@ -10,7 +10,7 @@ as written, in the same run.
   and the ``HELD_OUT`` half (written after the detectors, never tuned to);
   the same for the scan as written (``DataScopeGuard(normalise=False)``).
 * **fp_rate**: the corpus' negatives redacted at all, and lines of ordinary code
-  — the router's own ``atp/`` sources and the golden diffs — on which the
+  — the router's own ``atp_router/`` sources and the golden diffs — on which the
   normalised scan detects something the scan as written does not, per line.
 * **µs per KiB**: CPU of :meth:`DataScopeGuard.inspect` on that code (best of
   ``--repeat``), normalised vs as written (the baseline).
@@ -30,7 +30,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from atp.security.redact import DataScopeGuard, Pass
+from atp_router.security.redact import DataScopeGuard, Pass
 from tests.security.redact_corpus import DEV, HELD_OUT, NEGATIVES, leaks
 
 LABELS = frozenset({"no_secrets"})
@@ -46,7 +46,7 @@ def recall(guard: DataScopeGuard, cases: list) -> tuple[float, list[str]]:
 
 
 def ordinary_code(golden: pathlib.Path) -> list[dict]:
-    items = [{"files": {p.name: p.read_text()}} for p in sorted((ROOT / "atp").rglob("*.py"))]
+    items = [{"files": {p.name: p.read_text()}} for p in sorted((ROOT / "atp_router").rglob("*.py"))]
     if golden.exists():
         for line in golden.read_text().splitlines():
             diff = json.loads(line).get("diff")

@@ -8,10 +8,10 @@ Run: ``python bench/bench_replay.py [--n 1000] [--rounds 5]``. Plain script,
 Rows, each one signed ~1.3 KB frame (a fresh ``meta.nonce`` and ``meta.ts``,
 decoded and HMAC-verified beforehand, outside the timing):
 
-* **memory** — :class:`~atp.security.signing.ReplayGuard` (nonce cache per
+* **memory** — :class:`~atp_router.security.signing.ReplayGuard` (nonce cache per
   session + timestamp window): the check before issue 19;
 * **durable sqlite** / **durable sqlite multiprocess** —
-  :class:`~atp.security.signing.DurableReplayGuard` on the embedded store
+  :class:`~atp_router.security.signing.DurableReplayGuard` on the embedded store
   (``synchronous`` NORMAL; the second as ``--workers`` open it: an ``flock``
   around each write) — the memory check plus one ``record_nonce``;
 * **durable redis everysec** / **always** — the same on a private
@@ -41,11 +41,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis
 
-from atp.security.signing import DurableReplayGuard, KeyRing, ReplayGuard, sign_outbound
-from atp.store import SqliteStore, Store
-from atp.store.redis import RedisStore
-from atp.wire.codec import FrameCodec
-from atp.wire.frame import Flag, Frame, Payload, PayloadType
+from atp_router.security.signing import (
+    DurableReplayGuard,
+    KeyRing,
+    ReplayGuard,
+    sign_outbound,
+)
+from atp_router.store import SqliteStore, Store
+from atp_router.store.redis import RedisStore
+from atp_router.wire.codec import FrameCodec
+from atp_router.wire.frame import Flag, Frame, Payload, PayloadType
 from tests.peers import RedisServer, find_redis_server, free_port
 
 RING = KeyRing({"k2": b"k2-bench-key-0123456789abcdef", "k1": b"k1-bench-key-0123456789abcdef"})

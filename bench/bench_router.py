@@ -2,7 +2,7 @@
 
 Run: ``python bench/bench_router.py [--tasks N] [--zero-tasks M] [--k 1,8,32]``.
 Plain script, < 2 min on 2 cores. Starts a real router in-process on 127.0.0.1
-(``atp.deploy.cli.run``, the two-tool RIB ``tests/fixtures/rib_ruff_bandit``:
+(``atp_router.deploy.cli.run``, the two-tool RIB ``tests/fixtures/rib_ruff_bandit``:
 ruff and bandit with ``scope: changed``, the default RIB before mypy and semgrep
 joined it, so the router's own overhead is not lost in semgrep's seconds) and feeds it the golden code-review tasks
 (``shared/golden/dev.jsonl``: each task's diff and after-diff files), cycled.
@@ -22,7 +22,7 @@ in the same round; its p50/p95 are printed. Tool run times vary by tens of ms, s
 these rows bound the overhead only roughly; part 2 isolates it.
 
 Part 2, zero-cost agents: both next-hops of the running generation are swapped for
-:class:`atp.adapters.testing.ScriptedAdapter` (an empty FINAL report, returned at
+:class:`atp_router.adapters.testing.ScriptedAdapter` (an empty FINAL report, returned at
 once), so what remains is the router: ingress, session machine, diff parse, FIB
 lookup, window and budget admission, two reassembled legs, consensus merge, FINAL
 encode, SSE/WS egress. The load generator runs in a child process (this script with
@@ -47,18 +47,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import atp
 import msgspec
 import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
-import atp
-from atp.adapters.base import Prompt, ProviderAdapter
-from atp.adapters.testing import ScriptedAdapter
-from atp.deploy.cli import run
-from atp.runtime.router import Router, RouterConfig
-from atp.wire import session as S
-from atp.wire.codec import FrameCodec
-from atp.wire.frame import Payload, PayloadType
+from atp_router.adapters.base import Prompt, ProviderAdapter
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.deploy.cli import run
+from atp_router.runtime.router import Router, RouterConfig
+from atp_router.wire import session as S
+from atp_router.wire.codec import FrameCodec
+from atp_router.wire.frame import Payload, PayloadType
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT.parent / "shared" / "golden" / "dev.jsonl"
@@ -121,7 +121,7 @@ async def via_http(client: atp.Client, job: Job) -> tuple[float, float | None]:
 
 
 class WsClient:
-    """An ATP client on one WebSocket: sans-IO :class:`~atp.wire.session.Session`
+    """An ATP client on one WebSocket: sans-IO :class:`~atp_router.wire.session.Session`
     (role CLIENT) and a JSON :class:`FrameCodec`; any number of streams at once.
     Run :meth:`reader` in a nursery, then call :meth:`review`."""
 

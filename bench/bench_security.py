@@ -10,14 +10,14 @@ Every row is one ~1.3 KB signed frame (``bench_codec.realistic_frame`` with
   per WebSocket connection;
 * JWT (RS256) verification — once per request/connection for OIDC callers;
 * decode + checksums + HMAC with a two-key ring (key id in ``sig``);
-* the replay check (:class:`~atp.security.signing.ReplayGuard`: nonce cache + ts window);
+* the replay check (:class:`~atp_router.security.signing.ReplayGuard`: nonce cache + ts window);
 * the sum a frame posted to ``/v1/streams/{id}/frames`` pays: API key + decode +
   HMAC + replay.
 
 The floor is ``msgspec`` decoding the same bytes into ``Frame`` (no checks at all),
 measured in the same run; the ratio says what the trust checks cost on top of it.
 
-Then the sandbox every local next-hop runs in (:mod:`atp.adapters.tools.sandbox`,
+Then the sandbox every local next-hop runs in (:mod:`atp_router.adapters.tools.sandbox`,
 bubblewrap + cgroups): ``true`` and ``ruff --version`` run ``--sandbox-runs`` times
 each directly (``subprocess``) and in a fresh sandbox (``Sandbox.run``: namespaces,
 mounts, the copy of an empty work tree, the run's cgroups made and removed), medians
@@ -48,10 +48,10 @@ from joserfc.jwk import KeySet, RSAKey
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_codec import best_us, realistic_frame
 
-from atp.security.authn import ApiKeySpec, AuthConfig, Authenticator, JwtSpec
-from atp.security.signing import ReplayGuard, sign_outbound
-from atp.wire.codec import FrameCodec, KeyRing
-from atp.wire.frame import Frame
+from atp_router.security.authn import ApiKeySpec, AuthConfig, Authenticator, JwtSpec
+from atp_router.security.signing import ReplayGuard, sign_outbound
+from atp_router.wire.codec import FrameCodec, KeyRing
+from atp_router.wire.frame import Frame
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,8 +147,8 @@ def sandbox_costs(runs: int) -> int:
     """The sandbox rows of the module docstring; prints why when no sandbox can be made."""
     import trio
 
-    from atp.adapters.tools.base import DEFAULT_LIMITS, find_executable
-    from atp.adapters.tools.sandbox import Sandbox, probe
+    from atp_router.adapters.tools.base import DEFAULT_LIMITS, find_executable
+    from atp_router.adapters.tools.sandbox import Sandbox, probe
 
     reason = probe()
     if reason is not None:

@@ -1,5 +1,5 @@
 """What merging the learned routing state through a shared store costs (issue 12,
-atp.runtime.controlplane.shared_state): one router's periodic sync, against what a single
+atp_router.runtime.controlplane.shared_state): one router's periodic sync, against what a single
 router does in the same interval (its last-writer-wins save), in the same run.
 
     .venv/bin/python bench/bench_shared_learning.py [--rounds 60] [--bits 12]
@@ -40,10 +40,10 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from atp.policy.learn import Decision
-from atp.policy.rib import Rib
-from atp.runtime.controlplane.learning import Learning
-from atp.store import SqliteStore
+from atp_router.policy.learn import Decision
+from atp_router.policy.rib import Rib
+from atp_router.runtime.controlplane.learning import Learning
+from atp_router.store import SqliteStore
 from bench.bench_learning import META, RIB, TEXT
 
 TASKS_PER_SYNC = 20
@@ -115,7 +115,7 @@ def main() -> None:
 
 
 def _redis(work: Path, args: argparse.Namespace) -> float | None:
-    from atp.store.redis import RedisStore
+    from atp_router.store.redis import RedisStore
     from tests.peers import RedisServer, find_redis_server, free_port
 
     exe = find_redis_server()

@@ -8,10 +8,10 @@ the same run:
 
 * **baseline**: rendering ``GET /v1/metrics`` (what a Prometheus scrape costs
   now), and copying the stream table (``list(streams.values())``);
-* **status**: one :class:`~atp.runtime.admin.status.StatusBuilder` snapshot (scan +
+* **status**: one :class:`~atp_router.runtime.admin.status.StatusBuilder` snapshot (scan +
   build + JSON encode), first (it reads up to ``max_closed_per_scan`` closed
   logs) and steady (nothing new), its size, and the longest stretch the event
-  loop is held: the largest of :class:`~atp.runtime.admin.status.StatusFeed`'s chunks
+  loop is held: the largest of :class:`~atp_router.runtime.admin.status.StatusFeed`'s chunks
   (2,000 streams, a checkpoint between them) and the build after them.
 
 Times are CPU ms of the event loop's thread (``time.thread_time``), best of
@@ -33,14 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import trio
 import trio.lowlevel
 
-import atp.policy.rib
-from atp.adapters.registry import TOOL_FACTORIES
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import Usage
-from atp.deploy.cli import run
-from atp.runtime.admin.status import StatusBuilder
-from atp.runtime.router import RouterConfig
-from atp.security.identity import ANONYMOUS
+import atp_router.policy.rib
+from atp_router.adapters.registry import TOOL_FACTORIES
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import Usage
+from atp_router.deploy.cli import run
+from atp_router.runtime.admin.status import StatusBuilder
+from atp_router.runtime.router import RouterConfig
+from atp_router.security.identity import ANONYMOUS
 
 AGENT = {"layer": "L2", "tool": "scripted", "p95_ms": 300, "timeout_ms": 30_000, "strengths": ["code_review"]}
 RIB = {"agents": {"fast": AGENT}, "policies": [{"name": "review", "match": {"task_type": "code_review"},
@@ -74,7 +74,7 @@ def snapshot_ms(router, builder: StatusBuilder) -> tuple[float, float, int]:
 
 
 async def main(opens: list[int], closed: int) -> None:
-    atp.policy.rib.TOOLS = atp.policy.rib.TOOLS | {"scripted"}
+    atp_router.policy.rib.TOOLS = atp_router.policy.rib.TOOLS | {"scripted"}
     fast = ScriptedAdapter.returning("fast", usage=Usage(100, 20, 250))
     TOOL_FACTORIES["scripted"] = lambda name, agent: fast
     tmp = Path(tempfile.mkdtemp(prefix="atp-bench-status-"))

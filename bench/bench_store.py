@@ -10,7 +10,7 @@ loopback with AOF ``appendfsync everysec`` (Redis' default for AOF) and
 ``always`` (an fsync per write, what the tests run). Operations (rows), each
 the way the router makes it:
 
-* **reserve+commit**: one :class:`~atp.flow.budget.SharedBudgetLedger`
+* **reserve+commit**: one :class:`~atp_router.flow.budget.SharedBudgetLedger`
   reserve and commit on a stream account under a tenant (the shared ledger
   of ``--workers`` and of several routers: ``reserve_shared`` +
   ``commit_shared``);
@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis
 
-from atp.flow.budget import Allowance, SharedBudgetLedger
-from atp.store import SqliteStore, Store, StreamRecord
-from atp.store.redis import RedisStore
+from atp_router.flow.budget import Allowance, SharedBudgetLedger
+from atp_router.store import SqliteStore, Store, StreamRecord
+from atp_router.store.redis import RedisStore
 from tests.peers import RedisServer, find_redis_server, free_port
 
 FRAME = b"f" * 300

@@ -1,4 +1,4 @@
-"""What tracing costs the router (spec §12, :mod:`atp.observability.tracing`): CPU per
+"""What tracing costs the router (spec §12, :mod:`atp_router.observability.tracing`): CPU per
 task with tracing off and on, in the same run.
 
 Run: ``python bench/bench_tracing.py [--seconds 6] [--repeats 3] [--k 16]
@@ -19,7 +19,7 @@ loopback ports:
   ``on``        ``OTEL_EXPORTER_OTLP_ENDPOINT`` at the receiver (batch processor,
                 default OTEL_BSP_* settings): every task exports its spans
   ``baseline``  with ``--baseline-src DIR``: the router of another source tree
-                (``PYTHONPATH=DIR``, e.g. a copy of ``atp/`` before a change), no
+                (``PYTHONPATH=DIR``, e.g. a copy of ``atp_router/`` before a change), no
                 ``OTEL_*``
 
 The load generator (this process, bench_gateway.py's drivers) runs a **closed
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=6.0, help="closed-loop seconds per configuration and round")
     ap.add_argument("--repeats", type=int, default=3, help="rounds (configurations rotated)")
     ap.add_argument("--k", type=int, default=16, help="tasks in flight")
-    ap.add_argument("--baseline-src", type=Path, help="a source tree whose atp/ runs as the 'baseline' router")
+    ap.add_argument("--baseline-src", type=Path, help="a source tree whose atp_router/ runs as the 'baseline' router")
     args = ap.parse_args(argv)
 
     import trio
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             if started is None:
                 return 1
             mock_port, _ = started
-            clis = dict.fromkeys(("off", "on"), "atp.deploy.cli")
+            clis = dict.fromkeys(("off", "on"), "atp_router.deploy.cli")
             configs = {"off": base_env, "on": base_env | {"OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint,
                                                           "OTEL_SERVICE_NAME": "atp-bench"}}
             if args.baseline_src is not None:
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 clis["baseline"] = baseline_cli
             routers: dict[str, tuple[int, str]] = {}
             for name, env in configs.items():
-                # `python -m`, so that PYTHONPATH (the baseline's source) decides which atp runs
+                # `python -m`, so that PYTHONPATH (the baseline's source) decides which router code runs
                 r = gw.start_router(tmp / name, gw.RIB.format(port=mock_port), procs, env=env,
                                     exe=[sys.executable, "-m", clis[name]],
                                     args=["--tenant-rate-per-s", "100000", "--tenant-rate-burst", "100000"])

@@ -35,9 +35,9 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from atp.adapters import openai_compat  # noqa: E402
-from atp.adapters.base import Prompt  # noqa: E402
-from atp.adapters.local_model import is_up  # noqa: E402
+from atp_router.adapters import openai_compat  # noqa: E402
+from atp_router.adapters.base import Prompt  # noqa: E402
+from atp_router.adapters.local_model import is_up  # noqa: E402
 
 UPSTREAM = textwrap.dedent('''
     import json, sys

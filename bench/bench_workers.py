@@ -63,8 +63,8 @@ clients:
 
 _LEDGER_TASKS = textwrap.dedent("""
     import sys, time
-    from atp.flow.budget import Allowance, BudgetLedger, SharedBudgetLedger
-    from atp.store import SqliteStore, StoreJournal
+    from atp_router.flow.budget import Allowance, BudgetLedger, SharedBudgetLedger
+    from atp_router.store import SqliteStore, StoreJournal
 
     def run(kind, state, n, name):
         if kind == "single":

@@ -85,8 +85,8 @@ def run_atheris(seconds: float) -> int:
     import atheris
 
     with atheris.instrument_imports():
-        from atp.wire import codec as codec_mod
-    from atp.wire.errors import LocalProtocolError
+        from atp_router.wire import codec as codec_mod
+    from atp_router.wire.errors import LocalProtocolError
 
     FrameCodec, StreamDecoder = codec_mod.FrameCodec, codec_mod.StreamDecoder
     doc = json.loads(VECTORS.read_text("utf-8"))

@@ -4,12 +4,12 @@ Run: ``python bench/load_router.py [--streams 1000] [--gold 100] [--seed 7]``.
 Plain script, < 3 min on 2 cores, loopback only (127.0.0.1). Exit status 1 when
 any budget is overshot (or fewer streams than asked were open at once), else 0.
 
-A real router runs in this process (``atp.deploy.cli.run``) on a RIB written to a
+A real router runs in this process (``atp_router.deploy.cli.run``) on a RIB written to a
 temporary directory: one policy, three next-hops (top-2 fan-out, the third an
 alternate for reroutes), a window of 2 calls per stream, and four clients, one
 of which (``c3``) has a client budget it exhausts during the run. Its next-hops
 are swapped, in the running generation, for :class:`ChaosAdapter`: each call plays
-a :class:`atp.adapters.testing.ScriptedAdapter` script drawn at random — normal
+a :class:`atp_router.adapters.testing.ScriptedAdapter` script drawn at random — normal
 (5–40 ms per fragment), slow (0.1–0.4 s per fragment), down (``EAGENTDOWN``),
 hung (past the agent's 1.5 s timeout: ``ETIMEOUT``), and 5 % of answers billing
 10× their preflight estimate (what the budget governor must cap).
@@ -63,13 +63,13 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from atp.adapters.base import Fragment, Prompt, ProviderAdapter
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import Usage
-from atp.flow.budget import usd_to_micros
-from atp.policy.health import Health
-from atp.wire.errors import ErrorCode
-from atp.wire.frame import Capabilities, CostEstimate, PayloadType
+from atp_router.adapters.base import Fragment, Prompt, ProviderAdapter
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import Usage
+from atp_router.flow.budget import usd_to_micros
+from atp_router.policy.health import Health
+from atp_router.wire.errors import ErrorCode
+from atp_router.wire.frame import Capabilities, CostEstimate, PayloadType
 
 CONNECTIONS = 8
 CLIENTS = {"c0": "tok-load-0", "c1": "tok-load-1", "c2": "tok-load-2", "c3": "tok-load-3"}
@@ -191,8 +191,8 @@ class LoadConn:
     """One WebSocket, one client ``Session``, many streams (see bench_router.WsClient)."""
 
     def __init__(self, ws: Any, client: str):
-        from atp.wire import session as S
-        from atp.wire.codec import FrameCodec
+        from atp_router.wire import session as S
+        from atp_router.wire.codec import FrameCodec
 
         self.S = S
         self.ws = ws
@@ -265,7 +265,7 @@ class LoadConn:
         """SYN with the task; or, with ``go``, SYN alone, then (once the SYN+ACK came
         and ``go`` is set) the task as message 1 — so every stream of the flood is
         open at once before any task runs."""
-        from atp.wire.frame import Payload, QoS
+        from atp_router.wire.frame import Payload, QoS
 
         self.records[rec.stream_id] = rec
         done = self.done[rec.stream_id] = trio.Event()
@@ -398,8 +398,8 @@ def ledger_overshoot(router: Any, records: list[dict[str, Any]]) -> list[str]:
 
 
 async def bench(args: argparse.Namespace) -> int:
-    from atp.deploy.cli import run
-    from atp.runtime.router import RouterConfig
+    from atp_router.deploy.cli import run
+    from atp_router.runtime.router import RouterConfig
 
     d = Path(tempfile.mkdtemp(prefix="atp-load-"))
     agent_window = ("" if args.agent_window is None else

@@ -4,13 +4,13 @@
 
 Replays ``--data`` (default ``../shared/routing-replay/mmlu.jsonl``: 14,037 clean
 MMLU prompts with Mixtral-8x7B (weak) and GPT-4 (strong) correctness, from
-RouteLLM) as an online stream through :class:`atp.policy.bandit.Bandit` — the
+RouteLLM) as an online stream through :class:`atp_router.policy.bandit.Bandit` — the
 code the router runs — learning from zero and observing only the arm it called,
 once per spend target (share of strong calls, the bandit's ``target_cost``) and
 per shuffle (``--seeds``). Two featurizations: meta only (task type, subject,
 prompt-length bucket) and meta + hashed prompt words. Baselines in the same
 run: a random router, the oracle, and the subject-level router in hindsight
-(the ceiling of meta-only routing) (:mod:`atp.policy.replay`).
+(the ceiling of meta-only routing) (:mod:`atp_router.policy.replay`).
 
 Prints the quality vs strong-call-share curve of each router, then APGR,
 CPT(50 %) and CPT(80 %) (mean ± std over the shuffles), writes the curves to
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from atp.policy.bandit import Featurizer
-from atp.policy.replay import (
+from atp_router.policy.bandit import Featurizer
+from atp_router.policy.replay import (
     Curve,
     apgr,
     cpt,

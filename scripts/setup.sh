@@ -43,7 +43,7 @@ pip() { [ "$1" = install ] || exit 2; shift; pip_install .venv "$LOG" "$@"; }
 
 # bubblewrap: every local next-hop (the analysers, pytest) runs in its sandbox, and
 # the router refuses a RIB naming one where it cannot make it (README "Sharing the
-# router"; atp/adapters/tools/sandbox.py). Debian's package, like the peers'.
+# router"; atp_router/adapters/tools/sandbox.py). Debian's package, like the peers'.
 if ! command -v bwrap >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     step bubblewrap "installing Debian's bubblewrap (the tool next-hops' sandbox) with apt-get" "20 s"
@@ -58,8 +58,8 @@ if ! command -v bwrap >/dev/null 2>&1; then
 fi
 
 # The editable install maps the packages that exist when it runs: a new subpackage
-# of atp/ needs a reinstall, so the package list is part of the stamp.
-stamp=$( (cat pyproject.toml sdk/python/pyproject.toml sdk/python/atp/*.py scripts/setup.sh; ls -d atp/*/) | sha256sum | cut -c1-16)
+# of atp_router/ needs a reinstall, so the package list is part of the stamp.
+stamp=$( (cat pyproject.toml sdk/python/pyproject.toml sdk/python/atp/*.py scripts/setup.sh; ls -d atp_router/*/) | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.atp-stamp 2>/dev/null)" != "$stamp" ]; then
   step router "installing the SDK and the router into .venv (~70 packages)" "1 min"
   pip install --upgrade pip
@@ -70,7 +70,7 @@ if [ "$(cat .venv/.atp-stamp 2>/dev/null)" != "$stamp" ]; then
 fi
 # semgrep (a review next-hop) lives in its own virtualenv under the router's
 # prefix: its dependencies (OpenTelemetry, MCP, …) must not mix with the router's.
-# The router finds it there (atp.adapters.tools.base.find_executable).
+# The router finds it there (atp_router.adapters.tools.base.find_executable).
 SEMGREP_VERSION=1.185.0
 if [ "$(cat .venv/tools/semgrep/.version 2>/dev/null)" != "$SEMGREP_VERSION" ]; then
   step semgrep "installing semgrep $SEMGREP_VERSION into .venv/tools/semgrep (its own venv, 390 MB)" "30 s"

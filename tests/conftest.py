@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from atp.deploy.cli import run
-from atp.runtime.router import Router, RouterConfig
+from atp_router.deploy.cli import run
+from atp_router.runtime.router import Router, RouterConfig
 from tests.peers import start_llama_server
 
 #: Progress lines and the skip rules (tests/progress.py).

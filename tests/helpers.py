@@ -2,7 +2,7 @@
 
 * :func:`golden` — a task of ``shared/golden/dev.jsonl`` as stream content;
 * :func:`serve_scripted` — RIB agents ``tool: scripted`` served by
-  :class:`~atp.adapters.testing.ScriptedAdapter` s (a module's ``scripted``
+  :class:`~atp_router.adapters.testing.ScriptedAdapter` s (a module's ``scripted``
   fixture returns ``serve_scripted(monkeypatch)``);
 * :func:`start_router_on` — :func:`tests.conftest.start_router` on a RIB written
   to ``tmp_path / "rib.yaml"``;
@@ -31,9 +31,9 @@ from typing import Any
 import pytest
 import trio
 
-import atp.policy.rib
-from atp.adapters.registry import TOOL_FACTORIES
-from atp.adapters.testing import ScriptedAdapter
+import atp_router.policy.rib
+from atp_router.adapters.registry import TOOL_FACTORIES
+from atp_router.adapters.testing import ScriptedAdapter
 from tests.conftest import SHARED, RouterEnv, start_router
 
 __all__ = ["GOLDEN", "MODEL_COST_IN", "MODEL_COST_OUT", "ROUTER", "RouterProcess", "golden", "model_rib",
@@ -58,7 +58,7 @@ def serve_scripted(
     stored in the returned dict (``adapters``, or a new one) under the agent's name,
     built by the adapter registry like any tool next-hop."""
     adapters = {} if adapters is None else adapters
-    monkeypatch.setattr(atp.policy.rib, "TOOLS", atp.policy.rib.TOOLS | {"scripted"})
+    monkeypatch.setattr(atp_router.policy.rib, "TOOLS", atp_router.policy.rib.TOOLS | {"scripted"})
     monkeypatch.setitem(TOOL_FACTORIES, "scripted", lambda name, agent: adapters[name])
     return adapters
 
@@ -102,7 +102,7 @@ def router_process(policies: Path, state_dir: Path, *, cwd: Path | None = None,
 #: (``python -m``, as the worker supervisor starts its workers), the same
 #: ``main`` the installed ``atp-router`` script calls but found by import, so it
 #: runs the tree under test even while the venv's script names an older module.
-ROUTER: list[str] = [sys.executable, "-m", "atp.deploy.cli"]
+ROUTER: list[str] = [sys.executable, "-m", "atp_router.deploy.cli"]
 _ROOT = Path(__file__).resolve().parents[1]
 
 

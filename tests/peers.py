@@ -39,7 +39,7 @@ import pytest
 __all__ = ["GGUF_NAME", "find_smollm2_gguf", "free_port", "serve_http_peer", "start_llama_server", "stop_process",
            "wait_until_up"]
 
-from atp.adapters.local_model import GGUF_NAME  # noqa: E402
+from atp_router.adapters.local_model import GGUF_NAME  # noqa: E402
 #: Model id the server announces (``--model_alias``) and the tests request.
 MODEL_ALIAS = "smollm2-135m"
 
@@ -113,7 +113,7 @@ def serve_http_peer(argv: list[str], *, name: str, base: str, ready_path: str, t
             stop_process(proc)
 
 
-from atp.adapters.local_model import find_smollm2_gguf  # noqa: E402  (the one the router uses)
+from atp_router.adapters.local_model import find_smollm2_gguf  # noqa: E402  (the one the router uses)
 
 
 def _unavailable(reason: str) -> None:

@@ -26,9 +26,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-import trio
-
 import atp
+import trio
 
 #: The golden set: ``$ATP_SHARED/golden/dev.jsonl``, by default ``../shared`` beside the repository.
 SHARED = Path(os.environ.get("ATP_SHARED") or Path(__file__).resolve().parents[2].parent / "shared")

@@ -29,9 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import trio
-
 import atp
+import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ask import DEFAULT_DOCS, ask, ranked, span  # noqa: E402

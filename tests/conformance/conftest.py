@@ -88,9 +88,9 @@ def _remote_profile() -> Profile:
 
 def local_config(policies: Path, **overrides):
     """The RouterConfig of the local target (LOCAL_PROFILE in the router's terms)."""
-    from atp.flow.breaker import RetryPolicy
-    from atp.runtime.router import RouterConfig
-    from atp.security.identity import Role
+    from atp_router.flow.breaker import RetryPolicy
+    from atp_router.runtime.router import RouterConfig
+    from atp_router.security.identity import Role
 
     p = LOCAL_PROFILE
     cfg = RouterConfig(
@@ -109,7 +109,7 @@ def local_config(policies: Path, **overrides):
 async def start_local(nursery, tmp_path: Path, peer: FaultyPeer, **overrides) -> tuple[str, str]:
     """Start this repository's router on the conformance RIB (pointed at ``peer``);
     returns its (http, ws) URLs."""
-    from atp.deploy.cli import run
+    from atp_router.deploy.cli import run
 
     d = tmp_path / f"rib-{len(list(tmp_path.glob('rib-*')))}"
     shutil.copytree(RIB_DIR, d)

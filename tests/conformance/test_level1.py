@@ -17,7 +17,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed
 
-from atp.consensus.types import FinalResult
+from atp_router.consensus.types import FinalResult
 from tests.conformance.wire import (
     closes,
     connect,

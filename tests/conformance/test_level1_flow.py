@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import trio
 
-from atp.consensus.types import FinalResult
+from atp_router.consensus.types import FinalResult
 from tests.conformance.wire import (
     closes,
     connect,

@@ -11,7 +11,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionRejected
 
-from atp.consensus.types import FinalResult
+from atp_router.consensus.types import FinalResult
 from tests.conformance.conftest import start_local
 from tests.conformance.wire import (
     closes,

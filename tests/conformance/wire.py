@@ -2,7 +2,7 @@
 
 It builds frames as plain dicts (spec §4.2) and seals them with the spec's integrity
 rules (payload and whole-frame checksum, §4.5; HMAC ``sig`` when a key is given,
-§11) through :mod:`atp.wire.codec`, which implements those definitions. It keeps no
+§11) through :mod:`atp_router.wire.codec`, which implements those definitions. It keeps no
 protocol state of its own, so what the tests assert is the implementation's
 behaviour, not this client's.
 
@@ -25,10 +25,10 @@ import msgspec
 import trio
 from trio_websocket import open_websocket_url
 
-from atp.security.signing import sign_outbound
-from atp.wire.codec import FrameCodec, KeyRing
-from atp.wire.errors import LocalProtocolError
-from atp.wire.frame import Frame
+from atp_router.security.signing import sign_outbound
+from atp_router.wire.codec import FrameCodec, KeyRing
+from atp_router.wire.errors import LocalProtocolError
+from atp_router.wire.frame import Frame
 
 SUBPROTOCOL = {"json": "atp.v1.json", "cbor": "atp.v1.cbor"}
 GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden" / "dev.jsonl"

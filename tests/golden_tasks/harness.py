@@ -1,6 +1,6 @@
 """Golden code-review tasks through a real router: run, score, report.
 
-The scoring and the client side live in :mod:`atp.review.eval` (``atp-router
+The scoring and the client side live in :mod:`atp_router.review.eval` (``atp-router
 eval``); this module keeps the dev set's path and the old entry point::
 
     .venv/bin/python -m tests.golden_tasks.harness                 # in-process router, policies/
@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from atp.adapters import local_model
-from atp.deploy.cli import serve_private
-from atp.review import eval as _eval
-from atp.review.eval import (  # noqa: F401  (re-exported for the tests)
+from atp_router.adapters import local_model
+from atp_router.deploy.cli import serve_private
+from atp_router.review import eval as _eval
+from atp_router.review.eval import (  # noqa: F401  (re-exported for the tests)
     DEFAULT_BUDGET,
     ESCALATED_PREFIX,
     PER_TASK_SOURCES,

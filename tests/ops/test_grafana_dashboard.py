@@ -26,7 +26,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from atp.observability.metrics import RouterMetrics
+from atp_router.observability.metrics import RouterMetrics
 from tests.conftest import MECHANICS_RIB, ROOT
 from tests.helpers import golden, router_process
 from tests.peers import free_port, serve_http_peer

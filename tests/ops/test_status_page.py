@@ -31,7 +31,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from atp.security.identity import Role
+from atp_router.security.identity import Role
 from tests.helpers import golden, start_router_on
 from tests.peers import free_port
 from tests.replay_server import LoopbackHTTP, serve

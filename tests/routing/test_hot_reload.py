@@ -3,7 +3,7 @@ watched on disk, ROUTE_UPDATE deltas to WebSocket subscribers, and 100 reloads
 (file edits, API bodies, broken files among them) while streams run — no
 stream fails or is misrouted, a broken RIB never replaces a working one.
 
-Next-hops are :class:`~atp.adapters.testing.ScriptedAdapter` tools (RIB
+Next-hops are :class:`~atp_router.adapters.testing.ScriptedAdapter` tools (RIB
 ``tool: scripted``) that name their generation in their finding, so a stream's
 result shows which RIB routed it; no real analyser can be told what to answer.
 """
@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import json
 
+import atp
 import httpx
 import msgspec
 import trio
 from trio_websocket import open_websocket_url
 
-import atp
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import AgentFinding, Severity
-from atp.wire.codec import FrameCodec
-from atp.wire.frame import Flag, Frame, RouteUpdate
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import AgentFinding, Severity
+from atp_router.wire.codec import FrameCodec
+from atp_router.wire.frame import Flag, Frame, RouteUpdate
 from tests.helpers import golden, start_router_on
 from tests.unit.test_router_dispatch import scripted_agent
 

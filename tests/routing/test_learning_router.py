@@ -4,20 +4,20 @@ state survives a restart on the same state directory, live metrics overwrite
 the RIB's priors, feedback is the stream tenant's only, and a shadow
 challenger runs on its own budget without touching the client's result.
 
-The next-hops are :class:`~atp.adapters.testing.ScriptedAdapter` tools (RIB
+The next-hops are :class:`~atp_router.adapters.testing.ScriptedAdapter` tools (RIB
 ``tool: scripted``): the test needs agents whose answers it chooses, which no
 real analyser gives on demand.
 """
 
 from __future__ import annotations
 
+import atp
 import httpx
 import pytest
 import trio
 
-import atp
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import AgentFinding, Severity, Usage
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import AgentFinding, Severity, Usage
 from tests.helpers import golden, start_router_on
 from tests.unit.test_router_dispatch import scripted_agent
 

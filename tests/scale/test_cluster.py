@@ -1,4 +1,4 @@
-"""Several ``atp-router`` processes on one Redis (issue 12, atp.deploy.cluster): real
+"""Several ``atp-router`` processes on one Redis (issue 12, atp_router.deploy.cluster): real
 router processes (``--store redis://…``, each its own state directory and ports) and a
 real ``redis-server`` on loopback (tests/peers.py ``start_redis``, append-only file
 fsynced at every write), driven over real sockets.
@@ -38,12 +38,12 @@ import httpx
 import pytest
 import trio
 
-from atp.deploy.cluster import ClusterLedger
-from atp.flow.budget import Allowance, Refusal, Reservation
-from atp.store import StoreError
-from atp.store.redis import RedisStore
-from atp.wire.errors import ErrorCode
-from atp.wire.frame import Payload, PayloadType
+from atp_router.deploy.cluster import ClusterLedger
+from atp_router.flow.budget import Allowance, Refusal, Reservation
+from atp_router.store import StoreError
+from atp_router.store.redis import RedisStore
+from atp_router.wire.errors import ErrorCode
+from atp_router.wire.frame import Payload, PayloadType
 from tests.helpers import RouterProcess, router_metric
 from tests.peers import RedisServer, start_redis
 from tests.replay_server import BillingModel, serve
@@ -467,7 +467,7 @@ def test_a_ledger_settled_by_another_router_refuses_spend_instead_of_crashing():
             a.open("stream:s1", Allowance(tokens=5_000, usd_micros=None), parent="client:t")
             r = a.reserve("stream:s1", 1_000, 0)
             assert isinstance(r, Reservation)
-            # Router B settles A (atp.deploy.workers.settle with release=True, as the reaper does).
+            # Router B settles A (atp_router.deploy.workers.settle with release=True, as the reaper does).
             assert [x.id for x in store.release_owned("r.test.1.aaaaaa")] == [r.id]
             assert store.close_owned_accounts("r.test.1.aaaaaa") == 1
 

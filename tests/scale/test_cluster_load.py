@@ -27,7 +27,7 @@ cost nothing. The task carries its key, so the models' request logs say which
 stream each call was for.
 
 **Checked after each scenario**, the ledger read from Redis through
-:meth:`RedisStore.shared_totals <atp.store.redis.RedisStore.shared_totals>`: the
+:meth:`RedisStore.shared_totals <atp_router.store.redis.RedisStore.shared_totals>`: the
 tenant's committed spend is at most its limit (0 overshoot) and within a call's
 usage of it (the load asks for several times it); nothing stays
 reserved; the sum of the charges the clients got in their FINALs is exactly what
@@ -62,8 +62,8 @@ import pytest
 import redis as redis_py
 import trio
 
-from atp.flow.budget import AccountTotals
-from atp.store.redis import RedisStore
+from atp_router.flow.budget import AccountTotals
+from atp_router.store.redis import RedisStore
 from tests.helpers import RouterProcess, router_metric
 from tests.peers import RedisServer, start_redis
 from tests.replay_server import BillingModel, serve
@@ -89,7 +89,7 @@ LEASE_MS = 5_000
 TENANT = "load"
 TOKENS = {TENANT: "tok-load-0123456789", "ops": "tok-ops-0123456789"}
 TASK = {"task_type": "summarize"}
-#: The RST reason of a stream whose router was lost (atp.deploy.cluster.ROUTER_LOST).
+#: The RST reason of a stream whose router was lost (atp_router.deploy.cluster.ROUTER_LOST).
 LOST = "the router running the stream was lost"
 _ENV = {"ATP_ROUTER_TOKENS": f"{TENANT}:{TOKENS[TENANT]},ops:{TOKENS['ops']}:admin+operator",
         "ATP_AUDIT_KEY": "cluster-load-test-audit-key-0123456789"}

@@ -1,12 +1,12 @@
 """Learning and circuit breakers shared across router processes (issue 12,
-:mod:`atp.runtime.controlplane.shared_state`), on both shared stores: ``atp-router --workers 2``
+:mod:`atp_router.runtime.controlplane.shared_state`), on both shared stores: ``atp-router --workers 2``
 (a real supervisor and its two real worker processes on one SQLite store) and two
 plain ``atp-router --store redis://…`` processes on a real ``redis-server``
 (tests/peers.py ``start_redis``) — driven over real sockets, the next-hops being
 loopback OpenAI-compatible models (tests/replay_server.py).
 
 Checked: an agent failing on one router opens the breaker on the other within the
-documented bound (:data:`~atp.runtime.controlplane.shared_state.BREAKER_POLL_S` plus the store's
+documented bound (:data:`~atp_router.runtime.controlplane.shared_state.BREAKER_POLL_S` plus the store's
 round trips), measured between the two routers' own log lines, and the other
 router then refuses the agent without calling it; the bandit and the live
 statistics learn from both routers' traffic and feedback and end with the *sum*
@@ -28,10 +28,10 @@ import msgspec
 import pytest
 import trio
 
-from atp.policy.learn import ALPHA
-from atp.runtime.controlplane.learning import SHARED_SYNC_S
-from atp.runtime.controlplane.shared_state import BREAKER_POLL_S
-from atp.store.redis import RedisStore
+from atp_router.policy.learn import ALPHA
+from atp_router.runtime.controlplane.learning import SHARED_SYNC_S
+from atp_router.runtime.controlplane.shared_state import BREAKER_POLL_S
+from atp_router.store.redis import RedisStore
 from tests.helpers import RouterProcess
 from tests.peers import start_redis
 from tests.replay_server import BillingModel, serve

@@ -25,7 +25,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization as ser
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
-from atp.security.normalise import views
+from atp_router.security.normalise import views
 
 __all__ = ["DEV", "HELD_OUT", "NEGATIVES", "Case", "leaks"]
 

@@ -5,7 +5,7 @@ streams: tests/unit/test_router_namespace.py; data scope:
 test_data_scope.py; the 5 MB stall and tool limits: test_limits.py; kill -9:
 test_durability.py.)
 
-Next-hops are :class:`~atp.adapters.testing.ScriptedAdapter` s (RIB ``tool:
+Next-hops are :class:`~atp_router.adapters.testing.ScriptedAdapter` s (RIB ``tool:
 scripted``), which record every prompt a provider adapter would have sent.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 
+import atp
 import httpx
 import msgspec
 import pytest
@@ -21,12 +22,11 @@ import trio
 from joserfc import jwt
 from joserfc.jwk import KeySet, RSAKey
 
-import atp
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import Usage
-from atp.security.signing import UsageSignatureError, sign_outbound, verify_usage
-from atp.wire.codec import FrameCodec, KeyRing
-from atp.wire.frame import Flag, Frame, Payload, PayloadType
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import Usage
+from atp_router.security.signing import UsageSignatureError, sign_outbound, verify_usage
+from atp_router.wire.codec import FrameCodec, KeyRing
+from atp_router.wire.frame import Flag, Frame, Payload, PayloadType
 from tests.helpers import start_router_on
 from tests.unit.test_router_dispatch import CLEAN, scripted_agent
 from tests.unit.test_router_ws import WINDOW, connect
@@ -298,9 +298,9 @@ async def test_adapters_see_only_declared_secrets_while_the_router_runs(tmp_path
     """While a router with policy secrets runs, an adapter asking for the router's
     own key gets nothing even though it is in the environment; a declared name
     resolves. When the router stops, the environment is read again."""
-    from atp.adapters.http import env_secret
-    from atp.security.policy_guard import PolicySecrets
-    from atp.wire.errors import AgentError
+    from atp_router.adapters.http import env_secret
+    from atp_router.security.policy_guard import PolicySecrets
+    from atp_router.wire.errors import AgentError
 
     monkeypatch.setenv("ATP_HMAC_KEY", "router-own-key")
     monkeypatch.setenv("MODEL_KEY", "model-key")
@@ -325,7 +325,7 @@ async def test_mtls_websocket_identity_from_the_client_certificate(nursery, tmp_
 
     from trio_websocket import ConnectionRejected, open_websocket_url
 
-    from atp.security.tls import ServerTls
+    from atp_router.security.tls import ServerTls
     from tests.unit.test_router_ws import Peer
 
     auth = tmp_path / "auth.yaml"
@@ -357,7 +357,7 @@ async def test_mtls_websocket_identity_from_the_client_certificate(nursery, tmp_
     assert rejected.value.status_code == 401
     foreign = tls_leaf(tls_other_ca, "foreign", "foreign.internal")
     host, port = env.ws_url.removeprefix("ws://").split(":")
-    caplog.set_level(logging.INFO, logger="atp.security.tls")
+    caplog.set_level(logging.INFO, logger="atp_router.security.tls")
     for ctx, alert in ((client(foreign), "CERTIFICATE_VERIFY_FAILED"), (client(), "PEER_DID_NOT_RETURN_A_CERTIFICATE")):
         tcp = await trio.open_tcp_stream(host, int(port))
         conn = trio.SSLStream(tcp, ctx, server_hostname=host)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from atp.security.audit import (
+from atp_router.security.audit import (
     AuditError,
     AuditKind,
     AuditLog,
@@ -29,8 +29,8 @@ from atp.security.audit import (
     scrub_detail,
     verify,
 )
-from atp.store import SqliteStore
-from atp.store.audit_records import GENESIS, AuditCheckpoint
+from atp_router.store import SqliteStore
+from atp_router.store.audit_records import GENESIS, AuditCheckpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = list(AuditKind)
@@ -180,7 +180,7 @@ def test_forged_checkpoint_and_wrong_key(state: Path):
 
 
 def test_cli_as_a_real_process(state: Path):
-    cmd = [sys.executable, "-c", "import sys; from atp.security.audit import audit_main; sys.exit(audit_main(sys.argv[1:]))"]
+    cmd = [sys.executable, "-c", "import sys; from atp_router.security.audit import audit_main; sys.exit(audit_main(sys.argv[1:]))"]
     env = {k: v for k, v in os.environ.items() if k != "ATP_AUDIT_KEY"} | {"PYTHONPATH": str(ROOT)}
     ok = subprocess.run([*cmd, "verify", "--state-dir", str(state)], capture_output=True, text=True, env=env, check=False)
     assert ok.returncode == 0 and ok.stdout.startswith("audit: OK, 20 records, head ")
@@ -496,7 +496,7 @@ def test_key_outside_the_state_dir_and_the_dev_warning(tmp_path: Path, monkeypat
     """The production key lives in a file outside the state directory (made by
     ``audit keygen``, never replaced); the state-dir key is warned about once;
     a key put in the state directory later signs nothing the verifier takes."""
-    import atp.security.audit as audit_mod
+    import atp_router.security.audit as audit_mod
 
     monkeypatch.delenv("ATP_AUDIT_KEY", raising=False)
     monkeypatch.setattr(audit_mod, "_dev_key_warned", False)
@@ -505,7 +505,7 @@ def test_key_outside_the_state_dir_and_the_dev_warning(tmp_path: Path, monkeypat
     assert audit_main(["keygen", str(key_file)]) == 0
     assert key_file.stat().st_mode & 0o777 == 0o600 and audit_main(["keygen", str(key_file)]) == 2  # never replaced
     d = tmp_path / "state"
-    with caplog.at_level("WARNING", "atp.security.audit"), SqliteStore.open(d) as store:
+    with caplog.at_level("WARNING", "atp_router.security.audit"), SqliteStore.open(d) as store:
         log = AuditLog.open(store, d, env={}, options=AuditOptions(key_file=key_file))
         for i in range(3):
             log.record("admin", "ops", None, {"i": i}, now_ms=1 + i)
@@ -529,7 +529,7 @@ def test_a_tcp_syslog_sink_reconnects_after_the_server_dropped_it():
     import threading
     import time
 
-    from atp.security.audit import SyslogSink, make_checkpoint
+    from atp_router.security.audit import SyslogSink, make_checkpoint
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))

@@ -38,8 +38,8 @@ import httpx
 import pytest
 import trio
 
-from atp.security.audit import make_checkpoint, record_hash
-from atp.store.audit_records import GENESIS
+from atp_router.security.audit import make_checkpoint, record_hash
+from atp_router.store.audit_records import GENESIS
 from tests.helpers import ROUTER, RouterProcess
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,8 +19,8 @@ from joserfc import jwt
 from joserfc.errors import SecurityWarning
 from joserfc.jwk import KeySet, RSAKey
 
-from atp.security import authn
-from atp.security.authn import (
+from atp_router.security import authn
+from atp_router.security.authn import (
     AuthConfigError,
     Authenticator,
     AuthError,
@@ -28,8 +28,8 @@ from atp.security.authn import (
     new_api_key,
     parse_tokens_env,
 )
-from atp.security.identity import ANONYMOUS, Role
-from atp.wire.errors import ATPError, ErrorCode
+from atp_router.security.identity import ANONYMOUS, Role
+from atp_router.wire.errors import ATPError, ErrorCode
 
 NOW = 1_750_000_000.0
 ISS = "https://idp.example"
@@ -505,7 +505,7 @@ def test_an_auth_file_with_every_key_revoked_refuses_everyone(tmp_path):
     """Refuse rather than weaken: an ``--auth`` file whose last key was removed keeps
     authentication on (nobody gets in), never turns the router into an open one where
     every caller is ``anonymous`` with every role."""
-    from atp.security.authn import AuthError, Authenticator
+    from atp_router.security.authn import AuthError, Authenticator
 
     auth = tmp_path / "auth.yaml"
     auth.write_text("api_keys: []\n")

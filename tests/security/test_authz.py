@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from atp.policy.loader import load_rib_text
-from atp.policy.rib import Budget, ClientSpec, RateSpec
-from atp.security.authz import (
+from atp_router.policy.loader import load_rib_text
+from atp_router.policy.rib import Budget, ClientSpec, RateSpec
+from atp_router.security.authz import (
     DEFAULT_MAX_STREAMS,
     DEFAULT_RATE,
     GRANTS,
@@ -23,9 +23,9 @@ from atp.security.authz import (
     is_allowed,
     roles_for,
 )
-from atp.security.identity import ANONYMOUS, Identity, Role
-from atp.wire.errors import ATPError, ErrorCode
-from atp.wire.frame import QoS
+from atp_router.security.identity import ANONYMOUS, Identity, Role
+from atp_router.wire.errors import ATPError, ErrorCode
+from atp_router.wire.frame import QoS
 
 A = Action
 

@@ -2,7 +2,7 @@
 
 The issue's attack: ``meta.data_scope: [no_secrets]`` with an AWS key and a
 private-key block in the content reached the model agent verbatim, with no ESEC
-and no audit. Here the next-hops are :class:`~atp.adapters.testing.ScriptedAdapter`
+and no audit. Here the next-hops are :class:`~atp_router.adapters.testing.ScriptedAdapter`
 s (RIB ``tool: scripted``), which record exactly the prompt a provider adapter
 would have put on the wire — the thing under test is what the router hands them.
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 
+import atp
 import pytest
 import trio
 
-import atp
-from atp.adapters.testing import ScriptedAdapter
+from atp_router.adapters.testing import ScriptedAdapter
 from tests.unit.test_router_dispatch import META, router_with, scripted_agent
 
 AWS_KEY = "AKIAIOSFODNN7EXAMPLE"

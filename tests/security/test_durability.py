@@ -21,11 +21,11 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
+import atp
 import httpx
 import pytest
 import trio
 
-import atp
 from tests import helpers
 from tests.replay_server import Replay, serve
 
@@ -191,7 +191,7 @@ async def test_kill9_keeps_what_the_router_learned(nursery, tmp_path, router_pro
     """Issue 8: a router killed with SIGKILL and restarted on its state directory
     routes with the weights it learned (saved every 5 s, so the test waits 6 s
     before the kill)."""
-    from atp.runtime.controlplane.learning import SAVE_INTERVAL_S
+    from atp_router.runtime.controlplane.learning import SAVE_INTERVAL_S
 
     model = await serve(nursery, Replay(chunked=True))
     for _ in range(40):

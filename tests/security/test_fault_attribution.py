@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 import shutil
 
+import atp
 import trio
 
-import atp
-from atp.runtime.dataplane.dispatch import NEXT_HOP_FAILED
+from atp_router.runtime.dataplane.dispatch import NEXT_HOP_FAILED
 from tests.conftest import MECHANICS_RIB, start_router
 from tests.helpers import golden, router_metric, start_router_on
 from tests.peers import free_port

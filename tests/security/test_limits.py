@@ -33,15 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import atp
 import httpx
 import pytest
 import trio
 
-import atp
-from atp.adapters.registry import TOOL_FACTORIES
-from atp.adapters.tools.base import ToolLimits
-from atp.adapters.tools.ruff import RuffAdapter
-from atp.policy.rib import AgentSpec
+from atp_router.adapters.registry import TOOL_FACTORIES
+from atp_router.adapters.tools.base import ToolLimits
+from atp_router.adapters.tools.ruff import RuffAdapter
+from atp_router.policy.rib import AgentSpec
 from tests.conftest import RouterEnv, start_router
 from tests.helpers import golden, start_router_on
 

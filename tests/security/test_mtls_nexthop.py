@@ -20,10 +20,10 @@ import pytest
 import trio
 import trustme
 
-from atp.adapters.base import Prompt
-from atp.adapters.registry import build_adapter
-from atp.policy.rib import AgentSpec, ModelSpec, TlsClientSpec
-from atp.wire.errors import AgentError
+from atp_router.adapters.base import Prompt
+from atp_router.adapters.registry import build_adapter
+from atp_router.policy.rib import AgentSpec, ModelSpec, TlsClientSpec
+from atp_router.wire.errors import AgentError
 from tests.replay_server import LoopbackHTTP
 
 PROMPT = Prompt(task_type="summarize", content={"text": "hello"})

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from atp.policy.loader import load_rib_text
-from atp.security.policy_guard import (
+from atp_router.policy.loader import load_rib_text
+from atp_router.security.policy_guard import (
     PolicySecrets,
     egress_changes,
     parse_secrets_file,
     secret_refs,
 )
-from atp.wire.errors import AgentError, ErrorCode, PolicyError
+from atp_router.wire.errors import AgentError, ErrorCode, PolicyError
 
 BASE = """
 models:
@@ -204,7 +204,7 @@ def test_option_hosts_files_and_provider_switches_are_egress() -> None:
 def test_adapters_read_declared_secrets_through_the_router_resolver(tmp_path):
     """With a secrets file, adapters get the file's value for a declared name and
     nothing for an undeclared one (never the environment's ATP_* variables)."""
-    from atp.adapters.http import env_secret, install_secret_resolver
+    from atp_router.adapters.http import env_secret, install_secret_resolver
 
     f = tmp_path / "secrets.env"
     f.write_text("MODEL_KEY=from-the-file\n")

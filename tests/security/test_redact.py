@@ -1,6 +1,6 @@
 """Data scope (spec §11) with the real detectors — Yelp's detect-secrets,
 phonenumbers, email-validator — and the one scrubber of every adapter error path
-(atp.security.redact). The issue's attack: ``meta.data_scope: [no_secrets]`` with
+(atp_router.security.redact). The issue's attack: ``meta.data_scope: [no_secrets]`` with
 an AWS key and a private-key block in the content must not reach an agent that is
 not cleared for secrets."""
 
@@ -15,8 +15,8 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atp.policy.labels import ScopeLabel, clearance_of, is_covered, parse_label
-from atp.security.redact import (
+from atp_router.policy.labels import ScopeLabel, clearance_of, is_covered, parse_label
+from atp_router.security.redact import (
     MAX_SCRUB_CHARS,
     REDACTED,
     DataScopeGuard,
@@ -27,8 +27,8 @@ from atp.security.redact import (
     register_secrets,
     scrub,
 )
-from atp.task.diff import parse_diff
-from atp.wire.errors import AgentError, ErrorCode
+from atp_router.task.diff import parse_diff
+from atp_router.wire.errors import AgentError, ErrorCode
 
 ROOT = Path(__file__).resolve().parents[2]
 AWS_KEY = "AKIAIOSFODNN7EXAMPLE"
@@ -161,7 +161,7 @@ def test_every_string_of_the_task_is_scanned_long_lines_included():
 def test_ordinary_code_passes_untouched():
     """The router's own sources under ``secrets``: nothing to redact (no false
     positive that would garble a review)."""
-    files = {p.name: p.read_text() for p in (ROOT / "atp" / "policy").glob("*.py")}
+    files = {p.name: p.read_text() for p in (ROOT / "atp_router" / "policy").glob("*.py")}
     d = GUARD.for_agent(GUARD.inspect({"diff": "", "files": files}, frozenset({"no_secrets"})), None)
     assert isinstance(d, Pass), d.redactions if isinstance(d, Redacted) else d
 
@@ -219,7 +219,7 @@ def test_scrub_bounds_the_text_without_leaving_a_secret_prefix():
 
 
 def test_scrub_error_is_what_the_adapters_raise_with():
-    from atp.security.redact import scrub_error
+    from atp_router.security.redact import scrub_error
 
     e = AgentError(ErrorCode.EAGENTDOWN, f"peer answered 401: {AWS_KEY}", agent="a")
     assert scrub_error(e) is e and AWS_KEY not in str(e) and "[REDACTED:AWS Access Key]" in e.reason

@@ -15,12 +15,12 @@ import json
 import pathlib
 import sqlite3
 
+import atp
 import pytest
 import trio
 
-import atp
-from atp.security.normalise import View, characters, fold, join_literals, views
-from atp.security.redact import DataScopeGuard, Pass, Redacted, redact_meta
+from atp_router.security.normalise import View, characters, fold, join_literals, views
+from atp_router.security.redact import DataScopeGuard, Pass, Redacted, redact_meta
 from tests.helpers import start_router_on
 from tests.replay_server import BillingModel, serve
 from tests.security.redact_corpus import (
@@ -84,7 +84,7 @@ def test_the_normalised_pass_adds_no_detection_on_the_routers_own_sources():
     implicit concatenations, non-ASCII punctuation, hashes, base64 test data
     excluded) give no detection the scan as written does not give."""
     new_only = []
-    for path in sorted((ROOT / "atp").rglob("*.py"))[::5]:  # every fifth file: the whole tree is in the bench
+    for path in sorted((ROOT / "atp_router").rglob("*.py"))[::5]:  # every fifth file: the whole tree is in the bench
         content = {"files": {path.name: path.read_text()}}
         old = {(h.path, h.line) for h in OLD.inspect(content, LABELS).hits}
         new_only += [(path.name, h.line, h.detector) for h in GUARD.inspect(content, LABELS).hits

@@ -28,18 +28,18 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from atp.security.signing import (
+from atp_router.security.signing import (
     DurableReplayGuard,
     ReplayGuard,
     frame_kid,
     sign_outbound,
 )
-from atp.store import SqliteStore
-from atp.store.redis import RedisStore
-from atp.wire import session as S
-from atp.wire.codec import FrameCodec, KeyRing
-from atp.wire.errors import ErrorCode, LocalProtocolError
-from atp.wire.frame import Flag, Frame, Payload, PayloadType
+from atp_router.store import SqliteStore
+from atp_router.store.redis import RedisStore
+from atp_router.wire import session as S
+from atp_router.wire.codec import FrameCodec, KeyRing
+from atp_router.wire.errors import ErrorCode, LocalProtocolError
+from atp_router.wire.frame import Flag, Frame, Payload, PayloadType
 from tests.helpers import RouterProcess
 from tests.peers import start_redis
 from tests.replay_server import BillingModel, serve

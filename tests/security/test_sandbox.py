@@ -37,17 +37,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import atp
 import pytest
 import trio
 
-import atp
-from atp.adapters.base import Prompt
-from atp.adapters.tools import sandbox, semgrep
-from atp.adapters.tools.base import ToolLimits
-from atp.adapters.tools.ruff import RuffAdapter
-from atp.adapters.tools.summariser import scan_repo
-from atp.adapters.tools.testrunner import TestRunnerAdapter
-from atp.wire.errors import AgentError, ClientInputError, ErrorCode
+from atp_router.adapters.base import Prompt
+from atp_router.adapters.tools import sandbox, semgrep
+from atp_router.adapters.tools.base import ToolLimits
+from atp_router.adapters.tools.ruff import RuffAdapter
+from atp_router.adapters.tools.summariser import scan_repo
+from atp_router.adapters.tools.testrunner import TestRunnerAdapter
+from atp_router.wire.errors import AgentError, ClientInputError, ErrorCode
 from tests.helpers import ROUTER
 from tests.peers import free_port, stop_process
 
@@ -461,10 +461,10 @@ def test_a_checkout_under_tmp_is_refused_at_load_and_start_naming_the_cause_and_
     checkout = Path(tempfile.mkdtemp(prefix="atp-test-checkout-", dir="/tmp"))
     checkout.chmod(0o755)  # as `git clone` leaves it: any user may read it
     try:
-        shutil.copytree(Path(sandbox.__file__).resolve().parents[2], checkout / "atp",
+        shutil.copytree(Path(sandbox.__file__).resolve().parents[2], checkout / "atp_router",
                         ignore=shutil.ignore_patterns("__pycache__"))
         venv.create(checkout / ".venv", with_pip=False, symlinks=True)
-        # Its dependencies: this interpreter's site-packages (behind PYTHONPATH, so the copy's atp is the one run).
+        # Its dependencies: this interpreter's site-packages (behind PYTHONPATH, so the copy's atp_router is the one run).
         site = checkout / ".venv" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
         (site / "atp_test_deps.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
         python = checkout / ".venv" / "bin" / "python"
@@ -475,7 +475,7 @@ def test_a_checkout_under_tmp_is_refused_at_load_and_start_naming_the_cause_and_
             "policies": [{"name": "lint", "match": {"task_type": "code_review"}, "fanout": ["lint.ruff"]}],
         }))
         env = {**os.environ, "PYTHONPATH": str(checkout)}
-        router = [str(python), "-m", "atp.deploy.cli"]  # run in the checkout, as scripts/demo.sh does
+        router = [str(python), "-m", "atp_router.deploy.cli"]  # run in the checkout, as scripts/demo.sh does
         line = (f"agents.lint.ruff: sandbox: the interpreter {python} lives under /tmp, which every sandboxed run "
                 "gets private (it cannot be seen inside); keep the checkout (and its .venv) outside /tmp")
         check = subprocess.run([*router, "policy", "check", str(rib)], env=env, cwd=checkout, capture_output=True,
@@ -492,7 +492,7 @@ def test_a_checkout_under_tmp_is_refused_at_load_and_start_naming_the_cause_and_
 
 
 def test_the_probe_names_an_interpreter_no_run_can_see(monkeypatch):
-    """:func:`~atp.adapters.tools.sandbox.probe` says why, without trying a run
+    """:func:`~atp_router.adapters.tools.sandbox.probe` says why, without trying a run
     that would fail with ``exec: …: not found``, for an interpreter outside the
     router's checkout too."""
     tmp = Path(tempfile.mkdtemp(prefix="atp-test-python-", dir="/tmp"))

@@ -19,7 +19,7 @@ from joserfc import jws
 from joserfc.errors import BadSignatureError
 from joserfc.jwk import OKPKey
 
-from atp.security.signing import (
+from atp_router.security.signing import (
     KeyRing,
     ReplayGuard,
     UsageSignatureError,
@@ -27,9 +27,9 @@ from atp.security.signing import (
     sign_outbound,
     verify_usage,
 )
-from atp.wire.codec import FrameCodec, seal
-from atp.wire.errors import ErrorCode, LocalProtocolError
-from atp.wire.frame import Flag, Frame, Payload, PayloadType
+from atp_router.wire.codec import FrameCodec, seal
+from atp_router.wire.errors import ErrorCode, LocalProtocolError
+from atp_router.wire.frame import Flag, Frame, Payload, PayloadType
 
 NOW = 1_760_000_000_000  # unix ms
 RING = KeyRing({"k2": b"k2-key-0123456789abcdef", "k1": b"k1-key-0123456789abcdef"})

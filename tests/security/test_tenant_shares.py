@@ -1,14 +1,14 @@
 """Per-tenant resource shares (issue 19 item 8), over the wire against a real router
 (``tests.conftest.start_router``) with API keys for alice, bob and an operator:
 
-* request bodies in flight per tenant (:mod:`atp.flow.body_budget`): alice's
+* request bodies in flight per tenant (:mod:`atp_router.flow.body_budget`): alice's
   third concurrent upload is refused 429 ``EWINDOW`` with ``Retry-After`` before
   its body is read, while bob is served;
 * the response cache's byte budget per tenant: alice filling the cache does not
   evict bob's entry;
 * the WebSocket pre-handshake timeout and per-peer bound;
 * ``GET /v1/health`` answers any caller (liveness only without a credential);
-* one tenant's share of the shared quality evidence (:class:`~atp.policy.learn.TenantShares`).
+* one tenant's share of the shared quality evidence (:class:`~atp_router.policy.learn.TenantShares`).
 
 Each fails on the router before these shares existed.
 """
@@ -21,7 +21,12 @@ import httpx
 import pytest
 import trio
 
-from atp.policy.learn import ALPHA, QUALITY_PRIOR_WEIGHT, RoutingLearner, TenantShares
+from atp_router.policy.learn import (
+    ALPHA,
+    QUALITY_PRIOR_WEIGHT,
+    RoutingLearner,
+    TenantShares,
+)
 from tests.conftest import start_router
 from tests.unit.test_cache import OTHER, SOURCE, TASK, _diff, _review, rib
 

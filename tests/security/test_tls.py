@@ -20,9 +20,14 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from trio_websocket import ConnectionRejected, WebSocketRequest, open_websocket_url
 
-from atp.security.authn import AuthConfig, Authenticator, MtlsIdentitySpec, MtlsSpec
-from atp.security.identity import Role
-from atp.security.tls import (
+from atp_router.security.authn import (
+    AuthConfig,
+    Authenticator,
+    MtlsIdentitySpec,
+    MtlsSpec,
+)
+from atp_router.security.identity import Role
+from atp_router.security.tls import (
     ServerTls,
     hypercorn_ssl,
     peer_cert_of,

@@ -1,4 +1,4 @@
-"""The store tests' backends: every test of the :class:`~atp.store.Store`
+"""The store tests' backends: every test of the :class:`~atp_router.store.Store`
 interface takes the ``backend`` fixture and runs on the embedded SQLite store
 and on Redis (a real redis-server on loopback, one per session, a fresh
 namespace per test; its tests are marked ``peers``)."""
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from atp.store import SqliteStore, Store
-from atp.store.redis import RedisStore
+from atp_router.store import SqliteStore, Store
+from atp_router.store.redis import RedisStore
 from tests.peers import RedisServer, start_redis
 
 

@@ -1,7 +1,7 @@
 """The nonces of signed frames in the store (issue 19: replay protection that
 survives restarts and spans workers and routers), on every backend (the
 ``backend`` fixture: SQLite in a state dir, Redis in a namespace of a real
-redis-server): :meth:`~atp.store.base.Store.record_nonce` is fresh once per
+redis-server): :meth:`~atp_router.store.base.Store.record_nonce` is fresh once per
 ``(tenant, kid, nonce)`` until its expiry, atomic across store handles
 (processes), kept across a reopen, keyed so that ids holding ``:`` (or JSON
 punctuation) never collide, bounded per tenant, and swept a bounded batch at a
@@ -14,9 +14,9 @@ import threading
 import pytest
 import redis
 
-from atp.store import SqliteStore, Store, StoreLimitError, StoreUnavailable
-from atp.store.base import NONCE_FIELD_MAX, NONCE_SWEEP
-from atp.store.redis import RedisStore
+from atp_router.store import SqliteStore, Store, StoreLimitError, StoreUnavailable
+from atp_router.store.base import NONCE_FIELD_MAX, NONCE_SWEEP
+from atp_router.store.redis import RedisStore
 from tests.store.conftest import Backend
 
 NOW = 1_760_000_000_000  # unix ms

@@ -17,9 +17,9 @@ import uuid
 import pytest
 import redis
 
-from atp.flow.budget import Allowance, Refusal, Reservation, SharedBudgetLedger
-from atp.store import SchemaError, StoreError, StoreUnavailable, StreamRecord
-from atp.store.redis import RedisStore, mask_url
+from atp_router.flow.budget import Allowance, Refusal, Reservation, SharedBudgetLedger
+from atp_router.store import SchemaError, StoreError, StoreUnavailable, StreamRecord
+from atp_router.store.redis import RedisStore, mask_url
 from tests.peers import RedisServer, start_redis
 
 

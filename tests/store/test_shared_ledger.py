@@ -36,15 +36,15 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from atp.flow.budget import (
+from atp_router.flow.budget import (
     Allowance,
     BudgetLedger,
     Refusal,
     Reservation,
     SharedBudgetLedger,
 )
-from atp.security.audit import AuditLog, verify
-from atp.store import NotFound, SqliteStore, StoreJournal, StreamRecord
+from atp_router.security.audit import AuditLog, verify
+from atp_router.store import NotFound, SqliteStore, StoreJournal, StreamRecord
 from tests.store.conftest import Backend
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,7 +188,7 @@ def test_second_worker_sees_the_first_workers_hold(backend: Backend):
 
 _HAMMER = textwrap.dedent("""
     import sys
-    from atp.flow.budget import Allowance, Refusal, SharedBudgetLedger
+    from atp_router.flow.budget import Allowance, Refusal, SharedBudgetLedger
     from tests.store.conftest import open_spec
     state, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = open_spec(state, multiprocess=True)

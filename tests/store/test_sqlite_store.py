@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from atp.flow.budget import Allowance, Charge, Reservation
-from atp.store import (
+from atp_router.flow.budget import Allowance, Charge, Reservation
+from atp_router.store import (
     SchemaError,
     SqliteStore,
     StoreError,
     StreamRecord,
 )
-from atp.wire.frame import Budget, QoS
+from atp_router.wire.frame import Budget, QoS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The :class:`~atp.store.Store` interface on every backend (the ``backend``
+"""The :class:`~atp_router.store.Store` interface on every backend (the ``backend``
 fixture: SQLite in a state dir, Redis in a namespace of a real redis-server):
 ledgers, streams, RIB, kv, bounds, leases, claims, kv updates, the response
 cache, and a real kill -9 of a writing process (issue 7 item 7, issue 12)."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from atp.flow.budget import (
+from atp_router.flow.budget import (
     Allowance,
     BudgetLedger,
     Charge,
@@ -24,7 +24,7 @@ from atp.flow.budget import (
     Reservation,
     SharedBudgetLedger,
 )
-from atp.store import (
+from atp_router.store import (
     NotFound,
     Store,
     StoreError,
@@ -32,8 +32,8 @@ from atp.store import (
     StoreLimitError,
     StreamRecord,
 )
-from atp.store.sqlite import RIB_KEPT
-from atp.wire.frame import Budget, QoS
+from atp_router.store.sqlite import RIB_KEPT
+from atp_router.wire.frame import Budget, QoS
 from tests.store.conftest import Backend, account_keys, rib_count
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -451,8 +451,8 @@ def test_cache_ttl_and_lru_bound(backend: Backend):
 
 _CHILD = textwrap.dedent("""
     import sys
-    from atp.flow.budget import Allowance, BudgetLedger
-    from atp.store import StoreJournal, StreamRecord
+    from atp_router.flow.budget import Allowance, BudgetLedger
+    from atp_router.store import StoreJournal, StreamRecord
     from tests.store.conftest import open_spec
     store = open_spec(sys.argv[1])
     ledger = BudgetLedger(journal=StoreJournal(store))

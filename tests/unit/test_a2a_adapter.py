@@ -1,4 +1,4 @@
-"""A2A next-hop (atp.adapters.a2a) against real A2A servers: jaf-py 2.6 (JAF A2A
+"""A2A next-hop (atp_router.adapters.a2a) against real A2A servers: jaf-py 2.6 (JAF A2A
 v0.3.0) and a2a-sdk 1.3 in its A2A 1.0 and v0.3-compatibility dialects, each in its
 own venv (scripts/peers/a2a.sh) and started on a free port (tests/peers.py).
 
@@ -22,13 +22,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import atp
 import httpx
 import pytest
 import trio
 from peers import free_port, start_a2a_sdk_server, start_jaf_server
 
-import atp
-from atp.adapters.a2a import (
+from atp_router.adapters.a2a import (
     A2AAdapter,
     decode_response,
     from_spec,
@@ -36,13 +36,13 @@ from atp.adapters.a2a import (
     normalize_state,
     report_of,
 )
-from atp.adapters.base import Fragment, Prompt
-from atp.adapters.registry import build_adapter
-from atp.consensus.types import Severity
-from atp.policy.loader import load_rib_text
-from atp.policy.rib import AgentSpec, RemoteSpec
-from atp.wire.errors import AgentError, ErrorCode
-from atp.wire.frame import PayloadType
+from atp_router.adapters.base import Fragment, Prompt
+from atp_router.adapters.registry import build_adapter
+from atp_router.consensus.types import Severity
+from atp_router.policy.loader import load_rib_text
+from atp_router.policy.rib import AgentSpec, RemoteSpec
+from atp_router.wire.errors import AgentError, ErrorCode
+from atp_router.wire.frame import PayloadType
 from tests.conftest import start_router
 
 CONTEXT_EXAMPLE = Path(__file__).resolve().parents[3] / "shared" / "specs" / "agent-context-message.example.json"
@@ -191,7 +191,7 @@ async def test_jaf_cancel_of_a_running_call_sends_tasks_cancel(jaf, caplog):
     """Cancelling the call (the ATP stream's RST) while jaf works stops it at once
     and sends tasks/cancel for the remote task; jaf answers -32001 (it has no task
     store), which the adapter logs and swallows."""
-    caplog.set_level(logging.INFO, logger="atp.adapters.a2a")
+    caplog.set_level(logging.INFO, logger="atp_router.adapters.a2a")
     adapter = A2AAdapter("jaf", url=jaf + "/a2a", dialect="jaf", stream=True)
     seen: list[Fragment] = []
     t0 = trio.current_time()

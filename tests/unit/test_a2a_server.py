@@ -1,4 +1,4 @@
-"""The router as an A2A server (atp.runtime.ingress.a2a), spoken to by real A2A clients.
+"""The router as an A2A server (atp_router.runtime.ingress.a2a), spoken to by real A2A clients.
 
 The router runs on loopback with the control API and the A2A routes mounted side by
 side (``build_app(router).routes + a2a_routes(router)``), real ruff and bandit as
@@ -10,10 +10,10 @@ its code-review next-hops. Clients:
   and the errors it maps to its exception types;
 * httpx, asserting the exact v0.3 / JAF wire shapes (``kind``, ``final``) and the
   JSON-RPC errors;
-* the router's own A2A adapter (atp.adapters.a2a), so routers chain over A2A.
+* the router's own A2A adapter (atp_router.adapters.a2a), so routers chain over A2A.
 
 A next-hop that must run long (to be cancelled) or fail on cue is a
-:class:`~atp.adapters.testing.ScriptedAdapter` (RIB ``tool: scripted``): no real
+:class:`~atp_router.adapters.testing.ScriptedAdapter` (RIB ``tool: scripted``): no real
 analyser can be made to take a chosen time.
 """
 
@@ -37,19 +37,19 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 from peers import a2a_peer_python
 
-from atp.adapters.a2a import A2AAdapter
-from atp.adapters.base import Prompt
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import Severity
-from atp.deploy import single
-from atp.deploy.cli import _parser, config_from_args
-from atp.review.repo import files_after
-from atp.runtime.ingress.a2a import a2a_routes, agent_card
-from atp.runtime.ingress.http_api import build_app
-from atp.runtime.router import Router, RouterConfig, StreamCtx
-from atp.task.diff import parse_diff
-from atp.wire.errors import ErrorCode
-from atp.wire.frame import PayloadType
+from atp_router.adapters.a2a import A2AAdapter
+from atp_router.adapters.base import Prompt
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import Severity
+from atp_router.deploy import single
+from atp_router.deploy.cli import _parser, config_from_args
+from atp_router.review.repo import files_after
+from atp_router.runtime.ingress.a2a import a2a_routes, agent_card
+from atp_router.runtime.ingress.http_api import build_app
+from atp_router.runtime.router import Router, RouterConfig, StreamCtx
+from atp_router.task.diff import parse_diff
+from atp_router.wire.errors import ErrorCode
+from atp_router.wire.frame import PayloadType
 from tests.helpers import serve_scripted
 
 CONTEXT_EXAMPLE = Path(__file__).resolve().parents[3] / "shared" / "specs" / "agent-context-message.example.json"
@@ -117,7 +117,7 @@ def keep_reset_streams(monkeypatch) -> None:
     without this they leave after REFUSED_RETAIN_S (1 s), which a loaded machine
     can spend between the cancel and the test's :func:`stream_of`. The A2A side
     does not depend on it (its task answers for ``retain_closed_s``)."""
-    monkeypatch.setattr("atp.runtime.dataplane.streams.REFUSED_RETAIN_S", 3600.0)
+    monkeypatch.setattr("atp_router.runtime.dataplane.streams.REFUSED_RETAIN_S", 3600.0)
 
 
 @pytest.fixture
@@ -132,7 +132,7 @@ def auth(token: str = TOKEN) -> dict[str, str]:
 def stream_of(router: Router, task_id: str, token: str = TOKEN) -> StreamCtx:
     """The ATP stream behind A2A task ``task_id`` of ``token``'s tenant. A stream
     reset before any result (a cancelled task) leaves the router's table
-    :data:`~atp.runtime.dataplane.streams.REFUSED_RETAIN_S` after its close, however long
+    :data:`~atp_router.runtime.dataplane.streams.REFUSED_RETAIN_S` after its close, however long
     its A2A task still answers: a test that reads such a stream afterwards uses
     the ``keep_reset_streams`` fixture, or a loaded machine's delay between the
     cancel and the read removes it first."""
@@ -546,14 +546,14 @@ asyncio.run(main(*sys.argv[1:]))
 
 
 async def start_router_process(tmp_path: Path, *extra: str) -> tuple[trio.Process, str]:
-    """``atp-router`` as a process (``python -m atp.deploy.cli``) on free ports with
+    """``atp-router`` as a process (``python -m atp_router.deploy.cli``) on free ports with
     PROC_RIB and ``extra`` flags; returns it and its HTTP base URL."""
     env = {**os.environ, "ATP_ROUTER_TOKENS": TOKEN, "PYTHONUNBUFFERED": "1"}
     for k in ("ATP_HMAC_KEY", "ATP_HMAC_KEYS"):
         env.pop(k, None)
     rib = tmp_path / "proc-rib.yaml"
     rib.write_text(PROC_RIB)
-    argv = [sys.executable, "-m", "atp.deploy.cli", "--policies", str(rib), "--no-watch",
+    argv = [sys.executable, "-m", "atp_router.deploy.cli", "--policies", str(rib), "--no-watch",
             "--state-dir", str(tmp_path / "state"), "--http-port", "0", "--ws-port", "0", "--log-level", "WARNING",
             *extra]
     proc = await trio.lowlevel.open_process(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)

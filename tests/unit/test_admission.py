@@ -1,5 +1,5 @@
 """Admission of next-hop calls through every flow gate as one sans-IO object
-(atp.flow.admission; spec §5.1–§5.4, §9, §10 EAGENTDOWN / EWINDOW / EBUDGET /
+(atp_router.flow.admission; spec §5.1–§5.4, §9, §10 EAGENTDOWN / EWINDOW / EBUDGET /
 EPREEMPT). Synchronous: no trio, time is an argument."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from atp.flow.admission import (
+from atp_router.flow.admission import (
     NOT_RUN,
     TRANSITIONS,
     AdmissionControl,
@@ -31,14 +31,14 @@ from atp.flow.admission import (
     StreamFlow,
     Wait,
 )
-from atp.flow.breaker import BreakerBoard
-from atp.flow.budget import Allowance, BudgetLedger, Refusal, Reservation
-from atp.flow.qos import QosScheduler
-from atp.flow.window import Estimate, WindowTable
-from atp.flow.window import Window as FlowWindow
-from atp.wire.errors import ErrorCode
-from atp.wire.frame import QoS, WindowUpdate
-from atp.wire.frame import Window as W
+from atp_router.flow.breaker import BreakerBoard
+from atp_router.flow.budget import Allowance, BudgetLedger, Refusal, Reservation
+from atp_router.flow.qos import QosScheduler
+from atp_router.flow.window import Estimate, WindowTable
+from atp_router.flow.window import Window as FlowWindow
+from atp_router.wire.errors import ErrorCode
+from atp_router.wire.frame import QoS, WindowUpdate
+from atp_router.wire.frame import Window as W
 
 G, S, B = QoS.GOLD, QoS.SILVER, QoS.BRONZE
 ROOMY = W(max_parallel=4, max_tokens=10_000, max_usd_micros=100_000)

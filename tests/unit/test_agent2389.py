@@ -1,4 +1,4 @@
-"""The 2389 agent runtime (atp.agent2389) against a real mosquitto broker started by
+"""The 2389 agent runtime (atp_router.agent2389) against a real mosquitto broker started by
 the test, wrapping the real bandit (and ruff) adapters: every conformance point of
 PEERS.md's 2389 section, the §7.4 algorithm, the tool interface, TLS, credentials
 from the environment, the LWT after SIGKILL and the graceful shutdown.
@@ -23,13 +23,18 @@ import msgspec
 import pytest
 import trio
 
-from atp.agent2389.cli import main as cli_main
-from atp.agent2389.config import ConfigError, parse_config
-from atp.agent2389.runtime import AgentRuntime, StartupError
-from atp.agent2389.tools import ParameterError, SchemaError, check_schema, validate
-from atp.mqtt import MQTTClient, open_mqtt_client
-from atp.mqtt import agent_protocol as P
-from atp.security.redact import REDACTED, register_secrets
+from atp_router.agent2389.cli import main as cli_main
+from atp_router.agent2389.config import ConfigError, parse_config
+from atp_router.agent2389.runtime import AgentRuntime, StartupError
+from atp_router.agent2389.tools import (
+    ParameterError,
+    SchemaError,
+    check_schema,
+    validate,
+)
+from atp_router.mqtt import MQTTClient, open_mqtt_client
+from atp_router.mqtt import agent_protocol as P
+from atp_router.security.redact import REDACTED, register_secrets
 from tests.peers import MOSQUITTO_TLS, make_test_pki, mosquitto_passwd, start_mosquitto
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -332,7 +337,7 @@ async def test_lwt_after_sigkill_and_graceful_exit_on_sigterm(broker, tmp_path):
     cfg = tmp_path / "agent.toml"
     cfg.write_text(config_text(broker.port, agent_id))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    argv = [sys.executable, "-m", "atp.agent2389", "--config", str(cfg)]
+    argv = [sys.executable, "-m", "atp_router.agent2389", "--config", str(cfg)]
     async with open_mqtt_client(broker.host, broker.port) as mon:
         await mon.subscribe(P.status_topic(agent_id), retain_as_published=True)
         for sig in (signal.SIGKILL, signal.SIGTERM):
@@ -433,7 +438,7 @@ async def test_17_nested_next_are_refused_and_exactly_16_forward(broker, nursery
 async def test_topic_mismatch_is_discarded_and_canonical_topics_match(broker, nursery, caplog):
     """A mismatch is discarded without a reply (§7.4 step 3) and logged with both
     topics readable, so it can be diagnosed; only a secret in them is masked."""
-    caplog.set_level(logging.INFO, logger="atp.agent2389")
+    caplog.set_level(logging.INFO, logger="atp_router.agent2389")
     agent_id = new_id()
     token = "tok-" + uuid.uuid4().hex
     register_secrets([token])

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import atp
 import httpx
 import msgspec
 import pytest
@@ -32,21 +33,20 @@ from peers import (  # tests/peers.py (on sys.path via conftest)
     start_agentscope_server,
 )
 
-import atp
-from atp.adapters.agent_api import (
+from atp_router.adapters.agent_api import (
     DEFAULT_RETRY,
     AgentApiAdapter,
     AgentApiDecoder,
     TextDelta,
     from_spec,
 )
-from atp.adapters.base import Fragment, Prompt
-from atp.adapters.http import RetryPolicy
-from atp.adapters.registry import build_adapter
-from atp.consensus.types import AgentReport, Severity, Usage
-from atp.policy.rib import AgentSpec
-from atp.wire.errors import AgentError, ErrorCode
-from atp.wire.frame import PayloadType
+from atp_router.adapters.base import Fragment, Prompt
+from atp_router.adapters.http import RetryPolicy
+from atp_router.adapters.registry import build_adapter
+from atp_router.consensus.types import AgentReport, Severity, Usage
+from atp_router.policy.rib import AgentSpec
+from atp_router.wire.errors import AgentError, ErrorCode
+from atp_router.wire.frame import PayloadType
 from tests.conftest import start_router
 from tests.replay_server import Replay, serve
 
@@ -188,7 +188,7 @@ async def test_unreachable_agent_is_agentdown() -> None:
 async def test_agentscope_a2a_endpoint_through_the_a2a_adapter(agentscope: str) -> None:
     """agentscope's built-in /a2a answers message/send with a Message, and its card
     advertises a URL it does not listen on: the A2A adapter must use the configured one."""
-    a2a = pytest.importorskip("atp.adapters.a2a")
+    a2a = pytest.importorskip("atp_router.adapters.a2a")
     async with httpx.AsyncClient(timeout=10) as client:
         card = (await client.get(agentscope + "/.well-known/agent-card.json")).json()
     assert card["url"] != agentscope + "/a2a"

@@ -1,13 +1,14 @@
 """FINAL carries each next-hop's prose answer beside the findings (§7.3; issue 9
 item 5): an agent that answers in text is visible to the client. The agents are
-:class:`~atp.adapters.testing.ScriptedAdapter` tools (RIB ``tool: scripted``)
+:class:`~atp_router.adapters.testing.ScriptedAdapter` tools (RIB ``tool: scripted``)
 reproducing a model's report shape (summary text, no findings)."""
 
 from __future__ import annotations
 
 import atp
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import ANSWER_CHARS
+
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import ANSWER_CHARS
 from tests.helpers import golden, start_router_on
 from tests.unit.test_router_dispatch import scripted_agent
 

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from atp.policy.bandit import MAX_FEATURES, ArmModel, Bandit, Context, Featurizer
+from atp_router.policy.bandit import MAX_FEATURES, ArmModel, Bandit, Context, Featurizer
 
 
 def test_featurizer_is_bounded_and_stable_across_processes():
@@ -17,7 +17,7 @@ def test_featurizer_is_bounded_and_stable_across_processes():
     ctx = f(hostile, "word " * 100_000 + " ".join(f"w{i}" for i in range(50_000)))
     assert len(ctx.idx) <= MAX_FEATURES and len(set(ctx.idx.tolist())) == len(ctx.idx)
     assert ctx.idx.min() >= 0 and ctx.idx.max() < 4096 and np.all(np.isfinite(ctx.val))
-    code = ("from atp.policy.bandit import Featurizer; "
+    code = ("from atp_router.policy.bandit import Featurizer; "
             "print(Featurizer(bits=12, text=True)({'task_type': 'code_review', 'languages': ['py']}, 'fix the bug').to_json())")
     a = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     b = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atp.flow.breaker import (
+from atp_router.flow.breaker import (
     PEER_FAILURES,
     TRANSITIONS,
     BreakerBoard,
@@ -23,7 +23,7 @@ from atp.flow.breaker import (
     RetryPolicy,
     attribute,
 )
-from atp.wire.errors import ErrorCode
+from atp_router.wire.errors import ErrorCode
 
 CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
 LEGAL = {(s, new) for (s, _), new in TRANSITIONS.items()}
@@ -550,7 +550,7 @@ def test_retry_policy_is_a_strict_config_struct():
 def test_a_canary_ending_after_a_reload_removed_its_agent_is_ignored():
     """A reload forgets a removed agent's breaker while its canary runs; the canary's
     end must not raise (it ended the router's canary task and then the router)."""
-    from atp.flow.breaker import BreakerBoard
+    from atp_router.flow.breaker import BreakerBoard
 
     board = BreakerBoard()
     assert board.on_canary("gone", 0.0, False) is False

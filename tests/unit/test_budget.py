@@ -16,7 +16,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from atp.flow.budget import (
+from atp_router.flow.budget import (
     AccountState,
     Allowance,
     BudgetLedger,
@@ -27,8 +27,8 @@ from atp.flow.budget import (
     micros_to_usd,
     usd_to_micros,
 )
-from atp.wire.errors import ErrorCode
-from atp.wire.frame import Budget
+from atp_router.wire.errors import ErrorCode
+from atp_router.wire.frame import Budget
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The content-addressed response cache (spec §13; atp.policy.cache, atp.runtime.dataplane.cache).
+"""The content-addressed response cache (spec §13; atp_router.policy.cache, atp_router.runtime.dataplane.cache).
 
 Three layers, each against the real thing below it:
 
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import json
 
+import atp
 import msgspec
 import pytest
 import trio
 
-import atp
-from atp.adapters.base import Prompt
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import (
+from atp_router.adapters.base import Prompt
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import (
     ANSWER_CHARS,
     AgentFinding,
     AgentReport,
@@ -32,7 +32,7 @@ from atp.consensus.types import (
     Severity,
     Usage,
 )
-from atp.policy.cache import (
+from atp_router.policy.cache import (
     VOLATILE_META,
     CacheEntry,
     agent_fingerprint,
@@ -43,11 +43,11 @@ from atp.policy.cache import (
     encode_entry,
     fresh,
 )
-from atp.policy.check import render_fib
-from atp.policy.fib import compile_fib
-from atp.policy.loader import load_rib_text
-from atp.store import SqliteStore
-from atp.wire.errors import AgentError, ErrorCode, PolicyError
+from atp_router.policy.check import render_fib
+from atp_router.policy.fib import compile_fib
+from atp_router.policy.loader import load_rib_text
+from atp_router.store import SqliteStore
+from atp_router.wire.errors import AgentError, ErrorCode, PolicyError
 from tests.conftest import start_router
 
 META = {"task_type": "code_review", "languages": ["py"]}

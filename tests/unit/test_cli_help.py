@@ -1,5 +1,5 @@
 """``atp-router --help`` and its subcommands' help show each option's default
-(atp/cliutil/helpfmt.py)."""
+(atp_router/cliutil/helpfmt.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from atp.deploy import cli
+from atp_router.deploy import cli
 
 
 def _help(capsys, argv: list[str]) -> str:

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from atp.security.authn import Authenticator, load_auth_config
+from atp_router.security.authn import Authenticator, load_auth_config
 
 
 def _keys_new(*args: str) -> tuple[str, str]:
-    done = subprocess.run([sys.executable, "-m", "atp.deploy.cli", "keys", "new", *args],
+    done = subprocess.run([sys.executable, "-m", "atp_router.deploy.cli", "keys", "new", *args],
                           capture_output=True, text=True, check=True, timeout=60)
     lines = done.stdout.splitlines()
     assert lines[0].startswith("secret (shown once): ")
@@ -36,6 +36,6 @@ def test_the_printed_entry_pastes_under_api_keys_and_authenticates(tmp_path, rol
 def test_roles_default_to_client_and_an_unknown_role_is_refused():
     _, entry = _keys_new("ci", "alice")
     assert "roles: [client]" in entry
-    done = subprocess.run([sys.executable, "-m", "atp.deploy.cli", "keys", "new", "ci", "alice", "root"],
+    done = subprocess.run([sys.executable, "-m", "atp_router.deploy.cli", "keys", "new", "ci", "alice", "root"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "root" in done.stderr

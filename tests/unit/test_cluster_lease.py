@@ -1,4 +1,4 @@
-"""The lease decisions of a cluster router (atp.deploy.cluster.LeaseClock, sans-IO):
+"""The lease decisions of a cluster router (atp_router.deploy.cluster.LeaseClock, sans-IO):
 its lease thread renews while the trio loop ticks — also when the loop is busy
 for many leases —, stops when the loop has not ticked for ``stall_s`` (the router
 cannot serve: the others settle it), and a renewal after a gap of 0.8 lease or
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from atp.deploy.cluster import LeaseClock
-from atp.store import StoreUnavailable
+from atp_router.deploy.cluster import LeaseClock
+from atp_router.store import StoreUnavailable
 
 LEASE_MS = 1500
 

@@ -22,8 +22,8 @@ import cbor2
 import msgspec
 import pytest
 
-from atp.wire import codec as codec_mod
-from atp.wire.codec import (
+from atp_router.wire import codec as codec_mod
+from atp_router.wire.codec import (
     LEGACY_KID,
     MAX_CBOR_DEPTH,
     FrameCodec,
@@ -35,8 +35,8 @@ from atp.wire.codec import (
     seal,
     verify,
 )
-from atp.wire.errors import ErrorCode, LocalProtocolError
-from atp.wire.frame import (
+from atp_router.wire.errors import ErrorCode, LocalProtocolError
+from atp_router.wire.frame import (
     Budget,
     BudgetUpdate,
     Capabilities,

@@ -23,9 +23,15 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from msgspec import inspect as mi
 
-from atp.wire.codec import FrameCodec, StreamDecoder, canonical_bytes, seal, verify
-from atp.wire.errors import ErrorCode, LocalProtocolError
-from atp.wire.frame import Frame
+from atp_router.wire.codec import (
+    FrameCodec,
+    StreamDecoder,
+    canonical_bytes,
+    seal,
+    verify,
+)
+from atp_router.wire.errors import ErrorCode, LocalProtocolError
+from atp_router.wire.frame import Frame
 
 KEY = b"fuzz-hmac-key"
 ENCODINGS = ("json", "cbor")

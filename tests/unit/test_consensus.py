@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atp.consensus.escalation import TEST_FAIL_RULE, TRIGGERS, consensus_error, should_escalate
-from atp.consensus.scorers import (
+from atp_router.consensus.escalation import TEST_FAIL_RULE, TRIGGERS, consensus_error, should_escalate
+from atp_router.consensus.scorers import (
     GROUNDED,
     HALLUCINATED,
     SPAN_OVERFLOW,
@@ -21,9 +21,9 @@ from atp.consensus.scorers import (
     count_lines,
     evidence_score,
 )
-from atp.consensus.strategies import NO_CHAMPION, NO_QUORUM, merge, report_confidence
-from atp.consensus.types import AgentFinding, AgentReport, Result, Severity
-from atp.wire.errors import ErrorCode
+from atp_router.consensus.strategies import NO_CHAMPION, NO_QUORUM, merge, report_confidence
+from atp_router.consensus.types import AgentFinding, AgentReport, Result, Severity
+from atp_router.wire.errors import ErrorCode
 
 H, M, L, C = Severity.HIGH, Severity.MEDIUM, Severity.LOW, Severity.CRITICAL
 FILES = {"auth/jwt.py": "x\n" * 120, "db/q.py": "y\n" * 30, "empty.py": "", "tests/test_q.py": "t\n" * 20}
@@ -537,7 +537,7 @@ def test_agreement_bounds_and_identical_reports(reports, slack):
 
 
 def test_change_evidence_inside_the_change_or_naming_a_test():
-    from atp.consensus.scorers import CHANGE_SLACK, OFF_CHANGE, change_evidence
+    from atp_router.consensus.scorers import CHANGE_SLACK, OFF_CHANGE, change_evidence
 
     changed = {"db/q.py": {10, 11}}
     assert change_evidence(f("db/q.py", 12, 12), changed) == 1.0
@@ -559,7 +559,7 @@ def test_off_change_citation_halves_its_weight_in_the_merge():
 
 
 def test_claim_similarity():
-    from atp.consensus.scorers import claim_similarity
+    from atp_router.consensus.scorers import claim_similarity
 
     assert claim_similarity("S301: pickle loads untrusted data", "B301: Pickle loads untrusted data") == 1.0
     assert claim_similarity("missing audience check", "audience not checked") == pytest.approx(1 / 5)
@@ -594,7 +594,7 @@ def test_two_phase_commit_k_of_n_quorum():
 
 
 def test_policy_quorum_is_bounded_by_its_agents():
-    from atp.policy.rib import PolicySpec, SpecError
+    from atp_router.policy.rib import PolicySpec, SpecError
 
     ok = msgspec.convert({"match": {}, "fanout": ["a", "b"], "consensus": "two_phase_commit", "quorum": 2}, PolicySpec)
     assert ok.quorum == 2
@@ -606,7 +606,7 @@ def test_policy_quorum_is_bounded_by_its_agents():
 
 
 def test_calibration_replaces_stated_confidence_with_the_measured_one():
-    from atp.policy.rib import CalibrationSpec, SpecError
+    from atp_router.policy.rib import CalibrationSpec, SpecError
 
     noisy = CalibrationSpec(findings=45, matched=0)  # measured: none of 45 findings was a defect
     sure = CalibrationSpec(findings=10, matched=9, weight=10)

@@ -20,13 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import atp
 import msgspec
 import pytest
 import trio
 from peers import start_agentscope_server  # tests/peers.py (on sys.path via conftest)
 
-import atp
-from atp.adapters.context import (
+from atp_router.adapters.context import (
     REDACTED,
     AgentContext,
     RedactingFilter,
@@ -43,8 +43,8 @@ from atp.adapters.context import (
     secret_values,
     with_context_scope,
 )
-from atp.policy.match import compile_match
-from atp.wire.errors import AgentError, ErrorCode, LocalProtocolError
+from atp_router.policy.match import compile_match
+from atp_router.wire.errors import AgentError, ErrorCode, LocalProtocolError
 from tests.conftest import start_router
 
 EXAMPLE_TEXT = Path("/work/shared/specs/agent-context-message.example.json").read_text()
@@ -140,8 +140,8 @@ def test_secrets_and_redaction() -> None:
 
 
 def test_scrub_and_scrub_error() -> None:
-    """The adapters' scrubber is atp.security.redact's, re-exported here."""
-    from atp.security import redact
+    """The adapters' scrubber is atp_router.security.redact's, re-exported here."""
+    from atp_router.security import redact
 
     assert scrub is redact.scrub and scrub_error is redact.scrub_error and REDACTED == redact.REDACTED
     assert scrub(f"bad token {TOKEN}!", secrets=[TOKEN]) == f"bad token {REDACTED}!"

@@ -1,6 +1,6 @@
-"""What a deployment mode gives the Router it assembles (atp.runtime.deployment;
+"""What a deployment mode gives the Router it assembles (atp_router.runtime.deployment;
 issue 21 item 3): the hooks the runtime calls at defined points, each on a real
-router built by ``atp.deploy.single.build``.
+router built by ``atp_router.deploy.single.build``.
 
 * a :class:`SynGate`'s refusal answers the SYN with a lone ERROR (its code,
   reason and ``retry_after_ms``; no RST) before its session sees it: no stream,
@@ -22,15 +22,15 @@ from typing import Any
 import pytest
 import trio
 
-from atp.deploy import single
-from atp.runtime.deployment import SynGate
-from atp.runtime.router import Router, RouterConfig
-from atp.security.authz import Refuse
-from atp.security.identity import ANONYMOUS, Identity
-from atp.store import StoreUnavailable
-from atp.wire import session as S
-from atp.wire.errors import ATPError, ErrorCode
-from atp.wire.frame import ErrorPayload, Flag, Frame, QoS
+from atp_router.deploy import single
+from atp_router.runtime.deployment import SynGate
+from atp_router.runtime.router import Router, RouterConfig
+from atp_router.security.authz import Refuse
+from atp_router.security.identity import ANONYMOUS, Identity
+from atp_router.store import StoreUnavailable
+from atp_router.wire import session as S
+from atp_router.wire.errors import ATPError, ErrorCode
+from atp_router.wire.frame import ErrorPayload, Flag, Frame, QoS
 from tests.conftest import MECHANICS_RIB
 
 META = {"task_type": "code_review", "languages": ["py"]}

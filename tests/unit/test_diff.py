@@ -1,4 +1,4 @@
-"""atp.task.diff against real diffs: the golden tasks, real ``git diff`` output in
+"""atp_router.task.diff against real diffs: the golden tasks, real ``git diff`` output in
 its many shapes, and difflib's unified diffs under Hypothesis."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atp.task.diff import FileDiff, changed_lines, diff_loc, parse_diff
+from atp_router.task.diff import FileDiff, changed_lines, diff_loc, parse_diff
 
 GOLDEN = Path("/work/shared/golden/dev.jsonl")
 
@@ -250,7 +250,7 @@ def test_count_changed_lines_equals_diff_loc_of_the_parsed_diff():
     the parsed diff's added + removed lines on real diffs (the golden set)."""
     import json
 
-    from atp.task.diff import count_changed_lines, diff_loc, parse_diff
+    from atp_router.task.diff import count_changed_lines, diff_loc, parse_diff
     from tests.conftest import SHARED
 
     diffs = [json.loads(line).get("diff") for line in (SHARED / "golden" / "dev.jsonl").read_text().splitlines()]

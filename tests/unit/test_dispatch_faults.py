@@ -1,5 +1,5 @@
-"""Faults are attributed (issue 19; atp.runtime.dataplane.dispatch module doc 3 and 4,
-atp.flow.breaker "Faults are attributed") on a real router on loopback.
+"""Faults are attributed (issue 19; atp_router.runtime.dataplane.dispatch module doc 3 and 4,
+atp_router.flow.breaker "Faults are attributed") on a real router on loopback.
 
 The next-hops are :class:`TaskTool` s: tenant-bound adapters (``tenant_bound =
 True``, as every local tool) that do on demand what a tool does on a hostile
@@ -13,19 +13,19 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator
 
+import atp
 import msgspec
 import trio
 
-import atp
-from atp.adapters.base import Fragment, Prompt, ProviderAdapter
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import AgentReport, Usage
-from atp.policy.fib import compile_fib
-from atp.policy.health import Health
-from atp.policy.loader import load_rib_text
-from atp.runtime.dataplane.dispatch import CANARY, NEXT_HOP_FAILED
-from atp.wire.errors import AgentError, ClientInputError, ErrorCode
-from atp.wire.frame import Capabilities, CostEstimate, PayloadType
+from atp_router.adapters.base import Fragment, Prompt, ProviderAdapter
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import AgentReport, Usage
+from atp_router.policy.fib import compile_fib
+from atp_router.policy.health import Health
+from atp_router.policy.loader import load_rib_text
+from atp_router.runtime.dataplane.dispatch import CANARY, NEXT_HOP_FAILED
+from atp_router.wire.errors import AgentError, ClientInputError, ErrorCode
+from atp_router.wire.frame import Capabilities, CostEstimate, PayloadType
 from tests.conftest import RouterEnv
 from tests.helpers import start_router_on
 

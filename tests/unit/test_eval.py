@@ -17,10 +17,10 @@ import msgspec
 import pytest
 import trio
 
-from atp.adapters import local_model
-from atp.deploy.cli import serve_private
-from atp.review import eval as ev
-from atp.review.eval import (
+from atp_router.adapters import local_model
+from atp_router.deploy.cli import serve_private
+from atp_router.review import eval as ev
+from atp_router.review.eval import (
     Expected,
     GoldenTask,
     TaskRun,
@@ -32,7 +32,7 @@ from atp.review.eval import (
     score_task,
     summarize,
 )
-from atp.security.identity import Role
+from atp_router.security.identity import Role
 from tests.conftest import MECHANICS_RIB, ROOT, SHARED
 from tests.helpers import start_router_on
 
@@ -142,7 +142,7 @@ def test_eval_command_compares_variants_through_private_routers(tmp_path: Path) 
     tasks = _small_task_file(tmp_path, {"bugsinpy-thefuck-23", "bugsinpy-thefuck-2", "bugsinpy-thefuck-3"})
     png, js, cal = tmp_path / "e.png", tmp_path / "e.json", tmp_path / "cal.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "atp.deploy.cli", "eval", "--tasks", str(tasks), "--png", str(png), "--json", str(js),
+        [sys.executable, "-m", "atp_router.deploy.cli", "eval", "--tasks", str(tasks), "--png", str(png), "--json", str(js),
          "--calibration", str(cal), "--policies", str(VARIANTS / "ruff.yaml"), str(VARIANTS / "bandit.yaml")],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -157,7 +157,7 @@ def test_eval_command_compares_variants_through_private_routers(tmp_path: Path) 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import yaml
 
-    from atp.policy.rib import CalibrationSpec
+    from atp_router.policy.rib import CalibrationSpec
 
     measured = yaml.safe_load(cal.read_text())
     assert set(measured) == {"lint.ruff", "sec.bandit"}
@@ -170,11 +170,11 @@ def test_eval_command_reports_a_refused_rib_precisely(tmp_path: Path) -> None:
     tasks = _small_task_file(tmp_path, {"bugsinpy-thefuck-23"})
     bad = tmp_path / "bad.yaml"
     bad.write_text("agents: {}\npolicies:\n  - match: {task_type: code_review}\n    fanout: [nobody]\n")
-    proc = subprocess.run([sys.executable, "-m", "atp.deploy.cli", "eval", "--tasks", str(tasks),
+    proc = subprocess.run([sys.executable, "-m", "atp_router.deploy.cli", "eval", "--tasks", str(tasks),
                            "--policies", str(bad), "--png", str(tmp_path / "x.png")],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "bad: refused RIB" in proc.stderr and "nobody" in proc.stderr
-    missing = subprocess.run([sys.executable, "-m", "atp.deploy.cli", "eval", "--tasks", str(tmp_path / "none")],
+    missing = subprocess.run([sys.executable, "-m", "atp_router.deploy.cli", "eval", "--tasks", str(tmp_path / "none")],
                              capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert missing.returncode == 2 and "none" in missing.stderr and "Traceback" not in missing.stderr
 

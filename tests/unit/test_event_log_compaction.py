@@ -7,8 +7,15 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from atp.runtime.dataplane.streams import EventLog
-from atp.wire.frame import Flag, Frame, Payload, PayloadType, Window, WindowUpdate
+from atp_router.runtime.dataplane.streams import EventLog
+from atp_router.wire.frame import (
+    Flag,
+    Frame,
+    Payload,
+    PayloadType,
+    Window,
+    WindowUpdate,
+)
 
 
 def _frames() -> list[Frame]:
@@ -52,6 +59,7 @@ async def test_the_router_compacts_a_closed_stream_nobody_follows(nursery, tmp_p
     """Through a real router: a finished stream's log is packed once its SSE
     follower is gone, and a client resuming it later still reads every event."""
     import atp
+
     from tests.conftest import MECHANICS_RIB, start_router
     from tests.helpers import golden
 

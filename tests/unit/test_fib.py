@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from atp.policy.fib import FIT_FLOOR, NextHop, Route, compile_fib
-from atp.policy.health import Health
-from atp.policy.loader import load_rib, load_rib_text
-from atp.policy.match import Compare, compile_match, compile_value
-from atp.policy.rib import AgentSpec, PolicySpec, Rib, SpecError
-from atp.wire.errors import AgentError, ErrorCode, PolicyError
-from atp.wire.frame import QoS, RouteEntry
+from atp_router.policy.fib import FIT_FLOOR, NextHop, Route, compile_fib
+from atp_router.policy.health import Health
+from atp_router.policy.loader import load_rib, load_rib_text
+from atp_router.policy.match import Compare, compile_match, compile_value
+from atp_router.policy.rib import AgentSpec, PolicySpec, Rib, SpecError
+from atp_router.wire.errors import AgentError, ErrorCode, PolicyError
+from atp_router.wire.frame import QoS, RouteEntry
 
 CASES = Path(__file__).parent / "policy_cases"
 DEFAULT = Path(__file__).parents[2] / "policies" / "default.yaml"

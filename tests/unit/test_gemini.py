@@ -28,15 +28,15 @@ import msgspec
 import pytest
 import trio
 
-from atp.adapters.base import Fragment, Prompt
-from atp.adapters.gemini import GeminiAdapter
-from atp.adapters.http import RetryPolicy
-from atp.adapters.openai_compat import CONTEXT_PROMPT, SYSTEM_PROMPT
-from atp.adapters.registry import build_adapter
-from atp.consensus.types import Severity, Usage
-from atp.policy.rib import AgentSpec, ModelSpec
-from atp.wire.errors import AgentError, ErrorCode
-from atp.wire.frame import PayloadType
+from atp_router.adapters.base import Fragment, Prompt
+from atp_router.adapters.gemini import GeminiAdapter
+from atp_router.adapters.http import RetryPolicy
+from atp_router.adapters.openai_compat import CONTEXT_PROMPT, SYSTEM_PROMPT
+from atp_router.adapters.registry import build_adapter
+from atp_router.consensus.types import Severity, Usage
+from atp_router.policy.rib import AgentSpec, ModelSpec
+from atp_router.wire.errors import AgentError, ErrorCode
+from atp_router.wire.frame import PayloadType
 from tests.replay_server import Replay, serve
 
 EXAMPLE = json.loads(Path("/work/shared/specs/agent-context-message.example.json").read_text())

@@ -1,5 +1,5 @@
-"""The packages under ``atp/`` are layered (issue 21 items 4 and 5): an ``ast`` walk
-over every module reads its ``atp`` imports — module-level ones (``if
+"""The packages under ``atp_router/`` are layered (issue 21 items 4 and 5): an ``ast`` walk
+over every module reads its ``atp_router`` imports — module-level ones (``if
 TYPE_CHECKING:`` and ``try:`` blocks included) and function-level ones — and
 checks that
 
@@ -9,10 +9,10 @@ checks that
 * the adapters never import the runtime (``runtime`` and ``deploy``), and
   ``observability`` imports neither the runtime nor the adapters;
 * the package graph (module- and function-level imports alike) has no cycle;
-* an ``atp`` import inside a function is one of :data:`FUNCTION_LEVEL_IMPORTS`, each
+* an ``atp_router`` import inside a function is one of :data:`FUNCTION_LEVEL_IMPORTS`, each
   with its reason; a new one fails, and so does an entry that no longer matches.
 
-A package is the first path component under ``atp/`` (``atp/policy/fib.py`` is in
+A package is the first path component under ``atp_router/`` (``atp_router/policy/fib.py`` is in
 ``policy``). The tree checked is this repository's, or the one whose root
 ``ATP_LAYERS_ROOT`` names (``ATP_LAYERS_ROOT=/path/to/checkout pytest
 tests/unit/test_layers.py``: the same rules against another checkout).
@@ -67,39 +67,39 @@ CORE = ("wire", "flow", "policy", "consensus", "task")
 #: What the next-hops may never import.
 RUNTIME = frozenset({"runtime", "deploy"})
 
-#: The function-level ``atp`` imports that remain, as ``(file, function,
+#: The function-level ``atp_router`` imports that remain, as ``(file, function,
 #: imported module)`` → why it is not at module level. Everything else is
 #: imported at the top of its module.
 FUNCTION_LEVEL_IMPORTS: dict[tuple[str, str, str], str] = {
     # protogen's documented design (its module docstring): each artefact imports
     # its source when it is produced, so the generator stays cheap to import and
     # a missing optional source is a Skip, not an ImportError at import.
-    ("atp/protogen/__init__.py", "_frame_schema", "atp.wire.frame"): "protogen: imported when produced",
-    ("atp/protogen/__init__.py", "_control_schema", "atp.wire.frame"): "protogen: imported when produced",
-    ("atp/protogen/__init__.py", "_result_schema", "atp.consensus.types"): "protogen: imported when produced",
-    ("atp/protogen/__init__.py", "_task_schema", "atp.task.body"): "protogen: imported when produced",
-    ("atp/protogen/__init__.py", "_task_schema", "atp.task.meta"): "protogen: imported when produced",
-    ("atp/protogen/__init__.py", "_rib_schema", "atp.policy.rib"): "protogen: an ImportError is a Skip",
-    ("atp/protogen/__init__.py", "_cbor_md", "atp.wire.codec"): "protogen: imported when produced",
-    ("atp/protogen/__init__.py", "_cbor_md", "atp.wire.frame"): "protogen: imported when produced",
-    ("atp/protogen/__init__.py", "_openapi", "atp.runtime.admin.openapi"): "protogen: imported when produced",
+    ("atp_router/protogen/__init__.py", "_frame_schema", "atp_router.wire.frame"): "protogen: imported when produced",
+    ("atp_router/protogen/__init__.py", "_control_schema", "atp_router.wire.frame"): "protogen: imported when produced",
+    ("atp_router/protogen/__init__.py", "_result_schema", "atp_router.consensus.types"): "protogen: imported when produced",
+    ("atp_router/protogen/__init__.py", "_task_schema", "atp_router.task.body"): "protogen: imported when produced",
+    ("atp_router/protogen/__init__.py", "_task_schema", "atp_router.task.meta"): "protogen: imported when produced",
+    ("atp_router/protogen/__init__.py", "_rib_schema", "atp_router.policy.rib"): "protogen: an ImportError is a Skip",
+    ("atp_router/protogen/__init__.py", "_cbor_md", "atp_router.wire.codec"): "protogen: imported when produced",
+    ("atp_router/protogen/__init__.py", "_cbor_md", "atp_router.wire.frame"): "protogen: imported when produced",
+    ("atp_router/protogen/__init__.py", "_openapi", "atp_router.runtime.admin.openapi"): "protogen: imported when produced",
     # Optional dependency: the SDK (``import atp``; atp.Client), which only
     # ``atp-router eval`` needs; the router starts without it.
-    ("atp/deploy/cli.py", "main", "atp.review.eval"): "optional dependency: the SDK, for eval only",
+    ("atp_router/deploy/cli.py", "main", "atp_router.review.eval"): "optional dependency: the SDK, for eval only",
     # Optional dependency: redis-py, imported only by a router on a shared store.
-    ("atp/deploy/cluster.py", "open_store", "atp.store.redis"): "optional dependency: redis-py",
-    ("atp/store/__init__.py", "__getattr__", "atp.store.redis"): "optional dependency: redis-py (lazy attribute)",
+    ("atp_router/deploy/cluster.py", "open_store", "atp_router.store.redis"): "optional dependency: redis-py",
+    ("atp_router/store/__init__.py", "__getattr__", "atp_router.store.redis"): "optional dependency: redis-py (lazy attribute)",
     # A module cycle inside adapters/tools: base imports the sandbox at load
     # (Sandbox, SandboxUnavailable); the sandbox's host probe needs base's limits.
-    ("atp/adapters/tools/sandbox.py", "_probe", "atp.adapters.tools.base"): "intra-package: base imports sandbox",
+    ("atp_router/adapters/tools/sandbox.py", "_probe", "atp_router.adapters.tools.base"): "intra-package: base imports sandbox",
 }
 
 
 @dataclass(frozen=True, slots=True)
 class Import:
-    """One ``atp`` import: where (``file``, ``line``, the enclosing ``function``'s
+    """One ``atp_router`` import: where (``file``, ``line``, the enclosing ``function``'s
     qualified name or None at module level) and what (``module``, resolved to the
-    submodule for ``from atp.x import y`` when ``y`` is a module)."""
+    submodule for ``from atp_router.x import y`` when ``y`` is a module)."""
 
     file: str
     line: int
@@ -127,10 +127,10 @@ def _module_name(rel: Path) -> list[str]:
 
 
 def imports_of(root: Path) -> list[Import]:
-    """Every ``atp.*`` import of every module under ``root/atp`` (``import atp``
-    alone, the SDK's name, is no package's)."""
+    """Every ``atp_router.*`` import of every module under ``root/atp_router`` (``import atp``,
+    the SDK's name, is not one)."""
     out: list[Import] = []
-    for path in sorted((root / "atp").rglob("*.py")):
+    for path in sorted((root / "atp_router").rglob("*.py")):
         rel = path.relative_to(root)
         here = _module_name(rel)
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(rel))
@@ -150,7 +150,7 @@ def imports_of(root: Path) -> list[Import]:
                     subs = [f"{base}.{a.name}" for a in child.names if _is_module(root, f"{base}.{a.name}")]
                     names = subs or [base]
                 for name in names:
-                    if name.startswith("atp."):
+                    if name.startswith("atp_router."):
                         out.append(Import(str(rel), child.lineno, ".".join(scope) if in_function else None, name))
                 if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                     label = child.name if not isinstance(child, ast.Lambda) else "<lambda>"
@@ -165,7 +165,8 @@ def imports_of(root: Path) -> list[Import]:
 
 
 def packages_of(root: Path) -> set[str]:
-    return {p.relative_to(root / "atp").parts[0] for p in (root / "atp").rglob("*.py") if p.parent != root / "atp"}
+    return {p.relative_to(root / "atp_router").parts[0] for p in (root / "atp_router").rglob("*.py")
+            if p.parent != root / "atp_router"}
 
 
 def graph_of(imports: list[Import]) -> dict[str, dict[str, list[Import]]]:
@@ -236,7 +237,7 @@ def test_every_package_has_a_layer() -> None:
 @pytest.mark.parametrize("package", sorted(LEVEL))
 def test_a_package_imports_nothing_above_its_layer(package: str) -> None:
     if package not in PACKAGES:
-        pytest.skip(f"atp/{package} does not exist (yet)")
+        pytest.skip(f"atp_router/{package} does not exist (yet)")
     above = {target: imps for target, imps in EDGES.get(package, {}).items() if LEVEL.get(target, -1) >= LEVEL[package]}
     assert not above, f"{package} (layer {LEVEL[package]}) imports " + "; ".join(
         f"{t} (layer {LEVEL.get(t, '?')}): {_where(imps)}" for t, imps in sorted(above.items()))
@@ -254,7 +255,7 @@ def test_adapters_never_import_the_runtime() -> None:
 
 
 def test_observability_imports_neither_the_runtime_nor_the_adapters() -> None:
-    assert "observability" in PACKAGES, "atp/observability is missing"
+    assert "observability" in PACKAGES, "atp_router/observability is missing"
     wrong = {t: imps for t, imps in EDGES.get("observability", {}).items() if t in RUNTIME | {"adapters"}}
     assert not wrong, "; ".join(f"observability imports {t}: {_where(imps)}" for t, imps in sorted(wrong.items()))
 

@@ -1,9 +1,9 @@
-"""Live FIB metrics and quality signals (atp.policy.learn, spec §6.2)."""
+"""Live FIB metrics and quality signals (atp_router.policy.learn, spec §6.2)."""
 
 import pytest
 
-from atp.consensus.types import ConsensusInfo, Finding, Result, Severity
-from atp.policy.learn import MIN_OBS, LiveMetrics, consensus_quality
+from atp_router.consensus.types import ConsensusInfo, Finding, Result, Severity
+from atp_router.policy.learn import MIN_OBS, LiveMetrics, consensus_quality
 
 
 def _f(fid, provenance, span="10-12", file="a.py"):

@@ -1,4 +1,4 @@
-"""Structured logs (spec §12, :mod:`atp.observability.logs`): one format and one
+"""Structured logs (spec §12, :mod:`atp_router.observability.logs`): one format and one
 scrubber for the router's lines and its libraries', JSON or console, with the
 current span's trace ids; and, through real routers, exactly one line for each
 refused reload, ESEC, preemption and circuit-breaker transition.
@@ -13,19 +13,23 @@ import os
 import re
 from collections.abc import Iterator
 
+import atp
 import httpx
 import pytest
 import structlog
 import trio
 from opentelemetry.sdk.trace import TracerProvider
 
-import atp
-from atp.adapters.context import REDACTED, install_log_redaction, with_context_scope
-from atp.adapters.testing import ScriptedAdapter
-from atp.observability import logs
-from atp.wire.codec import FrameCodec
-from atp.wire.errors import ErrorCode
-from atp.wire.frame import QoS
+from atp_router.adapters.context import (
+    REDACTED,
+    install_log_redaction,
+    with_context_scope,
+)
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.observability import logs
+from atp_router.wire.codec import FrameCodec
+from atp_router.wire.errors import ErrorCode
+from atp_router.wire.frame import QoS
 from tests.conftest import MECHANICS_RIB, SHARED, start_router
 from tests.helpers import router_process, start_router_on
 from tests.unit.test_router_dispatch import CLEAN, META, scripted_agent
@@ -273,7 +277,7 @@ async def test_each_breaker_transition_is_logged_once(logged, tmp_path, scripted
         down.fragments = ScriptedAdapter.returning("a.down").fragments
         await drain(open_inproc(router))  # the half-open probe succeeds: closed
         assert router.gates.breakers.statistics()["a.down"].state == "closed"
-    said = [x for x in router_lines(logged) if x["logger"] == "atp.runtime" and "circuit breaker" in x["event"]]
+    said = [x for x in router_lines(logged) if x["logger"] == "atp_router.runtime" and "circuit breaker" in x["event"]]
     assert [(x["level"], x["agent"], x["breaker"], x["breaker_event"]) for x in said] == [
         ("warning", "a.down", "open", "trip"),
         ("info", "a.down", "half_open", "backoff_elapsed"),

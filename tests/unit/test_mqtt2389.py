@@ -1,5 +1,5 @@
-"""The router's 2389 adapter (atp.adapters.mqtt2389) against our agent runtime
-(atp.agent2389) wrapping the real bandit adapter, through a real mosquitto broker
+"""The router's 2389 adapter (atp_router.adapters.mqtt2389) against our agent runtime
+(atp_router.agent2389) wrapping the real bandit adapter, through a real mosquitto broker
 started by the test: discovery from retained statuses, review tasks end to end,
 error mapping, the LWT of a SIGKILLed agent process, a broker restart with
 persistent sessions, pipelines, the Agent Context side channel, and a real router
@@ -21,24 +21,24 @@ import subprocess
 import sys
 import uuid
 
+import atp
 import msgspec
 import pytest
 import trio
 
-import atp
-from atp.adapters.base import Prompt
-from atp.adapters.mqtt2389 import Mqtt2389Adapter, Stage, from_spec, parse_report
-from atp.adapters.registry import build_adapter
-from atp.agent2389.config import parse_config
-from atp.agent2389.runtime import AgentRuntime
-from atp.consensus.types import AgentReport, Usage
-from atp.mqtt import agent_protocol as P
-from atp.mqtt import open_mqtt_client
-from atp.policy.fib import compile_fib
-from atp.policy.loader import load_rib_text
-from atp.policy.rib import AgentSpec
-from atp.wire.errors import AgentError, ErrorCode
-from atp.wire.frame import PayloadType
+from atp_router.adapters.base import Prompt
+from atp_router.adapters.mqtt2389 import Mqtt2389Adapter, Stage, from_spec, parse_report
+from atp_router.adapters.registry import build_adapter
+from atp_router.agent2389.config import parse_config
+from atp_router.agent2389.runtime import AgentRuntime
+from atp_router.consensus.types import AgentReport, Usage
+from atp_router.mqtt import agent_protocol as P
+from atp_router.mqtt import open_mqtt_client
+from atp_router.policy.fib import compile_fib
+from atp_router.policy.loader import load_rib_text
+from atp_router.policy.rib import AgentSpec
+from atp_router.wire.errors import AgentError, ErrorCode
+from atp_router.wire.frame import PayloadType
 from tests.conftest import start_router
 from tests.peers import free_port, start_mosquitto
 from tests.unit.test_agent2389 import AFTER, BEFORE, DIFF, ROOT, config_text, new_id
@@ -282,7 +282,7 @@ async def test_sigkill_of_the_agent_process_is_seen_through_its_lwt(broker, tmp_
     cfg.write_text(config_text(broker.port, agent_id))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "atp.agent2389", "--config", str(cfg), "--log-level", "warning"],
+        [sys.executable, "-m", "atp_router.agent2389", "--config", str(cfg), "--log-level", "warning"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ad = adapter(broker, agent_id, down_grace_s=0.5)
     rib = load_rib_text(f"""

@@ -1,4 +1,4 @@
-"""The trio MQTT client (atp.mqtt) against a real mosquitto 2.0 broker started by the
+"""The trio MQTT client (atp_router.mqtt) against a real mosquitto 2.0 broker started by the
 test (tests/peers.py): QoS 1 with PUBACK/SUBACK awaited, retained messages and
 message expiry, the LWT, back-pressure, persistent sessions across a broker restart,
 reconnection, manual acknowledgement, packet-size limits, TLS and passwords."""
@@ -10,7 +10,7 @@ import uuid
 import pytest
 import trio
 
-from atp.mqtt import (
+from atp_router.mqtt import (
     ConnectError,
     MQTTClient,
     MQTTError,
@@ -18,7 +18,7 @@ from atp.mqtt import (
     open_mqtt_client,
     parse_broker_url,
 )
-from atp.mqtt.client import BrokerAddress, tls_context
+from atp_router.mqtt.client import BrokerAddress, tls_context
 from tests.peers import (
     MOSQUITTO_TLS,
     free_port,

@@ -25,15 +25,15 @@ import msgspec
 import pytest
 import trio
 
-from atp.adapters.base import Fragment, Prompt
-from atp.adapters.http import RetryPolicy, retry_after_ms
-from atp.adapters.ollama import OllamaAdapter
-from atp.adapters.openai_compat import CONTEXT_PROMPT, SYSTEM_PROMPT
-from atp.adapters.registry import build_adapter
-from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
-from atp.policy.rib import AgentSpec, ModelSpec
-from atp.wire.errors import AgentError, ErrorCode
-from atp.wire.frame import PayloadType
+from atp_router.adapters.base import Fragment, Prompt
+from atp_router.adapters.http import RetryPolicy, retry_after_ms
+from atp_router.adapters.ollama import OllamaAdapter
+from atp_router.adapters.openai_compat import CONTEXT_PROMPT, SYSTEM_PROMPT
+from atp_router.adapters.registry import build_adapter
+from atp_router.consensus.types import AgentFinding, AgentReport, Severity, Usage
+from atp_router.policy.rib import AgentSpec, ModelSpec
+from atp_router.wire.errors import AgentError, ErrorCode
+from atp_router.wire.frame import PayloadType
 from tests.replay_server import Replay, serve
 
 EXAMPLE = json.loads(Path("/work/shared/specs/agent-context-message.example.json").read_text())
@@ -258,7 +258,7 @@ def test_registry_builds_the_native_ollama_adapter() -> None:
     assert type(compat).__name__ == "OpenAICompatAdapter" and compat.base_url == "http://127.0.0.1:11434/v1"
 
 
-# --- the shared retry arithmetic (atp.adapters.http) ------------------------------------------
+# --- the shared retry arithmetic (atp_router.adapters.http) ------------------------------------------
 
 
 def test_retry_policy_backoff_jitter_cap_and_retry_after() -> None:

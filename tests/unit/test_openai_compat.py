@@ -30,8 +30,8 @@ from peers import (  # tests/peers.py (tests/ is on sys.path via its conftest)
     start_llama_server,
 )
 
-from atp.adapters.base import Fragment, Prompt
-from atp.adapters.openai_compat import (
+from atp_router.adapters.base import Fragment, Prompt
+from atp_router.adapters.openai_compat import (
     CallStats,
     OpenAICompatAdapter,
     estimate_tokens,
@@ -39,14 +39,14 @@ from atp.adapters.openai_compat import (
     render_diff,
     usd_micros,
 )
-from atp.adapters.registry import build_adapter
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import AgentFinding, AgentReport, Severity, Usage
-from atp.policy.health import Health
-from atp.policy.rib import AgentSpec, ModelSpec
-from atp.task.diff import parse_diff
-from atp.wire.errors import AgentError, ErrorCode
-from atp.wire.frame import CostEstimate, PayloadType
+from atp_router.adapters.registry import build_adapter
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import AgentFinding, AgentReport, Severity, Usage
+from atp_router.policy.health import Health
+from atp_router.policy.rib import AgentSpec, ModelSpec
+from atp_router.task.diff import parse_diff
+from atp_router.wire.errors import AgentError, ErrorCode
+from atp_router.wire.frame import CostEstimate, PayloadType
 from tests.replay_server import Behaviour, LoopbackHTTP, serve
 
 AFTER = "import os\n\n\ndef run(cmd):\n    return os.system(cmd)\n\n\ndef main():\n    run(input())\n"
@@ -593,8 +593,8 @@ async def test_scripted_adapter_faults(autojump_clock: trio.testing.MockClock) -
 
 def test_completion_text_marks_a_finding_the_change_silenced():
     """A plain-text client sees what a JSON client sees in ``suppressed_by_change``."""
-    from atp.consensus.types import ConsensusInfo, Finding, Result
-    from atp.runtime.ingress.openai import SILENCED, completion_text
+    from atp_router.consensus.types import ConsensusInfo, Finding, Result
+    from atp_router.runtime.ingress.openai import SILENCED, completion_text
 
     def finding(i: int, silenced: bool) -> Finding:
         return Finding(id=f"F-{i}", severity="high", file="a.py", span=f"{i}-{i}", claim="eval of input",

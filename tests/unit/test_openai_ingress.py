@@ -1,7 +1,7 @@
-"""The OpenAI-compatible ingress (issue 10 item 1; ``atp/runtime/ingress/openai.py``),
+"""The OpenAI-compatible ingress (issue 10 item 1; ``atp_router/runtime/ingress/openai.py``),
 driven with the official ``openai`` package against a real router in process.
 
-The next-hops are :class:`~atp.adapters.testing.ScriptedAdapter` tools (RIB
+The next-hops are :class:`~atp_router.adapters.testing.ScriptedAdapter` tools (RIB
 ``tool: scripted``): a "writer" that streams prose like a model, and a "linter"
 that reports a finding. The sync ``OpenAI`` client runs in a worker thread
 (``trio.to_thread.run_sync``); automatic retries are off so each status is seen
@@ -13,16 +13,16 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import atp
 import httpx
 import openai
 import pytest
 import trio
 from openai import OpenAI
 
-import atp
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import AgentFinding, Severity, Usage
-from atp.wire.frame import CostEstimate
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import AgentFinding, Severity, Usage
+from atp_router.wire.frame import CostEstimate
 from tests.helpers import start_router_on
 from tests.unit.test_router_dispatch import scripted_agent
 
@@ -309,7 +309,7 @@ def test_streamed_text_ending_in_whitespace_is_not_repeated():
     """A model's live deltas end in a space or newline while the answer text is
     trimmed: the client gets the rest, never the whole answer a second time
     (found by bench/bench_gateway.py)."""
-    from atp.runtime.ingress.openai import remaining_text
+    from atp_router.runtime.ingress.openai import remaining_text
 
     assert remaining_text("tok0 tok1", "tok0 tok1 ") == ""
     assert remaining_text("tok0 tok1\n\nF-1 x.py:3", "tok0 tok1 ") == "\n\nF-1 x.py:3"

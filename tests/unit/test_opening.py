@@ -1,4 +1,4 @@
-"""The SYN pipeline as a list of stages (atp.runtime.dataplane.opening; spec §8 steps 1–2, §10,
+"""The SYN pipeline as a list of stages (atp_router.runtime.dataplane.opening; spec §8 steps 1–2, §10,
 §11). Each stage alone, table-tested like admission (tests/unit/test_admission.py):
 the cases it lets through with what it decides, the cases it refuses with their
 spec §10 code, reason and retry hint. Stages are built from a real router's parts
@@ -18,10 +18,10 @@ from typing import Any, ClassVar
 import pytest
 import trio
 
-from atp.deploy import single
-from atp.flow.budget import Allowance, BudgetLedger
-from atp.policy.rib import ClientSpec, RateSpec
-from atp.runtime.dataplane.opening import (
+from atp_router.deploy import single
+from atp_router.flow.budget import Allowance, BudgetLedger
+from atp_router.policy.rib import ClientSpec, RateSpec
+from atp_router.runtime.dataplane.opening import (
     CONTINUE,
     DEFAULT_STAGES,
     Bandit,
@@ -41,11 +41,11 @@ from atp.runtime.dataplane.opening import (
     replace_stage,
     run_stages,
 )
-from atp.runtime.router import Router, RouterConfig
-from atp.security.authz import QUOTA_RETRY_MS, StreamAdmission
-from atp.security.identity import ANONYMOUS, Identity, Role
-from atp.wire.errors import ATPError, ErrorCode
-from atp.wire.frame import Budget, QoS
+from atp_router.runtime.router import Router, RouterConfig
+from atp_router.security.authz import QUOTA_RETRY_MS, StreamAdmission
+from atp_router.security.identity import ANONYMOUS, Identity, Role
+from atp_router.wire.errors import ATPError, ErrorCode
+from atp_router.wire.frame import Budget, QoS
 from tests.conftest import MECHANICS_RIB, ROOT
 from tests.helpers import ROUTER
 from tests.unit.test_context import EXAMPLE
@@ -251,7 +251,7 @@ def test_budget_open_opens_the_stream_account_at_the_tighter_budget(router):
 
 
 class DownLedger(BudgetLedger):
-    """A shared ledger whose store cannot be reached (atp.deploy.cluster.ClusterLedger.open's refusal)."""
+    """A shared ledger whose store cannot be reached (atp_router.deploy.cluster.ClusterLedger.open's refusal)."""
 
     def open(self, key: str, limit: Allowance, *, parent: str | None = None) -> None:
         raise ATPError(ErrorCode.EBUDGET, "budget store unavailable: down; retry", retry_after_ms=250)

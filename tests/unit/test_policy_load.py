@@ -10,9 +10,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from atp.policy.loader import load_rib, load_rib_text
-from atp.policy.rib import AgentSpec, ModelSpec, PolicySpec, Rib, parse_tokens
-from atp.wire.errors import ErrorCode, PolicyError
+from atp_router.policy.loader import load_rib, load_rib_text
+from atp_router.policy.rib import AgentSpec, ModelSpec, PolicySpec, Rib, parse_tokens
+from atp_router.wire.errors import ErrorCode, PolicyError
 
 CASES = Path(__file__).parent / "policy_cases"
 DEFAULT = Path(__file__).parents[2] / "policies" / "default.yaml"
@@ -481,7 +481,7 @@ def test_client_spec_schema_lists_the_scopes():
 def test_independence_source_names_what_stands_behind_each_agent():
     """Consensus counts agents on one model once (spec §19): the source is the
     provider's model id, the tool, or the remote endpoint — not the agent name."""
-    from atp.policy.rib import independence_source
+    from atp_router.policy.rib import independence_source
 
     rib = load_rib_text(
         "models:\n"

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from atp.policy.check import render_fib
-from atp.policy.fib import compile_fib
-from atp.policy.loader import load_rib
+from atp_router.policy.check import render_fib
+from atp_router.policy.fib import compile_fib
+from atp_router.policy.loader import load_rib
 from tests.helpers import ROUTER
 
 ROOT = Path(__file__).resolve().parents[2]

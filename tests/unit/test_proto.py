@@ -15,21 +15,21 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from atp import protogen
-from atp.protogen import PROTO_DIR, Artefact, check, write
-from atp.wire.codec import FrameCodec
-from atp.wire.frame import CONTROL_TYPES, Frame
+from atp_router import protogen
+from atp_router.protogen import PROTO_DIR, Artefact, check, write
+from atp_router.wire.codec import FrameCodec
+from atp_router.wire.frame import CONTROL_TYPES, Frame
 
 
 def test_proto_has_not_drifted() -> None:
     outcome = check()
-    assert outcome.changed == [], f"proto/ drifted: {outcome.changed}; run `python -m atp.protogen`"
+    assert outcome.changed == [], f"proto/ drifted: {outcome.changed}; run `python -m atp_router.protogen`"
 
 
 def test_check_cli_reports_drift_and_write_fixes_it(tmp_path: Path) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "atp.protogen", *args], capture_output=True, text=True, check=False, timeout=120
+            [sys.executable, "-m", "atp_router.protogen", *args], capture_output=True, text=True, check=False, timeout=120
         )
 
     assert cli("--check").returncode == 0
@@ -43,7 +43,7 @@ def test_check_cli_reports_drift_and_write_fixes_it(tmp_path: Path) -> None:
     (out / "frame.schema.json").write_text("{}\n")
     drifted = cli("--check", "--out", str(out))
     assert drifted.returncode == 1
-    assert drifted.stdout.splitlines() == [f"drifted: {out / 'frame.schema.json'} (run `python -m atp.protogen`)"]
+    assert drifted.stdout.splitlines() == [f"drifted: {out / 'frame.schema.json'} (run `python -m atp_router.protogen`)"]
 
 
 def test_registry_is_extensible(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,10 +112,10 @@ def test_openapi_paths_match_the_control_api_routes(tmp_path):
 
     from starlette.routing import Route
 
-    from atp.deploy import single
-    from atp.runtime.admin.openapi import openapi_document
-    from atp.runtime.ingress.http_api import build_app
-    from atp.runtime.router import RouterConfig
+    from atp_router.deploy import single
+    from atp_router.runtime.admin.openapi import openapi_document
+    from atp_router.runtime.ingress.http_api import build_app
+    from atp_router.runtime.router import RouterConfig
 
     policies = tmp_path / "policies"
     shutil.copytree(Path(__file__).resolve().parents[2] / "policies", policies)

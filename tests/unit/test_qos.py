@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atp.flow.qos import Grant, Preempt, QosScheduler, Queued, Refused
-from atp.wire.errors import ErrorCode
-from atp.wire.frame import QoS
+from atp_router.flow.qos import Grant, Preempt, QosScheduler, Queued, Refused
+from atp_router.wire.errors import ErrorCode
+from atp_router.wire.frame import QoS
 
 G, S, B = QoS.GOLD, QoS.SILVER, QoS.BRONZE
 

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atp.wire.errors import ErrorCode, LocalProtocolError
-from atp.wire.frame import CostEstimate, Flag, Frame, Payload, PayloadType
-from atp.wire.reassembly import (
+from atp_router.wire.errors import ErrorCode, LocalProtocolError
+from atp_router.wire.frame import CostEstimate, Flag, Frame, Payload, PayloadType
+from atp_router.wire.reassembly import (
     Dropped,
     MessageComplete,
     Reassembler,

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from atp.policy.replay import (
+from atp_router.policy.replay import (
     Curve,
     Row,
     apgr,
@@ -122,7 +122,7 @@ def test_bench_last_line(tmp_path):
 
 
 def test_hindsight_subject_router_sends_the_best_subject_first(tmp_path):
-    from atp.policy.replay import hindsight_subject_curve
+    from atp_router.policy.replay import hindsight_subject_curve
 
     rows = load_rows(_write(tmp_path, TINY))
     c = hindsight_subject_curve(rows, [0.0, 0.4, 1.0])

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from atp.adapters.registry import build_adapter
-from atp.adapters.tools.summariser import SummariserAdapter, SummariserLimits, scan_repo, summarise
-from atp.policy.rib import AgentSpec
-from atp.wire.errors import ClientInputError
+from atp_router.adapters.registry import build_adapter
+from atp_router.adapters.tools.summariser import SummariserAdapter, SummariserLimits, scan_repo, summarise
+from atp_router.policy.rib import AgentSpec
+from atp_router.wire.errors import ClientInputError
 from tests.helpers import rib_with_root, router_process
 from tests.peers import start_llama_server
 
@@ -170,10 +170,10 @@ def test_summarise_this_repository(example_router, tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "Name: atp-router. [pyproject.toml:" in out
-    assert "`atp-router` runs `atp.deploy.cli:main`." in out
+    assert "`atp-router` runs `atp_router.deploy.cli:main`." in out
     # A package's largest modules are cited (their docstrings, from line 1): the runtime's largest surely.
-    largest = max((ROOT / "atp" / "runtime").glob("*.py"), key=lambda p: len(p.read_text().splitlines()))
-    assert f"[atp/runtime/{largest.name}:1-" in out, out
+    largest = max((ROOT / "atp_router" / "runtime").glob("*.py"), key=lambda p: len(p.read_text().splitlines()))
+    assert f"[atp_router/runtime/{largest.name}:1-" in out, out
     assert "escalated" not in out  # a documented repository needs no model
     assert "cost: tokens=0 usd=0.000000" in out
 

@@ -19,12 +19,12 @@ import httpx
 import pytest
 import trio
 
-from atp.adapters.testing import ScriptedAdapter
-from atp.runtime.dataplane.streams import REFUSED_RETAIN_S
-from atp.security.identity import Role
-from atp.wire import session as S
-from atp.wire.errors import ErrorCode
-from atp.wire.frame import Flag, Frame, Payload, PayloadType
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.runtime.dataplane.streams import REFUSED_RETAIN_S
+from atp_router.security.identity import Role
+from atp_router.wire import session as S
+from atp_router.wire.errors import ErrorCode
+from atp_router.wire.frame import Flag, Frame, Payload, PayloadType
 from tests.helpers import start_router_on
 from tests.unit.test_router_dispatch import CLEAN, scripted_agent
 from tests.unit.test_router_ws import WINDOW, connect
@@ -309,7 +309,7 @@ def test_reading_a_stream_by_its_id_is_an_index_search_also_in_an_older_state_di
     """A stream no longer in memory is found by (tenant, stream id) with an index
     search, not a scan of the tenant's stored streams; a state directory made
     before the index gains it when opened."""
-    from atp.store.sqlite import SqliteStore
+    from atp_router.store.sqlite import SqliteStore
 
     store = SqliteStore.open(tmp_path)
     store._conn.execute("DROP INDEX stream_by_id")  # as a state directory from before it
@@ -328,10 +328,10 @@ def test_reading_a_stream_by_its_id_is_an_index_search_also_in_an_older_state_di
 # ------------------------------------------------------------------ idle trim
 
 async def test_memory_is_trimmed_only_once_no_stream_is_open(nursery, tmp_path, agent, monkeypatch):
-    """The router gives memory back (:func:`atp.runtime.dataplane.memory.trim`) when it went
+    """The router gives memory back (:func:`atp_router.runtime.dataplane.memory.trim`) when it went
     idle: not while a stream is open, once within seconds after the last one
     closed and left memory — and never with ``idle_trim=False``."""
-    from atp.runtime.dataplane import memory
+    from atp_router.runtime.dataplane import memory
 
     calls: list[float] = []
     real = memory.trim

@@ -15,20 +15,20 @@ from pathlib import Path
 
 import pytest
 
-from atp.adapters.base import Prompt
-from atp.adapters.registry import build_adapter
-from atp.adapters.tools.retriever import (
+from atp_router.adapters.base import Prompt
+from atp_router.adapters.registry import build_adapter
+from atp_router.adapters.tools.retriever import (
     RetrieverAdapter,
     RetrieverLimits,
     chunk,
     query_terms,
 )
-from atp.consensus.escalation import CITATION_RULE, should_escalate
-from atp.consensus.strategies import merge
-from atp.consensus.types import AgentFinding, AgentReport, Severity
-from atp.policy.rib import AgentSpec
-from atp.runtime.dataplane.dispatch import NEXT_HOP_FAILED
-from atp.wire.errors import ClientInputError, ErrorCode
+from atp_router.consensus.escalation import CITATION_RULE, should_escalate
+from atp_router.consensus.strategies import merge
+from atp_router.consensus.types import AgentFinding, AgentReport, Severity
+from atp_router.policy.rib import AgentSpec
+from atp_router.runtime.dataplane.dispatch import NEXT_HOP_FAILED
+from atp_router.wire.errors import ClientInputError, ErrorCode
 from tests.helpers import rib_with_root, router_process
 from tests.peers import MODEL_ALIAS, start_llama_server
 
@@ -336,7 +336,8 @@ async def test_escalation_with_evidence_hands_the_snippets_to_the_synthesiser(nu
     the retriever's citations as ``content["evidence"]``; without ``evidence``
     it gets the task alone."""
     import atp
-    from atp.adapters.testing import ScriptedAdapter
+
+    from atp_router.adapters.testing import ScriptedAdapter
     from tests.helpers import start_router_on
     from tests.unit.test_router_dispatch import scripted_agent
 

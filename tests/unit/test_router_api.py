@@ -4,7 +4,7 @@ fallback, and the Prometheus metrics after real streams.
 
 Real ruff and bandit next-hops review golden tasks. Where a test needs a next-hop
 that is slow on purpose (to still be running across a reload, or while several
-followers listen) it is an :class:`~atp.adapters.testing.ScriptedAdapter`,
+followers listen) it is an :class:`~atp_router.adapters.testing.ScriptedAdapter`,
 registered through the adapter registry as RIB ``tool: scripted``: no real
 analyser can be made to take a chosen time.
 """
@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import json
 
+import atp
 import httpx
 import msgspec
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-import atp
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import AgentFinding, FinalResult, Severity
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import AgentFinding, FinalResult, Severity
 from tests.helpers import golden, start_router_on
 
 META = {"task_type": "code_review", "languages": ["py"]}

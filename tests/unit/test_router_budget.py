@@ -4,12 +4,12 @@ BUDGET_UPDATE, §10 EBUDGET, DESIGN principle 4 "cost is bandwidth").
 The invariant under test: the committed spend of a stream, and of a client across
 all its streams, never exceeds its budget — under any interleaving of concurrent
 calls, streamed usage, failures, cuts and live budget updates. It is checked on a
-real :class:`~atp.runtime.router.Router` (FIB, dispatcher, ledger, windows, QoS) run
+real :class:`~atp_router.runtime.router.Router` (FIB, dispatcher, ledger, windows, QoS) run
 in process under trio's autojump clock, with many concurrent streams and, with
 Hypothesis, randomized schedules of next-hop delays, usages, estimates, failures
 and BUDGET_UPDATEs.
 
-Next-hops are :class:`~atp.adapters.testing.ScriptedAdapter` s (a ``tool:
+Next-hops are :class:`~atp_router.adapters.testing.ScriptedAdapter` s (a ``tool:
 scripted`` RIB agent) playing per-stream scripts in the shape of a model adapter:
 PARTIALs carrying cumulative usage, then a FINAL or an ``AgentError``.
 """
@@ -20,6 +20,7 @@ import hashlib
 import json
 from collections.abc import AsyncIterator
 
+import atp
 import msgspec
 import pytest
 import trio
@@ -27,16 +28,15 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import atp
-from atp.adapters.base import Fragment, Prompt
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import AgentReport, Usage
-from atp.policy.loader import load_rib_text
-from atp.runtime.router import Router
-from atp.security.authn import parse_tokens_env
-from atp.security.identity import ANONYMOUS, Role
-from atp.wire.errors import AgentError, ErrorCode, PolicyError
-from atp.wire.frame import (
+from atp_router.adapters.base import Fragment, Prompt
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import AgentReport, Usage
+from atp_router.policy.loader import load_rib_text
+from atp_router.runtime.router import Router
+from atp_router.security.authn import parse_tokens_env
+from atp_router.security.identity import ANONYMOUS, Role
+from atp_router.wire.errors import AgentError, ErrorCode, PolicyError
+from atp_router.wire.frame import (
     Budget,
     BudgetUpdate,
     CostEstimate,
@@ -60,7 +60,6 @@ from tests.unit.test_router_flow import (
     serving,
     types,
 )
-
 
 BIG_WINDOW = {"max_parallel": 64, "max_tokens": 100_000_000, "max_usd_micros": 1_000_000_000}
 
@@ -169,7 +168,7 @@ async def _play(tmp_path, schedule: Schedule) -> None:
         serve_scripted(mp, adapters)
         # Streams that end without a result (EBUDGET) would leave the table after
         # REFUSED_RETAIN_S, closing their accounts before the checks read them.
-        mp.setattr("atp.runtime.dataplane.streams.REFUSED_RETAIN_S", 3600.0)
+        mp.setattr("atp_router.runtime.dataplane.streams.REFUSED_RETAIN_S", 3600.0)
         async with serving(tmp_path, doc, slots=32, gold_reserved=4, **UNTHROTTLED) as router:
             results: dict[int, list] = {}
             ctxs = {}
@@ -375,7 +374,7 @@ def test_duplicate_client_across_files_is_refused(tmp_path):
     (tmp_path / "a.yaml").write_text("agents: {a: {layer: L1, tool: ruff, p95_ms: 1}}\n"
                                      "policies: [{match: {}, fanout: [a]}]\nclients: {alice: {}}\n")
     (tmp_path / "b.yaml").write_text("clients: {alice: {qos_max: bronze}}\n")
-    from atp.policy.loader import load_rib
+    from atp_router.policy.loader import load_rib
 
     with pytest.raises(PolicyError) as ei:
         load_rib(tmp_path)
@@ -440,7 +439,7 @@ async def test_budget_update_cannot_raise_past_the_policy_budget(tmp_path, scrip
 # ------------------------------------------------------------------ the ledger additions (sans-IO)
 
 def test_ledger_extend_holds_more_all_or_nothing_and_exhausted_names_the_account():
-    from atp.flow.budget import Allowance, BudgetLedger, Refusal
+    from atp_router.flow.budget import Allowance, BudgetLedger, Refusal
 
     lg = BudgetLedger()
     lg.open("client:a", Allowance(tokens=1000))
@@ -463,7 +462,7 @@ def test_ledger_extend_holds_more_all_or_nothing_and_exhausted_names_the_account
 
 
 def test_ledger_set_limit_clamp_lowers_to_what_is_held_never_below():
-    from atp.flow.budget import Allowance, BudgetLedger
+    from atp_router.flow.budget import Allowance, BudgetLedger
 
     lg = BudgetLedger()
     lg.open("s", Allowance(tokens=1000, usd_micros=1000))

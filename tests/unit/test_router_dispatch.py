@@ -2,7 +2,7 @@
 
 Streams are opened with the SDK on a router on loopback; real ruff and bandit
 next-hops run beside the faulty ones. The faulty next-hops are
-:class:`~atp.adapters.testing.ScriptedAdapter` s registered through the adapter
+:class:`~atp_router.adapters.testing.ScriptedAdapter` s registered through the adapter
 registry as RIB ``tool: scripted``: they reproduce what a provider adapter does
 on failure (raise ``AgentError`` EAGENTDOWN with a Retry-After hint, hang past
 its deadline, report usage above its estimate, answer with a FINAL that is not a
@@ -14,15 +14,15 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator
 
+import atp
 import pytest
 import trio
 
-import atp
-from atp.adapters.base import Fragment, Prompt
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import AgentFinding, Severity, Usage
-from atp.wire.errors import ErrorCode
-from atp.wire.frame import CostEstimate, PayloadType
+from atp_router.adapters.base import Fragment, Prompt
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import AgentFinding, Severity, Usage
+from atp_router.wire.errors import ErrorCode
+from atp_router.wire.frame import CostEstimate, PayloadType
 from tests.conftest import RouterEnv
 from tests.helpers import golden, start_router_on
 

@@ -2,18 +2,18 @@
 of §10 in the situation its row names, plus windows and AIMD, the WINDOW_UPDATE
 cadence, QoS preemption, circuit breakers, reroutes, fallbacks and ``ttl``.
 
-Two harnesses, both the real :class:`~atp.runtime.router.Router` (sessions, FIB,
+Two harnesses, both the real :class:`~atp_router.runtime.router.Router` (sessions, FIB,
 dispatcher, ledger, QoS scheduler, breakers):
 
 * over the wire — the WebSocket ingress with the project's sans-IO client
-  :class:`~atp.wire.session.Session`, or the HTTP API with the SDK — where a test
+  :class:`~atp_router.wire.session.Session`, or the HTTP API with the SDK — where a test
   is about frames on the wire;
 * in process — frames fed to ``Router.open_stream`` / ``receive_frame`` and the
   stream's event log read directly, under ``trio``'s autojump clock, where a test
   is about timing (QoS latency, WINDOW_UPDATE cadence): deterministic, no sleeps.
 
 Next-hops that must fail, hang or stream usage on cue are
-:class:`~atp.adapters.testing.ScriptedAdapter` s registered as RIB ``tool:
+:class:`~atp_router.adapters.testing.ScriptedAdapter` s registered as RIB ``tool:
 scripted`` (they reproduce a provider adapter's shapes: ``AgentError`` with a
 Retry-After, a hang past the deadline, cumulative usage on PARTIALs), since no
 real peer can be made to fail on demand.
@@ -29,25 +29,29 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import atp
 import msgspec
 import pytest
 import trio
 
-import atp
-import atp.policy.rib
-from atp.adapters.base import Fragment
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import AgentFinding, Severity, Usage
-from atp.deploy import single
-from atp.flow.breaker import RetryPolicy
-from atp.policy.loader import load_rib_text
-from atp.runtime.dataplane.streams import LoggedEvent
-from atp.runtime.router import Router, RouterConfig, StreamCtx, build_authenticator
-from atp.security.identity import ANONYMOUS, Identity, Role
-from atp.wire import session as S
-from atp.wire.codec import FrameCodec
-from atp.wire.errors import ErrorCode, PolicyError
-from atp.wire.frame import (
+from atp_router.adapters.base import Fragment
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import AgentFinding, Severity, Usage
+from atp_router.deploy import single
+from atp_router.flow.breaker import RetryPolicy
+from atp_router.policy.loader import load_rib_text
+from atp_router.runtime.dataplane.streams import LoggedEvent
+from atp_router.runtime.router import (
+    Router,
+    RouterConfig,
+    StreamCtx,
+    build_authenticator,
+)
+from atp_router.security.identity import ANONYMOUS, Identity, Role
+from atp_router.wire import session as S
+from atp_router.wire.codec import FrameCodec
+from atp_router.wire.errors import ErrorCode, PolicyError
+from atp_router.wire.frame import (
     Budget,
     CostEstimate,
     Flag,
@@ -566,7 +570,7 @@ async def test_budget_update_over_ws_raises_the_budget_live(nursery, tmp_path, s
     scripted["m.cost"] = ScriptedAdapter.returning("m.cost", usage=Usage(in_tokens=250),
                                                    estimate=CostEstimate(in_tokens=300))
     env = await router_with(nursery, tmp_path, {"m.cost": agent()}, fanout=["m.cost"])
-    from atp.wire.frame import BudgetUpdate
+    from atp_router.wire.frame import BudgetUpdate
 
     async with connect(env.ws_url, "json", "s-bu") as peer:
         await peer.send(peer.session.open_stream("t1", {**META, "budget": {"tokens": 100}}, WINDOW))
@@ -608,7 +612,7 @@ async def test_budget_update_over_http_with_the_sdk_lowers_the_budget_live(nurse
 # ------------------------------------------------------------------ per-agent windows (sans-IO)
 
 def test_window_table_keeps_aimd_state_and_calls_in_flight_across_reloads():
-    from atp.flow.window import Estimate, WindowTable
+    from atp_router.flow.window import Estimate, WindowTable
 
     table = WindowTable(Window(4, 1000, 1000), {"a": Window(8, 100, 100)})
     a = table.window("a")
@@ -634,7 +638,7 @@ def test_cli_flags_configure_flow_control_as_the_conformance_profile_documents(t
     import re
     import shlex
 
-    from atp.deploy import cli
+    from atp_router.deploy import cli
     from tests.conformance.conftest import local_config
 
     documented = re.search(r"its local\s+profile: ``(.+?)``", cli.__doc__, re.DOTALL).group(1)
@@ -663,15 +667,15 @@ def test_cli_installs_log_redaction_after_configuring_logging(tmp_path, caplog):
     """``atp-router`` masks Agent Context secrets in every log handler: after
     ``main`` (here it stops at once: no RIB there), a record carrying a secret a
     client sent is printed with ``[REDACTED]``."""
-    from atp.adapters.context import REDACTED, RedactingFilter, register_secrets
-    from atp.deploy import cli
+    from atp_router.adapters.context import REDACTED, RedactingFilter, register_secrets
+    from atp_router.deploy import cli
 
     root = logging.getLogger()
     try:
         assert cli.main(["--policies", str(tmp_path / "missing")]) == 2
         secret = "tok-" + secrets.token_hex(8)
         register_secrets([secret])
-        logging.getLogger("atp.runtime").warning("client sent %s", secret)
+        logging.getLogger("atp_router.runtime").warning("client sent %s", secret)
         assert caplog.records[-1].getMessage() == f"client sent {REDACTED}"
     finally:
         for h in root.handlers:
@@ -693,7 +697,7 @@ async def test_syn_with_an_agent_context_routes_by_its_policy_labels_and_never_l
     as sent. A context with a misspelt sub-context is reset with EPROTO naming
     the field. The securityContext token is registered for the log filter and
     appears in no frame the router sends and no log record."""
-    from atp.adapters.context import known_secrets
+    from atp_router.adapters.context import known_secrets
 
     caplog.set_level(logging.DEBUG)
     message = json.loads(CONTEXT_EXAMPLE.read_text())

@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import atp
 import msgspec
 import pytest
 import trio
 
-import atp
-from atp.consensus.types import FinalResult
+from atp_router.consensus.types import FinalResult
 from tests.helpers import (
     MODEL_COST_IN,
     MODEL_COST_OUT,

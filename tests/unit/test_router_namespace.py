@@ -6,7 +6,7 @@ and stream ids in a signed SYN over the WebSocket (once he got ESEC *and then
 every event of her stream*), Bob evicting Alice's finished stream by reusing its
 id, Bob probing which ids exist over HTTP. Then the stream table's own bounds:
 idle streams without a task expire, closed streams are retained per tenant.
-Next-hops are :class:`~atp.adapters.testing.ScriptedAdapter` s whose PARTIALs
+Next-hops are :class:`~atp_router.adapters.testing.ScriptedAdapter` s whose PARTIALs
 carry text naming their tenant, so a leaked event is visible in the bytes.
 """
 
@@ -15,17 +15,17 @@ from __future__ import annotations
 import hashlib
 import json
 
+import atp
 import httpx
 import msgspec
 import pytest
 import trio
 
-import atp
-from atp.adapters.testing import ScriptedAdapter
-from atp.runtime.router import ACTIONS, Router, RouterConfig, build_authenticator
-from atp.security.identity import ANONYMOUS, Identity, Role
-from atp.wire.errors import ATPError, ErrorCode
-from atp.wire.frame import Flag, Frame, Payload, PayloadType
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.runtime.router import ACTIONS, Router, RouterConfig, build_authenticator
+from atp_router.security.identity import ANONYMOUS, Identity, Role
+from atp_router.wire.errors import ATPError, ErrorCode
+from atp_router.wire.frame import Flag, Frame, Payload, PayloadType
 from tests.helpers import start_router_on
 from tests.unit.test_router_dispatch import CLEAN, scripted_agent
 from tests.unit.test_router_flow import content_of, drain, serving, types
@@ -320,8 +320,8 @@ async def test_a_client_token_may_not_reload_or_read_routes_an_admin_may(nursery
 
 
 def test_router_is_importable_from_core():
-    """The split keeps the names other modules import from atp.runtime.router."""
-    from atp.runtime import router as core
+    """The split keeps the names other modules import from atp_router.runtime.router."""
+    from atp_router.runtime import router as core
 
     for name in ("Router", "RouterConfig", "StreamCtx", "connection_error", "parse_tokens_env", "Generation"):
         assert hasattr(core, name), name

@@ -11,9 +11,9 @@ room to one waiter at a time; a gold call held up there is reported to the
 scheduler, which preempts a bronze call running *at that next-hop*, and takes
 back the slot of a silver or bronze call still waiting for its next-hop.
 
-Sans-IO tests for :class:`~atp.flow.window.WindowQueue` and the scheduler's
-``block`` / ``reclaim``; then the real :class:`~atp.runtime.router.Router` in
-process under trio's autojump clock with :class:`~atp.adapters.testing.ScriptedAdapter`
+Sans-IO tests for :class:`~atp_router.flow.window.WindowQueue` and the scheduler's
+``block`` / ``reclaim``; then the real :class:`~atp_router.runtime.router.Router` in
+process under trio's autojump clock with :class:`~atp_router.adapters.testing.ScriptedAdapter`
 next-hops (the shape of a model adapter answering after a fixed delay; no real
 peer can be paced to the millisecond).
 """
@@ -23,12 +23,12 @@ from __future__ import annotations
 import pytest
 import trio
 
-from atp.adapters.testing import ScriptedAdapter
-from atp.flow.qos import Grant, QosScheduler, Queued, Revoke
-from atp.flow.window import Estimate, Window, WindowQueue
-from atp.runtime.router import Router
-from atp.wire.frame import QoS
-from atp.wire.frame import Window as WireWindow
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.flow.qos import Grant, QosScheduler, Queued, Revoke
+from atp_router.flow.window import Estimate, Window, WindowQueue
+from atp_router.runtime.router import Router
+from atp_router.wire.frame import QoS
+from atp_router.wire.frame import Window as WireWindow
 from tests.unit.test_router_flow import (
     BIG_WINDOW,
     agent,

@@ -1,6 +1,6 @@
 """Resumption (spec §8) and dead-peer detection (§4.4 HB) on a real router over the
 wire: the WebSocket ingress with the project's sans-IO client
-:class:`~atp.wire.session.Session`, and the HTTP API with the SDK.
+:class:`~atp_router.wire.session.Session`, and the HTTP API with the SDK.
 
 A stream belongs to its client, not to its connection: when the connection drops
 (closed, or declared dead by the heartbeat watchdog) the stream is detached and
@@ -9,7 +9,7 @@ events it missed — no second agent call, no second charge, duplicates dropped.
 stream nobody comes back for within ``resume_grace_s`` is reset with ``ETIMEOUT``
 and what its call streamed until then is committed.
 
-The next-hop is a :class:`~atp.adapters.testing.ScriptedAdapter` streaming PARTIALs
+The next-hop is a :class:`~atp_router.adapters.testing.ScriptedAdapter` streaming PARTIALs
 with cumulative usage at a fixed pace (the shape of a model adapter streaming
 tokens), so a test can drop the connection in the middle of a call.
 """
@@ -18,21 +18,20 @@ from __future__ import annotations
 
 import json
 
+import atp
 import msgspec
 import pytest
 import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
-import atp
-import atp.policy.rib
-from atp.adapters.base import Fragment, Prompt
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import AgentReport, Usage
-from atp.security.identity import ANONYMOUS
-from atp.wire import session as S
-from atp.wire.codec import FrameCodec
-from atp.wire.errors import ErrorCode
-from atp.wire.frame import Flag, Frame, Payload, PayloadType
+from atp_router.adapters.base import Fragment, Prompt
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import AgentReport, Usage
+from atp_router.security.identity import ANONYMOUS
+from atp_router.wire import session as S
+from atp_router.wire.codec import FrameCodec
+from atp_router.wire.errors import ErrorCode
+from atp_router.wire.frame import Flag, Frame, Payload, PayloadType
 from tests.conftest import start_router
 from tests.unit.test_router_dispatch import CLEAN, META, scripted_agent
 from tests.unit.test_router_ws import WINDOW, Peer, connect
@@ -274,7 +273,7 @@ async def test_late_frames_on_a_stream_the_router_closed_never_draw_an_rst(nurse
     cause: the late ACK and control frames are dropped (counted in
     ``atp_frames{direction="dropped"}``), the late message draws a lone ERROR
     EPROTO "stream is closed" — after the RST, never an RST of its own."""
-    from atp.wire.frame import Budget, BudgetUpdate
+    from atp_router.wire.frame import Budget, BudgetUpdate
 
     scripted["m.down"] = ScriptedAdapter("m.down", fail_with=ErrorCode.EAGENTDOWN, fail_reason="HTTP 503")
     doc = {"agents": {"m.down": scripted_agent()},
@@ -328,9 +327,9 @@ async def test_peer_gone_while_a_heartbeat_is_sent_ends_the_connection_without_a
     from trio.testing import memory_stream_pair
     from trio_websocket import wrap_client_stream, wrap_server_stream
 
-    from atp.deploy import single
-    from atp.runtime.ingress.ws import _connection
-    from atp.runtime.router import RouterConfig
+    from atp_router.deploy import single
+    from atp_router.runtime.ingress.ws import _connection
+    from atp_router.runtime.router import RouterConfig
 
     scripted["m.stream"] = Streamer("m.stream")
     doc = {"agents": {"m.stream": scripted_agent()},

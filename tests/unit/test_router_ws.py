@@ -1,7 +1,7 @@
 """WebSocket ingress (spec §4.1, §4.4, §4.5, §8, §10, §11) of a real router on loopback.
 
-The client side is the project's own sans-IO :class:`~atp.wire.session.Session`
-(``Role.CLIENT``) with :class:`~atp.wire.codec.FrameCodec`, over a real
+The client side is the project's own sans-IO :class:`~atp_router.wire.session.Session`
+(``Role.CLIENT``) with :class:`~atp_router.wire.codec.FrameCodec`, over a real
 trio-websocket connection, in both subprotocols (``atp.v1.json`` text messages,
 ``atp.v1.cbor`` binary ones). Next-hops are the default RIB's real ruff and bandit.
 """
@@ -20,12 +20,19 @@ import pytest
 import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
-from atp.consensus.types import FinalResult
-from atp.security.signing import sign_outbound
-from atp.wire import session as S
-from atp.wire.codec import FrameCodec, KeyRing
-from atp.wire.errors import ErrorCode
-from atp.wire.frame import ErrorPayload, Flag, Frame, Payload, PayloadType, Window
+from atp_router.consensus.types import FinalResult
+from atp_router.security.signing import sign_outbound
+from atp_router.wire import session as S
+from atp_router.wire.codec import FrameCodec, KeyRing
+from atp_router.wire.errors import ErrorCode
+from atp_router.wire.frame import (
+    ErrorPayload,
+    Flag,
+    Frame,
+    Payload,
+    PayloadType,
+    Window,
+)
 from tests.conftest import start_router
 from tests.helpers import golden
 

@@ -17,17 +17,17 @@ import subprocess
 import sys
 import textwrap
 
+import atp
 import httpx
 import msgspec
 import pytest
 import trio
 from trio_websocket import ConnectionRejected, open_websocket_url
 
-import atp
-from atp.consensus.types import FinalResult
-from atp.security.identity import Role
-from atp.wire.codec import FrameCodec
-from atp.wire.frame import Flag, Frame
+from atp_router.consensus.types import FinalResult
+from atp_router.security.identity import Role
+from atp_router.wire.codec import FrameCodec
+from atp_router.wire.frame import Flag, Frame
 from tests.conftest import start_router
 from tests.helpers import golden
 
@@ -231,11 +231,11 @@ _ISOLATED = textwrap.dedent(
     import atp
 
     try:
-        import atp.runtime.router
+        import atp_router.runtime.router
     except ImportError:
         pass
     else:
-        raise SystemExit("the block did not hold: atp.runtime imported")
+        raise SystemExit("the block did not hold: atp_router.runtime imported")
 
     async def main(url, task):
         async with atp.Client(url) as c:
@@ -272,7 +272,7 @@ async def test_cli_reads_tokens_from_the_environment(policies_dir, tmp_path):
     blanks ignored): a listed token works, anything else is ESEC 401."""
     env = {**os.environ, "ATP_ROUTER_TOKENS": f" {TOKEN_A} ,, {TOKEN_B} ", "PYTHONUNBUFFERED": "1"}
     env.pop("ATP_HMAC_KEY", None)
-    argv = [sys.executable, "-m", "atp.deploy.cli", "--policies", str(policies_dir),
+    argv = [sys.executable, "-m", "atp_router.deploy.cli", "--policies", str(policies_dir),
             "--state-dir", str(tmp_path / "state"), "--http-port", "0", "--ws-port", "0", "--log-level", "WARNING"]
     proc = await trio.lowlevel.open_process(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atp.wire.codec import FrameCodec
-from atp.wire.diagram import render_markdown
-from atp.wire.errors import ErrorCode, LocalProtocolError
-from atp.wire.frame import (
+from atp_router.wire.codec import FrameCodec
+from atp_router.wire.diagram import render_markdown
+from atp_router.wire.errors import ErrorCode, LocalProtocolError
+from atp_router.wire.frame import (
     Budget,
     BudgetUpdate,
     Capabilities,
@@ -27,7 +27,7 @@ from atp.wire.frame import (
     Window,
     WindowUpdate,
 )
-from atp.wire.session import (
+from atp_router.wire.session import (
     HB_STREAM_ID,
     TRANSITIONS,
     AckReceived,

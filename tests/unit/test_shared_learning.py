@@ -1,5 +1,5 @@
 """Learning merged across routers (issue 12), sans-IO: the bandit arms' posterior
-merge (:class:`~atp.policy.bandit.ArmDelta`), the shared arm entries, the live
+merge (:class:`~atp_router.policy.bandit.ArmDelta`), the shared arm entries, the live
 statistics' decayed sums and the breaker records routers exchange."""
 
 from __future__ import annotations
@@ -9,9 +9,14 @@ import random
 import numpy as np
 import pytest
 
-from atp.flow.breaker import BreakerBoard, BreakerEvent, BreakerShare, BreakerState
-from atp.policy.bandit import ArmModel, Context, Featurizer
-from atp.policy.learn import (
+from atp_router.flow.breaker import (
+    BreakerBoard,
+    BreakerEvent,
+    BreakerShare,
+    BreakerState,
+)
+from atp_router.policy.bandit import ArmModel, Context, Featurizer
+from atp_router.policy.learn import (
     ALPHA,
     Decision,
     LiveMetrics,
@@ -21,8 +26,8 @@ from atp.policy.learn import (
     merge_arm_entry,
     merge_live_state,
 )
-from atp.policy.loader import load_rib_text
-from atp.wire.errors import ErrorCode
+from atp_router.policy.loader import load_rib_text
+from atp_router.wire.errors import ErrorCode
 
 BITS = 10
 

@@ -1,4 +1,4 @@
-"""The live status snapshot (issue 11 item 4, :mod:`atp.runtime.admin.status`): a real
+"""The live status snapshot (issue 11 item 4, :mod:`atp_router.runtime.admin.status`): a real
 router on scripted next-hops, its snapshot read by the sans-IO builder and over
 HTTP/SSE. The page itself is tested in headless Chromium (tests/ops)."""
 
@@ -11,17 +11,17 @@ import msgspec
 import pytest
 import trio
 
-from atp.adapters.testing import ScriptedAdapter
-from atp.consensus.types import Usage
-from atp.runtime.admin.status import (
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import Usage
+from atp_router.runtime.admin.status import (
     StatusBuilder,
     StatusFeed,
     StatusLimits,
     StatusSnapshot,
     histogram_quantile,
 )
-from atp.security.identity import Role
-from atp.wire.errors import ErrorCode
+from atp_router.security.identity import Role
+from atp_router.wire.errors import ErrorCode
 from tests.helpers import golden, start_router_on
 
 AGENT = {"layer": "L2", "tool": "scripted", "p95_ms": 300, "timeout_ms": 30_000, "strengths": ["code_review"]}

@@ -15,28 +15,28 @@ import msgspec
 import pytest
 import trio
 
-from atp.adapters.base import Prompt
-from atp.adapters.registry import build_adapter
-from atp.adapters.tools.bandit import SUPPRESSIONS as BANDIT
-from atp.adapters.tools.bandit import BanditAdapter
-from atp.adapters.tools.base import ToolAdapter, ToolLimits
-from atp.adapters.tools.mypy import SUPPRESSIONS as MYPY
-from atp.adapters.tools.mypy import MypyAdapter
-from atp.adapters.tools.pylint import SUPPRESSIONS as PYLINT
-from atp.adapters.tools.pylint import PylintAdapter
-from atp.adapters.tools.ruff import SUPPRESSIONS as RUFF
-from atp.adapters.tools.ruff import RuffAdapter
-from atp.adapters.tools.semgrep import SUPPRESSIONS as SEMGREP
-from atp.adapters.tools.semgrep import SemgrepAdapter
-from atp.adapters.tools.suppressions import (
+from atp_router.adapters.base import Prompt
+from atp_router.adapters.registry import build_adapter
+from atp_router.adapters.tools.bandit import SUPPRESSIONS as BANDIT
+from atp_router.adapters.tools.bandit import BanditAdapter
+from atp_router.adapters.tools.base import ToolAdapter, ToolLimits
+from atp_router.adapters.tools.mypy import SUPPRESSIONS as MYPY
+from atp_router.adapters.tools.mypy import MypyAdapter
+from atp_router.adapters.tools.pylint import SUPPRESSIONS as PYLINT
+from atp_router.adapters.tools.pylint import PylintAdapter
+from atp_router.adapters.tools.ruff import SUPPRESSIONS as RUFF
+from atp_router.adapters.tools.ruff import RuffAdapter
+from atp_router.adapters.tools.semgrep import SUPPRESSIONS as SEMGREP
+from atp_router.adapters.tools.semgrep import SemgrepAdapter
+from atp_router.adapters.tools.suppressions import (
     mark_suppressed,
     neutralise,
     plan_suppressions,
 )
-from atp.consensus.strategies import merge
-from atp.consensus.types import AgentFinding, AgentReport, Severity
-from atp.policy.rib import AgentSpec
-from atp.wire.errors import AgentError, ErrorCode
+from atp_router.consensus.strategies import merge
+from atp_router.consensus.types import AgentFinding, AgentReport, Severity
+from atp_router.policy.rib import AgentSpec
+from atp_router.wire.errors import AgentError, ErrorCode
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Every analyser's keywords at once, for the neutraliser's own tests.
@@ -177,7 +177,7 @@ def test_the_neutraliser_keeps_every_program_of_this_repository_the_same() -> No
     import io
     import tokenize
 
-    files = sorted((ROOT / "atp").rglob("*.py")) + sorted((ROOT / "tests" / "unit").rglob("*.py"))
+    files = sorted((ROOT / "atp_router").rglob("*.py")) + sorted((ROOT / "tests" / "unit").rglob("*.py"))
     touched = 0
     for path in files:
         src = path.read_text("utf-8")

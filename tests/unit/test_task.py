@@ -1,4 +1,4 @@
-"""atp.task: the task meta and bodies as strict Structs, and the change parsed once
+"""atp_router.task: the task meta and bodies as strict Structs, and the change parsed once
 per task (issue 21 item 1) — by the Structs' constraints, and on a real router whose
 tool next-hops and consensus all read one parse of each task's diff."""
 
@@ -9,19 +9,26 @@ import json
 import sys
 from types import SimpleNamespace
 
+import atp
 import msgspec
 import pytest
 import trio
 
-import atp
-import atp.task.diff
-from atp.adapters.base import Prompt, change_of
-from atp.runtime.dataplane.dispatch import _leg_prompt
-from atp.task.body import MAX_FILES, Chat, CodeReview, RetrievalQA, Text, decode_body
-from atp.task.change import ParsedChange, parse_change
-from atp.task.diff import count_changed_lines, diff_loc, parse_diff
-from atp.task.meta import IDEMPOTENCY_KEY_CHARS, TaskMeta, TraceMeta, decode_meta
-from atp.wire.frame import Budget, QoS
+import atp_router.task.diff
+from atp_router.adapters.base import Prompt, change_of
+from atp_router.runtime.dataplane.dispatch import _leg_prompt
+from atp_router.task.body import (
+    MAX_FILES,
+    Chat,
+    CodeReview,
+    RetrievalQA,
+    Text,
+    decode_body,
+)
+from atp_router.task.change import ParsedChange, parse_change
+from atp_router.task.diff import count_changed_lines, diff_loc, parse_diff
+from atp_router.task.meta import IDEMPOTENCY_KEY_CHARS, TaskMeta, TraceMeta, decode_meta
+from atp_router.wire.frame import Budget, QoS
 from tests.conftest import SHARED
 from tests.helpers import start_router_on
 
@@ -156,15 +163,15 @@ async def test_each_tasks_diff_is_parsed_once_for_every_leg_and_the_consensus(nu
     for its diff's lines five times, and a process-wide cache of four diffs made
     them one parse only while at most four diffs were in flight.)"""
     parsed: collections.Counter[str] = collections.Counter()
-    original = atp.task.diff.parse_diff
+    original = atp_router.task.diff.parse_diff
 
     def counting(text: str) -> list:
         parsed[text] += 1
         return original(text)
 
     bound = [m for name, m in list(sys.modules.items())
-             if name.startswith("atp.") and getattr(m, "parse_diff", None) is original]
-    assert atp.task.diff in bound and len(bound) >= 2
+             if name.startswith("atp_router.") and getattr(m, "parse_diff", None) is original]
+    assert atp_router.task.diff in bound and len(bound) >= 2
     for module in bound:
         monkeypatch.setattr(module, "parse_diff", counting)
     doc = {"agents": {"lint.ruff": RUFF, "sec.bandit": BANDIT},

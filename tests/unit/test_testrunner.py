@@ -1,4 +1,4 @@
-"""The pytest next-hop (atp.adapters.tools.testrunner): real pytest runs on small real
+"""The pytest next-hop (atp_router.adapters.tools.testrunner): real pytest runs on small real
 projects in the sandbox — passing, failing, endless, reaching for the network,
 flooding its output — and a failing test escalating through a real router whose
 policy escalates ``on: [test_fail]``."""
@@ -12,19 +12,19 @@ import socket
 import tempfile
 from pathlib import Path
 
+import atp
 import pytest
 import trio
 
-import atp
-from atp.adapters.base import Prompt
-from atp.adapters.registry import build_adapter
-from atp.adapters.testing import ScriptedAdapter
-from atp.adapters.tools.base import DEFAULT_LIMITS
-from atp.adapters.tools.testrunner import TestRunnerAdapter
-from atp.consensus.escalation import TEST_FAIL_RULE
-from atp.consensus.types import AgentFinding, Severity
-from atp.policy.rib import AgentSpec
-from atp.wire.errors import AgentError, ClientInputError, ErrorCode
+from atp_router.adapters.base import Prompt
+from atp_router.adapters.registry import build_adapter
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.adapters.tools.base import DEFAULT_LIMITS
+from atp_router.adapters.tools.testrunner import TestRunnerAdapter
+from atp_router.consensus.escalation import TEST_FAIL_RULE
+from atp_router.consensus.types import AgentFinding, Severity
+from atp_router.policy.rib import AgentSpec
+from atp_router.wire.errors import AgentError, ClientInputError, ErrorCode
 from tests.helpers import start_router_on
 
 CALC = "def add(a, b):\n    return a + b\n\n\ndef div(a, b):\n    return a / b\n"
@@ -230,7 +230,7 @@ def test_no_sandbox_means_no_adapter(monkeypatch):
     """Where no sandbox can be made (here: no bwrap on PATH) the runner is refused
     at construction — the RIB naming it at load — rather than run the tests
     with the router's privileges."""
-    from atp.adapters.tools import sandbox
+    from atp_router.adapters.tools import sandbox
 
     monkeypatch.setattr(sandbox, "_probed", [])
     monkeypatch.setenv("PATH", "/nonexistent")

@@ -15,21 +15,21 @@ import msgspec
 import pytest
 import trio
 
-from atp.adapters.base import Fragment, Prompt
-from atp.adapters.registry import build_adapter
-from atp.adapters.tools.bandit import BanditAdapter
-from atp.adapters.tools.base import (
+from atp_router.adapters.base import Fragment, Prompt
+from atp_router.adapters.registry import build_adapter
+from atp_router.adapters.tools.bandit import BanditAdapter
+from atp_router.adapters.tools.base import (
     DEFAULT_LIMITS,
     LIMIT_OPTIONS,
     ToolLimits,
     find_executable,
 )
-from atp.adapters.tools.ruff import RuffAdapter, grade
-from atp.consensus.types import AgentReport, Severity
-from atp.policy.rib import AgentSpec, ModelSpec
-from atp.task.diff import changed_lines, parse_diff
-from atp.wire.errors import AgentError, ClientInputError, ErrorCode
-from atp.wire.frame import CostEstimate, PayloadType
+from atp_router.adapters.tools.ruff import RuffAdapter, grade
+from atp_router.consensus.types import AgentReport, Severity
+from atp_router.policy.rib import AgentSpec, ModelSpec
+from atp_router.task.diff import changed_lines, parse_diff
+from atp_router.wire.errors import AgentError, ClientInputError, ErrorCode
+from atp_router.wire.frame import CostEstimate, PayloadType
 
 H, M, L = Severity.HIGH, Severity.MEDIUM, Severity.LOW
 

@@ -14,25 +14,25 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from atp.adapters.base import Prompt
-from atp.adapters.registry import build_adapter
-from atp.adapters.tools.base import DEFAULT_LIMITS, ToolLimits, find_executable
-from atp.adapters.tools.mypy import MypyAdapter
-from atp.adapters.tools.mypy import grade as mypy_grade
-from atp.adapters.tools.pylint import PylintAdapter
-from atp.adapters.tools.pylint import grade as pylint_grade
-from atp.adapters.tools.semgrep import (
+from atp_router.adapters.base import Prompt
+from atp_router.adapters.registry import build_adapter
+from atp_router.adapters.tools.base import DEFAULT_LIMITS, ToolLimits, find_executable
+from atp_router.adapters.tools.mypy import MypyAdapter
+from atp_router.adapters.tools.mypy import grade as mypy_grade
+from atp_router.adapters.tools.pylint import PylintAdapter
+from atp_router.adapters.tools.pylint import grade as pylint_grade
+from atp_router.adapters.tools.semgrep import (
     DEFAULT_SEMGREP_LIMITS,
     RULE_PACKS,
     RULES_DIR,
     SemgrepAdapter,
     rule_ids,
 )
-from atp.consensus.types import AgentReport, Severity
-from atp.policy.rib import AgentSpec
-from atp.task.diff import changed_lines, parse_diff
-from atp.wire.errors import AgentError, ClientInputError, ErrorCode
-from atp.wire.frame import CostEstimate, PayloadType
+from atp_router.consensus.types import AgentReport, Severity
+from atp_router.policy.rib import AgentSpec
+from atp_router.task.diff import changed_lines, parse_diff
+from atp_router.wire.errors import AgentError, ClientInputError, ErrorCode
+from atp_router.wire.frame import CostEstimate, PayloadType
 
 H, M, L = Severity.HIGH, Severity.MEDIUM, Severity.LOW
 GIB = 1024**3

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (spec §12, :mod:`atp.observability.tracing`), checked on the side
+"""OpenTelemetry traces (spec §12, :mod:`atp_router.observability.tracing`), checked on the side
 of a real OTLP/HTTP receiver built on the official ``opentelemetry-proto``
 messages (:mod:`tests.otlp_receiver`; no Collector can be installed here):
 
@@ -30,11 +30,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from trio_websocket import open_websocket_url
 
-from atp.adapters.testing import ScriptedAdapter
-from atp.observability import tracing
-from atp.wire.codec import FrameCodec
-from atp.wire.errors import ErrorCode
-from atp.wire.frame import Flag
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.observability import tracing
+from atp_router.wire.codec import FrameCodec
+from atp_router.wire.errors import ErrorCode
+from atp_router.wire.frame import Flag
 from tests.conftest import MECHANICS_RIB
 from tests.helpers import ROUTER, golden, router_process, start_router_on
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
@@ -278,9 +278,9 @@ def test_the_2389_envelope_carries_the_callers_trace_context(receiver):
     field at all without tracing."""
     from opentelemetry import trace
 
-    from atp.adapters.base import Prompt
-    from atp.adapters.mqtt2389 import Mqtt2389Adapter
-    from atp.mqtt import agent_protocol as P
+    from atp_router.adapters.base import Prompt
+    from atp_router.adapters.mqtt2389 import Mqtt2389Adapter
+    from atp_router.mqtt import agent_protocol as P
 
     ad = Mqtt2389Adapter("a", host="h", port=1, agent_id="rev")
     prompt = Prompt(task_type="code_review", content=CLEAN, meta={})

@@ -1,8 +1,7 @@
 """`mypy --strict` on the sans-IO packages and the SYN pipeline's module (issue 21), as
 CI runs it: ``python -m mypy`` from the repository root, everything else from the
 ``[tool.mypy]`` section of pyproject.toml (the packages and modules in ``files``,
-``strict``, atp.* resolved from the tree and not from the SDK's installed
-``atp/__init__.py``). The cache is the repository's ``.mypy_cache``: about 15 s cold
+``strict``, atp_router.* resolved from the tree and not from an installed copy). The cache is the repository's ``.mypy_cache``: about 15 s cold
 (opening.py's imports, the runtime's, are followed for their types), 0.5 s warm."""
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The packages and modules held to ``--strict``.
-PACKAGES = ("atp/wire", "atp/task", "atp/flow", "atp/consensus", "atp/runtime/dataplane/opening.py")
+PACKAGES = ("atp_router/wire", "atp_router/task", "atp_router/flow", "atp_router/consensus", "atp_router/runtime/dataplane/opening.py")
 #: Strict errors the check reports; the canary below hides one of each in every package.
 _CANARY = '''\
 def untyped(x):  # disallow_untyped_defs
@@ -56,7 +55,7 @@ def test_the_check_reports_a_strict_error_in_every_package(tmp_path: Path) -> No
     entry — a module ``canary.py`` in each package, appended to each module: each error
     is reported at the copy's path, and nothing else."""
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
-    shutil.copytree(ROOT / "atp", tmp_path / "atp", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "atp_router", tmp_path / "atp_router", ignore=shutil.ignore_patterns("__pycache__"))
     expected = []
     for p in PACKAGES:
         if p.endswith(".py"):

@@ -9,10 +9,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from atp.flow.window import Admission, Estimate, InFlight, Window
-from atp.wire.errors import ATPError, ErrorCode
-from atp.wire.frame import CostEstimate, QoS, WindowUpdate
-from atp.wire.frame import Window as W
+from atp_router.flow.window import Admission, Estimate, InFlight, Window
+from atp_router.wire.errors import ATPError, ErrorCode
+from atp_router.wire.frame import CostEstimate, QoS, WindowUpdate
+from atp_router.wire.frame import Window as W
 
 
 def est(tokens: int = 100, usd: int = 1_000) -> Estimate:

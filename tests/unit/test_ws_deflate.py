@@ -25,9 +25,9 @@ from wsproto.events import (
 )
 from wsproto.extensions import PerMessageDeflate
 
-from atp.wire import session as S
-from atp.wire.codec import FrameCodec
-from atp.wire.frame import Payload, PayloadType, Window
+from atp_router.wire import session as S
+from atp_router.wire.codec import FrameCodec
+from atp_router.wire.frame import Payload, PayloadType, Window
 from tests.conftest import MECHANICS_RIB, start_router
 from tests.helpers import golden
 

@@ -1,7 +1,0 @@
-"""``python -m atp.agent2389 --config agent.toml`` (same as ``atp-agent2389``)."""
-
-import sys
-
-from atp.agent2389.cli import main
-
-sys.exit(main())

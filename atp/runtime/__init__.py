@@ -1,7 +1,0 @@
-"""The router's trio runtime, in the planes of agentgateway: :mod:`~atp.runtime.router`
-(the :class:`~atp.runtime.router.Router` that composes them), ``ingress/`` (how
-requests and frames come in), ``dataplane/`` (streams, the SYN pipeline, dispatch to
-the next-hops), ``controlplane/`` (RIB generations, reload, learning) and ``admin/``
-(status page, FIB view, OpenAPI). The deployment modes that run it are in
-:mod:`atp.deploy`; the runtime does not import them.
-"""

@@ -1,5 +1,0 @@
-"""What the router shows its operators over HTTP: the live status snapshot and page
-(:mod:`~atp.runtime.admin.status`, its files in ``static/``), the learning FIB's view
-(:mod:`~atp.runtime.admin.fibview`) and the OpenAPI document of the control API
-(:mod:`~atp.runtime.admin.openapi`, written to ``proto/openapi.json``).
-"""

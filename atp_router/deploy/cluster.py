@@ -1,0 +1,1051 @@
+"""Several ``atp-router`` processes on one shared store (issue 12): ``--store redis://…``.
+
+Each router is a whole router with its own state directory (lock, keys, the
+audit MAC key unless ``ATP_AUDIT_KEY`` is given — give every router the same)
+and its own listening sockets; a load balancer, or the client, picks one. What
+makes them one router is the store they share (:class:`~atp_router.store.redis.RedisStore`):
+
+================  ==========================================================
+budgets           exact: a :class:`ClusterLedger` (a
+                  :class:`~atp_router.flow.budget.SharedBudgetLedger`): every reserve,
+                  extend, commit and release is one atomic step along the
+                  account chain (stream → ``client:<tenant>``) in the store, so
+                  ``committed + reserved <= limit`` holds across the routers
+streams           stored with their **owner** router (``r.<host>.<pid>.<6
+                  hex>``, one name per process start); events, idempotency
+                  keys and finished streams are read from the store by any
+                  router
+audit             one hash chain, each record chained at the store's head
+RIB               a reload on one router (the API, or its own ``--policies``
+                  watch) gets a store-wide version and is in force on all
+                  within :data:`~atp_router.deploy.workers.RIB_POLL_S`
+                  (:class:`~atp_router.deploy.workers.SharedRib`); a router started
+                  later adopts the active one
+leases            each router renews its lease every ``lease_ms / 5``
+                  (:meth:`Store.heartbeat <atp_router.store.base.Store.heartbeat>`,
+                  with the URL of its HTTP API, ``--advertise-url``) from a
+                  thread of its own: a router whose trio loop is busy (its
+                  store calls are synchronous) keeps its lease; one whose
+                  loop has not run for :attr:`LeaseClock.stall_s` stops
+                  renewing it (it cannot serve: the others settle it)
+learning,         :mod:`atp_router.runtime.controlplane.shared_state`: merged bandit and live
+breakers          statistics, a breaker opened on one router opened on all
+================  ==========================================================
+
+**A router lost** (killed, its host gone, or cut from the store longer than its
+lease): every second any router asks the store for owners with open
+reservations, accounts or streams and no live lease
+(:meth:`Store.lost_owners <atp_router.store.base.Store.lost_owners>`); one of them
+takes the claim ``settle/<owner>`` and settles it (:func:`~atp_router.deploy.workers.settle`):
+its open reservations are **released** — the issue's rule: the stream is
+re-run elsewhere and that run is what is charged, nothing twice —, its stream
+accounts closed, its open streams marked interrupted with an RST saying so
+(:data:`ROUTER_LOST`; audited). A router that just regained the store waits one
+lease before settling anyone (the others renew theirs within a fifth of it);
+one that finds, after such a gap, that it was settled itself stops those
+streams here (:meth:`ClusterNode.fence`).
+
+**Re-run** (spec §8 resumption across routers): a stream interrupted by
+:data:`ROUTER_LOST` is run again when its tenant re-opens the same
+``idempotency_key`` with its task (``POST /v1/streams`` with ``content``, the
+OpenAI ingress, A2A ``message/send``, a WebSocket SYN with its task) on any
+router: exactly one router wins the claim ``rerun/<tenant>/<key>/<old stream>``
+and opens a fresh stream with that key (the newest record of the key is the one
+it names from then on); a concurrent HTTP request that lost the claim waits for
+that stream and is forwarded to it, a WebSocket SYN that lost is refused with
+``EAGENTDOWN`` (resume again). A finished stream's key answers its stored
+result on every router. (A single router on SQLite keeps its own rule: a stream
+interrupted by its restart is reported, never re-run.)
+
+**Any request on any router**: a request about a stream another live router
+owns (``/v1/streams/{id}/events|frames|feedback``, an idempotent open, A2A
+``tasks/*``) is forwarded to that router's advertised URL with the caller's own
+``Authorization`` (:class:`ClusterForwardingApp`, the
+:class:`~atp_router.deploy.workers.ForwardingApp` of ``--workers``); answers carry
+``x-atp-router`` (who answered) and, forwarded, ``x-atp-served-by``. While the
+owner of an open stream is lost and not yet settled, a request about it answers
+503 ``EAGENTDOWN`` with ``Retry-After: 1``.
+
+**Fail closed**: when the store cannot be reached
+(:class:`~atp_router.store.base.StoreUnavailable`) no new spend is allowed — a stream
+open is refused (``EBUDGET`` "budget store unavailable: … retry", with
+``retry_after_ms``; HTTP 503 + ``Retry-After``), a call's reservation or its
+extension is refused (the call is not made, ``EBUDGET``); a commit or release
+that fails is kept and retried every :data:`SETTLE_RETRY_S` until the store
+answers (the reservation holds its headroom meanwhile, so nothing overspends);
+a stream's events wait for the store (a client never gets an event the store
+has not: another router may serve the stream from there). ``atp_store_up`` (0/1)
+and ``atp_store_unavailable_total{op}`` say so; everything resumes when the store
+answers again, without a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from typing import Any
+
+import msgspec
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from atp_router.deploy import single
+from atp_router.deploy.single import Deployed
+from atp_router.deploy.workers import RETRY, ForwardingApp, Peer, SharedRib, settle
+from atp_router.flow.budget import (
+    Allowance,
+    Charge,
+    Refusal,
+    Reservation,
+    SharedAccounts,
+    SharedBudgetLedger,
+)
+from atp_router.observability.metrics import RouterMetrics
+from atp_router.runtime.controlplane import shared_state
+from atp_router.runtime.deployment import StateParts, SynGate
+from atp_router.runtime.router import Router, RouterConfig
+from atp_router.security.audit import AuditLog
+from atp_router.security.authz import Refuse
+from atp_router.security.identity import Identity
+from atp_router.store import NotFound, Store, StoreError, StoreUnavailable, StreamRecord
+from atp_router.wire.errors import ATPError, ErrorCode
+from atp_router.wire.frame import Frame, PayloadType
+
+__all__ = [
+    "ROUTER_LOST",
+    "ClusterForwardingApp",
+    "ClusterLedger",
+    "ClusterNode",
+    "LeaseClock",
+    "deploy",
+    "open_store",
+    "owner_name",
+    "settled_reason",
+    "store_unavailable_reason",
+]
+
+log = logging.getLogger("atp_router.deploy.cluster")
+
+#: The RST reason (and stored close reason) of a stream whose router was lost
+#: (spec §8): the mark of a stream that is re-run when its key is re-opened.
+ROUTER_LOST = ("interrupted: the router running the stream was lost (stopped, or cut from the shared store); "
+               "re-open it with the same idempotency_key and its task to run it again on another router")
+#: How often any router looks for lost routers to settle, s.
+REAP_S = 1.0
+#: How often commits and releases the store could not take are tried again, s.
+SETTLE_RETRY_S = 0.5
+#: ``retry_after_ms`` of a spend refused because the store cannot be reached.
+RETRY_AFTER_MS = 1000
+#: How long an HTTP re-open that lost the re-run claim waits for the winner's stream, s (at most a lease).
+_RERUN_WAIT_S = 5.0
+
+_STORE_SCHEMES = ("redis", "rediss", "unix")
+try:
+    _VERSION = package_version("atp-router")
+except PackageNotFoundError:  # run from a checkout that is not installed
+    _VERSION = "0"
+
+
+def owner_name() -> str:
+    """This process's owner name in the store: ``r.<hostname>.<pid>.<6 hex>``
+    (new at every start: a restarted router never takes over its former self's
+    leases, reservations or streams — they are settled as lost)."""
+    host = socket.gethostname().split(".")[0] or "host"
+    return f"r.{host}.{os.getpid()}.{secrets.token_hex(3)}"
+
+
+def is_cluster_store(url: str) -> bool:
+    """Whether ``--store`` names a shared store (a ``redis://``, ``rediss://``
+    or ``unix://`` URL) rather than the embedded ``sqlite``."""
+    return url.split("://", 1)[0].lower() in _STORE_SCHEMES and "://" in url
+
+
+def open_store(url: str, *, namespace: str) -> Store:
+    """The shared store at ``url`` (``redis://[:password@]host:port/db``,
+    ``rediss://…``, ``unix:///path?db=N``), its keys under ``namespace``.
+    Raises :class:`~atp_router.store.base.StoreError` (``StoreUnavailable`` when it
+    cannot be reached) or ``ValueError`` for a URL of no known store."""
+    if not is_cluster_store(url):
+        raise ValueError(f"--store {url!r}: give sqlite or a redis://, rediss:// or unix:// URL")
+    from atp_router.store.redis import RedisStore  # only a cluster router imports redis
+
+    return RedisStore.open(url, namespace=namespace)
+
+
+def store_unavailable_reason(e: BaseException) -> str:
+    """The one wording of a spend refused while the store cannot be reached."""
+    return f"budget store unavailable: {e}; retry"
+
+
+def settled_reason(key: str) -> str:
+    """The wording of a spend refused because the store no longer has its
+    budget account or reservation ``key``: another router settled this one."""
+    return (f"budget {key!r} was settled by another router (this router could not renew its lease in time); "
+            "re-open the stream with the same idempotency_key to run it again")
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _is_lost(rec: StreamRecord | None) -> bool:
+    """``rec`` was interrupted because its router was lost: re-run on re-open."""
+    return rec is not None and rec.state == "interrupted" and rec.close_reason == ROUTER_LOST
+
+
+def _rerun_claim(rec: StreamRecord) -> str:
+    """The claim whose holder re-runs ``rec`` (one per interrupted record)."""
+    return f"rerun/{rec.tenant}/{rec.idempotency_key}/{rec.stream_id}.{rec.created_ms}"
+
+
+def _has_task(frame: Frame) -> bool:
+    return frame.payload is not None and frame.payload.type is PayloadType.TASK
+
+
+# ----------------------------------------------------------------------- ledger
+class ClusterLedger(SharedBudgetLedger):
+    """The :class:`~atp_router.flow.budget.SharedBudgetLedger` of a cluster router:
+    the same decisions, fail closed when the store cannot be reached
+    (:class:`~atp_router.store.base.StoreUnavailable`; module docstring):
+
+    * :meth:`reserve` / :meth:`extend` return an ``EBUDGET``
+      :class:`~atp_router.flow.budget.Refusal` "budget store unavailable: … retry"
+      (the call is not made); a reserve whose answer was lost (a timeout) is
+      cancelled in the store by :meth:`settle_pending` once it answers, so a
+      reservation Redis made late is released, never held for good;
+    * :meth:`open` raises :class:`~atp_router.wire.errors.ATPError` ``EBUDGET`` with
+      ``retry_after_ms`` (the SYN is refused); :meth:`set_limit` returns a
+      refusal; :meth:`close` raises ``ValueError`` (the stream table tries again);
+    * :meth:`commit` / :meth:`release` keep the settlement and return at once:
+      :meth:`settle_pending` (a background task of the router) applies it
+      once the store answers; until then the reservation holds its headroom
+      in the store and the stream's account stays open here. The charge
+      :meth:`commit` returns then is the usage within the reservation, and
+      the queued commit applies exactly that charge when the store answers —
+      the ledger always equals the FINALs' signed usage; usage beyond the
+      reservation is overage, not charged (its headroom could not be checked).
+
+    A reservation or account the store no longer has (:class:`~atp_router.store.base.NotFound`:
+    another router settled this one after its lease lapsed, or a retried
+    commit had been applied) is forgotten here with a warning; a spend on it
+    (:meth:`reserve`, :meth:`extend`, :meth:`set_limit`; :meth:`open` under a
+    parent the store no longer has) is refused with ``EBUDGET``
+    (:func:`settled_reason`) and ``on_settled(key)`` is told, so the router
+    stops the streams it no longer owns (:meth:`ClusterNode.fence`).
+    ``on_unavailable(op, error)`` is told of every operation that found the
+    store unreachable (metrics)."""
+
+    def __init__(self, shared: SharedAccounts, *, owner: str,
+                 on_unavailable: Callable[[str, StoreError], None] | None = None,
+                 on_settled: Callable[[str], None] | None = None) -> None:
+        super().__init__(shared, owner=owner)
+        self.on_unavailable = on_unavailable
+        self.on_settled = on_settled
+        #: Settlements the store could not take yet: (stored reservation, usage or None: release, account).
+        #: The commit's request name (SharedAccounts.recommit_shared; "" for a release).
+        self._unsettled: list[tuple[Reservation, tuple[int, int] | None, Any, str]] = []
+        #: Reserve calls whose answer was lost, to cancel (SharedAccounts.cancel_reserve_shared).
+        self._cancels: list[str] = []
+
+    @property
+    def unsettled(self) -> int:
+        """Commits, releases and reserve cancels waiting for the store."""
+        return len(self._unsettled) + len(self._cancels)
+
+    def _down(self, op: str, e: StoreError) -> None:
+        if self.on_unavailable is not None:
+            self.on_unavailable(op, e)
+
+    def _settled(self, op: str, key: str, e: NotFound) -> Refusal:
+        log.warning("budget %s on %r: the store no longer has it (%s): settled by another router; refused",
+                    op, key, e)
+        if self.on_settled is not None:
+            self.on_settled(key)
+        return Refusal(key=key, reason=settled_reason(key), remaining=Allowance(tokens=0, usd_micros=0))
+
+    def open(self, key: str, limit: Allowance, *, parent: str | None = None) -> None:
+        try:
+            super().open(key, limit, parent=parent)
+        except StoreUnavailable as e:
+            self._down("open", e)
+            raise ATPError(ErrorCode.EBUDGET, store_unavailable_reason(e), retry_after_ms=RETRY_AFTER_MS) from None
+        except NotFound as e:
+            raise ATPError(ErrorCode.EBUDGET, self._settled("open", parent or key, e).reason,
+                           retry_after_ms=RETRY_AFTER_MS) from None
+
+    def close(self, key: str):
+        try:
+            return super().close(key)
+        except StoreUnavailable as e:
+            self._down("close", e)
+            raise ValueError(f"budget account {key!r}: the store cannot be reached") from None
+        except NotFound:
+            # Closed by the router that settled this one: forget it here too.
+            acct = self._get(key)
+            state = self.state(key)
+            if acct.parent is not None:
+                acct.parent.children -= 1
+            del self._accounts[key]
+            del self._lkeys[self._skeys.pop(key)]
+            return state
+
+    def reserve(self, key: str, tokens: int, usd_micros: int) -> Reservation | Refusal:
+        request = self.new_request()
+        try:
+            return self.reserve_as(key, tokens, usd_micros, request=request)
+        except StoreUnavailable as e:
+            self._down("reserve", e)
+            # A timeout: the reserve may have been applied, or may be later (from the
+            # closed connection's buffer). Cancelled once the store answers, so the
+            # refused call never holds the tenant's headroom.
+            self._cancels.append(request)
+            return Refusal(key=key, reason=store_unavailable_reason(e), remaining=Allowance(tokens=0, usd_micros=0))
+        except NotFound as e:
+            return self._settled("reserve", key, e)
+
+    def extend(self, reservation: Reservation, tokens: int, usd_micros: int) -> Reservation | Refusal:
+        try:
+            return super().extend(reservation, tokens, usd_micros)
+        except StoreUnavailable as e:
+            self._down("extend", e)
+            return Refusal(key=reservation.key, reason=store_unavailable_reason(e),
+                           remaining=Allowance(tokens=0, usd_micros=0))
+        except NotFound as e:
+            # The reservation stays open here: its commit or release finds it gone and forgets it.
+            return self._settled("extend", reservation.key, e)
+
+    def set_limit(self, key: str, limit: Allowance, *, clamp: bool = False) -> Refusal | None:
+        try:
+            return super().set_limit(key, limit, clamp=clamp)
+        except StoreUnavailable as e:
+            self._down("set_limit", e)
+            return Refusal(key=key, reason=store_unavailable_reason(e), remaining=Allowance(tokens=0, usd_micros=0))
+        except NotFound as e:
+            return self._settled("set_limit", key, e)
+
+    def commit(self, reservation: Reservation, actual_tokens: int, actual_usd_micros: int) -> Charge:
+        if actual_tokens < 0 or actual_usd_micros < 0:
+            return super().commit(reservation, actual_tokens, actual_usd_micros)  # its ValueError
+        acct = self._forget(reservation)
+        stored = self._stored(reservation)
+        usage = (actual_tokens, actual_usd_micros)
+        certain = _certain(reservation, usage)
+        if self._unsettled:
+            # Settled in order: an earlier settlement still waits for the store.
+            self._unsettled.append((stored, (certain.tokens, certain.usd_micros), acct, self.new_request()))
+            return certain
+        charge = self._settle(stored, usage, acct, held=(certain.tokens, certain.usd_micros))
+        return charge if charge is not None else certain
+
+    def release(self, reservation: Reservation) -> None:
+        acct = self._forget(reservation)
+        stored = self._stored(reservation)
+        if self._unsettled:
+            self._unsettled.append((stored, None, acct, ""))
+            return
+        self._settle(stored, None, acct)
+
+    def _settle(self, stored: Reservation, usage: tuple[int, int] | None, acct: Any,
+                *, queue: bool = True, held: tuple[int, int] | None = None, request: str = "") -> Charge | None:
+        """Commit (``usage``) or release ``stored`` in the store; on
+        :class:`StoreUnavailable` queue it (``queue``) or raise. Returns the charge.
+
+        A commit queued here is applied later at ``held`` (the usage within the
+        reservation, :func:`_certain`) — exactly the charge :meth:`commit`
+        returned, which the FINAL's signed usage reports — never at ``usage``:
+        headroom beyond the reservation could not be checked while the store
+        was down, so it is not taken afterwards either (the rest is the
+        caller's overage, logged). A commit is named (``request``): the queued
+        one (``queue`` False) is a
+        :meth:`~atp_router.flow.budget.SharedAccounts.recommit_shared` of that name,
+        so if the first attempt timed out but Redis ran it after all (from the
+        closed connection's buffer: at the full usage), its charge is corrected
+        to ``held``, and if it runs later still it is refused — the ledger
+        ends equal to the FINAL either way."""
+        if usage is not None and not request:
+            request = self.new_request()
+        try:
+            if usage is None:
+                out = self.shared.release_shared(stored)
+            elif queue:
+                out = self.shared.commit_shared(stored, *usage, request=request)
+            else:
+                out = self.shared.recommit_shared(stored, *usage, request=request)
+        except StoreUnavailable as e:
+            self._down("commit" if usage is not None else "release", e)
+            if not queue:
+                raise
+            if usage is not None and held is not None and held != usage:
+                log.warning("reservation %d on %s: the store cannot be reached; the commit will charge %s "
+                            "(within the reservation), the usage beyond it (%s) is overage not charged",
+                            stored.id, stored.key, held, (usage[0] - held[0], usage[1] - held[1]))
+            self._unsettled.append((stored, held if usage is not None and held is not None else usage, acct,
+                                    request))
+            return None
+        except NotFound:
+            log.warning("reservation %d on %s is no longer in the store (settled by another router, or a retried "
+                        "write that had been applied): forgotten here", stored.id, stored.key)
+            acct.open -= 1
+            return Charge(0, 0, *usage) if usage is not None else None
+        acct.open -= 1
+        self._mirror(out)
+        return out.charge
+
+    def settle_pending(self) -> int:
+        """Cancel the reserves whose answer was lost, then apply the commits and
+        releases the store could not take, in order, until it cannot be reached
+        again; returns how many are left (:attr:`unsettled`). One the store
+        refuses otherwise is logged and dropped (its reservation stays held in
+        the store until this router's state is settled)."""
+        while self._cancels:
+            request = self._cancels[0]
+            try:
+                if self.shared.cancel_reserve_shared(request):
+                    log.warning("reserve %s timed out but had been applied: its reservation is released", request)
+            except StoreUnavailable:
+                return self.unsettled
+            except StoreError:
+                log.exception("reserve %s timed out; cancelling it failed; dropped", request)
+            self._cancels.pop(0)
+        while self._unsettled:
+            stored, usage, acct, request = self._unsettled[0]
+            try:
+                self._settle(stored, usage, acct, queue=False, request=request)
+            except StoreUnavailable:
+                break
+            except StoreError:
+                log.exception("reservation %d on %s: settling it failed; dropped", stored.id, stored.key)
+                acct.open -= 1
+            self._unsettled.pop(0)
+        return self.unsettled
+
+
+def _certain(r: Reservation, usage: tuple[int, int]) -> Charge:
+    """What a commit the store has not taken yet will charge at least: the usage
+    within the reservation (the rest, overage until settled)."""
+    t, u = min(usage[0], r.tokens), min(usage[1], r.usd_micros)
+    return Charge(t, u, usage[0] - t, usage[1] - u)
+
+
+# ----------------------------------------------------------------------- leases
+class LeaseClock:
+    """What a router's lease thread and its trio side decide about the lease
+    (sans-IO: every time passed in is ``time.monotonic()`` s; not locked — the
+    router holds a lock around it, the thread and the trio loop share it).
+
+    * the **thread** renews every ``lease_ms / 5`` while :meth:`should_renew`:
+      the trio loop ticked (:meth:`tick`) within :attr:`stall_s` (default
+      ``max(30 s, 6 leases)``) — past that the router is wedged, cannot serve,
+      and lets its lease lapse so the others settle it; it reports each
+      renewal (:meth:`renewed`) or failure (:meth:`failed`);
+    * a renewal that comes ``0.8 × lease`` or more after the previous one
+      (the lease may have lapsed: the gap is timed here, the lease by the
+      store) makes a **fence** due (:attr:`fence_due`), as does
+      :meth:`request_fence` (the ledger found an account settled by another
+      router); the trio side runs :meth:`ClusterNode.fence` and calls
+      :meth:`fenced`;
+    * :meth:`writes_allowed`: queued stream writes may go to the store only
+      with no fence due and a renewal less than ``0.8 × lease`` ago."""
+
+    def __init__(self, lease_ms: int, *, now: float, stall_s: float | None = None) -> None:
+        if lease_ms < 1:
+            raise ValueError(f"lease_ms must be >= 1, got {lease_ms}")
+        self.lease_s = lease_ms / 1000
+        #: How long the trio loop may go without ticking before the lease is let lapse, s.
+        self.stall_s = max(30.0, 6 * self.lease_s) if stall_s is None else stall_s
+        self.ticked = now
+        self.ok_at = now
+        #: The live routers as of the last renewal (owner → lease info).
+        self.peers: dict[str, dict[str, Any]] = {}
+        self.error: StoreError | None = None
+        self.error_at = -math.inf
+        #: Failures counted so far (the trio side reports each new one once).
+        self.failures = 0
+        self.fence_seq = 0
+        self.fenced_seq = 0
+
+    @property
+    def period_s(self) -> float:
+        """How often the thread renews (and the trio loop ticks), s."""
+        return self.lease_s / 5
+
+    def tick(self, now: float) -> None:
+        """The trio loop ran at ``now``."""
+        self.ticked = max(self.ticked, now)
+
+    def should_renew(self, now: float) -> bool:
+        """Whether the thread renews at ``now``: the loop ticked within :attr:`stall_s`."""
+        return now - self.ticked < self.stall_s
+
+    def renewed(self, now: float, peers: dict[str, dict[str, Any]]) -> float | None:
+        """A renewal succeeded at ``now`` (``peers``: the live routers it read).
+        Returns the gap since the previous one (s) when it makes a fence due,
+        else None."""
+        gap = now - self.ok_at
+        self.ok_at = max(self.ok_at, now)
+        self.peers = peers
+        if gap >= 0.8 * self.lease_s:
+            self.fence_seq += 1
+            return gap
+        return None
+
+    def failed(self, now: float, error: StoreError) -> None:
+        """A renewal found the store unreachable at ``now``."""
+        self.error, self.error_at = error, now
+        self.failures += 1
+
+    def request_fence(self) -> None:
+        """Make a fence due (this router was found settled by another)."""
+        self.fence_seq += 1
+
+    @property
+    def fence_due(self) -> bool:
+        """Whether a fence is due (:meth:`fenced` not yet called for it)."""
+        return self.fence_seq != self.fenced_seq
+
+    def fenced(self, seq: int) -> None:
+        """The fence that began when :attr:`fence_seq` was ``seq`` is done."""
+        self.fenced_seq = max(self.fenced_seq, seq)
+
+    def writes_allowed(self, now: float) -> bool:
+        """Whether queued writes may go to the store at ``now``."""
+        return not self.fence_due and now - self.ok_at < 0.8 * self.lease_s
+
+
+# ----------------------------------------------------------------------- router
+def deploy(config: RouterConfig, **kw: Any) -> Deployed:
+    """A cluster router (:func:`build`) with its HTTP middleware
+    (:meth:`ClusterNode.http_app`: forwarding, a store that cannot be reached
+    answering 503) and the advertising of its URL with its lease
+    (:meth:`ClusterNode.advertise`). Raises :class:`~atp_router.store.base.StoreError`
+    when the store cannot be opened."""
+    node = ClusterNode(config, **kw)
+    return Deployed(node.router, http_middleware=node.http_app, advertise=node.advertise)
+
+
+def build(config: RouterConfig, **kw: Any) -> Router:
+    """The :class:`~atp_router.runtime.router.Router` of one router of a cluster
+    (:class:`ClusterNode`; ``kw`` as for the Router: ``syn_stages``). Raises
+    :class:`~atp_router.store.base.StoreError` when the store cannot be opened."""
+    return ClusterNode(config, **kw).router
+
+
+class ClusterNode(SynGate):
+    """What makes a :class:`~atp_router.runtime.router.Router` one of several on a
+    shared store (module docstring), and the router it assembles
+    (:attr:`router`): the store opened from ``config.store`` (a ``redis://``
+    URL), its own state-directory lock, budgets in a :class:`ClusterLedger`,
+    the shared audit chain, RIB versions from the store
+    (:class:`~atp_router.deploy.workers.SharedRib`), no crash recovery at start (the
+    others are running: lost routers are settled by the reaper), its lease
+    renewed every ``config.lease_ms / 5`` ms by a thread of its own while it
+    serves (:class:`LeaseClock`) — background services of the router —, its
+    streams stored with its owner name, and the gate on its SYNs (:meth:`refuse`,
+    :meth:`resumes`): a stream re-opened by key runs once, across routers. Raises
+    :class:`~atp_router.store.base.StoreError` when the store cannot be opened."""
+
+    def __init__(self, config: RouterConfig, **kw: Any) -> None:
+        self.owner = owner_name()
+        self.lease_ms = config.lease_ms
+        self.advertise_url = config.advertise_url
+        self.started_ms = _now_ms()
+        #: owner → lease info of the live routers, as of the last heartbeat.
+        self.peers: dict[str, dict[str, Any]] = {}
+        self._peers_at = -math.inf
+        self._key_memo: tuple[Frame, StreamRecord | None] | None = None
+        self._store_ok = True
+        now = time.monotonic()
+        #: When an operation last found the store unreachable (time.monotonic()).
+        self._down_at = -math.inf
+        self._lease_lock = threading.Lock()
+        self._lease_failures = 0
+        self._lease_thread: threading.Thread | None = None
+        self._lease_stop = threading.Event()
+        #: The reaper settles no one before this (time.monotonic()): one lease after
+        #: the start, or after the store came back (the others renew theirs first).
+        self._reap_after = now + self.lease_ms / 1000
+        #: The router's metrics (atp_store_up, atp_store_unavailable_total), reported before it exists.
+        self.metrics = RouterMetrics()
+        state = self._open_state(config)
+        # Merged learning and breaker propagation through the store (atp_router.runtime.controlplane.shared_state).
+        self.router = router = Router(
+            config, state, rib_version=self.rib.next_version,
+            services=(self.rib.service, self._services, lambda r: shared_state.background_tasks(r, self.owner)),
+            syn_gates=(self,), store_refusal=self._refusal, metrics=self.metrics, **kw)
+        router.streams.owner = self.owner
+        router.streams.on_store_unavailable = self.store_unavailable
+        router.streams.flush_gate = self._writes_allowed
+        #: The lease thread's and the trio side's shared view (under _lease_lock).
+        self._lease = LeaseClock(self.lease_ms, now=time.monotonic())
+        self._heartbeat()  # the lease exists before this router owns anything
+        if not self._store_ok:
+            raise StoreUnavailable(f"the store {self.store.describe()} cannot be reached")
+        log.info("router %s on the shared store %s (lease %d ms)", self.owner, self.store.describe(), self.lease_ms)
+
+    # ------------------------------------------------------------ durable state
+    def _open_state(self, config: RouterConfig) -> StateParts:
+        """This router's state: its own state directory locked
+        (:func:`~atp_router.deploy.single.state_directory`), the shared store opened
+        from ``config.store``, budgets in a :class:`ClusterLedger`, the shared
+        audit chain; no crash recovery at start (other routers run: a lost one
+        is settled by the reaper); restored by adopting the store's active RIB
+        (or saving the running one as the first); closed by :meth:`_close_state`."""
+        state_dir, tmp, lock = single.state_directory(config)
+        store = open_store(config.store, namespace=config.store_namespace)
+        ledger = ClusterLedger(store, owner=self.owner, on_unavailable=self.store_unavailable,
+                               on_settled=self._found_settled)
+        audit_log = AuditLog.open(store, state_dir, shared=True, options=config.audit)
+        close = single.closing(audit_log, store, lock=lock, tmp=tmp)
+        self.store, self.ledger, self.audit_log = store, ledger, audit_log
+        #: RIB versions from the store, the RIB other routers load followed (atp_router.deploy.workers.SharedRib).
+        self.rib = SharedRib(store)
+        return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
+                          close=lambda: self._close_state(close), restore=(self._restore_rib,))
+
+    def _found_settled(self, key: str) -> None:
+        # The ledger found an account of ours settled by another router: check our streams (writes wait).
+        with self._lease_lock:
+            self._lease.request_fence()
+
+    def _restore_rib(self, router: Router) -> None:
+        if self.store.active_rib() is None:
+            self.store.save_rib(router.gen.version, "", router.gen.source, "router")
+        else:
+            self.rib.adopt(router)
+
+    def _close_state(self, close: Callable[[], None]) -> None:
+        """Clean shutdown: what the store could not take is tried once more,
+        this router's own state settled as the reaper would (its streams still
+        open are interrupted with :data:`ROUTER_LOST`: re-opened elsewhere they
+        run again), its lease dropped; then the store is closed (``close``). A
+        store that cannot be reached leaves it to the other routers (after the lease)."""
+        try:
+            if self.ledger.settle_pending():
+                log.warning("%d commits or releases could not reach the store: the other routers release the "
+                            "reservations when this router's lease expires", self.ledger.unsettled)
+            done = settle(self.store, self.audit_log, self.owner, reason=ROUTER_LOST, release=True, who="router")
+            self.store.drop_lease(self.owner)
+            if any(done.values()):
+                log.info("router %s stopped; settled %s", self.owner, done)
+        except StoreError as e:
+            log.error("router %s stopped without settling its state (%s): the other routers will, when its lease "
+                      "expires", self.owner, e)
+        finally:
+            close()
+
+    # ------------------------------------------------------------ store health
+    def store_unavailable(self, op: str, e: StoreError) -> None:
+        """Operation ``op`` found the store unreachable: counted
+        (``atp_store_unavailable_total{op}``), ``atp_store_up`` 0, logged once."""
+        self.metrics.store_unavailable.labels(op).inc()
+        self._down_at = time.monotonic()
+        if self._store_ok:
+            self._store_ok = False
+            self.metrics.store_up.set(0)
+            log.error("the shared store cannot be reached (%s: %s): new spend is refused until it answers", op, e)
+
+    def _store_back(self) -> None:
+        if not self._store_ok:
+            self._store_ok = True
+            self.metrics.store_up.set(1)
+            self._reap_after = time.monotonic() + self.lease_ms / 1000
+            log.warning("the shared store answers again: spend resumes (lost routers are settled after one lease)")
+
+    @property
+    def store_ok(self) -> bool:
+        """Whether the store answered this router's last heartbeat."""
+        return self._store_ok
+
+    # ------------------------------------------------------------ leases
+    def advertise(self, url: str) -> None:
+        """The URL other routers forward requests to (``--advertise-url``, else
+        the bound HTTP address): published with the lease at once."""
+        self.advertise_url = url
+        self._heartbeat()
+
+    def _info(self) -> dict[str, Any]:
+        return {"url": self.advertise_url, "started_ms": self.started_ms, "version": _VERSION,
+                "pid": os.getpid()}
+
+    def _renew(self) -> bool:
+        """Renew the lease and read the live routers (any thread; no trio call):
+        the outcome goes to :attr:`_lease` (:class:`LeaseClock`). False when the
+        store cannot be reached."""
+        try:
+            self.store.heartbeat(self.owner, ttl_ms=self.lease_ms, now_ms=_now_ms(), info=self._info())
+            peers = self.store.live_owners(now_ms=_now_ms())
+        except StoreUnavailable as e:
+            with self._lease_lock:
+                self._lease.failed(time.monotonic(), e)
+            return False
+        with self._lease_lock:
+            gap = self._lease.renewed(time.monotonic(), peers)
+        if gap is not None:
+            log.warning("router %s renewed its lease after %.0f ms (lease %d ms): checking its streams", self.owner,
+                        gap * 1000, self.lease_ms)
+        return True
+
+    def _heartbeat(self) -> bool:
+        """Renew the lease now (on the trio thread: at start, :meth:`advertise`)
+        and act on it (:meth:`_lease_news`). False when the store cannot be reached."""
+        ok = self._renew()
+        self._lease_news()
+        return ok
+
+    def _lease_news(self) -> None:
+        """On the trio thread: act on what the lease thread found since last
+        time — each failure counted (``atp_store_up`` 0), the live routers
+        read, a fence run when due (:meth:`fence`, before any queued write
+        goes to the store: the flush gate waits for it), and the store back
+        (spend resumes) once a renewal succeeded after the last failure."""
+        with self._lease_lock:
+            lease = self._lease
+            failures, error, error_at = lease.failures, lease.error, lease.error_at
+            ok_at, peers = lease.ok_at, lease.peers
+            fence_seq, fence_due = lease.fence_seq, lease.fence_due
+        if failures != self._lease_failures:
+            self._lease_failures = failures
+            if error is not None:
+                down_at = self._down_at
+                self.store_unavailable("lease", error)
+                self._down_at = max(down_at, error_at)  # when the thread found it, not now
+        if ok_at <= self._down_at:
+            return  # the store has not answered a renewal since it was last found unreachable
+        if ok_at > self._peers_at:
+            self.peers, self._peers_at = peers, ok_at
+        if fence_due:
+            try:
+                self.fence()
+            except StoreUnavailable as e:
+                self.store_unavailable("lease", e)
+                return  # tried again at the next tick; the writes wait
+            with self._lease_lock:
+                lease.fenced(fence_seq)
+        self._store_back()
+
+    def _writes_allowed(self) -> bool:
+        """The stream table's flush gate: the store answered, no fence is due
+        and the lease was renewed within 0.8 of it."""
+        if not self._store_ok:
+            return False
+        with self._lease_lock:
+            return self._lease.writes_allowed(time.monotonic())
+
+    def _lease_thread_main(self) -> None:
+        """The lease thread: renew every ``lease / 5`` while the trio loop ticks
+        (:meth:`LeaseClock.should_renew`). Makes no trio call."""
+        stalled = False
+        while not self._lease_stop.wait(self._lease.period_s):
+            with self._lease_lock:
+                renew = self._lease.should_renew(time.monotonic())
+                stall_s = self._lease.stall_s
+            if not renew:
+                if not stalled:
+                    log.error("router %s: its event loop has not run for %.0f s: its lease is no longer renewed "
+                              "(the other routers settle it)", self.owner, stall_s)
+                stalled = True
+                continue
+            if stalled:
+                log.warning("router %s: its event loop runs again: renewing its lease", self.owner)
+                stalled = False
+            try:
+                self._renew()
+            except Exception:  # a store error other than unavailable: logged, tried again
+                log.exception("router %s: renewing its lease failed", self.owner)
+
+    async def _leases(self) -> None:
+        """The trio side of the lease: starts the lease thread, ticks every
+        ``lease / 5`` (:meth:`LeaseClock.tick`) and acts on the thread's news;
+        cancelled, stops the thread (at most one store call's time)."""
+        period = self._lease.period_s
+        self._lease_stop.clear()
+        with self._lease_lock:
+            self._lease.tick(time.monotonic())
+        thread = threading.Thread(target=self._lease_thread_main, name=f"atp-lease-{self.owner}", daemon=True)
+        self._lease_thread = thread
+        thread.start()
+        try:
+            while True:
+                before = time.monotonic()
+                await trio.sleep(period)
+                now = time.monotonic()
+                with self._lease_lock:
+                    self._lease.tick(now)
+                if now - before - period >= 0.8 * self._lease.lease_s:
+                    # Without the thread this router would have lost its lease (finding of issue 12's load test).
+                    log.warning("router %s: its event loop did not run for %.0f ms (lease %d ms): the lease was "
+                                "renewed by its thread meanwhile", self.owner, (now - before - period) * 1000,
+                                self.lease_ms)
+                self._lease_news()
+        finally:
+            self._lease_stop.set()
+            thread.join(timeout=5)  # the thread waits on the event: it ends at once unless in a store call
+            if thread.is_alive():
+                log.warning("router %s: the lease thread did not stop within 5 s", self.owner)
+            self._lease_thread = None
+
+    def fence(self) -> int:
+        """This router's lease may have lapsed (it could not renew it for a
+        lease or more): each of its streams still running or with events not
+        yet stored that the store no longer has open was settled by another
+        router — it is stopped here without a frame of ours
+        (:meth:`StreamTable.abandon <atp_router.runtime.dataplane.streams.StreamTable.abandon>`:
+        its task cancelled, what the store has not got dropped; a client reads
+        it, and re-runs it, from the store). Runs before any queued write goes
+        to the store again (the stream table's flush waits for the heartbeat
+        that calls it). Returns how many."""
+        n = 0
+        for ctx in self.router.streams.values():
+            if ctx.restored or (ctx.log.closed and ctx.log.durable >= len(ctx.log)):
+                continue  # all of it is in the store already
+            rec = self.store.get_stream(ctx.tenant, ctx.session_id, ctx.stream_id)
+            if rec is not None and rec.state == "open" and rec.owner == self.owner:
+                continue
+            log.warning("stream %s/%s was settled by another router while this one was cut from the store: "
+                        "stopped here", ctx.tenant, ctx.stream_id)
+            self.router.streams.abandon(ctx, self.store.events(ctx.tenant, ctx.session_id, ctx.stream_id))
+            n += 1
+        return n
+
+    # ------------------------------------------------------------ settling lost routers
+    async def _reaper(self) -> None:
+        while True:
+            await trio.sleep(REAP_S)
+            if not self._store_ok or time.monotonic() < self._reap_after:
+                continue
+            try:
+                self.reap()
+            except StoreUnavailable as e:
+                self.store_unavailable("reap", e)
+            except Exception:
+                log.exception("settling lost routers failed")
+
+    def reap(self) -> dict[str, dict[str, int]]:
+        """Settle every lost router this one wins the claim of (module
+        docstring): ``owner → counts`` of what was settled. Raises
+        :class:`~atp_router.store.base.StoreError`."""
+        now = _now_ms()
+        done: dict[str, dict[str, int]] = {}
+        for owner in self.store.lost_owners(now_ms=now):
+            if owner == self.owner:
+                continue  # this router's own lease lapsed: the next heartbeat renews it (and fences)
+            if not self.store.claim("settle/" + owner, self.owner, ttl_ms=2 * self.lease_ms, now_ms=now):
+                continue  # another router settles it
+            done[owner] = settle(self.store, self.audit_log, owner, reason=ROUTER_LOST, release=True, who="router")
+            self.peers.pop(owner, None)
+            log.warning("router %s lost (no lease for %d ms): settled by %s: %s", owner, self.lease_ms, self.owner,
+                        done[owner], extra={"lost_router": owner})
+        return done
+
+    async def _settle_commits(self) -> None:
+        ledger = self.ledger
+        assert isinstance(ledger, ClusterLedger)
+        while True:
+            await trio.sleep(SETTLE_RETRY_S)
+            if ledger.unsettled and self._store_ok and not ledger.settle_pending():
+                log.info("commits and releases held while the store was unreachable: all applied")
+
+    def _services(self, router: Router) -> list[Callable[[], Awaitable[None]]]:
+        """The cluster's background services: the lease, the reaper of lost
+        routers and the settling of what the store could not take."""
+        return [self._leases, self._reaper, self._settle_commits]
+
+    # ------------------------------------------------------------ forwarding
+    @property
+    def instance_tag(self) -> tuple[bytes, bytes]:
+        """The header every answer of this router carries: ``x-atp-router: <owner>``."""
+        return (b"x-atp-router", self.owner.encode())
+
+    def live_peer(self, owner: str) -> dict[str, Any] | None:
+        """The lease info of router ``owner`` if it is live (as of the last
+        heartbeat; read again when it is not there or has no URL yet: a router
+        that just started)."""
+        info = self.peers.get(owner)
+        if info is None or not info.get("url"):
+            self.peers = self.store.live_owners(now_ms=_now_ms())
+            self._peers_at = time.monotonic()
+            info = self.peers.get(owner)
+        return info
+
+    def forward_target(self, rec: StreamRecord | None) -> Any:
+        """Where a request about stored stream ``rec`` goes: the
+        :class:`~atp_router.deploy.workers.Peer` of its owner when that is another
+        live router with an advertised URL; :data:`~atp_router.deploy.workers.RETRY`
+        when its owner is lost (or not yet reachable) with the stream open; None:
+        served here (ours, or finished: from the store)."""
+        if rec is None or rec.owner is None or rec.owner == self.owner:
+            return None
+        info = self.live_peer(rec.owner)
+        if info is not None and info.get("url"):
+            # A finished stream is all in the store: served here if its owner just went.
+            return Peer(rec.owner, str(info["url"]), or_here=rec.state != "open")
+        return RETRY if rec.state == "open" else None
+
+    def http_app(self, app: Any) -> ClusterForwardingApp:
+        """``app`` (the HTTP API, :func:`~atp_router.runtime.ingress.http_api.build_app`) behind
+        forwarding, a store that cannot be reached answering 503 ``EAGENTDOWN``
+        with ``Retry-After`` instead of 500."""
+        async def unavailable(request: Request, exc: Exception) -> JSONResponse:
+            self.store_unavailable("read", exc)  # type: ignore[arg-type]
+            return JSONResponse({"error": {"code": str(ErrorCode.EAGENTDOWN),
+                                           "reason": f"state store unavailable: {exc}; retry"}},
+                                status_code=503, headers={"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))})
+
+        app.add_exception_handler(StoreUnavailable, unavailable)
+        return ClusterForwardingApp(app, self)
+
+    # ------------------------------------------------------------ resumption and re-run
+    def _refusal(self, op: str, e: StoreUnavailable) -> ATPError:
+        """The router's ``store_refusal``: a store that cannot be reached refuses
+        an open (:meth:`Router.open_stream <atp_router.runtime.router.Router.open_stream>`;
+        ``EBUDGET``, ``retry_after_ms``)."""
+        self.store_unavailable(op, e)
+        return ATPError(ErrorCode.EBUDGET, store_unavailable_reason(e), retry_after_ms=RETRY_AFTER_MS)
+
+    def resumes(self, frame: Frame, identity: Identity, key: str) -> bool:
+        """:meth:`Router.resume_point <atp_router.runtime.router.Router.resume_point>`
+        across routers (:class:`~atp_router.runtime.deployment.SynGate`): a SYN with its
+        task re-opening a stream interrupted by :data:`ROUTER_LOST` is not a
+        resumption (it is re-run: :meth:`refuse`), and a key whose newest stream
+        is not the one this router holds in memory resumes the newest (read from
+        the store)."""
+        try:
+            local = self.router.streams.resumable(identity.tenant, key)
+            if local is None or local.log.closed:
+                rec = self._keyed_record(frame, identity.tenant, key)
+                if rec is not None:
+                    if _is_lost(rec) and _has_task(frame):
+                        return False
+                    if local is not None and (local.session_id, local.stream_id) != (rec.session_id,
+                                                                                      rec.stream_id):
+                        if rec.state == "open":
+                            return False  # runs elsewhere: refuse() refuses, HTTP forwards
+                        self.router.streams.restore(identity, idempotency_key=key, now=trio.current_time())
+        except StoreUnavailable as e:
+            self.store_unavailable("read", e)
+            return False  # refuse() refuses it
+        return True
+
+    def refuse(self, frame: Frame, identity: Identity) -> Refuse | None:
+        """The gate on every SYN (:class:`~atp_router.runtime.deployment.SynGate`, before
+        its session sees it): one re-opening (by idempotency key) a stream that
+        runs on another router, or whose lost router is not settled yet, or that
+        another router is re-running, is refused with ``EAGENTDOWN`` (resume
+        again; over HTTP it is forwarded) instead of running its task twice; one
+        that re-opens a stream interrupted by :data:`ROUTER_LOST` with its task
+        runs it again if this router wins the re-run claim. A store that cannot
+        be reached refuses it (``EBUDGET`` with ``retry_after_ms``
+        :data:`RETRY_AFTER_MS`: over HTTP 503 + ``Retry-After``)."""
+        key = frame.meta.get("idempotency_key")
+        if frame.ttl == 0 or not isinstance(key, str):
+            return None
+        try:
+            return self._keyed_syn(frame, identity, key)
+        except StoreUnavailable as e:
+            self.store_unavailable("read", e)
+            # Like every spend refused while the store is away: retry in a moment (HTTP 503
+            # + Retry-After), not a bare 402 that a client reads as a spent budget.
+            return Refuse(ErrorCode.EBUDGET, store_unavailable_reason(e), RETRY_AFTER_MS)
+
+    def _keyed_record(self, frame: Frame, tenant: str, key: str) -> StreamRecord | None:
+        """The newest stored stream of ``tenant``'s idempotency ``key``, read once
+        per SYN: :meth:`resumes` and :meth:`refuse` (each called twice for one
+        SYN by the ingresses and the core) share the read, made in one
+        synchronous pass."""
+        memo = self._key_memo
+        if memo is not None and memo[0] is frame:
+            return memo[1]
+        rec = self.store.find_idempotent(tenant, key)
+        self._key_memo = (frame, rec)
+        return rec
+
+    def _keyed_syn(self, frame: Frame, identity: Identity, key: str) -> Refuse | None:
+        local = self.router.streams.resumable(identity.tenant, key)
+        if local is not None and not local.log.closed:
+            return None  # running here: resumed
+        rec = self._keyed_record(frame, identity.tenant, key)
+        if rec is None:
+            return None
+        if rec.state == "open" and rec.owner not in (None, self.owner):
+            if self.live_peer(rec.owner) is not None:
+                return Refuse(ErrorCode.EAGENTDOWN,
+                              f"stream {rec.stream_id!r} of this idempotency_key runs on another router ({rec.owner}): "
+                              "follow it over HTTP (GET /v1/streams/{id}/events, any router) or resume it there")
+            return Refuse(ErrorCode.EAGENTDOWN,
+                          f"stream {rec.stream_id!r} of this idempotency_key ran on a router that was lost and is "
+                          "being settled; re-open it again in a moment (with its task it is run again)")
+        if _is_lost(rec) and _has_task(frame):
+            if not self.store.claim(_rerun_claim(rec), self.owner, ttl_ms=self.lease_ms, now_ms=_now_ms()):
+                return Refuse(ErrorCode.EAGENTDOWN,
+                              f"stream {rec.stream_id!r} of this idempotency_key is being re-run by another router; "
+                              "re-open it again in a moment to resume the new run")
+            log.info("stream %s/%s (key %r) was interrupted with its router %s: re-running it here", rec.tenant,
+                     rec.stream_id, key, rec.owner)
+        return None
+
+
+# ------------------------------------------------------------------- forwarding
+class _Opening(msgspec.Struct):
+    content: msgspec.Raw = msgspec.Raw(b"null")  # absent or null: no task
+
+
+class ClusterForwardingApp(ForwardingApp):
+    """:class:`~atp_router.deploy.workers.ForwardingApp` of a cluster router (module
+    docstring): forwards to the owner's advertised URL; a request re-opening by
+    key a stream whose router was lost (with its task) takes the re-run claim
+    — won, the stream runs here; lost, the request waits for the winner's
+    stream and is forwarded to it. A store that cannot be reached answers 503."""
+
+    settling_reason = "the router running this stream was lost and is being settled; retry"
+    unreachable_reason = "the router running this stream cannot be reached; retry"
+
+    def __init__(self, app: Any, node: ClusterNode) -> None:
+        super().__init__(app, node.router, node, metric="atp_router_forwarded")
+        self.node = node
+
+    async def _target(self, scope: Any, receive: Any) -> tuple[Any, Any, bytes | None]:
+        try:
+            return await super()._target(scope, receive)
+        except StoreUnavailable as e:
+            self.node.store_unavailable("read", e)
+            return f"state store unavailable: {e}; retry", receive, None
+
+    async def _keyed(self, identity: Identity, key: str, body: bytes, path: str) -> Any:
+        node = self.node
+        local = node.router.streams.resumable(identity.tenant, key)
+        if local is not None and not local.log.closed:
+            return None
+        rec = node.store.find_idempotent(identity.tenant, key)
+        if not _is_lost(rec) or not _carries_task(path, body):
+            return node.forward_target(rec)
+        assert rec is not None
+        if node.store.claim(_rerun_claim(rec), node.owner, ttl_ms=node.lease_ms, now_ms=_now_ms()):
+            return None  # re-run here (the SYN gate, refuse(), holds the claim already)
+        with trio.move_on_after(min(_RERUN_WAIT_S, node.lease_ms / 1000)):
+            while True:
+                await trio.sleep(0.05)
+                new = node.store.find_idempotent(identity.tenant, key)
+                if new is not None and (new.session_id, new.stream_id, new.created_ms) != (
+                        rec.session_id, rec.stream_id, rec.created_ms):
+                    return node.forward_target(new)  # the winner's run (or here, from the store, when it ended)
+        return RETRY
+
+
+def _carries_task(path: str, body: bytes) -> bool:
+    """Whether an opening request carries its task (only ``POST /v1/streams``
+    may open a stream without one: ``content`` absent)."""
+    if path != "/v1/streams":
+        return True
+    try:
+        return bytes(msgspec.json.decode(body, type=_Opening).content) != b"null"
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False

@@ -1,0 +1,84 @@
+"""Prometheus metrics of one router (spec §12), on a private registry.
+
+Label values are bounded: ``agent`` only takes names from the running RIB,
+``outcome`` / ``code`` only the fixed sets below, so cardinality cannot grow with
+traffic.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["RouterMetrics", "CONTENT_TYPE_LATEST"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.streams_opened = Counter("atp_streams_opened", "Streams opened (SYN accepted)", ["qos"], registry=r)
+        self.streams_closed = Counter(
+            "atp_streams_closed", "Streams closed, by outcome (final, rst, error code)", ["outcome"], registry=r
+        )
+        self.open_streams = Gauge("atp_open_streams", "Streams currently open", registry=r)
+        self.retained_streams = Gauge("atp_retained_streams", "Closed streams kept in memory (reads of the others "
+                                      "are served from the store)", registry=r)
+        self.retained_bytes = Gauge("atp_retained_bytes", "Bytes of the closed stream logs kept in memory "
+                                    "(bounded by retain_closed_bytes)", registry=r)
+        self.stream_latency = Histogram(
+            "atp_stream_latency_seconds", "SYN to FINAL wall time", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.frames = Counter("atp_frames", "Frames by direction and kind", ["direction", "kind"], registry=r)
+        self.errors = Counter("atp_errors", "ERROR frames sent, by spec code", ["code"], registry=r)
+        self.agent_calls = Counter("atp_agent_calls", "Next-hop calls by outcome", ["agent", "outcome"], registry=r)
+        self.agent_latency = Histogram(
+            "atp_agent_latency_seconds", "Next-hop call wall time", ["agent"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tokens = Counter("atp_tokens", "Tokens consumed (in+out) by next-hop", ["agent"], registry=r)
+        self.usd_micros = Counter("atp_usd_micros", "USD micros spent by next-hop", ["agent"], registry=r)
+        self.escalations = Counter("atp_escalations", "Escalations by trigger", ["trigger"], registry=r)
+        self.agreement = Histogram(
+            "atp_consensus_agreement", "Consensus agreement of FINAL results",
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r,
+        )
+        self.policy_reloads = Counter("atp_policy_reloads", "RIB reloads by result", ["result"], registry=r)
+        self.bandit_choices = Counter(
+            "atp_bandit_choices", "Next-hops a policy's contextual bandit chose", ["policy", "agent"], registry=r)
+        self.feedback = Counter("atp_feedback", "Client feedback taken (POST /v1/streams/{id}/feedback)", ["policy"],
+                                registry=r)
+        self.learning_skipped = Counter(
+            "atp_learning_skipped", "Finished tasks not learned from: their tenant was over its learning rate",
+            ["policy"], registry=r)
+        self.shadow_runs = Counter("atp_shadow_runs", "Shadow challenger runs by outcome (ok, error code, budget)",
+                                   ["policy", "agent", "outcome"], registry=r)
+        self.shadow_regret = Histogram(
+            "atp_shadow_regret", "Shadow challenger quality minus the served quality (> 0: the challenger was better)",
+            ["policy", "agent"], buckets=(-1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0), registry=r)
+        self.rib_version = Gauge("atp_rib_version", "Generation of the running RIB", registry=r)
+        # The response cache (spec §13, atp_router.runtime.dataplane.cache); hit rate = hit / (hit + miss).
+        self.cache_lookups = Counter("atp_cache_lookups", "Response cache lookups by next-hop and result (hit, miss)",
+                                     ["agent", "result"], registry=r)
+        self.cache_stores = Counter("atp_cache_stores", "Answers offered to the response cache, by result "
+                                    "(stored, too_large, error)", ["result"], registry=r)
+        self.cache_evictions = Counter("atp_cache_evictions", "Response cache entries dropped, by reason "
+                                       "(expired, size)", ["reason"], registry=r)
+        self.cache_entries = Gauge("atp_cache_entries", "Entries in the response cache", registry=r)
+        self.cache_bytes = Gauge("atp_cache_bytes", "Bytes of the response cache's stored values "
+                                 "(bounded by --cache-max-bytes)", registry=r)
+        self.cache_saved_tokens = Counter("atp_cache_saved_tokens", "Tokens the response cache's hits did not spend "
+                                          "(what the stored calls used)", ["agent"], registry=r)
+        self.cache_saved_usd_micros = Counter("atp_cache_saved_usd_micros", "USD micros the response cache's hits "
+                                              "did not spend", ["agent"], registry=r)
+
+        # The state store (issue 12): a shared store that cannot be reached refuses spend.
+        self.store_up = Gauge("atp_store_up", "1 while the state store answers, 0 while it cannot be reached "
+                              "(new spend is refused)", registry=r)
+        self.store_up.set(1)
+        self.store_unavailable = Counter(
+            "atp_store_unavailable", "Store operations that found the store unreachable, by operation (open, "
+            "reserve, extend, set_limit, commit, release, close, events, lease, reap, read)", ["op"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,184 @@
+"""Replay evaluation of weak/strong routing (spec §18), as RouteLLM measures it.
+
+Data: one JSON object per line with ``prompt``, ``weak_correct``,
+``strong_correct`` and optional ``subject`` and ``contaminated`` (rows with
+``contaminated: true`` are dropped) — the format of
+``../shared/routing-replay/mmlu.jsonl``.
+
+Metrics (RouteLLM, Ong et al. 2024, §5): for a router that sends a share ``s``
+of the prompts to the strong model and reaches accuracy ``acc``,
+``PGR = (acc − weak) / (strong − weak)``; a router's curve is PGR against
+``s``, linearly interpolated between its measured points and closed by the
+two single-model routers (s = 0: all weak; s = 1: all strong);
+**APGR** is the area under that curve for ``s`` in 0..1 (trapezoids);
+**CPT(x)** the smallest ``s`` at which the curve reaches PGR = x (None if it
+never does). A random router's expected curve is the diagonal (APGR 0.5).
+The oracle sends first exactly the prompts the weak model fails and the strong
+model answers, then (beyond that share) those both answer alike, and only
+last those only the weak model answers.
+
+:func:`run_bandit` replays the rows as an online stream through
+:class:`atp_router.policy.bandit.Bandit` — the router's own code — learning from
+zero and observing only the arm it called.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from atp_router.policy.bandit import Bandit, Featurizer
+
+__all__ = ["Curve", "Row", "apgr", "cpt", "hindsight_subject_curve", "load_rows", "oracle_curve", "random_curve",
+           "run_bandit"]
+
+WEAK, STRONG = "weak", "strong"
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    prompt: str
+    weak: bool
+    strong: bool
+    subject: str | None = None
+
+
+def load_rows(path: str | Path) -> list[Row]:
+    """The clean rows of a replay file; raises ValueError naming the line of a
+    malformed one."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                o = json.loads(line)
+                if o.get("contaminated"):
+                    continue
+                rows.append(Row(str(o["prompt"]), bool(o["weak_correct"]), bool(o["strong_correct"]),
+                                o.get("subject")))
+            except (KeyError, TypeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Curve:
+    """A router's measured points: strong-call ``share`` (0..1) and ``accuracy``."""
+
+    name: str
+    share: tuple[float, ...]
+    accuracy: tuple[float, ...]
+
+
+def _pgr_points(curve: Curve, weak: float, strong: float) -> tuple[np.ndarray, np.ndarray]:
+    pts = sorted(zip(curve.share, curve.accuracy, strict=True))
+    xs = [0.0] + [min(max(s, 0.0), 1.0) for s, _ in pts] + [1.0]
+    ys = [weak] + [a for _, a in pts] + [strong]
+    x = np.asarray(xs)
+    y = (np.asarray(ys) - weak) / (strong - weak)
+    return x, y
+
+
+def apgr(curve: Curve, weak: float, strong: float) -> float:
+    """Area under the PGR curve for strong-call share 0..1 (module doc)."""
+    x, y = _pgr_points(curve, weak, strong)
+    return float(np.sum((x[1:] - x[:-1]) * (y[1:] + y[:-1]) / 2.0))
+
+
+def cpt(curve: Curve, weak: float, strong: float, target: float) -> float | None:
+    """Smallest strong-call share at which the interpolated PGR reaches
+    ``target`` (e.g. 0.5 for CPT(50 %)); None if the curve never does."""
+    x, y = _pgr_points(curve, weak, strong)
+    if y[0] >= target:
+        return 0.0
+    for i in range(1, len(x)):
+        if y[i] >= target:
+            if y[i] == y[i - 1]:
+                return float(x[i])
+            return float(x[i - 1] + (target - y[i - 1]) * (x[i] - x[i - 1]) / (y[i] - y[i - 1]))
+    return None
+
+
+def oracle_curve(rows: Sequence[Row], shares: Iterable[float]) -> Curve:
+    """The oracle's accuracy at each share (module doc)."""
+    n = len(rows)
+    weak_acc = sum(r.weak for r in rows) / n
+    gain = sum((not r.weak) and r.strong for r in rows) / n
+    loss = sum(r.weak and not r.strong for r in rows) / n
+    shares = tuple(shares)
+    acc = tuple(weak_acc + min(s, gain) - max(0.0, s - (1.0 - loss)) for s in shares)
+    return Curve("oracle", shares, acc)
+
+
+def hindsight_subject_curve(rows: Sequence[Row], shares: Iterable[float]) -> Curve:
+    """A router that knows each subject's true strong − weak gain in
+    hindsight and sends the subjects with the largest gain to the strong model
+    first: the ceiling of any router that sees only the subject."""
+    by: dict[str | None, list[int]] = {}
+    for r in rows:
+        by.setdefault(r.subject, []).append(int(r.strong) - int(r.weak))
+    gain = {k: sum(v) / len(v) for k, v in by.items()}
+    order = sorted(range(len(rows)), key=lambda i: (-gain[rows[i].subject], i))
+    weak = np.fromiter((r.weak for r in rows), dtype=bool)
+    strong = np.fromiter((r.strong for r in rows), dtype=bool)
+    out_s, out_a = [], []
+    for s in shares:
+        k = round(s * len(rows))
+        pick = np.zeros(len(rows), dtype=bool)
+        pick[order[:k]] = True
+        out_s.append(k / len(rows))
+        out_a.append(float(np.where(pick, strong, weak).mean()))
+    return Curve("subject in hindsight", tuple(out_s), tuple(out_a))
+
+
+def random_curve(rows: Sequence[Row], shares: Iterable[float], rng: np.random.Generator) -> Curve:
+    """A router that calls strong with probability ``s`` (one pass per share)."""
+    weak = np.fromiter((r.weak for r in rows), dtype=bool)
+    strong = np.fromiter((r.strong for r in rows), dtype=bool)
+    out_s, out_a = [], []
+    for s in shares:
+        pick = rng.random(len(rows)) < s
+        out_s.append(float(pick.mean()))
+        out_a.append(float(np.where(pick, strong, weak).mean()))
+    return Curve("random", tuple(out_s), tuple(out_a))
+
+
+def run_bandit(
+    rows: Sequence[Row],
+    target_share: float,
+    *,
+    text: bool,
+    seed: int,
+    explore: float = 1.0,
+    lam_step: float = 0.02,
+    bits: int = 14,
+    contexts: Sequence | None = None,
+) -> tuple[float, float]:
+    """One online pass of the router's :class:`~atp_router.policy.bandit.Bandit` over
+    ``rows`` (in the given order) with strong-call spend target
+    ``target_share``: returns (strong-call share, accuracy). Each row's meta is
+    ``{"task_type": "qa", "subject": ...}``; with ``text`` the prompt's hashed
+    words too. ``contexts`` may pass the featurized rows (same order) to skip
+    featurizing again."""
+    rng = np.random.default_rng(seed)
+    bandit = Bandit({WEAK: 0.0, STRONG: 1.0}, bits=bits, explore=explore, target_cost=target_share,
+                    lam_step=lam_step)
+    if contexts is None:
+        feat = Featurizer(bits=bits, text=text)
+        contexts = [feat({"task_type": "qa", "subject": r.subject}, r.prompt) for r in rows]
+    strong_calls = correct = 0
+    for r, ctx in zip(rows, contexts, strict=True):
+        arm = bandit.choose(ctx, rng).order[0]
+        bandit.charge((arm,))
+        ok = r.strong if arm == STRONG else r.weak
+        strong_calls += arm == STRONG
+        correct += ok
+        bandit.update(ctx, {arm: 1.0 if ok else 0.0})
+    return strong_calls / len(rows), correct / len(rows)

@@ -1,0 +1,943 @@
+"""``atp-router eval``: labelled code-review tasks through a router, scored (spec §18).
+
+Every task of a task file (the golden format of ``shared/golden/README.md``, one
+JSON object a line: ``id``, ``diff``, ``files``, ``expected``; ``source``,
+``repo``, ``base_commit``, ``buggy_commit``, ``negatives``, ``oracle`` optional,
+unknown fields ignored) goes through a router exactly as a client sends it (the
+SDK: ``POST /v1/streams`` with ``{diff, files}``, then the SSE events until
+FIN/RST). Each FINAL is checked against spec §7.3 and scored:
+
+* a reported finding **matches** an expected one when the file is the same and
+  the line ranges overlap within ±:data:`SLACK` (3) lines;
+* **units**: each expected finding is one unit, except that an advisory task
+  (``source`` ``advisory-fix`` / ``advisory-introducing-commit``) is one unit,
+  caught when any of its expected lines is (its fix also touches helper hunks);
+* **recall** = caught units / units; **recall@N** the same counting only each
+  task's N findings ranked first (confidence, then severity); a task is
+  **caught** when any expected finding is matched;
+* **precision** = reported findings matching some expected one / reported
+  findings (``None`` when nothing was reported); **F1** their harmonic mean
+  (0 when precision is undefined);
+* **cost**: FINAL telemetry tokens and USD, per task;
+* **latency**: nearest-rank p50/p95 of the router's SYN→FINAL ``latency_ms``
+  and of the client's wall time open→FINAL;
+* **escalation rate**: tasks whose FINAL says it escalated (a
+  ``consensus.uncertainties`` entry ``"escalated on …"``) or carries a report
+  from an agent outside the SYN-ACK's next-hops;
+* **agreement**: mean ``consensus.agreement``;
+* **per agent** (from the PARTIAL reports, before consensus): findings, matched,
+  precision — the measured confidence a RIB can calibrate an agent with
+  (``--calibration FILE`` writes them);
+* **baseline** (:func:`changed_line_baseline`): flagging every changed line.
+
+Several RIB variants (``--policies A.yaml B.yaml …``) are compared in one run;
+the report is a table, a PNG of cost (USD per task) and latency against recall,
+and a last line ``EVAL tasks=<n> caught=<k> recall=<r> precision=<p> f1=<f>
+usd_per_task=<u>`` for the best variant (highest F1, then lowest USD per task,
+then highest recall).
+
+A variant naming an ``openai_compat`` model on a loopback port that is not
+answering gets the local model server (:class:`ModelServers`) started
+on that port for its run, unless ``--no-start-models``.
+
+Where the tasks run: without ``--url`` each variant gets a private router,
+started in this process on loopback with a temporary state directory and
+stopped after its tasks. With ``--url`` the running router is used: with no
+``--policies`` as it is; with ``--policies`` each variant is hot-loaded through
+``POST /v1/policies/reload`` (a token with the ``policy_reload`` role) and the
+router's own policy path is reloaded afterwards, whatever happened.
+
+The scoring functions are pure (no I/O, no clock); :func:`review_task`,
+:func:`run_tasks`, :func:`run_variant` and :func:`main` talk to routers. What
+the harness needs of the layers above it — a private router
+(:data:`ServeRouter`) and the local model servers (:class:`ModelServers`) — its
+caller passes in (``atp-router eval`` passes :func:`atp_router.deploy.cli.serve_private`
+and :mod:`atp_router.adapters.local_model`), so this package imports neither the router
+nor an adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+import atp
+import httpx
+import msgspec
+import trio
+
+from atp_router.cliutil.helpfmt import DefaultsHelpFormatter
+from atp_router.consensus.types import FinalResult
+from atp_router.task.diff import parse_diff
+from atp_router.wire.errors import PolicyError
+
+__all__ = [
+    "PRIVATE_ROUTER",
+    "SLACK",
+    "AgentScore",
+    "Baseline",
+    "EvalReport",
+    "Expected",
+    "GoldenTask",
+    "ModelServers",
+    "ServeRouter",
+    "TaskRun",
+    "TaskScore",
+    "best_variant",
+    "changed_line_baseline",
+    "check_final",
+    "eval_line",
+    "format_report",
+    "format_table",
+    "is_escalated",
+    "load_tasks",
+    "main",
+    "matches",
+    "parse_span",
+    "percentile",
+    "review_task",
+    "run_tasks",
+    "score_task",
+    "summarize",
+]
+
+#: Lines of slack each side when matching a finding to an expected defect.
+SLACK = 3
+#: Findings per task counted by recall@N unless ``--top`` says otherwise.
+DEFAULT_TOP = 5
+#: Sources scored per task rather than per expected finding (golden README).
+PER_TASK_SOURCES = frozenset({"advisory-fix", "advisory-introducing-commit"})
+#: Prefix of the ``consensus.uncertainties`` entry the dispatcher adds when it escalated.
+ESCALATED_PREFIX = "escalated on "
+#: Budget sent with every task: generous, so the budget never shapes the score.
+DEFAULT_BUDGET = {"usd": 0.10, "tokens": 200_000}
+#: A task file larger than this is refused (bytes): eval reads it whole.
+MAX_TASK_FILE_BYTES = 256 * 1024 * 1024
+_SEVERITY_RANK = {"critical": 4, "high": 3, "medium": 2, "low": 1, "info": 0}
+
+#: The RouterConfig fields of a private router: rates that never throttle the tasks.
+PRIVATE_ROUTER: dict[str, Any] = {"tenant_rate_per_s": 1000.0, "tenant_rate_burst": 1000, "learn_rate_per_s": 1000.0,
+                                  "learn_burst": 1000}
+#: ``serve_router(policies, state_dir, *, task_status, **config)``: serve a private
+#: router for the RIB at ``policies`` on free loopback ports, its state in
+#: ``state_dir`` and ``config`` (RouterConfig fields, :data:`PRIVATE_ROUTER`)
+#: applied; ``task_status.started(http_port)``, then serve until cancelled; raise
+#: ``PolicyError`` for a refused RIB (:func:`atp_router.deploy.cli.serve_private`).
+ServeRouter = Callable[..., Awaitable[None]]
+
+
+class ModelServers(Protocol):
+    """The local model server as the harness starts it for a variant's loopback
+    models: :mod:`atp_router.adapters.local_model` (the module itself is passed)."""
+
+    ModelServerError: type[Exception]
+
+    def loopback_models(self, rib: Mapping[str, Any]) -> list[tuple[int, str]]: ...
+    def is_up(self, base_url: str) -> bool: ...
+    def serve(self, port: int, alias: str) -> contextlib.AbstractContextManager[Any]: ...
+
+
+# --- the data set --------------------------------------------------------------------
+
+
+class Expected(msgspec.Struct, frozen=True):
+    """One expected defect: lines ``start..end`` (1-based, inclusive) of ``file``
+    after the diff. ``kind`` is ``changed`` or ``omission``; unknown fields are
+    ignored."""
+
+    file: str
+    start: int
+    end: int
+    kind: str = "changed"
+    severity: str = "medium"
+    claim: str = ""
+    provenance: str = ""
+
+
+class GoldenTask(msgspec.Struct, frozen=True):
+    """One task line (fields as ``shared/golden/README.md`` describes them;
+    ``buggy_commit`` and the other provenance fields may be absent, unknown
+    fields are ignored)."""
+
+    id: str
+    diff: str
+    files: dict[str, str]
+    expected: list[Expected]
+    source: str = ""
+    repo: str = ""
+    base_commit: str = ""
+    buggy_commit: str = ""
+    negatives: list[dict[str, Any]] = []
+    oracle: dict[str, Any] = {}
+    split: str = "dev"
+
+    @property
+    def per_task(self) -> bool:
+        """Scored as one unit (advisories) rather than per expected finding."""
+        return self.source in PER_TASK_SOURCES
+
+
+def load_tasks(path: Path) -> list[GoldenTask]:
+    """Every task of a JSONL task file, in file order. Raises ``ValueError``
+    naming the line on a line that is not a task (``msgspec.ValidationError``
+    is one), on a repeated task id, and on a file over
+    :data:`MAX_TASK_FILE_BYTES`; ``OSError`` when it cannot be read."""
+    if path.stat().st_size > MAX_TASK_FILE_BYTES:
+        raise ValueError(f"{path}: over {MAX_TASK_FILE_BYTES:,} bytes")
+    dec = msgspec.json.Decoder(GoldenTask)
+    tasks: list[GoldenTask] = []
+    seen: set[str] = set()
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            task = dec.decode(line)
+        except msgspec.MsgspecError as e:
+            raise ValueError(f"{path}:{n}: not a task: {e}") from None
+        if task.id in seen:
+            raise ValueError(f"{path}:{n}: task id {task.id!r} repeats")
+        seen.add(task.id)
+        tasks.append(task)
+    return tasks
+
+
+# --- scoring (pure) --------------------------------------------------------------------
+
+
+def parse_span(span: str) -> tuple[int, int]:
+    """``"45-80"`` → ``(45, 80)``, ``"7"`` → ``(7, 7)``. Raises ``ValueError`` when
+    it is not one or two positive line numbers in order."""
+    a, sep, b = span.partition("-")
+    start, end = int(a), int(b) if sep else int(a)
+    if start < 1 or end < start:
+        raise ValueError(f"span {span!r} is not 'start-end' with 1 <= start <= end")
+    return start, end
+
+
+def matches(
+    file: str, start: int, end: int, expected: Expected | Mapping[str, Any], slack: int = SLACK
+) -> bool:
+    """Whether lines ``start..end`` of ``file`` overlap the expected defect's lines
+    widened by ``slack`` on each side (same file required)."""
+    e_file, e_start, e_end = (
+        (expected.file, expected.start, expected.end)
+        if isinstance(expected, Expected)
+        else (expected["file"], expected["start"], expected["end"])
+    )
+    return file == e_file and start <= e_end + slack and end >= e_start - slack
+
+
+class TaskRun(msgspec.Struct, kw_only=True):
+    """What one task's stream produced, as the client saw it.
+
+    ``final``: the FINAL payload (``None`` if the stream ended without one);
+    ``events``: event types in order; ``errors``: ERROR/RST payloads;
+    ``next_hops``: the route of the SYN-ACK; ``reporters``: agents whose report
+    arrived as a PARTIAL; ``reports``: agent → its report as sent (the
+    PARTIAL's ``report``), for per-agent scores; ``wall_ms``: client time from
+    open to FINAL (or end).
+    """
+
+    id: str
+    final: dict[str, Any] | None
+    events: list[str]
+    errors: list[dict[str, Any]] = []
+    next_hops: list[str] = []
+    reporters: list[str] = []
+    reports: dict[str, Any] = {}
+    wall_ms: float = 0.0
+
+
+class AgentTally(msgspec.Struct, kw_only=True):
+    """One agent's raw findings on one task: how many, how many matched."""
+
+    findings: int = 0
+    matched: int = 0
+
+
+class TaskScore(msgspec.Struct, kw_only=True):
+    """The score of one task. ``caught``: one flag per expected finding;
+    ``units`` / ``units_caught``: scoring units (see the module docstring);
+    ``units_caught_top``: the same from the ``top`` first-ranked findings only;
+    ``matched``: reported findings matching an expected one, of ``findings``;
+    ``agents``: per-agent raw tallies (before consensus)."""
+
+    id: str
+    source: str
+    caught: list[bool]
+    units: int
+    units_caught: int
+    units_caught_top: int = 0
+    findings: int
+    matched: int
+    tokens: int
+    usd: float
+    latency_ms: float
+    wall_ms: float
+    agreement: float
+    escalated: bool
+    matched_claims: list[str] = []
+    agents: dict[str, AgentTally] = {}
+
+    @property
+    def task_caught(self) -> bool:
+        return any(self.caught)
+
+
+class AgentScore(msgspec.Struct, kw_only=True):
+    """One agent's raw findings over all tasks (before consensus): ``precision``
+    is the share that matched an expected defect (``None``: it reported none)."""
+
+    agent: str
+    tasks: int
+    findings: int
+    matched: int
+    precision: float | None
+
+
+class EvalReport(msgspec.Struct, kw_only=True):
+    """Aggregates over tasks. ``precision`` is ``None`` when no finding was
+    reported; ``f1`` is 0 then; latencies in ms; ``usd`` and ``usd_per_task`` in
+    float USD; ``top`` is the N of ``recall_at_top``."""
+
+    tasks: list[TaskScore]
+    n_tasks: int
+    tasks_caught: int
+    units: int
+    units_caught: int
+    recall: float
+    top: int
+    recall_at_top: float
+    findings: int
+    matched: int
+    precision: float | None
+    f1: float
+    tokens: int
+    usd: float
+    tokens_per_task: float
+    usd_per_task: float
+    latency_p50_ms: float
+    latency_p95_ms: float
+    wall_p50_ms: float
+    wall_p95_ms: float
+    escalation_rate: float
+    agreement_mean: float
+    agents: list[AgentScore] = []
+    failed: list[str] = []
+
+
+#: The harness's older name for :class:`EvalReport`.
+GoldenReport = EvalReport
+
+
+def check_final(payload: Any) -> FinalResult:
+    """The FINAL payload as a :class:`FinalResult`, checked against spec §7.3:
+    exactly the fields of the schema, spans ``"start-end"``, finding ids unique,
+    provenance non-empty. Raises ``ValueError`` (``msgspec.ValidationError`` is one)."""
+    final = msgspec.convert(payload, FinalResult)
+    ids = [f.id for f in final.result.findings]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"finding ids repeat: {ids}")
+    for f in final.result.findings:
+        parse_span(f.span)
+        if not f.provenance:
+            raise ValueError(f"finding {f.id} has no provenance")
+    return final
+
+
+def is_escalated(final: FinalResult, next_hops: Iterable[str], reporters: Iterable[str]) -> bool:
+    """Whether the stream escalated: the dispatcher's ``"escalated on …"``
+    uncertainty, or a report from an agent that was not a next-hop at SYN-ACK."""
+    if any(u.startswith(ESCALATED_PREFIX) for u in final.result.consensus.uncertainties):
+        return True
+    return bool(set(reporters) - set(next_hops))
+
+
+def score_spans(task: GoldenTask, spans: Sequence[tuple[str, int, int]]) -> tuple[list[bool], list[bool], int, int]:
+    """Match reported ``(file, start, end)`` spans against the task's expected
+    defects: ``(caught per expected, matched per span, units, units caught)``."""
+    caught = [any(matches(file, s, e, exp) for file, s, e in spans) for exp in task.expected]
+    matched = [any(matches(file, s, e, exp) for exp in task.expected) for file, s, e in spans]
+    if task.per_task:
+        return caught, matched, 1, int(any(caught))
+    return caught, matched, len(caught), sum(caught)
+
+
+def _agent_tallies(task: GoldenTask, reports: Mapping[str, Any]) -> dict[str, AgentTally]:
+    out: dict[str, AgentTally] = {}
+    for agent, report in reports.items():
+        tally = out[agent] = AgentTally()
+        findings = report.get("findings") if isinstance(report, Mapping) else None
+        for f in findings or []:
+            try:
+                file, start, end = str(f["file"]), int(f["start"]), int(f["end"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            tally.findings += 1
+            tally.matched += any(matches(file, min(start, end), max(start, end), exp) for exp in task.expected)
+    return out
+
+
+def score_task(task: GoldenTask, run: TaskRun, *, top: int = DEFAULT_TOP) -> TaskScore:
+    """Score one task's run; recall@``top`` counts the ``top`` findings ranked
+    first by confidence, then severity. Raises ``ValueError`` when the run has
+    no FINAL or its FINAL is not of the §7.3 shape."""
+    if run.final is None:
+        raise ValueError(f"{task.id}: no FINAL (events {run.events}, errors {run.errors})")
+    final = check_final(run.final)
+    findings = final.result.findings
+    spans = [(f.file, *parse_span(f.span)) for f in findings]
+    caught, matched, units, units_caught = score_spans(task, spans)
+    ranked = sorted(range(len(findings)),
+                    key=lambda i: (-findings[i].confidence, -_SEVERITY_RANK.get(str(findings[i].severity), 0), i))
+    _, _, _, units_caught_top = score_spans(task, [spans[i] for i in ranked[:top]])
+    hits = [(*span, f.claim) for span, f, m in zip(spans, findings, matched, strict=True) if m]
+    tel = final.telemetry
+    return TaskScore(
+        id=task.id,
+        source=task.source,
+        caught=caught,
+        units=units,
+        units_caught=units_caught,
+        units_caught_top=units_caught_top,
+        findings=len(spans),
+        matched=sum(matched),
+        tokens=tel.tokens,
+        usd=tel.usd,
+        latency_ms=tel.latency_ms,
+        wall_ms=run.wall_ms,
+        agreement=final.result.consensus.agreement,
+        escalated=is_escalated(final, run.next_hops, run.reporters),
+        matched_claims=[f"{file}:{s}-{e} {claim}" for file, s, e, claim in hits],
+        agents=_agent_tallies(task, run.reports),
+    )
+
+
+class Baseline(msgspec.Struct, kw_only=True):
+    """What a reviewer flagging every changed line (and every deletion point)
+    would score: the floor any real reviewer's numbers must be read against."""
+
+    tasks_caught: int
+    n_tasks: int
+    units_caught: int
+    units: int
+    findings: int
+    matched: int
+
+
+def changed_line_baseline(tasks: Sequence[GoldenTask]) -> Baseline:
+    """Score the every-changed-line reviewer on ``tasks`` (one one-line finding per
+    added/changed line and per deletion point of the diff)."""
+    tc = uc = units = nf = nm = 0
+    for task in tasks:
+        spans: list[tuple[str, int, int]] = []
+        for d in parse_diff(task.diff):
+            spans += [(d.path, n, n) for n in sorted(set(d.added) | set(d.deleted_at))]
+        caught, matched, u, u_caught = score_spans(task, spans)
+        tc += any(caught)
+        uc += u_caught
+        units += u
+        nf += len(spans)
+        nm += sum(matched)
+    return Baseline(tasks_caught=tc, n_tasks=len(tasks), units_caught=uc, units=units, findings=nf, matched=nm)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile: the smallest value with at least ``q`` % of the
+    values at or below it (``q`` in (0, 100]). Raises ``ValueError`` on no values."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 < q <= 100:
+        raise ValueError(f"q must be in (0, 100], got {q}")
+    ordered = sorted(values)
+    return ordered[max(math.ceil(q / 100 * len(ordered)), 1) - 1]
+
+
+def f1_score(recall: float, precision: float | None) -> float:
+    """Harmonic mean of recall and precision (0 when precision is undefined or both are 0)."""
+    if precision is None or recall + precision == 0:
+        return 0.0
+    return 2 * recall * precision / (recall + precision)
+
+
+def summarize(scores: Sequence[TaskScore], *, failed: Sequence[str] = (), top: int = DEFAULT_TOP) -> EvalReport:
+    """Aggregate task scores (see the module docstring); ``failed`` names tasks
+    that ended without a FINAL (kept out of the scores, listed in the report).
+    Raises ``ValueError`` on no scores."""
+    if not scores:
+        raise ValueError("no task scores to summarize")
+    units = sum(s.units for s in scores)
+    units_caught = sum(s.units_caught for s in scores)
+    findings = sum(s.findings for s in scores)
+    matched = sum(s.matched for s in scores)
+    lat = [s.latency_ms for s in scores]
+    wall = [s.wall_ms for s in scores]
+    recall = units_caught / units if units else 0.0
+    precision = matched / findings if findings else None
+    per_agent: dict[str, list[int]] = {}
+    for s in scores:
+        for agent, t in s.agents.items():
+            acc = per_agent.setdefault(agent, [0, 0, 0])
+            acc[0] += 1
+            acc[1] += t.findings
+            acc[2] += t.matched
+    n = len(scores)
+    return EvalReport(
+        tasks=list(scores),
+        n_tasks=n,
+        tasks_caught=sum(s.task_caught for s in scores),
+        units=units,
+        units_caught=units_caught,
+        recall=recall,
+        top=top,
+        recall_at_top=sum(s.units_caught_top for s in scores) / units if units else 0.0,
+        findings=findings,
+        matched=matched,
+        precision=precision,
+        f1=f1_score(recall, precision),
+        tokens=sum(s.tokens for s in scores),
+        usd=sum(s.usd for s in scores),
+        tokens_per_task=sum(s.tokens for s in scores) / n,
+        usd_per_task=sum(s.usd for s in scores) / n,
+        latency_p50_ms=percentile(lat, 50),
+        latency_p95_ms=percentile(lat, 95),
+        wall_p50_ms=percentile(wall, 50),
+        wall_p95_ms=percentile(wall, 95),
+        escalation_rate=sum(s.escalated for s in scores) / n,
+        agreement_mean=sum(s.agreement for s in scores) / n,
+        agents=[AgentScore(agent=a, tasks=t, findings=f, matched=m, precision=m / f if f else None)
+                for a, (t, f, m) in sorted(per_agent.items())],
+        failed=list(failed),
+    )
+
+
+def format_report(report: EvalReport, *, title: str = "golden dev set") -> str:
+    """One variant's report as a plain-text table: a row per task, then the aggregates."""
+    head = f"{'task':<26} {'units':>6} {'caught':>6} {'findings':>8} {'matched':>7} {'tokens':>6} " \
+           f"{'usd':>8} {'lat_ms':>7} {'wall_ms':>7} {'agree':>5} {'esc':>3}"
+    lines = [f"== {title}: {report.n_tasks} tasks", head, "-" * len(head)]
+    for s in report.tasks:
+        lines.append(
+            f"{s.id[:26]:<26} {s.units_caught:>3}/{s.units:<2} {'yes' if s.task_caught else 'no':>6} {s.findings:>8} "
+            f"{s.matched:>7} {s.tokens:>6} {s.usd:>8.4f} {s.latency_ms:>7.0f} {s.wall_ms:>7.0f} "
+            f"{s.agreement:>5.2f} {'yes' if s.escalated else 'no':>3}"
+        )
+        lines.extend(f"{'':<28}matched: {c}" for c in s.matched_claims)
+    p = "n/a" if report.precision is None else f"{report.precision:.3f}"
+    lines += [
+        "-" * len(head),
+        f"tasks caught      {report.tasks_caught}/{report.n_tasks}",
+        (f"recall (units)    {report.units_caught}/{report.units} = {report.recall:.3f}"
+         f"   (BugsInPy per expected finding, advisories per task); recall@{report.top} {report.recall_at_top:.3f}"),
+        f"precision         {report.matched}/{report.findings} = {p}",
+        f"F1                {report.f1:.3f}",
+        f"cost              {report.tokens} tokens, {report.usd:.6f} USD ({report.usd_per_task:.6f} USD per task)",
+        f"latency SYN→FINAL p50 {report.latency_p50_ms:.0f} ms, p95 {report.latency_p95_ms:.0f} ms (router telemetry)",
+        f"wall open→FINAL   p50 {report.wall_p50_ms:.0f} ms, p95 {report.wall_p95_ms:.0f} ms (client)",
+        f"escalation rate   {report.escalation_rate:.3f}",
+        f"agreement (mean)  {report.agreement_mean:.3f}",
+    ]
+    for a in report.agents:
+        ap = "n/a" if a.precision is None else f"{a.precision:.3f}"
+        lines.append(f"agent {a.agent:<20} {a.findings} findings on {a.tasks} tasks, {a.matched} matched, "
+                     f"precision {ap}")
+    if report.failed:
+        lines.append(f"no FINAL          {', '.join(report.failed)}")
+    return "\n".join(lines)
+
+
+def format_table(reports: Mapping[str, EvalReport]) -> str:
+    """The comparison of variants: one row each (name → report, in order)."""
+    head = (f"{'policy':<22} {'tasks':>5} {'caught':>6} {'recall':>6} {'r@N':>5} {'prec':>5} {'f1':>5} "
+            f"{'tok/task':>8} {'usd/task':>9} {'p50_ms':>7} {'p95_ms':>7} {'esc':>5} {'agree':>5}")
+    lines = [head, "-" * len(head)]
+    for name, r in reports.items():
+        p = "  n/a" if r.precision is None else f"{r.precision:5.3f}"
+        lines.append(
+            f"{name[:22]:<22} {r.n_tasks:>5} {r.tasks_caught:>6} {r.recall:>6.3f} {r.recall_at_top:>5.3f} {p} "
+            f"{r.f1:>5.3f} {r.tokens_per_task:>8.0f} {r.usd_per_task:>9.6f} {r.latency_p50_ms:>7.0f} "
+            f"{r.latency_p95_ms:>7.0f} {r.escalation_rate:>5.2f} {r.agreement_mean:>5.2f}"
+        )
+    return "\n".join(lines)
+
+
+def best_variant(reports: Mapping[str, EvalReport]) -> str:
+    """The best variant's name: highest F1, then lowest USD per task, then highest
+    recall, then lowest p50 latency, then first given. Raises ``ValueError`` on
+    no reports."""
+    if not reports:
+        raise ValueError("no reports to compare")
+    order = list(reports)
+    return min(order, key=lambda n: (-reports[n].f1, reports[n].usd_per_task, -reports[n].recall,
+                                     reports[n].latency_p50_ms, order.index(n)))
+
+
+def eval_line(report: EvalReport) -> str:
+    """The exact last line: ``EVAL tasks=<n> caught=<k> recall=<r> precision=<p>
+    f1=<f> usd_per_task=<u>`` (r, p, f three decimals, u six; p 0.000 when
+    nothing was reported)."""
+    p = report.precision or 0.0
+    return (f"EVAL tasks={report.n_tasks} caught={report.tasks_caught} recall={report.recall:.3f} "
+            f"precision={p:.3f} f1={report.f1:.3f} usd_per_task={report.usd_per_task:.6f}")
+
+
+def calibration(reports: Mapping[str, EvalReport]) -> dict[str, dict[str, Any]]:
+    """Per agent, pooled over the variants: tasks, findings, matched and the
+    measured precision (``None`` with no findings) — what an agent's confidence
+    should be calibrated to."""
+    pooled: dict[str, list[int]] = {}
+    for r in reports.values():
+        for a in r.agents:
+            acc = pooled.setdefault(a.agent, [0, 0, 0])
+            acc[0] += a.tasks
+            acc[1] += a.findings
+            acc[2] += a.matched
+    return {a: {"tasks": t, "findings": f, "matched": m, "precision": (m / f if f else None)}
+            for a, (t, f, m) in sorted(pooled.items())}
+
+
+def calibration_yaml(cal: Mapping[str, Mapping[str, Any]], *, source: str) -> str:
+    """:func:`calibration` as YAML: one ``<agent>: {findings, matched}`` entry per
+    agent that reported anything — the value of RIB ``agents.<agent>.calibration``
+    (:class:`atp_router.policy.rib.CalibrationSpec`)."""
+    lines = [f"# Measured by atp-router eval on {source}: each entry is agents.<name>.calibration in a RIB."]
+    for agent, c in cal.items():
+        if c["findings"]:
+            lines.append(f"{agent}: {{findings: {c['findings']}, matched: {c['matched']}}}"
+                         f"  # precision {c['precision']:.3f} over {c['tasks']} task runs")
+        else:
+            lines.append(f"# {agent}: no findings on {c['tasks']} task runs: nothing to calibrate")
+    return "\n".join(lines) + "\n"
+
+
+# --- running tasks through a router ----------------------------------------------------
+
+
+def task_meta(task: GoldenTask) -> dict[str, Any]:
+    """The task meta a code-review client sends (the router adds ``diff_loc``)."""
+    languages = sorted({Path(p).suffix.lstrip(".") for p in task.files if Path(p).suffix})
+    return {"task_type": "code_review", "languages": languages}
+
+
+async def review_task(
+    client: atp.Client, task: GoldenTask, *, budget: Mapping[str, Any] = DEFAULT_BUDGET
+) -> TaskRun:
+    """Open one stream for ``task`` and follow its events to FIN/RST. A refused
+    stream or a lost connection is recorded in ``errors`` (with an event
+    ``"REFUSED"`` / the error code), not raised, so one task cannot hide the others."""
+    t0 = trio.current_time()
+    run = TaskRun(id=task.id, final=None, events=[])
+    try:
+        _, stream = await client.open_stream(
+            task=task_meta(task), budget=budget, content={"diff": task.diff, "files": task.files}
+        )
+    except atp.ATPClientError as e:
+        run.events.append("REFUSED")
+        run.errors.append({"code": e.code, "reason": e.reason})
+        return run
+    run.next_hops = list(stream.route.get("next_hops", []))
+    try:
+        async for ev in client.events(stream):
+            run.events.append(ev.type)
+            if ev.type == "FINAL":
+                run.final = ev.payload
+                run.wall_ms = (trio.current_time() - t0) * 1000
+            elif ev.type in ("ERROR", "RST") and isinstance(ev.payload, dict):
+                run.errors.append(ev.payload)
+            elif ev.type == "PARTIAL" and isinstance(ev.payload, dict) and "report" in ev.payload:
+                agent = str(ev.payload.get("agent"))
+                run.reporters.append(agent)
+                run.reports[agent] = ev.payload["report"]
+    except atp.ATPClientError as e:
+        run.events.append(e.code)
+        run.errors.append({"code": e.code, "reason": e.reason})
+    if run.final is None:
+        run.wall_ms = (trio.current_time() - t0) * 1000
+    return run
+
+
+async def run_tasks(
+    url: str,
+    tasks: Sequence[GoldenTask],
+    *,
+    token: str | None = None,
+    concurrency: int = 1,
+    budget: Mapping[str, Any] = DEFAULT_BUDGET,
+    timeout_s: float = 300.0,
+) -> list[TaskRun]:
+    """Run ``tasks`` through the router at ``url``, at most ``concurrency`` streams
+    at once; runs come back in task order."""
+    runs: list[TaskRun | None] = [None] * len(tasks)
+    limiter = trio.CapacityLimiter(max(concurrency, 1))
+    async with atp.Client(url, token, timeout=timeout_s) as client:
+
+        async def one(i: int) -> None:
+            async with limiter:
+                runs[i] = await review_task(client, tasks[i], budget=budget)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(tasks)):
+                nursery.start_soon(one, i)
+    return [r for r in runs if r is not None]
+
+
+async def run_in_process(
+    policies: Path, tasks: Sequence[GoldenTask], *, serve_router: ServeRouter, concurrency: int = 1,
+    budget: Mapping[str, Any] = DEFAULT_BUDGET,
+) -> list[TaskRun]:
+    """:func:`run_tasks` against a private router (``serve_router``) on loopback
+    (free ports, a temporary state directory) with the RIB at ``policies``,
+    stopped afterwards. Raises :class:`~atp_router.wire.errors.PolicyError` when the
+    RIB is refused."""
+    with tempfile.TemporaryDirectory(prefix="atp-eval-") as state:
+        async with trio.open_nursery() as nursery:
+            http_port = await nursery.start(partial(serve_router, policies, Path(state), **PRIVATE_ROUTER))
+            runs = await run_tasks(f"http://127.0.0.1:{http_port}", tasks, concurrency=concurrency, budget=budget)
+            nursery.cancel_scope.cancel()
+    return runs
+
+
+async def _reload(url: str, token: str | None, body: bytes) -> None:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        resp = await http.post(f"{url.rstrip('/')}/v1/policies/reload", content=body, headers=headers)
+    if resp.status_code != 200:
+        try:
+            err = resp.json()
+        except ValueError:
+            err = resp.text[:500]
+        raise RuntimeError(f"the router refused the policy reload (HTTP {resp.status_code}): {err}")
+
+
+async def run_variant(
+    tasks: Sequence[GoldenTask],
+    *,
+    policies: Path | None,
+    url: str | None,
+    token: str | None,
+    concurrency: int,
+    serve_router: ServeRouter,
+    budget: Mapping[str, Any] = DEFAULT_BUDGET,
+) -> list[TaskRun]:
+    """One variant's runs: a private router (``serve_router``) for ``policies``
+    (no ``url``), the running router as it is (``url``, no ``policies``), or the
+    running router with ``policies`` hot-loaded (then its own policy path
+    reloaded again).
+    Raises ``RuntimeError`` when the running router refuses the RIB."""
+    if url is None:
+        assert policies is not None
+        return await run_in_process(policies, tasks, serve_router=serve_router, concurrency=concurrency,
+                                    budget=budget)
+    if policies is None:
+        return await run_tasks(url, tasks, token=token, concurrency=concurrency, budget=budget)
+    await _reload(url, token, policies.read_bytes())
+    try:
+        return await run_tasks(url, tasks, token=token, concurrency=concurrency, budget=budget)
+    finally:
+        with trio.CancelScope(shield=True):
+            await _reload(url, token, b"")  # empty body: the router's own --policies path
+
+
+def plot(reports: Mapping[str, EvalReport], path: Path, *, title: str) -> None:
+    """Write a PNG: recall against USD per task and against p50 latency, one
+    marker per variant, named in the legend with its recall, F1 and cost.
+    Raises ``ImportError`` without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.5))
+    markers = "osD^v<>pPX*h"
+    for i, (name, r) in enumerate(reports.items()):
+        style = {"marker": markers[i % len(markers)], "s": 70, "alpha": 0.8, "color": f"C{i % 10}"}
+        label = f"{name}: recall {r.recall:.2f}, F1 {r.f1:.2f}, ${r.usd_per_task * 1000:.4f}/1k tasks"
+        ax1.scatter(r.usd_per_task * 1000, r.recall, label=label, **style)
+        ax2.scatter(r.latency_p50_ms, r.recall, **style)
+    ax1.set_xlabel("USD per 1,000 tasks")
+    ax1.set_title("cost vs recall")
+    ax2.set_xlabel("p50 latency SYN→FINAL (ms)")
+    ax2.set_title("latency vs recall")
+    for ax in (ax1, ax2):
+        ax.set_ylabel("recall (units)")
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=-0.02, top=max([r.recall for r in reports.values()] + [0.1]) * 1.15)
+    fig.legend(loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06 + 0.035 * ((len(reports) + 1) // 2), 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _rib_documents(path: Path) -> list[Any]:
+    import yaml
+
+    files = sorted(path.glob("*.yaml")) if path.is_dir() else [path]
+    docs = []
+    for f in files:
+        try:
+            docs.append(yaml.safe_load(f.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue  # the router reports it precisely when it loads the RIB
+    return docs
+
+
+def _start_models(local_model: ModelServers, policies: Path, stack: contextlib.ExitStack, name: str) -> None:
+    """Start the local model server for each loopback ``openai_compat`` model of
+    the RIB at ``policies`` that is not answering (when llama_cpp and the GGUF
+    are installed); a server that cannot start is a warning, and the variant
+    runs without it (its calls fail with EAGENTDOWN, as they would in production)."""
+    for doc in _rib_documents(policies):
+        for port, alias in local_model.loopback_models(doc if isinstance(doc, dict) else {}):
+            if local_model.is_up(f"http://127.0.0.1:{port}/v1"):
+                continue
+            print(f"eval: {name}: starting the local model server ({alias}) on 127.0.0.1:{port}…",
+                  file=sys.stderr, flush=True)
+            try:
+                stack.enter_context(local_model.serve(port, alias))
+            except local_model.ModelServerError as e:
+                print(f"WARNING: {name}: the local model server could not start ({e}); "
+                      "the variant runs without it", file=sys.stderr, flush=True)
+
+
+def _policy_error(e: BaseException) -> BaseException | None:
+    """The PolicyError inside ``e`` (possibly wrapped in nursery exception groups)."""
+    if isinstance(e, PolicyError):
+        return e
+    if isinstance(e, BaseExceptionGroup):
+        for sub in e.exceptions:
+            found = _policy_error(sub)
+            if found is not None:
+                return found
+    return None
+
+
+def default_variants() -> list[Path]:
+    """The RIB variants shipped in ``examples/eval/policies`` (sorted by name)."""
+    root = Path(__file__).resolve().parents[2] / "examples" / "eval" / "policies"
+    return sorted(root.glob("*.yaml"))
+
+
+def main(argv: list[str] | None = None, *, serve_router: ServeRouter, model_servers: ModelServers) -> int:
+    """``atp-router eval``: exit 0 when every task produced a FINAL, 1 when some
+    did not (they are listed), 2 on bad arguments or a refused RIB. A variant
+    without ``--url`` runs on ``serve_router``'s private router, after
+    ``model_servers`` started what it needs (unless ``--no-start-models``)."""
+    ap = argparse.ArgumentParser(
+        prog="atp-router eval", formatter_class=DefaultsHelpFormatter,
+        description="Run labelled code-review tasks through a router as a client would and score them "
+                    "(recall, precision, F1, caught tasks, cost, latency, escalation, agreement) per RIB variant.")
+    ap.add_argument("--tasks", type=Path, required=True, help="task file (JSONL, the golden format)")
+    ap.add_argument("--policies", type=Path, nargs="+",
+                    help="RIB variants to compare (YAML files or directories; default: examples/eval/policies/*.yaml, "
+                         "or the running RIB with --url)")
+    ap.add_argument("--url", help="a running router (default: a private router per variant in this process)")
+    ap.add_argument("--token", default=os.environ.get("ATP_TOKEN"),
+                    help="bearer token for --url (default $ATP_TOKEN); with --policies it needs policy_reload")
+    ap.add_argument("--concurrency", type=int, default=2, help="streams in flight at once (default 2)")
+    ap.add_argument("--top", type=int, default=DEFAULT_TOP, help=f"N of recall@N (default {DEFAULT_TOP})")
+    ap.add_argument("--task", action="append", help="run only this task id (repeatable)")
+    ap.add_argument("--png", type=Path, default=Path("eval-results.png"), help="PNG of cost/latency vs recall")
+    ap.add_argument("--json", type=Path, help="write every variant's report as JSON here")
+    ap.add_argument("--calibration", type=Path,
+                    help="write each agent's measured findings/matched here (YAML: agents.<x>.calibration of a RIB)")
+    ap.add_argument("--no-start-models", dest="start_models", action="store_false",
+                    help="do not start the local model server for a variant's loopback openai_compat models")
+    ap.add_argument("--verbose", "-v", action="store_true", help="print each variant's per-task table and the router's log")
+    args = ap.parse_args(argv)
+    # An in-process router logs its audit trail at WARNING: keep the report readable.
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.concurrency < 1 or args.top < 1:
+        ap.error("--concurrency and --top must be at least 1")
+    try:
+        tasks = load_tasks(args.tasks)
+    except (OSError, ValueError) as e:
+        print(f"atp-router eval: {e}", file=sys.stderr)
+        return 2
+    if args.task:
+        wanted = set(args.task)
+        tasks = [t for t in tasks if t.id in wanted]
+    if not tasks:
+        print(f"atp-router eval: no tasks to run in {args.tasks}", file=sys.stderr)
+        return 2
+    variants: list[Path | None]
+    if args.policies:
+        variants = list(args.policies)
+    elif args.url:
+        variants = [None]
+    else:
+        variants = list(default_variants())
+        if not variants:
+            print("atp-router eval: no --policies given and no examples/eval/policies/*.yaml found", file=sys.stderr)
+            return 2
+    for v in variants:
+        if v is not None and not v.exists():
+            print(f"atp-router eval: no such policy file or directory: {v}", file=sys.stderr)
+            return 2
+    reports: dict[str, EvalReport] = {}
+    broken_any = False
+    for v in variants:
+        name = "running" if v is None else v.stem if v.is_file() else v.name
+        print(f"eval: {name}: {len(tasks)} task(s)…", file=sys.stderr, flush=True)
+        try:
+            with contextlib.ExitStack() as models:
+                if v is not None and args.url is None and args.start_models:
+                    _start_models(model_servers, v, models, name)
+                runs = trio.run(lambda v=v: run_variant(tasks, policies=v, url=args.url, token=args.token,
+                                                        concurrency=args.concurrency, serve_router=serve_router))
+        except (RuntimeError, atp.ATPClientError, httpx.HTTPError) as e:
+            print(f"atp-router eval: {name}: {e}", file=sys.stderr)
+            return 2
+        except Exception as e:  # a refused RIB (PolicyError) when the router starts in-process
+            refused = _policy_error(e)
+            if refused is None:
+                raise
+            print(f"atp-router eval: {name}: refused RIB: {refused}", file=sys.stderr)
+            return 2
+        broken = [r for r in runs if r.final is None]
+        for r in broken:
+            print(f"{name}: {r.id}: no FINAL; events {r.events}; errors {r.errors}", file=sys.stderr)
+        broken_any = broken_any or bool(broken)
+        by_id = {t.id: t for t in tasks}
+        scores = [score_task(by_id[r.id], r, top=args.top) for r in runs if r.final is not None]
+        if not scores:
+            print(f"atp-router eval: {name}: no task produced a FINAL", file=sys.stderr)
+            continue
+        reports[name] = summarize(scores, failed=[r.id for r in broken], top=args.top)
+        if args.verbose:
+            print(format_report(reports[name], title=name))
+            print()
+    if not reports:
+        return 1
+    b = changed_line_baseline(tasks)
+    print(format_table(reports))
+    print(f"(recall counts units: BugsInPy per expected finding, advisories per task; r@N: recall@{args.top}; "
+          f"a match is the same file within ±{SLACK} lines. Flagging every changed line would catch "
+          f"{b.tasks_caught}/{b.n_tasks} tasks at precision {b.matched}/{b.findings})")
+    for agent, c in calibration(reports).items():
+        p = "n/a" if c["precision"] is None else f"{c['precision']:.3f}"
+        print(f"agent {agent:<22} findings {c['findings']:>4}  matched {c['matched']:>3}  precision {p}")
+    if args.json:
+        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(reports)))
+    if args.calibration:
+        args.calibration.write_text(calibration_yaml(calibration(reports), source=args.tasks.name))
+    try:
+        plot(reports, args.png, title=f"{args.tasks.name}: {len(tasks)} tasks")
+        print(f"wrote {args.png}")
+    except ImportError:
+        print("no PNG: matplotlib is not installed", file=sys.stderr)
+    best = best_variant(reports)
+    print(f"best: {best}")
+    print(eval_line(reports[best]))
+    return 1 if broken_any else 0

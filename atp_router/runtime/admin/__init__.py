@@ -1,0 +1,5 @@
+"""What the router shows its operators over HTTP: the live status snapshot and page
+(:mod:`~atp_router.runtime.admin.status`, its files in ``static/``), the learning FIB's view
+(:mod:`~atp_router.runtime.admin.fibview`) and the OpenAPI document of the control API
+(:mod:`~atp_router.runtime.admin.openapi`, written to ``proto/openapi.json``).
+"""

@@ -1,0 +1,594 @@
+"""The trio side of routing that learns (spec §6.2, §18): carries out what the
+sans-IO :class:`~atp_router.policy.learn.RoutingLearner` decides.
+
+* :meth:`Learning.route` — a FIB route re-ordered by its policy's bandit at SYN;
+  the :class:`~atp_router.policy.learn.Decision` is kept with the stream (and in the
+  store, for feedback after a restart).
+* :meth:`Learning.task_done` — every call of a finished task feeds the live
+  metrics (client-caused failures excluded: a tenant's bad input never lowers an
+  agent's figures for everyone); the merged result's verdict on each called
+  next-hop (:func:`~atp_router.policy.learn.consensus_quality`) feeds the bandit.
+* :meth:`Learning.feedback` — ``POST /v1/streams/{id}/feedback``: the client's
+  score (0..1) for the arms that served its stream, once per stream.
+* :meth:`Learning.shadow` — a policy's shadow challenger (spec §18) on bronze,
+  after the client's FINAL, on its own ledger account (``shadow:<policy>``,
+  the policy's shadow budget), never the client's; its regret against the
+  served result is ``atp_shadow_regret``.
+* :meth:`Learning.run` — saves changed arms and live statistics to the store
+  every :data:`SAVE_INTERVAL_S` (and at shutdown): learned weights survive a
+  restart; a kill -9 loses at most that interval of learning.
+* :meth:`Learning.sync_shared` — instead of that, for routers that share their
+  store (``--workers N``, a shared store; :mod:`atp_router.runtime.controlplane.shared_state` runs
+  it every :data:`SHARED_SYNC_S` and at shutdown): each bandit arm's
+  :class:`~atp_router.policy.bandit.ArmDelta` since its last sync is merged into
+  ``bandit/<policy>/<arm>`` and the live statistics' contributions into
+  ``live/stats`` (one atomic ``Store.update`` each;
+  :func:`~atp_router.policy.learn.merge_arm_entry`,
+  :func:`~atp_router.policy.learn.merge_live_state`), and the merged result is
+  adopted; what other routers pushed meanwhile is read back when the index
+  ``learn/seqs`` (key → sequence number) says it changed. Every router
+  learns from every router's traffic; a kill -9 loses at most one interval.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+import zlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+
+from atp_router.consensus.escalation import TEST_FAIL_RULE
+from atp_router.flow.budget import Allowance
+from atp_router.flow.window import Window as FlowWindow
+from atp_router.policy.bandit import ArmDelta
+from atp_router.policy.fib import Route
+from atp_router.policy.learn import (
+    CHEAP,
+    ESCALATE,
+    KEY_SEP,
+    MIN_OBS,
+    Decision,
+    RoutingLearner,
+    SharedArm,
+    consensus_quality,
+    live_stats_of,
+    merge_arm_entry,
+    merge_live_state,
+    result_quality,
+)
+from atp_router.policy.rib import PolicySpec
+from atp_router.runtime.dataplane.dispatch import TaskPlan, _client_fault
+from atp_router.wire.errors import AgentError, ATPError, ErrorCode
+from atp_router.wire.frame import QoS, Window
+
+if TYPE_CHECKING:
+    from atp_router.runtime.controlplane.control import Generation
+    from atp_router.runtime.dataplane.streams import StreamCtx
+    from atp_router.runtime.router import Router
+
+__all__ = ["SAVE_INTERVAL_S", "SHARED_SYNC_S", "FeedbackRefused", "Learning", "prompt_text"]
+
+log = logging.getLogger("atp_router.runtime.controlplane.learning")
+
+#: How often changed bandit arms and live statistics are written to the store (s).
+SAVE_INTERVAL_S = 5.0
+#: How often a router sharing its store merges its learning with the others' (s).
+SHARED_SYNC_S = 1.0
+#: Every this many shared syncs, arms are read back even if the index says unchanged.
+_FULL_PULL_EVERY = 30
+_ARM_PREFIX = "bandit/"
+_LIVE_KEY = "live/stats"
+_SEQ_KEY = "learn/seqs"
+_FEEDBACK_PREFIX = "feedback/"
+#: Content keys whose text the bandit's featurizer reads (first ones first).
+TEXT_KEYS = ("prompt", "question", "text", "input", "diff", "query")
+
+
+def prompt_text(content: Any, limit: int = 4_000) -> str:
+    """The task's prompt text for the featurizer: the string values of
+    :data:`TEXT_KEYS` in ``content``, joined, at most ``limit`` characters."""
+    if isinstance(content, str):
+        return content[:limit]
+    if not isinstance(content, Mapping):
+        return ""
+    parts, size = [], 0
+    for k in TEXT_KEYS:
+        v = content.get(k)
+        if isinstance(v, str) and v:
+            parts.append(v[: limit - size])
+            size += len(parts[-1])
+            if size >= limit:
+                break
+    return "\n".join(parts)
+
+
+def _push_arm(arm: SharedArm, delta: ArmDelta, rib: int, seq: int, old: bytes | None) -> bytes | None:
+    """``Store.update`` function of one arm's entry (pure: it may run again).
+    Shared entries are msgpack compressed by zlib (level 1: ~0.15 ms for an arm
+    of 4,096 weights; an arm's untouched weights all hold the prior, so it
+    shrinks many times — the bytes a shared store moves per sync)."""
+    entry = merge_arm_entry(_decode_arm(old), arm, delta, rib=rib, seq=seq)
+    return old if entry is None else zlib.compress(msgspec.msgpack.encode(entry), 1)
+
+
+def _decode_arm(raw: bytes | None) -> dict[str, Any] | None:
+    """A stored arm entry: msgpack (a single router's save), or zlib-compressed
+    msgpack (shared; a zlib stream starts with 0x78, which no msgpack map does)."""
+    if raw is None:
+        return None
+    try:
+        if raw[:1] == b"\x78":
+            raw = zlib.decompress(raw)
+        entry = msgspec.msgpack.decode(raw)
+    except (msgspec.DecodeError, zlib.error):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _push_live(deltas: Mapping[str, Any], rib: int, agents: tuple[str, ...], seq: int,
+               old: bytes | None) -> bytes:
+    """``Store.update`` function of the live statistics (pure)."""
+    return json.dumps(merge_live_state(_decode_live(old), deltas, rib=rib, agents=agents, seq=seq)).encode()
+
+
+def _decode_live(raw: bytes | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _bump_index(written: Mapping[str, int], old: bytes | None) -> bytes:
+    """``Store.update`` function of the ``learn/seqs`` index: each key's highest sequence number."""
+    index = _decode_live(old) or {}
+    for key, seq in written.items():
+        prev = index.get(key)
+        index[key] = max(seq, prev) if isinstance(prev, int) else seq
+    return json.dumps(index).encode()
+
+
+def _has_tenants(router: Router) -> bool:
+    """Does ``router`` tell callers apart (a caller without credentials is refused)?"""
+    try:
+        router.authenticate(None)
+    except ATPError:
+        return True
+    return False
+
+
+class FeedbackRefused(Exception):
+    """Feedback that cannot be taken: ``status`` (404/409/422) and ``reason``."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class _GenHold:
+    """Holds a generation for a shadow run (its adapters stay open meanwhile)."""
+
+    def __init__(self, gen: Generation):
+        self.gen: Generation | None = gen
+        self.holds_gen = False
+
+
+class _ShadowIO:
+    """The StreamIO of a shadow call: nothing reaches the client's stream."""
+
+    def __init__(self, stream_id: str):
+        self.stream_id = stream_id
+        self.errors: list[str] = []
+
+    def emit_partial(self, agent: str, content: dict[str, Any], *, confidence: float | None = None) -> None:
+        pass
+
+    def emit_error(self, code: ErrorCode, reason: str, *, agent: str | None = None,
+                   retry_after_ms: int | None = None) -> None:
+        self.errors.append(f"{code}: {reason}")
+
+    def emit_window_update(self, update: Any) -> None:
+        pass
+
+
+def _policy_spec(gen: Generation, name: str) -> PolicySpec | None:
+    for i, p in enumerate(gen.rib.policies):
+        if (p.name or f"policy[{i}]") == name:
+            return p
+    return None
+
+
+def _spans_overlap(a: str, b: str) -> bool:
+    def rng(s: str) -> tuple[int, int]:
+        lo, _, hi = s.partition("-")
+        try:
+            return int(lo), int(hi or lo)
+        except ValueError:
+            return 0, 0
+    (a0, a1), (b0, b1) = rng(a), rng(b)
+    return a0 <= b1 and b0 <= a1
+
+
+def agreement_quality(found: list[Any], reference: list[Any]) -> float:
+    """F1 of ``found`` findings against ``reference`` (same file, overlapping
+    span); 1.0 when both are empty."""
+    if not found and not reference:
+        return 1.0
+    if not found or not reference:
+        return 0.0
+    hit_ref = sum(any(f.file == r.file and _spans_overlap(f.span, r.span) for f in found) for r in reference)
+    hit_found = sum(any(f.file == r.file and _spans_overlap(f.span, r.span) for r in reference) for f in found)
+    p, r = hit_found / len(found), hit_ref / len(reference)
+    return 0.0 if p + r == 0 else 2 * p * r / (p + r)
+
+
+class Learning:
+    """Learning state of one router (see the module doc)."""
+
+    def __init__(self, router: Router, *, seed: int | None = None):
+        self.router = router
+        # Each tenant's share of the shared quality evidence (TenantShares): on a
+        # router with credentials; one without (every caller the one tenant
+        # "anonymous", a local appliance) has no other tenant to share with.
+        self.learner = RoutingLearner(seed=seed, share=router.config.learn_share if _has_tenants(router) else 1.0)
+        self._version: int | None = None
+        #: Per tenant (tokens, last refill): how much more it may teach the shared state.
+        self._buckets: dict[str, tuple[float, float]] = {}
+        #: Learning merged with other routers' through the store (:meth:`share`).
+        self.shared = False
+        self._live_seq: int | None = None
+        self._live_raw: bytes | None = None
+        self._syncs = 0
+        self._load()
+
+    def _may_learn(self, tenant: str, now: float) -> bool:
+        """The tenant's learning token bucket (``learn_rate_per_s``, ``learn_burst``)."""
+        cfg = self.router.config
+        tokens, last = self._buckets.get(tenant, (float(cfg.learn_burst), now))
+        tokens = min(float(cfg.learn_burst), tokens + (now - last) * cfg.learn_rate_per_s)
+        if tokens < 1.0:
+            self._buckets[tenant] = (tokens, now)
+            return False
+        self._buckets[tenant] = (tokens - 1.0, now)
+        return True
+
+    # ----------------------------------------------------------- store
+    def _load(self) -> None:
+        store = self.router.store
+        rows = []
+        for key, raw in store.items(_ARM_PREFIX):
+            try:
+                obj = _decode_arm(raw)
+                if obj is None:
+                    raise TypeError(key)
+                rows.append((obj["policy"], obj["arm"], obj["fingerprint"], obj["state"]))
+            except (KeyError, TypeError):
+                log.warning("learning: unreadable arm state %s skipped", key)
+        self.learner.load_arms(rows)
+        live_raw = store.get(_LIVE_KEY)
+        if live_raw:
+            try:
+                n = self.learner.live.load(json.loads(live_raw))
+                log.info("learning: %d live statistics and %d bandit arms restored", n, len(rows))
+            except (ValueError, AttributeError):
+                log.warning("learning: unreadable live statistics skipped")
+
+    def save(self) -> None:
+        """Write changed arms and live statistics to the store."""
+        store = self.router.store
+        for policy, arm, fp, state in self.learner.dirty_arms():
+            store.put(f"{_ARM_PREFIX}{policy}/{arm}",
+                      msgspec.msgpack.encode({"policy": policy, "arm": arm, "fingerprint": fp, "state": state}))
+        live = self.learner.live
+        if live.changed:
+            live.changed.clear()
+            store.put(_LIVE_KEY, json.dumps(live.state()).encode())
+
+    async def run(self) -> None:
+        """Save every :data:`SAVE_INTERVAL_S`; once more when cancelled. A
+        router that :meth:`share` s its learning returns at once (its syncs
+        replace the saves: a save would overwrite what the others merged)."""
+        if self.shared:
+            return
+        try:
+            while not self.shared:
+                await trio.sleep(SAVE_INTERVAL_S)
+                if self.shared:
+                    return
+                try:
+                    self.save()
+                except Exception:
+                    log.exception("learning: saving the learned state failed")
+        finally:
+            if not self.shared:
+                try:
+                    self.save()
+                except Exception:
+                    log.exception("learning: saving the learned state at shutdown failed")
+
+    # ----------------------------------------------------------- shared store
+    def share(self) -> None:
+        """Merge this router's learning with the other routers' on its store
+        from now on (:meth:`sync_shared`, the module doc) instead of saving it
+        (last writer wins). Call before traffic: the arms as they are now are
+        the base of the first push."""
+        self.shared = True
+        self.learner.share()
+
+    def sync_shared(self) -> dict[str, int]:
+        """One merge with the shared store (the module doc): push every arm and
+        the live statistics that learned since their last sync, adopt the merged
+        results, read back what the index says others changed. Synchronous
+        (store calls); raises :class:`~atp_router.store.StoreError` (e.g.
+        ``StoreUnavailable``) — what was not pushed is pushed by the next
+        call: nothing is lost. (A push the store applied but whose answer
+        was lost — the connection cut at that instant — is pushed again, so
+        that interval of this router's learning counts twice.) Returns
+        ``{"pushed": n, "pulled": n}`` (arms and the live document)."""
+        store = self.router.store
+        gen = self.router.gen
+        self.sync(gen)
+        rib = self._version or 0
+        self._syncs += 1
+        full = self._syncs % _FULL_PULL_EVERY == 1
+        raw = store.get(_SEQ_KEY)
+        try:
+            index = json.loads(raw) if raw else {}
+        except ValueError:
+            index = {}
+        if not isinstance(index, dict):
+            index = {}
+        seq = int(time.time() * 1000)  # sequence numbers above any a restart forgot
+        written: dict[str, int] = {}
+        pulled = 0
+        try:
+            for arm in self.learner.shared_arms():
+                key = f"{_ARM_PREFIX}{arm.policy}/{arm.arm}"
+                delta = arm.model.delta(arm.base)
+                if not delta.empty:
+                    new = store.update(key, functools.partial(_push_arm, arm, delta, rib, seq))
+                    entry = _decode_arm(new)
+                    if entry is not None and arm.synced(entry):
+                        written[key] = arm.seq or 0
+                elif full or index.get(key) != arm.seq:
+                    entry = _decode_arm(store.get(key))
+                    if entry is not None and entry.get("seq") != arm.seq and arm.synced(entry):
+                        pulled += 1
+            live = self.learner.live
+            priors = self.learner.priors
+            deltas = live.deltas()
+            if deltas:
+                new = store.update(_LIVE_KEY, functools.partial(_push_live, deltas, rib, tuple(priors), seq))
+                doc = _decode_live(new)
+                if doc is not None:
+                    live.adopt(live_stats_of(doc), priors, pushed=True)
+                    self._live_seq, self._live_raw = doc.get("seq"), new
+                    written[_LIVE_KEY] = int(doc.get("seq", 0))
+            elif full or index.get(_LIVE_KEY) != self._live_seq:
+                new = store.get(_LIVE_KEY)
+                if new is not None and new != self._live_raw and (doc := _decode_live(new)) is not None:
+                    live.adopt(live_stats_of(doc), priors, pushed=False)
+                    self._live_seq, self._live_raw = doc.get("seq"), new
+                    pulled += 1
+        finally:
+            if written:
+                store.update(_SEQ_KEY, functools.partial(_bump_index, written))
+        return {"pushed": len(written), "pulled": pulled}
+
+    # ----------------------------------------------------------- decisions
+    def sync(self, gen: Generation) -> None:
+        """Follow the running RIB generation (after any reload path)."""
+        if self._version != gen.version:
+            self.learner.sync(gen.rib)
+            self._version = gen.version
+
+    def live_view(self) -> Mapping[str, Any]:
+        return self.learner.live.view()
+
+    def win_rates(self, route: Route) -> dict[str, float]:
+        """The live quality (win rate) of the route's agents, for the consensus
+        tie-break (§7.2): per policy once the policy has observed the agent,
+        else per agent; agents never observed are left to the RIB's ``win30d``."""
+        view = self.learner.live.view()
+        agents = [h.agent for h in (*route.next_hops, *route.alternates)]
+        if route.escalation_hop is not None:
+            agents.append(route.escalation_hop.agent)
+        out: dict[str, float] = {}
+        for a in agents:
+            pv = view.get(f"{route.policy}{KEY_SEP}{a}")
+            v = pv if pv is not None and pv.quality_obs >= MIN_OBS else view.get(a)
+            if v is not None and v.quality_obs > 0:
+                out[a] = v.quality
+        return out
+
+    def route(self, route: Route, gen: Generation, meta: Mapping[str, Any], content: Any, *, tenant: str,
+              budget_usd_micros: int | None, qos: Any = None) -> tuple[Route, Decision | None]:
+        """``route`` ordered by its policy's bandit for this task (meta, prompt
+        text of ``content``, tenant, QoS class), with the decision to learn from."""
+        self.sync(gen)
+        if not self.learner.has_bandit(route.policy):
+            return route, None
+        new, decision = self.learner.route(route, meta, prompt_text(content), tenant=tenant,
+                                           budget_usd_micros=budget_usd_micros,
+                                           qos=str(qos) if qos is not None else None)
+        if decision is not None:
+            for a in decision.order[: decision.k]:
+                self.router.metrics.bandit_choices.labels(route.policy, a).inc()
+        return new, decision
+
+    def task_done(self, ctx: StreamCtx, plan: TaskPlan, final: Any | None, escalated_to: str | None) -> dict[str, float]:
+        """Feed the live metrics and the bandit from one finished task (``final``
+        None: no next-hop produced a result), within the tenant's learning rate.
+        Returns each called agent's quality ({} when nothing was learned)."""
+        if not self._may_learn(ctx.tenant, trio.current_time()):
+            self.router.metrics.learning_skipped.labels(ctx.route.policy).inc()
+            return {}
+        policy = ctx.route.policy
+        called: list[str] = []
+        failed: set[str] = set()
+        ok_agents: set[str] = set()
+        for o in plan.attempts:
+            if not o.called or _client_fault(o.error):
+                continue
+            timeout = o.error is not None and o.error.code is ErrorCode.ETIMEOUT
+            self.learner.observe_call(o.agent, policy=policy, latency_ms=o.latency_ms, ok=o.error is None,
+                                      timeout=timeout, tokens=o.usage.tokens, usd_micros=o.usage.usd_micros)
+            if o.agent not in called:
+                called.append(o.agent)
+            if o.error is None and not o.cancelled:
+                ok_agents.add(o.agent)
+            else:
+                failed.add(o.agent)
+        failed -= ok_agents
+        if not called:
+            return {}
+        tests: list[tuple[str, int, int]] = []
+        if final is None:
+            qualities = {a: 0.0 for a in called if a in failed}
+        else:
+            tests = [(f.file, f.start, f.end) for o in plan.attempts if o.report is not None
+                     for f in o.report.findings if f.rule == TEST_FAIL_RULE]
+            qualities = consensus_quality(final.result, called, failed, confirmer=escalated_to,
+                                          failing_tests=tests)
+        decision = ctx.decision if isinstance(ctx.decision, Decision) else None
+        if decision is not None:
+            decision.called = called
+            decision.escalated = escalated_to is not None
+            self.learner.observe(decision, qualities, tenant=ctx.tenant)
+            if decision.escalate is not None and final is not None:
+                cheap = [a for a in called if a != escalated_to]
+                outcome = {CHEAP: result_quality(final.result, cheap, confirmer=escalated_to, failing_tests=tests)}
+                if escalated_to is not None:
+                    # The escalation target's verdict is the reference the cheap answer is scored against.
+                    outcome[ESCALATE] = 1.0 if escalated_to not in failed else outcome[CHEAP]
+                self.learner.observe_escalation(decision, outcome)
+        else:
+            for a, q in qualities.items():
+                self.learner.observe_quality(a, q, policy=policy, tenant=ctx.tenant)
+        return qualities
+
+    # ----------------------------------------------------------- feedback
+    def feedback(self, ctx: StreamCtx, score: float, labels: list[str]) -> dict[str, Any]:
+        """The client's ``score`` (0..1) for its finished stream ``ctx`` (live or
+        read back from the store): each next-hop that answered it learns the
+        score (weight 2: the client knows best), the bandit too when the
+        stream's policy chose by bandit. Once per stream. Raises
+        :class:`FeedbackRefused`."""
+        if not ctx.log.closed:
+            raise FeedbackRefused(409, "the stream is still running: send feedback after its FINAL")
+        key = f"{_FEEDBACK_PREFIX}{ctx.tenant}/{ctx.stream_id}"
+        store = self.router.store
+        if store.get(key) is not None:
+            raise FeedbackRefused(409, "feedback for this stream was already given")
+        decision = ctx.decision
+        if isinstance(decision, Mapping):  # read back from the store
+            bits = self.learner.bits(str(decision.get("policy")))
+            try:
+                decision = Decision.from_json(decision, bits) if bits is not None else None
+            except (KeyError, TypeError, ValueError):
+                decision = None
+        policy = ctx.route.policy or None
+        served = list(decision.called) if isinstance(decision, Decision) else []
+        if not served:
+            served = sorted({ev.frame.payload.content.get("agent") for ev in ctx.log.events
+                             if ev.type == "PARTIAL" and isinstance(ev.frame.payload.content, dict)
+                             and "report" in ev.frame.payload.content
+                             and isinstance(ev.frame.payload.content.get("agent"), str)})
+        if not served:
+            raise FeedbackRefused(409, "no next-hop answered this stream: nothing to learn from")
+        if isinstance(decision, Decision) and not decision.called:
+            # Read back from the store (saved at SYN): the escalation target is never in the fanout.
+            decision.escalated = any(a not in decision.order for a in served)
+        store.put(key, json.dumps({"score": score, "labels": labels}).encode())
+        qualities = {a: score for a in served}
+        # An untrusted tenant's scores train only its own routing (RIB clients.<t>.feedback).
+        shared = self.router.client_spec(ctx.tenant).feedback == "shared"
+        learned = isinstance(decision, Decision) and self.learner.has_bandit(decision.policy)
+        if learned:
+            self.learner.observe(decision, qualities, weight=2.0, tenant_only=not shared, tenant=ctx.tenant)
+            if decision.escalate is not None:
+                self.learner.observe_escalation(decision, {ESCALATE if decision.escalated else CHEAP: score},
+                                                weight=2.0, tenant_only=not shared)
+        elif shared:
+            for a in served:
+                self.learner.observe_quality(a, score, policy=policy, weight=2.0, tenant=ctx.tenant)
+        self.router.metrics.feedback.labels(policy or "").inc()
+        return {"stream_id": ctx.stream_id, "agents": served, "score": score, "labels": labels, "bandit": learned,
+                "scope": "shared" if shared else "tenant"}
+
+    # ----------------------------------------------------------- shadow
+    def shadow_due(self, ctx: StreamCtx, gen: Generation, called: list[str]) -> Any | None:
+        """The shadow next-hop to run after ``ctx``'s FINAL, or None."""
+        spec = _policy_spec(gen, ctx.route.policy)
+        if spec is None or spec.shadow is None or spec.shadow.agent in called:
+            return None
+        if spec.shadow.agent not in gen.adapters or not self.learner.shadow(spec.shadow.rate):
+            return None
+        return gen.fib.next_hop(spec.shadow.agent, ctx.meta)  # None: not cleared for the data scope
+
+    async def shadow(self, ctx: StreamCtx, plan: TaskPlan, final: Any, gen: Generation, hop: Any,
+                     served_quality: float) -> None:
+        """Run ``hop`` on the task in the shadow (see the module doc)."""
+        router = self.router
+        policy = ctx.route.policy
+        spec = _policy_spec(gen, policy)
+        assert spec is not None and spec.shadow is not None
+        parent = f"shadow:{policy}"
+        limit = Allowance.from_budget(spec.shadow.budget)
+        ledger = router.ledger
+        if ledger.has(parent):
+            ledger.set_limit(parent, limit, clamp=True)
+        else:
+            ledger.open(parent, limit)
+        if ledger.exhausted(parent):
+            router.metrics.shadow_runs.labels(policy, hop.agent, "budget").inc()
+            return
+        account = f"{parent}:{ctx.tenant}:{ctx.stream_id}"
+        ledger.open(account, Allowance.from_budget(ctx.budget), parent=parent)
+        now = trio.current_time()
+        route = Route(policy=policy, next_hops=[msgspec.structs.replace(hop, qos=QoS.BRONZE)], escalation=None,
+                      escalation_hop=None, budget=None, window=None, consensus=ctx.route.consensus,
+                      qos=QoS.BRONZE, deadline_ms=ctx.route.deadline_ms)
+        splan = TaskPlan(prompt=plan.prompt, route=route,
+                         window=FlowWindow(Window(max_parallel=1, max_tokens=ctx.window.max_tokens,
+                                                  max_usd_micros=ctx.window.max_usd_micros)),
+                         ledger_key=account, stream_id=account, qos=QoS.BRONZE, started=now,
+                         deadline=now + ctx.route.deadline_ms / 1000, fib=gen.fib, prompt_for=plan.prompt_for)
+        io = _ShadowIO(account)
+        outcome = "ok"
+        hold = _GenHold(gen)
+        router.control.hold(hold)  # a reload meanwhile must not close the challenger's adapter
+        try:
+            shadow_final = await gen.dispatcher.run(io, splan)
+            findings = [f for f in shadow_final.result.findings]
+            q = agreement_quality(findings, list(final.result.findings))
+        except AgentError as e:
+            outcome = str(e.code)
+            q = 0.0
+        finally:
+            router.control.release(hold)
+            try:
+                ledger.close(account)
+            except ValueError:
+                pass
+        regret = q - served_quality
+        router.metrics.shadow_runs.labels(policy, hop.agent, outcome).inc()
+        router.metrics.shadow_regret.labels(policy, hop.agent).observe(regret)
+        decision = ctx.decision if isinstance(ctx.decision, Decision) else None
+        if outcome != str(ErrorCode.EBUDGET):  # a spent shadow budget says nothing of the agent
+            if decision is not None:
+                self.learner.observe(decision, {hop.agent: q})
+            else:
+                self.learner.observe_quality(hop.agent, q, policy=policy)
+        router.audit_event("shadow", ctx.identity, {"session_id": ctx.session_id, "stream_id": ctx.stream_id,
+                                                    "agent": hop.agent, "outcome": outcome,
+                                                    "quality": round(q, 4), "regret": round(regret, 4)})

@@ -1,0 +1,459 @@
+"""Opening a stream: the SYN pipeline as a list of stages (spec §8 step 1–2, §10, §11).
+
+A SYN the session accepted (:class:`~atp_router.wire.session.StreamOpened`) becomes an
+:class:`OpenCtx` — who opens it, the tenant, its meta and task content, the QoS,
+window and budget it asks for, and the router's clock reading ``now`` — and goes
+through the router's stages in order, Envoy-filter style. Each stage is a small
+named object built from the parts it needs and called as ``stage(o)``; it reads
+what earlier stages decided from ``o``, writes its own decision there, and
+returns :data:`CONTINUE` or a :class:`Refuse` (spec §10 ``code``, ``reason``,
+``retry_after_ms`` or None). :func:`run_stages` stops at the first refusal and
+returns it (None: every stage let the SYN through). No stage reads a clock or
+awaits: time is ``o.now`` (trio seconds).
+
+The default pipeline, :data:`DEFAULT_STAGES`, in order (``atp-router policy check
+--stages`` prints it, :func:`describe`):
+
+==================  ============================================================
+``context_scope``   Agent Context Protocol (:mod:`atp_router.adapters.context`): a bad
+                    ``meta.agent_context`` is ``EPROTO`` naming the field; its
+                    policyContext labels join ``meta.data_scope``
+``task_shape``      the task body's ``diff`` / ``files`` shapes (``EPROTO``);
+                    ``meta.diff_loc`` counted from the diff
+``stream_slot``     the stream table's room and the stream id (``EWINDOW`` at
+                    ``max_streams``, ``EPROTO`` for an id in use)
+``client_budget``   ``meta.budget`` decoded (``EPROTO``)
+``tenant_admission`` spec §11 AuthZ (:class:`~atp_router.security.authz.StreamAdmission`):
+                    role, task types, data categories (``ESEC``), stream quota
+                    and open rate (``EWINDOW`` + ``retry_after_ms``); the QoS
+                    served and the budget capped
+``route``           the running generation's FIB lookup with live health
+                    (``EAGENTDOWN``: no route)
+``bandit``          the policy's bandit orders the route (its decision kept to
+                    learn from)
+``budget_open``     the stream's ledger account opened under the tenant's (last:
+                    a shared ledger may refuse, ``EBUDGET``)
+==================  ============================================================
+
+A stage type is a class with a ``name``, a docstring whose first line says what
+it checks, and ``of(parts: OpenParts) -> stage``; the router builds its pipeline
+from a list of them (``Router(config, syn_stages=[...])``), so a deployment mode
+or a test adds or replaces a stage with a list operation
+(:func:`replace_stage`, :func:`insert_stage`), never by overriding the router's
+SYN handling. What follows an accepted SYN (the stream context, SYN+ACK,
+tracing, audit, task start) is the router's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol, TypeVar
+
+import msgspec
+
+from atp_router.adapters.context import with_context_scope
+from atp_router.flow.budget import Allowance, usd_to_micros
+from atp_router.policy.fib import data_scope_labels
+from atp_router.runtime.dataplane.streams import stream_account
+from atp_router.security.authz import Refuse
+from atp_router.security.identity import Identity
+from atp_router.task.diff import count_changed_lines
+from atp_router.wire.errors import ATPError, ErrorCode, LocalProtocolError
+from atp_router.wire.frame import Budget, QoS, Window
+
+if TYPE_CHECKING:
+    from atp_router.flow.budget import BudgetLedger
+    from atp_router.policy.fib import Route
+    from atp_router.policy.learn import Decision
+    from atp_router.policy.rib import ClientSpec
+    from atp_router.runtime.controlplane.control import ControlPlane, Generation
+    from atp_router.runtime.controlplane.learning import Learning
+    from atp_router.runtime.dataplane.streams import StreamTable
+    from atp_router.security.authz import StreamAdmission
+
+__all__ = [
+    "CONTINUE",
+    "DEFAULT_STAGES",
+    "Bandit",
+    "BudgetOpen",
+    "ClientBudget",
+    "ContextScope",
+    "Continue",
+    "FibLookup",
+    "OpenCtx",
+    "OpenParts",
+    "Refuse",
+    "Stage",
+    "StageType",
+    "StreamSlot",
+    "TaskShape",
+    "TenantAdmission",
+    "check_task",
+    "describe",
+    "insert_stage",
+    "min_budget",
+    "replace_stage",
+    "run_stages",
+]
+
+
+class Continue:
+    """A stage let the SYN through: the next stage runs (:data:`CONTINUE`)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "CONTINUE"
+
+
+#: The one :class:`Continue` value.
+CONTINUE: Final = Continue()
+
+
+@dataclass(slots=True)
+class OpenCtx:
+    """One SYN being opened, and what the stages decided so far.
+
+    Given: ``identity`` (its ``tenant``), ``session_id``, ``stream_id``, ``meta``
+    (a copy of the SYN's meta: stages may add keys, e.g. ``diff_loc``),
+    ``content`` (the SYN's task body, None without one), ``qos`` and ``window``
+    asked for, ``now`` (trio seconds). Decided: ``client_budget`` (the budget
+    asked, then capped by admission), ``admitted_qos`` (None: the route's),
+    ``gen`` (the RIB generation routed on), ``route``, ``decision`` (the
+    bandit's, None without one), ``budget`` (the stream's: the tighter of the
+    client's and the route's)."""
+
+    identity: Identity
+    session_id: str
+    stream_id: str
+    meta: dict[str, Any]
+    content: Any
+    qos: QoS | None
+    window: Window | None
+    now: float
+    client_budget: Budget | None = None
+    admitted_qos: QoS | None = None
+    gen: Generation | None = None
+    route: Route | None = None
+    decision: Decision | None = None
+    budget: Budget | None = None
+
+    @property
+    def tenant(self) -> str:
+        return self.identity.tenant
+
+    @property
+    def account(self) -> str:
+        """The stream's budget-ledger account (:func:`~atp_router.runtime.dataplane.streams.stream_account`)."""
+        return stream_account(self.identity.tenant, self.stream_id)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpenParts:
+    """What the stages are built from (the router's parts): the tenant
+    admission, the stream table, learning (live view and bandits), the control
+    plane (next-hop health), ``generation()`` (the running RIB generation),
+    the budget ledger, ``client_spec(tenant)`` (its RIB ``clients`` entry) and
+    ``client_account(tenant)`` (its ledger account)."""
+
+    admission: StreamAdmission
+    streams: StreamTable
+    learning: Learning
+    control: ControlPlane
+    generation: Callable[[], Generation]
+    ledger: BudgetLedger
+    client_spec: Callable[[str], ClientSpec]
+    client_account: Callable[[str], str]
+
+
+class Stage(Protocol):
+    """One step of the pipeline: ``stage(o)`` is :data:`CONTINUE` or a :class:`Refuse`."""
+
+    name: ClassVar[str]
+
+    def __call__(self, o: OpenCtx, /) -> Continue | Refuse: ...
+
+
+class StageType(Protocol):
+    """A stage's class: its ``name``, its docstring, and ``of(parts)`` building it."""
+
+    @property
+    def name(self) -> str: ...
+
+    def of(self, parts: OpenParts, /) -> Stage: ...
+
+
+_S = TypeVar("_S")
+
+
+def _refusing(call: Callable[[_S, OpenCtx], Continue | Refuse]) -> Callable[[_S, OpenCtx], Continue | Refuse]:
+    """A stage's ``__call__`` whose parts raise :class:`ATPError`: the error becomes
+    the :class:`Refuse` with its code, reason and ``retry_after_ms``."""
+    @functools.wraps(call)
+    def stage(self: _S, o: OpenCtx) -> Continue | Refuse:
+        try:
+            return call(self, o)
+        except ATPError as e:
+            return Refuse(e.code, e.reason, e.retry_after_ms)
+    return stage
+
+
+# ------------------------------------------------------------------ stages
+class ContextScope:
+    """Agent Context (meta.agent_context) valid, its secrets registered, its labels joined to meta.data_scope."""
+
+    name: ClassVar[str] = "context_scope"
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, parts: OpenParts) -> ContextScope:
+        return cls()
+
+    @_refusing
+    def __call__(self, o: OpenCtx) -> Continue | Refuse:
+        o.meta = with_context_scope(o.meta)
+        return CONTINUE
+
+
+class TaskShape:
+    """The task body's diff/files shapes (EPROTO); meta.diff_loc counted from its diff."""
+
+    name: ClassVar[str] = "task_shape"
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, parts: OpenParts) -> TaskShape:
+        return cls()
+
+    @_refusing
+    def __call__(self, o: OpenCtx) -> Continue | Refuse:
+        content = o.content
+        if isinstance(content, dict):
+            check_task(content)
+            if "diff" in content and "diff_loc" not in o.meta:
+                o.meta["diff_loc"] = count_changed_lines(content["diff"])  # C speed: no stall at SYN
+        return CONTINUE
+
+
+class StreamSlot:
+    """Room in the stream table (EWINDOW at max_streams) and a stream id not in use (EPROTO)."""
+
+    name: ClassVar[str] = "stream_slot"
+    __slots__ = ("streams",)
+
+    def __init__(self, streams: StreamTable) -> None:
+        self.streams = streams
+
+    @classmethod
+    def of(cls, parts: OpenParts) -> StreamSlot:
+        return cls(parts.streams)
+
+    @_refusing
+    def __call__(self, o: OpenCtx) -> Continue | Refuse:
+        self.streams.admit(o.tenant, o.stream_id)
+        return CONTINUE
+
+
+class ClientBudget:
+    """meta.budget decoded as the budget the client asks for (EPROTO when malformed)."""
+
+    name: ClassVar[str] = "client_budget"
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, parts: OpenParts) -> ClientBudget:
+        return cls()
+
+    def __call__(self, o: OpenCtx) -> Continue | Refuse:
+        b = o.meta.get("budget")
+        if b is None:
+            o.client_budget = None
+            return CONTINUE
+        try:
+            o.client_budget = msgspec.convert(b, Budget)
+        except msgspec.ValidationError as e:
+            return Refuse(ErrorCode.EPROTO, f"meta.budget: {e}")
+        return CONTINUE
+
+
+class TenantAdmission:
+    """Spec §11 AuthZ: role, task types, data categories (ESEC), stream quota and rate (EWINDOW); QoS and budget capped."""
+
+    name: ClassVar[str] = "tenant_admission"
+    __slots__ = ("admission", "client_spec", "streams")
+
+    def __init__(self, admission: StreamAdmission, client_spec: Callable[[str], ClientSpec],
+                 streams: StreamTable) -> None:
+        self.admission = admission
+        self.client_spec = client_spec
+        self.streams = streams
+
+    @classmethod
+    def of(cls, parts: OpenParts) -> TenantAdmission:
+        return cls(parts.admission, parts.client_spec, parts.streams)
+
+    def __call__(self, o: OpenCtx) -> Continue | Refuse:
+        tenant = o.tenant
+        decision = self.admission.decide(
+            o.identity, self.client_spec(tenant), task_type=str(o.meta.get("task_type", "")), qos=o.qos,
+            budget=o.client_budget, labels=data_scope_labels(o.meta),
+            open_streams=self.streams.tenant_open[tenant], now=o.now)
+        if isinstance(decision, Refuse):
+            return decision
+        o.client_budget, o.admitted_qos = decision.budget, decision.qos
+        return CONTINUE
+
+
+class FibLookup:
+    """The running RIB generation's FIB lookup with live next-hop health (EAGENTDOWN: no route)."""
+
+    name: ClassVar[str] = "route"
+    __slots__ = ("control", "generation", "learning")
+
+    def __init__(self, generation: Callable[[], Generation], learning: Learning, control: ControlPlane) -> None:
+        self.generation = generation
+        self.learning = learning
+        self.control = control
+
+    @classmethod
+    def of(cls, parts: OpenParts) -> FibLookup:
+        return cls(parts.generation, parts.learning, parts.control)
+
+    @_refusing
+    def __call__(self, o: OpenCtx) -> Continue | Refuse:
+        o.gen = gen = self.generation()
+        self.learning.sync(gen)
+        o.route = gen.fib.lookup(o.meta, health=self.control.health(gen, o.now), live=self.learning.live_view())
+        return CONTINUE
+
+
+class Bandit:
+    """The policy's bandit orders the route's next-hops for this task (its decision kept to learn from)."""
+
+    name: ClassVar[str] = "bandit"
+    __slots__ = ("learning",)
+
+    def __init__(self, learning: Learning) -> None:
+        self.learning = learning
+
+    @classmethod
+    def of(cls, parts: OpenParts) -> Bandit:
+        return cls(parts.learning)
+
+    @_refusing
+    def __call__(self, o: OpenCtx) -> Continue | Refuse:
+        route, gen = o.route, o.gen
+        assert route is not None and gen is not None, "bandit runs after route"
+        policy_budget = min_budget(o.client_budget, route.budget)
+        o.route, o.decision = self.learning.route(
+            route, gen, o.meta, o.content, tenant=o.tenant,
+            budget_usd_micros=usd_to_micros(policy_budget.usd) if policy_budget.usd is not None else None,
+            qos=o.admitted_qos or route.qos)
+        return CONTINUE
+
+
+class BudgetOpen:
+    """The stream's ledger account opened under the tenant's, at the tighter of client and policy budget (EBUDGET)."""
+
+    name: ClassVar[str] = "budget_open"
+    __slots__ = ("client_account", "ledger")
+
+    def __init__(self, ledger: BudgetLedger, client_account: Callable[[str], str]) -> None:
+        self.ledger = ledger
+        self.client_account = client_account
+
+    @classmethod
+    def of(cls, parts: OpenParts) -> BudgetOpen:
+        return cls(parts.ledger, parts.client_account)
+
+    @_refusing
+    def __call__(self, o: OpenCtx) -> Continue | Refuse:
+        assert o.route is not None, "budget_open runs after route"
+        o.budget = budget = min_budget(o.client_budget, o.route.budget)
+        # A shared ledger may refuse (its store unreachable, EBUDGET; atp_router.deploy.cluster).
+        self.ledger.open(o.account, Allowance.from_budget(budget), parent=self.client_account(o.tenant))
+        return CONTINUE
+
+
+#: The router's SYN pipeline, in order (module docstring).
+DEFAULT_STAGES: Final[tuple[StageType, ...]] = (
+    ContextScope, TaskShape, StreamSlot, ClientBudget, TenantAdmission, FibLookup, Bandit, BudgetOpen)
+
+
+# ------------------------------------------------------------------ the pipeline
+def run_stages(stages: Sequence[Stage], o: OpenCtx) -> Refuse | None:
+    """Run ``stages`` on ``o`` in order; the first :class:`Refuse` stops them and
+    is returned. None: every stage continued (``o`` holds their decisions)."""
+    for stage in stages:
+        r = stage(o)
+        if r is not CONTINUE:
+            assert isinstance(r, Refuse), f"stage {stage.name} returned {r!r}"
+            return r
+    return None
+
+
+def _index(stages: Sequence[StageType], name: str) -> int:
+    for i, s in enumerate(stages):
+        if s.name == name:
+            return i
+    raise KeyError(f"no SYN stage named {name!r} (stages: {', '.join(s.name for s in stages)})")
+
+
+def replace_stage(stages: Sequence[StageType], name: str, new: StageType) -> list[StageType]:
+    """``stages`` with the stage named ``name`` replaced by ``new`` (KeyError: none of that name)."""
+    out = list(stages)
+    out[_index(out, name)] = new
+    return out
+
+
+def insert_stage(stages: Sequence[StageType], new: StageType, *, before: str | None = None,
+                 after: str | None = None) -> list[StageType]:
+    """``stages`` with ``new`` inserted before or after the stage named so (at the end: neither)."""
+    out = list(stages)
+    if before is not None:
+        out.insert(_index(out, before), new)
+    elif after is not None:
+        out.insert(_index(out, after) + 1, new)
+    else:
+        out.append(new)
+    return out
+
+
+def describe(stages: Sequence[StageType | Stage]) -> list[tuple[str, str]]:
+    """``(name, first line of its docstring)`` of each stage (a stage type or a built stage), in order."""
+    out = []
+    for s in stages:
+        doc = (type(s).__doc__ if not isinstance(s, type) else s.__doc__) or ""
+        out.append((s.name, doc.strip().splitlines()[0] if doc.strip() else ""))
+    return out
+
+
+# ------------------------------------------------------------------ helpers
+def check_task(content: Any) -> None:
+    """The task body fields the router itself reads (``diff`` for ``diff_loc``,
+    ``files`` for consensus evidence) must have their documented shapes:
+    ``{"diff": str, "files": {path: text}}``. Raises LocalProtocolError(EPROTO)."""
+    if not isinstance(content, dict):
+        raise LocalProtocolError(ErrorCode.EPROTO, "task content must be an object")
+    diff = content.get("diff")
+    if diff is not None and not isinstance(diff, str):
+        raise LocalProtocolError(ErrorCode.EPROTO, "task content.diff must be a string (a unified diff)")
+    files = content.get("files")
+    if files is not None and not (
+        isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+    ):
+        raise LocalProtocolError(ErrorCode.EPROTO, "task content.files must map paths to file text")
+
+
+def min_budget(client: Budget | None, policy: Any) -> Budget:
+    """The tighter of the client's and the policy's budget on each axis."""
+    pu = getattr(policy, "usd", None) if policy is not None else None
+    pt = getattr(policy, "tokens", None) if policy is not None else None
+    cu = client.usd if client is not None else None
+    ct = client.tokens if client is not None else None
+    usd = min((x for x in (pu, cu) if x is not None), default=None)
+    tokens = min((x for x in (pt, ct) if x is not None), default=None)
+    return Budget(usd=usd, tokens=tokens)
+

@@ -1,0 +1,617 @@
+"""The durable-state interface (issue 7): what the router keeps across a crash.
+
+Callers hold a :class:`Store` and never learn its backend: the embedded SQLite
+default (:mod:`atp_router.store.sqlite`) or Redis, shared by several routers
+(:mod:`atp_router.store.redis`). Every mutating method is durable when it returns (for
+the SQLite default: across a process kill -9; for Redis: as its AOF is
+configured; see there). It holds
+
+* **budget ledgers** (spec §5.1): accounts ``(key, parent, limit, committed,
+  overage, open)`` and open reservations ``(id, account, tokens, usd_micros)``,
+  in tokens and integer USD micros. :class:`StoreJournal` feeds them from a
+  :class:`~atp_router.flow.budget.BudgetLedger`; :meth:`Store.load_ledger` gives the
+  :class:`~atp_router.flow.budget.LedgerSnapshot` to rebuild it;
+* **streams** (spec §8 resumption) keyed by ``(tenant, session_id, stream_id)``:
+  a :class:`StreamRecord`, its idempotency key, and its outbound event log;
+* **RIB versions** (the active policy and who set it);
+* the **audit** chain (:mod:`atp_router.security.audit`) and its MACed checkpoint;
+* a small **kv** for the router's own keys;
+* the **response cache** (spec §13, :mod:`atp_router.policy.cache`): values under
+  32-byte content keys with their tenant (None: shared), expiry and last use,
+  bounded in bytes (expired first, then least recently used, are dropped).
+* the **nonces of signed frames** (spec §11 replay, issue 19): each
+  ``(tenant, key id, meta.nonce)`` a router accepted, until the end of its
+  timestamp window (:meth:`Store.record_nonce`), so a frame replayed after a
+  restart, on another worker or on another router of the store is refused.
+  Bounded: at most ``max_per_tenant`` unexpired nonces per tenant (past it the
+  call is refused, nothing stored), expired ones swept a bounded batch at a time
+  (:data:`NONCE_SWEEP` per call).
+
+Recovery after a crash (:meth:`Store.recover`, :meth:`Store.interrupt_open_streams`):
+a reservation still open belonged to a call whose outcome is unknown — it may
+have run and been billed by its provider. It is committed at its reserved amount
+(what the caller allowed the call to spend: it cuts calls before they pass their
+reservation), never released: **a budget never resurrects**. The cost is that an
+unknown call is charged its estimate rather than its actual usage. A stream open
+at the crash becomes ``"interrupted"``; the router reports it with an RST naming
+the crash and never runs it again.
+
+Several router processes on one store (``atp-router --workers N``, issue 10;
+several machines on Redis, issue 12): the ``*_shared`` ledger methods
+(the :class:`~atp_router.flow.budget.SharedAccounts` of a
+:class:`~atp_router.flow.budget.SharedBudgetLedger`) check and hold budget along an
+account's chain in one atomic step across processes; reservations, accounts
+and streams carry the ``owner`` process, and when an owner dies the same crash
+rule settles what it left (``recover(owner)``, ``close_owned_accounts(owner)``,
+``interrupt_open_streams(..., owner=)``). RIB versions are handed out by the
+store (:meth:`Store.next_rib_version`) so every process numbers a reload
+alike, and audit records are chained at the store's head
+(:meth:`Store.append_audit_chained`).
+
+Routers on several machines (issue 12, :class:`~atp_router.store.redis.RedisStore`)
+also keep **leases** in the store: each router process renews its own
+(:meth:`Store.heartbeat`), the others see it in :meth:`Store.live_owners`, and an
+owner whose lease expired while it still holds reservations, accounts or open
+streams is listed by :meth:`Store.lost_owners`; one survivor takes an expiring
+:meth:`Store.claim` on settling it and gives its reservations back
+(:meth:`Store.release_owned`: a call re-run elsewhere is what gets charged,
+nothing twice). Shared values that several routers change (learning
+statistics, breaker state) go through :meth:`Store.update`, an atomic
+read-modify-write of one kv key.
+
+Errors: :class:`StoreError` and its subclasses :class:`SchemaError` (a state
+directory this version cannot read), :class:`StoreLimitError` (a bound was hit:
+frame size, events per stream), :class:`NotFound` (an unknown reservation,
+account or stream; also a ``KeyError``) and :class:`StoreUnavailable` (a store
+on the network cannot be reached, or lost its data: spend is refused while it
+lasts).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal, Self
+
+from msgspec import Struct
+
+from atp_router.flow.budget import (
+    Allowance,
+    Charge,
+    LedgerSnapshot,
+    Reservation,
+    SharedResult,
+)
+from atp_router.store.audit_records import AuditCheckpoint, AuditRecord
+from atp_router.wire.frame import Budget, QoS
+
+__all__ = [
+    "NONCE_FIELD_MAX",
+    "NONCE_SWEEP",
+    "CachePut",
+    "CacheStats",
+    "NotFound",
+    "SchemaError",
+    "Store",
+    "StoreError",
+    "StoreJournal",
+    "StoreLimitError",
+    "StoreUnavailable",
+    "StoredEvent",
+    "StreamRecord",
+    "StreamState",
+]
+
+StreamState = Literal["open", "closed", "interrupted"]
+
+#: Expired nonces each :meth:`Store.record_nonce` call removes at most (a bounded
+#: sweep: every call adds one and removes up to this many, so a backlog shrinks).
+NONCE_SWEEP = 32
+#: The longest tenant, key id or nonce :meth:`Store.record_nonce` stores (characters).
+NONCE_FIELD_MAX = 256
+
+
+class StoreError(Exception):
+    """A durable-state operation failed."""
+
+
+class SchemaError(StoreError):
+    """The state directory holds a schema this router cannot use (newer, or not ours)."""
+
+
+class StoreLimitError(StoreError):
+    """A bound was hit: ``limit`` names it (``"event_bytes"``, ``"events_per_stream"``)."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached (connection refused or reset, a timeout, a
+    server still loading its data) or it lost its data (a Redis restarted
+    without persistence: see :class:`~atp_router.store.redis.RedisStore`, epoch).
+    Nothing was decided: spend must be refused while it lasts; the operation
+    may be retried later. A write that timed out may or may not have been
+    applied (a retried commit then finds its reservation gone: :class:`NotFound`)."""
+
+
+class NotFound(StoreError, KeyError):
+    """No such reservation, account or stream."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class StreamRecord(Struct, frozen=True, forbid_unknown_fields=True):
+    """A stream as the router opened it (spec §8). ``tenant`` is the RIB client
+    that owns it; ``meta`` the SYN's meta; ``created_ms`` / ``closed_ms`` are
+    Unix ms; ``state`` ends ``"closed"`` (FIN or RST sent) or ``"interrupted"``
+    (open when the router crashed), with ``close_reason``. ``owner`` names the
+    router process running it when several share the store (``None``: a
+    single-process router)."""
+
+    tenant: str
+    session_id: str
+    stream_id: str
+    idempotency_key: str | None
+    meta: dict[str, Any]
+    qos: QoS | None
+    budget: Budget | None
+    created_ms: int
+    state: StreamState = "open"
+    close_reason: str | None = None
+    closed_ms: int | None = None
+    owner: str | None = None
+
+
+class StoredEvent(Struct, frozen=True, forbid_unknown_fields=True):
+    """One outbound event of a stream's log: its id (1, 2, … per stream), SDK
+    event type (``"SYN_ACK"``, ``"FINAL"``, …) and the encoded frame bytes."""
+
+    event_id: int
+    type: str
+    frame: bytes
+
+
+class CacheStats(Struct, frozen=True, forbid_unknown_fields=True):
+    """The response cache's size: ``entries`` and ``bytes`` of their stored values."""
+
+    entries: int = 0
+    bytes: int = 0
+
+
+class CachePut(Struct, frozen=True, forbid_unknown_fields=True):
+    """What :meth:`Store.cache_put` did: whether the value was ``stored``, how
+    many entries it dropped as ``expired`` and ``evicted`` for room (least
+    recently used first), and the cache's size afterwards (``stats``)."""
+
+    stored: bool
+    expired: int = 0
+    evicted: int = 0
+    stats: CacheStats = CacheStats()
+
+
+class Store(ABC):
+    """Durable router state (see the module docstring). Every mutating method is
+    its own atomic, durable transaction; methods are synchronous and small.
+    Tenant data is keyed by tenant: streams, idempotency keys and event logs by
+    ``(tenant, session_id, stream_id)`` or ``(tenant, key)``."""
+
+    # ------------------------------------------------------------ budget ledgers
+    @abstractmethod
+    def open_account(self, key: str, parent: str | None, limit: Allowance) -> None:
+        """Create account ``key`` (or re-create a closed one, from zero) under
+        ``parent`` with ``limit``. Raises :class:`StoreError` if an open account
+        ``key`` exists, :class:`NotFound` if ``parent`` is not open."""
+
+    @abstractmethod
+    def close_account(self, key: str) -> None:
+        """Mark account ``key`` closed (its spend stays in its ancestors; it is
+        no longer part of :meth:`load_ledger`). Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def reserve(self, reservation: Reservation) -> None:
+        """Record open ``reservation`` (tokens, USD micros on ``reservation.key``);
+        the same id again records an extend (the new totals). Raises
+        :class:`NotFound` if the account is not open."""
+
+    @abstractmethod
+    def release(self, reservation_id: int) -> None:
+        """Remove an open reservation with no charge. Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def commit(self, reservation_id: int, charge: Charge) -> None:
+        """In one transaction: add ``charge`` (committed tokens / USD micros and
+        overage) to the reservation's account and every ancestor, and remove
+        the reservation. Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def set_limit(self, key: str, limit: Allowance) -> None:
+        """Set account ``key``'s own limit. Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def load_ledger(self) -> LedgerSnapshot:
+        """The open accounts and reservations as a
+        :class:`~atp_router.flow.budget.LedgerSnapshot` for
+        :meth:`~atp_router.flow.budget.BudgetLedger.restore`."""
+
+    @abstractmethod
+    def recover(self, owner: str | None = None) -> list[Reservation]:
+        """Commit every open reservation (``owner``: every one that process
+        left) at its reserved amount (the crash rule of the module docstring)
+        and return them, in id order."""
+
+    @abstractmethod
+    def close_owned_accounts(self, owner: str | None = None) -> int:
+        """Close every open account ``owner`` opened (``None``: every account
+        with an owner) — a dead process's stream accounts; returns how many."""
+
+    # ------------------------------------------- shared budget ledger (workers)
+    @abstractmethod
+    def open_shared(self, key: str, parent: str | None, limit: Allowance, *, owner: str | None) -> SharedResult:
+        """:meth:`SharedAccounts.open_shared <atp_router.flow.budget.SharedAccounts.open_shared>`:
+        a root account already open is adopted (its limit set, clamped); a child
+        is created for ``owner``. Raises :class:`NotFound` (parent not open),
+        :class:`StoreError` (child already open)."""
+
+    @abstractmethod
+    def close_shared(self, key: str) -> None:
+        """Close child account ``key``. Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str,
+                       request: str = "") -> SharedResult:
+        """In one atomic step: if every account of ``key``'s chain has
+        ``limit - committed - reserved >= amount`` on both axes, record a new
+        reservation (a fresh id, never reused) for ``owner`` and hold it along
+        the chain; else a refusal (nothing changed). ``request`` names the call
+        for :meth:`cancel_reserve_shared` (``""``: none). Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def cancel_reserve_shared(self, request: str) -> bool:
+        """Undo the :meth:`reserve_shared` call named ``request`` whose answer
+        was lost (a timeout): release its reservation if it was made, and make
+        the call a no-op if the store runs it after this. True when one was
+        released."""
+
+    @abstractmethod
+    def extend_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:
+        """Atomically grow an open reservation by ``tokens`` / ``usd_micros`` if
+        the chain can hold them, else a refusal. Raises :class:`NotFound`, or
+        :class:`StoreError` when the store holds other amounts for it."""
+
+    @abstractmethod
+    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                      request: str = "") -> SharedResult:
+        """Atomically settle ``reservation`` with its actual usage: charged
+        ``min(actual, the chain's room once its hold is lifted)`` per axis,
+        the rest recorded as overage. ``request`` names the call for
+        :meth:`recommit_shared` (``""``: none). Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def recommit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                        request: str) -> SharedResult:
+        """Settle a commit whose first attempt (named ``request``) lost its
+        answer, charging exactly ``tokens`` / ``usd_micros`` (at most the
+        reservation's; no overage): if that attempt was applied, its charge is
+        corrected to these amounts; else this one applies, and the first is
+        refused if it runs later. Raises :class:`NotFound` (the reservation
+        settled otherwise, and no first attempt on record)."""
+
+    @abstractmethod
+    def release_shared(self, reservation: Reservation) -> SharedResult:
+        """Settle ``reservation`` with no charge. Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def set_limit_shared(self, key: str, limit: Allowance, *, clamp: bool) -> SharedResult:
+        """Atomically set ``key``'s own limit; below what it holds: clamped to
+        it (``clamp``) or a refusal. Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def shared_totals(self, key: str) -> SharedResult:
+        """``key``'s chain as it stands. Raises :class:`NotFound`."""
+
+    # ------------------------------------------- router leases (several routers)
+    @abstractmethod
+    def heartbeat(self, owner: str, *, ttl_ms: int, now_ms: int, info: Mapping[str, Any]) -> None:
+        """(Re)set process ``owner``'s lease to expire ``ttl_ms`` ms from now,
+        keeping ``info`` (JSON-able, e.g. ``{"url": ..., "started_ms": ...}``)
+        with it. ``now_ms`` is the caller's Unix ms; a backend with a clock of
+        its own (Redis) times the lease by it instead, so hosts never compare
+        wall clocks. Raises ``ValueError`` when ``ttl_ms < 1``."""
+
+    @abstractmethod
+    def live_owners(self, *, now_ms: int) -> dict[str, dict[str, Any]]:
+        """``owner -> info`` of every lease that has not expired at ``now_ms``
+        (Unix ms; Redis: by its own clock)."""
+
+    @abstractmethod
+    def drop_lease(self, owner: str) -> None:
+        """Remove ``owner``'s lease (a clean shutdown); nothing if it has none."""
+
+    @abstractmethod
+    def lost_owners(self, *, now_ms: int) -> list[str]:
+        """The owners (never ``None``), sorted, that still own an open
+        reservation, an open account or an open stream and have no live lease
+        at ``now_ms`` — router processes that died (or lost the store for
+        longer than their lease) and must be settled."""
+
+    @abstractmethod
+    def claim(self, name: str, holder: str, *, ttl_ms: int, now_ms: int) -> bool:
+        """An expiring mutual-exclusion claim on ``name``: True if ``holder``
+        holds it now for ``ttl_ms`` ms (taken, or extended when it held it
+        already), False while another holder's claim lasts. Used for "who
+        settles lost router X" and "who re-runs idempotency key K". Raises
+        ``ValueError`` when ``ttl_ms < 1``."""
+
+    @abstractmethod
+    def release_owned(self, owner: str) -> list[Reservation]:
+        """Give back (charge nothing) every open reservation ``owner`` holds,
+        each atomically along its account chain; returns them in id order. The
+        lease-expiry rule of issue 12: the call is re-run elsewhere and that
+        run is what gets charged — nothing twice (compare :meth:`recover`, the
+        restart rule of a single router, which charges what was reserved).
+        Raises ``ValueError`` for an empty ``owner``."""
+
+    @abstractmethod
+    def update(self, key: str, fn: Callable[[bytes | None], bytes | None]) -> bytes | None:
+        """Atomic read-modify-write of kv ``key``: ``fn(current value or None)``
+        gives the new value (``None`` deletes the key); when another process
+        changed the key meanwhile, ``fn`` is called again on the new value
+        (keep it pure). Returns the value stored (``None``: deleted)."""
+
+    # ------------------------------------------- replay nonces (signed frames)
+    @abstractmethod
+    def record_nonce(self, tenant: str, kid: str, nonce: str, *, now_ms: int, expires_ms: int,
+                     max_per_tenant: int) -> bool:
+        """Atomically record that ``tenant`` used ``nonce`` in a frame signed with
+        key ``kid`` (spec §11 replay), kept until ``expires_ms`` (Unix ms: the end
+        of the frame's timestamp window; the caller adds its clock slack). Returns
+        True when it was fresh (now recorded), False when an unexpired record of
+        the same ``(tenant, kid, nonce)`` exists — a replay, nothing changed. The
+        key is the three strings as such: no separator a client-chosen id could
+        forge. ``now_ms`` is the caller's Unix ms: records with ``expires_ms <=
+        now_ms`` are gone for it, and up to :data:`NONCE_SWEEP` of them are swept
+        by the call.
+
+        Raises :class:`StoreLimitError` (``limit`` ``"nonces_per_tenant"``, nothing
+        recorded) when ``tenant`` already holds ``max_per_tenant`` unexpired
+        nonces, ``ValueError`` for an empty or over-long (:data:`NONCE_FIELD_MAX`)
+        field, ``expires_ms <= now_ms`` or ``max_per_tenant < 1``, and
+        :class:`StoreUnavailable` as every call (the caller must then refuse
+        the frame: it cannot tell a replay)."""
+
+    # ------------------------------------------------------------------ streams
+    @abstractmethod
+    def put_stream(self, record: StreamRecord) -> None:
+        """Store ``record``; a record with the same ``(tenant, session_id,
+        stream_id)`` is replaced and its events dropped (a finished stream's
+        id reused)."""
+
+    @abstractmethod
+    def close_stream(self, tenant: str, session_id: str, stream_id: str, *, reason: str, closed_ms: int) -> None:
+        """Mark the stream ``"closed"`` with ``reason`` at ``closed_ms`` (Unix ms).
+        Raises :class:`NotFound`."""
+
+    @abstractmethod
+    def get_stream(self, tenant: str, session_id: str, stream_id: str) -> StreamRecord | None:
+        """The stream's record, or ``None`` (also for another tenant's stream)."""
+
+    @abstractmethod
+    def find_idempotent(self, tenant: str, idempotency_key: str) -> StreamRecord | None:
+        """The newest stream ``tenant`` opened with ``idempotency_key``, or ``None``."""
+
+    @abstractmethod
+    def find_stream(self, tenant: str, stream_id: str) -> StreamRecord | None:
+        """``tenant``'s newest stream ``stream_id`` (any session), or None; another
+        tenant's stream of that id is never returned (no oracle)."""
+
+    @abstractmethod
+    def append_event(self, tenant: str, session_id: str, stream_id: str, event_id: int, type: str,
+                     frame: bytes) -> None:
+        """Append event ``event_id`` (the next id of the stream's log, from 1) of
+        ``type`` with the encoded ``frame``; allowed in every state (the RST of
+        an interrupted stream is appended after :meth:`interrupt_open_streams`).
+        Appending exactly the event already stored under ``event_id`` (type and
+        frame) changes nothing and raises nothing: a retried write whose first
+        attempt was applied (a timeout of a shared store). Raises
+        :class:`NotFound` for an unknown stream, :class:`StoreLimitError` when
+        the frame or the stream's event count passes the store's bounds,
+        :class:`StoreError` when another event is stored under ``event_id``."""
+
+    @abstractmethod
+    def events(self, tenant: str, session_id: str, stream_id: str, after: int = 0) -> list[StoredEvent]:
+        """The stream's events with id > ``after``, in id order (empty if unknown)."""
+
+    @abstractmethod
+    def interrupt_open_streams(self, reason: str, *, now_ms: int, owner: str | None = None) -> list[StreamRecord]:
+        """At start-up, or when process ``owner`` died: every ``"open"`` stream
+        (of ``owner``) becomes ``"interrupted"`` with ``reason`` at ``now_ms``;
+        returns the updated records."""
+
+    @abstractmethod
+    def expire(self, before_ms: int) -> int:
+        """Drop streams closed or interrupted before ``before_ms`` (Unix ms) with
+        their events, and closed ledger accounts without open children;
+        returns how many streams were dropped."""
+
+    # --------------------------------------------------------------------- RIB
+    @abstractmethod
+    def save_rib(self, version: int, text: str, source: str, actor: str) -> None:
+        """Make RIB ``version`` (its YAML ``text``, where it came from, who set
+        it) the active one. Older versions may be pruned."""
+
+    @abstractmethod
+    def active_rib(self) -> tuple[int, str, str] | None:
+        """``(version, text, source)`` of the active RIB, or ``None``."""
+
+    @abstractmethod
+    def active_rib_version(self) -> int | None:
+        """The active RIB's version, or ``None`` (cheap: polled by workers)."""
+
+    @abstractmethod
+    def next_rib_version(self) -> int:
+        """A RIB version no process has used (above every stored one): the
+        number a reload compiles its generation with."""
+
+    # ------------------------------------------------------------------- audit
+    @abstractmethod
+    def append_audit(self, record: AuditRecord) -> None:
+        """Append ``record`` (append-only; its ``seq`` must be new, else
+        :class:`StoreError`)."""
+
+    @abstractmethod
+    def append_audit_chained(self, build: Callable[[int, str], AuditRecord]) -> AuditRecord:
+        """Append ``build(head_seq, head_hash)`` — the record chained to the
+        stored head (``(0, GENESIS)`` when empty) — in one atomic step, so
+        several processes extend one chain; returns it."""
+
+    @abstractmethod
+    def audit_records(self, after: int = 0, limit: int | None = None) -> list[AuditRecord]:
+        """Audit records with ``seq`` > ``after``, in ``seq`` order, at most
+        ``limit`` of them (``None``: all)."""
+
+    @abstractmethod
+    def audit_head(self) -> AuditRecord | None:
+        """The audit record with the highest ``seq``, or ``None``."""
+
+    @abstractmethod
+    def audit_checkpoint(self) -> AuditCheckpoint | None:
+        """The latest MACed audit checkpoint, or ``None``."""
+
+    @abstractmethod
+    def audit_checkpoints(self) -> list[AuditCheckpoint]:
+        """Every stored audit checkpoint, in ``seq`` order (each narrows where a
+        rewritten chain went wrong)."""
+
+    @abstractmethod
+    def put_audit_checkpoint(self, checkpoint: AuditCheckpoint) -> None:
+        """Store a new audit checkpoint (the latest is the one with the highest
+        ``seq``)."""
+
+    # ---------------------------------------------------------------------- kv
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The router's value under ``key``, or ``None``."""
+
+    @abstractmethod
+    def items(self, prefix: str) -> list[tuple[str, bytes]]:
+        """Every ``(key, value)`` of the key-value area whose key starts with ``prefix``."""
+
+    @abstractmethod
+    def put(self, key: str, value: bytes) -> None:
+        """Set the router's value under ``key``."""
+
+    # ------------------------------------------------------- response cache
+    @abstractmethod
+    def cache_get(self, key: bytes, *, now_ms: int) -> bytes | None:
+        """The response-cache value under ``key`` (:mod:`atp_router.policy.cache`), or
+        ``None`` when there is none or it expired (``expires_ms <= now_ms``,
+        Unix ms). A hit marks the entry used at ``now_ms`` (eviction is least
+        recently used first)."""
+
+    @abstractmethod
+    def cache_put(self, key: bytes, value: bytes, *, tenant: str | None, now_ms: int, expires_ms: int,
+                  max_bytes: int, tenant_max_bytes: int | None = None) -> CachePut:
+        """In one transaction: store ``value`` under ``key`` (replacing it) for
+        ``tenant`` (None: a shared entry) until ``expires_ms``, then drop every
+        expired entry and, least recently used first, as many others as it takes
+        to keep the stored values within ``max_bytes`` bytes. A value larger than
+        ``max_bytes`` is not stored (``CachePut.stored`` false).
+
+        With ``tenant_max_bytes`` (the per-tenant budget): ``tenant`` is the
+        entry's owner, the tenant whose call made it; only that tenant's own
+        least recently used entries are dropped, until its entries and the value
+        fit in ``tenant_max_bytes``, and the value is not stored when the whole
+        cache could then not hold it within ``max_bytes``: another tenant's entry
+        is never evicted."""
+
+    @abstractmethod
+    def cache_drop(self, key: bytes) -> None:
+        """Remove the entry under ``key`` if there is one (a value that did not decode)."""
+
+    @abstractmethod
+    def cache_stats(self) -> CacheStats:
+        """How many entries the response cache holds and their values' bytes."""
+
+    # -------------------------------------------------------------- lifecycle
+    @abstractmethod
+    def batch(self) -> AbstractContextManager[None]:
+        """Group commit: the mutating calls made inside the block are durable
+        together when it ends (a call that raised is undone alone). Backends
+        without transactions make each call durable on its own (the default).
+        A backend that sends the block's writes when it ends (Redis) raises
+        their errors (:class:`NotFound`, :class:`StoreLimitError`, …) there
+        rather than at the call; an exception inside the block drops them."""
+        return nullcontext()
+
+    @property
+    def available(self) -> bool:
+        """Whether the store answered its last call (False while a network
+        store is unreachable: calls raise :class:`StoreUnavailable` at once
+        for a short back-off). Always True for an embedded store."""
+        return True
+
+    def describe(self) -> str:
+        """Where the state lives, for logs and the status page (no secrets:
+        a URL's password is masked)."""
+        return type(self).__name__
+
+    def close(self) -> None:
+        """Release the backend (idempotent)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_nonce_args(tenant: str, kid: str, nonce: str, now_ms: int, expires_ms: int, max_per_tenant: int) -> None:
+    """The argument checks of :meth:`Store.record_nonce` (every backend's):
+    ``ValueError`` naming the first one that fails."""
+    for name, v in (("tenant", tenant), ("kid", kid), ("nonce", nonce)):
+        if not isinstance(v, str) or not 0 < len(v) <= NONCE_FIELD_MAX:
+            raise ValueError(f"record_nonce: {name} must be a string of 1-{NONCE_FIELD_MAX} characters")
+    if expires_ms <= now_ms:
+        raise ValueError(f"record_nonce: expires_ms ({expires_ms}) must be after now_ms ({now_ms})")
+    if max_per_tenant < 1:
+        raise ValueError(f"record_nonce: max_per_tenant must be >= 1, got {max_per_tenant}")
+
+
+def nonce_limit_error(tenant: str, max_per_tenant: int) -> StoreLimitError:
+    """The :class:`StoreLimitError` of a tenant holding ``max_per_tenant`` nonces."""
+    return StoreLimitError("nonces_per_tenant", f"tenant {tenant!r} already holds {max_per_tenant} unexpired nonces "
+                                                "of signed frames (the store's bound per tenant)")
+
+
+class StoreJournal:
+    """A :class:`~atp_router.flow.budget.LedgerJournal` writing every ledger mutation to
+    ``store``: ``BudgetLedger(journal=StoreJournal(store))``. Store errors
+    propagate to the ledger's caller."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def on_open(self, key: str, parent: str | None, limit: Allowance) -> None:
+        self.store.open_account(key, parent, limit)
+
+    def on_close(self, key: str) -> None:
+        self.store.close_account(key)
+
+    def on_reserve(self, reservation: Reservation) -> None:
+        self.store.reserve(reservation)
+
+    def on_extend(self, reservation: Reservation) -> None:
+        self.store.reserve(reservation)
+
+    def on_commit(self, reservation: Reservation, charge: Charge) -> None:
+        self.store.commit(reservation.id, charge)
+
+    def on_release(self, reservation: Reservation) -> None:
+        self.store.release(reservation.id)
+
+    def on_set_limit(self, key: str, limit: Allowance) -> None:
+        self.store.set_limit(key, limit)

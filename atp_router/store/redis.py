@@ -1,0 +1,771 @@
+"""The :class:`~atp_router.store.base.Store` several routers share (issue 12): Redis,
+through redis-py's synchronous client.
+
+Why synchronous: redis-py's async client is asyncio-only; the
+:class:`~atp_router.store.base.Store` interface is synchronous like the SQLite default,
+so the router calls it the same way (on its trio thread, or through
+``trio.to_thread.run_sync``: the client's connection pool is thread-safe).
+Every operation is **one round trip**: one ``EVALSHA`` of a Lua script
+(:mod:`atp_router.store._redis_lua`, loaded once with ``SCRIPT LOAD`` and again after
+a ``NOSCRIPT``), atomic on the server — a reserve checks and holds budget along
+the account's whole chain in one step, whatever other routers do at the same
+time. Ledger amounts are integers (tokens, USD micros), below 2**53 (Lua
+numbers are doubles). Reservation ids come from ``INCR``.
+
+Where: ``RedisStore.open("redis://[:password@]host:port/db", namespace="atp")``
+(also ``rediss://`` for TLS and ``unix:///path/redis.sock?db=0``); every key is
+``<namespace>:…``, so several deployments can share one server. One Redis
+server (or a Sentinel-managed primary): the scripts compute their keys, which
+Redis Cluster does not allow. :meth:`RedisStore.describe` and ``repr`` mask the
+password; it is never logged.
+
+Durability is Redis': with ``appendonly yes`` and ``appendfsync always`` an
+acknowledged write survives a kill -9 of Redis; with ``everysec`` (Redis'
+default for AOF) up to one second may be lost on a crash of the machine.
+
+Failures:
+
+* **fast fail**: the client times out after ``socket_timeout_s`` (connect:
+  ``connect_timeout_s``; both 0.5 s by default) and redis-py's own retries are
+  off. A connection error or timeout raises
+  :class:`~atp_router.store.base.StoreUnavailable`, and for ``backoff_s`` (0.5 s)
+  after it every call raises it at once, without I/O; then one call probes
+  again. So the caller's thread is never held longer than one socket timeout,
+  and :attr:`RedisStore.available` says which state the store is in. A write
+  that timed out may or may not have been applied — or be applied later, when
+  Redis reads it from the closed connection's buffer. So a shared reserve is
+  named (``request``, remembered :data:`REQUEST_TTL_MS`) and its caller cancels
+  a timed-out one (:meth:`RedisStore.cancel_reserve_shared`): the reservation
+  released if it was made, the reserve refused if it runs after the cancel —
+  nothing is held for good by a call whose answer was lost. A shared commit is
+  named too, and settled again by name (:meth:`RedisStore.recommit_shared`):
+  a first attempt Redis ran after all is corrected to the retry's amounts, one
+  it runs later is refused — charged once, at what the caller reported.
+* **epoch marker**: on open the store sets ``<ns>:epoch`` to a uuid unless it
+  is set (``SET NX``) and remembers it; every script checks it first. When it
+  is gone or another (Redis restarted without persistence, ``FLUSHALL``), the
+  store raises ``StoreUnavailable("redis lost its data …")`` on every call from
+  then on: an empty ledger must never be spent as if it were the real one.
+  Opening the store again (a router restart) starts a new epoch.
+
+Leases and claims are ``SET … PX ttl``: timed by Redis' clock, so routers on
+several hosts never compare wall clocks (the ``now_ms`` arguments are unused).
+:meth:`RedisStore.update` is a compare-and-set script retried on conflict.
+
+:meth:`RedisStore.batch` buffers the stream and kv writes made inside it
+(:meth:`put_stream`, :meth:`close_stream`, :meth:`append_event`, :meth:`put`)
+and sends them in one pipeline when it ends — the group commit of outbound
+events. Each write is still atomic on its own, but its errors (an unknown
+stream, a full one, a duplicate event) are raised when the batch ends, not at
+the call: one error as it is, several as one :class:`~atp_router.store.base.StoreError`
+naming the first. A call that returns something (a read, a ledger step) made
+inside the batch sends the writes buffered before it in the same round trip.
+An exception inside the block drops the buffered writes.
+
+Bounds are the SQLite store's: ``max_event_bytes`` per event (checked before
+anything is sent), ``max_events_per_stream``, the last :data:`RIB_KEPT` RIBs;
+:meth:`expire` drops finished streams (and closed accounts without open
+children) in steps of :data:`EXPIRE_STEP` streams per script; the response
+cache is bounded by each ``cache_put``'s ``max_bytes`` (least recently used
+dropped first) and its entries carry a ``PX`` TTL until they expire.
+The nonces of signed frames (:meth:`RedisStore.record_nonce`) live in one
+sorted set per tenant, scored by expiry (one atomic script: sweep up to
+:data:`~atp_router.store.base.NONCE_SWEEP` expired members, ``ZSCORE`` the nonce,
+``ZCOUNT`` the unexpired ones against the call's ``max_per_tenant``, ``ZADD``);
+the set carries a ``PX`` TTL until its last nonce expires, so a tenant gone
+quiet leaves nothing behind. Its key and members are JSON arrays (``[tenant]``,
+``[kid, nonce]``), like the stream keys: an id holding ``:`` cannot forge
+another's. Expiry is by the callers' clocks (Unix ms, the frames' own window).
+
+Errors: the :mod:`atp_router.store.base` ones, like SQLite (``NotFound``,
+``StoreLimitError``, ``StoreError``); ``SchemaError`` for a namespace written by
+another layout version or another application; ``StoreUnavailable`` as above.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import msgspec
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from atp_router.flow.budget import (
+    Allowance,
+    Charge,
+    LedgerSnapshot,
+    Reservation,
+    SharedResult,
+    refusal,
+)
+from atp_router.store._redis_lua import LAYOUT_VERSION, OPEN, SCRIPTS
+from atp_router.store.audit_records import GENESIS, AuditCheckpoint, AuditRecord
+from atp_router.store.base import (
+    NONCE_SWEEP,
+    CachePut,
+    CacheStats,
+    NotFound,
+    SchemaError,
+    Store,
+    StoredEvent,
+    StoreError,
+    StoreLimitError,
+    StoreUnavailable,
+    StreamRecord,
+    check_nonce_args,
+    nonce_limit_error,
+)
+from atp_router.store.sqlite import RIB_KEPT, _remaining, _totals, ledger_snapshot
+
+__all__ = ["EXPIRE_STEP", "REQUEST_TTL_MS", "RedisStore"]
+
+_APP = "atp-router"
+#: Streams :meth:`RedisStore.expire` drops per script (Redis runs one script at a time).
+EXPIRE_STEP = 500
+#: How long a named reserve call (``<ns>:rq:<request>``: its reservation id, or
+#: ``x`` once cancelled) is remembered, ms: far longer than a call can wait in
+#: Redis' input buffer after its caller gave up (a Redis paused for minutes).
+REQUEST_TTL_MS = 3_600_000
+#: Ledger amounts must stay below this (exact integers in Lua's doubles).
+_MAX_AMOUNT = 2**53
+#: Redis error codes that mean "the server cannot serve now", like a lost connection.
+_UNAVAILABLE_CODES = frozenset({"LOADING", "BUSY", "MASTERDOWN", "READONLY", "NOREPLICAS", "OOM", "TRYAGAIN",
+                                "CLUSTERDOWN", "NOAUTH"})
+#: Operations :meth:`RedisStore.batch` buffers.
+_DEFERRED = frozenset({"put_stream", "close_stream", "append_event", "kv_put"})
+
+
+@dataclass
+class _Batch:
+    depth: int = 0
+    ops: list[tuple[str, tuple]] = field(default_factory=list)
+    errors: list[StoreError] = field(default_factory=list)
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.batch = _Batch()
+
+
+class RedisStore(Store):
+    """:class:`~atp_router.store.base.Store` on a Redis server shared by several routers
+    (see the module docstring). Build it with :meth:`open`."""
+
+    def __init__(self, client: redis.Redis, *, url: str, namespace: str, epoch: str, max_event_bytes: int,
+                 max_events_per_stream: int, backoff_s: float) -> None:
+        self._client = client
+        self._url = url
+        self.namespace = namespace
+        self._prefix = namespace + ":"
+        self._epoch_key = self._prefix + "epoch"
+        self.epoch = epoch
+        self.max_event_bytes = max_event_bytes
+        self.max_events_per_stream = max_events_per_stream
+        self.backoff_s = backoff_s
+        self._sha = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in SCRIPTS.items()}
+        self._local = _Local()
+        # Fast fail: while monotonic() < _retry_at after a failure, calls raise at once.
+        self._up = True
+        self._retry_at = 0.0
+        self._down_reason = ""
+        self._lost = False
+
+    # ----------------------------------------------------------------- opening
+    @classmethod
+    def open(cls, url: str, *, namespace: str = "atp", socket_timeout_s: float = 0.5,
+             connect_timeout_s: float = 0.5, backoff_s: float = 0.5, max_event_bytes: int = 1 << 20,
+             max_events_per_stream: int = 10_000) -> RedisStore:
+        """Connect to the Redis at ``url`` (``redis://[[user]:password@]host[:port][/db]``,
+        ``rediss://…``, ``unix:///path?db=N``), check the namespace's layout, set
+        or read its epoch and load the scripts. ``socket_timeout_s`` /
+        ``connect_timeout_s`` bound every call (s; redis-py's URL options
+        ``?socket_timeout=S&socket_connect_timeout=S`` override them: a Redis
+        over a slower link), ``backoff_s`` is the fast-fail back-off (see the
+        module docstring). Raises ``ValueError`` for a bad URL
+        or namespace, :class:`~atp_router.store.base.StoreUnavailable` when Redis cannot
+        be reached, :class:`~atp_router.store.base.SchemaError` for a namespace of
+        another layout or application, :class:`~atp_router.store.base.StoreError` for
+        other refusals (a wrong password)."""
+        if not namespace or any(c.isspace() or c in "{}*?[]" for c in namespace):
+            raise ValueError(f"namespace must be non-empty, without spaces, braces or glob characters: {namespace!r}")
+        if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"not a Redis URL (redis://, rediss:// or unix://): {mask_url(url)}")
+        if min(socket_timeout_s, connect_timeout_s) <= 0 or backoff_s < 0:
+            raise ValueError("timeouts must be > 0 and backoff_s >= 0")
+        try:
+            client = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
+                                          retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
+                                          health_check_interval=0)
+        except ValueError as e:
+            raise ValueError(f"bad Redis URL {mask_url(url)}: {e}") from None
+        where = mask_url(url)
+        prefix = namespace + ":"
+        ours = f"{_APP}/{LAYOUT_VERSION}"
+        try:
+            found, epoch = client.eval(OPEN, 2, prefix + "layout", prefix + "epoch", ours, uuid.uuid4().hex)
+            if epoch is not None:
+                pipe = client.pipeline(transaction=False)
+                for src in SCRIPTS.values():
+                    pipe.script_load(src)
+                pipe.execute()
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            client.close()
+            if isinstance(e, redis.AuthenticationError):
+                raise StoreError(f"redis at {where} refused us: {e}") from None
+            raise StoreUnavailable(f"redis at {where} cannot be reached: {e}") from None
+        except RedisError as e:
+            client.close()
+            raise StoreError(f"redis at {where}: {e}") from None
+        if epoch is None:
+            client.close()
+            layout = found.decode(errors="replace")
+            app, _, version = layout.partition("/")
+            if app == _APP and version.isdigit() and int(version) > LAYOUT_VERSION:
+                raise SchemaError(f"redis {where} namespace {namespace!r}: layout version {version} is newer than "
+                                  f"this {_APP} supports ({LAYOUT_VERSION}); upgrade {_APP} or use another namespace")
+            raise SchemaError(f"redis {where} namespace {namespace!r} is not an {_APP} store (layout {layout!r})")
+        return cls(client, url=url, namespace=namespace, epoch=epoch.decode(), max_event_bytes=max_event_bytes,
+                   max_events_per_stream=max_events_per_stream, backoff_s=backoff_s)
+
+    def describe(self) -> str:
+        return f"{mask_url(self._url)} namespace {self.namespace}"
+
+    def __repr__(self) -> str:
+        return f"RedisStore({mask_url(self._url)!r}, namespace={self.namespace!r})"
+
+    @property
+    def available(self) -> bool:
+        return self._up and not self._lost
+
+    def close(self) -> None:
+        self._client.close()
+
+    # --------------------------------------------------------------- execution
+    def _check(self) -> None:
+        """Raise at once (no I/O) while the store is lost or in its back-off; past
+        the back-off, let this call probe and the others wait another back-off."""
+        if self._lost:
+            raise self._lost_error()
+        if not self._up:
+            now = time.monotonic()
+            if now < self._retry_at:
+                raise StoreUnavailable(self._down_reason)
+            self._retry_at = now + self.backoff_s
+
+    def _lost_error(self) -> StoreUnavailable:
+        return StoreUnavailable(f"redis lost its data: the epoch marker of namespace {self.namespace!r} at "
+                                f"{mask_url(self._url)} is gone or changed (restarted without persistence, or "
+                                "flushed); spend is refused until the routers are restarted on it")
+
+    def _down(self, e: Exception) -> StoreUnavailable:
+        self._up = False
+        self._retry_at = time.monotonic() + self.backoff_s
+        self._down_reason = f"redis at {mask_url(self._url)} unavailable: {e}"
+        return StoreUnavailable(self._down_reason)
+
+    def _args(self, name: str, args: Sequence[Any]) -> tuple:
+        return (self._sha[name], 1, self._epoch_key, self.epoch, self._prefix, *args)
+
+    def _run(self, name: str, *args: Any) -> Any:
+        """Run script ``name`` with ``args``; inside a batch, buffer it if it is a
+        buffered write (None), else send it with the buffered writes before it."""
+        b = self._local.batch
+        if b.depth and name in _DEFERRED:
+            # Buffered: no I/O now, so it must not take the probe of a back-off (the
+            # batch's own round trip at its end is the probe).
+            if self._lost or (not self._up and time.monotonic() < self._retry_at):
+                self._check()
+            b.ops.append((name, args))
+            return None
+        self._check()
+        if b.depth and b.ops:
+            ops, b.ops = [*b.ops, (name, args)], []
+            replies = self._pipeline(ops)
+            b.errors.extend(e for e in map(self._reply_error, replies[:-1]) if e is not None)
+            reply = replies[-1]
+            err = self._reply_error(reply)
+            if err is not None:
+                raise err
+            return reply
+        try:
+            try:
+                reply = self._eval(self._args(name, args))
+            except NoScriptError:  # Redis restarted (scripts are not persisted): load and run again
+                self._client.script_load(SCRIPTS[name])
+                reply = self._eval(self._args(name, args))
+        except ResponseError as e:
+            self._up = True
+            raise self._error(e) from None
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            raise self._down(e) from None
+        except RedisError as e:
+            raise StoreError(f"redis at {mask_url(self._url)}: {e}") from None
+        self._up = True
+        return reply
+
+    def _eval(self, args: tuple) -> Any:
+        """``EVALSHA args`` on a pooled connection: redis-py's ``execute_command``
+        without its retry and instrumentation layers (about a quarter of the
+        client's CPU per call). A connection that failed is dropped."""
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_command("EVALSHA", *args)
+            return conn.read_response()
+        except ResponseError:
+            raise
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
+    def _pipeline(self, ops: list[tuple[str, tuple]]) -> list[Any]:
+        """Run ``ops`` in one pipeline (no MULTI: each script is atomic); the
+        replies, errors as exception objects. Scripts Redis forgot are loaded
+        and those ops run again, in order."""
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for name, args in ops:
+                pipe.execute_command("EVALSHA", *self._args(name, args))
+            replies = pipe.execute(raise_on_error=False)
+            redo = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+            if redo:
+                pipe = self._client.pipeline(transaction=False)
+                for src in SCRIPTS.values():
+                    pipe.script_load(src)
+                for i in redo:
+                    name, args = ops[i]
+                    pipe.execute_command("EVALSHA", *self._args(name, args))
+                for i, r in zip(redo, pipe.execute(raise_on_error=False)[len(SCRIPTS):], strict=True):
+                    replies[i] = r
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            raise self._down(e) from None
+        except RedisError as e:
+            raise StoreError(f"redis at {mask_url(self._url)}: {e}") from None
+        self._up = True
+        return replies
+
+    def _reply_error(self, reply: Any) -> StoreError | None:
+        if isinstance(reply, ResponseError):
+            return self._error(reply)
+        if isinstance(reply, Exception):
+            return StoreError(f"redis at {mask_url(self._url)}: {reply}")
+        return None
+
+    def _error(self, e: ResponseError) -> StoreError:
+        """The store error of a script's error reply (codes: :mod:`atp_router.store._redis_lua`)."""
+        msg = str(e)
+        code, _, rest = msg.partition(" ")
+        kind, _, what = rest.partition(" ")
+        if code == "ATPEPOCH":
+            self._lost = True
+            return self._lost_error()
+        if code == "ATPNOTFOUND":
+            if kind == "acct":
+                return NotFound(f"no open budget account {what!r}")
+            if kind == "res":
+                return NotFound(f"no open reservation {what}")
+            t, s, i = json.loads(what)
+            return NotFound(f"no stream {t}/{s}/{i}")
+        if code == "ATPOPEN":
+            return StoreError(f"budget account {rest!r} already open")
+        if code == "ATPLIMIT":
+            sid = json.loads(what)[2]
+            return StoreLimitError(kind, f"stream {sid} has the store's limit of {self.max_events_per_stream} events")
+        if code == "ATPDUP" and kind == "event":
+            eid, _, sk = what.partition(" ")
+            return StoreError(f"event {eid} of stream {json.loads(sk)[2]} is already stored")
+        if code == "ATPDUP" and kind == "audit":
+            return StoreError(f"audit record {what} already stored (the log is append-only)")
+        if code in _UNAVAILABLE_CODES:
+            return self._down(e)
+        return StoreError(f"redis at {mask_url(self._url)}: {msg}")
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Group commit: the stream and kv writes made inside are sent in one
+        pipeline when the block ends (see the module docstring); nested blocks
+        are one. Raises the buffered writes' errors at the end."""
+        b = self._local.batch
+        b.depth += 1
+        try:
+            yield
+        except BaseException:
+            b.depth -= 1
+            if b.depth == 0:
+                b.ops.clear()
+                b.errors.clear()
+            raise
+        b.depth -= 1
+        if b.depth:
+            return
+        ops, b.ops = b.ops, []
+        errors, b.errors = b.errors, []
+        if ops:
+            self._check()
+            errors += [e for e in map(self._reply_error, self._pipeline(ops)) if e is not None]
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise StoreError(f"{len(errors)} of the batch's {len(ops)} writes failed; the first: {errors[0]}") \
+                from errors[0]
+
+    # ------------------------------------------------------------ budget ledgers
+    def open_account(self, key: str, parent: str | None, limit: Allowance) -> None:
+        self._run("open_account", key, parent or "", *_limit(limit), "", "plain")
+
+    def close_account(self, key: str) -> None:
+        self._run("close_account", key)
+
+    def reserve(self, reservation: Reservation) -> None:
+        r = reservation
+        self._run("reserve", r.id, r.key, _amount(r.tokens), _amount(r.usd_micros))
+
+    def release(self, reservation_id: int) -> None:
+        self._run("settle", reservation_id, "release", 0, 0, 0, 0)
+
+    def commit(self, reservation_id: int, charge: Charge) -> None:
+        c = charge
+        self._run("settle", reservation_id, "charge", _amount(c.tokens), _amount(c.usd_micros),
+                  _amount(c.overage_tokens), _amount(c.overage_usd_micros))
+
+    def set_limit(self, key: str, limit: Allowance) -> None:
+        self._run("set_limit", key, *_limit(limit), "plain")
+
+    def load_ledger(self) -> LedgerSnapshot:
+        accts, res, last = self._run("load_ledger")
+        rows = [(k.decode(), p.decode() or None, _opt_int(lt), _opt_int(lu), int(ct), int(cu), int(ot), int(ou))
+                for k, p, lt, lu, ct, cu, ot, ou in accts]
+        reservations = sorted((Reservation(id=int(i), key=k.decode(), tokens=int(t), usd_micros=int(u))
+                               for i, k, t, u in res), key=lambda r: r.id)
+        return ledger_snapshot(rows, reservations, int(last) + 1)
+
+    def recover(self, owner: str | None = None) -> list[Reservation]:
+        return _reservations(self._run("settle_owned", owner or "", "commit"))
+
+    def close_owned_accounts(self, owner: str | None = None) -> int:
+        return int(self._run("close_owned", owner or ""))
+
+    def release_owned(self, owner: str) -> list[Reservation]:
+        if not owner:
+            raise ValueError("release_owned needs an owner")
+        return _reservations(self._run("settle_owned", owner, "release"))
+
+    # ------------------------------------------------- shared budget ledger
+    def open_shared(self, key: str, parent: str | None, limit: Allowance, *, owner: str | None) -> SharedResult:
+        rows = self._run("open_account", key, parent or "", *_limit(limit), owner or "", "shared")
+        return SharedResult(totals=_totals(_rows(rows)))
+
+    def close_shared(self, key: str) -> None:
+        self.close_account(key)
+
+    def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str,
+                       request: str = "") -> SharedResult:
+        ok, n, raw = self._run("reserve_shared", key, _amount(tokens), _amount(usd_micros), owner, request,
+                               REQUEST_TTL_MS)
+        rows = _rows(raw)
+        if not ok:
+            return _refused(rows, n, f"reserve {tokens} tokens / {usd_micros} usd_micros on {key!r}")
+        return SharedResult(totals=_totals(rows),
+                            reservation=Reservation(id=int(n), key=key, tokens=tokens, usd_micros=usd_micros))
+
+    def cancel_reserve_shared(self, request: str) -> bool:
+        if not request:
+            raise ValueError("cancel_reserve_shared needs the request the reserve was named")
+        return bool(self._run("cancel_reserve", request, REQUEST_TTL_MS))
+
+    def extend_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:
+        r = reservation
+        try:
+            ok, n, raw = self._run("extend_shared", r.id, r.key, r.tokens, r.usd_micros, _amount(tokens),
+                                   _amount(usd_micros))
+        except StoreError as e:
+            if "ATPHELD" in str(e):
+                raise StoreError(f"reservation {r.id} on {r.key!r} is not held as {r.tokens} tokens / "
+                                 f"{r.usd_micros} usd_micros") from None
+            raise
+        rows = _rows(raw)
+        if not ok:
+            return _refused(rows, n, f"extend by {tokens} tokens / {usd_micros} usd_micros on {r.key!r}")
+        return SharedResult(totals=_totals(rows), reservation=Reservation(
+            id=r.id, key=r.key, tokens=r.tokens + tokens, usd_micros=r.usd_micros + usd_micros))
+
+    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                      request: str = "") -> SharedResult:
+        raw, t, u, ot, ou = self._run("settle", reservation.id, "actual", _amount(tokens), _amount(usd_micros), 0, 0,
+                                      request, REQUEST_TTL_MS)
+        return SharedResult(totals=_totals(_rows(raw)), charge=Charge(int(t), int(u), int(ot), int(ou)))
+
+    def recommit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                        request: str) -> SharedResult:
+        if not request:
+            raise ValueError("recommit_shared needs the request the first commit was named")
+        raw, t, u, ot, ou = self._run("settle", reservation.id, "recommit", _amount(tokens), _amount(usd_micros),
+                                      0, 0, request, REQUEST_TTL_MS)
+        return SharedResult(totals=_totals(_rows(raw)), charge=Charge(int(t), int(u), int(ot), int(ou)))
+
+    def release_shared(self, reservation: Reservation) -> SharedResult:
+        raw, *_ = self._run("settle", reservation.id, "release", 0, 0, 0, 0)
+        return SharedResult(totals=_totals(_rows(raw)))
+
+    def set_limit_shared(self, key: str, limit: Allowance, *, clamp: bool) -> SharedResult:
+        ok, raw = self._run("set_limit", key, *_limit(limit), "clamp" if clamp else "strict")
+        rows = _rows(raw)
+        if not ok:
+            what = f"limit {limit.tokens} tokens / {limit.usd_micros} usd_micros below use"
+            return SharedResult(totals=_totals(rows), refusal=refusal(key, what, _remaining(rows)))
+        return SharedResult(totals=_totals(rows))
+
+    def shared_totals(self, key: str) -> SharedResult:
+        return SharedResult(totals=_totals(_rows(self._run("shared_totals", key))))
+
+    # ----------------------------------------------------------- router leases
+    def heartbeat(self, owner: str, *, ttl_ms: int, now_ms: int, info: Mapping[str, Any]) -> None:
+        if ttl_ms < 1:
+            raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
+        self._run("heartbeat", owner, ttl_ms, json.dumps(dict(info), ensure_ascii=False))
+
+    def live_owners(self, *, now_ms: int) -> dict[str, dict[str, Any]]:
+        flat = self._run("live_owners")
+        return {flat[i].decode(): json.loads(flat[i + 1]) for i in sorted(range(0, len(flat), 2),
+                                                                          key=lambda i: flat[i])}
+
+    def drop_lease(self, owner: str) -> None:
+        self._run("drop_lease", owner)
+
+    def lost_owners(self, *, now_ms: int) -> list[str]:
+        return sorted(o.decode() for o in self._run("lost_owners"))
+
+    def claim(self, name: str, holder: str, *, ttl_ms: int, now_ms: int) -> bool:
+        if ttl_ms < 1:
+            raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
+        return bool(self._run("claim", name, holder, ttl_ms))
+
+    # ------------------------------------------- replay nonces (signed frames)
+    def record_nonce(self, tenant: str, kid: str, nonce: str, *, now_ms: int, expires_ms: int,
+                     max_per_tenant: int) -> bool:
+        check_nonce_args(tenant, kid, nonce, now_ms, expires_ms, max_per_tenant)
+        got = int(self._run("nonce_put", msgspec.json.encode([tenant]), msgspec.json.encode([kid, nonce]), now_ms,
+                            expires_ms, max_per_tenant, NONCE_SWEEP))
+        if got < 0:
+            raise nonce_limit_error(tenant, max_per_tenant)
+        return got == 1
+
+    # ------------------------------------------------------------------ streams
+    def put_stream(self, record: StreamRecord) -> None:
+        r = record
+        self._run("put_stream", _sk(r.tenant, r.session_id, r.stream_id), msgspec.json.encode(r), r.state,
+                  "" if r.close_reason is None else "+" + r.close_reason, r.created_ms,
+                  "" if r.closed_ms is None else r.closed_ms, r.owner or "",
+                  "" if r.idempotency_key is None else self._index("si", r.tenant, r.idempotency_key),
+                  self._index("sx", r.tenant, r.stream_id))
+
+    def close_stream(self, tenant: str, session_id: str, stream_id: str, *, reason: str, closed_ms: int) -> None:
+        self._run("close_stream", _sk(tenant, session_id, stream_id), reason, closed_ms)
+
+    def get_stream(self, tenant: str, session_id: str, stream_id: str) -> StreamRecord | None:
+        return _stream(self._run("get_stream", _sk(tenant, session_id, stream_id)))
+
+    def find_idempotent(self, tenant: str, idempotency_key: str) -> StreamRecord | None:
+        return _stream(self._run("find_newest", self._index("si", tenant, idempotency_key)))
+
+    def find_stream(self, tenant: str, stream_id: str) -> StreamRecord | None:
+        return _stream(self._run("find_newest", self._index("sx", tenant, stream_id)))
+
+    def append_event(self, tenant: str, session_id: str, stream_id: str, event_id: int, type: str,
+                     frame: bytes) -> None:
+        if len(frame) > self.max_event_bytes:
+            raise StoreLimitError("event_bytes", f"event {event_id} of stream {stream_id}: frame of {len(frame)} "
+                                                 f"bytes is over the store's limit of {self.max_event_bytes}")
+        t = type.encode()
+        member = b"%d %d %s%s" % (event_id, len(t), t, frame)
+        self._run("append_event", _sk(tenant, session_id, stream_id), event_id, member, self.max_events_per_stream)
+
+    def events(self, tenant: str, session_id: str, stream_id: str, after: int = 0) -> list[StoredEvent]:
+        out = []
+        for m in self._run("events", _sk(tenant, session_id, stream_id), after):
+            i1 = m.index(b" ")
+            i2 = m.index(b" ", i1 + 1)
+            end = i2 + 1 + int(m[i1 + 1:i2])
+            out.append(StoredEvent(event_id=int(m[:i1]), type=m[i2 + 1:end].decode(), frame=bytes(m[end:])))
+        return out
+
+    def interrupt_open_streams(self, reason: str, *, now_ms: int, owner: str | None = None) -> list[StreamRecord]:
+        got = sorted(self._run("interrupt", reason, now_ms, owner or ""), key=lambda x: (int(x[1]), int(x[2])))
+        return [msgspec.structs.replace(msgspec.json.decode(b, type=StreamRecord), state="interrupted",
+                                        close_reason=reason, closed_ms=now_ms) for b, _, _ in got]
+
+    def expire(self, before_ms: int) -> int:
+        n = 0
+        while True:
+            dropped, more = self._run("expire", before_ms, EXPIRE_STEP)
+            n += int(dropped)
+            if not more:
+                return n
+
+    def _index(self, kind: str, tenant: str, name: str) -> bytes:
+        return self._prefix.encode() + kind.encode() + b":" + msgspec.json.encode([tenant, name])
+
+    # --------------------------------------------------------------------- RIB
+    def save_rib(self, version: int, text: str, source: str, actor: str) -> None:
+        self._run("save_rib", version, msgspec.json.encode([version, text, source, actor]), RIB_KEPT)
+
+    def active_rib(self) -> tuple[int, str, str] | None:
+        raw = self._run("active_rib")
+        if raw is None:
+            return None
+        version, text, source, _ = msgspec.json.decode(raw)
+        return version, text, source
+
+    def active_rib_version(self) -> int | None:
+        raw = self._run("active_rib_version")
+        return None if raw is None else int(raw)
+
+    def next_rib_version(self) -> int:
+        return int(self._run("next_rib_version"))
+
+    # ------------------------------------------------------------------- audit
+    def append_audit(self, record: AuditRecord) -> None:
+        self._run("append_audit", record.seq, msgspec.json.encode(record), "")
+
+    def append_audit_chained(self, build: Callable[[int, str], AuditRecord]) -> AuditRecord:
+        while True:
+            head = self.audit_head()
+            seq, h = (head.seq, head.hash) if head is not None else (0, GENESIS)
+            r = build(seq, h)
+            if self._run("append_audit", r.seq, msgspec.json.encode(r), seq):
+                return r
+
+    def audit_records(self, after: int = 0, limit: int | None = None) -> list[AuditRecord]:
+        raw = self._run("audit_records", after, -1 if limit is None else limit)
+        return [msgspec.json.decode(r, type=AuditRecord) for r in raw]
+
+    def audit_head(self) -> AuditRecord | None:
+        raw = self._run("audit_read", "au", -1)
+        return None if raw is None else msgspec.json.decode(raw, type=AuditRecord)
+
+    def audit_checkpoint(self) -> AuditCheckpoint | None:
+        raw = self._run("audit_read", "acp", -1)
+        return None if raw is None else msgspec.json.decode(raw, type=AuditCheckpoint)
+
+    def audit_checkpoints(self) -> list[AuditCheckpoint]:
+        return [msgspec.json.decode(r, type=AuditCheckpoint) for r in self._run("audit_read", "acp", "all")]
+
+    def put_audit_checkpoint(self, checkpoint: AuditCheckpoint) -> None:
+        self._run("put_audit_checkpoint", checkpoint.seq, msgspec.json.encode(checkpoint))
+
+    # ---------------------------------------------------------------------- kv
+    def get(self, key: str) -> bytes | None:
+        return self._run("kv_get", key)
+
+    def items(self, prefix: str) -> list[tuple[str, bytes]]:
+        flat = self._run("kv_items", prefix)
+        return [(flat[i].decode(), flat[i + 1]) for i in range(0, len(flat), 2)]
+
+    def put(self, key: str, value: bytes) -> None:
+        self._run("kv_put", key, bytes(value))
+
+    def update(self, key: str, fn: Callable[[bytes | None], bytes | None]) -> bytes | None:
+        for _ in range(10_000):
+            old = self._run("kv_get", key)
+            new = fn(old)
+            new = None if new is None else bytes(new)
+            if self._run("kv_cas", key, "0" if old is None else "1", old or b"", "0" if new is None else "1",
+                         new or b""):
+                return new
+        raise StoreError(f"kv {key!r}: update did not settle after 10000 tries (changed that often meanwhile)")
+
+    # ------------------------------------------------------- response cache
+    def cache_get(self, key: bytes, *, now_ms: int) -> bytes | None:
+        return self._run("cache_get", key.hex(), now_ms)
+
+    def cache_put(self, key: bytes, value: bytes, *, tenant: str | None, now_ms: int, expires_ms: int,
+                  max_bytes: int, tenant_max_bytes: int | None = None) -> CachePut:
+        stored, expired, evicted, n, total = self._run(
+            "cache_put", key.hex(), bytes(value), tenant or "", now_ms, expires_ms, max_bytes,
+            "" if tenant_max_bytes is None else tenant_max_bytes)
+        return CachePut(stored=bool(stored), expired=int(expired), evicted=int(evicted),
+                        stats=CacheStats(int(n), int(total)))
+
+    def cache_drop(self, key: bytes) -> None:
+        self._run("cache_drop", key.hex())
+
+    def cache_stats(self) -> CacheStats:
+        n, total = self._run("cache_stats")
+        return CacheStats(int(n), int(total))
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password (in the authority or a ``password=`` query
+    parameter) replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable redis URL>"
+    netloc, query = parts.netloc, parts.query
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
+    if "password" in query:
+        query = urlencode([(k, "***" if k == "password" else v) for k, v in parse_qsl(query, keep_blank_values=True)])
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url
+    # urlunsplit drops the empty authority of unix:///path: keep the "//" of the original.
+    return parts.scheme + "://" + urlunsplit(("", netloc, parts.path, query, parts.fragment)).removeprefix("//")
+
+
+def _sk(tenant: str, session_id: str, stream_id: str) -> bytes:
+    return msgspec.json.encode([tenant, session_id, stream_id])
+
+
+def _amount(v: int) -> int:
+    if not -_MAX_AMOUNT < v < _MAX_AMOUNT:
+        raise ValueError(f"amount {v} is out of the Redis store's range (|amount| < 2**53)")
+    return v
+
+
+def _limit(limit: Allowance) -> tuple[int | str, int | str]:
+    return ("" if limit.tokens is None else _amount(limit.tokens),
+            "" if limit.usd_micros is None else _amount(limit.usd_micros))
+
+
+def _opt_int(v: bytes | int | None) -> int | None:
+    return None if v is None or v == b"" else int(v)
+
+
+def _rows(raw: list) -> list[tuple]:
+    """A script's chain rows as the SQLite store's tuples ``(key, limit_t,
+    limit_u, committed_t, committed_u, reserved_t, reserved_u, overage_t,
+    overage_u, open)``."""
+    return [(r[0].decode(), _opt_int(r[1]), _opt_int(r[2]), *(int(x) for x in r[3:9]), 1) for r in raw]
+
+
+def _refused(rows: list[tuple], n: int, what: str) -> SharedResult:
+    i = int(n) - 1
+    return SharedResult(totals=_totals(rows), refusal=refusal(rows[i][0], what, _remaining(rows[i:])))
+
+
+def _reservations(raw: list) -> list[Reservation]:
+    return [Reservation(id=int(i), key=k.decode(), tokens=int(t), usd_micros=int(u)) for i, k, t, u in raw]
+
+
+def _stream(raw: list | None) -> StreamRecord | None:
+    if raw is None:
+        return None
+    body, state, reason, closed = raw
+    rec = msgspec.json.decode(body, type=StreamRecord)
+    return msgspec.structs.replace(rec, state=state.decode(), close_reason=None if reason is None else reason.decode(),
+                                   closed_ms=None if closed is None else int(closed))

@@ -1,0 +1,1107 @@
+"""The embedded default :class:`~atp_router.store.base.Store`: one SQLite file,
+``<state-dir>/state.db`` (stdlib :mod:`sqlite3`).
+
+Durability: WAL journal, ``synchronous=NORMAL`` by default. Every mutating call
+is one transaction committed before it returns (``append_event`` is the only
+two-statement one: bump the stream's event count, insert the event), so a
+change that was acknowledged survives a **kill -9** of the router process
+(the WAL is in the OS page cache). An **OS crash or power loss** may lose the
+last transactions under ``NORMAL`` (never corrupting the file); pass
+``synchronous="FULL"`` to fsync every commit and lose none, at the price of one
+fsync per call.
+
+Cost: one writer connection, used by the router on its trio thread (calls are
+small and synchronous; a lock makes the object safe if a worker thread uses it
+too). Measured on the development machine (2 shared cores, ext4 on a virtual
+disk): with NORMAL an ``append_event`` of a 300-byte frame costs 45-100 µs and
+a ledger ``commit`` 60-80 µs; with FULL about 270 µs and 210 µs
+(``tests/store/test_sqlite_store.py::test_per_call_cost`` prints them).
+
+Bounds: a stored frame is at most ``max_event_bytes`` (default 1 MiB) and a
+stream keeps at most ``max_events_per_stream`` events (default 10,000); past
+either, :class:`~atp_router.store.base.StoreLimitError`. :meth:`SqliteStore.expire`
+drops finished streams and their events; the RIB history keeps the last
+:data:`RIB_KEPT` versions. The audit table and its checkpoints (one per
+checkpoint interval) are never pruned (append-only). The response cache is
+bounded by the ``max_bytes`` each ``cache_put`` passes (expired entries first,
+then the least recently used). The nonces of signed frames
+(:meth:`SqliteStore.record_nonce`, one ``INSERT`` in one ``BEGIN IMMEDIATE``
+transaction, so workers on the file agree) are bounded by the
+``max_per_tenant`` each call passes (a per-tenant count row checks it in O(1));
+each call sweeps up to :data:`~atp_router.store.base.NONCE_SWEEP` expired rows, oldest
+first (index on the expiry), and before a tenant at its bound is refused up to
+:data:`NONCE_FULL_SWEEP` more.
+
+Several processes (``atp-router --workers N``): every worker opens the same file
+with ``multiprocess=True``. SQLite's WAL lets them read at once and serialises
+their write transactions; with ``multiprocess`` a writer waits for another in
+the kernel (an ``flock`` on ``state.db.wlock`` around each write transaction)
+instead of in SQLite's busy handler, whose sleeps start at 1 ms. Workers open it
+with ``autocheckpoint=False`` and the supervisor calls :meth:`SqliteStore.checkpoint`
+twice a second, so no worker holds the write lock through a checkpoint's fsync. The shared
+budget ledger (``*_shared`` methods) decides each reserve, extend and commit
+inside one ``BEGIN IMMEDIATE`` transaction along the account's whole chain,
+so a tenant's account is exact across processes; ``owner`` columns say which
+process a reservation, account or stream belongs to, for settling a dead one
+(:meth:`SqliteStore.recover`, :meth:`SqliteStore.close_owned_accounts`,
+:meth:`SqliteStore.interrupt_open_streams` with ``owner``).
+
+Leases and claims of router processes sharing the store (issue 12) are rows
+timed by the callers' ``now_ms`` (one machine, one clock); :meth:`SqliteStore.update`
+is one ``BEGIN IMMEDIATE`` transaction.
+
+The schema is versioned in the ``meta`` table (:data:`SCHEMA_VERSION`); a
+state directory written by a newer router is refused with
+:class:`~atp_router.store.base.SchemaError` rather than misread; an older one is
+migrated in place (version 1 → 2: the ``reserved_*`` and ``owner`` columns). The state directory
+is created with mode 0700 and ``state.db`` with 0600.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import sqlite3
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from atp_router.flow.budget import (
+    AccountState,
+    AccountTotals,
+    Allowance,
+    Charge,
+    LedgerSnapshot,
+    Reservation,
+    SharedResult,
+    refusal,
+)
+from atp_router.store.audit_records import GENESIS, AuditCheckpoint, AuditRecord
+from atp_router.store.base import (
+    NONCE_SWEEP,
+    CachePut,
+    CacheStats,
+    NotFound,
+    SchemaError,
+    Store,
+    StoredEvent,
+    StoreError,
+    StoreLimitError,
+    StreamRecord,
+    check_nonce_args,
+    nonce_limit_error,
+)
+
+__all__ = ["RIB_KEPT", "SCHEMA_VERSION", "SqliteStore", "ledger_snapshot"]
+
+#: Version of the schema below; bump it with a migration in ``_migrate``.
+SCHEMA_VERSION = 2
+#: RIB versions kept in history (the newest is the active one).
+RIB_KEPT = 16
+_APP = "atp-router"
+
+_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE account (
+    key TEXT PRIMARY KEY, parent TEXT, limit_tokens INTEGER, limit_usd INTEGER,
+    committed_tokens INTEGER NOT NULL DEFAULT 0, committed_usd INTEGER NOT NULL DEFAULT 0,
+    overage_tokens INTEGER NOT NULL DEFAULT 0, overage_usd INTEGER NOT NULL DEFAULT 0,
+    open INTEGER NOT NULL DEFAULT 1,
+    reserved_tokens INTEGER NOT NULL DEFAULT 0, reserved_usd INTEGER NOT NULL DEFAULT 0, owner TEXT);
+CREATE TABLE reservation (id INTEGER PRIMARY KEY, account TEXT NOT NULL, tokens INTEGER NOT NULL,
+    usd_micros INTEGER NOT NULL, owner TEXT);
+CREATE TABLE stream (
+    tenant TEXT NOT NULL, session_id TEXT NOT NULL, stream_id TEXT NOT NULL, idempotency_key TEXT,
+    state TEXT NOT NULL, close_reason TEXT, created_ms INTEGER NOT NULL, closed_ms INTEGER,
+    n_events INTEGER NOT NULL DEFAULT 0, body BLOB NOT NULL, owner TEXT,
+    PRIMARY KEY (tenant, session_id, stream_id));
+CREATE INDEX stream_idem ON stream (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;
+CREATE INDEX stream_done ON stream (state, closed_ms);
+CREATE TABLE event (
+    tenant TEXT NOT NULL, session_id TEXT NOT NULL, stream_id TEXT NOT NULL, event_id INTEGER NOT NULL,
+    type TEXT NOT NULL, frame BLOB NOT NULL,
+    PRIMARY KEY (tenant, session_id, stream_id, event_id)) WITHOUT ROWID;
+CREATE TABLE rib (n INTEGER PRIMARY KEY AUTOINCREMENT, version INTEGER NOT NULL, text TEXT NOT NULL,
+    source TEXT NOT NULL, actor TEXT NOT NULL);
+CREATE TABLE audit (seq INTEGER PRIMARY KEY, ts_ms INTEGER NOT NULL, kind TEXT NOT NULL, actor TEXT NOT NULL,
+    tenant TEXT, detail TEXT NOT NULL, prev TEXT NOT NULL, hash TEXT NOT NULL);
+CREATE TABLE audit_checkpoint (seq INTEGER PRIMARY KEY, hash TEXT NOT NULL, mac TEXT NOT NULL);
+CREATE TABLE kv (key TEXT PRIMARY KEY, value BLOB NOT NULL);
+CREATE INDEX reservation_owner ON reservation (owner) WHERE owner IS NOT NULL;
+CREATE INDEX account_owner ON account (owner) WHERE owner IS NOT NULL;
+"""
+
+# The response cache (atp_router.policy.cache), in any schema version: created where
+# missing, so an older state directory gains it and an older router ignores it.
+# ``cache_total`` (one row) keeps the entry count and value bytes, moved in the
+# same transaction as every insert and delete (an O(1) size bound check).
+_CACHE_SCHEMA = [
+    ("CREATE TABLE IF NOT EXISTS cache (key BLOB PRIMARY KEY, tenant TEXT, value BLOB NOT NULL, "
+     "size INTEGER NOT NULL, created_ms INTEGER NOT NULL, expires_ms INTEGER NOT NULL, used_ms INTEGER NOT NULL)"),
+    "CREATE INDEX IF NOT EXISTS cache_used ON cache (used_ms)",
+    "CREATE INDEX IF NOT EXISTS cache_expires ON cache (expires_ms)",
+    # Each tenant's own entries by last use (the per-tenant budget, cache_put's tenant_max_bytes).
+    "CREATE INDEX IF NOT EXISTS cache_tenant_used ON cache (tenant, used_ms)",
+    ("CREATE TABLE IF NOT EXISTS cache_total (id INTEGER PRIMARY KEY CHECK (id = 0), entries INTEGER NOT NULL, "
+     "bytes INTEGER NOT NULL)"),
+    "INSERT OR IGNORE INTO cache_total (id, entries, bytes) VALUES (0, 0, 0)",
+]
+
+# Router leases and claims (issue 12: several routers on one store), in any schema
+# version like the cache: created where missing, ignored by an older router.
+_LEASE_SCHEMA = [
+    "CREATE TABLE IF NOT EXISTS lease (owner TEXT PRIMARY KEY, expires_ms INTEGER NOT NULL, info TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS claim (name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires_ms INTEGER NOT NULL)",
+]
+
+# Nonces of signed frames (issue 19: replay across restarts and workers), in any
+# schema version like the cache: one row per (tenant, kid, nonce) until it expires;
+# ``nonce_count`` keeps each tenant's rows (moved in the same transaction as every
+# insert and delete: an O(1) check of the per-tenant bound); ``nonce_expires``
+# serves the sweep. Two B-trees and a count row: a record costs about a kv put.
+_NONCE_SCHEMA = [
+    ("CREATE TABLE IF NOT EXISTS nonce (tenant TEXT NOT NULL, kid TEXT NOT NULL, nonce TEXT NOT NULL, "
+     "expires_ms INTEGER NOT NULL, PRIMARY KEY (tenant, kid, nonce)) WITHOUT ROWID"),
+    "CREATE INDEX IF NOT EXISTS nonce_expires ON nonce (expires_ms)",
+    "CREATE TABLE IF NOT EXISTS nonce_count (tenant TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID",
+]
+#: Expired nonces (oldest first, any tenant) swept before a tenant at its bound is refused.
+NONCE_FULL_SWEEP = 4096
+
+# A stream read by its id alone (``find_stream``: GET /v1/streams/{id}/events of a
+# stream no longer in the router's memory, or of an unknown id), in any schema
+# version: without it each lookup scans all the tenant's stored streams (≈ 10 ms
+# at 100,000, issue 10); an older router ignores the index.
+_STREAM_READS = ["CREATE INDEX IF NOT EXISTS stream_by_id ON stream (tenant, stream_id)"]
+
+# Schema 1 → 2: what a reservation holds is also kept on every account of its
+# chain (reserved_*), and reservations, accounts and streams name their owner.
+_MIGRATE_2 = [
+    "ALTER TABLE account ADD COLUMN reserved_tokens INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE account ADD COLUMN reserved_usd INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE account ADD COLUMN owner TEXT",
+    "ALTER TABLE reservation ADD COLUMN owner TEXT",
+    "ALTER TABLE stream ADD COLUMN owner TEXT",
+    "CREATE INDEX reservation_owner ON reservation (owner) WHERE owner IS NOT NULL",
+    "CREATE INDEX account_owner ON account (owner) WHERE owner IS NOT NULL",
+]
+
+
+# The account and every ancestor, for a charge (and a change of what is held)
+# applied along the chain.
+_CHAIN_UPDATE = """
+WITH RECURSIVE chain(k) AS (
+    SELECT :key UNION ALL SELECT a.parent FROM account a JOIN chain c ON a.key = c.k WHERE a.parent IS NOT NULL)
+UPDATE account SET committed_tokens = committed_tokens + :t, committed_usd = committed_usd + :u,
+    overage_tokens = overage_tokens + :ot, overage_usd = overage_usd + :ou,
+    reserved_tokens = reserved_tokens + :rt, reserved_usd = reserved_usd + :ru
+WHERE key IN (SELECT k FROM chain)
+"""
+# The account and every ancestor as they stand, nearest first.
+_CHAIN_READ = """
+WITH RECURSIVE chain(k, d) AS (
+    SELECT :key, 0 UNION ALL SELECT a.parent, c.d + 1 FROM account a JOIN chain c ON a.key = c.k
+    WHERE a.parent IS NOT NULL)
+SELECT a.key, a.limit_tokens, a.limit_usd, a.committed_tokens, a.committed_usd, a.reserved_tokens, a.reserved_usd,
+    a.overage_tokens, a.overage_usd, a.open
+FROM chain c JOIN account a ON a.key = c.k ORDER BY c.d
+"""
+
+
+def _moves(*, t: int = 0, u: int = 0, ot: int = 0, ou: int = 0, rt: int = 0, ru: int = 0) -> dict[str, int]:
+    return {"t": t, "u": u, "ot": ot, "ou": ou, "rt": rt, "ru": ru}
+
+_STREAM_COLS = "tenant, session_id, stream_id, idempotency_key, state, close_reason, created_ms, closed_ms, body"
+_AUDIT_COLS = "seq, ts_ms, kind, actor, tenant, detail, prev, hash"
+
+
+class SqliteStore(Store):
+    """:class:`~atp_router.store.base.Store` on SQLite (see the module docstring).
+    Build it with :meth:`open`."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, *, max_event_bytes: int,
+                 max_events_per_stream: int, write_lock: int | None = None) -> None:
+        self._conn = conn
+        self.path = path
+        self.max_event_bytes = max_event_bytes
+        self.max_events_per_stream = max_events_per_stream
+        # Re-entrant: a batch (group commit) holds it around the operations it groups.
+        self._lock = threading.RLock()
+        self._batch_depth = 0
+        # multiprocess: an flock'ed file around each write transaction (module docstring).
+        self._wfd = write_lock
+        self._wdepth = 0
+
+    @classmethod
+    def open(cls, state_dir: Path | str, *, create: bool = True,
+             synchronous: Literal["NORMAL", "FULL"] = "NORMAL", max_event_bytes: int = 1 << 20,
+             max_events_per_stream: int = 10_000, multiprocess: bool = False,
+             autocheckpoint: bool = True) -> SqliteStore:
+        """Open (``create``: and create, directory 0700, file 0600) the store in
+        ``state_dir/state.db``; ``multiprocess``: other processes write it at the
+        same time (see the module docstring); not ``autocheckpoint``: commits never
+        copy the WAL back into the database (nor fsync it) — another connection
+        calls :meth:`checkpoint` instead. Raises :class:`~atp_router.store.base.StoreError` when
+        there is no state and not ``create`` or the file cannot be opened, and
+        :class:`~atp_router.store.base.SchemaError` for a newer or foreign schema."""
+        if synchronous not in ("NORMAL", "FULL"):
+            raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', got {synchronous!r}")
+        d = Path(state_dir)
+        path = d / "state.db"
+        if not create and not path.exists():
+            raise StoreError(f"no state in {d} (no state.db)")
+        if create:
+            if not d.exists():
+                d.mkdir(mode=0o700, parents=True)
+                os.chmod(d, 0o700)
+            if not path.exists():
+                os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+        try:
+            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot open {path}: {e}") from None
+        try:
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise StoreError(f"{path}: cannot switch to WAL (journal_mode is {mode})")
+            conn.execute(f"PRAGMA synchronous={synchronous}")
+            if not autocheckpoint:
+                conn.execute("PRAGMA wal_autocheckpoint=0")
+            _migrate(conn, path)
+        except sqlite3.DatabaseError as e:
+            conn.close()
+            raise StoreError(f"{path}: {e}") from None
+        except StoreError:
+            conn.close()
+            raise
+        wfd = os.open(d / "state.db.wlock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600) if multiprocess else None
+        return cls(conn, path, max_event_bytes=max_event_bytes, max_events_per_stream=max_events_per_stream,
+                   write_lock=wfd)
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Hold the cross-process write lock (``multiprocess``) around a write
+        transaction; nested uses hold it once. Call with ``self._lock`` held."""
+        if self._wfd is None:
+            yield
+            return
+        self._wdepth += 1
+        try:
+            if self._wdepth == 1:
+                fcntl.flock(self._wfd, fcntl.LOCK_EX)
+            yield
+        finally:
+            self._wdepth -= 1
+            if self._wdepth == 0:
+                fcntl.flock(self._wfd, fcntl.LOCK_UN)
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            c = self._conn
+            if self._batch_depth:
+                # Inside a batch: one savepoint per operation, so a failed one
+                # undoes only itself; the batch commits the rest at once.
+                c.execute("SAVEPOINT op")
+                try:
+                    yield c
+                except BaseException:
+                    c.execute("ROLLBACK TO op")
+                    c.execute("RELEASE op")
+                    raise
+                c.execute("RELEASE op")
+                return
+            with self._writing():
+                c.execute("BEGIN IMMEDIATE")
+                try:
+                    yield c
+                except BaseException:
+                    c.execute("ROLLBACK")
+                    raise
+                c.execute("COMMIT")
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Group commit: the mutating calls made inside are one transaction,
+        durable together when the block ends (each call that raised undone
+        alone). Holds the store's lock for the block: keep it short."""
+        with self._lock:
+            if self._batch_depth:
+                self._batch_depth += 1
+                try:
+                    yield
+                finally:
+                    self._batch_depth -= 1
+                return
+            c = self._conn
+            with self._writing():
+                c.execute("BEGIN IMMEDIATE")
+                self._batch_depth = 1
+                try:
+                    yield
+                except BaseException:
+                    self._batch_depth = 0
+                    c.execute("ROLLBACK")
+                    raise
+                self._batch_depth = 0
+                c.execute("COMMIT")
+
+    def checkpoint(self) -> tuple[int, int]:
+        """Copy what the WAL holds back into the database file, without blocking
+        readers or writers (``PRAGMA wal_checkpoint(PASSIVE)``): ``(WAL frames,
+        frames copied)``. For stores whose writers open with ``autocheckpoint``
+        off: the router workers' commits then never wait for a checkpoint's
+        copy and fsync — the supervisor runs it aside."""
+        with self._lock:
+            _, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        return frames, copied
+
+    def _one(self, sql: str, args: tuple | dict = ()) -> sqlite3.Cursor:
+        """One writing statement (its own transaction, or part of a batch)."""
+        with self._lock, self._writing():
+            return self._conn.execute(sql, args)
+
+    def _row(self, sql: str, args: tuple = ()) -> tuple | None:
+        with self._lock:
+            return self._conn.execute(sql, args).fetchone()
+
+    def describe(self) -> str:
+        return f"sqlite:{self.path}"
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+            if self._wfd is not None:
+                os.close(self._wfd)
+                self._wfd = None
+
+    # ------------------------------------------------------------ budget ledgers
+    def open_account(self, key: str, parent: str | None, limit: Allowance) -> None:
+        with self._tx() as c:
+            _open_account(c, key, parent, limit, owner=None)
+
+    def close_account(self, key: str) -> None:
+        if self._one("UPDATE account SET open = 0 WHERE key = ? AND open = 1", (key,)).rowcount == 0:
+            raise NotFound(f"no open budget account {key!r}")
+
+    def reserve(self, reservation: Reservation) -> None:
+        r = reservation
+        with self._tx() as c:
+            if not _is_open(c, r.key):
+                raise NotFound(f"no open budget account {r.key!r}")
+            old = c.execute("SELECT tokens, usd_micros FROM reservation WHERE id = ?", (r.id,)).fetchone() or (0, 0)
+            c.execute(
+                "INSERT INTO reservation (id, account, tokens, usd_micros) VALUES (?, ?, ?, ?) ON CONFLICT (id) "
+                "DO UPDATE SET account = excluded.account, tokens = excluded.tokens, usd_micros = excluded.usd_micros",
+                (r.id, r.key, r.tokens, r.usd_micros),
+            )
+            c.execute(_CHAIN_UPDATE, {"key": r.key, **_moves(rt=r.tokens - old[0], ru=r.usd_micros - old[1])})
+            # The ledger's next id survives a restart, so ids are never reused.
+            c.execute("INSERT INTO meta (key, value) VALUES ('next_reservation_id', ?) ON CONFLICT (key) "
+                      "DO UPDATE SET value = MAX(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER))",
+                      (str(r.id + 1),))
+
+    def release(self, reservation_id: int) -> None:
+        with self._tx() as c:
+            key, t, u = _reservation(c, reservation_id)
+            c.execute(_CHAIN_UPDATE, {"key": key, **_moves(rt=-t, ru=-u)})
+            c.execute("DELETE FROM reservation WHERE id = ?", (reservation_id,))
+
+    def commit(self, reservation_id: int, charge: Charge) -> None:
+        with self._tx() as c:
+            key, t, u = _reservation(c, reservation_id)
+            c.execute(_CHAIN_UPDATE, {"key": key, **_moves(t=charge.tokens, u=charge.usd_micros,
+                                                           ot=charge.overage_tokens, ou=charge.overage_usd_micros,
+                                                           rt=-t, ru=-u)})
+            c.execute("DELETE FROM reservation WHERE id = ?", (reservation_id,))
+
+    def set_limit(self, key: str, limit: Allowance) -> None:
+        cur = self._one("UPDATE account SET limit_tokens = ?, limit_usd = ? WHERE key = ? AND open = 1",
+                        (limit.tokens, limit.usd_micros, key))
+        if cur.rowcount == 0:
+            raise NotFound(f"no open budget account {key!r}")
+
+    def load_ledger(self) -> LedgerSnapshot:
+        with self._lock:
+            accts = self._conn.execute(
+                "SELECT key, parent, limit_tokens, limit_usd, committed_tokens, committed_usd, overage_tokens, "
+                "overage_usd FROM account WHERE open = 1").fetchall()
+            res = [Reservation(id=i, key=k, tokens=t, usd_micros=u) for i, k, t, u in self._conn.execute(
+                "SELECT id, account, tokens, usd_micros FROM reservation ORDER BY id")]
+            row = self._conn.execute("SELECT value FROM meta WHERE key = 'next_reservation_id'").fetchone()
+        return ledger_snapshot(accts, res, int(row[0]) if row else 1)
+
+    def recover(self, owner: str | None = None) -> list[Reservation]:
+        where, args = ("", ()) if owner is None else (" WHERE owner = ?", (owner,))
+        with self._tx() as c:
+            res = [Reservation(id=i, key=k, tokens=t, usd_micros=u) for i, k, t, u in c.execute(
+                f"SELECT id, account, tokens, usd_micros FROM reservation{where} ORDER BY id", args).fetchall()]
+            for r in res:
+                c.execute(_CHAIN_UPDATE, {"key": r.key, **_moves(t=r.tokens, u=r.usd_micros,
+                                                                 rt=-r.tokens, ru=-r.usd_micros)})
+            c.execute(f"DELETE FROM reservation{where}", args)
+        return res
+
+    def close_owned_accounts(self, owner: str | None = None) -> int:
+        if owner is None:
+            return self._one("UPDATE account SET open = 0 WHERE owner IS NOT NULL AND open = 1").rowcount
+        return self._one("UPDATE account SET open = 0 WHERE owner = ? AND open = 1", (owner,)).rowcount
+
+    def release_owned(self, owner: str) -> list[Reservation]:
+        if not owner:
+            raise ValueError("release_owned needs an owner")
+        with self._tx() as c:
+            res = [Reservation(id=i, key=k, tokens=t, usd_micros=u) for i, k, t, u in c.execute(
+                "SELECT id, account, tokens, usd_micros FROM reservation WHERE owner = ? ORDER BY id",
+                (owner,)).fetchall()]
+            for r in res:
+                c.execute(_CHAIN_UPDATE, {"key": r.key, **_moves(rt=-r.tokens, ru=-r.usd_micros)})
+            c.execute("DELETE FROM reservation WHERE owner = ?", (owner,))
+        return res
+
+    # ----------------------------------------------------------- router leases
+    def heartbeat(self, owner: str, *, ttl_ms: int, now_ms: int, info: Mapping[str, Any]) -> None:
+        if ttl_ms < 1:
+            raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
+        self._one("INSERT OR REPLACE INTO lease (owner, expires_ms, info) VALUES (?, ?, ?)",
+                  (owner, now_ms + ttl_ms, json.dumps(dict(info), ensure_ascii=False)))
+
+    def live_owners(self, *, now_ms: int) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            rows = self._conn.execute("SELECT owner, info FROM lease WHERE expires_ms > ? ORDER BY owner",
+                                      (now_ms,)).fetchall()
+        return {o: json.loads(i) for o, i in rows}
+
+    def drop_lease(self, owner: str) -> None:
+        self._one("DELETE FROM lease WHERE owner = ?", (owner,))
+
+    def lost_owners(self, *, now_ms: int) -> list[str]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT owner FROM reservation WHERE owner IS NOT NULL "
+                "UNION SELECT owner FROM account WHERE open = 1 AND owner IS NOT NULL "
+                "UNION SELECT owner FROM stream WHERE state = 'open' AND owner IS NOT NULL "
+                "EXCEPT SELECT owner FROM lease WHERE expires_ms > ? ORDER BY 1", (now_ms,)).fetchall()
+        return [r[0] for r in rows]
+
+    def claim(self, name: str, holder: str, *, ttl_ms: int, now_ms: int) -> bool:
+        if ttl_ms < 1:
+            raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
+        with self._tx() as c:
+            row = c.execute("SELECT holder, expires_ms FROM claim WHERE name = ?", (name,)).fetchone()
+            if row is not None and row[0] != holder and row[1] > now_ms:
+                return False
+            c.execute("INSERT OR REPLACE INTO claim (name, holder, expires_ms) VALUES (?, ?, ?)",
+                      (name, holder, now_ms + ttl_ms))
+        return True
+
+    # ------------------------------------------------- shared budget ledger
+    def open_shared(self, key: str, parent: str | None, limit: Allowance, *, owner: str | None) -> SharedResult:
+        with self._tx() as c:
+            if parent is None and _is_open(c, key):
+                rows = _chain(c, key)
+                _set_limit(c, rows, limit, clamp=True)
+            else:
+                _open_account(c, key, parent, limit, owner=owner)
+            return SharedResult(totals=_totals(_chain(c, key)))
+
+    def close_shared(self, key: str) -> None:
+        self.close_account(key)
+
+    def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str,
+                       request: str = "") -> SharedResult:
+        # ``request`` is not kept: a reserve here is one local transaction that is
+        # either committed before the call returns or, when the call raises, never.
+        with self._tx() as c:
+            rows = _open_chain(c, key)
+            refused = _check_room(rows, tokens, usd_micros, f"reserve {tokens} tokens / {usd_micros} usd_micros "
+                                                            f"on {key!r}")
+            if refused is not None:
+                return refused
+            (next_id,) = c.execute("SELECT value FROM meta WHERE key = 'next_reservation_id'").fetchone() or (1,)
+            rid = int(next_id)
+            c.execute("INSERT INTO reservation (id, account, tokens, usd_micros, owner) VALUES (?, ?, ?, ?, ?)",
+                      (rid, key, tokens, usd_micros, owner))
+            c.execute("INSERT INTO meta (key, value) VALUES ('next_reservation_id', ?) ON CONFLICT (key) "
+                      "DO UPDATE SET value = excluded.value", (str(rid + 1),))
+            c.execute(_CHAIN_UPDATE, {"key": key, **_moves(rt=tokens, ru=usd_micros)})
+            return SharedResult(totals=_totals(rows, rt=tokens, ru=usd_micros),
+                                reservation=Reservation(id=rid, key=key, tokens=tokens, usd_micros=usd_micros))
+
+    def extend_shared(self, reservation: Reservation, tokens: int, usd_micros: int) -> SharedResult:
+        r = reservation
+        with self._tx() as c:
+            if _reservation(c, r.id) != (r.key, r.tokens, r.usd_micros):
+                raise StoreError(f"reservation {r.id} on {r.key!r} is not held as {r.tokens} tokens / "
+                                 f"{r.usd_micros} usd_micros")
+            rows = _open_chain(c, r.key)
+            refused = _check_room(rows, tokens, usd_micros, f"extend by {tokens} tokens / {usd_micros} usd_micros "
+                                                            f"on {r.key!r}")
+            if refused is not None:
+                return refused
+            c.execute("UPDATE reservation SET tokens = tokens + ?, usd_micros = usd_micros + ? WHERE id = ?",
+                      (tokens, usd_micros, r.id))
+            c.execute(_CHAIN_UPDATE, {"key": r.key, **_moves(rt=tokens, ru=usd_micros)})
+            return SharedResult(totals=_totals(rows, rt=tokens, ru=usd_micros),
+                                reservation=Reservation(id=r.id, key=r.key, tokens=r.tokens + tokens,
+                                                        usd_micros=r.usd_micros + usd_micros))
+
+    def recommit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                        request: str) -> SharedResult:
+        """A commit that raised here rolled back (one local transaction), so
+        this is the first that applies: :meth:`commit_shared` at these amounts
+        (within the reservation: charged in full)."""
+        return self.commit_shared(reservation, tokens, usd_micros)
+
+    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                      request: str = "") -> SharedResult:
+        with self._tx() as c:
+            key, held_t, held_u = _reservation(c, reservation.id)
+            rows = _chain(c, key)
+            # What the chain can take once this reservation's hold is lifted.
+            room_t = min(_free(r[1], r[3], r[5]) for r in rows) + held_t
+            room_u = min(_free(r[2], r[4], r[6]) for r in rows) + held_u
+            charge_t, charge_u = int(min(tokens, room_t)), int(min(usd_micros, room_u))
+            charge = Charge(charge_t, charge_u, tokens - charge_t, usd_micros - charge_u)
+            moves = _moves(t=charge_t, u=charge_u, ot=charge.overage_tokens, ou=charge.overage_usd_micros,
+                           rt=-held_t, ru=-held_u)
+            c.execute(_CHAIN_UPDATE, {"key": key, **moves})
+            c.execute("DELETE FROM reservation WHERE id = ?", (reservation.id,))
+            return SharedResult(totals=_totals(rows, **moves), charge=charge)
+
+    def cancel_reserve_shared(self, request: str) -> bool:
+        """Nothing to undo here: a :meth:`reserve_shared` that raised rolled back
+        (one local transaction), and none can run after its caller gave up."""
+        return False
+
+    def release_shared(self, reservation: Reservation) -> SharedResult:
+        with self._tx() as c:
+            key, held_t, held_u = _reservation(c, reservation.id)
+            rows = _chain(c, key)
+            c.execute(_CHAIN_UPDATE, {"key": key, **_moves(rt=-held_t, ru=-held_u)})
+            c.execute("DELETE FROM reservation WHERE id = ?", (reservation.id,))
+            return SharedResult(totals=_totals(rows, rt=-held_t, ru=-held_u))
+
+    def set_limit_shared(self, key: str, limit: Allowance, *, clamp: bool) -> SharedResult:
+        with self._tx() as c:
+            rows = _open_chain(c, key)
+            refused = _set_limit(c, rows, limit, clamp=clamp)
+            if refused is not None:
+                return SharedResult(totals=_totals(rows), refusal=refused)
+            return SharedResult(totals=_totals(_chain(c, key)))
+
+    def shared_totals(self, key: str) -> SharedResult:
+        with self._lock:
+            return SharedResult(totals=_totals(_open_chain(self._conn, key)))
+
+    # ------------------------------------------- replay nonces (signed frames)
+    def record_nonce(self, tenant: str, kid: str, nonce: str, *, now_ms: int, expires_ms: int,
+                     max_per_tenant: int) -> bool:
+        check_nonce_args(tenant, kid, nonce, now_ms, expires_ms, max_per_tenant)
+        try:
+            with self._tx() as c:
+                got = _record_nonce(c, tenant, kid, nonce, now_ms, expires_ms, max_per_tenant)
+        except sqlite3.Error as e:  # a disk error, or the file locked past the busy timeout
+            raise StoreError(f"{self.path}: nonce not recorded: {e}") from None
+        if got < 0:
+            raise nonce_limit_error(tenant, max_per_tenant)
+        return got == 1
+
+    # ------------------------------------------------------------------ streams
+    def put_stream(self, record: StreamRecord) -> None:
+        key = (record.tenant, record.session_id, record.stream_id)
+        with self._tx() as c:
+            c.execute("DELETE FROM event WHERE tenant = ? AND session_id = ? AND stream_id = ?", key)
+            c.execute(
+                f"INSERT OR REPLACE INTO stream ({_STREAM_COLS}, n_events, owner) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+                (*key, record.idempotency_key, record.state, record.close_reason, record.created_ms,
+                 record.closed_ms, msgspec.json.encode(record), record.owner),
+            )
+
+    def close_stream(self, tenant: str, session_id: str, stream_id: str, *, reason: str, closed_ms: int) -> None:
+        cur = self._one(
+            "UPDATE stream SET state = 'closed', close_reason = ?, closed_ms = ? "
+            "WHERE tenant = ? AND session_id = ? AND stream_id = ?", (reason, closed_ms, tenant, session_id, stream_id))
+        if cur.rowcount == 0:
+            raise NotFound(f"no stream {tenant}/{session_id}/{stream_id}")
+
+    def get_stream(self, tenant: str, session_id: str, stream_id: str) -> StreamRecord | None:
+        row = self._row(f"SELECT {_STREAM_COLS} FROM stream WHERE tenant = ? AND session_id = ? AND stream_id = ?",
+                        (tenant, session_id, stream_id))
+        return None if row is None else _stream(row)
+
+    def find_idempotent(self, tenant: str, idempotency_key: str) -> StreamRecord | None:
+        row = self._row(
+            f"SELECT {_STREAM_COLS} FROM stream WHERE tenant = ? AND idempotency_key = ? "
+            "ORDER BY created_ms DESC, rowid DESC LIMIT 1", (tenant, idempotency_key))
+        return None if row is None else _stream(row)
+
+    def find_stream(self, tenant: str, stream_id: str) -> StreamRecord | None:
+        row = self._row(
+            f"SELECT {_STREAM_COLS} FROM stream WHERE tenant = ? AND stream_id = ? "
+            "ORDER BY created_ms DESC, rowid DESC LIMIT 1", (tenant, stream_id))
+        return None if row is None else _stream(row)
+
+    def append_event(self, tenant: str, session_id: str, stream_id: str, event_id: int, type: str,
+                     frame: bytes) -> None:
+        if len(frame) > self.max_event_bytes:
+            raise StoreLimitError("event_bytes", f"event {event_id} of stream {stream_id}: frame of {len(frame)} "
+                                                 f"bytes is over the store's limit of {self.max_event_bytes}")
+        key = (tenant, session_id, stream_id)
+        with self._tx() as c:
+            cur = c.execute("UPDATE stream SET n_events = n_events + 1 WHERE tenant = ? AND session_id = ? "
+                            "AND stream_id = ? AND n_events < ?", (*key, self.max_events_per_stream))
+            if cur.rowcount == 0:
+                if c.execute("SELECT 1 FROM stream WHERE tenant = ? AND session_id = ? AND stream_id = ?",
+                             key).fetchone() is None:
+                    raise NotFound(f"no stream {tenant}/{session_id}/{stream_id}")
+                raise StoreLimitError("events_per_stream", f"stream {stream_id} has the store's limit of "
+                                                           f"{self.max_events_per_stream} events")
+            try:
+                c.execute("INSERT INTO event VALUES (?, ?, ?, ?, ?, ?)", (*key, event_id, type, frame))
+            except sqlite3.IntegrityError:
+                same = c.execute("SELECT 1 FROM event WHERE tenant = ? AND session_id = ? AND stream_id = ? "
+                                 "AND event_id = ? AND type = ? AND frame = ?",
+                                 (*key, event_id, type, frame)).fetchone()
+                if same is None:
+                    raise StoreError(f"event {event_id} of stream {stream_id} is already stored") from None
+                # The same event again (a retried write): it does not count twice.
+                c.execute("UPDATE stream SET n_events = n_events - 1 WHERE tenant = ? AND session_id = ? "
+                          "AND stream_id = ?", key)
+
+    def events(self, tenant: str, session_id: str, stream_id: str, after: int = 0) -> list[StoredEvent]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT event_id, type, frame FROM event WHERE tenant = ? AND session_id = ? AND stream_id = ? "
+                "AND event_id > ? ORDER BY event_id", (tenant, session_id, stream_id, after)).fetchall()
+        return [StoredEvent(event_id=i, type=t, frame=bytes(f)) for i, t, f in rows]
+
+    def interrupt_open_streams(self, reason: str, *, now_ms: int, owner: str | None = None) -> list[StreamRecord]:
+        mine, args = ("", ()) if owner is None else (" AND owner = ?", (owner,))
+        with self._tx() as c:
+            rows = c.execute(f"SELECT {_STREAM_COLS} FROM stream WHERE state = 'open'{mine} "
+                             "ORDER BY created_ms, rowid", args).fetchall()
+            c.execute(f"UPDATE stream SET state = 'interrupted', close_reason = ?, closed_ms = ? "
+                      f"WHERE state = 'open'{mine}", (reason, now_ms, *args))
+        return [msgspec.structs.replace(_stream(r), state="interrupted", close_reason=reason, closed_ms=now_ms)
+                for r in rows]
+
+    def expire(self, before_ms: int) -> int:
+        with self._tx() as c:
+            done = "SELECT tenant, session_id, stream_id FROM stream WHERE state != 'open' AND closed_ms < ?"
+            c.execute(f"DELETE FROM event WHERE (tenant, session_id, stream_id) IN ({done})", (before_ms,))
+            n = c.execute("DELETE FROM stream WHERE state != 'open' AND closed_ms < ?", (before_ms,)).rowcount
+            c.execute("DELETE FROM account WHERE open = 0 AND key NOT IN "
+                      "(SELECT parent FROM account WHERE open = 1 AND parent IS NOT NULL)")
+        return n
+
+    # --------------------------------------------------------------------- RIB
+    def save_rib(self, version: int, text: str, source: str, actor: str) -> None:
+        with self._tx() as c:
+            c.execute("INSERT INTO rib (version, text, source, actor) VALUES (?, ?, ?, ?)",
+                      (version, text, source, actor))
+            c.execute("DELETE FROM rib WHERE n <= (SELECT MAX(n) FROM rib) - ?", (RIB_KEPT,))
+
+    def active_rib(self) -> tuple[int, str, str] | None:
+        row = self._row("SELECT version, text, source FROM rib ORDER BY n DESC LIMIT 1")
+        return None if row is None else (row[0], row[1], row[2])
+
+    def active_rib_version(self) -> int | None:
+        row = self._row("SELECT version FROM rib ORDER BY n DESC LIMIT 1")
+        return None if row is None else row[0]
+
+    def next_rib_version(self) -> int:
+        with self._tx() as c:
+            row = c.execute("SELECT value FROM meta WHERE key = 'rib_version_seq'").fetchone()
+            top = c.execute("SELECT MAX(version) FROM rib").fetchone()[0] or 0
+            version = max(int(row[0]) if row else 0, top) + 1
+            c.execute("INSERT INTO meta (key, value) VALUES ('rib_version_seq', ?) ON CONFLICT (key) "
+                      "DO UPDATE SET value = excluded.value", (str(version),))
+        return version
+
+    # ------------------------------------------------------------------- audit
+    def append_audit(self, record: AuditRecord) -> None:
+        r = record
+        try:
+            self._one(f"INSERT INTO audit ({_AUDIT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                      (r.seq, r.ts_ms, r.kind, r.actor, r.tenant, json.dumps(r.detail, ensure_ascii=False),
+                       r.prev, r.hash))
+        except sqlite3.IntegrityError:
+            raise StoreError(f"audit record {r.seq} already stored (the log is append-only)") from None
+
+    def append_audit_chained(self, build: Callable[[int, str], AuditRecord]) -> AuditRecord:
+        with self._tx() as c:
+            head = c.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
+            r = build(head[0], head[1]) if head is not None else build(0, GENESIS)
+            try:
+                c.execute(f"INSERT INTO audit ({_AUDIT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                          (r.seq, r.ts_ms, r.kind, r.actor, r.tenant, json.dumps(r.detail, ensure_ascii=False),
+                           r.prev, r.hash))
+            except sqlite3.IntegrityError:
+                raise StoreError(f"audit record {r.seq} already stored (the log is append-only)") from None
+        return r
+
+    def audit_records(self, after: int = 0, limit: int | None = None) -> list[AuditRecord]:
+        with self._lock:
+            rows = self._conn.execute(f"SELECT {_AUDIT_COLS} FROM audit WHERE seq > ? ORDER BY seq LIMIT ?",
+                                      (after, -1 if limit is None else limit)).fetchall()
+        return [_audit(row) for row in rows]
+
+    def audit_head(self) -> AuditRecord | None:
+        row = self._row(f"SELECT {_AUDIT_COLS} FROM audit ORDER BY seq DESC LIMIT 1")
+        return None if row is None else _audit(row)
+
+    def audit_checkpoint(self) -> AuditCheckpoint | None:
+        row = self._row("SELECT seq, hash, mac FROM audit_checkpoint ORDER BY seq DESC LIMIT 1")
+        return None if row is None else AuditCheckpoint(seq=row[0], hash=row[1], mac=row[2])
+
+    def audit_checkpoints(self) -> list[AuditCheckpoint]:
+        with self._lock:
+            rows = self._conn.execute("SELECT seq, hash, mac FROM audit_checkpoint ORDER BY seq").fetchall()
+        return [AuditCheckpoint(seq=q, hash=h, mac=m) for q, h, m in rows]
+
+    def put_audit_checkpoint(self, checkpoint: AuditCheckpoint) -> None:
+        self._one("INSERT OR REPLACE INTO audit_checkpoint (seq, hash, mac) VALUES (?, ?, ?)",
+                  (checkpoint.seq, checkpoint.hash, checkpoint.mac))
+
+    # ---------------------------------------------------------------------- kv
+    def get(self, key: str) -> bytes | None:
+        row = self._row("SELECT value FROM kv WHERE key = ?", (key,))
+        return None if row is None else bytes(row[0])
+
+    def items(self, prefix: str) -> list[tuple[str, bytes]]:
+        hi = prefix + "\U0010ffff"
+        with self._lock:
+            rows = self._conn.execute("SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key",
+                                      (prefix, hi)).fetchall()
+        return [(k, bytes(v)) for k, v in rows]
+
+    def put(self, key: str, value: bytes) -> None:
+        self._one("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (key, value))
+
+    def update(self, key: str, fn: Callable[[bytes | None], bytes | None]) -> bytes | None:
+        with self._tx() as c:  # BEGIN IMMEDIATE: no other writer between the read and the write
+            row = c.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+            new = fn(None if row is None else bytes(row[0]))
+            if new is None:
+                c.execute("DELETE FROM kv WHERE key = ?", (key,))
+            else:
+                c.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (key, bytes(new)))
+        return new
+
+    # ------------------------------------------------------- response cache
+    # The response cache's calls raise StoreError for a database error (a disk
+    # error, the file locked past the busy timeout): the router serves without
+    # the cache then (atp_router.runtime.dataplane.cache), whichever store it runs on.
+    def cache_get(self, key: bytes, *, now_ms: int) -> bytes | None:
+        with self._store_error("cache read"):
+            with self._lock:
+                row = self._conn.execute("SELECT value, expires_ms FROM cache WHERE key = ?", (key,)).fetchone()
+            if row is None or row[1] <= now_ms:
+                return None
+            self._one("UPDATE cache SET used_ms = ? WHERE key = ? AND used_ms < ?", (now_ms, key, now_ms))
+            return bytes(row[0])
+
+    def cache_put(self, key: bytes, value: bytes, *, tenant: str | None, now_ms: int, expires_ms: int,
+                  max_bytes: int, tenant_max_bytes: int | None = None) -> CachePut:
+        with self._store_error("cache write"):
+            return self._cache_put(key, value, tenant=tenant, now_ms=now_ms, expires_ms=expires_ms,
+                                   max_bytes=max_bytes, tenant_max_bytes=tenant_max_bytes)
+
+    def _cache_put(self, key: bytes, value: bytes, *, tenant: str | None, now_ms: int, expires_ms: int,
+                   max_bytes: int, tenant_max_bytes: int | None) -> CachePut:
+        size = len(value)
+        with self._tx() as c:
+            # Expired entries first (the one replaced here too, if it expired), then the replaced one.
+            expired = _cache_remove(c, "DELETE FROM cache WHERE expires_ms <= ? RETURNING size", (now_ms,))
+            _cache_remove(c, "DELETE FROM cache WHERE key = ? RETURNING size", (key,))
+            if tenant_max_bytes is not None:
+                return _cache_put_own(c, key, value, tenant or "", now_ms, expires_ms, max_bytes,
+                                      tenant_max_bytes, expired)
+            stored = size <= max_bytes
+            if stored:
+                c.execute("INSERT INTO cache (key, tenant, value, size, created_ms, expires_ms, used_ms) "
+                          "VALUES (?, ?, ?, ?, ?, ?, ?)", (key, tenant, value, size, now_ms, expires_ms, now_ms))
+                c.execute("UPDATE cache_total SET entries = entries + 1, bytes = bytes + ?", (size,))
+            evicted = 0
+            entries, total = c.execute("SELECT entries, bytes FROM cache_total").fetchone()
+            if total > max_bytes:
+                evicted = _cache_evict_lru(c, "key != ?", (key,), total - max_bytes)
+                entries, total = c.execute("SELECT entries, bytes FROM cache_total").fetchone()
+        return CachePut(stored=stored, expired=expired, evicted=evicted, stats=CacheStats(entries, total))
+
+    def cache_drop(self, key: bytes) -> None:
+        with self._store_error("cache write"), self._tx() as c:
+            _cache_remove(c, "DELETE FROM cache WHERE key = ? RETURNING size", (key,))
+
+    def cache_stats(self) -> CacheStats:
+        with self._store_error("cache read"):
+            row = self._row("SELECT entries, bytes FROM cache_total")
+        return CacheStats(*row) if row is not None else CacheStats()
+
+    @contextmanager
+    def _store_error(self, what: str) -> Iterator[None]:
+        """A database error inside as :class:`StoreError` naming the file and ``what``."""
+        try:
+            yield
+        except sqlite3.Error as e:
+            raise StoreError(f"{self.path}: {what}: {e}") from e
+
+
+def ledger_snapshot(accts: list[tuple], res: list[Reservation], next_id: int) -> LedgerSnapshot:
+    """The :class:`LedgerSnapshot` of the open accounts ``accts`` (rows ``(key,
+    parent, limit_tokens, limit_usd, committed_tokens, committed_usd,
+    overage_tokens, overage_usd)``) and the open reservations ``res`` (by id),
+    what they hold summed up their chains (shared with the Redis backend).
+    Raises :class:`StoreError` for a reservation on an account that is not open."""
+    parent = {a[0]: a[1] for a in accts}
+
+    def chain(k: str) -> list[str]:
+        out = [k]
+        while (p := parent.get(out[-1])) is not None and p in parent:
+            out.append(p)
+        return out
+
+    held: dict[str, list[int]] = {a[0]: [0, 0, 0] for a in accts}
+    for r in res:
+        if r.key not in held:
+            raise StoreError(f"reservation {r.id} names account {r.key!r}, which is not open")
+        held[r.key][2] += 1
+        for k in chain(r.key):
+            held[k][0] += r.tokens
+            held[k][1] += r.usd_micros
+    states = [
+        AccountState(key=k, parent=p, limit=Allowance(tokens=lt, usd_micros=lu), reserved_tokens=held[k][0],
+                     reserved_usd_micros=held[k][1], committed_tokens=ct, committed_usd_micros=cu,
+                     overage_tokens=ot, overage_usd_micros=ou, open_reservations=held[k][2])
+        for k, p, lt, lu, ct, cu, ot, ou in accts
+    ]
+    states.sort(key=lambda s: (len(chain(s.key)), s.key))
+    return LedgerSnapshot(accounts=tuple(states), reservations=tuple(res),
+                          next_id=max(next_id, max((r.id for r in res), default=0) + 1))
+
+
+def _cache_evict_lru(c: sqlite3.Connection, where: str, params: tuple[Any, ...], excess: int) -> int:
+    """Remove the least recently used cache entries matching ``where`` until at
+    least ``excess`` bytes are freed (or none is left); how many went."""
+    victims: list[bytes] = []
+    for k, n in c.execute(f"SELECT key, size FROM cache WHERE {where} ORDER BY used_ms, created_ms", params):
+        if excess <= 0:
+            break
+        victims.append(k)
+        excess -= n
+    return sum(_cache_remove(c, "DELETE FROM cache WHERE key = ? RETURNING size", (k,)) for k in victims)
+
+
+def _cache_put_own(c: sqlite3.Connection, key: bytes, value: bytes, tenant: str, now_ms: int, expires_ms: int,
+                   max_bytes: int, tenant_max_bytes: int, expired: int) -> CachePut:
+    """``cache_put`` with a per-tenant budget (after expired entries and the
+    replaced one are gone): the value is refused when over ``tenant_max_bytes``;
+    else ``tenant``'s own least recently used entries go until its entries and
+    the value fit in ``tenant_max_bytes`` and the whole cache in ``max_bytes``;
+    it is stored only if the cache then holds it — another tenant's entry is
+    never evicted."""
+    size = len(value)
+    evicted = 0
+    stored = size <= min(tenant_max_bytes, max_bytes)
+    if stored:
+        (own,) = c.execute("SELECT COALESCE(SUM(size), 0) FROM cache WHERE tenant = ?", (tenant,)).fetchone()
+        (total,) = c.execute("SELECT bytes FROM cache_total").fetchone()
+        # Room is made from the tenant's own entries only: for its budget and, when
+        # the whole cache is full, for the cache's bound.
+        excess = max(own + size - tenant_max_bytes, total + size - max_bytes)
+        if excess > 0:
+            evicted = _cache_evict_lru(c, "tenant = ?", (tenant,), excess)
+        (total,) = c.execute("SELECT bytes FROM cache_total").fetchone()
+        stored = total + size <= max_bytes
+    if stored:
+        c.execute("INSERT INTO cache (key, tenant, value, size, created_ms, expires_ms, used_ms) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?)", (key, tenant, value, size, now_ms, expires_ms, now_ms))
+        c.execute("UPDATE cache_total SET entries = entries + 1, bytes = bytes + ?", (size,))
+    entries, total = c.execute("SELECT entries, bytes FROM cache_total").fetchone()
+    return CachePut(stored=stored, expired=expired, evicted=evicted, stats=CacheStats(entries, total))
+
+
+def _cache_remove(c: sqlite3.Connection, sql: str, args: tuple) -> int:
+    """Run a ``DELETE … FROM cache … RETURNING size`` and take what it removed off
+    the cache's totals; returns how many entries it removed."""
+    sizes = [r[0] for r in c.execute(sql, args).fetchall()]
+    if sizes:
+        c.execute("UPDATE cache_total SET entries = entries - ?, bytes = bytes - ?", (len(sizes), sum(sizes)))
+    return len(sizes)
+
+
+def _record_nonce(c: sqlite3.Connection, tenant: str, kid: str, nonce: str, now_ms: int, expires_ms: int,
+                  max_per_tenant: int) -> int:
+    """:meth:`SqliteStore.record_nonce` inside its transaction: 1 recorded, 0 a
+    replay, -1 the tenant at its bound (nothing recorded; the sweeps are kept)."""
+    _sweep_nonces(c, "expires_ms <= ? ORDER BY expires_ms LIMIT ?", (now_ms, NONCE_SWEEP))
+    row = c.execute("SELECT expires_ms FROM nonce WHERE tenant = ? AND kid = ? AND nonce = ?",
+                    (tenant, kid, nonce)).fetchone()
+    if row is not None:
+        if row[0] > now_ms:
+            return 0
+        _sweep_nonces(c, "tenant = ? AND kid = ? AND nonce = ?", (tenant, kid, nonce))
+    if _nonces_held(c, tenant) >= max_per_tenant:
+        _sweep_nonces(c, "expires_ms <= ? ORDER BY expires_ms LIMIT ?", (now_ms, NONCE_FULL_SWEEP))
+        if _nonces_held(c, tenant) >= max_per_tenant:
+            return -1
+    c.execute("INSERT INTO nonce (tenant, kid, nonce, expires_ms) VALUES (?, ?, ?, ?)", (tenant, kid, nonce, expires_ms))
+    c.execute("INSERT INTO nonce_count (tenant, n) VALUES (?, 1) ON CONFLICT (tenant) DO UPDATE SET n = n + 1",
+              (tenant,))
+    return 1
+
+
+def _sweep_nonces(c: sqlite3.Connection, where: str, args: tuple) -> int:
+    """Delete the nonce rows ``SELECT … FROM nonce WHERE <where>`` names and take
+    them off their tenants' counts (rows of a count at 0 dropped); returns how
+    many it deleted."""
+    tenants = [r[0] for r in c.execute(
+        "DELETE FROM nonce WHERE (tenant, kid, nonce) IN "
+        f"(SELECT tenant, kid, nonce FROM nonce WHERE {where}) RETURNING tenant", args)]
+    if tenants:
+        by = Counter(tenants)
+        c.executemany("UPDATE nonce_count SET n = n - ? WHERE tenant = ?", [(n, t) for t, n in by.items()])
+        c.executemany("DELETE FROM nonce_count WHERE tenant = ? AND n <= 0", [(t,) for t in by])
+    return len(tenants)
+
+
+def _nonces_held(c: sqlite3.Connection, tenant: str) -> int:
+    row = c.execute("SELECT n FROM nonce_count WHERE tenant = ?", (tenant,)).fetchone()
+    return 0 if row is None else row[0]
+
+
+def _open_account(c: sqlite3.Connection, key: str, parent: str | None, limit: Allowance, *,
+                  owner: str | None) -> None:
+    if parent is not None and not _is_open(c, parent):
+        raise NotFound(f"no open budget account {parent!r}")
+    if _is_open(c, key):
+        raise StoreError(f"budget account {key!r} already open")
+    c.execute(
+        "INSERT INTO account (key, parent, limit_tokens, limit_usd, owner) VALUES (?, ?, ?, ?, ?) "
+        "ON CONFLICT (key) DO UPDATE SET parent = excluded.parent, limit_tokens = excluded.limit_tokens, "
+        "limit_usd = excluded.limit_usd, committed_tokens = 0, committed_usd = 0, overage_tokens = 0, "
+        "overage_usd = 0, open = 1, reserved_tokens = 0, reserved_usd = 0, owner = excluded.owner",
+        (key, parent, limit.tokens, limit.usd_micros, owner),
+    )
+
+
+def _reservation(c: sqlite3.Connection, reservation_id: int) -> tuple[str, int, int]:
+    """``(account, tokens, usd_micros)`` of an open reservation; NotFound else."""
+    row = c.execute("SELECT account, tokens, usd_micros FROM reservation WHERE id = ?", (reservation_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"no open reservation {reservation_id}")
+    return row[0], row[1], row[2]
+
+
+def _chain(c: sqlite3.Connection, key: str) -> list[tuple]:
+    """Rows ``(key, limit_t, limit_u, committed_t, committed_u, reserved_t,
+    reserved_u, overage_t, overage_u, open)`` of ``key`` and its ancestors."""
+    return c.execute(_CHAIN_READ, {"key": key}).fetchall()
+
+
+def _open_chain(c: sqlite3.Connection, key: str) -> list[tuple]:
+    rows = _chain(c, key)
+    if not rows or rows[0][9] != 1:
+        raise NotFound(f"no open budget account {key!r}")
+    return rows
+
+
+def _free(limit: int | None, committed: int, reserved: int) -> float:
+    return math.inf if limit is None else limit - committed - reserved
+
+
+def _remaining(rows: list[tuple]) -> Allowance:
+    t = min(_free(r[1], r[3], r[5]) for r in rows)
+    u = min(_free(r[2], r[4], r[6]) for r in rows)
+    return Allowance(tokens=None if t == math.inf else int(t), usd_micros=None if u == math.inf else int(u))
+
+
+def _check_room(rows: list[tuple], tokens: int, usd_micros: int, what: str) -> SharedResult | None:
+    """A refusal naming the nearest account of the chain that cannot hold
+    ``tokens`` / ``usd_micros`` more, or None when all can."""
+    for i, r in enumerate(rows):
+        if tokens > _free(r[1], r[3], r[5]) or usd_micros > _free(r[2], r[4], r[6]):
+            return SharedResult(totals=_totals(rows), refusal=refusal(r[0], what, _remaining(rows[i:])))
+    return None
+
+
+def _set_limit(c: sqlite3.Connection, rows: list[tuple], limit: Allowance, *, clamp: bool):
+    """BudgetLedger.set_limit on the first account of ``rows``; its Refusal or None."""
+    key, _, _, ct, cu, rt, ru = rows[0][:7]
+    held_t, held_u = ct + rt, cu + ru
+    tokens, usd = limit.tokens, limit.usd_micros
+    if clamp:
+        tokens = None if tokens is None else max(tokens, held_t)
+        usd = None if usd is None else max(usd, held_u)
+    elif (tokens is not None and tokens < held_t) or (usd is not None and usd < held_u):
+        return refusal(key, f"limit {tokens} tokens / {usd} usd_micros below use", _remaining(rows))
+    c.execute("UPDATE account SET limit_tokens = ?, limit_usd = ? WHERE key = ?", (tokens, usd, key))
+    return None
+
+
+def _totals(rows: list[tuple], *, t: int = 0, u: int = 0, ot: int = 0, ou: int = 0, rt: int = 0,
+            ru: int = 0) -> tuple[AccountTotals, ...]:
+    """``rows`` as AccountTotals, with the moves just applied to every one."""
+    return tuple(AccountTotals(key=r[0], limit=Allowance(tokens=r[1], usd_micros=r[2]), committed_tokens=r[3] + t,
+                               committed_usd_micros=r[4] + u, reserved_tokens=r[5] + rt,
+                               reserved_usd_micros=r[6] + ru, overage_tokens=r[7] + ot,
+                               overage_usd_micros=r[8] + ou) for r in rows)
+
+
+def _is_open(c: sqlite3.Connection, key: str) -> bool:
+    row = c.execute("SELECT open FROM account WHERE key = ?", (key,)).fetchone()
+    return row is not None and row[0] == 1
+
+
+def _stream(row: tuple) -> StreamRecord:
+    rec = msgspec.json.decode(row[8], type=StreamRecord)
+    return msgspec.structs.replace(rec, state=row[4], close_reason=row[5], closed_ms=row[7])
+
+
+def _audit(row: tuple) -> AuditRecord:
+    seq, ts_ms, kind, actor, tenant, detail, prev, h = row
+    return AuditRecord(seq=seq, ts_ms=ts_ms, kind=kind, actor=actor, tenant=tenant, detail=json.loads(detail),
+                       prev=prev, hash=h)
+
+
+def _migrate(conn: sqlite3.Connection, path: Path) -> None:
+    """Create the schema in an empty file, accept ours, refuse a newer or foreign one."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            for stmt in _SCHEMA.split(";"):
+                if stmt.strip():
+                    conn.execute(stmt)
+            conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)",
+                             [("app", _APP), ("schema_version", str(SCHEMA_VERSION))])
+        else:
+            meta = dict(conn.execute("SELECT key, value FROM meta").fetchall()) if "meta" in tables else {}
+            if meta.get("app") != _APP or "schema_version" not in meta:
+                raise SchemaError(f"{path} is not an {_APP} state database")
+            version = int(meta["schema_version"])
+            if version > SCHEMA_VERSION:
+                raise SchemaError(
+                    f"{path}: state schema version {version} is newer than this {_APP} supports "
+                    f"({SCHEMA_VERSION}); upgrade {_APP} or use another --state-dir")
+            if version == 1:
+                for stmt in _MIGRATE_2:
+                    conn.execute(stmt)
+                for key, t, u in conn.execute("SELECT account, tokens, usd_micros FROM reservation").fetchall():
+                    conn.execute(_CHAIN_UPDATE, {"key": key, **_moves(rt=t, ru=u)})
+                conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+        for stmt in _CACHE_SCHEMA + _STREAM_READS + _LEASE_SCHEMA + _NONCE_SCHEMA:
+            conn.execute(stmt)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")

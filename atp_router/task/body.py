@@ -1,0 +1,174 @@
+"""The task bodies (issue 21 item 1): one Struct per task type, and the chat
+messages of the OpenAI-compatible ingress.
+
+A task body is the SYN's ``payload.content`` (spec §4.2). Which Struct it is
+follows from the meta's ``task_type`` (:class:`~atp_router.task.meta.TaskMeta`), the
+union's tag (:data:`BODIES`, :func:`decode_body`):
+
+==================  ==========================  ===================================
+task type           body                        shape
+==================  ==========================  ===================================
+``code_review``     :class:`CodeReview`         ``{"diff", "files", "evidence"}``
+``repo_summary``    :class:`RepoSummary`        ``{"repo"}``
+``retrieval_qa``    :class:`RetrievalQA`        ``{"question", "docs"}``
+any other           :class:`Chat` or            ``{"messages"}`` (the OpenAI
+                    :class:`Text`               ingress), ``{"text"}`` (the A2A
+                                                server)
+==================  ==========================  ===================================
+
+Keys a body does not name pass to the next-hops unchanged (a body is not
+``forbid_unknown_fields``); the named ones are typed strictly (no coercion).
+
+Size limits (``Meta`` constraints) are those of the ingresses that decode these
+shapes today: :data:`MAX_MESSAGES` messages of at most :data:`MAX_MESSAGE_CHARS`
+characters (or :data:`MAX_PARTS` text parts) and a name of 1..64 characters
+(``POST /v1/chat/completions``); at most :data:`MAX_FILES` files (the OpenAI
+ingress's ``atp.files``, the A2A server's ``--repo`` reader), each path of 1..
+:data:`MAX_PATH_CHARS` characters (as :mod:`atp_router.review.paths` allows).
+A next-hop's own limits (a tool's ``max_diff_bytes``, a retriever's
+``max_question_chars``) are per agent in the RIB and checked by the adapter.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, TypeAlias
+
+import msgspec
+from msgspec import Meta, Struct
+
+__all__ = [
+    "BODIES",
+    "MAX_FILES",
+    "MAX_MESSAGES",
+    "MAX_MESSAGE_CHARS",
+    "MAX_PARTS",
+    "MAX_PATH_CHARS",
+    "Chat",
+    "ChatMessage",
+    "ChatTurn",
+    "CodeReview",
+    "RepoSummary",
+    "RetrievalQA",
+    "TaskBody",
+    "Text",
+    "TextPart",
+    "decode_body",
+]
+
+#: Messages per chat request, characters per message, text parts per message.
+MAX_MESSAGES = 256
+MAX_MESSAGE_CHARS = 1_000_000
+MAX_PARTS = 64
+#: Files a code-review body may carry (the A2A server's ``--repo`` reader's limit).
+MAX_FILES = 2_000
+#: Characters of one file path (as :data:`atp_router.review.paths.MAX_PATH_CHARS`).
+MAX_PATH_CHARS = 1024
+
+Path: TypeAlias = Annotated[str, Meta(min_length=1, max_length=MAX_PATH_CHARS)]
+
+
+# ------------------------------------------------------------------ the OpenAI ingress's messages
+class TextPart(Struct, forbid_unknown_fields=True):
+    """A text content part (``{"type": "text", "text": …}``); other part types
+    (images, audio, files) are refused."""
+
+    type: Literal["text"]
+    text: Annotated[str, Meta(max_length=MAX_MESSAGE_CHARS)]
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One input message: ``role`` and ``content`` (a string or text parts, at
+    most 1,000,000 characters); ``name`` is kept in the task content."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str, Meta(max_length=MAX_MESSAGE_CHARS)] | Annotated[list[TextPart], Meta(max_length=MAX_PARTS)]
+    name: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+
+    def text(self) -> str:
+        """The message text (text parts joined with ``\\n``)."""
+        c = self.content
+        return c if isinstance(c, str) else "\n".join(p.text for p in c)
+
+    def turn(self) -> ChatTurn:
+        """This message as the task body holds it (:class:`ChatTurn`)."""
+        return ChatTurn(role=self.role, content=self.text(), name=self.name)
+
+
+# ------------------------------------------------------------------ bodies
+class CodeReview(Struct, kw_only=True, omit_defaults=True):
+    """``code_review``: ``diff`` (a unified diff, ``git diff`` output), ``files``
+    (path → the full text *after* the diff, at most :data:`MAX_FILES`) and, for an
+    escalation with ``evidence: true``, the first stage's reports (``evidence``,
+    added by the router)."""
+
+    diff: str | None = None
+    files: Annotated[dict[Path, str], Meta(max_length=MAX_FILES)] | None = None
+    evidence: list[dict[str, Any]] | None = None
+
+
+class RepoSummary(Struct, kw_only=True, omit_defaults=True):
+    """``repo_summary``: ``repo``, an absolute directory on the router's host
+    under one of the summariser's roots (its own without it)."""
+
+    repo: str | None = None
+
+
+class RetrievalQA(Struct, kw_only=True, omit_defaults=True):
+    """``retrieval_qa``: the ``question`` (non-empty) and ``docs``, an absolute
+    corpus directory under one of the retriever's roots (its own without it)."""
+
+    question: Annotated[str, Meta(min_length=1)]
+    docs: str | None = None
+
+
+class ChatTurn(Struct, kw_only=True, omit_defaults=True):
+    """One message of a :class:`Chat` body: ``role``, ``content`` (text parts
+    already joined), ``name``."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str, Meta(max_length=MAX_MESSAGE_CHARS)]
+    name: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+
+
+class Chat(Struct, kw_only=True, omit_defaults=True):
+    """A task asked as chat messages (the OpenAI-compatible ingress): 1..
+    :data:`MAX_MESSAGES` of them."""
+
+    messages: Annotated[list[ChatTurn], Meta(min_length=1, max_length=MAX_MESSAGES)]
+
+
+class Text(Struct, kw_only=True, omit_defaults=True):
+    """A task asked as one text (the A2A server's non-diff message)."""
+
+    text: str
+
+
+TaskBody: TypeAlias = CodeReview | RepoSummary | RetrievalQA | Chat | Text
+
+#: The body Struct of each task type that has its own (the union's tags).
+BODIES: Mapping[str, type[CodeReview | RepoSummary | RetrievalQA]] = {
+    "code_review": CodeReview,
+    "repo_summary": RepoSummary,
+    "retrieval_qa": RetrievalQA,
+}
+
+
+def decode_body(task_type: str, content: Mapping[str, Any]) -> TaskBody:
+    """The body of a ``task_type`` task: its :data:`BODIES` Struct, else
+    :class:`Chat` for ``{"messages"}`` or :class:`Text` for ``{"text"}``.
+    Raises :class:`msgspec.ValidationError` naming the field (``Expected `str`,
+    got `int` - at `$.diff```), also for a body of another task type that is
+    neither chat nor text."""
+    kind: type[TaskBody]
+    if task_type in BODIES:
+        kind = BODIES[task_type]
+    elif "messages" in content:
+        kind = Chat
+    elif "text" in content:
+        kind = Text
+    else:
+        raise msgspec.ValidationError(f"a {task_type!r} task body is {{'messages'}} or {{'text'}}")
+    return msgspec.convert(content, kind, strict=True)
