@@ -327,11 +327,20 @@ def _limited_ruff(name: str, agent: AgentSpec):
     return cls(name, scope=agent.scope, limits=ToolLimits.from_options(agent.options))
 
 
+#: Health's floor while the three limited tools run: three analysers, one burning a
+#: whole core for 1 s, share a 2-core machine with the router. Beside eight busy
+#: processes health measured 220–433 ms against an idle worst of 20–25 ms (all three
+#: attempts over 10× idle), from CPU contention alone; the stall guarded against — the
+#: spinner's 1 s, or a freeze — is well over it.
+TOOLS_HEALTH_FLOOR_S = 0.6
+
+
 async def test_tools_past_their_limits_fail_cleanly_and_the_router_keeps_serving(nursery, tmp_path, monkeypatch):
     """Three tasks at once, each past one limit of its tool (address space, output,
     CPU: the spinner burns its 1 s): each ends RST EPROTO naming its limit, no
     breaker counts it against the tool, and health stays within a factor of its
-    idle latency (:func:`health_beside`, default floor) while the three run.
+    idle latency (:func:`health_beside`, floor :data:`TOOLS_HEALTH_FLOOR_S`)
+    while the three run.
 
     Guards a tool run or its output read on the event loop: the spinner's 1 s of
     CPU, or ruff's report of ~80× its input decoded there, is a stall over the
@@ -364,7 +373,7 @@ async def test_tools_past_their_limits_fail_cleanly_and_the_router_keeps_serving
                 assert rst.type == "RST" and rst.payload["code"] == "EPROTO", (task_type, rst)
                 assert reason in rst.payload["reason"], (task_type, rst.payload["reason"])
 
-        runs = len(await health_beside(env.url, provoke))
+        runs = len(await health_beside(env.url, provoke, floor_s=TOOLS_HEALTH_FLOOR_S))
     # The limits were the tasks', not the tools': every breaker closed, nothing counted
     # (one ignored failure per run of the three tasks).
     stats = env.router.gates.breakers.statistics(trio.current_time())
