@@ -924,15 +924,15 @@ class Router:
                 ctx.reset(ErrorCode.EAGENTDOWN, "internal router error while running the task")
                 return
             if self.tracing is not None:
-                self.tracing.merged(ctx, plan, final, gen.dispatcher.last_triggers)
+                self.tracing.merged(ctx, plan, final, plan.triggers)
             self.metrics.agreement.observe(final.result.consensus.agreement)
             self.metrics.stream_latency.observe(final.telemetry.latency_ms / 1000)
-            for t in gen.dispatcher.last_triggers:
+            for t in plan.triggers:
                 self.metrics.escalations.labels(t).inc()
-            if gen.dispatcher.last_triggers:
+            if plan.triggers:
                 self.audit_event("escalation", ctx.identity, {"session_id": ctx.session_id,
                                                               "stream_id": ctx.stream_id,
-                                                              "triggers": list(gen.dispatcher.last_triggers)})
+                                                              "triggers": list(plan.triggers)})
             self.metrics.streams_closed.labels("final").inc()
             ctx.finish(self._signed(ctx, final))
             esc = ctx.route.escalation

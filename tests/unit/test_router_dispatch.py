@@ -302,6 +302,38 @@ async def test_escalation_calls_the_target_only_when_the_first_agents_found_noth
         assert 'atp_escalations_total{trigger="no_findings"} 1.0' in await c.metrics()
 
 
+async def test_each_stream_reports_its_own_escalation_triggers_when_many_finish_together(nursery, tmp_path, scripted):
+    """The dispatcher is shared by every stream of a generation: a stream's
+    escalation triggers are its own (``TaskPlan.triggers``), not whatever stream
+    finished last. Eight streams at once, four clean (the cheap agents find
+    nothing: escalated on ``no_findings``) and four with the golden defect (not
+    escalated): the metric counts four, and the audit's escalation records name
+    exactly the four clean streams."""
+    scripted["review.big"] = ScriptedAdapter.returning(
+        "review.big", [finding(file="calc.py", line=2, claim="escalated reviewer's finding")]
+    )
+    env = await router_with(nursery, tmp_path, {"lint.ruff": RUFF, "sec.bandit": BANDIT,
+                                                "review.big": scripted_agent()},
+                            fanout=["lint.ruff", "sec.bandit"],
+                            escalation={"on": ["no_findings"], "to": "review.big"})
+    ran: dict[str, bool] = {}
+
+    async def one(clean: bool) -> None:
+        events, sid = await run_stream(env, content=CLEAN if clean else None)
+        escalated = "escalated on no_findings" in final_of(events)["result"]["consensus"]["uncertainties"]
+        assert escalated == clean, (sid, clean)
+        ran[sid] = clean
+
+    async with trio.open_nursery() as n:
+        for i in range(8):
+            n.start_soon(one, i % 2 == 0)
+    async with atp.Client(env.url) as c:
+        assert 'atp_escalations_total{trigger="no_findings"} 4.0' in await c.metrics()
+    audited = [r.detail for r in env.router.store.audit_records() if r.kind == "escalation"]
+    assert sorted(d["stream_id"] for d in audited) == sorted(sid for sid, clean in ran.items() if clean)
+    assert all(d["triggers"] == ["no_findings"] for d in audited)
+
+
 class _Probe(ScriptedAdapter):
     """A ScriptedAdapter that records how many calls of the group run at once."""
 

@@ -285,6 +285,10 @@ class TaskPlan:
     escalate: bool = False
     #: The escalation target was called for this task.
     escalated: bool = False
+    #: The escalation triggers that fired for this stream (``no_findings``,
+    #: ``low_conf``, ``bandit``, …), set when its FINAL is made: the stream's
+    #: own, never another's (the dispatcher is shared by a generation's streams).
+    triggers: list[str] = field(default_factory=list)
     #: Win rates for the consensus tie-break (§7.2): the router's live quality
     #: per agent (atp_router.policy.learn); None: the RIB's ``win30d``.
     win_rates: Mapping[str, float] | None = None
@@ -514,7 +518,6 @@ class Dispatcher:
         self.calibration = dict(calibration or {})
         self.gates = gates
         self.on_leg = on_leg
-        self.last_triggers: list[str] = []
 
     async def run(self, io: StreamIO, plan: TaskPlan) -> FinalResult:
         """Fan out, merge, escalate; returns the FINAL result (spec §7.3).
@@ -631,7 +634,7 @@ class Dispatcher:
             usd=usd_micros / 1_000_000,
             latency_ms=round((trio.current_time() - plan.started) * 1000, 3),
         )
-        self.last_triggers = triggers
+        plan.triggers = triggers
         return FinalResult(result=result, telemetry=telemetry)
 
     def _down_reason(self, agent: str) -> str:
