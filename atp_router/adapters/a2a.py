@@ -74,7 +74,7 @@ import logging
 import math
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -614,7 +614,7 @@ class A2AAdapter(HTTPNextHop):
         return CostEstimate(in_tokens=in_tokens, out_tokens=self.max_out_tokens,
                             usd=self._price(in_tokens, self.max_out_tokens) / 1_000_000)
 
-    async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
+    async def stream(self, prompt: Prompt) -> AsyncGenerator[Fragment, None]:
         """PARTIAL (text) and LOG (task status) fragments, then one FINAL
         :class:`AgentReport`; usage on every fragment is cumulative (the flat price
         from the first). Raises AgentError as tabled in the module docstring."""

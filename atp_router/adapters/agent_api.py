@@ -56,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -437,7 +437,7 @@ class AgentApiAdapter(HTTPNextHop):
         micros = self._price(in_tokens, self.max_out_tokens)
         return CostEstimate(in_tokens=in_tokens, out_tokens=self.max_out_tokens, usd=micros / 1_000_000)
 
-    async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
+    async def stream(self, prompt: Prompt) -> AsyncGenerator[Fragment, None]:
         """PARTIAL fragments (joined text deltas of the answer, with the usage so
         far) then one FINAL ``AgentReport`` priced per the module docstring.
         Raises ``AgentError`` per the module docstring's table."""

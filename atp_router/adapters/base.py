@@ -27,7 +27,7 @@ import abc
 import functools
 import math
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from fractions import Fraction
 from typing import Any, ClassVar
 
@@ -172,7 +172,7 @@ class ProviderAdapter(abc.ABC):
         """Preflight: expected input/output tokens and USD for ``prompt`` (§5.2)."""
 
     @abc.abstractmethod
-    def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
+    def stream(self, prompt: Prompt) -> AsyncGenerator[Fragment, None]:
         """Run the call, yielding fragments as described in the module docstring."""
 
     def health(self) -> Health:

@@ -76,7 +76,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -368,7 +368,7 @@ class Mqtt2389Adapter(ProviderAdapter):
                 await link.client.disconnect(1.0)
             link.scope.cancel()
 
-    async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
+    async def stream(self, prompt: Prompt) -> AsyncGenerator[Fragment, None]:
         """One task through the broker; yields one FINAL fragment (module docstring)."""
         t0 = trio.current_time()
         try:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import httpx
@@ -185,7 +185,7 @@ class ChatModelAdapter(HTTPNextHop):
         micros = self._price(in_tokens, self.max_out_tokens)
         return CostEstimate(in_tokens=in_tokens, out_tokens=self.max_out_tokens, usd=micros / 1_000_000)
 
-    async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
+    async def stream(self, prompt: Prompt) -> AsyncGenerator[Fragment, None]:
         """PARTIAL fragments (text deltas, cumulative usage so far, estimated until
         the server reports it) then one FINAL ``AgentReport`` priced from the
         reported usage. Raises ``AgentError`` per :mod:`atp_router.adapters.http` and the

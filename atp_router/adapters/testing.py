@@ -23,7 +23,7 @@ fragments after it, tests how the caller copes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 
 import trio
 
@@ -111,7 +111,7 @@ class ScriptedAdapter(ProviderAdapter):
     def health(self) -> Health:
         return self._health
 
-    async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
+    async def stream(self, prompt: Prompt) -> AsyncGenerator[Fragment, None]:
         self.calls.append(prompt)
         for fragment in self.fragments:
             if self.delay_s:

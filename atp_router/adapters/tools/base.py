@@ -91,7 +91,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -400,7 +400,7 @@ class ToolAdapter(ProviderAdapter):
         for the client's input are not counted)."""
         return self._stats.health()
 
-    async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
+    async def stream(self, prompt: Prompt) -> AsyncGenerator[Fragment, None]:
         """Run the analyser and yield one FINAL fragment (content ``AgentReport``,
         usage zero). Raises ``ClientInputError`` / ``AgentError`` as the module
         docstring describes."""
@@ -646,7 +646,7 @@ class InThreadToolAdapter(ProviderAdapter):
     def work(self, content: Any) -> AgentReport:
         """The report for one task's ``content``. Blocking (runs in a worker thread)."""
 
-    async def stream(self, prompt: Prompt) -> AsyncIterator[Fragment]:
+    async def stream(self, prompt: Prompt) -> AsyncGenerator[Fragment, None]:
         """One FINAL fragment (``AgentReport``, zero usage). Raises what
         :meth:`work` raises (``ClientInputError`` for the task's fault,
         ``AgentError`` otherwise)."""

@@ -131,7 +131,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
@@ -144,6 +144,7 @@ from atp_router.consensus.types import (
     AgentReport,
     Answer,
     FinalResult,
+    Result,
     Telemetry,
     Usage,
 )
@@ -173,6 +174,9 @@ from atp_router.security.redact import scrub
 from atp_router.task.change import parse_change
 from atp_router.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode
 from atp_router.wire.frame import PayloadType, QoS, WindowUpdate
+
+if TYPE_CHECKING:
+    from atp_router.policy.rib import EscalationSpec
 
 log = logging.getLogger("atp_router.runtime.dataplane.dispatch")
 
@@ -368,7 +372,7 @@ class FlowGates:
 
     def __init__(
         self,
-        agent_windows: WindowTable,
+        agent_windows: WindowTable[Call],
         slots: SlotGate,
         breakers: BreakerBoard,
         retry: RetryPolicy,
@@ -558,7 +562,7 @@ class Dispatcher:
         result, reports = self._merge(plan)
         triggers: list[str] = []
         no_quorum = consensus_error(result) is not None
-        esc = getattr(route, "escalation", None)
+        esc: EscalationSpec | None = getattr(route, "escalation", None)
         hop = route.escalation_hop
         # The input a next-hop refused would be refused by the escalation too.
         refused = [o for o in plan.attempts if _client_fault(o.error)]
@@ -566,7 +570,7 @@ class Dispatcher:
             esc is not None and hop is not None and esc.to not in {o.agent for o in plan.attempts}
             and trio.current_time() < plan.deadline and not (refused and not reports)
         )
-        if can_escalate:
+        if can_escalate and esc is not None:
             triggers = should_escalate(
                 result, reports, list(esc.on), threshold=esc.threshold, files=plan.prompt.content.get("files")
             )
@@ -574,7 +578,7 @@ class Dispatcher:
                 triggers = ["bandit"]
         if no_quorum:
             # Spec §10 ECONSENSUS: no quorum → escalate.
-            if triggers and plan.exhausted is None:
+            if triggers and plan.exhausted is None and esc is not None:
                 what = f"escalating to {esc.to}"
             elif esc is None or hop is None:
                 what = "no escalation target"
@@ -662,7 +666,7 @@ class Dispatcher:
         out.cancelled = False
         io.emit_error(ErrorCode.ETIMEOUT, f"{out.agent}: {reason}", agent=out.agent)
 
-    def _merge(self, plan: TaskPlan):
+    def _merge(self, plan: TaskPlan) -> tuple[Result, dict[str, AgentReport]]:
         reports: dict[str, AgentReport] = {}
         costs: dict[str, int] = {}
         for o in plan.attempts:
@@ -791,12 +795,14 @@ class Dispatcher:
         caller reports it)."""
         agent = hop.agent
         gates = self.gates
+        flow = plan.flow
+        assert flow is not None, "run() opens the stream's flow before any attempt"
         ready = self._prepare(plan, agent, out)
         # A cache hit is the attempt's answer: nothing to admit, call or charge (spec §13).
         if ready is None or (plan.cache is not None and await plan.cache.serve(io, agent, ready.prompt, out)):
-            gates.wake(gates.admission.skip_turn(plan.flow, turn))
+            gates.wake(gates.admission.skip_turn(flow, turn))
             return
-        call = gates.admission.begin(plan.flow, agent, ready.estimate, turn=turn)
+        call = gates.admission.begin(flow, agent, ready.estimate, turn=turn)
         t0 = 0.0
         timely = False
         try:
@@ -876,6 +882,7 @@ class Dispatcher:
         if adapter is None:
             out.error = AgentError(ErrorCode.EAGENTDOWN, "next-hop has no adapter in the running RIB", agent=agent)
             return None
+        assert plan.flow is not None, "run() opens the stream's flow before any attempt"
         why = plan.flow.check_exhausted()
         if why is not None:
             out.error = AgentError(ErrorCode.EBUDGET, f"{agent} not called: budget exhausted ({why})", agent=agent)
