@@ -40,6 +40,7 @@ from atp_router.runtime.deployment import StateParts
 from atp_router.runtime.router import Router, RouterConfig
 from atp_router.security.audit import AuditLog
 from atp_router.store import SqliteStore, Store, StoreJournal
+from atp_router.store.sqlite import sync_mode
 from atp_router.wire.errors import ErrorCode
 from atp_router.wire.frame import ErrorPayload, Flag, Frame, Payload, PayloadType
 
@@ -89,7 +90,7 @@ def open_state(config: RouterConfig, *, lock: bool = True) -> StateParts:
     restored ledger, audit chain; restored into the router by
     :func:`mark_interrupted` and :func:`restore_rib`."""
     state_dir, tmp, held = state_directory(config, lock=lock)
-    store = SqliteStore.open(state_dir, synchronous=config.state_sync.upper())
+    store = SqliteStore.open(state_dir, synchronous=sync_mode(config.state_sync))
     ledger = restore_ledger(store)
     audit_log = AuditLog.open(store, state_dir, options=config.audit, warn=tmp is None)
     return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,

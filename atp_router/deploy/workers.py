@@ -121,6 +121,7 @@ from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
 from atp_router.security.tls import hypercorn_ssl
 from atp_router.store import SqliteStore, Store, StoreError, StoreUnavailable
+from atp_router.store.sqlite import sync_mode
 from atp_router.wire.errors import ATPError, ErrorCode, PolicyError
 from atp_router.wire.frame import Frame
 
@@ -279,7 +280,7 @@ def open_worker_state(config: RouterConfig, owner: str) -> tuple[StateParts, Sha
     :class:`SharedRib` returned with it)."""
     state_dir = config.state_dir
     assert state_dir is not None, "--workers needs a --state-dir"
-    store = SqliteStore.open(state_dir, synchronous=config.state_sync.upper(), multiprocess=True,
+    store = SqliteStore.open(state_dir, synchronous=sync_mode(config.state_sync), multiprocess=True,
                              autocheckpoint=False)
     ledger = SharedBudgetLedger(store, owner=owner)
     audit_log = AuditLog.open(store, state_dir, shared=True, options=config.audit)
@@ -792,7 +793,7 @@ def supervise(config: RouterConfig, workers: int, argv: list[str]) -> int:
         # A previous multi-worker run's leftovers: reservations committed at their
         # reserved amount, its workers' accounts closed; then the single-process
         # start-up (streams interrupted, audit checked, RIB validated and restored).
-        with SqliteStore.open(state_dir, synchronous=config.state_sync.upper()) as store:
+        with SqliteStore.open(state_dir, synchronous=sync_mode(config.state_sync)) as store:
             left = store.recover()
             store.close_owned_accounts()
         if left:
@@ -846,7 +847,7 @@ class _Supervisor:
         self.audit: AuditLog | None = None
 
     async def run(self, summary: dict[str, Any]) -> int:
-        sync = self.config.state_sync.upper()
+        sync = sync_mode(self.config.state_sync)
         self.store = SqliteStore.open(self.state_dir, synchronous=sync, multiprocess=True)
         self.audit = AuditLog.open(self.store, self.state_dir, shared=True, options=self.config.audit)
         try:
@@ -893,7 +894,7 @@ class _Supervisor:
     async def _checkpoints(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The workers' WAL copied back into the database (they never do it)."""
         with trio.CancelScope() as scope, \
-                SqliteStore.open(self.state_dir, synchronous=self.config.state_sync.upper()) as cp:
+                SqliteStore.open(self.state_dir, synchronous=sync_mode(self.config.state_sync)) as cp:
             task_status.started(scope)
             while True:
                 await trio.sleep(CHECKPOINT_S)

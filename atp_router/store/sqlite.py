@@ -105,6 +105,20 @@ __all__ = ["RIB_KEPT", "SCHEMA_VERSION", "SqliteStore", "ledger_snapshot"]
 SCHEMA_VERSION = 2
 #: RIB versions kept in history (the newest is the active one).
 RIB_KEPT = 16
+#: ``PRAGMA synchronous`` of a store (:meth:`SqliteStore.open`): ``NORMAL`` survives a
+#: process crash, ``FULL`` an OS crash too.
+SyncMode = Literal["NORMAL", "FULL"]
+
+
+def sync_mode(name: str) -> SyncMode:
+    """``name`` in any case (a router config's or the CLI's ``state_sync``) as a
+    :data:`SyncMode`; raises ValueError, as :meth:`SqliteStore.open` does, for any other."""
+    mode = name.upper()
+    if mode == "NORMAL":
+        return "NORMAL"
+    if mode == "FULL":
+        return "FULL"
+    raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', got {mode!r}")
 _APP = "atp-router"
 
 _SCHEMA = """
@@ -241,7 +255,7 @@ class SqliteStore(Store):
 
     @classmethod
     def open(cls, state_dir: Path | str, *, create: bool = True,
-             synchronous: Literal["NORMAL", "FULL"] = "NORMAL", max_event_bytes: int = 1 << 20,
+             synchronous: SyncMode = "NORMAL", max_event_bytes: int = 1 << 20,
              max_events_per_stream: int = 10_000, multiprocess: bool = False,
              autocheckpoint: bool = True) -> SqliteStore:
         """Open (``create``: and create, directory 0700, file 0600) the store in
