@@ -95,7 +95,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -500,6 +500,7 @@ class ForwardingApp:
         self._clients: dict[Peer, httpx.AsyncClient] = {}
         self._limit = router.config.max_body_bytes
         name = metric + "_private" if private else metric
+        self.forwarded: Counter | None
         try:
             self.forwarded = Counter(name, "Requests forwarded to the router process owning the stream, by outcome",
                                      ["outcome"], registry=router.metrics.registry)
@@ -549,7 +550,7 @@ class ForwardingApp:
             return None, receive, None
         body, receive = await _read_body(receive, self._limit)
         named = _body_key(path, body) if body is not None else None
-        if named is None:
+        if named is None or body is None:  # no body: no key either
             return None, receive, body
         identity = self._identity(scope)
         if identity is None:
@@ -641,7 +642,8 @@ class ForwardingApp:
             await client.aclose()
 
 
-async def _send_json(send: Send, status: int, body: dict, extra: list[tuple[bytes, bytes]] = ()) -> None:
+async def _send_json(send: Send, status: int, body: Mapping[str, object],
+                     extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
@@ -695,8 +697,13 @@ def worker_main(config: RouterConfig, spec: WorkerSpec) -> int:
                 await nursery.start(router.authenticator.run)
                 if config.tls is not None:
                     nursery.start_soon(config.tls.watch, 30.0)
-                await nursery.start(lambda task_status: hyper_serve(public, hc, task_status=task_status))
-                await nursery.start(lambda task_status: hyper_serve(private, hc_private, task_status=task_status))
+                # hypercorn types an ASGI app's scope and events as TypedDicts; ForwardingApp, like the
+                # Starlette app it wraps, as MutableMapping[str, Any] (Scope, Receive, Send above): the
+                # two typings of one protocol do not unify, in either direction.
+                await nursery.start(lambda task_status: hyper_serve(
+                    public, hc, task_status=task_status))  # type: ignore[arg-type]
+                await nursery.start(lambda task_status: hyper_serve(
+                    private, hc_private, task_status=task_status))  # type: ignore[arg-type]
                 await nursery.start(lambda task_status: serve_ws(router, config.host, 0, sock=ws_sock,
                                                                  task_status=task_status))
                 importlib.import_module("anyio._backends._trio")
@@ -891,7 +898,7 @@ class _Supervisor:
         self.stopping = True
         _signal_all(self.slots, signal.SIGTERM)
 
-    async def _checkpoints(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _checkpoints(self, task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
         """The workers' WAL copied back into the database (they never do it)."""
         with trio.CancelScope() as scope, \
                 SqliteStore.open(self.state_dir, synchronous=sync_mode(self.config.state_sync)) as cp:
@@ -938,7 +945,7 @@ class _Supervisor:
         elif any(done.values()):
             log.info("worker %d stopped; settled %s", s.slot, done)
 
-    async def _run_slot(self, s: _Slot, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_slot(self, s: _Slot, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         first = True
         while True:
             why = await self._spawn(s)
