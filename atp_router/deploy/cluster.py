@@ -102,12 +102,14 @@ from atp_router.deploy import single
 from atp_router.deploy.single import Deployed
 from atp_router.deploy.workers import RETRY, ForwardingApp, Peer, SharedRib, settle
 from atp_router.flow.budget import (
+    AccountState,
     Allowance,
     Charge,
     Refusal,
     Reservation,
     SharedAccounts,
     SharedBudgetLedger,
+    _Account,
 )
 from atp_router.observability.metrics import RouterMetrics
 from atp_router.runtime.controlplane import shared_state
@@ -252,7 +254,7 @@ class ClusterLedger(SharedBudgetLedger):
         self.on_settled = on_settled
         #: Settlements the store could not take yet: (stored reservation, usage or None: release, account).
         #: The commit's request name (SharedAccounts.recommit_shared; "" for a release).
-        self._unsettled: list[tuple[Reservation, tuple[int, int] | None, Any, str]] = []
+        self._unsettled: list[tuple[Reservation, tuple[int, int] | None, _Account, str]] = []
         #: Reserve calls whose answer was lost, to cancel (SharedAccounts.cancel_reserve_shared).
         self._cancels: list[str] = []
 
@@ -282,7 +284,7 @@ class ClusterLedger(SharedBudgetLedger):
             raise ATPError(ErrorCode.EBUDGET, self._settled("open", parent or key, e).reason,
                            retry_after_ms=RETRY_AFTER_MS) from None
 
-    def close(self, key: str):
+    def close(self, key: str) -> AccountState:
         try:
             return super().close(key)
         except StoreUnavailable as e:
@@ -343,7 +345,7 @@ class ClusterLedger(SharedBudgetLedger):
             # Settled in order: an earlier settlement still waits for the store.
             self._unsettled.append((stored, (certain.tokens, certain.usd_micros), acct, self.new_request()))
             return certain
-        charge = self._settle(stored, usage, acct, held=(certain.tokens, certain.usd_micros))
+        charge = self._settle_stored(stored, usage, acct, held=(certain.tokens, certain.usd_micros))
         return charge if charge is not None else certain
 
     def release(self, reservation: Reservation) -> None:
@@ -352,9 +354,9 @@ class ClusterLedger(SharedBudgetLedger):
         if self._unsettled:
             self._unsettled.append((stored, None, acct, ""))
             return
-        self._settle(stored, None, acct)
+        self._settle_stored(stored, None, acct)
 
-    def _settle(self, stored: Reservation, usage: tuple[int, int] | None, acct: Any,
+    def _settle_stored(self, stored: Reservation, usage: tuple[int, int] | None, acct: _Account,
                 *, queue: bool = True, held: tuple[int, int] | None = None, request: str = "") -> Charge | None:
         """Commit (``usage``) or release ``stored`` in the store; on
         :class:`StoreUnavailable` queue it (``queue``) or raise. Returns the charge.
@@ -419,7 +421,7 @@ class ClusterLedger(SharedBudgetLedger):
         while self._unsettled:
             stored, usage, acct, request = self._unsettled[0]
             try:
-                self._settle(stored, usage, acct, queue=False, request=request)
+                self._settle_stored(stored, usage, acct, queue=False, request=request)
             except StoreUnavailable:
                 break
             except StoreError:
