@@ -106,12 +106,12 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
-import yaml
+import yaml  # type: ignore[import-untyped]  # PyYAML ships no stubs (types-PyYAML is not a dependency)
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
@@ -128,7 +128,7 @@ from atp_router.policy.check import policy_main
 from atp_router.runtime.dataplane.opening import DEFAULT_STAGES, describe
 from atp_router.runtime.ingress.http_api import build_app
 from atp_router.runtime.ingress.ws import serve_ws
-from atp_router.runtime.router import RouterConfig, build_authenticator
+from atp_router.runtime.router import Router, RouterConfig, build_authenticator
 from atp_router.security.audit import AuditOptions, audit_main
 from atp_router.security.authn import new_api_key
 from atp_router.security.policy_guard import PolicySecrets
@@ -138,7 +138,8 @@ from atp_router.wire.codec import KeyRing
 from atp_router.wire.errors import PolicyError
 
 
-async def run(config: RouterConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def run(config: RouterConfig, *,
+              task_status: trio.TaskStatus[tuple[Router, int, int]] = trio.TASK_STATUS_IGNORED) -> None:
     """Run router, HTTP control API and WebSocket ingress until cancelled.
 
     ``task_status.started`` receives ``(router, http_port, ws_port)`` with the bound
@@ -157,17 +158,16 @@ async def run(config: RouterConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> 
     app = build_app(router)
     # Several routers on one store (atp_router.deploy.cluster): requests about another router's streams are forwarded.
     middleware = deployed.http_middleware
-    if middleware is not None:
-        app = middleware(app)
+    forwarding = middleware(app) if middleware is not None else None
     try:
-        await _serve(deployed, app, hc, config, task_status)
+        await _serve(deployed, app if forwarding is None else forwarding, hc, config, task_status)
     finally:
-        if middleware is not None:  # the forwarding clients
+        if forwarding is not None:  # the forwarding clients
             with trio.CancelScope(shield=True):
-                await app.aclose()
+                await forwarding.aclose()
 
 
-async def serve_private(policies: Path, state_dir: Path, *, task_status=trio.TASK_STATUS_IGNORED,
+async def serve_private(policies: Path, state_dir: Path, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
                         **config: Any) -> None:
     """A private router (``atp-router eval``'s, :data:`atp_router.review.eval.ServeRouter`):
     the RIB at ``policies``, its state in ``state_dir``, free loopback ports and
@@ -181,7 +181,7 @@ async def serve_private(policies: Path, state_dir: Path, *, task_status=trio.TAS
 
 
 async def _serve(deployed: single.Deployed, app: Any, hc: HyperConfig, config: RouterConfig,
-                 task_status: Any) -> None:
+                 task_status: trio.TaskStatus[tuple[Router, int, int]]) -> None:
     router = deployed.router
     async with trio.open_nursery() as nursery:
         await nursery.start(router.serve)
@@ -353,8 +353,12 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _positive(kind: type):
-    def convert(text: str):
+#: The number type an argparse converter below parses.
+_Num = TypeVar("_Num", int, float)
+
+
+def _positive(kind: type[_Num]) -> Callable[[str], _Num]:
+    def convert(text: str) -> _Num:
         value = kind(text)
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
@@ -363,8 +367,8 @@ def _positive(kind: type):
     return convert
 
 
-def _non_negative(kind: type):
-    def convert(text: str):
+def _non_negative(kind: type[_Num]) -> Callable[[str], _Num]:
+    def convert(text: str) -> _Num:
         value = kind(text)
         if not value >= 0:
             raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
@@ -452,7 +456,7 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _flow_config(args: argparse.Namespace) -> dict:
+def _flow_config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "window_update_interval_ms": args.window_update_ms, "window_update_delta": args.window_update_delta,
         "hb_interval_s": args.hb_interval_s, "hb_timeout_s": args.hb_timeout_s, "resume_grace_s": args.resume_grace_s,
@@ -472,7 +476,7 @@ def keys_main(argv: list[str]) -> int:
     """``atp-router keys new KEY_ID TENANT [ROLE …]``: a fresh API key. Prints
     the secret once (give it to the caller) and the ``api_keys`` entry for the
     ``--auth`` file (only its sha256 is stored)."""
-    ap = argparse.ArgumentParser(prog="atp-router keys", description=keys_main.__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="atp-router keys", description=keys_main.__doc__.splitlines()[0] if keys_main.__doc__ else None,
                                  formatter_class=DefaultsHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     new = sub.add_parser("new", help="make an API key", formatter_class=DefaultsHelpFormatter)

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -55,6 +55,13 @@ INTERRUPTED = ("interrupted: the router restarted while the stream ran; it was n
 _stored_decoder = msgspec.json.Decoder(Frame)
 
 
+class ClosingApp(Protocol):
+    """What a deployment's ``http_middleware`` makes of the HTTP API app: an ASGI
+    app with clients of its own, closed by :meth:`aclose` at shutdown."""
+
+    async def aclose(self) -> None: ...
+
+
 @dataclass
 class Deployed:
     """A router a deployment mode assembled (:func:`deploy`,
@@ -66,7 +73,7 @@ class Deployed:
     it listens; None: nobody needs it)."""
 
     router: Router
-    http_middleware: Callable[[Any], Any] | None = None
+    http_middleware: Callable[[Any], ClosingApp] | None = None
     advertise: Callable[[str], None] | None = None
 
 

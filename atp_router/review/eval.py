@@ -139,7 +139,9 @@ class ModelServers(Protocol):
     """The local model server as the harness starts it for a variant's loopback
     models: :mod:`atp_router.adapters.local_model` (the module itself is passed)."""
 
-    ModelServerError: type[Exception]
+    # Read-only (a property): a module's class matches it, a settable ``type[Exception]`` it does not.
+    @property
+    def ModelServerError(self) -> type[Exception]: ...
 
     def loopback_models(self, rib: Mapping[str, Any]) -> list[tuple[int, str]]: ...
     def is_up(self, base_url: str) -> bool: ...
