@@ -1,8 +1,8 @@
-"""`mypy --strict` on the sans-IO packages and the router's data plane (issue 21), as
+"""`mypy --strict` on the sans-IO packages, the router's data plane and its deployment modes (issue 21), as
 CI runs it: ``python -m mypy`` from the repository root, everything else from the
 ``[tool.mypy]`` section of pyproject.toml (the packages and modules in ``files``,
 ``strict``, atp_router.* resolved from the tree and not from an installed copy). The cache is the repository's ``.mypy_cache``: about 15 s cold
-(the data plane's imports, the runtime's and the adapters', are followed for their types), 0.5 s warm."""
+(the data plane's and deploy's imports, the runtime's and the adapters', are followed for their types), 0.5 s warm."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The packages and modules held to ``--strict``.
-PACKAGES = ("atp_router/wire", "atp_router/task", "atp_router/flow", "atp_router/consensus", "atp_router/runtime/dataplane")
+PACKAGES = ("atp_router/wire", "atp_router/task", "atp_router/flow", "atp_router/consensus", "atp_router/runtime/dataplane",
+            "atp_router/deploy")
 #: Strict errors the check reports; the canary below hides one of each in every package.
 _CANARY = '''\
 def untyped(x):  # disallow_untyped_defs
