@@ -403,9 +403,11 @@ def find_redis_server() -> str | None:
 
 class RedisServer:
     """One redis-server on ``127.0.0.1:port`` and ``workdir/redis.sock``, data in
-    ``workdir`` (``appendonly``: AOF with ``appendfsync always``; else no
-    persistence at all, so a restart loses everything). ``password``: clients
-    must AUTH (``requirepass``)."""
+    ``workdir`` (``appendonly``: AOF with ``appendfsync always`` and no
+    automatic AOF rewrite — a rewrite's fork and writes beside an fsync at every
+    write stall Redis for seconds on a busy disk, and the routers' store calls
+    run on their event loops; else no persistence at all, so a restart loses
+    everything). ``password``: clients must AUTH (``requirepass``)."""
 
     def __init__(self, exe: str, workdir: Path, port: int, *, appendonly: bool = True,
                  password: str | None = None) -> None:
@@ -431,7 +433,7 @@ class RedisServer:
                 "--daemonize", "no", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
                 "--logfile", str(self.log_path), "--loglevel", "warning"]
         if self.appendonly:
-            argv += ["--appendonly", "yes", "--appendfsync", "always"]
+            argv += ["--appendonly", "yes", "--appendfsync", "always", "--auto-aof-rewrite-percentage", "0"]
         else:
             argv += ["--appendonly", "no"]
         if self.password:
