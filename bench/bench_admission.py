@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import trio
@@ -50,7 +50,9 @@ from atp_router.flow.qos import QosScheduler
 from atp_router.flow.window import Estimate, WindowTable
 from atp_router.flow.window import Window as FlowWindow
 from atp_router.policy.fib import NextHop, Route
-from atp_router.runtime.dataplane import dispatch as new_dispatch
+from atp_router.runtime.dataplane.dispatch import Dispatcher
+from atp_router.runtime.dataplane.gates import FlowGates, SlotGate
+from atp_router.runtime.dataplane.plan import TaskPlan
 from atp_router.wire.frame import Capabilities, CostEstimate, PayloadType, QoS, Window
 
 EST = Estimate(tokens=900, usd_micros=1_800)
@@ -220,7 +222,12 @@ def baseline_module(rev: str | None) -> tuple[ModuleType | None, str]:
     return mod, rev
 
 
-async def run_tasks(impl: ModuleType, tasks: int, concurrency: int, hop_window: Window, slots: int) -> tuple[float, Counter]:
+#: The current dispatcher's parts, named as the baseline's single module names them
+#: (its one file since split into dispatch, gates and plan).
+NEW_DISPATCH = SimpleNamespace(Dispatcher=Dispatcher, FlowGates=FlowGates, SlotGate=SlotGate, TaskPlan=TaskPlan)
+
+
+async def run_tasks(impl: ModuleType | SimpleNamespace, tasks: int, concurrency: int, hop_window: Window, slots: int) -> tuple[float, Counter]:
     """CPU µs per next-hop call of ``tasks`` two-next-hop tasks, ``concurrency`` at a time."""
     counts: Counter = Counter()
     ledger = BudgetLedger()
@@ -270,7 +277,7 @@ def main() -> None:
         print(f"  {name:<40} {us:8.2f} µs")
 
     old, what = baseline_module(args.baseline)
-    impls = [("new (AdmissionControl)", new_dispatch)]
+    impls: list[tuple[str, ModuleType | SimpleNamespace]] = [("new (AdmissionControl)", NEW_DISPATCH)]
     if old is not None:
         impls.insert(0, (f"old ({what[:12]})", old))
     else:

@@ -144,7 +144,7 @@ class TracedStream(Protocol):
 
 class TracedLeg(Protocol):
     """What a leg's span reads of one attempt of one next-hop call (the
-    router's :class:`~atp_router.runtime.dataplane.dispatch.LegOutcome`)."""
+    router's :class:`~atp_router.runtime.dataplane.plan.LegOutcome`)."""
 
     @property
     def agent(self) -> str: ...
@@ -164,7 +164,7 @@ class TracedLeg(Protocol):
 
 class TracedPlan(Protocol):
     """What the consensus span reads of a task's plan (the router's
-    :class:`~atp_router.runtime.dataplane.dispatch.TaskPlan`): its flow window."""
+    :class:`~atp_router.runtime.dataplane.plan.TaskPlan`): its flow window."""
 
     @property
     def window(self) -> Any: ...

@@ -313,7 +313,7 @@ class EscalationSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     ``threshold`` is the confidence under which ``low_conf`` fires. With
     ``evidence`` the escalation next-hop gets what the first stage found as
     ``content["evidence"]`` (spec §15.3: synthesis "only with document
-    snippets"; see :mod:`atp_router.runtime.dataplane.dispatch`)."""
+    snippets"; see :func:`atp_router.runtime.dataplane.plan.hand_evidence`)."""
 
     on: Annotated[list[Trigger], Meta(min_length=1)]
     to: NonEmptyStr

@@ -103,12 +103,7 @@ from atp_router.runtime.dataplane.cache import (
     DEFAULT_MAX_BYTES as DEFAULT_CACHE_MAX_BYTES,
 )
 from atp_router.runtime.dataplane.cache import ResponseCache, annotate
-from atp_router.runtime.dataplane.dispatch import (
-    FlowGates,
-    LegOutcome,
-    SlotGate,
-    TaskPlan,
-)
+from atp_router.runtime.dataplane.gates import FlowGates, SlotGate
 from atp_router.runtime.dataplane.opening import (
     DEFAULT_STAGES,
     OpenCtx,
@@ -119,6 +114,7 @@ from atp_router.runtime.dataplane.opening import (
     min_budget,
     run_stages,
 )
+from atp_router.runtime.dataplane.plan import LegOutcome, TaskPlan
 from atp_router.runtime.dataplane.streams import (
     DEFAULT_RETAIN_CLOSED_BYTES,
     StreamCtx,

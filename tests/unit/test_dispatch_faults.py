@@ -23,7 +23,8 @@ from atp_router.consensus.types import AgentReport, Usage
 from atp_router.policy.fib import compile_fib
 from atp_router.policy.health import Health
 from atp_router.policy.loader import load_rib_text
-from atp_router.runtime.dataplane.dispatch import CANARY, NEXT_HOP_FAILED
+from atp_router.runtime.dataplane.dispatch import NEXT_HOP_FAILED
+from atp_router.runtime.dataplane.gates import CANARY
 from atp_router.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp_router.wire.frame import Capabilities, CostEstimate, PayloadType
 from tests.conftest import RouterEnv

@@ -16,7 +16,7 @@ import trio
 
 import atp_router.task.diff
 from atp_router.adapters.base import Prompt, change_of
-from atp_router.runtime.dataplane.dispatch import _leg_prompt
+from atp_router.runtime.dataplane.plan import leg_prompt
 from atp_router.task.body import (
     MAX_FILES,
     Chat,
@@ -133,10 +133,10 @@ def test_every_leg_gets_the_tasks_change_unless_its_diff_was_rewritten() -> None
             "redacted": Prompt("code_review", {"diff": redacted, "files": {}}),
             "stale": Prompt("code_review", {"diff": redacted}, change=change)}
     plan = SimpleNamespace(prompt=task, prompt_for=seen.__getitem__)
-    assert _leg_prompt(plan, "same").change is change  # type: ignore[arg-type]
-    assert _leg_prompt(plan, "redacted").change is None  # type: ignore[arg-type]
-    assert _leg_prompt(plan, "stale").change is None  # type: ignore[arg-type]
-    assert _leg_prompt(SimpleNamespace(prompt=task, prompt_for=None), "any") is task  # type: ignore[arg-type]
+    assert leg_prompt(plan, "same").change is change  # type: ignore[arg-type]
+    assert leg_prompt(plan, "redacted").change is None  # type: ignore[arg-type]
+    assert leg_prompt(plan, "stale").change is None  # type: ignore[arg-type]
+    assert leg_prompt(SimpleNamespace(prompt=task, prompt_for=None), "any") is task  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ once per task, on a real router

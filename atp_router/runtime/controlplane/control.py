@@ -38,7 +38,9 @@ from atp_router.policy.fib import Fib, compile_fib
 from atp_router.policy.health import Health
 from atp_router.policy.loader import load_rib, load_rib_text
 from atp_router.policy.rib import ClientSpec, Rib, independence_source
-from atp_router.runtime.dataplane.dispatch import Dispatcher, FlowGates, LegOutcome
+from atp_router.runtime.dataplane.dispatch import Dispatcher
+from atp_router.runtime.dataplane.gates import FlowGates
+from atp_router.runtime.dataplane.plan import LegOutcome
 from atp_router.security.policy_guard import PolicySecrets
 from atp_router.wire.errors import PolicyError
 

@@ -63,7 +63,7 @@ from atp_router.policy.learn import (
     result_quality,
 )
 from atp_router.policy.rib import PolicySpec
-from atp_router.runtime.dataplane.dispatch import TaskPlan, _client_fault
+from atp_router.runtime.dataplane.plan import TaskPlan, client_fault
 from atp_router.wire.errors import AgentError, ATPError, ErrorCode
 from atp_router.wire.frame import QoS, Window
 
@@ -437,7 +437,7 @@ class Learning:
         failed: set[str] = set()
         ok_agents: set[str] = set()
         for o in plan.attempts:
-            if not o.called or _client_fault(o.error):
+            if not o.called or client_fault(o.error):
                 continue
             timeout = o.error is not None and o.error.code is ErrorCode.ETIMEOUT
             self.learner.observe_call(o.agent, policy=policy, latency_ms=o.latency_ms, ok=o.error is None,

@@ -175,7 +175,7 @@ class CacheView:
 
     async def serve(self, io: Any, agent: str, prompt: Prompt, out: Any) -> bool:
         """Answer ``agent``'s attempt ``out`` (a
-        :class:`~atp_router.runtime.dataplane.dispatch.LegOutcome`) for ``prompt`` — the prompt
+        :class:`~atp_router.runtime.dataplane.plan.LegOutcome`) for ``prompt`` — the prompt
         the agent would receive — from the cache. On a hit: emits the stored
         answer on ``io`` as the agent's PARTIALs, sets ``out.report``,
         ``out.text``, ``out.cached`` and ``out.usage`` (the stored call's, for
