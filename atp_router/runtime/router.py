@@ -90,11 +90,9 @@ from atp_router.flow.breaker import (
 )
 from atp_router.flow.budget import Allowance, BudgetLedger, usd_to_micros
 from atp_router.flow.qos import Preempt, QosScheduler
-from atp_router.flow.window import Window as FlowWindow
 from atp_router.flow.window import WindowTable
 from atp_router.observability.metrics import RouterMetrics
 from atp_router.observability.tracing import RouterTracing
-from atp_router.policy.fib import data_scope_labels
 from atp_router.policy.rib import ClientSpec, RateSpec
 from atp_router.runtime.controlplane.control import ControlPlane, Generation
 from atp_router.runtime.controlplane.learning import Learning
@@ -102,7 +100,7 @@ from atp_router.runtime.dataplane import memory
 from atp_router.runtime.dataplane.cache import (
     DEFAULT_MAX_BYTES as DEFAULT_CACHE_MAX_BYTES,
 )
-from atp_router.runtime.dataplane.cache import ResponseCache, annotate
+from atp_router.runtime.dataplane.cache import ResponseCache
 from atp_router.runtime.dataplane.gates import FlowGates, SlotGate
 from atp_router.runtime.dataplane.opening import (
     DEFAULT_STAGES,
@@ -115,6 +113,7 @@ from atp_router.runtime.dataplane.opening import (
     run_stages,
 )
 from atp_router.runtime.dataplane.plan import LegOutcome, TaskPlan
+from atp_router.runtime.dataplane.runner import TaskOutcome, plan_task, run_task
 from atp_router.runtime.dataplane.streams import (
     DEFAULT_RETAIN_CLOSED_BYTES,
     StreamCtx,
@@ -138,7 +137,7 @@ from atp_router.security.authz import (
 )
 from atp_router.security.identity import Identity, Role
 from atp_router.security.policy_guard import PolicySecrets, egress_changes
-from atp_router.security.redact import DataScopeGuard, Redacted, Refused
+from atp_router.security.redact import DataScopeGuard
 from atp_router.security.redact import warm as redact_warm
 from atp_router.security.signing import DurableReplayGuard, UsageSigner
 from atp_router.security.tls import ServerTls
@@ -146,9 +145,7 @@ from atp_router.store import Store, StoreUnavailable
 from atp_router.wire import session as S
 from atp_router.wire.codec import FrameCodec, KeyRing
 from atp_router.wire.errors import (
-    AgentError,
     ATPError,
-    ClientInputError,
     ErrorCode,
     LocalProtocolError,
     PolicyError,
@@ -880,100 +877,62 @@ class Router:
             self.control.release(ctx)
 
     async def _run_task_on(self, ctx: StreamCtx, prompt: Prompt, gen: Generation, scope: trio.CancelScope) -> None:
+        """Run ``ctx``'s task (:mod:`atp_router.runtime.dataplane.runner`) under ``scope``
+        and act on its outcome."""
         cfg = self.config
-        window = FlowWindow(ctx.window, update_interval_ms=cfg.window_update_interval_ms,
-                            update_delta=cfg.window_update_delta)
-        window.update_due(trio.current_time())  # the SYN+ACK carried this window
-        plan = TaskPlan(
-            prompt=prompt,
-            route=ctx.route,
-            window=window,
-            ledger_key=ctx.account,
-            stream_id=ctx.account,  # QoS tickets name the stream: unique across tenants
-            qos=ctx.qos,
-            started=ctx.started,
-            deadline=ctx.started + ctx.route.deadline_ms / 1000,
-            fib=gen.fib,
-        )
-        if ctx.decision is not None and getattr(ctx.decision, "escalate", None):
-            plan.escalate = True
-        plan.win_rates = self.learning.win_rates(ctx.route) or None
-        plan.cache = self.cache.view(ctx.tenant, gen.cache, ctx.route.policy)
+        plan = plan_task(ctx, prompt, gen.fib, update_interval_ms=cfg.window_update_interval_ms,
+                         update_delta=cfg.window_update_delta, win_rates=self.learning.win_rates(ctx.route) or None,
+                         cache=self.cache.view(ctx.tenant, gen.cache, ctx.route.policy))
         with scope:
-            try:
-                plan.prompt_for = await self._data_scope(ctx, prompt, gen)
-                final = annotate(await gen.dispatcher.run(ctx, plan), plan.attempts)
-            except AgentError as e:
-                self.learning.task_done(ctx, plan, None, None)
-                self.metrics.streams_closed.labels(str(e.code)).inc()
-                if e.code is ErrorCode.EBUDGET:
-                    # Spec §10: EBUDGET → FIN (the ERROR says why, the FIN ends it cleanly).
-                    ctx.emit_error(e.code, e.reason)
-                    ctx.finish(None)
-                else:
-                    ctx.reset(e.code, e.reason)
-                return
-            except Exception:
-                # A fault in one stream's task must not take the appliance down.
-                log.exception("stream %s: task failed", ctx.stream_id)
-                self.metrics.streams_closed.labels("internal").inc()
-                ctx.reset(ErrorCode.EAGENTDOWN, "internal router error while running the task")
-                return
-            if self.tracing is not None:
-                self.tracing.merged(ctx, plan, final, plan.triggers)
-            self.metrics.agreement.observe(final.result.consensus.agreement)
-            self.metrics.stream_latency.observe(final.telemetry.latency_ms / 1000)
-            for t in plan.triggers:
-                self.metrics.escalations.labels(t).inc()
-            if plan.triggers:
-                self.audit_event("escalation", ctx.identity, {"session_id": ctx.session_id,
-                                                              "stream_id": ctx.stream_id,
-                                                              "triggers": list(plan.triggers)})
-            self.metrics.streams_closed.labels("final").inc()
-            ctx.finish(self._signed(ctx, final))
-            esc = ctx.route.escalation
-            qualities = self.learning.task_done(ctx, plan, final,
-                                                esc.to if esc is not None and plan.escalated else None)
-            hop = self.learning.shadow_due(ctx, gen, list(qualities))
-            if hop is not None and self._nursery is not None:
-                # After the FINAL: the client's result and budget are already settled.
-                self._nursery.start_soon(self.learning.shadow, ctx, plan, final, gen, hop,
-                                         max(qualities.values(), default=0.0))
+            outcome = await run_task(gen.dispatcher, ctx, plan, guard=self.scope_guard, audit=self.audit_event)
+            if outcome.final is None:
+                self._task_failed(ctx, plan, outcome)
+            else:
+                self._task_final(ctx, gen, plan, outcome, outcome.final)
         if scope.cancelled_caught:
             self.metrics.streams_closed.labels("rst").inc()
 
-    async def _data_scope(self, ctx: StreamCtx, prompt: Prompt,
-                          gen: Generation) -> Callable[[str], Prompt] | None:
-        """Spec §11 data scope at dispatch: the task's ``meta.data_scope`` labels
-        (Agent Context ``policyContext`` labels included) are checked against the
-        content once, off the event loop (:class:`~atp_router.security.redact.DataScopeGuard`);
-        returns what each next-hop may see — the prompt, a redacted copy (audited),
-        or :class:`ClientInputError` ``ESEC`` (audited, the agent not called).
-        ``None`` when the task carries no label."""
-        labels = data_scope_labels(ctx.meta)
-        if not labels:
-            return None
-        scan = await trio.to_thread.run_sync(self.scope_guard.inspect, prompt.content, labels)
-        seen: dict[str, Prompt] = {}
+    def _task_failed(self, ctx: StreamCtx, plan: TaskPlan, outcome: TaskOutcome) -> None:
+        """End the stream of a task that produced no FINAL: ERROR ``EBUDGET`` + FIN
+        (spec §10), else RST with the outcome's error."""
+        e = outcome.error
+        assert e is not None
+        if outcome.internal:
+            self.metrics.streams_closed.labels("internal").inc()
+            ctx.reset(e.code, e.reason)
+            return
+        self.learning.task_done(ctx, plan, None, None)
+        self.metrics.streams_closed.labels(str(e.code)).inc()
+        if e.code is ErrorCode.EBUDGET:
+            # Spec §10: EBUDGET → FIN (the ERROR says why, the FIN ends it cleanly).
+            ctx.emit_error(e.code, e.reason)
+            ctx.finish(None)
+        else:
+            ctx.reset(e.code, e.reason)
 
-        def prompt_for(agent: str) -> Prompt:
-            if agent in seen:
-                return seen[agent]
-            d = self.scope_guard.for_agent(scan, gen.fib.clearance(agent))
-            where = {"session_id": ctx.session_id, "stream_id": ctx.stream_id, "agent": agent}
-            if isinstance(d, Refused):
-                self.audit_event("refusal", ctx.identity, {**where, "code": str(d.code), "label": d.label,
-                                                           "found": [msgspec.to_builtins(f) for f in d.findings]})
-                raise ClientInputError(d.reason, code=d.code, agent=agent)
-            if isinstance(d, Redacted):
-                self.audit_event("redaction", ctx.identity,
-                                 {**where, "redactions": [msgspec.to_builtins(r) for r in d.redactions]})
-                seen[agent] = msgspec.structs.replace(prompt, content=d.content)
-            else:
-                seen[agent] = prompt
-            return seen[agent]
-
-        return prompt_for
+    def _task_final(self, ctx: StreamCtx, gen: Generation, plan: TaskPlan, outcome: TaskOutcome,
+                    final: FinalResult) -> None:
+        """Send the task's FINAL (signed) and FIN; count, audit and learn from it,
+        and start its shadow run when one is due."""
+        triggers = list(outcome.triggers)
+        if self.tracing is not None:
+            self.tracing.merged(ctx, plan, final, triggers)
+        self.metrics.agreement.observe(final.result.consensus.agreement)
+        self.metrics.stream_latency.observe(final.telemetry.latency_ms / 1000)
+        for t in triggers:
+            self.metrics.escalations.labels(t).inc()
+        if triggers:
+            self.audit_event("escalation", ctx.identity, {"session_id": ctx.session_id,
+                                                          "stream_id": ctx.stream_id, "triggers": triggers})
+        self.metrics.streams_closed.labels("final").inc()
+        ctx.finish(self._signed(ctx, final))
+        esc = ctx.route.escalation
+        qualities = self.learning.task_done(ctx, plan, final, esc.to if esc is not None and outcome.escalated else None)
+        hop = self.learning.shadow_due(ctx, gen, list(qualities))
+        if hop is not None and self._nursery is not None:
+            # After the FINAL: the client's result and budget are already settled.
+            self._nursery.start_soon(self.learning.shadow, ctx, plan, final, gen, hop,
+                                     max(qualities.values(), default=0.0))
 
     def _signed(self, ctx: StreamCtx, final: FinalResult) -> FinalResult:
         """``final`` with its telemetry's signed usage summary (spec §19: a client
