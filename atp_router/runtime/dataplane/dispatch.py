@@ -95,7 +95,8 @@ at least every ``update_interval_ms`` while the task runs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import random
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -112,7 +113,7 @@ from atp_router.consensus.types import (
     Telemetry,
 )
 from atp_router.flow.admission import StreamFlow
-from atp_router.flow.breaker import BreakerState
+from atp_router.flow.breaker import BreakerState, RetryPolicy
 from atp_router.flow.budget import BudgetLedger
 from atp_router.runtime.dataplane.call import Caller, is_cancellation
 from atp_router.runtime.dataplane.gates import FlowGates
@@ -344,12 +345,11 @@ class Dispatcher:
             err = out.error
             agent = out.agent
             retry = self.gates.retry
-            retry_hint = err.retry_after_ms
             # EAGENTDOWN: fail over first; ETIMEOUT: retry first (spec §10 rows).
             nxt = self._reroute(plan, agent) if err.code is ErrorCode.EAGENTDOWN else None
-            if nxt is None and out.called and retry.should_retry(err.code, attempt, retry_after_ms=retry_hint):
-                delay = retry.delay(attempt, self.gates.rng, retry_after_ms=retry_hint)
-                if trio.current_time() + delay < plan.deadline:
+            if nxt is None:
+                delay = retry_delay(out, retry, self.gates.rng, trio.current_time(), plan.deadline)
+                if delay is not None:
                     self._report(io, out, f"; retry {attempt + 1}/{retry.max_attempts} in {round(delay * 1000)} ms")
                     attempt += 1
                     try:
@@ -379,30 +379,56 @@ class Dispatcher:
     def _reroute(self, plan: TaskPlan, agent: str) -> Any | None:
         """The next-hop to fail over to from ``agent``: its RIB fallback chain
         first, then the route's alternates, skipping agents already tried, open
-        circuits and agents without an adapter. Marks the choice as tried."""
-        fib = plan.fib
-        meta = plan.prompt.meta
-        candidates: list[Any] = []
-        if fib is not None:
-            name = fib.fallback(agent)
-            while name is not None and name not in {c.agent for c in candidates} and name != agent:
-                hop = fib.next_hop(name, meta)
-                if hop is not None:
-                    candidates.append(hop)
-                name = fib.fallback(name)
-        candidates.extend(getattr(plan.route, "alternates", ()))
-        open_now = self.gates.breakers.open_agents(trio.current_time())
-        for hop in candidates:
-            if hop.agent in plan.tried or hop.agent in open_now or hop.agent not in self.adapters:
-                continue
+        circuits and agents without an adapter (:func:`reroute_target`). Marks
+        the choice as tried."""
+        hop = reroute_target(plan, agent, self.gates.breakers.open_agents(trio.current_time()), self.adapters)
+        if hop is not None:
             plan.tried.add(hop.agent)
-            return hop
-        return None
+        return hop
 
 
 # ------------------------------------------------------------------ decisions
-# What to do next, from what the stream has gathered: pure functions of their
-# arguments (``now`` is one of them), table-testable without a dispatcher.
+# What to do next, from what the stream has gathered: functions of their arguments
+# alone (the time ``now`` and the jitter's ``rng`` among them) that change nothing
+# they are given but ``rng``; tests/unit/test_dispatch_decisions.py tables them.
+
+
+def retry_delay(out: LegOutcome, retry: RetryPolicy, rng: random.Random, now: float,
+                deadline: float) -> float | None:
+    """Whether to retry the failed attempt ``out`` on the same next-hop (spec §10,
+    :class:`~atp_router.flow.breaker.RetryPolicy`): the backoff in seconds (its
+    jitter drawn from ``rng``), or ``None`` — the call never reached the
+    adapter, the policy retries neither its code nor another attempt, or the
+    retry would start at or after the stream ``deadline`` (trio seconds, as
+    ``now``)."""
+    err = out.error
+    assert err is not None
+    if not out.called or not retry.should_retry(err.code, out.attempt, retry_after_ms=err.retry_after_ms):
+        return None
+    delay = retry.delay(out.attempt, rng, retry_after_ms=err.retry_after_ms)
+    return delay if now + delay < deadline else None
+
+
+def reroute_target(plan: TaskPlan, agent: str, open_now: Collection[str],
+                   adapters: Mapping[str, ProviderAdapter]) -> Any | None:
+    """The next-hop to fail over to from ``agent`` (spec §10): the first of its
+    RIB fallback chain (``plan.fib``; a cycle ends the chain), then of the
+    route's FIB alternates, that is not in ``plan.tried``, not in ``open_now``
+    (open circuits) and has an adapter in ``adapters``; ``None`` when none is."""
+    fib = plan.fib
+    candidates: list[Any] = []
+    if fib is not None:
+        name = fib.fallback(agent)
+        while name is not None and name not in {c.agent for c in candidates} and name != agent:
+            hop = fib.next_hop(name, plan.prompt.meta)
+            if hop is not None:
+                candidates.append(hop)
+            name = fib.fallback(name)
+    candidates.extend(getattr(plan.route, "alternates", ()))
+    for hop in candidates:
+        if hop.agent not in plan.tried and hop.agent not in open_now and hop.agent in adapters:
+            return hop
+    return None
 
 
 def escalation_triggers(plan: TaskPlan, result: Result, reports: Mapping[str, AgentReport],
