@@ -304,7 +304,7 @@ async def test_escalation_calls_the_target_only_when_the_first_agents_found_noth
 
 async def test_each_stream_reports_its_own_escalation_triggers_when_many_finish_together(nursery, tmp_path, scripted):
     """The dispatcher is shared by every stream of a generation: a stream's
-    escalation triggers are its own (``TaskPlan.triggers``), not whatever stream
+    escalation triggers are its own (``TaskOutcome.triggers``), not whatever stream
     finished last. Eight streams at once, four clean (the cheap agents find
     nothing: escalated on ``no_findings``) and four with the golden defect (not
     escalated): the metric counts four, and the audit's escalation records name
