@@ -22,8 +22,11 @@ this module                                     identity (:meth:`Router.authenti
                                                 for every ingress), authorization
                                                 (:meth:`Router.authorize`), and the data plane:
                                                 frames in (:meth:`Router.receive_frame`), a SYN
-                                                through the stages then opened or reset, task
-                                                running
+                                                through the stages then opened or reset, a
+                                                task's outcome acted on (emitted, signed,
+                                                audited, learnt from)
+:mod:`atp_router.runtime.dataplane.runner`      running a stream's task: its plan, the data
+                                                scope, the dispatcher; returns a TaskOutcome
 ==============================================  ==============================================
 
 Ingresses — the WebSocket server (:mod:`atp_router.runtime.ingress.ws`), the HTTP control API

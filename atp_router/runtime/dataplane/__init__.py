@@ -1,6 +1,7 @@
 """What carries a task from its SYN to its FINAL: the stream table and event logs
 (:mod:`~atp_router.runtime.dataplane.streams`), the SYN pipeline of stages
-(:mod:`~atp_router.runtime.dataplane.opening`), the dispatcher that fans a task out to its
+(:mod:`~atp_router.runtime.dataplane.opening`), running a stream's task to its outcome
+(:mod:`~atp_router.runtime.dataplane.runner`), the dispatcher that fans a task out to its
 next-hops and merges what comes back (:mod:`~atp_router.runtime.dataplane.dispatch`) with
 what a task's run is made of (:mod:`~atp_router.runtime.dataplane.plan`), one attempt of one
 next-hop call (:mod:`~atp_router.runtime.dataplane.call`) and the router-wide flow gates it
