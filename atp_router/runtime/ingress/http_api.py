@@ -376,7 +376,7 @@ ROUTES: tuple[ApiRoute, ...] = (
         "POST", "/v1/streams", "stream_open", open_stream, "openStream",
         "Open a stream (SYN → SYN-ACK, spec §8 steps 1-2); the task starts when `content` is given",
         Reply("stream opened", {_JSON: StreamOpenResponse}), status=201,
-        request=RequestBody({_JSON: StreamOpenRequest}), errors=(400, 401, 403, 409, 413, 429, 503)),
+        request=RequestBody({_JSON: StreamOpenRequest}), errors=(400, 401, 403, 409, 413, 429, 503), task="opens"),
     ApiRoute(
         "POST", "/v1/streams/{id}/frames", "stream_access", post_frame, "postFrame",
         "Send one frame on a stream (HTTP fallback to the WebSocket ingress)",
@@ -389,7 +389,7 @@ ROUTES: tuple[ApiRoute, ...] = (
         Reply("event stream", {_SSE: Sse(Frame)}),
         parameters=(_STREAM_ID, {"name": "Last-Event-ID", "in": "header", "required": False,
                                  "schema": {"type": "integer", "minimum": 0}}),
-        errors=(401, 403, 404)),
+        errors=(401, 403, 404), task="follows"),
     ApiRoute(
         "POST", "/v1/streams/{id}/feedback", "stream_access", feedback, "postFeedback",
         "The client's score of its finished stream (0..1, once per stream): the next-hops that "
@@ -440,7 +440,7 @@ ROUTES: tuple[ApiRoute, ...] = (
         "tasks/resubscribe, and the A2A 1.0 methods with header A2A-Version: 1.0; each message "
         "enters the router as an ATP stream",
         Reply("JSON-RPC response, or an SSE stream for message/stream", {_JSON: OBJECT, _SSE: STRING}),
-        request=RequestBody({_JSON: OBJECT}), by="a2a",
+        request=RequestBody({_JSON: OBJECT}), by="a2a", task="opens",
         other={401: Reply("ESEC: missing or unknown bearer token (JSON-RPC error)", {_JSON: OBJECT})}),
     ApiRoute(
         "GET", "/status", None, None, "statusPage",
@@ -473,7 +473,7 @@ ROUTES: tuple[ApiRoute, ...] = (
         Reply("the completion, or (stream: true) its chunks as Server-Sent Events (`data:` a "
               "ChatCompletionChunk, then `data: [DONE]`)",
               {_JSON: ChatCompletion, _SSE: Sse(ChatCompletionChunk)}),
-        request=RequestBody({_JSON: ChatCompletionRequest}), by="openai", error_shape="openai",
+        request=RequestBody({_JSON: ChatCompletionRequest}), by="openai", error_shape="openai", task="opens",
         errors=(400, 401, 402, 403, 404, 409, 413, 429, 503, 504)),
     ApiRoute(
         "GET", MODELS_PATH, "stream_open", None, "listModels",

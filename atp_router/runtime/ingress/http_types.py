@@ -245,7 +245,10 @@ class ApiRoute:
     statuses in the ``error_shape`` (``atp``: ``ErrorResponse``, ``openai``:
     ``OpenAIErrorResponse``), ``other`` further responses by status. ``public``:
     no credential needed (``security: []``). ``anonymous``: the answer to a
-    caller without ``Authorization`` that the router would refuse."""
+    caller without ``Authorization`` that the router would refuse. ``task``: the
+    route's part in a task's path (``atp-router routes --diagram``): it ``opens``
+    a stream (its SYN goes through the SYN stages) or ``follows`` one's frames to
+    the FINAL."""
 
     method: Literal["GET", "POST"]
     path: str
@@ -263,3 +266,4 @@ class ApiRoute:
     public: bool = False
     by: str = "http_api"
     anonymous: Anonymous | None = None
+    task: Literal["opens", "follows"] | None = None
