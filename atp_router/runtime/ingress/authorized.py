@@ -97,24 +97,21 @@ class Authorized:
                 return render(e, 403)
             if request.method != "POST":
                 return await handler(request, identity)
-            return await self._with_body(request, identity, handler, render)
+            # The tenant is known before a byte of the body is read: its bodies in
+            # flight are bounded (atp_router.runtime.ingress.bodies; 429 EWINDOW, the body unread).
+            try:
+                open_body(router.body_budget, request, identity.tenant)
+            except BodyRefused as e:
+                return self._body_refused(e, render)
+            try:
+                return await handler(request, identity)
+            except BodyRefused as e:
+                return self._body_refused(e, render)
+            finally:
+                release_body(request)
 
         self.actions[endpoint] = action
         return endpoint
-
-    async def _with_body(self, request: Request, identity: Identity, handler: Bound, render: Render) -> Response:
-        # The tenant is known before a byte of the body is read: its bodies in
-        # flight are bounded (atp_router.runtime.ingress.bodies; 429 EWINDOW, the body unread).
-        try:
-            open_body(self.router.body_budget, request, identity.tenant)
-        except BodyRefused as e:
-            return self._body_refused(e, render)
-        try:
-            return await handler(request, identity)
-        except BodyRefused as e:
-            return self._body_refused(e, render)
-        finally:
-            release_body(request)
 
     def _body_refused(self, e: BodyRefused, render: Render) -> Response:
         self.router.metrics.errors.labels(str(ErrorCode.EWINDOW)).inc()

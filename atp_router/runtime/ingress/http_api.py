@@ -489,7 +489,9 @@ def _endpoint(router: Router, entry: ApiRoute, authorized: Authorized) -> Endpoi
     with ``entry.anonymous``, a caller without ``Authorization`` whom the router
     would refuse gets that answer instead of a 401 (liveness for a load balancer or
     a probe: nothing about tenants or internals)."""
-    assert entry.handler is not None and entry.action is not None, entry
+    if entry.handler is None or entry.action is None:
+        raise ValueError(f"{entry.method} {entry.path}: a handler's route needs an action (a public "
+                         "route is its ingress's)")
     guarded = authorized(entry.action, functools.partial(entry.handler, router))
     anonymous = entry.anonymous
     if anonymous is None:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "OBJECT",
     "STRING",
+    "Anonymous",
     "ApiRoute",
     "EgressChange",
     "ErrorBody",
