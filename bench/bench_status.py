@@ -11,7 +11,7 @@ the same run:
 * **status**: one :class:`~atp_router.runtime.admin.status.StatusBuilder` snapshot (scan +
   build + JSON encode), first (it reads up to ``max_closed_per_scan`` closed
   logs) and steady (nothing new), its size, and the longest stretch the event
-  loop is held: the largest of :class:`~atp_router.runtime.admin.status.StatusFeed`'s chunks
+  loop is held: the largest of :class:`~atp_router.runtime.admin.statuspage.StatusFeed`'s chunks
   (2,000 streams, a checkpoint between them) and the build after them.
 
 Times are CPU ms of the event loop's thread (``time.thread_time``), best of

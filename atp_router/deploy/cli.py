@@ -125,6 +125,7 @@ from atp_router.deploy.workers import WorkerSpec, supervise, worker_main
 from atp_router.flow.breaker import RetryPolicy
 from atp_router.observability import logs, tracing
 from atp_router.policy.check import policy_main
+from atp_router.runtime.admin.taskpath import routes_main
 from atp_router.runtime.dataplane.opening import DEFAULT_STAGES, describe
 from atp_router.runtime.ingress.http_api import build_app
 from atp_router.runtime.ingress.ws import serve_ws
@@ -215,6 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="atp-router", description="ATP router appliance (Agent Transport Protocol v0.1)",
                                  formatter_class=DefaultsHelpFormatter,
                                  epilog="subcommands: 'atp-router keys new', 'atp-router policy check PATH|--stages', "
+                                        "'atp-router routes [--diagram]', "
                                         "'atp-router audit …', 'atp-router eval --tasks FILE [--policies RIB …] "
                                         "[--url URL]', 'atp-router model-server [--port N]' (each with --help)")
     ap.add_argument("--policies", type=Path, default=Path("policies"), help="RIB file or directory of *.yaml")
@@ -514,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         return policy_main(argv[1:], build_adapter=build_adapter, stages=lambda: describe(DEFAULT_STAGES))
     if argv and argv[0] == "audit":
         return audit_main(argv[1:], default_state_dir=_default_state_dir())
+    if argv and argv[0] == "routes":
+        return routes_main(argv[1:])
     args, config = _parse(argv, os.environ)
     spec = None
     if args.worker_spec is not None:

@@ -108,18 +108,68 @@ def test_cbor_md_example_is_what_it_claims() -> None:
 
 def test_openapi_paths_match_the_control_api_routes(tmp_path):
     """Every route the Starlette app serves is in proto/openapi.json and vice versa."""
-    import shutil
-
     from starlette.routing import Route
 
-    from atp_router.deploy import single
     from atp_router.runtime.admin.openapi import openapi_document
     from atp_router.runtime.ingress.http_api import build_app
+
+    app = build_app(_single_router(tmp_path))
+    served = {(r.path, m.lower()) for r in app.routes if isinstance(r, Route) for m in r.methods if m != "HEAD"}
+    documented = {(p, m) for p, ops in openapi_document()["paths"].items() for m in ops}
+    assert served == documented
+
+
+def _single_router(tmp_path):
+    import shutil
+
+    from atp_router.deploy import single
     from atp_router.runtime.router import RouterConfig
 
     policies = tmp_path / "policies"
     shutil.copytree(Path(__file__).resolve().parents[2] / "policies", policies)
-    app = build_app(single.build(RouterConfig(policies=policies)))
-    served = {(r.path, m.lower()) for r in app.routes if isinstance(r, Route) for m in r.methods if m != "HEAD"}
-    documented = {(p, m) for p, ops in openapi_document()["paths"].items() for m in ops}
-    assert served == documented
+    return single.build(RouterConfig(policies=policies))
+
+
+def test_the_app_and_the_openapi_document_are_both_the_route_table(tmp_path):
+    """Issue 21 item 2: one route table. The app serves exactly its entries, each
+    entry's operation is the document's, and each authenticated route sits behind
+    the action its entry names."""
+    from starlette.routing import Route
+
+    from atp_router.runtime.admin.openapi import openapi_document, operation
+    from atp_router.runtime.ingress.http_api import ROUTES, build_app
+
+    app = build_app(_single_router(tmp_path))
+    served = [(r.path, m) for r in app.routes if isinstance(r, Route) for m in sorted(r.methods) if m != "HEAD"]
+    table = [(e.path, e.method) for e in ROUTES]
+    assert served == table and len(set(table)) == len(table)
+    doc = openapi_document()["paths"]
+    assert sum(len(ops) for ops in doc.values()) == len(ROUTES)
+    for e in ROUTES:
+        assert doc[e.path][e.method.lower()] == operation(e)
+        assert ("security" in doc[e.path][e.method.lower()]) == e.public
+
+
+def test_a_route_outside_the_route_table_is_refused(tmp_path):
+    """An ingress's route the table lacks, a table entry no ingress serves, and an
+    ingress authorizing a route for another action than its entry's: each stops
+    the app from being built (ValueError naming it)."""
+    import dataclasses
+
+    from atp_router.runtime.ingress.http_api import ROUTES, served_routes
+
+    router = _single_router(tmp_path)
+    models = next(e for e in ROUTES if e.operation_id == "listModels")
+    with pytest.raises(ValueError, match=r"outside the route table: \[\('GET', '/v1/models'\)\]"):
+        served_routes(router, [e for e in ROUTES if e is not models])
+    ghost = dataclasses.replace(models, path="/v1/models/ghost")
+    with pytest.raises(ValueError, match="openai serves no GET /v1/models/ghost"):
+        served_routes(router, [*ROUTES, ghost])
+    other = [dataclasses.replace(e, action="tenant_admin") if e is models else e for e in ROUTES]
+    with pytest.raises(ValueError, match="authorizes GET /v1/models otherwise"):
+        served_routes(router, other)
+    with pytest.raises(ValueError, match="two route table entries for GET /v1/models"):
+        from atp_router.runtime.admin.openapi import openapi_document
+
+        openapi_document([*ROUTES, models])
+

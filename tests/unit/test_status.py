@@ -13,13 +13,9 @@ import trio
 
 from atp_router.adapters.testing import ScriptedAdapter
 from atp_router.consensus.types import Usage
-from atp_router.runtime.admin.status import (
-    StatusBuilder,
-    StatusFeed,
-    StatusLimits,
-    StatusSnapshot,
-    histogram_quantile,
-)
+from atp_router.runtime.admin.snapshot import StatusLimits, StatusSnapshot
+from atp_router.runtime.admin.status import StatusBuilder, histogram_quantile
+from atp_router.runtime.admin.statuspage import StatusFeed
 from atp_router.security.identity import Role
 from atp_router.wire.errors import ErrorCode
 from tests.helpers import golden, start_router_on

@@ -1,11 +1,11 @@
 """The learning FIB as the router shows it (spec §6.2): one schema for the body
 of ``GET /v1/fib`` (:class:`FibView`, :mod:`atp_router.runtime.ingress.http_api`) and the bandits of
-the status snapshot (``fib.bandits``, :mod:`atp_router.runtime.admin.status`).
+the status snapshot (``fib.bandits``, :mod:`atp_router.runtime.admin.snapshot`).
 
 Pure data (msgspec Structs), filled from
 :meth:`atp_router.policy.learn.RoutingLearner.fib_view`. Its own module because
-:mod:`atp_router.runtime.ingress.http_api` imports :mod:`atp_router.runtime.admin.status`: both import it, neither
-imports the other for it.
+:mod:`atp_router.runtime.ingress.http_api` imports :mod:`atp_router.runtime.admin.snapshot`: both import it,
+neither imports the other for it.
 """
 
 from __future__ import annotations

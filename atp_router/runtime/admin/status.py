@@ -9,18 +9,20 @@ Two layers, the project's usual split:
   the stream table and budget ledger, the flow gates (per-next-hop AIMD windows,
   circuit breakers, QoS slots), the control plane (RIB generation, next-hop
   health), the learning FIB (bandit arms, live figures) and the Prometheus
-  registry — and returns a :class:`StatusSnapshot`. Between snapshots it keeps
+  registry — and returns a :class:`~atp_router.runtime.admin.snapshot.StatusSnapshot`
+  (its shape in :mod:`~atp_router.runtime.admin.snapshot`). Between snapshots it keeps
   bounded history: one sample a second (open streams, tasks/s, cost/min,
   P50/P95 latency), the recent finished tasks (latency, cost, agreement) and
   the recent ERROR / RST frames.
-* :class:`StatusFeed` — trio. Builds at most one snapshot per
+* :class:`~atp_router.runtime.admin.statuspage.StatusFeed` — trio
+  (:mod:`~atp_router.runtime.admin.statuspage`, with the HTTP routes). Builds at most one snapshot per
   ``min_interval_s`` however many pages watch (they share it), scans the
   stream table in chunks with a checkpoint between them so thousands of
   streams never hold the event loop for long, and pushes a snapshot as
   Server-Sent Events every ``interval_s`` and as soon as something visible
   changed (open streams, RIB generation, a circuit opening).
 
-Bounds (:class:`StatusLimits`): at most ``max_streams`` stream rows (the
+Bounds (:class:`~atp_router.runtime.admin.snapshot.StatusLimits`): at most ``max_streams`` stream rows (the
 longest-running first; ``streams.more`` counts the rest), ``max_errors``
 errors, ``max_tasks`` finished tasks, ``max_samples`` samples, ``max_routes``
 FIB rows; at most ``max_closed_per_scan`` newly closed streams are read per
@@ -38,30 +40,44 @@ from __future__ import annotations
 
 import heapq
 import math
-import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import trio
 
 from atp_router.flow.breaker import BreakerState
 from atp_router.runtime.admin.fibview import FibBandit
+from atp_router.runtime.admin.snapshot import (
+    AgentRow,
+    BudgetStatus,
+    ClassSlots,
+    ErrorList,
+    ErrorRow,
+    FibStatus,
+    PolicyAgentPoint,
+    PolicyPoint,
+    RibStatus,
+    RouteRow,
+    Series,
+    SlotStatus,
+    StatusLimits,
+    StatusSnapshot,
+    StreamList,
+    StreamRow,
+    TaskSeries,
+    Totals,
+    WindowLimits,
+)
 
 if TYPE_CHECKING:
     from atp_router.runtime.dataplane.streams import StreamCtx
     from atp_router.runtime.router import Router
 
 __all__ = [
-    "PAGE_ASSETS",
     "StatusBuilder",
-    "StatusFeed",
-    "StatusLimits",
-    "StatusSnapshot",
     "StreamScan",
     "histogram_quantile",
-    "status_routes",
 ]
 
 #: Key separator of the live view's per-policy entries (``policy|agent``; atp_router.policy.learn.KEY_SEP).
@@ -69,249 +85,6 @@ _SEP = "|"
 #: Rolling window of the latency quantiles in the samples, s.
 QUANTILE_WINDOW_S = 10.0
 _REASON_MAX = 240
-
-
-# ---------------------------------------------------------------------------- schema
-class StatusLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Bounds of one snapshot and of the history kept between snapshots
-    (module docstring). ``sample_every_s``: one history sample at most this
-    often (s)."""
-
-    max_streams: int = 50
-    max_errors: int = 50
-    max_tasks: int = 300
-    max_samples: int = 300
-    max_routes: int = 64
-    max_closed_per_scan: int = 128
-    max_bytes: int = 256 * 1024
-    sample_every_s: float = 1.0
-
-
-class RibStatus(msgspec.Struct):
-    """The running RIB generation: ``version``, where it came from, how many
-    policies and agents it has."""
-
-    version: int
-    source: str
-    policies: int
-    agents: int
-
-
-class Totals(msgspec.Struct):
-    """Router-wide counts since start (from the Prometheus registry; §12):
-    ``completed`` are streams closed with a FINAL; ``closed`` by outcome
-    (``final``, ``rst``, an error code); ``errors`` ERROR/RST frames sent by
-    spec code; ``usd_micros`` and ``tokens`` spent at next-hops."""
-
-    open_streams: int
-    in_table: int
-    opened: int
-    completed: int
-    closed: dict[str, int]
-    errors: dict[str, int]
-    agent_calls: int
-    usd_micros: int
-    tokens: int
-
-
-class ClassSlots(msgspec.Struct):
-    running: int
-    queued: int
-    preempted: int
-
-
-class SlotStatus(msgspec.Struct):
-    """The QoS slot scheduler (§9): next-hop calls in flight router-wide."""
-
-    capacity: int
-    gold_reserved: int
-    running: int
-    queued: int
-    classes: dict[str, ClassSlots]
-
-
-class WindowLimits(msgspec.Struct):
-    """A window triplet: calls in flight, tokens, USD micros (§5.1)."""
-
-    max_parallel: int
-    max_tokens: int
-    max_usd_micros: int
-
-
-class BudgetStatus(msgspec.Struct):
-    """A stream's budget account (§5): ``limit_*`` (None: unlimited),
-    ``reserved_*`` held by calls in flight, ``spent_*`` committed."""
-
-    limit_tokens: int | None
-    limit_usd_micros: int | None
-    reserved_tokens: int
-    reserved_usd_micros: int
-    spent_tokens: int
-    spent_usd_micros: int
-
-
-class StreamRow(msgspec.Struct):
-    """One open stream: ``state`` is ``running`` (its task runs), ``waiting``
-    (opened without a task yet) or ``detached`` (no follower: resumable for
-    the grace period, §8); ``age_ms`` since its SYN."""
-
-    tenant: str
-    stream_id: str
-    policy: str
-    qos: str
-    state: str
-    age_ms: int
-    next_hops: list[str]
-    followers: int
-    window: WindowLimits
-    budget: BudgetStatus | None
-
-
-class StreamList(msgspec.Struct):
-    """``count`` open streams, the longest-running ``listed``, ``more`` not listed."""
-
-    count: int
-    listed: list[StreamRow]
-    more: int
-
-
-class AgentRow(msgspec.Struct):
-    """One next-hop: health (``up``; the FIB excludes it when down), its
-    circuit breaker, its AIMD window (``cwnd``, ``ssthresh``, calls
-    ``in_flight`` and ``queued``; §5.1), Prometheus call counts and the live
-    figures the FIB scores with (§6.2; None until observed). ``max_parallel``
-    is the window's configured limit (``cwnd`` never exceeds it)."""
-
-    name: str
-    kind: str
-    up: bool
-    breaker: str
-    trips: int
-    retry_after_ms: int | None
-    error_rate: float
-    cwnd: float | None
-    ssthresh: float | None
-    max_parallel: int
-    in_flight: int
-    queued: int
-    calls_ok: int
-    calls_failed: int
-    usd_micros: int
-    p50_ms: float | None
-    p95_ms: float | None
-    quality: float | None
-
-
-class RouteRow(msgspec.Struct):
-    """A FIB entry (§4.3) with its live-scored ECMP weights."""
-
-    policy: str
-    task_type: str
-    next_hops: list[str]
-    weights: list[float]
-
-
-class FibStatus(msgspec.Struct):
-    """The learning FIB: its generation, up to ``max_routes`` entries
-    (``more_routes`` not listed) and each bandit policy as ``GET /v1/fib``
-    shows it (arm figures rounded)."""
-
-    version: int
-    routes: list[RouteRow]
-    more_routes: int
-    bandits: dict[str, FibBandit]
-
-
-class PolicyAgentPoint(msgspec.Struct):
-    """A next-hop within a policy: live USD micros per call vs quality."""
-
-    agent: str
-    usd_micros_per_call: float | None
-    quality: float
-    calls: float
-
-
-class PolicyPoint(msgspec.Struct):
-    """Cost vs quality of one policy: from its recent finished tasks
-    (``tasks``, mean ``usd_micros_per_task``, ``p50_ms``, mean consensus
-    ``agreement``) and the live quality of its next-hops (``quality``,
-    weighted by calls; None until observed)."""
-
-    policy: str
-    tasks: int
-    usd_micros_per_task: float | None
-    p50_ms: float | None
-    agreement: float | None
-    quality: float | None
-    agents: list[PolicyAgentPoint]
-
-
-class ErrorRow(msgspec.Struct):
-    """An ERROR or RST frame the router sent on a stream (§10), newest first."""
-
-    t_ms: int
-    kind: str
-    code: str
-    reason: str
-    tenant: str
-    stream_id: str
-    policy: str
-
-
-class ErrorList(msgspec.Struct):
-    listed: list[ErrorRow]
-    more: int
-
-
-class Series(msgspec.Struct):
-    """One sample a second, oldest first, as columns: Unix ``t_ms``, open
-    streams, cumulative completed tasks, tasks/s and USD micros/min since the
-    previous sample, P50/P95 stream latency (ms) over the last
-    :data:`QUANTILE_WINDOW_S` (None: no task finished in it)."""
-
-    t_ms: list[int] = []
-    open: list[int] = []
-    completed: list[int] = []
-    tasks_per_s: list[float] = []
-    usd_micros_per_min: list[float] = []
-    p50_ms: list[float | None] = []
-    p95_ms: list[float | None] = []
-
-
-class TaskSeries(msgspec.Struct):
-    """Recent finished streams, oldest first, as columns: Unix ``t_ms`` of the
-    close, ``policy``, ``outcome`` (``final`` or the error code), latency
-    (ms), cost (USD micros), tokens, consensus ``agreement`` (None without a
-    FINAL). ``skipped``: closed streams not read (scan bound)."""
-
-    t_ms: list[int] = []
-    policy: list[str] = []
-    outcome: list[str] = []
-    latency_ms: list[float] = []
-    usd_micros: list[int] = []
-    tokens: list[int] = []
-    agreement: list[float | None] = []
-    skipped: int = 0
-
-
-class StatusSnapshot(msgspec.Struct):
-    """Body of ``GET /v1/status`` and the ``data:`` of each ``status`` event of
-    ``GET /v1/status/events``: the router at Unix time ``t_ms`` (module docstring)."""
-
-    v: int
-    seq: int
-    t_ms: int
-    rib: RibStatus
-    totals: Totals
-    slots: SlotStatus
-    streams: StreamList
-    agents: list[AgentRow]
-    fib: FibStatus
-    policies: list[PolicyPoint]
-    errors: ErrorList
-    series: Series
-    tasks: TaskSeries
-    truncated: bool = False
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -749,149 +522,3 @@ def _halve(snap: StatusSnapshot) -> StatusSnapshot:
                            more=streams.count - keep_streams),
         fib=msgspec.structs.replace(fib, routes=fib.routes[:keep_routes],
                                     more_routes=fib.more_routes + len(fib.routes) - keep_routes))
-
-
-# ---------------------------------------------------------------------------- trio
-class StatusFeed:
-    """The trio side (module docstring): shared, rate-limited snapshots of
-    ``router`` and their SSE stream. ``chunk``: streams scanned between two
-    checkpoints; at most ``max_watchers`` event streams at once."""
-
-    def __init__(self, router: Router, builder: StatusBuilder | None = None, *, interval_s: float = 1.0,
-                 min_interval_s: float = 0.25, poll_s: float = 0.1, chunk: int = 2000,
-                 max_watchers: int = 16) -> None:
-        self.router = router
-        self.builder = builder or StatusBuilder()
-        self.interval_s = interval_s
-        self.min_interval_s = min_interval_s
-        self.poll_s = poll_s
-        self.chunk = chunk
-        self.max_watchers = max_watchers
-        self.watchers = 0
-        self._lock = trio.Lock()
-        self._last: bytes | None = None
-        self._last_at = -math.inf
-        self._last_mark: tuple[Any, ...] | None = None
-
-    def mark(self) -> tuple[Any, ...]:
-        """What a watcher should see at once when it changes: open and retained
-        streams, the RIB generation, the agents whose circuit is open."""
-        r = self.router
-        return (r.open_count, len(r.streams), r.gen.version,
-                frozenset(r.gates.breakers.open_agents(trio.current_time())))
-
-    async def snapshot(self) -> bytes:
-        """The current snapshot as JSON: the last one if it is younger than
-        ``min_interval_s``, else a new one (one build at a time)."""
-        async with self._lock:
-            now = trio.current_time()
-            if self._last is not None and now - self._last_at < self.min_interval_s:
-                return self._last
-            mark = self.mark()
-            scan = self.builder.scan(now, _wall_ms())
-            ctxs = list(self.router.streams.values())
-            for i in range(0, len(ctxs), self.chunk):
-                if i:
-                    await trio.lowlevel.checkpoint()
-                scan.feed(ctxs[i:i + self.chunk])
-            data = self.builder.encode(self.builder.build(self.router, scan))
-            self._last, self._last_at, self._last_mark = data, trio.current_time(), mark
-            return data
-
-    def full(self) -> bool:
-        """``max_watchers`` event streams are open: refuse another (HTTP 429)."""
-        return self.watchers >= self.max_watchers
-
-    async def events(self) -> AsyncIterator[bytes]:
-        """SSE ``status`` events (``id:`` the snapshot's ``seq``): one now, then
-        every ``interval_s``, or sooner (no sooner than ``min_interval_s``)
-        when :meth:`mark` changes. A watcher over ``max_watchers`` (two
-        requests that passed :meth:`full` together) gets one ``error`` event
-        and the stream ends."""
-        if self.full():
-            yield b"event: error\ndata: {\"code\":\"EWINDOW\",\"reason\":\"too many status watchers\"}\n\n"
-            return
-        self.watchers += 1
-        try:
-            while True:
-                data = await self.snapshot()
-                sent_mark, sent_at = self._last_mark, trio.current_time()
-                yield b"id: %d\nevent: status\ndata: %s\n\n" % (self.builder.seq, data)
-                while True:
-                    await trio.sleep(self.poll_s)
-                    waited = trio.current_time() - sent_at
-                    if waited >= self.interval_s or (waited >= self.min_interval_s and self.mark() != sent_mark):
-                        break
-        finally:
-            self.watchers -= 1
-
-
-def _wall_ms() -> int:
-    return int(time.time() * 1000)
-
-
-# ---------------------------------------------------------------------------- HTTP
-#: The page's files (atp_router/runtime/admin/static), served as they are: no CDN, no fetch
-#: of anything else (the page works without internet).
-PAGE_ASSETS = {"status.js": "text/javascript; charset=utf-8", "status.css": "text/css; charset=utf-8"}
-#: The page runs only its own script and talks only to this router.
-PAGE_HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-cache",
-}
-
-
-def status_routes(router: Router, authorized: Callable[..., Any], feed: StatusFeed | None = None) -> list[Any]:
-    """The status routes of ``router`` (wired by :func:`atp_router.runtime.ingress.http_api.build_app`):
-
-    ==============================  =============================================
-    ``GET /status``                 the page (public HTML; it holds no data)
-    ``GET /status/{asset}``         its script and style sheet
-    ``GET /v1/status``              one :class:`StatusSnapshot` (JSON)
-    ``GET /v1/status/events``       ``status`` Server-Sent Events of snapshots
-    ==============================  =============================================
-
-    The data endpoints need the ``tenant_admin`` action (role admin): they show
-    every tenant's streams. ``authorized(action, handler)`` is the API's
-    authentication and authorization wrapper (401 / 403 ESEC). A watcher over
-    ``feed.max_watchers`` is answered 429 ``EWINDOW``."""
-    from importlib.resources import files
-
-    from starlette.requests import Request
-    from starlette.responses import Response, StreamingResponse
-    from starlette.routing import Route
-
-    feed = feed or StatusFeed(router)
-    static = files("atp_router.runtime.admin") / "static"
-    page = (static / "status.html").read_bytes()
-    assets = {name: (static / name).read_bytes() for name in PAGE_ASSETS}
-
-    async def index(request: Request) -> Response:
-        return Response(page, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
-
-    async def asset(request: Request) -> Response:
-        name = request.path_params["asset"]
-        if name not in assets:
-            return Response(b"not found", status_code=404, media_type="text/plain", headers=PAGE_HEADERS)
-        return Response(assets[name], media_type=PAGE_ASSETS[name], headers=PAGE_HEADERS)
-
-    async def snapshot(request: Request, identity: Any) -> Response:
-        return Response(await feed.snapshot(), media_type="application/json", headers={"Cache-Control": "no-store"})
-
-    async def events(request: Request, identity: Any) -> Response:
-        if feed.full():
-            body = _enc.encode({"error": {"code": "EWINDOW", "reason": f"at most {feed.max_watchers} status "
-                                                                       "event streams at once"}})
-            return Response(body, status_code=429, media_type="application/json", headers={"Retry-After": "5"})
-        return StreamingResponse(feed.events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
-
-    return [
-        Route("/status", index, methods=["GET"]),
-        Route("/status/{asset}", asset, methods=["GET"]),
-        Route("/v1/status", authorized("tenant_admin", snapshot), methods=["GET"]),
-        Route("/v1/status/events", authorized("tenant_admin", events), methods=["GET"]),
-    ]

@@ -1,5 +1,7 @@
 """How requests and frames reach the router: the HTTP control API
-(:mod:`~atp_router.runtime.ingress.http_api`), the WebSocket server
+(:mod:`~atp_router.runtime.ingress.http_api`: its route table and handlers; the bodies'
+Structs in :mod:`~atp_router.runtime.ingress.http_types`, the one authentication and
+authorization wrapper in :mod:`~atp_router.runtime.ingress.authorized`), the WebSocket server
 (:mod:`~atp_router.runtime.ingress.ws`), the OpenAI-compatible endpoints
 (:mod:`~atp_router.runtime.ingress.openai`) and the A2A server
 (:mod:`~atp_router.runtime.ingress.a2a`), with the bounded body reader they share

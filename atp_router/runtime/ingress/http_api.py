@@ -43,9 +43,18 @@
                                        comes from ``/v1/status/events``)
 =====================================  =========================================
 
+The routes are one table, :data:`ROUTES` (:class:`~atp_router.runtime.ingress.http_types.ApiRoute`
+entries: method, path, action, module-level handler ``handler(router, request,
+identity)``, and what the OpenAPI document says of the route); :func:`build_app`
+serves it and :func:`atp_router.runtime.admin.openapi.openapi_document` is generated
+from it. The OpenAI-compatible, A2A and status routes are entries too, served by
+their ingress's ``*_routes`` function: a route an ingress serves outside the table,
+or for another action than its entry's, stops the app from being built.
+
 Every request is authenticated once (:meth:`Router.authenticate
 <atp_router.runtime.router.Router.authenticate>`, the ``Authorization`` header) and its
-action authorized (:meth:`Router.authorize <atp_router.runtime.router.Router.authorize>`):
+action authorized (:meth:`Router.authorize <atp_router.runtime.router.Router.authorize>`),
+both by the one wrapper (:class:`~atp_router.runtime.ingress.authorized.Authorized`):
 
 ====================================  ==========================================
 action                                endpoints
@@ -82,8 +91,9 @@ endpoints answer in OpenAI's error shape instead, ``{"error": {"message",
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+import functools
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import msgspec
 import trio
@@ -91,197 +101,70 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from atp_router.observability.metrics import CONTENT_TYPE_LATEST
 from atp_router.observability.tracing import TraceContextMiddleware
 from atp_router.runtime.admin.fibview import FibView
-from atp_router.runtime.admin.status import status_routes
+from atp_router.runtime.admin.snapshot import StatusSnapshot
+from atp_router.runtime.admin.statuspage import status_routes
 from atp_router.runtime.controlplane.learning import FeedbackRefused
-from atp_router.runtime.ingress.a2a import a2a_routes
+from atp_router.runtime.ingress.a2a import A2A_PATH, CARD_PATHS, a2a_routes
+from atp_router.runtime.ingress.authorized import (
+    Authorized,
+    Endpoint,
+    json_response,
+    render_error,
+)
 from atp_router.runtime.ingress.bodies import (
     BodyRefused,
     BodyTooLarge,
     decode_off_loop,
-    open_body,
     read_body,
     release_body,
 )
-from atp_router.runtime.ingress.openai import openai_routes
+from atp_router.runtime.ingress.http_types import (
+    OBJECT,
+    STRING,
+    ApiRoute,
+    ErrorBody,
+    ErrorResponse,
+    FeedbackRequest,
+    FeedbackResponse,
+    FramesResponse,
+    Health,
+    Liveness,
+    PolicyFile,
+    PolicyText,
+    ReloadResponse,
+    Reply,
+    RequestBody,
+    RouteInfo,
+    Sse,
+    StreamOpenRequest,
+    StreamOpenResponse,
+)
+from atp_router.runtime.ingress.openai import (
+    CHAT_PATH,
+    MODELS_PATH,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ModelList,
+    openai_routes,
+)
 from atp_router.runtime.router import Router
 from atp_router.security.identity import Identity
 from atp_router.task.diff import count_changed_lines
 from atp_router.wire.codec import FrameCodec
-from atp_router.wire.errors import ATPError, ErrorCode, PolicyError
-from atp_router.wire.frame import Budget, Frame, QoS, RouteUpdate, Window
+from atp_router.wire.errors import ATPError, ErrorCode
+from atp_router.wire.frame import Frame, RouteUpdate
 
+__all__ = ["ROUTES", "build_app", "served_routes"]
 
-class StreamOpenRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """Body of ``POST /v1/streams``. ``task`` is the task meta (``task_type`` and match
-    keys); ``content`` the task body (``code_review``: ``{"diff", "files"}``);
-    ``budget`` in float USD and tokens."""
-
-    task: dict[str, Any]
-    content: dict[str, Any] | None = None
-    budget: Budget | None = None
-    qos: QoS | None = None
-    window: Window | None = None
-    idempotency_key: str | None = None
-
-
-class RouteInfo(msgspec.Struct):
-    policy: str
-    next_hops: list[str]
-    rib_version: int
-
-
-class StreamOpenResponse(msgspec.Struct):
-    session_id: str
-    stream_id: str
-    window: Window
-    route: RouteInfo
-
-
-class FramesResponse(msgspec.Struct):
-    """Frames the router answered a posted frame with (ACK, ERROR, RST, …)."""
-
-    frames: list[Frame]
-
-
-class EgressChange(msgspec.Struct):
-    """An endpoint, secret reference or file a reload added, removed or changed
-    (:func:`~atp_router.security.policy_guard.egress_changes`): names and URLs, never
-    secret values."""
-
-    kind: str
-    key: str
-    change: str
-    old: str | None
-    new: str | None
-
-
-class ReloadResponse(msgspec.Struct):
-    """Body of a successful reload: the new generation, what it changed towards
-    the outside (``changes``, also in the audit record) and who reloaded (``by``,
-    the caller's subject)."""
-
-    version: int
-    policies: int
-    agents: list[str]
-    changes: list[EgressChange] = []
-    by: str = ""
-
-
-class PolicyFault(msgspec.Struct, omit_defaults=True):
-    """One fault of a refused RIB: file, 1-based line (when found), key, reason."""
-
-    file: str
-    key: str
-    reason: str
-    line: int | None = None
-
-
-class ErrorBody(msgspec.Struct, omit_defaults=True):
-    """``code`` and ``reason``; a refused RIB adds the first fault's ``file``,
-    ``line`` and ``key`` (``reason`` is its bare reason) and ``errors``, every
-    fault found."""
-
-    code: str
-    reason: str
-    file: str | None = None
-    key: str | None = None
-    line: int | None = None
-    errors: list[PolicyFault] | None = None
-
-
-class ErrorResponse(msgspec.Struct):
-    error: ErrorBody
-
-
-class PolicyFile(msgspec.Struct):
-    #: A ``--policies`` file, or ``"<request body>"`` for a RIB posted to reload.
-    file: str
-    text: str
-
-
-class PolicyText(msgspec.Struct):
-    """Body of ``GET /v1/policies``: the running RIB generation ``version``, where
-    it came from (``source``) and its YAML as read at load, file by file."""
-
-    version: int
-    source: str
-    files: list[PolicyFile]
-
-
-class FeedbackRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """Body of ``POST /v1/streams/{id}/feedback`` (spec §6.2 quality signal):
-    ``score`` 0..1 (1: the result was right and useful), ``labels`` up to 16
-    short tags (e.g. ``"false_positive"``, ``"missed_bug"``), kept with it."""
-
-    score: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-    labels: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=64)]],
-                      msgspec.Meta(max_length=16)] = []
-
-
-class FeedbackResponse(msgspec.Struct):
-    """The feedback taken: the next-hops it is about, whether the policy's
-    bandit learned it (``bandit``), and its ``scope``: ``"tenant"`` (it trains
-    this tenant's routing only) or ``"shared"`` (a trusted client: everyone's,
-    and the next-hops' live quality)."""
-
-    stream_id: str
-    agents: list[str]
-    score: float
-    labels: list[str]
-    bandit: bool
-    scope: str
-
-
-class Liveness(msgspec.Struct):
-    """``GET /v1/health`` without a credential: ``{"status": "ok"}``, nothing more."""
-
-    status: str
-
-
-class Health(msgspec.Struct):
-    """``GET /v1/health`` of an authenticated caller: liveness, the RIB
-    generation and the router's open stream count."""
-
-    status: str
-    rib_version: int
-    open_streams: int
-
-
-_STATUS = {
-    ErrorCode.EPROTO: 400,
-    ErrorCode.ESEC: 403,
-    ErrorCode.EWINDOW: 409,
-    ErrorCode.EBUDGET: 402,
-    ErrorCode.EAGENTDOWN: 503,
-    ErrorCode.ETIMEOUT: 504,
-}
-
-_enc = msgspec.json.Encoder()
-
-
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(_enc.encode(obj), status_code=status, media_type="application/json")
-
-
-def _error(e: ATPError, status: int | None = None) -> Response:
-    body = ErrorBody(code=str(e.code), reason=e.reason)
-    if isinstance(e, PolicyError):
-        body = ErrorBody(code=str(e.code), reason=e.detail, file=e.file, key=e.key, line=e.line,
-                         errors=[PolicyFault(file=x.file, key=x.key, reason=x.detail, line=x.line)
-                                 for x in e.errors])
-        status = status or 422
-    if status is None and e.code in (ErrorCode.EWINDOW, ErrorCode.EBUDGET) and e.retry_after_ms is not None:
-        # EWINDOW: the tenant's stream quota or open rate (spec §11); EBUDGET: the
-        # shared budget store cannot be reached (atp_router.deploy.cluster). Try again later.
-        resp = _json(ErrorResponse(error=body), 429 if e.code is ErrorCode.EWINDOW else 503)
-        resp.headers["Retry-After"] = str(max(1, -(-e.retry_after_ms // 1000)))
-        return resp
-    return _json(ErrorResponse(error=body), status or _STATUS.get(e.code, 400))
+def _unknown_stream(sid: str) -> Response:
+    # One answer for an id that never existed and an id of another tenant.
+    return json_response(ErrorResponse(ErrorBody(code="EPROTO", reason=f"unknown stream {sid!r}")), 404)
 
 
 def _decode_open(body: bytes) -> StreamOpenRequest:
@@ -299,235 +182,362 @@ def _decode_open(body: bytes) -> StreamOpenRequest:
     return req
 
 
-def build_app(router: Router) -> Starlette:
-    """The control API of ``router`` as an ASGI app."""
+# ---------------------------------------------------------------------------- handlers
+async def open_stream(router: Router, request: Request, identity: Identity) -> Response:
+    """``POST /v1/streams``: the SYN from a :class:`StreamOpenRequest`; 201 and the SYN-ACK's stream."""
+    try:
+        req = await decode_off_loop(_decode_open, await read_body(request, router.config.max_body_bytes))
+        release_body(request)  # decoded: the raw bytes are done with
+        ctx = router.open_stream(
+            task=req.task, content=req.content, budget=req.budget, qos=req.qos, window=req.window,
+            idempotency_key=req.idempotency_key, identity=identity,
+        )
+    except BodyTooLarge as e:
+        return render_error(e, 413)
+    except BodyRefused:
+        raise  # the authorized wrapper answers 429 + Retry-After and closes
+    except ATPError as e:
+        return render_error(e)
+    route = ctx.route
+    return json_response(StreamOpenResponse(
+        session_id=ctx.session_id, stream_id=ctx.stream_id, window=ctx.window,
+        route=RouteInfo(route.policy, [h.agent for h in route.next_hops],
+                        ctx.gen.version if ctx.gen else router.gen.version),
+    ), 201)
+
+
+async def post_frame(router: Router, request: Request, identity: Identity) -> Response:
+    """``POST /v1/streams/{id}/frames``: one frame on the caller's stream; the frames answered."""
+    sid = request.path_params["id"]
     codec = FrameCodec("json", keyring=router.keyring, require_checksum=False)
-    max_body = router.config.max_body_bytes
-    max_policy = router.config.max_policy_bytes
-
-    def authorized(
-        action: str, handler: Callable[[Request, Identity], Awaitable[Response]],
-        render: Callable[[ATPError, int], Response] = _error,
-    ) -> Callable[[Request], Awaitable[Response]]:
-        """Every endpoint answers 401 ESEC before anything else without a valid
-        identity, then 403 ESEC when the identity may not do ``action``; both
-        in the body ``render(error, status)`` makes (default ``{"error": {code,
-        reason}}``; the OpenAI ingress renders OpenAI's error shape)."""
-
-        async def endpoint(request: Request) -> Response:
-            try:
-                identity = router.authenticate(request.headers.get("authorization"))
-            except ATPError as e:
-                router.authentication_refused(e, ingress="http")
-                resp = render(e, 401)
-                resp.headers["WWW-Authenticate"] = getattr(e, "www_authenticate", None) or 'Bearer realm="atp"'
-                return resp
-            try:
-                router.authorize(identity, action)
-            except ATPError as e:
-                return render(e, 403)
-            if request.method != "POST":
-                return await handler(request, identity)
-            # The tenant is known before a byte of the body is read: its bodies in
-            # flight are bounded (atp_router.runtime.ingress.bodies; 429 EWINDOW, the body unread).
-            try:
-                open_body(router.body_budget, request, identity.tenant)
-            except BodyRefused as e:
-                return body_refused(e, render)
-            try:
-                return await handler(request, identity)
-            except BodyRefused as e:
-                return body_refused(e, render)
-            finally:
-                release_body(request)
-
-        return endpoint
-
-    def body_refused(e: BodyRefused, render: Callable[[ATPError, int], Response]) -> Response:
-        router.metrics.errors.labels(str(ErrorCode.EWINDOW)).inc()
-        resp = render(e, 429)
-        resp.headers["Retry-After"] = str(max(1, -(-(e.retry_after_ms or 1000) // 1000)))
-        resp.headers["Connection"] = "close"  # the rest of the body is not read
-        return resp
-
-    def unknown_stream(sid: str) -> Response:
-        # One answer for an id that never existed and an id of another tenant.
-        return _json(ErrorResponse(ErrorBody(code="EPROTO", reason=f"unknown stream {sid!r}")), 404)
-
-    async def open_stream(request: Request, identity: Identity) -> Response:
-        try:
-            req = await decode_off_loop(_decode_open, await read_body(request, max_body))
-            release_body(request)  # decoded: the raw bytes are done with
-            ctx = router.open_stream(
-                task=req.task, content=req.content, budget=req.budget, qos=req.qos, window=req.window,
-                idempotency_key=req.idempotency_key, identity=identity,
-            )
-        except BodyTooLarge as e:
-            return _error(e, 413)
-        except BodyRefused:
-            raise
-        except ATPError as e:
-            return _error(e)
-        route = ctx.route
-        return _json(StreamOpenResponse(
-            session_id=ctx.session_id, stream_id=ctx.stream_id, window=ctx.window,
-            route=RouteInfo(route.policy, [h.agent for h in route.next_hops], ctx.gen.version if ctx.gen else router.gen.version),
-        ), 201)
-
-    async def post_frame(request: Request, identity: Identity) -> Response:
-        sid = request.path_params["id"]
-        try:
-            ctx = router.find_stream(identity, sid)
-            if ctx is None:
-                return unknown_stream(sid)
-            # Signature, then the nonce + timestamp window when frames are signed (§11); ESEC audited.
-            frame = router.decode_frame(codec, await read_body(request, max_body), identity)
-            if frame.stream_id != sid or frame.session_id != ctx.session_id:
-                raise ATPError(ErrorCode.EPROTO, "frame session_id/stream_id do not match the URL's stream")
-            before = len(ctx.log.events)
-            direct = router.receive_frame(frame, identity=identity, now=trio.current_time())
-        except BodyTooLarge as e:
-            return _error(e, 413)
-        except BodyRefused:
-            raise  # the authorized wrapper answers 429 + Retry-After and closes
-        except ATPError as e:
-            return _error(e)
-        new = ctx.log.events[before:]
-        if new:
-            await ctx.log.wait_durable(new[-1].id)  # stored before sent (group commit)
-        replies = direct + [ev.frame for ev in new]
-        return _json(FramesResponse(frames=replies))
-
-    async def events(request: Request, identity: Identity) -> Response:
-        sid = request.path_params["id"]
+    try:
         ctx = router.find_stream(identity, sid)
         if ctx is None:
-            return unknown_stream(sid)
+            return _unknown_stream(sid)
+        # Signature, then the nonce + timestamp window when frames are signed (§11); ESEC audited.
+        frame = router.decode_frame(codec, await read_body(request, router.config.max_body_bytes), identity)
+        if frame.stream_id != sid or frame.session_id != ctx.session_id:
+            raise ATPError(ErrorCode.EPROTO, "frame session_id/stream_id do not match the URL's stream")
+        before = len(ctx.log.events)
+        direct = router.receive_frame(frame, identity=identity, now=trio.current_time())
+    except BodyTooLarge as e:
+        return render_error(e, 413)
+    except BodyRefused:
+        raise  # the authorized wrapper answers 429 + Retry-After and closes
+    except ATPError as e:
+        return render_error(e)
+    new = ctx.log.events[before:]
+    if new:
+        await ctx.log.wait_durable(new[-1].id)  # stored before sent (group commit)
+    replies = direct + [ev.frame for ev in new]
+    return json_response(FramesResponse(frames=replies))
+
+
+async def stream_events(router: Router, request: Request, identity: Identity) -> Response:
+    """``GET /v1/streams/{id}/events``: the stream's frames as SSE, from ``Last-Event-ID``."""
+    sid = request.path_params["id"]
+    ctx = router.find_stream(identity, sid)
+    if ctx is None:
+        return _unknown_stream(sid)
+    try:
+        after = int(request.headers.get("last-event-id", "0"))
+    except ValueError:
+        after = 0
+
+    async def gen() -> AsyncIterator[bytes]:
+        # An SSE request is a follower: when the last one goes, the stream is
+        # detached and stays resumable for the grace period (spec §8).
+        ctx.attach()
         try:
-            after = int(request.headers.get("last-event-id", "0"))
-        except ValueError:
-            after = 0
+            async for ev in ctx.log.follow(after):
+                # The frame's JSON is encoded once (the store write) and shared.
+                yield b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.id, ev.type.encode(), ev.json_bytes())
+        finally:
+            ctx.detach()
 
-        async def gen():
-            # An SSE request is a follower: when the last one goes, the stream is
-            # detached and stays resumable for the grace period (spec §8).
-            ctx.attach()
-            try:
-                async for ev in ctx.log.follow(after):
-                    # The frame's JSON is encoded once (the store write) and shared.
-                    yield b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.id, ev.type.encode(), ev.json_bytes())
-            finally:
-                ctx.detach()
+    return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-        return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def reload(request: Request, identity: Identity) -> Response:
+async def reload(router: Router, request: Request, identity: Identity) -> Response:
+    """``POST /v1/policies/reload``: a new RIB generation from the policy path or the body."""
+    try:
+        body = await read_body(request, router.config.max_policy_bytes)
+        text = body.decode("utf-8") if body.strip() else None
+        return json_response(msgspec.convert(router.reload(text, identity=identity), ReloadResponse))
+    except UnicodeDecodeError:
+        return render_error(ATPError(ErrorCode.EPROTO, "policy body is not UTF-8"))
+    except BodyTooLarge as e:
+        return render_error(e, 413)
+    except BodyRefused:
+        raise  # the authorized wrapper answers 429 + Retry-After and closes
+    except ATPError as e:
+        return render_error(e)
+
+
+async def policies(router: Router, request: Request, identity: Identity) -> Response:
+    """``GET /v1/policies``: the running RIB's text."""
+    gen = router.gen
+    return json_response(PolicyText(version=gen.version, source=gen.source,
+                            files=[PolicyFile(file=f, text=t) for f, t in gen.texts]))
+
+
+async def feedback(router: Router, request: Request, identity: Identity) -> Response:
+    """``POST /v1/streams/{id}/feedback``: the client's score, learned once per stream."""
+    sid = request.path_params["id"]
+    try:
         try:
-            body = await read_body(request, max_policy)
-            text = body.decode("utf-8") if body.strip() else None
-            return _json(msgspec.convert(router.reload(text, identity=identity), ReloadResponse))
-        except UnicodeDecodeError:
-            return _error(ATPError(ErrorCode.EPROTO, "policy body is not UTF-8"))
-        except BodyTooLarge as e:
-            return _error(e, 413)
-        except BodyRefused:
-            raise  # the authorized wrapper answers 429 + Retry-After and closes
-        except ATPError as e:
-            return _error(e)
+            req = msgspec.json.decode(await read_body(request, 64 * 1024), type=FeedbackRequest)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise ATPError(ErrorCode.EPROTO, f"bad feedback body: {e}") from None
+    except BodyTooLarge as e:
+        return render_error(e, 413)
+    except BodyRefused:
+        raise  # the authorized wrapper answers 429 + Retry-After and closes
+    except ATPError as e:
+        return render_error(e)
+    ctx = router.find_stream(identity, sid)
+    if ctx is None:
+        return _unknown_stream(sid)
+    try:
+        out = router.learning.feedback(ctx, req.score, req.labels)
+    except FeedbackRefused as e:
+        return json_response(ErrorResponse(ErrorBody(code="EPROTO", reason=e.reason)), e.status)
+    router.audit_event("feedback", identity, {"session_id": ctx.session_id, "stream_id": sid,
+                                              "score": req.score, "labels": req.labels,
+                                              "agents": out["agents"]})
+    return json_response(msgspec.convert(out, FeedbackResponse))
 
-    async def policies(request: Request, identity: Identity) -> Response:
-        gen = router.gen
-        return _json(PolicyText(version=gen.version, source=gen.source,
-                                files=[PolicyFile(file=f, text=t) for f, t in gen.texts]))
 
-    async def feedback(request: Request, identity: Identity) -> Response:
-        sid = request.path_params["id"]
-        try:
-            try:
-                req = msgspec.json.decode(await read_body(request, 64 * 1024), type=FeedbackRequest)
-            except (msgspec.ValidationError, msgspec.DecodeError) as e:
-                raise ATPError(ErrorCode.EPROTO, f"bad feedback body: {e}") from None
-        except BodyTooLarge as e:
-            return _error(e, 413)
-        except BodyRefused:
-            raise  # the authorized wrapper answers 429 + Retry-After and closes
-        except ATPError as e:
-            return _error(e)
-        ctx = router.find_stream(identity, sid)
-        if ctx is None:
-            return unknown_stream(sid)
-        try:
-            out = router.learning.feedback(ctx, req.score, req.labels)
-        except FeedbackRefused as e:
-            return _json(ErrorResponse(ErrorBody(code="EPROTO", reason=e.reason)), e.status)
-        router.audit_event("feedback", identity, {"session_id": ctx.session_id, "stream_id": sid,
-                                                  "score": req.score, "labels": req.labels,
-                                                  "agents": out["agents"]})
-        return _json(msgspec.convert(out, FeedbackResponse))
+async def fib(router: Router, request: Request, identity: Identity) -> Response:
+    """``GET /v1/fib``: the bandits' arms and the live metrics the FIB scores with."""
+    router.learning.sync(router.gen)
+    view = router.learning.learner.fib_view()
+    return json_response(msgspec.convert({"version": router.gen.version, **view}, FibView))
 
-    async def fib(request: Request, identity: Identity) -> Response:
-        router.learning.sync(router.gen)
-        view = router.learning.learner.fib_view()
-        return _json(msgspec.convert({"version": router.gen.version, **view}, FibView))
 
-    async def routes(request: Request, identity: Identity) -> Response:
-        fib = router.gen.fib
-        return _json(RouteUpdate(version=fib.version, routes=fib.routes(live=router.learning.live_view())))
+async def routes(router: Router, request: Request, identity: Identity) -> Response:
+    """``GET /v1/routes``: the running FIB, scored with the live metrics."""
+    table = router.gen.fib
+    return json_response(RouteUpdate(version=table.version, routes=table.routes(live=router.learning.live_view())))
 
-    async def metrics(request: Request, identity: Identity) -> Response:
-        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def keys(request: Request, identity: Identity) -> Response:
-        return _json({"keys": [router.usage_signer.public_jwk()]})
+async def metrics(router: Router, request: Request, identity: Identity) -> Response:
+    """``GET /v1/metrics``: the Prometheus exposition."""
+    return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def audit(request: Request, identity: Identity) -> Response:
-        try:
-            since = int(request.query_params.get("since", "0"))
-            limit = int(request.query_params.get("limit", "100"))
-            if since < 0 or not 1 <= limit <= 1000:
-                raise ValueError
-        except ValueError:
-            return _error(ATPError(ErrorCode.EPROTO, "since must be >= 0 and limit 1..1000"))
-        router.audit_event("admin", identity, {"action": "audit_read", "since": since, "limit": limit})
-        records = router.store.audit_records(after=since, limit=limit)
-        return _json({"records": [msgspec.to_builtins(r) for r in records]})
 
-    async def health(request: Request, identity: Identity) -> Response:
-        return _json(Health(status="ok", rib_version=router.gen.version, open_streams=router.open_count))
+async def keys(router: Router, request: Request, identity: Identity) -> Response:
+    """``GET /v1/keys``: the JWKS verifying FINAL usage signatures."""
+    return json_response({"keys": [router.usage_signer.public_jwk()]})
 
-    detailed_health = authorized("health_read", health)
 
-    async def public_health(request: Request) -> Response:
-        # Liveness for any caller (a load balancer, a probe): a caller without an
-        # Authorization header that the router does not let in as it is (it has
-        # credentials configured) gets only {"status": "ok"}, nothing about tenants
-        # or internals; any other caller is authenticated as everywhere (401 on a
-        # bad credential) and gets the RIB generation and the open stream count.
+async def audit(router: Router, request: Request, identity: Identity) -> Response:
+    """``GET /v1/audit``: audit records after ``since``, at most ``limit`` (the read is audited)."""
+    try:
+        since = int(request.query_params.get("since", "0"))
+        limit = int(request.query_params.get("limit", "100"))
+        if since < 0 or not 1 <= limit <= 1000:
+            raise ValueError
+    except ValueError:
+        return render_error(ATPError(ErrorCode.EPROTO, "since must be >= 0 and limit 1..1000"))
+    router.audit_event("admin", identity, {"action": "audit_read", "since": since, "limit": limit})
+    records = router.store.audit_records(after=since, limit=limit)
+    return json_response({"records": [msgspec.to_builtins(r) for r in records]})
+
+
+async def health(router: Router, request: Request, identity: Identity) -> Response:
+    """``GET /v1/health`` of an authenticated caller: the RIB generation and open streams."""
+    return json_response(Health(status="ok", rib_version=router.gen.version, open_streams=router.open_count))
+
+
+async def liveness(router: Router, request: Request) -> Response:
+    """``GET /v1/health`` without a credential the router needs: ``{"status": "ok"}`` only."""
+    return json_response(Liveness(status="ok"))
+
+
+# ---------------------------------------------------------------------------- the route table
+_JSON = "application/json"
+_SSE = "text/event-stream"
+_STREAM_ID: dict[str, Any] = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _card(path: str) -> ApiRoute:
+    return ApiRoute(
+        "GET", path, None, None, "getAgentCard" + ("Json" if path.endswith(".json") else ""),
+        "A2A agent card (one skill per routed task type); the router answers as an A2A server",
+        Reply("A2A agent card (v0.3 shape; 1.0 fields included)", {_JSON: OBJECT}), public=True, by="a2a")
+
+
+#: Every route of the control API, in the order served: the app (:func:`build_app`)
+#: and the OpenAPI document (:func:`atp_router.runtime.admin.openapi.openapi_document`)
+#: are both made from it. A route's ingress may serve it (``by``), never add one.
+ROUTES: tuple[ApiRoute, ...] = (
+    ApiRoute(
+        "POST", "/v1/streams", "stream_open", open_stream, "openStream",
+        "Open a stream (SYN → SYN-ACK, spec §8 steps 1-2); the task starts when `content` is given",
+        Reply("stream opened", {_JSON: StreamOpenResponse}), status=201,
+        request=RequestBody({_JSON: StreamOpenRequest}), errors=(400, 401, 403, 409, 413, 429, 503), task="opens"),
+    ApiRoute(
+        "POST", "/v1/streams/{id}/frames", "stream_access", post_frame, "postFrame",
+        "Send one frame on a stream (HTTP fallback to the WebSocket ingress)",
+        Reply("frames the router answered with", {_JSON: FramesResponse}), parameters=(_STREAM_ID,),
+        request=RequestBody({_JSON: Frame}), errors=(400, 401, 403, 404, 413)),
+    ApiRoute(
+        "GET", "/v1/streams/{id}/events", "stream_access", stream_events, "streamEvents",
+        "The stream's frames as Server-Sent Events (`event:` SYN_ACK, ACK, WINDOW_UPDATE, PARTIAL, "
+        "ERROR, FINAL, FIN, RST; `data:` the frame as JSON; `id:` resumable with Last-Event-ID)",
+        Reply("event stream", {_SSE: Sse(Frame)}),
+        parameters=(_STREAM_ID, {"name": "Last-Event-ID", "in": "header", "required": False,
+                                 "schema": {"type": "integer", "minimum": 0}}),
+        errors=(401, 403, 404), task="follows"),
+    ApiRoute(
+        "POST", "/v1/streams/{id}/feedback", "stream_access", feedback, "postFeedback",
+        "The client's score of its finished stream (0..1, once per stream): the next-hops that "
+        "served it learn it, the policy's bandit too",
+        Reply("the feedback taken", {_JSON: FeedbackResponse}), parameters=(_STREAM_ID,),
+        request=RequestBody({_JSON: FeedbackRequest}), errors=(400, 401, 403, 404, 413),
+        other={409: Reply("the stream is still running, feedback was already given, or no next-hop "
+                          "answered it", {_JSON: ErrorResponse})}),
+    ApiRoute(
+        "POST", "/v1/policies/reload", "policy_reload", reload, "reloadPolicies",
+        "Hot-reload the RIB from the router's policy path, or from a YAML/JSON body",
+        Reply("the new RIB generation", {_JSON: ReloadResponse}),
+        request=RequestBody({"application/yaml": STRING}, required=False), errors=(400, 401, 403, 413, 422)),
+    ApiRoute(
+        "GET", "/v1/policies", "policy_read", policies, "getPolicies",
+        "The running RIB (admin): generation, source and its YAML as loaded",
+        Reply("the running RIB's text", {_JSON: PolicyText}), errors=(401, 403)),
+    ApiRoute(
+        "GET", "/v1/routes", "routes_read", routes, "getRoutes", "The running FIB (ROUTE_UPDATE shape, spec §4.3)",
+        Reply("routes", {_JSON: RouteUpdate}), errors=(401, 403)),
+    ApiRoute(
+        "GET", "/v1/fib", "routes_read", fib, "getFib",
+        "Routing that learns (spec §6.2): each bandit policy's arms (estimate, uncertainty, count, "
+        "cost, λ) and the live next-hop metrics the FIB scores with",
+        Reply("bandits and live metrics", {_JSON: FibView}), errors=(401, 403)),
+    ApiRoute(
+        "GET", "/v1/metrics", "metrics_read", metrics, "getMetrics", "Prometheus metrics (spec §12)",
+        Reply("Prometheus text exposition", {"text/plain": STRING}), errors=(401, 403)),
+    ApiRoute(
+        "GET", "/v1/health", "health_read", health, "getHealth", "Liveness and RIB generation",
+        Reply("router health", {_JSON: Health}), errors=(401,), anonymous=liveness),
+    ApiRoute(
+        "GET", "/v1/keys", "health_read", keys, "getKeys",
+        "The router's public keys (JWKS): verify the `telemetry.usage.jws` of a FINAL (spec §19)",
+        Reply("JWKS", {_JSON: OBJECT}), errors=(401,)),
+    ApiRoute(
+        "GET", "/v1/audit", "audit_read", audit, "getAudit",
+        "The hash-chained audit trail (spec §11), admin only: records after `since`, at most `limit`",
+        Reply("{records: [...]}", {_JSON: OBJECT}),
+        parameters=({"name": "since", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0}},
+                    {"name": "limit", "in": "query", "required": False,
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}),
+        errors=(400, 401, 403)),
+    *(_card(path) for path in CARD_PATHS),
+    ApiRoute(
+        "POST", A2A_PATH, None, None, "a2aRpc",
+        "A2A JSON-RPC 2.0: message/send, message/stream (SSE), tasks/get, tasks/cancel, "
+        "tasks/resubscribe, and the A2A 1.0 methods with header A2A-Version: 1.0; each message "
+        "enters the router as an ATP stream",
+        Reply("JSON-RPC response, or an SSE stream for message/stream", {_JSON: OBJECT, _SSE: STRING}),
+        request=RequestBody({_JSON: OBJECT}), by="a2a", task="opens",
+        other={401: Reply("ESEC: missing or unknown bearer token (JSON-RPC error)", {_JSON: OBJECT})}),
+    ApiRoute(
+        "GET", "/status", None, None, "statusPage",
+        "The status page (HTML; it holds no data: it asks for an admin token and reads `/v1/status/events`)",
+        Reply("the page", {"text/html": STRING}), public=True, by="status"),
+    ApiRoute(
+        "GET", "/status/{asset}", None, None, "statusAsset",
+        "The status page's script and style sheet (`status.js`, `status.css`)",
+        Reply("the file", {"text/javascript": STRING, "text/css": STRING}),
+        parameters=({"name": "asset", "in": "path", "required": True, "schema": {"type": "string"}},),
+        other={404: Reply("no such file")}, public=True, by="status"),
+    ApiRoute(
+        "GET", "/v1/status", "tenant_admin", None, "getStatus",
+        "The router's live status (admin): open streams with their windows and budgets, next-hops "
+        "with health, circuit breaker and AIMD cwnd, the FIB with bandit estimates, recent errors, "
+        "and a bounded history (samples, finished tasks)",
+        Reply("the status snapshot", {_JSON: StatusSnapshot}), errors=(401, 403), by="status"),
+    ApiRoute(
+        "GET", "/v1/status/events", "tenant_admin", None, "statusEvents",
+        "The status snapshot as Server-Sent Events (admin): `event: status`, `data:` a "
+        "StatusSnapshot, every second and as soon as open streams, the RIB or a circuit change",
+        Reply("event stream", {_SSE: Sse(StatusSnapshot)}), errors=(401, 403), by="status",
+        other={429: Reply("EWINDOW: too many status event streams are open", {_JSON: ErrorResponse})}),
+    ApiRoute(
+        "POST", CHAT_PATH, "stream_open", None, "createChatCompletion",
+        "OpenAI-compatible chat completion: `model` names a task type or `policy:<name>`; the "
+        "messages become the task of a stream opened as `POST /v1/streams` opens one (fan-out, "
+        "escalation, consensus and budgets apply); `stream: true` answers with SSE chunks ending "
+        "`data: [DONE]`; `atp` extension fields in the request and the answer",
+        Reply("the completion, or (stream: true) its chunks as Server-Sent Events (`data:` a "
+              "ChatCompletionChunk, then `data: [DONE]`)",
+              {_JSON: ChatCompletion, _SSE: Sse(ChatCompletionChunk)}),
+        request=RequestBody({_JSON: ChatCompletionRequest}), by="openai", error_shape="openai", task="opens",
+        errors=(400, 401, 402, 403, 404, 409, 413, 429, 503, 504)),
+    ApiRoute(
+        "GET", MODELS_PATH, "stream_open", None, "listModels",
+        "OpenAI-compatible model list: the task types and `policy:<name>` models the caller's "
+        "tenant may use",
+        Reply("the models", {_JSON: ModelList}), by="openai", error_shape="openai", errors=(401, 403)),
+)
+
+
+# ---------------------------------------------------------------------------- the app
+def _endpoint(router: Router, entry: ApiRoute, authorized: Authorized) -> Endpoint:
+    """``entry``'s handler bound to ``router`` behind ``authorized(entry.action, …)``;
+    with ``entry.anonymous``, a caller without ``Authorization`` whom the router
+    would refuse gets that answer instead of a 401 (liveness for a load balancer or
+    a probe: nothing about tenants or internals)."""
+    if entry.handler is None or entry.action is None:
+        raise ValueError(f"{entry.method} {entry.path}: a handler's route needs an action (a public "
+                         "route is its ingress's)")
+    guarded = authorized(entry.action, functools.partial(entry.handler, router))
+    anonymous = entry.anonymous
+    if anonymous is None:
+        return guarded
+
+    async def endpoint(request: Request) -> Response:
         if request.headers.get("authorization") is None:
             try:
                 router.authenticate(None)
             except ATPError:
-                return _json(Liveness(status="ok"))
-        return await detailed_health(request)
+                return await anonymous(router, request)
+        return await guarded(request)
 
+    return endpoint
+
+
+def served_routes(router: Router, table: Sequence[ApiRoute] = ROUTES) -> list[BaseRoute]:
+    """The Starlette routes of ``table``: a handler's entry behind the one
+    :class:`Authorized`; an ingress's entry (``handler`` None) the route its
+    ``*_routes`` function made. ValueError: an ingress serves a route the table
+    lacks, lacks one the table names, or authorizes it for another action."""
+    authorized = Authorized(router)
+    offered: dict[tuple[str, str], Route] = {}
+    for route in (*a2a_routes(router), *status_routes(router, authorized),
+                  *openai_routes(router, authorized, read_body, BodyTooLarge)):
+        assert isinstance(route, Route)
+        offered.update({(m, route.path): route for m in route.methods or () if m != "HEAD"})
+    out: list[BaseRoute] = []
+    for entry in table:
+        if entry.handler is not None:
+            out.append(Route(entry.path, _endpoint(router, entry, authorized), methods=[entry.method]))
+            continue
+        route = offered.pop((entry.method, entry.path), None)
+        if route is None:
+            raise ValueError(f"{entry.by} serves no {entry.method} {entry.path} (route table)")
+        if authorized.actions.get(route.endpoint) != entry.action:
+            raise ValueError(f"{entry.by} authorizes {entry.method} {entry.path} otherwise than the route "
+                             f"table ({entry.action!r})")
+        out.append(route)
+    if offered:
+        raise ValueError(f"routes outside the route table: {sorted(offered)}")
+    return out
+
+
+def build_app(router: Router) -> Starlette:
+    """The control API of ``router`` as an ASGI app: the routes of :data:`ROUTES`."""
     # With tracing on (spec §12), a request's W3C traceparent is the parent of what it opens.
     middleware = [Middleware(TraceContextMiddleware)] if router.tracing is not None else []
-    return Starlette(middleware=middleware, routes=[
-        Route("/v1/streams", authorized("stream_open", open_stream), methods=["POST"]),
-        Route("/v1/streams/{id}/frames", authorized("stream_access", post_frame), methods=["POST"]),
-        Route("/v1/streams/{id}/events", authorized("stream_access", events), methods=["GET"]),
-        Route("/v1/streams/{id}/feedback", authorized("stream_access", feedback), methods=["POST"]),
-        Route("/v1/policies/reload", authorized("policy_reload", reload), methods=["POST"]),
-        Route("/v1/policies", authorized("policy_read", policies), methods=["GET"]),
-        Route("/v1/routes", authorized("routes_read", routes), methods=["GET"]),
-        Route("/v1/fib", authorized("routes_read", fib), methods=["GET"]),
-        Route("/v1/metrics", authorized("metrics_read", metrics), methods=["GET"]),
-        Route("/v1/health", public_health, methods=["GET"]),
-        Route("/v1/keys", authorized("health_read", keys), methods=["GET"]),
-        Route("/v1/audit", authorized("audit_read", audit), methods=["GET"]),
-        *a2a_routes(router),
-        # The live status page and its admin-only data (atp_router.runtime.admin.status).
-        *status_routes(router, authorized),
-        # OpenAI-compatible ingress: the same authorized() and the same stream-open path.
-        *openai_routes(router, authorized, read_body, BodyTooLarge),
-    ])
+    return Starlette(middleware=middleware, routes=served_routes(router))
