@@ -53,7 +53,7 @@ types behind it.
 task type ``code_review``, when the last user message is a unified diff, the
 content is ``{"diff": <that text>}`` instead, with ``files`` from ``atp.files``
 (path → after-diff text) or, when the router runs with ``--repo``, read from the
-checkout exactly as the A2A server does (:mod:`atp_router.runtime.ingress.a2a`). A task
+checkout exactly as the A2A server does (:mod:`atp_router.runtime.ingress.repo_files`). A task
 whose routed next-hops need files they cannot get is refused (400 ``EPROTO``).
 
 **Request** (:class:`ChatCompletionRequest`, strict: an unknown field is 400
@@ -136,10 +136,8 @@ from atp_router.consensus.types import (
 )
 from atp_router.policy.match import CompiledMatch, compile_match
 from atp_router.runtime.dataplane.dispatch import NEXT_HOP_FAILED
-from atp_router.runtime.ingress.a2a import (
-    _complete_from_repo,  # the A2A server's --repo reader
-)
 from atp_router.runtime.ingress.bodies import BodyRefused, decode_off_loop, release_body
+from atp_router.runtime.ingress.repo_files import complete_from_repo
 from atp_router.runtime.router import Router, StreamCtx
 from atp_router.security.identity import Identity
 from atp_router.task.body import MAX_FILES, MAX_MESSAGES, Chat, ChatMessage
@@ -709,7 +707,7 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
         meta = dict(target.meta)
         content = task_content(req, meta.get("task_type"))
         if "files" not in content:
-            refused = await _complete_from_repo(router, meta, content)
+            refused = await complete_from_repo(router, meta, content)
             if refused is not None:
                 raise IngressError(ErrorCode.EPROTO, refused, param="messages")
         if target.policy is not None:
