@@ -24,9 +24,8 @@ from atp_router.runtime.ingress.http_api import (
     StreamOpenRequest,
     StreamOpenResponse,
 )
-from atp_router.runtime.ingress.openai import (
-    CHAT_PATH,
-    MODELS_PATH,
+from atp_router.runtime.ingress.openai import CHAT_PATH, MODELS_PATH
+from atp_router.runtime.ingress.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,

@@ -1,7 +1,9 @@
 """How requests and frames reach the router: the HTTP control API
 (:mod:`~atp_router.runtime.ingress.http_api`), the WebSocket server
 (:mod:`~atp_router.runtime.ingress.ws`), the OpenAI-compatible endpoints
-(:mod:`~atp_router.runtime.ingress.openai`) and the A2A server
+(:mod:`~atp_router.runtime.ingress.openai`, its wire Structs in
+:mod:`~atp_router.runtime.ingress.openai_schema`, its models in
+:mod:`~atp_router.runtime.ingress.openai_models`) and the A2A server
 (:mod:`~atp_router.runtime.ingress.a2a`, its tasks in :mod:`~atp_router.runtime.ingress.a2a_tasks`
 and messages in :mod:`~atp_router.runtime.ingress.a2a_message`; the code-review files both read
 from ``--repo`` in :mod:`~atp_router.runtime.ingress.repo_files`), with the bounded body reader they share
