@@ -1,6 +1,7 @@
 """How requests and frames reach the router: the HTTP control API
 (:mod:`~atp_router.runtime.ingress.http_api`), the WebSocket server
-(:mod:`~atp_router.runtime.ingress.ws`), the OpenAI-compatible endpoints
+(:mod:`~atp_router.runtime.ingress.ws`, its handshake gate in
+:mod:`~atp_router.runtime.ingress.ws_gate`), the OpenAI-compatible endpoints
 (:mod:`~atp_router.runtime.ingress.openai`, its wire Structs in
 :mod:`~atp_router.runtime.ingress.openai_schema`, its models in
 :mod:`~atp_router.runtime.ingress.openai_models`) and the A2A server
