@@ -294,7 +294,7 @@ class RouterConfig:
     #: together (atp_router.flow.body_budget; None: twice the larger body limit).
     tenant_body_bytes: int | None = None
     #: A WebSocket connection must finish its upgrade (and TLS) within this, s;
-    #: at most ``ws_pending_per_peer`` such connections per peer address (atp_router.runtime.ingress.ws).
+    #: at most ``ws_pending_per_peer`` such connections per peer address (atp_router.runtime.ingress.ws_gate).
     ws_handshake_timeout_s: float = 10.0
     ws_pending_per_peer: int = 32
     tls: ServerTls | None = None

@@ -22,7 +22,7 @@ from atp_router.runtime.ingress.http_types import (
     Schema,
     Sse,
 )
-from atp_router.runtime.ingress.openai import OpenAIErrorResponse
+from atp_router.runtime.ingress.openai_schema import OpenAIErrorResponse
 from atp_router.wire.frame import Control
 
 __all__ = ["openapi_document", "operation"]

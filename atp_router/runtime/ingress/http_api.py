@@ -144,14 +144,12 @@ from atp_router.runtime.ingress.http_types import (
     StreamOpenRequest,
     StreamOpenResponse,
 )
-from atp_router.runtime.ingress.openai import (
-    CHAT_PATH,
-    MODELS_PATH,
+from atp_router.runtime.ingress.openai import CHAT_PATH, MODELS_PATH, openai_routes
+from atp_router.runtime.ingress.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ModelList,
-    openai_routes,
 )
 from atp_router.runtime.router import Router
 from atp_router.security.identity import Identity

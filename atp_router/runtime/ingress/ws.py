@@ -55,14 +55,17 @@ messages); one that kept its session sends the SYN as a raw frame with
 ``resume_after`` and its session continues in sequence. A duplicate of a frame
 already delivered (the task re-sent after a reconnect) is dropped by the
 session's reassembler.
+
+Before a connection is open, the port's listener bounds the sockets still in their
+opening handshake (per peer address and in time) and the upgrade is accepted with
+a permessage-deflate whose inflation is bounded: :mod:`atp_router.runtime.ingress.ws_gate`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import socket
-import zlib
 from dataclasses import dataclass, field
 
 import cbor2
@@ -74,12 +77,16 @@ from trio_websocket import (
     WebSocketRequest,
     WebSocketServer,
 )
-from wsproto.events import AcceptConnection
-from wsproto.extensions import PerMessageDeflate
-from wsproto.frame_protocol import CloseReason
 
 from atp_router.observability import tracing
 from atp_router.policy.fib import fib_delta
+from atp_router.runtime.ingress.ws_gate import (
+    Bound,
+    GatedListener,
+    HandshakeGate,
+    accept_with_deflate,
+    leave_gate,
+)
 from atp_router.runtime.router import Router, StreamCtx, connection_error
 from atp_router.security.identity import Identity
 from atp_router.security.tls import serve_websocket_tls
@@ -92,207 +99,6 @@ log = logging.getLogger("atp_router.runtime.ingress.ws")
 
 SUBPROTOCOLS = {"atp.v1.cbor": "cbor", "atp.v1.json": "json"}
 CONNECTION_STREAM = "0"
-
-
-class BoundedPerMessageDeflate(PerMessageDeflate):
-    """permessage-deflate (RFC 7692; spec §4.1 "negotiated at handshake") whose
-    inflation is bounded: a message may inflate to at most ``max_message_bytes``
-    (the ingress's message limit) — beyond it the connection is closed with 1009
-    (message too big) before the bytes exist, so a small compressed frame cannot
-    make the router allocate a thousand times its size (a decompression bomb)."""
-
-    def __init__(self, max_message_bytes: int, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.max_message_bytes = max_message_bytes
-        self._inflated = 0
-
-    def _inflate(self, data: bytes) -> bytes | CloseReason:
-        assert self._decompressor is not None
-        room = self.max_message_bytes - self._inflated
-        try:
-            out = self._decompressor.decompress(data, room + 1)
-        except zlib.error:
-            return CloseReason.INVALID_FRAME_PAYLOAD_DATA
-        self._inflated += len(out)
-        if self._inflated > self.max_message_bytes or self._decompressor.unconsumed_tail:
-            return CloseReason.MESSAGE_TOO_BIG
-        return out
-
-    def frame_inbound_payload_data(self, proto, data: bytes) -> bytes | CloseReason:
-        if not self._inbound_compressed or not self._inbound_is_compressible:
-            return data
-        return self._inflate(bytes(data))
-
-    def frame_inbound_complete(self, proto, fin: bool) -> bytes | CloseReason | None:
-        if not fin:
-            return None
-        if not self._inbound_is_compressible or not self._inbound_compressed:
-            self._inbound_compressed = None
-            self._inflated = 0
-            return None
-        out = self._inflate(b"\x00\x00\xff\xff")
-        if isinstance(out, CloseReason):
-            return out
-        no_context_takeover = self.server_no_context_takeover if proto.client else self.client_no_context_takeover
-        if no_context_takeover:
-            self._decompressor = None
-        self._inbound_compressed = None
-        self._inflated = 0
-        return out
-
-
-async def _accept(request: WebSocketRequest, subprotocol: str | None, *, deflate: bool,
-                  max_message_bytes: int) -> WebSocketConnection:
-    """``request.accept`` with permessage-deflate offered to wsproto, which
-    negotiates it only when the client proposed it (trio-websocket 0.12 has no
-    parameter for extensions; this is its ``accept`` with one more argument)."""
-    if not deflate:
-        return await request.accept(subprotocol=subprotocol)
-    conn = request._connection
-    conn._subprotocol = subprotocol
-    conn._path = request._event.target
-    await conn._send(AcceptConnection(subprotocol=subprotocol, extensions=[
-        BoundedPerMessageDeflate(max_message_bytes)]))
-    conn._open_handshake.set()
-    return conn
-
-
-class HandshakeGate:
-    """Sockets on the WebSocket port that have not finished their opening
-    handshake (TLS, then the HTTP upgrade), per peer address: at most
-    ``per_peer`` at once (sans-IO bookkeeping; :class:`_GatedListener` acts on
-    it). :attr:`refused` counts the sockets closed at accept for being over."""
-
-    def __init__(self, per_peer: int) -> None:
-        if per_peer <= 0:
-            raise ValueError(f"per_peer must be > 0, got {per_peer}")
-        self.per_peer = per_peer
-        self._pending: dict[str, int] = {}
-        self.refused = 0
-
-    def pending(self, peer: str) -> int:
-        return self._pending.get(peer, 0)
-
-    def admit(self, peer: str) -> bool:
-        """A socket from ``peer`` was accepted: may it try its handshake?"""
-        n = self._pending.get(peer, 0)
-        if n >= self.per_peer:
-            self.refused += 1
-            return False
-        self._pending[peer] = n + 1
-        return True
-
-    def done(self, peer: str) -> None:
-        """A socket ``admit`` let in finished its handshake or was closed."""
-        n = self._pending.get(peer, 0) - 1
-        if n > 0:
-            self._pending[peer] = n
-        else:
-            self._pending.pop(peer, None)
-
-
-class _PendingStream(trio.abc.HalfCloseableStream):
-    """An accepted socket (``trio.SocketStream``, which cannot be subclassed),
-    counted in its peer's :class:`HandshakeGate` entry until
-    :meth:`handshake_done` or close. Until then a receive past the deadline
-    closes the socket and raises ``BrokenResourceError``: whatever reads it
-    (the TLS handshake, trio-websocket's reader) gives up at once."""
-
-    def __init__(self, inner: trio.SocketStream, gate: HandshakeGate, peer: str, deadline: float) -> None:
-        self.inner = inner
-        self._gate, self._peer = gate, peer
-        self._deadline: float | None = deadline
-        self._counted = True
-        #: The deadline scope of a receive in progress (the reader waits in it).
-        self._scope: trio.CancelScope | None = None
-
-    @property
-    def socket(self) -> trio.socket.SocketType:
-        return self.inner.socket
-
-    def handshake_done(self) -> None:
-        self._deadline = None
-        if self._scope is not None:
-            self._scope.deadline = math.inf  # the receive waiting now has no deadline either
-        self._uncount()
-
-    def _uncount(self) -> None:
-        if self._counted:
-            self._counted = False
-            self._gate.done(self._peer)
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        if self._deadline is None:
-            return await self.inner.receive_some(max_bytes)
-        with trio.move_on_at(self._deadline) as self._scope:
-            return await self.inner.receive_some(max_bytes)
-        if self._deadline is None:  # the handshake finished as the deadline came
-            return await self.inner.receive_some(max_bytes)
-        log.info("WebSocket peer %s did not finish its opening handshake in time: closed", self._peer)
-        await self.aclose()
-        raise trio.BrokenResourceError("WebSocket opening handshake not finished in time")
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def send_eof(self) -> None:
-        await self.inner.send_eof()
-
-    async def aclose(self) -> None:
-        self._uncount()
-        await self.inner.aclose()
-
-
-class _GatedListener(trio.abc.Listener[trio.abc.HalfCloseableStream]):
-    """The WebSocket port's listener: each accepted socket must finish its
-    opening handshake by ``timeout_s`` after accept (:class:`_PendingStream`),
-    and a peer address over its :class:`HandshakeGate` bound has its new socket
-    closed at once, unread."""
-
-    def __init__(self, inner: trio.SocketListener, gate: HandshakeGate, timeout_s: float) -> None:
-        self.inner, self.gate, self.timeout_s = inner, gate, timeout_s
-
-    @property
-    def socket(self) -> trio.socket.SocketType:
-        return self.inner.socket
-
-    async def accept(self) -> _PendingStream:
-        while True:
-            stream = await self.inner.accept()
-            try:
-                peer = str(stream.socket.getpeername()[0])
-            except (OSError, IndexError, TypeError):
-                peer = "?"
-            if self.gate.admit(peer):
-                return _PendingStream(stream, self.gate, peer, trio.current_time() + self.timeout_s)
-            await trio.aclose_forcefully(stream)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-class _Bound:
-    """What :func:`serve_ws` passes to ``task_status.started``: ``port``, the
-    bound port of its first listener."""
-
-    def __init__(self, listeners: list[_GatedListener]) -> None:
-        self.listeners = listeners
-
-    @property
-    def port(self) -> int:
-        return int(self.listeners[0].socket.getsockname()[1])
-
-
-def _handshake_done(request: WebSocketRequest) -> None:
-    """The upgrade request arrived: its socket leaves the pre-handshake count."""
-    stream = getattr(request._connection, "_stream", None)
-    if isinstance(stream, trio.SSLStream):
-        stream = stream.transport_stream
-    if isinstance(stream, _PendingStream):
-        stream.handshake_done()
 
 
 def _authorization(request: WebSocketRequest) -> str | None:
@@ -312,37 +118,7 @@ async def serve_ws(router: Router, host: str, port: int, *, sock: socket.socket 
     (its ``.port`` is the bound port when ``port`` is 0). ``sock``: serve on this
     listening socket instead of binding ``host:port`` (``atp-router --workers N``:
     every worker accepts on the supervisor's one socket)."""
-
-    async def handler(request: WebSocketRequest, peer_cert: dict | None = None) -> None:
-        _handshake_done(request)  # authenticated at once, below
-        try:
-            identity = router.authenticate(_authorization(request), peer_cert=peer_cert)
-        except ATPError as e:
-            router.authentication_refused(e, ingress="websocket")
-            await request.reject(401, body=_refusal(e))
-            return
-        may_open, may_routes = _may(router, identity, "stream_open"), _may(router, identity, "routes_read")
-        if not (may_open or may_routes):
-            try:
-                router.authorize(identity, "stream_open")
-            except ATPError as e:
-                await request.reject(403, body=_refusal(e))
-                return
-        offered = request.proposed_subprotocols
-        chosen = next((p for p in SUBPROTOCOLS if p in offered), None)  # cbor first, as documented
-        ws = await _accept(request, chosen, deflate=router.config.ws_deflate,
-                           max_message_bytes=router.config.max_ws_message_bytes)
-        codec = FrameCodec(SUBPROTOCOLS.get(chosen or "", "json"), keyring=router.keyring)
-        if router.tracing is not None:
-            # The handshake's W3C traceparent parents the streams of SYNs without meta.trace (§12).
-            tracing.attach_headers(request.headers)
-        try:
-            await _connection(router, ws, codec, identity)
-        except Exception:
-            # trio-websocket lets a handler's exception end the whole server: one
-            # connection's fault must only end that connection.
-            log.exception("WebSocket connection of %s failed", identity.tenant)
-
+    handler = functools.partial(_handle, router)
     cfg = router.config
     limit = cfg.max_ws_message_bytes
     tls = cfg.tls
@@ -352,7 +128,7 @@ async def serve_ws(router: Router, host: str, port: int, *, sock: socket.socket 
     gate = router.ws_handshake_gate = HandshakeGate(cfg.ws_pending_per_peer)
     bound = [trio.SocketListener(trio.socket.from_stdlib_socket(sock))] if sock is not None else \
         await trio.open_tcp_listeners(port, host=host)
-    listeners = [_GatedListener(lst, gate, timeout_s) for lst in bound]
+    listeners = [GatedListener(lst, gate, timeout_s) for lst in bound]
     if tls is not None:
         # TLS 1.3 (§4.1); the verified client certificate feeds the mTLS identity map.
         await serve_websocket_tls(handler, host, port, tls, max_message_size=limit, listeners=listeners,
@@ -361,7 +137,40 @@ async def serve_ws(router: Router, host: str, port: int, *, sock: socket.socket 
     server = WebSocketServer(handler, listeners, max_message_size=limit, connect_timeout=timeout_s)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.run)
-        task_status.started(_Bound(listeners))
+        task_status.started(Bound(listeners))
+
+
+async def _handle(router: Router, request: WebSocketRequest, peer_cert: dict | None = None) -> None:
+    """One upgrade request: authenticate and authorize it (401 / 403), accept it
+    with the subprotocol it offers (CBOR first) and serve the connection."""
+    leave_gate(request)  # authenticated at once, below
+    try:
+        identity = router.authenticate(_authorization(request), peer_cert=peer_cert)
+    except ATPError as e:
+        router.authentication_refused(e, ingress="websocket")
+        await request.reject(401, body=_refusal(e))
+        return
+    may_open, may_routes = _may(router, identity, "stream_open"), _may(router, identity, "routes_read")
+    if not (may_open or may_routes):
+        try:
+            router.authorize(identity, "stream_open")
+        except ATPError as e:
+            await request.reject(403, body=_refusal(e))
+            return
+    offered = request.proposed_subprotocols
+    chosen = next((p for p in SUBPROTOCOLS if p in offered), None)  # cbor first, as documented
+    ws = await accept_with_deflate(request, chosen, deflate=router.config.ws_deflate,
+                                   max_message_bytes=router.config.max_ws_message_bytes)
+    codec = FrameCodec(SUBPROTOCOLS.get(chosen or "", "json"), keyring=router.keyring)
+    if router.tracing is not None:
+        # The handshake's W3C traceparent parents the streams of SYNs without meta.trace (§12).
+        tracing.attach_headers(request.headers)
+    try:
+        await _connection(router, ws, codec, identity)
+    except Exception:
+        # trio-websocket lets a handler's exception end the whole server: one
+        # connection's fault must only end that connection.
+        log.exception("WebSocket connection of %s failed", identity.tenant)
 
 
 def _may(router: Router, identity: Identity, action: str) -> bool:
@@ -577,71 +386,15 @@ async def _watchdog(router: Router, conn: _Conn, dead: trio.CancelScope) -> None
 async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec, identity: Identity) -> None:
     conn = _Conn(ws, codec, identity, trio.current_time())
     may_open = _may(router, identity, "stream_open")
-    tenant = identity.tenant
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watchdog, router, conn, nursery.cancel_scope)
         try:
             while True:
                 message = await ws.get_message()
                 conn.last_recv = trio.current_time()
-                # The tenant's bodies in flight, every ingress together (atp_router.flow.body_budget):
-                # over it, the frame is dropped undecoded with ERROR EWINDOW on the connection.
-                grant = router.body_budget.open(tenant, len(message))
-                if grant is None:
-                    router.metrics.errors.labels(str(ErrorCode.EWINDOW)).inc()
-                    await _reply(conn, connection_error(
-                        CONNECTION_STREAM, CONNECTION_STREAM, ErrorCode.EWINDOW,
-                        f"tenant {tenant!r} has too many bytes of requests in flight (tenant_body_bytes="
-                        f"{router.body_budget.per_tenant:,}): this frame was dropped; resend it later"))
-                    continue
-                try:
-                    # Signature, then the nonce + timestamp window when signed (§11); ESEC audited.
-                    # str only on JSON; CBOR refuses text messages.
-                    frame = router.decode_frame(codec, message, identity)
-                except LocalProtocolError as e:
-                    session_id, stream_id = _ids_of(message, codec)
-                    followed = conn.followed.get((session_id, stream_id))
-                    ctx = followed.ctx if followed is not None else None
-                    if ctx is not None and not ctx.log.closed:
-                        ctx.emit_error(e.code, e.reason)  # sent by the stream's follower, in sequence
-                    else:
-                        await _reply(conn, connection_error(session_id, stream_id, e.code, e.reason))
-                    continue
-                finally:
-                    grant.release()
-                if is_route_subscribe(frame):
-                    if not _may(router, identity, "routes_read"):
-                        await _reply(conn, connection_error(frame.session_id, CONNECTION_STREAM, ErrorCode.ESEC,
-                                                            "ROUTE_UPDATE subscription needs a role with routes_read"))
-                    elif not conn.subscribed:
-                        conn.subscribed = True
-                        nursery.start_soon(_route_updates, router, conn, frame.session_id)
-                    continue
-                if not may_open:
-                    await _reply(conn, connection_error(frame.session_id, frame.stream_id, ErrorCode.ESEC,
-                                                        "this identity may not open streams (stream_open)"))
-                    continue
-                conn.sessions.add(frame.session_id)
-                resumed = router.resume_point(frame, identity=identity)
-                syn = Flag.SYN in frame.flags
-                before = router.streams.get(tenant, frame.session_id, frame.stream_id) if syn else None
-                try:
-                    replies = router.receive_frame(frame, identity=identity, now=conn.last_recv)
-                except Exception:
-                    # One frame must not take the ingress (and with it the router) down.
-                    log.exception("frame on %s/%s could not be processed", frame.session_id, frame.stream_id)
-                    replies = [connection_error(frame.session_id, frame.stream_id, ErrorCode.EPROTO,
-                                                "the router could not process this frame")]
-                for f in replies:
-                    await _reply(conn, f)
-                if resumed is not None:
-                    _start_follow(conn, nursery, *resumed)
-                    continue
-                # Only a stream this very SYN opened, in this connection's tenant: a
-                # refused SYN (or one naming a stream already open) attaches nothing.
-                ctx = router.streams.get(tenant, frame.session_id, frame.stream_id) if syn else None
-                if ctx is not None and ctx is not before:
-                    _start_follow(conn, nursery, ctx, 0)
+                frame = await _decode(router, conn, message)
+                if frame is not None:
+                    await _on_frame(router, conn, nursery, frame, may_open=may_open)
         except ConnectionClosed:
             pass
         finally:
@@ -655,6 +408,83 @@ async def _connection(router: Router, ws: WebSocketConnection, codec: FrameCodec
         with trio.move_on_after(1.0) as cleanup:
             cleanup.shield = True
             await ws.aclose(1001, "peer dead: heartbeat timeout")
+
+
+async def _decode(router: Router, conn: _Conn, message: bytes | str) -> Frame | None:
+    """The frame of one WebSocket message, or None when it is dropped (over the
+    tenant's bodies in flight: ERROR EWINDOW on the connection) or undecodable
+    (answered with an ERROR, see the module doc)."""
+    tenant = conn.identity.tenant
+    # The tenant's bodies in flight, every ingress together (atp_router.flow.body_budget):
+    # over it, the frame is dropped undecoded with ERROR EWINDOW on the connection.
+    grant = router.body_budget.open(tenant, len(message))
+    if grant is None:
+        router.metrics.errors.labels(str(ErrorCode.EWINDOW)).inc()
+        await _reply(conn, connection_error(
+            CONNECTION_STREAM, CONNECTION_STREAM, ErrorCode.EWINDOW,
+            f"tenant {tenant!r} has too many bytes of requests in flight (tenant_body_bytes="
+            f"{router.body_budget.per_tenant:,}): this frame was dropped; resend it later"))
+        return None
+    try:
+        # Signature, then the nonce + timestamp window when signed (§11); ESEC audited.
+        # str only on JSON; CBOR refuses text messages.
+        return router.decode_frame(conn.codec, message, conn.identity)
+    except LocalProtocolError as e:
+        session_id, stream_id = _ids_of(message, conn.codec)
+        followed = conn.followed.get((session_id, stream_id))
+        ctx = followed.ctx if followed is not None else None
+        if ctx is not None and not ctx.log.closed:
+            ctx.emit_error(e.code, e.reason)  # sent by the stream's follower, in sequence
+        else:
+            await _reply(conn, connection_error(session_id, stream_id, e.code, e.reason))
+        return None
+    finally:
+        grant.release()
+
+
+async def _on_frame(router: Router, conn: _Conn, nursery: trio.Nursery, frame: Frame, *, may_open: bool) -> None:
+    """One decoded frame: a ROUTE_UPDATE subscription, or a frame for the router
+    (its replies sent, the stream it opened or re-opened followed)."""
+    identity, tenant = conn.identity, conn.identity.tenant
+    if is_route_subscribe(frame):
+        await _subscribe(router, conn, nursery, frame)
+        return
+    if not may_open:
+        await _reply(conn, connection_error(frame.session_id, frame.stream_id, ErrorCode.ESEC,
+                                            "this identity may not open streams (stream_open)"))
+        return
+    conn.sessions.add(frame.session_id)
+    resumed = router.resume_point(frame, identity=identity)
+    syn = Flag.SYN in frame.flags
+    before = router.streams.get(tenant, frame.session_id, frame.stream_id) if syn else None
+    try:
+        replies = router.receive_frame(frame, identity=identity, now=conn.last_recv)
+    except Exception:
+        # One frame must not take the ingress (and with it the router) down.
+        log.exception("frame on %s/%s could not be processed", frame.session_id, frame.stream_id)
+        replies = [connection_error(frame.session_id, frame.stream_id, ErrorCode.EPROTO,
+                                    "the router could not process this frame")]
+    for f in replies:
+        await _reply(conn, f)
+    if resumed is not None:
+        _start_follow(conn, nursery, *resumed)
+        return
+    # Only a stream this very SYN opened, in this connection's tenant: a
+    # refused SYN (or one naming a stream already open) attaches nothing.
+    ctx = router.streams.get(tenant, frame.session_id, frame.stream_id) if syn else None
+    if ctx is not None and ctx is not before:
+        _start_follow(conn, nursery, ctx, 0)
+
+
+async def _subscribe(router: Router, conn: _Conn, nursery: trio.Nursery, frame: Frame) -> None:
+    """A ROUTE_UPDATE subscription: ERROR ESEC without ``routes_read``, else the
+    updates start (once a connection)."""
+    if not _may(router, conn.identity, "routes_read"):
+        await _reply(conn, connection_error(frame.session_id, CONNECTION_STREAM, ErrorCode.ESEC,
+                                            "ROUTE_UPDATE subscription needs a role with routes_read"))
+    elif not conn.subscribed:
+        conn.subscribed = True
+        nursery.start_soon(_route_updates, router, conn, frame.session_id)
 
 
 def _ids_of(message: bytes | str, codec: FrameCodec) -> tuple[str, str]:
