@@ -546,6 +546,27 @@ def _stages(value: Any) -> list[Stage]:
     return out
 
 
+def _check_options(opts: Mapping[str, Any]) -> Sequence[Stage]:
+    """Check ``remote.options`` (``pipeline``, the string and the integer options
+    in range); the pipeline's stages (none without ``pipeline``). Raises
+    ValueError ``remote.options.<key>: <reason>``."""
+    pipeline: Sequence[Stage] = ()
+    for key, value in opts.items():
+        if key == "pipeline":
+            pipeline = _stages(value)
+        elif key in _STR_OPTS:
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"remote.options.{key}: expected a non-empty string")
+        elif key in _INT_OPTS:
+            lo, hi = _INT_OPTS[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ValueError(f"remote.options.{key}: expected an integer in {lo}..{hi}, got {value!r:.40}")
+        else:
+            known = ", ".join(sorted(["pipeline", *_STR_OPTS, *_INT_OPTS]))
+            raise ValueError(f"remote.options.{key}: unknown option for mqtt2389 (known: {known})")
+    return pipeline
+
+
 def from_spec(agent_name: str, agent: AgentSpec) -> ProviderAdapter:
     """The adapter for RIB agent ``agent_name`` with ``remote.protocol: mqtt2389``.
     Raises ValueError ``<field>: <reason>`` for a bad URL, agent id, option or TLS
@@ -565,20 +586,7 @@ def from_spec(agent_name: str, agent: AgentSpec) -> ProviderAdapter:
     except ValueError as e:
         raise ValueError(f"remote.agent_id: {e}") from None
     opts = dict(remote.options)
-    kwargs: dict[str, Any] = {}
-    for key, value in opts.items():
-        if key == "pipeline":
-            kwargs["pipeline"] = _stages(value)
-        elif key in _STR_OPTS:
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"remote.options.{key}: expected a non-empty string")
-        elif key in _INT_OPTS:
-            lo, hi = _INT_OPTS[key]
-            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise ValueError(f"remote.options.{key}: expected an integer in {lo}..{hi}, got {value!r:.40}")
-        else:
-            known = ", ".join(sorted(["pipeline", *_STR_OPTS, *_INT_OPTS]))
-            raise ValueError(f"remote.options.{key}: unknown option for mqtt2389 (known: {known})")
+    pipeline = _check_options(opts)
     if "username" in opts and "username_env" in opts:
         raise ValueError("remote.options.username_env: give username or username_env, not both")
     username = opts.get("username")
@@ -605,7 +613,7 @@ def from_spec(agent_name: str, agent: AgentSpec) -> ProviderAdapter:
             tls=tls,
             username=username,
             password_env=remote.auth_env,
-            pipeline=kwargs.get("pipeline", ()),
+            pipeline=pipeline,
             max_depth=opts.get("max_depth", P.MAX_DEPTH),
             instruction=opts.get("instruction"),
             cost_usd_per_call=remote.cost_usd_per_call,

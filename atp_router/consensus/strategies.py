@@ -170,49 +170,90 @@ def merge(
         reports = {a: _calibrated(r, calibration[a]) if a in calibration else r for a, r in reports.items()}
     contributions = _contributions(reports, win_rates, costs_usd_micros, line_counts, changed)
     agreed = agreement(reports, line_slack=line_slack)
-    cited_in = [c for c in contributions if c.evidence > HALLUCINATED]
-    src = dict(sources or {})
-    voices = len({src.get(a, "agent:" + a) for a, r in reports.items() if r.findings})
-    cited = _at_least(_cluster_all(cited_in, line_slack, src, voices), min_severity)
-    uncited = _at_least(
-        _cluster_all([c for c in contributions if c.evidence == HALLUCINATED], line_slack, src, voices), min_severity
+    kept, uncertainties = _decide(strategy, reports, contributions, costs_usd_micros, line_slack=line_slack,
+                                  min_severity=min_severity, threshold=threshold, quorum=quorum, sources=sources)
+    return Result(
+        findings=[msgspec.structs.replace(c.finding, id=f"F-{i}") for i, c in enumerate(kept, 1)],
+        consensus=ConsensusInfo(strategy=strategy, agreement=agreed, uncertainties=uncertainties),
     )
 
+
+def _decide(
+    strategy: str,
+    reports: Mapping[str, AgentReport],
+    contributions: list[_Contribution],
+    costs_usd_micros: Mapping[str, int],
+    *,
+    line_slack: int,
+    min_severity: Severity | None,
+    threshold: float,
+    quorum: int,
+    sources: Mapping[str, str] | None,
+) -> tuple[list[_Cluster], list[str]]:
+    """Cluster ``contributions`` and apply ``strategy`` (arguments as in
+    :func:`merge`): the merged clusters kept, in finding order, and the
+    uncertainties (flags first, then the notes in finding order)."""
+    src = dict(sources or {})
+    voices = len({src.get(a, "agent:" + a) for a, r in reports.items() if r.findings})
+
+    def cluster(contributions: list[_Contribution]) -> list[_Cluster]:
+        return _at_least(_cluster_all(contributions, line_slack, src, voices), min_severity)
+
+    cited_in = [c for c in contributions if c.evidence > HALLUCINATED]
+    cited = cluster(cited_in)
+    uncited = cluster([c for c in contributions if c.evidence == HALLUCINATED])
     flags: list[str] = []
     notes: list[tuple[_Order, str]] = [(c.order, _note(c, "uncited: " + c.finding.claim)) for c in uncited]
-
     if strategy == "union_tiebreak":
-        kept = cited
-        for c in cited:
-            if len(c.sources) == 1 and c.finding.confidence < threshold:
-                notes.append((c.order, _note(c, c.finding.claim)))
-            elif c.disputed is not None:
-                hi, lo = c.disputed
-                notes.append((c.order, _note(c, f"severity disputed ({hi} vs {lo})")))
+        kept = _union_tiebreak(cited, threshold, notes)
     elif strategy == "two_phase_commit":
-        kept = [c for c in cited if len(c.sources) >= quorum]
-        pending = [c for c in cited if len(c.sources) < quorum]
-        notes.extend((c.order, _note(c, "unconfirmed: " + c.finding.claim)) for c in pending)
-        # Spec §7.2: it is the critical changes that need the second ACK; a low
-        # finding without one is merely uncertain.
-        if any(c.finding.severity.rank >= Severity.HIGH.rank for c in pending):
-            flags.append(NO_QUORUM)
+        kept = _two_phase_commit(cited, quorum, notes, flags)
     else:
         champion, acceptable = _champion(reports, contributions, costs_usd_micros, threshold)
         if not acceptable:
             flags.append(NO_CHAMPION)
-        kept = _at_least(_cluster_all([c for c in cited_in if c.agent == champion], line_slack, src, voices), min_severity)
-        for c in cited:
-            if champion not in c.agents:
-                others = ",".join(sorted(c.agents))
-                notes.append((c.order, _note(c, f"challenger {others}: {c.finding.claim}")))
-
+        kept = cluster([c for c in cited_in if c.agent == champion])
+        _challengers(cited, champion, notes)
     kept.sort(key=lambda c: c.order)
     notes.sort()
-    return Result(
-        findings=[msgspec.structs.replace(c.finding, id=f"F-{i}") for i, c in enumerate(kept, 1)],
-        consensus=ConsensusInfo(strategy=strategy, agreement=agreed, uncertainties=flags + [n for _, n in notes]),
-    )
+    return kept, flags + [n for _, n in notes]
+
+
+def _union_tiebreak(cited: list[_Cluster], threshold: float, notes: list[tuple[_Order, str]]) -> list[_Cluster]:
+    """``union_tiebreak``: keep every cited cluster; a lone source's finding under
+    ``threshold`` confidence, and a disputed severity, also go to ``notes``."""
+    for c in cited:
+        if len(c.sources) == 1 and c.finding.confidence < threshold:
+            notes.append((c.order, _note(c, c.finding.claim)))
+        elif c.disputed is not None:
+            hi, lo = c.disputed
+            notes.append((c.order, _note(c, f"severity disputed ({hi} vs {lo})")))
+    return cited
+
+
+def _two_phase_commit(
+    cited: list[_Cluster], quorum: int, notes: list[tuple[_Order, str]], flags: list[str]
+) -> list[_Cluster]:
+    """``two_phase_commit``: keep the clusters ``quorum`` sources flagged; the rest
+    go to ``notes`` as unconfirmed, and a high one among them adds :data:`NO_QUORUM`
+    to ``flags``."""
+    kept = [c for c in cited if len(c.sources) >= quorum]
+    pending = [c for c in cited if len(c.sources) < quorum]
+    notes.extend((c.order, _note(c, "unconfirmed: " + c.finding.claim)) for c in pending)
+    # Spec §7.2: it is the critical changes that need the second ACK; a low
+    # finding without one is merely uncertain.
+    if any(c.finding.severity.rank >= Severity.HIGH.rank for c in pending):
+        flags.append(NO_QUORUM)
+    return kept
+
+
+def _challengers(cited: list[_Cluster], champion: str | None, notes: list[tuple[_Order, str]]) -> None:
+    """``champion_challenger``: every cited cluster the champion is not among goes
+    to ``notes`` as the challengers' finding."""
+    for c in cited:
+        if champion not in c.agents:
+            others = ",".join(sorted(c.agents))
+            notes.append((c.order, _note(c, f"challenger {others}: {c.finding.claim}")))
 
 
 def _calibrated(report: AgentReport, fn: Callable[[float], float]) -> AgentReport:

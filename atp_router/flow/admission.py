@@ -289,29 +289,10 @@ class AdmissionControl:
         stream_update: WindowUpdate | None = None
 
         if stage is Stage.TURN:
-            turn = call.turn
-            if turn is not None and turn > flow.turn:
-                flow._turn_waiters[turn] = call
-                return Wait(Stage.TURN, wake=self._drain(call))
-            if turn is not None:
-                flow._turn_waiters.pop(turn, None)
-                call._holds_turn = turn == flow.turn
-            why = flow.check_exhausted()
-            if why is not None:
-                return self._refuse(call, now, ErrorCode.EBUDGET, f"{agent} not called: budget exhausted ({why})")
-            # a. circuit breaker
-            if not self.breakers.allow(agent, now):
-                retry_ms = self.breakers.retry_after_ms(agent, now)
-                hint = f" (next probe in {retry_ms} ms)" if retry_ms is not None else ""
-                return self._refuse(call, now, ErrorCode.EAGENTDOWN, f"circuit open{hint}", retry_after_ms=retry_ms)
-            call._probe = True
-            # b. what could never fit, on the stream's window and on the next-hop's
-            for w, label in ((flow.window, ""), (self.agent_windows.window(agent), "next-hop window: ")):
-                never = w.admit_when_idle(est, qos=qos)
-                if not never.admitted:
-                    return self._refuse(call, now, ErrorCode.EWINDOW, f"{label}{never.reason}",
-                                        window_update=never.window_update)
-            stage = self._move(call, Stage.STREAM_WINDOW)
+            refused = self._at_turn(call, now)
+            if refused is not None:
+                return refused
+            stage = Stage.STREAM_WINDOW
 
         if stage is Stage.STREAM_WINDOW:
             window = flow.window
@@ -345,8 +326,52 @@ class AdmissionControl:
                 return self._refuse(call, now, p.code, p.reason, stream_update=stream_update)
             if not call._granted:
                 return Wait(Stage.SLOT, stream_update=stream_update, wake=self._drain(call))
-            stage = self._move(call, Stage.HOP_WINDOW)
+            self._move(call, Stage.HOP_WINDOW)
 
+        return self._at_hop(call, now, stream_update)
+
+    def _at_turn(self, call: Call, now: float) -> Refuse | Wait | None:
+        """:meth:`step`'s first gates, for a call at :attr:`Stage.TURN`: its turn
+        in route order, the budget, the circuit breaker (a. in the module doc)
+        and what could never fit either window (b.). ``None``: passed, the call
+        moved on to :attr:`Stage.STREAM_WINDOW`."""
+        flow = call.flow
+        agent = call.agent
+        est = call.estimate
+        qos = flow.qos
+        turn = call.turn
+        if turn is not None and turn > flow.turn:
+            flow._turn_waiters[turn] = call
+            return Wait(Stage.TURN, wake=self._drain(call))
+        if turn is not None:
+            flow._turn_waiters.pop(turn, None)
+            call._holds_turn = turn == flow.turn
+        why = flow.check_exhausted()
+        if why is not None:
+            return self._refuse(call, now, ErrorCode.EBUDGET, f"{agent} not called: budget exhausted ({why})")
+        # a. circuit breaker
+        if not self.breakers.allow(agent, now):
+            retry_ms = self.breakers.retry_after_ms(agent, now)
+            hint = f" (next probe in {retry_ms} ms)" if retry_ms is not None else ""
+            return self._refuse(call, now, ErrorCode.EAGENTDOWN, f"circuit open{hint}", retry_after_ms=retry_ms)
+        call._probe = True
+        # b. what could never fit, on the stream's window and on the next-hop's
+        for w, label in ((flow.window, ""), (self.agent_windows.window(agent), "next-hop window: ")):
+            never = w.admit_when_idle(est, qos=qos)
+            if not never.admitted:
+                return self._refuse(call, now, ErrorCode.EWINDOW, f"{label}{never.reason}",
+                                    window_update=never.window_update)
+        self._move(call, Stage.STREAM_WINDOW)
+        return None
+
+    def _at_hop(self, call: Call, now: float, stream_update: WindowUpdate | None) -> Decision:
+        """:meth:`step`'s last gates, for a call holding its QoS slot: the
+        next-hop's window (d. in the module doc) and the budget (e.);
+        ``stream_update`` is the stream window's update due from this step."""
+        flow = call.flow
+        agent = call.agent
+        est = call.estimate
+        qos = flow.qos
         if call._hop_call is None:
             # d. the next-hop's window, class-ordered, holding the slot
             nack = None

@@ -413,11 +413,7 @@ def screen_task(
     """
     if retained:
         return Ignore(2, "retained message on an input topic")
-    data: Any = None
-    try:
-        data = msgspec.json.decode(payload)
-    except msgspec.DecodeError:
-        pass
+    data = _json_or_none(payload)
     conv = data.get("conversation_id") if isinstance(data, dict) else None
     tid = data.get("task_id") if isinstance(data, dict) else None
     routable = isinstance(conv, str) and bool(conv) and not _TOPIC_LEVEL_BAD.search(conv)
@@ -444,13 +440,30 @@ def screen_task(
                       f"pipeline depth (nested next objects) exceeds the maximum of {max_depth}")
     if not routable:
         return Ignore(6, "conversation_id missing or not usable as a topic level")
+    env = _parse_envelope(data)
+    if isinstance(env, str):
+        return reject(6, "invalid_input", env)
+    return Accept(env)
+
+
+def _json_or_none(payload: bytes) -> Any:
+    """``payload`` decoded as JSON, or ``None`` when it is not JSON."""
+    try:
+        return msgspec.json.decode(payload)
+    except msgspec.DecodeError:
+        return None
+
+
+def _parse_envelope(data: dict[str, Any]) -> TaskEnvelope | str:
+    """Step 6 of :func:`screen_task`: the envelope parsed (types of §6.1, every
+    ``next.topic`` an agent input topic), or why it does not parse."""
     try:
         env = msgspec.convert(data, TaskEnvelope)
     except msgspec.ValidationError as e:
-        return reject(6, "invalid_input", f"task envelope: {e}")
+        return f"task envelope: {e}"
     nxt = env.next
     while nxt is not None:
         if agent_of_input_topic(nxt.topic) is None:
-            return reject(6, "invalid_input", "next.topic must name an agent's input topic")
+            return "next.topic must name an agent's input topic"
         nxt = nxt.next
-    return Accept(env)
+    return env

@@ -259,28 +259,7 @@ class MQTTClient:
         self.reconnect_delay_s = reconnect_delay_s
         self.queue_size = queue_size
 
-        c = paho.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=paho.MQTTv5,
-                        manual_ack=manual_ack)
-        c.connect_timeout = connect_timeout_s
-        # QoS 1 messages beyond this many in flight wait inside paho (not dropped).
-        c.max_inflight_messages_set(100)
-        if will is not None:
-            c.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
-        if username is not None:
-            c.username_pw_set(username, password)
-        if tls is not None:
-            c.tls_set_context(tls)
-        c.on_connect = self._on_connect
-        c.on_disconnect = self._on_disconnect
-        c.on_message = self._on_message
-        c.on_publish = self._on_publish
-        c.on_subscribe = self._on_subscribe
-        c.on_unsubscribe = self._on_unsubscribe
-        c.on_socket_open = self._on_socket_open
-        c.on_socket_close = self._on_socket_close
-        c.on_socket_register_write = self._on_socket_register_write
-        c.on_socket_unregister_write = self._on_socket_unregister_write
-        self._paho = c
+        self._paho = self._make_paho(will, username, password, tls)
 
         self._send, self.messages = trio.open_memory_channel[Message](queue_size)
         self._overflow: deque[Message] = deque()
@@ -302,6 +281,34 @@ class MQTTClient:
         self._session_present = False
         self._received = 0
         self.last_error: str | None = None
+
+    def _make_paho(self, will: Will | None, username: str | None, password: str | None,
+                   tls: ssl.SSLContext | None) -> paho.Client:
+        """The paho client behind this one (MQTT v5, our ``client_id``,
+        ``manual_ack`` and ``connect_timeout_s``) with ``will``, the credentials
+        and ``tls`` set and every paho callback routed to this object."""
+        c = paho.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=paho.MQTTv5,
+                        manual_ack=self.manual_ack)
+        c.connect_timeout = self.connect_timeout_s
+        # QoS 1 messages beyond this many in flight wait inside paho (not dropped).
+        c.max_inflight_messages_set(100)
+        if will is not None:
+            c.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
+        if username is not None:
+            c.username_pw_set(username, password)
+        if tls is not None:
+            c.tls_set_context(tls)
+        c.on_connect = self._on_connect
+        c.on_disconnect = self._on_disconnect
+        c.on_message = self._on_message
+        c.on_publish = self._on_publish
+        c.on_subscribe = self._on_subscribe
+        c.on_unsubscribe = self._on_unsubscribe
+        c.on_socket_open = self._on_socket_open
+        c.on_socket_close = self._on_socket_close
+        c.on_socket_register_write = self._on_socket_register_write
+        c.on_socket_unregister_write = self._on_socket_unregister_write
+        return c
 
     # ------------------------------------------------------------------ public API
     @property

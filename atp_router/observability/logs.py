@@ -98,11 +98,32 @@ def configure(*, redaction: Callable[[logging.Handler], object], level: str | in
     if fmt not in FORMATS:
         raise ValueError(f"log format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if isinstance(level, str):
-        try:
-            level = logging.getLevelNamesMapping()[level.upper()]
-        except KeyError:
-            raise ValueError(f"log level {level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL") from None
-    static = dict(fields or {})
+        level = _level_number(level)
+    handler = _handler(stream, fmt, dict(fields or {}))
+    # The one scrubber, before any rendering (it also cleans a structlog event's dict).
+    redaction(handler)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if isinstance(h, _Handler) or type(h) is logging.StreamHandler:
+            root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level)
+    _configure_structlog()
+    return handler
+
+
+def _level_number(level: str) -> int:
+    """The number of log level name ``level`` (any case); ValueError if unknown."""
+    try:
+        return logging.getLevelNamesMapping()[level.upper()]
+    except KeyError:
+        raise ValueError(f"log level {level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL") from None
+
+
+def _handler(stream: IO[str], fmt: str, static: Mapping[str, Any]) -> _Handler:
+    """:func:`configure`'s handler on ``stream``: structlog's formatter rendering
+    ``fmt`` (``json`` or console), with level, logger, UTC time, trace ids and the
+    ``static`` fields (not overriding a line's own) on every line."""
 
     def add_fields(logger: Any, method_name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
         for k, v in static.items():
@@ -126,14 +147,12 @@ def configure(*, redaction: Callable[[logging.Handler], object], level: str | in
             renderer,
         ],
     ))
-    # The one scrubber, before any rendering (it also cleans a structlog event's dict).
-    redaction(handler)
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        if isinstance(h, _Handler) or type(h) is logging.StreamHandler:
-            root.removeHandler(h)
-    root.addHandler(handler)
-    root.setLevel(level)
+    return handler
+
+
+def _configure_structlog() -> None:
+    """Make structlog log through the standard library (so through the root
+    handler), exceptions rendered before the handler's scrubber sees them."""
     structlog.configure(
         processors=[
             structlog.stdlib.filter_by_level,
@@ -147,4 +166,3 @@ def configure(*, redaction: Callable[[logging.Handler], object], level: str | in
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
     )
-    return handler

@@ -7,10 +7,16 @@ traffic.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["RouterMetrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["CONTENT_TYPE_LATEST", "RouterMetrics"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -30,6 +36,13 @@ class RouterMetrics:
         self.stream_latency = Histogram(
             "atp_stream_latency_seconds", "SYN to FINAL wall time", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self._add_call_metrics(r)
+        self._add_policy_metrics(r)
+        self._add_cache_metrics(r)
+        self._add_store_metrics(r)
+
+    def _add_call_metrics(self, r: CollectorRegistry) -> None:
+        """Frames, errors, next-hop calls and their spend, escalations, agreement."""
         self.frames = Counter("atp_frames", "Frames by direction and kind", ["direction", "kind"], registry=r)
         self.errors = Counter("atp_errors", "ERROR frames sent, by spec code", ["code"], registry=r)
         self.agent_calls = Counter("atp_agent_calls", "Next-hop calls by outcome", ["agent", "outcome"], registry=r)
@@ -43,6 +56,9 @@ class RouterMetrics:
             "atp_consensus_agreement", "Consensus agreement of FINAL results",
             buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r,
         )
+
+    def _add_policy_metrics(self, r: CollectorRegistry) -> None:
+        """RIB reloads and generation, the bandit, feedback, learning, shadow runs."""
         self.policy_reloads = Counter("atp_policy_reloads", "RIB reloads by result", ["result"], registry=r)
         self.bandit_choices = Counter(
             "atp_bandit_choices", "Next-hops a policy's contextual bandit chose", ["policy", "agent"], registry=r)
@@ -57,6 +73,9 @@ class RouterMetrics:
             "atp_shadow_regret", "Shadow challenger quality minus the served quality (> 0: the challenger was better)",
             ["policy", "agent"], buckets=(-1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0), registry=r)
         self.rib_version = Gauge("atp_rib_version", "Generation of the running RIB", registry=r)
+
+    def _add_cache_metrics(self, r: CollectorRegistry) -> None:
+        """The response cache."""
         # The response cache (spec §13, atp_router.runtime.dataplane.cache); hit rate = hit / (hit + miss).
         self.cache_lookups = Counter("atp_cache_lookups", "Response cache lookups by next-hop and result (hit, miss)",
                                      ["agent", "result"], registry=r)
@@ -72,6 +91,8 @@ class RouterMetrics:
         self.cache_saved_usd_micros = Counter("atp_cache_saved_usd_micros", "USD micros the response cache's hits "
                                               "did not spend", ["agent"], registry=r)
 
+    def _add_store_metrics(self, r: CollectorRegistry) -> None:
+        """The state store."""
         # The state store (issue 12): a shared store that cannot be reached refuses spend.
         self.store_up = Gauge("atp_store_up", "1 while the state store answers, 0 while it cannot be reached "
                               "(new spend is refused)", registry=r)

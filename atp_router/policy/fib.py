@@ -54,7 +54,7 @@ EAGENTDOWN → circuit break / reroute, the client fails over; ESEC → RST, aud
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -246,6 +246,20 @@ def data_scope_labels(meta: Mapping[str, Any]) -> frozenset[str]:
     return frozenset()
 
 
+def _cleared(policy: _Policy, labels: frozenset[str]) -> Sequence[_Candidate]:
+    """``policy``'s candidates cleared for the task's ``data_scope`` ``labels``
+    (all of them when there are none); AgentError(ESEC) when none is."""
+    cleared = [c for c in policy.candidates if c.cleared(labels)] if labels else policy.candidates
+    if not cleared:
+        opaque = sorted(lb for lb in labels if parse_label(lb).detector is None)
+        raise AgentError(
+            ErrorCode.ESEC,
+            f"data_scope {opaque} is not cleared for any next-hop of policy {policy.name} "
+            f"({', '.join(c.agent for c in policy.candidates)})",
+        )
+    return cleared
+
+
 class Fib:
     """A compiled, immutable FIB of RIB generation ``version`` (see module doc).
 
@@ -300,21 +314,10 @@ class Fib:
         Raises AgentError(EAGENTDOWN) when no policy matches or when every
         next-hop of the matching policy is down, AgentError(ESEC) when none is
         cleared for the task's opaque ``data_scope`` labels (see the module doc)."""
-        for policy in self._policies:
-            if policy.match(meta):
-                break
-        else:
-            raise AgentError(ErrorCode.EAGENTDOWN, f"no route for task_type={meta.get('task_type')!r}")
+        policy = self._match(meta)
         wanted = _wanted(meta)
         labels = data_scope_labels(meta)
-        cleared = [c for c in policy.candidates if c.cleared(labels)] if labels else policy.candidates
-        if not cleared:
-            opaque = sorted(lb for lb in labels if parse_label(lb).detector is None)
-            raise AgentError(
-                ErrorCode.ESEC,
-                f"data_scope {opaque} is not cleared for any next-hop of policy {policy.name} "
-                f"({', '.join(c.agent for c in policy.candidates)})",
-            )
+        cleared = _cleared(policy, labels)
         scored: list[tuple[float, str, _Candidate]] = []
         down: list[str] = []
         for c in cleared:
@@ -351,6 +354,13 @@ class Fib:
             alternates=[msgspec.structs.replace(c.hop, weight=-neg) for neg, _, c in alternates],
             skipped=sorted(down),
         )
+
+    def _match(self, meta: Mapping[str, Any]) -> _Policy:
+        """The first policy (RIB order) matching ``meta``; AgentError(EAGENTDOWN) if none."""
+        for policy in self._policies:
+            if policy.match(meta):
+                return policy
+        raise AgentError(ErrorCode.EAGENTDOWN, f"no route for task_type={meta.get('task_type')!r}")
 
     def routes(self, live: Mapping[str, LiveView] | None = None) -> list[RouteEntry]:
         """The FIB as ROUTE_UPDATE entries (spec §4.3), in lookup order: one per

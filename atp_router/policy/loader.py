@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import re
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
@@ -280,30 +281,38 @@ def _parse_document(data: Any, file: str, errors: list[PolicyError] | None = Non
         if model.model is None:
             models[name] = msgspec.structs.replace(model, model=name)
 
-    policies: list[PolicySpec] = []
-    entries = data.get("policies")
-    if entries is not None:
-        if not isinstance(entries, list):
-            fault(PolicyError(file, "policies", f"expected a list of policies, got {type(entries).__name__}"))
-            entries = []
-        for i, spec in enumerate(entries):
-            key = f"policies[{i}]"
-            try:
-                if isinstance(spec, dict) and isinstance(spec.get("match"), dict):
-                    try:
-                        compile_match(spec["match"])
-                    except SpecError as e:
-                        raise PolicyError(file, _join(f"{key}.match", e.field), e.reason) from None
-                policy = _convert_entry(spec, PolicySpec, key, file)
-                if policy.name is not None:
-                    _check_name(policy.name, f"{key}.name", "policy", file)
-            except PolicyError as e:
-                fault(e)
-                # Keep the policy's place: later policies keep their indices in messages.
-                policies.append(None)  # type: ignore[arg-type]
-                continue
-            policies.append(policy)
+    policies = _parse_policies(data.get("policies"), file, fault)
     return Rib(models=models, agents=agents, policies=policies, clients=clients)
+
+
+def _parse_policies(entries: Any, file: str, fault: Callable[[PolicyError], None]) -> list[PolicySpec]:
+    """The document's ``policies`` list (``entries``; ``None``: none) → specs, each
+    validated by itself. A refused policy goes to ``fault`` and keeps its place
+    as ``None``, so later policies keep their indices in messages."""
+    policies: list[PolicySpec] = []
+    if entries is None:
+        return policies
+    if not isinstance(entries, list):
+        fault(PolicyError(file, "policies", f"expected a list of policies, got {type(entries).__name__}"))
+        return policies
+    for i, spec in enumerate(entries):
+        key = f"policies[{i}]"
+        try:
+            if isinstance(spec, dict) and isinstance(spec.get("match"), dict):
+                try:
+                    compile_match(spec["match"])
+                except SpecError as e:
+                    raise PolicyError(file, _join(f"{key}.match", e.field), e.reason) from None
+            policy = _convert_entry(spec, PolicySpec, key, file)
+            if policy.name is not None:
+                _check_name(policy.name, f"{key}.name", "policy", file)
+        except PolicyError as e:
+            fault(e)
+            # Keep the policy's place: later policies keep their indices in messages.
+            policies.append(None)  # type: ignore[arg-type]
+            continue
+        policies.append(policy)
+    return policies
 
 
 # -- merge and cross-references ------------------------------------------------
@@ -350,6 +359,28 @@ def _merge(parts: list[tuple[str, Rib]], origin: str, errors: list[PolicyError] 
             policy_at.append((file, i))
             policies.append(policy)
 
+    _name_policies(policies, policy_at, fault)
+    rib = Rib(models=models, agents=agents, policies=policies, clients=clients)
+    for ref in reference_errors(rib):
+        if any(repr(name) in ref.reason for name in broken):
+            continue  # the referenced entry was refused, and reported, already
+        if ref.section == "agents":
+            fault(PolicyError(where["agents"][ref.entry], f"agents.{ref.entry}{ref.field}", ref.reason))
+        elif ref.entry == -1:
+            if errors:
+                continue  # "no policies" because every policy was refused: already reported
+            fault(PolicyError(origin, "policies", ref.reason))
+        else:
+            file, i = policy_at[ref.entry]  # type: ignore[index]
+            fault(PolicyError(file, f"policies[{i}]{ref.field}", ref.reason))
+    return rib
+
+
+def _name_policies(policies: list[PolicySpec], policy_at: list[tuple[str, int]],
+                   fault: Callable[[PolicyError], None]) -> None:
+    """Name each unnamed policy of the merged list ``policy[<global index>]`` (in
+    place); a name used twice goes to ``fault``, located by ``policy_at`` (global
+    index → file, index in that file)."""
     names: dict[str, int] = {}
     for g, policy in enumerate(policies):
         if policy.name is None:
@@ -365,21 +396,6 @@ def _merge(parts: list[tuple[str, Rib]], origin: str, errors: list[PolicyError] 
             ))
             continue
         names[policy.name] = g
-
-    rib = Rib(models=models, agents=agents, policies=policies, clients=clients)
-    for ref in reference_errors(rib):
-        if any(repr(name) in ref.reason for name in broken):
-            continue  # the referenced entry was refused, and reported, already
-        if ref.section == "agents":
-            fault(PolicyError(where["agents"][ref.entry], f"agents.{ref.entry}{ref.field}", ref.reason))
-        elif ref.entry == -1:
-            if errors:
-                continue  # "no policies" because every policy was refused: already reported
-            fault(PolicyError(origin, "policies", ref.reason))
-        else:
-            file, i = policy_at[ref.entry]  # type: ignore[index]
-            fault(PolicyError(file, f"policies[{i}]{ref.field}", ref.reason))
-    return rib
 
 
 def load_rib_text(text: str, file: str = "<text>") -> Rib:
@@ -472,7 +488,7 @@ def line_of(text: str, key: str) -> int | None:
             best = None
             for k, v in node.value:
                 name = str(k.value)
-                if (rest == name or rest.startswith(name + ".") or rest.startswith(name + "[")) and (
+                if (rest == name or rest.startswith((name + ".", name + "["))) and (
                         best is None or len(name) > len(str(best[0].value))):
                     best = (k, v)
             if best is None:

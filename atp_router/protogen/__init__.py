@@ -246,63 +246,8 @@ def _cbor_md() -> str:
         "text keys and the same values as the JSON frame**; the two encodings carry exactly the",
         "same information, so a router converts between them freely.",
         "",
-        "## CBOR data model accepted",
-        "",
-        "Only what JSON can also say:",
-        "",
-        "- **maps** (definite or indefinite length) with **text-string keys**; a duplicate key is refused;",
-        "- **arrays**; **text strings** (valid UTF-8); `true`, `false`, `null`;",
-        "- **integers**: major types 0/1 (−2⁶⁴ … 2⁶⁴−1, any length of argument); beyond that the",
-        f"  bignum tags 2/3, with at most {codec.MAX_BIGNUM_BYTES} content bytes (at most 4299 decimal digits,",
-        "  which JSON decoders also read);",
-        "- **floats**: half, single or double precision, all read as binary64; NaN and ±Infinity are",
-        "  refused (JSON cannot spell them);",
-        "- everything else is refused with `EPROTO`: byte strings, `undefined` and other simple values,",
-        "  every tag but 2/3 (dates, decimals, shared references, sets, ...);",
-        f"- containers nest at most **{codec.MAX_CBOR_DEPTH}** deep, the frame map counting 1;",
-        "- **exactly one data item** per message: trailing bytes are refused;",
-        f"- a message is at most {codec.DEFAULT_MAX_FRAME_BYTES} bytes by default (`max_frame_bytes`), in",
-        "  either encoding; larger content is fragmented (`frag_seq`, `MORE`).",
-        "",
-        "Enumerations are text strings, as in JSON: `flags` is an array of text strings",
-        '(`["SYN", "MORE"]`); `qos` is `"gold"`, `"silver"` or `"bronze"`; `payload.type`, the ERROR',
-        "`code` and the control `kind` are their JSON strings. The router writes definite-length",
-        "maps with keys in schema order, omits fields at their default, writes floats as binary64",
-        "and integers in their shortest form; any other valid encoding of the same values is",
-        "accepted.",
-        "",
-        "## Canonical bytes: what `checksum` and `sig` cover",
-        "",
-        "Checksums and signatures are computed over **canonical JSON**, never over the wire bytes,",
-        "so they survive re-encoding between JSON and CBOR (and whatever key order or number",
-        "spelling a peer uses). To compute them from a decoded frame:",
-        "",
-        "1. Take the frame as the schema types it: a field typed as a number is a float (`1` is",
-        "   `1.0`); `meta` and `content` keep their values as sent (`1` stays `1`).",
-        "2. Leave out `sig`, `checksum` and every schema field equal to its default, `null` included",
-        '   (the *default* column below: `"frag_seq": 0`, `"qos": "silver"`, `"ttl": 8`, `"flags": []`,',
-        '   `"meta": {}` are never written). Inside `meta` and `content` nothing is left out.',
-        "3. Write compact JSON (no whitespace) with object keys sorted by code point (= UTF-8",
-        "   byte order) at every level, `meta` and `content` included.",
-        '4. Strings are UTF-8, unescaped except `"`, `\\` and U+0000–U+001F (`\\b \\f \\n \\r \\t`,',
-        "   otherwise `\\u00XX` with lower-case hex).",
-        "5. Integers in decimal. Floats as the shortest digits that round-trip: plain decimal with",
-        "   at least one fractional digit when 1e-5 ≤ |x| < 1e16 (`1.0`, `0.00001`, `123456.789`),",
-        "   else `d.ddde<exp>` without `+` or leading zeros (`1e-7`, `1.5e16`, `2.5e-300`); `-0.0` keeps",
-        "   its sign.",
-        "",
-        "Then (spec §4.5, §11):",
-        "",
-        "- `payload.checksum` = `sha256:` + hex SHA-256 of the canonical payload **without** its",
-        "  `checksum`;",
-        "- `checksum` = `sha256:` + hex SHA-256 of the canonical frame (which includes",
-        "  `payload.checksum`);",
-        "- `sig` = base64 (standard alphabet, padded) of HMAC-SHA256(key, canonical frame).",
-        "",
-        "A receiver checks the payload checksum (when present), then the frame checksum, then",
-        "`sig` (when the connection has a key). A mismatch is `EPROTO`; a missing or wrong `sig`",
-        "is `ESEC`. tests/unit/vectors/frames.json holds more examples.",
-        "",
+        *_cbor_data_model(codec.MAX_BIGNUM_BYTES, codec.MAX_CBOR_DEPTH, codec.DEFAULT_MAX_FRAME_BYTES),
+        *_CANONICAL_BYTES_MD,
         "## Worked example",
         "",
         f"Key `{key.decode()}` (UTF-8). Canonical payload without its checksum:",
@@ -327,12 +272,88 @@ def _cbor_md() -> str:
         *[cbor_hex[i : i + 96] for i in range(0, len(cbor_hex), 96)],
         "```",
         "",
+        *_keys_tables(_structs(wf.Frame, wf.Control)),
+    ]
+    return "\n".join(out) + "\n"
+
+
+def _cbor_data_model(max_bignum_bytes: int, max_depth: int, max_frame_bytes: int) -> list[str]:
+    """cbor.md's "CBOR data model accepted" section, with the codec's limits."""
+    return [
+        "## CBOR data model accepted",
+        "",
+        "Only what JSON can also say:",
+        "",
+        "- **maps** (definite or indefinite length) with **text-string keys**; a duplicate key is refused;",
+        "- **arrays**; **text strings** (valid UTF-8); `true`, `false`, `null`;",
+        "- **integers**: major types 0/1 (−2⁶⁴ … 2⁶⁴−1, any length of argument); beyond that the",
+        f"  bignum tags 2/3, with at most {max_bignum_bytes} content bytes (at most 4299 decimal digits,",
+        "  which JSON decoders also read);",
+        "- **floats**: half, single or double precision, all read as binary64; NaN and ±Infinity are",
+        "  refused (JSON cannot spell them);",
+        "- everything else is refused with `EPROTO`: byte strings, `undefined` and other simple values,",
+        "  every tag but 2/3 (dates, decimals, shared references, sets, ...);",
+        f"- containers nest at most **{max_depth}** deep, the frame map counting 1;",
+        "- **exactly one data item** per message: trailing bytes are refused;",
+        f"- a message is at most {max_frame_bytes} bytes by default (`max_frame_bytes`), in",
+        "  either encoding; larger content is fragmented (`frag_seq`, `MORE`).",
+        "",
+        "Enumerations are text strings, as in JSON: `flags` is an array of text strings",
+        '(`["SYN", "MORE"]`); `qos` is `"gold"`, `"silver"` or `"bronze"`; `payload.type`, the ERROR',
+        "`code` and the control `kind` are their JSON strings. The router writes definite-length",
+        "maps with keys in schema order, omits fields at their default, writes floats as binary64",
+        "and integers in their shortest form; any other valid encoding of the same values is",
+        "accepted.",
+        "",
+    ]
+
+
+#: cbor.md's "Canonical bytes" section: how ``checksum`` and ``sig`` are computed.
+_CANONICAL_BYTES_MD = [
+    "## Canonical bytes: what `checksum` and `sig` cover",
+    "",
+    "Checksums and signatures are computed over **canonical JSON**, never over the wire bytes,",
+    "so they survive re-encoding between JSON and CBOR (and whatever key order or number",
+    "spelling a peer uses). To compute them from a decoded frame:",
+    "",
+    "1. Take the frame as the schema types it: a field typed as a number is a float (`1` is",
+    "   `1.0`); `meta` and `content` keep their values as sent (`1` stays `1`).",
+    "2. Leave out `sig`, `checksum` and every schema field equal to its default, `null` included",
+    '   (the *default* column below: `"frag_seq": 0`, `"qos": "silver"`, `"ttl": 8`, `"flags": []`,',
+    '   `"meta": {}` are never written). Inside `meta` and `content` nothing is left out.',
+    "3. Write compact JSON (no whitespace) with object keys sorted by code point (= UTF-8",
+    "   byte order) at every level, `meta` and `content` included.",
+    '4. Strings are UTF-8, unescaped except `"`, `\\` and U+0000–U+001F (`\\b \\f \\n \\r \\t`,',
+    "   otherwise `\\u00XX` with lower-case hex).",
+    "5. Integers in decimal. Floats as the shortest digits that round-trip: plain decimal with",
+    "   at least one fractional digit when 1e-5 ≤ |x| < 1e16 (`1.0`, `0.00001`, `123456.789`),",
+    "   else `d.ddde<exp>` without `+` or leading zeros (`1e-7`, `1.5e16`, `2.5e-300`); `-0.0` keeps",
+    "   its sign.",
+    "",
+    "Then (spec §4.5, §11):",
+    "",
+    "- `payload.checksum` = `sha256:` + hex SHA-256 of the canonical payload **without** its",
+    "  `checksum`;",
+    "- `checksum` = `sha256:` + hex SHA-256 of the canonical frame (which includes",
+    "  `payload.checksum`);",
+    "- `sig` = base64 (standard alphabet, padded) of HMAC-SHA256(key, canonical frame).",
+    "",
+    "A receiver checks the payload checksum (when present), then the frame checksum, then",
+    "`sig` (when the connection has a key). A mismatch is `EPROTO`; a missing or wrong `sig`",
+    "is `ESEC`. tests/unit/vectors/frames.json holds more examples.",
+    "",
+]
+
+
+def _keys_tables(structs: list[mi.StructType]) -> list[str]:
+    """cbor.md's "Keys" section: one table of keys per struct of ``structs``."""
+    out = [
         "## Keys",
         "",
         "Every map below forbids unknown keys. *default*: the value a missing key takes, and",
         "a value the canonical form leaves out.",
     ]
-    for st in _structs(wf.Frame, wf.Control):
+    for st in structs:
         tag = ""
         if st.tag_field is not None:
             tag = f" — `{st.tag_field}`: `{json.dumps(st.tag)}`"
@@ -340,7 +361,7 @@ def _cbor_md() -> str:
         for f in st.fields:
             j, c = _type_text(f.type)
             out.append(f"| `{f.encode_name}` | {j} | {c} | {_default_text(f)} |")
-    return "\n".join(out) + "\n"
+    return out
 
 
 def _openapi() -> str:

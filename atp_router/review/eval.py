@@ -835,6 +835,56 @@ def main(argv: list[str] | None = None, *, serve_router: ServeRouter, model_serv
     did not (they are listed), 2 on bad arguments or a refused RIB. A variant
     without ``--url`` runs on ``serve_router``'s private router, after
     ``model_servers`` started what it needs (unless ``--no-start-models``)."""
+    ap = _eval_parser()
+    args = ap.parse_args(argv)
+    # An in-process router logs its audit trail at WARNING: keep the report readable.
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.concurrency < 1 or args.top < 1:
+        ap.error("--concurrency and --top must be at least 1")
+    try:
+        tasks = load_tasks(args.tasks)
+    except (OSError, ValueError) as e:
+        print(f"atp-router eval: {e}", file=sys.stderr)
+        return 2
+    if args.task:
+        wanted = set(args.task)
+        tasks = [t for t in tasks if t.id in wanted]
+    if not tasks:
+        print(f"atp-router eval: no tasks to run in {args.tasks}", file=sys.stderr)
+        return 2
+    variants = _variants(args.policies, args.url)
+    if variants is None:
+        return 2
+    reports: dict[str, EvalReport] = {}
+    broken_any = False
+    for v in variants:
+        name = "running" if v is None else v.stem if v.is_file() else v.name
+        print(f"eval: {name}: {len(tasks)} task(s)…", file=sys.stderr, flush=True)
+        runs = _run_one(name, v, tasks, args, serve_router=serve_router, model_servers=model_servers)
+        if runs is None:
+            return 2
+        broken = [r for r in runs if r.final is None]
+        for r in broken:
+            print(f"{name}: {r.id}: no FINAL; events {r.events}; errors {r.errors}", file=sys.stderr)
+        broken_any = broken_any or bool(broken)
+        by_id = {t.id: t for t in tasks}
+        scores = [score_task(by_id[r.id], r, top=args.top) for r in runs if r.final is not None]
+        if not scores:
+            print(f"atp-router eval: {name}: no task produced a FINAL", file=sys.stderr)
+            continue
+        reports[name] = summarize(scores, failed=[r.id for r in broken], top=args.top)
+        if args.verbose:
+            print(format_report(reports[name], title=name))
+            print()
+    if not reports:
+        return 1
+    _print_results(reports, tasks, args)
+    return 1 if broken_any else 0
+
+
+def _eval_parser() -> argparse.ArgumentParser:
+    """:func:`main`'s command line."""
     ap = argparse.ArgumentParser(
         prog="atp-router eval", formatter_class=DefaultsHelpFormatter,
         description="Run labelled code-review tasks through a router as a client would and score them "
@@ -856,72 +906,56 @@ def main(argv: list[str] | None = None, *, serve_router: ServeRouter, model_serv
     ap.add_argument("--no-start-models", dest="start_models", action="store_false",
                     help="do not start the local model server for a variant's loopback openai_compat models")
     ap.add_argument("--verbose", "-v", action="store_true", help="print each variant's per-task table and the router's log")
-    args = ap.parse_args(argv)
-    # An in-process router logs its audit trail at WARNING: keep the report readable.
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    if args.concurrency < 1 or args.top < 1:
-        ap.error("--concurrency and --top must be at least 1")
-    try:
-        tasks = load_tasks(args.tasks)
-    except (OSError, ValueError) as e:
-        print(f"atp-router eval: {e}", file=sys.stderr)
-        return 2
-    if args.task:
-        wanted = set(args.task)
-        tasks = [t for t in tasks if t.id in wanted]
-    if not tasks:
-        print(f"atp-router eval: no tasks to run in {args.tasks}", file=sys.stderr)
-        return 2
+    return ap
+
+
+def _variants(policies: list[Path] | None, url: str | None) -> list[Path | None] | None:
+    """The RIB variants to run: ``--policies``, else the running RIB (``None``)
+    with ``--url``, else :func:`default_variants`. ``None`` (the error printed)
+    when there are none or a path does not exist."""
     variants: list[Path | None]
-    if args.policies:
-        variants = list(args.policies)
-    elif args.url:
+    if policies:
+        variants = list(policies)
+    elif url:
         variants = [None]
     else:
         variants = list(default_variants())
         if not variants:
             print("atp-router eval: no --policies given and no examples/eval/policies/*.yaml found", file=sys.stderr)
-            return 2
+            return None
     for v in variants:
         if v is not None and not v.exists():
             print(f"atp-router eval: no such policy file or directory: {v}", file=sys.stderr)
-            return 2
-    reports: dict[str, EvalReport] = {}
-    broken_any = False
-    for v in variants:
-        name = "running" if v is None else v.stem if v.is_file() else v.name
-        print(f"eval: {name}: {len(tasks)} task(s)…", file=sys.stderr, flush=True)
-        try:
-            with contextlib.ExitStack() as models:
-                if v is not None and args.url is None and args.start_models:
-                    _start_models(model_servers, v, models, name)
-                runs = trio.run(lambda v=v: run_variant(tasks, policies=v, url=args.url, token=args.token,
-                                                        concurrency=args.concurrency, serve_router=serve_router))
-        except (RuntimeError, atp.ATPClientError, httpx.HTTPError) as e:
-            print(f"atp-router eval: {name}: {e}", file=sys.stderr)
-            return 2
-        except Exception as e:  # a refused RIB (PolicyError) when the router starts in-process
-            refused = _policy_error(e)
-            if refused is None:
-                raise
-            print(f"atp-router eval: {name}: refused RIB: {refused}", file=sys.stderr)
-            return 2
-        broken = [r for r in runs if r.final is None]
-        for r in broken:
-            print(f"{name}: {r.id}: no FINAL; events {r.events}; errors {r.errors}", file=sys.stderr)
-        broken_any = broken_any or bool(broken)
-        by_id = {t.id: t for t in tasks}
-        scores = [score_task(by_id[r.id], r, top=args.top) for r in runs if r.final is not None]
-        if not scores:
-            print(f"atp-router eval: {name}: no task produced a FINAL", file=sys.stderr)
-            continue
-        reports[name] = summarize(scores, failed=[r.id for r in broken], top=args.top)
-        if args.verbose:
-            print(format_report(reports[name], title=name))
-            print()
-    if not reports:
-        return 1
+            return None
+    return variants
+
+
+def _run_one(name: str, v: Path | None, tasks: list[GoldenTask], args: argparse.Namespace, *,
+             serve_router: ServeRouter, model_servers: ModelServers) -> list[TaskRun] | None:
+    """Variant ``name`` (RIB ``v``; ``None``: the running one) run on ``tasks``
+    with :func:`run_variant`, after starting its local models (unless
+    ``--url`` or ``--no-start-models``). ``None`` (the error printed) when the
+    router could not be reached or refused the RIB."""
+    try:
+        with contextlib.ExitStack() as models:
+            if v is not None and args.url is None and args.start_models:
+                _start_models(model_servers, v, models, name)
+            return trio.run(lambda v=v: run_variant(tasks, policies=v, url=args.url, token=args.token,
+                                                    concurrency=args.concurrency, serve_router=serve_router))
+    except (RuntimeError, atp.ATPClientError, httpx.HTTPError) as e:
+        print(f"atp-router eval: {name}: {e}", file=sys.stderr)
+        return None
+    except Exception as e:  # a refused RIB (PolicyError) when the router starts in-process
+        refused = _policy_error(e)
+        if refused is None:
+            raise
+        print(f"atp-router eval: {name}: refused RIB: {refused}", file=sys.stderr)
+        return None
+
+
+def _print_results(reports: dict[str, EvalReport], tasks: list[GoldenTask], args: argparse.Namespace) -> None:
+    """The comparison table, the baseline and calibration lines, the ``--json``,
+    ``--calibration`` and PNG files, and the best variant."""
     b = changed_line_baseline(tasks)
     print(format_table(reports))
     print(f"(recall counts units: BugsInPy per expected finding, advisories per task; r@N: recall@{args.top}; "
@@ -942,4 +976,3 @@ def main(argv: list[str] | None = None, *, serve_router: ServeRouter, model_serv
     best = best_variant(reports)
     print(f"best: {best}")
     print(eval_line(reports[best]))
-    return 1 if broken_any else 0

@@ -330,6 +330,35 @@ def verify(records: Iterable[AuditRecord], checkpoints: Iterable[AuditCheckpoint
     counts every record). Never raises for a bad log; the earliest problem wins."""
     recs = list(records)
     problems: list[tuple[int, str]] = []
+    prev, good = _walk_chain(recs, problems)
+    last = recs[-1].seq if recs else 0
+    anchors = list(anchored)
+    cps = [(cp, "checkpoint") for cp in checkpoints] + [(cp, "anchored checkpoint") for cp in anchors]
+    signed, beyond = _check_checkpoints(recs, good, key, cps, late, problems)
+    if beyond is not None:
+        seq, what = beyond
+        article = "an" if what.startswith("a") else "a"
+        problems.append((good + 1, f"truncated: {article} {what} covers record {seq} but the log ends at record {last}"))
+    unsigned = last - signed
+    if max_unsigned is not None and unsigned > max_unsigned and not problems:  # else the named problem explains it
+        where = f"the last checkpoint (record {signed})" if signed else "any checkpoint"
+        why = (f"records {signed + 1}-{last} ({unsigned}) are not covered by {where}; a crash leaves at most "
+               f"{max_unsigned}: checkpoints were removed or the log rewritten")
+        problems.append((signed + 1, why))
+    n_anch = len(anchors)
+    if problems:
+        seq, reason = min(problems, key=lambda p: p[0])
+        return VerifyReport(ok=False, records=len(recs), first_bad_seq=seq, reason=reason, head=prev, signed=signed,
+                            unsigned=unsigned, anchored=n_anch)
+    return VerifyReport(ok=True, records=len(recs), first_bad_seq=None, reason="intact", head=prev, signed=signed,
+                        unsigned=unsigned, anchored=n_anch)
+
+
+def _walk_chain(recs: list[AuditRecord], problems: list[tuple[int, str]]) -> tuple[str, int]:
+    """Walk ``recs`` (as read) along the chain rules of :func:`verify`: the head
+    hash and ``seq`` of the last good record (:data:`GENESIS`, 0 for none); the
+    first break (a gap, reordering, a ``prev`` mismatch, an edit) is appended to
+    ``problems`` as ``(seq, reason)`` and ends the walk."""
     prev, good = GENESIS, 0
     present = {r.seq for r in recs}
     for i, r in enumerate(recs):
@@ -348,9 +377,19 @@ def verify(records: Iterable[AuditRecord], checkpoints: Iterable[AuditCheckpoint
             problems.append((want, "hash does not match the record's content (edited)"))
             break
         prev, good = r.hash, want
+    return prev, good
+
+
+def _check_checkpoints(recs: list[AuditRecord], good: int, key: bytes, cps: list[tuple[AuditCheckpoint, str]],
+                       late: Iterable[AuditCheckpoint],
+                       problems: list[tuple[int, str]]) -> tuple[int, tuple[int, str] | None]:
+    """Check the checkpoints read before the records (``cps``: each with what it
+    is, for messages) and the ``late`` ones against ``recs``, of which the first
+    ``good`` passed :func:`_walk_chain`: a bad MAC, a checkpoint naming no record
+    or differing from its record go to ``problems``. Returns the newest matching
+    checkpoint's ``seq`` (0: none) and the newest early checkpoint beyond the
+    last record, ``(seq, what)`` (a truncation; ``None``: none)."""
     last = recs[-1].seq if recs else 0
-    anchors = list(anchored)
-    cps = [(cp, "checkpoint") for cp in checkpoints] + [(cp, "anchored checkpoint") for cp in anchors]
     n_early = len(cps)
 
     def matches(cp: AuditCheckpoint) -> bool:
@@ -372,23 +411,7 @@ def verify(records: Iterable[AuditRecord], checkpoints: Iterable[AuditCheckpoint
             problems.append((cp.seq, why))
         elif matches(cp):
             signed = max(signed, cp.seq)
-    if beyond is not None:
-        seq, what = beyond
-        article = "an" if what.startswith("a") else "a"
-        problems.append((good + 1, f"truncated: {article} {what} covers record {seq} but the log ends at record {last}"))
-    unsigned = last - signed
-    if max_unsigned is not None and unsigned > max_unsigned and not problems:  # else the named problem explains it
-        where = f"the last checkpoint (record {signed})" if signed else "any checkpoint"
-        why = (f"records {signed + 1}-{last} ({unsigned}) are not covered by {where}; a crash leaves at most "
-               f"{max_unsigned}: checkpoints were removed or the log rewritten")
-        problems.append((signed + 1, why))
-    n_anch = len(anchors)
-    if problems:
-        seq, reason = min(problems, key=lambda p: p[0])
-        return VerifyReport(ok=False, records=len(recs), first_bad_seq=seq, reason=reason, head=prev, signed=signed,
-                            unsigned=unsigned, anchored=n_anch)
-    return VerifyReport(ok=True, records=len(recs), first_bad_seq=None, reason="intact", head=prev, signed=signed,
-                        unsigned=unsigned, anchored=n_anch)
+    return signed, beyond
 
 
 # ------------------------------------------------------------------- key, files
@@ -859,6 +882,47 @@ def audit_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
     ``--json``). ``keygen PATH`` writes a new key file (0600; never over an
     existing one) for ``--audit-key-file``. Exit 2: no state, no key, an
     unreadable anchor, both ``ATP_AUDIT_KEY`` and ``--key-file``."""
+    args = _audit_parser(default_state_dir).parse_args(argv)
+    if args.cmd == "keygen":
+        return _keygen(args.path)
+    try:
+        store = SqliteStore.open(args.state_dir, create=False)
+    except StoreError as e:
+        print(f"audit: {e}", file=sys.stderr)
+        return 2
+    with store:
+        if args.cmd == "show":
+            _show(store, since=args.since, as_json=args.json)
+            return 0
+        # Everything written outside the table first: a live writer appends a record before its checkpoints.
+        try:
+            key = load_audit_key(args.state_dir, create=False, key_file=args.key_file)
+            anchored, torn = _read_anchors(args.anchor)
+            head_file = read_head_file(args.state_dir / "audit.head")
+        except AuditError as e:
+            print(f"audit: {e}", file=sys.stderr)
+            return 2
+        table_cps = store.audit_checkpoints()
+        records = store.audit_records()  # one read: one snapshot of the table
+        seen = {(cp.seq, cp.hash, cp.mac) for cp in table_cps}
+        late = [cp for cp in store.audit_checkpoints() if (cp.seq, cp.hash, cp.mac) not in seen]
+    if table_cps and head_file is None:
+        print(f"audit: BROKEN at record {table_cps[-1].seq}: audit.head is missing but the store has a checkpoint")
+        return 1
+    for path in torn:
+        print(f"audit: note: the last line of {path} is cut short (a crash while appending): left out",
+              file=sys.stderr)
+    report = verify(records, [*table_cps, *([head_file] if head_file is not None else [])], key,
+                    anchored=anchored, max_unsigned=args.max_unsigned, late=late)
+    if not report.ok:
+        print(f"audit: BROKEN at record {report.first_bad_seq}: {report.reason}")
+        return 1
+    print(_verified_line(report, anchors=bool(args.anchor), max_unsigned=args.max_unsigned))
+    return 0
+
+
+def _audit_parser(default_state_dir: Path | None) -> argparse.ArgumentParser:
+    """:func:`audit_main`'s command line (``verify``, ``show``, ``keygen``)."""
     ap = argparse.ArgumentParser(prog="atp-router audit", description="Check or print the audit log (spec §11).",
                                  formatter_class=DefaultsHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -887,66 +951,53 @@ def audit_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
     k = sub.add_parser("keygen", help="write a new audit key file (0600) for --audit-key-file",
                        formatter_class=DefaultsHelpFormatter)
     k.add_argument("path", type=Path)
-    args = ap.parse_args(argv)
-    if args.cmd == "keygen":
-        try:
-            write_new_key(args.path)
-        except OSError as e:
-            print(f"audit: {args.path}: {e.strerror or e}", file=sys.stderr)
-            return 2
-        print(f"audit: new key in {args.path} (mode 600): give it to the router with --audit-key-file {args.path}")
-        return 0
+    return ap
+
+
+def _read_anchors(paths: list[Path]) -> tuple[list[AuditCheckpoint], list[str]]:
+    """Every checkpoint of the anchor files ``paths`` (:func:`read_anchor`, which
+    raises AuditError), and the files whose last line was cut short."""
+    anchored: list[AuditCheckpoint] = []
+    torn: list[str] = []
+    for path in paths:
+        cps, cut = read_anchor(path)
+        anchored += cps
+        if cut:
+            torn.append(str(path))
+    return anchored, torn
+
+
+def _keygen(path: Path) -> int:
+    """``audit keygen PATH``: write a new key file; the exit status."""
     try:
-        store = SqliteStore.open(args.state_dir, create=False)
-    except StoreError as e:
-        print(f"audit: {e}", file=sys.stderr)
+        write_new_key(path)
+    except OSError as e:
+        print(f"audit: {path}: {e.strerror or e}", file=sys.stderr)
         return 2
-    with store:
-        if args.cmd == "show":
-            for r in store.audit_records(after=max(args.since, 1) - 1):
-                if args.json:
-                    print(json.dumps({"seq": r.seq, "ts_ms": r.ts_ms, "kind": r.kind, "actor": r.actor,
-                                      "tenant": r.tenant, "detail": r.detail, "prev": r.prev, "hash": r.hash},
-                                     ensure_ascii=False))
-                else:
-                    print(f"{r.seq:>6} {_fmt_ts(r.ts_ms)} {r.kind:<14} actor={r.actor} tenant={r.tenant or '-'} "
-                          f"{json.dumps(r.detail, ensure_ascii=False, sort_keys=True)}")
-            return 0
-        # Everything written outside the table first: a live writer appends a record before its checkpoints.
-        try:
-            key = load_audit_key(args.state_dir, create=False, key_file=args.key_file)
-            anchored: list[AuditCheckpoint] = []
-            torn: list[str] = []
-            for path in args.anchor:
-                cps, cut = read_anchor(path)
-                anchored += cps
-                if cut:
-                    torn.append(str(path))
-            head_file = read_head_file(args.state_dir / "audit.head")
-        except AuditError as e:
-            print(f"audit: {e}", file=sys.stderr)
-            return 2
-        table_cps = store.audit_checkpoints()
-        records = store.audit_records()  # one read: one snapshot of the table
-        seen = {(cp.seq, cp.hash, cp.mac) for cp in table_cps}
-        late = [cp for cp in store.audit_checkpoints() if (cp.seq, cp.hash, cp.mac) not in seen]
-    if table_cps and head_file is None:
-        print(f"audit: BROKEN at record {table_cps[-1].seq}: audit.head is missing but the store has a checkpoint")
-        return 1
-    for path in torn:
-        print(f"audit: note: the last line of {path} is cut short (a crash while appending): left out",
-              file=sys.stderr)
-    report = verify(records, [*table_cps, *([head_file] if head_file is not None else [])], key,
-                    anchored=anchored, max_unsigned=args.max_unsigned, late=late)
-    if not report.ok:
-        print(f"audit: BROKEN at record {report.first_bad_seq}: {report.reason}")
-        return 1
+    print(f"audit: new key in {path} (mode 600): give it to the router with --audit-key-file {path}")
+    return 0
+
+
+def _show(store: SqliteStore, *, since: int, as_json: bool) -> None:
+    """``audit show``: print ``store``'s records from ``seq`` ``since`` on, one
+    line each (a JSON object with ``as_json``)."""
+    for r in store.audit_records(after=max(since, 1) - 1):
+        if as_json:
+            print(json.dumps({"seq": r.seq, "ts_ms": r.ts_ms, "kind": r.kind, "actor": r.actor,
+                              "tenant": r.tenant, "detail": r.detail, "prev": r.prev, "hash": r.hash},
+                             ensure_ascii=False))
+        else:
+            print(f"{r.seq:>6} {_fmt_ts(r.ts_ms)} {r.kind:<14} actor={r.actor} tenant={r.tenant or '-'} "
+                  f"{json.dumps(r.detail, ensure_ascii=False, sort_keys=True)}")
+
+
+def _verified_line(report: VerifyReport, *, anchors: bool, max_unsigned: int) -> str:
+    """``audit verify``'s line for an intact log (``anchors``: ``--anchor`` given)."""
     line = f"audit: OK, {report.records} records, head {report.head[:12]}"
-    if args.anchor:
+    if anchors:
         line += f", {report.anchored} anchored checkpoints"
     if report.unsigned:
         line += (f"; {report.unsigned} records after the last checkpoint (record {report.signed}): the tail a crash "
-                 f"leaves unsigned (at most {args.max_unsigned}); removed or rewritten records there cannot be "
+                 f"leaves unsigned (at most {max_unsigned}); removed or rewritten records there cannot be "
                  "told apart")
-    print(line)
-    return 0
+    return line

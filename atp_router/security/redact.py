@@ -570,6 +570,32 @@ def _render(path: tuple[str | int, ...]) -> str:
 
 
 # ---------------------------------------------------------------------- the guard
+def _span_hits(text: str, found: list[tuple[str, normalise.View, int, int]], starts: list[int], lengths: list[int],
+               is_diff: bool, path: tuple[str | int, ...], hits: list[_Hit]) -> None:
+    """Map each detection in ``found`` (kind, the view it was found in, its start
+    and end in that view's text) back onto ``text``, whose lines start at
+    ``starts`` with ``lengths``: pieces separated only by invisible characters
+    join into one span, and each line the span crosses gets a :data:`SECRETS`
+    hit in ``hits`` (a diff line's ``+``/``-``/space prefix left out)."""
+    for kind, view, s, e in found:
+        pieces = view.pieces(s, e)
+        merged = [pieces[0]]
+        for ps, pe in pieces[1:]:
+            gap = text[merged[-1][1]:ps]
+            if _PIECE_GAP.search(gap) is None:  # only invisible characters between: one span
+                merged[-1] = (merged[-1][0], pe)
+            else:
+                merged.append((ps, pe))
+        for ps, pe in merged:
+            n = bisect.bisect_right(starts, ps) - 1
+            while n < len(starts) and starts[n] < pe:
+                lo = starts[n] + (1 if is_diff and text[starts[n]:starts[n] + 1] in ("+", "-", " ") else 0)
+                cs, ce = max(ps, lo), min(pe, starts[n] + lengths[n])
+                if ce > cs:
+                    hits.append(_Hit(SECRETS, kind, path, n, text[cs:ce], (cs - starts[n], ce - starts[n])))
+                n += 1
+
+
 class DataScopeGuard:
     """Data-scope enforcement at dispatch (spec §11; see the module docstring).
 
@@ -698,23 +724,7 @@ class DataScopeGuard:
                 for kind, s, e in _bare_tokens(line, at):
                     found.append((kind, last, pos + s, pos + e))
             pos += len(line)
-        for kind, view, s, e in found:
-            pieces = view.pieces(s, e)
-            merged = [pieces[0]]
-            for ps, pe in pieces[1:]:
-                gap = text[merged[-1][1]:ps]
-                if _PIECE_GAP.search(gap) is None:  # only invisible characters between: one span
-                    merged[-1] = (merged[-1][0], pe)
-                else:
-                    merged.append((ps, pe))
-            for ps, pe in merged:
-                n = bisect.bisect_right(starts, ps) - 1
-                while n < len(starts) and starts[n] < pe:
-                    lo = starts[n] + (1 if is_diff and text[starts[n]:starts[n] + 1] in ("+", "-", " ") else 0)
-                    cs, ce = max(ps, lo), min(pe, starts[n] + lengths[n])
-                    if ce > cs:
-                        hits.append(_Hit(SECRETS, kind, path, n, text[cs:ce], (cs - starts[n], ce - starts[n])))
-                    n += 1
+        _span_hits(text, found, starts, lengths, is_diff, path, hits)
 
     def _line(self, line: str, filename: str, want_secrets: bool,
               regions: Mapping[str, str | None]) -> list[tuple[str, str, str]]:  # fmt: skip

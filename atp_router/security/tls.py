@@ -222,6 +222,55 @@ class WebSocketTlsServer:
         return int(self.listeners[0].socket.getsockname()[1])
 
 
+async def _serve_connection(
+    stream: trio.SocketStream,
+    ctx: ssl.SSLContext,
+    handler: Callable[[WebSocketRequest, dict[str, Any] | None], Awaitable[None]],
+    *,
+    max_message_size: int,
+    handshake_timeout_s: float,
+) -> None:
+    """One connection of :func:`serve_websocket_tls` (its docstring): the TLS
+    handshake under ``ctx``, the WebSocket opening handshake, ``handler``."""
+    try:
+        peer = stream.socket.getpeername()
+    except OSError:
+        peer = "?"
+    tls_stream = trio.SSLStream(stream, ctx, server_side=True, https_compatible=True)
+    try:
+        with trio.fail_after(handshake_timeout_s):
+            await tls_stream.do_handshake()
+    except (trio.BrokenResourceError, trio.TooSlowError) as e:
+        log.info("TLS handshake with %s failed: %s", peer, e.__cause__ or type(e).__name__)
+        await trio.aclose_forcefully(tls_stream)
+        return
+    peer_cert = peer_cert_of(tls_stream)
+    # As trio_websocket.WebSocketServer._handle_connection does (trio-websocket
+    # is pinned <0.13): its public serve_websocket/wrap_server_stream hide either
+    # the TLS stream (the peer certificate) or the connection (its close).
+    async with trio.open_nursery() as nursery:
+        ws = WebSocketConnection(tls_stream, WSConnection(ConnectionType.SERVER),
+                                 max_message_size=max_message_size)
+        nursery.start_soon(ws._reader_task)
+        with trio.move_on_after(WS_CONNECT_TIMEOUT_S) as connect_scope:
+            request = await ws._get_request()
+        if connect_scope.cancelled_caught:
+            nursery.cancel_scope.cancel()
+            await trio.aclose_forcefully(tls_stream)
+            return
+        try:
+            await handler(request, peer_cert)
+        except Exception:
+            log.exception("WebSocket handler for %s failed", peer)
+            # A handler that failed before answering the upgrade leaves the
+            # client waiting: refuse it (a no-op once accepted or rejected).
+            with contextlib.suppress(WsprotoLocalError, ConnectionClosed, trio.BrokenResourceError):
+                await request.reject(500)
+        finally:
+            with trio.move_on_after(WS_DISCONNECT_TIMEOUT_S):
+                await ws.aclose()
+
+
 async def serve_websocket_tls(
     handler: Callable[[WebSocketRequest, dict[str, Any] | None], Awaitable[None]],
     host: str | None,
@@ -253,43 +302,8 @@ async def serve_websocket_tls(
         listeners = await trio.open_tcp_listeners(port, host=host)
 
     async def connection(stream: trio.SocketStream) -> None:
-        try:
-            peer = stream.socket.getpeername()
-        except OSError:
-            peer = "?"
-        tls_stream = trio.SSLStream(stream, ctx, server_side=True, https_compatible=True)
-        try:
-            with trio.fail_after(handshake_timeout_s):
-                await tls_stream.do_handshake()
-        except (trio.BrokenResourceError, trio.TooSlowError) as e:
-            log.info("TLS handshake with %s failed: %s", peer, e.__cause__ or type(e).__name__)
-            await trio.aclose_forcefully(tls_stream)
-            return
-        peer_cert = peer_cert_of(tls_stream)
-        # As trio_websocket.WebSocketServer._handle_connection does (trio-websocket
-        # is pinned <0.13): its public serve_websocket/wrap_server_stream hide either
-        # the TLS stream (the peer certificate) or the connection (its close).
-        async with trio.open_nursery() as nursery:
-            ws = WebSocketConnection(tls_stream, WSConnection(ConnectionType.SERVER),
-                                     max_message_size=max_message_size)
-            nursery.start_soon(ws._reader_task)
-            with trio.move_on_after(WS_CONNECT_TIMEOUT_S) as connect_scope:
-                request = await ws._get_request()
-            if connect_scope.cancelled_caught:
-                nursery.cancel_scope.cancel()
-                await trio.aclose_forcefully(tls_stream)
-                return
-            try:
-                await handler(request, peer_cert)
-            except Exception:
-                log.exception("WebSocket handler for %s failed", peer)
-                # A handler that failed before answering the upgrade leaves the
-                # client waiting: refuse it (a no-op once accepted or rejected).
-                with contextlib.suppress(WsprotoLocalError, ConnectionClosed, trio.BrokenResourceError):
-                    await request.reject(500)
-            finally:
-                with trio.move_on_after(WS_DISCONNECT_TIMEOUT_S):
-                    await ws.aclose()
+        await _serve_connection(stream, ctx, handler, max_message_size=max_message_size,
+                                handshake_timeout_s=handshake_timeout_s)
 
     server = WebSocketTlsServer(listeners)
     async with trio.open_nursery() as nursery:

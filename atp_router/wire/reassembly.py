@@ -230,7 +230,22 @@ class Reassembler:
             # In-order single fragment with nothing buffered: the common case.
             self.next_msg_seq = msg_seq + 1
             return [MessageComplete(msg_seq=msg_seq, payload=payload, flags=tuple(flags), meta=frame.meta, frames=1)]
+        if self._store(frame, payload, more):
+            return [Dropped(msg_seq=msg_seq, frag_seq=frag_seq, reason="duplicate fragment")]
+        events: list[ReassemblyEvent] = []
+        self._deliver(events)
+        if msgs:
+            self._request_gap(events)
+        return events
 
+    def _store(self, frame: Frame, payload: Payload, more: bool) -> bool:
+        """Buffer fragment ``frame`` (off the in-order single-fragment fast path of
+        :meth:`add`): check it against the caps and the message's terminal fragment,
+        hold its ``payload`` and advance the message's contiguous prefix. Returns
+        ``True`` (holding nothing) for a duplicate fragment; raises like :meth:`add`."""
+        msg_seq = frame.msg_seq
+        frag_seq = frame.frag_seq
+        msgs = self._msgs
         if frag_seq >= self.max_fragments:
             raise self._fail(f"frag_seq {frag_seq} exceeds the cap of {self.max_fragments} fragments per message")
         content = payload.content
@@ -242,7 +257,7 @@ class Reassembler:
                 raise self._fail(f"more than {self.max_out_of_order} messages buffered out of order")
             m = msgs[msg_seq] = _Message()
         elif frag_seq in m.frags:
-            return [Dropped(msg_seq=msg_seq, frag_seq=frag_seq, reason="duplicate fragment")]
+            return True
         if m.last is not None and frag_seq > m.last:
             raise self._fail(f"msg_seq {msg_seq}: fragment {frag_seq} after the terminal fragment {m.last}")
         if not more:
@@ -259,17 +274,13 @@ class Reassembler:
         self._bytes += size
         m.high = max(m.high, frag_seq)
         if frag_seq == 0:
+            flags = frame.flags
             m.flags = tuple([f for f in flags if f is not _MORE]) if more else tuple(flags)
             m.meta = frame.meta
         frags = m.frags
         while m.contig in frags:
             m.contig += 1
-
-        events: list[ReassemblyEvent] = []
-        self._deliver(events)
-        if msgs:
-            self._request_gap(events)
-        return events
+        return False
 
     def _deliver(self, events: list[ReassemblyEvent]) -> None:
         msgs = self._msgs

@@ -60,7 +60,7 @@ import dataclasses
 import os
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -307,9 +307,13 @@ def _confidence(facts: RepoFacts) -> float:
     return round(min(c, 1.0), 4)
 
 
+#: ``cite(section, file, start, end, text)``: record a finding citing lines
+#: ``start``-``end`` of ``file`` for ``text``; returns ``text`` with the citation.
+_Cite = Callable[[str, str, int, int, str], str]
+
+
 def summarise(facts: RepoFacts) -> AgentReport:
     """The cited summary of ``facts`` (module docstring: sections, citations, confidence)."""
-    out: list[str] = []
     findings: list[AgentFinding] = []
 
     def cite(section: str, file: str, start: int, end: int, text: str) -> str:
@@ -318,9 +322,21 @@ def summarise(facts: RepoFacts) -> AgentReport:
                                      rule=f"summary:{section}"))
         return f"{text} [{file}:{start}-{max(end, start)}]"
 
+    out = _project_section(facts, cite)
+    out += _entry_point_sections(facts, cite)
+    out += _outline_section(facts, cite)
+    out += _modules_section(facts, cite)
+    notes = _notes(facts)
+    if notes:
+        out.append("\n" + "\n".join(notes))
+    return AgentReport(findings=findings, summary="\n".join(out), confidence=_confidence(facts))
+
+
+def _project_section(facts: RepoFacts, cite: _Cite) -> list[str]:
+    """``## Project``: name, title, description and the README's first sentence."""
+    out = ["## Project"]
     name = facts.project.get("name")
     title = facts.title
-    out.append("## Project")
     if name:
         out.append("- " + cite("project", "pyproject.toml", name[1], name[1], f"Name: {name[0]}."))
     if title and facts.readme:
@@ -333,6 +349,13 @@ def summarise(facts: RepoFacts) -> AgentReport:
         out.append("- " + cite("project", facts.readme, p[1], p[2], f"README says: {_first_sentence(p[0])}"))
     if len(out) == 1:
         out.append("- No README, project description or title found: what this repository is for is unclear.")
+    return out
+
+
+def _entry_point_sections(facts: RepoFacts, cite: _Cite) -> list[str]:
+    """``## Entry points`` (the project's scripts) and ``## Runnable modules``
+    (``__main__`` blocks), each only when there is one."""
+    out: list[str] = []
     if facts.scripts:
         out.append("\n## Entry points")
         for script, target, line in facts.scripts:
@@ -343,6 +366,12 @@ def summarise(facts: RepoFacts) -> AgentReport:
         for m in mains[:MAX_NAMES * 2]:
             out.append("- " + cite("entry_points", m.path, m.main_line or 1, m.main_line or 1,
                                    f"`{m.path}` has a `__main__` block."))
+    return out
+
+
+def _outline_section(facts: RepoFacts, cite: _Cite) -> list[str]:
+    """``## Documentation outline``: the README's top headings, bounded."""
+    out: list[str] = []
     if facts.headings and facts.readme:
         out.append("\n## Documentation outline")
         # Its top levels, bounded: a long README must not use up the citations
@@ -354,33 +383,46 @@ def summarise(facts: RepoFacts) -> AgentReport:
             out.append("  " * max(level - 1, 0) + "- " + cite("readme", facts.readme, line, line, heading))
         if len(outline) > MAX_OUTLINE:
             out.append(f"- (+{len(outline) - MAX_OUTLINE} more sections)")
-    if facts.modules:
-        out.append("\n## Modules")
-        packages: dict[str, list[Module]] = {}
-        for m in facts.modules:
-            packages.setdefault(m.path.rsplit("/", 1)[0] if "/" in m.path else ".", []).append(m)
-        shown = {pkg: [m for m in mods if m.doc or m.public] for pkg, mods in packages.items()}
-        shown = {pkg: mods for pkg, mods in shown.items() if mods}
-        # MAX_MODULES shared fairly between the packages (a big package cannot crowd
-        # out the ones after it); within one, its largest modules, in path order.
-        share = _fair_shares({pkg: len(mods) for pkg, mods in shown.items()}, MAX_MODULES,
-                             weights={pkg: sum(m.lines for m in mods) for pkg, mods in shown.items()})
-        for pkg, documented in shown.items():
-            out.append(f"- `{pkg}/` ({len(packages[pkg])} module(s))")
-            keep = {id(m) for m in sorted(documented, key=lambda m: -m.lines)[:share[pkg]]}
-            for m in documented:
-                if id(m) not in keep:
-                    continue
-                names = ", ".join(f"{n}" for _, n, _, _ in m.public[:MAX_NAMES])
-                more = f" (+{len(m.public) - MAX_NAMES})" if len(m.public) > MAX_NAMES else ""
-                if m.doc:
-                    text = f"`{m.path}`: {m.doc}" + (f" Public: {names}{more}." if names else "")
-                    out.append("  - " + cite("modules", m.path, m.doc_lines[0], m.doc_lines[1], text))
-                else:
-                    _, _, s, _ = m.public[0]
-                    out.append("  - " + cite("modules", m.path, s, s, f"`{m.path}` (no docstring): public {names}{more}."))
-        documented_share = sum(1 for m in facts.modules if m.doc) / len(facts.modules)
-        out.append(f"\n{len(facts.modules)} Python module(s), {documented_share:.0%} with a docstring.")
+    return out
+
+
+def _modules_section(facts: RepoFacts, cite: _Cite) -> list[str]:
+    """``## Modules``: per package, its documented or public modules (a fair share
+    of :data:`MAX_MODULES`), then the docstring coverage line."""
+    out: list[str] = []
+    if not facts.modules:
+        return out
+    out.append("\n## Modules")
+    packages: dict[str, list[Module]] = {}
+    for m in facts.modules:
+        packages.setdefault(m.path.rsplit("/", 1)[0] if "/" in m.path else ".", []).append(m)
+    shown = {pkg: [m for m in mods if m.doc or m.public] for pkg, mods in packages.items()}
+    shown = {pkg: mods for pkg, mods in shown.items() if mods}
+    # MAX_MODULES shared fairly between the packages (a big package cannot crowd
+    # out the ones after it); within one, its largest modules, in path order.
+    share = _fair_shares({pkg: len(mods) for pkg, mods in shown.items()}, MAX_MODULES,
+                         weights={pkg: sum(m.lines for m in mods) for pkg, mods in shown.items()})
+    for pkg, documented in shown.items():
+        out.append(f"- `{pkg}/` ({len(packages[pkg])} module(s))")
+        keep = {id(m) for m in sorted(documented, key=lambda m: -m.lines)[:share[pkg]]}
+        for m in documented:
+            if id(m) not in keep:
+                continue
+            names = ", ".join(f"{n}" for _, n, _, _ in m.public[:MAX_NAMES])
+            more = f" (+{len(m.public) - MAX_NAMES})" if len(m.public) > MAX_NAMES else ""
+            if m.doc:
+                text = f"`{m.path}`: {m.doc}" + (f" Public: {names}{more}." if names else "")
+                out.append("  - " + cite("modules", m.path, m.doc_lines[0], m.doc_lines[1], text))
+            else:
+                _, _, s, _ = m.public[0]
+                out.append("  - " + cite("modules", m.path, s, s, f"`{m.path}` (no docstring): public {names}{more}."))
+    documented_share = sum(1 for m in facts.modules if m.doc) / len(facts.modules)
+    out.append(f"\n{len(facts.modules)} Python module(s), {documented_share:.0%} with a docstring.")
+    return out
+
+
+def _notes(facts: RepoFacts) -> list[str]:
+    """What the walk left out: truncation, unread and unparsable files."""
     notes = []
     if facts.truncated:
         notes.append(f"Walk {facts.truncated}: the summary covers part of the repository.")
@@ -388,9 +430,7 @@ def summarise(facts: RepoFacts) -> AgentReport:
         notes.append(f"Not read: {'; '.join(facts.skipped[:3])}" + (" …" if len(facts.skipped) > 3 else ""))
     if facts.unparsable:
         notes.append(f"Not parsable: {', '.join(facts.unparsable[:5])}" + (" …" if len(facts.unparsable) > 5 else ""))
-    if notes:
-        out.append("\n" + "\n".join(notes))
-    return AgentReport(findings=findings, summary="\n".join(out), confidence=_confidence(facts))
+    return notes
 
 
 class SummariserAdapter(InThreadToolAdapter):
