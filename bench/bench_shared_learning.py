@@ -20,9 +20,10 @@ and median over ``--rounds``:
 * **redis**: the same on a private redis-server (append-only, ``everysec``;
   needs Debian's redis-server, scripts/peers/redis.sh; skipped without it).
 
-The routers being stand-ins with just ``store`` and ``gen`` (the learning code
-is the router's own), the numbers are the learning sync alone. Also printed:
-the stored bytes of one arm. Last line: ``SHARED_LEARNING ms_per_sync
+The learners being the router's own ``Learning``, built from the store and a
+control plane stand-in holding just the generation (all a sync reads of it),
+the numbers are the learning sync alone. Also printed: the stored bytes of
+one arm. Last line: ``SHARED_LEARNING ms_per_sync
 baseline=… sqlite=… redis=…`` (medians).
 """
 
@@ -40,20 +41,24 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from atp_router.flow.budget import BudgetLedger
+from atp_router.observability.metrics import RouterMetrics
 from atp_router.policy.learn import Decision
 from atp_router.policy.rib import Rib
-from atp_router.runtime.controlplane.learning import Learning
+from atp_router.runtime.controlplane.learning import Learning, LearnLimits
 from atp_router.store import SqliteStore
 from bench.bench_learning import META, RIB, TEXT
 
 TASKS_PER_SYNC = 20
 
 
-def _router(store, bits: int) -> SimpleNamespace:
+def _learning(store, bits: int) -> Learning:
     rib = {**RIB, "policies": [{**RIB["policies"][0], "bandit": {"explore": 0.25, "text_features": True,
                                                                   "bits": bits}}]}
     gen = SimpleNamespace(version=1, rib=msgspec.convert(rib, Rib))
-    return SimpleNamespace(store=store, gen=gen, config=SimpleNamespace(learn_burst=10**9, learn_rate_per_s=1e9))
+    # The control plane stand-in holds just the running generation (what a sync reads of it).
+    return Learning(store, ledger=BudgetLedger(), metrics=RouterMetrics(), control=SimpleNamespace(gen=gen),
+                    audit=lambda *_: None, limits=LearnLimits(rate_per_s=1e9, burst=10**9, share=1.0), tenants=False)
 
 
 def _learn(learning: Learning, i: int) -> None:
@@ -75,9 +80,9 @@ def _time(fn) -> float:
 
 
 def run(name: str, stores: list, bits: int, rounds: int, shared: bool) -> list[float]:
-    learners = [Learning(_router(s, bits)) for s in stores]
+    learners = [_learning(s, bits) for s in stores]
     for learning in learners:
-        learning.sync(learning.router.gen)
+        learning.sync(learning.control.gen)
         if shared:
             learning.share()
     times = []

@@ -212,6 +212,8 @@ def _advertised(config: RouterConfig, http_port: int) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The ``atp-router`` (serve) command line: the general options, then one
+    argument group per concern (each added by its own function below)."""
     d = RouterConfig(policies=Path("policies"))
     ap = argparse.ArgumentParser(prog="atp-router", description="ATP router appliance (Agent Transport Protocol v0.1)",
                                  formatter_class=DefaultsHelpFormatter,
@@ -219,6 +221,21 @@ def _parser() -> argparse.ArgumentParser:
                                         "'atp-router routes [--diagram]', "
                                         "'atp-router audit …', 'atp-router eval --tasks FILE [--policies RIB …] "
                                         "[--url URL]', 'atp-router model-server [--port N]' (each with --help)")
+    _general_args(ap, d)
+    sec = ap.add_argument_group("security (spec §4.1, §11): identities, TLS, policy secrets, tenant quotas, limits")
+    _security_args(sec, d)
+    _state_args(sec, d)
+    _limit_args(sec, d)
+    ap.add_argument("--no-ws-deflate", action="store_true",
+                    help="do not negotiate permessage-deflate (RFC 7692) on the WebSocket ingress "
+                         "(by default it is used when a client offers it)")
+    _flow_args(ap, d)
+    _stream_table_args(ap, d)
+    return ap
+
+
+def _general_args(ap: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """Where the router listens, its RIB, logs, worker processes and ``--repo``."""
     ap.add_argument("--policies", type=Path, default=Path("policies"), help="RIB file or directory of *.yaml")
     ap.add_argument("--no-watch", action="store_true",
                     help="do not reload the RIB when a --policies file changes (POST /v1/policies/reload still does)")
@@ -238,7 +255,10 @@ def _parser() -> argparse.ArgumentParser:
                          "text of the files it touches read from here (confined to PATH, bounded: 1 MiB a file, "
                          "8 MiB in all); without it such a diff is reviewed alone only when every routed agent "
                          "can work from a diff alone, else the task is rejected")
-    sec = ap.add_argument_group("security (spec §4.1, §11): identities, TLS, policy secrets, tenant quotas, limits")
+
+
+def _security_args(sec: argparse._ArgumentGroup, d: RouterConfig) -> None:
+    """Identities, TLS, policy secrets, tenant quotas and body limits (spec §4.1, §11)."""
     sec.add_argument("--auth", type=Path, metavar="FILE",
                      help="YAML: api_keys (sha256 hashes), jwt (issuer, audience, JWKS), mtls (SAN → identity)")
     sec.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve HTTPS and WSS (TLS 1.3) with this certificate")
@@ -260,6 +280,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="HTTP request body limit (413 above)")
     sec.add_argument("--max-policy-bytes", type=_positive(int), default=d.max_policy_bytes,
                      help="policy reload body limit (413 above)")
+
+
+def _state_args(sec: argparse._ArgumentGroup, d: RouterConfig) -> None:
+    """The durable state: its directory and store, the audit chain, the response cache."""
     sec.add_argument("--state-dir", type=Path, default=_default_state_dir(), metavar="DIR",
                      help="durable state: ledgers, streams, RIB, audit (default: $XDG_STATE_HOME/atp-router)")
     sec.add_argument("--store", metavar="URL",
@@ -291,6 +315,10 @@ def _parser() -> argparse.ArgumentParser:
     sec.add_argument("--cache-max-bytes", type=_non_negative(int), default=d.cache_max_bytes, metavar="N",
                      help="bytes of answers the response cache of policies with a `cache` key keeps in the state "
                           "directory (spec §13; least recently used dropped first; 0: no policy caches)")
+
+
+def _limit_args(sec: argparse._ArgumentGroup, d: RouterConfig) -> None:
+    """Per-tenant and per-connection limits, and the learning share."""
     sec.add_argument("--max-ws-message-bytes", type=_positive(int), default=d.max_ws_message_bytes,
                      help="WebSocket message limit (close 1009 above)")
     sec.add_argument("--tenant-body-bytes", type=_positive(int), metavar="N",
@@ -303,9 +331,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="most of a shared quality statistic's weight one tenant's tasks may hold (0 < F <= 1)")
     sec.add_argument("--ws-handshake-timeout-s", type=_positive(float), default=d.ws_handshake_timeout_s,
                      metavar="S", help="a WebSocket connection not upgraded within S s is closed")
-    ap.add_argument("--no-ws-deflate", action="store_true",
-                    help="do not negotiate permessage-deflate (RFC 7692) on the WebSocket ingress "
-                         "(by default it is used when a client offers it)")
+
+
+def _flow_args(ap: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """Flow control, liveness and resumption (spec §4.4, §5, §8, §9, §10): windows, HB, breakers, retries, QoS slots."""
     f = ap.add_argument_group("flow control, liveness, resumption (spec §4.4, §5, §8, §9, §10)")
     f.add_argument("--window-update-ms", type=_positive(int), default=d.window_update_interval_ms,
                    help="WINDOW_UPDATE period, ms")
@@ -338,6 +367,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="gold kept waiting this long preempts a bronze call (RST EPREEMPT)")
     f.add_argument("--gold-sla-ms", type=_non_negative(float), default=d.gold_sla_ms,
                    help="gold's queueing SLA, ms")
+
+
+def _stream_table_args(ap: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """The stream table (spec §8): open streams and closed ones kept in memory."""
     t = ap.add_argument_group("stream table (spec §8): open streams, closed streams kept in memory "
                               "(reads of the others come from the state store)")
     t.add_argument("--max-streams", type=_positive(int), default=d.max_streams,
@@ -352,7 +385,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="bytes of closed stream logs kept in memory router-wide (the oldest go first)")
     t.add_argument("--no-idle-trim", action="store_true",
                    help="do not give freed memory back to the OS when no stream is open (gc + malloc_trim)")
-    return ap
 
 
 #: The number type an argparse converter below parses.
@@ -500,24 +532,32 @@ def keys_main(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "keys":
-        return keys_main(argv[1:])
-    if argv and argv[0] == "model-server":
-        return local_model.model_server_main(argv[1:])
-    if argv and argv[0] == "eval":
-        from atp_router.review.eval import (
-            main as eval_main,  # it imports the SDK (atp.Client): only eval needs it
-        )
+def _eval_main(argv: list[str]) -> int:
+    from atp_router.review.eval import (
+        main as eval_main,  # it imports the SDK (atp.Client): only eval needs it
+    )
 
-        return eval_main(argv[1:], serve_router=serve_private, model_servers=local_model)
-    if argv and argv[0] == "policy":
-        return policy_main(argv[1:], build_adapter=build_adapter, stages=lambda: describe(DEFAULT_STAGES))
-    if argv and argv[0] == "audit":
-        return audit_main(argv[1:], default_state_dir=_default_state_dir())
-    if argv and argv[0] == "routes":
-        return routes_main(argv[1:])
+    return eval_main(argv, serve_router=serve_private, model_servers=local_model)
+
+
+#: ``atp-router NAME ARGS…``: the subcommands (the module doc), each ``main(ARGS)`` → exit status.
+_SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "keys": keys_main,
+    "model-server": lambda argv: local_model.model_server_main(argv),
+    "eval": _eval_main,
+    "policy": lambda argv: policy_main(argv, build_adapter=build_adapter, stages=lambda: describe(DEFAULT_STAGES)),
+    "audit": lambda argv: audit_main(argv, default_state_dir=_default_state_dir()),
+    "routes": routes_main,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``atp-router`` (the module doc): a subcommand, else the router — one
+    process, the ``--workers`` supervisor, or one of its workers. Returns the
+    exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _SUBCOMMANDS:
+        return _SUBCOMMANDS[argv[0]](argv[1:])
     args, config = _parse(argv, os.environ)
     spec = None
     if args.worker_spec is not None:
@@ -540,7 +580,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("atp_router.deploy").warning("no --auth file and no ATP_ROUTER_TOKENS: authentication is off")
     if args.workers > 1:
         return supervise(config, args.workers, argv)
+    return _serve_main(config)
 
+
+def _serve_main(config: RouterConfig) -> int:
+    """One router in this process (:func:`run`) until SIGINT or SIGTERM: prints
+    the ``listening`` line once it serves; 2 when it refuses to start (its RIB,
+    its state store: the reason on stderr), else 0."""
     refused: Exception | None = None
 
     async def main_async() -> None:

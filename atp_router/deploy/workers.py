@@ -683,39 +683,7 @@ def worker_main(config: RouterConfig, spec: WorkerSpec) -> int:
         except (PolicyError, RuntimeError, StoreError) as e:
             refused = e
             return
-        app = build_app(router)
-        public = ForwardingApp(app, router, worker, private=False)
-        private = ForwardingApp(app, router, worker, private=True)
-        hc = _hyper_config(config, [f"fd://{spec.http_fd}"], tls=True)
-        sock_path = worker_socket(router.state_dir, spec.slot)
-        hc_private = _hyper_config(config, [f"unix:{sock_path}"], tls=False)
-        ws_sock = socket.socket(fileno=spec.ws_fd)
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_watch_parent, spec.parent, nursery.cancel_scope)
-                await nursery.start(router.serve)
-                await nursery.start(router.authenticator.run)
-                if config.tls is not None:
-                    nursery.start_soon(config.tls.watch, 30.0)
-                # hypercorn types an ASGI app's scope and events as TypedDicts; ForwardingApp, like the
-                # Starlette app it wraps, as MutableMapping[str, Any] (Scope, Receive, Send above): the
-                # two typings of one protocol do not unify, in either direction.
-                await nursery.start(lambda task_status: hyper_serve(
-                    public, hc, task_status=task_status))  # type: ignore[arg-type]
-                await nursery.start(lambda task_status: hyper_serve(
-                    private, hc_private, task_status=task_status))  # type: ignore[arg-type]
-                await nursery.start(lambda task_status: serve_ws(router, config.host, 0, sock=ws_sock,
-                                                                 task_status=task_status))
-                importlib.import_module("anyio._backends._trio")
-                gc.freeze()
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    report("ready")  # after the handler: a SIGTERM right after "ready" is a clean stop
-                    async for _ in signals:
-                        break
-                nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True):
-                await public.aclose()
+        await _serve_worker(config, spec, router, worker, report)
 
     trio.run(main_async)
     if refused is not None:
@@ -724,6 +692,46 @@ def worker_main(config: RouterConfig, spec: WorkerSpec) -> int:
         print(f"atp-router worker {spec.slot}: {what}", file=sys.stderr)
         return 2
     return 0
+
+
+async def _serve_worker(config: RouterConfig, spec: WorkerSpec, router: Router, worker: Worker,
+                        report: Callable[[str], None]) -> None:
+    """Serve worker ``spec.slot``'s ``router`` (:func:`worker_main`) until
+    SIGINT/SIGTERM or the supervisor's exit; ``report("ready")`` once every
+    ingress listens."""
+    app = build_app(router)
+    public = ForwardingApp(app, router, worker, private=False)
+    private = ForwardingApp(app, router, worker, private=True)
+    hc = _hyper_config(config, [f"fd://{spec.http_fd}"], tls=True)
+    sock_path = worker_socket(router.state_dir, spec.slot)
+    hc_private = _hyper_config(config, [f"unix:{sock_path}"], tls=False)
+    ws_sock = socket.socket(fileno=spec.ws_fd)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_parent, spec.parent, nursery.cancel_scope)
+            await nursery.start(router.serve)
+            await nursery.start(router.authenticator.run)
+            if config.tls is not None:
+                nursery.start_soon(config.tls.watch, 30.0)
+            # hypercorn types an ASGI app's scope and events as TypedDicts; ForwardingApp, like the
+            # Starlette app it wraps, as MutableMapping[str, Any] (Scope, Receive, Send above): the
+            # two typings of one protocol do not unify, in either direction.
+            await nursery.start(lambda task_status: hyper_serve(
+                public, hc, task_status=task_status))  # type: ignore[arg-type]
+            await nursery.start(lambda task_status: hyper_serve(
+                private, hc_private, task_status=task_status))  # type: ignore[arg-type]
+            await nursery.start(lambda task_status: serve_ws(router, config.host, 0, sock=ws_sock,
+                                                             task_status=task_status))
+            importlib.import_module("anyio._backends._trio")
+            gc.freeze()
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                report("ready")  # after the handler: a SIGTERM right after "ready" is a clean stop
+                async for _ in signals:
+                    break
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await public.aclose()
 
 
 def _hyper_config(config: RouterConfig, binds: list[str], *, tls: bool) -> HyperConfig:

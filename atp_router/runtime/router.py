@@ -98,7 +98,7 @@ from atp_router.observability.metrics import RouterMetrics
 from atp_router.observability.tracing import RouterTracing
 from atp_router.policy.rib import ClientSpec, RateSpec
 from atp_router.runtime.controlplane.control import ControlPlane, Generation
-from atp_router.runtime.controlplane.learning import Learning
+from atp_router.runtime.controlplane.learning import Learning, LearnLimits, has_tenants
 from atp_router.runtime.dataplane import memory
 from atp_router.runtime.dataplane.cache import (
     DEFAULT_MAX_BYTES as DEFAULT_CACHE_MAX_BYTES,
@@ -462,7 +462,10 @@ class Router:
         for restore in state.restore:
             restore(self)
         #: Live FIB metrics, the policies' bandits, feedback and shadow routing (§6.2, §18).
-        self.learning = Learning(self, seed=config.seed)
+        self.learning = Learning(
+            self.store, ledger=self.ledger, metrics=self.metrics, control=self.control, audit=self.audit_event,
+            limits=LearnLimits(config.learn_rate_per_s, config.learn_burst, config.learn_share),
+            tenants=has_tenants(self.authenticate), seed=config.seed)
         self.learning.sync(self.gen)
         #: What the SYN stages are built from (atp_router.runtime.dataplane.opening).
         self.open_parts = OpenParts(admission=self.admission, streams=self.streams, learning=self.learning,

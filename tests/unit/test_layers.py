@@ -85,7 +85,7 @@ FUNCTION_LEVEL_IMPORTS: dict[tuple[str, str, str], str] = {
     ("atp_router/protogen/__init__.py", "_openapi", "atp_router.runtime.admin.openapi"): "protogen: imported when produced",
     # Optional dependency: the SDK (``import atp``; atp.Client), which only
     # ``atp-router eval`` needs; the router starts without it.
-    ("atp_router/deploy/cli.py", "main", "atp_router.review.eval"): "optional dependency: the SDK, for eval only",
+    ("atp_router/deploy/cli.py", "_eval_main", "atp_router.review.eval"): "optional dependency: the SDK, for eval only",
     # Optional dependency: redis-py, imported only by a router on a shared store.
     ("atp_router/deploy/cluster.py", "open_store", "atp_router.store.redis"): "optional dependency: redis-py",
     ("atp_router/store/__init__.py", "__getattr__", "atp_router.store.redis"): "optional dependency: redis-py (lazy attribute)",

@@ -36,8 +36,8 @@ import functools
 import json
 import logging
 import time
-import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -46,7 +46,6 @@ import trio
 from atp_router.consensus.escalation import TEST_FAIL_RULE
 from atp_router.flow.budget import Allowance
 from atp_router.flow.window import Window as FlowWindow
-from atp_router.policy.bandit import ArmDelta
 from atp_router.policy.fib import Route
 from atp_router.policy.learn import (
     CHEAP,
@@ -55,24 +54,35 @@ from atp_router.policy.learn import (
     MIN_OBS,
     Decision,
     RoutingLearner,
-    SharedArm,
     consensus_quality,
     live_stats_of,
-    merge_arm_entry,
-    merge_live_state,
     result_quality,
 )
 from atp_router.policy.rib import PolicySpec
+from atp_router.runtime.controlplane.learn_entries import (
+    ARM_PREFIX,
+    LIVE_KEY,
+    SEQ_KEY,
+    bump_index,
+    decode_arm,
+    decode_live,
+    push_arm,
+    push_live,
+)
 from atp_router.runtime.dataplane.plan import TaskPlan, client_fault
+from atp_router.security.identity import Identity
 from atp_router.wire.errors import AgentError, ATPError, ErrorCode
 from atp_router.wire.frame import QoS, Window
 
 if TYPE_CHECKING:
-    from atp_router.runtime.controlplane.control import Generation
+    from atp_router.flow.budget import BudgetLedger
+    from atp_router.observability.metrics import RouterMetrics
+    from atp_router.runtime.controlplane.control import ControlPlane, Generation
     from atp_router.runtime.dataplane.streams import StreamCtx
-    from atp_router.runtime.router import Router
+    from atp_router.store import Store
 
-__all__ = ["SAVE_INTERVAL_S", "SHARED_SYNC_S", "FeedbackRefused", "Learning", "prompt_text"]
+__all__ = ["SAVE_INTERVAL_S", "SHARED_SYNC_S", "AuditSink", "FeedbackRefused", "LearnLimits", "Learning",
+           "has_tenants", "prompt_text"]
 
 log = logging.getLogger("atp_router.runtime.controlplane.learning")
 
@@ -82,9 +92,6 @@ SAVE_INTERVAL_S = 5.0
 SHARED_SYNC_S = 1.0
 #: Every this many shared syncs, arms are read back even if the index says unchanged.
 _FULL_PULL_EVERY = 30
-_ARM_PREFIX = "bandit/"
-_LIVE_KEY = "live/stats"
-_SEQ_KEY = "learn/seqs"
 _FEEDBACK_PREFIX = "feedback/"
 #: Content keys whose text the bandit's featurizer reads (first ones first).
 TEXT_KEYS = ("prompt", "question", "text", "input", "diff", "query")
@@ -108,61 +115,34 @@ def prompt_text(content: Any, limit: int = 4_000) -> str:
     return "\n".join(parts)
 
 
-def _push_arm(arm: SharedArm, delta: ArmDelta, rib: int, seq: int, old: bytes | None) -> bytes | None:
-    """``Store.update`` function of one arm's entry (pure: it may run again).
-    Shared entries are msgpack compressed by zlib (level 1: ~0.15 ms for an arm
-    of 4,096 weights; an arm's untouched weights all hold the prior, so it
-    shrinks many times — the bytes a shared store moves per sync)."""
-    entry = merge_arm_entry(_decode_arm(old), arm, delta, rib=rib, seq=seq)
-    return old if entry is None else zlib.compress(msgspec.msgpack.encode(entry), 1)
-
-
-def _decode_arm(raw: bytes | None) -> dict[str, Any] | None:
-    """A stored arm entry: msgpack (a single router's save), or zlib-compressed
-    msgpack (shared; a zlib stream starts with 0x78, which no msgpack map does)."""
-    if raw is None:
-        return None
+def has_tenants(authenticate: Callable[[None], object]) -> bool:
+    """Does a router whose ingresses call ``authenticate`` (its
+    :meth:`Router.authenticate <atp_router.runtime.router.Router.authenticate>`)
+    tell callers apart (a caller without credentials is refused)?"""
     try:
-        if raw[:1] == b"\x78":
-            raw = zlib.decompress(raw)
-        entry = msgspec.msgpack.decode(raw)
-    except (msgspec.DecodeError, zlib.error):
-        return None
-    return entry if isinstance(entry, dict) else None
-
-
-def _push_live(deltas: Mapping[str, Any], rib: int, agents: tuple[str, ...], seq: int,
-               old: bytes | None) -> bytes:
-    """``Store.update`` function of the live statistics (pure)."""
-    return json.dumps(merge_live_state(_decode_live(old), deltas, rib=rib, agents=agents, seq=seq)).encode()
-
-
-def _decode_live(raw: bytes | None) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def _bump_index(written: Mapping[str, int], old: bytes | None) -> bytes:
-    """``Store.update`` function of the ``learn/seqs`` index: each key's highest sequence number."""
-    index = _decode_live(old) or {}
-    for key, seq in written.items():
-        prev = index.get(key)
-        index[key] = max(seq, prev) if isinstance(prev, int) else seq
-    return json.dumps(index).encode()
-
-
-def _has_tenants(router: Router) -> bool:
-    """Does ``router`` tell callers apart (a caller without credentials is refused)?"""
-    try:
-        router.authenticate(None)
+        authenticate(None)
     except ATPError:
         return True
     return False
+
+
+#: One record of the security audit trail: ``(kind, identity, detail)``
+#: (:meth:`Router.audit_event <atp_router.runtime.router.Router.audit_event>`).
+AuditSink = Callable[[str, Identity | None, Mapping[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class LearnLimits:
+    """How much one tenant may teach the shared routing state (spec §6.2): at
+    most ``rate_per_s`` finished tasks per second with bursts of ``burst`` (a
+    token bucket, ``RouterConfig.learn_rate_per_s``/``learn_burst``), and at
+    most ``share`` of a shared statistic's quality weight
+    (:class:`~atp_router.policy.learn.TenantShares`, ``RouterConfig.learn_share``;
+    1.0: no cap)."""
+
+    rate_per_s: float
+    burst: int
+    share: float
 
 
 class FeedbackRefused(Exception):
@@ -232,14 +212,26 @@ def agreement_quality(found: list[Any], reference: list[Any]) -> float:
 
 
 class Learning:
-    """Learning state of one router (see the module doc)."""
+    """Learning state of one router (see the module doc), built from the parts
+    it uses: the ``store`` its state is saved in (and feedback recorded in), the
+    budget ``ledger`` shadow runs are charged to, the router's ``metrics``, the
+    ``control`` plane (the running generation, a tenant's RIB ``clients``
+    entry, the hold on a generation a shadow call runs on), the ``audit`` trail,
+    each tenant's learning ``limits`` and whether the router ``tenants`` tells
+    callers apart (:func:`has_tenants`), and the bandits' ``seed``."""
 
-    def __init__(self, router: Router, *, seed: int | None = None):
-        self.router = router
+    def __init__(self, store: Store, *, ledger: BudgetLedger, metrics: RouterMetrics, control: ControlPlane,
+                 audit: AuditSink, limits: LearnLimits, tenants: bool, seed: int | None = None):
+        self.store = store
+        self.ledger = ledger
+        self.metrics = metrics
+        self.control = control
+        self.audit = audit
+        self.limits = limits
         # Each tenant's share of the shared quality evidence (TenantShares): on a
         # router with credentials; one without (every caller the one tenant
         # "anonymous", a local appliance) has no other tenant to share with.
-        self.learner = RoutingLearner(seed=seed, share=router.config.learn_share if _has_tenants(router) else 1.0)
+        self.learner = RoutingLearner(seed=seed, share=limits.share if tenants else 1.0)
         self._version: int | None = None
         #: Per tenant (tokens, last refill): how much more it may teach the shared state.
         self._buckets: dict[str, tuple[float, float]] = {}
@@ -251,10 +243,10 @@ class Learning:
         self._load()
 
     def _may_learn(self, tenant: str, now: float) -> bool:
-        """The tenant's learning token bucket (``learn_rate_per_s``, ``learn_burst``)."""
-        cfg = self.router.config
-        tokens, last = self._buckets.get(tenant, (float(cfg.learn_burst), now))
-        tokens = min(float(cfg.learn_burst), tokens + (now - last) * cfg.learn_rate_per_s)
+        """The tenant's learning token bucket (:class:`LearnLimits` ``rate_per_s``, ``burst``)."""
+        lim = self.limits
+        tokens, last = self._buckets.get(tenant, (float(lim.burst), now))
+        tokens = min(float(lim.burst), tokens + (now - last) * lim.rate_per_s)
         if tokens < 1.0:
             self._buckets[tenant] = (tokens, now)
             return False
@@ -263,18 +255,18 @@ class Learning:
 
     # ----------------------------------------------------------- store
     def _load(self) -> None:
-        store = self.router.store
+        store = self.store
         rows = []
-        for key, raw in store.items(_ARM_PREFIX):
+        for key, raw in store.items(ARM_PREFIX):
             try:
-                obj = _decode_arm(raw)
+                obj = decode_arm(raw)
                 if obj is None:
                     raise TypeError(key)
                 rows.append((obj["policy"], obj["arm"], obj["fingerprint"], obj["state"]))
             except (KeyError, TypeError):
                 log.warning("learning: unreadable arm state %s skipped", key)
         self.learner.load_arms(rows)
-        live_raw = store.get(_LIVE_KEY)
+        live_raw = store.get(LIVE_KEY)
         if live_raw:
             try:
                 n = self.learner.live.load(json.loads(live_raw))
@@ -284,14 +276,14 @@ class Learning:
 
     def save(self) -> None:
         """Write changed arms and live statistics to the store."""
-        store = self.router.store
+        store = self.store
         for policy, arm, fp, state in self.learner.dirty_arms():
-            store.put(f"{_ARM_PREFIX}{policy}/{arm}",
+            store.put(f"{ARM_PREFIX}{policy}/{arm}",
                       msgspec.msgpack.encode({"policy": policy, "arm": arm, "fingerprint": fp, "state": state}))
         live = self.learner.live
         if live.changed:
             live.changed.clear()
-            store.put(_LIVE_KEY, json.dumps(live.state()).encode())
+            store.put(LIVE_KEY, json.dumps(live.state()).encode())
 
     async def run(self) -> None:
         """Save every :data:`SAVE_INTERVAL_S`; once more when cancelled. A
@@ -334,13 +326,13 @@ class Learning:
         was lost — the connection cut at that instant — is pushed again, so
         that interval of this router's learning counts twice.) Returns
         ``{"pushed": n, "pulled": n}`` (arms and the live document)."""
-        store = self.router.store
-        gen = self.router.gen
+        store = self.store
+        gen = self.control.gen
         self.sync(gen)
         rib = self._version or 0
         self._syncs += 1
         full = self._syncs % _FULL_PULL_EVERY == 1
-        raw = store.get(_SEQ_KEY)
+        raw = store.get(SEQ_KEY)
         try:
             index = json.loads(raw) if raw else {}
         except ValueError:
@@ -352,36 +344,36 @@ class Learning:
         pulled = 0
         try:
             for arm in self.learner.shared_arms():
-                key = f"{_ARM_PREFIX}{arm.policy}/{arm.arm}"
+                key = f"{ARM_PREFIX}{arm.policy}/{arm.arm}"
                 delta = arm.model.delta(arm.base)
                 if not delta.empty:
-                    new = store.update(key, functools.partial(_push_arm, arm, delta, rib, seq))
-                    entry = _decode_arm(new)
+                    new = store.update(key, functools.partial(push_arm, arm, delta, rib, seq))
+                    entry = decode_arm(new)
                     if entry is not None and arm.synced(entry):
                         written[key] = arm.seq or 0
                 elif full or index.get(key) != arm.seq:
-                    entry = _decode_arm(store.get(key))
+                    entry = decode_arm(store.get(key))
                     if entry is not None and entry.get("seq") != arm.seq and arm.synced(entry):
                         pulled += 1
             live = self.learner.live
             priors = self.learner.priors
             deltas = live.deltas()
             if deltas:
-                new = store.update(_LIVE_KEY, functools.partial(_push_live, deltas, rib, tuple(priors), seq))
-                doc = _decode_live(new)
+                new = store.update(LIVE_KEY, functools.partial(push_live, deltas, rib, tuple(priors), seq))
+                doc = decode_live(new)
                 if doc is not None:
                     live.adopt(live_stats_of(doc), priors, pushed=True)
                     self._live_seq, self._live_raw = doc.get("seq"), new
-                    written[_LIVE_KEY] = int(doc.get("seq", 0))
-            elif full or index.get(_LIVE_KEY) != self._live_seq:
-                new = store.get(_LIVE_KEY)
-                if new is not None and new != self._live_raw and (doc := _decode_live(new)) is not None:
+                    written[LIVE_KEY] = int(doc.get("seq", 0))
+            elif full or index.get(LIVE_KEY) != self._live_seq:
+                new = store.get(LIVE_KEY)
+                if new is not None and new != self._live_raw and (doc := decode_live(new)) is not None:
                     live.adopt(live_stats_of(doc), priors, pushed=False)
                     self._live_seq, self._live_raw = doc.get("seq"), new
                     pulled += 1
         finally:
             if written:
-                store.update(_SEQ_KEY, functools.partial(_bump_index, written))
+                store.update(SEQ_KEY, functools.partial(bump_index, written))
         return {"pushed": len(written), "pulled": pulled}
 
     # ----------------------------------------------------------- decisions
@@ -422,7 +414,7 @@ class Learning:
                                            qos=str(qos) if qos is not None else None)
         if decision is not None:
             for a in decision.order[: decision.k]:
-                self.router.metrics.bandit_choices.labels(route.policy, a).inc()
+                self.metrics.bandit_choices.labels(route.policy, a).inc()
         return new, decision
 
     def task_done(self, ctx: StreamCtx, plan: TaskPlan, final: Any | None, escalated_to: str | None) -> dict[str, float]:
@@ -430,7 +422,7 @@ class Learning:
         None: no next-hop produced a result), within the tenant's learning rate.
         Returns each called agent's quality ({} when nothing was learned)."""
         if not self._may_learn(ctx.tenant, trio.current_time()):
-            self.router.metrics.learning_skipped.labels(ctx.route.policy).inc()
+            self.metrics.learning_skipped.labels(ctx.route.policy).inc()
             return {}
         policy = ctx.route.policy
         called: list[str] = []
@@ -486,7 +478,7 @@ class Learning:
         if not ctx.log.closed:
             raise FeedbackRefused(409, "the stream is still running: send feedback after its FINAL")
         key = f"{_FEEDBACK_PREFIX}{ctx.tenant}/{ctx.stream_id}"
-        store = self.router.store
+        store = self.store
         if store.get(key) is not None:
             raise FeedbackRefused(409, "feedback for this stream was already given")
         decision = ctx.decision
@@ -511,7 +503,7 @@ class Learning:
         store.put(key, json.dumps({"score": score, "labels": labels}).encode())
         qualities = {a: score for a in served}
         # An untrusted tenant's scores train only its own routing (RIB clients.<t>.feedback).
-        shared = self.router.client_spec(ctx.tenant).feedback == "shared"
+        shared = self.control.client_spec(ctx.tenant).feedback == "shared"
         learned = isinstance(decision, Decision) and self.learner.has_bandit(decision.policy)
         if learned:
             self.learner.observe(decision, qualities, weight=2.0, tenant_only=not shared, tenant=ctx.tenant)
@@ -521,7 +513,7 @@ class Learning:
         elif shared:
             for a in served:
                 self.learner.observe_quality(a, score, policy=policy, weight=2.0, tenant=ctx.tenant)
-        self.router.metrics.feedback.labels(policy or "").inc()
+        self.metrics.feedback.labels(policy or "").inc()
         return {"stream_id": ctx.stream_id, "agents": served, "score": score, "labels": labels, "bandit": learned,
                 "scope": "shared" if shared else "tenant"}
 
@@ -538,19 +530,18 @@ class Learning:
     async def shadow(self, ctx: StreamCtx, plan: TaskPlan, final: Any, gen: Generation, hop: Any,
                      served_quality: float) -> None:
         """Run ``hop`` on the task in the shadow (see the module doc)."""
-        router = self.router
         policy = ctx.route.policy
         spec = _policy_spec(gen, policy)
         assert spec is not None and spec.shadow is not None
         parent = f"shadow:{policy}"
         limit = Allowance.from_budget(spec.shadow.budget)
-        ledger = router.ledger
+        ledger = self.ledger
         if ledger.has(parent):
             ledger.set_limit(parent, limit, clamp=True)
         else:
             ledger.open(parent, limit)
         if ledger.exhausted(parent):
-            router.metrics.shadow_runs.labels(policy, hop.agent, "budget").inc()
+            self.metrics.shadow_runs.labels(policy, hop.agent, "budget").inc()
             return
         account = f"{parent}:{ctx.tenant}:{ctx.stream_id}"
         ledger.open(account, Allowance.from_budget(ctx.budget), parent=parent)
@@ -566,7 +557,7 @@ class Learning:
         io = _ShadowIO(account)
         outcome = "ok"
         hold = _GenHold(gen)
-        router.control.hold(hold)  # a reload meanwhile must not close the challenger's adapter
+        self.control.hold(hold)  # a reload meanwhile must not close the challenger's adapter
         try:
             shadow_final = await gen.dispatcher.run(io, splan)
             findings = [f for f in shadow_final.result.findings]
@@ -575,20 +566,20 @@ class Learning:
             outcome = str(e.code)
             q = 0.0
         finally:
-            router.control.release(hold)
+            self.control.release(hold)
             try:
                 ledger.close(account)
             except ValueError:
                 pass
         regret = q - served_quality
-        router.metrics.shadow_runs.labels(policy, hop.agent, outcome).inc()
-        router.metrics.shadow_regret.labels(policy, hop.agent).observe(regret)
+        self.metrics.shadow_runs.labels(policy, hop.agent, outcome).inc()
+        self.metrics.shadow_regret.labels(policy, hop.agent).observe(regret)
         decision = ctx.decision if isinstance(ctx.decision, Decision) else None
         if outcome != str(ErrorCode.EBUDGET):  # a spent shadow budget says nothing of the agent
             if decision is not None:
                 self.learner.observe(decision, {hop.agent: q})
             else:
                 self.learner.observe_quality(hop.agent, q, policy=policy)
-        router.audit_event("shadow", ctx.identity, {"session_id": ctx.session_id, "stream_id": ctx.stream_id,
-                                                    "agent": hop.agent, "outcome": outcome,
-                                                    "quality": round(q, 4), "regret": round(regret, 4)})
+        self.audit("shadow", ctx.identity, {"session_id": ctx.session_id, "stream_id": ctx.stream_id,
+                                            "agent": hop.agent, "outcome": outcome,
+                                            "quality": round(q, 4), "regret": round(regret, 4)})

@@ -47,12 +47,15 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from atp_router.flow.breaker import BreakerShare, BreakerTransition
+from atp_router.flow.breaker import BreakerBoard, BreakerShare, BreakerTransition
 from atp_router.runtime.controlplane.learning import SHARED_SYNC_S
 from atp_router.store import StoreError
 
 if TYPE_CHECKING:
+    from atp_router.runtime.controlplane.control import ControlPlane
+    from atp_router.runtime.controlplane.learning import Learning
     from atp_router.runtime.router import Router
+    from atp_router.store import Store
 
 __all__ = ["BREAKER_POLL_S", "BREAKER_PREFIX", "background_tasks"]
 
@@ -69,7 +72,9 @@ def background_tasks(router: Router, owner: str) -> list[Callable[[], Awaitable[
     that keep them shared (see the module doc): a background service of the
     router (:data:`~atp_router.runtime.deployment.Service`, ``Router(services=[...])``),
     called once when it starts serving, before traffic. ``owner`` (its name in
-    the store) names it in the breaker records."""
+    the store) names it in the breaker records. The loops are given the
+    router's parts they use (its learning, store, breakers and control plane),
+    not the router."""
     router.learning.share()
     share = BreakerShare(owner)
     wake = _Wake()
@@ -79,9 +84,9 @@ def background_tasks(router: Router, owner: str) -> list[Callable[[], Awaitable[
             wake.set()
 
     router.gates.breakers.add_listener(on_transition)
-    return [functools.partial(_sync_learning, router),
-            functools.partial(_publish_breakers, router, share, wake),
-            functools.partial(_follow_breakers, router, share)]
+    return [functools.partial(_sync_learning, router.learning),
+            functools.partial(_publish_breakers, router.store, share, wake),
+            functools.partial(_follow_breakers, router.store, router.gates.breakers, router.control, share)]
 
 
 def _now_ms() -> int:
@@ -120,9 +125,9 @@ class _Outage:
         self.down = False
 
 
-def _sync_once(router: Router, outage: _Outage) -> None:
+def _sync_once(learning: Learning, outage: _Outage) -> None:
     try:
-        router.learning.sync_shared()
+        learning.sync_shared()
     except StoreError as e:
         outage.failed(e)
     except Exception:
@@ -131,17 +136,17 @@ def _sync_once(router: Router, outage: _Outage) -> None:
         outage.ok()
 
 
-async def _sync_learning(router: Router) -> None:
+async def _sync_learning(learning: Learning) -> None:
     outage = _Outage("learning")
     try:
         while True:
             await trio.sleep(SHARED_SYNC_S)
-            _sync_once(router, outage)
+            _sync_once(learning, outage)
     finally:
-        _sync_once(router, outage)  # synchronous store calls: runs to the end when cancelled
+        _sync_once(learning, outage)  # synchronous store calls: runs to the end when cancelled
 
 
-async def _publish_breakers(router: Router, share: BreakerShare, wake: _Wake) -> None:
+async def _publish_breakers(store: Store, share: BreakerShare, wake: _Wake) -> None:
     """Publish each breaker opening (or closing) as it happens."""
     outage = _Outage("breakers")
     while True:
@@ -151,7 +156,7 @@ async def _publish_breakers(router: Router, share: BreakerShare, wake: _Wake) ->
         failed: dict[str, dict[str, Any]] = {}
         for agent, rec in records.items():
             try:
-                router.store.update(f"{BREAKER_PREFIX}{agent}",
+                store.update(f"{BREAKER_PREFIX}{agent}",
                                     functools.partial(_merge_record, rec, _now_ms()))
             except StoreError as e:
                 outage.failed(e)
@@ -176,12 +181,13 @@ def _merge_record(rec: dict[str, Any], now_ms: int, old: bytes | None) -> bytes:
     return json.dumps(BreakerShare.merge(existing, rec, now_ms)).encode()
 
 
-async def _follow_breakers(router: Router, share: BreakerShare) -> None:
+async def _follow_breakers(store: Store, breakers: BreakerBoard, control: ControlPlane,
+                           share: BreakerShare) -> None:
     """Every :data:`BREAKER_POLL_S`: apply the other routers' breaker records."""
     outage = _Outage("breaker follower")
     while True:
         try:
-            items = router.store.items(BREAKER_PREFIX)
+            items = store.items(BREAKER_PREFIX)
         except StoreError as e:
             outage.failed(e)
             items = None
@@ -196,8 +202,8 @@ async def _follow_breakers(router: Router, share: BreakerShare) -> None:
                     records[key.removeprefix(BREAKER_PREFIX)] = json.loads(raw)
                 except ValueError:
                     continue
-            moved = share.follow(router.gates.breakers, records, now=trio.current_time(), now_ms=_now_ms(),
-                                 agents=router.gen.rib.agents)
+            moved = share.follow(breakers, records, now=trio.current_time(), now_ms=_now_ms(),
+                                 agents=control.gen.rib.agents)
             for agent, rec in moved:  # the transition itself is logged once, by the router
                 log.debug("circuit breaker of %s: %s by router %s (%s)", agent, rec.get("state"), rec.get("owner"),
                           rec.get("reason"), extra={"agent": agent})
