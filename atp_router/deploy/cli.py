@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         async with trio.open_nursery() as nursery:
             try:
                 router, http_port, ws_port = await nursery.start(run, config)
-            except (PolicyError, RuntimeError, StoreError) as e:
+            except (PolicyError, RuntimeError, StoreError, OSError) as e:
                 # Caught here: out of the nursery it would come wrapped in an ExceptionGroup.
                 refused = e
                 nursery.cancel_scope.cancel()
