@@ -967,6 +967,7 @@ def _empty_refusal(path: Path, marker: Path) -> str:
 
 def _damaged(path: Path, problem: str) -> str:
     fixed = path.with_name("recovered.db")
+    problem = " ".join(problem.replace("*** in database main ***", "").split())  # one line
     return (f"{path} is damaged ({problem}); refusing to start on it. Recover what it holds into a new file: "
             f"sqlite3 {shlex.quote(str(path))} \".recover\" | sqlite3 {shlex.quote(str(fixed))} — then move the "
             f"damaged file aside and {fixed.name} to {path.name}")
@@ -1001,7 +1002,7 @@ def _quick_check(conn: sqlite3.Connection, path: Path, check_s: float) -> None:
         conn.set_progress_handler(None, 0)
     problems = [str(r[0]) for r in rows if r[0] != "ok"]
     if problems:
-        raise StoreError(_damaged(path, "PRAGMA quick_check: " + "; ".join(problems)[:300]))
+        raise StoreError(_damaged(path, "PRAGMA quick_check: " + "; ".join(problems)[:400]))
 
 
 def _write_marker(marker: Path) -> None:
