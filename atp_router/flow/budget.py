@@ -286,6 +286,7 @@ class BudgetLedger:
             except BaseException:
                 # Not journaled, not held: the call must not run on it.
                 del self._open[r.id]
+                self._next_id -= 1  # never stored: the id is free again
                 acct.open -= 1
                 for a in acct.chain:
                     a.reserved_tokens -= tokens

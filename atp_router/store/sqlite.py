@@ -55,6 +55,22 @@ state directory written by a newer router is refused with
 :class:`~atp_router.store.base.SchemaError` rather than misread; an older one is
 migrated in place (version 1 → 2: the ``reserved_*`` and ``owner`` columns). The state directory
 is created with mode 0700 and ``state.db`` with 0600.
+
+Faults (issue 22 item 5). At start, :meth:`SqliteStore.open` refuses with a one-line
+:class:`~atp_router.store.base.StoreError` naming the file: a damaged database
+(``PRAGMA quick_check``, at most :data:`QUICK_CHECK_S` — past it the store opens
+unchecked, with a warning; the line gives the repair command, ``sqlite3 state.db
+".recover" | sqlite3 recovered.db``); a directory that has held state — its
+:data:`STATE_MARKER`, written when its database got a schema — whose
+``state.db`` is missing, 0 bytes or without tables (delete the marker to accept a
+new, empty ledger); a directory or file that cannot be created, opened or written.
+A write that finds the disk full (``SQLITE_FULL``) raises
+:class:`~atp_router.store.base.StoreFull` ("state store full: <path>: no space left
+on device"), an I/O error :class:`~atp_router.store.base.StoreUnavailable`
+(:func:`write_fault`); either way the transaction is rolled back first — also a
+``COMMIT`` that failed, which would otherwise leave the connection inside it and
+every later write refused — so the first write after space returns succeeds.
+What the router does meanwhile: :mod:`atp_router.deploy.single`.
 """
 
 from __future__ import annotations
