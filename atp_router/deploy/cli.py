@@ -594,8 +594,9 @@ def _serve_main(config: RouterConfig) -> int:
         async with trio.open_nursery() as nursery:
             try:
                 router, http_port, ws_port = await nursery.start(run, config)
-            except (PolicyError, RuntimeError, StoreError) as e:
-                # Caught here: out of the nursery it would come wrapped in an ExceptionGroup.
+            except (PolicyError, RuntimeError, StoreError, OSError, ValueError) as e:
+                # Caught here: out of the nursery it would come wrapped in an ExceptionGroup. Every
+                # start-up refusal (a state directory or key file that cannot be used) is one line.
                 refused = e
                 nursery.cancel_scope.cancel()
                 return

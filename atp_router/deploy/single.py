@@ -18,6 +18,23 @@
 
 ``atp-router --workers N`` runs this start-up once in its supervisor
 (:mod:`atp_router.deploy.workers`, ``lock=False``: the supervisor holds the lock).
+
+Faults of the store (:mod:`atp_router.store.sqlite`, Faults). Start-up refusals
+(a damaged file, a directory that held state with its database gone, a
+directory or file that cannot be written) are :class:`~atp_router.store.base.StoreError`
+or ``RuntimeError`` with a one-line message, which ``atp-router`` prints
+without a traceback. While the store cannot take writes
+(:class:`~atp_router.store.base.StoreFull`: the disk is full), the router stays up:
+
+* new spend is refused (:class:`EmbeddedLedger`): a new stream with ``EBUDGET``
+  and ``retry_after_ms`` :data:`RETRY_AFTER_MS` (over HTTP 503 + ``Retry-After``)
+  and a reason naming the file; a running stream's next call with ``EBUDGET``
+  (an ERROR, not a hang);
+* spend already made is kept (:class:`~atp_router.store.base.StoreJournal`) and
+  written as soon as the store takes writes again (tried every
+  :data:`SETTLE_RETRY_S`), the events of running streams are sent and their
+  writes retried (``StreamTable.hold_unstored`` False); nothing waits for an
+  operator: the first write that fits ends the fault.
 """
 
 from __future__ import annotations
@@ -27,31 +44,43 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
+import trio
 
-from atp_router.flow.budget import BudgetLedger
+from atp_router.flow.budget import Allowance, BudgetLedger, Refusal, Reservation
 from atp_router.runtime.controlplane.control import BODY_SOURCE
 from atp_router.runtime.deployment import StateParts
 from atp_router.runtime.router import Router, RouterConfig
 from atp_router.security.audit import AuditLog
-from atp_router.store import SqliteStore, Store, StoreJournal
+from atp_router.store import (
+    SqliteStore,
+    Store,
+    StoreError,
+    StoreJournal,
+    StoreUnavailable,
+)
 from atp_router.store.sqlite import sync_mode
-from atp_router.wire.errors import ErrorCode
+from atp_router.wire.errors import ATPError, ErrorCode
 from atp_router.wire.frame import ErrorPayload, Flag, Frame, Payload, PayloadType
 
-__all__ = ["INTERRUPTED", "Deployed", "build", "closing", "deploy", "end_interrupted", "lock_state_dir", "mark_interrupted", "open_state",
-           "restore_ledger", "restore_rib", "state_directory"]
+__all__ = ["INTERRUPTED", "RETRY_AFTER_MS", "SETTLE_RETRY_S", "Deployed", "EmbeddedLedger", "build", "closing", "deploy",
+           "end_interrupted", "lock_state_dir", "mark_interrupted", "open_state", "restore_ledger", "restore_rib",
+           "settle_journal", "state_directory", "store_fault_reason"]
 
 log = logging.getLogger("atp_router.deploy.single")
 
 #: The RST reason of a stream that was running when the router stopped (spec §8).
 INTERRUPTED = ("interrupted: the router restarted while the stream ran; it was not re-run — "
                "open a new stream (new idempotency_key) to run it again")
+#: ``retry_after_ms`` of new spend refused while the store cannot take writes (a full disk).
+RETRY_AFTER_MS = 1000
+#: How often the budget settlements the store could not take are tried again, s.
+SETTLE_RETRY_S = 0.5
 _stored_decoder = msgspec.json.Decoder(Frame)
 
 
@@ -86,10 +115,69 @@ def build(config: RouterConfig, *, lock: bool = True, **kw: Any) -> Router:
     """The router of one process on ``config.state_dir`` (module docstring);
     ``lock`` False when the caller holds the directory's lock already (the
     ``--workers`` supervisor). ``kw`` as for :class:`~atp_router.runtime.router.Router`
-    (``authenticator``, ``syn_stages``). Raises
+    (``authenticator``, ``syn_stages``; ``services`` run beside :func:`settle_journal`;
+    ``store_refusal`` by default :data:`RETRY_AFTER_MS` ``EBUDGET`` naming the fault). Raises
     :class:`~atp_router.wire.errors.PolicyError` if the RIB is refused, ``RuntimeError``
-    when another process holds the state directory."""
-    return Router(config, open_state(config, lock=lock), **kw)
+    when another process holds the state directory or it cannot be written,
+    :class:`~atp_router.store.base.StoreError` when the store is refused (module docstring)."""
+    kw["services"] = (settle_journal, *kw.get("services", ()))
+    kw.setdefault("store_refusal", _refusal)
+    router = Router(config, open_state(config, lock=lock), **kw)
+    router.streams.hold_unstored = False  # one router on its own store: a full disk stalls no stream
+    return router
+
+
+def store_fault_reason(e: BaseException) -> str:
+    """The one wording of new spend refused while the store cannot take writes."""
+    return f"{e}: new spend is refused until the state store takes writes again; retry"
+
+
+def _refusal(op: str, e: StoreUnavailable) -> ATPError:
+    # The router's store_refusal: an open the store could not take (HTTP 503 + Retry-After).
+    log.error("state store: %s refused: %s", op, e)
+    return ATPError(ErrorCode.EBUDGET, store_fault_reason(e), retry_after_ms=RETRY_AFTER_MS)
+
+
+class EmbeddedLedger(BudgetLedger):
+    """The budget ledger of a router on its embedded store, journaled there by a
+    :class:`~atp_router.store.base.StoreJournal`: new spend the store cannot
+    take (:class:`~atp_router.store.base.StoreUnavailable`, a full disk) is
+    refused and undone — :meth:`open` raises :class:`~atp_router.wire.errors.ATPError`
+    ``EBUDGET`` with ``retry_after_ms`` :data:`RETRY_AFTER_MS` (the SYN is refused),
+    :meth:`reserve` returns an ``EBUDGET`` :class:`~atp_router.flow.budget.Refusal`
+    (the call is not made); settlements are kept by the journal, never refused."""
+
+    def open(self, key: str, limit: Allowance, *, parent: str | None = None) -> None:
+        try:
+            super().open(key, limit, parent=parent)
+        except StoreUnavailable as e:
+            log.error("state store: budget account %s not opened: %s", key, e)
+            raise ATPError(ErrorCode.EBUDGET, store_fault_reason(e), retry_after_ms=RETRY_AFTER_MS) from None
+
+    def reserve(self, key: str, tokens: int, usd_micros: int) -> Reservation | Refusal:
+        try:
+            return super().reserve(key, tokens, usd_micros)
+        except StoreUnavailable as e:
+            log.error("state store: reservation on %s refused: %s", key, e)
+            return Refusal(key=key, reason=store_fault_reason(e), remaining=Allowance(tokens=0, usd_micros=0))
+
+
+def settle_journal(router: Router) -> Sequence[Callable[[], Awaitable[None]]]:
+    """The router's service (:data:`~atp_router.runtime.deployment.Service`) writing
+    the budget settlements its store could not take (a full disk) once it can,
+    tried every :data:`SETTLE_RETRY_S`."""
+    journal = router.ledger.journal
+    if not isinstance(journal, StoreJournal):
+        return ()
+
+    async def settle() -> None:
+        while True:
+            await trio.sleep(SETTLE_RETRY_S)
+            kept = journal.pending
+            if kept and journal.flush():
+                log.warning("state store takes writes again: %d kept budget settlements written", kept)
+
+    return (settle,)
 
 
 def open_state(config: RouterConfig, *, lock: bool = True) -> StateParts:
@@ -97,11 +185,31 @@ def open_state(config: RouterConfig, *, lock: bool = True) -> StateParts:
     restored ledger, audit chain; restored into the router by
     :func:`mark_interrupted` and :func:`restore_rib`."""
     state_dir, tmp, held = state_directory(config, lock=lock)
-    store = SqliteStore.open(state_dir, synchronous=sync_mode(config.state_sync))
-    ledger = restore_ledger(store)
-    audit_log = AuditLog.open(store, state_dir, options=config.audit, warn=tmp is None)
+    store: SqliteStore | None = None
+    try:
+        store = SqliteStore.open(state_dir, synchronous=sync_mode(config.state_sync))
+        ledger = restore_ledger(store)
+        audit_log = AuditLog.open(store, state_dir, options=config.audit, warn=tmp is None)
+    except BaseException:
+        # Refused: nothing stays open (the directory can be opened again, in this process too).
+        if store is not None:
+            store.close()
+        if held is not None:
+            held.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    close = closing(audit_log, store, lock=held, tmp=tmp)
+
+    def settle_and_close() -> None:
+        journal = ledger.journal
+        if isinstance(journal, StoreJournal) and journal.pending and not journal.flush():
+            log.error("state: %d budget settlements not written at shutdown (the store takes no writes); the next "
+                      "start commits their reservations at the reserved amount", journal.pending)
+        close()
+
     return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
-                      close=closing(audit_log, store, lock=held, tmp=tmp), restore=(mark_interrupted, restore_rib))
+                      close=settle_and_close, restore=(mark_interrupted, restore_rib))
 
 
 def state_directory(config: RouterConfig, *, lock: bool = True) -> tuple[Path, Path | None, Any]:
@@ -123,6 +231,8 @@ def closing(audit_log: AuditLog, store: Store, *, lock: Any = None, tmp: Path | 
     def close() -> None:
         try:
             audit_log.close()
+        except (OSError, StoreError) as e:  # a full disk: the records stored so far are verified at the next start
+            log.error("state: the audit chain's last checkpoint not written at shutdown: %s", e)
         finally:
             store.close()
             if lock is not None:
@@ -141,7 +251,7 @@ def restore_ledger(store: Store) -> BudgetLedger:
     recovered = store.recover()
     if recovered:
         log.warning("state: %d calls in flight at the last stop committed at their reserved amount", len(recovered))
-    ledger = BudgetLedger()
+    ledger = EmbeddedLedger()
     snapshot = store.load_ledger()
     ledger.restore(snapshot)
     ledger.journal = StoreJournal(store)
@@ -192,9 +302,14 @@ def end_interrupted(store: Store, rec: Any, reason: str) -> None:
 def lock_state_dir(state_dir: Path) -> Any:
     """Hold ``<state_dir>/router.lock`` for the life of the process: two routers on
     one state directory would interleave ledgers and the audit chain. Raises
-    ``RuntimeError`` naming the directory when another process holds it."""
-    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    f = open(state_dir / "router.lock", "a+")  # noqa: SIM115 (held until the process exits)
+    ``RuntimeError`` naming the directory when another process holds it or it
+    cannot be created or written."""
+    try:
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        f = open(state_dir / "router.lock", "a+")  # noqa: SIM115 (held until the process exits)
+    except OSError as e:
+        raise RuntimeError(f"state directory {state_dir} cannot be used: {e.strerror or e} "
+                           f"({e.filename or state_dir}); the router needs it readable and writable") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

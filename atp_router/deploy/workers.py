@@ -814,7 +814,7 @@ def supervise(config: RouterConfig, workers: int, argv: list[str]) -> int:
         if left:
             log.warning("state: %d calls in flight at the last stop committed at their reserved amount", len(left))
         summary = trio.run(_recover, config)
-    except (PolicyError, RuntimeError, StoreError) as e:
+    except (PolicyError, RuntimeError, StoreError, OSError, ValueError) as e:  # every start-up refusal: one line
         what = f"policy refused: {e.reason}" if isinstance(e, PolicyError) else str(e)
         print(f"atp-router: {what}", file=sys.stderr)
         lock.close()

@@ -37,6 +37,8 @@ overage of a cut call is then at most the one usage report that passed. Hence, f
 Durability stays out of this module (no I/O): a :class:`LedgerJournal` given as
 ``BudgetLedger(journal=...)`` is told of every mutation right after it
 succeeded in memory, so a store can persist it (``atp_router.store.StoreJournal``);
+a journal that raises on :meth:`BudgetLedger.open` or :meth:`BudgetLedger.reserve`
+(new spend the store could not take) leaves the ledger as it was before the call;
 :meth:`BudgetLedger.snapshot` and :meth:`BudgetLedger.restore` rebuild a ledger
 from what was persisted, committed spend included.
 
@@ -154,7 +156,8 @@ class LedgerJournal(Protocol):
     """Observer of ledger mutations, for durable state (issue 7). Each method is
     called by :class:`BudgetLedger` after the change succeeded in memory, never
     for a refusal or an error; an exception it raises propagates to the
-    ledger's caller (the in-memory change has then already happened)."""
+    ledger's caller: :meth:`on_open` and :meth:`on_reserve`'s after the ledger
+    undid the change, the others' with the in-memory change made."""
 
     def on_open(self, key: str, parent: str | None, limit: Allowance) -> None:
         """Account ``key`` was opened under ``parent`` with ``limit``."""
@@ -234,7 +237,14 @@ class BudgetLedger:
             up.children += 1
         self._accounts[key] = acct
         if self.journal is not None:
-            self.journal.on_open(key, parent, limit)
+            try:
+                self.journal.on_open(key, parent, limit)
+            except BaseException:
+                # Not journaled, not opened: the ledger is as it was (the caller refuses the stream).
+                del self._accounts[key]
+                if up is not None:
+                    up.children -= 1
+                raise
 
     def close(self, key: str) -> AccountState:
         """Forget account ``key`` (its spend stays in its ancestors) and return its
@@ -271,7 +281,17 @@ class BudgetLedger:
         self._next_id += 1
         self._open[r.id] = r
         if self.journal is not None:
-            self.journal.on_reserve(r)
+            try:
+                self.journal.on_reserve(r)
+            except BaseException:
+                # Not journaled, not held: the call must not run on it.
+                del self._open[r.id]
+                self._next_id -= 1  # never stored: the id is free again
+                acct.open -= 1
+                for a in acct.chain:
+                    a.reserved_tokens -= tokens
+                    a.reserved_usd -= usd_micros
+                raise
         return r
 
     def commit(self, reservation: Reservation, actual_tokens: int, actual_usd_micros: int) -> Charge:

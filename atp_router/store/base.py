@@ -63,12 +63,13 @@ Errors: :class:`StoreError` and its subclasses :class:`SchemaError` (a state
 directory this version cannot read), :class:`StoreLimitError` (a bound was hit:
 frame size, events per stream), :class:`NotFound` (an unknown reservation,
 account or stream; also a ``KeyError``) and :class:`StoreUnavailable` (a store
-on the network cannot be reached, or lost its data: spend is refused while it
-lasts).
+on the network cannot be reached, or lost its data, or — :class:`StoreFull` — an
+embedded store's disk is full: spend is refused while it lasts).
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -86,6 +87,8 @@ from atp_router.flow.budget import (
 from atp_router.store.audit_records import AuditCheckpoint, AuditRecord
 from atp_router.wire.frame import Budget, QoS
 
+_log = logging.getLogger("atp_router.store")
+
 __all__ = [
     "NONCE_FIELD_MAX",
     "NONCE_SWEEP",
@@ -95,6 +98,7 @@ __all__ = [
     "SchemaError",
     "Store",
     "StoreError",
+    "StoreFull",
     "StoreJournal",
     "StoreLimitError",
     "StoreUnavailable",
@@ -135,6 +139,13 @@ class StoreUnavailable(StoreError):
     Nothing was decided: spend must be refused while it lasts; the operation
     may be retried later. A write that timed out may or may not have been
     applied (a retried commit then finds its reservation gone: :class:`NotFound`)."""
+
+
+class StoreFull(StoreUnavailable):
+    """An embedded store's file cannot grow: its disk (or quota) is full
+    (SQLite ``SQLITE_FULL``). The write was rolled back, nothing of it applied;
+    the next write tries again, so the store recovers by itself when space
+    returns. Its message names the file: ``state store full: <path>: …``."""
 
 
 class NotFound(StoreError, KeyError):
@@ -590,28 +601,81 @@ def nonce_limit_error(tenant: str, max_per_tenant: int) -> StoreLimitError:
 class StoreJournal:
     """A :class:`~atp_router.flow.budget.LedgerJournal` writing every ledger mutation to
     ``store``: ``BudgetLedger(journal=StoreJournal(store))``. Store errors
-    propagate to the ledger's caller."""
+    propagate to the ledger's caller, but for a store that cannot take writes
+    for a while (:class:`StoreUnavailable`: :class:`StoreFull`, a full disk):
+
+    * a settlement of spend already made or held — commit, release, extend,
+      close, limit change — is kept (:attr:`pending`, in order) and written
+      before the next mutation, or by :meth:`flush` (the router calls it twice
+      a second), once the store takes writes again: nothing spent is lost
+      while the process lives; if it dies first, its reservations are in the
+      store and the restart commits them at their reserved amount, as for any
+      call in flight at a crash;
+    * new spend — :meth:`on_open`, :meth:`on_reserve` — first writes what is
+      kept and raises :class:`StoreUnavailable` while it cannot: the ledger
+      undoes it (:class:`~atp_router.flow.budget.BudgetLedger`) and the caller
+      refuses it."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self._pending: list[Callable[[], None]] = []
+        self._fault: StoreUnavailable | None = None
+
+    @property
+    def pending(self) -> int:
+        """Settlements kept until the store takes writes again."""
+        return len(self._pending)
+
+    def flush(self) -> bool:
+        """Write the kept settlements in order; False while the store cannot take
+        them (they stay kept). One the store refuses otherwise is dropped with
+        its error logged (its reservation stays held in the store; a restart
+        commits it at its reserved amount)."""
+        while self._pending:
+            try:
+                self._pending[0]()
+            except StoreUnavailable as e:
+                self._fault = e
+                return False
+            except StoreError:
+                _log.exception("budget ledger: a kept settlement was refused by the store; dropped")
+            self._pending.pop(0)
+        self._fault = None
+        return True
+
+    def _spend(self, write: Callable[[], None]) -> None:
+        if not self.flush():
+            assert self._fault is not None
+            raise self._fault
+        write()
+
+    def _settle(self, write: Callable[[], None]) -> None:
+        if self.flush():
+            try:
+                write()
+                return
+            except StoreUnavailable as e:
+                self._fault = e
+                _log.error("budget ledger: %s; the settlement is kept and written when the store takes writes", e)
+        self._pending.append(write)
 
     def on_open(self, key: str, parent: str | None, limit: Allowance) -> None:
-        self.store.open_account(key, parent, limit)
+        self._spend(lambda: self.store.open_account(key, parent, limit))
 
     def on_close(self, key: str) -> None:
-        self.store.close_account(key)
+        self._settle(lambda: self.store.close_account(key))
 
     def on_reserve(self, reservation: Reservation) -> None:
-        self.store.reserve(reservation)
+        self._spend(lambda: self.store.reserve(reservation))
 
     def on_extend(self, reservation: Reservation) -> None:
-        self.store.reserve(reservation)
+        self._settle(lambda: self.store.reserve(reservation))
 
     def on_commit(self, reservation: Reservation, charge: Charge) -> None:
-        self.store.commit(reservation.id, charge)
+        self._settle(lambda: self.store.commit(reservation.id, charge))
 
     def on_release(self, reservation: Reservation) -> None:
-        self.store.release(reservation.id)
+        self._settle(lambda: self.store.release(reservation.id))
 
     def on_set_limit(self, key: str, limit: Allowance) -> None:
-        self.store.set_limit(key, limit)
+        self._settle(lambda: self.store.set_limit(key, limit))

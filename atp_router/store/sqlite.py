@@ -55,19 +55,38 @@ state directory written by a newer router is refused with
 :class:`~atp_router.store.base.SchemaError` rather than misread; an older one is
 migrated in place (version 1 → 2: the ``reserved_*`` and ``owner`` columns). The state directory
 is created with mode 0700 and ``state.db`` with 0600.
+
+Faults (issue 22 item 5). At start, :meth:`SqliteStore.open` refuses with a one-line
+:class:`~atp_router.store.base.StoreError` naming the file: a damaged database
+(``PRAGMA quick_check``, at most :data:`QUICK_CHECK_S` — past it the store opens
+unchecked, with a warning; the line gives the repair command, ``sqlite3 state.db
+".recover" | sqlite3 recovered.db``); a directory that has held state — its
+:data:`STATE_MARKER`, written when its database got a schema — whose
+``state.db`` is missing, 0 bytes or without tables (delete the marker to accept a
+new, empty ledger); a directory or file that cannot be created, opened or written.
+A write that finds the disk full (``SQLITE_FULL``) raises
+:class:`~atp_router.store.base.StoreFull` ("state store full: <path>: no space left
+on device"), an I/O error :class:`~atp_router.store.base.StoreUnavailable`
+(:func:`write_fault`); either way the transaction is rolled back first — also a
+``COMMIT`` that failed, which would otherwise leave the connection inside it and
+every later write refused — so the first write after space returns succeeds.
+What the router does meanwhile: :mod:`atp_router.deploy.single`.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import math
 import os
+import shlex
 import sqlite3
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -93,13 +112,17 @@ from atp_router.store.base import (
     Store,
     StoredEvent,
     StoreError,
+    StoreFull,
     StoreLimitError,
+    StoreUnavailable,
     StreamRecord,
     check_nonce_args,
     nonce_limit_error,
 )
 
-__all__ = ["RIB_KEPT", "SCHEMA_VERSION", "SqliteStore", "ledger_snapshot"]
+__all__ = ["QUICK_CHECK_S", "RIB_KEPT", "SCHEMA_VERSION", "STATE_MARKER", "SqliteStore", "ledger_snapshot", "write_fault"]
+
+log = logging.getLogger("atp_router.store.sqlite")
 
 #: Version of the schema below; bump it with a migration in ``_migrate``.
 SCHEMA_VERSION = 2
@@ -120,6 +143,14 @@ def sync_mode(name: str) -> SyncMode:
         return "FULL"
     raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', got {mode!r}")
 _APP = "atp-router"
+#: The file beside ``state.db`` saying the directory has held state (written
+#: once its database has a schema): a directory with it whose database is
+#: missing or empty is refused at start, never run on an empty ledger. Delete it
+#: to accept one (module docstring, Faults).
+STATE_MARKER = "state.marker"
+#: The longest ``PRAGMA quick_check`` at start (s): past it the store opens
+#: unchecked, with a warning (a file of gigabytes must not hold the start-up).
+QUICK_CHECK_S = 10.0
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -257,28 +288,42 @@ class SqliteStore(Store):
     def open(cls, state_dir: Path | str, *, create: bool = True,
              synchronous: SyncMode = "NORMAL", max_event_bytes: int = 1 << 20,
              max_events_per_stream: int = 10_000, multiprocess: bool = False,
-             autocheckpoint: bool = True) -> SqliteStore:
+             autocheckpoint: bool = True, check_s: float = QUICK_CHECK_S) -> SqliteStore:
         """Open (``create``: and create, directory 0700, file 0600) the store in
         ``state_dir/state.db``; ``multiprocess``: other processes write it at the
         same time (see the module docstring); not ``autocheckpoint``: commits never
         copy the WAL back into the database (nor fsync it) — another connection
-        calls :meth:`checkpoint` instead. Raises :class:`~atp_router.store.base.StoreError` when
-        there is no state and not ``create`` or the file cannot be opened, and
-        :class:`~atp_router.store.base.SchemaError` for a newer or foreign schema."""
+        calls :meth:`checkpoint` instead.
+
+        Start-up checks (module docstring, Faults): ``PRAGMA quick_check`` for at
+        most ``check_s`` seconds (0: none; a ``multiprocess`` open skips it, the
+        supervisor's open checked the file), a damaged file refused; a directory
+        whose :data:`STATE_MARKER` says it held state refused when its database
+        is missing or empty. Raises :class:`~atp_router.store.base.StoreError`
+        with a one-line message naming the file for each refusal, when there is
+        no state and not ``create``, or when the directory or file cannot be
+        opened or written; :class:`~atp_router.store.base.SchemaError` for a newer
+        or foreign schema."""
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', got {synchronous!r}")
         d = Path(state_dir)
         path = d / "state.db"
+        marker = d / STATE_MARKER
         if not create and not path.exists():
             raise StoreError(f"no state in {d} (no state.db)")
-        if create:
-            if not d.exists():
-                d.mkdir(mode=0o700, parents=True)
-                os.chmod(d, 0o700)
-            if not path.exists():
-                os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
         try:
+            if create and marker.exists() and (not path.exists() or path.stat().st_size == 0):
+                raise StoreError(_empty_refusal(path, marker))
+            if create:
+                if not d.exists():
+                    d.mkdir(mode=0o700, parents=True)
+                    os.chmod(d, 0o700)
+                if not path.exists():
+                    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
             conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+        except OSError as e:
+            raise StoreError(f"state directory {d} cannot be used: {e.strerror or e} ({e.filename or path}); "
+                             "the router needs it readable and writable") from None
         except sqlite3.Error as e:
             raise StoreError(f"cannot open {path}: {e}") from None
         try:
@@ -288,10 +333,21 @@ class SqliteStore(Store):
             conn.execute(f"PRAGMA synchronous={synchronous}")
             if not autocheckpoint:
                 conn.execute("PRAGMA wal_autocheckpoint=0")
+            held = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] > 0
+            if not held and create and marker.exists():
+                raise StoreError(_empty_refusal(path, marker))
+            if held and check_s > 0 and not multiprocess:
+                _quick_check(conn, path, check_s)
             _migrate(conn, path)
+            if create and not marker.exists():
+                _write_marker(marker)
         except sqlite3.DatabaseError as e:
             conn.close()
-            raise StoreError(f"{path}: {e}") from None
+            raise StoreError(_open_refusal(path, e)) from None
+        except OSError as e:
+            conn.close()
+            raise StoreError(f"state directory {d} cannot be used: {e.strerror or e} ({e.filename or d}); "
+                             "the router needs it readable and writable") from None
         except StoreError:
             conn.close()
             raise
@@ -317,8 +373,25 @@ class SqliteStore(Store):
                 fcntl.flock(self._wfd, fcntl.LOCK_UN)
 
     @contextmanager
+    def _faults(self) -> Iterator[None]:
+        """A write that failed for want of space or on an I/O error, as
+        :class:`~atp_router.store.base.StoreFull` / :class:`~atp_router.store.base.StoreUnavailable`
+        naming the file (module docstring, Faults), the transaction rolled back
+        first so the next write starts clean. Other errors pass as they are.
+        Call with ``self._lock`` held."""
+        try:
+            yield
+        except sqlite3.Error as e:
+            if self._batch_depth == 0:
+                _rollback(self._conn)
+            fault = write_fault(self.path, e)
+            if fault is None:
+                raise
+            raise fault from e
+
+    @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
+        with self._lock, self._faults():
             c = self._conn
             if self._batch_depth:
                 # Inside a batch: one savepoint per operation, so a failed one
@@ -327,8 +400,10 @@ class SqliteStore(Store):
                 try:
                     yield c
                 except BaseException:
-                    c.execute("ROLLBACK TO op")
-                    c.execute("RELEASE op")
+                    if c.in_transaction:  # SQLite may have rolled the whole batch back (a full disk)
+                        with suppress(sqlite3.Error):
+                            c.execute("ROLLBACK TO op")
+                            c.execute("RELEASE op")
                     raise
                 c.execute("RELEASE op")
                 return
@@ -337,7 +412,7 @@ class SqliteStore(Store):
                 try:
                     yield c
                 except BaseException:
-                    c.execute("ROLLBACK")
+                    _rollback(c)
                     raise
                 c.execute("COMMIT")
 
@@ -355,14 +430,14 @@ class SqliteStore(Store):
                     self._batch_depth -= 1
                 return
             c = self._conn
-            with self._writing():
+            with self._faults(), self._writing():
                 c.execute("BEGIN IMMEDIATE")
                 self._batch_depth = 1
                 try:
                     yield
                 except BaseException:
                     self._batch_depth = 0
-                    c.execute("ROLLBACK")
+                    _rollback(c)
                     raise
                 self._batch_depth = 0
                 c.execute("COMMIT")
@@ -379,7 +454,7 @@ class SqliteStore(Store):
 
     def _one(self, sql: str, args: tuple | dict = ()) -> sqlite3.Cursor:
         """One writing statement (its own transaction, or part of a batch)."""
-        with self._lock, self._writing():
+        with self._lock, self._faults(), self._writing():
             return self._conn.execute(sql, args)
 
     def _row(self, sql: str, args: tuple = ()) -> tuple | None:
@@ -868,6 +943,99 @@ class SqliteStore(Store):
             yield
         except sqlite3.Error as e:
             raise StoreError(f"{self.path}: {what}: {e}") from e
+
+
+#: SQLite's primary result codes of a write that found no room, or failed in the OS
+#: (an extended code's low byte is its primary code).
+_SQLITE_FULL, _SQLITE_IOERR = 13, 10
+_SQLITE_PERM, _SQLITE_READONLY, _SQLITE_CORRUPT, _SQLITE_CANTOPEN, _SQLITE_NOTADB = 3, 8, 11, 14, 26
+
+
+def write_fault(path: Path, e: sqlite3.Error) -> StoreUnavailable | None:
+    """What a failed write of the store in ``path`` means for its callers: the
+    disk full (``SQLITE_FULL``) is :class:`~atp_router.store.base.StoreFull`
+    ("state store full: <path>: no space left on device"), an I/O error
+    :class:`~atp_router.store.base.StoreUnavailable`; None for any other error
+    (a bug or a constraint: raised as it is)."""
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is None:
+        return None
+    if code & 0xFF == _SQLITE_FULL:
+        return StoreFull(f"state store full: {path}: no space left on device ({e})")
+    if code & 0xFF == _SQLITE_IOERR:
+        return StoreUnavailable(f"state store I/O error: {path}: {e}")
+    return None
+
+
+def _rollback(c: sqlite3.Connection) -> None:
+    """End the connection's open transaction, if SQLite has not already (it
+    rolls back by itself after some errors, a full disk among them)."""
+    if c.in_transaction:
+        with suppress(sqlite3.Error):
+            c.execute("ROLLBACK")
+
+
+def _empty_refusal(path: Path, marker: Path) -> str:
+    return (f"{path} is missing or empty but {path.parent} has held state ({marker} exists): refusing to start "
+            "on an empty ledger (spend, streams and the audit chain would restart from zero); restore "
+            f"{path.name} from a backup, or delete {marker} to start a new, empty ledger")
+
+
+def _damaged(path: Path, problem: str) -> str:
+    fixed = path.with_name("recovered.db")
+    problem = " ".join(problem.replace("*** in database main ***", "").split())  # one line
+    return (f"{path} is damaged ({problem}); refusing to start on it. Recover what it holds into a new file: "
+            f"sqlite3 {shlex.quote(str(path))} \".recover\" | sqlite3 {shlex.quote(str(fixed))} — then move the "
+            f"damaged file aside and {fixed.name} to {path.name}")
+
+
+def _open_refusal(path: Path, e: sqlite3.DatabaseError) -> str:
+    """The one line of a start-up refused by SQLite itself: a damaged file, a
+    file or directory that cannot be written, anything else as SQLite says it."""
+    code = (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
+    if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
+        return _damaged(path, str(e))
+    if code in (_SQLITE_READONLY, _SQLITE_CANTOPEN, _SQLITE_PERM, _SQLITE_IOERR):
+        return (f"{path} cannot be opened for writing ({e}); the router needs the file and its directory "
+                f"{path.parent} readable and writable")
+    return f"{path}: {e}"
+
+
+def _quick_check(conn: sqlite3.Connection, path: Path, check_s: float) -> None:
+    """``PRAGMA quick_check`` of the open database for at most ``check_s``
+    seconds (a progress handler interrupts it: the store then opens with a
+    warning); raises :class:`StoreError` naming the first problem found."""
+    deadline = time.monotonic() + check_s
+    conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+    try:
+        rows = conn.execute("PRAGMA quick_check(4)").fetchall()
+    except sqlite3.OperationalError:
+        if time.monotonic() <= deadline:
+            raise
+        log.warning("state: %s: PRAGMA quick_check did not finish within %.0f s; opened unchecked", path, check_s)
+        return
+    finally:
+        conn.set_progress_handler(None, 0)
+    problems = [str(r[0]) for r in rows if r[0] != "ok"]
+    if problems:
+        raise StoreError(_damaged(path, "PRAGMA quick_check: " + "; ".join(problems)[:400]))
+
+
+def _write_marker(marker: Path) -> None:
+    """:data:`STATE_MARKER`, durable (file and directory fsynced) before the
+    store is used."""
+    fd = os.open(marker, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, (json.dumps({"app": _APP, "db": "state.db", "created_ms": int(time.time() * 1000)})
+                      + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(marker.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def ledger_snapshot(accts: list[tuple], res: list[Reservation], next_id: int) -> LedgerSnapshot:

@@ -5,19 +5,26 @@ backend in tests/store/test_store.py."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from atp_router.flow.budget import Allowance, Charge, Reservation
+from atp_router.flow.budget import Allowance, BudgetLedger, Charge, Refusal, Reservation
 from atp_router.store import (
     SchemaError,
     SqliteStore,
     StoreError,
+    StoreFull,
+    StoreJournal,
     StreamRecord,
 )
+from atp_router.store.sqlite import STATE_MARKER
 from atp_router.wire.frame import Budget, QoS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,6 +93,107 @@ def test_a_response_cache_call_that_fails_in_sqlite_raises_store_error(tmp_path:
             c.execute("DROP TABLE cache_total")
         with pytest.raises(StoreError, match="cache read: no such table: cache_total"):
             s.cache_stats()
+
+
+def _fill(s: SqliteStore) -> None:
+    """The store's file may not grow: SQLite answers SQLITE_FULL as on a full disk."""
+    (pages,) = s._conn.execute("PRAGMA page_count").fetchone()
+    s._conn.execute(f"PRAGMA max_page_count = {pages}")
+
+
+def _unfill(s: SqliteStore) -> None:
+    s._conn.execute("PRAGMA max_page_count = 1073741823")
+
+
+def test_a_full_file_is_store_full_and_the_next_write_after_space_returns_works(tmp_path: Path):
+    d = tmp_path / "state"
+    with SqliteStore.open(d) as s:
+        s.put_stream(stream("t", "s1"))
+        _fill(s)
+        big = b"x" * 200_000
+        for write in (lambda: s.put("k", big), lambda: s.append_event("t", "sess", "s1", 1, "PARTIAL", big)):
+            with pytest.raises(StoreFull, match=rf"^state store full: {d / 'state.db'}: no space left on device"), \
+                    s.batch():
+                write()
+        with pytest.raises(StoreFull):
+            s.put("k", big)
+        assert not s._conn.in_transaction  # rolled back: nothing holds the next write
+        assert s.get("k") is None and s.events("t", "sess", "s1") == []
+        _unfill(s)
+        s.put("k", big)
+        s.append_event("t", "sess", "s1", 1, "PARTIAL", big)
+        assert s.get("k") == big and len(s.events("t", "sess", "s1")) == 1
+
+
+def test_a_journal_keeps_settlements_the_full_store_cannot_take_and_refuses_new_spend(tmp_path: Path):
+    with _tmpfs(tmp_path / "fs") as fs, SqliteStore.open(fs / "state") as s:
+        journal = StoreJournal(s)
+        ledger = BudgetLedger(journal=journal)
+        ledger.open("client:t", Allowance(tokens=10_000))
+        ledger.open("stream:t:1", Allowance(tokens=5_000), parent="client:t")
+        r = ledger.reserve("stream:t:1", 1_000, 0)
+        assert not isinstance(r, Refusal)
+        filler = _fill_fs(fs)  # every write appends to the WAL: none fits now
+        # New spend: refused, and the ledger is as it was.
+        before = ledger.snapshot()
+        with pytest.raises(StoreFull):
+            ledger.open("stream:t:2", Allowance(tokens=5_000), parent="client:t")
+        with pytest.raises(StoreFull):
+            ledger.reserve("stream:t:1", 500, 0)
+        assert ledger.snapshot() == before
+        # The spend already made: kept, in order, and written once the store takes writes.
+        ledger.commit(r, 1_200, 0)
+        ledger.close("stream:t:1")
+        assert journal.pending == 2 and not journal.flush()
+        with pytest.raises(StoreFull):  # new spend waits for them
+            ledger.open("stream:t:3", Allowance(tokens=5_000), parent="client:t")
+        filler.unlink()
+        assert journal.flush() and journal.pending == 0
+        snap = s.load_ledger()
+        assert [(a.key, a.committed_tokens, a.reserved_tokens) for a in snap.accounts] == [("client:t", 1_200, 0)]
+        assert snap.reservations == ()
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs at ``where``; skips, saying why, where mounting is not allowed."""
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(where)], check=False,
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"a full disk needs a filesystem of its own: mount -t tmpfs failed ({r.stderr.strip()}); "
+                    "run as root (or with CAP_SYS_ADMIN)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _fill_fs(fs: Path) -> Path:
+    filler = fs / "filler"
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        for block in (1 << 16, 512, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * block)
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_quick_check_at_start_is_bounded(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    d = tmp_path / "state"
+    with SqliteStore.open(d) as s, s.batch():
+        for i in range(3_000):
+            s.put(f"k{i}", b"v" * 200)
+    with SqliteStore.open(d, check_s=1e-9):  # interrupted at its first progress callback: opened unchecked
+        pass
+    assert "PRAGMA quick_check did not finish within" in caplog.text
+    caplog.clear()
+    with SqliteStore.open(d):
+        pass
+    assert "quick_check" not in caplog.text and (d / STATE_MARKER).exists()
 
 
 def test_per_call_cost(tmp_path: Path):

@@ -131,10 +131,13 @@ async def test_store_refusal_turns_an_unreachable_store_into_the_deployments_err
         assert seen == [("open", "store gone")]
     finally:
         router.close_state()
+    # A single router's own refusal (its store full, atp_router.deploy.single): EBUDGET, retry in a second.
     plain = single.build(RouterConfig(policies=MECHANICS_RIB, state_dir=tmp_path / "plain"), syn_gates=[Gate()])
     try:
-        with pytest.raises(StoreUnavailable, match="store gone"):
+        with pytest.raises(ATPError) as e:
             open_keyed(plain, "down")
+        assert (e.value.code, e.value.retry_after_ms) == (ErrorCode.EBUDGET, single.RETRY_AFTER_MS)
+        assert e.value.reason.startswith("store gone: new spend is refused until the state store takes writes again")
     finally:
         plain.close_state()
 

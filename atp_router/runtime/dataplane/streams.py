@@ -598,6 +598,10 @@ class StreamTable:
         #: When set, a flush writes only while it returns True (atp_router.deploy.cluster: not
         #: until the router checked, after an outage, which of its streams it still owns).
         self.flush_gate: Callable[[], bool] | None = None
+        #: False: when the store cannot take a flush (StoreUnavailable) the events are sent
+        #: anyway and their writes stay queued until it can (atp_router.deploy.single: no other
+        #: router reads this store, and a full disk must not stall the running streams).
+        self.hold_unstored = True
 
     # ------------------------------------------------------------------ lookups
     def get(self, tenant: str, session_id: str, stream_id: str) -> StreamCtx | None:
@@ -952,7 +956,8 @@ class StreamTable:
         a shared store): then nothing is sent, the writes stay queued and
         :meth:`run_flusher` tries them again until the store answers (another
         router may serve the stream from the store: a client must never hold
-        an event the store has not). Returns False in that case."""
+        an event the store has not; with :attr:`hold_unstored` False the events
+        are sent and only their writes wait). Returns False in that case."""
         if not self._pending:
             return True
         if self.flush_gate is not None and not self.flush_gate():
@@ -976,15 +981,22 @@ class StreamTable:
             self._pending[:0] = pending  # in order, before what came meanwhile
             if self.on_store_unavailable is not None:
                 self.on_store_unavailable("events", e)
+            if not self.hold_unstored:
+                self._mark_sent(pending)
             return False
         except StoreError:
             log.exception("state store: a batch of %d writes failed", len(pending))
         finally:
             self._flushing = False
+        self._mark_sent(pending)
+        return True
+
+    @staticmethod
+    def _mark_sent(pending: list[tuple[StreamCtx, LoggedEvent | StreamRecord | None]]) -> None:
+        """The followers of ``pending``'s events may send them."""
         for ctx, ev in pending:
             if isinstance(ev, LoggedEvent):
                 ctx.log.mark_durable(ev.id)
-        return True
 
     async def run_flusher(self) -> None:
         """Group commit until cancelled: each scheduler pass's events go to the
