@@ -31,7 +31,7 @@ Ingresses — the WebSocket server (:mod:`atp_router.runtime.ingress.ws`), the H
 authenticate once per connection or request, check the action with
 :meth:`Router.authorize`, and only move frames: they feed inbound frames to the
 sans-IO :class:`~atp_router.wire.session.Session` of the caller's tenant and send what
-the stream's :class:`~atp_router.runtime.dataplane.streams.EventLog` holds, so a stream behaves the
+the stream's :class:`~atp_router.runtime.dataplane.eventlog.EventLog` holds, so a stream behaves the
 same whichever way it was opened.
 
 Tenants (spec §11): every :class:`~atp_router.security.identity.Identity` names a
@@ -46,7 +46,7 @@ also sees calls held up at a next-hop's window), the circuit breakers (their hea
 the FIB lookup: an open circuit is excluded) and the retry policy. The budget
 ledger has one account per tenant (``client:<name>``, limit from the RIB's
 ``clients`` section) and, under it, one per stream
-(:func:`~atp_router.runtime.dataplane.streams.stream_account`), so a tenant's streams together
+(:func:`~atp_router.runtime.dataplane.stream.stream_account`), so a tenant's streams together
 never spend more than its budget.
 
 Connections and streams (spec §8 resumption): a stream belongs to its tenant, not
@@ -119,9 +119,9 @@ from atp_router.runtime.dataplane.opening import (
     min_budget,
     run_stages,
 )
+from atp_router.runtime.dataplane.stream import StreamCtx
 from atp_router.runtime.dataplane.streams import (
     DEFAULT_RETAIN_CLOSED_BYTES,
-    StreamCtx,
     StreamTable,
 )
 from atp_router.runtime.deployment import Service, StateParts, SynGate
@@ -1122,7 +1122,7 @@ class Router:
                 nursery.start_soon(self.gates.slots.run)
                 nursery.start_soon(self.gates.run_canaries)  # a failure in doubt: a canary speaks (issue 19)
                 nursery.start_soon(self.streams.run)
-                nursery.start_soon(self.streams.run_flusher)
+                nursery.start_soon(self.streams.persistence.run_flusher)
                 nursery.start_soon(self._audit_checkpoints)
                 nursery.start_soon(self.learning.run)
                 # The secrets detectors' imports, off the event loop before the first task needs them.

@@ -50,7 +50,7 @@ from atp_router.flow.breaker import BreakerState
 from atp_router.runtime.admin.fibview import FibBandit
 
 if TYPE_CHECKING:
-    from atp_router.runtime.dataplane.streams import StreamCtx
+    from atp_router.runtime.dataplane.stream import StreamCtx
     from atp_router.runtime.router import Router
 
 __all__ = [

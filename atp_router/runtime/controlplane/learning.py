@@ -69,7 +69,7 @@ from atp_router.wire.frame import QoS, Window
 
 if TYPE_CHECKING:
     from atp_router.runtime.controlplane.control import Generation
-    from atp_router.runtime.dataplane.streams import StreamCtx
+    from atp_router.runtime.dataplane.stream import StreamCtx
     from atp_router.runtime.router import Router
 
 __all__ = ["SAVE_INTERVAL_S", "SHARED_SYNC_S", "FeedbackRefused", "Learning", "prompt_text"]

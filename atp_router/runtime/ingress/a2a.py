@@ -15,7 +15,7 @@
 
 A message enters the router as an ATP stream (:meth:`Router.open_stream`, the same
 SYN the HTTP control API synthesises); the A2A task id is the ATP ``stream_id`` and
-the task is a view of the stream's :class:`~atp_router.runtime.dataplane.streams.EventLog`:
+the task is a view of the stream's :class:`~atp_router.runtime.dataplane.eventlog.EventLog`:
 
 ===============================  ===================================================
 ATP event                         A2A
@@ -103,7 +103,7 @@ from starlette.routing import Route
 from atp_router.adapters.a2a import parts_of, restore_ints
 from atp_router.review.repo import files_after
 from atp_router.runtime.dataplane.dispatch import NEXT_HOP_FAILED
-from atp_router.runtime.dataplane.streams import LoggedEvent
+from atp_router.runtime.dataplane.eventlog import LoggedEvent
 from atp_router.runtime.ingress.bodies import (
     BodyRefused,
     BodyTooLarge,
