@@ -814,7 +814,8 @@ class ClusterNode(SynGate):
                 continue
             log.warning("stream %s/%s was settled by another router while this one was cut from the store: "
                         "stopped here", ctx.tenant, ctx.stream_id)
-            self.router.streams.abandon(ctx, self.store.events(ctx.tenant, ctx.session_id, ctx.stream_id))
+            self.router.stream_closed(
+                self.router.streams.abandon(ctx, self.store.events(ctx.tenant, ctx.session_id, ctx.stream_id)))
             n += 1
         return n
 

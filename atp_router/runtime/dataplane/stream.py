@@ -1,10 +1,15 @@
-"""One stream of the router (spec §4.4, §8): :class:`StreamCtx`, its key in the
-stream table and its budget-ledger account (:func:`stream_account`).
+"""One stream of the router (spec §4.4, §8): :class:`StreamCtx`, and
+:class:`Closed`, what closing it returns; its key in the stream table and its
+budget-ledger account (:func:`stream_account`).
 
 :class:`StreamCtx` holds a stream's session, tenant, route, budget account,
 :class:`~atp_router.runtime.dataplane.eventlog.EventLog` and followers; it
-implements the dispatcher's ``StreamIO``. The table it lives in is
-:mod:`atp_router.runtime.dataplane.streams`.
+implements the dispatcher's ``StreamIO``. It never calls back into the router:
+the call that closes it (``finish``, ``reset``, ``stop``, ``peer_reset``, a
+``push`` of a FIN or RST; the table's ``abandon`` and timers) returns a
+:class:`Closed` — None when it was closed already — and its caller acts on it
+(the router audits and traces it and ends its hold on its generation). The
+table it lives in is :mod:`atp_router.runtime.dataplane.streams`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from atp_router.flow.budget import AccountState
 from atp_router.runtime.dataplane.eventlog import EventLog
 from atp_router.security.identity import Identity
 from atp_router.wire import session as S
@@ -35,7 +41,7 @@ if TYPE_CHECKING:
     from atp_router.runtime.controlplane.control import Generation
     from atp_router.runtime.dataplane.streams import StreamTable
 
-__all__ = ["StreamCtx", "StreamKey", "stream_account"]
+__all__ = ["Closed", "StreamCtx", "StreamKey", "stream_account"]
 
 
 #: A stream's identity in the table: (tenant, session_id, stream_id).
@@ -51,13 +57,30 @@ def stream_account(tenant: str, stream_id: str) -> str:
 
 
 
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """A stream just closed (it sent its FIN or RST, or its peer reset it): what
+    closing returns to its caller, who acts on it (module docstring)."""
+
+    ctx: StreamCtx
+    #: The last frame the stream sent (its FIN or RST; when its peer reset it,
+    #: whatever went out last), None if it sent none.
+    last: Frame | None
+    #: Its ledger account at close (what it committed), None when it has none
+    #: (a stream read back from the store: its account closed at start-up).
+    spent: AccountState | None
+    #: No task was started on the stream: its hold on its generation is the
+    #: caller's to end (a task ends it when it ends).
+    release_gen: bool
+
+
 @dataclass(eq=False)
 class StreamCtx:
     """One stream inside the router; implements the dispatcher's ``StreamIO``.
 
     Every outbound frame goes through the stream's sans-IO session, then its
-    :class:`EventLog`; a FIN or RST closes it (the table is told, see
-    :meth:`StreamTable.closed`)."""
+    :class:`EventLog`; a FIN or RST closes it (:meth:`StreamTable.closed`), and
+    the call that sent it returns the stream's :class:`Closed` to its caller."""
 
     table: StreamTable
     session: S.Session
@@ -132,28 +155,34 @@ class StreamCtx:
             self.table.bound_retention(self)  # smaller now, and free to leave memory
 
     # --- outbound (every frame goes through the session machine, then the log) ---
-    def push(self, frames: Frame | list[Frame]) -> None:
+    def push(self, frames: Frame | list[Frame]) -> Closed | None:
+        """Send ``frames`` (append them to the log, store them); a FIN or RST
+        among them closes the stream: its :class:`Closed` is returned."""
         table = self.table
+        closed = None
         for f in frames if isinstance(frames, list) else [frames]:
             ev = self.log.append(f, durable=not table.persistence.group_commit or self.restored)
             table.metrics.frames.labels("out", ev.type).inc()
             table.persistence.persist_event(self, ev)
             if ev.type in ("FIN", "RST"):
-                self._mark_closed()
+                closed = self._mark_closed() or closed
+        return closed
 
-    def _mark_closed(self) -> None:
+    def _mark_closed(self) -> Closed | None:
         if self.closed_at is None:
             self.closed_at = trio.current_time()
-            self.table.closed(self)
+            return self.table.closed(self)
+        return None
 
-    def peer_reset(self) -> None:
+    def peer_reset(self) -> Closed | None:
         """The client reset the stream: stop its task (spend is still committed) and
         end the log. Nothing is sent back: an RST is never answered (spec §4.4)."""
         if self.cancel_scope is not None:
             self.cancel_scope.cancel()
         if not self.log.closed:
             self.log.close()
-            self._mark_closed()
+            return self._mark_closed()
+        return None
 
     def emit_partial(self, agent: str, content: dict[str, Any], *, confidence: float | None = None) -> None:
         if self.log.closed:
@@ -173,25 +202,29 @@ class StreamCtx:
         if not self.log.closed:
             self.push(self.session.send_control(self.stream_id, update))
 
-    def finish(self, final: FinalResult | None) -> None:
+    def finish(self, final: FinalResult | None) -> Closed | None:
+        """FINAL (``final``, if any), then FIN: returns the stream's :class:`Closed`
+        (None when it was closed already)."""
         if self.log.closed:
-            return
+            return None
         if final is not None:
             self.push(self.session.send_message(
                 self.stream_id,
                 Payload(type=PayloadType.FINAL, content=msgspec.to_builtins(final)),
             ))
-        self.push(self.session.finish(self.stream_id))
+        return self.push(self.session.finish(self.stream_id))
 
-    def reset(self, code: ErrorCode, reason: str) -> None:
+    def reset(self, code: ErrorCode, reason: str) -> Closed | None:
+        """RST ``code``: returns the stream's :class:`Closed` (None when it was closed already)."""
         if self.log.closed:
-            return
+            return None
         self.table.metrics.errors.labels(str(code)).inc()
-        self.push(self.session.reset(self.stream_id, code, reason))
+        return self.push(self.session.reset(self.stream_id, code, reason))
 
-    def stop(self, code: ErrorCode, reason: str) -> None:
+    def stop(self, code: ErrorCode, reason: str) -> Closed | None:
         """Reset the stream (RST ``code``) and stop its task; what its calls used
-        so far is committed by the dispatcher."""
-        self.reset(code, reason)
+        so far is committed by the dispatcher. Returns what :meth:`reset` does."""
+        closed = self.reset(code, reason)
         if self.cancel_scope is not None:
             self.cancel_scope.cancel()
+        return closed

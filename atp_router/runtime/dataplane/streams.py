@@ -1,8 +1,17 @@
 """The stream table (trio side): every stream the router carries and its
 lifecycle (spec §4.4, §8). One stream (:class:`~atp_router.runtime.dataplane.stream.StreamCtx`)
-is in :mod:`~atp_router.runtime.dataplane.stream`, its outbound log in
+and what closing it returns (:class:`~atp_router.runtime.dataplane.stream.Closed`)
+are in :mod:`~atp_router.runtime.dataplane.stream`, its outbound log in
 :mod:`~atp_router.runtime.dataplane.eventlog`, the table's writes to the store
 and reads from it in :mod:`~atp_router.runtime.dataplane.persistence`.
+
+The table never calls back into the router: what closes a stream returns its
+``Closed`` to the caller — :meth:`StreamTable.closed` to the stream, which
+returns it to whoever closed it; :meth:`StreamTable.abandon` and
+:meth:`StreamTable.handle_timer` (the streams its timers reset) to theirs — and
+the caller acts on it. The one thing the table asks of another part is the
+budget ledger, a layer below it (:class:`Accounts`): a stream's spend at close,
+and closing its account as it leaves memory.
 
 :class:`StreamTable` — the streams and sessions of every tenant, keyed by
 **(tenant, session_id, stream_id)** (spec §11 "streams are scoped to the
@@ -21,9 +30,10 @@ retention           a closed stream stays in memory for ``retain_closed_s``
                     before a PARTIAL or FINAL — for ``REFUSED_RETAIN_S`` at
                     most), at most ``retain_closed_max`` closed streams per
                     tenant and ``retain_closed_bytes`` of closed logs router-wide
-                    (the oldest go first); then it leaves memory and a read of it
-                    is served from the store (:meth:`StreamTable.restore`: the
-                    same events, the same bytes)
+                    (the oldest go first); then it leaves memory (its ledger
+                    account is closed) and a read of it is served from the
+                    store (:meth:`StreamTable.restore`: the same events, the
+                    same bytes)
 grace               a stream left without a follower (*detached*) is reset with
                     ``ETIMEOUT`` after ``resume_grace_s``
 idle expiry         a stream opened without a task (SYN without payload) that
@@ -37,7 +47,9 @@ idle trim           with no stream open, once freed memory settled:
 
 Timed work follows aioquic's shape: :meth:`StreamTable.get_timer` is the next
 deadline (trio seconds), :meth:`StreamTable.handle_timer` does what is due at
-``now``; :meth:`StreamTable.run` drives both from the router's nursery.
+``now`` and returns the streams it closed; :meth:`StreamTable.next_timers`
+sleeps until then (or until an earlier deadline is scheduled) and handles it,
+so the router's loop is ``for closed in await table.next_timers(): ...``.
 """
 
 from __future__ import annotations
@@ -49,13 +61,15 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from atp_router.flow.budget import AccountState
 from atp_router.runtime.dataplane.memory import TRIM_EVERY_S
 from atp_router.runtime.dataplane.persistence import StreamPersistence
 from atp_router.runtime.dataplane.stream import (
+    Closed,
     StreamCtx,
     StreamKey,
     stream_account,
@@ -69,7 +83,7 @@ from atp_router.wire.frame import Budget, QoS
 if TYPE_CHECKING:
     from atp_router.observability.metrics import RouterMetrics
 
-__all__ = ["DEFAULT_RETAIN_CLOSED_BYTES", "REFUSED_RETAIN_S", "StreamTable"]
+__all__ = ["DEFAULT_RETAIN_CLOSED_BYTES", "REFUSED_RETAIN_S", "Accounts", "StreamTable"]
 
 log = logging.getLogger("atp_router.runtime")
 
@@ -90,6 +104,24 @@ _IDLE_TRIM_AFTER_S = 2.0
 _TIMERS_PURGE_AT = 256
 
 
+class Accounts(Protocol):
+    """What the table asks of the budget ledger
+    (:class:`~atp_router.flow.budget.BudgetLedger`): a stream's spend at close,
+    and closing its account as it leaves memory."""
+
+    def has(self, key: str) -> bool:
+        """Whether account ``key`` is open."""
+        ...
+
+    def state(self, key: str) -> AccountState:
+        """Snapshot of open account ``key``."""
+        ...
+
+    def close(self, key: str) -> AccountState:
+        """Close account ``key``; ``ValueError`` while it has open reservations."""
+        ...
+
+
 @dataclass(slots=True)
 class _IdleTrim:
     """The idle trim (module docstring): ``trim()`` is called when the router
@@ -108,13 +140,12 @@ class _IdleTrim:
 class StreamTable:
     """The streams and sessions of every tenant (module docstring).
 
-    ``release(ctx)`` frees a closed stream's resources before it leaves the table
-    (the router closes its ledger account) and returns False while that is not
-    yet possible (a cancelled call has not committed its spend: tried again
-    later). ``on_closed(ctx)`` is called once when a stream closes (FIN/RST sent
-    or received). Durations are in seconds of trio time; ``retain_closed_bytes``
-    bounds the bytes of the closed logs kept in memory (:attr:`EventLog.nbytes`),
-    router-wide, the oldest closed going first.
+    A closed stream's ledger account (in ``accounts``) is closed as it leaves
+    the table; it stays while that is not yet possible (a cancelled call has
+    not committed its spend: tried again later). Durations are in seconds of
+    trio time; ``retain_closed_bytes`` bounds the bytes of the closed logs kept
+    in memory (:attr:`EventLog.nbytes`), router-wide, the oldest closed going
+    first. Nothing of the router is passed in: closing returns :class:`Closed`.
     """
 
     def __init__(
@@ -127,8 +158,7 @@ class StreamTable:
         resume_grace_s: float,
         idle_task_s: float,
         hb_interval_s: float,
-        release: Callable[[StreamCtx], bool],
-        on_closed: Callable[[StreamCtx], None],
+        accounts: Accounts,
         store: Store | None = None,
         retain_closed_bytes: int = DEFAULT_RETAIN_CLOSED_BYTES,
         idle_trim: Callable[[], float] | None = None,
@@ -144,8 +174,7 @@ class StreamTable:
         self.resume_grace_s = resume_grace_s
         self.idle_task_s = idle_task_s
         self.hb_interval_s = hb_interval_s
-        self._release = release
-        self._on_closed = on_closed
+        self.accounts = accounts
         #: Streams not yet closed (the table also keeps closed ones for replay).
         self.open_count = 0
         #: Open streams per tenant (its ``max_streams`` quota, spec §11 AuthZ).
@@ -282,14 +311,16 @@ class StreamTable:
     def was_refused(self, tenant: str, session_id: str, stream_id: str) -> bool:
         return (tenant, session_id, stream_id) in self._refused
 
-    def closed(self, ctx: StreamCtx) -> None:
+    def closed(self, ctx: StreamCtx) -> Closed:
         """``ctx`` closed (FIN/RST): it stops counting as open and stays in
         memory for ``retain_closed_s`` (:data:`REFUSED_RETAIN_S` at most if it
         delivered no result) — unless its tenant holds ``retain_closed_max``
         closed streams or the router ``retain_closed_bytes`` of closed logs:
         then the oldest leave first. A stream leaves memory only once nobody
         reads it and its events and close are in the store (a read is then
-        served from there); until then it stays, over the bounds if need be."""
+        served from there); until then it stays, over the bounds if need be.
+        Returns what its closer acts on (:class:`Closed`: its last frame and
+        spend read before it may leave memory, its log compacted)."""
         self.persistence.persist_close(ctx)
         self.open_count -= 1
         if not self.open_count:
@@ -300,10 +331,14 @@ class StreamTable:
         self.metrics.open_streams.dec()
         assert ctx.closed_at is not None
         self._keep(ctx, ctx.closed_at)
-        self._on_closed(ctx)
+        events = ctx.log.events
+        closed = Closed(ctx, events[-1].frame if events else None,
+                        self.accounts.state(ctx.account) if self.accounts.has(ctx.account) else None,
+                        release_gen=not ctx.task_started)
         if ctx.followers == 0:
             ctx.log.compact()  # else when its last follower leaves (StreamCtx.detach)
         self.bound_retention(ctx)
+        return closed
 
     def _keep(self, ctx: StreamCtx, now: float) -> None:
         """Start retaining closed ``ctx`` (closed at, or read back at, ``now``)."""
@@ -370,19 +405,20 @@ class StreamTable:
         return (ctx.followers == 0 and (aged or not ctx.unstored) and ctx.log.durable >= len(ctx.log)
                 and id(ctx) not in unstored)
 
-    def abandon(self, ctx: StreamCtx, stored: list[StoredEvent]) -> None:
+    def abandon(self, ctx: StreamCtx, stored: list[StoredEvent]) -> Closed | None:
         """Stream ``ctx`` was settled by another router process while this one
         could not reach the shared store (atp_router.deploy.cluster): ``stored`` — its
         log in the store, ending with the RST the other router wrote — is its
         log from now on. Its task is cancelled and its queued writes dropped;
         followers send what they have not sent of ``stored`` and stop; it
-        writes nothing more."""
+        writes nothing more. Returns its :class:`Closed` (None if it had closed
+        before)."""
         self.persistence.drop(ctx)
         ctx.restored = True  # nothing more of it goes to the store
         if ctx.cancel_scope is not None:
             ctx.cancel_scope.cancel()
         ctx.log.replace(stored)
-        ctx._mark_closed()
+        return ctx._mark_closed()
 
     def detached(self, ctx: StreamCtx) -> None:
         """``ctx`` lost its last follower: reset it unless one comes back within
@@ -390,8 +426,19 @@ class StreamTable:
         assert ctx.detached_at is not None
         self._schedule(ctx.detached_at + self.resume_grace_s, "grace", ctx.key)
 
+    def _release(self, ctx: StreamCtx) -> bool:
+        """Close the ledger account of closed ``ctx`` as it leaves the table;
+        False while a cancelled call has not committed its spend yet."""
+        if not self.accounts.has(ctx.account):
+            return True  # read back from the store: its account closed at start-up
+        try:
+            self.accounts.close(ctx.account)
+        except ValueError:
+            return False
+        return True
+
     def _remove(self, ctx: StreamCtx) -> bool:
-        """Drop closed ``ctx`` from the table once ``release`` frees it."""
+        """Drop closed ``ctx`` from the table once its account closed (:meth:`_release`)."""
         key = ctx.key
         if self._streams.get(key) is not ctx:
             return True
@@ -472,11 +519,13 @@ class StreamTable:
         """When :meth:`handle_timer` next has work (trio time, s), or None."""
         return self._timers[0][0] if self._timers else None
 
-    def handle_timer(self, now: float) -> None:
+    def handle_timer(self, now: float) -> list[Closed]:
         """Do what is due at ``now``: reset streams without a task after
         ``idle_task_s`` and detached streams after ``resume_grace_s`` (RST
         ``ETIMEOUT``, their task stops, spend so far is committed); remove closed
-        streams past ``retain_closed_s``; drop sessions left without streams."""
+        streams past ``retain_closed_s``; drop sessions left without streams.
+        Returns the streams it closed (their :class:`Closed`, for the caller to act on)."""
+        closed: list[Closed] = []
         while self._timers and self._timers[0][0] <= now:
             _, _, kind, key = heapq.heappop(self._timers)
             if kind == "sweep":
@@ -486,8 +535,10 @@ class StreamTable:
             else:
                 assert key is not None
                 ctx = self._streams.get(key)
-                if ctx is not None:
-                    self._stream_timer(kind, ctx, now)
+                done = self._stream_timer(kind, ctx, now) if ctx is not None else None
+                if done is not None:
+                    closed.append(done)
+        return closed
 
     def _sweep(self, now: float) -> None:
         """Drop the sessions left without streams; again in ``_sweep_s`` while any remain."""
@@ -509,8 +560,8 @@ class StreamTable:
             ms = idle.trim()
             log.debug("router idle: memory trimmed in %.1f ms", ms)
 
-    def _stream_timer(self, kind: str, ctx: StreamCtx, now: float) -> None:
-        """A ``retain``, ``idle`` or ``grace`` timer of ``ctx`` is due."""
+    def _stream_timer(self, kind: str, ctx: StreamCtx, now: float) -> Closed | None:
+        """A ``retain``, ``idle`` or ``grace`` timer of ``ctx`` is due: what it closed, if anything."""
         if kind == "retain":
             # The key may name a newer stream since: only one closed long enough goes.
             if ctx.closed_at is not None and ctx.retain_until <= now and not (
@@ -519,24 +570,26 @@ class StreamTable:
                     and self._remove(ctx)):
                 self._schedule(now + _SETTLE_RETRY_S, "retain", ctx.key)
         elif ctx.log.closed:
-            return
+            return None
         elif kind == "idle" and not ctx.task_started and ctx.started + self.idle_task_s <= now:
             log.info("stream %s of %s: no task within %g s, reset", ctx.stream_id, ctx.tenant, self.idle_task_s)
-            ctx.stop(ErrorCode.ETIMEOUT, f"no task within {self.idle_task_s:g} s")
+            return ctx.stop(ErrorCode.ETIMEOUT, f"no task within {self.idle_task_s:g} s")
         elif (kind == "grace" and ctx.detached_at is not None
               and ctx.detached_at + self.resume_grace_s <= now):
             log.info("stream %s of %s: client gone for %g s, reset", ctx.stream_id, ctx.tenant,
                      now - ctx.detached_at)
-            ctx.stop(ErrorCode.ETIMEOUT, f"client gone: stream not resumed within {self.resume_grace_s:g} s")
+            return ctx.stop(ErrorCode.ETIMEOUT, f"client gone: stream not resumed within {self.resume_grace_s:g} s")
+        return None
 
-    async def run(self) -> None:
-        """Drive :meth:`handle_timer` at :meth:`get_timer` until cancelled."""
-        while True:
-            due = self.get_timer()
-            self._sleeping_until = math.inf if due is None else due
-            with trio.move_on_at(self._sleeping_until):
-                await self._changed.wait()
-            self._changed = trio.Event()
-            # Not sleeping: what is scheduled while handling is seen by the next get_timer.
-            self._sleeping_until = -math.inf
-            self.handle_timer(trio.current_time())
+    async def next_timers(self) -> list[Closed]:
+        """Sleep until :meth:`get_timer` (or until an earlier deadline is
+        scheduled meanwhile), then :meth:`handle_timer`: the streams it closed.
+        The loop that drives the table calls it until cancelled and acts on each."""
+        due = self.get_timer()
+        self._sleeping_until = math.inf if due is None else due
+        with trio.move_on_at(self._sleeping_until):
+            await self._changed.wait()
+        self._changed = trio.Event()
+        # Not sleeping: what is scheduled while handling is seen by the next get_timer.
+        self._sleeping_until = -math.inf
+        return self.handle_timer(trio.current_time())

@@ -733,7 +733,7 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
         (no idempotency key) is reset so it spends nothing more."""
         ctx.detach()
         if not ctx.log.closed and ctx.idempotency_key is None:
-            ctx.stop(ErrorCode.EPREEMPT, "canceled: the OpenAI-compatible client went away")
+            router.stream_closed(ctx.stop(ErrorCode.EPREEMPT, "canceled: the OpenAI-compatible client went away"))
 
     async def chat(request: Request, identity: Identity) -> Response:
         try:
