@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from atp_router.runtime.dataplane.eventlog import EventLog  # noqa: E402
-from atp_router.wire.frame import (  # noqa: E402
+from atp_router.runtime.dataplane.eventlog import EventLog
+from atp_router.wire.frame import (
     Flag,
     Frame,
     Payload,
