@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Closed", "StreamCtx", "StreamKey", "stream_account"]
 
-
 #: A stream's identity in the table: (tenant, session_id, stream_id).
 StreamKey = tuple[str, str, str]
 
@@ -54,7 +53,6 @@ def stream_account(tenant: str, stream_id: str) -> str:
     stream id is unique within its tenant while its stream is in the table, and
     a tenant name holds no ``:``, so no two streams share an account."""
     return f"stream:{tenant}:{stream_id}"
-
 
 
 @dataclass(frozen=True, slots=True)
