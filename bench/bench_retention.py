@@ -3,7 +3,7 @@
 Run: ``python bench/bench_retention.py [--streams N]``. Plain script, a few
 seconds. Builds N closed stream logs shaped like a code-review stream through
 the router (SYN+ACK, two PARTIAL reports with findings, a WINDOW_UPDATE, the
-FINAL with merged findings and telemetry, FIN: the frames ``atp_router.runtime.dataplane.streams``
+FINAL with merged findings and telemetry, FIN: the frames ``atp_router.runtime.dataplane.eventlog``
 keeps for resumption), then, in the same run:
 
 * **live**: the logs as they were kept before (``EventLog`` holding its frames);
@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from atp_router.runtime.dataplane.streams import EventLog  # noqa: E402
-from atp_router.wire.frame import (  # noqa: E402
+from atp_router.runtime.dataplane.eventlog import EventLog
+from atp_router.wire.frame import (
     Flag,
     Frame,
     Payload,

@@ -601,7 +601,7 @@ def _serve_main(config: RouterConfig) -> int:
                 nursery.cancel_scope.cancel()
                 return
             http, ws = ("https", "wss") if config.tls is not None else ("http", "ws")
-            owner = router.streams.owner  # a router on a shared store names itself (its streams' owner)
+            owner = router.streams.persistence.owner  # a router on a shared store names itself (its streams' owner)
             # The handler is in place before "listening": a supervisor's SIGTERM right after it is a clean stop.
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 print(f"atp-router listening {http}://{config.host}:{http_port} {ws}://{config.host}:{ws_port} "

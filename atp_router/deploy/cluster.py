@@ -583,9 +583,9 @@ class ClusterNode(SynGate):
             config, state, rib_version=self.rib.next_version,
             services=(self.rib.service, self._services, lambda r: shared_state.background_tasks(r, self.owner)),
             syn_gates=(self,), store_refusal=self._refusal, metrics=self.metrics, **kw)
-        router.streams.owner = self.owner
-        router.streams.on_store_unavailable = self.store_unavailable
-        router.streams.flush_gate = self._writes_allowed
+        router.streams.persistence.owner = self.owner
+        router.streams.persistence.on_store_unavailable = self.store_unavailable
+        router.streams.persistence.flush_gate = self._writes_allowed
         #: The lease thread's and the trio side's shared view (under _lease_lock).
         self._lease = LeaseClock(self.lease_ms, now=time.monotonic())
         self._heartbeat()  # the lease exists before this router owns anything
@@ -814,7 +814,8 @@ class ClusterNode(SynGate):
                 continue
             log.warning("stream %s/%s was settled by another router while this one was cut from the store: "
                         "stopped here", ctx.tenant, ctx.stream_id)
-            self.router.streams.abandon(ctx, self.store.events(ctx.tenant, ctx.session_id, ctx.stream_id))
+            self.router.stream_closed(
+                self.router.streams.abandon(ctx, self.store.events(ctx.tenant, ctx.session_id, ctx.stream_id)))
             n += 1
         return n
 

@@ -33,7 +33,7 @@ without a traceback. While the store cannot take writes
 * spend already made is kept (:class:`~atp_router.store.base.StoreJournal`) and
   written as soon as the store takes writes again (tried every
   :data:`SETTLE_RETRY_S`), the events of running streams are sent and their
-  writes retried (``StreamTable.hold_unstored`` False); nothing waits for an
+  writes retried (``StreamPersistence.hold_unstored`` False); nothing waits for an
   operator: the first write that fits ends the fault.
 """
 
@@ -123,7 +123,7 @@ def build(config: RouterConfig, *, lock: bool = True, **kw: Any) -> Router:
     kw["services"] = (settle_journal, *kw.get("services", ()))
     kw.setdefault("store_refusal", _refusal)
     router = Router(config, open_state(config, lock=lock), **kw)
-    router.streams.hold_unstored = False  # one router on its own store: a full disk stalls no stream
+    router.streams.persistence.hold_unstored = False  # one router on its own store: a full disk stalls no stream
     return router
 
 

@@ -305,7 +305,7 @@ def build(config: RouterConfig, spec: WorkerSpec, **kw: Any) -> tuple[Router, Wo
     router = Router(replace(config, watch_policies=config.watch_policies and spec.slot == 0), state,
                     services=(rib.service, lambda r: shared_state.background_tasks(r, worker.owner)),
                     rib_version=rib.next_version, syn_gates=(worker,), **kw)
-    router.streams.owner = worker.owner
+    router.streams.persistence.owner = worker.owner
     worker.router = router
     return router, worker
 

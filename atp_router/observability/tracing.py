@@ -113,7 +113,7 @@ log = logging.getLogger("atp_router.observability.tracing")
 
 class TracedStream(Protocol):
     """What the spans read of one open stream (the router's
-    :class:`~atp_router.runtime.dataplane.streams.StreamCtx`; named structurally here, as this
+    :class:`~atp_router.runtime.dataplane.stream.StreamCtx`; named structurally here, as this
     package imports no router module)."""
 
     @property

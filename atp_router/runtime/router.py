@@ -34,7 +34,7 @@ Ingresses — the WebSocket server (:mod:`atp_router.runtime.ingress.ws`), the H
 authenticate once per connection or request, check the action with
 :meth:`Router.authorize`, and only move frames: they feed inbound frames to the
 sans-IO :class:`~atp_router.wire.session.Session` of the caller's tenant and send what
-the stream's :class:`~atp_router.runtime.dataplane.streams.EventLog` holds, so a stream behaves the
+the stream's :class:`~atp_router.runtime.dataplane.eventlog.EventLog` holds, so a stream behaves the
 same whichever way it was opened.
 
 Tenants (spec §11): every :class:`~atp_router.security.identity.Identity` names a
@@ -49,7 +49,7 @@ also sees calls held up at a next-hop's window), the circuit breakers (their hea
 the FIB lookup: an open circuit is excluded) and the retry policy. The budget
 ledger has one account per tenant (``client:<name>``, limit from the RIB's
 ``clients`` section) and, under it, one per stream
-(:func:`~atp_router.runtime.dataplane.streams.stream_account`), so a tenant's streams together
+(:func:`~atp_router.runtime.dataplane.stream.stream_account`), so a tenant's streams together
 never spend more than its budget.
 
 Connections and streams (spec §8 resumption): a stream belongs to its tenant, not
@@ -117,9 +117,9 @@ from atp_router.runtime.dataplane.opening import (
 )
 from atp_router.runtime.dataplane.plan import LegOutcome, TaskPlan
 from atp_router.runtime.dataplane.runner import TaskOutcome, plan_task, run_task
+from atp_router.runtime.dataplane.stream import Closed, StreamCtx
 from atp_router.runtime.dataplane.streams import (
     DEFAULT_RETAIN_CLOSED_BYTES,
-    StreamCtx,
     StreamTable,
 )
 from atp_router.runtime.deployment import Service, StateParts, SynGate
@@ -455,7 +455,7 @@ class Router:
             self.metrics, max_streams=config.max_streams, retain_closed_s=config.retain_closed_s,
             retain_closed_max=config.retain_closed_max, resume_grace_s=config.resume_grace_s,
             idle_task_s=config.idle_task_s, hb_interval_s=config.hb_interval_s,
-            release=self._release_stream, on_closed=self._on_stream_closed, store=self.store,
+            accounts=self.ledger, store=self.store,
             retain_closed_bytes=config.retain_closed_bytes,
             idle_trim=memory.trim if config.idle_trim else None,
         )
@@ -715,46 +715,52 @@ class Router:
         if Flag.SYN not in frame.flags and self._closed_by_us(tenant, sess, frame.stream_id):
             return self._late_frame(frame)
         direct: list[Frame] = []
+        for ev in sess.receive_frame(frame, now):
+            self._on_session_event(ev, sess, frame, identity=identity, direct=direct)
+        return direct
+
+    def _on_session_event(self, ev: Any, sess: S.Session, frame: Frame, *, identity: Identity,
+                          direct: list[Frame]) -> None:
+        """Act on one event ``sess`` made of inbound ``frame`` (:meth:`receive_frame`);
+        frames for the sender outside any stream's log go to ``direct``."""
 
         def stream_of(stream_id: str) -> StreamCtx | None:
-            return self.streams.get(tenant, sess.session_id, stream_id)
+            return self.streams.get(identity.tenant, sess.session_id, stream_id)
 
-        for ev in sess.receive_frame(frame, now):
-            match ev:
-                case S.StreamOpened():
-                    # The session dropped a SYN at ttl 0; this hop takes one off the rest (§4.2).
-                    self._on_syn(sess, ev, identity=identity, direct=direct, ttl=S.forward_ttl(frame).ttl)
-                case S.MessageReceived():
-                    ctx = stream_of(ev.stream_id)
-                    if ctx is not None:
-                        self._on_message(ctx, ev.payload)
-                case S.ControlReceived():
-                    ctx = stream_of(ev.stream_id)
-                    if ctx is not None:
-                        self._on_control(ctx, ev.control)
-                case S.StreamFinished():
-                    ctx = stream_of(ev.stream_id)
-                    if ctx is not None and not ctx.task_started:
-                        ctx.finish(None)
-                case S.StreamReset():
-                    ctx = stream_of(ev.stream_id)
-                    if ctx is not None:
-                        ctx.peer_reset()
-                case S.ProtocolViolation():
-                    # The session resets the stream (its RST follows in SendFrames):
-                    # stop the task so it spends nothing more.
-                    ctx = stream_of(ev.stream_id)
-                    if ctx is not None and ctx.cancel_scope is not None:
-                        ctx.cancel_scope.cancel()
-                case S.SendFrames():
-                    ctx = stream_of(ev.frames[0].stream_id) if ev.frames else None
-                    if ctx is not None and not ctx.log.closed:
-                        ctx.push(ev.frames)
-                    else:
-                        direct.extend(ev.frames)
-                case _:
-                    pass
-        return direct
+        match ev:
+            case S.StreamOpened():
+                # The session dropped a SYN at ttl 0; this hop takes one off the rest (§4.2).
+                self._on_syn(sess, ev, identity=identity, direct=direct, ttl=S.forward_ttl(frame).ttl)
+            case S.MessageReceived():
+                ctx = stream_of(ev.stream_id)
+                if ctx is not None:
+                    self._on_message(ctx, ev.payload)
+            case S.ControlReceived():
+                ctx = stream_of(ev.stream_id)
+                if ctx is not None:
+                    self._on_control(ctx, ev.control)
+            case S.StreamFinished():
+                ctx = stream_of(ev.stream_id)
+                if ctx is not None and not ctx.task_started:
+                    self.stream_closed(ctx.finish(None))
+            case S.StreamReset():
+                ctx = stream_of(ev.stream_id)
+                if ctx is not None:
+                    self.stream_closed(ctx.peer_reset())
+            case S.ProtocolViolation():
+                # The session resets the stream (its RST follows in SendFrames):
+                # stop the task so it spends nothing more.
+                ctx = stream_of(ev.stream_id)
+                if ctx is not None and ctx.cancel_scope is not None:
+                    ctx.cancel_scope.cancel()
+            case S.SendFrames():
+                ctx = stream_of(ev.frames[0].stream_id) if ev.frames else None
+                if ctx is not None and not ctx.log.closed:
+                    self.stream_closed(ctx.push(ev.frames))
+                else:
+                    direct.extend(ev.frames)
+            case _:
+                pass
 
     def _closed_by_us(self, tenant: str, sess: S.Session, stream_id: str) -> bool:
         """``stream_id`` is a stream of ``tenant``'s ``sess`` the router closed
@@ -847,12 +853,12 @@ class Router:
             try:
                 content = msgspec.json.decode(content)
             except msgspec.DecodeError as e:
-                ctx.reset(ErrorCode.EPROTO, f"fragmented task body is not JSON: {e}")
+                self.stream_closed(ctx.reset(ErrorCode.EPROTO, f"fragmented task body is not JSON: {e}"))
                 return
         try:
             check_task(content)
         except LocalProtocolError as e:
-            ctx.reset(e.code, e.reason)
+            self.stream_closed(ctx.reset(e.code, e.reason))
             return
         ctx.task_started = True
         # Next-hops get the stream's meta with the hop-decremented ttl (§4.2): an
@@ -905,16 +911,16 @@ class Router:
         assert e is not None
         if outcome.internal:
             self.metrics.streams_closed.labels("internal").inc()
-            ctx.reset(e.code, e.reason)
+            self.stream_closed(ctx.reset(e.code, e.reason))
             return
         self.learning.task_done(ctx, plan, None, None)
         self.metrics.streams_closed.labels(str(e.code)).inc()
         if e.code is ErrorCode.EBUDGET:
             # Spec §10: EBUDGET → FIN (the ERROR says why, the FIN ends it cleanly).
             ctx.emit_error(e.code, e.reason)
-            ctx.finish(None)
+            self.stream_closed(ctx.finish(None))
         else:
-            ctx.reset(e.code, e.reason)
+            self.stream_closed(ctx.reset(e.code, e.reason))
 
     def _task_final(self, ctx: StreamCtx, gen: Generation, plan: TaskPlan, outcome: TaskOutcome,
                     final: FinalResult) -> None:
@@ -931,7 +937,7 @@ class Router:
             self.audit_event("escalation", ctx.identity, {"session_id": ctx.session_id,
                                                           "stream_id": ctx.stream_id, "triggers": triggers})
         self.metrics.streams_closed.labels("final").inc()
-        ctx.finish(self._signed(ctx, final))
+        self.stream_closed(ctx.finish(self._signed(ctx, final)))
         esc = ctx.route.escalation
         qualities = self.learning.task_done(ctx, plan, final, esc.to if esc is not None and outcome.escalated else None)
         hop = self.learning.shadow_due(ctx, gen, list(qualities))
@@ -965,7 +971,7 @@ class Router:
         # The one line of a preemption (its stream's RST close is logged at DEBUG).
         log.info("stream %s of %s preempted: %s", ctx.stream_id, ctx.tenant, p.reason,
                  extra={"stream_id": ctx.stream_id, "tenant": ctx.tenant, "code": str(p.code)})
-        ctx.stop(p.code, p.reason)
+        self.stream_closed(ctx.stop(p.code, p.reason))
 
     def _on_breaker(self, t: BreakerTransition) -> None:
         """Log each circuit-breaker transition once (spec §5.3): opening at
@@ -979,11 +985,15 @@ class Router:
         else:
             log.info("circuit breaker of %s: %s -> %s (%s)", t.agent, t.old, t.new, t.event, extra=extra)
 
-    def _on_stream_closed(self, ctx: StreamCtx) -> None:
-        last = ctx.log.events[-1].frame if ctx.log.events else None
+    def stream_closed(self, closed: Closed | None) -> None:
+        """Act on a stream's close (what the call that closed it returned; None:
+        it was closed already): trace and audit it, and end its hold on its
+        generation when no task did (a task ends it when it ends)."""
+        if closed is None:
+            return
+        ctx, last, spent = closed.ctx, closed.last, closed.spent
         err = _error_of([last]) if last is not None else None
         code = err.code if err is not None else None
-        spent = self.ledger.state(ctx.account) if self.ledger.has(ctx.account) else None
         if self.tracing is not None:
             self.tracing.stream_closed(
                 ctx, outcome="RST" if last is not None and Flag.RST in last.flags else "FIN",
@@ -997,19 +1007,15 @@ class Router:
             "usd_micros": spent.committed_usd_micros if spent else None},
             # An ESEC or EPREEMPT reset was logged where it was decided (refusal, preemption).
             level=logging.DEBUG if code in (ErrorCode.ESEC, ErrorCode.EPREEMPT) else None)
-        if not ctx.task_started:
+        if closed.release_gen:
             self.control.release(ctx)  # else the task releases it when it ends
 
-    def _release_stream(self, ctx: StreamCtx) -> bool:
-        """Close the ledger account of a closed stream leaving the table; False
-        while a cancelled call has not committed its spend yet."""
-        if not self.ledger.has(ctx.account):
-            return True  # read back from the store: its account closed at start-up
-        try:
-            self.ledger.close(ctx.account)
-        except ValueError:
-            return False
-        return True
+    async def _stream_timers(self) -> None:
+        """Drive the stream table's timers (grace, idle expiry, retention) until
+        cancelled, acting on each stream they reset."""
+        while True:
+            for closed in await self.streams.next_timers():
+                self.stream_closed(closed)
 
     def _on_leg(self, out: LegOutcome) -> None:
         if self.tracing is not None:
@@ -1082,8 +1088,8 @@ class Router:
                 await nursery.start(self.control.serve)
                 nursery.start_soon(self.gates.slots.run)
                 nursery.start_soon(self.gates.run_canaries)  # a failure in doubt: a canary speaks (issue 19)
-                nursery.start_soon(self.streams.run)
-                nursery.start_soon(self.streams.run_flusher)
+                nursery.start_soon(self._stream_timers)
+                nursery.start_soon(self.streams.persistence.run_flusher)
                 nursery.start_soon(self._audit_checkpoints)
                 nursery.start_soon(self.learning.run)
                 # The secrets detectors' imports, off the event loop before the first task needs them.

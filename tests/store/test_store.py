@@ -225,7 +225,7 @@ def test_batch_groups_writes_and_reports_their_errors(backend: Backend):
     assert other.get_stream("t", "sess", "a").state == "closed"
     assert [e.frame for e in other.events("t", "sess", "a")] == [b"p1", b"p2"]
     # An error of one write is raised at the call (SQLite) or when the batch ends
-    # (Redis); the other writes are stored (StreamTable.flush catches per call).
+    # (Redis); the other writes are stored (StreamPersistence.flush catches per call).
     caught: list[StoreError] = []
     try:
         with s.batch():

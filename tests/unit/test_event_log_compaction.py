@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from atp_router.runtime.dataplane.streams import EventLog
+from atp_router.runtime.dataplane.eventlog import EventLog
 from atp_router.wire.frame import (
     Flag,
     Frame,

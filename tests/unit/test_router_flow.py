@@ -40,7 +40,7 @@ from atp_router.consensus.types import AgentFinding, Severity, Usage
 from atp_router.deploy import single
 from atp_router.flow.breaker import RetryPolicy
 from atp_router.policy.loader import load_rib_text
-from atp_router.runtime.dataplane.streams import LoggedEvent
+from atp_router.runtime.dataplane.eventlog import LoggedEvent
 from atp_router.runtime.router import (
     Router,
     RouterConfig,

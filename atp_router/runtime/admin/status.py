@@ -71,7 +71,7 @@ from atp_router.runtime.admin.snapshot import (
 )
 
 if TYPE_CHECKING:
-    from atp_router.runtime.dataplane.streams import StreamCtx
+    from atp_router.runtime.dataplane.stream import StreamCtx
     from atp_router.runtime.router import Router
 
 __all__ = [

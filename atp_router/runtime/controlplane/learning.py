@@ -78,7 +78,7 @@ if TYPE_CHECKING:
     from atp_router.flow.budget import BudgetLedger
     from atp_router.observability.metrics import RouterMetrics
     from atp_router.runtime.controlplane.control import ControlPlane, Generation
-    from atp_router.runtime.dataplane.streams import StreamCtx
+    from atp_router.runtime.dataplane.stream import StreamCtx
     from atp_router.store import Store
 
 __all__ = ["SAVE_INTERVAL_S", "SHARED_SYNC_S", "AuditSink", "FeedbackRefused", "LearnLimits", "Learning",

@@ -1,5 +1,8 @@
-"""What carries a task from its SYN to its FINAL: the stream table and event logs
-(:mod:`~atp_router.runtime.dataplane.streams`), the SYN pipeline of stages
+"""What carries a task from its SYN to its FINAL: the stream table
+(:mod:`~atp_router.runtime.dataplane.streams`), its streams
+(:mod:`~atp_router.runtime.dataplane.stream`), their event logs
+(:mod:`~atp_router.runtime.dataplane.eventlog`) and what of them is stored
+(:mod:`~atp_router.runtime.dataplane.persistence`), the SYN pipeline of stages
 (:mod:`~atp_router.runtime.dataplane.opening`), running a stream's task to its outcome
 (:mod:`~atp_router.runtime.dataplane.runner`), the dispatcher that fans a task out to its
 next-hops and merges what comes back (:mod:`~atp_router.runtime.dataplane.dispatch`) with

@@ -56,7 +56,7 @@ import msgspec
 from atp_router.adapters.context import with_context_scope
 from atp_router.flow.budget import Allowance, usd_to_micros
 from atp_router.policy.fib import data_scope_labels
-from atp_router.runtime.dataplane.streams import stream_account
+from atp_router.runtime.dataplane.stream import stream_account
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
 from atp_router.task.diff import count_changed_lines
@@ -146,7 +146,7 @@ class OpenCtx:
 
     @property
     def account(self) -> str:
-        """The stream's budget-ledger account (:func:`~atp_router.runtime.dataplane.streams.stream_account`)."""
+        """The stream's budget-ledger account (:func:`~atp_router.runtime.dataplane.stream.stream_account`)."""
         return stream_account(self.identity.tenant, self.stream_id)
 
 

@@ -15,7 +15,7 @@
 
 A message enters the router as an ATP stream (:meth:`Router.open_stream`, the same
 SYN the HTTP control API synthesises); the A2A task id is the ATP ``stream_id`` and
-the task is a view of the stream's :class:`~atp_router.runtime.dataplane.streams.EventLog`:
+the task is a view of the stream's :class:`~atp_router.runtime.dataplane.eventlog.EventLog`:
 
 ===============================  ===================================================
 ATP event                         A2A

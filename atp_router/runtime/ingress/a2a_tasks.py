@@ -1,5 +1,5 @@
 """The A2A side of an ATP stream: an A2A task is a view of the stream's
-:class:`~atp_router.runtime.dataplane.streams.EventLog`, folded into a status and artifacts
+:class:`~atp_router.runtime.dataplane.eventlog.EventLog`, folded into a status and artifacts
 (the event table is in :mod:`atp_router.runtime.ingress.a2a`'s docstring), and rendered in
 the A2A 0.3 or 1.0 dialect (:class:`Render`).
 """
@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from atp_router.runtime.dataplane.dispatch import NEXT_HOP_FAILED
-from atp_router.runtime.dataplane.streams import LoggedEvent
+from atp_router.runtime.dataplane.eventlog import LoggedEvent
 from atp_router.runtime.router import StreamCtx
 
 __all__ = ["TERMINAL", "A2ATask", "Artifact", "Render", "Status", "closing", "final_of", "fold", "updates"]

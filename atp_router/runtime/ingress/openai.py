@@ -400,7 +400,7 @@ class _Ingress:
         created = int(time.time())
         cid = "chatcmpl-" + ctx.stream_id
         if req.stream:
-            return StreamingResponse(_sse(req, ctx, cid, created), media_type="text/event-stream",
+            return StreamingResponse(_sse(self.router, req, ctx, cid, created), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         out = _Outcome()
         ctx.attach()
@@ -408,7 +408,7 @@ class _Ingress:
             async for ev in ctx.log.follow():
                 out.see(ev)
         finally:
-            _let_go(ctx)
+            _let_go(self.router, ctx)
         if out.final is None:
             return error_response(out.failure(), after_run=True)
         body = ChatCompletion(
@@ -434,15 +434,16 @@ async def _check_policy(v: RibView, policy: str, meta: dict[str, Any], content: 
                            f"(task meta {meta}): {why}", param="model")
 
 
-def _let_go(ctx: StreamCtx) -> None:
+def _let_go(router: Router, ctx: StreamCtx) -> None:
     """The request is over: stop following; a stream nobody can resume
     (no idempotency key) is reset so it spends nothing more."""
     ctx.detach()
     if not ctx.log.closed and ctx.idempotency_key is None:
-        ctx.stop(ErrorCode.EPREEMPT, "canceled: the OpenAI-compatible client went away")
+        router.stream_closed(ctx.stop(ErrorCode.EPREEMPT, "canceled: the OpenAI-compatible client went away"))
 
 
-async def _sse(req: ChatCompletionRequest, ctx: StreamCtx, cid: str, created: int) -> AsyncIterator[bytes]:
+async def _sse(router: Router, req: ChatCompletionRequest, ctx: StreamCtx, cid: str,
+               created: int) -> AsyncIterator[bytes]:
     """The body of a streaming answer (module doc, "Streaming")."""
     def chunk(**kw: Any) -> bytes:
         return b"data: " + _enc.encode(ChatCompletionChunk(id=cid, object="chat.completion.chunk",
@@ -472,4 +473,4 @@ async def _sse(req: ChatCompletionRequest, ctx: StreamCtx, cid: str, created: in
             yield chunk(choices=[], usage=out.usage())
         yield b"data: [DONE]\n\n"
     finally:
-        _let_go(ctx)
+        _let_go(router, ctx)

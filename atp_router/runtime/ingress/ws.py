@@ -235,7 +235,7 @@ class _Follower:
 
     It runs as a task while the stream has one; a stream still waiting for its
     task (opened idle) that has nothing more to send *parks* its follower on the
-    log (:meth:`~atp_router.runtime.dataplane.streams.EventLog.park`) and the log's next change
+    log (:meth:`~atp_router.runtime.dataplane.eventlog.EventLog.park`) and the log's next change
     starts it again: an idle stream costs no task (≈ 3.5 KB less, issue 10).
     :meth:`stop` ends it for good (the stream is detached when it was the last)."""
 

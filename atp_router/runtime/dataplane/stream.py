@@ -1,0 +1,228 @@
+"""One stream of the router (spec §4.4, §8): :class:`StreamCtx`, and
+:class:`Closed`, what closing it returns; its key in the stream table and its
+budget-ledger account (:func:`stream_account`).
+
+:class:`StreamCtx` holds a stream's session, tenant, route, budget account,
+:class:`~atp_router.runtime.dataplane.eventlog.EventLog` and followers; it
+implements the dispatcher's ``StreamIO``. It never calls back into the router:
+the call that closes it (``finish``, ``reset``, ``stop``, ``peer_reset``, a
+``push`` of a FIN or RST; the table's ``abandon`` and timers) returns a
+:class:`Closed` — None when it was closed already — and its caller acts on it
+(the router audits and traces it and ends its hold on its generation). The
+table it lives in is :mod:`atp_router.runtime.dataplane.streams`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+
+from atp_router.flow.budget import AccountState
+from atp_router.runtime.dataplane.eventlog import EventLog
+from atp_router.security.identity import Identity
+from atp_router.wire import session as S
+from atp_router.wire.errors import ErrorCode
+from atp_router.wire.frame import (
+    Budget,
+    Frame,
+    Payload,
+    PayloadType,
+    QoS,
+    Window,
+    WindowUpdate,
+)
+
+if TYPE_CHECKING:
+    from atp_router.consensus.types import FinalResult
+    from atp_router.runtime.controlplane.control import Generation
+    from atp_router.runtime.dataplane.streams import StreamTable
+
+__all__ = ["Closed", "StreamCtx", "StreamKey", "stream_account"]
+
+#: A stream's identity in the table: (tenant, session_id, stream_id).
+StreamKey = tuple[str, str, str]
+
+
+def stream_account(tenant: str, stream_id: str) -> str:
+    """The budget-ledger account of ``tenant``'s stream ``stream_id`` (its parent
+    is the tenant's ``client:<tenant>``): ``stream:<tenant>:<stream_id>``. A
+    stream id is unique within its tenant while its stream is in the table, and
+    a tenant name holds no ``:``, so no two streams share an account."""
+    return f"stream:{tenant}:{stream_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """A stream just closed (it sent its FIN or RST, or its peer reset it): what
+    closing returns to its caller, who acts on it (module docstring)."""
+
+    ctx: StreamCtx
+    #: The last frame the stream sent (its FIN or RST; when its peer reset it,
+    #: whatever went out last), None if it sent none.
+    last: Frame | None
+    #: Its ledger account at close (what it committed), None when it has none
+    #: (a stream read back from the store: its account closed at start-up).
+    spent: AccountState | None
+    #: No task was started on the stream: its hold on its generation is the
+    #: caller's to end (a task ends it when it ends).
+    release_gen: bool
+
+
+@dataclass(eq=False)
+class StreamCtx:
+    """One stream inside the router; implements the dispatcher's ``StreamIO``.
+
+    Every outbound frame goes through the stream's sans-IO session, then its
+    :class:`EventLog`; a FIN or RST closes it (:meth:`StreamTable.closed`), and
+    the call that sent it returns the stream's :class:`Closed` to its caller."""
+
+    table: StreamTable
+    session: S.Session
+    stream_id: str
+    identity: Identity
+    meta: dict[str, Any]
+    qos: QoS
+    window: Window
+    budget: Budget
+    route: Any  # atp_router.policy.fib.Route
+    started: float  # trio.current_time() at SYN, s
+    log: EventLog = field(default_factory=EventLog)
+    task_started: bool = False
+    closed_at: float | None = None
+    cancel_scope: trio.CancelScope | None = None
+    #: The RIB generation the stream was routed by at SYN; its task runs on it even
+    #: after a reload (spec §22 hot reload).
+    gen: Generation | None = None
+    #: ``ttl`` the stream's task carries to next-hops: the SYN's, less this hop
+    #: (:func:`~atp_router.wire.session.forward_ttl`, §4.2).
+    ttl: int = 7
+    #: Ledger account of the stream (its parent is the tenant's): :func:`stream_account`.
+    account: str = ""
+    #: The SYN's ``meta.idempotency_key`` (resumption, §8), if any.
+    idempotency_key: str | None = None
+    #: Connections / SSE requests sending this stream's events right now.
+    followers: int = 0
+    #: When the last follower went away (None while followed, or never followed).
+    detached_at: float | None = None
+    #: The stream counts among the users of ``gen`` (its adapters stay open).
+    holds_gen: bool = False
+    #: Read back from the store after a restart (closed; its log is the stored one).
+    restored: bool = False
+    #: The bandit's choice for this stream (atp_router.policy.learn.Decision; its JSON
+    #: dict when read back from the store), None for a policy without bandit.
+    decision: Any = None
+    #: When a closed stream leaves memory at the latest (trio time, s; its reads
+    #: are then served from the store).
+    retain_until: float = math.inf
+    #: An event of the stream could not be stored: its whole log is only in
+    #: memory, kept there for the full ``retain_closed_s`` whatever the bounds.
+    unstored: bool = False
+
+    @property
+    def tenant(self) -> str:
+        """The tenant (RIB client) the stream belongs to."""
+        return self.identity.tenant
+
+    @property
+    def session_id(self) -> str:
+        return self.session.session_id
+
+    @property
+    def key(self) -> StreamKey:
+        return (self.identity.tenant, self.session.session_id, self.stream_id)
+
+    # --- followers (spec §8 resumption) ---
+    def attach(self) -> None:
+        """A connection or SSE request starts sending this stream's events."""
+        self.followers += 1
+        self.detached_at = None
+
+    def detach(self) -> None:
+        """A follower went away; the last one leaves the stream detached (it stays
+        resumable for ``resume_grace_s``, then is reset)."""
+        self.followers -= 1
+        if self.followers == 0 and not self.log.closed:
+            self.detached_at = trio.current_time()
+            self.table.detached(self)
+        elif self.followers == 0 and self.closed_at is not None:
+            self.log.compact()
+            self.table.bound_retention(self)  # smaller now, and free to leave memory
+
+    # --- outbound (every frame goes through the session machine, then the log) ---
+    def push(self, frames: Frame | list[Frame]) -> Closed | None:
+        """Send ``frames`` (append them to the log, store them); a FIN or RST
+        among them closes the stream: its :class:`Closed` is returned."""
+        table = self.table
+        closed = None
+        for f in frames if isinstance(frames, list) else [frames]:
+            ev = self.log.append(f, durable=not table.persistence.group_commit or self.restored)
+            table.metrics.frames.labels("out", ev.type).inc()
+            table.persistence.persist_event(self, ev)
+            if ev.type in ("FIN", "RST"):
+                closed = self._mark_closed() or closed
+        return closed
+
+    def _mark_closed(self) -> Closed | None:
+        if self.closed_at is None:
+            self.closed_at = trio.current_time()
+            return self.table.closed(self)
+        return None
+
+    def peer_reset(self) -> Closed | None:
+        """The client reset the stream: stop its task (spend is still committed) and
+        end the log. Nothing is sent back: an RST is never answered (spec §4.4)."""
+        if self.cancel_scope is not None:
+            self.cancel_scope.cancel()
+        if not self.log.closed:
+            self.log.close()
+            return self._mark_closed()
+        return None
+
+    def emit_partial(self, agent: str, content: dict[str, Any], *, confidence: float | None = None) -> None:
+        if self.log.closed:
+            return
+        self.push(self.session.send_message(
+            self.stream_id, Payload(type=PayloadType.PARTIAL, content=content, confidence=confidence)
+        ))
+
+    def emit_error(self, code: ErrorCode, reason: str, *, agent: str | None = None,
+                   retry_after_ms: int | None = None) -> None:
+        if self.log.closed:
+            return
+        self.table.metrics.errors.labels(str(code)).inc()
+        self.push(self.session.send_error(self.stream_id, code, reason, retry_after_ms=retry_after_ms))
+
+    def emit_window_update(self, update: WindowUpdate) -> None:
+        if not self.log.closed:
+            self.push(self.session.send_control(self.stream_id, update))
+
+    def finish(self, final: FinalResult | None) -> Closed | None:
+        """FINAL (``final``, if any), then FIN: returns the stream's :class:`Closed`
+        (None when it was closed already)."""
+        if self.log.closed:
+            return None
+        if final is not None:
+            self.push(self.session.send_message(
+                self.stream_id,
+                Payload(type=PayloadType.FINAL, content=msgspec.to_builtins(final)),
+            ))
+        return self.push(self.session.finish(self.stream_id))
+
+    def reset(self, code: ErrorCode, reason: str) -> Closed | None:
+        """RST ``code``: returns the stream's :class:`Closed` (None when it was closed already)."""
+        if self.log.closed:
+            return None
+        self.table.metrics.errors.labels(str(code)).inc()
+        return self.push(self.session.reset(self.stream_id, code, reason))
+
+    def stop(self, code: ErrorCode, reason: str) -> Closed | None:
+        """Reset the stream (RST ``code``) and stop its task; what its calls used
+        so far is committed by the dispatcher. Returns what :meth:`reset` does."""
+        closed = self.reset(code, reason)
+        if self.cancel_scope is not None:
+            self.cancel_scope.cancel()
+        return closed
