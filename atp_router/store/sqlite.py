@@ -311,36 +311,10 @@ class SqliteStore(Store):
         marker = d / STATE_MARKER
         if not create and not path.exists():
             raise StoreError(f"no state in {d} (no state.db)")
+        conn = _connect(d, path, marker, create)
         try:
-            if create and marker.exists() and (not path.exists() or path.stat().st_size == 0):
-                raise StoreError(_empty_refusal(path, marker))
-            if create:
-                if not d.exists():
-                    d.mkdir(mode=0o700, parents=True)
-                    os.chmod(d, 0o700)
-                if not path.exists():
-                    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
-            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
-        except OSError as e:
-            raise StoreError(f"state directory {d} cannot be used: {e.strerror or e} ({e.filename or path}); "
-                             "the router needs it readable and writable") from None
-        except sqlite3.Error as e:
-            raise StoreError(f"cannot open {path}: {e}") from None
-        try:
-            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if mode.lower() != "wal":
-                raise StoreError(f"{path}: cannot switch to WAL (journal_mode is {mode})")
-            conn.execute(f"PRAGMA synchronous={synchronous}")
-            if not autocheckpoint:
-                conn.execute("PRAGMA wal_autocheckpoint=0")
-            held = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] > 0
-            if not held and create and marker.exists():
-                raise StoreError(_empty_refusal(path, marker))
-            if held and check_s > 0 and not multiprocess:
-                _quick_check(conn, path, check_s)
-            _migrate(conn, path)
-            if create and not marker.exists():
-                _write_marker(marker)
+            _prepare(conn, path, marker, create=create, synchronous=synchronous, autocheckpoint=autocheckpoint,
+                     check_s=0 if multiprocess else check_s)
         except sqlite3.DatabaseError as e:
             conn.close()
             raise StoreError(_open_refusal(path, e)) from None
@@ -1287,3 +1261,47 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> None:
         conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
+
+
+def _connect(d: Path, path: Path, marker: Path, create: bool) -> sqlite3.Connection:
+    """A connection to ``path`` (``create``: the directory 0700 and the file 0600
+    made first); refused (:class:`StoreError`, one line) when the marker says the
+    directory held state its database no longer has, or the directory or file
+    cannot be used."""
+    try:
+        if create and marker.exists() and (not path.exists() or path.stat().st_size == 0):
+            raise StoreError(_empty_refusal(path, marker))
+        if create:
+            if not d.exists():
+                d.mkdir(mode=0o700, parents=True)
+                os.chmod(d, 0o700)
+            if not path.exists():
+                os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+        return sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+    except OSError as e:
+        raise StoreError(f"state directory {d} cannot be used: {e.strerror or e} ({e.filename or path}); "
+                         "the router needs it readable and writable") from None
+    except sqlite3.Error as e:
+        raise StoreError(f"cannot open {path}: {e}") from None
+
+
+def _prepare(conn: sqlite3.Connection, path: Path, marker: Path, *, create: bool, synchronous: str,
+             autocheckpoint: bool, check_s: float) -> None:
+    """WAL, ``synchronous``, the start-up checks (an empty database where the
+    marker says state was; ``PRAGMA quick_check`` for at most ``check_s`` s, 0:
+    none), the schema migrated, the marker written. Raises :class:`StoreError`,
+    ``sqlite3.DatabaseError`` or ``OSError`` (the caller closes ``conn``)."""
+    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if mode.lower() != "wal":
+        raise StoreError(f"{path}: cannot switch to WAL (journal_mode is {mode})")
+    conn.execute(f"PRAGMA synchronous={synchronous}")
+    if not autocheckpoint:
+        conn.execute("PRAGMA wal_autocheckpoint=0")
+    held = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] > 0
+    if not held and create and marker.exists():
+        raise StoreError(_empty_refusal(path, marker))
+    if held and check_s > 0:
+        _quick_check(conn, path, check_s)
+    _migrate(conn, path)
+    if create and not marker.exists():
+        _write_marker(marker)
