@@ -38,7 +38,7 @@ from atp_router.adapters.base import Prompt
 from atp_router.consensus.types import AgentFinding, AgentReport, Severity, Usage
 from atp_router.deploy.cli import run
 from atp_router.policy.cache import CacheEntry, cache_key, encode_entry
-from atp_router.runtime.router import RouterConfig
+from atp_router.runtime.config import RouterConfig
 from atp_router.store import SqliteStore
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -55,7 +55,8 @@ from trio_websocket import WebSocketConnection, open_websocket_url
 from atp_router.adapters.base import Prompt, ProviderAdapter
 from atp_router.adapters.testing import ScriptedAdapter
 from atp_router.deploy.cli import run
-from atp_router.runtime.router import Router, RouterConfig
+from atp_router.runtime.config import RouterConfig
+from atp_router.runtime.router import Router
 from atp_router.wire import session as S
 from atp_router.wire.codec import FrameCodec
 from atp_router.wire.frame import Payload, PayloadType

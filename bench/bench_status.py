@@ -39,7 +39,7 @@ from atp_router.adapters.testing import ScriptedAdapter
 from atp_router.consensus.types import Usage
 from atp_router.deploy.cli import run
 from atp_router.runtime.admin.status import StatusBuilder
-from atp_router.runtime.router import RouterConfig
+from atp_router.runtime.config import RouterConfig
 from atp_router.security.identity import ANONYMOUS
 
 AGENT = {"layer": "L2", "tool": "scripted", "p95_ms": 300, "timeout_ms": 30_000, "strengths": ["code_review"]}

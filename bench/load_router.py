@@ -399,7 +399,7 @@ def ledger_overshoot(router: Any, records: list[dict[str, Any]]) -> list[str]:
 
 async def bench(args: argparse.Namespace) -> int:
     from atp_router.deploy.cli import run
-    from atp_router.runtime.router import RouterConfig
+    from atp_router.runtime.config import RouterConfig
 
     d = Path(tempfile.mkdtemp(prefix="atp-load-"))
     agent_window = ("" if args.agent_window is None else

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from atp_router.deploy.cli import run
-from atp_router.runtime.router import Router, RouterConfig
+from atp_router.runtime.config import RouterConfig
+from atp_router.runtime.router import Router
 from tests.peers import start_llama_server
 
 #: Progress lines and the skip rules (tests/progress.py).

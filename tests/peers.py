@@ -40,6 +40,7 @@ __all__ = ["GGUF_NAME", "find_smollm2_gguf", "free_port", "serve_http_peer", "st
            "wait_until_up"]
 
 from atp_router.adapters.local_model import GGUF_NAME  # noqa: E402
+
 #: Model id the server announces (``--model_alias``) and the tests request.
 MODEL_ALIAS = "smollm2-135m"
 

@@ -2,7 +2,7 @@
 
     atp-router --policies policies/ [--host 127.0.0.1] [--http-port 7070] [--ws-port 7071]
 
-Flow control, liveness and resumption (defaults: :class:`~atp_router.runtime.router.RouterConfig`'s;
+Flow control, liveness and resumption (defaults: :class:`~atp_router.runtime.config.RouterConfig`'s;
 spec §4.4, §5, §8, §9, §10):
 
 =============================  =======  ==================================================
@@ -126,10 +126,11 @@ from atp_router.flow.breaker import RetryPolicy
 from atp_router.observability import logs, tracing
 from atp_router.policy.check import policy_main
 from atp_router.runtime.admin.taskpath import routes_main
+from atp_router.runtime.config import RouterConfig, build_authenticator
 from atp_router.runtime.dataplane.opening import DEFAULT_STAGES, describe
 from atp_router.runtime.ingress.http_api import build_app
 from atp_router.runtime.ingress.ws import serve_ws
-from atp_router.runtime.router import Router, RouterConfig, build_authenticator
+from atp_router.runtime.router import Router
 from atp_router.security.audit import AuditOptions, audit_main
 from atp_router.security.authn import new_api_key
 from atp_router.security.policy_guard import PolicySecrets

@@ -112,9 +112,10 @@ from atp_router.flow.budget import (
     _Account,
 )
 from atp_router.observability.metrics import RouterMetrics
+from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.controlplane import shared_state
 from atp_router.runtime.deployment import StateParts, SynGate
-from atp_router.runtime.router import Router, RouterConfig
+from atp_router.runtime.router import Router
 from atp_router.security.audit import AuditLog
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity

@@ -53,9 +53,10 @@ import msgspec
 import trio
 
 from atp_router.flow.budget import Allowance, BudgetLedger, Refusal, Reservation
+from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.controlplane.control import BODY_SOURCE
 from atp_router.runtime.deployment import StateParts
-from atp_router.runtime.router import Router, RouterConfig
+from atp_router.runtime.router import Router
 from atp_router.security.audit import AuditLog
 from atp_router.store import (
     SqliteStore,

@@ -110,12 +110,13 @@ from prometheus_client import Counter
 from atp_router.deploy import single
 from atp_router.deploy.single import end_interrupted
 from atp_router.flow.budget import SharedBudgetLedger
+from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.controlplane import shared_state
 from atp_router.runtime.controlplane.control import BODY_SOURCE
 from atp_router.runtime.deployment import StateParts, SynGate
 from atp_router.runtime.ingress.http_api import build_app
 from atp_router.runtime.ingress.ws import serve_ws
-from atp_router.runtime.router import Router, RouterConfig
+from atp_router.runtime.router import Router
 from atp_router.security.audit import AuditLog
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity

@@ -31,9 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import trio
-
 import atp
+import trio
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The default corpus: the specifications beside the repository.

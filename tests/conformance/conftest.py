@@ -89,7 +89,7 @@ def _remote_profile() -> Profile:
 def local_config(policies: Path, **overrides):
     """The RouterConfig of the local target (LOCAL_PROFILE in the router's terms)."""
     from atp_router.flow.breaker import RetryPolicy
-    from atp_router.runtime.router import RouterConfig
+    from atp_router.runtime.config import RouterConfig
     from atp_router.security.identity import Role
 
     p = LOCAL_PROFILE

@@ -505,7 +505,7 @@ def test_an_auth_file_with_every_key_revoked_refuses_everyone(tmp_path):
     """Refuse rather than weaken: an ``--auth`` file whose last key was removed keeps
     authentication on (nobody gets in), never turns the router into an open one where
     every caller is ``anonymous`` with every role."""
-    from atp_router.security.authn import AuthError, Authenticator
+    from atp_router.security.authn import Authenticator, AuthError
 
     auth = tmp_path / "auth.yaml"
     auth.write_text("api_keys: []\n")

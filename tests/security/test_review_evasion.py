@@ -21,9 +21,9 @@ import difflib
 import re
 from pathlib import Path
 
+import atp
 import trio
 
-import atp
 from tests.helpers import start_router_on
 
 META = {"task_type": "code_review", "languages": ["py"]}

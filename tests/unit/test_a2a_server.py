@@ -44,9 +44,11 @@ from atp_router.consensus.types import Severity
 from atp_router.deploy import single
 from atp_router.deploy.cli import _parser, config_from_args
 from atp_router.review.repo import files_after
+from atp_router.runtime.config import RouterConfig
+from atp_router.runtime.dataplane.stream import StreamCtx
 from atp_router.runtime.ingress.a2a import a2a_routes, agent_card
 from atp_router.runtime.ingress.http_api import build_app
-from atp_router.runtime.router import Router, RouterConfig, StreamCtx
+from atp_router.runtime.router import Router
 from atp_router.task.diff import parse_diff
 from atp_router.wire.errors import ErrorCode
 from atp_router.wire.frame import PayloadType

@@ -13,10 +13,10 @@ what it saved in ``/v1/metrics``.
 
 from __future__ import annotations
 
+import atp
 import pytest
 import trio
 
-import atp
 from tests.helpers import golden, model_rib, start_router_on
 
 META = {"task_type": "code_review", "languages": ["py"]}

@@ -10,7 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atp_router.consensus.escalation import TEST_FAIL_RULE, TRIGGERS, consensus_error, should_escalate
+from atp_router.consensus.escalation import (
+    TEST_FAIL_RULE,
+    TRIGGERS,
+    consensus_error,
+    should_escalate,
+)
 from atp_router.consensus.scorers import (
     GROUNDED,
     HALLUCINATED,
@@ -21,7 +26,12 @@ from atp_router.consensus.scorers import (
     count_lines,
     evidence_score,
 )
-from atp_router.consensus.strategies import NO_CHAMPION, NO_QUORUM, merge, report_confidence
+from atp_router.consensus.strategies import (
+    NO_CHAMPION,
+    NO_QUORUM,
+    merge,
+    report_confidence,
+)
 from atp_router.consensus.types import AgentFinding, AgentReport, Result, Severity
 from atp_router.wire.errors import ErrorCode
 

@@ -23,8 +23,9 @@ import pytest
 import trio
 
 from atp_router.deploy import single
+from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.deployment import SynGate
-from atp_router.runtime.router import Router, RouterConfig
+from atp_router.runtime.router import Router
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import ANONYMOUS, Identity
 from atp_router.store import StoreUnavailable

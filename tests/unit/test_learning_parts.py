@@ -23,10 +23,10 @@ from atp_router.flow.budget import BudgetLedger
 from atp_router.flow.qos import QosScheduler
 from atp_router.flow.window import WindowTable
 from atp_router.observability.metrics import RouterMetrics
+from atp_router.runtime.config import DEFAULT_AGENT_WINDOW
 from atp_router.runtime.controlplane.control import ControlPlane
 from atp_router.runtime.controlplane.learning import Learning, LearnLimits, has_tenants
 from atp_router.runtime.dataplane.gates import FlowGates, SlotGate
-from atp_router.runtime.router import DEFAULT_AGENT_WINDOW
 from atp_router.security.identity import ANONYMOUS, Identity
 from atp_router.store import SqliteStore
 from atp_router.wire.errors import ATPError, ErrorCode

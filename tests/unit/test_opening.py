@@ -21,6 +21,7 @@ import trio
 from atp_router.deploy import single
 from atp_router.flow.budget import Allowance, BudgetLedger
 from atp_router.policy.rib import ClientSpec, RateSpec
+from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.dataplane.opening import (
     CONTINUE,
     DEFAULT_STAGES,
@@ -41,7 +42,7 @@ from atp_router.runtime.dataplane.opening import (
     replace_stage,
     run_stages,
 )
-from atp_router.runtime.router import Router, RouterConfig
+from atp_router.runtime.router import Router
 from atp_router.security.authz import QUOTA_RETRY_MS, StreamAdmission
 from atp_router.security.identity import ANONYMOUS, Identity, Role
 from atp_router.wire.errors import ATPError, ErrorCode

@@ -123,7 +123,7 @@ def _single_router(tmp_path):
     import shutil
 
     from atp_router.deploy import single
-    from atp_router.runtime.router import RouterConfig
+    from atp_router.runtime.config import RouterConfig
 
     policies = tmp_path / "policies"
     shutil.copytree(Path(__file__).resolve().parents[2] / "policies", policies)

@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 
 from atp_router.adapters.registry import build_adapter
-from atp_router.adapters.tools.summariser import SummariserAdapter, SummariserLimits, scan_repo, summarise
+from atp_router.adapters.tools.summariser import (
+    SummariserAdapter,
+    SummariserLimits,
+    scan_repo,
+    summarise,
+)
 from atp_router.policy.rib import AgentSpec
 from atp_router.wire.errors import ClientInputError
 from tests.helpers import rib_with_root, router_process

@@ -40,13 +40,10 @@ from atp_router.consensus.types import AgentFinding, Severity, Usage
 from atp_router.deploy import single
 from atp_router.flow.breaker import RetryPolicy
 from atp_router.policy.loader import load_rib_text
+from atp_router.runtime.config import RouterConfig, build_authenticator
 from atp_router.runtime.dataplane.eventlog import LoggedEvent
-from atp_router.runtime.router import (
-    Router,
-    RouterConfig,
-    StreamCtx,
-    build_authenticator,
-)
+from atp_router.runtime.dataplane.stream import StreamCtx
+from atp_router.runtime.router import Router
 from atp_router.security.identity import ANONYMOUS, Identity, Role
 from atp_router.wire import session as S
 from atp_router.wire.codec import FrameCodec

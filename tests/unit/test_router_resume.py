@@ -328,8 +328,8 @@ async def test_peer_gone_while_a_heartbeat_is_sent_ends_the_connection_without_a
     from trio_websocket import wrap_client_stream, wrap_server_stream
 
     from atp_router.deploy import single
+    from atp_router.runtime.config import RouterConfig
     from atp_router.runtime.ingress.ws import _connection
-    from atp_router.runtime.router import RouterConfig
 
     scripted["m.stream"] = Streamer("m.stream")
     doc = {"agents": {"m.stream": scripted_agent()},

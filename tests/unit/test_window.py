@@ -7,7 +7,13 @@ import math
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from atp_router.flow.window import Admission, Estimate, InFlight, Window
 from atp_router.wire.errors import ATPError, ErrorCode

@@ -1,4 +1,5 @@
-"""What carries a task from its SYN to its FINAL: the stream table
+"""What carries a task from its SYN to its FINAL: the frame path
+(:mod:`~atp_router.runtime.dataplane.plane`), the stream table
 (:mod:`~atp_router.runtime.dataplane.streams`), its streams
 (:mod:`~atp_router.runtime.dataplane.stream`), their event logs
 (:mod:`~atp_router.runtime.dataplane.eventlog`) and what of them is stored

@@ -16,7 +16,7 @@ import msgspec
 
 from atp_router.runtime.dataplane.dispatch import NEXT_HOP_FAILED
 from atp_router.runtime.dataplane.eventlog import LoggedEvent
-from atp_router.runtime.router import StreamCtx
+from atp_router.runtime.dataplane.stream import StreamCtx
 
 __all__ = ["TERMINAL", "A2ATask", "Artifact", "Render", "Status", "closing", "final_of", "fold", "updates"]
 

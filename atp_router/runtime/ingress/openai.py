@@ -131,6 +131,7 @@ from starlette.routing import Route
 
 from atp_router.consensus.types import FinalResult, Result
 from atp_router.runtime.dataplane.dispatch import NEXT_HOP_FAILED
+from atp_router.runtime.dataplane.stream import StreamCtx
 from atp_router.runtime.ingress.bodies import BodyRefused, decode_off_loop, release_body
 from atp_router.runtime.ingress.openai_models import RibView, model_list, resolve_model
 from atp_router.runtime.ingress.openai_schema import (
@@ -150,7 +151,7 @@ from atp_router.runtime.ingress.openai_schema import (
     error_response,
 )
 from atp_router.runtime.ingress.repo_files import complete_from_repo
-from atp_router.runtime.router import Router, StreamCtx
+from atp_router.runtime.router import Router
 from atp_router.security.identity import Identity
 from atp_router.task.body import Chat
 from atp_router.task.diff import count_changed_lines, parse_diff

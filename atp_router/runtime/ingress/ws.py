@@ -80,6 +80,8 @@ from trio_websocket import (
 
 from atp_router.observability import tracing
 from atp_router.policy.fib import fib_delta
+from atp_router.runtime.dataplane.plane import connection_error
+from atp_router.runtime.dataplane.stream import StreamCtx
 from atp_router.runtime.ingress.ws_gate import (
     Bound,
     GatedListener,
@@ -87,7 +89,7 @@ from atp_router.runtime.ingress.ws_gate import (
     accept_with_deflate,
     leave_gate,
 )
-from atp_router.runtime.router import Router, StreamCtx, connection_error
+from atp_router.runtime.router import Router
 from atp_router.security.identity import Identity
 from atp_router.security.tls import serve_websocket_tls
 from atp_router.wire import session as S
