@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -32,6 +34,21 @@ from atp_router.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp_router.wire.frame import CostEstimate, PayloadType
 
 H, M, L = Severity.HIGH, Severity.MEDIUM, Severity.LOW
+
+
+@pytest.fixture(autouse=True)
+def _private_tempdir(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Each test's ``atp-tool-*`` work dirs in a directory of its own: the tests
+    that count them (nothing left behind) must not see another process's — the
+    other xdist workers run tool next-hops at the same time. Beside the system
+    temporary directory and searchable by any user, as the sandbox requires of a
+    work tree's parent (its run's unprivileged user must reach it)."""
+    tmp_path_factory.getbasetemp()  # pytest's own base is fixed first, in the system's directory
+    d = tempfile.mkdtemp(prefix="atp-tooltest-")
+    os.chmod(d, 0o711)
+    monkeypatch.setattr(tempfile, "tempdir", d)
+    yield
+    shutil.rmtree(d, ignore_errors=True)
 
 BUGGY = """\
 import pickle
@@ -573,10 +590,11 @@ async def test_real_ruff_past_its_output_and_memory_limits() -> None:
 
 async def test_large_report_is_parsed_off_the_event_loop() -> None:
     """~12 MB of ruff JSON (under the 16 MiB cap) becomes ~19,000 findings in a
-    worker thread while a ticker on the event loop keeps beating: its longest gap
-    is under the parse's own duration (a parse on the loop would stall the ticker
-    for all of it). Relative, not a fixed number of ms, so a loaded machine
-    slows both sides alike (issue 20)."""
+    worker thread, not on the event loop's, while a ticker on the loop keeps
+    beating. The ticker's longest gap is printed, not asserted: beside busy
+    processes the GIL hand-offs between the parsing thread and the loop can
+    stretch a gap past the parse's own duration (1.35 s against 1.18 s at load
+    ~12), so the bound is the thread the parse ran on (issue 20)."""
     gaps: list[float] = []
     report: list[AgentReport] = []
     ruff = RuffAdapter("ruff", scope="file")  # built first, as at RIB load (the sandbox probe runs once there)
@@ -611,5 +629,4 @@ async def test_large_report_is_parsed_off_the_event_loop() -> None:
     [(on_loop, parse_s)] = parsed
     print(f"\n{len(findings)} findings parsed in {parse_s * 1000:.0f} ms; event-loop gaps: max "
           f"{max(gaps) * 1000:.1f} ms over {len(gaps)} ticks")
-    assert not on_loop  # the check that cannot flake; the gaps below show what it buys
-    assert max(gaps) < max(0.25, parse_s)  # a parse on the loop stalls the ticker for all of parse_s
+    assert not on_loop  # a parse on the loop would stall the ticker for all of parse_s
