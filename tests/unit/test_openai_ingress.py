@@ -317,3 +317,18 @@ def test_streamed_text_ending_in_whitespace_is_not_repeated():
     assert remaining_text("abc def", "abc") == " def"
     assert remaining_text("other answer", "tok0 ") == "\n\nother answer"
     assert remaining_text("all", "") == "all"
+
+
+def test_a_budget_store_that_cannot_record_spend_is_503_with_retry_after_not_402() -> None:
+    """EBUDGET with a retry hint means the budget store could not take the spend
+    (unreachable, or its disk full): the OpenAI ingress answers as the control
+    API does, 503 + ``Retry-After`` (OpenAI clients retry a 503), not 402, which
+    a client reads as "the budget is spent" and never retries."""
+    from atp_router.runtime.ingress.openai_schema import error_response
+    from atp_router.wire.errors import ATPError, ErrorCode
+
+    unavailable = error_response(ATPError(ErrorCode.EBUDGET, "state store full: state.db", retry_after_ms=1500))
+    assert (unavailable.status_code, unavailable.headers.get("retry-after")) == (503, "2")
+    spent = error_response(ATPError(ErrorCode.EBUDGET, "budget exhausted"))
+    assert (spent.status_code, spent.headers.get("retry-after")) == (402, None)
+

@@ -255,17 +255,22 @@ def error_body(e: ATPError, status: int) -> OpenAIErrorResponse:
 def error_response(e: ATPError, status: int | None = None, *, after_run: bool = False) -> Response:
     """``e`` as an OpenAI error response. The status is ``status``, else the
     error's own (:class:`IngressError`), else by code (EWINDOW with a retry hint
-    is 429 with ``Retry-After`` in s). ``after_run``: the task ran, so a retry
-    would charge it again (``x-should-retry: false``)."""
+    is 429, EBUDGET with one — the budget store could not record spend, e.g.
+    unreachable or its disk full — 503, both with ``Retry-After`` in s, as the
+    control API answers; EBUDGET without one is 402, the budget is spent).
+    ``after_run``: the task ran, so a retry would charge it again
+    (``x-should-retry: false``)."""
     headers: dict[str, str] = {}
     if status is None:
         status = getattr(e, "status", None)
     if status is None:
         if e.code is ErrorCode.EWINDOW and e.retry_after_ms is not None:
             status = 429
+        elif e.code is ErrorCode.EBUDGET and e.retry_after_ms is not None:
+            status = 503
         else:
             status = _STATUS.get(e.code, 400)
-    if status == 429 and e.retry_after_ms is not None:
+    if status in (429, 503) and e.retry_after_ms is not None:
         headers["Retry-After"] = str(max(1, -(-e.retry_after_ms // 1000)))
     if after_run:
         headers["x-should-retry"] = "false"
