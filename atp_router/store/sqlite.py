@@ -320,8 +320,7 @@ class SqliteStore(Store):
             raise StoreError(_open_refusal(path, e)) from None
         except OSError as e:
             conn.close()
-            raise StoreError(f"state directory {d} cannot be used: {e.strerror or e} ({e.filename or d}); "
-                             "the router needs it readable and writable") from None
+            raise StoreError(_unusable(d, e, d)) from None
         except StoreError:
             conn.close()
             raise
@@ -1263,6 +1262,12 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> None:
     conn.execute("COMMIT")
 
 
+def _unusable(d: Path, e: OSError, where: Path) -> str:
+    """The one-line refusal of a state directory the OS will not let the store use."""
+    return (f"state directory {d} cannot be used: {e.strerror or e} ({e.filename or where}); "
+            "the router needs it readable and writable")
+
+
 def _connect(d: Path, path: Path, marker: Path, create: bool) -> sqlite3.Connection:
     """A connection to ``path`` (``create``: the directory 0700 and the file 0600
     made first); refused (:class:`StoreError`, one line) when the marker says the
@@ -1279,8 +1284,7 @@ def _connect(d: Path, path: Path, marker: Path, create: bool) -> sqlite3.Connect
                 os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
         return sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
     except OSError as e:
-        raise StoreError(f"state directory {d} cannot be used: {e.strerror or e} ({e.filename or path}); "
-                         "the router needs it readable and writable") from None
+        raise StoreError(_unusable(d, e, path)) from None
     except sqlite3.Error as e:
         raise StoreError(f"cannot open {path}: {e}") from None
 
