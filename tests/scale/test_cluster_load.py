@@ -171,6 +171,12 @@ class LoadCluster:
         self.ok.hold = self.flaky.hold = self.gate  # type: ignore[assignment]  # duck-typed: wait()
         self._arrived0 = self.ok.waiting + self.flaky.waiting
 
+    def owner_index(self, headers: httpx.Headers) -> int:
+        """The index of the router that answered (``x-atp-router``) or, forwarded, that
+        the answer came from (``x-atp-served-by``): the stream's owner."""
+        owner = headers.get("x-atp-served-by") or headers["x-atp-router"]
+        return next(i for i, r in enumerate(self.routers) if r.owner == owner)
+
     def reserved(self) -> int:
         """Open reservations in the store: one ``ZCARD`` of its reservation index
         (the store's layout: ``<namespace>:rs``). Polled every 0.5 s while the
@@ -244,7 +250,9 @@ class Load:
         self.refused: Counter[str] = Counter()
         self.reasons: dict[str, str] = {}
         self.store_down = 0
-        #: The router (index) whose 201 opened each stream id; streams ended.
+        #: The router (index) that owns each stream id: the one whose 201 opened it, or, when
+        #: that answer was forwarded (an open that moved after a dropped connection re-opens
+        #: by key a stream its first router already made), the router it came from; streams ended.
         self.opened_on: dict[str, int] = {}
         self.ended = 0
         #: Opens that moved to the next router because theirs could not be reached (a
@@ -291,7 +299,7 @@ class Load:
                 sid = resp.json()["stream_id"]
                 if not out.runs or out.runs[-1] != sid:
                     out.runs.append(sid)
-                    self.opened_on.setdefault(sid, r)
+                    self.opened_on.setdefault(sid, self.cluster.owner_index(resp.headers))
                 async with h.stream("GET", f"/v1/streams/{sid}/events") as ev:
                     if ev.status_code == 503:
                         await trio.sleep(float(ev.headers["retry-after"]))
