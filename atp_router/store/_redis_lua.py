@@ -57,6 +57,14 @@ Key layout under the prefix P (``<ns>:``):
 ``cut:<tenant>``    zset of that tenant's cache keys by last use
 ``l:<owner>``       lease (info JSON), SET PX ttl; ``ls``: set of leased owners
 ``cl:<name>``       claim: its holder, SET PX ttl
+``q:<json>``        zset of a tenant's quota entries (json = JSON [tenant]):
+                    member JSON [owner, stream id], score its expiry (Unix
+                    ms, Redis' clock); PX TTL past the latest expiry
+``qw:<owner>``      set of ``owner``'s quota entries, each JSON [JSON
+                    [tenant], member]; PX TTL like its entries
+``qr:<key>``        a GCRA bucket's theoretical arrival time (ms, Redis'
+                    clock; keys ``open/<tenant>``, ``learn/<tenant>``); PX
+                    TTL until it is full again
 ``nz:<json>``       zset of a tenant's nonces of signed frames (json = JSON
                     [tenant]): member JSON [kid, nonce], score its expiry
                     (Unix ms, the callers' clock); PX TTL until the last
@@ -175,6 +183,30 @@ local function unindex(sk, xi, xs, w)
   redis.call('ZREM', P .. 'so', sk)
   if w and w ~= '' then redis.call('ZREM', P .. 'so:' .. w, sk) end
   redis.call('ZREM', P .. 'sd', sk)
+end
+"""
+
+# Shared tenant quotas (atp_router.flow.quota): Redis' clock, and one GCRA take.
+_QUOTA = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+-- Extend key k's TTL to at least ttl ms (never shorten: other entries may last longer).
+local function keep(k, ttl)
+  if redis.call('PTTL', k) < ttl then redis.call('PEXPIRE', k, ttl) end
+end
+-- One take of GCRA bucket rk at now: 0 taken (its time moved), else the ms until one would pass.
+local function gcra(rk, per_s, burst, now)
+  local T = 1000 / per_s
+  local v = redis.call('GET', rk)
+  local base = now
+  if v then base = math.max(tonumber(v), now) end
+  local new = base + T
+  local over = new - now - burst * T
+  if over > 1e-9 then return math.max(1, math.ceil(over)) end
+  redis.call('SET', rk, string.format('%.3f', new), 'PX', I(math.max(1, math.ceil(new - now))))
+  return 0
 end
 """
 
@@ -432,7 +464,7 @@ return 1
 local out = {}
 for _, o in ipairs(redis.call('SMEMBERS', P .. 'owners')) do
   local n = redis.call('SCARD', P .. 'rw:' .. o) + redis.call('SCARD', P .. 'aw:' .. o)
-            + redis.call('ZCARD', P .. 'so:' .. o)
+            + redis.call('ZCARD', P .. 'so:' .. o) + redis.call('SCARD', P .. 'qw:' .. o)
   if n == 0 then redis.call('SREM', P .. 'owners', o)
   elseif redis.call('EXISTS', P .. 'l:' .. o) == 0 then out[#out + 1] = o end
 end
@@ -732,6 +764,73 @@ return remove(A[1])
     "cache_stats": ("", """
 local t = redis.call('HMGET', P .. 'ct', 'n', 'b')
 return {tonumber(t[1] or '0'), tonumber(t[2] or '0')}
+"""),
+    # ------------------------------------------------------ shared tenant quotas
+    # A: JSON [tenant], member JSON [owner, stream], owner entry, owner, max streams, per_s, burst, ttl ms,
+    #    rate key -> {admitted 1|0, open, refused ('' | 'streams' | 'rate'), retry ms}
+    "quota_open": (_QUOTA, """
+local now = now_ms()
+local zk, member, owner, ttl = P .. 'q:' .. A[1], A[2], A[4], tonumber(A[8])
+redis.call('ZREMRANGEBYSCORE', zk, '-inf', I(now))
+local n = redis.call('ZCARD', zk)
+local function hold()
+  redis.call('ZADD', zk, I(now + ttl), member)
+  keep(zk, ttl)
+  local wk = P .. 'qw:' .. owner
+  redis.call('SADD', wk, A[3])
+  keep(wk, ttl)
+  redis.call('SADD', P .. 'owners', owner)
+end
+if redis.call('ZSCORE', zk, member) then hold(); return {1, n, '', 0} end
+if n >= tonumber(A[5]) then return {0, n, 'streams', 0} end
+local wait = gcra(P .. 'qr:' .. A[9], tonumber(A[6]), tonumber(A[7]), now)
+if wait > 0 then return {0, n, 'rate', wait} end
+hold()
+return {1, n + 1, '', 0}
+"""),
+    # A: JSON [tenant], member, owner, owner entry -> 1 removed | 0 none
+    "quota_close": ("", """
+local r = redis.call('ZREM', P .. 'q:' .. A[1], A[2])
+redis.call('SREM', P .. 'qw:' .. A[3], A[4])
+return r
+"""),
+    # A: owner, ttl ms -> the entries it holds (each now held ttl ms more)
+    "quota_renew": (_QUOTA, """
+local now = now_ms()
+local wk, ttl, n = P .. 'qw:' .. A[1], tonumber(A[2]), 0
+for _, e in ipairs(redis.call('SMEMBERS', wk)) do
+  local d = cjson.decode(e)
+  local zk = P .. 'q:' .. d[1]
+  local score = redis.call('ZSCORE', zk, d[2])
+  if score and tonumber(score) > now then
+    redis.call('ZADD', zk, I(now + ttl), d[2])
+    keep(zk, ttl)
+    n = n + 1
+  else
+    redis.call('ZREM', zk, d[2])
+    redis.call('SREM', wk, e)
+  end
+end
+if n > 0 then keep(wk, ttl) end
+return n
+"""),
+    # A: owner -> entries removed
+    "quota_release_owned": ("", """
+local wk, n = P .. 'qw:' .. A[1], 0
+for _, e in ipairs(redis.call('SMEMBERS', wk)) do
+  local d = cjson.decode(e)
+  n = n + redis.call('ZREM', P .. 'q:' .. d[1], d[2])
+end
+redis.call('DEL', wk)
+return n
+"""),
+    # A: JSON [tenant] -> its unexpired entries
+    "quota_count": (_QUOTA, """
+return redis.call('ZCOUNT', P .. 'q:' .. A[1], '(' .. I(now_ms()), '+inf')
+"""),
+    # A: key, per_s, burst -> 0 taken | ms until one would pass
+    "rate_take": (_QUOTA, """
+return gcra(P .. 'qr:' .. A[1], tonumber(A[2]), tonumber(A[3]), now_ms())
 """),
     # ------------------------------------------------------------ replay nonces
     # A: JSON [tenant], JSON [kid, nonce], now ms, expires ms, max per tenant, sweep

@@ -19,6 +19,12 @@ configured; see there). It holds
 * the **response cache** (spec §13, :mod:`atp_router.policy.cache`): values under
   32-byte content keys with their tenant (None: shared), expiry and last use,
   bounded in bytes (expired first, then least recently used, are dropped).
+* **shared tenant quotas** (issue 22 item 3, :mod:`atp_router.flow.quota`): per
+  tenant its open streams as ``(owner, stream id)`` entries with an expiry and
+  its open rate as a GCRA time (:meth:`Store.quota_open`, ``quota_close``,
+  ``quota_renew``, ``quota_release_owned``), and any shared GCRA bucket by key
+  (:meth:`Store.rate_take`: a tenant's learning rate), each decided in one
+  atomic step so every process on the store sees one count;
 * the **nonces of signed frames** (spec §11 replay, issue 19): each
   ``(tenant, key id, meta.nonce)`` a router accepted, until the end of its
   timestamp window (:meth:`Store.record_nonce`), so a frame replayed after a
@@ -84,6 +90,7 @@ from atp_router.flow.budget import (
     Reservation,
     SharedResult,
 )
+from atp_router.flow.quota import QuotaAsk, QuotaGrant
 from atp_router.store.audit_records import AuditCheckpoint, AuditRecord
 from atp_router.wire.frame import Budget, QoS
 
@@ -105,6 +112,8 @@ __all__ = [
     "StoredEvent",
     "StreamRecord",
     "StreamState",
+    "check_quota_args",
+    "check_rate_args",
 ]
 
 StreamState = Literal["open", "closed", "interrupted"]
@@ -345,7 +354,8 @@ class Store(ABC):
     @abstractmethod
     def lost_owners(self, *, now_ms: int) -> list[str]:
         """The owners (never ``None``), sorted, that still own an open
-        reservation, an open account or an open stream and have no live lease
+        reservation, an open account, an open stream or a quota entry
+        (:meth:`quota_open`) and have no live lease
         at ``now_ms`` — router processes that died (or lost the store for
         longer than their lease) and must be settled."""
 
@@ -365,6 +375,44 @@ class Store(ABC):
         run is what gets charged — nothing twice (compare :meth:`recover`, the
         restart rule of a single router, which charges what was reserved).
         Raises ``ValueError`` for an empty ``owner``."""
+
+    # ------------------------------------- shared tenant quotas (several routers)
+    @abstractmethod
+    def quota_open(self, ask: QuotaAsk, *, owner: str, now_ms: int, ttl_ms: int) -> QuotaGrant:
+        """Decide a SYN against its tenant's stream quota and open rate across
+        every process on the store (:func:`atp_router.flow.quota.decide`), in one
+        atomic step: the tenant's expired entries dropped, the decision made,
+        and when admitted the entry ``(owner, ask.stream_id)`` held until
+        ``now_ms + ttl_ms`` and the rate moved. ``now_ms``: the caller's Unix ms
+        (Redis decides by its own clock, so routers never compare theirs).
+        Raises ``ValueError`` for an empty ``owner`` or ``ttl_ms < 1``."""
+
+    @abstractmethod
+    def quota_close(self, tenant: str, stream_id: str, *, owner: str) -> bool:
+        """The stream ``stream_id`` of ``tenant`` that ``owner`` opened closed:
+        its quota entry is removed. False: it held none (settled, expired)."""
+
+    @abstractmethod
+    def quota_renew(self, owner: str, *, now_ms: int, ttl_ms: int) -> int:
+        """Hold every quota entry of ``owner`` until ``now_ms + ttl_ms`` (its
+        streams still run); returns how many it holds."""
+
+    @abstractmethod
+    def quota_release_owned(self, owner: str) -> int:
+        """Remove every quota entry of ``owner`` (a process stopped or lost:
+        its streams are interrupted); returns how many."""
+
+    @abstractmethod
+    def quota_open_count(self, tenant: str, *, now_ms: int) -> int:
+        """``tenant``'s unexpired quota entries, every owner (what :meth:`quota_open` counts)."""
+
+    @abstractmethod
+    def rate_take(self, key: str, *, per_s: float, burst: int, now_ms: int) -> int | None:
+        """One take of the shared GCRA bucket ``key`` (:func:`atp_router.flow.quota.gcra`:
+        ``per_s`` a second, bursts of ``burst``), atomically across processes:
+        None when taken, else the ms until one would pass (nothing taken).
+        Redis times it by its own clock. Raises ``ValueError`` unless
+        ``per_s > 0`` and ``burst >= 1``."""
 
     @abstractmethod
     def update(self, key: str, fn: Callable[[bytes | None], bytes | None]) -> bytes | None:
@@ -590,6 +638,25 @@ def check_nonce_args(tenant: str, kid: str, nonce: str, now_ms: int, expires_ms:
         raise ValueError(f"record_nonce: expires_ms ({expires_ms}) must be after now_ms ({now_ms})")
     if max_per_tenant < 1:
         raise ValueError(f"record_nonce: max_per_tenant must be >= 1, got {max_per_tenant}")
+
+
+def check_quota_args(ask: QuotaAsk | None, owner: str, ttl_ms: int) -> None:
+    """The argument checks of :meth:`Store.quota_open` / :meth:`Store.quota_renew`
+    (every backend's): ``ValueError`` naming the first one that fails."""
+    if not owner:
+        raise ValueError("quota: owner must be a non-empty string")
+    if ttl_ms < 1:
+        raise ValueError(f"quota: ttl_ms must be >= 1, got {ttl_ms}")
+    if ask is not None:
+        if ask.max_streams < 0:
+            raise ValueError(f"quota: max_streams must be >= 0, got {ask.max_streams}")
+        check_rate_args(ask.per_s, ask.burst)
+
+
+def check_rate_args(per_s: float, burst: int) -> None:
+    """The argument checks of a GCRA rate (:meth:`Store.rate_take`)."""
+    if not per_s > 0 or burst < 1:
+        raise ValueError(f"rate: per_s must be > 0 and burst >= 1, got {per_s} and {burst}")
 
 
 def nonce_limit_error(tenant: str, max_per_tenant: int) -> StoreLimitError:

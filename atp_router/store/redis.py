@@ -111,6 +111,7 @@ from atp_router.flow.budget import (
     SharedResult,
     refusal,
 )
+from atp_router.flow.quota import QuotaAsk, QuotaGrant
 from atp_router.store._redis_lua import LAYOUT_VERSION, OPEN, SCRIPTS
 from atp_router.store.audit_records import GENESIS, AuditCheckpoint, AuditRecord
 from atp_router.store.base import (
@@ -126,6 +127,8 @@ from atp_router.store.base import (
     StoreUnavailable,
     StreamRecord,
     check_nonce_args,
+    check_quota_args,
+    check_rate_args,
     nonce_limit_error,
 )
 from atp_router.store.sqlite import RIB_KEPT, _remaining, _totals, ledger_snapshot
@@ -555,6 +558,37 @@ class RedisStore(Store):
             raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
         return bool(self._run("claim", name, holder, ttl_ms))
 
+    # ------------------------------------------------ shared tenant quotas
+    def quota_open(self, ask: QuotaAsk, *, owner: str, now_ms: int, ttl_ms: int) -> QuotaGrant:
+        check_quota_args(ask, owner, ttl_ms)
+        tkey, member = _quota_keys(ask.tenant, owner, ask.stream_id)
+        ok, n, refused, wait = self._run("quota_open", tkey, member, json.dumps([tkey, member]), owner,
+                                         ask.max_streams, repr(float(ask.per_s)), ask.burst, ttl_ms,
+                                         "open/" + ask.tenant)
+        why = refused.decode() or None
+        return QuotaGrant(bool(ok), int(n), why, int(wait) if why == "rate" else None)
+
+    def quota_close(self, tenant: str, stream_id: str, *, owner: str) -> bool:
+        tkey, member = _quota_keys(tenant, owner, stream_id)
+        return bool(self._run("quota_close", tkey, member, owner, json.dumps([tkey, member])))
+
+    def quota_renew(self, owner: str, *, now_ms: int, ttl_ms: int) -> int:
+        check_quota_args(None, owner, ttl_ms)
+        return int(self._run("quota_renew", owner, ttl_ms))
+
+    def quota_release_owned(self, owner: str) -> int:
+        if not owner:
+            raise ValueError("quota_release_owned: owner must be a non-empty string")
+        return int(self._run("quota_release_owned", owner))
+
+    def quota_open_count(self, tenant: str, *, now_ms: int) -> int:
+        return int(self._run("quota_count", json.dumps([tenant])))
+
+    def rate_take(self, key: str, *, per_s: float, burst: int, now_ms: int) -> int | None:
+        check_rate_args(per_s, burst)
+        wait = int(self._run("rate_take", key, repr(float(per_s)), burst))
+        return wait or None
+
     # ------------------------------------------- replay nonces (signed frames)
     def record_nonce(self, tenant: str, kid: str, nonce: str, *, now_ms: int, expires_ms: int,
                      max_per_tenant: int) -> bool:
@@ -725,6 +759,11 @@ def mask_url(url: str) -> str:
         return url
     # urlunsplit drops the empty authority of unix:///path: keep the "//" of the original.
     return parts.scheme + "://" + urlunsplit(("", netloc, parts.path, query, parts.fragment)).removeprefix("//")
+
+
+def _quota_keys(tenant: str, owner: str, stream_id: str) -> tuple[str, str]:
+    """A quota entry's zset key suffix (JSON [tenant]) and member (JSON [owner, stream id])."""
+    return json.dumps([tenant]), json.dumps([owner, stream_id])
 
 
 def _sk(tenant: str, session_id: str, stream_id: str) -> bytes:

@@ -102,6 +102,7 @@ from atp_router.flow.budget import (
     SharedResult,
     refusal,
 )
+from atp_router.flow.quota import QuotaAsk, QuotaGrant, decide, gcra
 from atp_router.store.audit_records import GENESIS, AuditCheckpoint, AuditRecord
 from atp_router.store.base import (
     NONCE_SWEEP,
@@ -117,6 +118,8 @@ from atp_router.store.base import (
     StoreUnavailable,
     StreamRecord,
     check_nonce_args,
+    check_quota_args,
+    check_rate_args,
     nonce_limit_error,
 )
 
@@ -216,6 +219,17 @@ _NONCE_SCHEMA = [
      "expires_ms INTEGER NOT NULL, PRIMARY KEY (tenant, kid, nonce)) WITHOUT ROWID"),
     "CREATE INDEX IF NOT EXISTS nonce_expires ON nonce (expires_ms)",
     "CREATE TABLE IF NOT EXISTS nonce_count (tenant TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID",
+]
+# Shared tenant quotas (issue 22 item 3, atp_router.flow.quota), in any schema version
+# like the cache: a tenant's open streams, one row per (owner, stream id) until it
+# expires (callers' Unix ms: the workers share one machine's clock), and each GCRA
+# bucket's theoretical arrival time (ms) by key.
+_QUOTA_SCHEMA = [
+    ("CREATE TABLE IF NOT EXISTS quota_stream (tenant TEXT NOT NULL, owner TEXT NOT NULL, stream_id TEXT NOT NULL, "
+     "expires_ms INTEGER NOT NULL, PRIMARY KEY (tenant, owner, stream_id)) WITHOUT ROWID"),
+    "CREATE INDEX IF NOT EXISTS quota_stream_owner ON quota_stream (owner)",
+    "CREATE INDEX IF NOT EXISTS quota_stream_expires ON quota_stream (tenant, expires_ms)",
+    "CREATE TABLE IF NOT EXISTS rate_bucket (key TEXT PRIMARY KEY, tat_ms REAL NOT NULL) WITHOUT ROWID",
 ]
 #: Expired nonces (oldest first, any tenant) swept before a tenant at its bound is refused.
 NONCE_FULL_SWEEP = 4096
@@ -550,6 +564,7 @@ class SqliteStore(Store):
                 "SELECT owner FROM reservation WHERE owner IS NOT NULL "
                 "UNION SELECT owner FROM account WHERE open = 1 AND owner IS NOT NULL "
                 "UNION SELECT owner FROM stream WHERE state = 'open' AND owner IS NOT NULL "
+                "UNION SELECT owner FROM quota_stream "
                 "EXCEPT SELECT owner FROM lease WHERE expires_ms > ? ORDER BY 1", (now_ms,)).fetchall()
         return [r[0] for r in rows]
 
@@ -662,6 +677,55 @@ class SqliteStore(Store):
     def shared_totals(self, key: str) -> SharedResult:
         with self._lock:
             return SharedResult(totals=_totals(_open_chain(self._conn, key)))
+
+    # ------------------------------------------------ shared tenant quotas
+    def quota_open(self, ask: QuotaAsk, *, owner: str, now_ms: int, ttl_ms: int) -> QuotaGrant:
+        check_quota_args(ask, owner, ttl_ms)
+        with self._tx() as c:  # BEGIN IMMEDIATE: one decision at a time across the workers
+            c.execute("DELETE FROM quota_stream WHERE tenant = ? AND expires_ms <= ?", (ask.tenant, now_ms))
+            n = c.execute("SELECT count(*) FROM quota_stream WHERE tenant = ?", (ask.tenant,)).fetchone()[0]
+            held = c.execute("SELECT 1 FROM quota_stream WHERE tenant = ? AND owner = ? AND stream_id = ?",
+                             (ask.tenant, owner, ask.stream_id)).fetchone() is not None
+            rate_key = "open/" + ask.tenant
+            row = c.execute("SELECT tat_ms FROM rate_bucket WHERE key = ?", (rate_key,)).fetchone()
+            grant, tat = decide(open_now=n, held=held, tat_ms=row[0] if row else None, now_ms=now_ms, ask=ask)
+            if grant.admitted:
+                c.execute("INSERT OR REPLACE INTO quota_stream (tenant, owner, stream_id, expires_ms) "
+                          "VALUES (?, ?, ?, ?)", (ask.tenant, owner, ask.stream_id, now_ms + ttl_ms))
+            if tat is not None:
+                c.execute("INSERT OR REPLACE INTO rate_bucket (key, tat_ms) VALUES (?, ?)", (rate_key, tat))
+        return grant
+
+    def quota_close(self, tenant: str, stream_id: str, *, owner: str) -> bool:
+        return self._one("DELETE FROM quota_stream WHERE tenant = ? AND owner = ? AND stream_id = ?",
+                         (tenant, owner, stream_id)).rowcount > 0
+
+    def quota_renew(self, owner: str, *, now_ms: int, ttl_ms: int) -> int:
+        check_quota_args(None, owner, ttl_ms)
+        with self._tx() as c:
+            c.execute("DELETE FROM quota_stream WHERE owner = ? AND expires_ms <= ?", (owner, now_ms))
+            n: int = c.execute("UPDATE quota_stream SET expires_ms = ? WHERE owner = ?",
+                               (now_ms + ttl_ms, owner)).rowcount
+        return n
+
+    def quota_release_owned(self, owner: str) -> int:
+        if not owner:
+            raise ValueError("quota_release_owned: owner must be a non-empty string")
+        n: int = self._one("DELETE FROM quota_stream WHERE owner = ?", (owner,)).rowcount
+        return n
+
+    def quota_open_count(self, tenant: str, *, now_ms: int) -> int:
+        row = self._row("SELECT count(*) FROM quota_stream WHERE tenant = ? AND expires_ms > ?", (tenant, now_ms))
+        return int(row[0]) if row else 0
+
+    def rate_take(self, key: str, *, per_s: float, burst: int, now_ms: int) -> int | None:
+        check_rate_args(per_s, burst)
+        with self._tx() as c:
+            row = c.execute("SELECT tat_ms FROM rate_bucket WHERE key = ?", (key,)).fetchone()
+            tat, wait = gcra(row[0] if row else None, now_ms, per_s, burst)
+            if tat is not None:
+                c.execute("INSERT OR REPLACE INTO rate_bucket (key, tat_ms) VALUES (?, ?)", (key, tat))
+        return wait
 
     # ------------------------------------------- replay nonces (signed frames)
     def record_nonce(self, tenant: str, kid: str, nonce: str, *, now_ms: int, expires_ms: int,
@@ -1254,7 +1318,7 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> None:
                 for key, t, u in conn.execute("SELECT account, tokens, usd_micros FROM reservation").fetchall():
                     conn.execute(_CHAIN_UPDATE, {"key": key, **_moves(rt=t, ru=u)})
                 conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
-        for stmt in _CACHE_SCHEMA + _STREAM_READS + _LEASE_SCHEMA + _NONCE_SCHEMA:
+        for stmt in _CACHE_SCHEMA + _STREAM_READS + _LEASE_SCHEMA + _NONCE_SCHEMA + _QUOTA_SCHEMA:
             conn.execute(stmt)
     except BaseException:
         conn.execute("ROLLBACK")
