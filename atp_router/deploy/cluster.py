@@ -28,6 +28,12 @@ leases            each router renews its lease every ``lease_ms / 5``
                   store calls are synchronous) keeps its lease; one whose
                   loop has not run for :attr:`LeaseClock.stall_s` stops
                   renewing it (it cannot serve: the others settle it)
+quotas            a tenant's ``max_streams``, open rate and learning rate
+                  across all routers (:mod:`atp_router.runtime.dataplane.quotas`):
+                  one Lua script per SYN on Redis' clock; each open stream an
+                  entry naming its router, removed at its close or when the
+                  router is settled (expiring otherwise); the store away:
+                  each router's own limits
 learning,         :mod:`atp_router.runtime.controlplane.shared_state`: merged bandit and live
 breakers          statistics, a breaker opened on one router opened on all
 ================  ==========================================================
@@ -114,6 +120,8 @@ from atp_router.flow.budget import (
 from atp_router.observability.metrics import RouterMetrics
 from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.controlplane import shared_state
+from atp_router.runtime.dataplane.opening import DEFAULT_STAGES
+from atp_router.runtime.dataplane.quotas import SharedQuotas, with_shared_quotas
 from atp_router.runtime.deployment import StateParts, SynGate
 from atp_router.runtime.router import Router
 from atp_router.security.audit import AuditLog
@@ -579,11 +587,17 @@ class ClusterNode(SynGate):
         #: The router's metrics (atp_store_up, atp_store_unavailable_total), reported before it exists.
         self.metrics = RouterMetrics()
         state = self._open_state(config)
+        #: A tenant's quotas counted across the routers in the store (atp_router.runtime.dataplane.quotas).
+        self.quotas = SharedQuotas(self.store, owner=self.owner, metrics=self.metrics,
+                                   on_unavailable=self.store_unavailable)
         # Merged learning and breaker propagation through the store (atp_router.runtime.controlplane.shared_state).
         self.router = router = Router(
             config, state, rib_version=self.rib.next_version,
-            services=(self.rib.service, self._services, lambda r: shared_state.background_tasks(r, self.owner)),
-            syn_gates=(self,), store_refusal=self._refusal, metrics=self.metrics, **kw)
+            services=(self.rib.service, self._services, lambda r: shared_state.background_tasks(r, self.owner),
+                      self.quotas.service),
+            syn_gates=(self,), store_refusal=self._refusal, metrics=self.metrics,
+            syn_stages=with_shared_quotas(kw.pop("syn_stages", DEFAULT_STAGES), self.quotas), **kw)
+        router.learning.shared_rate = self.quotas.may_learn
         router.streams.persistence.owner = self.owner
         router.streams.persistence.on_store_unavailable = self.store_unavailable
         router.streams.persistence.flush_gate = self._writes_allowed

@@ -71,8 +71,13 @@ second (each worker learns from every worker's traffic) — and circuit-breaker
 openings (a breaker that opens on one worker is open on the others within
 half a second and a store round trip; each then probes on its own).
 
-Per worker, not shared: the stream table's limits (``--max-streams``, the
-tenant's ``max_streams`` quota and open rate), the QoS slots, next-hop
+Shared too (:mod:`atp_router.runtime.dataplane.quotas`): a tenant's ``max_streams``
+quota, its stream-open rate and its learning rate, counted in the store in one
+``BEGIN IMMEDIATE`` transaction per SYN — each stream's entry names its worker
+and is removed when the stream closes or its worker is settled; while the store
+cannot decide, each worker falls back to its own limits.
+
+Per worker, not shared: the stream table's limit (``--max-streams``), the QoS slots, next-hop
 windows, the breakers' failure counts (an agent failing a little on every
 worker trips each worker's breaker only at its own threshold) and
 ``/v1/metrics``. A WebSocket
@@ -110,9 +115,12 @@ from prometheus_client import Counter
 from atp_router.deploy import single
 from atp_router.deploy.single import end_interrupted
 from atp_router.flow.budget import SharedBudgetLedger
+from atp_router.observability.metrics import RouterMetrics
 from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.controlplane import shared_state
 from atp_router.runtime.controlplane.control import BODY_SOURCE
+from atp_router.runtime.dataplane.opening import DEFAULT_STAGES
+from atp_router.runtime.dataplane.quotas import SharedQuotas, with_shared_quotas
 from atp_router.runtime.deployment import StateParts, SynGate
 from atp_router.runtime.ingress.http_api import build_app
 from atp_router.runtime.ingress.ws import serve_ws
@@ -302,11 +310,16 @@ def build(config: RouterConfig, spec: WorkerSpec, **kw: Any) -> tuple[Router, Wo
     ``kw`` as for :class:`~atp_router.runtime.router.Router` (``syn_stages``)."""
     worker = Worker(spec, config.state_dir)
     state, rib = open_worker_state(config, worker.owner)
+    metrics = kw.pop("metrics", None) or RouterMetrics()
+    # A tenant's quotas counted across the workers in the store (atp_router.runtime.dataplane.quotas).
+    quotas = SharedQuotas(state.store, owner=worker.owner, metrics=metrics)
     # Learning merged and breaker openings followed across workers (atp_router.runtime.controlplane.shared_state).
     router = Router(replace(config, watch_policies=config.watch_policies and spec.slot == 0), state,
-                    services=(rib.service, lambda r: shared_state.background_tasks(r, worker.owner)),
-                    rib_version=rib.next_version, syn_gates=(worker,), **kw)
+                    services=(rib.service, lambda r: shared_state.background_tasks(r, worker.owner), quotas.service),
+                    rib_version=rib.next_version, syn_gates=(worker,), metrics=metrics,
+                    syn_stages=with_shared_quotas(kw.pop("syn_stages", DEFAULT_STAGES), quotas), **kw)
     router.streams.persistence.owner = worker.owner
+    router.learning.shared_rate = quotas.may_learn
     worker.router = router
     return router, worker
 
@@ -754,11 +767,14 @@ def settle(store: Store, audit: AuditLog, owner: str, *, reason: str = WORKER_IN
     a worker's calls may have been billed) — or, with ``release``, given back
     uncharged (:meth:`Store.release_owned <atp_router.store.base.Store.release_owned>`,
     issue 12: a cluster router's stream is re-run elsewhere and that run is
-    what is charged) —, its accounts closed, its open streams interrupted
+    what is charged) —, its accounts closed, its shared quota entries removed
+    (:meth:`Store.quota_release_owned <atp_router.store.base.Store.quota_release_owned>`:
+    its streams no longer count against their tenants), its open streams interrupted
     (their stored log ends with an RST giving ``reason``; audited with
     ``{who: owner}``). Returns the counts. Store errors propagate."""
     reservations = store.release_owned(owner) if release else store.recover(owner)
     accounts = store.close_owned_accounts(owner)
+    quotas = store.quota_release_owned(owner)
     records = store.interrupt_open_streams(reason, now_ms=int(time.time() * 1000), owner=owner)
     for rec in records:
         try:
@@ -768,7 +784,7 @@ def settle(store: Store, audit: AuditLog, owner: str, *, reason: str = WORKER_IN
         audit.record("session_close", "router", rec.tenant, {
             "session_id": rec.session_id, "stream_id": rec.stream_id, "outcome": "interrupted", who: owner},
             int(time.time() * 1000))
-    return {"reservations": len(reservations), "accounts": accounts, "streams": len(records)}
+    return {"reservations": len(reservations), "accounts": accounts, "streams": len(records), "quotas": quotas}
 
 
 def _listen(host: str, port: int, backlog: int = 1024) -> socket.socket:

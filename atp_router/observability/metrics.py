@@ -100,6 +100,13 @@ class RouterMetrics:
         self.store_unavailable = Counter(
             "atp_store_unavailable", "Store operations that found the store unreachable, by operation (open, "
             "reserve, extend, set_limit, commit, release, close, events, lease, reap, read)", ["op"], registry=r)
+        # Tenant quotas shared through the store (issue 22 item 3, atp_router.runtime.dataplane.quotas).
+        self.quota_refused = Counter(
+            "atp_quota_refused", "Stream opens refused by a tenant's quota shared across routers, by limit "
+            "(streams, rate)", ["limit"], registry=r)
+        self.quota_fallback = Counter(
+            "atp_quota_fallback", "Decisions of a shared tenant quota made by this router's own limits because the "
+            "store could not be reached, by quota (streams: an open, learn: the learning rate)", ["quota"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -55,7 +55,9 @@ __all__ = [
     "clamp_budget",
     "clamp_qos",
     "is_allowed",
+    "rate_refusal",
     "roles_for",
+    "streams_refusal",
 ]
 
 
@@ -177,6 +179,17 @@ def clamp_budget(asked: Budget | None, cap: Budget | None) -> Budget | None:
     return Budget(usd=_min_opt(asked.usd, cap.usd), tokens=None if tokens is None else int(tokens))
 
 
+def streams_refusal(tenant: str, limit: int) -> Refuse:
+    """A SYN over the tenant's ``max_streams`` (``EWINDOW``, retry hint :data:`QUOTA_RETRY_MS`)."""
+    return Refuse(ErrorCode.EWINDOW, f"tenant {tenant!r} is at its limit of {limit} open streams", QUOTA_RETRY_MS)
+
+
+def rate_refusal(tenant: str, rate: RateSpec, retry_after_ms: int) -> Refuse:
+    """A SYN over the tenant's open ``rate`` (``EWINDOW``, retry when a token is due)."""
+    return Refuse(ErrorCode.EWINDOW, f"tenant {tenant!r} exceeds its rate of {rate.per_s:g} stream "
+                                     f"opens/s (burst {rate.burst})", retry_after_ms)
+
+
 class _Bucket:
     """One tenant's token bucket: ``tokens`` held at time ``at`` (s), filling at
     ``rate`` (the tenant's rate when last used)."""
@@ -245,8 +258,21 @@ class StreamAdmission:
         Checks, in order: the ``client`` role (``ESEC``), ``task_types`` (``ESEC``),
         ``data_categories`` (``ESEC``), ``max_streams`` (``EWINDOW``, retry hint
         :data:`QUOTA_RETRY_MS`), ``rate`` (``EWINDOW``, retry hint = ms until a
-        token is due). A refused SYN takes no token. Never raises.
+        token is due). A refused SYN takes no token. Never raises. (Routers
+        sharing a store decide the last two there instead, across all of them:
+        :meth:`scope`, then the shared quota, then :meth:`quota` as the fallback
+        — atp_router.runtime.dataplane.quotas.)
         """
+        scoped = self.scope(identity, spec, task_type=task_type, qos=qos, budget=budget, labels=labels)
+        if isinstance(scoped, Refuse):
+            return scoped
+        refused = self.quota(identity.tenant, spec, open_streams=open_streams, now=now)
+        return scoped if refused is None else refused
+
+    def scope(self, identity: Identity, spec: ClientSpec, *, task_type: str, qos: QoS | None,
+              budget: Budget | None, labels: frozenset[str]) -> Admit | Refuse:
+        """:meth:`decide`'s scope checks alone (the ``client`` role, ``task_types``,
+        ``data_categories``: ``ESEC``) and the QoS and budget clamped; no quota."""
         if not is_allowed(identity, Action.STREAM_OPEN):
             return Refuse(ErrorCode.ESEC, f"opening a stream needs the client role; {identity.subject!r} "
                                           f"(tenant {identity.tenant!r}) has "
@@ -262,17 +288,26 @@ class StreamAdmission:
                 allowed = ", ".join(spec.data_categories) or "none"
                 return Refuse(ErrorCode.ESEC, f"data_scope label(s) {', '.join(repr(x[:64]) for x in outside[:8])} "
                                               f"outside the data categories of tenant {tenant!r} (allowed: {allowed})")
-        limit = spec.max_streams if spec.max_streams is not None else self.default_max_streams
-        if open_streams >= limit:
-            return Refuse(ErrorCode.EWINDOW, f"tenant {tenant!r} is at its limit of {limit} open streams",
-                          QUOTA_RETRY_MS)
-        wait_s = self._take(tenant, spec.rate or self.default_rate, now)
-        if wait_s is not None:
-            rate = spec.rate or self.default_rate
-            return Refuse(ErrorCode.EWINDOW, f"tenant {tenant!r} exceeds its rate of {rate.per_s:g} stream "
-                                             f"opens/s (burst {rate.burst})", max(1, math.ceil(wait_s * 1000)))
         return Admit(None if qos is None else clamp_qos(qos, spec.qos_max),
                      clamp_budget(budget, spec.max_stream_budget))
+
+    def limits(self, spec: ClientSpec) -> tuple[int, RateSpec]:
+        """A tenant's ``max_streams`` and open ``rate`` (its RIB entry's, else this admission's defaults)."""
+        return (spec.max_streams if spec.max_streams is not None else self.default_max_streams,
+                spec.rate or self.default_rate)
+
+    def quota(self, tenant: str, spec: ClientSpec, *, open_streams: int, now: float) -> Refuse | None:
+        """:meth:`decide`'s quota checks on this router alone: ``max_streams``
+        against ``open_streams`` (:func:`streams_refusal`), then a token of the
+        tenant's bucket at ``now`` (:func:`rate_refusal`). None: admitted (a
+        token taken); a refused SYN takes none."""
+        limit, rate = self.limits(spec)
+        if open_streams >= limit:
+            return streams_refusal(tenant, limit)
+        wait_s = self._take(tenant, rate, now)
+        if wait_s is not None:
+            return rate_refusal(tenant, rate, max(1, math.ceil(wait_s * 1000)))
+        return None
 
     def _take(self, tenant: str, rate: RateSpec, now: float) -> float | None:
         """Take one token of ``tenant``'s bucket: None when taken, else the seconds

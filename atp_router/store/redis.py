@@ -50,6 +50,10 @@ Failures:
 
 Leases and claims are ``SET … PX ttl``: timed by Redis' clock, so routers on
 several hosts never compare wall clocks (the ``now_ms`` arguments are unused).
+So are shared tenant quotas (:meth:`RedisStore.quota_open`, one script per SYN:
+``TIME``, the tenant's expired entries dropped, the decision of
+:func:`atp_router.flow.quota.decide` made in Lua, the entry and the GCRA time
+written) and :meth:`RedisStore.rate_take`.
 :meth:`RedisStore.update` is a compare-and-set script retried on conflict.
 
 :meth:`RedisStore.batch` buffers the stream and kv writes made inside it

@@ -48,7 +48,10 @@ process a reservation, account or stream belongs to, for settling a dead one
 
 Leases and claims of router processes sharing the store (issue 12) are rows
 timed by the callers' ``now_ms`` (one machine, one clock); :meth:`SqliteStore.update`
-is one ``BEGIN IMMEDIATE`` transaction.
+is one ``BEGIN IMMEDIATE`` transaction. So is each shared tenant quota decision
+(:meth:`SqliteStore.quota_open`: the tenant's expired ``quota_stream`` rows
+dropped, its rows counted, :func:`atp_router.flow.quota.decide` run and its
+entry and ``rate_bucket`` time written) and each :meth:`SqliteStore.rate_take`.
 
 The schema is versioned in the ``meta`` table (:data:`SCHEMA_VERSION`); a
 state directory written by a newer router is refused with

@@ -237,14 +237,25 @@ class Learning:
         self._buckets: dict[str, tuple[float, float]] = {}
         #: Learning merged with other routers' through the store (:meth:`share`).
         self.shared = False
+        #: A tenant's learning rate shared by the routers on one store, set by the
+        #: deployment mode: ``(tenant, rate_per_s, burst) -> may it learn`` (None:
+        #: the store could not say; this router's bucket decides).
+        #: :meth:`SharedQuotas.may_learn <atp_router.runtime.dataplane.quotas.SharedQuotas.may_learn>`.
+        self.shared_rate: Callable[[str, float, int], bool | None] | None = None
         self._live_seq: int | None = None
         self._live_raw: bytes | None = None
         self._syncs = 0
         self._load()
 
     def _may_learn(self, tenant: str, now: float) -> bool:
-        """The tenant's learning token bucket (:class:`LearnLimits` ``rate_per_s``, ``burst``)."""
+        """The tenant's learning token bucket (:class:`LearnLimits` ``rate_per_s``,
+        ``burst``): the one shared by the routers on a store (:attr:`shared_rate`)
+        while it answers, else this router's own."""
         lim = self.limits
+        if self.shared_rate is not None:
+            shared = self.shared_rate(tenant, lim.rate_per_s, lim.burst)
+            if shared is not None:
+                return shared
         tokens, last = self._buckets.get(tenant, (float(lim.burst), now))
         tokens = min(float(lim.burst), tokens + (now - last) * lim.rate_per_s)
         if tokens < 1.0:

@@ -40,7 +40,9 @@ it checks, and ``of(parts: OpenParts) -> stage``; the router builds its pipeline
 from a list of them (``Router(config, syn_stages=[...])``), so a deployment mode
 or a test adds or replaces a stage with a list operation
 (:func:`replace_stage`, :func:`insert_stage`), never by overriding the router's
-SYN handling. What follows an accepted SYN (the stream context, SYN+ACK,
+SYN handling. A stage that holds something for the stream it admits (a
+:class:`Holding`: the shared quota entry of routers on one store) releases it
+when a later stage refuses the SYN and when the stream closes. What follows an accepted SYN (the stream context, SYN+ACK,
 tracing, audit, task start) is the router's.
 """
 
@@ -49,7 +51,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Final,
+    Protocol,
+    TypeVar,
+    runtime_checkable,
+)
 
 import msgspec
 
@@ -82,6 +92,7 @@ __all__ = [
     "ContextScope",
     "Continue",
     "FibLookup",
+    "Holding",
     "OpenCtx",
     "OpenParts",
     "Refuse",
@@ -92,6 +103,7 @@ __all__ = [
     "TenantAdmission",
     "check_task",
     "describe",
+    "holding",
     "insert_stage",
     "min_budget",
     "replace_stage",
@@ -174,6 +186,18 @@ class Stage(Protocol):
     name: ClassVar[str]
 
     def __call__(self, o: OpenCtx, /) -> Continue | Refuse: ...
+
+
+@runtime_checkable
+class Holding(Protocol):
+    """A stage that holds something for each stream it lets through (a shared
+    quota entry, :mod:`atp_router.runtime.dataplane.quotas`): ``release(tenant,
+    stream_id)`` gives it back — called by :func:`run_stages` when a later
+    stage refuses the SYN, and by the data plane when the stream closes
+    (:meth:`DataPlane.stream_closed <atp_router.runtime.dataplane.plane.DataPlane.stream_closed>`).
+    Releasing what it does not hold does nothing."""
+
+    def release(self, tenant: str, stream_id: str, /) -> None: ...
 
 
 class StageType(Protocol):
@@ -385,13 +409,22 @@ DEFAULT_STAGES: Final[tuple[StageType, ...]] = (
 # ------------------------------------------------------------------ the pipeline
 def run_stages(stages: Sequence[Stage], o: OpenCtx) -> Refuse | None:
     """Run ``stages`` on ``o`` in order; the first :class:`Refuse` stops them and
-    is returned. None: every stage continued (``o`` holds their decisions)."""
-    for stage in stages:
+    is returned, and every :class:`Holding` stage that let the SYN through
+    before it releases what it took for it. None: every stage continued (``o``
+    holds their decisions)."""
+    for i, stage in enumerate(stages):
         r = stage(o)
         if r is not CONTINUE:
             assert isinstance(r, Refuse), f"stage {stage.name} returned {r!r}"
+            for passed in holding(stages[:i]):
+                passed.release(o.tenant, o.stream_id)
             return r
     return None
+
+
+def holding(stages: Sequence[Stage]) -> list[Holding]:
+    """The :class:`Holding` stages of ``stages``, in order."""
+    return [s for s in stages if isinstance(s, Holding)]
 
 
 def _index(stages: Sequence[StageType], name: str) -> int:

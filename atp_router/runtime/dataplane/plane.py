@@ -36,6 +36,7 @@ from atp_router.runtime.dataplane.opening import (
     OpenCtx,
     Stage,
     check_task,
+    holding,
     min_budget,
     run_stages,
 )
@@ -91,6 +92,8 @@ class DataPlane:
         self.cache, self.metrics, self.tracing = cache, metrics, tracing
         self.scope_guard, self.usage_signer, self.audit_event = scope_guard, usage_signer, audit_event
         self.syn_stages, self.syn_gates, self.store_refusal = list(syn_stages), tuple(syn_gates), store_refusal
+        #: The stages that hold something for each stream they admit, released as it closes.
+        self.holding = holding(self.syn_stages)
         self.window_update_interval_ms, self.window_update_delta = window_update_interval_ms, window_update_delta
         self.nursery: trio.Nursery | None = None
 
@@ -431,11 +434,15 @@ class DataPlane:
 
     def stream_closed(self, closed: Closed | None) -> None:
         """Act on a stream's close (what the call that closed it returned; None:
-        it was closed already): trace and audit it, and end its hold on its
-        generation when no task did (a task ends it when it ends)."""
+        it was closed already): what the SYN stages hold for it released
+        (:class:`~atp_router.runtime.dataplane.opening.Holding`: a shared quota
+        entry), trace and audit it, and end its hold on its generation when no
+        task did (a task ends it when it ends)."""
         if closed is None:
             return
         ctx, last, spent = closed.ctx, closed.last, closed.spent
+        for stage in self.holding:
+            stage.release(ctx.tenant, ctx.stream_id)
         err = _error_of([last]) if last is not None else None
         code = err.code if err is not None else None
         if self.tracing is not None:

@@ -1,0 +1,254 @@
+"""A tenant's quotas held across the router processes that share a store (issue 22
+item 3; spec §11 AuthZ, §19): its ``max_streams``, its stream-open ``rate`` and its
+learning rate, enforced across every router on one Redis (``--store redis://…``,
+:mod:`atp_router.deploy.cluster`) and every worker on one SQLite file
+(``--workers N``, :mod:`atp_router.deploy.workers`). A router alone keeps its own
+(:class:`~atp_router.security.authz.StreamAdmission`); these are parts its
+deployment mode injects, never overrides of the SYN path:
+
+* :class:`SharedQuotas` — the shared counter over the :class:`~atp_router.store.base.Store`
+  (one atomic store step per SYN, :meth:`~atp_router.store.base.Store.quota_open`;
+  the decision is :func:`atp_router.flow.quota.decide`): each stream this router
+  admits holds an entry ``(owner, stream id)`` until it closes; the entries are
+  renewed every ``ttl_ms / 4`` while the router lives (:meth:`SharedQuotas.run`),
+  removed all at once when its owner is settled
+  (:meth:`~atp_router.store.base.Store.quota_release_owned`, from
+  :func:`atp_router.deploy.workers.settle`: a router lost or stopped, a worker
+  dead), and expire ``ttl_ms`` after the last renewal otherwise. A close the
+  store could not take is retried by :meth:`SharedQuotas.run` (the entry is not
+  renewed meanwhile);
+* :class:`SharedTenantAdmission` — the ``tenant_admission`` SYN stage with the
+  tenant's quota and open rate decided by :class:`SharedQuotas` (``EWINDOW``,
+  the single router's codes, reasons and retry hints: HTTP 429 + Retry-After);
+  a :class:`~atp_router.runtime.dataplane.opening.Holding` stage, so its entry is
+  released when a later stage refuses the SYN and when the stream closes;
+  built with :meth:`SharedTenantAdmission.using` (``Router(syn_stages=
+  with_shared_quotas(stages, quotas))``, :func:`with_shared_quotas`);
+* :meth:`SharedQuotas.may_learn` — a tenant's learning rate as a shared GCRA
+  bucket (``learn/<tenant>``), :attr:`Learning.shared_rate
+  <atp_router.runtime.controlplane.learning.Learning.shared_rate>`.
+
+**The store down**: a decision the store cannot make
+(:class:`~atp_router.store.base.StoreError`) falls back to this router's own limit —
+the tenant's ``max_streams`` against its streams open here, its own token
+buckets — neither refusing everything nor admitting without limit; logged once
+per outage (and once when the store answers again), counted
+(``atp_quota_fallback_total{quota}``), and reported to the deployment's
+``on_unavailable(op, error)`` (a cluster's ``atp_store_up``). A stream admitted
+meanwhile holds no shared entry (the shared count misses it until it closes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import trio
+
+from atp_router.flow.quota import QuotaAsk, QuotaGrant
+from atp_router.policy.fib import data_scope_labels
+from atp_router.policy.rib import RateSpec
+from atp_router.runtime.dataplane.opening import (
+    CONTINUE,
+    Continue,
+    OpenCtx,
+    OpenParts,
+    Stage,
+    StageType,
+    replace_stage,
+)
+from atp_router.security.authz import (
+    Refuse,
+    StreamAdmission,
+    rate_refusal,
+    streams_refusal,
+)
+from atp_router.store.base import Store, StoreError
+
+if TYPE_CHECKING:
+    from atp_router.observability.metrics import RouterMetrics
+    from atp_router.policy.rib import ClientSpec
+    from atp_router.runtime.dataplane.streams import StreamTable
+
+__all__ = ["QUOTA_TTL_MS", "SharedQuotas", "SharedTenantAdmission", "with_shared_quotas"]
+
+log = logging.getLogger("atp_router.runtime.quotas")
+
+#: How long a quota entry outlives its owner's last renewal (ms): the backstop for
+#: an owner gone and never settled. Renewed every quarter of it.
+QUOTA_TTL_MS = 60_000
+
+
+class SharedQuotas:
+    """The shared counter of one router process ``owner`` over ``store`` (module
+    docstring). ``metrics``: the router's (``atp_quota_refused_total``,
+    ``atp_quota_fallback_total``); ``on_unavailable(op, error)``: told when a
+    store call fails (ops ``open``, ``close``, ``lease``); ``clock``: Unix
+    seconds (the store's ``now_ms``; Redis uses its own clock)."""
+
+    def __init__(self, store: Store, *, owner: str, metrics: RouterMetrics, ttl_ms: int = QUOTA_TTL_MS,
+                 on_unavailable: Callable[[str, StoreError], None] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        if ttl_ms < 1:
+            raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
+        self.store, self.owner, self.metrics, self.ttl_ms = store, owner, metrics, ttl_ms
+        self.on_unavailable = on_unavailable
+        self.clock = clock
+        #: (tenant, stream id) of the streams holding a shared entry.
+        self.held: set[tuple[str, str]] = set()
+        #: Closes the store could not take, retried by :meth:`run`.
+        self.unreleased: set[tuple[str, str]] = set()
+        self._down = False
+
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    def _failed(self, op: str, e: StoreError) -> None:
+        if not self._down:
+            self._down = True
+            log.error("shared tenant quotas: the store cannot be reached (%s: %s): each router enforces its own "
+                      "limits until it answers", op, e)
+        if self.on_unavailable is not None:
+            self.on_unavailable(op, e)
+
+    def _ok(self) -> None:
+        if self._down:
+            self._down = False
+            log.warning("shared tenant quotas: the store answers again: quotas are shared again")
+
+    def open(self, tenant: str, stream_id: str, max_streams: int, rate: RateSpec) -> QuotaGrant | None:
+        """Decide stream ``stream_id`` of ``tenant`` against its shared quota
+        (:meth:`Store.quota_open <atp_router.store.base.Store.quota_open>`); admitted,
+        it holds an entry until :meth:`release`. None: the store could not
+        decide (fall back to this router's own limits)."""
+        ask = QuotaAsk(tenant, stream_id, max_streams, rate.per_s, rate.burst)
+        try:
+            grant = self.store.quota_open(ask, owner=self.owner, now_ms=self._now_ms(), ttl_ms=self.ttl_ms)
+        except StoreError as e:
+            self._failed("open", e)
+            self.metrics.quota_fallback.labels("streams").inc()
+            return None
+        self._ok()
+        if grant.admitted:
+            self.held.add((tenant, stream_id))
+        else:
+            self.metrics.quota_refused.labels(grant.refused or "").inc()
+        return grant
+
+    def release(self, tenant: str, stream_id: str) -> None:
+        """Stream ``stream_id`` of ``tenant`` closed (or its SYN was refused
+        later): its entry, if it holds one, is removed (or retried by :meth:`run`)."""
+        key = (tenant, stream_id)
+        if key not in self.held:
+            return
+        self.held.discard(key)
+        try:
+            self.store.quota_close(tenant, stream_id, owner=self.owner)
+        except StoreError as e:
+            self.unreleased.add(key)
+            self._failed("close", e)
+
+    def may_learn(self, tenant: str, rate_per_s: float, burst: int) -> bool | None:
+        """Whether ``tenant`` may teach the routing state one more finished task
+        (its shared learning bucket ``learn/<tenant>``). None: the store could
+        not say (the caller's own bucket decides)."""
+        try:
+            wait = self.store.rate_take("learn/" + tenant, per_s=rate_per_s, burst=burst, now_ms=self._now_ms())
+        except StoreError as e:
+            self._failed("open", e)
+            self.metrics.quota_fallback.labels("learn").inc()
+            return None
+        self._ok()
+        return wait is None
+
+    def renew(self) -> int:
+        """Retry the closes the store could not take, then renew this owner's
+        entries (:meth:`Store.quota_renew <atp_router.store.base.Store.quota_renew>`).
+        Returns the entries held; raises :class:`~atp_router.store.base.StoreError`."""
+        for tenant, stream_id in sorted(self.unreleased):
+            self.store.quota_close(tenant, stream_id, owner=self.owner)
+            self.unreleased.discard((tenant, stream_id))
+        return self.store.quota_renew(self.owner, now_ms=self._now_ms(), ttl_ms=self.ttl_ms)
+
+    async def run(self) -> None:
+        """:meth:`renew` every ``ttl_ms / 4`` until cancelled (a background
+        service of the router: :meth:`service`)."""
+        while True:
+            await trio.sleep(self.ttl_ms / 4000)
+            try:
+                self.renew()
+            except StoreError as e:
+                self._failed("lease", e)
+            else:
+                self._ok()
+
+    def service(self, router: object) -> list[Callable[[], Awaitable[None]]]:
+        """The router's background service (:data:`~atp_router.runtime.deployment.Service`): :meth:`run`."""
+        return [self.run]
+
+
+class SharedTenantAdmission:
+    """Spec §11 AuthZ: role, task types, data categories (ESEC); stream quota and rate shared across routers (EWINDOW)."""
+
+    name: ClassVar[str] = "tenant_admission"
+    __slots__ = ("admission", "client_spec", "quotas", "streams")
+
+    def __init__(self, admission: StreamAdmission, client_spec: Callable[[str], ClientSpec], streams: StreamTable,
+                 quotas: SharedQuotas) -> None:
+        self.admission = admission
+        self.client_spec = client_spec
+        self.streams = streams
+        self.quotas = quotas
+
+    @classmethod
+    def using(cls, quotas: SharedQuotas) -> StageType:
+        """The stage type that builds this stage on ``quotas`` (for ``Router(syn_stages=...)``)."""
+        return _Using(quotas)
+
+    def __call__(self, o: OpenCtx) -> Continue | Refuse:
+        tenant = o.tenant
+        spec = self.client_spec(tenant)
+        decision = self.admission.scope(o.identity, spec, task_type=str(o.meta.get("task_type", "")), qos=o.qos,
+                                        budget=o.client_budget, labels=data_scope_labels(o.meta))
+        if isinstance(decision, Refuse):
+            return decision
+        max_streams, rate = self.admission.limits(spec)
+        grant = self.quotas.open(tenant, o.stream_id, max_streams, rate)
+        if grant is None:  # the store is away: this router's own limits
+            refused = self.admission.quota(tenant, spec, open_streams=self.streams.tenant_open[tenant], now=o.now)
+            if refused is not None:
+                return refused
+        elif grant.refused == "streams":
+            return streams_refusal(tenant, max_streams)
+        elif grant.refused is not None:
+            return rate_refusal(tenant, rate, grant.retry_after_ms or 1)
+        o.client_budget, o.admitted_qos = decision.budget, decision.qos
+        return CONTINUE
+
+    def release(self, tenant: str, stream_id: str) -> None:
+        """:class:`~atp_router.runtime.dataplane.opening.Holding`: the stream's shared entry removed."""
+        self.quotas.release(tenant, stream_id)
+
+
+class _Using:
+    """:meth:`SharedTenantAdmission.using`: a stage type bound to its :class:`SharedQuotas`."""
+
+    name = SharedTenantAdmission.name
+    __doc__ = SharedTenantAdmission.__doc__
+
+    def __init__(self, quotas: SharedQuotas) -> None:
+        self.quotas = quotas
+
+    def of(self, parts: OpenParts) -> Stage:
+        return SharedTenantAdmission(parts.admission, parts.client_spec, parts.streams, self.quotas)
+
+
+def with_shared_quotas(stages: Sequence[StageType], quotas: SharedQuotas) -> list[StageType]:
+    """``stages`` with their ``tenant_admission`` deciding the tenant's quota and
+    open rate in ``quotas`` (:class:`SharedTenantAdmission`); unchanged when
+    they have none."""
+    if not any(s.name == SharedTenantAdmission.name for s in stages):
+        return list(stages)
+    return replace_stage(stages, SharedTenantAdmission.name, SharedTenantAdmission.using(quotas))
