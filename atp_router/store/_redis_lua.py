@@ -794,15 +794,17 @@ local r = redis.call('ZREM', P .. 'q:' .. A[1], A[2])
 redis.call('SREM', P .. 'qw:' .. A[3], A[4])
 return r
 """),
-    # A: owner, ttl ms -> the entries it holds (each now held ttl ms more)
+    # A: owner, ttl ms, the owner entries it still holds... -> how many (each now held ttl ms more; its others removed)
     "quota_renew": (_QUOTA, """
 local now = now_ms()
 local wk, ttl, n = P .. 'qw:' .. A[1], tonumber(A[2]), 0
+local held = {}
+for i = 3, #A do held[A[i]] = true end
 for _, e in ipairs(redis.call('SMEMBERS', wk)) do
   local d = cjson.decode(e)
   local zk = P .. 'q:' .. d[1]
   local score = redis.call('ZSCORE', zk, d[2])
-  if score and tonumber(score) > now then
+  if held[e] and score and tonumber(score) > now then
     redis.call('ZADD', zk, I(now + ttl), d[2])
     keep(zk, ttl)
     n = n + 1

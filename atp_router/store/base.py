@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Self
 
@@ -393,9 +393,11 @@ class Store(ABC):
         its quota entry is removed. False: it held none (settled, expired)."""
 
     @abstractmethod
-    def quota_renew(self, owner: str, *, now_ms: int, ttl_ms: int) -> int:
-        """Hold every quota entry of ``owner`` until ``now_ms + ttl_ms`` (its
-        streams still run); returns how many it holds."""
+    def quota_renew(self, owner: str, held: Collection[tuple[str, str]], *, now_ms: int, ttl_ms: int) -> int:
+        """Hold the quota entries of ``owner`` named in ``held`` (``(tenant,
+        stream id)``: its streams still running) until ``now_ms + ttl_ms`` and
+        remove its others (an entry a timed-out :meth:`quota_open` made after its
+        caller gave up on it); returns how many it holds."""
 
     @abstractmethod
     def quota_release_owned(self, owner: str) -> int:

@@ -93,7 +93,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -576,9 +576,10 @@ class RedisStore(Store):
         tkey, member = _quota_keys(tenant, owner, stream_id)
         return bool(self._run("quota_close", tkey, member, owner, json.dumps([tkey, member])))
 
-    def quota_renew(self, owner: str, *, now_ms: int, ttl_ms: int) -> int:
+    def quota_renew(self, owner: str, held: Collection[tuple[str, str]], *, now_ms: int, ttl_ms: int) -> int:
         check_quota_args(None, owner, ttl_ms)
-        return int(self._run("quota_renew", owner, ttl_ms))
+        keep = [json.dumps(_quota_keys(t, owner, s)) for t, s in held]
+        return int(self._run("quota_renew", owner, ttl_ms, *keep))
 
     def quota_release_owned(self, owner: str) -> int:
         if not owner:

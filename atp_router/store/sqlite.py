@@ -88,7 +88,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Literal
@@ -703,13 +703,16 @@ class SqliteStore(Store):
         return self._one("DELETE FROM quota_stream WHERE tenant = ? AND owner = ? AND stream_id = ?",
                          (tenant, owner, stream_id)).rowcount > 0
 
-    def quota_renew(self, owner: str, *, now_ms: int, ttl_ms: int) -> int:
+    def quota_renew(self, owner: str, held: Collection[tuple[str, str]], *, now_ms: int, ttl_ms: int) -> int:
         check_quota_args(None, owner, ttl_ms)
+        keep = set(held)
         with self._tx() as c:
-            c.execute("DELETE FROM quota_stream WHERE owner = ? AND expires_ms <= ?", (owner, now_ms))
-            n: int = c.execute("UPDATE quota_stream SET expires_ms = ? WHERE owner = ?",
-                               (now_ms + ttl_ms, owner)).rowcount
-        return n
+            rows = c.execute("SELECT tenant, stream_id, expires_ms FROM quota_stream WHERE owner = ?",
+                             (owner,)).fetchall()
+            gone = [(owner, t, s) for t, s, x in rows if x <= now_ms or (t, s) not in keep]
+            c.executemany("DELETE FROM quota_stream WHERE owner = ? AND tenant = ? AND stream_id = ?", gone)
+            c.execute("UPDATE quota_stream SET expires_ms = ? WHERE owner = ?", (now_ms + ttl_ms, owner))
+        return len(rows) - len(gone)
 
     def quota_release_owned(self, owner: str) -> int:
         if not owner:

@@ -124,11 +124,26 @@ def test_an_entry_nobody_renews_expires_and_a_renewed_one_stays(backend: Backend
     assert not opened(store, "x", "r.x", max_streams=2)
     for _ in range(3):
         time.sleep(0.2)
-        assert store.quota_renew("r.kept", now_ms=now_ms(), ttl_ms=400) == 1
+        assert store.quota_renew("r.kept", {("alice", "kept")}, now_ms=now_ms(), ttl_ms=400) == 1
     # 600 ms on: r.gone's entry expired (a kill -9 never settled), r.kept's was renewed.
     assert store.quota_open_count("alice", now_ms=now_ms()) == 1
     assert opened(store, "x", "r.x", max_streams=2)
-    assert store.quota_renew("r.gone", now_ms=now_ms(), ttl_ms=400) == 0
+    assert store.quota_renew("r.gone", {("alice", "gone")}, now_ms=now_ms(), ttl_ms=400) == 0
+
+
+def test_a_renewal_drops_the_entries_its_owner_does_not_hold(backend: Backend):
+    """An entry an open made after its router gave up on the call (timed out: the
+    router fell back and holds no entry) goes at the owner's next renewal."""
+    store = backend.open()
+    for s in ("a", "b", "late"):
+        assert opened(store, s, "r.1")
+    assert opened(store, "c", "r.2", tenant="bob")
+    assert store.quota_renew("r.1", [("alice", "a"), ("alice", "b"), ("bob", "c")], now_ms=now_ms(),
+                             ttl_ms=TTL) == 2
+    assert store.quota_open_count("alice", now_ms=now_ms()) == 2
+    assert store.quota_open_count("bob", now_ms=now_ms()) == 1  # another owner's entry is not r.1's to drop
+    assert store.quota_close("alice", "late", owner="r.1") is False
+    assert store.quota_release_owned("r.1") == 2
 
 
 def test_rate_take_is_a_shared_gcra_bucket(backend: Backend):

@@ -3,14 +3,17 @@ atp_router.runtime.dataplane.quotas), on real routers (``single.build``) whose
 ``tenant_admission`` stage is the shared one (``with_shared_quotas``), each with its
 own owner name, over one real SQLite store (as ``--workers N`` share theirs): the
 quota and the open rate hold across routers with the single router's codes and
-reasons; a stream's close, and a later stage's refusal, free its entry; the store
-away, each router falls back to its own limit (logged once, counted); the
+reasons; a stream's close, and a later stage's refusal, free its entry (a close the
+store could not take is retried at the next renewal, which also drops an entry the
+router does not hold); the store away, each router falls back to its own limit
+(logged once, counted); the
 learning rate is one bucket across routers. (Across real processes on Redis:
 tests/scale/test_cluster_quotas.py.)"""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -186,3 +189,37 @@ def test_a_stage_list_without_tenant_admission_is_left_as_it_is(shared):
     quotas = SharedQuotas(shared, owner="w0.1", metrics=RouterMetrics())
     stages = [s for s in DEFAULT_STAGES if s.name != "tenant_admission"]
     assert with_shared_quotas(stages, quotas) == stages
+
+
+class Flaky(SqliteStore):
+    """A store whose quota closes find it unreachable while ``down``."""
+
+    down = False
+
+    def quota_close(self, tenant: str, stream_id: str, *, owner: str) -> bool:
+        if self.down:
+            raise StoreUnavailable("redis at redis://127.0.0.1:1 unavailable: Connection refused")
+        return super().quota_close(tenant, stream_id, owner=owner)
+
+
+async def test_a_renewal_retries_a_failed_close_and_drops_what_the_router_does_not_hold(tmp_path):
+    store = Flaky.open(tmp_path / "flaky")
+    r, quotas = build(tmp_path, "w0.1", store)
+    try:
+        one, two = open_http(r), open_http(r)
+        # An entry of this owner it does not hold: an open that timed out and ran later in the store.
+        late = store.quota_open(QuotaAsk(ANONYMOUS.tenant, "late", 5, 50.0, 100), owner="w0.1",
+                                now_ms=int(time.time() * 1000), ttl_ms=60_000)
+        assert late.admitted and store.quota_open_count(ANONYMOUS.tenant, now_ms=0) == 3
+        store.down = True
+        r.stream_closed(one.stop(ErrorCode.EPREEMPT, "cancelled"))  # its close cannot reach the store
+        assert quotas.unreleased == {(ANONYMOUS.tenant, one.stream_id)}
+        assert store.quota_open_count(ANONYMOUS.tenant, now_ms=0) == 3
+        store.down = False
+        assert quotas.renew() == 1  # two's entry, renewed; one's close retried; the late one dropped
+        assert quotas.unreleased == set() and store.quota_open_count(ANONYMOUS.tenant, now_ms=0) == 1
+        r.stream_closed(two.stop(ErrorCode.EPREEMPT, "cancelled"))
+        assert store.quota_open_count(ANONYMOUS.tenant, now_ms=0) == 0
+    finally:
+        r.close_state()
+        store.close()

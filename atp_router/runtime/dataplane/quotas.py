@@ -9,8 +9,10 @@ deployment mode injects, never overrides of the SYN path:
 * :class:`SharedQuotas` — the shared counter over the :class:`~atp_router.store.base.Store`
   (one atomic store step per SYN, :meth:`~atp_router.store.base.Store.quota_open`;
   the decision is :func:`atp_router.flow.quota.decide`): each stream this router
-  admits holds an entry ``(owner, stream id)`` until it closes; the entries are
-  renewed every ``ttl_ms / 4`` while the router lives (:meth:`SharedQuotas.run`),
+  admits holds an entry ``(owner, stream id)`` until it closes; the entries of
+  the streams it holds are renewed every ``ttl_ms / 4`` while the router lives
+  and its others dropped (:meth:`SharedQuotas.run`: an entry a timed-out open
+  left, which the router fell back from, is gone within a renewal),
   removed all at once when its owner is settled
   (:meth:`~atp_router.store.base.Store.quota_release_owned`, from
   :func:`atp_router.deploy.workers.settle`: a router lost or stopped, a worker
@@ -164,13 +166,15 @@ class SharedQuotas:
         return wait is None
 
     def renew(self) -> int:
-        """Retry the closes the store could not take, then renew this owner's
-        entries (:meth:`Store.quota_renew <atp_router.store.base.Store.quota_renew>`).
+        """Retry the closes the store could not take, then renew the entries of
+        the streams this router holds and drop its others — one a timed-out
+        :meth:`open` made after it fell back
+        (:meth:`Store.quota_renew <atp_router.store.base.Store.quota_renew>`).
         Returns the entries held; raises :class:`~atp_router.store.base.StoreError`."""
         for tenant, stream_id in sorted(self.unreleased):
             self.store.quota_close(tenant, stream_id, owner=self.owner)
             self.unreleased.discard((tenant, stream_id))
-        return self.store.quota_renew(self.owner, now_ms=self._now_ms(), ttl_ms=self.ttl_ms)
+        return self.store.quota_renew(self.owner, self.held, now_ms=self._now_ms(), ttl_ms=self.ttl_ms)
 
     async def run(self) -> None:
         """:meth:`renew` every ``ttl_ms / 4`` until cancelled (a background
