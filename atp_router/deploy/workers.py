@@ -287,7 +287,8 @@ def open_worker_state(config: RouterConfig, owner: str) -> tuple[StateParts, Sha
     audit_log = AuditLog.open(store, state_dir, shared=True, options=config.audit)
     rib = SharedRib(store)
     return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
-                      close=single.closing(audit_log, store), restore=(rib.adopt,)), rib
+                      close=single.closing(audit_log, store), store_check=single.store_check(store, ledger),
+                      restore=(rib.adopt,)), rib
 
 
 def build(config: RouterConfig, spec: WorkerSpec, **kw: Any) -> tuple[Router, Worker]:

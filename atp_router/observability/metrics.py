@@ -100,6 +100,12 @@ class RouterMetrics:
         self.store_unavailable = Counter(
             "atp_store_unavailable", "Store operations that found the store unreachable, by operation (open, "
             "reserve, extend, set_limit, commit, release, close, events, lease, reap, read)", ["op"], registry=r)
+        # The audit spool (issue 22 item 4, atp_router.security.audit.AuditSpool).
+        self.audit_spooled = Gauge("atp_audit_spooled", "Audit records kept in memory until the state store takes "
+                                   "them (chained in order when it does)", registry=r)
+        self.audit_dropped = Counter("atp_audit_dropped", "Audit records dropped: the store could not take them "
+                                     "and the audit spool was full (--audit-spool-records, --audit-spool-bytes)",
+                                     registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
