@@ -89,3 +89,40 @@ async def test_a_full_disk_makes_the_router_not_ready_until_space_returns(nurser
         refused = [r["detail"].get("action") for r in records if r["kind"] == "esec"]
         assert refused, records
         assert refused == [action for _, action in FORBIDDEN]
+
+
+async def _every_worker(url: str, status: int, workers: int = 2, timeout: float = 60) -> dict[str, dict]:
+    """``GET /v1/ready`` on fresh connections (the kernel picks the worker) until
+    each of ``workers`` workers has answered ``status``: their bodies by worker."""
+    seen: dict[str, dict] = {}
+    with trio.fail_after(timeout):
+        while len(seen) < workers:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as h:
+                r = await h.get("/v1/ready", headers=_auth(OPS))
+            if r.status_code == status:
+                seen[r.headers["x-atp-worker"]] = r.json()
+            else:
+                seen.pop(r.headers["x-atp-worker"], None)
+                await trio.sleep(0.1)
+    return seen
+
+
+async def test_with_workers_every_worker_answers_for_the_shared_store(nursery, tmp_path):
+    model = await serve(nursery, BillingModel(1_000))
+    policies = tmp_path / "rib.yaml"
+    policies.write_text(_rib(model.url))
+    with tmpfs(tmp_path / "fs", "16m") as fs:
+        state = fs / "state"
+        sup = helpers.RouterProcess("--workers", "2", "--policies", policies, "--state-dir", state, "--http-port",
+                                    "0", "--ws-port", "0", "--no-watch", env=ENV)
+        try:
+            url = await sup.wait_listening()
+            await _every_worker(url, 200)
+            filler = _fill(fs)
+            for body in (await _every_worker(url, 503)).values():
+                store = next(c for c in body["checks"] if c["name"] == "store")
+                assert store["reason"].startswith(f"state store full: {state / 'state.db'}"), body
+            filler.unlink()
+            await _every_worker(url, 200)
+        finally:
+            assert sup.stop() == 0
