@@ -75,8 +75,11 @@ that fails is kept and retried every :data:`SETTLE_RETRY_S` until the store
 answers (the reservation holds its headroom meanwhile, so nothing overspends);
 a stream's events wait for the store (a client never gets an event the store
 has not: another router may serve the stream from there). ``atp_store_up`` (0/1)
-and ``atp_store_unavailable_total{op}`` say so; everything resumes when the store
-answers again, without a restart.
+and ``atp_store_unavailable_total{op}`` say so, ``GET /v1/ready`` answers 503 (its
+``store`` check, :meth:`ClusterNode._store_check`) while the lease renewal fails or
+commits wait, and the audit records written meanwhile are spooled and chained in
+order when the store answers (:class:`~atp_router.security.audit.AuditSpool`);
+everything resumes when the store answers again, without a restart.
 """
 
 from __future__ import annotations

@@ -34,7 +34,10 @@ without a traceback. While the store cannot take writes
   written as soon as the store takes writes again (tried every
   :data:`SETTLE_RETRY_S`), the events of running streams are sent and their
   writes retried (``StreamPersistence.hold_unstored`` False); nothing waits for an
-  operator: the first write that fits ends the fault.
+  operator: the first write that fits ends the fault;
+* ``GET /v1/ready`` answers 503 naming the store (:func:`store_check`) and the
+  audit records are spooled (:class:`~atp_router.security.audit.AuditSpool`) until
+  it takes writes again.
 """
 
 from __future__ import annotations

@@ -79,6 +79,12 @@ worker trips each worker's breaker only at its own threshold) and
 SYN that resumes (by idempotency key) a stream still running on another worker
 is refused with ``EAGENTDOWN`` rather than run twice: reconnect (the kernel may
 pick the owner) or follow it over HTTP, which forwards.
+
+**Readiness** (``GET /v1/ready``, :mod:`atp_router.runtime.admin.readiness`): the
+worker that accepted the connection answers; every worker checks the one store and
+state directory they share (:func:`~atp_router.deploy.single.store_check`), so any
+worker's verdict is the router's — what a load balancer in front of the one
+listening port needs — and a worker being restarted accepts no connection.
 """
 
 from __future__ import annotations
