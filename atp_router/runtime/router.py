@@ -425,11 +425,9 @@ class Router:
             self.audit_log.record(kind, identity.subject if identity is not None else "router",
                                   identity.tenant if identity is not None else None, detail,
                                   int(time.time() * 1000))
-        except StoreUnavailable as e:
-            log.error("audit record %s not written: %s", kind, e)
-            self.metrics.errors.labels("audit").inc()
         except Exception:
-            # The audit trail must never take the data plane down: logged and counted.
+            # A store that cannot take it spools it (AuditLog.record); anything else must
+            # never take the data plane down: logged and counted.
             log.exception("audit record %s not written", kind)
             self.metrics.errors.labels("audit").inc()
 
