@@ -131,7 +131,12 @@ from atp_router.runtime.dataplane.opening import DEFAULT_STAGES, describe
 from atp_router.runtime.ingress.http_api import build_app
 from atp_router.runtime.ingress.ws import serve_ws
 from atp_router.runtime.router import Router
-from atp_router.security.audit import AuditOptions, audit_main
+from atp_router.security.audit import (
+    DEFAULT_SPOOL_BYTES,
+    DEFAULT_SPOOL_RECORDS,
+    AuditOptions,
+    audit_main,
+)
 from atp_router.security.authn import new_api_key
 from atp_router.security.policy_guard import PolicySecrets
 from atp_router.security.tls import ServerTls, hypercorn_ssl
@@ -311,6 +316,12 @@ def _state_args(sec: argparse._ArgumentGroup, d: RouterConfig) -> None:
     sec.add_argument("--audit-syslog", metavar="ADDR",
                      help="also send every audit checkpoint to syslog (facility authpriv): a Unix socket such as "
                           "/dev/log, or udp://host:port or tcp://host:port")
+    sec.add_argument("--audit-spool-records", type=_positive(int), default=DEFAULT_SPOOL_RECORDS, metavar="N",
+                     help="audit records kept in memory while the state store cannot take them (chained in order "
+                          "when it can); beyond it, or --audit-spool-bytes, a record is dropped: counted in "
+                          "atp_audit_dropped_total and logged")
+    sec.add_argument("--audit-spool-bytes", type=_positive(int), default=DEFAULT_SPOOL_BYTES, metavar="N",
+                     help="bytes (of their JSON) of the audit records kept while the state store cannot take them")
     sec.add_argument("--state-sync", choices=["normal", "full"], default="normal",
                      help="normal survives a process crash; full also an OS crash (fsync per commit)")
     sec.add_argument("--cache-max-bytes", type=_non_negative(int), default=d.cache_max_bytes, metavar="N",
@@ -468,7 +479,8 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
             tenant_body_bytes=args.tenant_body_bytes, cache_tenant_max_bytes=args.cache_tenant_max_bytes,
             learn_share=args.learn_share, ws_handshake_timeout_s=args.ws_handshake_timeout_s,
             lease_ms=args.lease_ms, advertise_url=args.advertise_url,
-            audit=AuditOptions(key_file=args.audit_key_file, anchor=args.audit_anchor, syslog=args.audit_syslog),
+            audit=AuditOptions(key_file=args.audit_key_file, anchor=args.audit_anchor, syslog=args.audit_syslog,
+                               spool_records=args.audit_spool_records, spool_bytes=args.audit_spool_bytes),
             **_flow_config(args),
         )
         build_authenticator(config)  # refuse a bad --auth file or token list now, with its message

@@ -81,8 +81,11 @@ that fails is kept and retried every :data:`SETTLE_RETRY_S` until the store
 answers (the reservation holds its headroom meanwhile, so nothing overspends);
 a stream's events wait for the store (a client never gets an event the store
 has not: another router may serve the stream from there). ``atp_store_up`` (0/1)
-and ``atp_store_unavailable_total{op}`` say so; everything resumes when the store
-answers again, without a restart.
+and ``atp_store_unavailable_total{op}`` say so, ``GET /v1/ready`` answers 503 (its
+``store`` check, :meth:`ClusterNode._store_check`) while the lease renewal fails or
+commits wait, and the audit records written meanwhile are spooled and chained in
+order when the store answers (:class:`~atp_router.security.audit.AuditSpool`);
+everything resumes when the store answers again, without a restart.
 """
 
 from __future__ import annotations
@@ -626,7 +629,8 @@ class ClusterNode(SynGate):
         #: RIB versions from the store, the RIB other routers load followed (atp_router.deploy.workers.SharedRib).
         self.rib = SharedRib(store)
         return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
-                          close=lambda: self._close_state(close), restore=(self._restore_rib,))
+                          close=lambda: self._close_state(close), store_check=self._store_check,
+                          restore=(self._restore_rib,))
 
     def _found_settled(self, key: str) -> None:
         # The ledger found an account of ours settled by another router: check our streams (writes wait).
@@ -681,6 +685,15 @@ class ClusterNode(SynGate):
     def store_ok(self) -> bool:
         """Whether the store answered this router's last heartbeat."""
         return self._store_ok
+
+    def _store_check(self) -> str | None:
+        """Readiness (``GET /v1/ready``): the store answered the last lease
+        renewal (:attr:`store_ok`) and no commit or release waits for it."""
+        if not self._store_ok:
+            return f"the shared store {self.store.describe()} cannot be reached: new spend is refused"
+        if self.ledger.unsettled:
+            return f"{self.ledger.unsettled} commits or releases wait for the shared store {self.store.describe()}"
+        return None
 
     # ------------------------------------------------------------ leases
     def advertise(self, url: str) -> None:

@@ -34,7 +34,10 @@ without a traceback. While the store cannot take writes
   written as soon as the store takes writes again (tried every
   :data:`SETTLE_RETRY_S`), the events of running streams are sent and their
   writes retried (``StreamPersistence.hold_unstored`` False); nothing waits for an
-  operator: the first write that fits ends the fault.
+  operator: the first write that fits ends the fault;
+* ``GET /v1/ready`` answers 503 naming the store (:func:`store_check`) and the
+  audit records are spooled (:class:`~atp_router.security.audit.AuditSpool`) until
+  it takes writes again.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ import trio
 from atp_router.flow.budget import Allowance, BudgetLedger, Refusal, Reservation
 from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.controlplane.control import BODY_SOURCE
-from atp_router.runtime.deployment import StateParts
+from atp_router.runtime.deployment import StateParts, StoreCheck
 from atp_router.runtime.router import Router
 from atp_router.security.audit import AuditLog
 from atp_router.store import (
@@ -71,7 +74,7 @@ from atp_router.wire.frame import ErrorPayload, Flag, Frame, Payload, PayloadTyp
 
 __all__ = ["INTERRUPTED", "RETRY_AFTER_MS", "SETTLE_RETRY_S", "Deployed", "EmbeddedLedger", "build", "closing", "deploy",
            "end_interrupted", "lock_state_dir", "mark_interrupted", "open_state", "restore_ledger", "restore_rib",
-           "settle_journal", "state_directory", "store_fault_reason"]
+           "settle_journal", "state_directory", "store_check", "store_fault_reason"]
 
 log = logging.getLogger("atp_router.deploy.single")
 
@@ -210,7 +213,26 @@ def open_state(config: RouterConfig, *, lock: bool = True) -> StateParts:
         close()
 
     return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
-                      close=settle_and_close, restore=(mark_interrupted, restore_rib))
+                      close=settle_and_close, store_check=store_check(store, ledger),
+                      restore=(mark_interrupted, restore_rib))
+
+
+def store_check(store: SqliteStore, ledger: BudgetLedger) -> StoreCheck:
+    """The readiness of the embedded store (:attr:`StateParts.store_check
+    <atp_router.runtime.deployment.StateParts.store_check>`; ``--workers`` too):
+    it takes a write and has room for more (:meth:`SqliteStore.writable
+    <atp_router.store.sqlite.SqliteStore.writable>`: not a full disk), and no
+    budget settlement waits for it (:class:`~atp_router.store.base.StoreJournal`)."""
+    def check() -> str | None:
+        fault = store.writable()
+        if fault is not None:
+            return str(fault)
+        journal = ledger.journal
+        if isinstance(journal, StoreJournal) and journal.pending:
+            return f"{journal.pending} budget settlements wait for the state store {store.path}"
+        return None
+
+    return check
 
 
 def state_directory(config: RouterConfig, *, lock: bool = True) -> tuple[Path, Path | None, Any]:

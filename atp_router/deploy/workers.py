@@ -84,6 +84,12 @@ worker trips each worker's breaker only at its own threshold) and
 SYN that resumes (by idempotency key) a stream still running on another worker
 is refused with ``EAGENTDOWN`` rather than run twice: reconnect (the kernel may
 pick the owner) or follow it over HTTP, which forwards.
+
+**Readiness** (``GET /v1/ready``, :mod:`atp_router.runtime.admin.readiness`): the
+worker that accepted the connection answers; every worker checks the one store and
+state directory they share (:func:`~atp_router.deploy.single.store_check`), so any
+worker's verdict is the router's — what a load balancer in front of the one
+listening port needs — and a worker being restarted accepts no connection.
 """
 
 from __future__ import annotations
@@ -295,7 +301,8 @@ def open_worker_state(config: RouterConfig, owner: str) -> tuple[StateParts, Sha
     audit_log = AuditLog.open(store, state_dir, shared=True, options=config.audit)
     rib = SharedRib(store)
     return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
-                      close=single.closing(audit_log, store), restore=(rib.adopt,)), rib
+                      close=single.closing(audit_log, store), store_check=single.store_check(store, ledger),
+                      restore=(rib.adopt,)), rib
 
 
 def build(config: RouterConfig, spec: WorkerSpec, **kw: Any) -> tuple[Router, Worker]:

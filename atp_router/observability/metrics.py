@@ -107,6 +107,12 @@ class RouterMetrics:
         self.quota_fallback = Counter(
             "atp_quota_fallback", "Decisions of a shared tenant quota made by this router's own limits because the "
             "store could not be reached, by quota (streams: an open, learn: the learning rate)", ["quota"], registry=r)
+        # The audit spool (issue 22 item 4, atp_router.security.audit.AuditSpool).
+        self.audit_spooled = Gauge("atp_audit_spooled", "Audit records kept in memory until the state store takes "
+                                   "them (chained in order when it does)", registry=r)
+        self.audit_dropped = Counter("atp_audit_dropped", "Audit records dropped: the store could not take them "
+                                     "and the audit spool was full (--audit-spool-records, --audit-spool-bytes)",
+                                     registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

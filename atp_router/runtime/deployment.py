@@ -26,12 +26,15 @@ from atp_router.wire.frame import Frame
 if TYPE_CHECKING:
     from atp_router.runtime.router import Router
 
-__all__ = ["Service", "StateParts", "SynGate"]
+__all__ = ["Service", "StateParts", "StoreCheck", "SynGate"]
 
 #: A background service of a deployment mode (``Router(services=[...])``): called
 #: with the router when it starts serving, before it reports started; returns the
 #: loops the router's nursery runs until it stops.
 Service = Callable[["Router"], Sequence[Callable[[], Awaitable[None]]]]
+#: Whether a deployment's store can record spend now (:attr:`StateParts.store_check`):
+#: None, or the reason it cannot.
+StoreCheck = Callable[[], "str | None"]
 
 
 @dataclass
@@ -49,13 +52,18 @@ class StateParts:
     ignored): e.g. the streams a previous run left reported interrupted, the
     RIB hot-reloaded before a restart put back.
     ``close`` checkpoints and closes it all at shutdown
-    (:meth:`Router.close_state <atp_router.runtime.router.Router.close_state>`)."""
+    (:meth:`Router.close_state <atp_router.runtime.router.Router.close_state>`).
+    ``store_check`` is the mode's readiness fact about its store (``GET /v1/ready``,
+    :mod:`atp_router.runtime.admin.readiness`): None while the store can record
+    spend, else why not, in words; called from a worker thread, so it must not
+    touch trio (:data:`StoreCheck`)."""
 
     state_dir: Path
     store: Store
     audit_log: AuditLog
     ledger: BudgetLedger
     close: Callable[[], None]
+    store_check: StoreCheck
     restore: Sequence[Callable[[Router], object]] = ()
 
 

@@ -220,6 +220,9 @@ class Router:
         self.body_budget = BodyBudget(config.tenant_body_bytes
                                       or 2 * max(config.max_body_bytes, config.max_ws_message_bytes))
         self.audit_log: AuditLog = state.audit_log
+        # Audit records the store could not take are spooled; one that does not fit is counted (issue 22).
+        self.audit_log.spool.on_drop = self.metrics.audit_dropped.inc
+        self.metrics.audit_spooled.set_function(lambda: len(self.audit_log.spool))
         #: Signs each FINAL's usage summary (Ed25519; public key at GET /v1/keys).
         self.usage_signer = UsageSigner.load_or_create(self.state_dir / "usage.pem")
         self.authenticator: Authenticator = authenticator or build_authenticator(config)
@@ -422,11 +425,9 @@ class Router:
             self.audit_log.record(kind, identity.subject if identity is not None else "router",
                                   identity.tenant if identity is not None else None, detail,
                                   int(time.time() * 1000))
-        except StoreUnavailable as e:
-            log.error("audit record %s not written: %s", kind, e)
-            self.metrics.errors.labels("audit").inc()
         except Exception:
-            # The audit trail must never take the data plane down: logged and counted.
+            # A store that cannot take it spools it (AuditLog.record); anything else must
+            # never take the data plane down: logged and counted.
             log.exception("audit record %s not written", kind)
             self.metrics.errors.labels("audit").inc()
 
@@ -562,7 +563,9 @@ class Router:
             log.info("policy watch: %s changed; RIB generation %d", ", ".join(files), summary["version"])
 
     async def _audit_checkpoints(self) -> None:
-        """MAC the audit chain's head when its oldest unsigned record is due
+        """Chain the audit records spooled while the store could not take them
+        (:meth:`AuditLog.flush_spool <atp_router.security.audit.AuditLog.flush_spool>`),
+        MAC the audit chain's head when its oldest unsigned record is due
         (every ``interval_ms``), and expire the store's closed streams past
         their retention (bounded disk)."""
         retain_ms = int(self.config.state_retain_s * 1000)
@@ -570,6 +573,7 @@ class Router:
             await trio.sleep(1.0)
             now_ms = int(time.time() * 1000)
             try:
+                self.audit_log.flush_spool()  # records spooled while the store was away, in order
                 self.audit_log.tick(now_ms)
                 self.store.expire(now_ms - retain_ms)
             except StoreUnavailable:

@@ -73,6 +73,7 @@ checkpoints when the writer opens).
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import hmac
 import json
@@ -85,26 +86,30 @@ import secrets
 import socket
 import stat
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from atp_router import store as _stores
 from atp_router.cliutil.helpfmt import DefaultsHelpFormatter
 from atp_router.store.audit_records import GENESIS, AuditCheckpoint, AuditRecord
-from atp_router.store.base import Store, StoreError
+from atp_router.store.base import Store, StoreError, StoreUnavailable
 from atp_router.store.sqlite import SqliteStore
 
 __all__ = [
     "DEFAULT_EVERY",
     "DEFAULT_INTERVAL_MS",
+    "DEFAULT_SPOOL_BYTES",
+    "DEFAULT_SPOOL_RECORDS",
     "AnchorFile",
     "AuditError",
     "AuditKind",
     "AuditLog",
     "AuditOptions",
+    "AuditSpool",
     "SyslogSink",
     "VerifyReport",
     "audit_main",
@@ -130,6 +135,9 @@ DEFAULT_EVERY = 100
 WRITER_RACE = 16
 #: … and a checkpoint this long (ms) after the oldest unsigned record.
 DEFAULT_INTERVAL_MS = 5_000
+#: The audit spool's default bounds (:class:`AuditSpool`): records, and bytes of their JSON.
+DEFAULT_SPOOL_RECORDS = 10_000
+DEFAULT_SPOOL_BYTES = 16 * 1024 * 1024
 #: The text before a checkpoint's JSON in a syslog message.
 SYSLOG_TAG = "atp-audit checkpoint "
 MAX_DETAIL_STR = 512
@@ -201,13 +209,17 @@ class AuditOptions:
     ``ATP_AUDIT_KEY``, else ``<state-dir>/audit.key``); ``anchor``: an
     append-only file of checkpoints outside the state directory; ``syslog``: a
     Unix socket path (``/dev/log``) or ``udp://host:port`` / ``tcp://host:port``;
-    ``every`` / ``interval_ms`` the checkpoint cadence."""
+    ``every`` / ``interval_ms`` the checkpoint cadence; ``spool_records`` /
+    ``spool_bytes`` the bounds of the records kept while the store cannot take
+    them (:class:`AuditSpool`; ``--audit-spool-records``, ``--audit-spool-bytes``)."""
 
     key_file: Path | None = None
     anchor: Path | None = None
     syslog: str | None = None
     every: int = DEFAULT_EVERY
     interval_ms: int = DEFAULT_INTERVAL_MS
+    spool_records: int = DEFAULT_SPOOL_RECORDS
+    spool_bytes: int = DEFAULT_SPOOL_BYTES
 
 
 # ---------------------------------------------------------------- sans-IO core
@@ -682,6 +694,80 @@ def _fsync_dir(path: Path) -> None:
         os.close(dfd)
 
 
+# ----------------------------------------------------------------------- spool
+@dataclass(frozen=True, slots=True)
+class _Spooled:
+    """A record not yet chained: what :meth:`AuditLog.record` was given
+    (``detail`` scrubbed), when, and the chain head this writer knew then."""
+
+    kind: str
+    actor: str
+    tenant: str | None
+    detail: dict[str, Any]
+    ts_ms: int
+    size: int
+    after_seq: int
+
+    def same(self, rec: AuditRecord) -> bool:
+        """Whether ``rec`` is this record, chained (an append that timed out but
+        which the store ran later)."""
+        return (rec.ts_ms, rec.kind, rec.actor, rec.tenant, rec.detail) == (
+            self.ts_ms, self.kind, self.actor, self.tenant, self.detail)
+
+
+class AuditSpool:
+    """Audit records written while the store cannot take them
+    (:class:`~atp_router.store.base.StoreUnavailable`: a shared store that cannot
+    be reached, the embedded one's full disk), kept **in memory, in order**, and
+    chained by :meth:`AuditLog.flush_spool` when the store answers again, each
+    with its own time. Bounded: at most ``max_records`` records and
+    ``max_bytes`` bytes (of their JSON); a record that does not fit is
+    **dropped**, counted (:attr:`dropped`, ``on_drop`` — the router's
+    ``atp_audit_dropped_total``) and logged once per outage (one ERROR line
+    when the spool fills; again only after it has drained). What is spooled is
+    lost if the process dies before the store returns (its shutdown logs how
+    many)."""
+
+    def __init__(self, max_records: int = DEFAULT_SPOOL_RECORDS, max_bytes: int = DEFAULT_SPOOL_BYTES) -> None:
+        if max_records < 1 or max_bytes < 1:
+            raise ValueError("the audit spool needs room for at least one record")
+        self.max_records, self.max_bytes = max_records, max_bytes
+        self.entries: collections.deque[_Spooled] = collections.deque()
+        self.bytes = 0
+        #: Records dropped since start: the spool was full.
+        self.dropped = 0
+        #: Called once per dropped record (the router counts it).
+        self.on_drop: Callable[[], None] | None = None
+        self._full_logged = False
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, entry: _Spooled, cause: BaseException) -> bool:
+        """Keep ``entry`` at the end; False (dropped, counted) when it does not fit."""
+        if len(self.entries) >= self.max_records or self.bytes + entry.size > self.max_bytes:
+            self.dropped += 1
+            if self.on_drop is not None:
+                self.on_drop()
+            if not self._full_logged:
+                self._full_logged = True
+                log.error("audit spool full (%d records, %d bytes; bounds %d, %d): audit records are DROPPED until "
+                          "the store takes them (%s); counted in atp_audit_dropped_total", len(self.entries),
+                          self.bytes, self.max_records, self.max_bytes, cause)
+            return False
+        if not self.entries:
+            log.error("audit records are spooled in memory until the store takes them: %s", cause)
+        self.entries.append(entry)
+        self.bytes += entry.size
+        return True
+
+    def pop(self) -> None:
+        """The oldest record is chained (or found chained): forget it."""
+        self.bytes -= self.entries.popleft().size
+        if not self.entries:
+            self._full_logged = False
+
+
 # ----------------------------------------------------------------------- writer
 _dev_key_warned = False
 
@@ -714,10 +800,13 @@ class AuditLog:
 
     def __init__(self, store: Store, key: bytes, *, head_path: Path | None = None, every: int = DEFAULT_EVERY,
                  interval_ms: int = DEFAULT_INTERVAL_MS, shared: bool = False, sinks: Iterable[Any] = (),
-                 anchor: Path | None = None) -> None:
+                 anchor: Path | None = None, spool: AuditSpool | None = None) -> None:
         if every < 1 or interval_ms < 0:
             raise ValueError("every must be >= 1 and interval_ms >= 0")
         self.store, self._key, self.head_path = store, key, head_path
+        #: Records the store could not take yet, chained in order when it can (:meth:`flush_spool`).
+        self.spool = spool if spool is not None else AuditSpool()
+        self._spool_cause: StoreUnavailable | None = None
         self.every, self.interval_ms = every, interval_ms
         self.shared = shared
         self.sinks = list(sinks)
@@ -780,7 +869,8 @@ class AuditLog:
             return cls(store, key, head_path=Path(state_dir) / "audit.head",
                        every=opts.every if every is None else every,
                        interval_ms=opts.interval_ms if interval_ms is None else interval_ms,
-                       shared=shared, sinks=sinks, anchor=opts.anchor)
+                       shared=shared, sinks=sinks, anchor=opts.anchor,
+                       spool=AuditSpool(opts.spool_records, opts.spool_bytes))
         except BaseException:
             for sink in sinks:
                 sink.close()
@@ -792,11 +882,66 @@ class AuditLog:
         return self._seq, self._hash
 
     def record(self, kind: str, actor: str, tenant: str | None, detail: Mapping[str, Any] | None,
-               now_ms: int) -> AuditRecord:
+               now_ms: int) -> AuditRecord | None:
         """Append a record (``detail`` scrubbed) and checkpoint when due; returns
-        it. Raises ``ValueError`` for an unknown ``kind``; store errors propagate
-        (the head then stays where it was), and :class:`AuditError` when a sink
-        failed (the record and the local checkpoint are stored)."""
+        it. While the store cannot take it (:class:`~atp_router.store.base.StoreUnavailable`),
+        or records spooled before it still wait (until :meth:`flush_spool` has
+        chained them), it is spooled (:attr:`spool`, in order behind them) and
+        None returned; a full spool drops it, counted
+        and logged (:class:`AuditSpool`). Raises ``ValueError`` for an unknown
+        ``kind``; other store errors propagate (the head then stays where it
+        was), and :class:`AuditError` when a sink failed (the record and the
+        local checkpoint are stored)."""
+        kind = str(AuditKind(kind))
+        if self.spool.entries:  # behind those (flush_spool chains them first; no store call here)
+            self._spool(kind, actor, tenant, detail, now_ms, self._spool_cause)
+            return None
+        try:
+            return self._append(kind, actor, tenant, detail, now_ms)
+        except StoreUnavailable as e:
+            self._spool(kind, actor, tenant, detail, now_ms, e)
+            return None
+
+    def _spool(self, kind: str, actor: str, tenant: str | None, detail: Mapping[str, Any] | None, now_ms: int,
+               cause: BaseException | None) -> None:
+        clean = scrub_detail(detail)
+        size = len(_canonical({"kind": kind, "actor": actor, "tenant": tenant, "detail": clean})) + 16
+        self.spool.add(_Spooled(kind, actor, tenant, clean, now_ms, size, self._seq),
+                       cause if cause is not None else StoreUnavailable("the store is unavailable"))
+
+    def flush_spool(self) -> bool:
+        """Chain the spooled records in order, each with its own time (the
+        router calls it every second); True when none is left, False while the
+        store still cannot take them. A spooled record whose append timed out
+        but which the store ran later (found in the chain after the head this
+        writer knew when it spooled it) is not chained twice. Other store
+        errors propagate; a sink's :class:`AuditError` is logged."""
+        spool = self.spool
+        if not spool.entries:
+            return True
+        try:
+            first = spool.entries[0]
+            applied = self.store.audit_records(after=first.after_seq, limit=len(spool.entries) + 1000)
+            while spool.entries:
+                e = spool.entries[0]
+                found = next((i for i, r in enumerate(applied) if e.same(r)), None)
+                if found is not None:
+                    del applied[found]
+                else:
+                    try:
+                        self._append(e.kind, e.actor, e.tenant, e.detail, e.ts_ms)
+                    except AuditError as err:
+                        log.error("audit: a checkpoint sink failed while the spool was written: %s", err)
+                spool.pop()
+        except StoreUnavailable as err:
+            self._spool_cause = err
+            return False
+        log.warning("audit: the store takes records again: the spooled records are chained")
+        return True
+
+    def _append(self, kind: str, actor: str, tenant: str | None, detail: Mapping[str, Any] | None,
+                now_ms: int) -> AuditRecord:
+        """Chain one record now (:meth:`record` without the spool). Store errors propagate."""
         if self.shared:
             rec = self.store.append_audit_chained(lambda seq, head: chain_record(
                 seq, head, kind=kind, actor=actor, tenant=tenant, detail=detail, now_ms=now_ms))
@@ -851,6 +996,9 @@ class AuditLog:
     def close(self) -> None:
         """Clean shutdown: checkpoint the unsigned tail, close the sinks."""
         try:
+            if self.spool.entries and not self.flush_spool():
+                log.error("audit: %d spooled records not written at shutdown (the store cannot take them): lost",
+                          len(self.spool))
             if self._pending:
                 self.checkpoint()
         finally:
@@ -868,8 +1016,10 @@ def audit_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
     ``default_state_dir`` (the router's default, passed by
     :func:`atp_router.deploy.cli.main`; None: required).
 
-    ``verify [--state-dir D] [--anchor FILE]… [--key-file PATH]
-    [--max-unsigned N]`` checks the chain against every checkpoint (the store's,
+    ``verify [--state-dir D] [--store URL] [--anchor FILE]… [--key-file PATH]
+    [--max-unsigned N]`` checks the chain (read from ``D``'s SQLite store, or
+    with ``--store redis://…`` from the store several routers share, ``D``
+    then one router's state directory) against every checkpoint (the store's,
     ``audit.head``'s, each anchor's) with the key from ``ATP_AUDIT_KEY``, else
     ``--key-file``, else ``D/audit.key``; exit 0 ``audit: OK, N records, head
     <hash12>`` (then ``, K anchored checkpoints`` with ``--anchor``, and
@@ -886,8 +1036,8 @@ def audit_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
     if args.cmd == "keygen":
         return _keygen(args.path)
     try:
-        store = SqliteStore.open(args.state_dir, create=False)
-    except StoreError as e:
+        store = _open_store(args)
+    except (StoreError, ValueError) as e:
         print(f"audit: {e}", file=sys.stderr)
         return 2
     with store:
@@ -921,6 +1071,16 @@ def audit_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
     return 0
 
 
+def _open_store(args: argparse.Namespace) -> Store:
+    """The store ``audit`` reads: the state directory's SQLite store, or with
+    ``--store URL`` the shared one several routers write (``--store-namespace``)."""
+    if args.store in (None, "sqlite"):
+        return SqliteStore.open(args.state_dir, create=False)
+    if args.store.split("://", 1)[0].lower() not in ("redis", "rediss", "unix"):
+        raise ValueError(f"--store {args.store!r}: give sqlite or a redis://, rediss:// or unix:// URL")
+    return _stores.RedisStore.open(args.store, namespace=args.store_namespace)  # redis-py imported here
+
+
 def _audit_parser(default_state_dir: Path | None) -> argparse.ArgumentParser:
     """:func:`audit_main`'s command line (``verify``, ``show``, ``keygen``)."""
     ap = argparse.ArgumentParser(prog="atp-router audit", description="Check or print the audit log (spec §11).",
@@ -931,6 +1091,10 @@ def _audit_parser(default_state_dir: Path | None) -> argparse.ArgumentParser:
     def state_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--state-dir", type=Path, required=default_state_dir is None, default=default_state_dir,
                        metavar="DIR", help=state_help)
+        p.add_argument("--store", metavar="URL",
+                       help="the shared store of routers run with --store (redis://…): its chain is read there, "
+                            "audit.head and the key from DIR (one router's state directory)")
+        p.add_argument("--store-namespace", default="atp", metavar="NS", help="the routers' --store-namespace")
 
     v = sub.add_parser("verify", help="check the hash chain and its MACed checkpoints",
                        formatter_class=DefaultsHelpFormatter)
@@ -978,7 +1142,7 @@ def _keygen(path: Path) -> int:
     return 0
 
 
-def _show(store: SqliteStore, *, since: int, as_json: bool) -> None:
+def _show(store: Store, *, since: int, as_json: bool) -> None:
     """``audit show``: print ``store``'s records from ``seq`` ``since`` on, one
     line each (a JSON object with ``as_json``)."""
     for r in store.audit_records(after=max(since, 1) - 1):

@@ -73,11 +73,13 @@ on device"), an I/O error :class:`~atp_router.store.base.StoreUnavailable`
 (:func:`write_fault`); either way the transaction is rolled back first — also a
 ``COMMIT`` that failed, which would otherwise leave the connection inside it and
 every later write refused — so the first write after space returns succeeds.
-What the router does meanwhile: :mod:`atp_router.deploy.single`.
+What the router does meanwhile: :mod:`atp_router.deploy.single`; whether it is ready
+for new work (``GET /v1/ready``): :meth:`SqliteStore.writable`.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -126,12 +128,16 @@ from atp_router.store.base import (
     nonce_limit_error,
 )
 
-__all__ = ["QUICK_CHECK_S", "RIB_KEPT", "SCHEMA_VERSION", "STATE_MARKER", "SqliteStore", "ledger_snapshot", "write_fault"]
+__all__ = ["PROBE_ROOM_BYTES", "QUICK_CHECK_S", "RIB_KEPT", "SCHEMA_VERSION", "STATE_MARKER", "SqliteStore", "ledger_snapshot", "write_fault"]
 
 log = logging.getLogger("atp_router.store.sqlite")
 
 #: Version of the schema below; bump it with a migration in ``_migrate``.
 SCHEMA_VERSION = 2
+#: Room (bytes) :meth:`SqliteStore.writable` wants free beside the database: the next
+#: transactions grow its WAL and pages (a write that only reuses WAL space can
+#: succeed on a disk where a stream open no longer fits).
+PROBE_ROOM_BYTES = 256 * 1024
 #: RIB versions kept in history (the newest is the active one).
 RIB_KEPT = 16
 #: ``PRAGMA synchronous`` of a store (:meth:`SqliteStore.open`): ``NORMAL`` survives a
@@ -453,6 +459,38 @@ class SqliteStore(Store):
 
     def describe(self) -> str:
         return f"sqlite:{self.path}"
+
+    def writable(self, room_bytes: int = PROBE_ROOM_BYTES) -> StoreUnavailable | None:
+        """Whether the store takes writes now (readiness, issue 22 item 4): a write
+        transaction (the key ``ready.probe``), then ``room_bytes`` written to
+        ``state.db.probe.<pid>`` beside the database, fsync'd and removed — its
+        file system has room for the next transactions. None, or the fault as
+        a write would raise it (:class:`~atp_router.store.base.StoreFull` on a
+        full disk, :class:`~atp_router.store.base.StoreUnavailable` on an I/O
+        error). Any thread."""
+        try:
+            self.put("ready.probe", str(time.time()).encode())
+        except StoreUnavailable as e:
+            return e
+        probe = self.path.with_name(f"{self.path.name}.probe.{os.getpid()}")  # --workers: one each
+        try:
+            fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                view = memoryview(bytes(min(room_bytes, 1 << 16)))
+                left = room_bytes
+                while left > 0:
+                    left -= os.write(fd, view[:left])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                with suppress(OSError):
+                    os.unlink(probe)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                return StoreFull(f"state store full: {self.path}: no space left on device (no room for "
+                                 f"{room_bytes} bytes beside it)")
+            return StoreUnavailable(f"state store I/O error: {self.path}: {e.strerror or e}")
+        return None
 
     def close(self) -> None:
         with self._lock:

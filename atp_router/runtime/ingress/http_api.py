@@ -29,6 +29,11 @@
                                        without a credential the router needs);
                                        with one, also the RIB generation and
                                        open streams
+``GET  /v1/ready``                     readiness: 200, or 503 + ``Retry-After``
+                                       while spend cannot be recorded (the store,
+                                       the RIB, the state directory, the audit
+                                       spool; :mod:`atp_router.runtime.admin.readiness`);
+                                       the checks' reasons with a credential only
 ``POST /v1/chat/completions``          OpenAI-compatible chat completion (a
                                        stream opened like ``POST /v1/streams``;
                                        :mod:`atp_router.runtime.ingress.openai`)
@@ -67,8 +72,9 @@ action                                endpoints
 ``audit_read`` (role admin)           ``GET /v1/audit``
 ``tenant_admin`` (role admin)         ``GET /v1/status``, ``GET /v1/status/events`` (every tenant's streams)
 ``metrics_read`` (operator, admin)    ``GET /v1/metrics``
-``health_read`` (any authenticated)   ``GET /v1/keys``, ``GET /v1/health`` with a credential
-(none)                                ``GET /v1/health`` without ``Authorization``: liveness only
+``health_read`` (any authenticated)   ``GET /v1/keys``, ``GET /v1/health`` and ``GET /v1/ready`` with a credential
+(none)                                ``GET /v1/health`` without ``Authorization``: liveness only;
+                                      ``GET /v1/ready`` without it: the verdict and the checks' names
 ====================================  ==========================================
 
 Streams are looked up within the caller's tenant only (spec §11): the id of
@@ -77,7 +83,7 @@ same body).
 
 Errors are ``{"error": {"code": <spec §10 code>, "reason": ..., [file, key]}}``
 with HTTP 400 (EPROTO), 401 (ESEC: missing or unknown bearer token, on every
-endpoint but a credential-less ``GET /v1/health`` when the router has tokens), 403 (ESEC: a role the action needs, or a
+endpoint but a credential-less ``GET /v1/health`` or ``/v1/ready`` when the router has tokens), 403 (ESEC: a role the action needs, or a
 bad frame signature), 404 (unknown stream), 409 (EWINDOW: the router's stream
 table is full), 413 (EPROTO: a body over ``max_body_bytes`` / ``max_policy_bytes``),
 422 (refused policy), 429 (EWINDOW: the tenant's stream quota or open rate, or
@@ -91,8 +97,11 @@ endpoints answer in OpenAI's error shape instead, ``{"error": {"message",
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -106,6 +115,12 @@ from starlette.routing import BaseRoute, Route
 from atp_router.observability.metrics import CONTENT_TYPE_LATEST
 from atp_router.observability.tracing import TraceContextMiddleware
 from atp_router.runtime.admin.fibview import FibView
+from atp_router.runtime.admin.readiness import (
+    RETRY_AFTER_S,
+    Readiness,
+    ReadyFacts,
+    decide,
+)
 from atp_router.runtime.admin.snapshot import StatusSnapshot
 from atp_router.runtime.admin.statuspage import status_routes
 from atp_router.runtime.controlplane.learning import FeedbackRefused
@@ -353,6 +368,70 @@ async def liveness(router: Router, request: Request) -> Response:
     return json_response(Liveness(status="ok"))
 
 
+#: How long ``GET /v1/ready`` waits for its probes (s) before calling them failed.
+READY_PROBE_S = 3.0
+#: Bytes ``GET /v1/ready`` writes (and fsyncs, and removes) in the state directory.
+_STATE_PROBE_BYTES = 4096
+
+
+def _state_dir_fault(state_dir: Path) -> str | None:
+    """None when ``state_dir`` takes a small write (a file written, fsync'd and
+    removed; per process: ``--workers`` probe at once), else why not."""
+    probe = state_dir / f".ready-probe.{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            if os.write(fd, bytes(_STATE_PROBE_BYTES)) != _STATE_PROBE_BYTES:
+                return f"state directory {state_dir}: a write was cut short (a full disk)"
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+    except OSError as e:
+        return f"state directory {state_dir} takes no write: {e.strerror or e}"
+    return None
+
+
+async def _readiness(router: Router) -> Readiness:
+    """Gather the facts of ``router``'s readiness — the deployment's store check
+    and the state directory's write, off the event loop and within
+    :data:`READY_PROBE_S`; the RIB; the audit spool — and decide
+    (:func:`~atp_router.runtime.admin.readiness.decide`)."""
+    def probe() -> tuple[str | None, str | None]:
+        return router.state.store_check(), _state_dir_fault(router.state_dir)
+
+    store: str | None = f"the state store did not answer within {READY_PROBE_S:g} s"
+    state_dir: str | None = f"state directory {router.state_dir}: no answer within {READY_PROBE_S:g} s"
+    with trio.move_on_after(READY_PROBE_S):
+        store, state_dir = await trio.to_thread.run_sync(probe, abandon_on_cancel=True)
+    spool = router.audit_log.spool
+    gen = router.gen
+    return decide(ReadyFacts(store=store, rib_version=gen.version, rib_policies=len(gen.rib.policies),
+                             state_dir=state_dir, audit_spooled=len(spool), audit_spool_max=spool.max_records,
+                             audit_dropped=spool.dropped))
+
+
+def _ready_response(verdict: Readiness) -> Response:
+    if verdict.ready:
+        return json_response(verdict)
+    response = json_response(verdict, 503)
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+async def ready(router: Router, request: Request, identity: Identity) -> Response:
+    """``GET /v1/ready`` of an authenticated caller: 200 or 503 + ``Retry-After``,
+    every check with its reason (:mod:`atp_router.runtime.admin.readiness`)."""
+    return _ready_response(await _readiness(router))
+
+
+async def readiness(router: Router, request: Request) -> Response:
+    """``GET /v1/ready`` without a credential the router needs (a load balancer's
+    probe): the same status, the checks' names and verdicts without reasons."""
+    return _ready_response((await _readiness(router)).public())
+
+
 # ---------------------------------------------------------------------------- the route table
 _JSON = "application/json"
 _SSE = "text/event-stream"
@@ -419,6 +498,13 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute(
         "GET", "/v1/health", "health_read", health, "getHealth", "Liveness and RIB generation",
         Reply("router health", {_JSON: Health}), errors=(401,), anonymous=liveness),
+    ApiRoute(
+        "GET", "/v1/ready", "health_read", ready, "getReady",
+        "Readiness (for a load balancer): 200 when the state store records spend, a RIB with a policy is "
+        "loaded, the state directory takes writes and no audit record waits for the store; else 503 with "
+        "`Retry-After` naming each failing check. The checks' reasons only with a credential",
+        Reply("ready: every check passed", {_JSON: Readiness}), errors=(401,), anonymous=readiness,
+        other={503: Reply("not ready: the failing checks first (`Retry-After` in s)", {_JSON: Readiness})}),
     ApiRoute(
         "GET", "/v1/keys", "health_read", keys, "getKeys",
         "The router's public keys (JWKS): verify the `telemetry.usage.jws` of a FINAL (spec §19)",
