@@ -10,6 +10,7 @@ import sys
 from types import SimpleNamespace
 
 import atp
+import httpx
 import msgspec
 import pytest
 import trio
@@ -194,3 +195,47 @@ async def test_each_tasks_diff_is_parsed_once_for_every_leg_and_the_consensus(nu
             n.start_soon(review, i)
     assert sorted(finals) == list(range(6))
     assert parsed == collections.Counter({_task(i)["diff"]: 1 for i in range(6)})
+
+
+async def test_an_ingress_that_reads_the_diff_parses_it_once_for_the_whole_task(nursery, tmp_path,
+                                                                                  monkeypatch) -> None:
+    """The OpenAI ingress (a ``code_review`` whose last user message is a diff,
+    its files in ``atp.files``) and the A2A server (a text-only diff whose files
+    the router reads from ``--repo``) read the diff themselves — is it a diff,
+    which files does it touch, its ``diff_loc`` — and open the stream with that
+    parse: the two ``scope: changed`` tool next-hops and the consensus use it,
+    so each task's diff is parsed exactly once in the router. (Before, the
+    ingress parsed it and the dispatcher parsed it again: twice per task.)"""
+    parsed: collections.Counter[str] = collections.Counter()
+    original = atp_router.task.diff.parse_diff
+
+    def counting(text: str) -> list:
+        parsed[text] += 1
+        return original(text)
+
+    for module in [m for name, m in list(sys.modules.items())
+                   if name.startswith("atp_router.") and getattr(m, "parse_diff", None) is original]:
+        monkeypatch.setattr(module, "parse_diff", counting)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    by_openai, by_a2a = _task(1), _task(2)
+    (repo / "calc2.py").write_text(by_a2a["files"]["calc2.py"])
+    doc = {"agents": {"lint.ruff": RUFF, "sec.bandit": BANDIT},
+           "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["lint.ruff", "sec.bandit"]}]}
+    env = await start_router_on(nursery, tmp_path, doc, repo=repo)
+    async with httpx.AsyncClient(timeout=120) as http:
+        r = await http.post(env.url + "/v1/chat/completions", json={
+            "model": "code_review", "messages": [{"role": "user", "content": by_openai["diff"]}],
+            "atp": {"files": by_openai["files"]}})
+        assert r.status_code == 200, r.text
+        assert r.json()["atp"]["policy"] == "p"
+        message = {"role": "user", "messageId": "m-1", "kind": "message",
+                   "parts": [{"kind": "text", "text": by_a2a["diff"]}], "metadata": {"task_type": "code_review"}}
+        r = await http.post(env.url + "/a2a", json={"jsonrpc": "2.0", "id": "r1", "method": "message/send",
+                                                    "params": {"message": message}})
+        assert r.json()["result"]["status"]["state"] == "completed", r.text
+    ctx = next(c for c in env.router.streams.values() if c.idempotency_key == "a2a:m-1")
+    reported = {ev.frame.payload.content["agent"] for ev in ctx.log.events
+                if ev.type == "PARTIAL" and "report" in ev.frame.payload.content}
+    assert reported == {"lint.ruff", "sec.bandit"}  # both legs ran on the files read from --repo
+    assert parsed == collections.Counter({by_openai["diff"]: 1, by_a2a["diff"]: 1})

@@ -19,7 +19,8 @@ The default pipeline, :data:`DEFAULT_STAGES`, in order (``atp-router policy chec
                     ``meta.agent_context`` is ``EPROTO`` naming the field; its
                     policyContext labels join ``meta.data_scope``
 ``task_shape``      the task body's ``diff`` / ``files`` shapes (``EPROTO``);
-                    ``meta.diff_loc`` counted from the diff
+                    ``meta.diff_loc`` counted from the diff (or its parsed
+                    change)
 ``stream_slot``     the stream table's room and the stream id (``EWINDOW`` at
                     ``max_streams``, ``EPROTO`` for an id in use)
 ``client_budget``   ``meta.budget`` decoded (``EPROTO``)
@@ -59,6 +60,7 @@ from atp_router.policy.fib import data_scope_labels
 from atp_router.runtime.dataplane.stream import stream_account
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
+from atp_router.task.change import ParsedChange
 from atp_router.task.diff import count_changed_lines
 from atp_router.wire.errors import ATPError, ErrorCode, LocalProtocolError
 from atp_router.wire.frame import Budget, QoS, Window
@@ -119,7 +121,8 @@ class OpenCtx:
     Given: ``identity`` (its ``tenant``), ``session_id``, ``stream_id``, ``meta``
     (a copy of the SYN's meta: stages may add keys, e.g. ``diff_loc``),
     ``content`` (the SYN's task body, None without one), ``qos`` and ``window``
-    asked for, ``now`` (trio seconds). Decided: ``client_budget`` (the budget
+    asked for, ``now`` (trio seconds), ``change`` (the body's ``diff`` as the
+    ingress that read it parsed it, None: not parsed yet). Decided: ``client_budget`` (the budget
     asked, then capped by admission), ``admitted_qos`` (None: the route's),
     ``gen`` (the RIB generation routed on), ``route``, ``decision`` (the
     bandit's, None without one), ``budget`` (the stream's: the tighter of the
@@ -133,6 +136,7 @@ class OpenCtx:
     qos: QoS | None
     window: Window | None
     now: float
+    change: ParsedChange | None = None
     client_budget: Budget | None = None
     admitted_qos: QoS | None = None
     gen: Generation | None = None
@@ -233,7 +237,9 @@ class TaskShape:
         if isinstance(content, dict):
             check_task(content)
             if "diff" in content and "diff_loc" not in o.meta:
-                o.meta["diff_loc"] = count_changed_lines(content["diff"])  # C speed: no stall at SYN
+                # The ingress's parse when it made one, else a count at C speed: no stall at SYN.
+                o.meta["diff_loc"] = (o.change.diff_loc if o.change is not None
+                                      else count_changed_lines(content["diff"]))
         return CONTINUE
 
 
