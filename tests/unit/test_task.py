@@ -16,7 +16,10 @@ import pytest
 import trio
 
 import atp_router.task.diff
+from atp_router.adapters.a2a import A2AAdapter
 from atp_router.adapters.base import Prompt, change_of
+from atp_router.adapters.context import forwarded_context
+from atp_router.adapters.testing import ScriptedAdapter
 from atp_router.runtime.dataplane.plan import leg_prompt
 from atp_router.task.body import (
     MAX_FILES,
@@ -32,6 +35,7 @@ from atp_router.task.meta import IDEMPOTENCY_KEY_CHARS, TaskMeta, TraceMeta, dec
 from atp_router.wire.frame import Budget, QoS
 from tests.conftest import SHARED
 from tests.helpers import start_router_on
+from tests.unit.test_router_dispatch import scripted_agent
 
 DIFF = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
 
@@ -239,3 +243,33 @@ async def test_an_ingress_that_reads_the_diff_parses_it_once_for_the_whole_task(
                 if ev.type == "PARTIAL" and "report" in ev.frame.payload.content}
     assert reported == {"lint.ruff", "sec.bandit"}  # both legs ran on the files read from --repo
     assert parsed == collections.Counter({by_openai["diff"]: 1, by_a2a["diff"]: 1})
+
+
+async def test_every_next_hop_gets_the_tasks_meta_decoded_once_at_syn(nursery, tmp_path, scripted) -> None:
+    """A task opened with a budget, an idempotency key and an Agent Context: the
+    SYN's ``task_meta`` stage decodes its meta once, and each next-hop's prompt
+    carries that typed view (:attr:`Prompt.task`) — the budget a ``Budget``, the
+    data scope with the context's labels joined, the ``diff_loc`` counted — while
+    ``Prompt.meta`` still passes the meta through as sent. The A2A adapter reads
+    the Agent Context it forwards from there."""
+    context = json.loads((SHARED / "specs" / "agent-context-message.example.json").read_text())
+    scripted["m.one"] = ScriptedAdapter.returning("m.one")
+    doc = {"agents": {"m.one": {**scripted_agent(), "data_scope": ["acp.policy:P001", "acp.policy:P002"]}},
+           "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.one"]}]}
+    env = await start_router_on(nursery, tmp_path, doc)
+    async with atp.Client(env.url) as c:
+        _, st = await c.open_stream(task={"task_type": "code_review", "languages": ["py"], "agent_context": context},
+                                    content={"diff": DIFF}, budget={"usd": 0.5, "tokens": 9000},
+                                    idempotency_key="typed-1")
+        with trio.fail_after(60):
+            assert [ev.type async for ev in c.events(st)][-2:] == ["FINAL", "FIN"]
+    [prompt] = scripted["m.one"].calls
+    assert prompt.task == TaskMeta(task_type="code_review", budget=Budget(usd=0.5, tokens=9000),
+                                   idempotency_key="typed-1", data_scope=["acp.policy:P001", "acp.policy:P002"],
+                                   agent_context=context, diff_loc=count_changed_lines(DIFF))
+    assert prompt.meta["agent_context"] == context and prompt.meta["languages"] == ["py"]
+    ctx = next(iter(env.router.streams.values()))
+    assert ctx.task is prompt.task and ctx.idempotency_key == "typed-1"
+    a2a = A2AAdapter("remote", url="http://127.0.0.1:9")
+    params = a2a.message_params(prompt, forwarded_context(prompt.task)[0])
+    assert params["message"]["metadata"]["agent_context"] == context

@@ -23,7 +23,10 @@ The default pipeline, :data:`DEFAULT_STAGES`, in order (``atp-router policy chec
                     change)
 ``stream_slot``     the stream table's room and the stream id (``EWINDOW`` at
                     ``max_streams``, ``EPROTO`` for an id in use)
-``client_budget``   ``meta.budget`` decoded (``EPROTO``)
+``task_meta``       the meta's typed fields decoded once
+                    (:class:`~atp_router.task.meta.TaskMeta`: budget, idempotency
+                    key, resume point, data scope, Agent Context, trace,
+                    ``diff_loc``; ``EPROTO`` naming the field)
 ``tenant_admission`` spec §11 AuthZ (:class:`~atp_router.security.authz.StreamAdmission`):
                     role, task types, data categories (``ESEC``), stream quota
                     and open rate (``EWINDOW`` + ``retry_after_ms``); the QoS
@@ -48,6 +51,7 @@ tracing, audit, task start) is the router's.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol, TypeVar
@@ -62,6 +66,7 @@ from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
 from atp_router.task.change import ParsedChange
 from atp_router.task.diff import count_changed_lines
+from atp_router.task.meta import TaskMeta, decode_meta
 from atp_router.wire.errors import ATPError, ErrorCode, LocalProtocolError
 from atp_router.wire.frame import Budget, QoS, Window
 
@@ -80,9 +85,9 @@ __all__ = [
     "DEFAULT_STAGES",
     "Bandit",
     "BudgetOpen",
-    "ClientBudget",
     "ContextScope",
     "Continue",
+    "DecodeMeta",
     "FibLookup",
     "OpenCtx",
     "OpenParts",
@@ -122,7 +127,8 @@ class OpenCtx:
     (a copy of the SYN's meta: stages may add keys, e.g. ``diff_loc``),
     ``content`` (the SYN's task body, None without one), ``qos`` and ``window``
     asked for, ``now`` (trio seconds), ``change`` (the body's ``diff`` as the
-    ingress that read it parsed it, None: not parsed yet). Decided: ``client_budget`` (the budget
+    ingress that read it parsed it, None: not parsed yet). Decided: ``task``
+    (the meta's typed fields, :class:`~atp_router.task.meta.TaskMeta`), ``client_budget`` (the budget
     asked, then capped by admission), ``admitted_qos`` (None: the route's),
     ``gen`` (the RIB generation routed on), ``route``, ``decision`` (the
     bandit's, None without one), ``budget`` (the stream's: the tighter of the
@@ -137,6 +143,7 @@ class OpenCtx:
     window: Window | None
     now: float
     change: ParsedChange | None = None
+    task: TaskMeta | None = None
     client_budget: Budget | None = None
     admitted_qos: QoS | None = None
     gen: Generation | None = None
@@ -190,6 +197,8 @@ class StageType(Protocol):
 
 
 _S = TypeVar("_S")
+#: The top-level meta field a msgspec validation error names (``- at `$.budget.usd```).
+_FIELD = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
 def _refusing(call: Callable[[_S, OpenCtx], Continue | Refuse]) -> Callable[[_S, OpenCtx], Continue | Refuse]:
@@ -262,25 +271,27 @@ class StreamSlot:
         return CONTINUE
 
 
-class ClientBudget:
-    """meta.budget decoded as the budget the client asks for (EPROTO when malformed)."""
+class DecodeMeta:
+    """The meta's typed fields decoded once (TaskMeta: budget, idempotency key, resume point, trace; EPROTO)."""
 
-    name: ClassVar[str] = "client_budget"
+    name: ClassVar[str] = "task_meta"
     __slots__ = ()
 
     @classmethod
-    def of(cls, parts: OpenParts) -> ClientBudget:
+    def of(cls, parts: OpenParts) -> DecodeMeta:
         return cls()
 
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
-        b = o.meta.get("budget")
-        if b is None:
-            o.client_budget = None
-            return CONTINUE
+        """``o.task``: ``o.meta`` decoded (:func:`~atp_router.task.meta.decode_meta`,
+        after ``context_scope`` and ``task_shape`` added their keys), and the budget
+        the client asks for, ``o.client_budget``. A malformed field is ``EPROTO``
+        ``meta.<field>: <what is wrong> - at `$.<field>…```."""
         try:
-            o.client_budget = msgspec.convert(b, Budget)
+            o.task = task = decode_meta(o.meta)
         except msgspec.ValidationError as e:
-            return Refuse(ErrorCode.EPROTO, f"meta.budget: {e}")
+            where = _FIELD.search(str(e))
+            return Refuse(ErrorCode.EPROTO, f"meta.{where.group(1)}: {e}" if where else f"meta: {e}")
+        o.client_budget = task.budget
         return CONTINUE
 
 
@@ -385,7 +396,7 @@ class BudgetOpen:
 
 #: The router's SYN pipeline, in order (module docstring).
 DEFAULT_STAGES: Final[tuple[StageType, ...]] = (
-    ContextScope, TaskShape, StreamSlot, ClientBudget, TenantAdmission, FibLookup, Bandit, BudgetOpen)
+    ContextScope, TaskShape, StreamSlot, DecodeMeta, TenantAdmission, FibLookup, Bandit, BudgetOpen)
 
 
 # ------------------------------------------------------------------ the pipeline

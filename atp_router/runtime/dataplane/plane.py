@@ -294,12 +294,12 @@ class DataPlane:
         """Open the stream every stage let through: its context on the routed
         generation (held), in the table, SYN+ACK with the route (and trace),
         audited, its task started when the SYN carried one."""
-        route, gen, budget = o.route, o.gen, o.budget
-        assert route is not None and gen is not None and budget is not None
+        route, gen, budget, task = o.route, o.gen, o.budget, o.task
+        assert route is not None and gen is not None and budget is not None and task is not None
         window = _min_window(ev.window, route.window or DEFAULT_WINDOW)
         qos = o.admitted_qos if o.admitted_qos is not None else (route.qos or QoS.SILVER)
         ctx = StreamCtx(self.streams, sess, ev.stream_id, o.identity, o.meta, qos, window, budget, route,
-                        o.now, gen=gen, ttl=ttl, account=o.account, idempotency_key=ev.idempotency_key)
+                        o.now, gen=gen, ttl=ttl, account=o.account, idempotency_key=task.idempotency_key, task=task)
         ctx.decision = o.decision
         self.control.hold(ctx)
         self.streams.insert(ctx)
@@ -347,8 +347,8 @@ class DataPlane:
         ctx.task_started = True
         # Next-hops get the stream's meta with the hop-decremented ttl (§4.2): an
         # agent that is itself an ATP router forwards with it, and drops at 0.
-        prompt = Prompt(task_type=str(ctx.meta.get("task_type", "")), content=content,
-                        meta={**ctx.meta, "ttl": ctx.ttl}, change=change_of_task(content, change))
+        prompt = Prompt(task_type=ctx.task.task_type, content=content, meta={**ctx.meta, "ttl": ctx.ttl},
+                        change=change_of_task(content, change), task=ctx.task)
         assert self.nursery is not None, "router is not serving"
         # The scope exists before the task runs, so an RST arriving first still stops it.
         ctx.cancel_scope = scope = trio.CancelScope()
