@@ -15,12 +15,15 @@ import msgspec
 import pytest
 import trio
 
+import atp_router.runtime.dataplane.opening
+import atp_router.runtime.dataplane.plane
 import atp_router.task.diff
 from atp_router.adapters.a2a import A2AAdapter
 from atp_router.adapters.base import Prompt, change_of
 from atp_router.adapters.context import forwarded_context
 from atp_router.adapters.testing import ScriptedAdapter
 from atp_router.runtime.dataplane.plan import leg_prompt
+from atp_router.security.identity import ANONYMOUS
 from atp_router.task.body import (
     MAX_FILES,
     Chat,
@@ -32,7 +35,7 @@ from atp_router.task.body import (
 from atp_router.task.change import ParsedChange, parse_change
 from atp_router.task.diff import count_changed_lines, diff_loc, parse_diff
 from atp_router.task.meta import IDEMPOTENCY_KEY_CHARS, TaskMeta, TraceMeta, decode_meta
-from atp_router.wire.frame import Budget, QoS
+from atp_router.wire.frame import Budget, Frame, Payload, PayloadType, QoS
 from tests.conftest import SHARED
 from tests.helpers import start_router_on
 from tests.unit.test_router_dispatch import scripted_agent
@@ -273,3 +276,36 @@ async def test_every_next_hop_gets_the_tasks_meta_decoded_once_at_syn(nursery, t
     a2a = A2AAdapter("remote", url="http://127.0.0.1:9")
     params = a2a.message_params(prompt, forwarded_context(prompt.task)[0])
     assert params["message"]["metadata"]["agent_context"] == context
+
+
+async def test_a_syns_task_body_is_checked_once(nursery, tmp_path, scripted, monkeypatch) -> None:
+    """The shape of a task the SYN carries is checked by its ``task_shape`` stage
+    and not again when the task starts; a task sent after the SYN (a fragmented
+    body, a message of its own) is checked when it arrives. (Before, a SYN's
+    body was checked twice.)"""
+    checked: list[object] = []
+    original = atp_router.runtime.dataplane.opening.check_task
+
+    def counting(content: object) -> None:
+        checked.append(content)
+        original(content)
+
+    monkeypatch.setattr(atp_router.runtime.dataplane.opening, "check_task", counting)
+    monkeypatch.setattr(atp_router.runtime.dataplane.plane, "check_task", counting)
+    scripted["m.one"] = ScriptedAdapter.returning("m.one")
+    doc = {"agents": {"m.one": scripted_agent()},
+           "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.one"]}]}
+    env = await start_router_on(nursery, tmp_path, doc)
+    async with atp.Client(env.url) as c:
+        _, st = await c.open_stream(task={"task_type": "code_review"}, content={"diff": DIFF})
+        with trio.fail_after(60):
+            assert [ev.type async for ev in c.events(st)][-2:] == ["FINAL", "FIN"]
+    assert checked == [{"diff": DIFF}]
+    bad = env.router.open_stream(task={"task_type": "code_review"}, content=None, budget=None, qos=None, window=None,
+                                 idempotency_key=None, identity=ANONYMOUS)
+    env.router.receive_frame(Frame(v=1, session_id=bad.session_id, stream_id=bad.stream_id, msg_seq=1, flags=[],
+                                   payload=Payload(type=PayloadType.TASK, content={"diff": 3})),
+                             identity=ANONYMOUS, now=trio.current_time())
+    assert checked[1:] == [{"diff": 3}]
+    rst = bad.log.events[-1].frame
+    assert rst.payload.content["code"] == "EPROTO" and "content.diff must be a string" in rst.payload.content["reason"]

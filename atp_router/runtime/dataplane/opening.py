@@ -127,7 +127,9 @@ class OpenCtx:
     (a copy of the SYN's meta: stages may add keys, e.g. ``diff_loc``),
     ``content`` (the SYN's task body, None without one), ``qos`` and ``window``
     asked for, ``now`` (trio seconds), ``change`` (the body's ``diff`` as the
-    ingress that read it parsed it, None: not parsed yet). Decided: ``task``
+    ingress that read it parsed it, None: not parsed yet). Decided: ``shaped``
+    (``task_shape`` checked ``content``'s shape: the stream does not check it
+    again when its task starts), ``task``
     (the meta's typed fields, :class:`~atp_router.task.meta.TaskMeta`), ``client_budget`` (the budget
     asked, then capped by admission), ``admitted_qos`` (None: the route's),
     ``gen`` (the RIB generation routed on), ``route``, ``decision`` (the
@@ -143,6 +145,7 @@ class OpenCtx:
     window: Window | None
     now: float
     change: ParsedChange | None = None
+    shaped: bool = False
     task: TaskMeta | None = None
     client_budget: Budget | None = None
     admitted_qos: QoS | None = None
@@ -245,6 +248,7 @@ class TaskShape:
         content = o.content
         if isinstance(content, dict):
             check_task(content)
+            o.shaped = True
             if "diff" in content and "diff_loc" not in o.meta:
                 # The ingress's parse when it made one, else a count at C speed: no stall at SYN.
                 o.meta["diff_loc"] = (o.change.diff_loc if o.change is not None

@@ -318,14 +318,16 @@ class DataPlane:
             "next_hops": [h.agent for h in route.next_hops], "qos": str(qos),
             "budget": msgspec.to_builtins(budget)})
         if o.content is not None:
-            self._on_message(ctx, ev.payload, change=o.change)
+            self._on_message(ctx, ev.payload, change=o.change, shaped=o.shaped)
 
-    def _on_message(self, ctx: StreamCtx, payload: Payload, *, change: ParsedChange | None = None) -> None:
+    def _on_message(self, ctx: StreamCtx, payload: Payload, *, change: ParsedChange | None = None,
+                    shaped: bool = False) -> None:
         """A task message on ``ctx`` (the SYN's, or the first one after it): its
         task started with the :class:`Prompt` every next-hop is asked; ``change``
         is its diff as already parsed (the SYN's :attr:`OpenCtx.change
         <atp_router.runtime.dataplane.opening.OpenCtx.change>`), else the
-        dispatcher parses it once."""
+        dispatcher parses it once. ``shaped``: the SYN's ``task_shape`` stage
+        checked the content's shape already (:func:`check_task` runs once per task)."""
         if payload.type is not PayloadType.TASK:
             ctx.emit_error(ErrorCode.EPROTO, f"router expects a task payload, got {payload.type}")
             return
@@ -340,7 +342,8 @@ class DataPlane:
                 self.stream_closed(ctx.reset(ErrorCode.EPROTO, f"fragmented task body is not JSON: {e}"))
                 return
         try:
-            check_task(content)
+            if not shaped:
+                check_task(content)
         except LocalProtocolError as e:
             self.stream_closed(ctx.reset(e.code, e.reason))
             return
