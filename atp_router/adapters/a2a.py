@@ -24,7 +24,7 @@ A call (:meth:`A2AAdapter.stream`):
    card advertises an address it does not listen on);
 2. sends the prompt as one user message: a text part (the instruction and, for a
    diff, the numbered diff as a model would see it) and a data part
-   ``{"atp": {"task_type", "content"}}``; ``prompt.meta["agent_context"]`` (an Agent
+   ``{"atp": {"task_type", "content"}}``; ``prompt.task.agent_context`` (an Agent
    Context Protocol message) travels unchanged as ``message.metadata.agent_context``;
 3. streams with ``message/stream`` when the card says so (``options.stream``
    overrides): artifact text and JAF partial completions become PARTIAL fragments,
@@ -622,7 +622,7 @@ class A2AAdapter(HTTPNextHop):
         reply = _Reply()
         secrets: frozenset[str] = frozenset()
         try:
-            context, secrets = forwarded_context(prompt.meta)
+            context, secrets = forwarded_context(prompt.task)
             card = await self.discover()
             streaming = self.force_stream if self.force_stream is not None else bool(card and card.streaming)
             params = self.message_params(prompt, context)

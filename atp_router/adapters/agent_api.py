@@ -5,7 +5,7 @@ Request (the protocol's ``AgentRequest``)::
 
     {"input": [
        {"role": "system", "type": "message",                    only with an Agent Context:
-        "content": [{"type": "data", "data": <meta["agent_context"] as received>}]},
+        "content": [{"type": "data", "data": <prompt.task.agent_context as received>}]},
        {"role": "user", "type": "message",
         "content": [{"type": "text", "text": <review instructions + numbered diff>},
                     {"type": "data", "data": {"atp": {"task_type", "content", "instruction"}}}]}],
@@ -72,7 +72,7 @@ from atp_router.adapters.base import (
     usd_micros,
     usd_micros_ceil,
 )
-from atp_router.adapters.context import META_KEY, forwarded_context
+from atp_router.adapters.context import forwarded_context
 from atp_router.adapters.http import (
     HTTPNextHop,
     RetryPolicy,
@@ -444,7 +444,7 @@ class AgentApiAdapter(HTTPNextHop):
         t0 = trio.current_time()
         secrets: frozenset[str] = frozenset()
         try:
-            _, secrets = forwarded_context(prompt.meta)
+            _, secrets = forwarded_context(prompt.task)
             body = self.request(prompt)
             est_in = estimate_tokens(len(json.dumps(body, ensure_ascii=False)))
             decoder = AgentApiDecoder()
@@ -491,7 +491,7 @@ class AgentApiAdapter(HTTPNextHop):
         if prompt.instruction:
             task["instruction"] = prompt.instruction
         messages: list[dict[str, Any]] = []
-        context = prompt.meta.get(META_KEY)
+        context = prompt.task.agent_context
         if context is not None:
             messages.append({"role": "system", "type": "message", "content": [{"type": "data", "data": context}]})
         messages.append({

@@ -37,6 +37,7 @@ from msgspec import Struct
 from atp_router.consensus.types import Usage
 from atp_router.policy.health import Health
 from atp_router.task.change import ParsedChange, parse_change
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.frame import Capabilities, CostEstimate, PayloadType
 
 
@@ -45,7 +46,11 @@ class Prompt(Struct, forbid_unknown_fields=True, omit_defaults=True):
 
     ``content`` for ``code_review``: ``{"diff": str, "files": {path: full text after
     the diff}}``. ``meta`` is the stream's frame meta (task_type, languages, risk,
-    data_scope, trace, ...), passed through unchanged. ``change`` is
+    data_scope, trace, ...), passed through unchanged; ``task`` is its typed view
+    (:class:`~atp_router.task.meta.TaskMeta`: budget, idempotency key, data scope,
+    Agent Context, trace, ``diff_loc``), decoded once at the stream's SYN — read
+    those fields there, not by key from ``meta`` (empty on a prompt built without
+    it: a test's, a canary's). ``change`` is
     ``content["diff"]`` parsed (:class:`~atp_router.task.change.ParsedChange`): the
     dispatcher parses a task's diff once and hands it to every leg here; None on
     a prompt built without it (an adapter then parses the diff itself,
@@ -57,6 +62,7 @@ class Prompt(Struct, forbid_unknown_fields=True, omit_defaults=True):
     meta: dict[str, Any] = msgspec.field(default_factory=dict)
     instruction: str = ""
     change: ParsedChange | None = None
+    task: TaskMeta = msgspec.field(default_factory=TaskMeta)
 
 
 def change_of(prompt: Prompt) -> ParsedChange | None:

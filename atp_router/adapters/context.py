@@ -70,6 +70,7 @@ from atp_router.security.redact import (
     scrub,
     scrub_error,
 )
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import AgentError, ErrorCode, LocalProtocolError
 
 __all__ = [
@@ -257,11 +258,13 @@ def context_of(meta: Mapping[str, Any]) -> tuple[Any, AgentContext | None]:
     return raw, parse_context(raw)
 
 
-def forwarded_context(meta: Mapping[str, Any]) -> tuple[Any, frozenset[str]]:
-    """For adapters: ``(message as received, its secrets)`` of the meta's Agent
-    Context Message, validated; ``(None, frozenset())`` without one. Raises
-    ``AgentError`` ``EPROTO`` (secret-free reason) when it is invalid."""
-    raw = meta.get(META_KEY)
+def forwarded_context(task: TaskMeta) -> tuple[Any, frozenset[str]]:
+    """For adapters: ``(message as received, its secrets)`` of a task's Agent
+    Context Message (``task.agent_context``: :attr:`Prompt.task
+    <atp_router.adapters.base.Prompt.task>`), validated; ``(None, frozenset())``
+    without one. Raises ``AgentError`` ``EPROTO`` (secret-free reason) when it is
+    invalid."""
+    raw = task.agent_context
     if raw is None:
         return None, frozenset()
     try:

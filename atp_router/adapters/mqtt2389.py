@@ -36,7 +36,7 @@ reconnect).
 A call: a fresh ``conversation_id``; SUBSCRIBE ``/conversations/{conversation_id}/+``
 (SUBACK awaited); the task envelope (UUID v4 ``task_id``, canonical ``topic``,
 ``instruction``, ``input = {"task_type", "content"}``, ``next`` chain; a v2 envelope
-whose ``context`` is ``prompt.meta["agent_context"]`` unchanged when present;
+whose ``context`` is ``prompt.task.agent_context`` unchanged when present;
 with tracing on, the leg's W3C ``traceparent``, which agents forward down the
 chain) published at QoS 1, not retained, to ``/control/agents/{agent_id}/input`` (PUBACK
 awaited); then the first §6.3 error from any agent of the chain, or the success
@@ -84,7 +84,7 @@ import msgspec
 import trio
 
 from atp_router.adapters.base import CallStats, Fragment, Prompt, ProviderAdapter
-from atp_router.adapters.context import META_KEY, scrub_error, secret_values
+from atp_router.adapters.context import scrub_error, secret_values
 from atp_router.adapters.http import secret_value
 from atp_router.adapters.openai_compat import parse_review
 from atp_router.consensus.types import AgentFinding, AgentReport, Usage
@@ -375,7 +375,7 @@ class Mqtt2389Adapter(ProviderAdapter):
             report, usage = await self._call(prompt)
         except AgentError as e:
             e.agent = e.agent or self.name
-            ctx = prompt.meta.get(META_KEY)
+            ctx = prompt.task.agent_context
             scrub_error(e, secret_values(ctx) if ctx is not None else ())
             self._stats.record((trio.current_time() - t0) * 1000, ok=False, down=e.code is ErrorCode.EAGENTDOWN)
             raise
@@ -387,7 +387,7 @@ class Mqtt2389Adapter(ProviderAdapter):
         nxt: P.NextTask | None = None
         for st in reversed(self.pipeline):
             nxt = P.NextTask(topic=P.input_topic(st.agent_id), instruction=st.instruction, input=None, next=nxt)
-        ctx = prompt.meta.get("agent_context")
+        ctx = prompt.task.agent_context
         carrier = tracing.outbound(self.name)  # W3C trace context of this leg (spec §12)
         return P.TaskEnvelope(
             task_id=task_id,

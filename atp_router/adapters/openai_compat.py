@@ -52,7 +52,7 @@ from atp_router.adapters.base import (
     estimate_tokens,
     usd_micros,
 )
-from atp_router.adapters.context import META_KEY, forwarded_context, prompt_context
+from atp_router.adapters.context import forwarded_context, prompt_context
 from atp_router.adapters.http import (
     NO_RETRY,
     HTTPNextHop,
@@ -125,7 +125,7 @@ class ChatModelAdapter(HTTPNextHop):
     call (rotation needs no reload; a missing key is EAGENTDOWN, not a refused
     RIB). ``json_mode`` asks the server to constrain the answer to JSON.
     ``context_in_prompt`` appends the stream's Agent Context Message (frame
-    ``meta["agent_context"]``, without its ``securityContext``) to the system
+    ``prompt.task.agent_context``, without its ``securityContext``) to the system
     prompt. ``retry`` retries 429/5xx answers with backoff (:mod:`atp_router.adapters.http`).
     ``transport`` replaces httpx's network transport (e.g. to share one).
     """
@@ -193,7 +193,7 @@ class ChatModelAdapter(HTTPNextHop):
         Reasons never carry the context's secrets."""
         t0 = trio.current_time()
         try:
-            _, secrets = forwarded_context(prompt.meta)
+            _, secrets = forwarded_context(prompt.task)
         except AgentError as e:
             raise self._fail(e, t0) from None
         messages = self.messages(prompt)
@@ -247,7 +247,7 @@ class ChatModelAdapter(HTTPNextHop):
             system = "You are a precise assistant. Answer concisely."
             head = (prompt.instruction or prompt.task_type) + "\n\n"
             body = json.dumps(prompt.content, ensure_ascii=False, indent=1)
-        raw = prompt.meta.get(META_KEY)
+        raw = prompt.task.agent_context
         if self.context_in_prompt and isinstance(raw, Mapping):
             system += CONTEXT_PROMPT + prompt_context(raw)
         room = (self.ctx_tokens - self.max_out_tokens - 2 * _MSG_OVERHEAD) * CHARS_PER_TOKEN - len(system) - len(head)

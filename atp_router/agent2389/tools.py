@@ -41,6 +41,7 @@ import trio
 from atp_router.adapters.base import Prompt, ProviderAdapter
 from atp_router.adapters.registry import build_adapter
 from atp_router.policy.rib import AgentSpec, ModelSpec
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import AgentError, ErrorCode
 from atp_router.wire.frame import PayloadType
 
@@ -261,7 +262,8 @@ class AdapterTool(Tool):
     """A :class:`ProviderAdapter` behind the tool interface.
 
     ``execute`` runs ``adapter.stream`` on ``Prompt(task_type, content,
-    instruction, meta)`` and returns the FINAL content as JSON data (an
+    instruction, meta)`` (its typed ``task``: the task type and the envelope's
+    Agent Context) and returns the FINAL content as JSON data (an
     ``AgentReport`` becomes ``{"findings": [...], "summary": ..., "confidence"?}``)
     plus ``"usage"`` (tokens, USD micros) when the adapter reported it. Adapter
     errors map to §6.3 codes: ``EPROTO`` (it could not accept the input) →
@@ -329,6 +331,7 @@ class AdapterTool(Tool):
             content=parameters["content"],
             meta=meta,
             instruction=parameters.get("instruction") or context.instruction or "",
+            task=TaskMeta(task_type=task_type, agent_context=context.agent_context),
         )
         final = None
         usage = None

@@ -130,6 +130,7 @@ from atp_router.security.redact import DataScopeGuard
 from atp_router.security.redact import warm as redact_warm
 from atp_router.security.signing import DurableReplayGuard, UsageSigner
 from atp_router.store import Store, StoreUnavailable
+from atp_router.task.change import ParsedChange
 from atp_router.wire.codec import FrameCodec, KeyRing
 from atp_router.wire.errors import (
     ATPError,
@@ -481,10 +482,10 @@ class Router:
 
     def open_stream(self, *, task: dict[str, Any], content: dict[str, Any] | None, budget: Budget | None,
                     qos: QoS | None, window: Window | None, idempotency_key: str | None,
-                    identity: Identity) -> StreamCtx:
+                    identity: Identity, change: ParsedChange | None = None) -> StreamCtx:
         """:meth:`DataPlane.open_stream <atp_router.runtime.dataplane.plane.DataPlane.open_stream>`."""
         return self.data.open_stream(task=task, content=content, budget=budget, qos=qos, window=window,
-                                     idempotency_key=idempotency_key, identity=identity)
+                                     idempotency_key=idempotency_key, identity=identity, change=change)
 
     def stream_closed(self, closed: Closed | None) -> None:
         """:meth:`DataPlane.stream_closed <atp_router.runtime.dataplane.plane.DataPlane.stream_closed>`."""

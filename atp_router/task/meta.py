@@ -17,8 +17,9 @@ alone.
                        the stream it opened (spec §8)
 ``resume_after``       the last router ``msg_seq`` the client received (≥ 0)
 ``data_scope``         data-scope labels, one or a list (spec §11)
-``agent_context``      an Agent Context Protocol message, as received
-                       (validated by :mod:`atp_router.adapters.context`)
+``agent_context``      an Agent Context Protocol message as received: an
+                       object or its JSON text (validated by
+                       :mod:`atp_router.adapters.context`)
 ``trace``              the caller's trace context (:class:`TraceMeta`)
 ``diff_loc``           added plus removed lines of a code-review diff (≥ 0;
                        counted by the router when absent)
@@ -65,7 +66,7 @@ class TaskMeta(Struct, kw_only=True, frozen=True, omit_defaults=True):
     idempotency_key: Annotated[str, Meta(min_length=1, max_length=IDEMPOTENCY_KEY_CHARS)] | None = None
     resume_after: Annotated[int, Meta(ge=0)] | None = None
     data_scope: str | list[str] | None = None
-    agent_context: dict[str, Any] | None = None
+    agent_context: dict[str, Any] | str | None = None
     trace: TraceMeta | None = None
     diff_loc: Annotated[int, Meta(ge=0)] | None = None
 

@@ -41,6 +41,7 @@ from atp_router.adapters.registry import build_adapter
 from atp_router.consensus.types import Severity
 from atp_router.policy.loader import load_rib_text
 from atp_router.policy.rib import AgentSpec, RemoteSpec
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import AgentError, ErrorCode
 from atp_router.wire.frame import PayloadType
 from tests.conftest import start_router
@@ -60,7 +61,8 @@ def review_task(marker: str | None = None) -> dict[str, Any]:
 
 
 def prompt(marker: str | None = None, **meta: Any) -> Prompt:
-    return Prompt(task_type="code_review", content=review_task(marker), meta=meta)
+    return Prompt(task_type="code_review", content=review_task(marker), meta=meta,
+                  task=TaskMeta(task_type="code_review", agent_context=meta.get("agent_context")))
 
 
 async def collect(adapter: A2AAdapter, p: Prompt) -> list[Fragment]:

@@ -45,6 +45,7 @@ from atp_router.adapters.http import RetryPolicy
 from atp_router.adapters.registry import build_adapter
 from atp_router.consensus.types import AgentReport, Severity, Usage
 from atp_router.policy.rib import AgentSpec
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import AgentError, ErrorCode
 from atp_router.wire.frame import PayloadType
 from tests.conftest import start_router
@@ -71,7 +72,8 @@ REVIEW = Prompt(task_type="code_review", content={"diff": DIFF, "files": {"tool/
 
 def crash_prompt(meta: dict[str, Any] | None = None) -> Prompt:
     files = {"tool/run.py": AFTER.replace("os.system(cmd)", "os.system(cmd)  # atp-test: crash")}
-    return Prompt(task_type="code_review", content={"diff": DIFF, "files": files}, meta=meta or {})
+    return Prompt(task_type="code_review", content={"diff": DIFF, "files": files}, meta=meta or {},
+                  task=TaskMeta(task_type="code_review", agent_context=(meta or {}).get("agent_context")))
 
 
 async def collect(adapter: AgentApiAdapter, prompt: Prompt = REVIEW) -> list[Fragment]:
@@ -139,7 +141,8 @@ async def test_review_streams_partials_then_a_report_priced_by_usage(agentscope:
 
 async def test_flat_price_per_call_and_agent_context_unchanged(agentscope: str) -> None:
     adapter = AgentApiAdapter("as", url=agentscope, cost_usd_per_call=0.0042)
-    prompt = Prompt(task_type="code_review", content=REVIEW.content, meta={"agent_context": EXAMPLE})
+    prompt = Prompt(task_type="code_review", content=REVIEW.content, meta={"agent_context": EXAMPLE},
+                    task=TaskMeta(task_type="code_review", agent_context=EXAMPLE))
     est = adapter.estimate(prompt)
     [*partials, final] = await collect(adapter, prompt)
     await adapter.aclose()

@@ -44,6 +44,7 @@ from atp_router.adapters.context import (
     with_context_scope,
 )
 from atp_router.policy.match import compile_match
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import AgentError, ErrorCode, LocalProtocolError
 from tests.conftest import start_router
 
@@ -166,11 +167,11 @@ def test_the_log_filter_also_masks_what_detect_secrets_finds() -> None:
 
 
 def test_forwarded_context_for_adapters() -> None:
-    assert forwarded_context({}) == (None, frozenset())
-    raw, found = forwarded_context({"agent_context": EXAMPLE})
+    assert forwarded_context(TaskMeta()) == (None, frozenset())
+    raw, found = forwarded_context(TaskMeta(agent_context=EXAMPLE))
     assert raw is EXAMPLE and found == {TOKEN}
     with pytest.raises(AgentError) as e:
-        forwarded_context({"agent_context": {"agentContext": {"securityContext": {"authenticationInfo": "s3cret-x"}}}})
+        forwarded_context(TaskMeta(agent_context={"agentContext": {"securityContext": {"authenticationInfo": "s3cret-x"}}}))
     assert e.value.code is ErrorCode.EPROTO and "s3cret-x" not in str(e.value)
 
 

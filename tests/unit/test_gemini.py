@@ -35,6 +35,7 @@ from atp_router.adapters.openai_compat import CONTEXT_PROMPT, SYSTEM_PROMPT
 from atp_router.adapters.registry import build_adapter
 from atp_router.consensus.types import Severity, Usage
 from atp_router.policy.rib import AgentSpec, ModelSpec
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import AgentError, ErrorCode
 from atp_router.wire.frame import PayloadType
 from tests.replay_server import Replay, serve
@@ -235,7 +236,8 @@ async def test_not_sse_is_eproto(peer: Replay) -> None:
 async def test_agent_context_in_system_instruction_without_security(peer: Replay) -> None:
     peer.add(200, SSE, [event('{"findings": []}', finish="STOP")])
     a = adapter(peer, context_in_prompt=True)
-    await collect(a, Prompt(task_type="code_review", content=REVIEW.content, meta={"agent_context": EXAMPLE}))
+    await collect(a, Prompt(task_type="code_review", content=REVIEW.content, meta={"agent_context": EXAMPLE},
+                            task=TaskMeta(task_type="code_review", agent_context=EXAMPLE)))
     await a.aclose()
     system = peer.requests[0][1]["systemInstruction"]["parts"][0]["text"]
     shown = json.loads(system.removeprefix(SYSTEM_PROMPT + CONTEXT_PROMPT))

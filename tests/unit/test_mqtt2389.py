@@ -37,6 +37,7 @@ from atp_router.mqtt import open_mqtt_client
 from atp_router.policy.fib import compile_fib
 from atp_router.policy.loader import load_rib_text
 from atp_router.policy.rib import AgentSpec
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import AgentError, ErrorCode
 from atp_router.wire.frame import PayloadType
 from tests.conftest import start_router
@@ -154,7 +155,8 @@ def test_envelope_shape_and_agent_context_side_channel():
                     "instruction": "review this", "input": {"task_type": "code_review", "content": CONTENT},
                     "next": None}
     acm = json.loads((ROOT.parent / "shared" / "specs" / "agent-context-message.example.json").read_text())
-    with_ctx = Prompt(task_type="code_review", content=CONTENT, meta={"agent_context": acm})
+    with_ctx = Prompt(task_type="code_review", content=CONTENT, meta={"agent_context": acm},
+                      task=TaskMeta(task_type="code_review", agent_context=acm))
     wire = json.loads(P.encode_task(ad.envelope(with_ctx, task_id=task_id, conversation_id="conv-1")))
     assert wire["version"] == "2.0" and wire["context"] == acm and wire["routing_trace"] == []
 
@@ -429,7 +431,8 @@ async def test_agent_context_travels_unchanged_in_the_envelope(broker, nursery):
     try:
         async with open_mqtt_client(broker.host, broker.port) as mon:
             await mon.subscribe(P.input_topic(agent_id))
-            frag = await final(ad, Prompt(task_type="code_review", content=CONTENT, meta={"agent_context": acm}))
+            frag = await final(ad, Prompt(task_type="code_review", content=CONTENT, meta={"agent_context": acm},
+                                          task=TaskMeta(task_type="code_review", agent_context=acm)))
             wire = json.loads((await mon.messages.receive()).payload)
         assert wire["version"] == "2.0" and wire["context"] == acm
         assert frag.content.findings[0].rule == "B602"  # the agent accepts the v2 envelope
@@ -515,7 +518,9 @@ async def test_spec_only_agent_shapes_over_the_broker(broker):
     task's securityContext token, which never reaches the AgentError."""
     agent_id = "spec-only-" + uuid.uuid4().hex[:8]
     token = "eyJ" + uuid.uuid4().hex + uuid.uuid4().hex
-    prompt = Prompt(task_type="code_review", content=CONTENT, meta={"agent_context": _context_with(token)})
+    ctx = _context_with(token)
+    prompt = Prompt(task_type="code_review", content=CONTENT, meta={"agent_context": ctx},
+                    task=TaskMeta(task_type="code_review", agent_context=ctx))
     async with open_mqtt_client(broker.host, broker.port) as foreign:
         await _announce(foreign, agent_id)
         ad = adapter(broker, agent_id)

@@ -32,6 +32,7 @@ from atp_router.adapters.openai_compat import CONTEXT_PROMPT, SYSTEM_PROMPT
 from atp_router.adapters.registry import build_adapter
 from atp_router.consensus.types import AgentFinding, AgentReport, Severity, Usage
 from atp_router.policy.rib import AgentSpec, ModelSpec
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import AgentError, ErrorCode
 from atp_router.wire.frame import PayloadType
 from tests.replay_server import Replay, serve
@@ -204,7 +205,8 @@ async def test_stalled_stream_is_etimeout(peer: Replay) -> None:
 
 async def test_agent_context_goes_into_the_system_prompt_only_when_asked(peer: Replay) -> None:
     meta = {"agent_context": EXAMPLE}
-    prompt = Prompt(task_type="code_review", content=REVIEW.content, meta=meta)
+    prompt = Prompt(task_type="code_review", content=REVIEW.content, meta=meta,
+                    task=TaskMeta(task_type="code_review", agent_context=EXAMPLE))
     for _ in range(2):
         peer.add(200, NDJSON, [line('{"findings": []}'), done()])
     plain, with_ctx = adapter(peer), adapter(peer, context_in_prompt=True)
@@ -228,7 +230,8 @@ async def test_invalid_agent_context_is_eproto_without_a_request(peer: Replay) -
     bad = {"agentContext": {"securityContex": {"authenticationInfo": {"token": "s3cr3t-value"}}}}
     a = adapter(peer)
     with pytest.raises(AgentError) as e:
-        await collect(a, Prompt(task_type="code_review", content=REVIEW.content, meta={"agent_context": bad}))
+        await collect(a, Prompt(task_type="code_review", content=REVIEW.content, meta={"agent_context": bad},
+                                task=TaskMeta(task_type="code_review", agent_context=bad)))
     assert e.value.code is ErrorCode.EPROTO and "securityContex" in e.value.reason and not peer.requests
     assert "s3cr3t-value" not in str(e.value)
 

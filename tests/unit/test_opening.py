@@ -27,9 +27,9 @@ from atp_router.runtime.dataplane.opening import (
     DEFAULT_STAGES,
     Bandit,
     BudgetOpen,
-    ClientBudget,
     ContextScope,
     Continue,
+    DecodeMeta,
     FibLookup,
     OpenCtx,
     OpenParts,
@@ -45,6 +45,7 @@ from atp_router.runtime.dataplane.opening import (
 from atp_router.runtime.router import Router
 from atp_router.security.authz import QUOTA_RETRY_MS, StreamAdmission
 from atp_router.security.identity import ANONYMOUS, Identity, Role
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import ATPError, ErrorCode
 from atp_router.wire.frame import Budget, QoS
 from tests.conftest import MECHANICS_RIB, ROOT
@@ -152,22 +153,43 @@ async def test_stream_slot_refuses_an_id_the_tenant_has_open(router):
     assert stage(syn(identity=other, stream_id=ctx.stream_id)) is CONTINUE
 
 
-# ------------------------------------------------------------------ client_budget
+# ------------------------------------------------------------------ task_meta
 @pytest.mark.parametrize("meta_budget, budget", [
     (None, None),
     ({"usd": 0.5}, Budget(usd=0.5)),
     ({"usd": 0.25, "tokens": 1000}, Budget(usd=0.25, tokens=1000)),
 ])
-def test_client_budget_decodes_meta_budget(meta_budget, budget):
+def test_task_meta_decodes_meta_budget(meta_budget, budget):
     meta = {**META, **({"budget": meta_budget} if meta_budget is not None else {})}
     o = syn(meta)
-    assert ClientBudget()(o) is CONTINUE and o.client_budget == budget
+    assert DecodeMeta()(o) is CONTINUE and o.client_budget == budget
+    assert o.task == TaskMeta(task_type="code_review", budget=budget)
 
 
 @pytest.mark.parametrize("meta_budget", [{"usd": "lots"}, {"tokens": 1.5}, "0.5"])
-def test_client_budget_refuses_a_malformed_budget_with_eproto(meta_budget):
-    code, reason, retry = refused(ClientBudget()(syn({**META, "budget": meta_budget})))
+def test_task_meta_refuses_a_malformed_budget_with_eproto(meta_budget):
+    code, reason, retry = refused(DecodeMeta()(syn({**META, "budget": meta_budget})))
     assert code is ErrorCode.EPROTO and reason.startswith("meta.budget: ") and retry is None
+
+
+def test_task_meta_decodes_the_typed_fields_once_after_the_stages_that_add_to_the_meta():
+    """What context_scope and task_shape added (the Agent Context's labels, the
+    counted ``diff_loc``) is in the typed view; the match keys are not."""
+    o = syn({**META, "data_scope": ["no_secrets"], "agent_context": EXAMPLE, "idempotency_key": "k1",
+             "resume_after": 3}, CLEAN)
+    assert run_stages([ContextScope(), TaskShape(), DecodeMeta()], o) is None
+    assert o.task == TaskMeta(task_type="code_review", idempotency_key="k1", resume_after=3, diff_loc=2,
+                              data_scope=["no_secrets", "acp.policy:P001", "acp.policy:P002"],
+                              agent_context=EXAMPLE)
+
+
+@pytest.mark.parametrize("meta, reason", [
+    ({"idempotency_key": ""}, "meta.idempotency_key: Expected `str` of length >= 1 - at `$.idempotency_key`"),
+    ({"resume_after": -1}, "meta.resume_after: Expected `int` >= 0 - at `$.resume_after`"),
+    ({"trace": "00-ab-cd-01"}, "meta.trace: Expected `object | null`, got `str` - at `$.trace`"),
+])
+def test_task_meta_refuses_a_malformed_typed_field_with_eproto_naming_it(meta, reason):
+    assert refused(DecodeMeta()(syn({**META, **meta}))) == (ErrorCode.EPROTO, reason, None)
 
 
 # ------------------------------------------------------------------ tenant_admission
@@ -287,7 +309,7 @@ def test_the_pipeline_stops_at_the_first_refusal():
 
 def test_the_default_pipeline_checks_in_the_shipped_order():
     assert [s.name for s in DEFAULT_STAGES] == [
-        "context_scope", "task_shape", "stream_slot", "client_budget", "tenant_admission", "route", "bandit",
+        "context_scope", "task_shape", "stream_slot", "task_meta", "tenant_admission", "route", "bandit",
         "budget_open"]
     assert all(doc and "\n" not in doc for _, doc in describe(DEFAULT_STAGES))
 

@@ -10,13 +10,20 @@ import sys
 from types import SimpleNamespace
 
 import atp
+import httpx
 import msgspec
 import pytest
 import trio
 
+import atp_router.runtime.dataplane.opening
+import atp_router.runtime.dataplane.plane
 import atp_router.task.diff
+from atp_router.adapters.a2a import A2AAdapter
 from atp_router.adapters.base import Prompt, change_of
+from atp_router.adapters.context import forwarded_context
+from atp_router.adapters.testing import ScriptedAdapter
 from atp_router.runtime.dataplane.plan import leg_prompt
+from atp_router.security.identity import ANONYMOUS
 from atp_router.task.body import (
     MAX_FILES,
     Chat,
@@ -28,9 +35,10 @@ from atp_router.task.body import (
 from atp_router.task.change import ParsedChange, parse_change
 from atp_router.task.diff import count_changed_lines, diff_loc, parse_diff
 from atp_router.task.meta import IDEMPOTENCY_KEY_CHARS, TaskMeta, TraceMeta, decode_meta
-from atp_router.wire.frame import Budget, QoS
+from atp_router.wire.frame import Budget, Frame, Payload, PayloadType, QoS
 from tests.conftest import SHARED
 from tests.helpers import start_router_on
+from tests.unit.test_router_dispatch import scripted_agent
 
 DIFF = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
 
@@ -194,3 +202,110 @@ async def test_each_tasks_diff_is_parsed_once_for_every_leg_and_the_consensus(nu
             n.start_soon(review, i)
     assert sorted(finals) == list(range(6))
     assert parsed == collections.Counter({_task(i)["diff"]: 1 for i in range(6)})
+
+
+async def test_an_ingress_that_reads_the_diff_parses_it_once_for_the_whole_task(nursery, tmp_path,
+                                                                                  monkeypatch) -> None:
+    """The OpenAI ingress (a ``code_review`` whose last user message is a diff,
+    its files in ``atp.files``) and the A2A server (a text-only diff whose files
+    the router reads from ``--repo``) read the diff themselves — is it a diff,
+    which files does it touch, its ``diff_loc`` — and open the stream with that
+    parse: the two ``scope: changed`` tool next-hops and the consensus use it,
+    so each task's diff is parsed exactly once in the router. (Before, the
+    ingress parsed it and the dispatcher parsed it again: twice per task.)"""
+    parsed: collections.Counter[str] = collections.Counter()
+    original = atp_router.task.diff.parse_diff
+
+    def counting(text: str) -> list:
+        parsed[text] += 1
+        return original(text)
+
+    for module in [m for name, m in list(sys.modules.items())
+                   if name.startswith("atp_router.") and getattr(m, "parse_diff", None) is original]:
+        monkeypatch.setattr(module, "parse_diff", counting)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    by_openai, by_a2a = _task(1), _task(2)
+    (repo / "calc2.py").write_text(by_a2a["files"]["calc2.py"])
+    doc = {"agents": {"lint.ruff": RUFF, "sec.bandit": BANDIT},
+           "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["lint.ruff", "sec.bandit"]}]}
+    env = await start_router_on(nursery, tmp_path, doc, repo=repo)
+    async with httpx.AsyncClient(timeout=120) as http:
+        r = await http.post(env.url + "/v1/chat/completions", json={
+            "model": "code_review", "messages": [{"role": "user", "content": by_openai["diff"]}],
+            "atp": {"files": by_openai["files"]}})
+        assert r.status_code == 200, r.text
+        assert r.json()["atp"]["policy"] == "p"
+        message = {"role": "user", "messageId": "m-1", "kind": "message",
+                   "parts": [{"kind": "text", "text": by_a2a["diff"]}], "metadata": {"task_type": "code_review"}}
+        r = await http.post(env.url + "/a2a", json={"jsonrpc": "2.0", "id": "r1", "method": "message/send",
+                                                    "params": {"message": message}})
+        assert r.json()["result"]["status"]["state"] == "completed", r.text
+    ctx = next(c for c in env.router.streams.values() if c.idempotency_key == "a2a:m-1")
+    reported = {ev.frame.payload.content["agent"] for ev in ctx.log.events
+                if ev.type == "PARTIAL" and "report" in ev.frame.payload.content}
+    assert reported == {"lint.ruff", "sec.bandit"}  # both legs ran on the files read from --repo
+    assert parsed == collections.Counter({by_openai["diff"]: 1, by_a2a["diff"]: 1})
+
+
+async def test_every_next_hop_gets_the_tasks_meta_decoded_once_at_syn(nursery, tmp_path, scripted) -> None:
+    """A task opened with a budget, an idempotency key and an Agent Context: the
+    SYN's ``task_meta`` stage decodes its meta once, and each next-hop's prompt
+    carries that typed view (:attr:`Prompt.task`) — the budget a ``Budget``, the
+    data scope with the context's labels joined, the ``diff_loc`` counted — while
+    ``Prompt.meta`` still passes the meta through as sent. The A2A adapter reads
+    the Agent Context it forwards from there."""
+    context = json.loads((SHARED / "specs" / "agent-context-message.example.json").read_text())
+    scripted["m.one"] = ScriptedAdapter.returning("m.one")
+    doc = {"agents": {"m.one": {**scripted_agent(), "data_scope": ["acp.policy:P001", "acp.policy:P002"]}},
+           "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.one"]}]}
+    env = await start_router_on(nursery, tmp_path, doc)
+    async with atp.Client(env.url) as c:
+        _, st = await c.open_stream(task={"task_type": "code_review", "languages": ["py"], "agent_context": context},
+                                    content={"diff": DIFF}, budget={"usd": 0.5, "tokens": 9000},
+                                    idempotency_key="typed-1")
+        with trio.fail_after(60):
+            assert [ev.type async for ev in c.events(st)][-2:] == ["FINAL", "FIN"]
+    [prompt] = scripted["m.one"].calls
+    assert prompt.task == TaskMeta(task_type="code_review", budget=Budget(usd=0.5, tokens=9000),
+                                   idempotency_key="typed-1", data_scope=["acp.policy:P001", "acp.policy:P002"],
+                                   agent_context=context, diff_loc=count_changed_lines(DIFF))
+    assert prompt.meta["agent_context"] == context and prompt.meta["languages"] == ["py"]
+    ctx = next(iter(env.router.streams.values()))
+    assert ctx.task is prompt.task and ctx.idempotency_key == "typed-1"
+    a2a = A2AAdapter("remote", url="http://127.0.0.1:9")
+    params = a2a.message_params(prompt, forwarded_context(prompt.task)[0])
+    assert params["message"]["metadata"]["agent_context"] == context
+
+
+async def test_a_syns_task_body_is_checked_once(nursery, tmp_path, scripted, monkeypatch) -> None:
+    """The shape of a task the SYN carries is checked by its ``task_shape`` stage
+    and not again when the task starts; a task sent after the SYN (a fragmented
+    body, a message of its own) is checked when it arrives. (Before, a SYN's
+    body was checked twice.)"""
+    checked: list[object] = []
+    original = atp_router.runtime.dataplane.opening.check_task
+
+    def counting(content: object) -> None:
+        checked.append(content)
+        original(content)
+
+    monkeypatch.setattr(atp_router.runtime.dataplane.opening, "check_task", counting)
+    monkeypatch.setattr(atp_router.runtime.dataplane.plane, "check_task", counting)
+    scripted["m.one"] = ScriptedAdapter.returning("m.one")
+    doc = {"agents": {"m.one": scripted_agent()},
+           "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.one"]}]}
+    env = await start_router_on(nursery, tmp_path, doc)
+    async with atp.Client(env.url) as c:
+        _, st = await c.open_stream(task={"task_type": "code_review"}, content={"diff": DIFF})
+        with trio.fail_after(60):
+            assert [ev.type async for ev in c.events(st)][-2:] == ["FINAL", "FIN"]
+    assert checked == [{"diff": DIFF}]
+    bad = env.router.open_stream(task={"task_type": "code_review"}, content=None, budget=None, qos=None, window=None,
+                                 idempotency_key=None, identity=ANONYMOUS)
+    env.router.receive_frame(Frame(v=1, session_id=bad.session_id, stream_id=bad.stream_id, msg_seq=1, flags=[],
+                                   payload=Payload(type=PayloadType.TASK, content={"diff": 3})),
+                             identity=ANONYMOUS, now=trio.current_time())
+    assert checked[1:] == [{"diff": 3}]
+    rst = bad.log.events[-1].frame
+    assert rst.payload.content["code"] == "EPROTO" and "content.diff must be a string" in rst.payload.content["reason"]

@@ -73,6 +73,7 @@ from atp_router.flow.qos import Preempt, QosScheduler
 from atp_router.flow.window import WindowTable
 from atp_router.security.redact import scrub
 from atp_router.task.change import parse_change
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import AgentError, ATPError, ErrorCode
 from atp_router.wire.frame import PayloadType
 
@@ -100,6 +101,7 @@ CANARY = Prompt(
     },
     meta={"task_type": "code_review", "languages": ["py"], "canary": True},
     change=parse_change(_CANARY_DIFF),
+    task=TaskMeta(task_type="code_review"),
 )
 
 

@@ -19,10 +19,14 @@ The default pipeline, :data:`DEFAULT_STAGES`, in order (``atp-router policy chec
                     ``meta.agent_context`` is ``EPROTO`` naming the field; its
                     policyContext labels join ``meta.data_scope``
 ``task_shape``      the task body's ``diff`` / ``files`` shapes (``EPROTO``);
-                    ``meta.diff_loc`` counted from the diff
+                    ``meta.diff_loc`` counted from the diff (or its parsed
+                    change)
 ``stream_slot``     the stream table's room and the stream id (``EWINDOW`` at
                     ``max_streams``, ``EPROTO`` for an id in use)
-``client_budget``   ``meta.budget`` decoded (``EPROTO``)
+``task_meta``       the meta's typed fields decoded once
+                    (:class:`~atp_router.task.meta.TaskMeta`: budget, idempotency
+                    key, resume point, data scope, Agent Context, trace,
+                    ``diff_loc``; ``EPROTO`` naming the field)
 ``tenant_admission`` spec §11 AuthZ (:class:`~atp_router.security.authz.StreamAdmission`):
                     role, task types, data categories (``ESEC``), stream quota
                     and open rate (``EWINDOW`` + ``retry_after_ms``); the QoS
@@ -49,6 +53,7 @@ tracing, audit, task start) is the router's.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import (
@@ -69,7 +74,9 @@ from atp_router.policy.fib import data_scope_labels
 from atp_router.runtime.dataplane.stream import stream_account
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
+from atp_router.task.change import ParsedChange
 from atp_router.task.diff import count_changed_lines
+from atp_router.task.meta import TaskMeta, decode_meta
 from atp_router.wire.errors import ATPError, ErrorCode, LocalProtocolError
 from atp_router.wire.frame import Budget, QoS, Window
 
@@ -88,9 +95,9 @@ __all__ = [
     "DEFAULT_STAGES",
     "Bandit",
     "BudgetOpen",
-    "ClientBudget",
     "ContextScope",
     "Continue",
+    "DecodeMeta",
     "FibLookup",
     "Holding",
     "OpenCtx",
@@ -131,7 +138,11 @@ class OpenCtx:
     Given: ``identity`` (its ``tenant``), ``session_id``, ``stream_id``, ``meta``
     (a copy of the SYN's meta: stages may add keys, e.g. ``diff_loc``),
     ``content`` (the SYN's task body, None without one), ``qos`` and ``window``
-    asked for, ``now`` (trio seconds). Decided: ``client_budget`` (the budget
+    asked for, ``now`` (trio seconds), ``change`` (the body's ``diff`` as the
+    ingress that read it parsed it, None: not parsed yet). Decided: ``shaped``
+    (``task_shape`` checked ``content``'s shape: the stream does not check it
+    again when its task starts), ``task``
+    (the meta's typed fields, :class:`~atp_router.task.meta.TaskMeta`), ``client_budget`` (the budget
     asked, then capped by admission), ``admitted_qos`` (None: the route's),
     ``gen`` (the RIB generation routed on), ``route``, ``decision`` (the
     bandit's, None without one), ``budget`` (the stream's: the tighter of the
@@ -145,6 +156,9 @@ class OpenCtx:
     qos: QoS | None
     window: Window | None
     now: float
+    change: ParsedChange | None = None
+    shaped: bool = False
+    task: TaskMeta | None = None
     client_budget: Budget | None = None
     admitted_qos: QoS | None = None
     gen: Generation | None = None
@@ -210,6 +224,8 @@ class StageType(Protocol):
 
 
 _S = TypeVar("_S")
+#: The top-level meta field a msgspec validation error names (``- at `$.budget.usd```).
+_FIELD = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
 def _refusing(call: Callable[[_S, OpenCtx], Continue | Refuse]) -> Callable[[_S, OpenCtx], Continue | Refuse]:
@@ -256,8 +272,11 @@ class TaskShape:
         content = o.content
         if isinstance(content, dict):
             check_task(content)
+            o.shaped = True
             if "diff" in content and "diff_loc" not in o.meta:
-                o.meta["diff_loc"] = count_changed_lines(content["diff"])  # C speed: no stall at SYN
+                # The ingress's parse when it made one, else a count at C speed: no stall at SYN.
+                o.meta["diff_loc"] = (o.change.diff_loc if o.change is not None
+                                      else count_changed_lines(content["diff"]))
         return CONTINUE
 
 
@@ -280,25 +299,27 @@ class StreamSlot:
         return CONTINUE
 
 
-class ClientBudget:
-    """meta.budget decoded as the budget the client asks for (EPROTO when malformed)."""
+class DecodeMeta:
+    """The meta's typed fields decoded once (TaskMeta: budget, idempotency key, resume point, trace; EPROTO)."""
 
-    name: ClassVar[str] = "client_budget"
+    name: ClassVar[str] = "task_meta"
     __slots__ = ()
 
     @classmethod
-    def of(cls, parts: OpenParts) -> ClientBudget:
+    def of(cls, parts: OpenParts) -> DecodeMeta:
         return cls()
 
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
-        b = o.meta.get("budget")
-        if b is None:
-            o.client_budget = None
-            return CONTINUE
+        """``o.task``: ``o.meta`` decoded (:func:`~atp_router.task.meta.decode_meta`,
+        after ``context_scope`` and ``task_shape`` added their keys), and the budget
+        the client asks for, ``o.client_budget``. A malformed field is ``EPROTO``
+        ``meta.<field>: <what is wrong> - at `$.<field>…```."""
         try:
-            o.client_budget = msgspec.convert(b, Budget)
+            o.task = task = decode_meta(o.meta)
         except msgspec.ValidationError as e:
-            return Refuse(ErrorCode.EPROTO, f"meta.budget: {e}")
+            where = _FIELD.search(str(e))
+            return Refuse(ErrorCode.EPROTO, f"meta.{where.group(1)}: {e}" if where else f"meta: {e}")
+        o.client_budget = task.budget
         return CONTINUE
 
 
@@ -403,7 +424,7 @@ class BudgetOpen:
 
 #: The router's SYN pipeline, in order (module docstring).
 DEFAULT_STAGES: Final[tuple[StageType, ...]] = (
-    ContextScope, TaskShape, StreamSlot, ClientBudget, TenantAdmission, FibLookup, Bandit, BudgetOpen)
+    ContextScope, TaskShape, StreamSlot, DecodeMeta, TenantAdmission, FibLookup, Bandit, BudgetOpen)
 
 
 # ------------------------------------------------------------------ the pipeline

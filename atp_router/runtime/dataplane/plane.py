@@ -50,6 +50,7 @@ from atp_router.security.identity import Identity
 from atp_router.security.redact import DataScopeGuard
 from atp_router.security.signing import UsageSigner
 from atp_router.store import StoreUnavailable
+from atp_router.task.change import ParsedChange
 from atp_router.wire import session as S
 from atp_router.wire.errors import ATPError, ErrorCode, LocalProtocolError
 from atp_router.wire.frame import (
@@ -167,6 +168,11 @@ class DataPlane:
         ERROR with the gate's code, reason and ``retry_after_ms`` (counted in
         ``atp_errors``), before its session sees it: no stream, no RST.
         """
+        return self._receive(frame, identity=identity, now=now, change=None)
+
+    def _receive(self, frame: Frame, *, identity: Identity, now: float, change: ParsedChange | None) -> list[Frame]:
+        """:meth:`receive_frame`; a SYN's task diff already parsed into ``change``
+        by the ingress that read it (:meth:`open_stream`), or None."""
         if Flag.SYN in frame.flags:
             for gate in self.syn_gates:
                 refused = gate.refuse(frame, identity)
@@ -189,13 +195,14 @@ class DataPlane:
             return self._late_frame(frame)
         direct: list[Frame] = []
         for ev in sess.receive_frame(frame, now):
-            self._on_session_event(ev, sess, frame, identity=identity, direct=direct)
+            self._on_session_event(ev, sess, frame, identity=identity, direct=direct, change=change)
         return direct
 
     def _on_session_event(self, ev: Any, sess: S.Session, frame: Frame, *, identity: Identity,
-                          direct: list[Frame]) -> None:
+                          direct: list[Frame], change: ParsedChange | None) -> None:
         """Act on one event ``sess`` made of inbound ``frame`` (:meth:`receive_frame`);
-        frames for the sender outside any stream's log go to ``direct``."""
+        frames for the sender outside any stream's log go to ``direct``; ``change``
+        is the SYN's task diff as the ingress parsed it (None: not parsed yet)."""
 
         def stream_of(stream_id: str) -> StreamCtx | None:
             return self.streams.get(identity.tenant, sess.session_id, stream_id)
@@ -203,7 +210,8 @@ class DataPlane:
         match ev:
             case S.StreamOpened():
                 # The session dropped a SYN at ttl 0; this hop takes one off the rest (§4.2).
-                self._on_syn(sess, ev, identity=identity, direct=direct, ttl=S.forward_ttl(frame).ttl)
+                self._on_syn(sess, ev, identity=identity, direct=direct, ttl=S.forward_ttl(frame).ttl,
+                             change=change)
             case S.MessageReceived():
                 ctx = stream_of(ev.stream_id)
                 if ctx is not None:
@@ -253,14 +261,15 @@ class DataPlane:
         return [connection_error(frame.session_id, frame.stream_id, ErrorCode.EPROTO,
                                  f"stream is closed: message msg_seq={frame.msg_seq} not delivered")]
 
-    def _on_syn(self, sess: S.Session, ev: Any, *, identity: Identity, direct: list[Frame], ttl: int) -> None:
+    def _on_syn(self, sess: S.Session, ev: Any, *, identity: Identity, direct: list[Frame], ttl: int,
+                change: ParsedChange | None) -> None:
         """A SYN the session accepted (``ev``: :class:`~atp_router.wire.session.StreamOpened`)
         goes through :attr:`syn_stages` (:mod:`atp_router.runtime.dataplane.opening`); refused, it
         is reset with the stage's code (:meth:`_refuse_syn`), else opened
-        (:meth:`_open`)."""
+        (:meth:`_open`). ``change``: its task's diff as the ingress parsed it."""
         content = ev.payload.content if ev.payload is not None and ev.payload.type is PayloadType.TASK else None
         o = OpenCtx(identity, sess.session_id, ev.stream_id, dict(ev.meta), content, ev.qos, ev.window,
-                    trio.current_time())
+                    trio.current_time(), change=change_of_task(content, change))
         refused = run_stages(self.syn_stages, o)
         if refused is not None:
             self._refuse_syn(sess, o, refused, direct)
@@ -288,12 +297,12 @@ class DataPlane:
         """Open the stream every stage let through: its context on the routed
         generation (held), in the table, SYN+ACK with the route (and trace),
         audited, its task started when the SYN carried one."""
-        route, gen, budget = o.route, o.gen, o.budget
-        assert route is not None and gen is not None and budget is not None
+        route, gen, budget, task = o.route, o.gen, o.budget, o.task
+        assert route is not None and gen is not None and budget is not None and task is not None
         window = _min_window(ev.window, route.window or DEFAULT_WINDOW)
         qos = o.admitted_qos if o.admitted_qos is not None else (route.qos or QoS.SILVER)
         ctx = StreamCtx(self.streams, sess, ev.stream_id, o.identity, o.meta, qos, window, budget, route,
-                        o.now, gen=gen, ttl=ttl, account=o.account, idempotency_key=ev.idempotency_key)
+                        o.now, gen=gen, ttl=ttl, account=o.account, idempotency_key=task.idempotency_key, task=task)
         ctx.decision = o.decision
         self.control.hold(ctx)
         self.streams.insert(ctx)
@@ -312,9 +321,16 @@ class DataPlane:
             "next_hops": [h.agent for h in route.next_hops], "qos": str(qos),
             "budget": msgspec.to_builtins(budget)})
         if o.content is not None:
-            self._on_message(ctx, ev.payload)
+            self._on_message(ctx, ev.payload, change=o.change, shaped=o.shaped)
 
-    def _on_message(self, ctx: StreamCtx, payload: Payload) -> None:
+    def _on_message(self, ctx: StreamCtx, payload: Payload, *, change: ParsedChange | None = None,
+                    shaped: bool = False) -> None:
+        """A task message on ``ctx`` (the SYN's, or the first one after it): its
+        task started with the :class:`Prompt` every next-hop is asked; ``change``
+        is its diff as already parsed (the SYN's :attr:`OpenCtx.change
+        <atp_router.runtime.dataplane.opening.OpenCtx.change>`), else the
+        dispatcher parses it once. ``shaped``: the SYN's ``task_shape`` stage
+        checked the content's shape already (:func:`check_task` runs once per task)."""
         if payload.type is not PayloadType.TASK:
             ctx.emit_error(ErrorCode.EPROTO, f"router expects a task payload, got {payload.type}")
             return
@@ -329,15 +345,16 @@ class DataPlane:
                 self.stream_closed(ctx.reset(ErrorCode.EPROTO, f"fragmented task body is not JSON: {e}"))
                 return
         try:
-            check_task(content)
+            if not shaped:
+                check_task(content)
         except LocalProtocolError as e:
             self.stream_closed(ctx.reset(e.code, e.reason))
             return
         ctx.task_started = True
         # Next-hops get the stream's meta with the hop-decremented ttl (§4.2): an
         # agent that is itself an ATP router forwards with it, and drops at 0.
-        prompt = Prompt(task_type=str(ctx.meta.get("task_type", "")), content=content,
-                        meta={**ctx.meta, "ttl": ctx.ttl})
+        prompt = Prompt(task_type=ctx.task.task_type, content=content, meta={**ctx.meta, "ttl": ctx.ttl},
+                        change=change_of_task(content, change), task=ctx.task)
         assert self.nursery is not None, "router is not serving"
         # The scope exists before the task runs, so an RST arriving first still stops it.
         ctx.cancel_scope = scope = trio.CancelScope()
@@ -470,9 +487,13 @@ class DataPlane:
 
     def open_stream(self, *, task: dict[str, Any], content: dict[str, Any] | None, budget: Budget | None,
                     qos: QoS | None, window: Window | None, idempotency_key: str | None,
-                    identity: Identity) -> StreamCtx:
-        """Open a stream for ``identity`` (HTTP API, A2A server) by synthesising
-        its SYN frame on a new session.
+                    identity: Identity, change: ParsedChange | None = None) -> StreamCtx:
+        """Open a stream for ``identity`` (HTTP API, OpenAI ingress, A2A server)
+        by synthesising its SYN frame on a new session. ``change``: ``content``'s
+        ``diff`` as the ingress already parsed it
+        (:func:`~atp_router.runtime.dataplane.plan.parse_off_loop`): the SYN counts
+        ``diff_loc`` from it and every next-hop gets it, so the diff is not parsed
+        again (it must be the parse of ``content["diff"]``; :func:`change_of_task`).
 
         The same ``idempotency_key`` (per tenant) returns the stream it opened
         before — over HTTP or WebSocket — without a second task or charge (§8).
@@ -494,7 +515,7 @@ class DataPlane:
         try:
             if idempotency_key is not None and (resumed := self.resume_point(syn, identity=identity)) is not None:
                 return resumed[0]
-            direct = self.receive_frame(syn, identity=identity, now=trio.current_time())
+            direct = self._receive(syn, identity=identity, now=trio.current_time(), change=change)
         except StoreUnavailable as e:
             if self.store_refusal is None:
                 raise
@@ -520,6 +541,15 @@ def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: s
         payload=Payload(type=PayloadType.CONTROL,
                         content=ErrorPayload(code=code, reason=reason, retry_after_ms=retry_after_ms)),
     )
+
+
+def change_of_task(content: Any, change: ParsedChange | None) -> ParsedChange | None:
+    """``change`` (an ingress's parse of ``content["diff"]``, :meth:`DataPlane.open_stream`)
+    when the task ``content`` has a ``diff`` string, else None: a change never
+    rides on a task without a diff."""
+    if change is None or not isinstance(content, dict):
+        return None
+    return change if isinstance(content.get("diff"), str) else None
 
 
 def _kind(frame: Frame) -> str:

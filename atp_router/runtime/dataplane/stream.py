@@ -24,6 +24,7 @@ import trio
 from atp_router.flow.budget import AccountState
 from atp_router.runtime.dataplane.eventlog import EventLog
 from atp_router.security.identity import Identity
+from atp_router.task.meta import TaskMeta
 from atp_router.wire import session as S
 from atp_router.wire.errors import ErrorCode
 from atp_router.wire.frame import (
@@ -104,6 +105,11 @@ class StreamCtx:
     account: str = ""
     #: The SYN's ``meta.idempotency_key`` (resumption, §8), if any.
     idempotency_key: str | None = None
+    #: The SYN meta's typed fields, decoded once at SYN (the ``task_meta`` stage,
+    #: :class:`~atp_router.runtime.dataplane.opening.DecodeMeta`): what the stream's
+    #: task and every next-hop's :attr:`Prompt.task <atp_router.adapters.base.Prompt.task>`
+    #: read. Empty for a stream read back from the store (it runs no task).
+    task: TaskMeta = field(default_factory=TaskMeta)
     #: Connections / SSE requests sending this stream's events right now.
     followers: int = 0
     #: When the last follower went away (None while followed, or never followed).

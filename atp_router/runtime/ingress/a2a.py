@@ -98,6 +98,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from atp_router.adapters.a2a import parts_of
+from atp_router.runtime.dataplane.plan import parse_off_loop
 from atp_router.runtime.ingress.a2a_message import RpcError, task_of
 from atp_router.runtime.ingress.a2a_tasks import (
     A2ATask,
@@ -296,13 +297,17 @@ async def _open_task(router: Router, book: _TaskBook, params: Mapping[str, Any],
     message_id = message.get("messageId") if isinstance(message.get("messageId"), str) else uuid.uuid4().hex
     context = message.get("contextId") if isinstance(message.get("contextId"), str) else None
     stored = _stored_message(message, message_id)
+    change = None
     if text_only:
-        refusal = await complete_from_repo(router, meta, content)
+        # A text diff is parsed once, here: its files are read from it, and every next-hop gets it.
+        diff = content.get("diff")
+        change = await parse_off_loop(diff) if isinstance(diff, str) else None
+        refusal = await complete_from_repo(router, meta, content, change)
         if refusal is not None:
             return book.remember(identity, _rejected(router, identity, stored, context, refusal))
     try:
         ctx = router.open_stream(task=meta, content=content, budget=budget, qos=None, window=None,
-                                 idempotency_key=f"a2a:{message_id}", identity=identity)
+                                 idempotency_key=f"a2a:{message_id}", identity=identity, change=change)
     except ATPError as e:
         code = -32602 if e.code is ErrorCode.EPROTO else -32603
         raise RpcError(code, f"{e.code}: {e.reason}", {"code": str(e.code), "reason": e.reason}) from None

@@ -60,6 +60,9 @@ content is ``{"diff": <that text>}`` instead, with ``files`` from ``atp.files``
 (path → after-diff text) or, when the router runs with ``--repo``, read from the
 checkout exactly as the A2A server does (:mod:`atp_router.runtime.ingress.repo_files`). A task
 whose routed next-hops need files they cannot get is refused (400 ``EPROTO``).
+The diff is parsed once, here (:func:`task_content`): the files read from the
+checkout, the ``diff_loc`` a ``policy:<name>`` model is checked with and every
+next-hop of the stream use that one parse.
 
 **Request** (:class:`ChatCompletionRequest`, strict: an unknown field is 400
 naming it in ``param``): ``model``, ``messages`` (1..256; roles ``system``,
@@ -131,6 +134,7 @@ from starlette.routing import Route
 
 from atp_router.consensus.types import FinalResult, Result
 from atp_router.runtime.dataplane.dispatch import NEXT_HOP_FAILED
+from atp_router.runtime.dataplane.plan import parse_off_loop
 from atp_router.runtime.dataplane.stream import StreamCtx
 from atp_router.runtime.ingress.bodies import BodyRefused, decode_off_loop, release_body
 from atp_router.runtime.ingress.openai_models import RibView, model_list, resolve_model
@@ -154,7 +158,7 @@ from atp_router.runtime.ingress.repo_files import complete_from_repo
 from atp_router.runtime.router import Router
 from atp_router.security.identity import Identity
 from atp_router.task.body import Chat
-from atp_router.task.diff import count_changed_lines, parse_diff
+from atp_router.task.change import ParsedChange
 from atp_router.wire.errors import ATPError, ErrorCode
 from atp_router.wire.frame import Budget, ErrorPayload, Frame
 
@@ -179,27 +183,29 @@ _enc = msgspec.json.Encoder()
 # ------------------------------------------------------------------ task content
 
 
-def task_content(req: ChatCompletionRequest, task_type: str | None) -> dict[str, Any]:
-    """The stream's task content (module doc, "Task content"). Raises
-    :class:`IngressError` for ``atp.files`` without a diff."""
+async def task_content(req: ChatCompletionRequest,
+                       task_type: str | None) -> tuple[dict[str, Any], ParsedChange | None]:
+    """The stream's task content (module doc, "Task content") and, for a
+    ``code_review`` diff, that diff parsed — once for the task: the ingress
+    reads its files from it and the router hands it to every next-hop
+    (:func:`~atp_router.runtime.dataplane.plan.parse_off_loop`, off the event
+    loop for a large one). Raises :class:`IngressError` for ``atp.files``
+    without a diff."""
     files = req.atp.files if req.atp is not None else None
     if task_type == CODE_REVIEW:
         last = next((m for m in reversed(req.messages) if m.role == "user"), None)
         text = last.text() if last is not None else ""
-        try:
-            is_diff = bool(parse_diff(text))
-        except ValueError:
-            is_diff = False
-        if is_diff:
+        change = await parse_off_loop(text)
+        if change.files:
             content: dict[str, Any] = {"diff": text}
             if files is not None:
                 content["files"] = dict(files)
-            return content
+            return content, change
     if files is not None:
         raise IngressError(ErrorCode.EPROTO, "atp.files goes with a code_review task whose last user message is a "
                            "unified diff", param="atp.files")
     body: dict[str, Any] = msgspec.to_builtins(Chat(messages=[m.turn() for m in req.messages]))
-    return body
+    return body, None
 
 
 def _budget(req: ChatCompletionRequest) -> Budget | None:
@@ -377,16 +383,16 @@ class _Ingress:
         v = self.view.refresh(self.router.gen.fib)
         target = resolve_model(req.model, v, self.allowed(identity))
         meta = dict(target.meta)
-        content = task_content(req, meta.get("task_type"))
+        content, change = await task_content(req, meta.get("task_type"))
         if "files" not in content:
-            refused = await complete_from_repo(self.router, meta, content)
+            refused = await complete_from_repo(self.router, meta, content, change)
             if refused is not None:
                 raise IngressError(ErrorCode.EPROTO, refused, param="messages")
         if target.policy is not None:
-            await _check_policy(v, target.policy, meta, content)
+            _check_policy(v, target.policy, meta, change)
         opts = req.atp or AtpOptions()
         ctx = self.router.open_stream(task=meta, content=content, budget=_budget(req), qos=opts.qos, window=None,
-                                      idempotency_key=opts.idempotency_key, identity=identity)
+                                      idempotency_key=opts.idempotency_key, identity=identity, change=change)
         return req, ctx
 
     async def chat(self, request: Request, identity: Identity) -> Response:
@@ -419,13 +425,12 @@ class _Ingress:
         return Response(_enc.encode(body), media_type="application/json")
 
 
-async def _check_policy(v: RibView, policy: str, meta: dict[str, Any], content: dict[str, Any]) -> None:
+def _check_policy(v: RibView, policy: str, meta: dict[str, Any], change: ParsedChange | None) -> None:
     """A ``policy:<name>`` model: the policy must be the first in the RIB to
-    match the task's meta (``diff_loc`` added from a diff), else
-    :class:`IngressError` (400 EPROTO, ``param: model``)."""
-    if "diff" in content and "diff_loc" not in meta:
-        # As the router does at SYN, off the event loop for a large diff.
-        meta["diff_loc"] = await decode_off_loop(count_changed_lines, content["diff"])
+    match the task's meta (``diff_loc`` added from the diff's ``change``, as the
+    router does at SYN), else :class:`IngressError` (400 EPROTO, ``param: model``)."""
+    if change is not None and "diff_loc" not in meta:
+        meta["diff_loc"] = change.diff_loc
     first = v.first_match(meta)
     if first != policy:
         match = next(cm.source for name, _, cm in v.policies if name == policy)

@@ -13,7 +13,7 @@ import trio
 
 from atp_router.review.repo import files_after
 from atp_router.runtime.router import Router
-from atp_router.task.diff import parse_diff
+from atp_router.task.change import ParsedChange
 from atp_router.wire.errors import ATPError
 
 __all__ = ["complete_from_repo"]
@@ -37,9 +37,11 @@ def _agents_needing_files(router: Router, meta: Mapping[str, Any]) -> list[str]:
 _MAX_PROBLEMS = 10
 
 
-async def complete_from_repo(router: Router, meta: Mapping[str, Any], content: dict[str, Any]) -> str | None:
+async def complete_from_repo(router: Router, meta: Mapping[str, Any], content: dict[str, Any],
+                             change: ParsedChange | None) -> str | None:
     """Complete a text-only task (``{"diff"}`` or ``{"text"}``) in place: a diff
-    gets ``files``, the after-diff text of each file it touches, read from the
+    (``change``: ``content["diff"]`` as the ingress parsed it, None for a text
+    that is no diff) gets ``files``, the after-diff text of each file it touches, read from the
     router's ``--repo`` (:func:`atp_router.review.repo.files_after`: bounded, confined to
     the checkout). Returns ``None`` when the task can be reviewed, else the
     reason to reject it: the text is not a unified diff, or the files cannot be
@@ -48,8 +50,7 @@ async def complete_from_repo(router: Router, meta: Mapping[str, Any], content: d
     review it without ``files`` when those cannot be read."""
     needs = _agents_needing_files(router, meta)
     who = ", ".join(needs)
-    diff = content.get("diff")
-    diffs = parse_diff(diff) if isinstance(diff, str) else []
+    diffs = list(change.files) if change is not None and isinstance(content.get("diff"), str) else []
     if not diffs:
         if needs:
             return (f"the message text is not a unified diff, and the agents of task type {meta.get('task_type')!r} "
