@@ -24,6 +24,7 @@ from atp_router.store import Store
 from atp_router.wire.frame import Frame
 
 if TYPE_CHECKING:
+    from atp_router.runtime.dataplane.journal import CallJournal
     from atp_router.runtime.router import Router
 
 __all__ = ["Service", "StateParts", "SynGate"]
@@ -49,7 +50,10 @@ class StateParts:
     ignored): e.g. the streams a previous run left reported interrupted, the
     RIB hot-reloaded before a restart put back.
     ``close`` checkpoints and closes it all at shutdown
-    (:meth:`Router.close_state <atp_router.runtime.router.Router.close_state>`)."""
+    (:meth:`Router.close_state <atp_router.runtime.router.Router.close_state>`).
+    ``journal``: the call journal of streams re-run by their key on another
+    router (:class:`~atp_router.runtime.dataplane.journal.CallJournal`; None: a
+    stream is never re-run elsewhere, as on one router)."""
 
     state_dir: Path
     store: Store
@@ -57,6 +61,7 @@ class StateParts:
     ledger: BudgetLedger
     close: Callable[[], None]
     restore: Sequence[Callable[[Router], object]] = ()
+    journal: CallJournal | None = None
 
 
 class SynGate:
