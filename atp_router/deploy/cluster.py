@@ -94,13 +94,14 @@ import logging
 import math
 import os
 import secrets
+import signal
 import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
@@ -113,16 +114,20 @@ from atp_router.deploy.workers import RETRY, ForwardingApp, Peer, SharedRib, set
 from atp_router.flow.budget import (
     AccountState,
     Allowance,
+    CallRecord,
     Charge,
     Refusal,
     Reservation,
     SharedAccounts,
     SharedBudgetLedger,
+    SharedResult,
+    StoredCall,
     _Account,
 )
 from atp_router.observability.metrics import RouterMetrics
 from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.controlplane import shared_state
+from atp_router.runtime.dataplane.journal import CallJournal
 from atp_router.runtime.dataplane.opening import DEFAULT_STAGES
 from atp_router.runtime.dataplane.quotas import SharedQuotas, with_shared_quotas
 from atp_router.runtime.deployment import StateParts, SynGate
@@ -130,7 +135,7 @@ from atp_router.runtime.router import Router
 from atp_router.security.audit import AuditLog
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
-from atp_router.store import NotFound, Store, StoreError, StoreUnavailable, StreamRecord
+from atp_router.store import NotFound, StoreError, StoreUnavailable, StreamRecord
 from atp_router.wire.errors import ATPError, ErrorCode
 from atp_router.wire.frame import Frame, PayloadType
 
@@ -147,6 +152,9 @@ __all__ = [
     "store_unavailable_reason",
 ]
 
+if TYPE_CHECKING:
+    from atp_router.store.redis import RedisStore
+
 log = logging.getLogger("atp_router.deploy.cluster")
 
 #: The RST reason (and stored close reason) of a stream whose router was lost
@@ -159,6 +167,8 @@ REAP_S = 1.0
 SETTLE_RETRY_S = 0.5
 #: ``retry_after_ms`` of a spend refused because the store cannot be reached.
 RETRY_AFTER_MS = 1000
+#: The environment variable of the kill-after-commit fault hook (:class:`ClusterLedger`).
+KILL_AFTER_COMMIT_ENV = "ATP_FAULT_KILL_AFTER_COMMIT"
 #: How long an HTTP re-open that lost the re-run claim waits for the winner's stream, s (at most a lease).
 _RERUN_WAIT_S = 5.0
 
@@ -183,7 +193,7 @@ def is_cluster_store(url: str) -> bool:
     return url.split("://", 1)[0].lower() in _STORE_SCHEMES and "://" in url
 
 
-def open_store(url: str, *, namespace: str) -> Store:
+def open_store(url: str, *, namespace: str) -> RedisStore:
     """The shared store at ``url`` (``redis://[:password@]host:port/db``,
     ``rediss://…``, ``unix:///path?db=N``), its keys under ``namespace``.
     Raises :class:`~atp_router.store.base.StoreError` (``StoreUnavailable`` when it
@@ -258,7 +268,7 @@ class ClusterLedger(SharedBudgetLedger):
     ``on_unavailable(op, error)`` is told of every operation that found the
     store unreachable (metrics)."""
 
-    def __init__(self, shared: SharedAccounts, *, owner: str,
+    def __init__(self, shared: RecordingAccounts, *, owner: str,
                  on_unavailable: Callable[[str, StoreError], None] | None = None,
                  on_settled: Callable[[str], None] | None = None) -> None:
         super().__init__(shared, owner=owner)
@@ -266,9 +276,24 @@ class ClusterLedger(SharedBudgetLedger):
         self.on_settled = on_settled
         #: Settlements the store could not take yet: (stored reservation, usage or None: release, account).
         #: The commit's request name (SharedAccounts.recommit_shared; "" for a release).
-        self._unsettled: list[tuple[Reservation, tuple[int, int] | None, _Account, str]] = []
+        #: The call record each (the answer its commit pays for), or None.
+        self._unsettled: list[tuple[Reservation, tuple[int, int] | None, _Account, str, CallRecord | None]] = []
+        self.shared: RecordingAccounts = shared
+        #: Call records to store with their reservation's commit (local reservation id -> record).
+        self._records: dict[int, CallRecord] = {}
+        #: Fault injection for the chaos tests (tests/scale/): ``ATP_FAULT_KILL_AFTER_COMMIT=1``
+        #: kills this process (SIGKILL) right after a call's commit reached the store,
+        #: before its FINAL is stored — the point where a charge could be made twice.
+        self._kill_after_commit = os.environ.get(KILL_AFTER_COMMIT_ENV) == "1"
         #: Reserve calls whose answer was lost, to cancel (SharedAccounts.cancel_reserve_shared).
         self._cancels: list[str] = []
+
+    def attach(self, reservation: Reservation, record: CallRecord) -> None:
+        """Store ``record`` (the answer ``reservation``'s call gave) in the same
+        atomic step as that reservation's commit, or not at all (a release):
+        a stream re-run by its key finds the answer iff it was charged
+        (:class:`~atp_router.runtime.dataplane.memo.CallJournal`)."""
+        self._records[reservation.id] = record
 
     @property
     def unsettled(self) -> int:
@@ -349,27 +374,30 @@ class ClusterLedger(SharedBudgetLedger):
     def commit(self, reservation: Reservation, actual_tokens: int, actual_usd_micros: int) -> Charge:
         if actual_tokens < 0 or actual_usd_micros < 0:
             return super().commit(reservation, actual_tokens, actual_usd_micros)  # its ValueError
+        record = self._records.pop(reservation.id, None)
         acct = self._forget(reservation)
         stored = self._stored(reservation)
         usage = (actual_tokens, actual_usd_micros)
         certain = _certain(reservation, usage)
         if self._unsettled:
             # Settled in order: an earlier settlement still waits for the store.
-            self._unsettled.append((stored, (certain.tokens, certain.usd_micros), acct, self.new_request()))
+            self._unsettled.append((stored, (certain.tokens, certain.usd_micros), acct, self.new_request(), record))
             return certain
-        charge = self._settle_stored(stored, usage, acct, held=(certain.tokens, certain.usd_micros))
+        charge = self._settle_stored(stored, usage, acct, held=(certain.tokens, certain.usd_micros), record=record)
         return charge if charge is not None else certain
 
     def release(self, reservation: Reservation) -> None:
+        self._records.pop(reservation.id, None)
         acct = self._forget(reservation)
         stored = self._stored(reservation)
         if self._unsettled:
-            self._unsettled.append((stored, None, acct, ""))
+            self._unsettled.append((stored, None, acct, "", None))
             return
         self._settle_stored(stored, None, acct)
 
     def _settle_stored(self, stored: Reservation, usage: tuple[int, int] | None, acct: _Account,
-                *, queue: bool = True, held: tuple[int, int] | None = None, request: str = "") -> Charge | None:
+                *, queue: bool = True, held: tuple[int, int] | None = None, request: str = "",
+                record: CallRecord | None = None) -> Charge | None:
         """Commit (``usage``) or release ``stored`` in the store; on
         :class:`StoreUnavailable` queue it (``queue``) or raise. Returns the charge.
 
@@ -391,9 +419,9 @@ class ClusterLedger(SharedBudgetLedger):
             if usage is None:
                 out = self.shared.release_shared(stored)
             elif queue:
-                out = self.shared.commit_shared(stored, *usage, request=request)
+                out = self.shared.commit_shared(stored, *usage, request=request, record=record)
             else:
-                out = self.shared.recommit_shared(stored, *usage, request=request)
+                out = self.shared.recommit_shared(stored, *usage, request=request, record=record)
         except StoreUnavailable as e:
             self._down("commit" if usage is not None else "release", e)
             if not queue:
@@ -403,7 +431,7 @@ class ClusterLedger(SharedBudgetLedger):
                             "(within the reservation), the usage beyond it (%s) is overage not charged",
                             stored.id, stored.key, held, (usage[0] - held[0], usage[1] - held[1]))
             self._unsettled.append((stored, held if usage is not None and held is not None else usage, acct,
-                                    request))
+                                    request, record))
             return None
         except NotFound:
             log.warning("reservation %d on %s is no longer in the store (settled by another router, or a retried "
@@ -412,6 +440,9 @@ class ClusterLedger(SharedBudgetLedger):
             return Charge(0, 0, *usage) if usage is not None else None
         acct.open -= 1
         self._mirror(out)
+        if self._kill_after_commit and usage is not None:
+            log.error("%s=1: killing this router right after a commit (fault injection)", KILL_AFTER_COMMIT_ENV)
+            os.kill(os.getpid(), signal.SIGKILL)
         return out.charge
 
     def settle_pending(self) -> int:
@@ -431,9 +462,9 @@ class ClusterLedger(SharedBudgetLedger):
                 log.exception("reserve %s timed out; cancelling it failed; dropped", request)
             self._cancels.pop(0)
         while self._unsettled:
-            stored, usage, acct, request = self._unsettled[0]
+            stored, usage, acct, request, record = self._unsettled[0]
             try:
-                self._settle_stored(stored, usage, acct, queue=False, request=request)
+                self._settle_stored(stored, usage, acct, queue=False, request=request, record=record)
             except StoreUnavailable:
                 break
             except StoreError:
@@ -448,6 +479,20 @@ def _certain(r: Reservation, usage: tuple[int, int]) -> Charge:
     within the reservation (the rest, overage until settled)."""
     t, u = min(usage[0], r.tokens), min(usage[1], r.usd_micros)
     return Charge(t, u, usage[0] - t, usage[1] - u)
+
+
+class RecordingAccounts(SharedAccounts, Protocol):
+    """The :class:`~atp_router.flow.budget.SharedAccounts` of a cluster's store
+    (:class:`~atp_router.store.redis.RedisStore`): a commit can store the answer
+    it pays for in the same atomic step (:class:`~atp_router.flow.budget.CallRecord`)."""
+
+    def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                      request: str = "", record: CallRecord | None = None) -> SharedResult: ...
+
+    def recommit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
+                        request: str, record: CallRecord | None = None) -> SharedResult: ...
+
+    def call_record(self, key: str) -> StoredCall | None: ...
 
 
 # ----------------------------------------------------------------------- leases
@@ -486,6 +531,10 @@ class LeaseClock:
         self.failures = 0
         self.fence_seq = 0
         self.fenced_seq = 0
+        #: The lease epoch (fencing token) the store last reported, and the one
+        #: this router's writes carry (adopted after the fence it makes due).
+        self.epoch: int | None = None
+        self.adopted: int | None = None
 
     @property
     def period_s(self) -> float:
@@ -500,17 +549,30 @@ class LeaseClock:
         """Whether the thread renews at ``now``: the loop ticked within :attr:`stall_s`."""
         return now - self.ticked < self.stall_s
 
-    def renewed(self, now: float, peers: dict[str, dict[str, Any]]) -> float | None:
-        """A renewal succeeded at ``now`` (``peers``: the live routers it read).
-        Returns the gap since the previous one (s) when it makes a fence due,
-        else None."""
+    def renewed(self, now: float, peers: dict[str, dict[str, Any]], epoch: int = 0) -> float | None:
+        """A renewal succeeded at ``now`` (``peers``: the live routers it read;
+        ``epoch``: the lease epoch the store reported). Returns the gap since
+        the previous one (s) when it makes a fence due — a gap of 0.8 lease or
+        more, or an epoch other than the adopted one (another router settled
+        this one: the gap is then reported whatever it was) —, else None."""
         gap = now - self.ok_at
         self.ok_at = max(self.ok_at, now)
         self.peers = peers
-        if gap >= 0.8 * self.lease_s:
+        self.epoch = epoch
+        if self.adopted is None:
+            self.adopted = epoch  # the first renewal, before this router owns anything
+        if gap >= 0.8 * self.lease_s or epoch != self.adopted:
             self.fence_seq += 1
             return gap
         return None
+
+    def adopt(self) -> int | None:
+        """The fence is done: the epoch the store reported is the one this
+        router's writes carry from now on; returns it when it changed."""
+        if self.epoch is None or self.epoch == self.adopted:
+            return None
+        self.adopted = self.epoch
+        return self.epoch
 
     def failed(self, now: float, error: StoreError) -> None:
         """A renewal found the store unreachable at ``now``."""
@@ -604,6 +666,7 @@ class ClusterNode(SynGate):
         router.streams.persistence.owner = self.owner
         router.streams.persistence.on_store_unavailable = self.store_unavailable
         router.streams.persistence.flush_gate = self._writes_allowed
+        router.streams.persistence.on_fenced = lambda: self._found_settled("")
         #: The lease thread's and the trio side's shared view (under _lease_lock).
         self._lease = LeaseClock(self.lease_ms, now=time.monotonic())
         self._heartbeat()  # the lease exists before this router owns anything
@@ -630,7 +693,7 @@ class ClusterNode(SynGate):
         self.rib = SharedRib(store)
         return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
                           close=lambda: self._close_state(close), store_check=self._store_check,
-                          restore=(self._restore_rib,))
+                          restore=(self._restore_rib,), journal=CallJournal(store, ledger))
 
     def _found_settled(self, key: str) -> None:
         # The ledger found an account of ours settled by another router: check our streams (writes wait).
@@ -711,14 +774,17 @@ class ClusterNode(SynGate):
         the outcome goes to :attr:`_lease` (:class:`LeaseClock`). False when the
         store cannot be reached."""
         try:
-            self.store.heartbeat(self.owner, ttl_ms=self.lease_ms, now_ms=_now_ms(), info=self._info())
+            epoch = self.store.heartbeat(self.owner, ttl_ms=self.lease_ms, now_ms=_now_ms(), info=self._info())
             peers = self.store.live_owners(now_ms=_now_ms())
         except StoreUnavailable as e:
             with self._lease_lock:
                 self._lease.failed(time.monotonic(), e)
             return False
         with self._lease_lock:
-            gap = self._lease.renewed(time.monotonic(), peers)
+            first = self._lease.adopted is None
+            gap = self._lease.renewed(time.monotonic(), peers, epoch)
+        if first:
+            self._fence_as(epoch)
         if gap is not None:
             log.warning("router %s renewed its lease after %.0f ms (lease %d ms): checking its streams", self.owner,
                         gap * 1000, self.lease_ms)
@@ -760,7 +826,16 @@ class ClusterNode(SynGate):
                 return  # tried again at the next tick; the writes wait
             with self._lease_lock:
                 lease.fenced(fence_seq)
+                epoch = lease.adopt()
+            if epoch is not None:
+                # Its settled streams are stopped: its writes carry the new epoch from now on.
+                log.warning("router %s was settled by another router (lease epoch now %d): its writes resume",
+                            self.owner, epoch)
+                self._fence_as(epoch)
         self._store_back()
+
+    def _fence_as(self, epoch: int) -> None:
+        self.store.fence_as(self.owner, epoch)  # the fencing token of this router's writes
 
     def _writes_allowed(self) -> bool:
         """The stream table's flush gate: the store answered, no fence is due
@@ -871,6 +946,7 @@ class ClusterNode(SynGate):
                 continue  # this router's own lease lapsed: the next heartbeat renews it (and fences)
             if not self.store.claim("settle/" + owner, self.owner, ttl_ms=2 * self.lease_ms, now_ms=now):
                 continue  # another router settles it
+            self.store.fence_owner(owner)  # whatever it still sends is refused from here: it cannot undo the settling
             done[owner] = settle(self.store, self.audit_log, owner, reason=ROUTER_LOST, release=True, who="router")
             self.peers.pop(owner, None)
             log.warning("router %s lost (no lease for %d ms): settled by %s: %s", owner, self.lease_ms, self.owner,

@@ -116,6 +116,27 @@ class Refusal(Struct, frozen=True, forbid_unknown_fields=True):
     code: ErrorCode = ErrorCode.EBUDGET
 
 
+class CallRecord(Struct, frozen=True, forbid_unknown_fields=True):
+    """The answer a commit pays for, stored by a shared store in the same
+    atomic step as the charge (issue 22: a stream re-run on another router
+    finds the answer iff it was charged, and does not call and charge again).
+    ``key``: the call's name (JSON ``[tenant, idempotency key, agent, n]``);
+    ``value``: the answer, opaque bytes; ``ttl_ms``: how long it is kept."""
+
+    key: str
+    value: bytes
+    ttl_ms: int
+
+
+class StoredCall(Struct, frozen=True, forbid_unknown_fields=True):
+    """A :class:`CallRecord` as stored: its ``value`` and what its commit
+    charged (``tokens``, ``usd_micros``)."""
+
+    value: bytes
+    tokens: int
+    usd_micros: int
+
+
 class Charge(Struct, frozen=True, forbid_unknown_fields=True):
     """What :meth:`BudgetLedger.commit` charged and what it could not (overage)."""
 

@@ -24,6 +24,7 @@ from atp_router.store import Store
 from atp_router.wire.frame import Frame
 
 if TYPE_CHECKING:
+    from atp_router.runtime.dataplane.journal import CallJournal
     from atp_router.runtime.router import Router
 
 __all__ = ["Service", "StateParts", "StoreCheck", "SynGate"]
@@ -56,7 +57,10 @@ class StateParts:
     ``store_check`` is the mode's readiness fact about its store (``GET /v1/ready``,
     :mod:`atp_router.runtime.admin.readiness`): None while the store can record
     spend, else why not, in words; called from a worker thread, so it must not
-    touch trio (:data:`StoreCheck`)."""
+    touch trio (:data:`StoreCheck`).
+    ``journal``: the call journal of streams re-run by their key on another
+    router (:class:`~atp_router.runtime.dataplane.journal.CallJournal`; None: a
+    stream is never re-run elsewhere, as on one router)."""
 
     state_dir: Path
     store: Store
@@ -65,6 +69,7 @@ class StateParts:
     close: Callable[[], None]
     store_check: StoreCheck
     restore: Sequence[Callable[[Router], object]] = ()
+    journal: CallJournal | None = None
 
 
 class SynGate:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from atp_router.store.base import (
     CachePut,
     CacheStats,
+    Fenced,
     NotFound,
     SchemaError,
     Store,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CachePut",
     "CacheStats",
+    "Fenced",
     "NotFound",
     "RedisStore",
     "SchemaError",

@@ -4,10 +4,20 @@ store's Python stays readable). Each script is run by EVALSHA with
 * ``KEYS[1]`` = ``<ns>:epoch`` and ``ARGV[1]`` = the epoch the store opened
   with: a script first checks it and answers ``ATPEPOCH`` when Redis lost its
   data (the marker is gone or another one);
-* ``ARGV[2]`` = the key prefix ``<ns>:``; the operation's own arguments follow
-  and are ``A[1]``, ``A[2]``, ... inside the script.
+* ``ARGV[2]`` = the key prefix ``<ns>:``;
+* ``ARGV[3]`` = the operation's **deadline** on Redis' own clock (Unix ms,
+  ``TIME``; '' none): a script that runs later — Redis was stopped or stalled
+  and reads the command from a connection whose caller gave up — answers
+  ``ATPLATE <ms late>`` and changes nothing;
+* ``ARGV[4]``, ``ARGV[5]`` = the **fencing token** of a router's write: its
+  owner name and the lease epoch it holds ('' '': none). When another router
+  settled that owner (``fence_owner``: ``le:<owner>`` incremented), a write
+  with the old epoch answers ``ATPFENCED <owner>`` and changes nothing;
+* the operation's own arguments follow and are ``A[1]``, ``A[2]``, ... inside
+  the script.
 
 Errors are ``redis.error_reply("<CODE> <details>")`` with the codes ``ATPEPOCH``,
+``ATPLATE <ms>``, ``ATPFENCED <owner>``,
 ``ATPNOTFOUND acct|res|stream <what>``, ``ATPOPEN <account>``, ``ATPHELD <id>``,
 ``ATPLIMIT events_per_stream <stream key>`` and ``ATPDUP event|audit <...>``;
 the store turns them into :mod:`atp_router.store.base` errors.
@@ -55,7 +65,12 @@ Key layout under the prefix P (``<ns>:``):
                     hex -> value size; ``ct``: hash n (entries), b (bytes)
 ``co`` / ``ctb``    hashes hex -> owning tenant / tenant -> its values' bytes;
 ``cut:<tenant>``    zset of that tenant's cache keys by last use
+``cm:<json>``        call record (json = JSON [tenant, idempotency key, agent,
+                    n]): hash v (the answer), t, u (what its commit charged);
+                    written by the commit's own step, PX ttl
 ``l:<owner>``       lease (info JSON), SET PX ttl; ``ls``: set of leased owners
+``le:<owner>``      the owner's lease epoch (fencing token; absent: 0),
+                    incremented when another router settles it
 ``cl:<name>``       claim: its holder, SET PX ttl
 ``q:<json>``        zset of a tenant's quota entries (json = JSON [tenant]):
                     member JSON [owner, stream id], score its expiry (Unix
@@ -96,9 +111,17 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return redis.error_reply('ATPEPOCH the epoch marker is gone or changed')
 end
 local P = ARGV[2]
-local A = {}
-for i = 3, #ARGV do A[i - 2] = ARGV[i] end
 local function I(n) return string.format('%d', n) end
+if ARGV[3] ~= '' then
+  local tm = redis.call('TIME')
+  local late = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000) - tonumber(ARGV[3])
+  if late > 0 then return redis.error_reply('ATPLATE ' .. I(late)) end
+end
+if ARGV[4] ~= '' and (redis.call('GET', P .. 'le:' .. ARGV[4]) or '0') ~= ARGV[5] then
+  return redis.error_reply('ATPFENCED ' .. ARGV[4])
+end
+local A = {}
+for i = 6, #ARGV do A[i - 5] = ARGV[i] end
 local function nf(kind, what) return redis.error_reply('ATPNOTFOUND ' .. kind .. ' ' .. what) end
 """
 
@@ -270,13 +293,22 @@ move(chain(key), 0, 0, 0, 0, t - tonumber(old[1] or '0'), u - tonumber(old[2] or
 if tonumber(id) > tonumber(redis.call('GET', P .. 'rid') or '0') then redis.call('SET', P .. 'rid', id) end
 return 1
 """),
-    # A: id, mode ('release' | 'charge' | 'actual' | 'recommit'), t, u, ot, ou[, request, request ttl ms]
+    # A: id, mode ('release' | 'charge' | 'actual' | 'recommit'), t, u, ot, ou[, request, request ttl ms
+    #   [, call record key, its value, its ttl ms]]
     #   -> {chain, t, u, ot, ou} charged. A named commit records 'key|t|u|ot|ou' under rq:<request>;
     #   'recommit' (the retry of a named commit whose answer was lost) corrects that record's charge to
     #   t / u if the first attempt ran, else charges t / u and marks the name so the first is refused.
+    #   A call record (the answer the charge paid for) is stored in the same step under cm:<key>
+    #   (hash v, t, u: the value and the charge), so a re-run finds the answer iff it was charged.
     "settle": (_LEDGER, """
 local id, mode, q = A[1], A[2], A[7] or ''
 local qk = P .. 'rq:' .. q
+local function record(t, u)
+  if (A[9] or '') == '' then return end
+  local ck = P .. 'cm:' .. A[9]
+  redis.call('HSET', ck, 'v', A[10], 't', I(t), 'u', I(u))
+  redis.call('PEXPIRE', ck, A[11])
+end
 if q ~= '' then
   local done = redis.call('GET', qk)
   if mode == 'recommit' then
@@ -286,6 +318,7 @@ if q ~= '' then
       local rows = chain(key)
       local t, u = tonumber(A[3]), tonumber(A[4])
       move(rows, t - tonumber(dt), u - tonumber(du), -tonumber(dot), -tonumber(dou), 0, 0)
+      record(t, u)
       return {encode(rows), t, u, 0, 0}
     end
     mode = 'charge'
@@ -316,6 +349,7 @@ del_res(id, h[4])
 if q ~= '' and A[2] ~= 'recommit' then
   redis.call('SET', qk, h[1] .. '|' .. I(ct) .. '|' .. I(cu) .. '|' .. I(ot) .. '|' .. I(ou), 'PX', A[8])
 end
+if mode ~= 'release' then record(ct, cu) end
 return {encode(rows), ct, cu, ot, ou}
 """),
     # A: key, lt, lu, mode ('plain' | 'clamp' | 'strict') -> {ok, chain}
@@ -431,6 +465,12 @@ move(chain(h[1]), 0, 0, 0, 0, -tonumber(h[2]), -tonumber(h[3]))
 del_res(id, h[4])
 return 1
 """),
+    # A: call record key -> {value, charged t, charged u} | false
+    "call_record": ("", """
+local h = redis.call('HMGET', P .. 'cm:' .. A[1], 'v', 't', 'u')
+if not h[1] then return false end
+return h
+"""),
     # A: key -> chain (open)
     "shared_totals": (_LEDGER, """
 local rows = chain(A[1])
@@ -438,11 +478,16 @@ if #rows == 0 or not rows[1][10] then return nf('acct', A[1]) end
 return encode(rows)
 """),
     # ------------------------------------------------------------ leases and claims
-    # A: owner, ttl ms, info JSON
+    # A: owner, ttl ms, info JSON -> {its lease epoch, Redis TIME seconds, microseconds}
     "heartbeat": ("", """
 redis.call('SET', P .. 'l:' .. A[1], A[3], 'PX', A[2])
 redis.call('SADD', P .. 'ls', A[1])
-return 1
+local tm = redis.call('TIME')
+return {redis.call('GET', P .. 'le:' .. A[1]) or '0', tm[1], tm[2]}
+"""),
+    # A: owner -> its new lease epoch: every write it made with the old one is refused from now on
+    "fence_owner": ("", """
+return redis.call('INCR', P .. 'le:' .. A[1])
 """),
     # -> {owner, info, owner, info, ...}
     "live_owners": ("", """

@@ -164,6 +164,13 @@ class NotFound(StoreError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class Fenced(NotFound):
+    """A write carrying a fencing token (a router's lease epoch) the store no
+    longer honours: another router settled that router after its lease lapsed
+    (what it wrote for is gone — a :class:`NotFound` to its callers), and it
+    must stop the streams it no longer owns before writing again."""
+
+
 class StreamRecord(Struct, frozen=True, forbid_unknown_fields=True):
     """A stream as the router opened it (spec §8). ``tenant`` is the RIB client
     that owns it; ``meta`` the SYN's meta; ``created_ms`` / ``closed_ms`` are
@@ -335,12 +342,16 @@ class Store(ABC):
 
     # ------------------------------------------- router leases (several routers)
     @abstractmethod
-    def heartbeat(self, owner: str, *, ttl_ms: int, now_ms: int, info: Mapping[str, Any]) -> None:
+    def heartbeat(self, owner: str, *, ttl_ms: int, now_ms: int, info: Mapping[str, Any]) -> int:
         """(Re)set process ``owner``'s lease to expire ``ttl_ms`` ms from now,
         keeping ``info`` (JSON-able, e.g. ``{"url": ..., "started_ms": ...}``)
         with it. ``now_ms`` is the caller's Unix ms; a backend with a clock of
         its own (Redis) times the lease by it instead, so hosts never compare
-        wall clocks. Raises ``ValueError`` when ``ttl_ms < 1``."""
+        wall clocks. Returns the owner's lease epoch, the fencing token its
+        writes carry (Redis; it grows when another router settles the owner);
+        0 for a store without fencing tokens (SQLite: one host, whose
+        ``--workers`` supervisor settles a worker only once its process has
+        ended). Raises ``ValueError`` when ``ttl_ms < 1``."""
 
     @abstractmethod
     def live_owners(self, *, now_ms: int) -> dict[str, dict[str, Any]]:

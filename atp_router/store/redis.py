@@ -41,6 +41,21 @@ Failures:
   named too, and settled again by name (:meth:`RedisStore.recommit_shared`):
   a first attempt Redis ran after all is corrected to the retry's amounts, one
   it runs later is refused — charged once, at what the caller reported.
+* **deadlines**: every write carries its deadline on Redis' own clock (the
+  client's clock plus the offset measured by ``TIME`` at open and at every
+  lease renewal, plus :attr:`RedisStore.deadline_ms`: twice the socket timeout,
+  at least :data:`MIN_DEADLINE_MS`); one that Redis runs later — it was
+  stopped or stalled, and reads the command from a connection whose caller
+  gave up — changes nothing and answers ``ATPLATE`` (raised as
+  ``StoreUnavailable``, without a back-off: Redis answered). So a write that
+  timed out can apply late only inside that deadline, where the named
+  cancel and re-commit below settle it; never after.
+* **fencing tokens**: a cluster router's writes for its own streams and calls
+  carry its owner name and lease epoch (:meth:`RedisStore.fence_as`; the
+  epoch comes back from every :meth:`RedisStore.heartbeat`). A router that
+  settles a lost one first increments its epoch (:meth:`RedisStore.fence_owner`):
+  whatever the lost one still sends is refused (``Fenced``) until it has
+  stopped what was settled and taken the new epoch.
 * **epoch marker**: on open the store sets ``<ns>:epoch`` to a uuid unless it
   is set (``SET NX``) and remembers it; every script checks it first. When it
   is gone or another (Redis restarted without persistence, ``FLUSHALL``), the
@@ -109,10 +124,12 @@ from redis.retry import Retry
 
 from atp_router.flow.budget import (
     Allowance,
+    CallRecord,
     Charge,
     LedgerSnapshot,
     Reservation,
     SharedResult,
+    StoredCall,
     refusal,
 )
 from atp_router.flow.quota import QuotaAsk, QuotaGrant
@@ -122,6 +139,7 @@ from atp_router.store.base import (
     NONCE_SWEEP,
     CachePut,
     CacheStats,
+    Fenced,
     NotFound,
     SchemaError,
     Store,
@@ -137,7 +155,7 @@ from atp_router.store.base import (
 )
 from atp_router.store.sqlite import RIB_KEPT, _remaining, _totals, ledger_snapshot
 
-__all__ = ["EXPIRE_STEP", "REQUEST_TTL_MS", "RedisStore"]
+__all__ = ["EXPIRE_STEP", "MIN_DEADLINE_MS", "REQUEST_TTL_MS", "RedisStore"]
 
 _APP = "atp-router"
 #: Streams :meth:`RedisStore.expire` drops per script (Redis runs one script at a time).
@@ -153,6 +171,20 @@ _UNAVAILABLE_CODES = frozenset({"LOADING", "BUSY", "MASTERDOWN", "READONLY", "NO
                                 "CLUSTERDOWN", "NOAUTH"})
 #: Operations :meth:`RedisStore.batch` buffers.
 _DEFERRED = frozenset({"put_stream", "close_stream", "append_event", "kv_put"})
+#: The least deadline of an operation, ms (it is twice the socket timeout): what a
+#: loaded machine may take between building a call and Redis running it.
+MIN_DEADLINE_MS = 1_000
+#: The writes a router makes for its own streams and calls, which carry its
+#: fencing token (:meth:`RedisStore.fence_as`): refused once another router
+#: settled it. A cancel, a lease renewal, a claim, the settling of another
+#: router and reads carry none.
+_FENCED = frozenset({"open_account", "close_account", "reserve_shared", "extend_shared", "settle",
+                     "put_stream", "close_stream", "append_event"})
+#: The operations that carry a deadline: those writes, a limit change, a quota's open
+#: and its rate (a late open must not hold a slot: it is refused). A read, a
+#: lease renewal (late is harmless: the router is alive, and its writes are fenced), a
+#: claim (bounded by its own TTL) or a cancel (it must always apply) carries none.
+_DEADLINED = _FENCED | {"set_limit", "quota_open", "rate_take"}
 
 
 @dataclass
@@ -189,6 +221,15 @@ class RedisStore(Store):
         self._retry_at = 0.0
         self._down_reason = ""
         self._lost = False
+        #: The operations' deadline budget, ms: twice the client's own socket timeout,
+        #: at least :data:`MIN_DEADLINE_MS` (an operation Redis runs later than that is
+        #: refused: module docstring).
+        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        self.deadline_ms = max(MIN_DEADLINE_MS, int(2 * float(timeout) * 1000)) if timeout else 0
+        #: Redis' clock minus ours, ms (measured at open and at every lease renewal).
+        self.clock_offset_ms = 0
+        #: The fencing token this process's writes carry: (owner, lease epoch) or None.
+        self._fence: tuple[str, str] | None = None
 
     # ----------------------------------------------------------------- opening
     @classmethod
@@ -244,8 +285,10 @@ class RedisStore(Store):
                 raise SchemaError(f"redis {where} namespace {namespace!r}: layout version {version} is newer than "
                                   f"this {_APP} supports ({LAYOUT_VERSION}); upgrade {_APP} or use another namespace")
             raise SchemaError(f"redis {where} namespace {namespace!r} is not an {_APP} store (layout {layout!r})")
-        return cls(client, url=url, namespace=namespace, epoch=epoch.decode(), max_event_bytes=max_event_bytes,
-                   max_events_per_stream=max_events_per_stream, backoff_s=backoff_s)
+        store = cls(client, url=url, namespace=namespace, epoch=epoch.decode(), max_event_bytes=max_event_bytes,
+                    max_events_per_stream=max_events_per_stream, backoff_s=backoff_s)
+        store.sync_clock()
+        return store
 
     def describe(self) -> str:
         return f"{mask_url(self._url)} namespace {self.namespace}"
@@ -277,14 +320,59 @@ class RedisStore(Store):
                                 f"{mask_url(self._url)} is gone or changed (restarted without persistence, or "
                                 "flushed); spend is refused until the routers are restarted on it")
 
-    def _down(self, e: Exception) -> StoreUnavailable:
+    def _down(self, e: Exception | str) -> StoreUnavailable:
         self._up = False
         self._retry_at = time.monotonic() + self.backoff_s
         self._down_reason = f"redis at {mask_url(self._url)} unavailable: {e}"
         return StoreUnavailable(self._down_reason)
 
     def _args(self, name: str, args: Sequence[Any]) -> tuple:
-        return (self._sha[name], 1, self._epoch_key, self.epoch, self._prefix, *args)
+        deadline = (int(time.time() * 1000) + self.clock_offset_ms + self.deadline_ms
+                    if self.deadline_ms and name in _DEADLINED else "")
+        fence = self._fence if self._fence is not None and name in _FENCED else ("", "")
+        return (self._sha[name], 1, self._epoch_key, self.epoch, self._prefix, deadline, *fence, *args)
+
+    def sync_clock(self) -> int:
+        """Measure Redis' clock against ours (``TIME``, the midpoint of the round
+        trip) and keep the offset the deadlines use; returns it (ms). Raises
+        :class:`~atp_router.store.base.StoreUnavailable`."""
+        self._check()
+        try:
+            t0 = time.time()
+            sec, usec = self._client.time()
+            t1 = time.time()
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            raise self._down(e) from None
+        except RedisError as e:
+            raise StoreError(f"redis at {mask_url(self._url)}: {e}") from None
+        self._up = True
+        self._clock(int(sec), int(usec), t0, t1)
+        return self.clock_offset_ms
+
+    def _clock(self, sec: int, usec: int, t0: float, t1: float) -> None:
+        if t1 - t0 <= max(0.05, self.deadline_ms / 4000):  # a slow round trip says little about the offset
+            self.clock_offset_ms = sec * 1000 + usec // 1000 - int((t0 + t1) * 500)
+
+    def fence_as(self, owner: str, epoch: int) -> None:
+        """Carry ``owner``'s fencing token (lease epoch ``epoch``) on this store's
+        writes for its streams and calls from now on (a cluster router, at start
+        and after it found itself settled: :meth:`heartbeat` returns the epoch)."""
+        if not owner:
+            raise ValueError("fence_as needs an owner")
+        self._fence = (owner, str(epoch))
+
+    @property
+    def fence_epoch(self) -> int | None:
+        """The lease epoch this store's writes carry (None: no fencing token)."""
+        return None if self._fence is None else int(self._fence[1])
+
+    def fence_owner(self, owner: str) -> int:
+        """Increment ``owner``'s lease epoch (another router is about to settle
+        it): every write it makes with the old epoch is refused from now on
+        (``Fenced``). Returns the new epoch. Raises :class:`~atp_router.store.base.StoreError`."""
+        if not owner:
+            raise ValueError("fence_owner needs an owner")
+        return int(self._run("fence_owner", owner))
 
     def _run(self, name: str, *args: Any) -> Any:
         """Run script ``name`` with ``args``; inside a batch, buffer it if it is a
@@ -381,6 +469,13 @@ class RedisStore(Store):
         if code == "ATPEPOCH":
             self._lost = True
             return self._lost_error()
+        if code == "ATPLATE":
+            # Redis answered (it is up; no back-off), but too late for this operation.
+            return StoreUnavailable(f"redis at {mask_url(self._url)}: the operation ran {kind} ms after its "
+                                    "deadline (Redis or this process stalled); nothing was changed")
+        if code == "ATPFENCED":
+            return Fenced(f"router {kind} was settled by another router (its lease lapsed): this write "
+                          "of its old lease epoch is refused")
         if code == "ATPNOTFOUND":
             if kind == "acct":
                 return NotFound(f"no open budget account {what!r}")
@@ -425,6 +520,9 @@ class RedisStore(Store):
         if ops:
             self._check()
             errors += [e for e in map(self._reply_error, self._pipeline(ops)) if e is not None]
+        fenced = next((e for e in errors if isinstance(e, Fenced)), None)
+        if fenced is not None:
+            raise fenced  # the whole batch waits for the fence (its other errors are its writes' own)
         if len(errors) == 1:
             raise errors[0]
         if errors:
@@ -512,18 +610,31 @@ class RedisStore(Store):
             id=r.id, key=r.key, tokens=r.tokens + tokens, usd_micros=r.usd_micros + usd_micros))
 
     def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
-                      request: str = "") -> SharedResult:
+                      request: str = "", record: CallRecord | None = None) -> SharedResult:
+        """:meth:`Store.commit_shared <atp_router.store.base.Store.commit_shared>`;
+        with ``record``, the answer the charge pays for is stored in the same
+        atomic step (:meth:`call_record` reads it, with the charge)."""
         raw, t, u, ot, ou = self._run("settle", reservation.id, "actual", _amount(tokens), _amount(usd_micros), 0, 0,
-                                      request, REQUEST_TTL_MS)
+                                      request, REQUEST_TTL_MS, *_record_args(record))
         return SharedResult(totals=_totals(_rows(raw)), charge=Charge(int(t), int(u), int(ot), int(ou)))
 
     def recommit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
-                        request: str) -> SharedResult:
+                        request: str, record: CallRecord | None = None) -> SharedResult:
         if not request:
             raise ValueError("recommit_shared needs the request the first commit was named")
         raw, t, u, ot, ou = self._run("settle", reservation.id, "recommit", _amount(tokens), _amount(usd_micros),
-                                      0, 0, request, REQUEST_TTL_MS)
+                                      0, 0, request, REQUEST_TTL_MS, *_record_args(record))
         return SharedResult(totals=_totals(_rows(raw)), charge=Charge(int(t), int(u), int(ot), int(ou)))
+
+    def call_record(self, key: str) -> StoredCall | None:
+        """The call record a commit stored under ``key`` (:class:`~atp_router.flow.budget.CallRecord`),
+        with what that commit charged; None when there is none (never
+        committed, or expired)."""
+        got = self._run("call_record", key)
+        if not got:
+            return None
+        value, t, u = got
+        return StoredCall(value=bytes(value), tokens=int(t), usd_micros=int(u))
 
     def release_shared(self, reservation: Reservation) -> SharedResult:
         raw, *_ = self._run("settle", reservation.id, "release", 0, 0, 0, 0)
@@ -541,10 +652,15 @@ class RedisStore(Store):
         return SharedResult(totals=_totals(_rows(self._run("shared_totals", key))))
 
     # ----------------------------------------------------------- router leases
-    def heartbeat(self, owner: str, *, ttl_ms: int, now_ms: int, info: Mapping[str, Any]) -> None:
+    def heartbeat(self, owner: str, *, ttl_ms: int, now_ms: int, info: Mapping[str, Any]) -> int:
+        """Renew ``owner``'s lease; returns its lease epoch (the fencing token
+        its writes must carry: :meth:`fence_as`). Measures the clock offset too."""
         if ttl_ms < 1:
             raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
-        self._run("heartbeat", owner, ttl_ms, json.dumps(dict(info), ensure_ascii=False))
+        t0 = time.time()
+        epoch, sec, usec = self._run("heartbeat", owner, ttl_ms, json.dumps(dict(info), ensure_ascii=False))
+        self._clock(int(sec), int(usec), t0, time.time())
+        return int(epoch)
 
     def live_owners(self, *, now_ms: int) -> dict[str, dict[str, Any]]:
         flat = self._run("live_owners")
@@ -769,6 +885,14 @@ def mask_url(url: str) -> str:
 def _quota_keys(tenant: str, owner: str, stream_id: str) -> tuple[str, str]:
     """A quota entry's zset key suffix (JSON [tenant]) and member (JSON [owner, stream id])."""
     return json.dumps([tenant]), json.dumps([owner, stream_id])
+
+
+def _record_args(record: CallRecord | None) -> tuple[Any, ...]:
+    if record is None:
+        return ()
+    if not record.key or record.ttl_ms < 1:
+        raise ValueError("a call record needs a key and a ttl_ms >= 1")
+    return (record.key, record.value, record.ttl_ms)
 
 
 def _sk(tenant: str, session_id: str, stream_id: str) -> bytes:

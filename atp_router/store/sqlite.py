@@ -584,11 +584,12 @@ class SqliteStore(Store):
         return res
 
     # ----------------------------------------------------------- router leases
-    def heartbeat(self, owner: str, *, ttl_ms: int, now_ms: int, info: Mapping[str, Any]) -> None:
+    def heartbeat(self, owner: str, *, ttl_ms: int, now_ms: int, info: Mapping[str, Any]) -> int:
         if ttl_ms < 1:
             raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
         self._one("INSERT OR REPLACE INTO lease (owner, expires_ms, info) VALUES (?, ?, ?)",
                   (owner, now_ms + ttl_ms, json.dumps(dict(info), ensure_ascii=False)))
+        return 0
 
     def live_owners(self, *, now_ms: int) -> dict[str, dict[str, Any]]:
         with self._lock:

@@ -18,7 +18,13 @@ import pytest
 import redis
 
 from atp_router.flow.budget import Allowance, Refusal, Reservation, SharedBudgetLedger
-from atp_router.store import SchemaError, StoreError, StoreUnavailable, StreamRecord
+from atp_router.store import (
+    Fenced,
+    SchemaError,
+    StoreError,
+    StoreUnavailable,
+    StreamRecord,
+)
 from atp_router.store.redis import RedisStore, mask_url
 from tests.peers import RedisServer, start_redis
 
@@ -124,6 +130,99 @@ def test_the_url_sets_a_longer_call_timeout():
             os.kill(server.proc.pid, signal.SIGCONT)
         until_available(store)
         assert store.get("k") == b"v"
+
+
+def _errorstat(server: RedisServer, code: str) -> int:
+    """How many error replies Redis gave with ``code`` (``INFO errorstats``)."""
+    with redis.Redis.from_url(server.url) as r:
+        return int(r.info("errorstats").get(f"errorstat_{code}", {}).get("count", 0))
+
+
+def test_a_write_redis_runs_after_its_deadline_changes_nothing():
+    """Issue 22: during a SIGSTOP of Redis a reserve and a commit time out on the
+    router, stay in Redis' input buffer and are run when it resumes. Each carries
+    its deadline on Redis' own clock (the socket timeout past the send): run
+    late, it is refused by the script (``ATPLATE``) and nothing is held or
+    charged, whatever the router does next (a router that died meanwhile cannot
+    cancel anything)."""
+    with start_redis() as server:
+        store = RedisStore.open(server.url, namespace=ns(), socket_timeout_s=0.3, connect_timeout_s=0.3,
+                                backoff_s=0.3)
+        reader = RedisStore.open(server.url, namespace=store.namespace, socket_timeout_s=10.0)
+        assert store.deadline_ms == 1_000 and abs(store.clock_offset_ms) < 1000  # same host: about 0
+        lg = SharedBudgetLedger(store, owner="r.a")
+        lg.open("client:t", Allowance(tokens=10_000))
+        lg.open("stream:1", Allowance(), parent="client:t")
+        held = lg.reserve("stream:1", 100, 0)
+        assert isinstance(held, Reservation)
+        stored = Reservation(id=held.id, key=lg.store_key("stream:1"), tokens=100, usd_micros=0)
+        late = [lambda: store.reserve_shared(lg.store_key("stream:1"), 1_000, 0, owner="r.a"),
+                lambda: store.commit_shared(stored, 1_000, 0)]
+        for n, write in enumerate(late, 1):
+            until_available(store)  # on a connection made before the stop (a new one would not get through)
+            late_before = _errorstat(server, "ATPLATE")
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(StoreUnavailable):
+                    write()
+                time.sleep(1.2)  # its deadline passes while Redis is stopped
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            # The condition: Redis ran it when it resumed, and refused it.
+            deadline = time.monotonic() + 10
+            while _errorstat(server, "ATPLATE") < late_before + 1:
+                assert time.monotonic() < deadline, f"write {n} was not run late"
+                time.sleep(0.05)
+        t = reader.shared_totals(lg.store_key("client:t")).totals[0]
+        assert (t.reserved_tokens, t.committed_tokens) == (100, 0)
+        assert [r.id for r in reader.load_ledger().reservations] == [held.id]
+        # A clock far off is refused the same way, and measured again it is right.
+        until_available(store)
+        store.clock_offset_ms -= 60_000
+        with pytest.raises(StoreUnavailable, match="after its deadline"):
+            store.reserve_shared(lg.store_key("stream:1"), 10, 0, owner="r.a")
+        assert store.available  # Redis answered: no back-off
+        assert store.shared_totals(lg.store_key("client:t")).totals[0].reserved_tokens == 100  # a read: no deadline
+        assert abs(store.sync_clock()) < 1000
+        assert isinstance(lg.reserve("stream:1", 10, 0), Reservation)
+
+
+def test_a_router_fenced_by_another_cannot_write_until_it_adopts_the_new_epoch():
+    """Fencing tokens (issue 22): router a's writes carry its lease epoch. Router
+    b fences a (as before settling it): a's reserve, commit and stream writes
+    are refused (``Fenced``, a ``NotFound`` to its callers) and change nothing;
+    a's cancel and lease renewal are not; the renewal reports the new epoch,
+    and writes carrying it are taken again."""
+    with start_redis() as server:
+        a = RedisStore.open(server.url, namespace=ns())
+        b = RedisStore.open(server.url, namespace=a.namespace)
+        assert a.heartbeat("r.a", ttl_ms=5_000, now_ms=0, info={}) == 0
+        a.fence_as("r.a", 0)
+        lg = SharedBudgetLedger(a, owner="r.a")
+        lg.open("client:t", Allowance(tokens=10_000))
+        lg.open("stream:1", Allowance(), parent="client:t")
+        held = lg.reserve("stream:1", 100, 0)
+        assert isinstance(held, Reservation)
+        a.put_stream(record("s1"))
+        assert b.fence_owner("r.a") == 1
+        stored = Reservation(id=held.id, key=lg.store_key("stream:1"), tokens=100, usd_micros=0)
+        with pytest.raises(Fenced, match="r.a was settled"):
+            a.reserve_shared(lg.store_key("stream:1"), 10, 0, owner="r.a")
+        with pytest.raises(Fenced):
+            a.commit_shared(stored, 50, 0)
+        with pytest.raises(Fenced):
+            a.put_stream(record("s2"))
+        with pytest.raises(Fenced):
+            a.append_event("t", "sess", "s1", 1, "FINAL", b"x")
+        assert a.cancel_reserve_shared("q-1") is False  # not fenced: a cancel is always taken
+        assert b.get_stream("t", "sess", "s2") is None and b.events("t", "sess", "s1") == []
+        t = b.shared_totals(lg.store_key("client:t")).totals[0]
+        assert (t.reserved_tokens, t.committed_tokens) == (100, 0)
+        assert a.heartbeat("r.a", ttl_ms=5_000, now_ms=0, info={}) == 1
+        a.fence_as("r.a", 1)
+        assert a.commit_shared(stored, 50, 0).charge.tokens == 50
+        a.put_stream(record("s2"))
+        assert b.get_stream("t", "sess", "s2") is not None
 
 
 def test_flushall_makes_the_store_refuse_everything():

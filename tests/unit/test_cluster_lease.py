@@ -84,3 +84,20 @@ def test_bad_lease():
     with pytest.raises(ValueError, match="lease_ms"):
         LeaseClock(0, now=0.0)
     assert LeaseClock(10_000, now=0.0).stall_s == 60.0  # 6 leases when longer than 30 s
+
+
+def test_a_new_lease_epoch_makes_a_fence_due_and_is_adopted_after_it():
+    """Another router settled this one (the store's lease epoch grew) while its
+    renewals never had a gap: a fence is due all the same, writes wait, and the
+    new epoch is adopted once the fence is done — not before."""
+    clock = LeaseClock(LEASE_MS, now=0.0)
+    assert clock.renewed(0.3, {}, 0) is None and clock.adopted == 0
+    assert clock.adopt() is None
+    gap = clock.renewed(0.6, {}, 1)  # no gap: only the epoch says so
+    assert gap == pytest.approx(0.3)
+    assert clock.fence_due and not clock.writes_allowed(0.61) and clock.adopted == 0
+    clock.renewed(0.9, {}, 1)  # renewed again before the fence ran: one more fence due, same epoch
+    clock.fenced(clock.fence_seq)
+    assert clock.adopt() == 1 and clock.adopted == 1
+    assert not clock.fence_due and clock.writes_allowed(1.0)
+    assert clock.renewed(1.2, {}, 1) is None and clock.adopt() is None

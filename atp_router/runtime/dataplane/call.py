@@ -75,8 +75,10 @@ class Caller:
         flow = plan.flow
         assert flow is not None, "Dispatcher.run opens the stream's flow before any attempt"
         ready = self._prepare(plan, agent, out)
-        # A cache hit is the attempt's answer: nothing to admit, call or charge (spec §13).
-        if ready is None or (plan.cache is not None and await plan.cache.serve(io, agent, ready.prompt, out)):
+        # An answer charged in an earlier run of the stream's key, or a cache hit, is the
+        # attempt's answer: nothing to admit, call or charge (issue 22; spec §13).
+        if ready is None or (plan.journal is not None and plan.journal.serve(io, agent, out)) or (
+                plan.cache is not None and await plan.cache.serve(io, agent, ready.prompt, out)):
             gates.wake(gates.admission.skip_turn(flow, turn))
             return
         call = gates.admission.begin(flow, agent, ready.estimate, turn=turn)
@@ -117,6 +119,8 @@ class Caller:
             if timely and plan.cache is not None:
                 plan.cache.record(agent, ready.prompt, out)
         finally:
+            if plan.journal is not None and timely:
+                plan.journal.attach(agent, call.reservation, out)  # stored with the commit, in one step
             if self._release(io, call, out, timely, t0):
                 gates.canary(agent, ready.adapter, hop.timeout_ms / 1000)
 

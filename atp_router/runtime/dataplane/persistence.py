@@ -26,6 +26,7 @@ import trio
 from atp_router.runtime.dataplane.eventlog import LoggedEvent
 from atp_router.security.redact import redact_meta
 from atp_router.store.base import (
+    Fenced,
     Store,
     StoredEvent,
     StoreError,
@@ -105,6 +106,9 @@ class StreamPersistence:
         self._flushing = False
         #: Told ``(op, error)`` when a flush found the store unreachable (metrics, atp_router.deploy.cluster).
         self.on_store_unavailable: Callable[[str, StoreError], None] | None = None
+        #: Told when a flush was refused with :class:`~atp_router.store.base.Fenced`
+        #: (a cluster router settled by another: its fence runs before the next flush).
+        self.on_fenced: Callable[[], None] | None = None
         #: When set, a flush writes only while it returns True (atp_router.deploy.cluster: not
         #: until the router checked, after an outage, which of its streams it still owns).
         self.flush_gate: Callable[[], bool] | None = None
@@ -232,6 +236,15 @@ class StreamPersistence:
                 self.on_store_unavailable("events", e)
             if not self.hold_unstored:
                 self._mark_sent(pending)
+            return False
+        except Fenced as e:
+            # Another router settled this one: nothing is sent until the streams it
+            # settled are dropped here (on_fenced: the cluster's fence) and the writes
+            # carry the new lease epoch; the rest go then, in order.
+            self._pending[:0] = pending
+            log.warning("state store: a batch of %d writes was refused: %s", len(pending), e)
+            if self.on_fenced is not None:
+                self.on_fenced()
             return False
         except StoreError:
             log.exception("state store: a batch of %d writes failed", len(pending))

@@ -67,6 +67,9 @@ class LegOutcome:
     #: Answered from the response cache (spec §13): not called, nothing charged;
     #: ``usage`` is then the stored call's, which consensus ranks its cost by.
     cached: bool = False
+    #: Answered from the call journal: charged in an earlier run of the stream's key (on a
+    #: router that was lost), replayed with that charge, not called or charged again.
+    replayed: bool = False
     #: It failed in doubt (:mod:`~atp_router.runtime.dataplane.dispatch` doc, 3): ``error`` is then the tenant's
     #: ``ClientInputError`` and a canary may speak for the next-hop.
     doubt: bool = False
@@ -118,6 +121,9 @@ class TaskPlan:
     #: The response cache as this stream's tenant and policy see it
     #: (:class:`~atp_router.runtime.dataplane.cache.CacheView`; None: the policy does not cache).
     cache: Any = None
+    #: Answers charged in an earlier run of the stream's key, replayed instead of called again
+    #: (:class:`~atp_router.runtime.dataplane.journal.JournalView`; None: never re-run elsewhere).
+    journal: Any = None
 
     @property
     def exhausted(self) -> str | None:

@@ -32,6 +32,7 @@ from atp_router.policy.rib import ClientSpec
 from atp_router.runtime.controlplane.control import ControlPlane, Generation
 from atp_router.runtime.controlplane.learning import Learning
 from atp_router.runtime.dataplane.cache import ResponseCache
+from atp_router.runtime.dataplane.journal import CallJournal
 from atp_router.runtime.dataplane.opening import (
     OpenCtx,
     Stage,
@@ -88,7 +89,8 @@ class DataPlane:
                  scope_guard: DataScopeGuard, usage_signer: UsageSigner, audit_event: AuditSink,
                  syn_stages: Sequence[Stage], syn_gates: Sequence[SynGate],
                  store_refusal: Callable[[str, StoreUnavailable], ATPError] | None,
-                 window_update_interval_ms: int, window_update_delta: float) -> None:
+                 window_update_interval_ms: int, window_update_delta: float,
+                 journal: CallJournal | None = None) -> None:
         self.streams, self.control, self.ledger, self.learning = streams, control, ledger, learning
         self.cache, self.metrics, self.tracing = cache, metrics, tracing
         self.scope_guard, self.usage_signer, self.audit_event = scope_guard, usage_signer, audit_event
@@ -97,6 +99,8 @@ class DataPlane:
         self.holding = holding(self.syn_stages)
         self.window_update_interval_ms, self.window_update_delta = window_update_interval_ms, window_update_delta
         self.nursery: trio.Nursery | None = None
+        #: Answers already charged in an earlier run of a stream's key (None: streams are never re-run).
+        self.journal = journal
 
     @property
     def gen(self) -> Generation:
@@ -383,7 +387,8 @@ class DataPlane:
         and act on its outcome."""
         plan = plan_task(ctx, prompt, gen.fib, update_interval_ms=self.window_update_interval_ms,
                          update_delta=self.window_update_delta, win_rates=self.learning.win_rates(ctx.route) or None,
-                         cache=self.cache.view(ctx.tenant, gen.cache, ctx.route.policy))
+                         cache=self.cache.view(ctx.tenant, gen.cache, ctx.route.policy),
+                         journal=self.journal.view(ctx.tenant, ctx.idempotency_key) if self.journal else None)
         with scope:
             outcome = await run_task(gen.dispatcher, ctx, plan, guard=self.scope_guard, audit=self.audit_event)
             if outcome.final is None:
