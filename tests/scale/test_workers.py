@@ -176,7 +176,8 @@ async def test_a_stream_is_followed_scored_and_cancelled_through_the_other_worke
     # A finished stream: read and scored through the worker that did not run it.
     body, owner = await _open(sup.url, "bob")
     events, headers = await _events(sup.url, "bob", body["stream_id"], avoid=owner)
-    assert [t for t, _ in events] == ["SYN_ACK", "PARTIAL", "PARTIAL", "FINAL", "FIN"], events
+    # (a WINDOW_UPDATE may come between, when the window timer fires on a busy machine)
+    assert [t for t, _ in events if t != "WINDOW_UPDATE"] == ["SYN_ACK", "PARTIAL", "PARTIAL", "FINAL", "FIN"], events
     assert headers["x-atp-served-by"] == owner != headers["x-atp-worker"]
     r = await _on_other_worker(sup.url, "POST", f"/v1/streams/{body['stream_id']}/feedback", owner, "bob",
                                json={"score": 1.0})

@@ -71,6 +71,7 @@ from atp_router.runtime.controlplane.learn_entries import (
 )
 from atp_router.runtime.dataplane.plan import TaskPlan, client_fault
 from atp_router.security.identity import Identity
+from atp_router.store.base import StoreUnavailable
 from atp_router.wire.errors import AgentError, ATPError, ErrorCode
 from atp_router.wire.frame import QoS, Window
 
@@ -309,12 +310,19 @@ class Learning:
                     return
                 try:
                     self.save()
+                except StoreUnavailable as e:
+                    # A full disk or a store away is a known state (the store's own metrics
+                    # and /v1/ready say so): one line, saved again at the next interval.
+                    log.warning("learning: the learned state is not saved now (%s); tried again in %g s", e,
+                                SAVE_INTERVAL_S)
                 except Exception:
                     log.exception("learning: saving the learned state failed")
         finally:
             if not self.shared:
                 try:
                     self.save()
+                except StoreUnavailable as e:
+                    log.error("learning: the learned state was not saved at shutdown (%s)", e)
                 except Exception:
                     log.exception("learning: saving the learned state at shutdown failed")
 
