@@ -49,7 +49,15 @@ accounts closed, its open streams marked interrupted with an RST saying so
 (:data:`ROUTER_LOST`; audited). A router that just regained the store waits one
 lease before settling anyone (the others renew theirs within a fifth of it);
 one that finds, after such a gap, that it was settled itself stops those
-streams here (:meth:`ClusterNode.fence`).
+streams here (:meth:`ClusterNode.fence`). The settling router first increments
+the lost one's **lease epoch** (its fencing token: :meth:`RedisStore.fence_owner
+<atp_router.store.redis.RedisStore.fence_owner>`), so whatever the lost router still
+sends is refused by the store; it adopts the new epoch only after its fence.
+
+**Charged once**: every completed answer is stored in the same atomic step as
+its commit (:meth:`ClusterLedger.attach`, the call journal of
+:mod:`atp_router.runtime.dataplane.journal`), so a re-run (below) replays an answer a
+lost router was already charged for instead of calling and charging again.
 
 **Re-run** (spec §8 resumption across routers): a stream interrupted by
 :data:`ROUTER_LOST` is run again when its tenant re-opens the same
