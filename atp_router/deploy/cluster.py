@@ -697,11 +697,13 @@ class ClusterNode(SynGate):
         audit_log = AuditLog.open(store, state_dir, shared=True, options=config.audit)
         close = single.closing(audit_log, store, lock=lock, tmp=tmp)
         self.store, self.ledger, self.audit_log = store, ledger, audit_log
+        #: Answers charged in a lost router's run, replayed by this router's re-runs of their keys.
+        self.journal = CallJournal(store, ledger)
         #: RIB versions from the store, the RIB other routers load followed (atp_router.deploy.workers.SharedRib).
         self.rib = SharedRib(store)
         return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
                           close=lambda: self._close_state(close), store_check=self._store_check,
-                          restore=(self._restore_rib,), journal=CallJournal(store, ledger))
+                          restore=(self._restore_rib,), journal=self.journal)
 
     def _found_settled(self, key: str) -> None:
         # The ledger found an account of ours settled by another router: check our streams (writes wait).
@@ -1103,6 +1105,7 @@ class ClusterNode(SynGate):
                 return Refuse(ErrorCode.EAGENTDOWN,
                               f"stream {rec.stream_id!r} of this idempotency_key is being re-run by another router; "
                               "re-open it again in a moment to resume the new run")
+            self.journal.mark_rerun(identity.tenant, key)  # its calls ask the journal first
             log.info("stream %s/%s (key %r) was interrupted with its router %s: re-running it here", rec.tenant,
                      rec.stream_id, key, rec.owner)
         return None

@@ -9,7 +9,9 @@ charge the tenant twice for one answer. So every completed answer is stored
 **in the same atomic step as its commit** (a :class:`~atp_router.flow.budget.CallRecord`
 given to the ledger: :meth:`RecordLedger.attach`), named by (tenant,
 idempotency key, agent, n: the agent's n-th answer of the key's run), and a
-run asks the journal before each call (:meth:`JournalView.serve`):
+re-run (:meth:`CallJournal.mark_rerun`: the router that won the key's re-run
+claim) asks the journal before each call (:meth:`JournalView.serve`; a first
+run makes no read):
 
 * **recorded** — the stored answer is the attempt's: replayed to the client as
   the agent's PARTIALs (marked ``"replayed": true``), with what its commit
@@ -47,6 +49,8 @@ log = logging.getLogger("atp_router.runtime.dataplane.journal")
 
 #: How long a call record is kept, ms (1 h).
 JOURNAL_TTL_MS = 3_600_000
+#: Re-runs marked and not yet opened that a router keeps (the oldest forgotten first).
+MAX_PENDING_RERUNS = 10_000
 
 
 class RecordStore(Protocol):
@@ -78,19 +82,36 @@ class CallJournal:
         if ttl_ms < 1:
             raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
         self.store, self.ledger, self.ttl_ms = store, ledger, ttl_ms
+        #: (tenant, idempotency key) of the re-runs this router is opening (insertion order: oldest first).
+        self._reruns: dict[tuple[str, str], None] = {}
+
+    def mark_rerun(self, tenant: str, idempotency_key: str) -> None:
+        """The stream ``tenant`` opens next with ``idempotency_key`` re-runs one a
+        lost router ran: its calls ask the journal (:meth:`view`)."""
+        self._reruns[(tenant, idempotency_key)] = None
+        if len(self._reruns) > MAX_PENDING_RERUNS:
+            del self._reruns[next(iter(self._reruns))]
 
     def view(self, tenant: str, idempotency_key: str | None) -> JournalView | None:
         """The journal of ``tenant``'s stream opened with ``idempotency_key``
-        (None without a key: such a stream is never re-run)."""
-        return None if idempotency_key is None else JournalView(self, tenant, idempotency_key)
+        (None without a key: such a stream is never re-run). Its answers are
+        recorded with their commits; they are read back only when the stream
+        was marked a re-run (:meth:`mark_rerun`)."""
+        if idempotency_key is None:
+            return None
+        rerun = (tenant, idempotency_key) in self._reruns
+        self._reruns.pop((tenant, idempotency_key), None)
+        return JournalView(self, tenant, idempotency_key, replay=rerun)
 
 
 class JournalView:
     """One stream's journal (module docstring): :meth:`serve` before an
     attempt, :meth:`attach` when its call answered, before it is released."""
 
-    def __init__(self, journal: CallJournal, tenant: str, idempotency_key: str) -> None:
+    def __init__(self, journal: CallJournal, tenant: str, idempotency_key: str, *, replay: bool = True) -> None:
         self.journal, self.tenant, self.key = journal, tenant, idempotency_key
+        #: Whether :meth:`serve` reads the store (a re-run); a first run has nothing to replay.
+        self.replay = replay
         #: Answers of each agent used so far in this run (recorded or replayed).
         self._answers: Counter[str] = Counter()
 
@@ -104,6 +125,8 @@ class JournalView:
         ``out.usage``, ``out.replayed`` and the charge, and returns True. False:
         call the agent. A store that fails the read is a miss (logged): the call
         is made — the store will refuse its spend if it is down."""
+        if not self.replay:
+            return False
         try:
             got = self.journal.store.call_record(self._name(agent))
         except StoreError:
