@@ -143,7 +143,7 @@ def _wait(page: Any, predicate: str, arg: Any = None, timeout_s: float = 15.0) -
 
 def _page_numbers(page: Any) -> dict[str, Any]:
     """What the page shows: KPI texts, per-agent cells, counts of plot elements."""
-    return page.evaluate("""() => {
+    return page.evaluate(r"""() => {
         const kpi = (k) => document.querySelector(`[data-kpi="${k}"]`).textContent;
         const agents = {};
         for (const tr of document.querySelectorAll('#agents tbody tr')) {

@@ -11,6 +11,15 @@ CONTENT = {"text": "summarise this"}
 ALICE_TOKENS = 6_000
 #: What the billing model reports a call used (tokens): far above the estimate.
 BILLED = 1_000
+#: Store URL options for routers whose test checks accounting, quotas or settling, not
+#: the fast fail: their store calls wait up to 5 s (redis-py's URL options) instead of
+#: the default 0.5 s. On a busy machine Redis' fsync at every write stalls past 0.5 s
+#: at times (CI: a burst of 12 opens all refused "budget store unavailable", the first
+#: timed out and the fast fail refused the rest at once) and that would break such a
+#: test's premise. The fast fail, and a call that timed out but ran, are tested on their
+#: own (tests/store/test_redis_store.py, tests/scale/test_cluster.py,
+#: tests/scale/test_ready_cluster.py) with short timeouts.
+PATIENT_STORE = "?socket_timeout=5&socket_connect_timeout=5"
 
 
 def auth(tenant: str) -> dict[str, str]:

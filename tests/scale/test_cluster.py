@@ -51,6 +51,7 @@ from tests.scale.common import (
     ALICE_TOKENS,
     BILLED,
     CONTENT,
+    PATIENT_STORE,
     TASK,
     TOKENS,
     auth,
@@ -72,10 +73,11 @@ class Cluster:
         self.policies = directory / "rib.yaml"
         self.policies.write_text(summarize_rib(model.url))
         self.routers = [self._start(i) for i in range(n)]
-        self.store = RedisStore.open(redis.url)
+        self.store = RedisStore.open(redis.url, socket_timeout_s=10.0, connect_timeout_s=10.0)  # the test's reader
 
     def _start(self, i: int, store_url: str | None = None, env: dict[str, str] | None = None) -> RouterProcess:
-        return RouterProcess("--store", store_url or self.redis.url, "--policies", self.policies, "--state-dir",
+        return RouterProcess("--store", store_url or self.redis.url + PATIENT_STORE, "--policies", self.policies,
+                             "--state-dir",
                              self.dir / f"s{i}", "--http-port", "0", "--ws-port", "0", "--no-watch", "--lease-ms",
                              str(LEASE_MS), env={**_ENV, **(env or {})})
 

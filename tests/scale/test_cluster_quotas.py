@@ -42,7 +42,7 @@ class QuotaCluster(Cluster):
         self.policies = directory / "rib.yaml"
         self.policies.write_text(quota_rib(model.url))
         self.routers = [self._start(i) for i in range(n)]
-        self.store = RedisStore.open(redis.url)
+        self.store = RedisStore.open(redis.url, socket_timeout_s=10.0, connect_timeout_s=10.0)  # the test's reader
 
 
 @pytest.fixture
