@@ -660,6 +660,7 @@ class ClusterNode(SynGate):
         #: The router's metrics (atp_store_up, atp_store_unavailable_total), reported before it exists.
         self.metrics = RouterMetrics()
         state = self._open_state(config)
+        self.metrics.store_round_trips.set_function(lambda: self.store.round_trips)
         #: A tenant's quotas counted across the routers in the store (atp_router.runtime.dataplane.quotas).
         self.quotas = SharedQuotas(self.store, owner=self.owner, metrics=self.metrics,
                                    on_unavailable=self.store_unavailable)

@@ -7,6 +7,8 @@ traffic.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -14,9 +16,32 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 __all__ = ["CONTENT_TYPE_LATEST", "RouterMetrics"]
+
+class FunctionCounter(Collector):
+    """A counter whose value a callable reads at scrape time (a total kept
+    elsewhere, e.g. by the store's client): nothing is exported until
+    :meth:`set_function` names it."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self._fn: Callable[[], float] | None = None
+        registry.register(self)
+
+    def set_function(self, fn: Callable[[], float]) -> None:
+        self._fn = fn
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        if self._fn is not None:
+            yield CounterMetricFamily(self.name, self.documentation, value=self._fn())
+
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -97,6 +122,9 @@ class RouterMetrics:
         self.store_up = Gauge("atp_store_up", "1 while the state store answers, 0 while it cannot be reached "
                               "(new spend is refused)", registry=r)
         self.store_up.set(1)
+        self.store_round_trips = FunctionCounter(
+            "atp_store_round_trips", "Requests sent to a shared state store (Redis) and waited for: a script or a "
+            "pipeline of them is one (lease renewals included)", r)
         self.store_unavailable = Counter(
             "atp_store_unavailable", "Store operations that found the store unreachable, by operation (open, "
             "reserve, extend, set_limit, commit, release, close, events, lease, reap, read)", ["op"], registry=r)

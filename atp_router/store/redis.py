@@ -230,6 +230,8 @@ class RedisStore(Store):
         self.clock_offset_ms = 0
         #: The fencing token this process's writes carry: (owner, lease epoch) or None.
         self._fence: tuple[str, str] | None = None
+        self._round_trips = 0
+        self._trips_lock = threading.Lock()
 
     # ----------------------------------------------------------------- opening
     @classmethod
@@ -338,6 +340,7 @@ class RedisStore(Store):
         :class:`~atp_router.store.base.StoreUnavailable`."""
         self._check()
         try:
+            self._trip()
             t0 = time.time()
             sec, usec = self._client.time()
             t1 = time.time()
@@ -399,6 +402,7 @@ class RedisStore(Store):
             try:
                 reply = self._eval(self._args(name, args))
             except NoScriptError:  # Redis restarted (scripts are not persisted): load and run again
+                self._trip()
                 self._client.script_load(SCRIPTS[name])
                 reply = self._eval(self._args(name, args))
         except ResponseError as e:
@@ -411,10 +415,22 @@ class RedisStore(Store):
         self._up = True
         return reply
 
+    @property
+    def round_trips(self) -> int:
+        """Requests this store sent to Redis and waited for, from every thread: a
+        script, a pipeline of them (one), a ``TIME`` (``atp_store_round_trips_total``;
+        bench/bench_cluster.py divides it by the tasks run)."""
+        return self._round_trips
+
+    def _trip(self) -> None:
+        with self._trips_lock:
+            self._round_trips += 1
+
     def _eval(self, args: tuple) -> Any:
         """``EVALSHA args`` on a pooled connection: redis-py's ``execute_command``
         without its retry and instrumentation layers (about a quarter of the
         client's CPU per call). A connection that failed is dropped."""
+        self._trip()
         pool = self._client.connection_pool
         conn = pool.get_connection()
         try:
@@ -436,6 +452,7 @@ class RedisStore(Store):
             pipe = self._client.pipeline(transaction=False)
             for name, args in ops:
                 pipe.execute_command("EVALSHA", *self._args(name, args))
+            self._trip()
             replies = pipe.execute(raise_on_error=False)
             redo = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
             if redo:
@@ -445,6 +462,7 @@ class RedisStore(Store):
                 for i in redo:
                     name, args = ops[i]
                     pipe.execute_command("EVALSHA", *self._args(name, args))
+                self._trip()
                 for i, r in zip(redo, pipe.execute(raise_on_error=False)[len(SCRIPTS):], strict=True):
                     replies[i] = r
         except (RedisConnectionError, RedisTimeoutError) as e:

@@ -389,12 +389,16 @@ def test_amounts_up_to_2_to_the_53(redis_server: RedisServer):
 def test_batch_is_sent_when_it_ends_and_forgotten_scripts_reload(redis_server: RedisServer):
     name = ns()
     s, other = RedisStore.open(redis_server.url, namespace=name), RedisStore.open(redis_server.url, namespace=name)
+    trips = s.round_trips
     s.put_stream(record("a"))
+    assert s.round_trips == trips + 1  # one script: one round trip (atp_store_round_trips_total)
     with s.batch():
         for i in range(1, 11):
             s.append_event("t", "sess", "a", i, "PARTIAL", b"%d" % i)
         s.close_stream("t", "sess", "a", reason="FIN", closed_ms=9)
         assert other.events("t", "sess", "a") == []  # buffered, not sent yet
+        assert s.round_trips == trips + 1
+    assert s.round_trips == trips + 2  # eleven writes in one pipeline: one round trip
     assert len(other.events("t", "sess", "a")) == 10 and other.get_stream("t", "sess", "a").state == "closed"
     raw = redis.Redis.from_url(redis_server.url)
     raw.script_flush()
