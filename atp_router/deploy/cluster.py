@@ -124,6 +124,7 @@ from atp_router.flow.budget import (
     Allowance,
     CallRecord,
     Charge,
+    PendingCharge,
     Refusal,
     Reservation,
     SharedAccounts,
@@ -260,11 +261,13 @@ class ClusterLedger(SharedBudgetLedger):
     * :meth:`commit` / :meth:`release` keep the settlement and return at once:
       :meth:`settle_pending` (a background task of the router) applies it
       once the store answers; until then the reservation holds its headroom
-      in the store and the stream's account stays open here. The charge
-      :meth:`commit` returns then is the usage within the reservation, and
-      the queued commit applies exactly that charge when the store answers —
-      the ledger always equals the FINALs' signed usage; usage beyond the
-      reservation is overage, not charged (its headroom could not be checked).
+      in the store and the stream's account stays open here. :meth:`commit`
+      then returns the usage within the reservation and a
+      :class:`~atp_router.flow.budget.PendingCharge` (:meth:`pending_charge`)
+      that the runtime waits for before the call's FINAL: the queued commit
+      applies the full usage when the store answers (the store checking the
+      headroom then, as for any commit), and the FINAL's signed usage reports
+      what it charged — the ledger always equals the FINALs.
 
     A reservation or account the store no longer has (:class:`~atp_router.store.base.NotFound`:
     another router settled this one after its lease lapsed, or a retried
@@ -285,7 +288,11 @@ class ClusterLedger(SharedBudgetLedger):
         #: Settlements the store could not take yet: (stored reservation, usage or None: release, account).
         #: The commit's request name (SharedAccounts.recommit_shared; "" for a release).
         #: The call record each (the answer its commit pays for), or None.
-        self._unsettled: list[tuple[Reservation, tuple[int, int] | None, _Account, str, CallRecord | None]] = []
+        #: The commit's PendingCharge with its local reservation id (None for a release).
+        self._unsettled: list[tuple[Reservation, tuple[int, int] | None, _Account, str, CallRecord | None,
+                                    tuple[int, PendingCharge] | None]] = []
+        #: Commits accepted but not applied yet, by local reservation id (pending_charge).
+        self._pending: dict[int, PendingCharge] = {}
         self.shared: RecordingAccounts = shared
         #: Call records to store with their reservation's commit (local reservation id -> record).
         self._records: dict[int, CallRecord] = {}
@@ -387,40 +394,49 @@ class ClusterLedger(SharedBudgetLedger):
         stored = self._stored(reservation)
         usage = (actual_tokens, actual_usd_micros)
         certain = _certain(reservation, usage)
+        pending = (reservation.id, PendingCharge())
         if self._unsettled:
             # Settled in order: an earlier settlement still waits for the store.
-            self._unsettled.append((stored, (certain.tokens, certain.usd_micros), acct, self.new_request(), record))
+            self._unsettled.append((stored, usage, acct, self.new_request(), record, pending))
+            self._pending[reservation.id] = pending[1]
             return certain
-        charge = self._settle_stored(stored, usage, acct, held=(certain.tokens, certain.usd_micros), record=record)
-        return charge if charge is not None else certain
+        charge = self._settle_stored(stored, usage, acct, record=record, pending=pending)
+        if charge is None:
+            self._pending[reservation.id] = pending[1]
+            return certain
+        return charge
+
+    def pending_charge(self, reservation_id: int) -> PendingCharge | None:
+        """The commit of local reservation ``reservation_id`` while it waits for
+        the store (:meth:`commit` returned only the usage within the
+        reservation): resolved with the charge the store applied, which the
+        call's FINAL reports (the runtime waits for it)."""
+        return self._pending.get(reservation_id)
 
     def release(self, reservation: Reservation) -> None:
         self._records.pop(reservation.id, None)
         acct = self._forget(reservation)
         stored = self._stored(reservation)
         if self._unsettled:
-            self._unsettled.append((stored, None, acct, "", None))
+            self._unsettled.append((stored, None, acct, "", None, None))
             return
         self._settle_stored(stored, None, acct)
 
     def _settle_stored(self, stored: Reservation, usage: tuple[int, int] | None, acct: _Account,
-                *, queue: bool = True, held: tuple[int, int] | None = None, request: str = "",
-                record: CallRecord | None = None) -> Charge | None:
+                *, queue: bool = True, request: str = "", record: CallRecord | None = None,
+                pending: tuple[int, PendingCharge] | None = None) -> Charge | None:
         """Commit (``usage``) or release ``stored`` in the store; on
-        :class:`StoreUnavailable` queue it (``queue``) or raise. Returns the charge.
+        :class:`StoreUnavailable` queue it (``queue``, with its ``pending``
+        charge) or raise. Returns the charge.
 
-        A commit queued here is applied later at ``held`` (the usage within the
-        reservation, :func:`_certain`) — exactly the charge :meth:`commit`
-        returned, which the FINAL's signed usage reports — never at ``usage``:
-        headroom beyond the reservation could not be checked while the store
-        was down, so it is not taken afterwards either (the rest is the
-        caller's overage, logged). A commit is named (``request``): the queued
-        one (``queue`` False) is a
+        A commit queued here is applied later at its full ``usage``, the store
+        checking the headroom then as for any commit; the call's FINAL waits
+        for that (:meth:`pending_charge`) and reports the charge the store
+        applied, so the ledger equals the FINALs' signed usage. A commit is
+        named (``request``): the queued one (``queue`` False) is a
         :meth:`~atp_router.flow.budget.SharedAccounts.recommit_shared` of that name,
-        so if the first attempt timed out but Redis ran it after all (from the
-        closed connection's buffer: at the full usage), its charge is corrected
-        to ``held``, and if it runs later still it is refused — the ledger
-        ends equal to the FINAL either way."""
+        so if the first attempt timed out but Redis ran it after all (within its
+        deadline; a later one is refused by the store) it is not applied twice."""
         if usage is not None and not request:
             request = self.new_request()
         try:
@@ -434,12 +450,10 @@ class ClusterLedger(SharedBudgetLedger):
             self._down("commit" if usage is not None else "release", e)
             if not queue:
                 raise
-            if usage is not None and held is not None and held != usage:
-                log.warning("reservation %d on %s: the store cannot be reached; the commit will charge %s "
-                            "(within the reservation), the usage beyond it (%s) is overage not charged",
-                            stored.id, stored.key, held, (usage[0] - held[0], usage[1] - held[1]))
-            self._unsettled.append((stored, held if usage is not None and held is not None else usage, acct,
-                                    request, record))
+            if usage is not None:
+                log.warning("reservation %d on %s: the store cannot be reached; its commit (%s) waits for it, "
+                            "and so does the call's FINAL", stored.id, stored.key, usage)
+            self._unsettled.append((stored, usage, acct, request, record, pending if usage is not None else None))
             return None
         except NotFound:
             log.warning("reservation %d on %s is no longer in the store (settled by another router, or a retried "
@@ -470,15 +484,21 @@ class ClusterLedger(SharedBudgetLedger):
                 log.exception("reserve %s timed out; cancelling it failed; dropped", request)
             self._cancels.pop(0)
         while self._unsettled:
-            stored, usage, acct, request, record = self._unsettled[0]
+            stored, usage, acct, request, record, pending = self._unsettled[0]
+            charge: Charge | None
             try:
-                self._settle_stored(stored, usage, acct, queue=False, request=request, record=record)
+                charge = self._settle_stored(stored, usage, acct, queue=False, request=request, record=record)
             except StoreUnavailable:
                 break
             except StoreError:
                 log.exception("reservation %d on %s: settling it failed; dropped", stored.id, stored.key)
                 acct.open -= 1
+                charge = Charge(0, 0, *usage) if usage is not None else None
             self._unsettled.pop(0)
+            if pending is not None:
+                del self._pending[pending[0]]
+                assert charge is not None
+                pending[1].resolve(charge)
         return self.unsettled
 
 

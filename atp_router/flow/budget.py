@@ -51,6 +51,7 @@ invariant above holds across processes too.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from typing import Annotated, Protocol
@@ -144,6 +145,35 @@ class Charge(Struct, frozen=True, forbid_unknown_fields=True):
     usd_micros: int
     overage_tokens: int = 0
     overage_usd_micros: int = 0
+
+
+class PendingCharge:
+    """A commit a ledger accepted but could not apply yet (a shared store that
+    cannot be reached: ``atp_router.deploy.cluster.ClusterLedger``). Its
+    :attr:`charge` is known once the ledger applies it (:meth:`resolve`);
+    until then the call's FINAL must not report a charge — the runtime waits
+    for it (``on_done`` callbacks; no I/O and no clock here)."""
+
+    __slots__ = ("_callbacks", "charge")
+
+    def __init__(self) -> None:
+        #: The charge the ledger applied, once it did; None before.
+        self.charge: Charge | None = None
+        self._callbacks: list[Callable[[], None]] = []
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once :attr:`charge` is known (at once if it is)."""
+        if self.charge is not None:
+            fn()
+        else:
+            self._callbacks.append(fn)
+
+    def resolve(self, charge: Charge) -> None:
+        """The commit was applied (or found applied, or dropped: a charge of 0)."""
+        self.charge = charge
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
 
 
 class AccountState(Struct, frozen=True, forbid_unknown_fields=True):
@@ -370,6 +400,12 @@ class BudgetLedger:
         self._settle(reservation)
         if self.journal is not None:
             self.journal.on_release(reservation)
+
+    def pending_charge(self, reservation_id: int) -> PendingCharge | None:
+        """The commit of reservation ``reservation_id`` if it was accepted but
+        not applied yet (its :meth:`commit` returned only what it will charge at
+        least); None when it was applied (this ledger: always)."""
+        return None
 
     def remaining(self, key: str) -> Allowance:
         """What ``key`` could still reserve right now: per axis the smallest free

@@ -418,16 +418,16 @@ async def test_redis_down_refuses_spend_and_recovers_without_a_restart(cluster):
     model.hold.set()
     model.hold = None
     with trio.move_on_after(2):
-        await _events(b.url, "bob", sid)
-        raise AssertionError("events were sent while the store could not store them")
+        sent = await _events(b.url, "bob", sid)
+        raise AssertionError(f"events were sent while the store could not store them: {sent}")
 
     cluster.redis.start()  # the same data (append-only file)
     events, _ = await _events(b.url, "bob", sid)
     assert [t for t, _ in events][-2:] == ["FINAL", "FIN"]
-    # The commit held while Redis was down charges exactly what the FINAL says (the usage
-    # within the call's reservation; the rest over-reported past it is not charged).
+    # The commit held while Redis was down is applied when it is back, at the call's full
+    # usage (issue 22: not just its reservation), and the FINAL, which waited for it, says so.
     charged = events[-2][1]["payload"]["content"]["telemetry"]["usage"]["summary"]["tokens"]
-    assert 0 < charged < BILLED
+    assert charged == BILLED
     await _until(lambda: cluster.totals("bob")[:2] == (before + charged, 0), timeout=10)
     with trio.fail_after(10):  # the routers find Redis again at their next try
         while (ok := await _open(a.url, "bob")).status_code != 201:
@@ -549,9 +549,10 @@ def test_a_reserve_or_commit_redis_runs_after_it_timed_out_is_undone_or_correcte
     headroom for good. The router cancels every reserve whose answer it lost once
     the store answers: the late reservation is released. And a reserve that
     reaches Redis only after its cancel is refused by the script (nothing held).
-    The same for a commit, which Redis would charge at the full usage while the
-    router reported only the usage within the reservation: corrected to the
-    report, or refused if it comes after the retry."""
+    The same for a commit: one Redis ran late (its answer lost) is not applied
+    again when the router settles it by name, and one that comes after that
+    settling is refused; the commit's pending charge (what the call's FINAL
+    waits for) is what the store charged."""
     with start_redis() as redis:
         store = RedisStore.open(redis.url, socket_timeout_s=0.3, connect_timeout_s=0.3, backoff_s=0.3)
         # Without its deadline: the window a deadline leaves, a script Redis ran in time whose
@@ -595,9 +596,10 @@ def test_a_reserve_or_commit_redis_runs_after_it_timed_out_is_undone_or_correcte
             assert (t.reserved_tokens, t.committed_tokens) == (0, 80)
 
             # A commit that times out the same way: Redis runs it late at the full usage (1,000
-            # over a 100-token reservation: 1,000 charged), while the router has reported what it
-            # could be sure of (the usage within the reservation, 100). Settled again by name once
-            # Redis answers, the late charge is corrected: the ledger ends equal to the report.
+            # over a 100-token reservation: 1,000 charged, the headroom allowing), while the
+            # router holds it as pending (only the usage within the reservation is certain).
+            # Settled again by name once Redis answers, it is not charged twice, and the
+            # pending charge — what the call's FINAL reports — is the store's.
             held = a.reserve("stream:s1", 100, 0)
             assert isinstance(held, Reservation)
             os.kill(redis.proc.pid, signal.SIGSTOP)
@@ -606,6 +608,8 @@ def test_a_reserve_or_commit_redis_runs_after_it_timed_out_is_undone_or_correcte
             finally:
                 os.kill(redis.proc.pid, signal.SIGCONT)
             assert (reported.tokens, reported.overage_tokens) == (100, 900) and a.unsettled == 1
+            pending = a.pending_charge(held.id)
+            assert pending is not None and pending.charge is None
             deadline = time.monotonic() + 10
             while reader.shared_totals("client:t").totals[0].committed_tokens != 80 + 1_000:
                 assert time.monotonic() < deadline, reader.shared_totals("client:t")  # the condition: it ran late
@@ -615,7 +619,9 @@ def test_a_reserve_or_commit_redis_runs_after_it_timed_out_is_undone_or_correcte
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
             t = reader.shared_totals("client:t").totals[0]
-            assert (t.reserved_tokens, t.committed_tokens, t.overage_tokens) == (0, 80 + 100, 0)
+            assert (t.reserved_tokens, t.committed_tokens, t.overage_tokens) == (0, 80 + 1_000, 0)
+            assert pending.charge is not None and (pending.charge.tokens, pending.charge.overage_tokens) == (1_000, 0)
+            assert a.pending_charge(held.id) is None
 
             # Settled again before the first attempt ran: the first is refused when it comes.
             r = a.reserve("stream:s1", 100, 0)
@@ -626,7 +632,7 @@ def test_a_reserve_or_commit_redis_runs_after_it_timed_out_is_undone_or_correcte
             with pytest.raises(StoreError, match="ATPCANCELLED"):
                 store.commit_shared(stored, 1_000, 0, request=request)
             t = reader.shared_totals("client:t").totals[0]
-            assert (t.reserved_tokens, t.committed_tokens) == (0, 80 + 100 + 40)
+            assert (t.reserved_tokens, t.committed_tokens) == (0, 80 + 1_000 + 40)
         finally:
             store.close()
             reader.close()

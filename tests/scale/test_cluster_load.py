@@ -202,6 +202,7 @@ class LoadCluster:
         raise AssertionError(
             f"{reservations} reservations not held within {timeout} s: {self.reserved()}"
             f" are, {arrived()} calls reached the models; streams opened {len(load.opened_on)}, ended {load.ended}, refused {load.refused} {load.reasons}; "
+            f"errors in the streams {load.error_reasons}; "
             "router logs:\n" + "".join(line for r in self.routers for line in r.lines[-20:]))
 
     def stop(self) -> None:
@@ -250,6 +251,8 @@ class Load:
         #: by key a stream its first router already made), the router it came from; streams ended.
         self.opened_on: dict[str, int] = {}
         self.ended = 0
+        #: The first reason of each error code the streams' events carried.
+        self.error_reasons: dict[str, str] = {}
         #: Opens that moved to the next router because theirs could not be reached (a
         #: kill -9; or, on a loaded machine, a connection its backlog dropped).
         self.moved = 0
@@ -319,6 +322,10 @@ class Load:
             else:
                 errors = [f["payload"]["content"]["code"] for t, f in events if t in ("ERROR", "RST")]
                 out.end = errors[-1] if errors else events[-1][0]
+            for t, f in events:  # the first reason of each error code, for a failure's message
+                if t in ("ERROR", "RST"):
+                    c = f["payload"]["content"]
+                    self.error_reasons.setdefault(c.get("code", t), str(c.get("reason", c))[:300])
             self.ended += 1
             return
 

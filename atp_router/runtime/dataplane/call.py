@@ -26,9 +26,9 @@ import trio
 
 from atp_router.adapters.base import Fragment, Prompt, ProviderAdapter
 from atp_router.consensus.types import AgentReport
-from atp_router.flow.admission import Admit, Call, Outcome, Wait
+from atp_router.flow.admission import Admit, Call, Outcome, Released, Wait
 from atp_router.flow.breaker import Fault, Origin, attribute
-from atp_router.flow.budget import Refusal, usd_to_micros
+from atp_router.flow.budget import Charge, PendingCharge, Refusal, usd_to_micros
 from atp_router.flow.window import Estimate
 from atp_router.runtime.dataplane.gates import FlowGates
 from atp_router.runtime.dataplane.plan import (
@@ -121,24 +121,39 @@ class Caller:
         finally:
             if plan.journal is not None and timely:
                 plan.journal.attach(agent, call.reservation, out)  # stored with the commit, in one step
-            if self._release(io, call, out, timely, t0):
-                gates.canary(agent, ready.adapter, hop.timeout_ms / 1000)
+            rid = call.reservation.id if call.reservation is not None else None
+            released = self._release(call, out, timely)
+            charge = released.charge
+            try:
+                if charge is not None:
+                    out.latency_ms = (trio.current_time() - t0) * 1000
+                    pending = flow.ledger.pending_charge(rid) if rid is not None else None
+                    if pending is not None and not out.cancelled:
+                        # The store could not take the commit yet: the leg (and so its
+                        # FINAL) reports the charge it applies once it answers (issue 22).
+                        charge = await _settled(pending)
+            finally:
+                if self._account(io, call, out, released, charge):
+                    gates.canary(agent, ready.adapter, hop.timeout_ms / 1000)
 
-    def _release(self, io: StreamIO, call: Call, out: LegOutcome, timely: bool, t0: float) -> bool:
+    def _release(self, call: Call, out: LegOutcome, timely: bool) -> Released:
         """The one release of ``call``: what it used is committed even on failure
         or cancellation (§5, DESIGN principle 4); AIMD and the breaker see the
         outcome (a cancelled call and one the client's input failed leave both
-        alone). A call that never ran just gives back what it held. Returns
-        whether to run a canary on the next-hop now (it failed in doubt)."""
+        alone). A call that never ran just gives back what it held."""
         err = out.error
-        released = self.gates.release(call, Outcome(
+        return self.gates.release(call, Outcome(
             tokens=out.usage.tokens, usd_micros=out.usage.usd_micros, error=err.code if err is not None else None,
             cancelled=out.cancelled, client_fault=client_fault(err), doubt=out.doubt, timely=timely,
         ))
-        charge = released.charge
+
+    def _account(self, io: StreamIO, call: Call, out: LegOutcome, released: Released, charge: Charge | None) -> bool:
+        """The leg's ``charge`` (what its commit charged) on ``out``, an overage
+        said (``EBUDGET``), the stream's window update sent. Returns whether to
+        run a canary on the next-hop now (it failed in doubt)."""
+        err = out.error
         if charge is None:
             return False  # never admitted: nothing ran, nothing to account
-        out.latency_ms = (trio.current_time() - t0) * 1000
         out.charged_tokens, out.charged_usd_micros = charge.tokens, charge.usd_micros
         if (charge.overage_tokens or charge.overage_usd_micros) and err is None and not out.cancelled:
             # It answered, but billed past what the budget could still take (its
@@ -276,3 +291,11 @@ def is_cancellation(e: BaseException) -> bool:
         return True
     return isinstance(e, BaseExceptionGroup) and e.split(trio.Cancelled)[1] is None
 
+
+async def _settled(pending: PendingCharge) -> Charge:
+    """Wait until the ledger applied ``pending`` (the store answered again); its charge."""
+    done = trio.Event()
+    pending.on_done(done.set)
+    await done.wait()
+    assert pending.charge is not None
+    return pending.charge
