@@ -121,20 +121,28 @@ class Caller:
         finally:
             if plan.journal is not None and timely:
                 plan.journal.attach(agent, call.reservation, out)  # stored with the commit, in one step
-            rid = call.reservation.id if call.reservation is not None else None
-            released = self._release(call, out, timely)
-            charge = released.charge
-            try:
-                if charge is not None:
-                    out.latency_ms = (trio.current_time() - t0) * 1000
-                    pending = flow.ledger.pending_charge(rid) if rid is not None else None
-                    if pending is not None and not out.cancelled:
-                        # The store could not take the commit yet: the leg (and so its
-                        # FINAL) reports the charge it applies once it answers (issue 22).
-                        charge = await _settled(pending)
-            finally:
-                if self._account(io, call, out, released, charge):
-                    gates.canary(agent, ready.adapter, hop.timeout_ms / 1000)
+            if await self._end(io, plan, call, out, timely, t0):
+                gates.canary(agent, ready.adapter, hop.timeout_ms / 1000)
+
+    async def _end(self, io: StreamIO, plan: TaskPlan, call: Call, out: LegOutcome, timely: bool,
+                   t0: float) -> bool:
+        """Release ``call`` (:meth:`_release`) and account its charge on ``out``
+        (:meth:`_account`); a commit the store could not take yet is waited for
+        first, so the leg — and the FINAL — reports what it charged (issue 22).
+        Returns whether to run a canary on the next-hop now."""
+        assert plan.flow is not None
+        rid = call.reservation.id if call.reservation is not None else None
+        released = self._release(call, out, timely)
+        charge = released.charge
+        try:
+            if charge is not None:
+                out.latency_ms = (trio.current_time() - t0) * 1000
+                pending = plan.flow.ledger.pending_charge(rid) if rid is not None else None
+                if pending is not None and not out.cancelled:
+                    charge = await _settled(pending)
+        finally:
+            canary = self._account(io, call, out, released, charge)
+        return canary
 
     def _release(self, call: Call, out: LegOutcome, timely: bool) -> Released:
         """The one release of ``call``: what it used is committed even on failure
