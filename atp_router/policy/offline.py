@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from atp_router.policy.bandit import _WORD
+from atp_router.policy.bandit import _WORD, ArmModel, Context
 
-__all__ = ["LogisticModel", "Sparse", "Tfidf", "fit_logistic", "gain_label", "gain_table", "lbfgs"]
+__all__ = ["LogisticModel", "Sparse", "Tfidf", "fit_arm", "fit_logistic", "gain_label", "gain_table", "lbfgs"]
 
 
 def gain_label(weak: bool, strong: bool) -> float:
@@ -239,3 +239,37 @@ def gain_table(metas: Sequence[str | None], gains: Sequence[float], *, prior_wei
         s[0] += g
         s[1] += 1
     return {m: (s + prior_weight * overall) / (n + prior_weight) for m, (s, n) in sums.items()}
+
+
+def fit_arm(arm: ArmModel, contexts: Sequence[Context], labels: Sequence[float] | np.ndarray, *,
+            max_iter: int = 300) -> ArmModel:
+    """Fit ``arm``'s posterior to labelled contexts in one batch: the MAP of the
+    logistic likelihood under the arm's current diagonal Gaussian posterior as
+    the prior (mean ``m₀``, precision ``q₀``), then the Laplace approximation's
+    diagonal precision ``q₀ + Σᵢ pᵢ(1−pᵢ)xᵢ²`` at the optimum — what the online
+    :meth:`ArmModel.update` approximates one observation at a time, without its
+    order dependence. ``count`` grows by the number of rows. In place; returns ``arm``."""
+    y = np.clip(np.asarray(labels, dtype=np.float64), 0.0, 1.0)
+    if y.shape != (len(contexts),):
+        raise ValueError("fit_arm: one label per context")
+    if not len(contexts):
+        return arm
+    X = Sparse.from_rows([(c.idx, c.val) for c in contexts], len(arm.m))
+    used = np.unique(X.col)
+    col = np.searchsorted(used, X.col)
+    Xc = Sparse(X.row, col, X.val, X.n_rows, len(used))
+    m0, q0 = arm.m[used].copy(), arm.q[used].copy()
+
+    def f(w: np.ndarray) -> tuple[float, np.ndarray]:
+        z = Xc.dot(w)
+        r = 1.0 / (1.0 + np.exp(-z)) - y
+        dw = w - m0
+        return (0.5 * float(q0 @ (dw * dw)) + float(np.sum(np.logaddexp(0.0, z) - y * z)),
+                q0 * dw + Xc.tdot(r))
+
+    w = lbfgs(f, m0, max_iter=max_iter)
+    p = 1.0 / (1.0 + np.exp(-Xc.dot(w)))
+    arm.m[used] = w
+    arm.q[used] = q0 + Xc.sq_tdot(p * (1.0 - p))
+    arm.count += float(len(contexts))
+    return arm

@@ -35,7 +35,7 @@ import numpy as np
 from atp_router.policy.bandit import Bandit, Featurizer
 
 __all__ = ["Curve", "Row", "apgr", "cpt", "hindsight_subject_curve", "load_rows", "oracle_curve", "random_curve",
-           "run_bandit", "score_curve", "warm_bandit"]
+           "run_bandit", "score_curve", "warm_bandit", "warm_fit"]
 
 WEAK, STRONG = "weak", "strong"
 
@@ -183,6 +183,7 @@ def run_bandit(
     bits: int = 14,
     contexts: Sequence | None = None,
     warm: Bandit | None = None,
+    gain: bool = False,
 ) -> tuple[float, float]:
     """One online pass of the router's :class:`~atp_router.policy.bandit.Bandit` over
     ``rows`` (in the given order) with strong-call spend target
@@ -190,14 +191,15 @@ def run_bandit(
     ``{"task_type": "qa", "subject": ...}``; with ``text`` the prompt's hashed
     words too. ``contexts`` may pass the featurized rows (same order) to skip
     featurizing again. ``warm``: start from (a copy of) this bandit's learned
-    arms instead of from zero (:func:`warm_bandit`)."""
+    arms instead of from zero (:func:`warm_bandit`); ``gain``: from zero with
+    a gain model (:class:`~atp_router.policy.bandit.Bandit`'s ``gain``)."""
     rng = np.random.default_rng(seed)
     if warm is not None:
         bandit = copy.deepcopy(warm)
         bandit.explore, bandit.target_cost, bandit.lam_step, bandit.lam = explore, target_share, lam_step, 0.0
     else:
         bandit = Bandit({WEAK: 0.0, STRONG: 1.0}, bits=bits, explore=explore, target_cost=target_share,
-                        lam_step=lam_step)
+                        lam_step=lam_step, gain=gain)
     if contexts is None:
         feat = Featurizer(bits=bits, text=text)
         contexts = [feat({"task_type": "qa", "subject": r.subject}, r.prompt) for r in rows]
@@ -219,4 +221,20 @@ def warm_bandit(rows: Sequence[Row], contexts: Sequence, *, bits: int = 14, expl
     bandit = Bandit({WEAK: 0.0, STRONG: 1.0}, bits=bits, explore=explore)
     for r, ctx in zip(rows, contexts, strict=True):
         bandit.update(ctx, {WEAK: 1.0 if r.weak else 0.0, STRONG: 1.0 if r.strong else 0.0})
+    return bandit
+
+
+def warm_fit(rows: Sequence[Row], contexts: Sequence, *, bits: int = 14, explore: float = 1.0,
+             prior_precision: float = 10.0, gain: bool = True) -> Bandit:
+    """A weak/strong bandit whose posteriors are an offline fit to labelled
+    ``rows`` (:func:`atp_router.policy.offline.fit_arm`: the MAP and its Laplace
+    precision, the prior the online bandit then keeps updating): each arm on
+    its correctness and, with ``gain``, the gain model on ``(strong − weak + 1)/2``."""
+    from atp_router.policy.offline import fit_arm, gain_label
+
+    bandit = Bandit({WEAK: 0.0, STRONG: 1.0}, bits=bits, explore=explore, prior_precision=prior_precision, gain=gain)
+    fit_arm(bandit.arms[WEAK], contexts, [float(r.weak) for r in rows])
+    fit_arm(bandit.arms[STRONG], contexts, [float(r.strong) for r in rows])
+    if bandit.gain is not None:
+        fit_arm(bandit.gain, contexts, [gain_label(r.weak, r.strong) for r in rows])
     return bandit
