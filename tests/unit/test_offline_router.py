@@ -130,3 +130,45 @@ def test_warm_bandit_learned_the_train_rows_and_routes_better_than_from_zero():
                           warm=warm)[1]
     assert warm_acc > cold_acc
     assert warm.arms[WEAK].count == 200  # run_bandit learned on a copy
+
+
+def test_fit_arm_is_the_map_under_the_arms_prior_with_its_laplace_precision():
+    from atp_router.policy.bandit import ArmModel, Context
+    from atp_router.policy.offline import fit_arm
+
+    rng = np.random.default_rng(3)
+    ctxs = [Context(np.array([1, 2 + i % 3]), np.array([1.0, rng.random()])) for i in range(50)]
+    y = np.array([float(rng.random() < (0.8 if c.idx[1] == 2 else 0.2)) for c in ctxs])
+    arm = ArmModel(bits=4, prior_precision=2.0)
+    m0, q0 = arm.m.copy(), arm.q.copy()
+    fit_arm(arm, ctxs, y)
+    grad = q0 * (arm.m - m0)
+    hess = q0.copy()
+    for c, t in zip(ctxs, y, strict=True):
+        p = 1 / (1 + np.exp(-(arm.m[c.idx] @ c.val)))
+        grad[c.idx] += (p - t) * c.val
+        hess[c.idx] += p * (1 - p) * c.val ** 2
+    assert np.allclose(grad, 0, atol=1e-5)
+    assert np.allclose(arm.q, hess, rtol=1e-4)
+    assert arm.count == 50 and arm.m[2] > arm.m[3]
+
+
+def test_bandit_gain_model_learns_the_gain_and_chooses_by_it():
+    from atp_router.policy.bandit import Bandit, Context
+
+    with pytest.raises(ValueError):
+        Bandit({"a": 0, "b": 1, "c": 2}, gain=True)
+    b = Bandit({"cheap": 0.1, "dear": 1.0}, bits=6, explore=0.0, lam=0.3, gain=True)
+    assert b.pair == ("cheap", "dear")
+    hard, easy = Context(np.array([3]), np.array([1.0])), Context(np.array([5]), np.array([1.0]))
+    for _ in range(30):  # both arms equally often right overall: only the gain tells them apart
+        b.update(hard, {"cheap": 0.0, "dear": 1.0})
+        b.update(easy, {"cheap": 1.0, "dear": 0.0})
+    assert b.gain is not None and b.gain.mean(hard) > 0.9 and b.gain.mean(easy) < 0.1
+    rng = np.random.default_rng(0)
+    assert b.choose(hard, rng).order[0] == "dear"
+    assert b.choose(easy, rng).order[0] == "cheap"
+    # One arm's outcome: the gain learns it against the other arm's posterior mean.
+    before = b.gain.mean(hard)
+    b.update(hard, {"dear": 0.0})
+    assert b.gain.mean(hard) < before
