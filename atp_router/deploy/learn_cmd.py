@@ -17,7 +17,8 @@ Each row is featurized as the live router featurizes a task of that policy
 ``update`` — :meth:`~atp_router.policy.bandit.Bandit.update`, the live router's
 own learning step, one observation per row and arm; ``fit`` — a batch fit
 (:func:`~atp_router.policy.offline.fit_arm`: the MAP under the arm's current
-posterior and its Laplace precision). The arms start from what the store holds
+posterior and its Laplace precision; ``--prior-precision`` sets that prior's
+precision for arms that have learned nothing yet). The arms start from what the store holds
 for them (same agent fingerprint), so running ``learn`` again adds to it.
 
 Written to the store the router reads at start: ``--state-dir``'s SQLite store
@@ -104,6 +105,9 @@ def _parser(default_state_dir: Path | None) -> argparse.ArgumentParser:
                     help="agents of weak_correct and strong_correct (default: cheapest, dearest of the fanout)")
     ap.add_argument("--method", choices=("update", "fit"), default="update",
                     help="update: the live router's online step per row; fit: one batch MAP fit (Laplace)")
+    ap.add_argument("--prior-precision", type=float, default=None, metavar="Q",
+                    help="with --method fit: the prior precision of arms that have learned nothing yet "
+                         "(bench/replay_routing.py chose 10 on MMLU; default: the router's, 1)")
     return ap
 
 
@@ -119,6 +123,8 @@ def learn_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
     """The ``learn`` subcommand (module doc); returns the exit status."""
     ap = _parser(default_state_dir)
     args = ap.parse_args(argv)
+    if args.prior_precision is not None and not (args.prior_precision > 0 and args.method == "fit"):
+        ap.error("--prior-precision: a positive number, with --method fit")
     try:
         rib = load_rib(args.policies)
     except PolicyError as e:
@@ -160,6 +166,8 @@ def learn_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
                 bandit.update(ctx, {a: v for a, v in q.items() if a in bandit.arms})
         else:
             for a, arm in bandit.arms.items():
+                if args.prior_precision is not None and arm.count == 0:
+                    arm.q[:] = args.prior_precision
                 mine: list[Context] = [c for c, (_, _, q) in zip(ctxs, rows, strict=True) if a in q]
                 fit_arm(arm, mine, [q[a] for _, _, q in rows if a in q])
         learned = [a for a in bandit.arms if bandit.arms[a].count != bases[a].count]

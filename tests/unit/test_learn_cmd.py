@@ -47,7 +47,7 @@ def _first_choice(router, subject: str, prompt: str) -> str:
     return bandit.choose(ctx, np.random.default_rng(0)).order[0]
 
 
-@pytest.mark.parametrize("method", ["update", "fit"])
+@pytest.mark.parametrize("method", [["update"], ["fit"], ["fit", "--prior-precision", "10"]])
 def test_a_router_started_after_learn_routes_with_the_warm_state(tmp_path, method, capsys):
     rib = tmp_path / "rib.yaml"
     rib.write_text(RIB)
@@ -63,7 +63,7 @@ def test_a_router_started_after_learn_routes_with_the_warm_state(tmp_path, metho
     finally:
         cold.close_state()
     assert learn_main(["--from", str(data), "--policy", "qa", "--policies", str(rib), "--state-dir", str(state),
-                       "--arms", f"{WEAK},{STRONG}", "--method", method]) == 0
+                       "--arms", f"{WEAK},{STRONG}", "--method", *method]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"LEARN policy=qa rows=60 arms={WEAK},{STRONG}"
     with SqliteStore.open(state, create=False) as store:
         entries = {k: decode_arm(v) for k, v in store.items(ARM_PREFIX)}
@@ -75,11 +75,13 @@ def test_a_router_started_after_learn_routes_with_the_warm_state(tmp_path, metho
         assert _first_choice(router, "geo", "name the capital 3") == WEAK
         est = router.learning.learner.policy_bandit("qa")[0].arms
         assert est[WEAK].count == est[STRONG].count == 60
+        # the fitted arms' precision: the prior's (10 where given) plus what the rows added
+        assert est[WEAK].q.min() == (10.0 if "--prior-precision" in method else 1.0)
     finally:
         router.close_state()
     # Learning again adds to the stored arms (they start from what the store holds).
     assert learn_main(["--from", str(data), "--policy", "qa", "--policies", str(rib), "--state-dir", str(state),
-                       "--arms", f"{WEAK},{STRONG}", "--method", method]) == 0
+                       "--arms", f"{WEAK},{STRONG}", "--method", *method]) == 0
     with SqliteStore.open(state, create=False) as store:
         assert all(decode_arm(v)["state"]["count"] == 120 for _, v in store.items(ARM_PREFIX))
 
@@ -90,7 +92,8 @@ def test_unknown_policy_arms_and_bad_rows_are_refused(tmp_path, capsys):
     data = tmp_path / "o.jsonl"
     _outcomes(data, 4)
     base = ["--from", str(data), "--policies", str(rib), "--state-dir", str(tmp_path / "s")]
-    for extra in (["--policy", "nope"], ["--policy", "qa", "--arms", "lint.ruff,nobody"]):
+    for extra in (["--policy", "nope"], ["--policy", "qa", "--arms", "lint.ruff,nobody"],
+                  ["--policy", "qa", "--prior-precision", "10"]):
         with pytest.raises(SystemExit) as e:
             learn_main(base + extra)
         assert e.value.code == 2
