@@ -553,6 +553,14 @@ def _eval_main(argv: list[str]) -> int:
     return eval_main(argv, serve_router=serve_private, model_servers=local_model)
 
 
+def _learn_main(argv: list[str]) -> int:
+    from atp_router.deploy.learn_cmd import (
+        learn_main,  # numpy's offline fit: only learn needs it
+    )
+
+    return learn_main(argv, default_state_dir=_default_state_dir())
+
+
 #: ``atp-router NAME ARGS…``: the subcommands (the module doc), each ``main(ARGS)`` → exit status.
 _SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "keys": keys_main,
@@ -561,6 +569,7 @@ _SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "policy": lambda argv: policy_main(argv, build_adapter=build_adapter, stages=lambda: describe(DEFAULT_STAGES)),
     "audit": lambda argv: audit_main(argv, default_state_dir=_default_state_dir()),
     "routes": routes_main,
+    "learn": lambda argv: _learn_main(argv),
 }
 
 

@@ -368,9 +368,19 @@ class Bandit:
     fixed cost weight λ; ``target_cost`` (0..1, a share of the dearest arm's
     cost per choice) makes λ adaptive instead, stepping by ``lam_step``;
     ``bar``: the lowest sampled quality an arm should clear (0: no bar).
+
+    ``gain`` (two arms only): also model the *gain* of the dearer arm over the
+    cheaper one, ``E[q_dear − q_cheap] = 2σ(z) − 1``, as one more
+    :class:`ArmModel` (:attr:`gain`) over the same context, and choose by it:
+    the dear arm's draw is the cheap arm's draw plus a Thompson draw of the gain
+    (exploration on the gain's own uncertainty). It learns ``(q_dear −
+    q_cheap + 1)/2`` when both arms' qualities are known (labelled outcomes,
+    shadow calls) and, from one arm's, that quality against the other arm's
+    posterior mean (the direct-method estimate of the unseen arm).
     """
 
-    __slots__ = ("_top", "arms", "bar", "choices", "cost", "explore", "lam", "lam_step", "spent", "target_cost")
+    __slots__ = ("_pair", "_top", "arms", "bar", "choices", "cost", "explore", "gain", "lam", "lam_step", "spent",
+                 "target_cost")
 
     def __init__(
         self,
@@ -384,6 +394,7 @@ class Bandit:
         lam_step: float = 0.02,
         bar: float = 0.0,
         prior_precision: float = 1.0,
+        gain: bool = False,
     ):
         if not arms:
             raise ValueError("a bandit needs at least one arm")
@@ -400,6 +411,19 @@ class Bandit:
         self.bar = bar
         self.spent = 0.0
         self.choices = 0
+        self.gain: ArmModel | None = None
+        self._pair: tuple[str, str] | None = None
+        if gain:
+            if len(arms) != 2:
+                raise ValueError("a gain model needs exactly two arms")
+            cheap, dear = sorted(arms, key=lambda a: arms[a])
+            self._pair = (cheap, dear)
+            self.gain = ArmModel(bits=bits, prior=0.5, prior_precision=prior_precision)
+
+    @property
+    def pair(self) -> tuple[str, str] | None:
+        """``(cheap, dear)`` arms of the gain model (None without one)."""
+        return self._pair
 
     @property
     def top_cost(self) -> float:
@@ -422,6 +446,10 @@ class Bandit:
         names = list(among) if among is not None else list(self.arms)
         lam = self.lam if lam is None else lam
         sampled = {a: self.arms[a].sample(ctx, rng, self.explore) for a in names}
+        if self.gain is not None and self._pair is not None and self._pair[0] in sampled \
+                and self._pair[1] in sampled:
+            cheap, dear = self._pair
+            sampled[dear] = sampled[cheap] + 2.0 * self.gain.sample(ctx, rng, self.explore) - 1.0
         utility = {a: sampled[a] - lam * self.cost[a] for a in names}
         if self.bar > 0 and any(sampled[a] >= self.bar for a in names):
             order = sorted(names, key=lambda a: (sampled[a] < self.bar,
@@ -443,7 +471,14 @@ class Bandit:
                only: int | None = None) -> None:
         """Learn from the arms that were called (partial feedback): ``rewards``
         maps each called arm to its observed quality in 0..1; ``only`` as for
-        :meth:`ArmModel.update`."""
+        :meth:`ArmModel.update`; the gain model (if any) as the class doc says."""
+        if self.gain is not None and self._pair is not None:
+            cheap, dear = self._pair
+            if cheap in rewards or dear in rewards:
+                qc = rewards[cheap] if cheap in rewards else self.arms[cheap].mean(ctx)
+                qd = rewards[dear] if dear in rewards else self.arms[dear].mean(ctx)
+                self.gain.update(ctx, (min(max(qd, 0.0), 1.0) - min(max(qc, 0.0), 1.0) + 1.0) / 2.0, weight,
+                                 only=only)
         for a, q in rewards.items():
             arm = self.arms.get(a)
             if arm is not None:

@@ -803,6 +803,18 @@ class RoutingLearner:
     def has_bandit(self, policy: str) -> bool:
         return policy in self._bandits
 
+    def policy_bandit(self, policy: str) -> tuple[Bandit, Featurizer] | None:
+        """The bandit of ``policy`` and the featurizer its tasks' contexts come
+        from (e.g. to warm-start it: ``atp-router learn``); None without one.
+        Arms it learns are not marked dirty: the caller saves them."""
+        pb = self._bandits.get(policy)
+        return (pb.bandit, pb.featurizer) if pb is not None else None
+
+    def fingerprints(self, policy: str) -> Mapping[str, str]:
+        """Each arm of ``policy``'s bandit → :func:`arm_fingerprint` of its agent."""
+        pb = self._bandits.get(policy)
+        return dict(pb.fingerprints) if pb is not None else {}
+
     def bits(self, policy: str) -> int | None:
         pb = self._bandits.get(policy)
         return pb.spec.bits if pb is not None else None

@@ -24,6 +24,7 @@ zero and observing only the arm it called.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import numpy as np
 from atp_router.policy.bandit import Bandit, Featurizer
 
 __all__ = ["Curve", "Row", "apgr", "cpt", "hindsight_subject_curve", "load_rows", "oracle_curve", "random_curve",
-           "run_bandit"]
+           "run_bandit", "score_curve", "warm_bandit", "warm_fit"]
 
 WEAK, STRONG = "weak", "strong"
 
@@ -138,6 +139,27 @@ def hindsight_subject_curve(rows: Sequence[Row], shares: Iterable[float]) -> Cur
     return Curve("subject in hindsight", tuple(out_s), tuple(out_a))
 
 
+def score_curve(name: str, rows: Sequence[Row], scores: Sequence[float] | np.ndarray,
+                shares: Iterable[float]) -> Curve:
+    """An offline router that scores every prompt (higher: more worth the
+    strong model) and, at share ``s``, sends the ``round(s·n)`` best-scored
+    prompts to the strong model (ties: row order)."""
+    sc = np.asarray(scores, dtype=np.float64)
+    if sc.shape != (len(rows),):
+        raise ValueError("score_curve: one score per row")
+    order = np.argsort(-sc, kind="stable")
+    weak = np.fromiter((r.weak for r in rows), dtype=bool)
+    strong = np.fromiter((r.strong for r in rows), dtype=bool)
+    out_s, out_a = [], []
+    for s in shares:
+        k = round(s * len(rows))
+        pick = np.zeros(len(rows), dtype=bool)
+        pick[order[:k]] = True
+        out_s.append(k / len(rows))
+        out_a.append(float(np.where(pick, strong, weak).mean()))
+    return Curve(name, tuple(out_s), tuple(out_a))
+
+
 def random_curve(rows: Sequence[Row], shares: Iterable[float], rng: np.random.Generator) -> Curve:
     """A router that calls strong with probability ``s`` (one pass per share)."""
     weak = np.fromiter((r.weak for r in rows), dtype=bool)
@@ -160,16 +182,24 @@ def run_bandit(
     lam_step: float = 0.02,
     bits: int = 14,
     contexts: Sequence | None = None,
+    warm: Bandit | None = None,
+    gain: bool = False,
 ) -> tuple[float, float]:
     """One online pass of the router's :class:`~atp_router.policy.bandit.Bandit` over
     ``rows`` (in the given order) with strong-call spend target
     ``target_share``: returns (strong-call share, accuracy). Each row's meta is
     ``{"task_type": "qa", "subject": ...}``; with ``text`` the prompt's hashed
     words too. ``contexts`` may pass the featurized rows (same order) to skip
-    featurizing again."""
+    featurizing again. ``warm``: start from (a copy of) this bandit's learned
+    arms instead of from zero (:func:`warm_bandit`); ``gain``: from zero with
+    a gain model (:class:`~atp_router.policy.bandit.Bandit`'s ``gain``)."""
     rng = np.random.default_rng(seed)
-    bandit = Bandit({WEAK: 0.0, STRONG: 1.0}, bits=bits, explore=explore, target_cost=target_share,
-                    lam_step=lam_step)
+    if warm is not None:
+        bandit = copy.deepcopy(warm)
+        bandit.explore, bandit.target_cost, bandit.lam_step, bandit.lam = explore, target_share, lam_step, 0.0
+    else:
+        bandit = Bandit({WEAK: 0.0, STRONG: 1.0}, bits=bits, explore=explore, target_cost=target_share,
+                        lam_step=lam_step, gain=gain)
     if contexts is None:
         feat = Featurizer(bits=bits, text=text)
         contexts = [feat({"task_type": "qa", "subject": r.subject}, r.prompt) for r in rows]
@@ -182,3 +212,29 @@ def run_bandit(
         correct += ok
         bandit.update(ctx, {arm: 1.0 if ok else 0.0})
     return strong_calls / len(rows), correct / len(rows)
+
+
+def warm_bandit(rows: Sequence[Row], contexts: Sequence, *, bits: int = 14, explore: float = 1.0) -> Bandit:
+    """A weak/strong bandit that has learned from labelled ``rows`` (both
+    models' outcomes known) through :meth:`Bandit.update`, the live router's
+    learning step, one observation per row and arm, in the given order."""
+    bandit = Bandit({WEAK: 0.0, STRONG: 1.0}, bits=bits, explore=explore)
+    for r, ctx in zip(rows, contexts, strict=True):
+        bandit.update(ctx, {WEAK: 1.0 if r.weak else 0.0, STRONG: 1.0 if r.strong else 0.0})
+    return bandit
+
+
+def warm_fit(rows: Sequence[Row], contexts: Sequence, *, bits: int = 14, explore: float = 1.0,
+             prior_precision: float = 10.0, gain: bool = True) -> Bandit:
+    """A weak/strong bandit whose posteriors are an offline fit to labelled
+    ``rows`` (:func:`atp_router.policy.offline.fit_arm`: the MAP and its Laplace
+    precision, the prior the online bandit then keeps updating): each arm on
+    its correctness and, with ``gain``, the gain model on ``(strong − weak + 1)/2``."""
+    from atp_router.policy.offline import fit_arm, gain_label
+
+    bandit = Bandit({WEAK: 0.0, STRONG: 1.0}, bits=bits, explore=explore, prior_precision=prior_precision, gain=gain)
+    fit_arm(bandit.arms[WEAK], contexts, [float(r.weak) for r in rows])
+    fit_arm(bandit.arms[STRONG], contexts, [float(r.strong) for r in rows])
+    if bandit.gain is not None:
+        fit_arm(bandit.gain, contexts, [gain_label(r.weak, r.strong) for r in rows])
+    return bandit

@@ -1,0 +1,193 @@
+"""``atp-router learn``: warm-start a policy's contextual bandit from labelled
+outcomes (issue 23; spec §6.2, §18), into the router's learned state.
+
+    atp-router learn --from FILE --policy NAME [--policies DIR] [--state-dir D | --store URL]
+                     [--arms WEAK,STRONG] [--method update|fit]
+
+``FILE``: JSON lines, the replay format (``../shared/routing-replay``): ``prompt``,
+``weak_correct``/``strong_correct`` (booleans, or qualities in 0..1) and optional
+``subject``, ``meta`` (an object: the task meta the router's featurizer reads) and
+``contaminated`` (true: the row is skipped); or ``outcomes``: ``{agent: quality}``
+for any arm set. ``--arms`` names the agents of the weak and the strong outcome
+(default: the policy's cheapest and dearest fanout agents by price).
+
+Each row is featurized as the live router featurizes a task of that policy
+(:class:`~atp_router.policy.bandit.Featurizer` with the policy's ``bits`` and
+``text_features``; no tenant or QoS token) and learned by ``--method``:
+``update`` — :meth:`~atp_router.policy.bandit.Bandit.update`, the live router's
+own learning step, one observation per row and arm; ``fit`` — a batch fit
+(:func:`~atp_router.policy.offline.fit_arm`: the MAP under the arm's current
+posterior and its Laplace precision; ``--prior-precision`` sets that prior's
+precision for arms that have learned nothing yet). The arms start from what the store holds
+for them (same agent fingerprint), so running ``learn`` again adds to it.
+
+Written to the store the router reads at start: ``--state-dir``'s SQLite store
+(one router's save format), or with ``--store redis://…`` the store several
+routers share, merged into each arm's shared entry as one more router's push
+(:func:`~atp_router.runtime.controlplane.learn_entries.push_arm`). Run it with
+the router stopped (SQLite) or at any time (shared: the routers adopt the
+merged arms at their next sync). Prints one line per arm and
+``LEARN policy=<name> rows=<n> arms=<a,b>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from atp_router import store as _stores
+from atp_router.cliutil.helpfmt import DefaultsHelpFormatter
+from atp_router.policy.bandit import Context
+from atp_router.policy.learn import RoutingLearner, SharedArm
+from atp_router.policy.loader import load_rib
+from atp_router.policy.offline import fit_arm
+from atp_router.runtime.controlplane.learn_entries import (
+    ARM_PREFIX,
+    SEQ_KEY,
+    bump_index,
+    decode_arm,
+    push_arm,
+)
+from atp_router.store.base import Store
+from atp_router.store.sqlite import SqliteStore
+from atp_router.wire.errors import PolicyError
+
+__all__ = ["learn_main", "read_outcomes"]
+
+
+def read_outcomes(path: Path, weak: str, strong: str) -> list[tuple[dict[str, Any], str, dict[str, float]]]:
+    """``(meta, prompt, {agent: quality})`` per usable row of ``path`` (module
+    doc); raises ValueError naming the line of a malformed one."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                o = json.loads(line)
+                if not isinstance(o, dict):
+                    raise TypeError("not an object")
+                if o.get("contaminated"):
+                    continue
+                meta = dict(o["meta"]) if isinstance(o.get("meta"), dict) else {}
+                if o.get("subject") is not None:
+                    meta.setdefault("subject", o["subject"])
+                if isinstance(o.get("outcomes"), dict):
+                    q = {str(a): float(v) for a, v in o["outcomes"].items()}
+                else:
+                    q = {weak: float(o["weak_correct"]), strong: float(o["strong_correct"])}
+                if not all(0.0 <= v <= 1.0 for v in q.values()):
+                    raise ValueError("a quality outside 0..1")
+                out.append((meta, str(o.get("prompt", "")), q))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+    return out
+
+
+def _parser(default_state_dir: Path | None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="atp-router learn", description=(__doc__ or "").splitlines()[0],
+                                 formatter_class=DefaultsHelpFormatter)
+    ap.add_argument("--from", dest="src", type=Path, required=True, metavar="FILE",
+                    help="labelled outcomes, JSON lines (prompt, meta/subject, weak_correct, strong_correct)")
+    ap.add_argument("--policy", required=True, help="the RIB policy (with bandit:) whose arms learn")
+    ap.add_argument("--policies", type=Path, default=Path("policies"), help="RIB file or directory of *.yaml")
+    ap.add_argument("--state-dir", type=Path, default=default_state_dir, required=default_state_dir is None,
+                    metavar="DIR", help="the router's state directory (its SQLite store)")
+    ap.add_argument("--store", metavar="URL", help="the shared store of routers run with --store (redis://…)")
+    ap.add_argument("--store-namespace", default="atp", metavar="NS", help="the routers' --store-namespace")
+    ap.add_argument("--arms", metavar="WEAK,STRONG",
+                    help="agents of weak_correct and strong_correct (default: cheapest, dearest of the fanout)")
+    ap.add_argument("--method", choices=("update", "fit"), default="update",
+                    help="update: the live router's online step per row; fit: one batch MAP fit (Laplace)")
+    ap.add_argument("--prior-precision", type=float, default=None, metavar="Q",
+                    help="with --method fit: the prior precision of arms that have learned nothing yet "
+                         "(bench/replay_routing.py chose 10 on MMLU; default: the router's, 1)")
+    return ap
+
+
+def _open(args: argparse.Namespace) -> Store:
+    if args.store in (None, "sqlite"):
+        return SqliteStore.open(args.state_dir, create=True)
+    if args.store.split("://", 1)[0].lower() not in ("redis", "rediss", "unix"):
+        raise ValueError(f"--store {args.store!r}: give sqlite or a redis://, rediss:// or unix:// URL")
+    return _stores.RedisStore.open(args.store, namespace=args.store_namespace)
+
+
+def learn_main(argv: list[str], *, default_state_dir: Path | None = None) -> int:
+    """The ``learn`` subcommand (module doc); returns the exit status."""
+    ap = _parser(default_state_dir)
+    args = ap.parse_args(argv)
+    if args.prior_precision is not None and not (args.prior_precision > 0 and args.method == "fit"):
+        ap.error("--prior-precision: a positive number, with --method fit")
+    try:
+        rib = load_rib(args.policies)
+    except PolicyError as e:
+        ap.error(f"--policies: {e}")
+    learner = RoutingLearner(seed=0)
+    shared = args.store not in (None, "sqlite")
+    try:
+        store = _open(args)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
+    with store:
+        saved = []
+        for _key, raw in store.items(f"{ARM_PREFIX}{args.policy}/"):
+            obj = decode_arm(raw)
+            if obj is not None and obj.get("policy") == args.policy:
+                saved.append((obj["policy"], obj["arm"], obj["fingerprint"], obj["state"]))
+        learner.load_arms(saved)
+        learner.sync(rib)
+        got = learner.policy_bandit(args.policy)
+        if got is None:
+            ap.error(f"--policy {args.policy!r}: no such policy with a bandit in {args.policies}")
+        bandit, featurizer = got
+        if args.arms:
+            pair = [a.strip() for a in args.arms.split(",")]
+            if len(pair) != 2 or not all(a in bandit.arms for a in pair):
+                ap.error(f"--arms: two of the policy's arms, weak first ({', '.join(bandit.arms)})")
+            weak, strong = pair
+        else:
+            weak, strong = min(bandit.cost, key=lambda a: (bandit.cost[a], a)), \
+                max(bandit.cost, key=lambda a: (bandit.cost[a], a))
+        try:
+            rows = read_outcomes(args.src, weak, strong)
+        except (OSError, ValueError) as e:
+            ap.error(str(e))
+        bases = {a: m.copy() for a, m in bandit.arms.items()}
+        ctxs = [featurizer(meta, text) for meta, text, _ in rows]
+        if args.method == "update":
+            for ctx, (_, _, q) in zip(ctxs, rows, strict=True):
+                bandit.update(ctx, {a: v for a, v in q.items() if a in bandit.arms})
+        else:
+            for a, arm in bandit.arms.items():
+                if args.prior_precision is not None and arm.count == 0:
+                    arm.q[:] = args.prior_precision
+                mine: list[Context] = [c for c, (_, _, q) in zip(ctxs, rows, strict=True) if a in q]
+                fit_arm(arm, mine, [q[a] for _, _, q in rows if a in q])
+        learned = [a for a in bandit.arms if bandit.arms[a].count != bases[a].count]
+        fps = learner.fingerprints(args.policy)
+        seq = int(time.time() * 1000)
+        written: dict[str, int] = {}
+        for a in learned:
+            key = f"{ARM_PREFIX}{args.policy}/{a}"
+            if shared:
+                pushed = SharedArm(args.policy, a, fps[a], bandit.arms[a], bases[a])
+                store.update(key, functools.partial(push_arm, pushed, bandit.arms[a].delta(bases[a]), 0, seq))
+                written[key] = seq
+            else:
+                store.put(key, msgspec.msgpack.encode({"policy": args.policy, "arm": a, "fingerprint": fps[a],
+                                                       "state": bandit.arms[a].state()}))
+            est = bandit.arms[a]
+            print(f"arm {a}: {est.count - bases[a].count:g} observations learned, {est.count:g} in all")
+        if written:
+            store.update(SEQ_KEY, functools.partial(bump_index, written))
+    print(f"LEARN policy={args.policy} rows={len(rows)} arms={','.join(learned)}")
+    return 0
+
+
