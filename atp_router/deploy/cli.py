@@ -121,6 +121,7 @@ from atp_router.adapters.registry import build_adapter
 from atp_router.cliutil.helpfmt import DefaultsHelpFormatter
 from atp_router.deploy import cluster, single
 from atp_router.deploy.cluster import is_cluster_store
+from atp_router.deploy.learn_cmd import learn_main
 from atp_router.deploy.workers import WorkerSpec, supervise, worker_main
 from atp_router.flow.breaker import RetryPolicy
 from atp_router.observability import logs, tracing
@@ -554,10 +555,6 @@ def _eval_main(argv: list[str]) -> int:
 
 
 def _learn_main(argv: list[str]) -> int:
-    from atp_router.deploy.learn_cmd import (
-        learn_main,  # numpy's offline fit: only learn needs it
-    )
-
     return learn_main(argv, default_state_dir=_default_state_dir())
 
 

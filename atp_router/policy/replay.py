@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from atp_router.policy.bandit import Bandit, Featurizer
+from atp_router.policy.offline import fit_arm, gain_label
 
 __all__ = ["Curve", "Row", "apgr", "cpt", "hindsight_subject_curve", "load_rows", "oracle_curve", "random_curve",
            "run_bandit", "score_curve", "warm_bandit", "warm_fit"]
@@ -230,8 +231,6 @@ def warm_fit(rows: Sequence[Row], contexts: Sequence, *, bits: int = 14, explore
     ``rows`` (:func:`atp_router.policy.offline.fit_arm`: the MAP and its Laplace
     precision, the prior the online bandit then keeps updating): each arm on
     its correctness and, with ``gain``, the gain model on ``(strong − weak + 1)/2``."""
-    from atp_router.policy.offline import fit_arm, gain_label
-
     bandit = Bandit({WEAK: 0.0, STRONG: 1.0}, bits=bits, explore=explore, prior_precision=prior_precision, gain=gain)
     fit_arm(bandit.arms[WEAK], contexts, [float(r.weak) for r in rows])
     fit_arm(bandit.arms[STRONG], contexts, [float(r.strong) for r in rows])
