@@ -36,6 +36,7 @@ import argparse
 import functools
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,42 @@ def _open(args: argparse.Namespace) -> Store:
     return _stores.RedisStore.open(args.store, namespace=args.store_namespace)
 
 
+def _learn(bandit: Any, ctxs: list[Context], rows: list[tuple[dict[str, Any], str, dict[str, float]]],
+           args: argparse.Namespace) -> None:
+    """Learn ``rows`` (their contexts ``ctxs``) into ``bandit``: through its
+    ``update`` (``--method update``) or one batch fit per arm (``fit``)."""
+    if args.method == "update":
+        for ctx, (_, _, q) in zip(ctxs, rows, strict=True):
+            bandit.update(ctx, {a: v for a, v in q.items() if a in bandit.arms})
+        return
+    for a, arm in bandit.arms.items():
+        if args.prior_precision is not None and arm.count == 0:
+            arm.q[:] = args.prior_precision
+        mine: list[Context] = [c for c, (_, _, q) in zip(ctxs, rows, strict=True) if a in q]
+        fit_arm(arm, mine, [q[a] for _, _, q in rows if a in q])
+
+
+def _write(store: Store, policy: str, learned: list[str], bandit: Any, bases: dict[str, Any],
+           fps: Mapping[str, str], *, shared: bool) -> None:
+    """Store the ``learned`` arms as the router saves them: merged as one more
+    router's contribution on a shared store, else the arm's whole state."""
+    seq = int(time.time() * 1000)
+    written: dict[str, int] = {}
+    for a in learned:
+        key = f"{ARM_PREFIX}{policy}/{a}"
+        if shared:
+            pushed = SharedArm(policy, a, fps[a], bandit.arms[a], bases[a])
+            store.update(key, functools.partial(push_arm, pushed, bandit.arms[a].delta(bases[a]), 0, seq))
+            written[key] = seq
+        else:
+            store.put(key, msgspec.msgpack.encode({"policy": policy, "arm": a, "fingerprint": fps[a],
+                                                   "state": bandit.arms[a].state()}))
+        est = bandit.arms[a]
+        print(f"arm {a}: {est.count - bases[a].count:g} observations learned, {est.count:g} in all")
+    if written:
+        store.update(SEQ_KEY, functools.partial(bump_index, written))
+
+
 def learn_main(argv: list[str], *, default_state_dir: Path | None = None) -> int:
     """The ``learn`` subcommand (module doc); returns the exit status."""
     ap = _parser(default_state_dir)
@@ -160,33 +197,9 @@ def learn_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
         except (OSError, ValueError) as e:
             ap.error(str(e))
         bases = {a: m.copy() for a, m in bandit.arms.items()}
-        ctxs = [featurizer(meta, text) for meta, text, _ in rows]
-        if args.method == "update":
-            for ctx, (_, _, q) in zip(ctxs, rows, strict=True):
-                bandit.update(ctx, {a: v for a, v in q.items() if a in bandit.arms})
-        else:
-            for a, arm in bandit.arms.items():
-                if args.prior_precision is not None and arm.count == 0:
-                    arm.q[:] = args.prior_precision
-                mine: list[Context] = [c for c, (_, _, q) in zip(ctxs, rows, strict=True) if a in q]
-                fit_arm(arm, mine, [q[a] for _, _, q in rows if a in q])
+        _learn(bandit, [featurizer(meta, text) for meta, text, _ in rows], rows, args)
         learned = [a for a in bandit.arms if bandit.arms[a].count != bases[a].count]
-        fps = learner.fingerprints(args.policy)
-        seq = int(time.time() * 1000)
-        written: dict[str, int] = {}
-        for a in learned:
-            key = f"{ARM_PREFIX}{args.policy}/{a}"
-            if shared:
-                pushed = SharedArm(args.policy, a, fps[a], bandit.arms[a], bases[a])
-                store.update(key, functools.partial(push_arm, pushed, bandit.arms[a].delta(bases[a]), 0, seq))
-                written[key] = seq
-            else:
-                store.put(key, msgspec.msgpack.encode({"policy": args.policy, "arm": a, "fingerprint": fps[a],
-                                                       "state": bandit.arms[a].state()}))
-            est = bandit.arms[a]
-            print(f"arm {a}: {est.count - bases[a].count:g} observations learned, {est.count:g} in all")
-        if written:
-            store.update(SEQ_KEY, functools.partial(bump_index, written))
+        _write(store, args.policy, learned, bandit, bases, learner.fingerprints(args.policy), shared=shared)
     print(f"LEARN policy={args.policy} rows={len(rows)} arms={','.join(learned)}")
     return 0
 
