@@ -79,7 +79,7 @@ class RoundRobin:
 
 
 async def measure(args: argparse.Namespace, urls: dict[str, str], key: str, pids: dict[str, int], redis_pid: int,
-                  redis_url: str) -> dict:
+                  redis_url: str, ops_key: str) -> dict:
     import redis as redis_client
     import trio
 
@@ -118,7 +118,7 @@ async def measure(args: argparse.Namespace, urls: dict[str, str], key: str, pids
         lat: dict[str, list[float]] = {n: [] for n in ("sqlite", "a", "everysec")}
         cli = redis_client.Redis.from_url(redis_url)
         stats0 = cli.info("commandstats")
-        trips0 = await round_trips(urls["a"], key)
+        trips0 = await round_trips(urls["a"], ops_key)
         redis_tasks = 0
         for _ in range(args.latency_tasks):
             for n, times in lat.items():
@@ -128,7 +128,7 @@ async def measure(args: argparse.Namespace, urls: dict[str, str], key: str, pids
                     times.append((time.perf_counter() - t0) * 1000)
                     redis_tasks += n == "a"
         stats1 = cli.info("commandstats")
-        trips1 = await round_trips(urls["a"], key)
+        trips1 = await round_trips(urls["a"], ops_key)
         cli.close()
     finally:
         for d in drivers.values():
@@ -180,7 +180,7 @@ def bench(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_cluster_"))
     procs: list[subprocess.Popen] = []
     servers: list[RedisServer] = []
-    key = "atp-" + secrets.token_hex(32)
+    key, ops_key = "atp-" + secrets.token_hex(32), "ops-" + secrets.token_hex(32)
     try:
         for fsync in ("always", "everysec"):
             work = tmp / f"redis-{fsync}"
@@ -200,13 +200,14 @@ def bench(args: argparse.Namespace) -> int:
                   "sqlite": "sqlite"}
         urls, pids = {}, {}
         for name, store in stores.items():
-            # The tenant's token may read /v1/metrics too (operator): atp_store_round_trips_total.
-            r = gw.start_router(tmp / name, rib, procs, key=key, roles="operator", args=[*ROUTER_ARGS, "--store", store],
+            # An operator's token reads /v1/metrics (atp_store_round_trips_total).
+            r = gw.start_router(tmp / name, rib, procs, key=key, more_tokens=f",ops:{ops_key}:operator",
+                                args=[*ROUTER_ARGS, "--store", store],
                                 announce="starting", timeout_s=90)
             if r is None:
                 return 1
             urls[name], pids[name] = r.url, r.proc.pid
-        res = trio.run(measure, args, urls, key, pids, servers[0].proc.pid, servers[0].url)
+        res = trio.run(measure, args, urls, key, pids, servers[0].proc.pid, servers[0].url, ops_key)
         table = None if args.skip_store_ops else store_ops()
     finally:
         gw.stop_procs(procs, 20)

@@ -678,7 +678,7 @@ class BenchRouter:
 
 
 def start_router(directory: Path, rib: str, procs: list, *, key: str | None = None, roles: str = "",
-                 args: Sequence[str] = (), env: Mapping[str, str] | None = None, exe: Sequence[str] | None = None,
+                 more_tokens: str = "", args: Sequence[str] = (), env: Mapping[str, str] | None = None, exe: Sequence[str] | None = None,
                  announce: str | None = None, timeout_s: float = 60.0) -> BenchRouter | None:
     """An ATP router for a bench, once it answers ``GET /v1/health``.
 
@@ -688,7 +688,8 @@ def start_router(directory: Path, rib: str, procs: list, *, key: str | None = No
     directory/state`` on free loopback ports, ``--no-watch --log-level WARNING``
     and ``args``; its output goes to ``directory/router.log``; its environment
     is ``env`` (default :func:`clean_env`) and, given ``key``, the one bearer
-    token ``ATP_ROUTER_TOKENS=bench:<key>[:<roles>]`` (health is asked with it).
+    token ``ATP_ROUTER_TOKENS=bench:<key>[:<roles>]`` (health is asked with it)
+    followed by ``more_tokens`` (``,name:token[:roles]…``).
     The process is appended to ``procs`` as soon as it runs (the caller stops
     it). ``announce``: print ``<announce>: <the command>`` first. None (the
     log's tail printed) when it exits or is not up within ``timeout_s`` s."""
@@ -702,7 +703,7 @@ def start_router(directory: Path, rib: str, procs: list, *, key: str | None = No
         print(f"{announce}: {' '.join(Path(c).name if c.startswith('/') else c for c in cmd)}", flush=True)
     env = dict(clean_env() if env is None else env)
     if key is not None:
-        env["ATP_ROUTER_TOKENS"] = f"bench:{key}" + (f":{roles}" if roles else "")
+        env["ATP_ROUTER_TOKENS"] = f"bench:{key}" + (f":{roles}" if roles else "") + more_tokens
     log = directory / "router.log"
     proc = spawn(cmd, log, env=env, cwd=directory)
     procs.append(proc)
