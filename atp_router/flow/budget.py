@@ -629,11 +629,11 @@ class SharedAccounts(Protocol):
 
     def recommit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
                         request: str) -> SharedResult:
-        """Settle, charging exactly ``tokens`` / ``usd_micros`` (at most the
-        reservation's), a commit whose first attempt, named ``request``, lost its
-        answer: if that attempt was applied, its charge is corrected to these
-        amounts (no overage); otherwise this one applies and the first attempt
-        is refused if it runs later. ``charge`` is what the ledger holds for it."""
+        """Settle again, at the actual usage ``tokens`` / ``usd_micros``, a commit
+        whose first attempt, named ``request``, lost its answer: if that attempt
+        was applied, its charge stands (nothing is applied twice); otherwise this
+        one applies by :meth:`commit_shared`'s rule and the first attempt is
+        refused if it runs later. ``charge`` is what the ledger holds for it."""
 
     def release_shared(self, reservation: Reservation) -> SharedResult:
         """Settle ``reservation`` with no usage."""

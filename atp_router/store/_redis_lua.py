@@ -296,8 +296,9 @@ return 1
     # A: id, mode ('release' | 'charge' | 'actual' | 'recommit'), t, u, ot, ou[, request, request ttl ms
     #   [, call record key, its value, its ttl ms]]
     #   -> {chain, t, u, ot, ou} charged. A named commit records 'key|t|u|ot|ou' under rq:<request>;
-    #   'recommit' (the retry of a named commit whose answer was lost) corrects that record's charge to
-    #   t / u if the first attempt ran, else charges t / u and marks the name so the first is refused.
+    #   'recommit' (the retry of a named commit whose answer was lost) returns that record's charge if
+    #   the first attempt ran (nothing applied twice), else settles like 'actual' and marks the name so
+    #   the first is refused.
     #   A call record (the answer the charge paid for) is stored in the same step under cm:<key>
     #   (hash v, t, u: the value and the charge), so a re-run finds the answer iff it was charged.
     "settle": (_LEDGER, """
@@ -315,14 +316,9 @@ if q ~= '' then
     redis.call('SET', qk, 'x', 'PX', A[8])
     if done and done ~= 'x' then
       local key, dt, du, dot, dou = string.match(done, '^(.*)|(%d+)|(%d+)|(%d+)|(%d+)$')
-      local rows = chain(key)
-      local t, u = tonumber(A[3]), tonumber(A[4])
-      move(rows, t - tonumber(dt), u - tonumber(du), -tonumber(dot), -tonumber(dou), 0, 0)
-      record(t, u)
-      return {encode(rows), t, u, 0, 0}
+      return {encode(chain(key)), tonumber(dt), tonumber(du), tonumber(dot), tonumber(dou)}
     end
-    mode = 'charge'
-    A[5], A[6] = '0', '0'
+    mode = 'actual'
   elseif done then
     return redis.error_reply('ATPCANCELLED commit ' .. q .. ' was settled again before it ran')
   end

@@ -320,12 +320,12 @@ class Store(ABC):
     @abstractmethod
     def recommit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
                         request: str) -> SharedResult:
-        """Settle a commit whose first attempt (named ``request``) lost its
-        answer, charging exactly ``tokens`` / ``usd_micros`` (at most the
-        reservation's; no overage): if that attempt was applied, its charge is
-        corrected to these amounts; else this one applies, and the first is
-        refused if it runs later. Raises :class:`NotFound` (the reservation
-        settled otherwise, and no first attempt on record)."""
+        """Settle again, at the actual usage, a commit whose first attempt (named
+        ``request``) lost its answer: if that attempt was applied, its charge
+        stands and is returned (nothing applied twice); else this one applies by
+        :meth:`commit_shared`'s rule, and the first is refused if it runs later.
+        Raises :class:`NotFound` (the reservation settled otherwise, and no
+        first attempt on record)."""
 
     @abstractmethod
     def release_shared(self, reservation: Reservation) -> SharedResult:

@@ -39,8 +39,8 @@ Failures:
   released if it was made, the reserve refused if it runs after the cancel —
   nothing is held for good by a call whose answer was lost. A shared commit is
   named too, and settled again by name (:meth:`RedisStore.recommit_shared`):
-  a first attempt Redis ran after all is corrected to the retry's amounts, one
-  it runs later is refused — charged once, at what the caller reported.
+  a first attempt Redis ran after all stands (its charge returned), one it
+  runs later is refused — charged once.
 * **deadlines**: every write carries its deadline on Redis' own clock (the
   client's clock plus the offset measured by ``TIME`` at open and at every
   lease renewal, plus :attr:`RedisStore.deadline_ms`: twice the socket timeout,

@@ -675,8 +675,7 @@ class SqliteStore(Store):
     def recommit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,
                         request: str) -> SharedResult:
         """A commit that raised here rolled back (one local transaction), so
-        this is the first that applies: :meth:`commit_shared` at these amounts
-        (within the reservation: charged in full)."""
+        this is the first that applies: :meth:`commit_shared` at these amounts."""
         return self.commit_shared(reservation, tokens, usd_micros)
 
     def commit_shared(self, reservation: Reservation, tokens: int, usd_micros: int, *,

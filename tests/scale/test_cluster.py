@@ -633,6 +633,14 @@ def test_a_reserve_or_commit_redis_runs_after_it_timed_out_is_undone_or_correcte
                 store.commit_shared(stored, 1_000, 0, request=request)
             t = reader.shared_totals("client:t").totals[0]
             assert (t.reserved_tokens, t.committed_tokens) == (0, 80 + 1_000 + 40)
+
+            # A commit settled again by name whose first attempt never ran is checked like any
+            # commit: the stream's limit (5,000) binds, the rest is overage (not the full usage).
+            r = a.reserve("stream:s1", 100, 0)
+            assert isinstance(r, Reservation)
+            stored = Reservation(id=r.id, key=a.store_key(r.key), tokens=r.tokens, usd_micros=r.usd_micros)
+            got = store.recommit_shared(stored, 20_000, 0, request=a.new_request()).charge
+            assert (got.tokens, got.overage_tokens) == (5_000 - 1_120, 20_000 - (5_000 - 1_120))
         finally:
             store.close()
             reader.close()
