@@ -127,17 +127,7 @@ def hindsight_subject_curve(rows: Sequence[Row], shares: Iterable[float]) -> Cur
     for r in rows:
         by.setdefault(r.subject, []).append(int(r.strong) - int(r.weak))
     gain = {k: sum(v) / len(v) for k, v in by.items()}
-    order = sorted(range(len(rows)), key=lambda i: (-gain[rows[i].subject], i))
-    weak = np.fromiter((r.weak for r in rows), dtype=bool)
-    strong = np.fromiter((r.strong for r in rows), dtype=bool)
-    out_s, out_a = [], []
-    for s in shares:
-        k = round(s * len(rows))
-        pick = np.zeros(len(rows), dtype=bool)
-        pick[order[:k]] = True
-        out_s.append(k / len(rows))
-        out_a.append(float(np.where(pick, strong, weak).mean()))
-    return Curve("subject in hindsight", tuple(out_s), tuple(out_a))
+    return score_curve("subject in hindsight", rows, [gain[r.subject] for r in rows], shares)
 
 
 def score_curve(name: str, rows: Sequence[Row], scores: Sequence[float] | np.ndarray,
