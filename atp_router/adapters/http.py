@@ -133,7 +133,7 @@ def transport_error(e: httpx.HTTPError, base_url: str, timeout_ms: int) -> Agent
     """The AgentError for an httpx failure without an HTTP answer: connect
     failures (and other transport faults) EAGENTDOWN, timeouts ETIMEOUT."""
     if isinstance(e, httpx.ConnectTimeout):
-        return AgentError(ErrorCode.EAGENTDOWN, f"cannot connect to {base_url}: {e!r}")
+        return AgentError(ErrorCode.EAGENTDOWN, f"cannot connect to {base_url}: {e!r}", timed_out=True)
     if isinstance(e, httpx.TimeoutException):
         return AgentError(ErrorCode.ETIMEOUT, f"{type(e).__name__} after {timeout_ms} ms")
     if isinstance(e, httpx.ConnectError):

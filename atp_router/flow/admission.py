@@ -205,8 +205,10 @@ class Outcome(Struct, frozen=True, kw_only=True):
     AIMD, no breaker verdict); ``client_fault`` (the client's input failed it: no
     AIMD, not counted against the breaker); ``doubt`` (it failed in a way its task
     may have caused, :attr:`~atp_router.flow.breaker.Fault.DOUBT`: as ``client_fault``,
-    and the breaker may ask for a canary); ``timely``: it answered within its
-    timeout (AIMD grows only then)."""
+    and the breaker may ask for a canary); ``local`` (it timed out while the
+    router's own loop stalled, :attr:`~atp_router.flow.breaker.Fault.LOCAL`: as
+    ``client_fault``, no canary); ``timely``: it answered within its timeout
+    (AIMD grows only then)."""
 
     tokens: int = 0
     usd_micros: int = 0
@@ -214,6 +216,7 @@ class Outcome(Struct, frozen=True, kw_only=True):
     cancelled: bool = False
     client_fault: bool = False
     doubt: bool = False
+    local: bool = False
     timely: bool = False
 
 
@@ -448,9 +451,9 @@ class AdmissionControl:
             call._hop_window.on_cancel(call._hop_call)
             self._free_slot(call, now, done=False)
             self.breakers.on_cancel(agent, now)
-        elif outcome.client_fault or outcome.doubt:
-            # The client's input failed, not the next-hop: no AIMD, no breaker failure;
-            # in doubt, the breaker may want a canary to speak for the next-hop.
+        elif outcome.client_fault or outcome.doubt or outcome.local:
+            # The client's input failed, or the router's own stalled loop, not the next-hop: no
+            # AIMD, no breaker failure; in doubt, the breaker may want a canary to speak for it.
             flow.window.on_cancel(call._stream_call)
             call._hop_window.on_cancel(call._hop_call)
             self._free_slot(call, now, done=True)

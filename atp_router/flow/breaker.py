@@ -137,9 +137,21 @@ class Fault(enum.StrEnum):
     #: Maybe the task's, maybe the next-hop's: the client's for the call, and a
     #: canary (:meth:`CircuitBreaker.on_doubt`) speaks for the next-hop.
     DOUBT = "doubt"
+    #: The router's own: the wait timed out while its event loop was stalled
+    #: (:mod:`atp_router.runtime.loopstalls`): nothing counted, no AIMD decrease, retried.
+    LOCAL = "local"
 
 
-def attribute(origin: Origin, *, client_fault: bool, tenant_bound: bool) -> Fault:
+#: A timeout is the router's own (:attr:`Fault.LOCAL`) when its event loop had a stall
+#: at least this long (s) that ended at most :data:`LOCAL_WITHIN_S` before the failure
+#: was seen: the deadline passed while the loop was not running, so the peer's answer
+#: may have been waiting unread. Shorter stalls leave the peer's verdict alone.
+LOCAL_STALL_S = 2.0
+LOCAL_WITHIN_S = 1.0
+
+
+def attribute(origin: Origin, *, client_fault: bool, tenant_bound: bool, timed_out: bool = False,
+              stall_s: float = 0.0) -> Fault:
     """Whose a failed call is: its :class:`Origin`, ``client_fault`` as the
     adapter said (:class:`~atp_router.wire.errors.ClientInputError`), ``tenant_bound``
     the next-hop's :attr:`~atp_router.adapters.base.ProviderAdapter.tenant_bound`.
@@ -150,9 +162,14 @@ def attribute(origin: Origin, *, client_fault: bool, tenant_bound: bool) -> Faul
     could not judge — the caller's deadline cut it, or it crashed outside its
     contract — is in doubt at a tenant-bound next-hop (the task's tests may
     sleep, its path may be absurd) and the peer's anywhere else (a model
-    endpoint's slowness is its own). Pure."""
+    endpoint's slowness is its own). A wait that ran out (``timed_out``: a
+    connect or read timeout, or the caller's deadline) right after the router's
+    own loop stalled for ``stall_s`` ≥ :data:`LOCAL_STALL_S` s is the router's
+    (:attr:`Fault.LOCAL`), whichever next-hop it was. Pure."""
     if client_fault:
         return Fault.CLIENT
+    if timed_out and stall_s >= LOCAL_STALL_S:
+        return Fault.LOCAL
     if tenant_bound and origin is not Origin.ADAPTER:
         return Fault.DOUBT
     return Fault.PEER

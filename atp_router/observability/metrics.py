@@ -122,6 +122,15 @@ class RouterMetrics:
         self.store_up = Gauge("atp_store_up", "1 while the state store answers, 0 while it cannot be reached "
                               "(new spend is refused)", registry=r)
         self.store_up.set(1)
+        # The router's own event loop (issue 20, atp_router.runtime.loopstalls).
+        self.loop_stalls = FunctionCounter(
+            "atp_loop_stalls", "Stretches of 0.5 s or more in which this router's event loop did not look at I/O "
+            "(a blocking call on it, or the process not scheduled)", r)
+        self.loop_stall_seconds = FunctionCounter(
+            "atp_loop_stall_seconds", "Time this router's event loop spent in those stalls", r)
+        self.local_timeouts = FunctionCounter(
+            "atp_local_timeouts", "Next-hop calls that timed out right after such a stall: the router's own "
+            "fault, retried and not counted against the next-hop's breaker", r)
         self.store_round_trips = FunctionCounter(
             "atp_store_round_trips", "Requests sent to a shared state store (Redis) and waited for: a script or a "
             "pipeline of them is one (lease renewals included)", r)

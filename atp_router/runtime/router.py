@@ -70,6 +70,7 @@ gets none within ``idle_task_s``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -236,6 +237,10 @@ class Router:
             default_rate=RateSpec(per_s=config.tenant_rate_per_s, burst=config.tenant_rate_burst),
         )
         self.gates = _flow_gates(config, on_preempt=self._on_preempt, on_breaker=self._on_breaker)
+        stalls = self.gates.stalls
+        self.metrics.loop_stalls.set_function(lambda: stalls.count)
+        self.metrics.loop_stall_seconds.set_function(lambda: stalls.total_s)
+        self.metrics.local_timeouts.set_function(lambda: stalls.local_faults)
         #: Spans of sessions, streams, legs and consensus (spec §12); None: tracing
         #: is off (no OTEL_* exporter configured, atp_router.observability.tracing) and costs nothing.
         self.tracing = RouterTracing.for_router(agent_windows=self.gates.agent_windows)
@@ -509,6 +514,8 @@ class Router:
                 install_secret_resolver(previous)
 
     async def _serve(self, task_status) -> None:
+        # The loop's stalls, watched while the router serves (a timeout during one is its own).
+        trio.lowlevel.add_instrument(self.gates.stalls)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.control.serve)
@@ -535,6 +542,8 @@ class Router:
         finally:
             # Also when cancelled from outside: the state directory's lock is
             # released, so a router can start on it again in this process.
+            with contextlib.suppress(KeyError):
+                trio.lowlevel.remove_instrument(self.gates.stalls)
             self.close_state()
 
     async def _watch_policies(self) -> None:

@@ -113,13 +113,18 @@ class AgentError(ATPError):
     """A next-hop (provider adapter) failed; ``agent`` names it.
 
     ``client_fault`` is ``False``: the failure says something about the next-hop's
-    health (see :class:`ClientInputError` for the other kind)."""
+    health (see :class:`ClientInputError` for the other kind). ``timed_out``: a
+    wait for the next-hop ran out (a connect or read timeout; every ``ETIMEOUT``):
+    a stall of the router's own loop can cause one
+    (:attr:`~atp_router.flow.breaker.Fault.LOCAL`)."""
 
     client_fault: ClassVar[bool] = False
 
-    def __init__(self, code: ErrorCode | str, reason: str, *, agent: str = "", retry_after_ms: int | None = None):
+    def __init__(self, code: ErrorCode | str, reason: str, *, agent: str = "", retry_after_ms: int | None = None,
+                 timed_out: bool = False):
         self.agent = agent
         super().__init__(code, reason, retry_after_ms=retry_after_ms)
+        self.timed_out = timed_out or self.code is ErrorCode.ETIMEOUT
 
 
 class ClientInputError(AgentError):

@@ -27,7 +27,7 @@ import trio
 from atp_router.adapters.base import Fragment, Prompt, ProviderAdapter
 from atp_router.consensus.types import AgentReport
 from atp_router.flow.admission import Admit, Call, Outcome, Released, Wait
-from atp_router.flow.breaker import Fault, Origin, attribute
+from atp_router.flow.breaker import LOCAL_WITHIN_S, Fault, Origin, attribute
 from atp_router.flow.budget import Charge, PendingCharge, Refusal, usd_to_micros
 from atp_router.flow.window import Estimate
 from atp_router.runtime.dataplane.gates import FlowGates
@@ -38,6 +38,7 @@ from atp_router.runtime.dataplane.plan import (
     client_fault,
     leg_prompt,
 )
+from atp_router.runtime.loopstalls import LoopStalls
 from atp_router.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode
 from atp_router.wire.frame import PayloadType
 
@@ -115,7 +116,7 @@ class Caller:
                     out.cancelled = True
                 raise
             if out.error is not None:
-                _attribute(out, ready.adapter, origin, crash)
+                _attribute(out, ready.adapter, origin, crash, gates.stalls)
             if timely and plan.cache is not None:
                 plan.cache.record(agent, ready.prompt, out)
         finally:
@@ -152,7 +153,7 @@ class Caller:
         err = out.error
         return self.gates.release(call, Outcome(
             tokens=out.usage.tokens, usd_micros=out.usage.usd_micros, error=err.code if err is not None else None,
-            cancelled=out.cancelled, client_fault=client_fault(err), doubt=out.doubt, timely=timely,
+            cancelled=out.cancelled, client_fault=client_fault(err), doubt=out.doubt, local=out.local, timely=timely,
         ))
 
     def _account(self, io: StreamIO, call: Call, out: LegOutcome, released: Released, charge: Charge | None) -> bool:
@@ -273,15 +274,26 @@ class Caller:
         )
 
 
-def _attribute(out: LegOutcome, adapter: ProviderAdapter, origin: Origin, crash: str) -> None:
+def _attribute(out: LegOutcome, adapter: ProviderAdapter, origin: Origin, crash: str, stalls: LoopStalls) -> None:
     """Attribute ``out``'s failure, given its ``origin`` (and ``crash``: the
     exception's type name), dispatch module doc 3, :func:`~atp_router.flow.breaker.attribute`:
-    in doubt, it becomes the tenant's ``ClientInputError`` — ``ETIMEOUT`` for a
-    deadline, ``EPROTO`` for a crash — with a reason saying so, and
-    ``out.doubt`` is set."""
+    a wait that ran out just after the router's own loop stalled (``stalls``)
+    sets ``out.local`` (its reason says so); in doubt, it becomes the tenant's
+    ``ClientInputError`` — ``ETIMEOUT`` for a deadline, ``EPROTO`` for a crash —
+    with a reason saying so, and ``out.doubt`` is set."""
     err = out.error
     assert err is not None
-    if attribute(origin, client_fault=client_fault(err), tenant_bound=adapter.tenant_bound) is not Fault.DOUBT:
+    timed_out = origin is Origin.DEADLINE or bool(getattr(err, "timed_out", False))
+    stall_s = stalls.recent_stall_s(LOCAL_WITHIN_S) if timed_out else 0.0
+    fault = attribute(origin, client_fault=client_fault(err), tenant_bound=adapter.tenant_bound,
+                      timed_out=timed_out, stall_s=stall_s)
+    if fault is Fault.LOCAL:
+        stalls.local_faults += 1
+        out.local = True
+        out.error = AgentError(err.code, f"{err.reason} (this router's event loop had stalled {stall_s:.1f} s: "
+                               "not counted against the next-hop)", agent=out.agent, timed_out=True)
+        return
+    if fault is not Fault.DOUBT:
         return
     what = f"failed on this task ({crash})" if origin is Origin.CRASH else err.reason
     out.error = ClientInputError(

@@ -345,8 +345,9 @@ class Dispatcher:
             err = out.error
             agent = out.agent
             retry = self.gates.retry
-            # EAGENTDOWN: fail over first; ETIMEOUT: retry first (spec §10 rows).
-            nxt = self._reroute(plan, agent) if err.code is ErrorCode.EAGENTDOWN else None
+            # EAGENTDOWN: fail over first; ETIMEOUT: retry first (spec §10 rows); a
+            # timeout of the router's own (out.local) is retried first, as an ETIMEOUT.
+            nxt = self._reroute(plan, agent) if err.code is ErrorCode.EAGENTDOWN and not out.local else None
             if nxt is None:
                 delay = retry_delay(out, retry, self.gates.rng, trio.current_time(), plan.deadline)
                 if delay is not None:
@@ -403,7 +404,8 @@ def retry_delay(out: LegOutcome, retry: RetryPolicy, rng: random.Random, now: fl
     ``now``)."""
     err = out.error
     assert err is not None
-    if not out.called or not retry.should_retry(err.code, out.attempt, retry_after_ms=err.retry_after_ms):
+    code = ErrorCode.ETIMEOUT if out.local else err.code  # the router's own timeout (LegOutcome.local)
+    if not out.called or not retry.should_retry(code, out.attempt, retry_after_ms=err.retry_after_ms):
         return None
     delay = retry.delay(out.attempt, rng, retry_after_ms=err.retry_after_ms)
     return delay if now + delay < deadline else None

@@ -71,6 +71,7 @@ from atp_router.flow.admission import (
 from atp_router.flow.breaker import BreakerBoard, RetryPolicy
 from atp_router.flow.qos import Preempt, QosScheduler
 from atp_router.flow.window import WindowTable
+from atp_router.runtime.loopstalls import LoopStalls
 from atp_router.security.redact import scrub
 from atp_router.task.change import parse_change
 from atp_router.task.meta import TaskMeta
@@ -164,7 +165,8 @@ class FlowGates:
     decisions at ``trio.current_time()`` and set the wake-up of every call a
     decision names; :meth:`wait` parks a call until it is woken; :meth:`canary`
     runs the canaries the breakers ask for, in :meth:`run_canaries` (a router
-    task)."""
+    task). ``stalls`` watches the router's own event loop (the router installs
+    it while it serves)."""
 
     def __init__(
         self,
@@ -174,12 +176,16 @@ class FlowGates:
         retry: RetryPolicy,
         *,
         rng: random.Random | None = None,
+        stalls: LoopStalls | None = None,
     ):
         self.agent_windows = agent_windows
         self.slots = slots
         self.breakers = breakers
         self.retry = retry
         self.rng = rng if rng is not None else random.Random()  # backoff jitter only
+        #: The router's own loop stalls: a call timed out during one is the router's fault,
+        #: not the next-hop's (:attr:`~atp_router.flow.breaker.Fault.LOCAL`).
+        self.stalls = stalls if stalls is not None else LoopStalls()
         self.admission = AdmissionControl(breakers, agent_windows, slots.scheduler)
         #: Calls parked in :meth:`wait`, by their wake-up.
         self._parked: dict[Call, trio.Event] = {}

@@ -73,6 +73,9 @@ class LegOutcome:
     #: It failed in doubt (:mod:`~atp_router.runtime.dataplane.dispatch` doc, 3): ``error`` is then the tenant's
     #: ``ClientInputError`` and a canary may speak for the next-hop.
     doubt: bool = False
+    #: It timed out while the router's own loop stalled (:attr:`~atp_router.flow.breaker.Fault.LOCAL`):
+    #: not counted against the next-hop, retried on it as an ``ETIMEOUT`` is.
+    local: bool = False
 
 
 @dataclass(slots=True)
