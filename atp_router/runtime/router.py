@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -86,13 +85,11 @@ from atp_router.adapters.http import install_secret_resolver
 from atp_router.adapters.tools.sandbox import forbid_paths
 from atp_router.flow.body_budget import BodyBudget
 from atp_router.flow.breaker import (
-    BreakerBoard,
     BreakerState,
     BreakerTransition,
 )
 from atp_router.flow.budget import BudgetLedger
-from atp_router.flow.qos import Preempt, QosScheduler
-from atp_router.flow.window import WindowTable
+from atp_router.flow.qos import Preempt
 from atp_router.observability.metrics import RouterMetrics
 from atp_router.observability.tracing import RouterTracing
 from atp_router.policy.rib import ClientSpec, RateSpec
@@ -101,7 +98,7 @@ from atp_router.runtime.controlplane.control import ControlPlane, Generation
 from atp_router.runtime.controlplane.learning import Learning, LearnLimits, has_tenants
 from atp_router.runtime.dataplane import memory
 from atp_router.runtime.dataplane.cache import ResponseCache
-from atp_router.runtime.dataplane.gates import FlowGates, SlotGate
+from atp_router.runtime.dataplane.gates import flow_gates
 from atp_router.runtime.dataplane.opening import (
     DEFAULT_STAGES,
     OpenParts,
@@ -236,7 +233,7 @@ class Router:
             default_max_streams=config.tenant_max_streams,
             default_rate=RateSpec(per_s=config.tenant_rate_per_s, burst=config.tenant_rate_burst),
         )
-        self.gates = _flow_gates(config, on_preempt=self._on_preempt, on_breaker=self._on_breaker)
+        self.gates = flow_gates(config, on_preempt=self._on_preempt, on_breaker=self._on_breaker)
         stalls = self.gates.stalls
         self.metrics.loop_stalls.set_function(lambda: stalls.count)
         self.metrics.loop_stall_seconds.set_function(lambda: stalls.total_s)
@@ -590,18 +587,3 @@ class Router:
                 continue  # a shared store that cannot be reached: done when it answers (atp_router.deploy.cluster)
             except Exception:
                 log.exception("state: audit checkpoint or expiry failed")
-
-
-def _flow_gates(config: RouterConfig, *, on_preempt: Callable[[Preempt], None],
-                on_breaker: Callable[[BreakerTransition], None]) -> FlowGates:
-    """The router-wide flow gates of ``config`` (spec §5, §9): the per-next-hop
-    windows, the QoS slot scheduler, the circuit breakers and the retry policy."""
-    rng = random.Random(config.seed)  # backoff jitter only
-    windows = WindowTable(config.agent_window, update_interval_ms=config.window_update_interval_ms,
-                          update_delta=config.window_update_delta)
-    slots = SlotGate(QosScheduler(config.slots, gold_reserved=config.gold_reserved, gold_sla_ms=config.gold_sla_ms,
-                                  preempt_after_ms=config.preempt_after_ms), on_preempt)
-    breakers = BreakerBoard(failure_threshold=config.breaker_failures, window_s=config.breaker_window_s,
-                            base_backoff_s=config.breaker_backoff_s, max_backoff_s=config.breaker_max_backoff_s,
-                            rng=rng, on_transition=on_breaker)
-    return FlowGates(windows, slots, breakers, config.retry, rng=rng)

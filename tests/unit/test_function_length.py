@@ -122,3 +122,27 @@ def test_a_new_long_function_in_the_tree_is_found(tmp_path: Path) -> None:
     (pkg / "ok.py").write_text(_function("short", MAX_LINES))
     (pkg / "new.py").write_text(_function("grown", MAX_LINES + 1))
     assert too_long(tmp_path) == {"atp_router/flow/new.py::grown": MAX_LINES + 1}
+
+
+#: No module of the router's runtime (``atp_router/runtime/``: its planes) is over this many lines (issue 21).
+MAX_RUNTIME_MODULE_LINES = 600
+
+
+def long_runtime_modules(root: Path) -> dict[str, int]:
+    """``path`` → lines, for each module under ``root/atp_router/runtime`` over
+    :data:`MAX_RUNTIME_MODULE_LINES`."""
+    out = {}
+    for path in sorted((root / "atp_router" / "runtime").rglob("*.py")):
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > MAX_RUNTIME_MODULE_LINES:
+            out[path.relative_to(root).as_posix()] = n
+    return out
+
+
+def test_no_runtime_module_is_over_the_limit(tmp_path: Path) -> None:
+    assert long_runtime_modules(ROOT) == {}
+    pkg = tmp_path / "atp_router" / "runtime" / "dataplane"
+    pkg.mkdir(parents=True)
+    (pkg / "grown.py").write_text("x = 1\n" * (MAX_RUNTIME_MODULE_LINES + 1))
+    (pkg / "ok.py").write_text("x = 1\n" * MAX_RUNTIME_MODULE_LINES)
+    assert long_runtime_modules(tmp_path) == {"atp_router/runtime/dataplane/grown.py": MAX_RUNTIME_MODULE_LINES + 1}

@@ -69,6 +69,7 @@ from atp_router.runtime.controlplane.learn_entries import (
     push_arm,
     push_live,
 )
+from atp_router.runtime.controlplane.shadow import ShadowIO, agreement_quality
 from atp_router.runtime.dataplane.plan import TaskPlan, client_fault
 from atp_router.security.identity import Identity
 from atp_router.store.base import StoreUnavailable
@@ -163,53 +164,11 @@ class _GenHold:
         self.holds_gen = False
 
 
-class _ShadowIO:
-    """The StreamIO of a shadow call: nothing reaches the client's stream."""
-
-    def __init__(self, stream_id: str):
-        self.stream_id = stream_id
-        self.errors: list[str] = []
-
-    def emit_partial(self, agent: str, content: dict[str, Any], *, confidence: float | None = None) -> None:
-        pass
-
-    def emit_error(self, code: ErrorCode, reason: str, *, agent: str | None = None,
-                   retry_after_ms: int | None = None) -> None:
-        self.errors.append(f"{code}: {reason}")
-
-    def emit_window_update(self, update: Any) -> None:
-        pass
-
-
 def _policy_spec(gen: Generation, name: str) -> PolicySpec | None:
     for i, p in enumerate(gen.rib.policies):
         if (p.name or f"policy[{i}]") == name:
             return p
     return None
-
-
-def _spans_overlap(a: str, b: str) -> bool:
-    def rng(s: str) -> tuple[int, int]:
-        lo, _, hi = s.partition("-")
-        try:
-            return int(lo), int(hi or lo)
-        except ValueError:
-            return 0, 0
-    (a0, a1), (b0, b1) = rng(a), rng(b)
-    return a0 <= b1 and b0 <= a1
-
-
-def agreement_quality(found: list[Any], reference: list[Any]) -> float:
-    """F1 of ``found`` findings against ``reference`` (same file, overlapping
-    span); 1.0 when both are empty."""
-    if not found and not reference:
-        return 1.0
-    if not found or not reference:
-        return 0.0
-    hit_ref = sum(any(f.file == r.file and _spans_overlap(f.span, r.span) for f in found) for r in reference)
-    hit_found = sum(any(f.file == r.file and _spans_overlap(f.span, r.span) for r in reference) for f in found)
-    p, r = hit_found / len(found), hit_ref / len(reference)
-    return 0.0 if p + r == 0 else 2 * p * r / (p + r)
 
 
 class Learning:
@@ -573,7 +532,7 @@ class Learning:
                                                   max_usd_micros=ctx.window.max_usd_micros)),
                          ledger_key=account, stream_id=account, qos=QoS.BRONZE, started=now,
                          deadline=now + ctx.route.deadline_ms / 1000, fib=gen.fib, prompt_for=plan.prompt_for)
-        io = _ShadowIO(account)
+        io = ShadowIO(account)
         outcome = "ok"
         hold = _GenHold(gen)
         self.control.hold(hold)  # a reload meanwhile must not close the challenger's adapter

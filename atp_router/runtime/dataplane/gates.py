@@ -68,9 +68,10 @@ from atp_router.flow.admission import (
     Outcome,
     Released,
 )
-from atp_router.flow.breaker import BreakerBoard, RetryPolicy
+from atp_router.flow.breaker import BreakerBoard, BreakerTransition, RetryPolicy
 from atp_router.flow.qos import Preempt, QosScheduler
 from atp_router.flow.window import WindowTable
+from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.loopstalls import LoopStalls
 from atp_router.security.redact import scrub
 from atp_router.task.change import parse_change
@@ -299,3 +300,17 @@ async def _run_canary(adapter: ProviderAdapter) -> None:
                 return
     raise AgentError(ErrorCode.EPROTO, "canary ended without a FINAL fragment")
 
+
+def flow_gates(config: RouterConfig, *, on_preempt: Callable[[Preempt], None],
+                on_breaker: Callable[[BreakerTransition], None]) -> FlowGates:
+    """The router-wide flow gates of ``config`` (spec §5, §9): the per-next-hop
+    windows, the QoS slot scheduler, the circuit breakers and the retry policy."""
+    rng = random.Random(config.seed)  # backoff jitter only
+    windows: WindowTable[Call] = WindowTable(config.agent_window, update_interval_ms=config.window_update_interval_ms,
+                          update_delta=config.window_update_delta)
+    slots = SlotGate(QosScheduler(config.slots, gold_reserved=config.gold_reserved, gold_sla_ms=config.gold_sla_ms,
+                                  preempt_after_ms=config.preempt_after_ms), on_preempt)
+    breakers = BreakerBoard(failure_threshold=config.breaker_failures, window_s=config.breaker_window_s,
+                            base_backoff_s=config.breaker_backoff_s, max_backoff_s=config.breaker_max_backoff_s,
+                            rng=rng, on_transition=on_breaker)
+    return FlowGates(windows, slots, breakers, config.retry, rng=rng)
