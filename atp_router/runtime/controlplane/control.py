@@ -37,7 +37,7 @@ from atp_router.policy.cache import CachePlan, compile_cache
 from atp_router.policy.fib import Fib, compile_fib
 from atp_router.policy.health import Health
 from atp_router.policy.loader import load_rib, load_rib_text
-from atp_router.policy.rib import ClientSpec, Rib, independence_source
+from atp_router.policy.rib import ClientSpec, Rib, agent_window, independence_source
 from atp_router.runtime.dataplane.dispatch import Dispatcher
 from atp_router.runtime.dataplane.gates import FlowGates
 from atp_router.runtime.dataplane.plan import LegOutcome
@@ -188,7 +188,8 @@ class ControlPlane:
 
     def _activate(self, gen: Generation) -> None:
         """Adopt ``gen``'s per-agent windows, client budgets and agent set."""
-        self.gates.agent_windows.configure({n: a.window for n, a in gen.rib.agents.items()})
+        default = self.gates.agent_windows.default
+        self.gates.agent_windows.configure({n: agent_window(gen.rib, n, default) for n in gen.rib.agents})
         self.gates.wake_all()  # wider limits may admit calls waiting at a next-hop
         for client in self._clients:
             budget = gen.rib.clients.get(client, _NO_CLIENT_SPEC).budget
