@@ -240,6 +240,13 @@ def _rerun_claim(rec: StreamRecord) -> str:
     return f"rerun/{rec.tenant}/{rec.idempotency_key}/{rec.stream_id}.{rec.created_ms}"
 
 
+def _open_claim(tenant: str, key: str) -> str:
+    """The claim whose holder opens the first stream of ``tenant``'s idempotency
+    ``key``: two routers given a new key at once (a client that timed out on one
+    and re-opened on the next) would otherwise both run it, and charge it twice."""
+    return "open/" + msgspec.json.encode([tenant, key]).decode()
+
+
 def _has_task(frame: Frame) -> bool:
     return frame.payload is not None and frame.payload.type is PayloadType.TASK
 
@@ -1112,6 +1119,10 @@ class ClusterNode(SynGate):
             return None  # running here: resumed
         rec = self._keyed_record(frame, identity.tenant, key)
         if rec is None:
+            if _has_task(frame) and not self.store.claim(_open_claim(identity.tenant, key), self.owner,
+                                                         ttl_ms=self.lease_ms, now_ms=_now_ms()):
+                return Refuse(ErrorCode.EAGENTDOWN, "a stream of this idempotency_key is being opened on another "
+                              "router; re-open it again in a moment to resume that stream")
             return None
         if rec.state == "open" and rec.owner not in (None, self.owner):
             if self.live_peer(rec.owner) is not None:
@@ -1164,17 +1175,29 @@ class ClusterForwardingApp(ForwardingApp):
         if local is not None and not local.log.closed:
             return None
         rec = node.store.find_idempotent(identity.tenant, key)
+        if rec is None and _carries_task(path, body):
+            # A new key: whoever wins the open claim runs it; the others follow its stream.
+            if node.store.claim(_open_claim(identity.tenant, key), node.owner, ttl_ms=node.lease_ms, now_ms=_now_ms()):
+                return None  # opened here (the SYN gate, refuse(), holds the claim already)
+            return await self._winner(identity, key, None)
         if not _is_lost(rec) or not _carries_task(path, body):
             return node.forward_target(rec)
         assert rec is not None
         if node.store.claim(_rerun_claim(rec), node.owner, ttl_ms=node.lease_ms, now_ms=_now_ms()):
             return None  # re-run here (the SYN gate, refuse(), holds the claim already)
+        return await self._winner(identity, key, rec)
+
+    async def _winner(self, identity: Identity, key: str, rec: StreamRecord | None) -> Any:
+        """Wait (up to a lease) for the stream another router opens for ``key``
+        — the newest stored one other than ``rec`` — and forward to it (or serve
+        it from the store, when it ended); :data:`RETRY` when none came."""
+        node = self.node
         with trio.move_on_after(min(_RERUN_WAIT_S, node.lease_ms / 1000)):
             while True:
                 await trio.sleep(0.05)
                 new = node.store.find_idempotent(identity.tenant, key)
-                if new is not None and (new.session_id, new.stream_id, new.created_ms) != (
-                        rec.session_id, rec.stream_id, rec.created_ms):
+                if new is not None and (rec is None or (new.session_id, new.stream_id, new.created_ms) != (
+                        rec.session_id, rec.stream_id, rec.created_ms)):
                     return node.forward_target(new)  # the winner's run (or here, from the store, when it ended)
         return RETRY
 

@@ -346,6 +346,69 @@ async def test_kill9_releases_the_reservation_and_the_stream_is_rerun_once_elsew
     assert [t for t, _ in events][-2:] == ["FINAL", "FIN"] and len(model.requests) == calls + 2
 
 
+async def test_a_new_key_opened_on_two_routers_at_once_runs_once(cluster):
+    """Twenty new idempotency keys, each POSTed to two routers at the same moment
+    (a client that timed out on one router and re-opened on the next), one of
+    them far from Redis (a proxy adding 10 ms each way: between its look-up of
+    the key and its stream's record, the other router looks too): one router
+    wins each key's open claim and runs it; the other forwards the request to
+    that stream. Each key is one stream, called once, charged once (without the
+    claim, both ran most keys)."""
+    proxy = await trio.to_thread.run_sync(functools.partial(
+        subprocess.Popen, [sys.executable, "-c", _SLOW_PROXY, str(cluster.redis.port), "0.01"],
+        stdout=subprocess.PIPE, text=True))
+    try:
+        port = int(await trio.to_thread.run_sync(proxy.stdout.readline))
+        far = cluster._start(7, f"redis://127.0.0.1:{port}/0{PATIENT_STORE}")
+        cluster.routers.append(far)
+        await far.wait_listening()
+        await _opened_once_each(cluster, [cluster.routers[0].url, far.url])
+    finally:
+        proxy.kill()
+        proxy.wait()
+
+
+async def _opened_once_each(cluster: Cluster, urls: list[str]) -> None:
+    """Twenty keys POSTed to both ``urls`` at once; each must run once (the test above)."""
+    keys = [f"twice-{i}" for i in range(20)]
+    got: dict[str, list[httpx.Response]] = {k: [] for k in keys}
+
+    async def post(url: str, k: str) -> None:
+        for _ in range(20):  # a 503 (the winner not reachable yet on a loaded machine) is retried, as clients do
+            r = await _open(url, "bob", idempotency_key=k, content={"text": f"summarise this (key={k})"})
+            if r.status_code != 503:
+                break
+            await trio.sleep(float(r.headers.get("retry-after", "1")))
+        got[k].append(r)
+
+    try:
+        with trio.fail_after(120):
+            async with trio.open_nursery() as n:
+                for k in keys:
+                    for url in urls:
+                        n.start_soon(post, url, k)
+    except trio.TooSlowError:
+        raise AssertionError(f"opens unanswered after 120 s: {[k for k in keys if len(got[k]) < 2]}; router logs:\n"
+                             + "".join(line for r in cluster.routers for line in r.lines[-25:])) from None
+    for k in keys:
+        assert [r.status_code for r in got[k]] == [201, 201], [r.text for r in got[k]]
+        assert len({r.json()["stream_id"] for r in got[k]}) == 1, k  # both answers name one stream
+    ends: list[str] = []
+
+    async def follow(k: str) -> None:
+        events, _ = await _events(urls[0], "bob", got[k][0].json()["stream_id"])
+        ends.append(events[-1][0] if events[-1][0] != "FIN" else events[-2][0])
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as n:
+            for k in keys:
+                n.start_soon(follow, k)
+    assert ends == ["FINAL"] * len(keys)
+    calls = Counter(m[1] for _, body in cluster.model.requests if (m := re.search(r"key=(twice-\d+)", json.dumps(body))))
+    assert calls == {k: 1 for k in keys}  # the upstream saw each key once
+    assert cluster.totals("bob")[:2] == (BILLED * len(keys), 0)  # charged once each, nothing held
+
+
 async def test_kill9_right_after_the_commit_replays_the_paid_answer_instead_of_charging_it_again(cluster):
     """Issue 22, exactly-once charging: router k is killed -9 right after its
     call's commit reached Redis, before the FINAL is stored (the fault hook
