@@ -166,6 +166,18 @@ async def test_models_lists_what_the_tenant_may_use(env):
     assert [m.id for m in bob.data] == ["chat", "policy:chat"]
 
 
+async def test_a_model_is_retrieved_by_id_as_the_list_shows_it(env):
+    """``client.models.retrieve`` (``GET /v1/models/{id}``, issue 24): the card the
+    list shows, for the tenant's own models only; any other id is a 404 in OpenAI's shape."""
+    card = await call(client(env).models.retrieve, "policy:review")
+    listed = {m.id: m for m in (await call(client(env).models.list)).data}["policy:review"]
+    assert card == listed and card.model_extra["atp"]["kind"] == "policy"
+    e = await refused(client(env, KEYS["bob"]).models.retrieve, "code_review")  # outside bob's scope
+    assert isinstance(e, openai.NotFoundError) and e.body["param"] == "model"
+    e = await refused(client(env).models.retrieve, "gpt-4o")
+    assert isinstance(e, openai.NotFoundError) and "unknown model 'gpt-4o'" in e.body["message"]
+
+
 async def test_wrong_key_is_401_in_openai_shape(env):
     e = await refused(client(env, "not-a-key").chat.completions.create, model="chat", messages=USER)
     assert isinstance(e, openai.AuthenticationError) and e.status_code == 401

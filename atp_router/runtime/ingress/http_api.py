@@ -152,11 +152,17 @@ from atp_router.runtime.ingress.http_types import (
     StreamOpenRequest,
     StreamOpenResponse,
 )
-from atp_router.runtime.ingress.openai import CHAT_PATH, MODELS_PATH, openai_routes
+from atp_router.runtime.ingress.openai import (
+    CHAT_PATH,
+    MODEL_PATH,
+    MODELS_PATH,
+    openai_routes,
+)
 from atp_router.runtime.ingress.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ModelCard,
     ModelList,
 )
 from atp_router.runtime.router import Router
@@ -493,6 +499,11 @@ ROUTES: tuple[ApiRoute, ...] = (
         "OpenAI-compatible model list: the task types and `policy:<name>` models the caller's "
         "tenant may use",
         Reply("the models", {_JSON: ModelList}), by="openai", error_shape="openai", errors=(401, 403)),
+    ApiRoute(
+        "GET", MODEL_PATH, "stream_open", None, "retrieveModel",
+        "OpenAI-compatible model card: one model of the list above, by id (`client.models.retrieve`)",
+        Reply("the model", {_JSON: ModelCard}), by="openai", error_shape="openai", errors=(401, 403, 404),
+        parameters=({"name": "model", "in": "path", "required": True, "schema": {"type": "string"}},)),
 )
 
 

@@ -137,7 +137,12 @@ from atp_router.runtime.dataplane.dispatch import NEXT_HOP_FAILED
 from atp_router.runtime.dataplane.plan import parse_off_loop
 from atp_router.runtime.dataplane.stream import StreamCtx
 from atp_router.runtime.ingress.bodies import BodyRefused, decode_off_loop, release_body
-from atp_router.runtime.ingress.openai_models import RibView, model_list, resolve_model
+from atp_router.runtime.ingress.openai_models import (
+    RibView,
+    model_list,
+    resolve_model,
+    unknown_model,
+)
 from atp_router.runtime.ingress.openai_schema import (
     AssistantMessage,
     AtpCompletion,
@@ -165,6 +170,7 @@ from atp_router.wire.frame import Budget, ErrorPayload, Frame
 __all__ = [
     "CHAT_PATH",
     "MODELS_PATH",
+    "MODEL_PATH",
     "completion_text",
     "openai_routes",
     "remaining_text",
@@ -173,6 +179,8 @@ __all__ = [
 
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
+#: One model's card (``client.models.retrieve``).
+MODEL_PATH = "/v1/models/{model}"
 
 #: The task type whose unified diff in the last user message becomes ``{"diff"}``.
 CODE_REVIEW = "code_review"
@@ -355,6 +363,7 @@ def openai_routes(router: Router, authorized: Authorized, read_body: ReadBody,
     return [
         Route(CHAT_PATH, authorized("stream_open", ingress.chat, error_response), methods=["POST"]),
         Route(MODELS_PATH, authorized("stream_open", ingress.models, error_response), methods=["GET"]),
+        Route(MODEL_PATH, authorized("stream_open", ingress.model, error_response), methods=["GET"]),
     ]
 
 
@@ -374,6 +383,16 @@ class _Ingress:
     async def models(self, request: Request, identity: Identity) -> Response:
         v = self.view.refresh(self.router.gen.fib)
         return Response(_enc.encode(model_list(v, self.allowed(identity), v.seen_at)), media_type="application/json")
+
+    async def model(self, request: Request, identity: Identity) -> Response:
+        """``GET /v1/models/{model}``: the card of one model the tenant may use
+        (as ``GET /v1/models`` lists it); 404 (an OpenAI error object) for any other."""
+        v = self.view.refresh(self.router.gen.fib)
+        wanted = request.path_params["model"]
+        for card in model_list(v, self.allowed(identity), v.seen_at).data:
+            if card.id == wanted:
+                return Response(_enc.encode(card), media_type="application/json")
+        return error_response(unknown_model(wanted))
 
     async def prepare(self, request: Request, identity: Identity) -> tuple[ChatCompletionRequest, StreamCtx]:
         """The request, decoded, and the stream opened for it."""

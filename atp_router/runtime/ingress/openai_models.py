@@ -19,7 +19,7 @@ from atp_router.runtime.ingress.openai_schema import (
 )
 from atp_router.wire.errors import ErrorCode
 
-__all__ = ["POLICY_PREFIX", "TASK_PREFIX", "RibView", "Target", "model_list", "resolve_model"]
+__all__ = ["POLICY_PREFIX", "TASK_PREFIX", "RibView", "Target", "model_list", "resolve_model", "unknown_model"]
 
 POLICY_PREFIX = "policy:"
 TASK_PREFIX = "task:"
@@ -65,7 +65,8 @@ class RibView:
         return next((name for name, _, cm in self.policies if cm(meta)), None)
 
 
-def _unknown(model: str) -> IngressError:
+def unknown_model(model: str) -> IngressError:
+    """The 404 of a model id this ingress does not serve (an OpenAI error object)."""
     return IngressError(ErrorCode.EPROTO, f"unknown model {model[:256]!r}: GET /v1/models lists the models this key "
                         "may use (task types and policy:<name>); task:<type> names any task type",
                         status=404, param="model")
@@ -80,7 +81,7 @@ def resolve_model(model: str, view: RibView, allowed: list[str] | None) -> Targe
     if model.startswith(TASK_PREFIX):
         task_type = model[len(TASK_PREFIX):]
         if not task_type:
-            raise _unknown(model)
+            raise unknown_model(model)
         return Target(model, {"task_type": task_type})
     if model.startswith(POLICY_PREFIX):
         name = model[len(POLICY_PREFIX):]
@@ -90,7 +91,7 @@ def resolve_model(model: str, view: RibView, allowed: list[str] | None) -> Targe
         name = model
     found = view.policy(name)
     if found is None:
-        raise _unknown(model)
+        raise unknown_model(model)
     meta: dict[str, Any] = {}
     for key, _ in found[2].items:
         values = found[2].equals_values(key)
