@@ -178,6 +178,20 @@ def test_no_report_error(attempts: tuple[LegOutcome, ...], cls: type[AgentError]
     assert type(e) is cls and e.code is code and e.reason.startswith(start)
 
 
+@pytest.mark.parametrize(("attempts", "code", "start"), [
+    ((failed("a", ErrorCode.ETIMEOUT, "slow"),), ErrorCode.ETIMEOUT, "every next-hop timed out (a: ETIMEOUT slow)"),
+    ((failed("a", ErrorCode.ETIMEOUT, "slow"), failed("b", ErrorCode.ETIMEOUT, "slow too")), ErrorCode.ETIMEOUT,
+     "every next-hop timed out (a: ETIMEOUT slow; b: ETIMEOUT slow too)"),
+    ((failed("a", ErrorCode.ETIMEOUT, "slow"), failed("b", ErrorCode.EAGENTDOWN, "500")), ErrorCode.EAGENTDOWN,
+     "no next-hop produced a result (a: ETIMEOUT slow; b: EAGENTDOWN 500)"),
+])
+def test_only_timeouts_with_nothing_skipped_are_a_gateway_timeout(attempts: tuple[LegOutcome, ...],
+                                                                 code: ErrorCode, start: str) -> None:
+    """Issue 24: a stream whose only next-hops all timed out ends ETIMEOUT (HTTP 504), not EAGENTDOWN."""
+    e = no_report_error(plan_of(route("a", "b"), *attempts))
+    assert type(e) is AgentError and e.code is code and e.reason.startswith(start)
+
+
 def test_uncertainties_name_triggers_skipped_agents_and_unmended_failures_in_turn_order() -> None:
     legs = {1: failed("b", ErrorCode.ETIMEOUT, "b: no answer within 10 ms"), 0: ANSWERED,
             2: LegOutcome("c", cancelled=True, error=AgentError(ErrorCode.ETIMEOUT, "cut"))}

@@ -473,7 +473,9 @@ def no_report_error(plan: TaskPlan) -> AgentError:
     :class:`~atp_router.wire.errors.ClientInputError` naming what the next-hops
     refused when one refused the client's input (its code when every refusal has
     the same one, else ``EPROTO``), ``EBUDGET`` when the budget stopped the
-    stream, else ``EAGENTDOWN``; reasons scrubbed of secrets."""
+    stream, ``ETIMEOUT`` when every next-hop that was tried timed out and none
+    was skipped (a gateway timeout: HTTP 504), else ``EAGENTDOWN``; reasons
+    scrubbed of secrets."""
     refused = [o for o in plan.attempts if client_fault(o.error)]
     if refused:
         codes = {o.error.code for o in refused if o.error}
@@ -490,6 +492,9 @@ def no_report_error(plan: TaskPlan) -> AgentError:
         o.error is not None and o.error.code is ErrorCode.EBUDGET for o in plan.attempts
     ):
         return AgentError(ErrorCode.EBUDGET, f"budget exhausted before any next-hop answered ({failed})")
+    codes = {o.error.code for o in plan.attempts if o.error is not None}
+    if codes == {ErrorCode.ETIMEOUT} and not getattr(plan.route, "skipped", ()):
+        return AgentError(ErrorCode.ETIMEOUT, f"every next-hop timed out ({failed})")
     return AgentError(ErrorCode.EAGENTDOWN, f"no next-hop produced a result ({failed or 'none ran'})")
 
 
