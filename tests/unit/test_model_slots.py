@@ -58,6 +58,23 @@ def test_slots_must_be_positive():
         load_rib_text(_rib(0, None), "rib.yaml")
 
 
+async def _concurrently(url: str, n: int, task: dict, content: dict, timeout_s: float) -> list[list[atp.Event]]:
+    """``n`` streams of ``task`` opened at once on the router at ``url``, each
+    followed to its end (within ``timeout_s``): their events."""
+    results: list[list[atp.Event]] = []
+
+    async def one() -> None:
+        async with atp.Client(url) as c:
+            _, st = await c.open_stream(task=task, content=content)
+            with trio.fail_after(timeout_s):
+                results.append([ev async for ev in c.events(st)])
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(n):
+            nursery.start_soon(one)
+    return results
+
+
 class CountingModel(BillingModel):
     """A BillingModel that answers after ``delay_s`` and records the most calls it held at once."""
 
@@ -83,17 +100,7 @@ async def test_concurrent_streams_queue_for_a_single_slot_model_and_all_finish(n
     doc["models"]["m"]["base_url"] = model.url
     doc["agents"]["a"]["timeout_ms"] = 30_000
     env = await start_router_on(nursery, tmp_path, doc)
-
-    async def one(results: list) -> None:
-        async with atp.Client(env.url) as c:
-            _, st = await c.open_stream(task={"task_type": "x"}, content={"text": "summarise this"})
-            with trio.fail_after(60):
-                results.append([ev async for ev in c.events(st)])
-
-    results: list = []
-    async with trio.open_nursery() as n:
-        for _ in range(4):
-            n.start_soon(one, results)
+    results = await _concurrently(env.url, 4, {"task_type": "x"}, {"text": "summarise this"}, 60)
     assert len(results) == 4
     for events in results:
         assert [ev.type for ev in events][-2:] == ["FINAL", "FIN"]
@@ -109,17 +116,7 @@ async def test_concurrent_streams_on_the_real_single_slot_server_all_get_the_mod
     doc["models"]["smollm2"]["slots"] = 1
     doc["policies"][0]["fanout"] = ["reviewer.local"]
     env = await start_router_on(nursery, tmp_path, doc)
-
-    async def one(results: list) -> None:
-        async with atp.Client(env.url) as c:
-            _, st = await c.open_stream(task={"task_type": "code_review", "languages": ["py"]}, content=golden())
-            with trio.fail_after(300):
-                results.append([ev async for ev in c.events(st)])
-
-    results: list = []
-    async with trio.open_nursery() as n:
-        for _ in range(3):
-            n.start_soon(one, results)
+    results = await _concurrently(env.url, 3, {"task_type": "code_review", "languages": ["py"]}, golden(), 300)
     for events in results:
         failed = [ev.payload for ev in events if ev.type == "ERROR" and ev.payload["code"] != "EWINDOW"]
         assert not failed and [ev.type for ev in events][-2:] == ["FINAL", "FIN"], failed
