@@ -369,7 +369,8 @@ class ClusterLedger(SharedBudgetLedger):
             # closed connection's buffer). Cancelled once the store answers, so the
             # refused call never holds the tenant's headroom.
             self._cancels.append(request)
-            return Refusal(key=key, reason=store_unavailable_reason(e), remaining=Allowance(tokens=0, usd_micros=0))
+            return Refusal(key=key, reason=store_unavailable_reason(e), remaining=Allowance(tokens=0, usd_micros=0),
+                           retry_after_ms=RETRY_AFTER_MS)
         except NotFound as e:
             return self._settled("reserve", key, e)
 

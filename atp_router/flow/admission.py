@@ -402,7 +402,7 @@ class AdmissionControl:
         r = flow.ledger.reserve(flow.ledger_key, est.tokens, est.usd_micros)
         if isinstance(r, Refusal):
             return self._refuse(call, now, ErrorCode.EBUDGET, f"{agent} not called: {r.reason}",
-                                stream_update=stream_update)
+                                retry_after_ms=r.retry_after_ms, stream_update=stream_update)
         call.reservation = r
         self._move(call, Stage.ADMITTED)
         return Admit(r, stream_update, self._drain(call))

@@ -820,10 +820,11 @@ class RetryPolicy(Struct, frozen=True, forbid_unknown_fields=True):
     tried at most ``max_attempts`` times and then given up: this policy never
     loops. Backoff before retry ``i`` (1-based) is
     ``min(max_backoff_s, base_backoff_s·2^(i-1)) · (1 ± jitter)``, never above
-    ``max_backoff_s``. Only ``ETIMEOUT``, and ``EAGENTDOWN`` that carries a
-    ``retry_after_ms`` no longer than ``max_backoff_s``, are retried on the same
-    next-hop; every other code (``EPROTO``, ``EBUDGET``, ``ESEC``, ``EPREEMPT``,
-    …) is final. Rerouting to the next FIB candidate is the dispatcher's, and a
+    ``max_backoff_s``. Only ``ETIMEOUT``, and ``EAGENTDOWN`` or ``EBUDGET`` that
+    carries a ``retry_after_ms`` no longer than ``max_backoff_s`` (a peer's short
+    outage; a reserve the shared store did not answer), are retried on the same
+    next-hop; every other code (``EPROTO``, ``EBUDGET`` without one, ``ESEC``,
+    ``EPREEMPT``, …) is final. Rerouting to the next FIB candidate is the dispatcher's, and a
     cyclic fallback graph is refused when the policy loads.
     """
 
@@ -855,7 +856,9 @@ class RetryPolicy(Struct, frozen=True, forbid_unknown_fields=True):
         match ErrorCode(code):
             case ErrorCode.ETIMEOUT:
                 return True
-            case ErrorCode.EAGENTDOWN:
+            case ErrorCode.EAGENTDOWN | ErrorCode.EBUDGET:
+                # EBUDGET with a retry_after_ms: a reserve the shared store did not
+                # answer (nothing decided, nothing called), never a budget that does not fit.
                 return retry_after_ms is not None and retry_after_ms <= self.max_backoff_s * 1000.0
             case _:
                 return False

@@ -109,12 +109,17 @@ class Reservation(Struct, frozen=True, forbid_unknown_fields=True):
 
 class Refusal(Struct, frozen=True, forbid_unknown_fields=True):
     """A reservation (or limit change) that does not fit. ``key`` is the account
-    that refused (the stream's or an ancestor's); ``remaining`` what it had."""
+    that refused (the stream's or an ancestor's); ``remaining`` what it had.
+    ``retry_after_ms`` is set only when nothing was decided — the shared store
+    could not be reached (:class:`~atp_router.deploy.cluster.ClusterLedger`) —
+    so the same reserve may be granted after it; a budget that does not fit
+    has none."""
 
     key: str
     reason: str
     remaining: Allowance
     code: ErrorCode = ErrorCode.EBUDGET
+    retry_after_ms: int | None = None
 
 
 class CallRecord(Struct, frozen=True, forbid_unknown_fields=True):

@@ -75,11 +75,13 @@ class Cluster:
         self.routers = [self._start(i) for i in range(n)]
         self.store = RedisStore.open(redis.url, socket_timeout_s=10.0, connect_timeout_s=10.0)  # the test's reader
 
-    def _start(self, i: int, store_url: str | None = None, env: dict[str, str] | None = None) -> RouterProcess:
+    def _start(self, i: int, store_url: str | None = None, env: dict[str, str] | None = None,
+               args: tuple[str, ...] = ()) -> RouterProcess:
+        """Router ``i``; ``args`` after the common ones (a later option wins)."""
         return RouterProcess("--store", store_url or self.redis.url + PATIENT_STORE, "--policies", self.policies,
                              "--state-dir",
                              self.dir / f"s{i}", "--http-port", "0", "--ws-port", "0", "--no-watch", "--lease-ms",
-                             str(LEASE_MS), env={**_ENV, **(env or {})})
+                             str(LEASE_MS), *args, env={**_ENV, **(env or {})})
 
     def totals(self, tenant: str) -> tuple[int, int, int]:
         """``(committed, reserved, overage)`` tokens of ``client:<tenant>`` in the store."""
@@ -508,6 +510,62 @@ async def test_redis_down_refuses_spend_and_recovers_without_a_restart(cluster):
     assert not any(" lost (no lease" in line for r in (a, b) for line in r.lines)
 
 
+async def test_a_reserve_the_store_did_not_answer_is_retried_and_the_stream_ends_final(cluster):
+    """Redis frozen (SIGSTOP) just as a queued call is admitted: its reserve
+    times out (c's 0.5 s store timeout), nothing is decided nor called, so the
+    router retries it after the refusal's retry_after_ms instead of ending the
+    stream with ERROR — and once Redis runs again the call is made, the stream
+    ends FINAL, and the tenant is charged exactly the two calls (the timed-out
+    reserve Redis ran late is cancelled, not held)."""
+    a = cluster.routers[0]
+    model = cluster.model
+    # The next-hop's window one call wide (a model with one slot), for every router: the
+    # second stream's call is opened and then waits behind the first one's.
+    async with httpx.AsyncClient(timeout=30) as h:
+        r = await h.post(a.url + "/v1/policies/reload", headers=auth("ops"), content=summarize_rib(
+            model.url).replace("max_out_tokens: 64}", "max_out_tokens: 64, slots: 1}"))
+        assert r.status_code == 200, r.text
+        version = r.json()["version"]
+    c = cluster._start(9, cluster.redis.url, args=("--retry-attempts", "8", "--lease-ms", "20000"))
+    cluster.routers.append(c)
+    await c.wait_listening()
+    async with httpx.AsyncClient(timeout=30) as h:
+        async def adopted() -> bool:
+            return (await h.get(c.url + "/v1/health", headers=auth("ops"))).json()["rib_version"] == version
+
+        await _until(adopted, timeout=20)
+    model.hold = trio.Event()
+    first = await _open(c.url, "bob")
+    assert first.status_code == 201, first.text
+    await _until(lambda: model.waiting == 1)
+    second = await _open(c.url, "bob")
+    assert second.status_code == 201, second.text
+    await trio.sleep(0.3)
+    assert model.waiting == 1  # the second call waits for the window, not in the model
+
+    async def reserve_refused() -> bool:
+        down = await router_metric(c.url, "atp_store_unavailable_total", TOKENS["ops"])
+        return down.get('op="reserve"', 0) > 0
+
+    os.kill(cluster.redis.proc.pid, signal.SIGSTOP)
+    try:
+        model.hold.set()  # the first call answers: its commit waits, the second call's reserve times out
+        model.hold = None
+        await _until(reserve_refused, timeout=30)  # the condition, before what it causes
+    finally:
+        os.kill(cluster.redis.proc.pid, signal.SIGCONT)
+    ends = {}
+    for sid in (first.json()["stream_id"], second.json()["stream_id"]):
+        events, _ = await _events(c.url, "bob", sid)
+        ends[sid] = events
+        assert [t for t, _ in events][-2:] == ["FINAL", "FIN"], events
+    retried = [f["payload"]["content"]["reason"] for t, f in ends[second.json()["stream_id"]]
+               if t == "ERROR" and f["payload"]["content"]["code"] == "EBUDGET"]
+    assert retried and all("budget store unavailable" in why and "; retry " in why for why in retried), retried
+    assert len(model.requests) >= 2
+    await _until(lambda: cluster.totals("bob")[:2] == (2 * BILLED, 0), timeout=20)
+
+
 async def test_a_router_cut_from_the_store_past_its_lease_is_settled_and_stops_its_stream(cluster, nursery):
     """b reaches Redis through a proxy that is cut mid-call for longer than its
     lease: a settles b (its reservation released, its stream interrupted), the
@@ -747,6 +805,7 @@ async def _busy_router_keeps_its_lease(cluster: Cluster, proxy_port: int) -> Non
     await c.wait_listening()
     opened: list[str] = []
     ends: list[str] = []
+    errors: list[dict] = []
 
     async def one(i: int) -> None:
         # Over the slow link a store call can time out under the burst: the open is then
@@ -775,7 +834,10 @@ async def _busy_router_keeps_its_lease(cluster: Cluster, proxy_port: int) -> Non
             except (httpx.RemoteProtocolError, httpx.ReadError):
                 if attempt == 4:
                     raise
-        ends.append(events[-1][0] if events[-1][0] != "FIN" else events[-2][0])
+        end = events[-1] if events[-1][0] != "FIN" else events[-2]
+        ends.append(end[0])
+        if end[0] != "FINAL":
+            errors.append(end[1])
 
     def stalls() -> list[float]:
         return [float(m[1]) for line in c.lines if (m := re.search(r"event loop did not run for (\d+) ms", line))]
@@ -790,7 +852,7 @@ async def _busy_router_keeps_its_lease(cluster: Cluster, proxy_port: int) -> Non
                     n.start_soon(one, burst * 80 + i)
         if stalls() and max(stalls()) > LEASE_MS:
             break
-    assert ends == ["FINAL"] * len(ends) and len(ends) == 80 * (burst + 1), Counter(ends)
+    assert ends == ["FINAL"] * len(ends) and len(ends) == 80 * (burst + 1), (Counter(ends), errors[:3])
     assert stalls() and max(stalls()) > LEASE_MS, (  # the old heartbeat would have lapsed
         "three bursts of 80 streams never held c's loop past its lease:\n" + "".join(c.lines[-30:]))
     assert c.owner in cluster.store.live_owners(now_ms=0)

@@ -517,7 +517,9 @@ def test_retry_policy_delays_are_bounded_jittered_and_reproducible():
         (ErrorCode.EAGENTDOWN, 1, 500, True),
         (ErrorCode.EAGENTDOWN, 1, 2001, False),  # longer than max_backoff_s: reroute instead
         (ErrorCode.EPROTO, 1, None, False),
-        (ErrorCode.EBUDGET, 1, None, False),
+        (ErrorCode.EBUDGET, 1, None, False),  # a budget that does not fit
+        (ErrorCode.EBUDGET, 1, 1000, True),  # a reserve the shared store did not answer
+        (ErrorCode.EBUDGET, 2, 1000, False),
         (ErrorCode.ESEC, 1, None, False),
         (ErrorCode.EPREEMPT, 1, None, False),
         (ErrorCode.EWINDOW, 1, 100, False),

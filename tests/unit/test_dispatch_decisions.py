@@ -99,6 +99,12 @@ RETRY = RetryPolicy(max_attempts=2, base_backoff_s=0.2, max_backoff_s=2.0, jitte
     (failed("a", ErrorCode.EPROTO), 0.0, None),  # not a retryable code
     (failed("a", ErrorCode.EAGENTDOWN), 0.0, None),  # down without a hint: reroute, not retry
     (failed("a", ErrorCode.EAGENTDOWN, retry_after_ms=500), 0.0, 0.5),  # a short hint: its wait
+    (failed("a", ErrorCode.EAGENTDOWN, called=False, retry_after_ms=500), 0.0, None),  # circuit open: not called
+    (failed("a", ErrorCode.EBUDGET, called=False), 0.0, None),  # a budget that does not fit
+    # A reserve the shared store did not answer: nothing decided, nothing called — after its hint.
+    (failed("a", ErrorCode.EBUDGET, called=False, retry_after_ms=1000), 0.0, 1.0),
+    (failed("a", ErrorCode.EBUDGET, called=False, retry_after_ms=1000, attempt=2), 0.0, None),
+    (failed("a", ErrorCode.EBUDGET, retry_after_ms=1000), 99.5, None),  # past the deadline
 ])
 def test_retry_delay(out: LegOutcome, now: float, expected: float | None) -> None:
     assert retry_delay(out, RETRY, random.Random(1), now, 100.0) == expected

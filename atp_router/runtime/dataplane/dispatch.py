@@ -25,6 +25,8 @@ For one stream the dispatcher
 
 3. handles failures per call (§10): ``ETIMEOUT`` is retried on the same next-hop
    with backoff (:class:`~atp_router.flow.breaker.RetryPolicy`), then rerouted;
+   so is a call whose reserve the shared store did not answer (``EBUDGET`` with
+   ``retry_after_ms``: nothing was decided nor called), after ``retry_after_ms``;
    ``EAGENTDOWN`` is rerouted at once — to the failing agent's RIB ``fallback``,
    else the route's next FIB ``alternate`` not yet tried — and retried on the same
    agent only when nothing is left to reroute to and the peer gave a short
@@ -399,13 +401,17 @@ def retry_delay(out: LegOutcome, retry: RetryPolicy, rng: random.Random, now: fl
     """Whether to retry the failed attempt ``out`` on the same next-hop (spec §10,
     :class:`~atp_router.flow.breaker.RetryPolicy`): the backoff in seconds (its
     jitter drawn from ``rng``), or ``None`` — the call never reached the
-    adapter, the policy retries neither its code nor another attempt, or the
+    adapter (unless its reserve was undecided: ``EBUDGET`` with ``retry_after_ms``,
+    the shared store did not answer), the policy retries neither its code nor another attempt, or the
     retry would start at or after the stream ``deadline`` (trio seconds, as
     ``now``)."""
     err = out.error
     assert err is not None
     code = ErrorCode.ETIMEOUT if out.local else err.code  # the router's own timeout (LegOutcome.local)
-    if not out.called or not retry.should_retry(code, out.attempt, retry_after_ms=err.retry_after_ms):
+    # A call that never reached its adapter is retried only when its reserve was
+    # undecided (EBUDGET with retry_after_ms: the shared store did not answer).
+    undecided = not out.called and code is ErrorCode.EBUDGET and err.retry_after_ms is not None
+    if not (out.called or undecided) or not retry.should_retry(code, out.attempt, retry_after_ms=err.retry_after_ms):
         return None
     delay = retry.delay(out.attempt, rng, retry_after_ms=err.retry_after_ms)
     return delay if now + delay < deadline else None
