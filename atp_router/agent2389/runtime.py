@@ -6,8 +6,9 @@ Lifecycle (§7.1-§7.3)::
     credentials from env) ─► SUBSCRIBE input (wait for SUBACK) ─► initialize [tools]
     ─► verify [adapter] (health().up, and the [probe] call when configured)
     ─► publish retained "available" (QoS 1, message expiry, re-published at half of it)
-    ─► process tasks ... ─► on shutdown: "unavailable" (not retained, as the reference
-    does), the retained "available" cleared, DISCONNECT (so no LWT), tools shut down.
+    ─► process tasks ... ─► on shutdown: a retained "unavailable" (§7.2 FR-003: it
+    replaces the retained "available", so a later subscriber learns the agent left;
+    the reference publishes it unretained), DISCONNECT (so no LWT), tools shut down.
 
 A hard kill leaves the broker to publish the LWT: a retained "unavailable".
 
@@ -269,11 +270,11 @@ class AgentRuntime:
         try:
             if announced and client.connected:
                 with trio.move_on_after(_GRACE_S):
+                    # Retained (§7.2 FR-003), as the LWT is (§7.3): a later subscriber
+                    # finds "unavailable", not the "available" it replaces.
                     await client.publish(self.status_topic,
                                          P.encode_status(self.agent_id, "unavailable", self.clock()),
-                                         qos=1, retain=False)
-                    # A later subscriber must not discover an agent that has left.
-                    await client.publish(self.status_topic, b"", qos=1, retain=True)
+                                         qos=1, retain=True)
         except MQTTError as e:
             log.warning("agent %s: could not publish its unavailable status: %s", self.agent_id, e)
         finally:
