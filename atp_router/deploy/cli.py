@@ -350,7 +350,9 @@ def _flow_args(ap: argparse.ArgumentParser, d: RouterConfig) -> None:
     """Flow control, liveness and resumption (spec §4.4, §5, §8, §9, §10): windows, HB, breakers, retries, QoS slots."""
     f = ap.add_argument_group("flow control, liveness, resumption (spec §4.4, §5, §8, §9, §10)")
     f.add_argument("--window-update-ms", type=_positive(int), default=d.window_update_interval_ms,
-                   help="WINDOW_UPDATE period, ms")
+                   help="WINDOW_UPDATE period while the window changes, ms")
+    f.add_argument("--window-keepalive-ms", type=_positive(int), default=d.window_update_keepalive_ms,
+                   help="...an unchanged window re-sent every this many ms (at least the period)")
     f.add_argument("--window-update-delta", type=_positive(float), default=d.window_update_delta,
                    help="...or when the window moved by this fraction")
     f.add_argument("--hb-interval-s", type=_positive(float), default=d.hb_interval_s, help="HB period, s")
@@ -507,6 +509,7 @@ def _loopback(host: str) -> bool:
 def _flow_config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "window_update_interval_ms": args.window_update_ms, "window_update_delta": args.window_update_delta,
+        "window_update_keepalive_ms": args.window_keepalive_ms,
         "hb_interval_s": args.hb_interval_s, "hb_timeout_s": args.hb_timeout_s, "resume_grace_s": args.resume_grace_s,
         "breaker_failures": args.breaker_failures, "breaker_window_s": args.breaker_window_s,
         "breaker_backoff_s": args.breaker_backoff_s, "breaker_max_backoff_s": args.breaker_max_backoff_s,

@@ -115,7 +115,10 @@ class Window:
     """Flow-control window of one stream or one next-hop (see the module docstring).
 
     ``limits``: the triplet (calls, tokens, USD micros). ``update_interval_ms``:
-    period of WINDOW_UPDATE (spec §5.4 "every N ms"). ``update_delta``: relative
+    period of WINDOW_UPDATE (spec §5.4 "every N ms") while the window changes;
+    an unchanged window is re-sent only every ``update_keepalive_ms`` (default
+    and minimum: ``update_interval_ms``, spec §5.4 to the letter), so a stalled call does not
+    repeat the same update every period. ``update_delta``: relative
     move of any effective axis that makes an update due at once (§5.4: 20 %).
     ``initial_cwnd``: start of ``cwnd`` (default ``max_parallel``).
     ``gold_minimum``: headroom on each axis that only gold calls may use
@@ -130,11 +133,15 @@ class Window:
         update_delta: float = 0.2,
         initial_cwnd: float | None = None,
         gold_minimum: WireWindow | None = None,
+        update_keepalive_ms: int | None = None,
     ) -> None:
         if update_interval_ms <= 0 or update_delta <= 0.0:
             raise ValueError("update_interval_ms and update_delta must be > 0")
+        if update_keepalive_ms is not None and update_keepalive_ms < update_interval_ms:
+            raise ValueError(f"update_keepalive_ms {update_keepalive_ms} < update_interval_ms {update_interval_ms}")
         self.limits = limits
         self.update_interval_ms = update_interval_ms
+        self.update_keepalive_ms = update_interval_ms if update_keepalive_ms is None else update_keepalive_ms
         self.update_delta = update_delta
         self._delta = Fraction(repr(update_delta))  # exact: 20 % of 10 is 2, not 2.0000000000000004
         self.gold_minimum = gold_minimum
@@ -151,6 +158,7 @@ class Window:
         self._used_usd = 0
         self._sent: WireWindow | None = None
         self._sent_at = 0.0
+        self._ticked_at = 0.0  # the last periodic check (an update sent, or none due)
 
     def effective(self) -> WireWindow:
         """The window in force: AIMD's parallel allowance and the token/USD limits."""
@@ -267,24 +275,32 @@ class Window:
     def update_due(self, now: float) -> WindowUpdate | None:
         """The WINDOW_UPDATE to send at ``now`` (seconds), or ``None`` (spec §5.4).
 
-        Due when none was sent yet, when ``update_interval_ms`` passed since the
-        last one, or when any effective axis moved by ≥ ``update_delta``
-        relative to the last one sent (from 0, any move). A returned update
-        counts as sent at ``now``; the caller sets ``ack`` if it piggybacks one.
+        Due when none was sent yet; when any effective axis moved by ≥
+        ``update_delta`` relative to the last one sent (from 0, any move); at
+        the periodic check (:meth:`next_update_at`, every ``update_interval_ms``)
+        when the window differs at all from the last one sent, or when
+        ``update_keepalive_ms`` passed since it. A returned update counts as
+        sent at ``now``; the caller sets ``ack`` if it piggybacks one.
         """
         eff = self.effective()
         last = self._sent
-        if last is None or now >= self.next_update_at() or self._moved(last, eff):
-            self._sent, self._sent_at = eff, now
+        due = last is None or self._moved(last, eff)
+        if not due and now >= self.next_update_at():
+            self._ticked_at = now
+            # (to the nanosecond: periodic checks a float sum of intervals apart land on it)
+            due = eff != last or now + _EPS >= self._sent_at + self.update_keepalive_ms / 1000.0
+        if due:
+            self._sent, self._sent_at, self._ticked_at = eff, now, now
             return WindowUpdate(window=eff)
         return None
 
     def next_update_at(self) -> float:
-        """Deadline (seconds, same clock as ``now``) of the periodic WINDOW_UPDATE;
-        ``-inf`` before the first one, which is due at once."""
+        """Time (seconds, same clock as ``now``) of the next periodic check of
+        :meth:`update_due`, ``update_interval_ms`` after the last one; ``-inf``
+        before the first update, which is due at once."""
         if self._sent is None:
             return -math.inf
-        return self._sent_at + self.update_interval_ms / 1000.0
+        return self._ticked_at + self.update_interval_ms / 1000.0
 
     def statistics(self) -> WindowStatistics:
         return WindowStatistics(

@@ -70,7 +70,8 @@ class RouterConfig:
 
     Flow control (spec §5, §9, §10): ``window_update_interval_ms`` /
     ``window_update_delta`` are the WINDOW_UPDATE cadence (every N ms, or when
-    the window moved by that fraction); ``agent_window`` the per-next-hop triplet
+    the window moved by that fraction), an unchanged window re-sent only every
+    ``window_update_keepalive_ms`` (at least the interval); ``agent_window`` the per-next-hop triplet
     of agents without their own; ``slots`` the router-wide number of next-hop
     calls in flight, ``gold_reserved`` of them for gold only; gold waiting
     ``preempt_after_ms`` for a slot preempts a bronze call (RST ``EPREEMPT``),
@@ -146,6 +147,7 @@ class RouterConfig:
     idle_task_s: float = 30.0
     window_update_interval_ms: int = 1000
     window_update_delta: float = 0.2
+    window_update_keepalive_ms: int = 10_000
     agent_window: Window = DEFAULT_AGENT_WINDOW
     slots: int = 64
     gold_reserved: int = 8

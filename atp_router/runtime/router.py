@@ -276,7 +276,9 @@ class Router:
             metrics=self.metrics, tracing=self.tracing, scope_guard=self.scope_guard, usage_signer=self.usage_signer,
             audit_event=self.audit_event, syn_stages=self.syn_stages, syn_gates=self.syn_gates,
             store_refusal=self.store_refusal, window_update_interval_ms=config.window_update_interval_ms,
-            window_update_delta=config.window_update_delta, journal=state.journal)
+            window_update_delta=config.window_update_delta,
+            window_update_keepalive_ms=max(config.window_update_keepalive_ms, config.window_update_interval_ms),
+            journal=state.journal)
 
     def close_state(self) -> None:
         """Checkpoint the audit chain and close the store (clean shutdown):

@@ -36,11 +36,13 @@ LOCAL_ADMIN = ("conf-admin", "tok-conformance-admin")
 @dataclass(frozen=True)
 class Profile:
     """Timing and capacity settings of the target that tests must know to observe
-    timed behaviour: WINDOW_UPDATE period (ms), HB interval and dead-peer timeout
+    timed behaviour: WINDOW_UPDATE period (ms) and the keep-alive period of an
+    unchanged window (ms), HB interval and dead-peer timeout
     (s), the circuit breaker's first backoff (s), and how many concurrent bronze
     streams saturate its next-hop call slots."""
 
     window_update_ms: int
+    window_keepalive_ms: int
     hb_interval_s: float
     hb_timeout_s: float
     breaker_backoff_s: float
@@ -49,7 +51,7 @@ class Profile:
 
 #: What the local router runs with (RouterConfig below) — and the defaults the
 #: README asks a remote target to be configured with.
-LOCAL_PROFILE = Profile(window_update_ms=300, hb_interval_s=0.3, hb_timeout_s=1.5, breaker_backoff_s=0.5, flood=8)
+LOCAL_PROFILE = Profile(window_update_ms=300, window_keepalive_ms=600, hb_interval_s=0.3, hb_timeout_s=1.5, breaker_backoff_s=0.5, flood=8)
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ def _remote_profile() -> Profile:
     p = LOCAL_PROFILE
     return Profile(
         window_update_ms=int(env("WINDOW_UPDATE_MS", p.window_update_ms)),
+        window_keepalive_ms=int(env("WINDOW_KEEPALIVE_MS", p.window_keepalive_ms)),
         hb_interval_s=env("HB_INTERVAL_S", p.hb_interval_s),
         hb_timeout_s=env("HB_TIMEOUT_S", p.hb_timeout_s),
         breaker_backoff_s=env("BREAKER_BACKOFF_S", p.breaker_backoff_s),
@@ -96,7 +99,8 @@ def local_config(policies: Path, **overrides):
     cfg = RouterConfig(
         policies=policies, http_port=0, ws_port=0, client_tokens=dict([*LOCAL_TOKENS.items(), LOCAL_ADMIN]),
         client_roles={LOCAL_ADMIN[0]: frozenset({Role.ADMIN})},
-        window_update_interval_ms=p.window_update_ms, hb_interval_s=p.hb_interval_s, hb_timeout_s=p.hb_timeout_s,
+        window_update_interval_ms=p.window_update_ms, window_update_keepalive_ms=p.window_keepalive_ms,
+        hb_interval_s=p.hb_interval_s, hb_timeout_s=p.hb_timeout_s,
         # The RIB's `brk` fails its first 3 calls: the breaker must open within 3.
         breaker_failures=3, breaker_backoff_s=p.breaker_backoff_s, breaker_max_backoff_s=2.0, resume_grace_s=10.0,
         # 6 call slots, 1 reserved for gold: LOCAL_PROFILE.flood = 8 bronze streams saturate them.

@@ -125,18 +125,24 @@ async def test_etimeout_is_retried_and_decreases_the_window(target):
 
 
 async def test_window_update_is_sent_every_period(target):
-    """§5.4 "Router issues WINDOW_UPDATE every N ms": during a task of ~1.8 s the
-    client receives WINDOW_UPDATEs at least every N ms (N: the target's period)."""
-    period = target.profile.window_update_ms / 1000
+    """§5.4 "Router issues WINDOW_UPDATE every N ms": during a task of ~1.8 s whose
+    window does not move, the client receives WINDOW_UPDATEs at least every
+    keep-alive period K — and never the same window again sooner than K (issue
+    24: an update every N ms that says nothing new is noise; a changed window
+    goes out at the next N-ms check, tested in tests/unit/test_window.py)."""
+    keepalive = target.profile.window_keepalive_ms / 1000
     _, frames, log = await run_task(target, "s-f-4", "conf.cadence")
     final_of(frames)
     t_syn = log[0][0]
     t_final = next(t for t, f in log if is_final(f))
-    times = [t_syn] + [t for t, f in log if window_update_of(f) and t < t_final]
+    # The SYN+ACK's window aside: when it arrives says little of when the router planned the task.
+    updates = [(t, u.get("window")) for t, f in log[1:] if (u := window_update_of(f)) and t < t_final]
     assert t_final - t_syn >= 1.5, "the task should stream for ~1.8 s"
-    gaps = [b - a for a, b in itertools.pairwise(times)]
-    assert len(times) - 1 >= int((t_final - t_syn) / period) - 1, f"{len(times) - 1} updates in {t_final - t_syn:.2f} s"
-    assert max(gaps) <= period + 0.25, f"a gap of {max(gaps):.2f} s between WINDOW_UPDATEs (period {period} s)"
+    gaps = [b - a for a, b in itertools.pairwise([t_syn] + [t for t, _ in updates])]
+    # Generous: a loaded machine delays frames; what matters is that updates keep coming.
+    assert updates and max(gaps) <= 1.5 * keepalive + 0.5, f"a {max(gaps):.2f} s gap (keep-alive {keepalive} s)"
+    for (t0, w0), (t1, w1) in itertools.pairwise(updates):
+        assert w0 != w1 or t1 - t0 >= keepalive - 0.05, f"the same window {w1} again after {t1 - t0:.2f} s"
 
 
 # --- §10 EAGENTDOWN --------------------------------------------------------------------------

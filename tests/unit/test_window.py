@@ -163,6 +163,25 @@ def test_window_update_cadence_timer():
     assert w.next_update_at() == 12.0
 
 
+def test_window_update_unchanged_waits_for_the_keepalive():
+    """An unchanged window is re-sent only every update_keepalive_ms (issue 24: 40
+    identical updates during one stalled call); any change, even below
+    update_delta, goes out at the next periodic check."""
+    w = Window(W(10, 1000, 10_000), update_interval_ms=1000, update_keepalive_ms=5000)
+    assert w.update_due(0.0) is not None
+    for t in (1.0, 2.0, 3.0, 4.0):
+        assert w.next_update_at() == t
+        assert w.update_due(t) is None  # checked, unchanged: nothing sent, the next check a period on
+    assert w.update_due(4.5) is None
+    assert w.update_due(5.0) == WindowUpdate(window=W(10, 1000, 10_000))  # the keep-alive
+    w.cwnd = 9.0  # 10 %: below the delta that sends at once
+    assert w.update_due(5.5) is None
+    assert w.update_due(6.0) == WindowUpdate(window=W(9, 1000, 10_000))  # but sent at the next check
+    assert w.update_due(7.0) is None
+    with pytest.raises(ValueError, match="keepalive"):
+        Window(W(1, 1, 1), update_interval_ms=1000, update_keepalive_ms=999)
+
+
 def test_window_update_on_20_percent_delta():
     w = Window(W(10, 1000, 10_000))
     w.update_due(0.0)

@@ -91,7 +91,8 @@ of what was gathered and FIN; with nothing gathered, :meth:`Dispatcher.run` rais
 
 The stream's WINDOW_UPDATE cadence (§5.4) is driven here too: one is sent when the
 window moved by ≥ ``update_delta`` (checked after every send and completion) and
-at least every ``update_interval_ms`` while the task runs
+at the check every ``update_interval_ms`` when it changed at all, and every
+``update_keepalive_ms`` (10 s by default) when it did not, while the task runs
 (:meth:`Window.update_due <atp_router.flow.window.Window.update_due>`).
 """
 
@@ -310,7 +311,8 @@ class Dispatcher:
         return result, reports
 
     async def _window_ticker(self, io: StreamIO, plan: TaskPlan) -> None:
-        """WINDOW_UPDATE every ``update_interval_ms`` while the task runs (§5.4)."""
+        """The periodic WINDOW_UPDATE check every ``update_interval_ms`` while the
+        task runs (§5.4): sent when the window changed, else every keep-alive."""
         while True:
             await trio.sleep_until(plan.window.next_update_at())
             self._window_moved(io, plan)

@@ -81,15 +81,15 @@ AuditSink = Callable[..., None]
 class DataPlane:
     """Frames in, SYNs, tasks and closes for one router (module doc). ``nursery``
     is set while the router serves (tasks and shadow runs start in it);
-    ``window_update_interval_ms`` / ``window_update_delta`` are the stream windows'
-    WINDOW_UPDATE pacing (:class:`~atp_router.runtime.config.RouterConfig`)."""
+    ``window_update_interval_ms`` / ``window_update_delta`` /
+    ``window_update_keepalive_ms`` are the stream windows' WINDOW_UPDATE pacing (:class:`~atp_router.runtime.config.RouterConfig`)."""
 
     def __init__(self, *, streams: StreamTable, control: ControlPlane, ledger: BudgetLedger, learning: Learning,
                  cache: ResponseCache, metrics: RouterMetrics, tracing: RouterTracing | None,
                  scope_guard: DataScopeGuard, usage_signer: UsageSigner, audit_event: AuditSink,
                  syn_stages: Sequence[Stage], syn_gates: Sequence[SynGate],
                  store_refusal: Callable[[str, StoreUnavailable], ATPError] | None,
-                 window_update_interval_ms: int, window_update_delta: float,
+                 window_update_interval_ms: int, window_update_delta: float, window_update_keepalive_ms: int,
                  journal: CallJournal | None = None) -> None:
         self.streams, self.control, self.ledger, self.learning = streams, control, ledger, learning
         self.cache, self.metrics, self.tracing = cache, metrics, tracing
@@ -98,6 +98,7 @@ class DataPlane:
         #: The stages that hold something for each stream they admit, released as it closes.
         self.holding = holding(self.syn_stages)
         self.window_update_interval_ms, self.window_update_delta = window_update_interval_ms, window_update_delta
+        self.window_update_keepalive_ms = window_update_keepalive_ms
         self.nursery: trio.Nursery | None = None
         #: Answers already charged in an earlier run of a stream's key (None: streams are never re-run).
         self.journal = journal
@@ -386,7 +387,8 @@ class DataPlane:
         """Run ``ctx``'s task (:mod:`atp_router.runtime.dataplane.runner`) under ``scope``
         and act on its outcome."""
         plan = plan_task(ctx, prompt, gen.fib, update_interval_ms=self.window_update_interval_ms,
-                         update_delta=self.window_update_delta, win_rates=self.learning.win_rates(ctx.route) or None,
+                         update_delta=self.window_update_delta, update_keepalive_ms=self.window_update_keepalive_ms,
+                         win_rates=self.learning.win_rates(ctx.route) or None,
                          cache=self.cache.view(ctx.tenant, gen.cache, ctx.route.policy),
                          journal=self.journal.view(ctx.tenant, ctx.idempotency_key) if self.journal else None)
         with scope:

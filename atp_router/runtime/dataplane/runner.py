@@ -100,17 +100,18 @@ class TaskOutcome:
 
 
 def plan_task(stream: RunningStream, prompt: Prompt, fib: Any, *, update_interval_ms: int,
-              update_delta: float, win_rates: Mapping[str, float] | None, cache: Any,
+              update_delta: float, update_keepalive_ms: int | None = None, win_rates: Mapping[str, float] | None, cache: Any,
               journal: Any = None) -> TaskPlan:
     """The plan of ``stream``'s task ``prompt`` over ``fib`` (its generation's
     FIB): the stream's flow window (the one its SYN+ACK carried, so the next
-    WINDOW_UPDATE is due only when it moves by ``update_delta`` or every
-    ``update_interval_ms``), its budget account (which also names it to the QoS
+    WINDOW_UPDATE is due only when it moves by ``update_delta``, at the
+    ``update_interval_ms`` check when it changed, or every ``update_keepalive_ms``), its budget account (which also names it to the QoS
     tickets: unique across tenants), deadline (``route.deadline_ms`` after SYN)
     and bandit decision; ``win_rates`` for the consensus tie-break (None: the
     RIB's), the response-cache view ``cache`` (None: the policy does not cache)
     and the call-journal view ``journal`` (None: the stream is never re-run elsewhere)."""
-    window = FlowWindow(stream.window, update_interval_ms=update_interval_ms, update_delta=update_delta)
+    window = FlowWindow(stream.window, update_interval_ms=update_interval_ms, update_delta=update_delta,
+                        update_keepalive_ms=update_keepalive_ms)
     window.update_due(trio.current_time())  # the SYN+ACK carried this window
     return TaskPlan(
         prompt=prompt,
