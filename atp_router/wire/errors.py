@@ -77,6 +77,19 @@ class ATPError(Exception):
         super().__init__(f"{self.code}: {reason}")
 
 
+class IdempotencyConflict(ATPError):
+    """An ``idempotency_key`` re-used with a different task (spec §8: the key
+    names one task): ``EPROTO``, HTTP ``status`` 409 naming the key. The stream
+    the key opened is left as it is; nothing is run or charged."""
+
+    status = 409
+
+    def __init__(self, key: str) -> None:
+        super().__init__(ErrorCode.EPROTO, f"idempotency_key {key!r} was used before with a different task: "
+                                           "re-send that task to resume its stream, or use a new key")
+        self.key = key
+
+
 class LocalProtocolError(ATPError):
     """The peer sent a frame we cannot accept (we detected it)."""
 

@@ -138,6 +138,12 @@ async def test_kill9_keeps_spend_results_and_interrupted_streams(nursery, tmp_pa
         assert again.stream_id == first_id
         replay = await _events(url, "alice", first_id)
         assert [(e.type, e.payload) for e in replay] == [(e.type, e.payload) for e in first_events]
+        # The stored key still names its task: another task under it is refused 409 (issue 24).
+        async with httpx.AsyncClient() as h:
+            other = await h.post(url + "/v1/streams", headers={"Authorization": f"Bearer {TOKENS['alice']}"},
+                                 json={"task": TASK, "content": {**CONTENT, "note": "another task"},
+                                       "idempotency_key": "k0"})
+            assert other.status_code == 409 and "'k0'" in other.json()["error"]["reason"], other.text
     # (d) Bob's interrupted stream: RST saying so, never re-run.
     bob_events = await _events(url, "bob", slow.stream_id)
     assert bob_events[-1].type == "RST" and "interrupted" in json.dumps(bob_events[-1].payload)

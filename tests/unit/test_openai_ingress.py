@@ -273,6 +273,20 @@ async def test_idempotency_key_reuses_the_stream(env, scripted):
     assert len(scripted["writer"].calls) == 1  # run and charged once
 
 
+async def test_idempotency_key_reused_with_other_messages_is_a_409_conflict(env, scripted):
+    """Issue 24: the same key with a different request is not answered with the
+    first request's completion: openai.ConflictError (409) naming the key, and
+    nothing more is run."""
+    oa = client(env)
+    kw = {"model": "chat", "messages": USER, "extra_body": {"atp": {"idempotency_key": "req-2"}}}
+    await call(oa.chat.completions.create, **kw)
+    other = [{"role": "user", "content": "Something else entirely."}]
+    e = await refused(oa.chat.completions.create, **{**kw, "messages": other})
+    assert isinstance(e, openai.ConflictError) and e.body["code"] == "EPROTO" and "'req-2'" in e.body["message"]
+    assert e.body["type"] == "conflict_error"
+    assert len(scripted["writer"].calls) == 1
+
+
 async def test_a_streaming_client_that_goes_away_resets_its_stream(env, scripted):
     slow = ScriptedAdapter.returning("writer", partials=["a"] * 50, summary="a" * 50)
     scripted["writer"].fragments, scripted["writer"].delay_s = slow.fragments, 0.1  # the running adapter

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import cbor2
+import httpx
 import msgspec
 import pytest
 import trio
@@ -306,3 +307,32 @@ async def test_another_tenants_session_id_is_another_session(nursery, policies_d
         await b.pump_until(lambda: b.closed("t2"))
         b.final("t2")
     assert not [f for f in b.raw if f.stream_id == "t1"]
+
+
+async def test_an_idempotency_key_reused_with_another_task_is_refused_over_http_and_ws(router_env):
+    """Issue 24: a key names one task (§8). Re-opened with the same task it resumes
+    its stream; with another one it is refused — HTTP 409 naming the key, over a
+    WebSocket a lone ERROR EPROTO — and the stream the key opened is untouched:
+    nothing else is run. Budget and QoS are not the task: changing them resumes."""
+    first_task, other_task = golden("bugsinpy-thefuck-23"), {"diff": golden()["diff"] + "\n", "files": {}}
+    async with httpx.AsyncClient(base_url=router_env.url, timeout=30) as h:
+        body = {"task": META, "content": first_task, "idempotency_key": "k-conflict"}
+        first = await h.post("/v1/streams", json=body)
+        assert first.status_code == 201, first.text
+        sid = first.json()["stream_id"]
+        again = await h.post("/v1/streams", json={**body, "qos": "bronze", "budget": {"tokens": 90_000}})
+        assert (again.status_code, again.json()["stream_id"]) == (201, sid)
+        refused = await h.post("/v1/streams", json={**body, "content": other_task})
+        assert refused.status_code == 409, refused.text
+        err = refused.json()["error"]
+        assert err["code"] == "EPROTO" and "'k-conflict'" in err["reason"] and "different task" in err["reason"]
+        other_type = await h.post("/v1/streams", json={**body, "task": {**META, "task_type": "summarize"}})
+        assert other_type.status_code == 409, other_type.text
+    async with connect(router_env.ws_url, "json", "sess-conflict") as peer:
+        await peer.send(peer.session.open_stream("t-conflict", {**META, "idempotency_key": "k-conflict"}, WINDOW,
+                                                 payload=Payload(type=PayloadType.TASK, content=other_task)))
+        await peer.pump_until(lambda: bool(peer.raw_errors("t-conflict")))
+        err = peer.raw_errors("t-conflict")[0]
+        assert err.code is ErrorCode.EPROTO and "'k-conflict'" in err.reason
+    streams = [c for c in router_env.router.streams.values() if c.idempotency_key == "k-conflict"]
+    assert [c.stream_id for c in streams] == [sid]  # one stream, the first task's

@@ -82,6 +82,7 @@ class StoredStream:
     window: Window
     decision: Any
     events: list[StoredEvent]
+    task_digest: str | None = None
 
 
 class StreamPersistence:
@@ -128,6 +129,8 @@ class StreamPersistence:
                  "window": msgspec.to_builtins(ctx.window)}
         if ctx.decision is not None and hasattr(ctx.decision, "to_json"):
             route["decision"] = ctx.decision.to_json()
+        if ctx.task_digest is not None:
+            route["task_digest"] = ctx.task_digest
         record = StreamRecord(
             tenant=ctx.tenant, session_id=ctx.session_id, stream_id=ctx.stream_id,
             # Stored meta has its secrets masked (spec §11, §19): the store is not cleared for them.
@@ -308,4 +311,5 @@ class StreamPersistence:
         window = msgspec.convert(route.get("window") or {"max_parallel": 1, "max_tokens": 0, "max_usd_micros": 0},
                                  Window)
         return StoredStream(rec, meta, StoredRoute(route.get("policy", ""), route.get("next_hops", [])), window,
-                            route.get("decision"), self.store.events(rec.tenant, rec.session_id, rec.stream_id))
+                            route.get("decision"), self.store.events(rec.tenant, rec.session_id, rec.stream_id),
+                            route.get("task_digest"))

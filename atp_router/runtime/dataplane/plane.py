@@ -43,7 +43,7 @@ from atp_router.runtime.dataplane.opening import (
 )
 from atp_router.runtime.dataplane.plan import TaskPlan
 from atp_router.runtime.dataplane.runner import TaskOutcome, plan_task, run_task
-from atp_router.runtime.dataplane.stream import Closed, StreamCtx
+from atp_router.runtime.dataplane.stream import Closed, StreamCtx, task_digest
 from atp_router.runtime.dataplane.streams import StreamTable
 from atp_router.runtime.deployment import SynGate
 from atp_router.security.authz import Refuse, clamp_qos
@@ -53,7 +53,7 @@ from atp_router.security.signing import UsageSigner
 from atp_router.store import StoreUnavailable
 from atp_router.task.change import ParsedChange
 from atp_router.wire import session as S
-from atp_router.wire.errors import ATPError, ErrorCode, LocalProtocolError
+from atp_router.wire.errors import ATPError, ErrorCode, IdempotencyConflict, LocalProtocolError
 from atp_router.wire.frame import (
     Budget,
     BudgetUpdate,
@@ -130,7 +130,10 @@ class DataPlane:
         with ``resume_after = N`` (the last router ``msg_seq`` the client
         received) only what followed message N. ``None``: not a resumption (a
         new key, a ttl-expired SYN, a key of another tenant, a SYN a
-        :attr:`syn_gates` gate does not let resume here)."""
+        :attr:`syn_gates` gate does not let resume here). Raises
+        :class:`~atp_router.wire.errors.IdempotencyConflict` when the SYN carries
+        a task other than the one the key opened its stream with
+        (:func:`task_digest`: its ``task_type`` and content)."""
         if Flag.SYN not in frame.flags or frame.ttl == 0:
             return None
         key = frame.meta.get("idempotency_key")
@@ -142,6 +145,10 @@ class DataPlane:
             identity, idempotency_key=key, now=trio.current_time())
         if ctx is None:
             return None
+        content = frame.payload.content if frame.payload is not None and frame.payload.type is PayloadType.TASK \
+            else None
+        if content is not None and ctx.task_digest is not None and task_digest(frame.meta, content) != ctx.task_digest:
+            raise IdempotencyConflict(key)
         after = frame.meta.get("resume_after")
         if isinstance(after, int) and not isinstance(after, bool) and after >= 0:
             return ctx, ctx.log.after_message(after)
@@ -188,8 +195,12 @@ class DataPlane:
         self.metrics.frames.labels("in", _kind(frame)).inc()
         tenant = identity.tenant
         if Flag.SYN in frame.flags:
-            if self.resume_point(frame, identity=identity) is not None:
-                return []
+            try:
+                if self.resume_point(frame, identity=identity) is not None:
+                    return []
+            except IdempotencyConflict as e:
+                self.metrics.errors.labels(str(e.code)).inc()
+                return [connection_error(frame.session_id, frame.stream_id, e.code, e.reason)]
             # The session confirms the SYN's class in its SYN+ACK (§8 step 2): it must
             # see the class StreamAdmission serves (authz.clamp_qos, the one rule).
             qos = clamp_qos(frame.qos, self.client_spec(tenant).qos_max)
@@ -307,7 +318,8 @@ class DataPlane:
         window = _min_window(ev.window, route.window or DEFAULT_WINDOW)
         qos = o.admitted_qos if o.admitted_qos is not None else (route.qos or QoS.SILVER)
         ctx = StreamCtx(self.streams, sess, ev.stream_id, o.identity, o.meta, qos, window, budget, route,
-                        o.now, gen=gen, ttl=ttl, account=o.account, idempotency_key=task.idempotency_key, task=task)
+                        o.now, gen=gen, ttl=ttl, account=o.account, idempotency_key=task.idempotency_key, task=task,
+                        task_digest=task_digest(o.meta, o.content) if task.idempotency_key else None)
         ctx.decision = o.decision
         self.control.hold(ctx)
         self.streams.insert(ctx)

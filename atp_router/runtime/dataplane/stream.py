@@ -1,6 +1,7 @@
 """One stream of the router (spec §4.4, §8): :class:`StreamCtx`, and
 :class:`Closed`, what closing it returns; its key in the stream table and its
-budget-ledger account (:func:`stream_account`).
+budget-ledger account (:func:`stream_account`); the fingerprint of the task
+its idempotency key names (:func:`task_digest`).
 
 :class:`StreamCtx` holds a stream's session, tenant, route, budget account,
 :class:`~atp_router.runtime.dataplane.eventlog.EventLog` and followers; it
@@ -14,7 +15,9 @@ table it lives in is :mod:`atp_router.runtime.dataplane.streams`.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +76,15 @@ class Closed:
     release_gen: bool
 
 
+def task_digest(meta: Mapping[str, Any], content: Any) -> str:
+    """The fingerprint of a task an idempotency key names (spec §8): SHA-256
+    (hex) of its ``meta.task_type`` and content, canonical JSON (sorted keys).
+    Budget, QoS, trace ids and resumption fields are not part of it: a client
+    re-opening its stream may change those; a different task it may not."""
+    body = msgspec.json.encode([meta.get("task_type"), content], order="sorted")
+    return hashlib.sha256(body).hexdigest()
+
+
 @dataclass(eq=False)
 class StreamCtx:
     """One stream inside the router; implements the dispatcher's ``StreamIO``.
@@ -127,6 +139,10 @@ class StreamCtx:
     #: An event of the stream could not be stored: its whole log is only in
     #: memory, kept there for the full ``retain_closed_s`` whatever the bounds.
     unstored: bool = False
+    #: :func:`task_digest` of the task its
+    #: SYN carried under an idempotency key (None: no key, or no task on the SYN):
+    #: a re-open by that key with another task is refused (IdempotencyConflict).
+    task_digest: str | None = None
 
     @property
     def tenant(self) -> str:

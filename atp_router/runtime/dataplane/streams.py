@@ -496,7 +496,7 @@ class StreamTable:
         ctx = StreamCtx(self, sess, rec.stream_id, identity, stored.meta, rec.qos or QoS.SILVER, stored.window,
                         rec.budget or Budget(), stored.route, now, task_started=True, closed_at=now,
                         account=stream_account(tenant, rec.stream_id), idempotency_key=rec.idempotency_key,
-                        restored=True, decision=stored.decision)
+                        restored=True, decision=stored.decision, task_digest=stored.task_digest)
         # The stored JSON is what followers sent before: kept, the answer is byte for byte the same.
         ctx.log.replace(stored.events)
         key = ctx.key

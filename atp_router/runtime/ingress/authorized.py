@@ -55,6 +55,7 @@ def render_error(e: ATPError, status: int | None = None) -> Response:
                          errors=[PolicyFault(file=x.file, key=x.key, reason=x.detail, line=x.line)
                                  for x in e.errors])
         status = status or 422
+    status = status or getattr(e, "status", None)  # e.g. IdempotencyConflict: 409
     if status is None and e.code in (ErrorCode.EWINDOW, ErrorCode.EBUDGET) and e.retry_after_ms is not None:
         # EWINDOW: the tenant's stream quota or open rate (spec §11); EBUDGET: the
         # shared budget store cannot be reached (atp_router.deploy.cluster). Try again later.

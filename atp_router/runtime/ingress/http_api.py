@@ -85,7 +85,7 @@ Errors are ``{"error": {"code": <spec §10 code>, "reason": ..., [file, key]}}``
 with HTTP 400 (EPROTO), 401 (ESEC: missing or unknown bearer token, on every
 endpoint but a credential-less ``GET /v1/health`` or ``/v1/ready`` when the router has tokens), 403 (ESEC: a role the action needs, or a
 bad frame signature), 404 (unknown stream), 409 (EWINDOW: the router's stream
-table is full), 413 (EPROTO: a body over ``max_body_bytes`` / ``max_policy_bytes``),
+table is full; EPROTO: an ``idempotency_key`` re-used with another task), 413 (EPROTO: a body over ``max_body_bytes`` / ``max_policy_bytes``),
 422 (refused policy), 429 (EWINDOW: the tenant's stream quota or open rate, or
 its request bodies in flight over ``tenant_body_bytes`` — :mod:`atp_router.runtime.ingress.bodies`,
 refused before the body is read —, with ``Retry-After`` in s), 503 (EAGENTDOWN: no route; EBUDGET with ``Retry-After``:

@@ -81,7 +81,8 @@ stricter than OpenAI's output-only meaning; the tighter of it and
 (:class:`AtpOptions`): ``budget: {usd, tokens}`` (float USD, tokens), ``qos``
 (``gold``/``silver``/``bronze``, at most the tenant's ``qos_max``),
 ``idempotency_key`` (a retried request with the same key gets the same stream,
-never a second charge, spec §8) and ``files``.
+never a second charge, spec §8; the same key with other messages is a 409
+``EPROTO`` conflict naming it) and ``files``.
 
 **Answer** (:class:`ChatCompletion`): ``id`` ``chatcmpl-<stream_id>``,
 ``choices[0].message.content`` the FINAL rendered by :func:`completion_text`,

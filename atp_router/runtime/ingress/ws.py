@@ -94,7 +94,7 @@ from atp_router.security.identity import Identity
 from atp_router.security.tls import serve_websocket_tls
 from atp_router.wire import session as S
 from atp_router.wire.codec import FrameCodec
-from atp_router.wire.errors import ATPError, ErrorCode, LocalProtocolError
+from atp_router.wire.errors import ATPError, ErrorCode, IdempotencyConflict, LocalProtocolError
 from atp_router.wire.frame import Flag, Frame, Payload, PayloadType
 
 log = logging.getLogger("atp_router.runtime.ingress.ws")
@@ -456,7 +456,10 @@ async def _on_frame(router: Router, conn: _Conn, nursery: trio.Nursery, frame: F
                                             "this identity may not open streams (stream_open)"))
         return
     conn.sessions.add(frame.session_id)
-    resumed = router.resume_point(frame, identity=identity)
+    try:
+        resumed = router.resume_point(frame, identity=identity)
+    except IdempotencyConflict:
+        resumed = None  # receive_frame answers the SYN with the conflict's ERROR
     syn = Flag.SYN in frame.flags
     before = router.streams.get(tenant, frame.session_id, frame.stream_id) if syn else None
     try:
