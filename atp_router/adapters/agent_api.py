@@ -431,11 +431,18 @@ class AgentApiAdapter(HTTPNextHop):
 
     def estimate(self, prompt: Prompt) -> CostEstimate:
         """Preflight (spec §5.2): input tokens = request characters / 4, output =
-        ``max_out_tokens``; USD = the token price of that when ``cost_in``/
+        :meth:`out_tokens`; USD = the token price of that when ``cost_in``/
         ``cost_out`` are set, else the flat per-call price."""
         in_tokens = estimate_tokens(len(json.dumps(self.request(prompt), ensure_ascii=False)))
-        micros = self._price(in_tokens, self.max_out_tokens)
-        return CostEstimate(in_tokens=in_tokens, out_tokens=self.max_out_tokens, usd=micros / 1_000_000)
+        out = self.out_tokens(prompt)
+        micros = self._price(in_tokens, out)
+        return CostEstimate(in_tokens=in_tokens, out_tokens=out, usd=micros / 1_000_000)
+
+    def out_tokens(self, prompt: Prompt) -> int:
+        """The request's ``max_tokens``: ``max_out_tokens``, or the task's own
+        ``max_out_tokens`` when lower (:class:`~atp_router.task.meta.TaskMeta`)."""
+        cap = prompt.task.max_out_tokens
+        return self.max_out_tokens if cap is None else min(cap, self.max_out_tokens)
 
     async def stream(self, prompt: Prompt) -> AsyncGenerator[Fragment, None]:
         """PARTIAL fragments (joined text deltas of the answer, with the usage so
@@ -501,7 +508,7 @@ class AgentApiAdapter(HTTPNextHop):
         body: dict[str, Any] = {"input": messages, "stream": True, "session_id": f"atp-{uuid.uuid4().hex}"}
         if self.model is not None:
             body["model"] = self.model
-        body["max_tokens"] = self.max_out_tokens
+        body["max_tokens"] = self.out_tokens(prompt)
         return body
 
     # -- HTTP ----------------------------------------------------------------------

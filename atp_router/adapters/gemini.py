@@ -98,14 +98,14 @@ class GeminiAdapter(ChatModelAdapter):
         key = self._key()
         return {"x-goog-api-key": key} if key else {}
 
-    def _request(self, messages: list[dict[str, str]]) -> tuple[str, str, dict[str, Any]]:
+    def _request(self, messages: list[dict[str, str]], out_tokens: int) -> tuple[str, str, dict[str, Any]]:
         system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
         contents = [
             {"role": "model" if m["role"] == "assistant" else "user", "parts": [{"text": m["content"]}]}
             for m in messages
             if m["role"] != "system"
         ]
-        config: dict[str, Any] = {"maxOutputTokens": self.max_out_tokens, "temperature": self.temperature}
+        config: dict[str, Any] = {"maxOutputTokens": out_tokens, "temperature": self.temperature}
         if self.json_mode:
             config["responseMimeType"] = "application/json"
         body: dict[str, Any] = {"contents": contents, "generationConfig": config}

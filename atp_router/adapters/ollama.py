@@ -67,13 +67,13 @@ class OllamaAdapter(ChatModelAdapter):
         root = root.removesuffix("/v1")
         super().__init__(name, base_url=root, retry=retry, **kwargs)
 
-    def _request(self, messages: list[dict[str, str]]) -> tuple[str, str, dict[str, Any]]:
+    def _request(self, messages: list[dict[str, str]], out_tokens: int) -> tuple[str, str, dict[str, Any]]:
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
             "stream": True,
             "options": {
-                "num_predict": self.max_out_tokens,
+                "num_predict": out_tokens,
                 "num_ctx": self.ctx_tokens,
                 "temperature": self.temperature,
             },

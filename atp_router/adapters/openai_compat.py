@@ -177,13 +177,22 @@ class ChatModelAdapter(HTTPNextHop):
     def capabilities(self) -> Capabilities:
         return Capabilities(agent=self.name, skills=list(self.strengths), max_ctx=self.ctx_tokens)
 
+    def out_tokens(self, prompt: Prompt) -> int:
+        """The output cap of a call for ``prompt`` (tokens): ``max_out_tokens``,
+        or the task's own ``max_out_tokens`` when that is lower (OpenAI's
+        ``max_tokens``, :class:`~atp_router.task.meta.TaskMeta`)."""
+        cap = prompt.task.max_out_tokens
+        return self.max_out_tokens if cap is None else min(cap, self.max_out_tokens)
+
     def estimate(self, prompt: Prompt) -> CostEstimate:
         """Preflight (spec §5.2): input tokens from the rendered conversation
         (chars/4, at most ``ctx_tokens - max_out_tokens``), output tokens =
-        ``max_out_tokens`` (the worst case), USD from the configured costs."""
+        :meth:`out_tokens` (the worst case: the model is asked for no more),
+        USD from the configured costs."""
         in_tokens = self._count(self.messages(prompt))
-        micros = self._price(in_tokens, self.max_out_tokens)
-        return CostEstimate(in_tokens=in_tokens, out_tokens=self.max_out_tokens, usd=micros / 1_000_000)
+        out = self.out_tokens(prompt)
+        micros = self._price(in_tokens, out)
+        return CostEstimate(in_tokens=in_tokens, out_tokens=out, usd=micros / 1_000_000)
 
     async def stream(self, prompt: Prompt) -> AsyncGenerator[Fragment, None]:
         """PARTIAL fragments (text deltas, cumulative usage so far, estimated until
@@ -202,7 +211,7 @@ class ChatModelAdapter(HTTPNextHop):
         chars = 0
         reported: tuple[int | None, int | None] = (None, None)
         try:
-            method, path, kwargs = self._request(messages)
+            method, path, kwargs = self._request(messages, self.out_tokens(prompt))
             async with (
                 open_stream(self._http(), method, path, retry=self.retry, error_of=self._error_of,
                             **kwargs) as response,
@@ -259,8 +268,9 @@ class ChatModelAdapter(HTTPNextHop):
 
     # -- wire (subclasses) ---------------------------------------------------------
 
-    def _request(self, messages: list[dict[str, str]]) -> tuple[str, str, dict[str, Any]]:
-        """``(method, path below base_url, client.stream kwargs)`` of the call."""
+    def _request(self, messages: list[dict[str, str]], out_tokens: int) -> tuple[str, str, dict[str, Any]]:
+        """``(method, path below base_url, client.stream kwargs)`` of the call
+        that may answer at most ``out_tokens`` tokens."""
         raise TypeError(f"{type(self).__name__} does not define its request")
 
     def _decode(self, response: httpx.Response) -> AsyncIterator[tuple[str, tuple[int | None, int | None] | None]]:
@@ -295,13 +305,13 @@ class OpenAICompatAdapter(ChatModelAdapter):
     :class:`ChatModelAdapter`.
     """
 
-    def _request(self, messages: list[dict[str, str]]) -> tuple[str, str, dict[str, Any]]:
+    def _request(self, messages: list[dict[str, str]], out_tokens: int) -> tuple[str, str, dict[str, Any]]:
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "max_tokens": self.max_out_tokens,
+            "max_tokens": out_tokens,
             "temperature": self.temperature,
         }
         if self.json_mode:

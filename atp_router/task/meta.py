@@ -23,6 +23,10 @@ alone.
 ``trace``              the caller's trace context (:class:`TraceMeta`)
 ``diff_loc``           added plus removed lines of a code-review diff (≥ 0;
                        counted by the router when absent)
+``max_out_tokens``     the client's cap on each model next-hop's output
+                       tokens (≥ 1): sent to the model with the tighter of
+                       it and the RIB model's ``max_out_tokens``, and what the
+                       preflight estimate reserves (OpenAI's ``max_tokens``)
 =====================  ====================================================
 
 Pure: no I/O, no clock.
@@ -69,6 +73,7 @@ class TaskMeta(Struct, kw_only=True, frozen=True, omit_defaults=True):
     agent_context: dict[str, Any] | str | None = None
     trace: TraceMeta | None = None
     diff_loc: Annotated[int, Meta(ge=0)] | None = None
+    max_out_tokens: Annotated[int, Meta(ge=1)] | None = None
 
 
 def decode_meta(meta: Mapping[str, Any]) -> TaskMeta:

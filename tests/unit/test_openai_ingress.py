@@ -24,6 +24,7 @@ from atp_router.adapters.testing import ScriptedAdapter
 from atp_router.consensus.types import AgentFinding, Severity, Usage
 from atp_router.wire.frame import CostEstimate
 from tests.helpers import start_router_on
+from tests.replay_server import BillingModel, serve
 from tests.unit.test_router_dispatch import scripted_agent
 
 KEYS = {"alice": "alice-key", "bob": "bob-key", "carol": "carol-key"}
@@ -197,7 +198,8 @@ async def test_task_type_outside_the_tenant_scope_is_403(env, scripted):
 
 async def test_over_budget_is_ebudget(env, scripted):
     scripted["writer"]._estimate = CostEstimate(in_tokens=5_000)
-    e = await refused(client(env).chat.completions.create, model="chat", messages=USER, max_tokens=100)
+    e = await refused(client(env).chat.completions.create, model="chat", messages=USER,
+                      extra_body={"atp": {"budget": {"tokens": 100}}})
     assert e.status_code == 402 and e.body["code"] == "EBUDGET" and e.body["type"] == "insufficient_quota"
     assert e.response.headers["x-should-retry"] == "false"
     assert not scripted["writer"].calls
@@ -209,14 +211,41 @@ async def test_over_budget_is_ebudget(env, scripted):
 
 async def test_a_budget_cut_stream_finishes_with_length(env, scripted):
     scripted["linter"]._estimate = CostEstimate(in_tokens=5_000)  # cannot be admitted under the cap
-    resp = await call(client(env).chat.completions.create, model="code_review", max_tokens=1_000,
-                      messages=[{"role": "user", "content": DIFF}])
+    resp = await call(client(env).chat.completions.create, model="code_review",
+                      messages=[{"role": "user", "content": DIFF}], extra_body={"atp": {"budget": {"tokens": 1_000}}})
     assert resp.choices[0].finish_reason == "length"
     # The answer that fit, and the next-hop the budget left out: never a silent "complete".
     head, incomplete = resp.choices[0].message.content.split("\n\n")
     assert head == "writer: Hello, world."
     assert incomplete.startswith("incomplete:\n- next-hop failed: linter: EBUDGET: linter not called")
     assert not scripted["linter"].calls and resp.usage.total_tokens == WRITER_USAGE.tokens
+
+
+async def test_max_tokens_is_the_models_output_cap_not_the_budget(nursery, tmp_path):
+    """Issue 24: ``max_tokens`` is what OpenAI clients mean — an output cap. The
+    model next-hop (a real OpenAI-compatible adapter on a loopback server that
+    records its requests) is asked for at most that many tokens, and the call
+    reserves its prompt plus that cap: under a 300-token budget a request capped at
+    50 output tokens runs, while the same request without a cap (the model's 1,024
+    reserved) is refused 402 before any call — and a 50-token request is no longer
+    a 402 for its own cap."""
+    model = await serve(nursery, BillingModel(billed=60))
+    rib = {"models": {"m": {"provider": "openai_compat", "base_url": model.url, "model": "m", "ctx": "8k",
+                            "cost": 1, "max_out_tokens": 1024}},
+           "agents": {"talker": {"layer": "L2", "p95_ms": 500, "model": "m"}},
+           "policies": [{"name": "chat", "match": {"task_type": "chat"}, "fanout": ["talker"]}],
+           "clients": {"alice": {}}}
+    env = await start_router_on(nursery, tmp_path, rib, client_tokens={"alice": KEYS["alice"]})
+    oa = client(env)
+    small = {"atp": {"budget": {"tokens": 300}}}
+    resp = await call(oa.chat.completions.create, model="chat", messages=USER, max_tokens=50, extra_body=small)
+    assert resp.choices[0].finish_reason == "stop" and resp.usage.total_tokens == 60
+    assert [body["max_tokens"] for _, body in model.requests] == [50]
+    resp = await call(oa.chat.completions.create, model="chat", messages=USER, max_completion_tokens=20)
+    assert model.requests[-1][1]["max_tokens"] == 20
+    e = await refused(oa.chat.completions.create, model="chat", messages=USER, extra_body=small)
+    assert e.status_code == 402 and e.body["code"] == "EBUDGET"
+    assert len(model.requests) == 2  # refused before the call: 1,024 output tokens do not fit in 300
 
 
 async def test_unknown_model_is_404(env):

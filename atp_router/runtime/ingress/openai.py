@@ -73,11 +73,12 @@ above), ``stream``, ``stream_options.include_usage``, ``max_tokens`` /
 ``stop``, ``seed``, ``presence_penalty``, ``frequency_penalty``, ``user``,
 ``metadata`` and ``store`` are validated and ignored: the policy's agents decide
 how they sample. Tools, function calls, images and audio are refused (400).
-``max_tokens`` (or ``max_completion_tokens``) caps the stream's **token budget**
-— every next-hop's input *and* output tokens together, as ATP counts them, so
-stricter than OpenAI's output-only meaning; the tighter of it and
-``atp.budget.tokens`` applies, and the policy's budget and the tenant's
-``max_stream_budget`` cap it further as for any stream. The extension ``atp``
+``max_tokens`` (or ``max_completion_tokens``) is OpenAI's **output cap**: each
+model next-hop is asked for at most that many output tokens (the tighter of it
+and its RIB model's ``max_out_tokens``), and its preflight reservation is its
+prompt plus that cap (``meta.max_out_tokens``, :class:`~atp_router.task.meta.TaskMeta`);
+the budget stays ``atp.budget``, the policy's and the tenant's
+``max_stream_budget`` as for any stream. The extension ``atp``
 (:class:`AtpOptions`): ``budget: {usd, tokens}`` (float USD, tokens), ``qos``
 (``gold``/``silver``/``bronze``, at most the tenant's ``qos_max``),
 ``idempotency_key`` (a retried request with the same key gets the same stream,
@@ -166,7 +167,7 @@ from atp_router.security.identity import Identity
 from atp_router.task.body import Chat
 from atp_router.task.change import ParsedChange
 from atp_router.wire.errors import ATPError, ErrorCode
-from atp_router.wire.frame import Budget, ErrorPayload, Frame
+from atp_router.wire.frame import ErrorPayload, Frame
 
 __all__ = [
     "CHAT_PATH",
@@ -215,15 +216,6 @@ async def task_content(req: ChatCompletionRequest,
                            "unified diff", param="atp.files")
     body: dict[str, Any] = msgspec.to_builtins(Chat(messages=[m.turn() for m in req.messages]))
     return body, None
-
-
-def _budget(req: ChatCompletionRequest) -> Budget | None:
-    asked = req.atp.budget if req.atp is not None else None
-    cap = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if cap is None:
-        return asked
-    tokens = cap if asked is None or asked.tokens is None else min(cap, asked.tokens)
-    return Budget(usd=asked.usd if asked is not None else None, tokens=tokens)
 
 
 # ------------------------------------------------------------------ answer
@@ -411,7 +403,10 @@ class _Ingress:
         if target.policy is not None:
             _check_policy(v, target.policy, meta, change)
         opts = req.atp or AtpOptions()
-        ctx = self.router.open_stream(task=meta, content=content, budget=_budget(req), qos=opts.qos, window=None,
+        cap = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if cap is not None:
+            meta["max_out_tokens"] = cap  # the output cap of each model next-hop, as OpenAI means it
+        ctx = self.router.open_stream(task=meta, content=content, budget=opts.budget, qos=opts.qos, window=None,
                                       idempotency_key=opts.idempotency_key, identity=identity, change=change)
         return req, ctx
 

@@ -68,8 +68,8 @@ class AtpOptions(Struct, forbid_unknown_fields=True, omit_defaults=True):
 class ChatCompletionRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Body of ``POST /v1/chat/completions`` (OpenAI's, strictly validated; see
     the module doc for the model mapping and which fields only are validated).
-    ``max_tokens`` / ``max_completion_tokens`` cap the stream's token budget
-    (input and output tokens of every next-hop)."""
+    ``max_tokens`` / ``max_completion_tokens`` cap each model next-hop's
+    output tokens (tokens), as OpenAI means them."""
 
     model: Annotated[str, Meta(min_length=1, max_length=256)]
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
