@@ -8,8 +8,9 @@ spec §4.4, §5, §8, §9, §10):
 =============================  =======  ==================================================
 flag                           default  what
 =============================  =======  ==================================================
-``--window-update-ms N``       1000     WINDOW_UPDATE period (§5.4), ms
-``--window-update-delta F``    0.2      …or when the window moved by this fraction
+``--window-update-ms N``       1000     WINDOW_UPDATE check period while the window changes (§5.4), ms
+``--window-update-delta F``    0.2      …or at once when the window moved by this fraction
+``--window-keepalive-ms N``    10000    an unchanged window is re-sent this often, ms
 ``--hb-interval-s S``          10       HB period on every WebSocket (§4.4), s
 ``--hb-timeout-s S``           30       a WebSocket silent this long is dead (streams detached), s
 ``--resume-grace-s S``         60       a detached stream stays resumable this long (§8), s
@@ -227,7 +228,8 @@ def _parser() -> argparse.ArgumentParser:
                                  epilog="subcommands: 'atp-router keys new', 'atp-router policy check PATH|--stages', "
                                         "'atp-router routes [--diagram]', "
                                         "'atp-router audit …', 'atp-router eval --tasks FILE [--policies RIB …] "
-                                        "[--url URL]', 'atp-router model-server [--port N]' (each with --help)")
+                                        "[--url URL]', 'atp-router review [--base REF | --staged | --diff FILE]', "
+                                        "'atp-router model-server [--port N]' (each with --help)")
     _general_args(ap, d)
     sec = ap.add_argument_group("security (spec §4.1, §11): identities, TLS, policy secrets, tenant quotas, limits")
     _security_args(sec, d)
@@ -570,7 +572,14 @@ _SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "audit": lambda argv: audit_main(argv, default_state_dir=_default_state_dir()),
     "routes": routes_main,
     "learn": lambda argv: _learn_main(argv),
+    "review": lambda argv: _review_main(argv),
 }
+
+
+def _review_main(argv: list[str]) -> int:
+    from atp_router.review.command import main as review_main  # it starts a router of its own: imports run
+
+    return review_main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
