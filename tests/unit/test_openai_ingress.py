@@ -248,6 +248,24 @@ async def test_max_tokens_is_the_models_output_cap_not_the_budget(nursery, tmp_p
     assert len(model.requests) == 2  # refused before the call: 1,024 output tokens do not fit in 300
 
 
+async def test_router_level_404_and_405_are_json_error_objects(env):
+    """Issue 24: a path the router does not serve and a method a route does not
+    take answer the JSON error object OpenAI clients parse (the official client's
+    NotFoundError with the message), which also carries the control API's code
+    and reason; the 405 keeps its Allow header."""
+    oa = client(env)
+    e = await refused(oa.completions.create, model="chat", prompt="hi")  # the legacy endpoint: not served
+    assert isinstance(e, openai.NotFoundError)
+    assert e.body["type"] == "not_found_error" and "/v1/completions" in e.body["message"]
+    assert e.body["code"] == "EPROTO" and e.body["reason"] == e.body["message"]
+    async with httpx.AsyncClient(base_url=env.url, headers={"Authorization": f"Bearer {KEYS['alice']}"}) as h:
+        r = await h.get("/v1/chat/completions")
+        assert r.status_code == 405 and "POST" in r.headers["allow"]
+        assert r.json()["error"]["type"] == "invalid_request_error" and "allowed: " in r.json()["error"]["message"]
+        r = await h.delete("/nowhere")
+        assert r.status_code == 404 and r.headers["content-type"] == "application/json"
+
+
 async def test_unknown_model_is_404(env):
     e = await refused(client(env).chat.completions.create, model="gpt-4o", messages=USER)
     assert isinstance(e, openai.NotFoundError)

@@ -104,6 +104,7 @@ from typing import Any
 import msgspec
 import trio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -560,8 +561,28 @@ def served_routes(router: Router, table: Sequence[ApiRoute] = ROUTES) -> list[Ba
     return out
 
 
+async def router_level_error(request: Request, exc: Exception) -> Response:
+    """A 404 (no such route) or 405 (a method the route does not serve; its
+    ``Allow`` header kept) of the router itself, as one JSON error object both
+    client kinds read: OpenAI's (``message``, ``type``, ``param``, ``code``: the
+    ``openai`` SDK's NotFoundError) and the control API's (``code``, ``reason``)."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    path = request.url.path[:200]
+    if status == 405:
+        allowed = (exc.headers or {}).get("Allow", "") if isinstance(exc, HTTPException) else ""
+        msg, kind = f"{request.method} is not served on {path} (allowed: {allowed})", "invalid_request_error"
+    else:
+        msg, kind = f"no route {request.method} {path} on this router", "not_found_error"
+    body = {"error": {"message": msg, "type": kind, "param": None, "code": "EPROTO", "reason": msg}}
+    headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else None
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
+
+
 def build_app(router: Router) -> Starlette:
-    """The control API of ``router`` as an ASGI app: the routes of :data:`ROUTES`."""
+    """The control API of ``router`` as an ASGI app: the routes of :data:`ROUTES`;
+    a route it does not have, or a method a route does not serve, is
+    :func:`router_level_error`'s JSON 404 / 405."""
     # With tracing on (spec §12), a request's W3C traceparent is the parent of what it opens.
     middleware = [Middleware(TraceContextMiddleware)] if router.tracing is not None else []
-    return Starlette(middleware=middleware, routes=served_routes(router))
+    return Starlette(middleware=middleware, routes=served_routes(router),
+                     exception_handlers={404: router_level_error, 405: router_level_error})
