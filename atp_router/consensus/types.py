@@ -12,6 +12,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from atp_router.wire.frame import QoS
+
 Line = Annotated[int, Meta(ge=1)]
 Confidence = Annotated[float, Meta(ge=0.0, le=1.0)]
 
@@ -164,13 +166,17 @@ class Telemetry(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Totals of a stream: tokens (in+out), float USD, wall time SYN → FINAL in ms;
     ``usage`` the router's signed summary of the same spend (absent when the
     router signs none); ``cached`` the agents whose answer was served from the
-    response cache at no cost (spec §13; absent when none)."""
+    response cache at no cost (spec §13; absent when none). ``qos_asked`` /
+    ``qos_served``: only when the tenant's ``qos_max`` lowered the class the SYN
+    asked for (spec §9, §11): what it asked and the class it ran at."""
 
     tokens: Annotated[int, Meta(ge=0)]
     usd: Annotated[float, Meta(ge=0.0)]
     latency_ms: Annotated[float, Meta(ge=0.0)]
     usage: SignedUsage | None = None
     cached: list[str] = msgspec.field(default_factory=list)
+    qos_asked: QoS | None = None
+    qos_served: QoS | None = None
 
 
 class FinalResult(Struct, forbid_unknown_fields=True):

@@ -27,7 +27,7 @@ from tests.helpers import start_router_on
 from tests.replay_server import BillingModel, serve
 from tests.unit.test_router_dispatch import scripted_agent
 
-KEYS = {"alice": "alice-key", "bob": "bob-key", "carol": "carol-key"}
+KEYS = {"alice": "alice-key", "bob": "bob-key", "carol": "carol-key", "dave": "dave-key"}
 DIFF = """--- a/app.py
 +++ b/app.py
 @@ -1,1 +1,2 @@
@@ -47,6 +47,7 @@ RIB = {
         "alice": {},
         "bob": {"task_types": ["chat"]},
         "carol": {"rate": {"per_s": 0.001, "burst": 1}},
+        "dave": {"qos_max": "silver"},
     },
 }
 
@@ -264,6 +265,32 @@ async def test_router_level_404_and_405_are_json_error_objects(env):
         assert r.json()["error"]["type"] == "invalid_request_error" and "allowed: " in r.json()["error"]["message"]
         r = await h.delete("/nowhere")
         assert r.status_code == 404 and r.headers["content-type"] == "application/json"
+
+
+async def test_a_qos_above_the_tenants_qos_max_is_served_lower_and_says_so(env):
+    """Issue 24: a class the tenant may not have is lowered to its ``qos_max`` —
+    visibly: the OpenAI answer's and the control API's ``x-atp-qos`` /
+    ``x-atp-qos-asked`` headers, the SYN+ACK's ``qos_clamped`` and the FINAL's
+    telemetry; a class within the tenant's right is not marked."""
+    raw = client(env, KEYS["dave"]).chat.completions.with_raw_response
+    r = await call(raw.create, model="chat", messages=USER, extra_body={"atp": {"qos": "gold"}})
+    assert (r.headers["x-atp-qos"], r.headers["x-atp-qos-asked"]) == ("silver", "gold")
+    sid = r.parse().model_extra["atp"]["stream_id"]
+    telemetry = (await final_of(env, sid, KEYS["dave"]))["telemetry"]
+    assert (telemetry["qos_asked"], telemetry["qos_served"]) == ("gold", "silver")
+    async with httpx.AsyncClient(base_url=env.url, headers={"Authorization": f"Bearer {KEYS['dave']}"}) as h:
+        opened = await h.post("/v1/streams", json={"task": {"task_type": "chat"}, "content": {"messages": USER},
+                                                   "qos": "gold"})
+        assert opened.status_code == 201 and opened.headers["x-atp-qos-asked"] == "gold"
+        async with atp.Client(env.url, KEYS["dave"]) as c:
+            events = [e async for e in c.events(opened.json()["stream_id"])]
+        synack = next(e for e in events if e.type == "SYN_ACK")
+        assert synack.frame["meta"]["qos_clamped"] == {"asked": "gold", "served": "silver",
+                                                       "reason": "the tenant's qos_max"}
+    within = await call(raw.create, model="chat", messages=USER, extra_body={"atp": {"qos": "bronze"}})
+    assert within.headers["x-atp-qos"] == "bronze" and "x-atp-qos-asked" not in within.headers
+    sid = within.parse().model_extra["atp"]["stream_id"]
+    assert "qos_asked" not in (await final_of(env, sid, KEYS["dave"]))["telemetry"]
 
 
 async def test_unknown_model_is_404(env):

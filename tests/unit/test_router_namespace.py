@@ -327,7 +327,7 @@ def test_router_is_importable_from_core():
 
     homes = {"Router": "atp_router.runtime.router", "RouterConfig": "atp_router.runtime.config",
              "build_authenticator": "atp_router.runtime.config", "StreamCtx": "atp_router.runtime.dataplane.stream",
-             "connection_error": "atp_router.runtime.dataplane.plane", "DataPlane": "atp_router.runtime.dataplane.plane",
+             "connection_error": "atp_router.runtime.dataplane.stream", "DataPlane": "atp_router.runtime.dataplane.plane",
              "parse_tokens_env": "atp_router.security.authn", "Generation": "atp_router.runtime.controlplane.control"}
     for name, module in homes.items():
         assert hasattr(importlib.import_module(module), name), (module, name)

@@ -44,6 +44,7 @@ class Stream:
     meta: dict[str, Any] = field(default_factory=lambda: {"task_type": "code_review"})
     window: Window = ROOMY
     qos: QoS = QoS.SILVER
+    qos_asked: QoS | None = None
     started: float = 0.0
     decision: Any = None
     errors: list[tuple[ErrorCode, str]] = field(default_factory=list)

@@ -531,11 +531,14 @@ def uncertainties(plan: TaskPlan, legs: Mapping[int, LegOutcome], reports: Mappi
 
 def telemetry(plan: TaskPlan, now: float) -> Telemetry:
     """The FINAL's telemetry (spec §7.3): what the stream was charged — never
-    above its budget — and its latency from SYN to ``now`` (trio seconds), in ms."""
+    above its budget — and its latency from SYN to ``now`` (trio seconds), in ms;
+    the class asked and served when the tenant's ``qos_max`` lowered it."""
     tokens = sum(o.charged_tokens for o in plan.attempts)
     usd_micros = sum(o.charged_usd_micros for o in plan.attempts)
+    clamped = plan.qos_asked is not None
     return Telemetry(tokens=tokens, usd=usd_micros / 1_000_000,
-                     latency_ms=round((now - plan.started) * 1000, 3))
+                     latency_ms=round((now - plan.started) * 1000, 3),
+                     qos_asked=plan.qos_asked, qos_served=plan.qos if clamped else None)
 
 
 def _agent_reason(agent: str, err: ATPError) -> str:

@@ -89,6 +89,8 @@ class TaskPlan:
     qos: QoS
     started: float  # trio.current_time() at SYN
     deadline: float  # absolute trio time
+    #: The class the SYN asked for when the tenant's ``qos_max`` lowered it to ``qos`` (else None).
+    qos_asked: QoS | None = None
     #: The stream's id (QoS tickets name it; ``ledger_key`` is its budget account).
     stream_id: str = ""
     #: The FIB of the stream's RIB generation: fallbacks and data-scope clearance.

@@ -43,7 +43,7 @@ from atp_router.runtime.dataplane.opening import (
 )
 from atp_router.runtime.dataplane.plan import TaskPlan
 from atp_router.runtime.dataplane.runner import TaskOutcome, plan_task, run_task
-from atp_router.runtime.dataplane.stream import Closed, StreamCtx, task_digest
+from atp_router.runtime.dataplane.stream import Closed, StreamCtx, connection_error, task_digest
 from atp_router.runtime.dataplane.streams import StreamTable
 from atp_router.runtime.deployment import SynGate
 from atp_router.security.authz import Refuse, clamp_qos
@@ -99,6 +99,8 @@ class DataPlane:
         self.holding = holding(self.syn_stages)
         self.window_update_interval_ms, self.window_update_delta = window_update_interval_ms, window_update_delta
         self.window_update_keepalive_ms = window_update_keepalive_ms
+        #: The class of the SYN being received when qos_max lowered it (_receive → _open).
+        self._qos_asked: QoS | None = None
         self.nursery: trio.Nursery | None = None
         #: Answers already charged in an earlier run of a stream's key (None: streams are never re-run).
         self.journal = journal
@@ -205,13 +207,17 @@ class DataPlane:
             # see the class StreamAdmission serves (authz.clamp_qos, the one rule).
             qos = clamp_qos(frame.qos, self.client_spec(tenant).qos_max)
             if qos is not frame.qos:
+                self._qos_asked = frame.qos  # read by _open in this same call: no await between
                 frame = msgspec.structs.replace(frame, qos=qos)
         sess = self.streams.session(tenant, frame.session_id, now=now)
         if Flag.SYN not in frame.flags and self._closed_by_us(tenant, sess, frame.stream_id):
             return self._late_frame(frame)
         direct: list[Frame] = []
-        for ev in sess.receive_frame(frame, now):
-            self._on_session_event(ev, sess, frame, identity=identity, direct=direct, change=change)
+        try:
+            for ev in sess.receive_frame(frame, now):
+                self._on_session_event(ev, sess, frame, identity=identity, direct=direct, change=change)
+        finally:
+            self._qos_asked = None
         return direct
 
     def _on_session_event(self, ev: Any, sess: S.Session, frame: Frame, *, identity: Identity,
@@ -319,7 +325,8 @@ class DataPlane:
         qos = o.admitted_qos if o.admitted_qos is not None else (route.qos or QoS.SILVER)
         ctx = StreamCtx(self.streams, sess, ev.stream_id, o.identity, o.meta, qos, window, budget, route,
                         o.now, gen=gen, ttl=ttl, account=o.account, idempotency_key=task.idempotency_key, task=task,
-                        task_digest=task_digest(o.meta, o.content) if task.idempotency_key else None)
+                        task_digest=task_digest(o.meta, o.content) if task.idempotency_key else None,
+                        qos_asked=self._qos_asked if self._qos_asked is not qos else None)
         ctx.decision = o.decision
         self.control.hold(ctx)
         self.streams.insert(ctx)
@@ -330,6 +337,9 @@ class DataPlane:
             "next_hops": [h.agent for h in route.next_hops],
             "rib_version": gen.version,
         }
+        if ctx.qos_asked is not None:  # the class is in the frame; why it is not the one asked, here
+            synack.meta["qos_clamped"] = {"asked": str(ctx.qos_asked), "served": str(qos),
+                                          "reason": "the tenant's qos_max"}
         if self.tracing is not None:
             synack.meta["trace"] = self.tracing.stream_opened(ctx)
         ctx.push(synack)
@@ -545,21 +555,6 @@ class DataPlane:
             raise ATPError(err.code if err else ErrorCode.EPROTO, err.reason if err else "stream refused",
                            retry_after_ms=err.retry_after_ms if err else None)
         return ctx
-
-
-def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: str,
-                     retry_after_ms: int | None = None) -> Frame:
-    """An ERROR (spec §10) outside any session's sequence: for a frame the router
-    could not attribute to an open stream of the sender (undecodable, a late
-    message on a closed stream, a frame the ingress could not process, a SYN
-    refused before it had a stream). ``stream_id`` ``"0"`` means the connection
-    itself; ``retry_after_ms`` is the backoff hint (ms; over HTTP a 503 or 429
-    with ``Retry-After``)."""
-    return Frame(
-        v=1, session_id=session_id, stream_id=stream_id, msg_seq=0, flags=[Flag.CTRL],
-        payload=Payload(type=PayloadType.CONTROL,
-                        content=ErrorPayload(code=code, reason=reason, retry_after_ms=retry_after_ms)),
-    )
 
 
 def change_of_task(content: Any, change: ParsedChange | None) -> ParsedChange | None:

@@ -68,6 +68,9 @@ class RunningStream(StreamIO, Protocol):
     def qos(self) -> QoS: ...
 
     @property
+    def qos_asked(self) -> QoS | None: ...  # the SYN's class when qos_max lowered it
+
+    @property
     def account(self) -> str: ...
 
     @property
@@ -120,6 +123,7 @@ def plan_task(stream: RunningStream, prompt: Prompt, fib: Any, *, update_interva
         ledger_key=stream.account,
         stream_id=stream.account,  # QoS tickets name the stream: unique across tenants
         qos=stream.qos,
+        qos_asked=stream.qos_asked,
         started=stream.started,
         deadline=stream.started + stream.route.deadline_ms / 1000,
         fib=fib,

@@ -1,7 +1,8 @@
 """One stream of the router (spec §4.4, §8): :class:`StreamCtx`, and
 :class:`Closed`, what closing it returns; its key in the stream table and its
 budget-ledger account (:func:`stream_account`); the fingerprint of the task
-its idempotency key names (:func:`task_digest`).
+its idempotency key names (:func:`task_digest`); an ERROR outside any
+session's sequence (:func:`connection_error`).
 
 :class:`StreamCtx` holds a stream's session, tenant, route, budget account,
 :class:`~atp_router.runtime.dataplane.eventlog.EventLog` and followers; it
@@ -32,6 +33,8 @@ from atp_router.wire import session as S
 from atp_router.wire.errors import ErrorCode
 from atp_router.wire.frame import (
     Budget,
+    ErrorPayload,
+    Flag,
     Frame,
     Payload,
     PayloadType,
@@ -74,6 +77,21 @@ class Closed:
     #: No task was started on the stream: its hold on its generation is the
     #: caller's to end (a task ends it when it ends).
     release_gen: bool
+
+
+def connection_error(session_id: str, stream_id: str, code: ErrorCode, reason: str,
+                     retry_after_ms: int | None = None) -> Frame:
+    """An ERROR (spec §10) outside any session's sequence: for a frame the router
+    could not attribute to an open stream of the sender (undecodable, a late
+    message on a closed stream, a frame the ingress could not process, a SYN
+    refused before it had a stream). ``stream_id`` ``"0"`` means the connection
+    itself; ``retry_after_ms`` is the backoff hint (ms; over HTTP a 503 or 429
+    with ``Retry-After``)."""
+    return Frame(
+        v=1, session_id=session_id, stream_id=stream_id, msg_seq=0, flags=[Flag.CTRL],
+        payload=Payload(type=PayloadType.CONTROL,
+                        content=ErrorPayload(code=code, reason=reason, retry_after_ms=retry_after_ms)),
+    )
 
 
 def task_digest(meta: Mapping[str, Any], content: Any) -> str:
@@ -143,11 +161,23 @@ class StreamCtx:
     #: SYN carried under an idempotency key (None: no key, or no task on the SYN):
     #: a re-open by that key with another task is refused (IdempotencyConflict).
     task_digest: str | None = None
+    #: The class the SYN asked for when the tenant's ``qos_max`` lowered it to
+    #: :attr:`qos` (spec §9, §11; said in the SYN+ACK and the FINAL), else None.
+    qos_asked: QoS | None = None
 
     @property
     def tenant(self) -> str:
         """The tenant (RIB client) the stream belongs to."""
         return self.identity.tenant
+
+    def qos_headers(self) -> dict[str, str]:
+        """The HTTP headers an ingress answers an open with: ``x-atp-qos``, the
+        class the stream runs at, and ``x-atp-qos-asked`` when the tenant's
+        ``qos_max`` lowered the class asked for (spec §9, §11)."""
+        out = {"x-atp-qos": str(self.qos)}
+        if self.qos_asked is not None:
+            out["x-atp-qos-asked"] = str(self.qos_asked)
+        return out
 
     @property
     def session_id(self) -> str:

@@ -212,11 +212,13 @@ async def open_stream(router: Router, request: Request, identity: Identity) -> R
     except ATPError as e:
         return render_error(e)
     route = ctx.route
-    return json_response(StreamOpenResponse(
+    resp = json_response(StreamOpenResponse(
         session_id=ctx.session_id, stream_id=ctx.stream_id, window=ctx.window,
         route=RouteInfo(route.policy, [h.agent for h in route.next_hops],
                         ctx.gen.version if ctx.gen else router.gen.version),
     ), 201)
+    resp.headers.update(ctx.qos_headers())
+    return resp
 
 
 async def post_frame(router: Router, request: Request, identity: Identity) -> Response:

@@ -423,7 +423,7 @@ class _Ingress:
         cid = "chatcmpl-" + ctx.stream_id
         if req.stream:
             return StreamingResponse(_sse(self.router, req, ctx, cid, created), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache", **ctx.qos_headers()})
         out = _Outcome()
         ctx.attach()
         try:
@@ -437,7 +437,7 @@ class _Ingress:
             id=cid, object="chat.completion", created=created, model=req.model,
             choices=[Choice(0, AssistantMessage("assistant", completion_text(out.final.result)), out.finish_reason)],
             usage=out.usage(), atp=out.atp(ctx))
-        return Response(_enc.encode(body), media_type="application/json")
+        return Response(_enc.encode(body), media_type="application/json", headers=ctx.qos_headers())
 
 
 def _check_policy(v: RibView, policy: str, meta: dict[str, Any], change: ParsedChange | None) -> None:

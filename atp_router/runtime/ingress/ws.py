@@ -80,7 +80,7 @@ from trio_websocket import (
 
 from atp_router.observability import tracing
 from atp_router.policy.fib import fib_delta
-from atp_router.runtime.dataplane.plane import connection_error
+from atp_router.runtime.dataplane.stream import connection_error
 from atp_router.runtime.dataplane.stream import StreamCtx
 from atp_router.runtime.ingress.ws_gate import (
     Bound,
