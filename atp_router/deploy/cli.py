@@ -123,6 +123,7 @@ from atp_router.cliutil.helpfmt import DefaultsHelpFormatter
 from atp_router.deploy import cluster, single
 from atp_router.deploy.cluster import is_cluster_store
 from atp_router.deploy.learn_cmd import learn_main
+from atp_router.deploy.review_cmd import main as review_main
 from atp_router.deploy.workers import WorkerSpec, supervise, worker_main
 from atp_router.flow.breaker import RetryPolicy
 from atp_router.observability import logs, tracing
@@ -572,14 +573,8 @@ _SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "audit": lambda argv: audit_main(argv, default_state_dir=_default_state_dir()),
     "routes": routes_main,
     "learn": lambda argv: _learn_main(argv),
-    "review": lambda argv: _review_main(argv),
+    "review": lambda argv: review_main(argv, serve_private=serve_private),
 }
-
-
-def _review_main(argv: list[str]) -> int:
-    from atp_router.review.command import main as review_main  # it starts a router of its own: imports run
-
-    return review_main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

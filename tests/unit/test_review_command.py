@@ -1,4 +1,4 @@
-"""``atp-router review`` (issue 24 item 2; atp_router/review/command.py), run as a user
+"""``atp-router review`` (issue 24 item 2; atp_router/deploy/review_cmd.py), run as a user
 runs it: the real command in a real git repository made here, reviewed by a real
 router — one the command starts on the default RIB (the real analysers: ruff,
 bandit, semgrep, mypy in their sandbox), or a running one given by ``--url`` — and
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from atp_router.review.command import SEVERITIES, failing, render_sarif
+from atp_router.deploy.review_cmd import SEVERITIES, failing, render_sarif
 from tests.conftest import start_router
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -52,10 +52,20 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import atp  # the SDK: the review goes to the router as any client's task does
 import trio
+
+from atp_router.security import audit as audit_log
+from atp_router.store import StoreError
+from atp_router.wire.errors import PolicyError
+
+#: Serves a private router (:func:`atp_router.deploy.cli.serve_private`'s signature):
+#: ``(policies, state_dir, *, task_status, **config)``; it reports its HTTP port.
+ServePrivate = Callable[..., Any]
 
 __all__ = ["SEVERITIES", "Change", "ReviewError", "failing", "main", "render_sarif", "render_text"]
 
@@ -180,8 +190,6 @@ async def review_through(url: str, token: str | None, change: Change, budget: di
     "errors"}`` (the FINAL's content, spec §7.3; the ERRORs on the way). Raises
     :class:`ReviewError` when the stream ends without a FINAL or the router
     cannot be reached."""
-    import atp  # the SDK: as any client of the router
-
     languages = sorted({Path(p).suffix.lstrip(".") for p in change.files if Path(p).suffix})
     task = {"task_type": "code_review", "languages": languages}
     try:
@@ -206,15 +214,11 @@ async def review_through(url: str, token: str | None, change: Change, budget: di
     return {"stream_id": stream.stream_id, "final": final, "errors": errors}
 
 
-async def review_embedded(policies: Path, change: Change, budget: dict[str, Any]) -> dict[str, Any]:
-    """:func:`review_through` a router started in this process on ``policies``
-    (module doc: loopback, a free port, a random token, a temporary state
-    directory), stopped afterwards."""
-    from atp_router.deploy.cli import serve_private  # the router itself: only when it is started here
-    from atp_router.security import audit as audit_log
-    from atp_router.store import StoreError
-    from atp_router.wire.errors import PolicyError
-
+async def review_embedded(serve_private: ServePrivate, policies: Path, change: Change,
+                          budget: dict[str, Any]) -> dict[str, Any]:
+    """:func:`review_through` a router ``serve_private`` starts in this process on
+    ``policies`` (module doc: loopback, a free port, a random token, a temporary
+    state directory), stopped afterwards."""
     if not policies.exists():
         raise ReviewError(f"no RIB at {policies}: give --policies or the --url of a running router")
     token = secrets.token_urlsafe(32)
@@ -314,15 +318,14 @@ def render_sarif(out: dict[str, Any], version: str) -> dict[str, Any]:
 def _report(args: argparse.Namespace, out: dict[str, Any], change: Change) -> str:
     if args.format == "text":
         return render_text(out, change)
-    from importlib.metadata import version
-
     doc = render_sarif(out, version("atp-router")) if args.format == "sarif" else out
     print(cost_line(out["final"]), file=sys.stderr)
     return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
 
 
-def main(argv: list[str]) -> int:
-    """``atp-router review ARGS`` (module doc) → exit status 0, 1 or 2."""
+def main(argv: list[str], *, serve_private: ServePrivate) -> int:
+    """``atp-router review ARGS`` (module doc) → exit status 0, 1 or 2;
+    ``serve_private`` starts the router of a review without ``--url``."""
     args = parse_args(argv)
     budget = {k: v for k, v in (("usd", args.budget_usd), ("tokens", args.budget_tokens)) if v is not None}
     try:
@@ -333,7 +336,7 @@ def main(argv: list[str]) -> int:
         if args.url:
             out = trio.run(review_through, args.url, os.environ.get("ATP_TOKEN"), change, budget)
         else:
-            out = trio.run(review_embedded, args.policies, change, budget)
+            out = trio.run(review_embedded, serve_private, args.policies, change, budget)
         text = _report(args, out, change)
         if args.output is not None:
             args.output.write_text(text, encoding="utf-8")
