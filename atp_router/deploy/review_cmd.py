@@ -56,7 +56,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import atp  # the SDK: the review goes to the router as any client's task does
+import atp  # type: ignore[import-untyped]  # the SDK (no py.typed yet): the review goes as any client's task
 import trio
 
 from atp_router.security import audit as audit_log
