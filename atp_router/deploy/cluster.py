@@ -138,14 +138,16 @@ from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.controlplane import shared_state
 from atp_router.runtime.dataplane.journal import CallJournal
 from atp_router.runtime.dataplane.opening import DEFAULT_STAGES
+from atp_router.runtime.dataplane.persistence import stored_task_digest
 from atp_router.runtime.dataplane.quotas import SharedQuotas, with_shared_quotas
+from atp_router.runtime.dataplane.stream import task_digest
 from atp_router.runtime.deployment import StateParts, SynGate
 from atp_router.runtime.router import Router
 from atp_router.security.audit import AuditLog
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
 from atp_router.store import NotFound, StoreError, StoreUnavailable, StreamRecord
-from atp_router.wire.errors import ATPError, ErrorCode
+from atp_router.wire.errors import ATPError, ErrorCode, IdempotencyConflict
 from atp_router.wire.frame import Frame, PayloadType
 
 __all__ = [
@@ -1134,6 +1136,11 @@ class ClusterNode(SynGate):
                           f"stream {rec.stream_id!r} of this idempotency_key ran on a router that was lost and is "
                           "being settled; re-open it again in a moment (with its task it is run again)")
         if _is_lost(rec) and _has_task(frame):
+            stored = stored_task_digest(rec)
+            assert frame.payload is not None
+            if stored is not None and stored != task_digest(frame.meta, frame.payload.content):
+                # Its calls' answers in the journal are the first task's: another task never gets them.
+                raise IdempotencyConflict(key)
             if not self.store.claim(_rerun_claim(rec), self.owner, ttl_ms=self.lease_ms, now_ms=_now_ms()):
                 return Refuse(ErrorCode.EAGENTDOWN,
                               f"stream {rec.stream_id!r} of this idempotency_key is being re-run by another router; "

@@ -301,6 +301,11 @@ async def test_kill9_releases_the_reservation_and_the_stream_is_rerun_once_elsew
     model.hold.set()
     model.hold = None
     calls = len(model.requests)
+    # With another task the lost stream's key is refused (409) and nothing is run: the
+    # answers its calls left in the call journal are the first task's, not this one's.
+    other_task = await _open(b.url, "bob", idempotency_key="lost-1", content={"text": "another task"})
+    assert other_task.status_code == 409 and "'lost-1'" in other_task.json()["error"]["reason"], other_task.text
+    assert len(model.requests) == calls
     c = cluster._start(2)
     cluster.routers.append(c)
     await c.wait_listening()

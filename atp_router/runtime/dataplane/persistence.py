@@ -39,7 +39,7 @@ from atp_router.wire.frame import Window
 if TYPE_CHECKING:
     from atp_router.runtime.dataplane.stream import StreamCtx
 
-__all__ = ["StoredRoute", "StoredStream", "StreamPersistence"]
+__all__ = ["StoredRoute", "StoredStream", "StreamPersistence", "stored_task_digest"]
 
 log = logging.getLogger("atp_router.runtime")
 
@@ -56,6 +56,15 @@ def _now_ms() -> int:
 @dataclass(frozen=True, slots=True)
 class _StoredHop:
     agent: str
+
+
+def stored_task_digest(rec: StreamRecord) -> str | None:
+    """The task digest (:func:`~atp_router.runtime.dataplane.stream.task_digest`)
+    stored with stream ``rec``: None when it was opened without an idempotency
+    key or without its task on the SYN."""
+    route = rec.meta.get(_ROUTE_KEY)
+    digest = route.get("task_digest") if isinstance(route, dict) else None
+    return digest if isinstance(digest, str) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,4 +321,4 @@ class StreamPersistence:
                                  Window)
         return StoredStream(rec, meta, StoredRoute(route.get("policy", ""), route.get("next_hops", [])), window,
                             route.get("decision"), self.store.events(rec.tenant, rec.session_id, rec.stream_id),
-                            route.get("task_digest"))
+                            stored_task_digest(rec))

@@ -182,11 +182,17 @@ class DataPlane:
         ERROR with the gate's code, reason and ``retry_after_ms`` (counted in
         ``atp_errors``), before its session sees it: no stream, no RST.
         """
-        return self._receive(frame, identity=identity, now=now, change=None)
+        try:
+            return self._receive(frame, identity=identity, now=now, change=None)
+        except IdempotencyConflict as e:  # a key re-used with another task: a lone ERROR, nothing opened
+            self.metrics.errors.labels(str(e.code)).inc()
+            return [connection_error(frame.session_id, frame.stream_id, e.code, e.reason)]
 
     def _receive(self, frame: Frame, *, identity: Identity, now: float, change: ParsedChange | None) -> list[Frame]:
         """:meth:`receive_frame`; a SYN's task diff already parsed into ``change``
-        by the ingress that read it (:meth:`open_stream`), or None."""
+        by the ingress that read it (:meth:`open_stream`), or None. Raises
+        :class:`~atp_router.wire.errors.IdempotencyConflict` (a SYN's key names
+        another task: :meth:`resume_point`, or a gate such as the cluster's re-run)."""
         if Flag.SYN in frame.flags:
             for gate in self.syn_gates:
                 refused = gate.refuse(frame, identity)
@@ -197,12 +203,8 @@ class DataPlane:
         self.metrics.frames.labels("in", _kind(frame)).inc()
         tenant = identity.tenant
         if Flag.SYN in frame.flags:
-            try:
-                if self.resume_point(frame, identity=identity) is not None:
-                    return []
-            except IdempotencyConflict as e:
-                self.metrics.errors.labels(str(e.code)).inc()
-                return [connection_error(frame.session_id, frame.stream_id, e.code, e.reason)]
+            if self.resume_point(frame, identity=identity) is not None:
+                return []
             # The session confirms the SYN's class in its SYN+ACK (§8 step 2): it must
             # see the class StreamAdmission serves (authz.clamp_qos, the one rule).
             qos = clamp_qos(frame.qos, self.client_spec(tenant).qos_max)
