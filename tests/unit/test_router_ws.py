@@ -336,3 +336,18 @@ async def test_an_idempotency_key_reused_with_another_task_is_refused_over_http_
         assert err.code is ErrorCode.EPROTO and "'k-conflict'" in err.reason
     streams = [c for c in router_env.router.streams.values() if c.idempotency_key == "k-conflict"]
     assert [c.stream_id for c in streams] == [sid]  # one stream, the first task's
+
+
+async def test_a_key_opened_without_its_task_on_the_syn_resumes_by_key_with_the_task(router_env):
+    """The task digest is taken only from a SYN that carries the task: a stream
+    whose SYN came without it (the task as message 1) is resumed by its key with
+    the task, not refused as another task."""
+    async with connect(router_env.ws_url, "json", "sess-late") as peer:
+        await peer.send(peer.session.open_stream("t-late", {**META, "idempotency_key": "k-late"}, WINDOW))
+        await peer.pump_until(lambda: any(isinstance(e, S.StreamAccepted) for e in peer.events["t-late"]))
+        await peer.send(peer.session.send_message("t-late", task_payload()))
+        await peer.pump_until(lambda: peer.closed("t-late"))
+        peer.final("t-late")
+    async with httpx.AsyncClient(base_url=router_env.url, timeout=30) as h:
+        again = await h.post("/v1/streams", json={"task": META, "content": golden(), "idempotency_key": "k-late"})
+    assert again.status_code == 201 and again.json()["stream_id"] == "t-late", again.text

@@ -211,15 +211,15 @@ class DataPlane:
             if qos is not frame.qos:
                 self._qos_asked = frame.qos  # read by _open in this same call: no await between
                 frame = msgspec.structs.replace(frame, qos=qos)
-        sess = self.streams.session(tenant, frame.session_id, now=now)
-        if Flag.SYN not in frame.flags and self._closed_by_us(tenant, sess, frame.stream_id):
-            return self._late_frame(frame)
-        direct: list[Frame] = []
         try:
+            sess = self.streams.session(tenant, frame.session_id, now=now)
+            if Flag.SYN not in frame.flags and self._closed_by_us(tenant, sess, frame.stream_id):
+                return self._late_frame(frame)
+            direct: list[Frame] = []
             for ev in sess.receive_frame(frame, now):
                 self._on_session_event(ev, sess, frame, identity=identity, direct=direct, change=change)
         finally:
-            self._qos_asked = None
+            self._qos_asked = None  # never carried over to another SYN, whatever was raised
         return direct
 
     def _on_session_event(self, ev: Any, sess: S.Session, frame: Frame, *, identity: Identity,
@@ -327,7 +327,8 @@ class DataPlane:
         qos = o.admitted_qos if o.admitted_qos is not None else (route.qos or QoS.SILVER)
         ctx = StreamCtx(self.streams, sess, ev.stream_id, o.identity, o.meta, qos, window, budget, route,
                         o.now, gen=gen, ttl=ttl, account=o.account, idempotency_key=task.idempotency_key, task=task,
-                        task_digest=task_digest(o.meta, o.content) if task.idempotency_key else None,
+                        task_digest=task_digest(o.meta, o.content)
+                        if task.idempotency_key and o.content is not None else None,
                         qos_asked=self._qos_asked if self._qos_asked is not qos else None)
         ctx.decision = o.decision
         self.control.hold(ctx)
