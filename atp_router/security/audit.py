@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import fcntl
 import hashlib
 import hmac
 import json
@@ -715,20 +716,33 @@ class _Spooled:
             self.ts_ms, self.kind, self.actor, self.tenant, self.detail)
 
 
+def _as_dict(entry: _Spooled) -> dict[str, Any]:
+    return {f: getattr(entry, f) for f in ("kind", "actor", "tenant", "detail", "ts_ms", "size", "after_seq")}
+
+
 class AuditSpool:
     """Audit records written while the store cannot take them
     (:class:`~atp_router.store.base.StoreUnavailable`: a shared store that cannot
-    be reached, the embedded one's full disk), kept **in memory, in order**, and
-    chained by :meth:`AuditLog.flush_spool` when the store answers again, each
-    with its own time. Bounded: at most ``max_records`` records and
-    ``max_bytes`` bytes (of their JSON); a record that does not fit is
-    **dropped**, counted (:attr:`dropped`, ``on_drop`` — the router's
-    ``atp_audit_dropped_total``) and logged once per outage (one ERROR line
-    when the spool fills; again only after it has drained). What is spooled is
-    lost if the process dies before the store returns (its shutdown logs how
-    many)."""
+    be reached, the embedded one's full disk), kept **in order**, and chained by
+    :meth:`AuditLog.flush_spool` when the store answers again, each with its own
+    time. Bounded: at most ``max_records`` records and ``max_bytes`` bytes (of
+    their JSON); a record that does not fit is **dropped**, counted
+    (:attr:`dropped`, ``on_drop`` — the router's ``atp_audit_dropped_total``)
+    and logged once per outage (one ERROR line when the spool fills; again only
+    after it has drained).
 
-    def __init__(self, max_records: int = DEFAULT_SPOOL_RECORDS, max_bytes: int = DEFAULT_SPOOL_BYTES) -> None:
+    With a ``directory`` (the router's state directory) every spooled record is
+    also appended to ``<directory>/audit.spool.<pid>.<random>`` and fsynced before
+    :meth:`add` returns, the file locked (``flock``) for this process's life, so
+    a kill -9 loses none: a spool opened later on the same directory — by the
+    restarted router, or another worker — adopts every such file whose process
+    is gone (its lock released) ahead of its own records, and deletes them once
+    all are chained (:meth:`AuditLog.flush_spool` does not chain twice a record
+    the store already has). A file that cannot be written (a full disk) leaves
+    the record in memory only, logged once."""
+
+    def __init__(self, max_records: int = DEFAULT_SPOOL_RECORDS, max_bytes: int = DEFAULT_SPOOL_BYTES, *,
+                 directory: Path | None = None) -> None:
         if max_records < 1 or max_bytes < 1:
             raise ValueError("the audit spool needs room for at least one record")
         self.max_records, self.max_bytes = max_records, max_bytes
@@ -739,6 +753,73 @@ class AuditSpool:
         #: Called once per dropped record (the router counts it).
         self.on_drop: Callable[[], None] | None = None
         self._full_logged = False
+        self.directory = directory
+        self._file: Any = None  # this process's spool file, locked, while it holds records
+        self._adopted: list[tuple[Path, Any]] = []  # dead processes' files (locked) whose records we hold
+        self._disk_failed = False
+        if directory is not None:
+            self._adopt(directory)
+
+    @property
+    def disk_failed(self) -> bool:
+        """Whether a spooled record could not be written to its file (kept in memory only)."""
+        return self._disk_failed
+
+    def _adopt(self, directory: Path) -> None:
+        """Take the spool files of processes that are gone: their records first."""
+        for path in sorted(directory.glob("audit.spool.*")):
+            try:
+                f = open(path, "rb")  # noqa: SIM115 (kept open, locked, until its records are chained)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()  # a live process's own spool
+                continue
+            if not path.exists():  # chained and removed by another process meanwhile
+                f.close()
+                continue
+            for line in f.read().split(b"\n"):
+                try:
+                    entry = _Spooled(**json.loads(line))
+                except (ValueError, TypeError):
+                    continue  # the torn last line of a crash (written, never fsynced)
+                self.entries.append(entry)
+                self.bytes += entry.size
+            self._adopted.append((path, f))
+        if self.entries:
+            log.error("audit: %d records spooled by a process that is gone are chained when the store takes them",
+                      len(self.entries))
+
+    def _persist(self, entry: _Spooled) -> None:
+        if self.directory is None or self._disk_failed:
+            return
+        try:
+            if self._file is None:
+                # The pid and a random part: a restarted process may get its predecessor's pid (pid 1).
+                path = self.directory / f"audit.spool.{os.getpid()}.{secrets.token_hex(4)}"
+                self._file = open(path, "ab")  # noqa: SIM115 (open while it holds records)
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._file.write(json.dumps(_as_dict(entry), separators=(",", ":")).encode() + b"\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            self._disk_failed = True
+            log.error("audit: the spool file in %s cannot be written (%s): spooled records are kept in memory only",
+                      self.directory, e)
+
+    def _drained(self) -> None:
+        """Every record is chained: the files go."""
+        for path, f in self._adopted:
+            path.unlink(missing_ok=True)
+            f.close()
+        self._adopted = []
+        if self._file is not None:
+            Path(self._file.name).unlink(missing_ok=True)
+            self._file.close()
+            self._file = None
+        self._disk_failed = False
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -756,7 +837,8 @@ class AuditSpool:
                           self.bytes, self.max_records, self.max_bytes, cause)
             return False
         if not self.entries:
-            log.error("audit records are spooled in memory until the store takes them: %s", cause)
+            log.error("audit records are spooled until the store takes them: %s", cause)
+        self._persist(entry)
         self.entries.append(entry)
         self.bytes += entry.size
         return True
@@ -766,6 +848,7 @@ class AuditSpool:
         self.bytes -= self.entries.popleft().size
         if not self.entries:
             self._full_logged = False
+            self._drained()
 
 
 # ----------------------------------------------------------------------- writer
@@ -870,7 +953,7 @@ class AuditLog:
                        every=opts.every if every is None else every,
                        interval_ms=opts.interval_ms if interval_ms is None else interval_ms,
                        shared=shared, sinks=sinks, anchor=opts.anchor,
-                       spool=AuditSpool(opts.spool_records, opts.spool_bytes))
+                       spool=AuditSpool(opts.spool_records, opts.spool_bytes, directory=Path(state_dir)))
         except BaseException:
             for sink in sinks:
                 sink.close()
@@ -997,8 +1080,10 @@ class AuditLog:
         """Clean shutdown: checkpoint the unsigned tail, close the sinks."""
         try:
             if self.spool.entries and not self.flush_spool():
-                log.error("audit: %d spooled records not written at shutdown (the store cannot take them): lost",
-                          len(self.spool))
+                where = (f"kept in {self.spool.directory}/audit.spool.*, chained at the next start"
+                         if self.spool.directory is not None and not self.spool.disk_failed else "lost")
+                log.error("audit: %d spooled records not written at shutdown (the store cannot take them): %s",
+                          len(self.spool), where)
             if self._pending:
                 self.checkpoint()
         finally:

@@ -104,3 +104,76 @@ def test_the_byte_bound_holds_too(tmp_path):
     assert log.spool.bytes <= 200
     assert log.spool.dropped == 5 - len(log.spool)
     store.close()
+
+
+def test_spooled_records_survive_the_process_and_are_chained_by_the_next_one(tmp_path):
+    """Issue 22 item 4: a spool on the state directory writes each record to
+    ``audit.spool.<pid>`` (fsynced) before it returns. The process dies with
+    records spooled (its file closed without draining: its lock released, as at
+    kill -9); the next spool on the directory adopts them ahead of its own, the
+    log chains them in order, each with its own time, and the files go."""
+    state = tmp_path / "state"
+    state.mkdir()
+    store = SqliteStore.open(tmp_path)
+    flaky = Flaky(store)
+    first = AuditLog(flaky, KEY, spool=AuditSpool(directory=state))
+    first.record("admin", "a", "t", {"n": 0}, 1000)
+    flaky.down = True
+    for n in (1, 2):
+        first.record("admin", "a", "t", {"n": n}, 1000 + n)
+    files = list(state.glob("audit.spool.*"))
+    assert len(files) == 1 and len(files[0].read_bytes().splitlines()) == 2
+    # Another live process's spool does not take a file still locked by its owner.
+    assert len(AuditSpool(directory=state)) == 0
+    first.spool._file.close()  # the process is gone: its lock with it, its file left
+    with files[0].open("ab") as f:
+        f.write(b'{"kind":"admin","actor":"a","ten')  # the torn last line of a crash
+    flaky.down = False
+    second = AuditLog(flaky, KEY, spool=AuditSpool(directory=state))
+    assert len(second.spool) == 2
+    second.record("admin", "a", "t", {"n": 3}, 1003)  # behind the adopted ones
+    assert second.flush_spool()
+    assert [(r.detail["n"], r.ts_ms) for r in store.audit_records()] == [(0, 1000), (1, 1001), (2, 1002), (3, 1003)]
+    assert list(state.glob("audit.spool.*")) == []
+    store.close()
+
+
+def test_a_crash_in_the_middle_of_a_flush_chains_nothing_twice(tmp_path):
+    """The process chained the first of its two spooled records, then died
+    before its file went: the next one adopts both and chains only the second."""
+    state = tmp_path / "state"
+    state.mkdir()
+    store = SqliteStore.open(tmp_path)
+    flaky = Flaky(store)
+    first = AuditLog(flaky, KEY, spool=AuditSpool(directory=state))
+    first.record("admin", "a", "t", {"n": 0}, 1000)
+    flaky.down = True
+    first.record("admin", "a", "t", {"n": 1}, 1001)
+    first.record("admin", "a", "t", {"n": 2}, 1002)
+    from atp_router.security.audit import chain_record
+    head = store.audit_head()
+    store.append_audit(chain_record(head.seq, head.hash, kind="admin", actor="a", tenant="t", detail={"n": 1},
+                                    now_ms=1001))
+    first.spool._file.close()  # killed here
+    flaky.down = False
+    second = AuditLog(flaky, KEY, spool=AuditSpool(directory=state))
+    assert len(second.spool) == 2 and second.flush_spool()
+    assert [r.detail["n"] for r in store.audit_records()] == [0, 1, 2]
+    store.close()
+
+
+def test_a_spool_file_that_cannot_be_written_keeps_the_record_in_memory(tmp_path, caplog):
+    store = SqliteStore.open(tmp_path)
+    flaky = Flaky(store)
+    gone = tmp_path / "no-such-dir"  # writing the file fails (as on a full disk)
+    log = AuditLog(flaky, KEY, spool=AuditSpool(directory=tmp_path))
+    log.spool.directory = gone
+    flaky.down = True
+    with caplog.at_level(logging.ERROR, logger="atp_router.security.audit"):
+        log.record("admin", "a", "t", {"n": 1}, 1001)
+        log.record("admin", "a", "t", {"n": 2}, 1002)
+    assert len(log.spool) == 2 and log.spool.disk_failed
+    assert sum("kept in memory only" in r.getMessage() for r in caplog.records) == 1
+    flaky.down = False
+    assert log.flush_spool() and [r.detail["n"] for r in store.audit_records()] == [1, 2]
+    store.close()
