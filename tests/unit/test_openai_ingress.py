@@ -432,3 +432,26 @@ def test_a_budget_store_that_cannot_record_spend_is_503_with_retry_after_not_402
     spent = error_response(ATPError(ErrorCode.EBUDGET, "budget exhausted"))
     assert (spent.status_code, spent.headers.get("retry-after")) == (402, None)
 
+
+
+def test_an_undecided_reserve_is_not_a_budget_cut():
+    """Issue 20/22: an ERROR EBUDGET with retry_after_ms (a reserve the shared store
+    did not answer, retried) before the FINAL does not make finish_reason "length";
+    an EBUDGET without one (the budget cut a call) does."""
+    from atp_router.runtime.ingress.openai import _Outcome
+    from atp_router.wire.errors import ErrorCode
+    from atp_router.wire.frame import ErrorPayload, Frame, Payload, PayloadType
+
+    def error(retry_after_ms):
+        return Frame(v=1, session_id="s", stream_id="t", msg_seq=1, flags=[],
+                     payload=Payload(type=PayloadType.CONTROL, content=ErrorPayload(
+                         code=ErrorCode.EBUDGET, reason="r", retry_after_ms=retry_after_ms)))
+
+    class Ev:
+        def __init__(self, frame):
+            self.type, self.frame = "ERROR", frame
+
+    undecided, cut = _Outcome(), _Outcome()
+    undecided.see(Ev(error(1000)))
+    cut.see(Ev(error(None)))
+    assert (undecided.finish_reason, cut.finish_reason) == ("stop", "length")

@@ -294,7 +294,13 @@ class _Outcome:
             self.final = msgspec.convert(msgspec.to_builtins(content), FinalResult)
         elif t in ("ERROR", "RST"):
             err = _error_of(frame)
-            if err is not None and err[0] is ErrorCode.EBUDGET:
+            c = frame.payload.content if frame.payload is not None else None
+            # An EBUDGET with retry_after_ms is a reserve the shared store did not answer
+            # (retried; nothing decided), not a budget that cut the stream short.
+            hint = c.retry_after_ms if isinstance(c, ErrorPayload) else c.get("retry_after_ms") \
+                if isinstance(c, dict) else None
+            undecided = hint is not None
+            if err is not None and err[0] is ErrorCode.EBUDGET and not undecided:
                 self.budget_cut = True
             if t == "RST":
                 self.error = err or (ErrorCode.EPROTO, "stream reset")
