@@ -174,6 +174,12 @@ def test_no_quorum_reason(r: Route, triggers: list[str], what: str) -> None:
      "task refused: "),
     ((failed("a", ErrorCode.EBUDGET, "not called"),), AgentError, ErrorCode.EBUDGET,
      "budget exhausted before any next-hop answered (a: EBUDGET not called; z: skipped at routing)"),
+    # A reserve the shared store did not answer, every time: not spent — retry (503), not "exhausted" (402).
+    ((failed("a", ErrorCode.EBUDGET, "store down", called=False, retry_after_ms=1000),), AgentError,
+     ErrorCode.EBUDGET, "budget store unavailable: no next-hop could reserve (a: EBUDGET store down"),
+    ((failed("a", ErrorCode.EBUDGET, "store down", called=False, retry_after_ms=1000),
+      failed("b", ErrorCode.EBUDGET, "not called")), AgentError, ErrorCode.EBUDGET,
+     "budget exhausted before any next-hop answered"),
     ((failed("a", ErrorCode.ETIMEOUT, "slow"),), AgentError, ErrorCode.EAGENTDOWN,
      "no next-hop produced a result (a: ETIMEOUT slow; z: skipped at routing)"),
     ((), AgentError, ErrorCode.EAGENTDOWN, "no next-hop produced a result (z: skipped at routing)"),

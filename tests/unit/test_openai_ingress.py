@@ -455,3 +455,14 @@ def test_an_undecided_reserve_is_not_a_budget_cut():
     undecided.see(Ev(error(1000)))
     cut.see(Ev(error(None)))
     assert (undecided.finish_reason, cut.finish_reason) == ("stop", "length")
+    # The stream ended (ERROR with the hint, then FIN) because no next-hop could reserve:
+    # 503 + Retry-After, not 402.
+    fin = Ev(Frame(v=1, session_id="s", stream_id="t", msg_seq=2, flags=[]))
+    fin.type = "FIN"
+    undecided.see(Ev(error(2000)))
+    undecided.see(fin)
+    e = undecided.failure()
+    assert (e.code, e.retry_after_ms) == (ErrorCode.EBUDGET, 2000)
+    from atp_router.runtime.ingress.openai_schema import error_response
+    r = error_response(e, after_run=False)
+    assert r.status_code == 503 and r.headers["retry-after"] == "2"

@@ -481,7 +481,8 @@ def no_report_error(plan: TaskPlan) -> AgentError:
     :class:`~atp_router.wire.errors.ClientInputError` naming what the next-hops
     refused when one refused the client's input (its code when every refusal has
     the same one, else ``EPROTO``), ``EBUDGET`` when the budget stopped the
-    stream, ``ETIMEOUT`` when every next-hop that was tried timed out and none
+    stream (with ``retry_after_ms`` when every such refusal was a reserve the
+    shared store did not answer: nothing spent, try again), ``ETIMEOUT`` when every next-hop that was tried timed out and none
     was skipped (a gateway timeout: HTTP 504), else ``EAGENTDOWN``; reasons
     scrubbed of secrets."""
     refused = [o for o in plan.attempts if client_fault(o.error)]
@@ -496,9 +497,14 @@ def no_report_error(plan: TaskPlan) -> AgentError:
         )
     failed = scrub("; ".join([f"{o.agent}: {o.error.code} {o.error.reason}" for o in plan.attempts if o.error]
                              + [f"{a}: skipped at routing" for a in getattr(plan.route, "skipped", ())]))
-    if plan.exhausted is not None or any(
-        o.error is not None and o.error.code is ErrorCode.EBUDGET for o in plan.attempts
-    ):
+    budget = [o.error for o in plan.attempts if o.error is not None and o.error.code is ErrorCode.EBUDGET]
+    if plan.exhausted is None and budget and all(e.retry_after_ms is not None and not o.called
+                                                 for o in plan.attempts if (e := o.error) in budget):
+        # Every budget refusal was a reserve the shared store did not answer: nothing was
+        # decided, so the budget is not spent — try again later (HTTP 503 + Retry-After).
+        return AgentError(ErrorCode.EBUDGET, f"budget store unavailable: no next-hop could reserve ({failed}); retry",
+                          retry_after_ms=max(e.retry_after_ms or 0 for e in budget))
+    if plan.exhausted is not None or budget:
         return AgentError(ErrorCode.EBUDGET, f"budget exhausted before any next-hop answered ({failed})")
     codes = {o.error.code for o in plan.attempts if o.error is not None}
     if codes == {ErrorCode.ETIMEOUT} and not getattr(plan.route, "skipped", ()):

@@ -437,8 +437,9 @@ class DataPlane:
         self.learning.task_done(ctx, plan, None, None)
         self.metrics.streams_closed.labels(str(e.code)).inc()
         if e.code is ErrorCode.EBUDGET:
-            # Spec §10: EBUDGET → FIN (the ERROR says why, the FIN ends it cleanly).
-            ctx.emit_error(e.code, e.reason)
+            # Spec §10: EBUDGET → FIN (the ERROR says why, the FIN ends it cleanly); with
+            # retry_after_ms when nothing was decided (a store that did not answer).
+            ctx.emit_error(e.code, e.reason, retry_after_ms=e.retry_after_ms)
             self.stream_closed(ctx.finish(None))
         else:
             self.stream_closed(ctx.reset(e.code, e.reason))

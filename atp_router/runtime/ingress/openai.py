@@ -270,6 +270,9 @@ class _Outcome:
     final: FinalResult | None = None
     budget_cut: bool = False
     error: tuple[ErrorCode, str] | None = None  # the RST's, or EBUDGET without a FINAL
+    retry_after_ms: int | None = None  # the RST's hint (nothing spent: a store that did not answer)
+    #: The last EBUDGET with a hint (a reserve the store did not answer) and that hint.
+    undecided: tuple[tuple[ErrorCode, str], int] | None = None
     out_tokens: int = 0
     live_agent: str | None = None
 
@@ -302,8 +305,13 @@ class _Outcome:
             undecided = hint is not None
             if err is not None and err[0] is ErrorCode.EBUDGET and not undecided:
                 self.budget_cut = True
+            elif err is not None and err[0] is ErrorCode.EBUDGET:
+                self.undecided = (err, hint)
             if t == "RST":
                 self.error = err or (ErrorCode.EPROTO, "stream reset")
+                self.retry_after_ms = hint
+        elif t == "FIN" and self.final is None and self.error is None and self.undecided and not self.budget_cut:
+            self.error, self.retry_after_ms = self.undecided  # the store did not answer: nothing spent, retry
         elif t == "FIN" and self.final is None and self.error is None:
             self.error = ((ErrorCode.EBUDGET, "budget exhausted before any next-hop could answer")
                           if self.budget_cut else (ErrorCode.EAGENTDOWN, "the stream ended without a result"))
@@ -311,7 +319,7 @@ class _Outcome:
 
     def failure(self) -> ATPError:
         code, reason = self.error or (ErrorCode.EAGENTDOWN, "the stream ended without a result")
-        return ATPError(code, reason)
+        return ATPError(code, reason, retry_after_ms=self.retry_after_ms)
 
     @property
     def finish_reason(self) -> Literal["stop", "length"]:
@@ -438,7 +446,8 @@ class _Ingress:
         finally:
             _let_go(self.router, ctx)
         if out.final is None:
-            return error_response(out.failure(), after_run=True)
+            # A hint means nothing was decided nor spent (a store that did not answer): retry later.
+            return error_response(out.failure(), after_run=out.retry_after_ms is None)
         body = ChatCompletion(
             id=cid, object="chat.completion", created=created, model=req.model,
             choices=[Choice(0, AssistantMessage("assistant", completion_text(out.final.result)), out.finish_reason)],
