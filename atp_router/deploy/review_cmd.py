@@ -59,9 +59,10 @@ from typing import Any
 import atp  # type: ignore[import-untyped]  # the SDK (no py.typed yet): the review goes as any client's task
 import trio
 
+from atp_router.review.paths import safe_relpath
 from atp_router.security import audit as audit_log
 from atp_router.store import StoreError
-from atp_router.wire.errors import PolicyError
+from atp_router.wire.errors import ClientInputError, PolicyError
 
 #: Serves a private router (:func:`atp_router.deploy.cli.serve_private`'s signature):
 #: ``(policies, state_dir, *, task_status, **config)``; it reports its HTTP port.
@@ -146,7 +147,7 @@ def collect_change(args: argparse.Namespace, cwd: Path) -> Change:
     if args.diff is not None:
         diff = sys.stdin.read() if args.diff == "-" else _read(Path(args.diff))
         label = "standard input" if args.diff == "-" else args.diff
-        read: Callable[[str], str | None] = (lambda p: _read_file(root / p)) if root is not None else (lambda p: None)
+        read: Callable[[str], str | None] = (lambda p: _read_inside(root, p)) if root is not None else (lambda p: None)
     else:
         assert root is not None
         if args.staged:
@@ -157,7 +158,7 @@ def collect_change(args: argparse.Namespace, cwd: Path) -> Change:
             read = lambda p: _git_show(root, f"HEAD:{p}")  # noqa: E731
         else:
             diff, label = _git(root, *diff_args, "HEAD"), "the working tree against HEAD"
-            read = lambda p: _read_file(root / p)  # noqa: E731
+            read = lambda p: _read_inside(root, p)  # noqa: E731
     files = {p: text for p in touched_paths(diff) if (text := read(p)) is not None}
     return Change(diff=diff, files=files, label=label)
 
@@ -167,6 +168,23 @@ def _read(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ReviewError(f"{path}: {e}") from None
+
+
+def _read_inside(root: Path, rel: str) -> str | None:
+    """The working-tree text of ``rel`` when it is a normal relative path that
+    stays inside ``root`` (no ``..``, no absolute path, not in ``.git``, no
+    symlink out of it: a diff file may name any path, and what is read goes to
+    the router); else None (the analysers then see the diff's lines only)."""
+    try:
+        safe_relpath(rel)
+    except ClientInputError:
+        return None
+    if ".git" in rel.split("/"):
+        return None
+    real = (root / rel).resolve()
+    if not real.is_relative_to(root.resolve()):
+        return None
+    return _read_file(real)
 
 
 def _read_file(path: Path) -> str | None:

@@ -949,11 +949,15 @@ class AuditLog:
                 sinks.append(AnchorFile(opts.anchor, Path(state_dir)))
             if opts.syslog is not None:
                 sinks.append(SyslogSink(opts.syslog))
-            return cls(store, key, head_path=Path(state_dir) / "audit.head",
-                       every=opts.every if every is None else every,
-                       interval_ms=opts.interval_ms if interval_ms is None else interval_ms,
-                       shared=shared, sinks=sinks, anchor=opts.anchor,
-                       spool=AuditSpool(opts.spool_records, opts.spool_bytes, directory=Path(state_dir)))
+            opened = cls(store, key, head_path=Path(state_dir) / "audit.head",
+                         every=opts.every if every is None else every,
+                         interval_ms=opts.interval_ms if interval_ms is None else interval_ms,
+                         shared=shared, sinks=sinks, anchor=opts.anchor,
+                         spool=AuditSpool(opts.spool_records, opts.spool_bytes, directory=Path(state_dir)))
+            # Records a process that is gone spooled on disk: chained now when the store takes
+            # them (else by the router's periodic flush), whichever process opened the log first.
+            opened.flush_spool()
+            return opened
         except BaseException:
             for sink in sinks:
                 sink.close()

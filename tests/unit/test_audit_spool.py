@@ -177,3 +177,20 @@ def test_a_spool_file_that_cannot_be_written_keeps_the_record_in_memory(tmp_path
     flaky.down = False
     assert log.flush_spool() and [r.detail["n"] for r in store.audit_records()] == [1, 2]
     store.close()
+
+
+def test_opening_the_log_on_a_state_directory_chains_what_a_dead_process_spooled(tmp_path):
+    """AuditLog.open (every router, the --workers supervisor) chains the adopted
+    records at once when the store takes them: they do not wait for a flush
+    that process may never run."""
+    store = SqliteStore.open(tmp_path)
+    flaky = Flaky(store)
+    dead = AuditLog(flaky, KEY, spool=AuditSpool(directory=tmp_path))
+    flaky.down = True
+    dead.record("admin", "a", "t", {"n": 1}, 1001)
+    dead.spool._file.close()  # killed
+    flaky.down = False
+    AuditLog.open(flaky, tmp_path, env={"ATP_AUDIT_KEY": KEY.hex()}, warn=False)
+    assert [r.detail["n"] for r in store.audit_records()] == [1]
+    assert list(tmp_path.glob("audit.spool.*")) == []
+    store.close()

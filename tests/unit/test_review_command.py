@@ -163,3 +163,18 @@ def test_sarif_regions_and_levels(span, lines):
 def test_fail_on_counts_the_severities_at_or_above():
     found = [{"severity": s} for s in SEVERITIES]
     assert [len(failing(found, s)) for s in SEVERITIES] == [5, 4, 3, 2, 1]
+
+
+def test_a_diff_file_cannot_make_it_read_outside_the_repository(tmp_path):
+    """--diff FILE names the paths: one outside the repository (``..``, absolute,
+    a symlink out of it, inside .git) is not read — what is read goes to the router."""
+    from atp_router.deploy.review_cmd import collect_change, parse_args
+
+    repo = make_repo(tmp_path / "repo")
+    (tmp_path / "secret.txt").write_text("TOKEN=hunter2\n")
+    (repo / "link.py").symlink_to(tmp_path / "secret.txt")
+    diff = "".join(f"--- a/{p}\n+++ b/{p}\n@@ -0,0 +1 @@\n+x\n" for p in (
+        "../secret.txt", str(tmp_path / "secret.txt"), "link.py", ".git/config", "app.py"))
+    (tmp_path / "evil.diff").write_text(diff)
+    change = collect_change(parse_args(["--diff", str(tmp_path / "evil.diff")]), repo)
+    assert change.files == {"app.py": CLEAN}
