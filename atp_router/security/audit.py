@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import fcntl
 import hashlib
 import hmac
@@ -716,10 +717,6 @@ class _Spooled:
             self.ts_ms, self.kind, self.actor, self.tenant, self.detail)
 
 
-def _as_dict(entry: _Spooled) -> dict[str, Any]:
-    return {f: getattr(entry, f) for f in ("kind", "actor", "tenant", "detail", "ts_ms", "size", "after_seq")}
-
-
 class AuditSpool:
     """Audit records written while the store cannot take them
     (:class:`~atp_router.store.base.StoreUnavailable`: a shared store that cannot
@@ -801,7 +798,7 @@ class AuditSpool:
                 path = self.directory / f"audit.spool.{os.getpid()}.{secrets.token_hex(4)}"
                 self._file = open(path, "ab")  # noqa: SIM115 (open while it holds records)
                 fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self._file.write(json.dumps(_as_dict(entry), separators=(",", ":")).encode() + b"\n")
+            self._file.write(json.dumps(dataclasses.asdict(entry), separators=(",", ":")).encode() + b"\n")
             self._file.flush()
             os.fsync(self._file.fileno())
         except OSError as e:

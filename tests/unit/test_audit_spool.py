@@ -106,21 +106,28 @@ def test_the_byte_bound_holds_too(tmp_path):
     store.close()
 
 
+def _two_spooled(tmp_path):
+    """``(state dir, store, flaky store, log)``: record 0 chained, then the store
+    down and records 1 and 2 spooled to the state directory's file."""
+    state = tmp_path / "state"
+    state.mkdir()
+    store = SqliteStore.open(tmp_path)
+    flaky = Flaky(store)
+    log = AuditLog(flaky, KEY, spool=AuditSpool(directory=state))
+    log.record("admin", "a", "t", {"n": 0}, 1000)
+    flaky.down = True
+    for n in (1, 2):
+        log.record("admin", "a", "t", {"n": n}, 1000 + n)
+    return state, store, flaky, log
+
+
 def test_spooled_records_survive_the_process_and_are_chained_by_the_next_one(tmp_path):
     """Issue 22 item 4: a spool on the state directory writes each record to
     ``audit.spool.<pid>`` (fsynced) before it returns. The process dies with
     records spooled (its file closed without draining: its lock released, as at
     kill -9); the next spool on the directory adopts them ahead of its own, the
     log chains them in order, each with its own time, and the files go."""
-    state = tmp_path / "state"
-    state.mkdir()
-    store = SqliteStore.open(tmp_path)
-    flaky = Flaky(store)
-    first = AuditLog(flaky, KEY, spool=AuditSpool(directory=state))
-    first.record("admin", "a", "t", {"n": 0}, 1000)
-    flaky.down = True
-    for n in (1, 2):
-        first.record("admin", "a", "t", {"n": n}, 1000 + n)
+    state, store, flaky, first = _two_spooled(tmp_path)
     files = list(state.glob("audit.spool.*"))
     assert len(files) == 1 and len(files[0].read_bytes().splitlines()) == 2
     # Another live process's spool does not take a file still locked by its owner.
@@ -141,15 +148,7 @@ def test_spooled_records_survive_the_process_and_are_chained_by_the_next_one(tmp
 def test_a_crash_in_the_middle_of_a_flush_chains_nothing_twice(tmp_path):
     """The process chained the first of its two spooled records, then died
     before its file went: the next one adopts both and chains only the second."""
-    state = tmp_path / "state"
-    state.mkdir()
-    store = SqliteStore.open(tmp_path)
-    flaky = Flaky(store)
-    first = AuditLog(flaky, KEY, spool=AuditSpool(directory=state))
-    first.record("admin", "a", "t", {"n": 0}, 1000)
-    flaky.down = True
-    first.record("admin", "a", "t", {"n": 1}, 1001)
-    first.record("admin", "a", "t", {"n": 2}, 1002)
+    state, store, flaky, first = _two_spooled(tmp_path)
     from atp_router.security.audit import chain_record
     head = store.audit_head()
     store.append_audit(chain_record(head.seq, head.hash, kind="admin", actor="a", tenant="t", detail={"n": 1},
