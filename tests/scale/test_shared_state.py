@@ -232,7 +232,10 @@ async def test_both_routers_learn_the_sum_of_their_observations(pair):
                     fib = (await h.get("/v1/fib")).json()
                 seen[i] = (sum(a["count"] for a in fib["bandits"]["summarize"]["arms"].values()),
                            {a: fib["live"][a]["calls"] for a in calls if a in fib["live"]})
-            if stored == want_count and all(c == want_count for c, _ in seen.values()):
+            # The shared live stats are synced on their own cadence: wait for every agent there too.
+            raw_live = routers.read("live/stats")
+            live_in = raw_live is not None and set(calls) <= set(json.loads(raw_live)["stats"])
+            if stored == want_count and all(c == want_count for c, _ in seen.values()) and live_in:
                 break
             await trio.sleep(0.2)
     # Every call counted once in the decayed call count, whichever router made it: Σ (1-α)^i.
