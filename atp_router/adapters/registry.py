@@ -20,9 +20,11 @@ entry, for model agents) into a :class:`ProviderAdapter`:
                                               default http://127.0.0.1:11434
                     google                  → GeminiAdapter, base_url default
                                               https://generativelanguage.googleapis.com/v1beta
-    remote protocol: mqtt2389 | a2a | agent_api
+    remote protocol: mqtt2389 | a2a | agent_api | mcp
                                             → the adapter named in REMOTE_FACTORIES, imported
-                                              on first use ("module:callable")
+                                              on first use ("module:callable"); mcp is one
+                                              tool (``options.tool``) of an MCP server at
+                                              ``remote.url`` (streamable HTTP)
 
 Every subprocess next-hop (the analysers, pytest) runs in the bubblewrap sandbox
 of :mod:`atp_router.adapters.tools.sandbox`; where that sandbox cannot be made on this
@@ -261,6 +263,7 @@ REMOTE_FACTORIES: dict[str, str | RemoteFactory] = {
     "mqtt2389": "atp_router.adapters.mqtt2389:from_spec",
     "a2a": "atp_router.adapters.a2a:from_spec",
     "agent_api": "atp_router.adapters.agent_api:from_spec",
+    "mcp": "atp_router.adapters.mcp:from_spec",
 }
 
 

@@ -62,6 +62,7 @@ import trio
 from atp_router.review.paths import safe_relpath
 from atp_router.security import audit as audit_log
 from atp_router.store import StoreError
+from atp_router.task.change import languages_of
 from atp_router.wire.errors import ClientInputError, PolicyError
 
 #: Serves a private router (:func:`atp_router.deploy.cli.serve_private`'s signature):
@@ -208,8 +209,7 @@ async def review_through(url: str, token: str | None, change: Change, budget: di
     "errors"}`` (the FINAL's content, spec §7.3; the ERRORs on the way). Raises
     :class:`ReviewError` when the stream ends without a FINAL or the router
     cannot be reached."""
-    languages = sorted({Path(p).suffix.lstrip(".") for p in change.files if Path(p).suffix})
-    task = {"task_type": "code_review", "languages": languages}
+    task = {"task_type": "code_review", "languages": languages_of(change.files)}
     try:
         async with atp.Client(url, token) as client:
             _, stream = await client.open_stream(task=task, budget=budget or None,

@@ -216,24 +216,26 @@ class ModelSpec(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 #: Network protocols a remote agent can be reached by (spec §14 adapters).
-REMOTE_PROTOCOLS: tuple[str, ...] = ("mqtt2389", "a2a", "agent_api")
+REMOTE_PROTOCOLS: tuple[str, ...] = ("mqtt2389", "a2a", "agent_api", "mcp")
 
 
 class RemoteSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     """How to reach a remote agent (spec §14): ``protocol`` is one of
     :data:`REMOTE_PROTOCOLS`; ``url`` the peer's address (``mqtt://host:port`` for a
-    2389 broker, the JSON-RPC endpoint for A2A, the base URL for the Agent API);
-    ``agent_id`` the peer's own name for the agent (2389 agent id, A2A agent name);
-    ``version`` a protocol version where the protocol has several (A2A ``0.3`` /
-    ``1.0``); ``auth_env`` the env var holding a credential (never the credential);
+    2389 broker, the JSON-RPC endpoint for A2A, the base URL for the Agent API, the
+    streamable HTTP endpoint of an MCP server, whose tool ``options.tool`` is the
+    next-hop); ``agent_id`` the peer's own name for the agent (2389 agent id, A2A
+    agent name); ``version`` a protocol version where the protocol has several (A2A
+    ``0.3`` / ``1.0``, MCP ``2025-11-25`` / ``2026-07-28``); ``auth_env`` the env var
+    holding a credential (never the credential);
     ``cost_usd_per_call`` a flat price charged when the peer reports no usage;
     ``options`` protocol-specific settings, validated by the adapter; ``tls`` the
-    CA and client certificate for ``https://`` (A2A, Agent API) and ``mqtts://``
+    CA and client certificate for ``https://`` (A2A, Agent API, MCP) and ``mqtts://``
     (2389) peers (:class:`TlsClientSpec`; for mqtt2389 the older
     ``options.ca_file/cert_file/key_file`` still work).
     """
 
-    protocol: Literal["mqtt2389", "a2a", "agent_api"]
+    protocol: Literal["mqtt2389", "a2a", "agent_api", "mcp"]
     url: NonEmptyStr
     agent_id: NonEmptyStr | None = None
     version: NonEmptyStr | None = None

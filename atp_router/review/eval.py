@@ -77,6 +77,7 @@ import trio
 
 from atp_router.cliutil.helpfmt import DefaultsHelpFormatter
 from atp_router.consensus.types import FinalResult
+from atp_router.task.change import languages_of
 from atp_router.task.diff import parse_diff
 from atp_router.wire.errors import PolicyError
 
@@ -626,8 +627,7 @@ def calibration_yaml(cal: Mapping[str, Mapping[str, Any]], *, source: str) -> st
 
 def task_meta(task: GoldenTask) -> dict[str, Any]:
     """The task meta a code-review client sends (the router adds ``diff_loc``)."""
-    languages = sorted({Path(p).suffix.lstrip(".") for p in task.files if Path(p).suffix})
-    return {"task_type": "code_review", "languages": languages}
+    return {"task_type": "code_review", "languages": languages_of(task.files)}
 
 
 async def review_task(

@@ -18,14 +18,15 @@ Pure: no I/O, no clock. Blocking: ~0.5 s for a 5 MB diff (:func:`parse_diff`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from pathlib import PurePosixPath
 from types import MappingProxyType
 
 from msgspec import Struct
 
 from atp_router.task.diff import FileDiff, changed_lines, diff_loc, parse_diff
 
-__all__ = ["ParsedChange", "parse_change"]
+__all__ = ["ParsedChange", "languages_of", "parse_change"]
 
 
 class ParsedChange(Struct, frozen=True):
@@ -50,3 +51,14 @@ def parse_change(diff: str) -> ParsedChange:
     files = tuple(parse_diff(diff))
     changed = MappingProxyType({p: frozenset(ns) for p, ns in changed_lines(files).items()})
     return ParsedChange(files=files, changed=changed, diff_loc=diff_loc(files))
+
+
+def languages_of(paths: Iterable[str]) -> list[str]:
+    """The ``languages`` match key of a code-review task: the file suffixes of
+    ``paths`` without their dot, sorted, once each (``["py", "ts"]``); a path
+    without a suffix adds nothing.
+
+        >>> languages_of(["a/x.py", "b.ts", "Makefile", "c/y.py"])
+        ['py', 'ts']
+    """
+    return sorted({s.lstrip(".") for s in (PurePosixPath(p).suffix for p in paths) if s})

@@ -80,6 +80,8 @@ FUNCTION_LEVEL_IMPORTS: dict[tuple[str, str, str], str] = {
     ("atp_router/protogen/__init__.py", "_task_schema", "atp_router.task.body"): "protogen: imported when produced",
     ("atp_router/protogen/__init__.py", "_task_schema", "atp_router.task.meta"): "protogen: imported when produced",
     ("atp_router/protogen/__init__.py", "_rib_schema", "atp_router.policy.rib"): "protogen: an ImportError is a Skip",
+    ("atp_router/protogen/__init__.py", "_mcp_tools", "atp_router.runtime.ingress.mcp_tools"):
+        "protogen: imported when produced (it imports the MCP SDK)",
     ("atp_router/protogen/__init__.py", "_cbor_md", "atp_router.wire.codec"): "protogen: imported when produced",
     ("atp_router/protogen/__init__.py", "_cbor_md", "atp_router.wire.frame"): "protogen: imported when produced",
     ("atp_router/protogen/__init__.py", "_openapi", "atp_router.runtime.admin.openapi"): "protogen: imported when produced",

@@ -438,7 +438,7 @@ def test_an_undecided_reserve_is_not_a_budget_cut():
     """Issue 20/22: an ERROR EBUDGET with retry_after_ms (a reserve the shared store
     did not answer, retried) before the FINAL does not make finish_reason "length";
     an EBUDGET without one (the budget cut a call) does."""
-    from atp_router.runtime.ingress.openai import _Outcome
+    from atp_router.runtime.ingress.openai import StreamOutcome
     from atp_router.wire.errors import ErrorCode
     from atp_router.wire.frame import ErrorPayload, Frame, Payload, PayloadType
 
@@ -451,7 +451,7 @@ def test_an_undecided_reserve_is_not_a_budget_cut():
         def __init__(self, frame):
             self.type, self.frame = "ERROR", frame
 
-    undecided, cut = _Outcome(), _Outcome()
+    undecided, cut = StreamOutcome(), StreamOutcome()
     undecided.see(Ev(error(1000)))
     cut.see(Ev(error(None)))
     assert (undecided.finish_reason, cut.finish_reason) == ("stop", "length")

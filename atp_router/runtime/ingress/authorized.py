@@ -1,6 +1,7 @@
 """The control API's one authentication and authorization wrapper (spec §11, §22),
 :class:`Authorized`, and its error rendering (:func:`render_error`: ``{"error":
-{code, reason, …}}`` with the HTTP status of the spec §10 code).
+{code, reason, …}}`` with the HTTP status of the spec §10 code; the router's own
+404/405, :func:`router_level_error`).
 
 :func:`atp_router.runtime.ingress.http_api.build_app` makes one per app and puts
 every authenticated route behind it, the OpenAI-compatible ingress's and the
@@ -13,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -24,7 +26,7 @@ from atp_router.wire.errors import ATPError, ErrorCode, PolicyError
 if TYPE_CHECKING:
     from atp_router.runtime.router import Router
 
-__all__ = ["Authorized", "Bound", "Endpoint", "Render", "json_response", "render_error"]
+__all__ = ["Authorized", "Bound", "Endpoint", "Render", "json_response", "render_error", "router_level_error"]
 
 _STATUS = {
     ErrorCode.EPROTO: 400,
@@ -64,6 +66,23 @@ def render_error(e: ATPError, status: int | None = None) -> Response:
         return resp
     return json_response(ErrorResponse(error=body), status or _STATUS.get(e.code, 400))
 
+
+
+async def router_level_error(request: Request, exc: Exception) -> Response:
+    """A 404 (no such route) or 405 (a method the route does not serve; its
+    ``Allow`` header kept) of the router itself, as one JSON error object both
+    client kinds read: OpenAI's (``message``, ``type``, ``param``, ``code``: the
+    ``openai`` SDK's NotFoundError) and the control API's (``code``, ``reason``)."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    path = request.url.path[:200]
+    if status == 405:
+        allowed = (exc.headers or {}).get("Allow", "") if isinstance(exc, HTTPException) else ""
+        msg, kind = f"{request.method} is not served on {path} (allowed: {allowed})", "invalid_request_error"
+    else:
+        msg, kind = f"no route {request.method} {path} on this router", "not_found_error"
+    body = {"error": {"message": msg, "type": kind, "param": None, "code": "EPROTO", "reason": msg}}
+    headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else None
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
 
 
 class Authorized:

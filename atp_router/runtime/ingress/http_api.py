@@ -104,7 +104,6 @@ from typing import Any
 import msgspec
 import trio
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -124,6 +123,7 @@ from atp_router.runtime.ingress.authorized import (
     Endpoint,
     json_response,
     render_error,
+    router_level_error,
 )
 from atp_router.runtime.ingress.bodies import (
     BodyRefused,
@@ -153,6 +153,7 @@ from atp_router.runtime.ingress.http_types import (
     StreamOpenRequest,
     StreamOpenResponse,
 )
+from atp_router.runtime.ingress.mcp import MCP_PATH, McpIngress
 from atp_router.runtime.ingress.openai import (
     CHAT_PATH,
     MODEL_PATH,
@@ -465,6 +466,14 @@ ROUTES: tuple[ApiRoute, ...] = (
         request=RequestBody({_JSON: OBJECT}), by="a2a", task="opens",
         other={401: Reply("ESEC: missing or unknown bearer token (JSON-RPC error)", {_JSON: OBJECT})}),
     ApiRoute(
+        "POST", MCP_PATH, "stream_open", None, "mcp",
+        "MCP (Model Context Protocol) streamable HTTP, stateless: JSON-RPC 2.0 `initialize`, `tools/list`, "
+        "`tools/call` of `review_change`, `route_task` and `list_policies` (each call a stream, with "
+        "`notifications/progress` while it runs when the request carries a progressToken)",
+        Reply("JSON-RPC response, or an SSE stream of the call's notifications and response",
+              {_JSON: OBJECT, _SSE: STRING}),
+        request=RequestBody({_JSON: OBJECT}), by="mcp", task="opens", errors=(401, 403, 413, 429, 503)),
+    ApiRoute(
         "GET", "/status", None, None, "statusPage",
         "The status page (HTML; it holds no data: it asks for an admin token and reads `/v1/status/events`)",
         Reply("the page", {"text/html": STRING}), public=True, by="status"),
@@ -535,15 +544,18 @@ def _endpoint(router: Router, entry: ApiRoute, authorized: Authorized) -> Endpoi
     return endpoint
 
 
-def served_routes(router: Router, table: Sequence[ApiRoute] = ROUTES) -> list[BaseRoute]:
+def served_routes(router: Router, table: Sequence[ApiRoute] = ROUTES,
+                  mcp: McpIngress | None = None) -> list[BaseRoute]:
     """The Starlette routes of ``table``: a handler's entry behind the one
     :class:`Authorized`; an ingress's entry (``handler`` None) the route its
-    ``*_routes`` function made. ValueError: an ingress serves a route the table
+    ``*_routes`` function made (``mcp``: the MCP ingress whose lifespan the app
+    runs; a new one by default). ValueError: an ingress serves a route the table
     lacks, lacks one the table names, or authorizes it for another action."""
     authorized = Authorized(router)
+    mcp = mcp or McpIngress(router)
     offered: dict[tuple[str, str], Route] = {}
     for route in (*a2a_routes(router), *status_routes(router, authorized),
-                  *openai_routes(router, authorized, read_body, BodyTooLarge)):
+                  *openai_routes(router, authorized, read_body, BodyTooLarge), *mcp.routes(authorized)):
         assert isinstance(route, Route)
         offered.update({(m, route.path): route for m in route.methods or () if m != "HEAD"})
     out: list[BaseRoute] = []
@@ -563,28 +575,12 @@ def served_routes(router: Router, table: Sequence[ApiRoute] = ROUTES) -> list[Ba
     return out
 
 
-async def router_level_error(request: Request, exc: Exception) -> Response:
-    """A 404 (no such route) or 405 (a method the route does not serve; its
-    ``Allow`` header kept) of the router itself, as one JSON error object both
-    client kinds read: OpenAI's (``message``, ``type``, ``param``, ``code``: the
-    ``openai`` SDK's NotFoundError) and the control API's (``code``, ``reason``)."""
-    status = exc.status_code if isinstance(exc, HTTPException) else 500
-    path = request.url.path[:200]
-    if status == 405:
-        allowed = (exc.headers or {}).get("Allow", "") if isinstance(exc, HTTPException) else ""
-        msg, kind = f"{request.method} is not served on {path} (allowed: {allowed})", "invalid_request_error"
-    else:
-        msg, kind = f"no route {request.method} {path} on this router", "not_found_error"
-    body = {"error": {"message": msg, "type": kind, "param": None, "code": "EPROTO", "reason": msg}}
-    headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else None
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
-
-
 def build_app(router: Router) -> Starlette:
     """The control API of ``router`` as an ASGI app: the routes of :data:`ROUTES`;
     a route it does not have, or a method a route does not serve, is
     :func:`router_level_error`'s JSON 404 / 405."""
     # With tracing on (spec §12), a request's W3C traceparent is the parent of what it opens.
     middleware = [Middleware(TraceContextMiddleware)] if router.tracing is not None else []
-    return Starlette(middleware=middleware, routes=served_routes(router),
+    mcp = McpIngress(router)  # its SDK runs in the app's lifespan (atp_router.runtime.ingress.mcp)
+    return Starlette(middleware=middleware, routes=served_routes(router, mcp=mcp), lifespan=mcp.lifespan,
                      exception_handlers={404: router_level_error, 405: router_level_error})

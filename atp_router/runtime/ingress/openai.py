@@ -173,6 +173,7 @@ __all__ = [
     "CHAT_PATH",
     "MODELS_PATH",
     "MODEL_PATH",
+    "StreamOutcome",
     "completion_text",
     "openai_routes",
     "remaining_text",
@@ -264,8 +265,9 @@ def _error_of(frame: Frame) -> tuple[ErrorCode, str] | None:
 
 
 @dataclass
-class _Outcome:
-    """What a stream's events said, as they are read."""
+class StreamOutcome:
+    """What a stream's events said, as they are read (the OpenAI-compatible and MCP
+    ingresses): its FINAL, or the error to answer with when it ended without one."""
 
     final: FinalResult | None = None
     budget_cut: bool = False
@@ -438,7 +440,7 @@ class _Ingress:
         if req.stream:
             return StreamingResponse(_sse(self.router, req, ctx, cid, created), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **ctx.qos_headers()})
-        out = _Outcome()
+        out = StreamOutcome()
         ctx.attach()
         try:
             async for ev in ctx.log.follow():
@@ -485,7 +487,7 @@ async def _sse(router: Router, req: ChatCompletionRequest, ctx: StreamCtx, cid: 
         return b"data: " + _enc.encode(ChatCompletionChunk(id=cid, object="chat.completion.chunk",
                                                            created=created, model=req.model, **kw)) + b"\n\n"
 
-    out = _Outcome()
+    out = StreamOutcome()
     ctx.attach()
     try:
         yield chunk(choices=[ChunkChoice(0, ChunkDelta(role="assistant", content=""))])
