@@ -107,4 +107,19 @@ if [ $want_tools = 1 ]; then
   fi
 fi
 
+# The TypeScript client's dev dependencies (typescript, @types/node; it has no runtime
+# ones): tests/unit/test_sdk_typescript.py builds it and runs its tests with Node.js.
+if [ $want_tools = 1 ]; then
+  command -v npm >/dev/null 2>&1 || { echo "setup: Node.js >= 20 with npm is required to test the TypeScript" \
+    "client (sdk/typescript): install Debian's nodejs and npm packages" >&2; exit 1; }
+  nstamp=$(sha256sum sdk/typescript/package-lock.json | cut -c1-16)
+  if [ "$(cat sdk/typescript/node_modules/.atp-stamp 2>/dev/null)" != "$nstamp" ]; then
+    step "typescript client" "installing the TypeScript client's dev dependencies (npm ci in sdk/typescript)" "10 s"
+    npm ci --prefix sdk/typescript --no-audit --no-fund >>"$LOG" 2>&1 \
+      || { echo "npm ci in sdk/typescript failed; see $LOG" >&2; tail -n 20 "$LOG" >&2; exit 1; }
+    echo "$nstamp" > sdk/typescript/node_modules/.atp-stamp
+    step_done
+  fi
+fi
+
 [ ${#done_steps[@]} -eq 0 ] || steps_summary $((SECONDS - T0)) "$(du -sh .venv 2>/dev/null | cut -f1) in .venv"
