@@ -1,6 +1,8 @@
 """The ATP client (spec §22): open streams on a router and follow their events.
 
-Works under trio and asyncio alike (httpx picks the running event loop)::
+One client, two transports, one API. Works under trio and asyncio alike (httpx
+and anyio pick the running event loop). Over the router's HTTP control API
+(``http://`` / ``https://``: SSE events)::
 
     async with atp.Client("http://127.0.0.1:7070", token) as c:
         sid, st = await c.open_stream(task={"task_type": "code_review", "diff_loc": 42},
@@ -10,87 +12,86 @@ Works under trio and asyncio alike (httpx picks the running event loop)::
             if event.type == "FINAL":
                 return event.payload        # {"result": {...}, "telemetry": {...}} (§7.3)
 
+Over the router's WebSocket ingress (``ws://`` / ``wss://``, spec §4.1), JSON
+(text) or CBOR (binary) frames, signed when given the router's frame keys::
+
+    async with atp.Client("ws://127.0.0.1:7071", token, encoding="cbor",
+                          keys=os.environ.get("ATP_HMAC_KEYS")) as c:
+        sid, st = await c.open_stream(task=meta, budget=budget, content=body)
+        result = await c.result(st)
+
+The WebSocket client connects in ``async with`` (a refused handshake raises
+there: ``ESEC`` with ``status`` 401/403), heartbeats, and on a dropped or silent
+connection reconnects and resumes every open stream (``meta.resume_after``),
+so ``events()`` goes on with no duplicate and no gap; event ids are the
+router's, the same as the SSE ids (see :mod:`atp._ws`).
+
 Errors: :class:`ATPClientError` carries the router's error ``code`` (``EPROTO``,
-``EBUDGET``, ``EAGENTDOWN``, … spec §10) and ``reason``; transport failures are
-raised as ``ATPClientError(code="ETRANSPORT")`` after the SDK's retries.
+``EBUDGET``, ``EAGENTDOWN``, ``ESEC``, … spec §10) and ``reason``; transport
+failures are raised as ``ATPClientError(code="ETRANSPORT")`` after the SDK's
+retries (HTTP: per request; WebSocket: after ``reconnect_s`` of reconnecting).
 
 Budgets and resumption (spec §4.3, §8)::
 
     await c.budget_update(st, usd=0.50)              # raise (or lower) the stream's budget live
-    # after a crash or a dropped connection, in a new process:
+    # after a crash or a dropped connection, in a new process (either transport):
     _, st = await c.open_stream(task=meta, content=body, idempotency_key="review-42")  # the same stream
     async for event in c.events(st, last_event_id=last_seen_id): ...                  # what was missed
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit
 
 import httpx
-from httpx_sse import aconnect_sse
 
-#: Event types a stream yields, in the order they usually come.
-EVENT_TYPES = ("SYN_ACK", "ACK", "WINDOW_UPDATE", "PARTIAL", "ERROR", "FINAL", "FIN", "RST")
-_TERMINAL = frozenset({"FIN", "RST"})
+from atp._frames import Encoding, FrameKeys, as_keys
+from atp._http import HttpTransport
+from atp._types import EVENT_TYPES, ATPClientError, Event, StreamHandle
 
+if TYPE_CHECKING:
+    from atp._ws import WsTransport
 
-class ATPClientError(Exception):
-    """An error reported by the router (``code`` is a spec §10 code) or the transport."""
-
-    def __init__(self, code: str, reason: str, *, status: int | None = None, detail: Any = None):
-        self.code = code
-        self.reason = reason
-        self.status = status
-        self.detail = detail
-        super().__init__(f"{code}: {reason}")
+__all__ = ["EVENT_TYPES", "ATPClientError", "Client", "Event", "StreamHandle"]
 
 
-@dataclass(frozen=True, slots=True)
-class StreamHandle:
-    """An open stream: ids and the window the router granted at SYN-ACK."""
+class _Streams(Protocol):
+    async def open_stream(self, task: Mapping[str, Any], budget: Mapping[str, Any] | None, *,
+                          content: Mapping[str, Any] | None, qos: str | None, window: Mapping[str, int] | None,
+                          idempotency_key: str | None) -> StreamHandle: ...
 
-    session_id: str
-    stream_id: str
-    window: dict[str, int] = field(default_factory=dict)
-    route: dict[str, Any] = field(default_factory=dict)
+    def events(self, stream: StreamHandle | str, *, last_event_id: int | None = None) -> AsyncIterator[Event]: ...
 
-    def __str__(self) -> str:
-        return self.stream_id
+    async def send_frame(self, stream: StreamHandle | str, frame: Mapping[str, Any]) -> list[dict[str, Any]]: ...
 
+    async def budget_update(self, stream: StreamHandle, *, usd: float | None, tokens: int | None,
+                            msg_seq: int | None) -> list[dict[str, Any]]: ...
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One event of a stream. ``type`` is one of :data:`EVENT_TYPES`; ``payload`` is
-    the frame's ``payload.content`` (the §7.3 result for FINAL, the ERROR body for
-    ERROR/RST); ``frame`` is the whole frame as a dict; ``id`` orders events and is
-    what ``events(..., last_event_id=)`` resumes after."""
+    def discard(self, stream: StreamHandle | str) -> None: ...
 
-    type: str
-    payload: Any
-    frame: dict[str, Any]
-    id: int
-
-
-def _raise_for(resp: httpx.Response) -> None:
-    if resp.is_success:
-        return
-    try:
-        body = resp.json()
-        err = body.get("error", body)
-        raise ATPClientError(err.get("code", "EPROTO"), err.get("reason", resp.text), status=resp.status_code, detail=err)
-    except (ValueError, AttributeError):
-        raise ATPClientError("EPROTO", f"HTTP {resp.status_code}: {resp.text[:200]}", status=resp.status_code) from None
+    async def aclose(self) -> None: ...
 
 
 class Client:
-    """Async client for the router's control API.
+    """Async client of an ATP router.
 
-    ``url`` is the router's HTTP base (e.g. ``http://127.0.0.1:7070``); ``token`` is
-    sent as ``Authorization: Bearer``. ``timeout`` (s) bounds each request, not the
-    events stream. Pass ``transport`` to use a custom httpx transport in tests.
+    ``url``: the router's HTTP base (``http://127.0.0.1:7070``) or its WebSocket
+    ingress (``ws://127.0.0.1:7071``, ``wss://…``). ``token`` is sent as
+    ``Authorization: Bearer``. ``timeout`` (s) bounds each request — over
+    WebSocket the handshake, a SYN's SYN-ACK and a message's ACK — not the events.
+    ``keys``: the router's frame keys (spec §11) to sign the frames the client
+    sends and check the router's: :class:`FrameKeys`, ``ATP_HMAC_KEYS`` text
+    (``"kid:base64key,…"``, the first signs) or raw ``bytes`` (``ATP_HMAC_KEY``).
+
+    WebSocket only: ``encoding`` ``"json"`` or ``"cbor"``; ``hb_interval_s``
+    between heartbeats; ``hb_timeout_s`` of silence that makes the connection
+    dead; ``reconnect_s`` of reconnecting before giving up; ``http_url`` the
+    router's HTTP base for the control-API calls (:meth:`feedback`, :meth:`fib`,
+    :meth:`reload_policies`, :meth:`metrics`). HTTP only: ``transport`` (a custom
+    httpx transport, in tests). Raises ``ValueError`` for another URL scheme, a
+    bad encoding or bad keys.
     """
 
     def __init__(
@@ -100,30 +101,56 @@ class Client:
         *,
         timeout: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        encoding: Encoding = "json",
+        keys: FrameKeys | bytes | str | Mapping[str, bytes] | None = None,
+        http_url: str | None = None,
+        hb_interval_s: float = 10.0,
+        hb_timeout_s: float = 30.0,
+        reconnect_s: float = 60.0,
     ):
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(
-            base_url=url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
-        )
-        #: stream_id → msg_seq of the client's next message on it (the SYN was 0).
-        self._next_seq: dict[str, int] = {}
+        scheme = urlsplit(url).scheme
+        ring = as_keys(keys)
+        self._ws: WsTransport | None = None
+        self._http: HttpTransport | None = None
+        if scheme in ("ws", "wss"):
+            from atp._ws import WsTransport
 
-    async def __aenter__(self) -> "Client":
+            self._ws = WsTransport(url, token, encoding=encoding, keys=ring, timeout=timeout,
+                                   hb_interval_s=hb_interval_s, hb_timeout_s=hb_timeout_s, reconnect_s=reconnect_s)
+            if http_url is not None:
+                self._http = HttpTransport(http_url, token, timeout=timeout, transport=transport, keys=ring)
+            self._streams: _Streams = self._ws
+        elif scheme in ("http", "https"):
+            self._http = HttpTransport(url, token, timeout=timeout, transport=transport, keys=ring)
+            self._streams = self._http
+        else:
+            raise ValueError(f"router URL {url!r}: expected http://, https://, ws:// or wss://")
+
+    @property
+    def transport(self) -> str:
+        """``"websocket"`` or ``"http"``."""
+        return "websocket" if self._ws is not None else "http"
+
+    async def __aenter__(self) -> Client:
+        if self._ws is not None:
+            await self._ws.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        """Close the connections. Streams go on on the router (resumable by key)."""
+        if self._ws is not None:
+            await self._ws.aclose()
+        if self._http is not None:
+            await self._http.aclose()
 
-    async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        try:
-            resp = await self._http.request(method, path, **kw)
-        except httpx.TransportError as e:
-            raise ATPClientError("ETRANSPORT", f"{type(e).__name__}: {e}") from e
-        _raise_for(resp)
-        return resp
+    def _control(self) -> HttpTransport:
+        if self._http is None:
+            raise ATPClientError("EPROTO", "the control API needs the router's HTTP URL: "
+                                 "atp.Client(ws_url, token, http_url='http://…')")
+        return self._http
 
     async def open_stream(
         self,
@@ -140,41 +167,30 @@ class Client:
 
         ``task`` is the task meta (``task_type`` plus match keys such as ``diff_loc``,
         ``languages``); ``budget`` is ``{"usd": float, "tokens": int}``; ``content``
-        is the task body (for ``code_review``: ``{"diff": str, "files": {path: text}}``).
-        Re-sending the same ``idempotency_key`` returns the same stream — also
-        from another ``Client`` after a crash or a dropped connection (spec §8):
-        the task is not run twice nor charged twice; follow it with
-        ``events(handle, last_event_id=...)`` to get what was missed.
-        Raises :class:`ATPClientError` (``EPROTO`` bad request, ``EAGENTDOWN`` no
-        route, ``ESEC`` bad token).
+        is the task body (for ``code_review``: ``{"diff": str, "files": {path: text}}``);
+        ``qos`` ``"gold"``/``"silver"``/``"bronze"``; ``window``
+        ``{"max_parallel", "max_tokens", "max_usd_micros"}`` (the router grants at
+        most that). Re-sending the same ``idempotency_key`` returns the same
+        stream — also from another ``Client``, over either transport, after a
+        crash or a dropped connection (spec §8): the task is not run twice nor
+        charged twice; follow it with ``events(handle, last_event_id=...)`` to
+        get what was missed. Over WebSocket a stream without a key gets a
+        random one (so a dropped connection can resume it).
+        Raises :class:`ATPClientError` (``EPROTO`` bad request or a key re-used
+        with another task, ``EAGENTDOWN`` no route, ``ESEC`` bad token or frame
+        signature, ``ETRANSPORT`` no answer within ``timeout``); ``ValueError`` /
+        ``TypeError`` for a task JSON cannot carry (WebSocket).
         """
-        body: dict[str, Any] = {"task": dict(task)}
-        if budget is not None:
-            body["budget"] = dict(budget)
-        if content is not None:
-            body["content"] = dict(content)
-        if qos is not None:
-            body["qos"] = qos
-        if window is not None:
-            body["window"] = dict(window)
-        if idempotency_key is not None:
-            body["idempotency_key"] = idempotency_key
-        data = (await self._request("POST", "/v1/streams", json=body)).json()
-        handle = StreamHandle(data["session_id"], data["stream_id"], data.get("window") or {}, data.get("route") or {})
-        self._next_seq.setdefault(handle.stream_id, 1)
+        handle = await self._streams.open_stream(task, budget, content=content, qos=qos, window=window,
+                                                 idempotency_key=idempotency_key)
         return handle.session_id, handle
 
     async def send_frame(self, stream: StreamHandle | str, frame: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """POST one frame on a stream (HTTP fallback to WebSocket, §22); returns the
-        frames the router answered with (ACK, ERROR, …)."""
-        sid = str(stream)
-        frames = (await self._request("POST", f"/v1/streams/{sid}/frames", json=dict(frame))).json()["frames"]
-        flags = set(frame.get("flags") or ())
-        if not flags & {"SYN", "ACK", "FIN", "RST", "HB", "MORE"} and isinstance(frame.get("msg_seq"), int):
-            self._seen_message(sid, frame["msg_seq"])
-        for f in frames:
-            self._note_ack(sid, f)
-        return frames
+        """Send one frame (a dict in the §4.2 shape) on a stream and return the
+        frames the router answered it with (its ACK or NACK, an ERROR; ``[]`` when
+        none: a frame that is not a message, or a stream that had ended). The SDK
+        seals it (and signs it with ``keys``). Raises :class:`ATPClientError`."""
+        return await self._streams.send_frame(stream, frame)
 
     async def budget_update(
         self,
@@ -191,55 +207,25 @@ class Client:
         stream already spent stops further calls. Sent as a control message on
         the stream's sequence; ``msg_seq`` is this client's next message number,
         tracked by the SDK from ``open_stream``/``send_frame`` and the router's
-        ACKs (pass it after resuming from another process). Returns the router's
-        answer frames (an ACK)."""
-        sid = stream.stream_id
-        seq = msg_seq if msg_seq is not None else self._next_seq.get(sid, 1)
-        budget: dict[str, Any] = {}
-        if usd is not None:
-            budget["usd"] = usd
-        if tokens is not None:
-            budget["tokens"] = tokens
-        frame = {
-            "v": 1, "session_id": stream.session_id, "stream_id": sid, "msg_seq": seq, "flags": ["CTRL"],
-            "payload": {"type": "control", "content": {"kind": "BUDGET_UPDATE", "budget": budget}},
-        }
-        return await self.send_frame(stream, frame)
+        ACKs (pass it after resuming from another process over HTTP). Returns
+        the router's answer frames (an ACK)."""
+        return await self._streams.budget_update(stream, usd=usd, tokens=tokens, msg_seq=msg_seq)
 
-    def _seen_message(self, stream_id: str, msg_seq: int) -> None:
-        self._next_seq[stream_id] = max(self._next_seq.get(stream_id, 1), msg_seq + 1)
-
-    def _note_ack(self, stream_id: str, frame: Mapping[str, Any]) -> None:
-        """A router ACK names the last client message it delivered (cumulative, §4.4)."""
-        flags = frame.get("flags") or ()
-        if "ACK" in flags and "SYN" not in flags and isinstance(frame.get("msg_seq"), int):
-            self._seen_message(stream_id, frame["msg_seq"])
-
-    async def events(self, stream: StreamHandle | str, *, last_event_id: int | None = None) -> AsyncIterator[Event]:
-        """Follow a stream's events over SSE until FIN or RST.
+    def events(self, stream: StreamHandle | str, *, last_event_id: int | None = None) -> AsyncIterator[Event]:
+        """Follow a stream's events until FIN or RST (an async iterator of :class:`Event`).
 
         Events already sent are replayed first, so subscribing late loses nothing;
-        ``last_event_id`` resumes after that event (spec §8 resumption).
-        """
-        headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
-        url = f"/v1/streams/{stream}/events"
-        try:
-            async with aconnect_sse(self._http, "GET", url, headers=headers, timeout=None) as source:
-                if not source.response.is_success:
-                    await source.response.aread()
-                    _raise_for(source.response)
-                async for sse in source.aiter_sse():
-                    if not sse.data:
-                        continue
-                    frame = json.loads(sse.data)
-                    payload = (frame.get("payload") or {}).get("content")
-                    ev = Event(type=sse.event or "message", payload=payload, frame=frame, id=int(sse.id or 0))
-                    self._note_ack(str(stream), frame)
-                    yield ev
-                    if ev.type in _TERMINAL:
-                        return
-        except httpx.TransportError as e:
-            raise ATPClientError("ETRANSPORT", f"{type(e).__name__}: {e}") from e
+        ``last_event_id`` resumes after that event (spec §8 resumption). Over HTTP
+        an SSE request; over WebSocket the events this client received on the
+        stream (it must have opened it: ``EPROTO`` otherwise). Raises
+        :class:`ATPClientError` (``ETRANSPORT``; over WebSocket ``EPROTO``/``ESEC``
+        for a router frame that failed its checks)."""
+        return self._streams.events(stream, last_event_id=last_event_id)
+
+    def discard(self, stream: StreamHandle | str) -> None:
+        """Forget what this client holds of a stream (over WebSocket its events,
+        and it is no longer resumed on reconnection)."""
+        self._streams.discard(stream)
 
     async def result(self, stream: StreamHandle | str) -> dict[str, Any]:
         """Wait for the stream's FINAL and return its payload (the §7.3 result).
@@ -248,7 +234,8 @@ class Client:
         last_error: Any = None
         async for ev in self.events(stream):
             if ev.type == "FINAL":
-                return ev.payload
+                final: dict[str, Any] = ev.payload
+                return final
             if ev.type in ("ERROR", "RST") and isinstance(ev.payload, dict):
                 last_error = ev.payload
         if last_error:
@@ -264,27 +251,19 @@ class Client:
         ``{stream_id, agents, score, labels, bandit}``. Raises
         :class:`ATPClientError` (HTTP 409: still running, already scored, or
         nothing answered; 404: not the caller's stream)."""
-        sid = stream.stream_id if isinstance(stream, StreamHandle) else stream
-        resp = await self._request("POST", f"/v1/streams/{sid}/feedback",
-                                   json={"score": float(score), "labels": list(labels)})
-        return resp.json()
+        return await self._control().feedback(stream, score, labels)
 
     async def fib(self) -> dict[str, Any]:
         """``GET /v1/fib`` (admin): bandit arms and live next-hop metrics."""
-        return (await self._request("GET", "/v1/fib")).json()
+        out: dict[str, Any] = (await self._control().request("GET", "/v1/fib")).json()
+        return out
 
     async def reload_policies(self, rib_yaml: str | None = None) -> dict[str, Any]:
         """Hot-reload the RIB (§22): from the router's policy path, or from ``rib_yaml``
         text. Raises ``ATPClientError`` with ``detail={"file","key","reason"}`` if the
         router refused it (the running RIB stays)."""
-        if rib_yaml is None:
-            resp = await self._request("POST", "/v1/policies/reload")
-        else:
-            resp = await self._request(
-                "POST", "/v1/policies/reload", content=rib_yaml, headers={"Content-Type": "application/yaml"}
-            )
-        return resp.json()
+        return await self._control().reload_policies(rib_yaml)
 
     async def metrics(self) -> str:
         """The Prometheus exposition text of ``GET /v1/metrics``."""
-        return (await self._request("GET", "/v1/metrics")).text
+        return (await self._control().request("GET", "/v1/metrics")).text
