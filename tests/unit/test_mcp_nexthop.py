@@ -40,26 +40,10 @@ from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import AgentError, ErrorCode
 from atp_router.wire.frame import PayloadType
 from tests.helpers import start_router_on
+from tests.unit.test_agent_api import AFTER, DIFF, EXAMPLE, REVIEW
 
 SERVER = Path(__file__).resolve().parents[1] / "peer_servers" / "mcp_server.py"
 TOKEN = "mcp-test-token-" + "9" * 24
-EXAMPLE = json.loads(Path("/work/shared/specs/agent-context-message.example.json").read_text())
-AFTER = "import os\n\n\ndef run(cmd, seen=[]):\n    seen.append(cmd)\n    return os.system(cmd)\n"
-DIFF = """\
-diff --git a/tool/run.py b/tool/run.py
---- a/tool/run.py
-+++ b/tool/run.py
-@@ -1,5 +1,6 @@
- import os
- 
- 
--def run(cmd):
--    return subprocess.run(cmd.split(), check=True)
-+def run(cmd, seen=[]):
-+    seen.append(cmd)
-+    return os.system(cmd)
-"""
-REVIEW = Prompt(task_type="code_review", content={"diff": DIFF, "files": {"tool/run.py": AFTER}})
 #: What the peer's review finds in REVIEW: (file, line, severity).
 EXPECTED = [("tool/run.py", 4, Severity.MEDIUM), ("tool/run.py", 6, Severity.HIGH)]
 

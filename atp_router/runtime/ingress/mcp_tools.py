@@ -37,8 +37,13 @@ from msgspec import Meta, Struct
 from atp_router.consensus.types import FinalResult
 from atp_router.runtime.dataplane.plan import parse_off_loop
 from atp_router.runtime.dataplane.stream import StreamCtx
-from atp_router.runtime.ingress.openai import CODE_REVIEW, StreamOutcome, completion_text
-from atp_router.runtime.ingress.openai_models import RibView
+from atp_router.runtime.ingress.openai import (
+    CODE_REVIEW,
+    StreamOutcome,
+    completion_text,
+    error_of,
+)
+from atp_router.runtime.ingress.openai_models import RibView, visible_policies
 from atp_router.runtime.ingress.repo_files import complete_from_repo
 from atp_router.runtime.router import Router
 from atp_router.security.identity import Identity
@@ -228,16 +233,11 @@ class _Tools:
         return _structured(answer, _answer_text)
 
     def _policies(self, identity: Identity) -> PolicyList:
-        v = self.view.refresh(self.router.gen.fib)
         spec = self.router.client_spec(identity.tenant)
-        allowed = None if spec.task_types is None else set(spec.task_types)
-        out: list[PolicyInfo] = []
-        for name, _, cm in v.policies:
-            pinned = [t for t in cm.equals_values("task_type") or [] if isinstance(t, str)]
-            may = [t for t in pinned if allowed is None or t in allowed]
-            if may or (not pinned and allowed is None):
-                out.append(PolicyInfo(name=name, task_types=may, match=str(cm.source)))
-        return PolicyList(generation=self.router.gen.version, policies=out)
+        allowed = None if spec.task_types is None else list(spec.task_types)
+        visible = visible_policies(self.view.refresh(self.router.gen.fib), allowed)
+        return PolicyList(generation=self.router.gen.version, policies=[
+            PolicyInfo(name=name, task_types=may, match=str(cm.source)) for name, cm, may in visible])
 
 
 class _NoArgs(Struct, forbid_unknown_fields=True):
@@ -270,11 +270,8 @@ def _progress_note(ev: Any) -> str | None:
         report = content.get("report")
         n = len(report.get("findings") or []) if isinstance(report, dict) else 0
         return f"{str(content.get('agent'))[:100]} reported {n} finding(s)"
-    if ev.type == "ERROR":
-        code = getattr(content, "code", None) or (content.get("code") if isinstance(content, dict) else None)
-        reason = getattr(content, "reason", None) or (content.get("reason") if isinstance(content, dict) else "")
-        return f"ERROR {code}: {str(reason)[:300]}"
-    return None
+    err = error_of(ev.frame) if ev.type == "ERROR" else None
+    return f"ERROR {err[0]}: {err[1][:300]}" if err is not None else None
 
 
 def _answer_text(a: StreamAnswer) -> str:

@@ -175,6 +175,7 @@ __all__ = [
     "MODEL_PATH",
     "StreamOutcome",
     "completion_text",
+    "error_of",
     "openai_routes",
     "remaining_text",
     "task_content",
@@ -251,7 +252,7 @@ def completion_text(result: Result) -> str:
     return "\n\n".join(blocks) if blocks else "no findings"
 
 
-def _error_of(frame: Frame) -> tuple[ErrorCode, str] | None:
+def error_of(frame: Frame) -> tuple[ErrorCode, str] | None:
     p = frame.payload
     c = p.content if p is not None else None
     if isinstance(c, ErrorPayload):
@@ -298,7 +299,7 @@ class StreamOutcome:
             content = frame.payload.content if frame.payload is not None else None
             self.final = msgspec.convert(msgspec.to_builtins(content), FinalResult)
         elif t in ("ERROR", "RST"):
-            err = _error_of(frame)
+            err = error_of(frame)
             c = frame.payload.content if frame.payload is not None else None
             # An EBUDGET with retry_after_ms is a reserve the shared store did not answer
             # (retried; nothing decided), not a budget that cut the stream short.

@@ -19,7 +19,7 @@ from atp_router.runtime.ingress.openai_schema import (
 )
 from atp_router.wire.errors import ErrorCode
 
-__all__ = ["POLICY_PREFIX", "TASK_PREFIX", "RibView", "Target", "model_list", "resolve_model", "unknown_model"]
+__all__ = ["POLICY_PREFIX", "TASK_PREFIX", "RibView", "Target", "model_list", "resolve_model", "unknown_model", "visible_policies"]
 
 POLICY_PREFIX = "policy:"
 TASK_PREFIX = "task:"
@@ -103,17 +103,25 @@ def resolve_model(model: str, view: RibView, allowed: list[str] | None) -> Targe
     return Target(model, meta, policy=name)
 
 
+def visible_policies(view: RibView, allowed: list[str] | None) -> list[tuple[str, CompiledMatch, list[str]]]:
+    """The policies a tenant whose ``task_types`` scope is ``allowed`` (None: any)
+    can reach, in RIB order, as ``(name, match, task types it pins that the tenant
+    may use)``: one pinning such a task type, or (for a tenant without a scope)
+    one pinning none."""
+    out: list[tuple[str, CompiledMatch, list[str]]] = []
+    for name, _, cm in view.policies:
+        pinned = [v for v in cm.equals_values("task_type") or [] if isinstance(v, str)]
+        may = [t for t in pinned if allowed is None or t in allowed]
+        if may or (not pinned and allowed is None):
+            out.append((name, cm, may))
+    return out
+
+
 def model_list(view: RibView, allowed: list[str] | None, created: int) -> ModelList:
     """The body of ``GET /v1/models`` for a tenant whose ``task_types`` scope is
     ``allowed`` (None: any); ``created`` (unix s) is every card's."""
-    cards: list[ModelCard] = []
-    may = (lambda tt: True) if allowed is None else (lambda tt: tt in allowed)
-    for tt, policies in view.task_types.items():
-        if may(tt):
-            cards.append(ModelCard(tt, "model", created, "atp-router", ModelAtp("task_type", policies, [tt])))
-    for name, _, cm in view.policies:
-        pinned = [v for v in cm.equals_values("task_type") or [] if isinstance(v, str)]
-        if (pinned and any(may(t) for t in pinned)) or (not pinned and allowed is None):
-            cards.append(ModelCard(POLICY_PREFIX + name, "model", created, "atp-router",
-                                   ModelAtp("policy", [name], [t for t in pinned if may(t)])))
+    cards = [ModelCard(tt, "model", created, "atp-router", ModelAtp("task_type", policies, [tt]))
+             for tt, policies in view.task_types.items() if allowed is None or tt in allowed]
+    cards += [ModelCard(POLICY_PREFIX + name, "model", created, "atp-router", ModelAtp("policy", [name], may))
+              for name, _, may in visible_policies(view, allowed)]
     return ModelList("list", cards)
