@@ -29,32 +29,41 @@ import math
 from collections import deque
 from collections.abc import AsyncGenerator
 from fractions import Fraction
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import msgspec
 from msgspec import Struct
 
 from atp_router.consensus.types import Usage
 from atp_router.policy.health import Health
+from atp_router.task.body import CodeReview, TaskBody, decode_body
 from atp_router.task.change import ParsedChange, parse_change
 from atp_router.task.meta import TaskMeta
+from atp_router.wire.errors import ClientInputError
 from atp_router.wire.frame import Capabilities, CostEstimate, PayloadType
 
+#: The body type a :class:`Prompt` carries (``Prompt[CodeReview]``: a review's).
+B_co = TypeVar("B_co", bound=TaskBody, covariant=True)
 
-class Prompt(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """What a next-hop is asked to do.
 
-    ``content`` for ``code_review``: ``{"diff": str, "files": {path: full text after
-    the diff}}``. ``meta`` is the stream's frame meta (task_type, languages, risk,
-    data_scope, trace, ...), passed through unchanged; ``task`` is its typed view
-    (:class:`~atp_router.task.meta.TaskMeta`: budget, idempotency key, data scope,
-    Agent Context, trace, ``diff_loc``), decoded once at the stream's SYN — read
-    those fields there, not by key from ``meta`` (empty on a prompt built without
-    it: a test's, a canary's). ``change`` is
-    ``content["diff"]`` parsed (:class:`~atp_router.task.change.ParsedChange`): the
-    dispatcher parses a task's diff once and hands it to every leg here; None on
-    a prompt built without it (an adapter then parses the diff itself,
-    :func:`change_of`).
+class Prompt(Struct, Generic[B_co], forbid_unknown_fields=True, omit_defaults=True, dict=True):
+    """What a next-hop is asked to do: ``Prompt[B]``, ``B`` the task body type
+    (:mod:`atp_router.task.body`; ``Prompt[TaskBody]`` when any).
+
+    ``content`` is the task body as the client sent it (a JSON object), what a
+    remote next-hop is sent unchanged (keys a body Struct does not name
+    included); :attr:`body` is its typed view, the one every adapter reads
+    (``prompt.body.diff``, ``.files``, ``.question``, ``.messages``), never
+    ``content`` by key. ``meta`` is the stream's frame meta (task_type, the
+    policy's match keys — ``languages``, ``risk``, ``repo`` — data_scope,
+    trace, ...), passed to next-hops unchanged; ``task`` is the typed view of
+    the fields the router acts on (:class:`~atp_router.task.meta.TaskMeta`:
+    budget, idempotency key, data scope, Agent Context, trace, ``diff_loc``),
+    decoded once at the stream's SYN (empty on a prompt built without it: a
+    test's, a canary's). ``change`` is the body's diff parsed
+    (:class:`~atp_router.task.change.ParsedChange`): the dispatcher parses a
+    task's diff once and hands it to every leg here; None on a prompt built
+    without it (an adapter then parses the diff itself, :func:`change_of`).
     """
 
     task_type: str
@@ -64,16 +73,37 @@ class Prompt(Struct, forbid_unknown_fields=True, omit_defaults=True):
     change: ParsedChange | None = None
     task: TaskMeta = msgspec.field(default_factory=TaskMeta)
 
+    @functools.cached_property
+    def body(self) -> B_co:
+        """``content`` as its task type's body Struct
+        (:func:`~atp_router.task.body.decode_body`), decoded once per prompt —
+        or the body the router already decoded at SYN (:meth:`with_body`). A
+        prompt whose content is replaced (``msgspec.structs.replace``, e.g. a
+        data-scope redaction) is a new prompt and decodes its own. Raises
+        :class:`~atp_router.wire.errors.ClientInputError` (``EPROTO``) naming
+        the field when the content is not that shape (a prompt built outside
+        a router; the router refuses such a task at SYN)."""
+        try:
+            return cast(B_co, decode_body(self.task_type, self.content))
+        except msgspec.ValidationError as e:
+            raise ClientInputError(f"task content: {e}") from None
 
-def change_of(prompt: Prompt) -> ParsedChange | None:
+    def with_body(self, body: TaskBody) -> Prompt[B_co]:
+        """This prompt carrying ``body``, the decode of its ``content`` the
+        router made at SYN (so :attr:`body` is not decoded again); returns self."""
+        self.__dict__["body"] = body
+        return self
+
+
+def change_of(prompt: Prompt[TaskBody]) -> ParsedChange | None:
     """``prompt``'s diff parsed: :attr:`Prompt.change` when the prompt carries it
-    (the task's diff, parsed once by the dispatcher), else ``content["diff"]``
+    (the task's diff, parsed once by the dispatcher), else its body's ``diff``
     parsed here (blocking: call it off the event loop for a large diff); None
-    when the content has no diff string."""
+    when the body is not a review with a diff."""
     if prompt.change is not None:
         return prompt.change
-    diff = prompt.content.get("diff")
-    return parse_change(diff) if isinstance(diff, str) else None
+    body = prompt.body
+    return parse_change(body.diff) if isinstance(body, CodeReview) and body.diff is not None else None
 
 
 class Fragment(Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -147,6 +147,7 @@ from atp_router.security.audit import AuditLog
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
 from atp_router.store import NotFound, StoreError, StoreUnavailable, StreamRecord
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import ATPError, ErrorCode, IdempotencyConflict
 from atp_router.wire.frame import Frame, PayloadType
 
@@ -1083,7 +1084,7 @@ class ClusterNode(SynGate):
             return False  # refuse() refuses it
         return True
 
-    def refuse(self, frame: Frame, identity: Identity) -> Refuse | None:
+    def refuse(self, frame: Frame, identity: Identity, task: TaskMeta | None) -> Refuse | None:
         """The gate on every SYN (:class:`~atp_router.runtime.deployment.SynGate`, before
         its session sees it): one re-opening (by idempotency key) a stream that
         runs on another router, or whose lost router is not settled yet, or that
@@ -1093,8 +1094,8 @@ class ClusterNode(SynGate):
         runs it again if this router wins the re-run claim. A store that cannot
         be reached refuses it (``EBUDGET`` with ``retry_after_ms``
         :data:`RETRY_AFTER_MS`: over HTTP 503 + ``Retry-After``)."""
-        key = frame.meta.get("idempotency_key")
-        if frame.ttl == 0 or not isinstance(key, str):
+        key = task.idempotency_key if task is not None else None
+        if frame.ttl == 0 or key is None:
             return None
         try:
             return self._keyed_syn(frame, identity, key)

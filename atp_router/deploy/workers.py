@@ -137,6 +137,7 @@ from atp_router.security.identity import Identity
 from atp_router.security.tls import hypercorn_ssl
 from atp_router.store import SqliteStore, Store, StoreError, StoreUnavailable
 from atp_router.store.sqlite import sync_mode
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import ATPError, ErrorCode, PolicyError
 from atp_router.wire.frame import Frame
 
@@ -346,10 +347,10 @@ class Worker(SynGate):
         self.state_dir = state_dir
         self.router: Router | None = None
 
-    def refuse(self, frame: Frame, identity: Identity) -> Refuse | None:
+    def refuse(self, frame: Frame, identity: Identity, task: TaskMeta | None) -> Refuse | None:
         router = self.router
         assert router is not None
-        if isinstance(key := frame.meta.get("idempotency_key"), str) \
+        if task is not None and (key := task.idempotency_key) is not None \
                 and router.streams.resumable(identity.tenant, key) is None:
             rec = router.store.find_idempotent(identity.tenant, key)
             if rec is not None and rec.state == "open" and rec.owner not in (None, self.owner):

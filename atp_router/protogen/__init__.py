@@ -107,10 +107,17 @@ def _result_schema() -> str:
 
 
 def _task_schema() -> str:
-    from atp_router.task.body import Chat, CodeReview, RepoSummary, RetrievalQA, Text
+    from atp_router.task.body import (
+        Chat,
+        CodeReview,
+        Opaque,
+        RepoSummary,
+        RetrievalQA,
+        Text,
+    )
     from atp_router.task.meta import TaskMeta
 
-    types = (TaskMeta, CodeReview, RepoSummary, RetrievalQA, Chat, Text)
+    types = (TaskMeta, CodeReview, RepoSummary, RetrievalQA, Chat, Text, Opaque)
     _, defs = msgspec.json.schema_components(types)
     schema: dict[str, Any] = {
         "$defs": _clean_descriptions(defs),
@@ -120,7 +127,8 @@ def _task_schema() -> str:
         "title": "A task: the SYN meta the router reads (TaskMeta) and its body (payload.content)",
         "description": "meta is TaskMeta (other meta keys are the policy's match keys); the body is the "
                        "$defs entry of its task type: code_review CodeReview, repo_summary RepoSummary, "
-                       "retrieval_qa RetrievalQA, any other Chat ({messages}) or Text ({text}).",
+                       "retrieval_qa RetrievalQA; any other by its keys: CodeReview ({diff} or {files}), Chat "
+                       "({messages}), Text ({text}), else Opaque (any object, not read by the router).",
         "type": "object",
         "properties": {
             "meta": {"$ref": "#/$defs/TaskMeta"},

@@ -21,6 +21,7 @@ from atp_router.security.audit import AuditLog
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
 from atp_router.store import Store
+from atp_router.task.meta import TaskMeta
 from atp_router.wire.frame import Frame
 
 if TYPE_CHECKING:
@@ -83,14 +84,16 @@ class SynGate:
       anything else (before its session sees it, before it is counted): a
       :class:`~atp_router.security.authz.Refuse` is answered with a lone ERROR of its
       code, reason and ``retry_after_ms`` (spec §10, outside any stream: no
-      RST), and the SYN goes no further.
+      RST), and the SYN goes no further. ``task`` is the SYN's meta decoded
+      once where it was received (None: a malformed meta, which the SYN
+      stages refuse): read the idempotency key there, not by key from ``frame.meta``.
     * :meth:`resumes` — called by :meth:`Router.resume_point
       <atp_router.runtime.router.Router.resume_point>` for a SYN (ttl not 0) naming
       ``idempotency_key`` ``key``: False, the SYN does not resume a stream here
       (it is a new stream, or :meth:`refuse` answers it); True, the stream
       table is asked (it may have been made ready to resume here)."""
 
-    def refuse(self, frame: Frame, identity: Identity) -> Refuse | None:
+    def refuse(self, frame: Frame, identity: Identity, task: TaskMeta | None) -> Refuse | None:
         return None
 
     def resumes(self, frame: Frame, identity: Identity, key: str) -> bool:

@@ -11,9 +11,13 @@ task type           body                        shape
 ``code_review``     :class:`CodeReview`         ``{"diff", "files", "evidence"}``
 ``repo_summary``    :class:`RepoSummary`        ``{"repo"}``
 ``retrieval_qa``    :class:`RetrievalQA`        ``{"question", "docs"}``
-any other           :class:`Chat` or            ``{"messages"}`` (the OpenAI
-                    :class:`Text`               ingress), ``{"text"}`` (the A2A
-                                                server)
+any other           by its keys:                ``{"diff"}`` or ``{"files"}`` (a
+                    :class:`CodeReview`,        review under the policy's own task
+                    :class:`Chat`,              type), ``{"messages"}`` (the OpenAI
+                    :class:`Text` or            ingress), ``{"text"}`` (the A2A
+                    :class:`Opaque`             server), else any object (an
+                                                operator's own task type: the router
+                                                reads none of its keys)
 ==================  ==========================  ===================================
 
 Keys a body does not name pass to the next-hops unchanged (a body is not
@@ -50,6 +54,7 @@ __all__ = [
     "ChatMessage",
     "ChatTurn",
     "CodeReview",
+    "Opaque",
     "RepoSummary",
     "RetrievalQA",
     "TaskBody",
@@ -146,7 +151,13 @@ class Text(Struct, kw_only=True, omit_defaults=True):
     text: str
 
 
-TaskBody: TypeAlias = CodeReview | RepoSummary | RetrievalQA | Chat | Text
+class Opaque(Struct, kw_only=True):
+    """The body of an operator's own task type that is none of the shapes above:
+    any JSON object. The router reads none of its keys; the next-hops get it as
+    sent (``Prompt.content``)."""
+
+
+TaskBody: TypeAlias = CodeReview | RepoSummary | RetrievalQA | Chat | Text | Opaque
 
 #: The body Struct of each task type that has its own (the union's tags).
 BODIES: Mapping[str, type[CodeReview | RepoSummary | RetrievalQA]] = {
@@ -157,18 +168,21 @@ BODIES: Mapping[str, type[CodeReview | RepoSummary | RetrievalQA]] = {
 
 
 def decode_body(task_type: str, content: Mapping[str, Any]) -> TaskBody:
-    """The body of a ``task_type`` task: its :data:`BODIES` Struct, else
-    :class:`Chat` for ``{"messages"}`` or :class:`Text` for ``{"text"}``.
-    Raises :class:`msgspec.ValidationError` naming the field (``Expected `str`,
-    got `int` - at `$.diff```), also for a body of another task type that is
-    neither chat nor text."""
+    """The body of a ``task_type`` task (module docstring's table): its
+    :data:`BODIES` Struct, else by its keys — :class:`CodeReview` for
+    ``{"diff"}`` / ``{"files"}``, :class:`Chat` for ``{"messages"}``,
+    :class:`Text` for ``{"text"}``, :class:`Opaque` for any other object. Raises
+    :class:`msgspec.ValidationError` naming the field (``Expected `str`, got
+    `int` - at `$.diff```)."""
     kind: type[TaskBody]
     if task_type in BODIES:
         kind = BODIES[task_type]
+    elif "diff" in content or "files" in content:
+        kind = CodeReview
     elif "messages" in content:
         kind = Chat
     elif "text" in content:
         kind = Text
     else:
-        raise msgspec.ValidationError(f"a {task_type!r} task body is {{'messages'}} or {{'text'}}")
+        return Opaque()
     return msgspec.convert(content, kind, strict=True)

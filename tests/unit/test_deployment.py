@@ -29,6 +29,7 @@ from atp_router.runtime.router import Router
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import ANONYMOUS, Identity
 from atp_router.store import StoreUnavailable
+from atp_router.task.meta import TaskMeta
 from atp_router.wire import session as S
 from atp_router.wire.errors import ATPError, ErrorCode
 from atp_router.wire.frame import ErrorPayload, Flag, Frame, QoS
@@ -45,8 +46,8 @@ class Gate(SynGate):
         self.elsewhere: set[str] = set()
         self.calls: list[tuple[str, str]] = []
 
-    def refuse(self, frame: Frame, identity: Identity) -> Refuse | None:
-        key = frame.meta.get("idempotency_key")
+    def refuse(self, frame: Frame, identity: Identity, task: TaskMeta | None) -> Refuse | None:
+        key = task.idempotency_key if task is not None else None
         self.calls.append(("refuse", str(key)))
         if key == "down":
             raise StoreUnavailable("store gone")

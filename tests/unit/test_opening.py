@@ -45,6 +45,7 @@ from atp_router.runtime.dataplane.opening import (
 from atp_router.runtime.router import Router
 from atp_router.security.authz import QUOTA_RETRY_MS, StreamAdmission
 from atp_router.security.identity import ANONYMOUS, Identity, Role
+from atp_router.task.body import CodeReview, Opaque, RetrievalQA
 from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import ATPError, ErrorCode
 from atp_router.wire.frame import Budget, QoS
@@ -131,6 +132,27 @@ def test_task_shape_refuses_other_shapes_with_eproto(content, reason):
     o = syn(content=content)
     assert refused(TaskShape()(o)) == (ErrorCode.EPROTO, reason, None)
     assert "diff_loc" not in o.meta
+
+
+def test_task_shape_decodes_the_body_its_task_type_names_once():
+    """The body is decoded into its task type's Struct (the SYN's typed meta
+    names the type; without it, by its keys), kept on the OpenCtx for the
+    prompt of every next-hop; a field of the wrong shape is EPROTO naming it."""
+    o = syn(content=CLEAN, task=TaskMeta(task_type="code_review"))
+    assert TaskShape()(o) is CONTINUE
+    assert isinstance(o.body, CodeReview) and o.body.diff == CLEAN["diff"] and o.body.files == CLEAN["files"]
+    assert o.task is not None and o.task.diff_loc == o.meta["diff_loc"]  # the typed meta kept in step
+    o = syn({"task_type": "retrieval_qa"}, {"question": "why?"}, task=TaskMeta(task_type="retrieval_qa"))
+    assert TaskShape()(o) is CONTINUE and o.body == RetrievalQA(question="why?")
+    o = syn({"task_type": "retrieval_qa"}, {"question": ""}, task=TaskMeta(task_type="retrieval_qa"))
+    assert refused(TaskShape()(o)) == (
+        ErrorCode.EPROTO, "task content.question: Expected `str` of length >= 1 - at `$.question`", None)
+    o = syn({"task_type": "summarize"}, {"messages": [{"role": "robot", "content": "x"}]},
+            task=TaskMeta(task_type="summarize"))
+    assert refused(TaskShape()(o)) == (
+        ErrorCode.EPROTO, "task content.messages: Invalid enum value 'robot' - at `$.messages[0].role`", None)
+    o = syn({"task_type": "summarize"}, {"prompt": "an operator's own shape"}, task=TaskMeta(task_type="summarize"))
+    assert TaskShape()(o) is CONTINUE and o.body == Opaque()
 
 
 # ------------------------------------------------------------------ stream_slot

@@ -28,6 +28,7 @@ from atp_router.task.body import (
     MAX_FILES,
     Chat,
     CodeReview,
+    Opaque,
     RetrievalQA,
     Text,
     decode_body,
@@ -35,6 +36,7 @@ from atp_router.task.body import (
 from atp_router.task.change import ParsedChange, parse_change
 from atp_router.task.diff import count_changed_lines, diff_loc, parse_diff
 from atp_router.task.meta import IDEMPOTENCY_KEY_CHARS, TaskMeta, TraceMeta, decode_meta
+from atp_router.wire.errors import ClientInputError, ErrorCode
 from atp_router.wire.frame import Budget, Frame, Payload, PayloadType, QoS
 from tests.conftest import SHARED
 from tests.helpers import start_router_on
@@ -84,6 +86,9 @@ def test_each_task_type_has_its_body_and_other_keys_pass_through() -> None:
     assert decode_body("summarize", {"messages": [{"role": "user", "content": "hi"}]}).messages[0].content == "hi"
     assert isinstance(decode_body("summarize", {"messages": [{"role": "user", "content": "hi"}]}), Chat)
     assert decode_body("chat", {"text": "hello"}) == Text(text="hello")
+    # An operator's own task type: a review by its keys, else any object the router does not read.
+    assert decode_body("public_review", {"diff": DIFF}) == CodeReview(diff=DIFF)
+    assert decode_body("summarize", {"prompt": "x"}) == Opaque()
 
 
 @pytest.mark.parametrize(("task_type", "content", "message"), [
@@ -96,7 +101,7 @@ def test_each_task_type_has_its_body_and_other_keys_pass_through() -> None:
     ("summarize", {"messages": []}, "Expected `array` of length >= 1 - at `$.messages`"),
     ("summarize", {"messages": [{"role": "robot", "content": "x"}]},
      "Invalid enum value 'robot' - at `$.messages[0].role`"),
-    ("summarize", {"prompt": "x"}, "a 'summarize' task body is {'messages'} or {'text'}"),
+    ("public_review", {"diff": 7}, "Expected `str | null`, got `int` - at `$.diff`"),
 ])
 def test_a_body_is_strict_and_names_the_field(task_type: str, content: dict, message: str) -> None:
     with pytest.raises(msgspec.ValidationError) as e:
@@ -129,6 +134,26 @@ def test_a_prompt_carries_its_change_or_an_adapter_parses_its_own(monkeypatch: p
     assert change_of(Prompt("code_review", {"diff": DIFF}, change=change)) is change
     assert change_of(Prompt("code_review", {"diff": DIFF})) == change
     assert change_of(Prompt("chat", {"text": "x"})) is None
+
+
+def test_a_prompts_body_is_its_content_typed_and_follows_a_replaced_content() -> None:
+    """Adapters read ``Prompt.body``: the content decoded into its task type's
+    Struct, once per prompt (or seeded with the SYN's decode). A prompt whose
+    content is replaced — a data-scope redaction for one leg — decodes its own,
+    so no leg reads the body of content it was not given."""
+    files = {"calc.py": "def add(a, b):\n    return a + b\n"}
+    prompt: Prompt[CodeReview] = Prompt("code_review", {"diff": DIFF, "files": files})
+    assert prompt.body == CodeReview(diff=DIFF, files=files)
+    assert prompt.body is prompt.body  # decoded once
+    seeded = Prompt("code_review", {"diff": DIFF, "files": files}).with_body(body := CodeReview(diff=DIFF, files=files))
+    assert seeded.body is body
+    redacted = DIFF.replace("a + b", "[REDACTED]")
+    leg = msgspec.structs.replace(seeded, content={"diff": redacted, "files": {}})
+    assert leg.body == CodeReview(diff=redacted, files={}) and leg.body is not body
+    assert Prompt("summarize", {"prompt": "x"}).body == Opaque()
+    with pytest.raises(ClientInputError) as e:
+        _ = Prompt("code_review", {"diff": 3}).body
+    assert e.value.code is ErrorCode.EPROTO and e.value.reason == "task content: Expected `str | null`, got `int` - at `$.diff`"
 
 
 def test_every_leg_gets_the_tasks_change_unless_its_diff_was_rewritten() -> None:
@@ -291,7 +316,6 @@ async def test_a_syns_task_body_is_checked_once(nursery, tmp_path, scripted, mon
         original(content)
 
     monkeypatch.setattr(atp_router.runtime.dataplane.opening, "check_task", counting)
-    monkeypatch.setattr(atp_router.runtime.dataplane.plane, "check_task", counting)
     scripted["m.one"] = ScriptedAdapter.returning("m.one")
     doc = {"agents": {"m.one": scripted_agent()},
            "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.one"]}]}

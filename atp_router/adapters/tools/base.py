@@ -105,6 +105,7 @@ from atp_router.adapters.tools.sandbox import Sandbox, SandboxUnavailable
 from atp_router.consensus.types import AgentFinding, AgentReport, Usage
 from atp_router.policy.health import Health
 from atp_router.review.paths import safe_relpath
+from atp_router.task.body import CodeReview, TaskBody
 from atp_router.task.change import ParsedChange, parse_change
 from atp_router.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp_router.wire.frame import Capabilities, CostEstimate, PayloadType
@@ -422,30 +423,29 @@ class ToolAdapter(ProviderAdapter):
 
     async def review(self, prompt: Prompt) -> AgentReport:
         """The report :meth:`stream` yields, for callers that want it directly."""
-        task = await trio.to_thread.run_sync(self._bound, prompt.content, prompt.change)
+        task = await trio.to_thread.run_sync(self._bound, prompt.body, prompt.change)
         findings: list[AgentFinding] = []
         notes: list[str] = []
         if task.targets:
             findings, notes = await self._run(task.targets)
         return await trio.to_thread.run_sync(self._conclude, task, findings, notes)
 
-    def _bound(self, content: Any, change: ParsedChange | None = None) -> _Task:
+    def _bound(self, body: TaskBody, change: ParsedChange | None = None) -> _Task:
         """Validate and bound the task (module docstring, step 1-2); runs in a
-        worker thread. ``change`` is the diff already parsed (the task's, from the
+        worker thread. ``body``: the prompt's typed body (a review's
+        :class:`~atp_router.task.body.CodeReview`: its ``files`` and ``diff``
+        already typed); ``change`` is the diff already parsed (the task's, from the
         dispatcher), else it is parsed here when ``scope`` is ``"changed"``.
         Raises ClientInputError naming the limit or the field."""
         lim = self.limits
-        if not isinstance(content, Mapping):
-            raise ClientInputError("content must be an object with 'files' (and 'diff')")
-        files = content.get("files")
-        if not isinstance(files, dict):
-            raise ClientInputError("content.files must map paths to file text")
+        files = body.files if isinstance(body, CodeReview) else None
+        if files is None:
+            raise ClientInputError("content must be an object with 'files' (and 'diff'): "
+                                   "path → the file's text after the change")
         if len(files) > lim.max_files:
             raise ClientInputError(f"content.files has {len(files):,} files, over the limit max_files={lim.max_files:,}")
-        diff = content.get("diff")
-        if diff is not None and not isinstance(diff, str):
-            raise ClientInputError("content.diff must be a unified diff string")
-        if isinstance(diff, str):
+        diff = body.diff if isinstance(body, CodeReview) else None
+        if diff is not None:
             _check_len("content.diff", diff, "max_diff_bytes", lim.max_diff_bytes)
             size = len(diff.encode("utf-8", "surrogatepass"))
             if size > lim.max_diff_bytes:

@@ -66,13 +66,14 @@ import tokenize
 from collections import Counter
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import trio
 
 from atp_router.adapters.base import Prompt
 from atp_router.adapters.tools.base import DEFAULT_LIMITS, ToolAdapter, ToolLimits
 from atp_router.consensus.types import AgentFinding, AgentReport
+from atp_router.task.body import CodeReview
 from atp_router.task.change import ParsedChange, parse_change
 from atp_router.wire.errors import AgentError
 
@@ -327,9 +328,9 @@ class SuppressionAwareAdapter(ToolAdapter):
     async def review(self, prompt: Prompt) -> AgentReport:
         """:meth:`ToolAdapter.review` with the task's diff (and its parse, when the
         prompt carries it) at hand for :meth:`_run`."""
-        content: Any = prompt.content
-        diff = content.get("diff") if isinstance(content, Mapping) else None
-        token = _DIFF.set((diff, prompt.change) if isinstance(diff, str) else None)
+        body = prompt.body
+        diff = body.diff if isinstance(body, CodeReview) else None
+        token = _DIFF.set((diff, prompt.change) if diff is not None else None)
         try:
             return await super().review(prompt)
         finally:

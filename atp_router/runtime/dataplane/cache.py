@@ -79,6 +79,7 @@ from atp_router.policy.cache import (
 )
 from atp_router.policy.rib import CacheSpec
 from atp_router.store.base import Store, StoreError
+from atp_router.task.body import TaskBody
 
 __all__ = ["DEFAULT_MAX_BYTES", "MAX_ENTRY_BYTES", "CacheView", "ResponseCache", "annotate"]
 
@@ -147,19 +148,19 @@ class CacheView:
         self.spec = spec
         self.fingerprints = fingerprints
         #: The key of each agent's last prompt (record stores under it without keying again).
-        self._keys: dict[str, tuple[Prompt, bytes]] = {}
+        self._keys: dict[str, tuple[Prompt[TaskBody], bytes]] = {}
 
     @property
     def _scope(self) -> str | None:
         return None if self.spec.shared else self.tenant
 
-    def _key_now(self, agent: str, prompt: Prompt) -> bytes | None:
+    def _key_now(self, agent: str, prompt: Prompt[TaskBody]) -> bytes | None:
         fp = self.fingerprints.get(agent)
         if fp is None:
             return None
         return cache_key(agent=agent, fingerprint=fp, prompt=prompt, tenant=self._scope)
 
-    async def _key(self, agent: str, prompt: Prompt) -> bytes | None:
+    async def _key(self, agent: str, prompt: Prompt[TaskBody]) -> bytes | None:
         """``agent``'s key for ``prompt`` (None: not cacheable), kept for :meth:`record`."""
         try:
             if approx_chars(prompt) > _INLINE_KEY_CHARS:
@@ -173,7 +174,7 @@ class CacheView:
             self._keys[agent] = (prompt, key)
         return key
 
-    async def serve(self, io: Any, agent: str, prompt: Prompt, out: Any) -> bool:
+    async def serve(self, io: Any, agent: str, prompt: Prompt[TaskBody], out: Any) -> bool:
         """Answer ``agent``'s attempt ``out`` (a
         :class:`~atp_router.runtime.dataplane.plan.LegOutcome`) for ``prompt`` — the prompt
         the agent would receive — from the cache. On a hit: emits the stored
@@ -215,7 +216,7 @@ class CacheView:
         m.cache_saved_usd_micros.labels(agent).inc(entry.usage.usd_micros)
         return True
 
-    def record(self, agent: str, prompt: Prompt, out: Any) -> None:
+    def record(self, agent: str, prompt: Prompt[TaskBody], out: Any) -> None:
         """Store ``agent``'s answer ``out`` to ``prompt`` when it completed
         (:func:`~atp_router.policy.cache.cacheable`) for the policy's ``ttl_s``. Never
         raises: a failed write is logged and counted."""

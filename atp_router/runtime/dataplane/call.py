@@ -39,6 +39,7 @@ from atp_router.runtime.dataplane.plan import (
     leg_prompt,
 )
 from atp_router.runtime.loopstalls import LoopStalls
+from atp_router.task.body import TaskBody
 from atp_router.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode
 from atp_router.wire.frame import PayloadType
 
@@ -50,7 +51,7 @@ class _Ready:
     """A call that passed the dispatcher's own checks: what to admit and run."""
 
     adapter: ProviderAdapter
-    prompt: Prompt
+    prompt: Prompt[TaskBody]
     estimate: Estimate
 
 

@@ -127,6 +127,7 @@ from atp_router.runtime.dataplane.plan import (
     client_fault,
     hand_evidence,
     parse_task_change,
+    review_files,
 )
 from atp_router.security.redact import scrub
 from atp_router.wire.errors import AgentError, ATPError, ClientInputError, ErrorCode
@@ -293,7 +294,7 @@ class Dispatcher:
             strategy=plan.route.consensus,
             win_rates={a: (plan.win_rates or {}).get(a, self.win_rates.get(a, 0.5)) for a in reports},
             costs_usd_micros={a: costs.get(a, 0) for a in reports},
-            files=plan.prompt.content.get("files"),
+            files=review_files(plan.prompt),
             sources=self.sources,
             quorum=plan.route.quorum,
             changed=plan.changed,
@@ -457,7 +458,7 @@ def escalation_triggers(plan: TaskPlan, result: Result, reports: Mapping[str, Ag
             or now >= plan.deadline or (refused and not reports)):
         return []
     triggers = should_escalate(result, reports, list(esc.on), threshold=esc.threshold,
-                               files=plan.prompt.content.get("files"))
+                               files=review_files(plan.prompt))
     return triggers or (["bandit"] if plan.escalate else [])
 
 

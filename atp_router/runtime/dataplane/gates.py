@@ -74,6 +74,7 @@ from atp_router.flow.window import WindowTable
 from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.loopstalls import LoopStalls
 from atp_router.security.redact import scrub
+from atp_router.task.body import TaskBody
 from atp_router.task.change import parse_change
 from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import AgentError, ATPError, ErrorCode
@@ -92,7 +93,7 @@ _CANARY_DIFF = (
 #: test — well-formed and far within every limit, so an analyser or a test
 #: runner answers it in well under its timeout when healthy. A next-hop that refuses it as input (a tool for another task
 #: type) gives no verdict.
-CANARY = Prompt(
+CANARY: Prompt[TaskBody] = Prompt(
     task_type="code_review",
     content={
         "diff": _CANARY_DIFF,

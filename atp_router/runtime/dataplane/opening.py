@@ -18,15 +18,20 @@ The default pipeline, :data:`DEFAULT_STAGES`, in order (``atp-router policy chec
 ``context_scope``   Agent Context Protocol (:mod:`atp_router.adapters.context`): a bad
                     ``meta.agent_context`` is ``EPROTO`` naming the field; its
                     policyContext labels join ``meta.data_scope``
-``task_shape``      the task body's ``diff`` / ``files`` shapes (``EPROTO``);
-                    ``meta.diff_loc`` counted from the diff (or its parsed
-                    change)
+``task_shape``      the task body decoded into its task type's Struct
+                    (:func:`task_body`, :mod:`atp_router.task.body`; ``EPROTO``
+                    naming the field), once: the prompt of every next-hop
+                    carries it; ``meta.diff_loc`` counted from the diff (or its
+                    parsed change)
 ``stream_slot``     the stream table's room and the stream id (``EWINDOW`` at
                     ``max_streams``, ``EPROTO`` for an id in use)
-``task_meta``       the meta's typed fields decoded once
+``task_meta``       the meta's typed fields
                     (:class:`~atp_router.task.meta.TaskMeta`: budget, idempotency
                     key, resume point, data scope, Agent Context, trace,
-                    ``diff_loc``; ``EPROTO`` naming the field)
+                    ``diff_loc``; ``EPROTO`` naming the field): decoded once,
+                    where the SYN was received (:func:`syn_task`: resumption and
+                    a deployment's SYN gates read it there), here only for a
+                    SYN whose receiver did not
 ``tenant_admission`` spec §11 AuthZ (:class:`~atp_router.security.authz.StreamAdmission`):
                     role, task types, data categories (``ESEC``), stream quota
                     and open rate (``EWINDOW`` + ``retry_after_ms``); the QoS
@@ -74,6 +79,7 @@ from atp_router.policy.fib import data_scope_labels
 from atp_router.runtime.dataplane.stream import stream_account
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
+from atp_router.task.body import TaskBody, decode_body
 from atp_router.task.change import ParsedChange
 from atp_router.task.diff import count_changed_lines
 from atp_router.task.meta import TaskMeta, decode_meta
@@ -115,6 +121,8 @@ __all__ = [
     "min_budget",
     "replace_stage",
     "run_stages",
+    "syn_task",
+    "task_body",
 ]
 
 
@@ -139,10 +147,13 @@ class OpenCtx:
     (a copy of the SYN's meta: stages may add keys, e.g. ``diff_loc``),
     ``content`` (the SYN's task body, None without one), ``qos`` and ``window``
     asked for, ``now`` (trio seconds), ``change`` (the body's ``diff`` as the
-    ingress that read it parsed it, None: not parsed yet). Decided: ``shaped``
-    (``task_shape`` checked ``content``'s shape: the stream does not check it
-    again when its task starts), ``task``
-    (the meta's typed fields, :class:`~atp_router.task.meta.TaskMeta`), ``client_budget`` (the budget
+    ingress that read it parsed it, None: not parsed yet), ``task`` (the meta's
+    typed fields, :class:`~atp_router.task.meta.TaskMeta`, when the SYN's
+    receiver decoded them already, :func:`syn_task`; else the ``task_meta``
+    stage decodes them; the stages that add meta keys keep it in step). Decided:
+    ``body`` (``task_shape`` decoded ``content`` into its task body Struct,
+    :func:`task_body`: the stream does not check or decode it again when its
+    task starts), ``task``, ``client_budget`` (the budget
     asked, then capped by admission), ``admitted_qos`` (None: the route's),
     ``gen`` (the RIB generation routed on), ``route``, ``decision`` (the
     bandit's, None without one), ``budget`` (the stream's: the tighter of the
@@ -157,7 +168,7 @@ class OpenCtx:
     window: Window | None
     now: float
     change: ParsedChange | None = None
-    shaped: bool = False
+    body: TaskBody | None = None
     task: TaskMeta | None = None
     client_budget: Budget | None = None
     admitted_qos: QoS | None = None
@@ -253,12 +264,15 @@ class ContextScope:
 
     @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
-        o.meta = with_context_scope(o.meta)
+        before = o.meta
+        o.meta = with_context_scope(before)
+        if o.task is not None and o.meta is not before:  # its labels joined data_scope
+            o.task = msgspec.structs.replace(o.task, data_scope=o.meta.get("data_scope"))
         return CONTINUE
 
 
 class TaskShape:
-    """The task body's diff/files shapes (EPROTO); meta.diff_loc counted from its diff."""
+    """The task body decoded into its task type's Struct (EPROTO naming the field); meta.diff_loc counted from its diff."""
 
     name: ClassVar[str] = "task_shape"
     __slots__ = ()
@@ -269,14 +283,17 @@ class TaskShape:
 
     @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
-        content = o.content
-        if isinstance(content, dict):
-            check_task(content)
-            o.shaped = True
-            if "diff" in content and "diff_loc" not in o.meta:
-                # The ingress's parse when it made one, else a count at C speed: no stall at SYN.
-                o.meta["diff_loc"] = (o.change.diff_loc if o.change is not None
-                                      else count_changed_lines(content["diff"]))
+        if not isinstance(o.content, dict):  # none, or JSON text to reassemble: checked when the task starts
+            return CONTINUE
+        # The task type decides the body (a SYN whose meta is malformed: by its keys,
+        # and the task_meta stage refuses it).
+        o.body = body = task_body(o.task.task_type if o.task is not None else "", o.content)
+        diff = getattr(body, "diff", None)
+        if diff is not None and "diff_loc" not in o.meta:
+            # The ingress's parse when it made one, else a count at C speed: no stall at SYN.
+            o.meta["diff_loc"] = loc = o.change.diff_loc if o.change is not None else count_changed_lines(diff)
+            if o.task is not None:
+                o.task = msgspec.structs.replace(o.task, diff_loc=loc)
         return CONTINUE
 
 
@@ -300,7 +317,7 @@ class StreamSlot:
 
 
 class DecodeMeta:
-    """The meta's typed fields decoded once (TaskMeta: budget, idempotency key, resume point, trace; EPROTO)."""
+    """The meta's typed fields decoded once, if the SYN's receiver has not (TaskMeta: budget, idempotency key, trace; EPROTO)."""
 
     name: ClassVar[str] = "task_meta"
     __slots__ = ()
@@ -311,14 +328,17 @@ class DecodeMeta:
 
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
         """``o.task``: ``o.meta`` decoded (:func:`~atp_router.task.meta.decode_meta`,
-        after ``context_scope`` and ``task_shape`` added their keys), and the budget
-        the client asks for, ``o.client_budget``. A malformed field is ``EPROTO``
+        after ``context_scope`` and ``task_shape`` added their keys) unless the
+        SYN's receiver decoded it (:func:`syn_task`), and the budget the client
+        asks for, ``o.client_budget``. A malformed field is ``EPROTO``
         ``meta.<field>: <what is wrong> - at `$.<field>…```."""
-        try:
-            o.task = task = decode_meta(o.meta)
-        except msgspec.ValidationError as e:
-            where = _FIELD.search(str(e))
-            return Refuse(ErrorCode.EPROTO, f"meta.{where.group(1)}: {e}" if where else f"meta: {e}")
+        task = o.task
+        if task is None:
+            try:
+                o.task = task = decode_meta(o.meta)
+            except msgspec.ValidationError as e:
+                where = _FIELD.search(str(e))
+                return Refuse(ErrorCode.EPROTO, f"meta.{where.group(1)}: {e}" if where else f"meta: {e}")
         o.client_budget = task.budget
         return CONTINUE
 
@@ -341,8 +361,10 @@ class TenantAdmission:
 
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
         tenant = o.tenant
+        # After task_meta, its typed task type (a stage run on its own: the meta's).
+        task_type = o.task.task_type if o.task is not None else str(o.meta.get("task_type", ""))
         decision = self.admission.decide(
-            o.identity, self.client_spec(tenant), task_type=str(o.meta.get("task_type", "")), qos=o.qos,
+            o.identity, self.client_spec(tenant), task_type=task_type, qos=o.qos,
             budget=o.client_budget, labels=data_scope_labels(o.meta),
             open_streams=self.streams.tenant_open[tenant], now=o.now)
         if isinstance(decision, Refuse):
@@ -485,6 +507,33 @@ def describe(stages: Sequence[StageType | Stage]) -> list[tuple[str, str]]:
 
 
 # ------------------------------------------------------------------ helpers
+def syn_task(meta: Any) -> TaskMeta | None:
+    """A SYN's ``meta`` decoded (:func:`~atp_router.task.meta.decode_meta`), once,
+    where the SYN is received — what resumption (its idempotency key and resume
+    point) and a deployment's SYN gates read — and carried into its
+    :class:`OpenCtx`; None when a field is malformed (the ``task_meta`` stage
+    refuses it, ``EPROTO`` naming the field)."""
+    try:
+        return decode_meta(meta)
+    except msgspec.ValidationError:
+        return None
+
+
+def task_body(task_type: str, content: Any) -> TaskBody:
+    """``content`` checked (:func:`check_task`, the shapes the router reads) and
+    decoded into its task type's body Struct
+    (:func:`~atp_router.task.body.decode_body`): once per task, at its SYN or
+    when its task message arrives. Raises LocalProtocolError(EPROTO) naming
+    the field (``task content.question: Expected `str` of length >= 1 - at `$.question```)."""
+    check_task(content)
+    try:
+        return decode_body(task_type, content)
+    except msgspec.ValidationError as e:
+        where = _FIELD.search(str(e))
+        raise LocalProtocolError(ErrorCode.EPROTO, f"task content.{where.group(1)}: {e}" if where
+                                 else f"task content: {e}") from None
+
+
 def check_task(content: Any) -> None:
     """The task body fields the router itself reads (``diff`` for ``diff_loc``,
     ``files`` for consensus evidence) must have their documented shapes:

@@ -25,6 +25,7 @@ from atp_router.consensus.types import AgentReport, Usage
 from atp_router.flow.admission import StreamFlow
 from atp_router.flow.window import Window as FlowWindow
 from atp_router.security.redact import scrub
+from atp_router.task.body import CodeReview, TaskBody
 from atp_router.task.change import ParsedChange, parse_change
 from atp_router.wire.errors import AgentError, ATPError, ErrorCode
 from atp_router.wire.frame import QoS, WindowUpdate
@@ -82,7 +83,7 @@ class LegOutcome:
 class TaskPlan:
     """Everything the dispatcher needs to run one stream's task."""
 
-    prompt: Prompt
+    prompt: Prompt[TaskBody]
     route: Any  # atp_router.policy.fib.Route
     window: FlowWindow
     ledger_key: str
@@ -100,7 +101,7 @@ class TaskPlan:
     #: :class:`~atp_router.wire.errors.ClientInputError` (``ESEC``) when the content
     #: carries a ``forbidden`` category the agent is not cleared for: that
     #: next-hop is not called. ``None``: every next-hop sees ``prompt``.
-    prompt_for: Callable[[str], Prompt] | None = None
+    prompt_for: Callable[[str], Prompt[TaskBody]] | None = None
     #: Every attempt, in order (telemetry sums their usage).
     attempts: list[LegOutcome] = field(default_factory=list)
     #: Agents called or chosen for this stream: a reroute never goes back to one.
@@ -146,9 +147,16 @@ def client_fault(err: ATPError | None) -> bool:
 _INLINE_DIFF_CHARS = 32 * 1024
 
 
-def _diff_of(prompt: Prompt) -> str | None:
-    diff = prompt.content.get("diff") if isinstance(prompt.content, Mapping) else None
-    return diff if isinstance(diff, str) else None
+def _diff_of(prompt: Prompt[TaskBody]) -> str | None:
+    body = prompt.body
+    return body.diff if isinstance(body, CodeReview) else None
+
+
+def review_files(prompt: Prompt[TaskBody]) -> dict[str, str] | None:
+    """A review's ``files`` (path → text after the change) from ``prompt``'s typed
+    body: what the consensus checks citations against; None for another body."""
+    body = prompt.body
+    return body.files if isinstance(body, CodeReview) else None
 
 
 async def parse_off_loop(diff: str) -> ParsedChange:
@@ -177,7 +185,7 @@ async def parse_task_change(plan: TaskPlan) -> None:
     plan.changed = plan.prompt.change.changed if diff else None
 
 
-def leg_prompt(plan: TaskPlan, agent: str) -> Prompt:
+def leg_prompt(plan: TaskPlan, agent: str) -> Prompt[TaskBody]:
     """The prompt ``agent`` may see (``plan.prompt_for``, spec §11) carrying the
     task's parsed diff (``plan.prompt.change``) when its diff is the task's; a
     data-scope redaction that rewrote the diff leaves that leg to parse its own."""
@@ -222,7 +230,7 @@ def hand_evidence(plan: TaskPlan, reports: Mapping[str, AgentReport]) -> None:
     ]
     base = plan.prompt_for
 
-    def prompt_for(agent: str) -> Prompt:
+    def prompt_for(agent: str) -> Prompt[TaskBody]:
         p = plan.prompt if base is None else base(agent)
         return msgspec.structs.replace(p, content={**p.content, "evidence": evidence})
 

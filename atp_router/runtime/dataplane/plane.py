@@ -36,14 +36,24 @@ from atp_router.runtime.dataplane.journal import CallJournal
 from atp_router.runtime.dataplane.opening import (
     OpenCtx,
     Stage,
-    check_task,
     holding,
     min_budget,
     run_stages,
+    syn_task,
+    task_body,
 )
 from atp_router.runtime.dataplane.plan import TaskPlan
 from atp_router.runtime.dataplane.runner import TaskOutcome, plan_task, run_task
-from atp_router.runtime.dataplane.stream import Closed, StreamCtx, connection_error, task_digest
+from atp_router.runtime.dataplane.stream import (
+    Closed,
+    StreamCtx,
+    change_of_task,
+    connection_error,
+    error_of_frames,
+    frame_kind,
+    min_window,
+    task_digest,
+)
 from atp_router.runtime.dataplane.streams import StreamTable
 from atp_router.runtime.deployment import SynGate
 from atp_router.security.authz import Refuse, clamp_qos
@@ -51,13 +61,19 @@ from atp_router.security.identity import Identity
 from atp_router.security.redact import DataScopeGuard
 from atp_router.security.signing import UsageSigner
 from atp_router.store import StoreUnavailable
+from atp_router.task.body import TaskBody
 from atp_router.task.change import ParsedChange
+from atp_router.task.meta import TaskMeta
 from atp_router.wire import session as S
-from atp_router.wire.errors import ATPError, ErrorCode, IdempotencyConflict, LocalProtocolError
+from atp_router.wire.errors import (
+    ATPError,
+    ErrorCode,
+    IdempotencyConflict,
+    LocalProtocolError,
+)
 from atp_router.wire.frame import (
     Budget,
     BudgetUpdate,
-    ErrorPayload,
     Flag,
     Frame,
     Payload,
@@ -121,7 +137,8 @@ class DataPlane:
         return self.streams.find(identity.tenant, stream_id) or self.streams.restore(
             identity, stream_id=stream_id, now=trio.current_time())
 
-    def resume_point(self, frame: Frame, *, identity: Identity) -> tuple[StreamCtx, int] | None:
+    def resume_point(self, frame: Frame, *, identity: Identity,
+                     task: TaskMeta | None = None) -> tuple[StreamCtx, int] | None:
         """Whether ``frame`` re-opens a stream (spec §8 Resumption), and from where.
 
         A SYN whose ``meta.idempotency_key`` names a stream ``identity``'s tenant
@@ -135,11 +152,15 @@ class DataPlane:
         :attr:`syn_gates` gate does not let resume here). Raises
         :class:`~atp_router.wire.errors.IdempotencyConflict` when the SYN carries
         a task other than the one the key opened its stream with
-        (:func:`task_digest`: its ``task_type`` and content)."""
+        (:func:`task_digest`: its ``task_type`` and content). ``task``: the SYN's
+        meta as its receiver decoded it (:func:`~atp_router.runtime.dataplane.opening.syn_task`),
+        else decoded here; a malformed meta resumes nothing."""
         if Flag.SYN not in frame.flags or frame.ttl == 0:
             return None
-        key = frame.meta.get("idempotency_key")
-        if not isinstance(key, str):
+        if task is None:
+            task = syn_task(frame.meta)
+        key = task.idempotency_key if task is not None else None
+        if key is None:
             return None
         if not all(gate.resumes(frame, identity, key) for gate in self.syn_gates):
             return None
@@ -151,10 +172,8 @@ class DataPlane:
             else None
         if content is not None and ctx.task_digest is not None and task_digest(frame.meta, content) != ctx.task_digest:
             raise IdempotencyConflict(key)
-        after = frame.meta.get("resume_after")
-        if isinstance(after, int) and not isinstance(after, bool) and after >= 0:
-            return ctx, ctx.log.after_message(after)
-        return ctx, 0
+        after = task.resume_after if task is not None else None
+        return ctx, (ctx.log.after_message(after) if after is not None else 0)
 
     def receive_frame(self, frame: Frame, *, identity: Identity, now: float) -> list[Frame]:
         """Feed one inbound frame (already decoded and verified) from ``identity``
@@ -183,27 +202,33 @@ class DataPlane:
         ``atp_errors``), before its session sees it: no stream, no RST.
         """
         try:
-            return self._receive(frame, identity=identity, now=now, change=None)
+            return self._receive(frame, identity=identity, now=now, change=None,
+                                 task=syn_task(frame.meta) if Flag.SYN in frame.flags else None)
         except IdempotencyConflict as e:  # a key re-used with another task: a lone ERROR, nothing opened
             self.metrics.errors.labels(str(e.code)).inc()
             return [connection_error(frame.session_id, frame.stream_id, e.code, e.reason)]
 
-    def _receive(self, frame: Frame, *, identity: Identity, now: float, change: ParsedChange | None) -> list[Frame]:
+    def _receive(self, frame: Frame, *, identity: Identity, now: float, change: ParsedChange | None,
+                 task: TaskMeta | None, resume_checked: bool = False) -> list[Frame]:
         """:meth:`receive_frame`; a SYN's task diff already parsed into ``change``
-        by the ingress that read it (:meth:`open_stream`), or None. Raises
-        :class:`~atp_router.wire.errors.IdempotencyConflict` (a SYN's key names
-        another task: :meth:`resume_point`, or a gate such as the cluster's re-run)."""
+        by the ingress that read it (:meth:`open_stream`), or None; ``task``: a
+        SYN's meta decoded once (:func:`~atp_router.runtime.dataplane.opening.syn_task`;
+        None: malformed, or not a SYN) — what the gates, resumption and the SYN
+        stages read; ``resume_checked``: the caller asked :meth:`resume_point`
+        already. Raises :class:`~atp_router.wire.errors.IdempotencyConflict` (a
+        SYN's key names another task: :meth:`resume_point`, or a gate such as
+        the cluster's re-run)."""
         if Flag.SYN in frame.flags:
             for gate in self.syn_gates:
-                refused = gate.refuse(frame, identity)
+                refused = gate.refuse(frame, identity, task)
                 if refused is not None:
                     self.metrics.errors.labels(str(refused.code)).inc()
                     return [connection_error(frame.session_id, frame.stream_id, refused.code, refused.reason,
                                              refused.retry_after_ms)]
-        self.metrics.frames.labels("in", _kind(frame)).inc()
+        self.metrics.frames.labels("in", frame_kind(frame)).inc()
         tenant = identity.tenant
         if Flag.SYN in frame.flags:
-            if self.resume_point(frame, identity=identity) is not None:
+            if not resume_checked and self.resume_point(frame, identity=identity, task=task) is not None:
                 return []
             # The session confirms the SYN's class in its SYN+ACK (§8 step 2): it must
             # see the class StreamAdmission serves (authz.clamp_qos, the one rule).
@@ -217,16 +242,17 @@ class DataPlane:
                 return self._late_frame(frame)
             direct: list[Frame] = []
             for ev in sess.receive_frame(frame, now):
-                self._on_session_event(ev, sess, frame, identity=identity, direct=direct, change=change)
+                self._on_session_event(ev, sess, frame, identity=identity, direct=direct, change=change, task=task)
         finally:
             self._qos_asked = None  # never carried over to another SYN, whatever was raised
         return direct
 
     def _on_session_event(self, ev: Any, sess: S.Session, frame: Frame, *, identity: Identity,
-                          direct: list[Frame], change: ParsedChange | None) -> None:
+                          direct: list[Frame], change: ParsedChange | None, task: TaskMeta | None) -> None:
         """Act on one event ``sess`` made of inbound ``frame`` (:meth:`receive_frame`);
         frames for the sender outside any stream's log go to ``direct``; ``change``
-        is the SYN's task diff as the ingress parsed it (None: not parsed yet)."""
+        is the SYN's task diff as the ingress parsed it (None: not parsed yet),
+        ``task`` its meta as decoded on receipt (:meth:`_receive`)."""
 
         def stream_of(stream_id: str) -> StreamCtx | None:
             return self.streams.get(identity.tenant, sess.session_id, stream_id)
@@ -235,7 +261,7 @@ class DataPlane:
             case S.StreamOpened():
                 # The session dropped a SYN at ttl 0; this hop takes one off the rest (§4.2).
                 self._on_syn(sess, ev, identity=identity, direct=direct, ttl=S.forward_ttl(frame).ttl,
-                             change=change)
+                             change=change, task=task)
             case S.MessageReceived():
                 ctx = stream_of(ev.stream_id)
                 if ctx is not None:
@@ -278,7 +304,7 @@ class DataPlane:
         return self.streams.was_refused(tenant, sess.session_id, stream_id)
 
     def _late_frame(self, frame: Frame) -> list[Frame]:
-        self.metrics.frames.labels("dropped", _kind(frame)).inc()
+        self.metrics.frames.labels("dropped", frame_kind(frame)).inc()
         p = frame.payload
         if p is None or p.type is PayloadType.CONTROL:
             return []
@@ -286,14 +312,15 @@ class DataPlane:
                                  f"stream is closed: message msg_seq={frame.msg_seq} not delivered")]
 
     def _on_syn(self, sess: S.Session, ev: Any, *, identity: Identity, direct: list[Frame], ttl: int,
-                change: ParsedChange | None) -> None:
+                change: ParsedChange | None, task: TaskMeta | None) -> None:
         """A SYN the session accepted (``ev``: :class:`~atp_router.wire.session.StreamOpened`)
         goes through :attr:`syn_stages` (:mod:`atp_router.runtime.dataplane.opening`); refused, it
         is reset with the stage's code (:meth:`_refuse_syn`), else opened
-        (:meth:`_open`). ``change``: its task's diff as the ingress parsed it."""
+        (:meth:`_open`). ``change``: its task's diff as the ingress parsed it;
+        ``task``: its meta as decoded on receipt (None: the ``task_meta`` stage decodes it)."""
         content = ev.payload.content if ev.payload is not None and ev.payload.type is PayloadType.TASK else None
         o = OpenCtx(identity, sess.session_id, ev.stream_id, dict(ev.meta), content, ev.qos, ev.window,
-                    trio.current_time(), change=change_of_task(content, change))
+                    trio.current_time(), change=change_of_task(content, change), task=task)
         refused = run_stages(self.syn_stages, o)
         if refused is not None:
             self._refuse_syn(sess, o, refused, direct)
@@ -323,7 +350,7 @@ class DataPlane:
         audited, its task started when the SYN carried one."""
         route, gen, budget, task = o.route, o.gen, o.budget, o.task
         assert route is not None and gen is not None and budget is not None and task is not None
-        window = _min_window(ev.window, route.window or DEFAULT_WINDOW)
+        window = min_window(ev.window, route.window or DEFAULT_WINDOW)
         qos = o.admitted_qos if o.admitted_qos is not None else (route.qos or QoS.SILVER)
         ctx = StreamCtx(self.streams, sess, ev.stream_id, o.identity, o.meta, qos, window, budget, route,
                         o.now, gen=gen, ttl=ttl, account=o.account, idempotency_key=task.idempotency_key, task=task,
@@ -351,16 +378,17 @@ class DataPlane:
             "next_hops": [h.agent for h in route.next_hops], "qos": str(qos),
             "budget": msgspec.to_builtins(budget)})
         if o.content is not None:
-            self._on_message(ctx, ev.payload, change=o.change, shaped=o.shaped)
+            self._on_message(ctx, ev.payload, change=o.change, body=o.body)
 
     def _on_message(self, ctx: StreamCtx, payload: Payload, *, change: ParsedChange | None = None,
-                    shaped: bool = False) -> None:
+                    body: TaskBody | None = None) -> None:
         """A task message on ``ctx`` (the SYN's, or the first one after it): its
         task started with the :class:`Prompt` every next-hop is asked; ``change``
         is its diff as already parsed (the SYN's :attr:`OpenCtx.change
         <atp_router.runtime.dataplane.opening.OpenCtx.change>`), else the
-        dispatcher parses it once. ``shaped``: the SYN's ``task_shape`` stage
-        checked the content's shape already (:func:`check_task` runs once per task)."""
+        dispatcher parses it once. ``body``: the content as the SYN's
+        ``task_shape`` stage decoded it (:func:`task_body` runs once per task),
+        else it is decoded here."""
         if payload.type is not PayloadType.TASK:
             ctx.emit_error(ErrorCode.EPROTO, f"router expects a task payload, got {payload.type}")
             return
@@ -375,16 +403,17 @@ class DataPlane:
                 self.stream_closed(ctx.reset(ErrorCode.EPROTO, f"fragmented task body is not JSON: {e}"))
                 return
         try:
-            if not shaped:
-                check_task(content)
+            if body is None:
+                body = task_body(ctx.task.task_type, content)
         except LocalProtocolError as e:
             self.stream_closed(ctx.reset(e.code, e.reason))
             return
         ctx.task_started = True
         # Next-hops get the stream's meta with the hop-decremented ttl (§4.2): an
         # agent that is itself an ATP router forwards with it, and drops at 0.
-        prompt = Prompt(task_type=ctx.task.task_type, content=content, meta={**ctx.meta, "ttl": ctx.ttl},
-                        change=change_of_task(content, change), task=ctx.task)
+        prompt: Prompt[TaskBody] = Prompt(
+            task_type=ctx.task.task_type, content=content, meta={**ctx.meta, "ttl": ctx.ttl},
+            change=change_of_task(content, change), task=ctx.task).with_body(body)
         assert self.nursery is not None, "router is not serving"
         # The scope exists before the task runs, so an RST arriving first still stops it.
         ctx.cancel_scope = scope = trio.CancelScope()
@@ -401,29 +430,27 @@ class DataPlane:
             self.audit_event("window_change", ctx.identity, {
                 "session_id": ctx.session_id, "stream_id": ctx.stream_id, "budget_update": msgspec.to_builtins(b)})
 
-    async def _run_task(self, ctx: StreamCtx, prompt: Prompt, gen: Generation, scope: trio.CancelScope) -> None:
+    async def _run_task(self, ctx: StreamCtx, prompt: Prompt[TaskBody], gen: Generation, scope: trio.CancelScope) -> None:
+        """Run ``ctx``'s task (:mod:`atp_router.runtime.dataplane.runner`) under ``scope``
+        (traced) and act on its outcome; the generation's hold released after."""
         try:
             with self.tracing.running(ctx) if self.tracing is not None else contextlib.nullcontext():
-                await self._run_task_on(ctx, prompt, gen, scope)
+                plan = plan_task(ctx, prompt, gen.fib, update_interval_ms=self.window_update_interval_ms,
+                                 update_delta=self.window_update_delta,
+                                 update_keepalive_ms=self.window_update_keepalive_ms,
+                                 win_rates=self.learning.win_rates(ctx.route) or None,
+                                 cache=self.cache.view(ctx.tenant, gen.cache, ctx.route.policy),
+                                 journal=self.journal.view(ctx.tenant, ctx.idempotency_key) if self.journal else None)
+                with scope:
+                    outcome = await run_task(gen.dispatcher, ctx, plan, guard=self.scope_guard, audit=self.audit_event)
+                    if outcome.final is None:
+                        self._task_failed(ctx, plan, outcome)
+                    else:
+                        self._task_final(ctx, gen, plan, outcome, outcome.final)
+                if scope.cancelled_caught:
+                    self.metrics.streams_closed.labels("rst").inc()
         finally:
             self.control.release(ctx)
-
-    async def _run_task_on(self, ctx: StreamCtx, prompt: Prompt, gen: Generation, scope: trio.CancelScope) -> None:
-        """Run ``ctx``'s task (:mod:`atp_router.runtime.dataplane.runner`) under ``scope``
-        and act on its outcome."""
-        plan = plan_task(ctx, prompt, gen.fib, update_interval_ms=self.window_update_interval_ms,
-                         update_delta=self.window_update_delta, update_keepalive_ms=self.window_update_keepalive_ms,
-                         win_rates=self.learning.win_rates(ctx.route) or None,
-                         cache=self.cache.view(ctx.tenant, gen.cache, ctx.route.policy),
-                         journal=self.journal.view(ctx.tenant, ctx.idempotency_key) if self.journal else None)
-        with scope:
-            outcome = await run_task(gen.dispatcher, ctx, plan, guard=self.scope_guard, audit=self.audit_event)
-            if outcome.final is None:
-                self._task_failed(ctx, plan, outcome)
-            else:
-                self._task_final(ctx, gen, plan, outcome, outcome.final)
-        if scope.cancelled_caught:
-            self.metrics.streams_closed.labels("rst").inc()
 
     def _task_failed(self, ctx: StreamCtx, plan: TaskPlan, outcome: TaskOutcome) -> None:
         """End the stream of a task that produced no FINAL: ERROR ``EBUDGET`` + FIN
@@ -493,7 +520,7 @@ class DataPlane:
         ctx, last, spent = closed.ctx, closed.last, closed.spent
         for stage in self.holding:
             stage.release(ctx.tenant, ctx.stream_id)
-        err = _error_of([last]) if last is not None else None
+        err = error_of_frames([last]) if last is not None else None
         code = err.code if err is not None else None
         if self.tracing is not None:
             self.tracing.stream_closed(
@@ -545,54 +572,26 @@ class DataPlane:
             qos=qos or QoS.SILVER, window=window, meta=meta,
             payload=Payload(type=PayloadType.TASK, content=content) if content is not None else None,
         )
+        # The SYN's typed meta from the typed arguments: the budget is not turned
+        # into a dict and decoded back (the frame's meta carries it for the record).
+        typed = syn_task(task)
+        if typed is not None and (budget is not None or idempotency_key is not None):
+            typed = msgspec.structs.replace(
+                typed, budget=budget if budget is not None else typed.budget,
+                idempotency_key=idempotency_key if idempotency_key is not None else typed.idempotency_key)
         try:
-            if idempotency_key is not None and (resumed := self.resume_point(syn, identity=identity)) is not None:
+            if idempotency_key is not None and (resumed := self.resume_point(
+                    syn, identity=identity, task=typed)) is not None:
                 return resumed[0]
-            direct = self._receive(syn, identity=identity, now=trio.current_time(), change=change)
+            direct = self._receive(syn, identity=identity, now=trio.current_time(), change=change, task=typed,
+                                   resume_checked=idempotency_key is not None)
         except StoreUnavailable as e:
             if self.store_refusal is None:
                 raise
             raise self.store_refusal("open", e) from None
         ctx = self.streams.get(identity.tenant, session_id, stream_id)
         if ctx is None:
-            err = _error_of(direct)
+            err = error_of_frames(direct)
             raise ATPError(err.code if err else ErrorCode.EPROTO, err.reason if err else "stream refused",
                            retry_after_ms=err.retry_after_ms if err else None)
         return ctx
-
-
-def change_of_task(content: Any, change: ParsedChange | None) -> ParsedChange | None:
-    """``change`` (an ingress's parse of ``content["diff"]``, :meth:`DataPlane.open_stream`)
-    when the task ``content`` has a ``diff`` string, else None: a change never
-    rides on a task without a diff."""
-    if change is None or not isinstance(content, dict):
-        return None
-    return change if isinstance(content.get("diff"), str) else None
-
-
-def _kind(frame: Frame) -> str:
-    for f in (Flag.SYN, Flag.RST, Flag.FIN, Flag.HB, Flag.CTRL, Flag.ACK):
-        if f in frame.flags:
-            return f.value
-    return "DATA"
-
-
-def _error_of(frames: list[Frame]) -> ErrorPayload | None:
-    for f in frames:
-        if f.payload is not None and f.payload.type is PayloadType.CONTROL:
-            c = f.payload.content
-            if isinstance(c, ErrorPayload):
-                return c
-            if isinstance(c, dict) and c.get("kind") == "ERROR":
-                return msgspec.convert(c, ErrorPayload)
-    return None
-
-
-def _min_window(a: Window | None, b: Window) -> Window:
-    if a is None:
-        return b
-    return Window(
-        max_parallel=min(a.max_parallel, b.max_parallel),
-        max_tokens=min(a.max_tokens, b.max_tokens),
-        max_usd_micros=min(a.max_usd_micros, b.max_usd_micros),
-    )

@@ -35,6 +35,7 @@ from atp_router.runtime.dataplane.dispatch import Dispatcher
 from atp_router.runtime.dataplane.plan import LegOutcome, StreamIO, TaskPlan
 from atp_router.security.identity import Identity
 from atp_router.security.redact import DataScopeGuard, Redacted, Refused
+from atp_router.task.body import TaskBody
 from atp_router.wire.errors import AgentError, ClientInputError, ErrorCode
 from atp_router.wire.frame import QoS, Window
 
@@ -102,7 +103,7 @@ class TaskOutcome:
     internal: bool = False
 
 
-def plan_task(stream: RunningStream, prompt: Prompt, fib: Any, *, update_interval_ms: int,
+def plan_task(stream: RunningStream, prompt: Prompt[TaskBody], fib: Any, *, update_interval_ms: int,
               update_delta: float, update_keepalive_ms: int | None = None, win_rates: Mapping[str, float] | None, cache: Any,
               journal: Any = None) -> TaskPlan:
     """The plan of ``stream``'s task ``prompt`` over ``fib`` (its generation's
@@ -154,8 +155,8 @@ async def run_task(dispatcher: Dispatcher, stream: RunningStream, plan: TaskPlan
                        escalated=plan.escalated)
 
 
-async def data_scope(stream: RunningStream, prompt: Prompt, fib: Any, guard: DataScopeGuard,
-                     audit: Audit) -> Callable[[str], Prompt] | None:
+async def data_scope(stream: RunningStream, prompt: Prompt[TaskBody], fib: Any, guard: DataScopeGuard,
+                     audit: Audit) -> Callable[[str], Prompt[TaskBody]] | None:
     """Spec §11 data scope at dispatch: the task's ``meta.data_scope`` labels
     (Agent Context ``policyContext`` labels included) are checked against the
     content once, off the event loop (``guard``,
@@ -167,9 +168,9 @@ async def data_scope(stream: RunningStream, prompt: Prompt, fib: Any, guard: Dat
     if not labels:
         return None
     scan = await trio.to_thread.run_sync(guard.inspect, prompt.content, labels)
-    seen: dict[str, Prompt] = {}
+    seen: dict[str, Prompt[TaskBody]] = {}
 
-    def prompt_for(agent: str) -> Prompt:
+    def prompt_for(agent: str) -> Prompt[TaskBody]:
         if agent in seen:
             return seen[agent]
         d = guard.for_agent(scan, fib.clearance(agent))

@@ -28,6 +28,7 @@ import trio
 from atp_router.flow.budget import AccountState
 from atp_router.runtime.dataplane.eventlog import EventLog
 from atp_router.security.identity import Identity
+from atp_router.task.change import ParsedChange
 from atp_router.task.meta import TaskMeta
 from atp_router.wire import session as S
 from atp_router.wire.errors import ErrorCode
@@ -48,7 +49,16 @@ if TYPE_CHECKING:
     from atp_router.runtime.controlplane.control import Generation
     from atp_router.runtime.dataplane.streams import StreamTable
 
-__all__ = ["Closed", "StreamCtx", "StreamKey", "stream_account"]
+__all__ = [
+    "Closed",
+    "StreamCtx",
+    "StreamKey",
+    "change_of_task",
+    "error_of_frames",
+    "frame_kind",
+    "min_window",
+    "stream_account",
+]
 
 #: A stream's identity in the table: (tenant, session_id, stream_id).
 StreamKey = tuple[str, str, str]
@@ -278,3 +288,43 @@ class StreamCtx:
         if self.cancel_scope is not None:
             self.cancel_scope.cancel()
         return closed
+
+
+def change_of_task(content: Any, change: ParsedChange | None) -> ParsedChange | None:
+    """``change`` (an ingress's parse of ``content["diff"]``, :meth:`DataPlane.open_stream <atp_router.runtime.dataplane.plane.DataPlane.open_stream>`)
+    when the task ``content`` has a ``diff`` string, else None: a change never
+    rides on a task without a diff."""
+    if change is None or not isinstance(content, dict):
+        return None
+    return change if isinstance(content.get("diff"), str) else None
+
+
+def frame_kind(frame: Frame) -> str:
+    """The metrics label of ``frame``: its first flag of SYN, RST, FIN, HB, CTRL, ACK, else DATA."""
+    for f in (Flag.SYN, Flag.RST, Flag.FIN, Flag.HB, Flag.CTRL, Flag.ACK):
+        if f in frame.flags:
+            return f.value
+    return "DATA"
+
+
+def error_of_frames(frames: list[Frame]) -> ErrorPayload | None:
+    """The first ERROR among ``frames`` (typed, or as a dict), None without one."""
+    for f in frames:
+        if f.payload is not None and f.payload.type is PayloadType.CONTROL:
+            c = f.payload.content
+            if isinstance(c, ErrorPayload):
+                return c
+            if isinstance(c, dict) and c.get("kind") == "ERROR":
+                return msgspec.convert(c, ErrorPayload)
+    return None
+
+
+def min_window(a: Window | None, b: Window) -> Window:
+    """The tighter of two windows on each axis (``a`` None: ``b``)."""
+    if a is None:
+        return b
+    return Window(
+        max_parallel=min(a.max_parallel, b.max_parallel),
+        max_tokens=min(a.max_tokens, b.max_tokens),
+        max_usd_micros=min(a.max_usd_micros, b.max_usd_micros),
+    )
