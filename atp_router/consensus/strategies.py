@@ -33,7 +33,11 @@ A cluster gives one :class:`~atp_router.consensus.types.Finding`:
   same model, are not independent evidence: spec §19 consensus poisoning),
   rounded to 4 decimals. ``sources`` maps agents to their source (the router
   passes the RIB model, tool or remote endpoint behind each agent); an agent
-  without one is its own source;
+  without one is its own source. Correlated analysers are one voter: sources
+  that flagged the place with the same declared rule class (ruff, pylint and
+  mypy all reporting an undefined name; ruff's ``S602`` and bandit's ``B602``)
+  count once here, in the quorum and in the agreement score
+  (:mod:`atp_router.consensus.equivalence`);
 * ``tests``: the sorted union of contributors' tests;
 * ``suppressed_by_change``: true when *any* contributor's finding is: the
   change's own suppression comment hid this place from at least one analyser
@@ -62,6 +66,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from atp_router.consensus.equivalence import cluster_voters
 from atp_router.consensus.scorers import (
     HALLUCINATED,
     agreement,
@@ -309,9 +314,11 @@ def _merge_cluster(group: list[_Contribution], sources: Mapping[str, str], voice
     lead = ranked[0]  # rank sorts by severity first: lead holds the max severity
     first = min(c.first for c in group)
     last = max(c.last for c in group)
-    best: dict[str, float] = {}  # per independent source
+    best: dict[str, float] = {}  # per independent voter (correlated analysers are one)
+    vote = cluster_voters([(c.agent, sources.get(c.agent, "agent:" + c.agent), c.finding.rule) for c in ranked],
+                          sources)
     for c in ranked:
-        s = sources.get(c.agent, "agent:" + c.agent)
+        s = vote[sources.get(c.agent, "agent:" + c.agent)]
         best[s] = max(best.get(s, 0.0), c.finding.confidence * c.evidence)
     miss = 1.0
     for s in sorted(best):

@@ -119,6 +119,7 @@ from hypercorn.trio import serve as hyper_serve
 from atp_router.adapters import local_model
 from atp_router.adapters.context import install_log_redaction
 from atp_router.adapters.registry import build_adapter
+from atp_router.adapters.tools.semgrep import rule_sources
 from atp_router.cliutil.helpfmt import DefaultsHelpFormatter
 from atp_router.deploy import cluster, single
 from atp_router.deploy.cluster import is_cluster_store
@@ -557,7 +558,7 @@ def _eval_main(argv: list[str]) -> int:
         main as eval_main,  # it imports the SDK (atp.Client): only eval needs it
     )
 
-    return eval_main(argv, serve_router=serve_private, model_servers=local_model)
+    return eval_main(argv, serve_router=serve_private, model_servers=local_model, rule_sources=rule_sources)
 
 
 def _learn_main(argv: list[str]) -> int:

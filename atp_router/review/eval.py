@@ -28,13 +28,21 @@ FIN/RST). Each FINAL is checked against spec §7.3 and scored:
 * **per agent** (from the PARTIAL reports, before consensus): findings, matched,
   precision — the measured confidence a RIB can calibrate an agent with
   (``--calibration FILE`` writes them);
-* **baseline** (:func:`changed_line_baseline`): flagging every changed line.
+* **baseline** (:func:`changed_line_baseline`): flagging every changed line;
+* **by the right reason** (:func:`score_right`, issue 23): the same recall,
+  precision, F1 and caught tasks, but a finding catches a defect only when its
+  class (:mod:`atp_router.review.defects`: its rule, CWE or claim) is the
+  defect's, and a finding on a ``negatives`` line is a false positive;
+* **leave-one-out** (``--leave-one-out``): each task runs on a copy of the RIB
+  whose semgrep agents leave out the shipped rules written from it (their
+  ``metadata.source_tasks``; :func:`loo_exclusions`, :func:`derive_rib`).
 
 Several RIB variants (``--policies A.yaml B.yaml …``) are compared in one run;
 the report is a table, a PNG of cost (USD per task) and latency against recall,
 and a last line ``EVAL tasks=<n> caught=<k> recall=<r> precision=<p> f1=<f>
-usd_per_task=<u>`` for the best variant (highest F1, then lowest USD per task,
-then highest recall).
+usd_per_task=<u> right=<k2>`` for the best variant (highest F1, then lowest USD
+per task, then highest recall): the line-only figures, then the tasks caught for
+the right reason.
 
 A variant naming an ``openai_compat`` model on a loopback port that is not
 answering gets the local model server (:class:`ModelServers`) started
@@ -77,6 +85,7 @@ import trio
 
 from atp_router.cliutil.helpfmt import DefaultsHelpFormatter
 from atp_router.consensus.types import FinalResult
+from atp_router.review.defects import defect_category, finding_category
 from atp_router.task.change import languages_of
 from atp_router.task.diff import parse_diff
 from atp_router.wire.errors import PolicyError
@@ -154,7 +163,9 @@ class ModelServers(Protocol):
 
 class Expected(msgspec.Struct, frozen=True):
     """One expected defect: lines ``start..end`` (1-based, inclusive) of ``file``
-    after the diff. ``kind`` is ``changed`` or ``omission``; unknown fields are
+    after the diff. ``kind`` is ``changed`` or ``omission``; ``category`` (a name
+    of :data:`atp_router.review.defects.CATEGORIES`) and ``cwe`` (``"CWE-78"``) are
+    optional, read by the right-reason score when present; unknown fields are
     ignored."""
 
     file: str
@@ -164,6 +175,13 @@ class Expected(msgspec.Struct, frozen=True):
     severity: str = "medium"
     claim: str = ""
     provenance: str = ""
+    category: str = ""
+    cwe: str = ""
+
+    @property
+    def defect_class(self) -> str:
+        """Its defect class (:func:`atp_router.review.defects.defect_category`)."""
+        return defect_category(self.claim, category=self.category or None, cwe=self.cwe or None)
 
 
 class GoldenTask(msgspec.Struct, frozen=True):
@@ -187,6 +205,18 @@ class GoldenTask(msgspec.Struct, frozen=True):
     def per_task(self) -> bool:
         """Scored as one unit (advisories) rather than per expected finding."""
         return self.source in PER_TASK_SOURCES
+
+    def negative_spans(self) -> list[tuple[str, int, int]]:
+        """The ``negatives`` as ``(file, start, end)``: each entry a ``file`` with
+        ``start``/``end`` or ``line``; an entry of another shape is skipped."""
+        out: list[tuple[str, int, int]] = []
+        for n in self.negatives:
+            try:
+                start = int(n["start"] if "start" in n else n["line"])
+                out.append((str(n["file"]), start, int(n.get("end", start))))
+            except (KeyError, TypeError, ValueError):
+                continue
+        return out
 
 
 def load_tasks(path: Path) -> list[GoldenTask]:
@@ -261,10 +291,12 @@ class TaskRun(msgspec.Struct, kw_only=True):
 
 
 class AgentTally(msgspec.Struct, kw_only=True):
-    """One agent's raw findings on one task: how many, how many matched."""
+    """One agent's raw findings on one task: how many, how many matched, how many
+    matched for the right reason (:func:`score_right`)."""
 
     findings: int = 0
     matched: int = 0
+    right: int = 0
 
 
 class TaskScore(msgspec.Struct, kw_only=True):
@@ -272,7 +304,11 @@ class TaskScore(msgspec.Struct, kw_only=True):
     ``units`` / ``units_caught``: scoring units (see the module docstring);
     ``units_caught_top``: the same from the ``top`` first-ranked findings only;
     ``matched``: reported findings matching an expected one, of ``findings``;
-    ``agents``: per-agent raw tallies (before consensus)."""
+    ``agents``: per-agent raw tallies (before consensus). Right-reason figures
+    (:func:`score_right`): ``right_caught`` per expected finding,
+    ``right_units_caught``, ``right_matched`` findings, ``negatives_hit`` findings
+    on a ``negatives`` line; ``classes`` the expected defects' classes;
+    ``excluded_rules`` the rules left out of this task's run (leave-one-out)."""
 
     id: str
     source: str
@@ -290,10 +326,22 @@ class TaskScore(msgspec.Struct, kw_only=True):
     escalated: bool
     matched_claims: list[str] = []
     agents: dict[str, AgentTally] = {}
+    right_caught: list[bool] = []
+    right_units_caught: int = 0
+    right_matched: int = 0
+    negatives_hit: int = 0
+    classes: list[str] = []
+    right_claims: list[str] = []
+    excluded_rules: list[str] = []
 
     @property
     def task_caught(self) -> bool:
         return any(self.caught)
+
+    @property
+    def task_right(self) -> bool:
+        """Caught for the right reason: some expected defect matched by line and class."""
+        return any(self.right_caught)
 
 
 class AgentScore(msgspec.Struct, kw_only=True):
@@ -305,12 +353,17 @@ class AgentScore(msgspec.Struct, kw_only=True):
     findings: int
     matched: int
     precision: float | None
+    right: int = 0
 
 
 class EvalReport(msgspec.Struct, kw_only=True):
     """Aggregates over tasks. ``precision`` is ``None`` when no finding was
     reported; ``f1`` is 0 then; latencies in ms; ``usd`` and ``usd_per_task`` in
-    float USD; ``top`` is the N of ``recall_at_top``."""
+    float USD; ``top`` is the N of ``recall_at_top``. The ``right_*`` fields are
+    the same figures scored by the right reason (:func:`score_right`: class
+    match, a finding on a ``negatives`` line a false positive), ``negatives_hit``
+    the findings on such lines; ``leave_one_out`` is true when each task ran
+    without the rules written from it (``excluded_rules`` per task)."""
 
     tasks: list[TaskScore]
     n_tasks: int
@@ -336,6 +389,14 @@ class EvalReport(msgspec.Struct, kw_only=True):
     agreement_mean: float
     agents: list[AgentScore] = []
     failed: list[str] = []
+    right_tasks_caught: int = 0
+    right_units_caught: int = 0
+    right_recall: float = 0.0
+    right_matched: int = 0
+    right_precision: float | None = None
+    right_f1: float = 0.0
+    negatives_hit: int = 0
+    leave_one_out: bool = False
 
 
 #: The harness's older name for :class:`EvalReport`.
@@ -375,25 +436,101 @@ def score_spans(task: GoldenTask, spans: Sequence[tuple[str, int, int]]) -> tupl
     return caught, matched, len(caught), sum(caught)
 
 
-def _agent_tallies(task: GoldenTask, reports: Mapping[str, Any]) -> dict[str, AgentTally]:
+#: One finding as the right-reason score reads it: ``(file, start, end, class)``
+#: (class ``None``: none could be read, never a right-reason catch).
+Classed = tuple[str, int, int, str | None]
+
+
+def score_right(task: GoldenTask, findings: Sequence[Classed]) -> tuple[list[bool], list[bool], list[bool], int]:
+    """Score findings by the right reason: ``(caught per expected, right per
+    finding, on a negatives line per finding, units caught)``.
+
+    A finding whose lines overlap a ``negatives`` line of the task (and none of
+    an expected defect's own lines) is a false positive: it matches nothing. Any
+    other finding catches an expected defect when it :func:`matches` it by line
+    and its class equals the defect's class (:attr:`Expected.defect_class`);
+    units as in :func:`score_spans`."""
+    negs = task.negative_spans()
+    classes = [e.defect_class for e in task.expected]
+
+    def on_negative(file: str, s: int, e: int) -> bool:
+        return (any(file == nf and s <= ne and e >= ns for nf, ns, ne in negs)
+                and not any(file == x.file and s <= x.end and e >= x.start for x in task.expected))
+
+    neg = [on_negative(f, s, e) for f, s, e, _ in findings]
+    hits = [[not n and c is not None and c == classes[j] and matches(f, s, e, exp)
+             for j, exp in enumerate(task.expected)] for (f, s, e, c), n in zip(findings, neg, strict=True)]
+    caught = [any(h[j] for h in hits) for j in range(len(task.expected))]
+    units_caught = int(any(caught)) if task.per_task else sum(caught)
+    return caught, [any(h) for h in hits], neg, units_caught
+
+
+def _text(v: Any) -> str | None:
+    return v if isinstance(v, str) and v else None
+
+
+def _contributor(reports: Mapping[str, Any], prov: str) -> Mapping[str, Any] | None:
+    """The agent finding behind provenance ``"<agent>#<ref>"`` in the PARTIAL
+    reports: the one whose ``ref`` it is, else the one at index ``ref``."""
+    agent, _, ref = prov.partition("#")
+    report = reports.get(agent)
+    findings = report.get("findings") if isinstance(report, Mapping) else None
+    if not isinstance(findings, list):
+        return None
+    for f in findings:
+        if isinstance(f, Mapping) and f.get("ref") == ref:
+            return f
+    if ref.isdigit() and int(ref) < len(findings) and isinstance(findings[int(ref)], Mapping):
+        found: Mapping[str, Any] = findings[int(ref)]
+        return found
+    return None
+
+
+def finding_class(provenance: Sequence[str], claim: str, reports: Mapping[str, Any],
+                  analysers: Mapping[str, str]) -> str | None:
+    """A merged finding's class: its lead contributor's (``provenance[0]``, who
+    wrote the claim) — rule, CWE, claim (:func:`~atp_router.review.defects.finding_category`,
+    the agent's analyser from ``analysers``, else its name) — or the merged
+    claim's words when that contributor's report is not at hand."""
+    if provenance:
+        f = _contributor(reports, provenance[0])
+        if f is not None:
+            agent = provenance[0].partition("#")[0]
+            return finding_category(analysers.get(agent, agent), _text(f.get("rule")), _text(f.get("cwe")),
+                                    str(f.get("claim", "")))
+    return finding_category("", None, None, claim)
+
+
+def _agent_tallies(task: GoldenTask, reports: Mapping[str, Any],
+                   analysers: Mapping[str, str]) -> dict[str, AgentTally]:
     out: dict[str, AgentTally] = {}
     for agent, report in reports.items():
         tally = out[agent] = AgentTally()
         findings = report.get("findings") if isinstance(report, Mapping) else None
+        classed: list[Classed] = []
         for f in findings or []:
             try:
                 file, start, end = str(f["file"]), int(f["start"]), int(f["end"])
             except (KeyError, TypeError, ValueError):
                 continue
+            start, end = min(start, end), max(start, end)
             tally.findings += 1
-            tally.matched += any(matches(file, min(start, end), max(start, end), exp) for exp in task.expected)
+            tally.matched += any(matches(file, start, end, exp) for exp in task.expected)
+            cls = finding_category(analysers.get(agent, agent), _text(f.get("rule")), _text(f.get("cwe")),
+                                   str(f.get("claim", "")))
+            classed.append((file, start, end, cls))
+        tally.right = sum(score_right(task, classed)[1])
     return out
 
 
-def score_task(task: GoldenTask, run: TaskRun, *, top: int = DEFAULT_TOP) -> TaskScore:
-    """Score one task's run; recall@``top`` counts the ``top`` findings ranked
-    first by confidence, then severity. Raises ``ValueError`` when the run has
-    no FINAL or its FINAL is not of the §7.3 shape."""
+def score_task(task: GoldenTask, run: TaskRun, *, top: int = DEFAULT_TOP,
+               analysers: Mapping[str, str] | None = None, excluded_rules: Sequence[str] = ()) -> TaskScore:
+    """Score one task's run, by line and by the right reason; recall@``top``
+    counts the ``top`` findings ranked first by confidence, then severity.
+    ``analysers``: agent → the analyser (RIB ``tool``) behind it, for reading its
+    rule codes (an agent not in it is read by its own name); ``excluded_rules``
+    is recorded (the rules this task ran without). Raises ``ValueError`` when
+    the run has no FINAL or its FINAL is not of the §7.3 shape."""
     if run.final is None:
         raise ValueError(f"{task.id}: no FINAL (events {run.events}, errors {run.errors})")
     final = check_final(run.final)
@@ -405,6 +542,10 @@ def score_task(task: GoldenTask, run: TaskRun, *, top: int = DEFAULT_TOP) -> Tas
     _, _, _, units_caught_top = score_spans(task, [spans[i] for i in ranked[:top]])
     hits = [(*span, f.claim) for span, f, m in zip(spans, findings, matched, strict=True) if m]
     tel = final.telemetry
+    analysers = analysers or {}
+    classed = [(*span, finding_class(f.provenance, f.claim, run.reports, analysers))
+               for span, f in zip(spans, findings, strict=True)]
+    r_caught, r_matched, on_neg, r_units = score_right(task, classed)
     return TaskScore(
         id=task.id,
         source=task.source,
@@ -421,7 +562,15 @@ def score_task(task: GoldenTask, run: TaskRun, *, top: int = DEFAULT_TOP) -> Tas
         agreement=final.result.consensus.agreement,
         escalated=is_escalated(final, run.next_hops, run.reporters),
         matched_claims=[f"{file}:{s}-{e} {claim}" for file, s, e, claim in hits],
-        agents=_agent_tallies(task, run.reports),
+        agents=_agent_tallies(task, run.reports, analysers),
+        right_caught=r_caught,
+        right_units_caught=r_units,
+        right_matched=sum(r_matched),
+        negatives_hit=sum(on_neg),
+        classes=[e.defect_class for e in task.expected],
+        right_claims=[f"{c[0]}:{c[1]}-{c[2]} [{c[3]}] {f.claim}"
+                      for c, f, m in zip(classed, findings, r_matched, strict=True) if m],
+        excluded_rules=sorted(excluded_rules),
     )
 
 
@@ -472,6 +621,20 @@ def f1_score(recall: float, precision: float | None) -> float:
     return 2 * recall * precision / (recall + precision)
 
 
+def _right_figures(scores: Sequence[TaskScore]) -> dict[str, Any]:
+    """The right-reason aggregates of :class:`EvalReport` (``right_*``, ``negatives_hit``)."""
+    units = sum(s.units for s in scores)
+    findings = sum(s.findings for s in scores)
+    right_units = sum(s.right_units_caught for s in scores)
+    right_matched = sum(s.right_matched for s in scores)
+    recall = right_units / units if units else 0.0
+    precision = right_matched / findings if findings else None
+    return {"right_tasks_caught": sum(s.task_right for s in scores), "right_units_caught": right_units,
+            "right_recall": recall, "right_matched": right_matched, "right_precision": precision,
+            "right_f1": f1_score(recall, precision), "negatives_hit": sum(s.negatives_hit for s in scores),
+            "leave_one_out": any(s.excluded_rules for s in scores)}
+
+
 def summarize(scores: Sequence[TaskScore], *, failed: Sequence[str] = (), top: int = DEFAULT_TOP) -> EvalReport:
     """Aggregate task scores (see the module docstring); ``failed`` names tasks
     that ended without a FINAL (kept out of the scores, listed in the report).
@@ -489,10 +652,11 @@ def summarize(scores: Sequence[TaskScore], *, failed: Sequence[str] = (), top: i
     per_agent: dict[str, list[int]] = {}
     for s in scores:
         for agent, t in s.agents.items():
-            acc = per_agent.setdefault(agent, [0, 0, 0])
+            acc = per_agent.setdefault(agent, [0, 0, 0, 0])
             acc[0] += 1
             acc[1] += t.findings
             acc[2] += t.matched
+            acc[3] += t.right
     n = len(scores)
     return EvalReport(
         tasks=list(scores),
@@ -517,9 +681,10 @@ def summarize(scores: Sequence[TaskScore], *, failed: Sequence[str] = (), top: i
         wall_p95_ms=percentile(wall, 95),
         escalation_rate=sum(s.escalated for s in scores) / n,
         agreement_mean=sum(s.agreement for s in scores) / n,
-        agents=[AgentScore(agent=a, tasks=t, findings=f, matched=m, precision=m / f if f else None)
-                for a, (t, f, m) in sorted(per_agent.items())],
+        agents=[AgentScore(agent=a, tasks=t, findings=f, matched=m, precision=m / f if f else None, right=r)
+                for a, (t, f, m, r) in sorted(per_agent.items())],
         failed=list(failed),
+        **_right_figures(scores),
     )
 
 
@@ -535,6 +700,10 @@ def format_report(report: EvalReport, *, title: str = "golden dev set") -> str:
             f"{s.agreement:>5.2f} {'yes' if s.escalated else 'no':>3}"
         )
         lines.extend(f"{'':<28}matched: {c}" for c in s.matched_claims)
+        lines.append(f"{'':<28}class: {', '.join(sorted(set(s.classes)))}; right reason: "
+                     f"{'yes' if s.task_right else 'no'}; on negatives lines: {s.negatives_hit}"
+                     + (f"; run without {', '.join(s.excluded_rules)}" if s.excluded_rules else ""))
+        lines.extend(f"{'':<28}right: {c}" for c in s.right_claims)
     p = "n/a" if report.precision is None else f"{report.precision:.3f}"
     lines += [
         "-" * len(head),
@@ -543,6 +712,7 @@ def format_report(report: EvalReport, *, title: str = "golden dev set") -> str:
          f"   (BugsInPy per expected finding, advisories per task); recall@{report.top} {report.recall_at_top:.3f}"),
         f"precision         {report.matched}/{report.findings} = {p}",
         f"F1                {report.f1:.3f}",
+        *_right_lines(report),
         f"cost              {report.tokens} tokens, {report.usd:.6f} USD ({report.usd_per_task:.6f} USD per task)",
         f"latency SYN→FINAL p50 {report.latency_p50_ms:.0f} ms, p95 {report.latency_p95_ms:.0f} ms (router telemetry)",
         f"wall open→FINAL   p50 {report.wall_p50_ms:.0f} ms, p95 {report.wall_p95_ms:.0f} ms (client)",
@@ -551,23 +721,37 @@ def format_report(report: EvalReport, *, title: str = "golden dev set") -> str:
     ]
     for a in report.agents:
         ap = "n/a" if a.precision is None else f"{a.precision:.3f}"
-        lines.append(f"agent {a.agent:<20} {a.findings} findings on {a.tasks} tasks, {a.matched} matched, "
-                     f"precision {ap}")
+        lines.append(f"agent {a.agent:<20} {a.findings} findings on {a.tasks} tasks, {a.matched} matched "
+                     f"({a.right} for the right reason), precision {ap}")
     if report.failed:
         lines.append(f"no FINAL          {', '.join(report.failed)}")
     return "\n".join(lines)
 
 
+def _right_lines(report: EvalReport) -> list[str]:
+    """The right-reason lines of :func:`format_report`."""
+    p = "n/a" if report.right_precision is None else f"{report.right_precision:.3f}"
+    return [
+        f"right reason      {report.right_tasks_caught}/{report.n_tasks} tasks, recall {report.right_units_caught}/"
+        f"{report.units} = {report.right_recall:.3f}, precision {report.right_matched}/{report.findings} = {p}, "
+        f"F1 {report.right_f1:.3f}; {report.negatives_hit} finding(s) on negatives lines"
+        + (" (leave-one-out)" if report.leave_one_out else ""),
+    ]
+
+
 def format_table(reports: Mapping[str, EvalReport]) -> str:
     """The comparison of variants: one row each (name → report, in order)."""
     head = (f"{'policy':<22} {'tasks':>5} {'caught':>6} {'recall':>6} {'r@N':>5} {'prec':>5} {'f1':>5} "
+            f"{'right':>5} {'r.rec':>5} {'r.prec':>6} {'r.f1':>5} {'neg':>3} "
             f"{'tok/task':>8} {'usd/task':>9} {'p50_ms':>7} {'p95_ms':>7} {'esc':>5} {'agree':>5}")
     lines = [head, "-" * len(head)]
     for name, r in reports.items():
         p = "  n/a" if r.precision is None else f"{r.precision:5.3f}"
+        rp = "   n/a" if r.right_precision is None else f"{r.right_precision:6.3f}"
         lines.append(
             f"{name[:22]:<22} {r.n_tasks:>5} {r.tasks_caught:>6} {r.recall:>6.3f} {r.recall_at_top:>5.3f} {p} "
-            f"{r.f1:>5.3f} {r.tokens_per_task:>8.0f} {r.usd_per_task:>9.6f} {r.latency_p50_ms:>7.0f} "
+            f"{r.f1:>5.3f} {r.right_tasks_caught:>5} {r.right_recall:>5.3f} {rp} {r.right_f1:>5.3f} "
+            f"{r.negatives_hit:>3} {r.tokens_per_task:>8.0f} {r.usd_per_task:>9.6f} {r.latency_p50_ms:>7.0f} "
             f"{r.latency_p95_ms:>7.0f} {r.escalation_rate:>5.2f} {r.agreement_mean:>5.2f}"
         )
     return "\n".join(lines)
@@ -586,11 +770,13 @@ def best_variant(reports: Mapping[str, EvalReport]) -> str:
 
 def eval_line(report: EvalReport) -> str:
     """The exact last line: ``EVAL tasks=<n> caught=<k> recall=<r> precision=<p>
-    f1=<f> usd_per_task=<u>`` (r, p, f three decimals, u six; p 0.000 when
-    nothing was reported)."""
+    f1=<f> usd_per_task=<u> right=<k2>`` (r, p, f three decimals, u six; p 0.000
+    when nothing was reported; caught, recall, precision and f1 are the
+    line-only figures; k2 the tasks caught for the right reason)."""
     p = report.precision or 0.0
     return (f"EVAL tasks={report.n_tasks} caught={report.tasks_caught} recall={report.recall:.3f} "
-            f"precision={p:.3f} f1={report.f1:.3f} usd_per_task={report.usd_per_task:.6f}")
+            f"precision={p:.3f} f1={report.f1:.3f} usd_per_task={report.usd_per_task:.6f} "
+            f"right={report.right_tasks_caught}")
 
 
 def calibration(reports: Mapping[str, EvalReport]) -> dict[str, dict[str, Any]]:
@@ -812,6 +998,68 @@ def _start_models(local_model: ModelServers, policies: Path, stack: contextlib.E
                       "the variant runs without it", file=sys.stderr, flush=True)
 
 
+#: ``rule_sources()``: shipped rule id → (its pack, the golden task ids it may have
+#: been written after reading) (:func:`atp_router.adapters.tools.semgrep.rule_sources`).
+RuleSources = Callable[[], Mapping[str, tuple[str, frozenset[str]]]]
+
+
+def rib_analysers(policies: Path | None) -> dict[str, str]:
+    """Agent → the analyser behind it (its RIB ``tool``) for the RIB at
+    ``policies`` (a file or a directory of them); ``{}`` for ``None``."""
+    out: dict[str, str] = {}
+    for doc in _rib_documents(policies) if policies is not None else []:
+        agents = doc.get("agents") if isinstance(doc, dict) else None
+        for name, spec in (agents or {}).items():
+            if isinstance(spec, dict) and isinstance(spec.get("tool"), str):
+                out[str(name)] = spec["tool"]
+    return out
+
+
+def _semgrep_packs(doc: Any, all_packs: Iterable[str]) -> list[tuple[dict[str, Any], set[str]]]:
+    """Each semgrep agent's spec of one RIB document with the packs it runs."""
+    agents = doc.get("agents") if isinstance(doc, dict) else None
+    out = []
+    for spec in (agents or {}).values():
+        if isinstance(spec, dict) and spec.get("tool") == "semgrep":
+            rules = (spec.get("options") or {}).get("rules")
+            out.append((spec, set(rules) if isinstance(rules, list) else set(all_packs)))
+    return out
+
+
+def loo_exclusions(policies: Path, tasks: Sequence[GoldenTask],
+                   sources: Mapping[str, tuple[str, frozenset[str]]]) -> dict[str, list[str]]:
+    """Leave-one-out: task id → the shipped rules to leave out of its run — those
+    whose source tasks name it, in a pack a semgrep agent of the RIB at
+    ``policies`` runs. Tasks with nothing to leave out are absent."""
+    all_packs = {pack for pack, _ in sources.values()}
+    packs: set[str] = set()
+    for doc in _rib_documents(policies):
+        for _, p in _semgrep_packs(doc, all_packs):
+            packs |= p
+    out = {t.id: sorted(r for r, (pack, srcs) in sources.items() if t.id in srcs and pack in packs) for t in tasks}
+    return {tid: rules for tid, rules in out.items() if rules}
+
+
+def derive_rib(policies: Path, exclude: Sequence[str], sources: Mapping[str, tuple[str, frozenset[str]]],
+               out_dir: Path) -> Path:
+    """A copy of the RIB at ``policies`` (file or directory) in ``out_dir`` whose
+    semgrep agents also leave out the rules ``exclude`` (each agent those of the
+    packs it runs, added to its ``options.exclude_rules``); returns its path."""
+    import yaml
+
+    all_packs = {pack for pack, _ in sources.values()}
+    files = sorted(policies.glob("*.yaml")) if policies.is_dir() else [policies]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        doc = yaml.safe_load(f.read_text(encoding="utf-8"))
+        for spec, packs in _semgrep_packs(doc, all_packs):
+            opts = spec.setdefault("options", {})
+            mine = [r for r in exclude if r in sources and sources[r][0] in packs]
+            opts["exclude_rules"] = sorted(set(opts.get("exclude_rules") or []) | set(mine))
+        (out_dir / f.name).write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    return out_dir if policies.is_dir() else out_dir / policies.name
+
+
 def _policy_error(e: BaseException) -> BaseException | None:
     """The PolicyError inside ``e`` (possibly wrapped in nursery exception groups)."""
     if isinstance(e, PolicyError):
@@ -830,11 +1078,13 @@ def default_variants() -> list[Path]:
     return sorted(root.glob("*.yaml"))
 
 
-def main(argv: list[str] | None = None, *, serve_router: ServeRouter, model_servers: ModelServers) -> int:
+def main(argv: list[str] | None = None, *, serve_router: ServeRouter, model_servers: ModelServers,
+         rule_sources: RuleSources | None = None) -> int:
     """``atp-router eval``: exit 0 when every task produced a FINAL, 1 when some
     did not (they are listed), 2 on bad arguments or a refused RIB. A variant
     without ``--url`` runs on ``serve_router``'s private router, after
-    ``model_servers`` started what it needs (unless ``--no-start-models``)."""
+    ``model_servers`` started what it needs (unless ``--no-start-models``).
+    ``rule_sources`` gives the shipped rules' source tasks for ``--leave-one-out``."""
     ap = _eval_parser()
     args = ap.parse_args(argv)
     # An in-process router logs its audit trail at WARNING: keep the report readable.
@@ -856,24 +1106,24 @@ def main(argv: list[str] | None = None, *, serve_router: ServeRouter, model_serv
     variants = _variants(args.policies, args.url)
     if variants is None:
         return 2
+    if args.leave_one_out and (rule_sources is None or None in variants):
+        print("atp-router eval: --leave-one-out needs --policies (or the default variants): the RIB whose "
+              "rules it leaves out", file=sys.stderr)
+        return 2
+    sources = rule_sources() if args.leave_one_out and rule_sources is not None else {}
     reports: dict[str, EvalReport] = {}
     broken_any = False
     for v in variants:
         name = "running" if v is None else v.stem if v.is_file() else v.name
-        print(f"eval: {name}: {len(tasks)} task(s)…", file=sys.stderr, flush=True)
-        runs = _run_one(name, v, tasks, args, serve_router=serve_router, model_servers=model_servers)
-        if runs is None:
+        outcome = _variant_report(name, v, tasks, args, serve_router=serve_router, model_servers=model_servers,
+                                  sources=sources)
+        if outcome is None:
             return 2
-        broken = [r for r in runs if r.final is None]
-        for r in broken:
-            print(f"{name}: {r.id}: no FINAL; events {r.events}; errors {r.errors}", file=sys.stderr)
-        broken_any = broken_any or bool(broken)
-        by_id = {t.id: t for t in tasks}
-        scores = [score_task(by_id[r.id], r, top=args.top) for r in runs if r.final is not None]
-        if not scores:
-            print(f"atp-router eval: {name}: no task produced a FINAL", file=sys.stderr)
+        report, broken = outcome
+        broken_any = broken_any or broken
+        if report is None:
             continue
-        reports[name] = summarize(scores, failed=[r.id for r in broken], top=args.top)
+        reports[name] = report
         if args.verbose:
             print(format_report(reports[name], title=name))
             print()
@@ -881,6 +1131,36 @@ def main(argv: list[str] | None = None, *, serve_router: ServeRouter, model_serv
         return 1
     _print_results(reports, tasks, args)
     return 1 if broken_any else 0
+
+
+def _variant_report(name: str, v: Path | None, tasks: list[GoldenTask], args: argparse.Namespace, *,
+                    serve_router: ServeRouter, model_servers: ModelServers,
+                    sources: Mapping[str, tuple[str, frozenset[str]]]) -> tuple[EvalReport | None, bool] | None:
+    """Run and score variant ``name``: ``(its report, whether a task had no
+    FINAL)``; the report ``None`` when no task produced one; ``None`` (the error
+    printed) when the router could not be reached or refused the RIB. With
+    ``sources`` (``--leave-one-out``) each task runs without the rules written
+    from it (:func:`loo_exclusions`)."""
+    excluded = loo_exclusions(v, tasks, sources) if sources and v is not None else {}
+    print(f"eval: {name}: {len(tasks)} task(s)…", file=sys.stderr, flush=True)
+    if excluded:
+        print(f"eval: {name}: leave-one-out: {len(excluded)} task(s) run without the rules written from them",
+              file=sys.stderr, flush=True)
+    runs = _run_one(name, v, tasks, args, serve_router=serve_router, model_servers=model_servers,
+                    excluded=excluded, sources=sources)
+    if runs is None:
+        return None
+    broken = [r for r in runs if r.final is None]
+    for r in broken:
+        print(f"{name}: {r.id}: no FINAL; events {r.events}; errors {r.errors}", file=sys.stderr)
+    by_id = {t.id: t for t in tasks}
+    analysers = rib_analysers(v)
+    scores = [score_task(by_id[r.id], r, top=args.top, analysers=analysers, excluded_rules=excluded.get(r.id, ()))
+              for r in runs if r.final is not None]
+    if not scores:
+        print(f"atp-router eval: {name}: no task produced a FINAL", file=sys.stderr)
+        return None, bool(broken)
+    return summarize(scores, failed=[r.id for r in broken], top=args.top), bool(broken)
 
 
 def _eval_parser() -> argparse.ArgumentParser:
@@ -905,6 +1185,9 @@ def _eval_parser() -> argparse.ArgumentParser:
                     help="write each agent's measured findings/matched here (YAML: agents.<x>.calibration of a RIB)")
     ap.add_argument("--no-start-models", dest="start_models", action="store_false",
                     help="do not start the local model server for a variant's loopback openai_compat models")
+    ap.add_argument("--leave-one-out", action="store_true",
+                    help="run each task without the shipped semgrep rules written after reading it (their "
+                         "metadata.source_tasks), in a copy of the RIB; the figures printed are then leave-one-out")
     ap.add_argument("--verbose", "-v", action="store_true", help="print each variant's per-task table and the router's log")
     return ap
 
@@ -930,18 +1213,40 @@ def _variants(policies: list[Path] | None, url: str | None) -> list[Path | None]
     return variants
 
 
+async def _run_groups(v: Path | None, tasks: list[GoldenTask], args: argparse.Namespace, *,
+                      serve_router: ServeRouter, excluded: Mapping[str, Sequence[str]],
+                      sources: Mapping[str, tuple[str, frozenset[str]]]) -> list[TaskRun]:
+    """:func:`run_variant` once per set of rules to leave out (``excluded``:
+    task id → rules): the tasks with none on RIB ``v``, each other group on a
+    copy of it without those rules (:func:`derive_rib`); runs in task order."""
+    groups: dict[tuple[str, ...], list[GoldenTask]] = {}
+    for t in tasks:
+        groups.setdefault(tuple(excluded.get(t.id, ())), []).append(t)
+    runs: list[TaskRun] = []
+    with tempfile.TemporaryDirectory(prefix="atp-eval-loo-") as tmp:
+        for i, (rules, group) in enumerate(sorted(groups.items())):
+            policies = derive_rib(v, rules, sources, Path(tmp) / str(i)) if rules and v is not None else v
+            runs += await run_variant(group, policies=policies, url=args.url, token=args.token,
+                                      concurrency=args.concurrency, serve_router=serve_router)
+    order = {t.id: i for i, t in enumerate(tasks)}
+    return sorted(runs, key=lambda r: order[r.id])
+
+
 def _run_one(name: str, v: Path | None, tasks: list[GoldenTask], args: argparse.Namespace, *,
-             serve_router: ServeRouter, model_servers: ModelServers) -> list[TaskRun] | None:
+             serve_router: ServeRouter, model_servers: ModelServers,
+             excluded: Mapping[str, Sequence[str]] | None = None,
+             sources: Mapping[str, tuple[str, frozenset[str]]] | None = None) -> list[TaskRun] | None:
     """Variant ``name`` (RIB ``v``; ``None``: the running one) run on ``tasks``
-    with :func:`run_variant`, after starting its local models (unless
-    ``--url`` or ``--no-start-models``). ``None`` (the error printed) when the
-    router could not be reached or refused the RIB."""
+    with :func:`run_variant` (per leave-one-out group, :func:`_run_groups`), after
+    starting its local models (unless ``--url`` or ``--no-start-models``).
+    ``None`` (the error printed) when the router could not be reached or refused
+    the RIB."""
     try:
         with contextlib.ExitStack() as models:
             if v is not None and args.url is None and args.start_models:
                 _start_models(model_servers, v, models, name)
-            return trio.run(lambda v=v: run_variant(tasks, policies=v, url=args.url, token=args.token,
-                                                    concurrency=args.concurrency, serve_router=serve_router))
+            return trio.run(lambda v=v: _run_groups(v, tasks, args, serve_router=serve_router,
+                                                    excluded=excluded or {}, sources=sources or {}))
     except (RuntimeError, atp.ATPClientError, httpx.HTTPError) as e:
         print(f"atp-router eval: {name}: {e}", file=sys.stderr)
         return None
@@ -961,6 +1266,10 @@ def _print_results(reports: dict[str, EvalReport], tasks: list[GoldenTask], args
     print(f"(recall counts units: BugsInPy per expected finding, advisories per task; r@N: recall@{args.top}; "
           f"a match is the same file within ±{SLACK} lines. Flagging every changed line would catch "
           f"{b.tasks_caught}/{b.n_tasks} tasks at precision {b.matched}/{b.findings})")
+    print("(right, r.rec, r.prec, r.f1: the same scored by the right reason — a catch only when the finding's "
+          "class (its rule, CWE or claim: atp_router/review/defects.py) is the defect's, and a finding on a "
+          "negatives line a false positive; neg: findings on negatives lines"
+          + ("; leave-one-out: each task ran without the rules written from it)" if args.leave_one_out else ")"))
     for agent, c in calibration(reports).items():
         p = "n/a" if c["precision"] is None else f"{c['precision']:.3f}"
         print(f"agent {agent:<22} findings {c['findings']:>4}  matched {c['matched']:>3}  precision {p}")

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from atp_router.consensus.equivalence import analyser_of, rule_class, voters
 from atp_router.consensus.escalation import (
     TEST_FAIL_RULE,
     TRIGGERS,
@@ -632,3 +633,86 @@ def test_calibration_replaces_stated_confidence_with_the_measured_one():
     # Below the threshold the union lists the calibrated-down finding as uncertain too.
     assert any("unused import" in u for u in run(reports, calibration={"lint.ruff": noisy.apply})
                .consensus.uncertainties)
+
+
+# --- correlated analysers are one voter (issue 23 item 2) ---------------------------------------
+
+TOOLS = {"lint.ruff": "tool:ruff", "lint.pylint": "tool:pylint", "types.mypy": "tool:mypy",
+         "sec.bandit": "tool:bandit", "rules.semgrep": "tool:semgrep"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "committed", "why"),
+    [
+        # ruff F821, pylint E0602 and mypy name-defined: one pyflakes check run three times.
+        ({"lint.ruff": "F821", "lint.pylint": "E0602", "types.mypy": "name-defined"}, False, "one undefined name"),
+        ({"lint.ruff": "F401", "lint.pylint": "W0611"}, False, "one unused import"),
+        ({"lint.ruff": "F841", "lint.pylint": "unused-variable"}, False, "pylint's symbolic name too"),
+        ({"lint.ruff": "F823", "types.mypy": "used-before-def"}, False, "one used-before-assignment"),
+        ({"lint.ruff": "S602", "sec.bandit": "B602"}, False, "ruff's S602 is bandit's B602"),
+        ({"lint.ruff": "PLE0604", "lint.pylint": "E0604"}, False, "ruff's PLE0604 is pylint's E0604"),
+        # Different checks at one place are independent voters.
+        ({"lint.ruff": "F821", "sec.bandit": "B602"}, True, "undefined name and shell=True"),
+        ({"lint.ruff": "F821", "lint.pylint": "W0611"}, True, "two different pyflakes classes"),
+        ({"lint.ruff": "B006", "lint.pylint": "W0102"}, True, "no declared equivalence"),
+        ({"lint.ruff": "F821", "rules.semgrep": "regex-findall-indexed"}, True, "semgrep has no pyflakes twin"),
+        ({"lint.ruff": "S602", "sec.bandit": "B604"}, True, "different bandit tests"),
+    ],
+)
+def test_quorum_counts_correlated_analysers_once(flags, committed, why):
+    reports = {a: rep(f("db/q.py", 5, 5, M, f"{a} says {r}", 0.9, rule=r)) for a, r in flags.items()}
+    res = run(reports, strategy="two_phase_commit", quorum=2, sources=TOOLS)
+    assert bool(res.findings) is committed, why
+    if not committed:
+        assert res.consensus.uncertainties[0].startswith("db/q.py:5-5 unconfirmed")
+
+
+def test_correlated_analysers_count_once_in_confidence_and_agreement_too():
+    reports = {"lint.ruff": rep(f("db/q.py", 5, 5, H, "F821 undefined name", 0.8, rule="F821")),
+               "lint.pylint": rep(f("db/q.py", 5, 5, H, "E0602 undefined variable", 0.8, rule="E0602")),
+               "sec.bandit": rep(f("db/q.py", 20, 20, M, "pickle", 0.5, rule="B301"))}
+    [a, b] = run(reports, sources=TOOLS).findings  # union: both places kept
+    # One voter of the three sources that reported (was 2/3), and its confidence 0.8, not 1 - 0.2 × 0.2.
+    assert a.confidence == 0.8 and a.scores.agreement == round(1 / 3, 4)
+    assert b.scores.agreement == round(1 / 3, 4)
+    independent = run({**reports, "lint.pylint": rep(f("db/q.py", 5, 5, H, "other", 0.8, rule="W0101"))},
+                      sources=TOOLS).findings[0]
+    assert independent.confidence == 0.96  # 1 - 0.2 × 0.2: two voters
+
+
+def test_an_analyser_repeating_itself_with_a_shared_class_is_still_one_voter():
+    # ruff's F821 and its B006 at one place, pylint's E0602 there too: ruff and pylint
+    # share undefined-name, so the three findings are one voter, not two.
+    reports = {"lint.ruff": rep(f("db/q.py", 5, 5, M, "x", 0.9, rule="F821"),
+                                f("db/q.py", 5, 5, M, "y", 0.9, rule="B006")),
+               "lint.pylint": rep(f("db/q.py", 5, 5, M, "z", 0.9, rule="E0602"))}
+    assert run(reports, strategy="two_phase_commit", sources=TOOLS).findings == []
+
+
+@pytest.mark.parametrize(
+    ("analyser", "rule", "cls"),
+    [
+        ("ruff", "F821", "pyflakes:undefined-name"),
+        ("pylint", "undefined-variable", "pyflakes:undefined-name"),
+        ("mypy", "name-defined", "pyflakes:undefined-name"),
+        ("mypy", "arg-type", None),
+        ("ruff", "S301", "bandit:B301"),
+        ("bandit", "B301", "bandit:B301"),
+        ("ruff", "PLW0120", "pylint:W0120"),
+        ("pylint", "W0120", "pylint:W0120"),
+        ("ruff", "E501", None),
+        ("semgrep", "F821", None),  # the code alone is not the class: it is ruff's F821
+        ("ruff", None, None),
+    ],
+)
+def test_rule_class_table(analyser, rule, cls):
+    assert rule_class(analyser, rule) == cls
+
+
+def test_voters_are_transitive_and_named_by_their_sources():
+    v = voters([("tool:ruff", "pyflakes:undefined-name"), ("tool:pylint", "pyflakes:undefined-name"),
+                ("tool:pylint", "pylint:W0101"), ("tool:mypy", None), ("tool:bandit", "bandit:B602")])
+    assert v == {"tool:ruff": "tool:pylint+tool:ruff", "tool:pylint": "tool:pylint+tool:ruff",
+                 "tool:mypy": "tool:mypy", "tool:bandit": "tool:bandit"}
+    assert analyser_of("lint.ruff", "tool:ruff") == "ruff" and analyser_of("ruff", None) == "ruff"
+    assert analyser_of("rev", "model:openai_compat:m") == "rev"

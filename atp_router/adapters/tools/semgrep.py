@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import yaml
 
 from atp_router.adapters.tools.base import (
     _ENV_KEEP,
@@ -72,6 +73,7 @@ __all__ = [
     "SUPPRESSIONS",
     "SemgrepAdapter",
     "rule_ids",
+    "rule_sources",
 ]
 
 #: The rule files shipped with the router (package data, ``*.yaml``).
@@ -107,6 +109,24 @@ def rule_ids(packs: Iterable[str] = RULE_PACKS) -> dict[str, str]:
             raise ValueError(f"not a semgrep rule pack: {pack!r:.80} (available: {', '.join(RULE_PACKS)})")
         for rid in _RULE_ID_RE.findall((RULES_DIR / f"{pack}.yaml").read_text("utf-8")):
             out[rid] = pack
+    return out
+
+
+def rule_sources(packs: Iterable[str] = RULE_PACKS) -> dict[str, tuple[str, frozenset[str]]]:
+    """Rule id → (its pack, the golden task ids of its ``metadata.source_tasks``:
+    the tasks it may have been written after reading, which ``atp-router eval
+    --leave-one-out`` excludes it on). Raises ``ValueError`` on an unknown pack or
+    a rule whose ``source_tasks`` is not a list of strings."""
+    out: dict[str, tuple[str, frozenset[str]]] = {}
+    for pack in packs:
+        if pack not in RULE_PACKS:
+            raise ValueError(f"not a semgrep rule pack: {pack!r:.80} (available: {', '.join(RULE_PACKS)})")
+        doc = yaml.safe_load((RULES_DIR / f"{pack}.yaml").read_text("utf-8"))
+        for rule in doc.get("rules", []):
+            tasks = (rule.get("metadata") or {}).get("source_tasks", [])
+            if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks):
+                raise ValueError(f"semgrep rule {rule.get('id')!r}: metadata.source_tasks is not a list of task ids")
+            out[str(rule["id"])] = (pack, frozenset(tasks))
     return out
 
 
