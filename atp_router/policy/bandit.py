@@ -31,8 +31,15 @@ Three pieces:
   "30 % of full price per task"), a Lagrange multiplier the bandit adapts by
   dual ascent after every choice — the knapsack rule of budget-constrained
   routers (PILOT, Panda et al. 2025): spend above target raises λ, spend
-  below lowers it. Learning is from partial feedback only: :meth:`Bandit.update`
-  trains only the arms that were called.
+  below lowers it, by a step per unit of spend off target. The step sets how
+  much λ jitters around its level, and that jitter is noise on the threshold
+  the dear arm's extra quality must clear (a bandit warm-started from an
+  offline fit loses ranking quality to it); a large step finds the level
+  fast. So the step decays, Robbins–Monro style, from :data:`LAM_STEP_START`
+  as ``1/√(1 + t/τ)`` (t: choices so far, τ = :data:`LAM_STEP_TAU`) down to
+  the bandit's ``lam_step`` (default :data:`LAM_STEP`), where it stays so λ
+  keeps tracking a changing mix. Learning is from partial feedback only:
+  :meth:`Bandit.update` trains only the arms that were called.
 
 The router runs these objects (``atp_router.policy.learn``) and so does
 ``bench/replay_routing.py`` — the same code, not a copy.
@@ -51,6 +58,9 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_BITS",
+    "LAM_STEP",
+    "LAM_STEP_START",
+    "LAM_STEP_TAU",
     "META_KEYS",
     "ArmDelta",
     "ArmModel",
@@ -62,6 +72,23 @@ __all__ = [
 
 #: Weights per arm: 2**bits (4,096: 32 KiB of float32 mean + precision).
 DEFAULT_BITS = 12
+#: Dual-ascent step of λ per unit of spend off ``target_cost`` (quality points),
+#: once the decay from :data:`LAM_STEP_START` has reached it (the module doc).
+#: Chosen, with :data:`LAM_STEP_TAU`, on 5-fold cross-validation of the TRAIN half
+#: of MMLU's seed-0 split (``bench/replay_routing.py --split 0.5 --validate``;
+#: never the test half). Online APGR (19 spend targets, explore 0.25) of the
+#: bandit warm-started by a fit, whose own offline ranking is 0.672: constant
+#: step 0.02 / 0.01 / 0.005: 0.661 / 0.666 / 0.669; decaying 0.02 → 0.005 over
+#: τ = 10 / 30 / 100 / 1000 choices: 0.667 / 0.665 / 0.666 / 0.660; from zero,
+#: constant 0.02: 0.566, τ = 10: 0.573. The constant 0.005 is within noise of
+#: τ = 10 (± 0.004) but finds λ's level 4× slower (3,000 choices from zero
+#: overspend a 30 % target by 3 points); τ = 10 starts as fast as 0.02 did.
+LAM_STEP = 0.005
+#: The step λ starts with (the constant step before issue 23).
+LAM_STEP_START = 0.02
+#: Choices over which the step decays: t = 3τ halves it, t = 15τ reaches
+#: :data:`LAM_STEP`. ``choices`` survives a reload, not a restart (λ is re-found).
+LAM_STEP_TAU = 10.0
 #: Meta keys that become indicator features (strings, numbers, bools, lists of them).
 #: The tenant and the QoS class are not read from meta (a client could claim any):
 #: the router passes the authenticated tenant and the admitted class as ``extra``.
@@ -366,7 +393,8 @@ class Bandit:
     matter; normalised to the dearest) and ``priors`` to their prior quality.
     ``explore`` scales posterior draws (0: greedy on the mean); ``lam`` the
     fixed cost weight λ; ``target_cost`` (0..1, a share of the dearest arm's
-    cost per choice) makes λ adaptive instead, stepping by ``lam_step``;
+    cost per choice) makes λ adaptive instead, stepping by ``lam_step`` once
+    the step's decay over ``lam_tau`` choices has reached it (module doc);
     ``bar``: the lowest sampled quality an arm should clear (0: no bar).
 
     ``gain`` (two arms only): also model the *gain* of the dearer arm over the
@@ -379,8 +407,8 @@ class Bandit:
     posterior mean (the direct-method estimate of the unseen arm).
     """
 
-    __slots__ = ("_pair", "_top", "arms", "bar", "choices", "cost", "explore", "gain", "lam", "lam_step", "spent",
-                 "target_cost")
+    __slots__ = ("_pair", "_top", "arms", "bar", "choices", "cost", "explore", "gain", "lam", "lam_step", "lam_tau",
+                 "spent", "target_cost")
 
     def __init__(
         self,
@@ -391,10 +419,11 @@ class Bandit:
         explore: float = 1.0,
         lam: float = 0.0,
         target_cost: float | None = None,
-        lam_step: float = 0.02,
+        lam_step: float = LAM_STEP,
         bar: float = 0.0,
         prior_precision: float = 1.0,
         gain: bool = False,
+        lam_tau: float = LAM_STEP_TAU,
     ):
         if not arms:
             raise ValueError("a bandit needs at least one arm")
@@ -408,6 +437,7 @@ class Bandit:
         self.lam = lam
         self.target_cost = target_cost
         self.lam_step = lam_step
+        self.lam_tau = lam_tau
         self.bar = bar
         self.spent = 0.0
         self.choices = 0
@@ -460,12 +490,14 @@ class Bandit:
 
     def charge(self, arms: Iterable[str]) -> None:
         """Account the calls of one choice; with ``target_cost`` set, one dual
-        ascent step on λ (spend over target raises it)."""
+        ascent step on λ (spend over target raises it; the step as the module
+        doc says: from :data:`LAM_STEP_START` down to ``lam_step``)."""
         cost = sum(self.cost.get(a, 0.0) for a in arms)
+        if self.target_cost is not None:
+            step = max(self.lam_step, LAM_STEP_START / math.sqrt(1.0 + self.choices / max(self.lam_tau, 1e-9)))
+            self.lam = max(0.0, self.lam + step * (cost - self.target_cost))
         self.spent += cost
         self.choices += 1
-        if self.target_cost is not None:
-            self.lam = max(0.0, self.lam + self.lam_step * (cost - self.target_cost))
 
     def update(self, ctx: Context, rewards: Mapping[str, float], weight: float = 1.0, *,
                only: int | None = None) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from atp_router.policy.bandit import Bandit, Featurizer
+from atp_router.policy.bandit import LAM_STEP, LAM_STEP_TAU, Bandit, Featurizer
 from atp_router.policy.offline import fit_arm, gain_label
 
 __all__ = ["Curve", "Row", "apgr", "cpt", "hindsight_subject_curve", "load_rows", "oracle_curve", "random_curve",
@@ -170,11 +170,12 @@ def run_bandit(
     text: bool,
     seed: int,
     explore: float = 1.0,
-    lam_step: float = 0.02,
+    lam_step: float = LAM_STEP,
     bits: int = 14,
     contexts: Sequence | None = None,
     warm: Bandit | None = None,
     gain: bool = False,
+    lam_tau: float = LAM_STEP_TAU,
 ) -> tuple[float, float]:
     """One online pass of the router's :class:`~atp_router.policy.bandit.Bandit` over
     ``rows`` (in the given order) with strong-call spend target
@@ -183,14 +184,16 @@ def run_bandit(
     words too. ``contexts`` may pass the featurized rows (same order) to skip
     featurizing again. ``warm``: start from (a copy of) this bandit's learned
     arms instead of from zero (:func:`warm_bandit`); ``gain``: from zero with
-    a gain model (:class:`~atp_router.policy.bandit.Bandit`'s ``gain``)."""
+    a gain model (:class:`~atp_router.policy.bandit.Bandit`'s ``gain``); ``lam_step``, ``lam_tau``: λ's
+    dual-ascent step and its decay (:class:`~atp_router.policy.bandit.Bandit`)."""
     rng = np.random.default_rng(seed)
     if warm is not None:
         bandit = copy.deepcopy(warm)
         bandit.explore, bandit.target_cost, bandit.lam_step, bandit.lam = explore, target_share, lam_step, 0.0
+        bandit.lam_tau, bandit.choices, bandit.spent = lam_tau, 0, 0.0
     else:
         bandit = Bandit({WEAK: 0.0, STRONG: 1.0}, bits=bits, explore=explore, target_cost=target_share,
-                        lam_step=lam_step, gain=gain)
+                        lam_step=lam_step, gain=gain, lam_tau=lam_tau)
     if contexts is None:
         feat = Featurizer(bits=bits, text=text)
         contexts = [feat({"task_type": "qa", "subject": r.subject}, r.prompt) for r in rows]
