@@ -10,6 +10,18 @@ when refused) and the identity must be allowed to open streams
 identity's tenant. Sessions and streams are the tenant's (spec §11): a session
 or stream id another tenant uses names another, unrelated stream here.
 
+Token in a subprotocol: a browser's ``WebSocket`` cannot send an ``Authorization``
+header, so the client may offer, besides its encoding, the subprotocol
+``atp.bearer.<token as base64url, no padding>`` (the pattern of Kubernetes'
+``base64url.bearer.authorization.k8s.io.<token>``). It is authenticated exactly as
+``Authorization: Bearer <token>`` (same 401/403, same logged refusal) and never
+selected: the response names the encoding subprotocol only. Refused with 401 ``ESEC``
+(the reason never quotes the token): both an ``Authorization`` header and a bearer
+subprotocol (ambiguous credentials), more than one bearer subprotocol, a token that
+is not strict unpadded base64url of UTF-8 text without whitespace or control
+characters, or one over :data:`MAX_BEARER_TOKEN_BYTES` (8 KiB decoded, the header's
+bound ``MAX_TOKEN_BYTES``).
+
 Inbound frames are decoded and verified by :class:`~atp_router.wire.codec.FrameCodec`; a
 frame that fails is answered with an ERROR (``EPROTO``/``ESEC``) on the stream it
 names — in that stream's sequence, as a NACK, when the stream was opened on this
@@ -63,8 +75,11 @@ a permessage-deflate whose inflation is bounded: :mod:`atp_router.runtime.ingres
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import logging
+import re
 import socket
 from dataclasses import dataclass, field
 
@@ -90,6 +105,7 @@ from atp_router.runtime.ingress.ws_gate import (
     leave_gate,
 )
 from atp_router.runtime.router import Router
+from atp_router.security.authn import MAX_TOKEN_BYTES, AuthError
 from atp_router.security.identity import Identity
 from atp_router.security.tls import serve_websocket_tls
 from atp_router.wire import session as S
@@ -103,11 +119,54 @@ SUBPROTOCOLS = {"atp.v1.cbor": "cbor", "atp.v1.json": "json"}
 CONNECTION_STREAM = "0"
 
 
+#: The subprotocol that carries a bearer token (module doc): ``atp.bearer.<base64url>``.
+BEARER_SUBPROTOCOL = "atp.bearer."
+#: Longest token a bearer subprotocol may carry (bytes, decoded): the ``Authorization`` header's bound.
+MAX_BEARER_TOKEN_BYTES = MAX_TOKEN_BYTES
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]+")
+
+
 def _authorization(request: WebSocketRequest) -> str | None:
+    """The handshake's credential as an ``Authorization`` value: the header, or
+    ``Bearer <token>`` of an ``atp.bearer.`` subprotocol (module doc), or None.
+    Raises :class:`~atp_router.security.authn.AuthError` (401) for both at once,
+    several bearer subprotocols or a malformed one; never quotes the token."""
+    header = None
     for k, v in request.headers:
         if k.lower() == b"authorization":
-            return v.decode("latin-1")
-    return None
+            header = v.decode("latin-1")
+            break
+    offered = [p for p in request.proposed_subprotocols if p.startswith(BEARER_SUBPROTOCOL)]
+    if not offered:
+        return header
+    if header is not None:
+        raise AuthError("ambiguous credentials: both an Authorization header and an atp.bearer. subprotocol; "
+                        "send one", invalid_token=False)
+    if len(offered) > 1:
+        raise AuthError(f"{len(offered)} atp.bearer. subprotocols: at most one")
+    return "Bearer " + _bearer_token(offered[0][len(BEARER_SUBPROTOCOL):])
+
+
+def _bearer_token(encoded: str) -> str:
+    """The token of a bearer subprotocol's base64url text (unpadded, canonical).
+    Raises AuthError naming what is wrong, never the token."""
+    if len(encoded) > -(-MAX_BEARER_TOKEN_BYTES * 4 // 3):  # unpadded length of the longest token
+        raise AuthError(f"atp.bearer. subprotocol token over {MAX_BEARER_TOKEN_BYTES} bytes")
+    if not _BASE64URL.fullmatch(encoded) or len(encoded) % 4 == 1:
+        raise AuthError("atp.bearer. subprotocol is not unpadded base64url ([A-Za-z0-9_-], no '=')")
+    try:
+        raw = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+    except (binascii.Error, ValueError):
+        raise AuthError("atp.bearer. subprotocol is not unpadded base64url ([A-Za-z0-9_-], no '=')") from None
+    if base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii") != encoded:
+        raise AuthError("atp.bearer. subprotocol is not canonical base64url (stray bits in its last character)")
+    try:
+        token = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise AuthError("atp.bearer. subprotocol token is not UTF-8 text") from None
+    if not token or not token.isprintable() or " " in token:  # isprintable: no control nor other space
+        raise AuthError("atp.bearer. subprotocol token is empty or has whitespace or control characters")
+    return token
 
 
 def _refusal(e: ATPError) -> bytes:
@@ -144,9 +203,11 @@ async def serve_ws(router: Router, host: str, port: int, *, sock: socket.socket 
 
 async def _handle(router: Router, request: WebSocketRequest, peer_cert: dict | None = None) -> None:
     """One upgrade request: authenticate and authorize it (401 / 403), accept it
-    with the subprotocol it offers (CBOR first) and serve the connection."""
+    with the encoding subprotocol it offers (CBOR first; an ``atp.bearer.`` one is
+    a credential, never selected) and serve the connection."""
     leave_gate(request)  # authenticated at once, below
     try:
+        # The header or an atp.bearer. subprotocol (never both; never selected below).
         identity = router.authenticate(_authorization(request), peer_cert=peer_cert)
     except ATPError as e:
         router.authentication_refused(e, ingress="websocket")

@@ -18,7 +18,27 @@
  * `ESEC`, `EBUDGET`, `EAGENTDOWN`, `ETIMEOUT`, …) and `reason`; a transport failure
  * is `ETRANSPORT`. `events()` resumes by itself after a dropped connection
  * (`Last-Event-ID`, spec §8): no event is lost or repeated.
+ *
+ * The URL picks the transport, as in the Python SDK: `http(s)://` the HTTP control
+ * API with Server-Sent Events; `ws(s)://` the router's WebSocket ingress (spec §4.1;
+ * `--ws-port`), JSON frames over the platform's `WebSocket` (or the `WebSocket`
+ * option), the token in the `atp.bearer.` subprotocol, heartbeats (§4.4), and after
+ * a dropped connection every open stream resumed (`resume_after`, §8) with no
+ * duplicate and no gap (see `ws.ts`). Over WebSocket, frames are not signed (a
+ * router with `ATP_HMAC_KEYS` refuses them: use HTTP there), `feedback`/`health`
+ * need the `httpUrl` option, and {@link Client.close} ends the connection:
+ *
+ * ```ts
+ * const atp = new Client("ws://127.0.0.1:7071", process.env.ATP_TOKEN, { httpUrl: "http://127.0.0.1:7070" });
+ * try { console.log((await atp.result(await atp.openStream(task, { content }))).result.findings); }
+ * finally { atp.close(); }
+ * ```
  */
+import { type WebSocketConstructor, WsTransport } from "./ws.js";
+import { ATPError } from "./wsstream.js";
+
+export { ATPError };
+export { bearerSubprotocol, type WebSocketConstructor } from "./ws.js";
 
 /** Event types of a stream, in the order they usually come. */
 export type EventType = "SYN_ACK" | "ACK" | "WINDOW_UPDATE" | "PARTIAL" | "ERROR" | "FINAL" | "FIN" | "RST";
@@ -141,35 +161,38 @@ export interface OpenOptions {
   idempotencyKey?: string;
 }
 
-/** An error the router reported (`code` a spec §10 code) or the transport's (`ETRANSPORT`). */
-export class ATPError extends Error {
-  constructor(
-    readonly code: string,
-    readonly reason: string,
-    readonly status?: number,
-    readonly detail?: unknown,
-    readonly retryAfterMs?: number,
-  ) {
-    super(`${code}: ${reason}`);
-    this.name = "ATPError";
-  }
-}
-
 /** Options of the {@link Client}. */
 export interface ClientOptions {
   /** A `fetch` to use instead of the platform's. */
   fetch?: typeof fetch;
   /** Bound of each request (ms), not of an events stream. Default 30 000. */
   timeoutMs?: number;
-  /** Reconnections of one `events()` after a dropped connection. Default 5. */
+  /** Reconnections of one `events()` after a dropped connection (HTTP). Default 5. */
   reconnects?: number;
+  /** WebSocket: the constructor to use instead of the platform's `WebSocket`. */
+  WebSocket?: WebSocketConstructor;
+  /** WebSocket: the router's HTTP base, for `feedback` and `health`. */
+  httpUrl?: string;
+  /** WebSocket: ms between this client's heartbeats (below the router's `hb_timeout_s`). Default 10 000. */
+  hbIntervalMs?: number;
+  /** WebSocket: ms of silence from the router after which the connection is dead. Default 30 000. */
+  hbTimeoutMs?: number;
+  /** WebSocket: ms of reconnecting after a lost connection before every call fails `ETRANSPORT`. Default 60 000. */
+  reconnectMs?: number;
 }
 
 const TERMINAL = new Set(["FIN", "RST"]);
 
-/** The ATP router's HTTP control API (spec §22) with Server-Sent Events. */
+/**
+ * An ATP router's client (spec §22): its HTTP control API with Server-Sent Events
+ * (`http://`, `https://`), or its WebSocket ingress (`ws://`, `wss://`; see the module doc).
+ */
 export class Client {
   readonly url: string;
+  /** `"websocket"` or `"http"`, by the URL's scheme. */
+  readonly transport: "websocket" | "http";
+  private readonly ws: WsTransport | undefined;
+  private readonly httpBase: string | undefined;
   private readonly headers: Record<string, string>;
   private readonly fetchFn: typeof fetch;
   private readonly timeoutMs: number;
@@ -177,8 +200,24 @@ export class Client {
   /** stream id → msg_seq of this client's next message on it (the SYN was 0). */
   private readonly nextSeq = new Map<string, number>();
 
+  /** Throws `TypeError` for another URL scheme; over WebSocket `ATPError` `ETRANSPORT` without a `WebSocket`. */
   constructor(url: string, token?: string, options: ClientOptions = {}) {
     this.url = url.replace(/\/+$/, "");
+    const scheme = this.url.slice(0, this.url.indexOf(":")).toLowerCase();
+    if (scheme === "ws" || scheme === "wss") {
+      this.transport = "websocket";
+      this.ws = new WsTransport(this.url, token, {
+        ...(options.WebSocket !== undefined ? { WebSocket: options.WebSocket } : {}),
+        timeoutMs: options.timeoutMs ?? 30_000, hbIntervalMs: options.hbIntervalMs ?? 10_000,
+        hbTimeoutMs: options.hbTimeoutMs ?? 30_000, reconnectMs: options.reconnectMs ?? 60_000,
+      });
+      this.httpBase = options.httpUrl?.replace(/\/+$/, "");
+    } else if (scheme === "http" || scheme === "https") {
+      this.transport = "http";
+      this.httpBase = this.url;
+    } else {
+      throw new TypeError(`router URL ${JSON.stringify(url)}: expected http://, https://, ws:// or wss://`);
+    }
     this.headers = token ? { Authorization: `Bearer ${token}` } : {};
     this.fetchFn = options.fetch ?? globalThis.fetch.bind(globalThis);
     this.timeoutMs = options.timeoutMs ?? 30_000;
@@ -192,6 +231,7 @@ export class Client {
    * `retryAfterMs`), `EBUDGET`, `EAGENTDOWN` (no route, or a store that did not answer).
    */
   async openStream(task: Record<string, unknown>, options: OpenOptions = {}): Promise<StreamHandle> {
+    if (this.ws !== undefined) return (await this.ws.openStream(task, options)) as StreamHandle;
     const body: Record<string, unknown> = { task };
     if (options.content !== undefined) body.content = options.content;
     if (options.budget !== undefined) body.budget = options.budget;
@@ -214,6 +254,10 @@ export class Client {
   async *events(stream: StreamHandle | string, options: { lastEventId?: number; signal?: AbortSignal } = {}
   ): AsyncGenerator<Event, void, undefined> {
     const id = typeof stream === "string" ? stream : stream.streamId;
+    if (this.ws !== undefined) {
+      yield* this.ws.events(id, options.lastEventId) as AsyncGenerator<Event, void, undefined>;
+      return;
+    }
     let last = options.lastEventId;
     for (let attempt = 0; ; attempt++) {
       let dropped: unknown;
@@ -256,6 +300,7 @@ export class Client {
    * router's answer frames (an ACK).
    */
   async budgetUpdate(stream: StreamHandle, budget: Budget): Promise<Frame[]> {
+    if (this.ws !== undefined) return (await this.ws.budgetUpdate(stream.streamId, { ...budget })) as unknown as Frame[];
     const seq = this.nextSeq.get(stream.streamId) ?? 1;
     const frame: Frame = {
       v: 1, session_id: stream.sessionId, stream_id: stream.streamId, msg_seq: seq, flags: ["CTRL"],
@@ -284,6 +329,24 @@ export class Client {
     return (await this.json("GET", "/v1/health")) as Record<string, unknown>;
   }
 
+  /**
+   * Over WebSocket: forget what this client holds of a stream (its events; it is
+   * no longer resumed on reconnection). Nothing to forget over HTTP.
+   */
+  discard(stream: StreamHandle | string): void {
+    this.ws?.discard(typeof stream === "string" ? stream : stream.streamId);
+  }
+
+  /** Close the WebSocket connection (streams go on on the router, resumable by key); nothing over HTTP. */
+  close(): void {
+    this.ws?.close();
+  }
+
+  /** Over WebSocket: the connections made so far (the first and each reconnection); 0 over HTTP. */
+  get connections(): number {
+    return this.ws?.connections ?? 0;
+  }
+
   private noteAck(streamId: string, frame: Frame): void {
     const flags = frame.flags ?? [];
     if (flags.includes("ACK") && !flags.includes("SYN") && typeof frame.msg_seq === "number") {
@@ -304,8 +367,11 @@ export class Client {
   }
 
   private async send(path: string, init: RequestInit): Promise<Response> {
+    if (this.httpBase === undefined) {
+      throw new ATPError("EPROTO", `${path} is on the router's HTTP API: new Client(wsUrl, token, { httpUrl: "http://…" })`);
+    }
     try {
-      return await this.fetchFn(this.url + path, init);
+      return await this.fetchFn(this.httpBase + path, init);
     } catch (e) {
       if ((e as Error)?.name === "AbortError" && init.signal?.aborted && init.signal.reason?.name !== "TimeoutError") {
         throw e;
