@@ -1006,7 +1006,8 @@ def report(args: argparse.Namespace, m: dict, notes: dict[str, str], took_s: flo
         return fmt(median(m, t, key), nd)
 
     if "atp_before" in m["targets"]:
-        print(f"BEFORE_AFTER ingress=openai before={args.before_ref} cpu_ms_per_task before="
+        print(f"BEFORE_AFTER ingress=openai before={args.before_ref} after={short_sha(args.atp_ref or 'HEAD')}"
+              f"{'' if args.atp_ref else '+worktree'} cpu_ms_per_task before="
               f"{med('atp_before', 'srv_cpu', 2)} after={med('atp_openai', 'srv_cpu', 2)} p50_added_ms before="
               f"{med('atp_before', 'added_p50', 2)} after={med('atp_openai', 'added_p50', 2)} tasks_per_s before="
               f"{med('atp_before', 'tps', 1)} after={med('atp_openai', 'tps', 1)}")
@@ -1070,8 +1071,11 @@ def start_servers(args: argparse.Namespace, tmp: Path, procs: list, keys: dict[s
         return None
     mock_port, mock = started
     urls, pids = {"direct": f"http://127.0.0.1:{mock_port}"}, {"direct": mock.pid}
+    exe = None
+    if args.atp_ref:  # the ATP columns run commit REF, not this working tree
+        exe = [sys.executable, str(archive_tree(args.atp_ref, tmp / "ref-tree", tmp)), str(tmp / "ref-tree")]
     router = start_router(tmp, gateway_rib(mock_port), procs, key=keys["atp_http"], announce="starting",
-                          args=["--tenant-rate-per-s", "100000", "--tenant-rate-burst", "100000"])
+                          args=["--tenant-rate-per-s", "100000", "--tenant-rate-burst", "100000"], exe=exe)
     if router is None:
         return None
     urls |= {"atp_http": router.url, "atp_ws": router.ws_url, "atp_openai": router.url}
@@ -1093,25 +1097,39 @@ def start_servers(args: argparse.Namespace, tmp: Path, procs: list, keys: dict[s
     return urls, pids
 
 
+def short_sha(ref: str) -> str:
+    import subprocess
+
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def archive_tree(ref: str, tree: Path, tmp: Path) -> Path:
+    """Commit ``ref`` of this repository extracted into ``tree`` (``git archive``);
+    returns the launcher (:data:`BEFORE_LAUNCH`) that runs its router with this venv."""
+    import subprocess
+
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    launch = tmp / "ref-launch.py"
+    launch.write_text(BEFORE_LAUNCH)
+    return launch
+
+
 def start_before(args: argparse.Namespace, tmp: Path, procs: list, key: str,
                  mock_port: int) -> tuple[str, int] | None:
     """The router of commit ``args.atp_before`` (:data:`BEFORE_LAUNCH`) on the same RIB and
     arguments as this one's, and the OpenAI model naming its policy there (``m``, or an
     older router's ``policy:m``): (its URL, its pid), None when it does not start."""
-    import subprocess
     import urllib.request
 
     tree = tmp / "before-tree"
-    tree.mkdir()
-    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.atp_before], capture_output=True,
-                         text=True, check=True).stdout.strip()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.atp_before], capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-    (tmp / "before-launch.py").write_text(BEFORE_LAUNCH)
-    args.before_ref = sha
+    launch = archive_tree(args.atp_before, tree, tmp)
+    args.before_ref = sha = short_sha(args.atp_before)
     router = start_router(tmp / "before", gateway_rib(mock_port), procs, key=key,
                           announce=f"starting (the router of {sha})",
-                          exe=[sys.executable, str(tmp / "before-launch.py"), str(tree)],
+                          exe=[sys.executable, str(launch), str(tree)],
                           args=["--tenant-rate-per-s", "100000", "--tenant-rate-burst", "100000"])
     if router is None:
         return None
@@ -1170,6 +1188,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--atp-before", metavar="REF",
                     help="also run the router of commit REF (git archive; this venv) as the column 'ATP OpenAI, "
                          "before': the same RIB, request and rounds; prints a BEFORE_AFTER line before the last")
+    ap.add_argument("--atp-ref", metavar="REF",
+                    help="run the ATP columns from commit REF (git archive) instead of this working tree")
     ap.add_argument("--mock-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.before_model, args.before_ref = "m", None
