@@ -26,11 +26,15 @@ Keys a body does not name pass to the next-hops unchanged (a body is not
 Size limits (``Meta`` constraints) are those of the ingresses that decode these
 shapes today: :data:`MAX_MESSAGES` messages of at most :data:`MAX_MESSAGE_CHARS`
 characters (or :data:`MAX_PARTS` text parts) and a name of 1..64 characters
-(``POST /v1/chat/completions``); at most :data:`MAX_FILES` files (the OpenAI
-ingress's ``atp.files``, the A2A server's ``--repo`` reader), each path of 1..
-:data:`MAX_PATH_CHARS` characters (as :mod:`atp_router.review.paths` allows).
-A next-hop's own limits (a tool's ``max_diff_bytes``, a retriever's
-``max_question_chars``) are per agent in the RIB and checked by the adapter.
+(``POST /v1/chat/completions``); :data:`MAX_FILES` files is the OpenAI
+ingress's ``atp.files`` limit and the A2A server's ``--repo`` reader's. A code
+review's ``files`` are typed (path → text) but neither counted nor their paths
+checked here: how many files and which paths a next-hop takes are its own limits
+(a tool's ``max_files``, :mod:`atp_router.review.paths`), per agent in the RIB and
+checked by the adapter, so a task over one agent's limit is that agent's client
+error in the stream, not a refused SYN — as a tool's ``max_diff_bytes`` or a
+retriever's ``max_question_chars``. The request body itself is bounded by the
+ingress (``max_body_bytes``).
 
 Pure: no I/O, no clock.
 """
@@ -72,7 +76,6 @@ MAX_FILES = 2_000
 #: Characters of one file path (as :data:`atp_router.review.paths.MAX_PATH_CHARS`).
 MAX_PATH_CHARS = 1024
 
-Path: TypeAlias = Annotated[str, Meta(min_length=1, max_length=MAX_PATH_CHARS)]
 
 
 # ------------------------------------------------------------------ the OpenAI ingress's messages
@@ -105,12 +108,12 @@ class ChatMessage(Struct, forbid_unknown_fields=True, omit_defaults=True):
 # ------------------------------------------------------------------ bodies
 class CodeReview(Struct, kw_only=True, omit_defaults=True):
     """``code_review``: ``diff`` (a unified diff, ``git diff`` output), ``files``
-    (path → the full text *after* the diff, at most :data:`MAX_FILES`) and, for an
+    (path → the full text *after* the diff; each next-hop bounds them) and, for an
     escalation with ``evidence: true``, the first stage's reports (``evidence``,
     added by the router)."""
 
     diff: str | None = None
-    files: Annotated[dict[Path, str], Meta(max_length=MAX_FILES)] | None = None
+    files: dict[str, str] | None = None
     evidence: list[dict[str, Any]] | None = None
 
 
