@@ -1,5 +1,6 @@
 """CPU per next-hop call of the ``openai_compat`` adapter against a fast keep-alive
-upstream, with and without reading each response to the end of its body (issue 10).
+upstream: httpx against the lean client (issue 25 item 3), and reading each response
+to the end of its body or not (issue 10).
 
 Run: ``python bench/bench_upstream.py [--calls N] [--rounds R]``. Plain script,
 ~20 s on 2 cores. Starts a mock OpenAI upstream in a subprocess (Starlette under
@@ -9,20 +10,26 @@ way llama-cpp-python's server ends its streams), then in this process, alternati
 
 * **floor**: httpx streaming the same request and reading it to the end (no
   adapter): what any client pays;
-* **adapter**: ``OpenAICompatAdapter.stream()`` as the router calls it (reads on
-  past ``[DONE]`` to the end of the body, so the connection is reused);
-* **adapter, abandon at [DONE]**: the same with the drain turned off
-  (``_DRAIN_AFTER_DONE_S = 0``), which is what the adapter did before: httpcore
-  closes the connection and every call opens a new one.
+* **lean**: the lean client (:mod:`atp_router.adapters.upstream`) streaming the
+  same request and scanning its SSE events to the end of the body (no adapter);
+* **adapter_httpx**: ``OpenAICompatAdapter.stream()`` on httpx (``lean_upstream=False``,
+  the old path; reads on past ``[DONE]`` to the end of the body);
+* **adapter_lean**: the same adapter on the lean client (its default);
+* **adapter, abandon at [DONE]**: httpx with the drain turned off
+  (``_DRAIN_AFTER_DONE_S = 0``): httpcore closes the connection and every call
+  opens a new one (issue 10).
 
-Prints CPU µs per call (this thread's CPU time, best round) and the TCP
-connections opened per call (new connections seen by the upstream).
+Prints, per path, the median over rounds (never the best) of CPU µs per call (this
+thread's CPU time) and of the TCP connections opened per call (new connections seen
+by the upstream), the load average, and last
+``UPSTREAM cpu_us_per_call httpx=<a> lean=<b> adapter_httpx=<c> adapter_lean=<d>``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -35,7 +42,7 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from atp_router.adapters import openai_compat  # noqa: E402
+from atp_router.adapters import openai_compat, upstream  # noqa: E402
 from atp_router.adapters.base import Prompt  # noqa: E402
 from atp_router.adapters.local_model import is_up  # noqa: E402
 
@@ -103,12 +110,26 @@ async def _floor(base: str, calls: int) -> float:
         return (time.thread_time() - t0) / calls
 
 
-async def _adapter(base: str, calls: int, drain: bool) -> float:
+async def _lean(base: str, calls: int) -> float:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
+    client = upstream.UpstreamClient(timeout_s=10)
+    try:
+        t0 = time.thread_time()
+        for _ in range(calls):
+            async with upstream.open_upstream(client, "POST", base + "/chat/completions", json=body) as r:
+                async for _data in upstream.sse_data(r):
+                    pass
+        return (time.thread_time() - t0) / calls
+    finally:
+        await client.aclose()
+
+
+async def _adapter(base: str, calls: int, drain: bool, lean: bool) -> float:
     saved = openai_compat._DRAIN_AFTER_DONE_S
     openai_compat._DRAIN_AFTER_DONE_S = saved if drain else 0.0
     adapter = openai_compat.OpenAICompatAdapter("bench", base_url=base, model="m", cost_in_per_mtok=1.0,
                                                 cost_out_per_mtok=1.0, max_out_tokens=16, timeout_ms=10_000,
-                                                ctx_tokens=4096)
+                                                ctx_tokens=4096, lean_upstream=lean)
     try:
         t0 = time.thread_time()
         for _ in range(calls):
@@ -133,24 +154,34 @@ def main() -> None:
             if is_up(base):
                 break
             time.sleep(0.1)
-        results: dict[str, list[float]] = {"floor": [], "adapter": [], "abandon": []}
-        conns: dict[str, int] = {}
+        names = ("floor", "lean", "adapter_httpx", "adapter_lean", "abandon")
+        results: dict[str, list[float]] = {name: [] for name in names}
+        conns: dict[str, list[float]] = {name: [] for name in names}
+        loads: list[float] = []
         for _ in range(args.rounds):
-            for name in ("floor", "adapter", "abandon"):
+            loads.append(os.getloadavg()[0])
+            for name in names:
                 before = _connections(base)
                 if name == "floor":
                     cpu = trio.run(_floor, base, args.calls)
+                elif name == "lean":
+                    cpu = trio.run(_lean, base, args.calls)
                 else:
-                    cpu = trio.run(_adapter, base, args.calls, name == "adapter")
-                conns[name] = _connections(base) - before
-                results[name].append(cpu)
+                    cpu = trio.run(_adapter, base, args.calls, name != "abandon", name == "adapter_lean")
+                conns[name].append((_connections(base) - before) / args.calls)
+                results[name].append(cpu * 1e6)
         print(f"openai_compat next-hop call, mock upstream (6 chunks, keep-alive), {args.calls} sequential calls "
-              f"x {args.rounds} rounds, Python {sys.version.split()[0]}")
-        print(f"{'path':<34} {'CPU µs/call (best)':>20} {'new connections/call':>22}")
-        labels = {"floor": "httpx, read to the end (floor)", "adapter": "adapter (reads past [DONE])",
-                  "abandon": "adapter, abandon at [DONE] (old)"}
+              f"x {args.rounds} interleaved rounds, Python {sys.version.split()[0]}, "
+              f"load avg (1 min) per round {' '.join(f'{x:.2f}' for x in loads)}")
+        print(f"{'path':<40} {'CPU µs/call (median)':>21} {'new connections/call':>22}")
+        labels = {"floor": "httpx, read to the end (floor)", "lean": "lean client, read to the end",
+                  "adapter_httpx": "adapter on httpx (old path)", "adapter_lean": "adapter on the lean client",
+                  "abandon": "adapter on httpx, abandon at [DONE]"}
+        med = {name: statistics.median(results[name]) for name in names}
         for name, label in labels.items():
-            print(f"{label:<34} {min(results[name]) * 1e6:>20.0f} {conns[name] / args.calls:>22.2f}")
+            print(f"{label:<40} {med[name]:>21.0f} {statistics.median(conns[name]):>22.2f}")
+        print(f"UPSTREAM cpu_us_per_call httpx={med['floor']:.0f} lean={med['lean']:.0f} "
+              f"adapter_httpx={med['adapter_httpx']:.0f} adapter_lean={med['adapter_lean']:.0f}")
     finally:
         proc.terminate()
         proc.wait()

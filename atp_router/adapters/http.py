@@ -62,6 +62,7 @@ __all__ = [
     "json_object",
     "open_stream",
     "retry_after_ms",
+    "retry_wait_ms",
     "sse_data",
     "status_error",
     "token_count",
@@ -201,14 +202,21 @@ async def open_stream(
                 yield response
                 return
             error = error_of(response, await response.aread())
-        wait = None
-        if response.status_code in retry.statuses:
-            # Jitter only spreads retries out; it needs no cryptographic randomness.
-            wait = retry.delay_ms(attempt, error.retry_after_ms, random.random())  # nosec B311
+        wait = retry_wait_ms(retry, response.status_code, error, attempt)
         if wait is None:
             raise error
         await trio.sleep(wait / 1000)
         attempt += 1
+
+
+def retry_wait_ms(retry: RetryPolicy, status: int, error: AgentError, attempt: int) -> int | None:
+    """How long to wait before sending attempt ``attempt + 1`` again after an
+    answer ``status`` that ``error`` describes, in ms; ``None``: do not retry
+    (status not retryable under ``retry``, or its attempts are spent)."""
+    if status not in retry.statuses:
+        return None
+    # Jitter only spreads retries out; it needs no cryptographic randomness.
+    return retry.delay_ms(attempt, error.retry_after_ms, random.random())  # nosec B311
 
 
 #: Where adapters read the secrets a RIB names (``api_key_env``, ``auth_env``):

@@ -25,7 +25,12 @@ Errors (``AgentError``)::
     other 4xx, non-SSE answer, bad SSE JSON  EPROTO
 
 429/5xx answers are retried only with a ``retry`` policy (default none; see
-:mod:`atp_router.adapters.http`). The whole-call deadline is the router's
+:mod:`atp_router.adapters.http`). The streamed call goes through the lean client
+(:mod:`atp_router.adapters.upstream`: trio streams, httptools, a keep-alive pool,
+SSE scanned in place) unless the adapter was built with a ``transport``, with
+``lean_upstream=False``, or for a ``base_url`` that the environment's proxy
+settings route through a proxy: those keep httpx, decided at construction. Both
+paths map errors, retry and drain the same way. The whole-call deadline is the router's
 ``trio.fail_after``; ``timeout_ms`` only bounds each network wait. Money: costs are USD per 1M tokens, which is USD micros
 per token, so ``usd_micros = ceil(in_tokens * cost_in + out_tokens * cost_out)``
 computed exactly on the decimal costs.
@@ -37,11 +42,15 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
 import trio
+from httpx._utils import URLPattern, get_environment_proxies
+
+from atp_router.adapters import upstream
 
 from atp_router.adapters.base import (
     CHARS_PER_TOKEN,
@@ -55,6 +64,7 @@ from atp_router.adapters.base import (
 from atp_router.adapters.context import forwarded_context, prompt_context
 from atp_router.adapters.http import (
     NO_RETRY,
+    POOL_LIMITS,
     HTTPNextHop,
     RetryPolicy,
     env_secret,
@@ -66,6 +76,7 @@ from atp_router.adapters.http import (
     transport_error,
 )
 from atp_router.consensus.types import AgentFinding, AgentReport, Severity
+from atp_router.observability import tracing
 from atp_router.task.change import ParsedChange, parse_change
 from atp_router.task.diff import FileDiff
 from atp_router.wire.errors import AgentError, ErrorCode
@@ -94,6 +105,10 @@ _MAX_SUMMARY = 2000
 #: reads to reach the end of the body, so the connection is reused.
 _DRAIN_AFTER_DONE_S = 1.0
 _DRAIN_AFTER_DONE_EVENTS = 16
+
+#: ``(text delta, (in_tokens, out_tokens) reported or None)``: one decoded chunk of an answer.
+Chunk = tuple[str, tuple[int | None, int | None] | None]
+_JSON = msgspec.json.Decoder()
 
 SYSTEM_PROMPT = (
     "You are a meticulous code reviewer. Report only real defects introduced by the diff: "
@@ -128,7 +143,14 @@ class ChatModelAdapter(HTTPNextHop):
     ``prompt.task.agent_context``, without its ``securityContext``) to the system
     prompt. ``retry`` retries 429/5xx answers with backoff (:mod:`atp_router.adapters.http`).
     ``transport`` replaces httpx's network transport (e.g. to share one).
+    ``lean_upstream`` (default on) lets a subclass whose wire supports it (the
+    OpenAI-compatible one) make its streamed call with the lean client
+    (:mod:`atp_router.adapters.upstream`); a ``transport``, or a ``base_url`` the
+    environment proxies, keeps httpx (decided here, at construction).
     """
+
+    #: Whether this wire can use the lean client (:meth:`_open_lean`).
+    _LEAN_WIRE: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -149,6 +171,7 @@ class ChatModelAdapter(HTTPNextHop):
         context_in_prompt: bool = False,
         retry: RetryPolicy = NO_RETRY,
         transport: httpx.AsyncBaseTransport | None = None,
+        lean_upstream: bool = True,
     ) -> None:
         if cost_in_per_mtok < 0 or cost_out_per_mtok < 0:
             raise ValueError("costs must be >= 0 USD per 1M tokens")
@@ -171,6 +194,8 @@ class ChatModelAdapter(HTTPNextHop):
         self._api_key = api_key
         self._api_key_env = api_key_env
         self._init_http(timeout_ms=timeout_ms, transport=transport, base_url=self.base_url)
+        self._upstream: upstream.UpstreamClient | None = None
+        self.lean = self._LEAN_WIRE and lean_upstream and transport is None and _direct_route(self.base_url)
 
     # -- ProviderAdapter -----------------------------------------------------------
 
@@ -212,11 +237,7 @@ class ChatModelAdapter(HTTPNextHop):
         reported: tuple[int | None, int | None] = (None, None)
         try:
             method, path, kwargs = self._request(messages, self.out_tokens(prompt))
-            async with (
-                open_stream(self._http(), method, path, retry=self.retry, error_of=self._error_of,
-                            **kwargs) as response,
-                contextlib.aclosing(self._decode(response)) as chunks,
-            ):  # fmt: skip
+            async with self._open(method, path, kwargs) as chunks:
                 async for delta, usage in chunks:
                     if usage is not None:
                         reported = (
@@ -231,6 +252,8 @@ class ChatModelAdapter(HTTPNextHop):
             raise self._fail(e, t0, secrets) from None
         except httpx.HTTPError as e:
             raise self._fail(transport_error(e, self.base_url, self.timeout_ms), t0, secrets) from None
+        except upstream.UpstreamError as e:
+            raise self._fail(upstream.transport_error(e, self.base_url, self.timeout_ms), t0, secrets) from None
         self._succeeded(t0)
         findings, summary = parse_review("".join(parts), prompt.content, change=prompt.change)
         yield Fragment(
@@ -238,6 +261,51 @@ class ChatModelAdapter(HTTPNextHop):
             content=AgentReport(findings=findings, summary=summary),
             usage=self._usage(est_in, chars, reported),
         )
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        if self._upstream is not None:
+            await self._upstream.aclose()
+            self._upstream = None
+
+    @contextlib.asynccontextmanager
+    async def _open(self, method: str, path: str, kwargs: dict[str, Any]) -> AsyncIterator[AsyncIterator[Chunk]]:
+        """The decoded chunks of the streamed call, through the lean client when
+        :attr:`lean`, else httpx (:func:`~atp_router.adapters.http.open_stream`)."""
+        if self.lean:
+            async with (
+                upstream.open_upstream(self._lean_client(), method, self.base_url + path, json=kwargs["json"],
+                                       headers={**kwargs["headers"], **tracing.outbound(self.name)},
+                                       retry=self.retry, error_of=self._error_of) as answer,
+                contextlib.aclosing(self._open_lean(answer)) as chunks,
+            ):  # fmt: skip
+                yield chunks
+            return
+        async with (
+            open_stream(self._http(), method, path, retry=self.retry, error_of=self._error_of,
+                        **kwargs) as response,
+            contextlib.aclosing(self._decode(response)) as chunks,
+        ):  # fmt: skip
+            yield chunks
+
+    def _lean_client(self) -> upstream.UpstreamClient:
+        if self._upstream is None:
+            t = self.timeout_ms / 1000
+            # httpx's own default context (SSL_CERT_FILE / SSL_CERT_DIR, else certifi) or use_tls's:
+            # the lean path trusts exactly what the httpx path trusts.
+            tls = self._tls
+            if tls is None and self.base_url.lower().startswith("https:"):
+                tls = httpx.create_ssl_context()
+            self._upstream = upstream.UpstreamClient(
+                timeout_s=t, connect_timeout_s=min(t, 10.0), ssl_context=tls,
+                max_connections=POOL_LIMITS.max_connections or 1024,
+                max_idle=POOL_LIMITS.max_keepalive_connections or 0,
+            )  # fmt: skip
+        return self._upstream
+
+    def _open_lean(self, answer: upstream.Response) -> AsyncIterator[Chunk]:
+        """The chunks of a lean answer (a subclass with :attr:`_LEAN_WIRE` defines it)."""
+        raise TypeError(f"{type(self).__name__} has no lean wire")
 
     # -- prompt --------------------------------------------------------------------
 
@@ -318,10 +386,20 @@ class OpenAICompatAdapter(ChatModelAdapter):
             body["response_format"] = {"type": "json_object"}
         return "POST", "/chat/completions", {"json": body, "headers": self._auth()}
 
-    async def _decode(self, response: httpx.Response) -> AsyncIterator[tuple[str, tuple[int | None, int | None] | None]]:
-        async with contextlib.aclosing(sse_data(response)) as events:
+    _LEAN_WIRE = True
+
+    def _decode(self, response: httpx.Response) -> AsyncIterator[Chunk]:
+        return self._chunks(sse_data(response))
+
+    def _open_lean(self, answer: upstream.Response) -> AsyncIterator[Chunk]:
+        return self._chunks(upstream.sse_data(answer))
+
+    async def _chunks(self, sse: AsyncGenerator[str, None] | AsyncGenerator[bytearray, None]) -> AsyncIterator[Chunk]:
+        """The chunks of an answer's SSE ``data`` (text from httpx, UTF-8 bytes from
+        the lean client), up to ``[DONE]``, then the drain below."""
+        async with contextlib.aclosing(sse) as events:
             async for data in events:
-                if data.strip() == "[DONE]":
+                if _is_done(data):
                     break
                 yield self._decode_chunk(data)
             else:
@@ -338,8 +416,14 @@ class OpenAICompatAdapter(ChatModelAdapter):
                     if extra > _DRAIN_AFTER_DONE_EVENTS:
                         break
 
-    def _decode_chunk(self, data: str) -> tuple[str, tuple[int, int] | None]:
-        obj = json_object(data)
+    def _decode_chunk(self, data: str | bytearray) -> tuple[str, tuple[int, int] | None]:
+        try:
+            obj = _JSON.decode(data)
+        except msgspec.DecodeError:
+            obj = None
+        if not isinstance(obj, dict):
+            # json's reading (NaN, huge ints, invalid UTF-8 replaced) and its exact EPROTO reasons.
+            obj = json_object(data if isinstance(data, str) else data.decode("utf-8", "replace"))
         if "error" in obj:
             # Servers report failures that happen mid-stream in-band.
             err = obj["error"]
@@ -361,6 +445,31 @@ class OpenAICompatAdapter(ChatModelAdapter):
                 if isinstance(d, dict) and isinstance(d.get("content"), str):
                     delta += d["content"]
         return delta, usage
+
+
+def _is_done(data: str | bytearray) -> bool:
+    """Whether an SSE ``data`` is the ``[DONE]`` sentinel (surrounding whitespace
+    allowed); a bytearray is copied (stripped) only when it holds the sentinel."""
+    if isinstance(data, str):
+        return data.strip() == "[DONE]"
+    return b"[DONE]" in data and data.strip() == b"[DONE]"
+
+
+def _direct_route(base_url: str) -> bool:
+    """Whether ``base_url`` is http(s) and httpx would not send it through a proxy
+    from the environment (``HTTP(S)_PROXY``, ``ALL_PROXY``, ``NO_PROXY``; httpx's own
+    matching): the lean client has no proxy support, so a proxied one keeps httpx."""
+    if urlsplit(base_url).scheme.lower() not in ("http", "https"):
+        return False
+    try:
+        url = httpx.URL(base_url)
+    except httpx.InvalidURL:
+        return False
+    mounts = {URLPattern(pattern): proxy for pattern, proxy in get_environment_proxies().items()}
+    for pattern in sorted(mounts):
+        if pattern.matches(url):
+            return mounts[pattern] is None
+    return True
 
 
 #: Kept for callers of the old private name; see :func:`atp_router.adapters.http.retry_after_ms`.

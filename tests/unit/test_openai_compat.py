@@ -163,9 +163,13 @@ async def test_sequential_calls_reuse_one_keep_alive_connection(llama_url: str) 
         for _ in range(3):
             [*_, final] = await _collect(adapter)
             assert final.type is PayloadType.FINAL
-        pool = adapter._http()._transport._pool  # httpx's connection pool (httpcore)
-        assert len(pool.connections) == 1, pool.connections
-        assert pool.connections[0].is_idle()
+        if adapter.lean:  # the lean client's pool (atp_router.adapters.upstream, issue 25)
+            client = adapter._lean_client()
+            assert client.opened == 1 and client.idle(llama_url) == 1, (client.opened, client.idle(llama_url))
+        else:
+            pool = adapter._http()._transport._pool  # httpx's connection pool (httpcore)
+            assert len(pool.connections) == 1, pool.connections
+            assert pool.connections[0].is_idle()
     finally:
         await adapter.aclose()
 
