@@ -107,7 +107,7 @@ from atp_router.runtime.dataplane.opening import (
 )
 from atp_router.runtime.dataplane.plan import LegOutcome
 from atp_router.runtime.dataplane.plane import DataPlane
-from atp_router.runtime.dataplane.stream import Closed, StreamCtx
+from atp_router.runtime.dataplane.stream import Closed, OpenStream, StreamCtx
 from atp_router.runtime.dataplane.streams import (
     StreamTable,
 )
@@ -128,7 +128,6 @@ from atp_router.security.redact import DataScopeGuard
 from atp_router.security.redact import warm as redact_warm
 from atp_router.security.signing import DurableReplayGuard, UsageSigner
 from atp_router.store import Store, StoreUnavailable
-from atp_router.task.change import ParsedChange
 from atp_router.wire.codec import FrameCodec, KeyRing
 from atp_router.wire.errors import (
     ATPError,
@@ -137,10 +136,7 @@ from atp_router.wire.errors import (
     PolicyError,
 )
 from atp_router.wire.frame import (
-    Budget,
     Frame,
-    QoS,
-    Window,
 )
 
 __all__ = ["ACTIONS", "Router"]
@@ -484,12 +480,11 @@ class Router:
         """:meth:`DataPlane.receive_frame <atp_router.runtime.dataplane.plane.DataPlane.receive_frame>`."""
         return self.data.receive_frame(frame, identity=identity, now=now)
 
-    def open_stream(self, *, task: dict[str, Any], content: dict[str, Any] | None, budget: Budget | None,
-                    qos: QoS | None, window: Window | None, idempotency_key: str | None,
-                    identity: Identity, change: ParsedChange | None = None) -> StreamCtx:
-        """:meth:`DataPlane.open_stream <atp_router.runtime.dataplane.plane.DataPlane.open_stream>`."""
-        return self.data.open_stream(task=task, content=content, budget=budget, qos=qos, window=window,
-                                     idempotency_key=idempotency_key, identity=identity, change=change)
+    @property
+    def open_stream(self) -> OpenStream:
+        """:meth:`DataPlane.open_stream <atp_router.runtime.dataplane.plane.DataPlane.open_stream>`
+        itself (the data plane's bound method: an ingress's call goes straight to it)."""
+        return self.data.open_stream
 
     def stream_closed(self, closed: Closed | None) -> None:
         """:meth:`DataPlane.stream_closed <atp_router.runtime.dataplane.plane.DataPlane.stream_closed>`."""

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from atp_router.cliutil.helpfmt import DefaultsHelpFormatter
 from atp_router.runtime.dataplane.dispatch import Dispatcher
 from atp_router.runtime.dataplane.opening import DEFAULT_STAGES, describe
+from atp_router.runtime.dataplane.plane import DataPlane
 from atp_router.runtime.ingress.http_api import ROUTES
 from atp_router.runtime.ingress.http_types import ApiRoute
-from atp_router.runtime.router import Router
 
 __all__ = ["render_routes", "routes_main", "task_path"]
 
@@ -58,7 +58,7 @@ def task_path(table: Sequence[ApiRoute] = ROUTES,
     following = [r for r in table if r.task == "follows"]
     width = max((len(name) for name, _ in stages), default=0)
     out = ["client", *(f"  │ {line}" for line in _rows(opening)), "  ▼",
-           f"{_mod(Router.open_stream)}: the SYN", "  │",
+           f"{_mod(DataPlane.open_stream)}: the SYN", "  │",
            "┌─ SYN stages (each Continue or Refuse; the first Refuse stops them)"]
     out += [f"│ {i}. {name:<{width}}  {doc}" for i, (name, doc) in enumerate(stages, 1)]
     out += ["└─", "  │ a Refuse: the stream reset (RST) with its spec §10 code; the opening route answers that error",

@@ -179,7 +179,12 @@ class Dispatcher:
         self.on_leg = on_leg
 
     async def run(self, io: StreamIO, plan: TaskPlan) -> FinalResult:
-        """Fan out, merge, escalate; returns the FINAL result (spec §7.3).
+        """Fan out, merge, escalate; returns the FINAL result (spec §7.3; module
+        doc, 1-4): the change parsed once for every leg and the merge, every
+        next-hop of the route in parallel, each a leg of its own (its attempts,
+        retries and reroutes) under the stream deadline — a turn the deadline
+        cut gets its ETIMEOUT — then :meth:`_settle`; the window's periodic
+        WINDOW_UPDATE check runs beside it.
 
         Raises :class:`AgentError` when no next-hop produced a report at all:
         :class:`~atp_router.wire.errors.ClientInputError` (``EPROTO``, RST) when a
@@ -189,25 +194,32 @@ class Dispatcher:
         if plan.flow is None:
             plan.flow = StreamFlow(plan.stream_id or plan.ledger_key, plan.window, plan.qos, self.ledger, plan.ledger_key)
         failure: AgentError | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._window_ticker, io, plan)
+        async with trio.open_nursery() as ticker:
+            ticker.start_soon(self._window_ticker, io, plan)
             try:
-                final = await self._run(io, plan)
+                await parse_task_change(plan)  # once per task: every leg and the merge share it
+                hops = plan.route.next_hops
+                plan.tried.update(h.agent for h in hops)
+                legs: dict[int, LegOutcome] = {}
+                with trio.move_on_at(plan.deadline) as deadline:
+                    async with trio.open_nursery() as nursery:
+                        for turn, hop in enumerate(hops):
+                            nursery.start_soon(self._leg, io, plan, hop, legs, turn)
+                if deadline.cancelled_caught:
+                    for turn, hop in enumerate(hops):
+                        self._deadline_error(io, plan, legs, turn, hop.agent)
+                final = await self._settle(io, plan, legs)
             except AgentError as e:
                 failure = e  # raised outside the nursery, so not wrapped in an ExceptionGroup
             finally:
-                nursery.cancel_scope.cancel()
+                ticker.cancel_scope.cancel()
         if failure is not None:
             raise failure
         return final
 
-    async def _run(self, io: StreamIO, plan: TaskPlan) -> FinalResult:
-        """Fan out, merge, escalate, then the FINAL or the error of no report
-        (module doc, 1-4): the steps of :meth:`run`."""
-        await parse_task_change(plan)  # once per task: every leg and the merge share it
-        plan.tried.update(h.agent for h in plan.route.next_hops)
-        legs: dict[int, LegOutcome] = {}
-        await self._fan_out(io, plan, legs)
+    async def _settle(self, io: StreamIO, plan: TaskPlan, legs: dict[int, LegOutcome]) -> FinalResult:
+        """Merge the legs' reports, escalate when a trigger fires and the budget
+        allows, then the FINAL or the error of no report (module doc, 2-4)."""
         result, reports = self._merge(plan)
         triggers = escalation_triggers(plan, result, reports, trio.current_time())
         if consensus_error(result) is not None:
@@ -225,19 +237,6 @@ class Dispatcher:
         result.consensus.uncertainties.extend(uncertainties(plan, legs, reports, triggers, self._down_reason))
         plan.triggers = triggers
         return FinalResult(result=result, telemetry=telemetry(plan, trio.current_time()))
-
-    async def _fan_out(self, io: StreamIO, plan: TaskPlan, legs: dict[int, LegOutcome]) -> None:
-        """Every next-hop of the route in parallel, each a leg of its own (its
-        attempts, retries and reroutes), under the stream deadline; a turn the
-        deadline cut gets its ETIMEOUT."""
-        hops = plan.route.next_hops
-        with trio.move_on_at(plan.deadline) as scope:
-            async with trio.open_nursery() as nursery:
-                for turn, hop in enumerate(hops):
-                    nursery.start_soon(self._leg, io, plan, hop, legs, turn)
-        if scope.cancelled_caught:
-            for turn, hop in enumerate(hops):
-                self._deadline_error(io, plan, legs, turn, hop.agent)
 
     async def _escalate(self, io: StreamIO, plan: TaskPlan, legs: dict[int, LegOutcome],
                         reports: Mapping[str, AgentReport]) -> tuple[Result, dict[str, AgentReport]]:

@@ -57,7 +57,6 @@ tracing, audit, task start) is the router's.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,7 +66,6 @@ from typing import (
     ClassVar,
     Final,
     Protocol,
-    TypeVar,
     runtime_checkable,
 )
 
@@ -119,6 +117,7 @@ __all__ = [
     "holding",
     "insert_stage",
     "min_budget",
+    "refusal",
     "replace_stage",
     "run_stages",
     "syn_task",
@@ -234,21 +233,15 @@ class StageType(Protocol):
     def of(self, parts: OpenParts, /) -> Stage: ...
 
 
-_S = TypeVar("_S")
 #: The top-level meta field a msgspec validation error names (``- at `$.budget.usd```).
 _FIELD = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
-def _refusing(call: Callable[[_S, OpenCtx], Continue | Refuse]) -> Callable[[_S, OpenCtx], Continue | Refuse]:
-    """A stage's ``__call__`` whose parts raise :class:`ATPError`: the error becomes
-    the :class:`Refuse` with its code, reason and ``retry_after_ms``."""
-    @functools.wraps(call)
-    def stage(self: _S, o: OpenCtx) -> Continue | Refuse:
-        try:
-            return call(self, o)
-        except ATPError as e:
-            return Refuse(e.code, e.reason, e.retry_after_ms)
-    return stage
+def refusal(e: ATPError) -> Refuse:
+    """The :class:`Refuse` of an error a stage's part raised: its code, reason and
+    ``retry_after_ms``. Each stage catches what its parts raise and returns this,
+    so a stage is called (and table-tested) as the :class:`Stage` it is."""
+    return Refuse(e.code, e.reason, e.retry_after_ms)
 
 
 # ------------------------------------------------------------------ stages
@@ -262,10 +255,12 @@ class ContextScope:
     def of(cls, parts: OpenParts) -> ContextScope:
         return cls()
 
-    @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
         before = o.meta
-        o.meta = with_context_scope(before)
+        try:
+            o.meta = with_context_scope(before)
+        except ATPError as e:
+            return refusal(e)
         if o.task is not None and o.meta is not before:  # its labels joined data_scope
             o.task = msgspec.structs.replace(o.task, data_scope=o.meta.get("data_scope"))
         return CONTINUE
@@ -281,13 +276,15 @@ class TaskShape:
     def of(cls, parts: OpenParts) -> TaskShape:
         return cls()
 
-    @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
         if not isinstance(o.content, dict):  # none, or JSON text to reassemble: checked when the task starts
             return CONTINUE
         # The task type decides the body (a SYN whose meta is malformed: by its keys,
         # and the task_meta stage refuses it).
-        o.body = body = task_body(o.task.task_type if o.task is not None else "", o.content)
+        try:
+            o.body = body = task_body(o.task.task_type if o.task is not None else "", o.content)
+        except ATPError as e:
+            return refusal(e)
         diff = getattr(body, "diff", None)
         if diff is not None and "diff_loc" not in o.meta:
             # The ingress's parse when it made one, else a count at C speed: no stall at SYN.
@@ -310,9 +307,11 @@ class StreamSlot:
     def of(cls, parts: OpenParts) -> StreamSlot:
         return cls(parts.streams)
 
-    @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
-        self.streams.admit(o.tenant, o.stream_id)
+        try:
+            self.streams.admit(o.tenant, o.stream_id)
+        except ATPError as e:
+            return refusal(e)
         return CONTINUE
 
 
@@ -388,11 +387,13 @@ class FibLookup:
     def of(cls, parts: OpenParts) -> FibLookup:
         return cls(parts.generation, parts.learning, parts.control)
 
-    @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
         o.gen = gen = self.generation()
-        self.learning.sync(gen)
-        o.route = gen.fib.lookup(o.meta, health=self.control.health(gen, o.now), live=self.learning.live_view())
+        try:
+            self.learning.sync(gen)
+            o.route = gen.fib.lookup(o.meta, health=self.control.health(gen, o.now), live=self.learning.live_view())
+        except ATPError as e:
+            return refusal(e)
         return CONTINUE
 
 
@@ -409,15 +410,17 @@ class Bandit:
     def of(cls, parts: OpenParts) -> Bandit:
         return cls(parts.learning)
 
-    @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
         route, gen = o.route, o.gen
         assert route is not None and gen is not None, "bandit runs after route"
         policy_budget = min_budget(o.client_budget, route.budget)
-        o.route, o.decision = self.learning.route(
-            route, gen, o.meta, o.content, tenant=o.tenant,
-            budget_usd_micros=usd_to_micros(policy_budget.usd) if policy_budget.usd is not None else None,
-            qos=o.admitted_qos or route.qos)
+        try:
+            o.route, o.decision = self.learning.route(
+                route, gen, o.meta, o.content, tenant=o.tenant,
+                budget_usd_micros=usd_to_micros(policy_budget.usd) if policy_budget.usd is not None else None,
+                qos=o.admitted_qos or route.qos)
+        except ATPError as e:
+            return refusal(e)
         return CONTINUE
 
 
@@ -435,12 +438,14 @@ class BudgetOpen:
     def of(cls, parts: OpenParts) -> BudgetOpen:
         return cls(parts.ledger, parts.client_account)
 
-    @_refusing
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
         assert o.route is not None, "budget_open runs after route"
         o.budget = budget = min_budget(o.client_budget, o.route.budget)
-        # A shared ledger may refuse (its store unreachable, EBUDGET; atp_router.deploy.cluster).
-        self.ledger.open(o.account, Allowance.from_budget(budget), parent=self.client_account(o.tenant))
+        try:
+            # A shared ledger may refuse (its store unreachable, EBUDGET; atp_router.deploy.cluster).
+            self.ledger.open(o.account, Allowance.from_budget(budget), parent=self.client_account(o.tenant))
+        except ATPError as e:
+            return refusal(e)
         return CONTINUE
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,8 +23,8 @@ import msgspec
 import trio
 
 from atp_router.adapters.base import Prompt
-from atp_router.consensus.types import FinalResult, SignedUsage
-from atp_router.flow.budget import Allowance, BudgetLedger, usd_to_micros
+from atp_router.consensus.types import FinalResult
+from atp_router.flow.budget import Allowance, BudgetLedger
 from atp_router.observability.metrics import RouterMetrics
 from atp_router.observability.tracing import RouterTracing
 from atp_router.policy.rib import ClientSpec
@@ -52,6 +51,7 @@ from atp_router.runtime.dataplane.stream import (
     error_of_frames,
     frame_kind,
     min_window,
+    signed_final,
     task_digest,
 )
 from atp_router.runtime.dataplane.streams import StreamTable
@@ -92,6 +92,7 @@ DEFAULT_WINDOW = Window(max_parallel=4, max_tokens=120_000, max_usd_micros=1_250
 #: ``(kind, identity, detail, *, level=None)``: one audit record
 #: (:meth:`Router.audit_event <atp_router.runtime.router.Router.audit_event>`).
 AuditSink = Callable[..., None]
+
 
 
 class DataPlane:
@@ -219,49 +220,70 @@ class DataPlane:
         SYN's key names another task: :meth:`resume_point`, or a gate such as
         the cluster's re-run)."""
         if Flag.SYN in frame.flags:
-            for gate in self.syn_gates:
-                refused = gate.refuse(frame, identity, task)
-                if refused is not None:
-                    self.metrics.errors.labels(str(refused.code)).inc()
-                    return [connection_error(frame.session_id, frame.stream_id, refused.code, refused.reason,
-                                             refused.retry_after_ms)]
-        self.metrics.frames.labels("in", frame_kind(frame)).inc()
+            gated = self._syn_gates(frame, identity, task, resume_checked)
+            if isinstance(gated, list):
+                return gated
+            frame = gated
+        else:
+            self.metrics.frames.labels("in", frame_kind(frame)).inc()
         tenant = identity.tenant
-        if Flag.SYN in frame.flags:
-            if not resume_checked and self.resume_point(frame, identity=identity, task=task) is not None:
-                return []
-            # The session confirms the SYN's class in its SYN+ACK (§8 step 2): it must
-            # see the class StreamAdmission serves (authz.clamp_qos, the one rule).
-            qos = clamp_qos(frame.qos, self.client_spec(tenant).qos_max)
-            if qos is not frame.qos:
-                self._qos_asked = frame.qos  # read by _open in this same call: no await between
-                frame = msgspec.structs.replace(frame, qos=qos)
         try:
             sess = self.streams.session(tenant, frame.session_id, now=now)
             if Flag.SYN not in frame.flags and self._closed_by_us(tenant, sess, frame.stream_id):
                 return self._late_frame(frame)
             direct: list[Frame] = []
             for ev in sess.receive_frame(frame, now):
-                self._on_session_event(ev, sess, frame, identity=identity, direct=direct, change=change, task=task)
+                if type(ev) is not S.StreamOpened:
+                    self._on_session_event(ev, sess, identity=identity, direct=direct)
+                    continue
+                # A SYN the session accepted goes through the SYN stages (opening.py); refused, it
+                # is reset with the stage's code, else opened. The session dropped a SYN at ttl 0;
+                # this hop takes one off the rest (§4.2).
+                content = ev.payload.content if ev.payload is not None and ev.payload.type is PayloadType.TASK \
+                    else None
+                o = OpenCtx(identity, sess.session_id, ev.stream_id, dict(ev.meta), content, ev.qos, ev.window,
+                            trio.current_time(), change=change_of_task(content, change), task=task)
+                refused = run_stages(self.syn_stages, o)
+                if refused is not None:
+                    self._refuse_syn(sess, o, refused, direct)
+                else:
+                    self._open(sess, ev, o, S.forward_ttl(frame).ttl)
         finally:
             self._qos_asked = None  # never carried over to another SYN, whatever was raised
         return direct
 
-    def _on_session_event(self, ev: Any, sess: S.Session, frame: Frame, *, identity: Identity,
-                          direct: list[Frame], change: ParsedChange | None, task: TaskMeta | None) -> None:
-        """Act on one event ``sess`` made of inbound ``frame`` (:meth:`receive_frame`);
-        frames for the sender outside any stream's log go to ``direct``; ``change``
-        is the SYN's task diff as the ingress parsed it (None: not parsed yet),
-        ``task`` its meta as decoded on receipt (:meth:`_receive`)."""
+    def _syn_gates(self, syn: Frame, identity: Identity, task: TaskMeta | None,
+                   resume_checked: bool) -> Frame | list[Frame]:
+        """A SYN before its session sees it: a deployment gate's refusal (a lone
+        ERROR) or a resumed stream (nothing to answer: ``[]``) is the list of
+        frames to answer with; else the SYN, its class clamped to the tenant's
+        ``qos_max``. ``resume_checked``: the caller asked :meth:`resume_point` already."""
+        for gate in self.syn_gates:
+            refused = gate.refuse(syn, identity, task)
+            if refused is not None:
+                self.metrics.errors.labels(str(refused.code)).inc()
+                return [connection_error(syn.session_id, syn.stream_id, refused.code, refused.reason,
+                                         refused.retry_after_ms)]
+        self.metrics.frames.labels("in", frame_kind(syn)).inc()
+        if not resume_checked and self.resume_point(syn, identity=identity, task=task) is not None:
+            return []
+        # The session confirms the SYN's class in its SYN+ACK (§8 step 2): it must
+        # see the class StreamAdmission serves (authz.clamp_qos, the one rule).
+        qos = clamp_qos(syn.qos, self.client_spec(identity.tenant).qos_max)
+        if qos is not syn.qos:
+            self._qos_asked = syn.qos  # read by _open in the caller's same call: no await between
+            syn = msgspec.structs.replace(syn, qos=qos)
+        return syn
+
+    def _on_session_event(self, ev: Any, sess: S.Session, *, identity: Identity, direct: list[Frame]) -> None:
+        """Act on one event ``sess`` made of an inbound frame other than a SYN it
+        accepted (:meth:`_receive` opens those); frames for the sender outside
+        any stream's log go to ``direct``."""
 
         def stream_of(stream_id: str) -> StreamCtx | None:
             return self.streams.get(identity.tenant, sess.session_id, stream_id)
 
         match ev:
-            case S.StreamOpened():
-                # The session dropped a SYN at ttl 0; this hop takes one off the rest (§4.2).
-                self._on_syn(sess, ev, identity=identity, direct=direct, ttl=S.forward_ttl(frame).ttl,
-                             change=change, task=task)
             case S.MessageReceived():
                 ctx = stream_of(ev.stream_id)
                 if ctx is not None:
@@ -310,22 +332,6 @@ class DataPlane:
             return []
         return [connection_error(frame.session_id, frame.stream_id, ErrorCode.EPROTO,
                                  f"stream is closed: message msg_seq={frame.msg_seq} not delivered")]
-
-    def _on_syn(self, sess: S.Session, ev: Any, *, identity: Identity, direct: list[Frame], ttl: int,
-                change: ParsedChange | None, task: TaskMeta | None) -> None:
-        """A SYN the session accepted (``ev``: :class:`~atp_router.wire.session.StreamOpened`)
-        goes through :attr:`syn_stages` (:mod:`atp_router.runtime.dataplane.opening`); refused, it
-        is reset with the stage's code (:meth:`_refuse_syn`), else opened
-        (:meth:`_open`). ``change``: its task's diff as the ingress parsed it;
-        ``task``: its meta as decoded on receipt (None: the ``task_meta`` stage decodes it)."""
-        content = ev.payload.content if ev.payload is not None and ev.payload.type is PayloadType.TASK else None
-        o = OpenCtx(identity, sess.session_id, ev.stream_id, dict(ev.meta), content, ev.qos, ev.window,
-                    trio.current_time(), change=change_of_task(content, change), task=task)
-        refused = run_stages(self.syn_stages, o)
-        if refused is not None:
-            self._refuse_syn(sess, o, refused, direct)
-        else:
-            self._open(sess, ev, o, ttl)
 
     def _refuse_syn(self, sess: S.Session, o: OpenCtx, refused: Refuse, direct: list[Frame]) -> None:
         """Reset a refused SYN's stream (spec §10): counted, an ``ESEC`` audited,
@@ -446,7 +452,8 @@ class DataPlane:
                     if outcome.final is None:
                         self._task_failed(ctx, plan, outcome)
                     else:
-                        self._task_final(ctx, gen, plan, outcome, outcome.final)
+                        self.stream_closed(ctx.finish(self._final_sent(ctx, plan, outcome, outcome.final)))
+                        self._learn_from(ctx, gen, plan, outcome, outcome.final)
                 if scope.cancelled_caught:
                     self.metrics.streams_closed.labels("rst").inc()
         finally:
@@ -471,10 +478,9 @@ class DataPlane:
         else:
             self.stream_closed(ctx.reset(e.code, e.reason))
 
-    def _task_final(self, ctx: StreamCtx, gen: Generation, plan: TaskPlan, outcome: TaskOutcome,
-                    final: FinalResult) -> None:
-        """Send the task's FINAL (signed) and FIN; count, audit and learn from it,
-        and start its shadow run when one is due."""
+    def _final_sent(self, ctx: StreamCtx, plan: TaskPlan, outcome: TaskOutcome, final: FinalResult) -> FinalResult:
+        """The task's FINAL as it is sent (signed, :func:`~atp_router.runtime.dataplane.stream.signed_final`), counted,
+        traced and its escalation audited; the caller sends it and the FIN."""
         triggers = list(outcome.triggers)
         if self.tracing is not None:
             self.tracing.merged(ctx, plan, final, triggers)
@@ -486,7 +492,11 @@ class DataPlane:
             self.audit_event("escalation", ctx.identity, {"session_id": ctx.session_id,
                                                           "stream_id": ctx.stream_id, "triggers": triggers})
         self.metrics.streams_closed.labels("final").inc()
-        self.stream_closed(ctx.finish(self._signed(ctx, final)))
+        return signed_final(ctx, final, self.usage_signer, self.gen.version)
+
+    def _learn_from(self, ctx: StreamCtx, gen: Generation, plan: TaskPlan, outcome: TaskOutcome,
+                    final: FinalResult) -> None:
+        """After the FINAL was sent: learn from it, and start its shadow run when one is due."""
         esc = ctx.route.escalation
         qualities = self.learning.task_done(ctx, plan, final, esc.to if esc is not None and outcome.escalated else None)
         hop = self.learning.shadow_due(ctx, gen, list(qualities))
@@ -494,20 +504,6 @@ class DataPlane:
             # After the FINAL: the client's result and budget are already settled.
             self.nursery.start_soon(self.learning.shadow, ctx, plan, final, gen, hop,
                                      max(qualities.values(), default=0.0))
-
-    def _signed(self, ctx: StreamCtx, final: FinalResult) -> FinalResult:
-        """``final`` with its telemetry's signed usage summary (spec §19: a client
-        can prove what it was charged; ``GET /v1/keys`` has the public key)."""
-        t = final.telemetry
-        contents = (ev.frame.payload.content for ev in ctx.log.events
-                    if ev.type == "PARTIAL" and ev.frame.payload is not None)
-        reporters = {c.get("agent") for c in contents if isinstance(c, dict) and "report" in c}
-        summary = {"tenant": ctx.tenant, "session_id": ctx.session_id, "stream_id": ctx.stream_id,
-                   "tokens": t.tokens, "usd_micros": usd_to_micros(t.usd), "calls": len(reporters),
-                   "rib_version": ctx.gen.version if ctx.gen is not None else self.gen.version,
-                   "closed_at_ms": int(time.time() * 1000)}
-        usage = SignedUsage(summary=summary, jws=self.usage_signer.sign(summary))
-        return msgspec.structs.replace(final, telemetry=msgspec.structs.replace(t, usage=usage))
 
     def stream_closed(self, closed: Closed | None) -> None:
         """Act on a stream's close (what the call that closed it returned; None:

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
 
-from atp_router.flow.budget import AccountState
+from atp_router.consensus.types import FinalResult, SignedUsage
+from atp_router.flow.budget import AccountState, usd_to_micros
 from atp_router.runtime.dataplane.eventlog import EventLog
 from atp_router.security.identity import Identity
+from atp_router.security.signing import UsageSigner
 from atp_router.task.change import ParsedChange
 from atp_router.task.meta import TaskMeta
 from atp_router.wire import session as S
@@ -45,18 +48,19 @@ from atp_router.wire.frame import (
 )
 
 if TYPE_CHECKING:
-    from atp_router.consensus.types import FinalResult
     from atp_router.runtime.controlplane.control import Generation
     from atp_router.runtime.dataplane.streams import StreamTable
 
 __all__ = [
     "Closed",
+    "OpenStream",
     "StreamCtx",
     "StreamKey",
     "change_of_task",
     "error_of_frames",
     "frame_kind",
     "min_window",
+    "signed_final",
     "stream_account",
 ]
 
@@ -328,3 +332,28 @@ def min_window(a: Window | None, b: Window) -> Window:
         max_tokens=min(a.max_tokens, b.max_tokens),
         max_usd_micros=min(a.max_usd_micros, b.max_usd_micros),
     )
+
+
+class OpenStream(Protocol):
+    """:meth:`DataPlane.open_stream`'s signature, as the router facade hands it to the ingresses."""
+
+    def __call__(self, *, task: dict[str, Any], content: dict[str, Any] | None, budget: Budget | None,
+                 qos: QoS | None, window: Window | None, idempotency_key: str | None,
+                 identity: Identity, change: ParsedChange | None = None) -> StreamCtx: ...
+
+
+def signed_final(ctx: StreamCtx, final: FinalResult, signer: UsageSigner, rib_version: int) -> FinalResult:
+    """``final`` with its telemetry's signed usage summary (spec §19: a client
+    can prove what it was charged; ``GET /v1/keys`` has the public key):
+    tenant, stream, tokens, USD micros, the next-hops that reported, the RIB
+    version (the stream's generation, else ``rib_version``), the close time (ms)."""
+    t = final.telemetry
+    contents = (ev.frame.payload.content for ev in ctx.log.events
+                if ev.type == "PARTIAL" and ev.frame.payload is not None)
+    reporters = {c.get("agent") for c in contents if isinstance(c, dict) and "report" in c}
+    summary = {"tenant": ctx.tenant, "session_id": ctx.session_id, "stream_id": ctx.stream_id,
+               "tokens": t.tokens, "usd_micros": usd_to_micros(t.usd), "calls": len(reporters),
+               "rib_version": ctx.gen.version if ctx.gen is not None else rib_version,
+               "closed_at_ms": int(time.time() * 1000)}
+    usage = SignedUsage(summary=summary, jws=signer.sign(summary))
+    return msgspec.structs.replace(final, telemetry=msgspec.structs.replace(t, usage=usage))

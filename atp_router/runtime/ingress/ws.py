@@ -95,8 +95,7 @@ from trio_websocket import (
 
 from atp_router.observability import tracing
 from atp_router.policy.fib import fib_delta
-from atp_router.runtime.dataplane.stream import connection_error
-from atp_router.runtime.dataplane.stream import StreamCtx
+from atp_router.runtime.dataplane.stream import StreamCtx, connection_error
 from atp_router.runtime.ingress.ws_gate import (
     Bound,
     GatedListener,
@@ -110,7 +109,12 @@ from atp_router.security.identity import Identity
 from atp_router.security.tls import serve_websocket_tls
 from atp_router.wire import session as S
 from atp_router.wire.codec import FrameCodec
-from atp_router.wire.errors import ATPError, ErrorCode, IdempotencyConflict, LocalProtocolError
+from atp_router.wire.errors import (
+    ATPError,
+    ErrorCode,
+    IdempotencyConflict,
+    LocalProtocolError,
+)
 from atp_router.wire.frame import Flag, Frame, Payload, PayloadType
 
 log = logging.getLogger("atp_router.runtime.ingress.ws")
