@@ -7,8 +7,10 @@ job script.
 
 The planted defect is ``subprocess.call(cmd, shell=True)`` on a parameter: a
 command built at run time runs through a shell (OS command injection), which the
-analysers report as high. The SARIF is checked against what SARIF 2.1.0 requires
-of each object written (:func:`check_sarif`)."""
+analysers report as high. Every SARIF log written is validated against the official
+SARIF 2.1.0 JSON schema with ``jsonschema`` (the OASIS schema, installed by
+``scripts/peers/sarif-schema.sh`` from Microsoft's SARIF Multitool package), then
+checked for what the command promises beyond it (:func:`check_sarif`)."""
 
 from __future__ import annotations
 
@@ -18,16 +20,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 import trio
 
 from atp_router.deploy.review_cmd import SEVERITIES, failing, render_sarif
 from tests.conftest import start_router
+from tests.peers import _peer_unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 ATP = str(Path(sys.executable).parent / "atp-router")
 CLEAN = 'import subprocess\n\n\ndef run(cmd):\n    return subprocess.call(["ls", cmd])\n'
 DEFECT = 'import subprocess\n\n\ndef run(cmd):\n    return subprocess.call(cmd, shell=True)\n'
+SARIF_SCHEMA = ROOT / ".peers" / "sarif" / "sarif-2.1.0.json"
 CLEAN_CHANGE = 'import subprocess\n\n\ndef run(cmd):\n    return subprocess.call(["ls", "-l", cmd])\n'
 
 
@@ -52,10 +57,23 @@ def review(repo: Path, *args: str, env: dict[str, str] | None = None) -> subproc
                           env={**os.environ, **(env or {})})
 
 
+def sarif_schema_errors(doc: dict) -> list[str]:
+    """Where ``doc`` breaks the official SARIF 2.1.0 JSON schema (draft 2020-12),
+    one line an error; a missing schema skips the test (fails under
+    ``ATP_REQUIRE_PEERS=1``, as CI runs)."""
+    if not SARIF_SCHEMA.is_file():
+        _peer_unavailable("the SARIF 2.1.0 schema", f"{SARIF_SCHEMA} is missing (run scripts/peers/sarif-schema.sh)")
+    schema = json.loads(SARIF_SCHEMA.read_text())
+    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
 def check_sarif(doc: dict) -> list[dict]:
-    """What SARIF 2.1.0 requires of the objects :func:`render_sarif` writes
+    """``doc`` valid against the official SARIF 2.1.0 schema, and what SARIF 2.1.0
+    requires beyond the schema of the objects :func:`render_sarif` writes
     (§3.13 sarifLog, §3.14 run, §3.19 toolComponent, §3.27 result, §3.28
     location, §3.30 region, §3.49 reportingDescriptor); returns the results."""
+    assert sarif_schema_errors(doc) == []
     assert doc["version"] == "2.1.0" and isinstance(doc["runs"], list) and len(doc["runs"]) == 1
     run = doc["runs"][0]
     driver = run["tool"]["driver"]
@@ -158,6 +176,25 @@ def test_sarif_regions_and_levels(span, lines):
     region = results[0]["locations"][0]["physicalLocation"]["region"]
     assert (region["startLine"], region["endLine"]) == lines
     assert results[0]["level"] == "warning" and results[0]["ruleId"] == "sec.bandit"
+
+
+def test_the_schema_check_catches_what_breaks_sarif():
+    final = {"result": {"findings": [{"id": "F-1", "severity": "high", "file": "a.py", "span": "2-3",
+                                      "claim": "c", "confidence": 0.5, "provenance": ["sec.bandit#1"]}]},
+             "telemetry": {"tokens": 3, "usd": 0.0}}
+    good = render_sarif({"stream_id": "s", "final": final}, "0")
+    assert sarif_schema_errors(good) == []
+    bad_level = json.loads(json.dumps(good))
+    bad_level["runs"][0]["results"][0]["level"] = "fatal"
+    no_version = {k: v for k, v in good.items() if k != "version"}
+    zero_line = json.loads(json.dumps(good))
+    zero_line["runs"][0]["results"][0]["locations"][0]["physicalLocation"]["region"]["startLine"] = 0
+    unknown = {**good, "atp_cost": 1}
+    for broken, where in ((bad_level, "runs/0/results/0/level"), (no_version, ""),
+                          (zero_line, "runs/0/results/0/locations/0/physicalLocation/region/startLine"),
+                          (unknown, "")):
+        errors = sarif_schema_errors(broken)
+        assert errors and any(e.startswith(f"{where}: ") for e in errors), errors
 
 
 def test_fail_on_counts_the_severities_at_or_above():
