@@ -515,6 +515,7 @@ class Router:
                 await nursery.start(self.control.serve)
                 nursery.start_soon(self.gates.slots.run)
                 nursery.start_soon(self.gates.run_canaries)  # a failure in doubt: a canary speaks (issue 19)
+                nursery.start_soon(self.gates.ticks.run)  # every task's periodic WINDOW_UPDATE check (§5.4)
                 nursery.start_soon(self.data.run_timers)
                 nursery.start_soon(self.streams.persistence.run_flusher)
                 nursery.start_soon(self._audit_checkpoints)

@@ -93,7 +93,9 @@ The stream's WINDOW_UPDATE cadence (§5.4) is driven here too: one is sent when 
 window moved by ≥ ``update_delta`` (checked after every send and completion) and
 at the check every ``update_interval_ms`` when it changed at all, and every
 ``update_keepalive_ms`` (10 s by default) when it did not, while the task runs
-(:meth:`Window.update_due <atp_router.flow.window.Window.update_due>`).
+(:meth:`Window.update_due <atp_router.flow.window.Window.update_due>`); the
+periodic checks of every running task are one router-wide timer
+(:mod:`~atp_router.runtime.dataplane.ticks`), not a trio task per stream.
 """
 
 from __future__ import annotations
@@ -184,7 +186,8 @@ class Dispatcher:
         next-hop of the route in parallel, each a leg of its own (its attempts,
         retries and reroutes) under the stream deadline — a turn the deadline
         cut gets its ETIMEOUT — then :meth:`_settle`; the window's periodic
-        WINDOW_UPDATE check runs beside it.
+        WINDOW_UPDATE check is filed with the router-wide
+        :class:`~atp_router.runtime.dataplane.ticks.WindowTicks` meanwhile.
 
         Raises :class:`AgentError` when no next-hop produced a report at all:
         :class:`~atp_router.wire.errors.ClientInputError` (``EPROTO``, RST) when a
@@ -193,29 +196,22 @@ class Dispatcher:
         """
         if plan.flow is None:
             plan.flow = StreamFlow(plan.stream_id or plan.ledger_key, plan.window, plan.qos, self.ledger, plan.ledger_key)
-        failure: AgentError | None = None
-        async with trio.open_nursery() as ticker:
-            ticker.start_soon(self._window_ticker, io, plan)
-            try:
-                await parse_task_change(plan)  # once per task: every leg and the merge share it
-                hops = plan.route.next_hops
-                plan.tried.update(h.agent for h in hops)
-                legs: dict[int, LegOutcome] = {}
-                with trio.move_on_at(plan.deadline) as deadline:
-                    async with trio.open_nursery() as nursery:
-                        for turn, hop in enumerate(hops):
-                            nursery.start_soon(self._leg, io, plan, hop, legs, turn)
-                if deadline.cancelled_caught:
+        ticking = self.gates.ticks.add(plan.window, io.emit_window_update)
+        try:
+            await parse_task_change(plan)  # once per task: every leg and the merge share it
+            hops = plan.route.next_hops
+            plan.tried.update(h.agent for h in hops)
+            legs: dict[int, LegOutcome] = {}
+            with trio.move_on_at(plan.deadline) as deadline:
+                async with trio.open_nursery() as nursery:
                     for turn, hop in enumerate(hops):
-                        self._deadline_error(io, plan, legs, turn, hop.agent)
-                final = await self._settle(io, plan, legs)
-            except AgentError as e:
-                failure = e  # raised outside the nursery, so not wrapped in an ExceptionGroup
-            finally:
-                ticker.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
-        return final
+                        nursery.start_soon(self._leg, io, plan, hop, legs, turn)
+            if deadline.cancelled_caught:
+                for turn, hop in enumerate(hops):
+                    self._deadline_error(io, plan, legs, turn, hop.agent)
+            return await self._settle(io, plan, legs)
+        finally:
+            self.gates.ticks.remove(ticking)
 
     async def _settle(self, io: StreamIO, plan: TaskPlan, legs: dict[int, LegOutcome]) -> FinalResult:
         """Merge the legs' reports, escalate when a trigger fires and the budget
@@ -309,19 +305,6 @@ class Dispatcher:
                                          confidence=o.report.confidence if o.report is not None else None,
                                          truncated=len(text) > ANSWER_CHARS))
         return result, reports
-
-    async def _window_ticker(self, io: StreamIO, plan: TaskPlan) -> None:
-        """The periodic WINDOW_UPDATE check every ``update_interval_ms`` while the
-        task runs (§5.4): sent when the window changed, else every keep-alive."""
-        while True:
-            await trio.sleep_until(plan.window.next_update_at())
-            self._window_moved(io, plan)
-
-    @staticmethod
-    def _window_moved(io: StreamIO, plan: TaskPlan) -> None:
-        update = plan.window.update_due(trio.current_time())
-        if update is not None:
-            io.emit_window_update(update)
 
     # ------------------------------------------------------------------ one next-hop
 

@@ -72,6 +72,7 @@ from atp_router.flow.breaker import BreakerBoard, BreakerTransition, RetryPolicy
 from atp_router.flow.qos import Preempt, QosScheduler
 from atp_router.flow.window import WindowTable
 from atp_router.runtime.config import RouterConfig
+from atp_router.runtime.dataplane.ticks import WindowTicks
 from atp_router.runtime.loopstalls import LoopStalls
 from atp_router.security.redact import scrub
 from atp_router.task.body import TaskBody
@@ -188,6 +189,9 @@ class FlowGates:
         #: The router's own loop stalls: a call timed out during one is the router's fault,
         #: not the next-hop's (:attr:`~atp_router.flow.breaker.Fault.LOCAL`).
         self.stalls = stalls if stalls is not None else LoopStalls()
+        #: The running tasks' periodic WINDOW_UPDATE checks, one timer for all (:meth:`WindowTicks.run
+        #: <atp_router.runtime.dataplane.ticks.WindowTicks.run>`, a router task).
+        self.ticks = WindowTicks()
         self.admission = AdmissionControl(breakers, agent_windows, slots.scheduler)
         #: Calls parked in :meth:`wait`, by their wake-up.
         self._parked: dict[Call, trio.Event] = {}
