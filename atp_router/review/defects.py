@@ -207,9 +207,15 @@ _SEMGREP: dict[str, str] = {
     "regex-flags-as-count": "logic",
 }
 
+#: The pytest next-hop (``tool: pytest``, alias ``tests``): a failing test shows
+#: the code behaving other than its test expects on the test's own (valid) input —
+#: wrong behaviour, whatever exception carried it (issue 23 item 4).
+_PYTEST: dict[str, str] = {"test_fail": "logic"}
+
 #: analyser → rule code (or prefix) → category.
 RULE_CATEGORY: dict[str, dict[str, str]] = {
     "bandit": _BANDIT, "pylint": _PYLINT, "ruff": _RUFF, "mypy": _MYPY, "semgrep": _SEMGREP,
+    "pytest": _PYTEST, "tests": _PYTEST,
 }
 
 #: category → claim words (regular expressions on the lower-cased claim); the first

@@ -33,6 +33,14 @@ FIN/RST). Each FINAL is checked against spec §7.3 and scored:
   precision, F1 and caught tasks, but a finding catches a defect only when its
   class (:mod:`atp_router.review.defects`: its rule, CWE or claim) is the
   defect's, and a finding on a ``negatives`` line is a false positive;
+* **tests as a reviewer** (issue 23 item 4): the tasks that ship tests (a
+  ``files`` path named as pytest collects tests, ``test_*.py`` / ``*_test.py``:
+  :func:`ships_tests`), of them those a pytest next-hop (RIB ``tool: pytest`` or
+  ``tests``) reported on, and those it caught, by line and by the right reason
+  (its own findings, before consensus) — a line of its own per variant
+  (:func:`tests_line`). The golden format carries no tests (a BugsInPy task's
+  ``oracle`` names its test, ``files`` holds only the touched source file), so
+  on the shipped dev set it reads ``0/26 tasks ship tests``;
 * **leave-one-out** (``--leave-one-out``): each task runs on a copy of the RIB
   whose semgrep agents leave out the shipped rules written from it (their
   ``metadata.source_tasks``; :func:`loo_exclusions`, :func:`derive_rib`).
@@ -71,6 +79,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -93,6 +102,7 @@ from atp_router.wire.errors import PolicyError
 __all__ = [
     "PRIVATE_ROUTER",
     "SLACK",
+    "TEST_FILE",
     "AgentScore",
     "Baseline",
     "EvalReport",
@@ -117,7 +127,9 @@ __all__ = [
     "review_task",
     "run_tasks",
     "score_task",
+    "ships_tests",
     "summarize",
+    "tests_line",
 ]
 
 #: Lines of slack each side when matching a finding to an expected defect.
@@ -130,6 +142,10 @@ PER_TASK_SOURCES = frozenset({"advisory-fix", "advisory-introducing-commit"})
 ESCALATED_PREFIX = "escalated on "
 #: Budget sent with every task: generous, so the budget never shapes the score.
 DEFAULT_BUDGET = {"usd": 0.10, "tokens": 200_000}
+#: A test file's name, as pytest collects them by default (``python_files``).
+TEST_FILE = re.compile(r"(^|/)(test_[^/]*|[^/]*_test)\.py$")
+#: The RIB tools of a pytest next-hop (:mod:`atp_router.adapters.tools.testrunner`).
+TEST_TOOLS = frozenset({"pytest", "tests"})
 #: A task file larger than this is refused (bytes): eval reads it whole.
 MAX_TASK_FILE_BYTES = 256 * 1024 * 1024
 _SEVERITY_RANK = {"critical": 4, "high": 3, "medium": 2, "low": 1, "info": 0}
@@ -308,7 +324,10 @@ class TaskScore(msgspec.Struct, kw_only=True):
     (:func:`score_right`): ``right_caught`` per expected finding,
     ``right_units_caught``, ``right_matched`` findings, ``negatives_hit`` findings
     on a ``negatives`` line; ``classes`` the expected defects' classes;
-    ``excluded_rules`` the rules left out of this task's run (leave-one-out)."""
+    ``excluded_rules`` the rules left out of this task's run (leave-one-out).
+    Tests as a reviewer: ``ships_tests`` (:func:`ships_tests`); ``tests_ran``
+    a pytest next-hop reported; ``tests_caught`` / ``tests_right`` one of its
+    findings matched an expected defect by line / by the right reason."""
 
     id: str
     source: str
@@ -333,6 +352,10 @@ class TaskScore(msgspec.Struct, kw_only=True):
     classes: list[str] = []
     right_claims: list[str] = []
     excluded_rules: list[str] = []
+    ships_tests: bool = False
+    tests_ran: bool = False
+    tests_caught: bool = False
+    tests_right: bool = False
 
     @property
     def task_caught(self) -> bool:
@@ -363,7 +386,10 @@ class EvalReport(msgspec.Struct, kw_only=True):
     the same figures scored by the right reason (:func:`score_right`: class
     match, a finding on a ``negatives`` line a false positive), ``negatives_hit``
     the findings on such lines; ``leave_one_out`` is true when each task ran
-    without the rules written from it (``excluded_rules`` per task)."""
+    without the rules written from it (``excluded_rules`` per task).
+    ``tests_tasks``: tasks that ship tests; of them ``tests_ran`` a pytest
+    next-hop reported on, ``tests_caught`` / ``tests_right`` it caught by line /
+    by the right reason (:class:`TaskScore`)."""
 
     tasks: list[TaskScore]
     n_tasks: int
@@ -397,6 +423,10 @@ class EvalReport(msgspec.Struct, kw_only=True):
     right_f1: float = 0.0
     negatives_hit: int = 0
     leave_one_out: bool = False
+    tests_tasks: int = 0
+    tests_ran: int = 0
+    tests_caught: int = 0
+    tests_right: int = 0
 
 
 #: The harness's older name for :class:`EvalReport`.
@@ -523,6 +553,19 @@ def _agent_tallies(task: GoldenTask, reports: Mapping[str, Any],
     return out
 
 
+def ships_tests(task: GoldenTask) -> bool:
+    """Whether ``task`` ships tests: a path of its ``files`` is a test file
+    (:data:`TEST_FILE`)."""
+    return any(TEST_FILE.search(p) for p in task.files)
+
+
+def _tests_flags(task: GoldenTask, agents: Mapping[str, AgentTally], analysers: Mapping[str, str]) -> dict[str, bool]:
+    """The tests-as-a-reviewer fields of :class:`TaskScore`."""
+    mine = [t for a, t in agents.items() if analysers.get(a, a) in TEST_TOOLS]
+    return {"ships_tests": ships_tests(task), "tests_ran": bool(mine),
+            "tests_caught": any(t.matched for t in mine), "tests_right": any(t.right for t in mine)}
+
+
 def score_task(task: GoldenTask, run: TaskRun, *, top: int = DEFAULT_TOP,
                analysers: Mapping[str, str] | None = None, excluded_rules: Sequence[str] = ()) -> TaskScore:
     """Score one task's run, by line and by the right reason; recall@``top``
@@ -546,6 +589,7 @@ def score_task(task: GoldenTask, run: TaskRun, *, top: int = DEFAULT_TOP,
     classed = [(*span, finding_class(f.provenance, f.claim, run.reports, analysers))
                for span, f in zip(spans, findings, strict=True)]
     r_caught, r_matched, on_neg, r_units = score_right(task, classed)
+    agents = _agent_tallies(task, run.reports, analysers)
     return TaskScore(
         id=task.id,
         source=task.source,
@@ -562,7 +606,7 @@ def score_task(task: GoldenTask, run: TaskRun, *, top: int = DEFAULT_TOP,
         agreement=final.result.consensus.agreement,
         escalated=is_escalated(final, run.next_hops, run.reporters),
         matched_claims=[f"{file}:{s}-{e} {claim}" for file, s, e, claim in hits],
-        agents=_agent_tallies(task, run.reports, analysers),
+        agents=agents,
         right_caught=r_caught,
         right_units_caught=r_units,
         right_matched=sum(r_matched),
@@ -571,6 +615,7 @@ def score_task(task: GoldenTask, run: TaskRun, *, top: int = DEFAULT_TOP,
         right_claims=[f"{c[0]}:{c[1]}-{c[2]} [{c[3]}] {f.claim}"
                       for c, f, m in zip(classed, findings, r_matched, strict=True) if m],
         excluded_rules=sorted(excluded_rules),
+        **_tests_flags(task, agents, analysers),
     )
 
 
@@ -632,7 +677,11 @@ def _right_figures(scores: Sequence[TaskScore]) -> dict[str, Any]:
     return {"right_tasks_caught": sum(s.task_right for s in scores), "right_units_caught": right_units,
             "right_recall": recall, "right_matched": right_matched, "right_precision": precision,
             "right_f1": f1_score(recall, precision), "negatives_hit": sum(s.negatives_hit for s in scores),
-            "leave_one_out": any(s.excluded_rules for s in scores)}
+            "leave_one_out": any(s.excluded_rules for s in scores),
+            "tests_tasks": sum(s.ships_tests for s in scores),
+            "tests_ran": sum(s.ships_tests and s.tests_ran for s in scores),
+            "tests_caught": sum(s.ships_tests and s.tests_caught for s in scores),
+            "tests_right": sum(s.ships_tests and s.tests_right for s in scores)}
 
 
 def summarize(scores: Sequence[TaskScore], *, failed: Sequence[str] = (), top: int = DEFAULT_TOP) -> EvalReport:
@@ -728,14 +777,24 @@ def format_report(report: EvalReport, *, title: str = "golden dev set") -> str:
     return "\n".join(lines)
 
 
+def tests_line(report: EvalReport) -> str:
+    """Tests as a reviewer, one line: ``<t>/<n> tasks ship tests (test files in
+    files); a pytest next-hop reported on <r>, caught <k> by line, <k2> for the
+    right reason``."""
+    return (f"{report.tests_tasks}/{report.n_tasks} tasks ship tests (test files in files); a pytest next-hop "
+            f"reported on {report.tests_ran}, caught {report.tests_caught} by line, {report.tests_right} for the "
+            "right reason")
+
+
 def _right_lines(report: EvalReport) -> list[str]:
-    """The right-reason lines of :func:`format_report`."""
+    """The right-reason and tests lines of :func:`format_report`."""
     p = "n/a" if report.right_precision is None else f"{report.right_precision:.3f}"
     return [
         f"right reason      {report.right_tasks_caught}/{report.n_tasks} tasks, recall {report.right_units_caught}/"
         f"{report.units} = {report.right_recall:.3f}, precision {report.right_matched}/{report.findings} = {p}, "
         f"F1 {report.right_f1:.3f}; {report.negatives_hit} finding(s) on negatives lines"
         + (" (leave-one-out)" if report.leave_one_out else ""),
+        f"tests reviewer    {tests_line(report)}",
     ]
 
 
@@ -1270,6 +1329,8 @@ def _print_results(reports: dict[str, EvalReport], tasks: list[GoldenTask], args
           "class (its rule, CWE or claim: atp_router/review/defects.py) is the defect's, and a finding on a "
           "negatives line a false positive; neg: findings on negatives lines"
           + ("; leave-one-out: each task ran without the rules written from it)" if args.leave_one_out else ")"))
+    for name, r in reports.items():
+        print(f"tests {name}: {tests_line(r)}")
     for agent, c in calibration(reports).items():
         p = "n/a" if c["precision"] is None else f"{c['precision']:.3f}"
         print(f"agent {agent:<22} findings {c['findings']:>4}  matched {c['matched']:>3}  precision {p}")

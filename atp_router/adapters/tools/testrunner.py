@@ -18,9 +18,35 @@ The task (``content``):
                     (``tests/test_a.py::test_x``), ``{node_ids: [...]}``, or
                     ``{command: ["pytest", *args]}`` (also ``["python", "-m",
                     "pytest", …]``) whose args may only be node ids and the flags in
-                    :data:`ALLOWED_FLAGS`; default: pytest's own discovery
-``diff``            ignored (the after-diff state is what ``files`` hold)
+                    :data:`ALLOWED_FLAGS`; default: the tests touching ``diff``
+                    (below), else pytest's own discovery
+``diff``            optional: the reviewed change (unified diff, at most
+                    ``max_files_bytes``; the router's parse of it when the task
+                    comes through one, :attr:`Prompt.change
+                    <atp_router.adapters.base.Prompt.change>`): it chooses the
+                    tests and places the failures (below); the after-diff state
+                    is what ``files`` (over ``repo``) hold
 ==================  ===============================================================
+
+**Tests as a reviewer** (issue 23 item 4; :mod:`~atp_router.adapters.tools.testselect`).
+With a ``diff`` and no ``tests``, only the test files that touch the changed
+files run: a changed test file, ``test_<module>.py`` / ``<module>_test.py`` of a
+changed ``<module>.py``, and every test file importing a changed module directly
+or through the tree's other modules (imports read statically with :mod:`ast`,
+package-relative ones resolved; the tree's ``.py`` files, already within
+``max_files`` and ``max_file_bytes``, parsed when together within
+``max_files_bytes``). When none does, a changed ``conftest.py`` touches them
+all, or the tree is over that bound, pytest's own discovery runs. The summary
+says which: ``…; ran 2 test file(s) touching the changed files: tests/test_a.py,
+tests/test_b.py`` or ``…; ran pytest's discovery: no test file touches the
+changed files``. With a ``diff``, a failing test is placed at the changed line
+its traceback reaches: the deepest traceback entry (pytest's ``path:line:``
+lines in the JUnit failure text) on a line the diff changed, else the deepest
+inside a changed hunk (context lines included); the finding's file is then the
+changed file and its span that one line, the claim and ``tests`` as below. A
+failure whose traceback reaches no changed line — an ``assert`` on a wrong
+return value is raised in the test, not in the code that computed it — stays at
+the test. Paths in the failure text are compared as text and never opened.
 
 The run: ``python -E -s -B -m pytest -p no:cacheprovider --capture=no
 -o junit_family=xunit1 --junitxml=<the report pipe> …`` with the router's
@@ -50,14 +76,18 @@ The report: pytest's JUnit XML (xunit1, read with :mod:`xml.etree`, at most
 ``output_bytes`` and without DTDs or entities). Each failed or erroring test is a
 finding: rule ``test_fail`` (:data:`~atp_router.consensus.escalation.TEST_FAIL_RULE`, so
 a policy escalating ``on: [test_fail]`` fires), severity high, confidence 0.95,
-file the test's file, span from the test function's ``def`` line (JUnit ``line``,
-made 1-based) to the failing line in that file (from the traceback), claim
-``<node id>: <first line of the failure message>``. The summary is ``N passed, M
-failed`` (then skipped and errors when any). Usage is zero.
+``tests`` its node id, claim ``<node id> failed: <first line of the failure
+message>`` (``error`` for an erroring test); at the changed line its traceback
+reaches (above), else at the test: file the test's file, span from the test
+function's ``def`` line (JUnit ``line``, made 1-based) to the failing line in
+that file (from the traceback). The summary is ``N passed, M failed`` (then
+skipped and errors when any; then the selection's note with a ``diff``). Usage
+is zero.
 
 Errors (spec §10): the client's input (:class:`~atp_router.wire.errors.ClientInputError`,
 ``EPROTO``): a refused path, a ``repo`` outside the allowed roots, a ``tests``
-value or flag not allowed, no test files, a task over a size limit, a run that
+value or flag not allowed, a ``diff`` that is not text or is over
+``max_files_bytes``, no test files, a task over a size limit, a run that
 collected no tests (pytest exit 5) or that pytest refused (exit 4), and a run
 that hit the CPU, address-space, memory or output limit. A run past ``timeout_s``
 (an endless test) or ending abnormally (pytest status 3, a signal) is attributed
@@ -89,6 +119,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 
 from atp_router.adapters.base import Prompt
@@ -102,9 +133,11 @@ from atp_router.adapters.tools.base import (
     encode_files,
 )
 from atp_router.adapters.tools.sandbox import REPORT, SandboxUnavailable
+from atp_router.adapters.tools.testselect import TEST_FILE, changed_frame, frames, select_tests
 from atp_router.consensus.escalation import TEST_FAIL_RULE
 from atp_router.consensus.types import AgentFinding, AgentReport, Severity
 from atp_router.review.paths import safe_relpath
+from atp_router.task.change import ParsedChange, parse_change
 from atp_router.wire.errors import AgentError, ClientInputError, ErrorCode
 
 __all__ = ["ALLOWED_FLAGS", "DEFAULT_MAX_WRITE_BYTES", "TestRunnerAdapter"]
@@ -121,7 +154,7 @@ ALLOWED_FLAGS: dict[str, bool] = {  # flag → takes a value
     "-k": True, "-m": True, "--maxfail": True, "--tb": True,
 }  # fmt: skip
 
-_TEST_FILE = re.compile(r"(^|/)(test_[^/]*|[^/]*_test)\.py$")
+_TEST_FILE = TEST_FILE
 _TB_LINE = re.compile(r"^(?P<file>[^\s:][^:\n]*\.py):(?P<line>\d+): ", re.MULTILINE)
 _CLAIM_CHARS = 300
 _FINDINGS_MAX = 500
@@ -130,11 +163,15 @@ _CANARY = {"test_atp_canary.py": b"def test_add():\n    assert 1 + 1 == 2\n"}
 
 @dataclass(slots=True)
 class _Run:
-    """A bounded task: files to write (bytes), the repo to copy first, pytest args."""
+    """A bounded task: files to write (bytes), the repo to copy first, pytest
+    args; the task's change (``None``: no diff), and whether to select the tests
+    touching it (a diff and no ``tests``)."""
 
     files: dict[str, bytes]
     repo: str | None
     args: list[str]
+    change: ParsedChange | None = None
+    select: bool = False
 
 
 class TestRunnerAdapter(ToolAdapter):
@@ -194,7 +231,7 @@ class TestRunnerAdapter(ToolAdapter):
     async def review(self, prompt: Prompt) -> AgentReport:
         """Run the task's tests; the report of the module docstring. Raises
         ``ClientInputError`` / ``AgentError`` as it says."""
-        run = await trio.to_thread.run_sync(self._bound_run, prompt.content)
+        run = await trio.to_thread.run_sync(self._bound_run, prompt.content, prompt.change)
         try:
             return await self._test(run)
         except InDoubt as e:
@@ -213,8 +250,11 @@ class TestRunnerAdapter(ToolAdapter):
         try:
             tree = os.path.join(base, "src")
             await trio.to_thread.run_sync(self._lay_out, tree, run)
+            args, note = run.args, ""
+            if run.select and run.change is not None:
+                args, note = await trio.to_thread.run_sync(self._select, tree, run.change)
             argv = [sys.executable, "-E", "-s", "-B", "-m", "pytest", "-p", "no:cacheprovider", "--capture=no",
-                    "-o", "junit_family=xunit1", f"--junitxml={REPORT}", f"--rootdir={tree}", *run.args]
+                    "-o", "junit_family=xunit1", f"--junitxml={REPORT}", f"--rootdir={tree}", *args]
             try:
                 res = await self.sandbox(sys.executable).run(argv, tree=tree)
             except SandboxUnavailable as e:
@@ -233,13 +273,16 @@ class TestRunnerAdapter(ToolAdapter):
                                        f"{lim.address_space_bytes:,}; killed")
             assert res.returncode is not None
             self._check_pytest_exit(res.returncode, res.stderr, tree)
-            return await trio.to_thread.run_sync(self._report, res.report or b"", tree, res.stderr)
+            report = await trio.to_thread.run_sync(self._report, res.report or b"", tree, res.stderr, run.change)
+            return msgspec.structs.replace(report, summary=report.summary + note) if note else report
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(shutil.rmtree, base, True)
 
-    def _bound_run(self, content: Any) -> _Run:
-        """Validate and bound the task (worker thread). Raises ClientInputError."""
+    def _bound_run(self, content: Any, change: ParsedChange | None = None) -> _Run:
+        """Validate and bound the task (worker thread); ``change``: its diff as
+        the router parsed it (else ``content.diff`` is parsed here). Raises
+        ClientInputError."""
         lim = self.limits
         if not isinstance(content, Mapping):
             raise ClientInputError("content must be an object with 'files' (and optionally 'tests', 'repo')")
@@ -255,7 +298,41 @@ class TestRunnerAdapter(ToolAdapter):
             has_tests = _repo_has_tests(repo, lim.max_files)
         if not has_tests:
             raise ClientInputError("no test files (test_*.py or *_test.py) in the task: nothing to run")
-        return _Run(files=encoded, repo=repo, args=_pytest_args(content.get("tests")))
+        change = change if change is not None else self._change(content.get("diff"))
+        tests = content.get("tests")
+        return _Run(files=encoded, repo=repo, args=_pytest_args(tests), change=change,
+                    select=change is not None and tests is None and bool(change.changed))
+
+    def _change(self, diff: Any) -> ParsedChange | None:
+        """``content.diff`` parsed (``None`` without one). Raises ClientInputError
+        when it is not text or is over ``max_files_bytes``."""
+        if diff is None:
+            return None
+        if not isinstance(diff, str):
+            raise ClientInputError("content.diff must be unified diff text")
+        lim = self.limits
+        if len(diff) > lim.max_files_bytes or len(diff.encode("utf-8", "surrogatepass")) > lim.max_files_bytes:
+            raise _over("content.diff", f"{len(diff.encode('utf-8', 'surrogatepass')):,} bytes", "max_files_bytes",
+                        lim.max_files_bytes)
+        return parse_change(diff)
+
+    def _select(self, tree: str, change: ParsedChange) -> tuple[list[str], str]:
+        """The pytest args running the test files of ``tree`` that touch
+        ``change`` (:func:`~atp_router.adapters.tools.testselect.select_tests`) and
+        the summary's note saying which ran; ``[]`` (pytest's discovery) when
+        none does, a changed ``conftest.py`` touches them all, or the tree's
+        Python files are over ``max_files_bytes`` together (worker thread)."""
+        sources = _tree_sources(tree, self.limits.max_files_bytes)
+        if sources is None:
+            return [], (f"; ran pytest's discovery: the tree's Python files are over max_files_bytes="
+                        f"{self.limits.max_files_bytes:,} for selecting tests")
+        chosen = select_tests(sources, change.changed)
+        if chosen is None:
+            return [], "; ran pytest's discovery: a changed conftest.py touches every test"
+        if not chosen.tests:
+            return [], "; ran pytest's discovery: no test file touches the changed files"
+        shown = ", ".join(chosen.tests[:5]) + (", …" if len(chosen.tests) > 5 else "")
+        return list(chosen.tests), f"; ran {len(chosen.tests)} test file(s) touching the changed files: {shown}"
 
     def _allowed_repo(self, repo: Any) -> str | None:
         if repo is None:
@@ -302,7 +379,7 @@ class TestRunnerAdapter(ToolAdapter):
                 f"the tests wrote a file past the limit max_write_bytes={self.max_write_bytes:,}; killed")
         self._check_exit(returncode, stderr, tree)
 
-    def _report(self, data: bytes, tree: str, stderr: bytes) -> AgentReport:
+    def _report(self, data: bytes, tree: str, stderr: bytes, change: ParsedChange | None = None) -> AgentReport:
         """The JUnit XML pytest wrote to the report pipe as the report (worker
         thread; its size is within ``output_bytes``, read by the sandbox). The
         tests can close or garble the pipe: a missing or malformed report is in
@@ -315,7 +392,7 @@ class TestRunnerAdapter(ToolAdapter):
             root = ET.fromstring(data)
         except ET.ParseError as e:
             raise InDoubt(ErrorCode.EPROTO, f"the JUnit report is not XML ({e})") from None
-        return _junit_report(root, tree)
+        return _junit_report(root, tree, change)
 
 
 def _pytest_args(tests: Any) -> list[str]:
@@ -439,7 +516,7 @@ def _node_id(case: ET.Element) -> tuple[str, str]:
     return file, f"{classname}::{name}" if classname else name
 
 
-def _junit_report(root: ET.Element, tree: str) -> AgentReport:
+def _junit_report(root: ET.Element, tree: str, change: ParsedChange | None = None) -> AgentReport:
     passed = failed = skipped = errors = 0
     findings: list[AgentFinding] = []
     for case in root.iter("testcase"):
@@ -454,27 +531,8 @@ def _junit_report(root: ET.Element, tree: str) -> AgentReport:
             failed += 1
         else:
             errors += 1
-        if len(findings) >= _FINDINGS_MAX:
-            continue
-        file, node = _node_id(case)
-        try:
-            start = int(case.get("line") or "-1") + 1  # pytest's locations are 0-based
-        except ValueError:
-            start = 0
-        text = outcome.text or ""
-        tb_lines = [int(m["line"]) for m in _TB_LINE.finditer(text) if m["file"] == file]
-        if start < 1:
-            start = tb_lines[0] if tb_lines else 1
-        end = max([start, *(n for n in tb_lines if n >= start)])
-        message = (outcome.get("message") or text.strip() or outcome.tag).strip().splitlines()
-        first = message[0] if message else outcome.tag
-        kind = "error" if outcome.tag == "error" else "failed"
-        claim = f"{node} {kind}: {first}"
-        findings.append(AgentFinding(
-            file=_within(file, tree) or "<unknown>", start=start, end=end, severity=Severity.HIGH,
-            claim=claim[:_CLAIM_CHARS], confidence=0.95, rule=TEST_FAIL_RULE, ref=str(len(findings) + 1),
-            tests=[node[:_CLAIM_CHARS]],
-        ))
+        if len(findings) < _FINDINGS_MAX:
+            findings.append(_case_finding(case, outcome, tree, change, ref=str(len(findings) + 1)))
     summary = f"{passed} passed, {failed} failed"
     if skipped:
         summary += f", {skipped} skipped"
@@ -483,6 +541,64 @@ def _junit_report(root: ET.Element, tree: str) -> AgentReport:
     if not passed + failed + skipped + errors:
         raise ClientInputError("pytest ran no tests")
     return AgentReport(findings=findings, summary=summary)
+
+
+def _case_finding(case: ET.Element, outcome: ET.Element, tree: str, change: ParsedChange | None,
+                  ref: str) -> AgentFinding:
+    """The finding of one failed or erroring testcase: at the changed line its
+    traceback reaches (:func:`~atp_router.adapters.tools.testselect.changed_frame`)
+    when there is one, else at the test (module docstring)."""
+    file, node = _node_id(case)
+    try:
+        start = int(case.get("line") or "-1") + 1  # pytest's locations are 0-based
+    except ValueError:
+        start = 0
+    text = outcome.text or ""
+    tb_lines = [int(m["line"]) for m in _TB_LINE.finditer(text) if m["file"] == file]
+    if start < 1:
+        start = tb_lines[0] if tb_lines else 1
+    end = max([start, *(n for n in tb_lines if n >= start)])
+    message = (outcome.get("message") or text.strip() or outcome.tag).strip().splitlines()
+    first = message[0] if message else outcome.tag
+    kind = "error" if outcome.tag == "error" else "failed"
+    claim = f"{node} {kind}: {first}"
+    where = _within(file, tree) or "<unknown>"
+    hit = changed_frame(frames(text, tree), change) if change is not None else None
+    if hit is not None:
+        where, start = hit
+        end = start
+    return AgentFinding(
+        file=where, start=start, end=end, severity=Severity.HIGH, claim=claim[:_CLAIM_CHARS], confidence=0.95,
+        rule=TEST_FAIL_RULE, ref=ref, tests=[node[:_CLAIM_CHARS]],
+    )
+
+
+def _tree_sources(tree: str, max_bytes: int) -> dict[str, bytes] | None:
+    """Every ``.py`` file of the laid-out ``tree`` (the adapter's own copy:
+    regular files, already bounded by ``max_files`` and ``max_file_bytes``) →
+    its bytes; ``None`` when they are over ``max_bytes`` together."""
+    out: dict[str, bytes] = {}
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(tree):
+        dirnames.sort()
+        rel_dir = os.path.relpath(dirpath, tree)
+        for f in sorted(filenames):
+            if not f.endswith(".py"):
+                continue
+            full = os.path.join(dirpath, f)
+            try:
+                st = os.lstat(full)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                total += st.st_size
+                if total > max_bytes:
+                    return None
+                with open(full, "rb") as fh:
+                    data = fh.read(st.st_size + 1)
+            except OSError:
+                continue
+            out[Path(os.path.normpath(os.path.join(rel_dir, f))).as_posix()] = data
+    return out
 
 
 def _within(file: str, tree: str) -> str | None:
