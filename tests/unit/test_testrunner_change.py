@@ -18,7 +18,13 @@ import trio
 from atp_router.adapters.base import Prompt
 from atp_router.adapters.tools.base import DEFAULT_LIMITS
 from atp_router.adapters.tools.testrunner import TestRunnerAdapter
-from atp_router.adapters.tools.testselect import changed_frame, frames, module_names, select_tests
+from atp_router.adapters.tools.testselect import (
+    changed_frame,
+    frames,
+    module_names,
+    select_tests,
+    traced_lines,
+)
 from atp_router.consensus.escalation import TEST_FAIL_RULE
 from atp_router.task.change import parse_change
 from atp_router.wire.errors import ClientInputError
@@ -99,15 +105,20 @@ def test_a_changed_test_file_is_selected_itself():
     assert select_tests(src(PROJECT), ["tests/test_words.py"]).tests == ("tests/test_words.py",)
 
 
-def test_the_deepest_traceback_entry_on_a_changed_line_wins_then_a_changed_hunk():
+def test_a_changed_line_in_the_traceback_wins_then_the_last_executed_then_a_changed_hunk():
     change = parse_change(diff_of("pkg/calc.py", CALC_BEFORE, CALC_AFTER))  # line 6 changed, hunk 1-7
     text = ("tests/test_api.py:5: \n_ _ _\n/usr/lib/python3/x.py:9: in f\n"
             "/run/t/src/pkg/calc.py:6: in add\npkg/calc.py:7: KeyError\n")
     entries = frames(text, "/run/t/src")
     assert entries == [("tests/test_api.py", 5), ("pkg/calc.py", 6), ("pkg/calc.py", 7)]
-    assert changed_frame(entries, change) == ("pkg/calc.py", 6)
-    assert changed_frame([("tests/test_api.py", 5), ("pkg/calc.py", 7)], change) == ("pkg/calc.py", 7)
+    assert changed_frame(entries, change, [("pkg/calc.py", 6)]) == ("pkg/calc.py", 6)
+    in_hunk = [("tests/test_api.py", 5), ("pkg/calc.py", 7)]
+    assert changed_frame(in_hunk, change) == ("pkg/calc.py", 7)
+    assert changed_frame(in_hunk, change, traced_lines("pkg/calc.py:6", change)) == ("pkg/calc.py", 6)
     assert changed_frame([("tests/test_api.py", 5), ("pkg/words.py", 2)], change) is None
+    # Only changed lines of the change are read from the plugin's property, whatever the tests wrote there.
+    assert traced_lines("pkg/calc.py:6 pkg/calc.py:7 ../x.py:6 /etc/passwd:1 junk pkg/calc.py:x", change) == [
+        ("pkg/calc.py", 6)]
     assert frames("../etc/passwd.py:1: x\n/etc/x.py:2: y\n", "/run/t/src") == []
 
 
@@ -117,13 +128,13 @@ def test_the_deepest_traceback_entry_on_a_changed_line_wins_then_a_changed_hunk(
 async def test_a_failing_test_lands_on_the_changed_line_and_only_touching_tests_run():
     """The diff breaks pkg/calc.py: only tests/test_api.py (which reaches calc
     through pkg.api's relative import) runs — tests/test_words.py, failing
-    whatever the change, is not selected — and its KeyError is placed at
-    calc.py line 7, the deepest traceback entry inside the changed hunk."""
+    whatever the change, is not selected — and its KeyError, raised on line 7
+    (unchanged), is placed at line 6, the changed line the test executed."""
     files = {**PROJECT, "pkg/calc.py": CALC_AFTER}
     report = await review(runner(), {"files": files, "diff": diff_of("pkg/calc.py", CALC_BEFORE, CALC_AFTER)})
     assert report.summary == "0 passed, 1 failed; ran 1 test file(s) touching the changed files: tests/test_api.py"
     [f] = report.findings
-    assert (f.file, f.start, f.end, f.rule) == ("pkg/calc.py", 7, 7, TEST_FAIL_RULE)
+    assert (f.file, f.start, f.end, f.rule) == ("pkg/calc.py", 6, 6, TEST_FAIL_RULE)
     assert f.claim == "tests/test_api.py::test_add failed: KeyError: 'b'"
     assert f.tests == ["tests/test_api.py::test_add"]
 
@@ -136,6 +147,31 @@ async def test_a_change_on_the_raising_line_is_cited_exactly():
     [f] = report.findings
     assert (f.file, f.start, f.end) == ("calc.py", 3, 3)
     assert f.claim.startswith("test_calc.py::test_div_zero failed: ZeroDivisionError")
+
+
+async def test_a_wrong_value_is_placed_at_the_changed_line_that_computed_it():
+    """An ``assert`` on a wrong return value fails in the test, after the changed
+    code returned: the traceback never reaches it, the trace of the changed lines
+    the test executed does (line 3, the loop that now skips the first item)."""
+    before = "def total(xs):\n    n = 0\n    for x in xs:\n        n += x\n    return n\n\n\ndef mean(xs):\n    return total(xs) / len(xs)\n"
+    after = before.replace("    for x in xs:", "    for x in xs[1:]:")
+    files = {"stats.py": after, "helpers.py": "import stats\n", "test_helpers.py": (
+        "from helpers import stats\n\n\ndef test_mean():\n    assert stats.mean([1, 2, 3]) == 2\n\n\n"
+        "def test_mean_of_equals():\n    assert stats.mean([0, 0]) == 0\n")}
+    report = await review(runner(), {"files": files, "diff": diff_of("stats.py", before, after)})
+    assert report.summary == "1 passed, 1 failed; ran 1 test file(s) touching the changed files: test_helpers.py"
+    [f] = report.findings
+    assert (f.file, f.start, f.end, f.tests) == ("stats.py", 3, 3, ["test_helpers.py::test_mean"]), f
+    assert f.claim.startswith("test_helpers.py::test_mean failed: assert")
+    # Without the diff: the same failure, at the test.
+    [f] = (await review(runner(), {"files": files})).findings
+    assert (f.file, f.start, f.end) == ("test_helpers.py", 4, 5)
+
+
+async def test_the_plugins_name_is_reserved():
+    diff = diff_of("pkg/calc.py", CALC_BEFORE, CALC_AFTER)
+    with pytest.raises(ClientInputError, match="_atp_changed_lines.py is the pytest next-hop's own module"):
+        await review(runner(), {"files": {**PROJECT, "_atp_changed_lines.py": ""}, "diff": diff})
 
 
 async def test_a_failure_outside_the_change_stays_at_the_test_and_discovery_is_said():
@@ -186,7 +222,7 @@ async def test_through_a_router_the_finding_is_on_the_changed_line(nursery, tmp_
             events = [ev async for ev in c.events(st)]
     [final] = [ev.payload for ev in events if ev.type == "FINAL"]
     [f] = final["result"]["findings"]
-    assert (f["file"], f["span"]) == ("pkg/calc.py", "7-7"), f
+    assert (f["file"], f["span"]) == ("pkg/calc.py", "6-6"), f
     assert "tests/test_api.py::test_add failed: KeyError" in f["claim"]
     assert f["provenance"] == ["tests.pytest#1"]
     assert (checkout / "pkg/calc.py").read_text() == CALC_BEFORE

@@ -39,14 +39,19 @@ package-relative ones resolved; the tree's ``.py`` files, already within
 all, or the tree is over that bound, pytest's own discovery runs. The summary
 says which: ``…; ran 2 test file(s) touching the changed files: tests/test_a.py,
 tests/test_b.py`` or ``…; ran pytest's discovery: no test file touches the
-changed files``. With a ``diff``, a failing test is placed at the changed line
-its traceback reaches: the deepest traceback entry (pytest's ``path:line:``
-lines in the JUnit failure text) on a line the diff changed, else the deepest
-inside a changed hunk (context lines included); the finding's file is then the
-changed file and its span that one line, the claim and ``tests`` as below. A
-failure whose traceback reaches no changed line — an ``assert`` on a wrong
-return value is raised in the test, not in the code that computed it — stays at
-the test. Paths in the failure text are compared as text and never opened.
+changed files``. With a ``diff`` (whatever ran), a failing test is placed at the
+changed line it exercises: the deepest traceback entry (pytest's ``path:line:``
+lines in the JUnit failure text) on a line the diff changed; else the changed
+line the test executed last (an ``assert`` on a wrong value fails in the test,
+after the changed code returned: a plugin of the run, ``-p _atp_changed_lines``
+written at the tree's root — a task file of that name is refused — traces the
+changed lines each test's call executes and writes a failing test's last ones
+as a JUnit property); else the deepest traceback entry inside a changed hunk
+(context lines included). The finding's file is then the changed file and its
+span that one line, the claim and ``tests`` as below; a failure that reaches no
+changed line stays at the test. Paths in the failure text and the property are
+compared as text and never opened; only the diff's changed lines are read from
+them (the tests can forge them, as they can the report).
 
 The run: ``python -E -s -B -m pytest -p no:cacheprovider --capture=no
 -o junit_family=xunit1 --junitxml=<the report pipe> …`` with the router's
@@ -133,7 +138,16 @@ from atp_router.adapters.tools.base import (
     encode_files,
 )
 from atp_router.adapters.tools.sandbox import REPORT, SandboxUnavailable
-from atp_router.adapters.tools.testselect import TEST_FILE, changed_frame, frames, select_tests
+from atp_router.adapters.tools.testselect import (
+    TEST_FILE,
+    TRACE_PLUGIN,
+    TRACE_PROPERTY,
+    changed_frame,
+    frames,
+    select_tests,
+    trace_plugin,
+    traced_lines,
+)
 from atp_router.consensus.escalation import TEST_FAIL_RULE
 from atp_router.consensus.types import AgentFinding, AgentReport, Severity
 from atp_router.review.paths import safe_relpath
@@ -253,6 +267,8 @@ class TestRunnerAdapter(ToolAdapter):
             args, note = run.args, ""
             if run.select and run.change is not None:
                 args, note = await trio.to_thread.run_sync(self._select, tree, run.change)
+            if run.change is not None and await trio.to_thread.run_sync(_write_plugin, tree, run.change):
+                args = ["-p", TRACE_PLUGIN, *args]
             argv = [sys.executable, "-E", "-s", "-B", "-m", "pytest", "-p", "no:cacheprovider", "--capture=no",
                     "-o", "junit_family=xunit1", f"--junitxml={REPORT}", f"--rootdir={tree}", *args]
             try:
@@ -563,7 +579,7 @@ def _case_finding(case: ET.Element, outcome: ET.Element, tree: str, change: Pars
     kind = "error" if outcome.tag == "error" else "failed"
     claim = f"{node} {kind}: {first}"
     where = _within(file, tree) or "<unknown>"
-    hit = changed_frame(frames(text, tree), change) if change is not None else None
+    hit = changed_frame(frames(text, tree), change, _traced(case, change)) if change is not None else None
     if hit is not None:
         where, start = hit
         end = start
@@ -571,6 +587,30 @@ def _case_finding(case: ET.Element, outcome: ET.Element, tree: str, change: Pars
         file=where, start=start, end=end, severity=Severity.HIGH, claim=claim[:_CLAIM_CHARS], confidence=0.95,
         rule=TEST_FAIL_RULE, ref=ref, tests=[node[:_CLAIM_CHARS]],
     )
+
+
+def _write_plugin(tree: str, change: ParsedChange) -> bool:
+    """Write the trace plugin (:func:`~atp_router.adapters.tools.testselect.trace_plugin`)
+    at the tree's root; False when no Python file changed. Raises
+    ClientInputError when the task holds a file of its name."""
+    source = trace_plugin(change)
+    if source is None:
+        return False
+    try:
+        with open(os.path.join(tree, TRACE_PLUGIN + ".py"), "x", encoding="utf-8") as fh:
+            fh.write(source)
+    except FileExistsError:
+        raise ClientInputError(f"{TRACE_PLUGIN}.py is the pytest next-hop's own module: the task may not hold "
+                               "a file of that name") from None
+    return True
+
+
+def _traced(case: ET.Element, change: ParsedChange) -> list[tuple[str, int]]:
+    """The changed lines the plugin says the failing test executed, last last."""
+    for prop in case.iter("property"):
+        if prop.get("name") == TRACE_PROPERTY:
+            return traced_lines(prop.get("value") or "", change)
+    return []
 
 
 def _tree_sources(tree: str, max_bytes: int) -> dict[str, bytes] | None:

@@ -27,17 +27,34 @@ be read within the caller's bounds.
 
 **Attribution** (:func:`changed_frame`): pytest's failure text (the JUnit
 ``failure``/``error`` element, ``--tb=auto``) names each traceback entry as a
-``path:line: …`` line, outermost first. The failure is placed at the deepest
-entry on a line the diff changed (:attr:`~atp_router.task.change.ParsedChange.changed`);
-else at the deepest entry inside a changed hunk's after-diff lines (context
-included); else nowhere (the caller keeps the finding at the test). Paths are
-compared as text, after making a path inside the run's tree relative to it;
-nothing named by the failure text is ever opened.
+``path:line: …`` line, outermost first (:func:`frames`); and the run's plugin
+(:func:`trace_plugin`, loaded with ``-p``) records, while each test's call
+phase runs, the changed lines it executes, and for a failing test writes the
+last ones executed (in order, at most :data:`MAX_TRACED`) as the JUnit
+property ``atp_changed_lines`` (:func:`traced_lines`). The failure is placed at
+
+1. the deepest traceback entry on a line the diff changed
+   (:attr:`~atp_router.task.change.ParsedChange.changed`): the changed line raised;
+2. else the changed line the test executed last: an ``assert`` on a wrong
+   value fails in the test, after the changed code that computed it returned,
+   so its traceback never reaches that code;
+3. else the deepest traceback entry inside a changed hunk's after-diff lines
+   (context included);
+4. else nowhere (the caller keeps the finding at the test).
+
+Paths are compared as text, after making a path inside the run's tree relative
+to it; nothing named by the failure text or the property is ever opened. Both
+are the test process's own account (the tests can forge them, as they can the
+JUnit report): they place a finding, never widen what the sandbox allows. The
+trace is ``sys.settrace`` (and ``threading.settrace``) during each test's call
+phase, local tracing only in frames of changed files: a call-heavy test runs
+slower by the cost of one trace call per Python call.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import posixpath
 import re
 from collections.abc import Iterable, Mapping
@@ -45,13 +62,74 @@ from dataclasses import dataclass
 
 from atp_router.task.change import ParsedChange
 
-__all__ = ["TEST_FILE", "Selection", "changed_frame", "frames", "module_names", "select_tests"]
+__all__ = ["TEST_FILE", "TRACE_PLUGIN", "TRACE_PROPERTY", "Selection", "changed_frame", "frames", "module_names", "select_tests",
+           "trace_plugin", "traced_lines"]
 
 #: A test file's name, as pytest's default ``python_files``.
 TEST_FILE = re.compile(r"(^|/)(test_[^/]*|[^/]*_test)\.py$")
 _TB_LINE = re.compile(r"^(?P<file>[^\s:][^:\n]*\.py):(?P<line>\d+): ", re.MULTILINE)
 #: Traceback entries read per failure (the last ones: the deepest).
 MAX_FRAMES = 1_000
+#: Changed lines a failing test's trace reports (the last executed).
+MAX_TRACED = 50
+#: The run's plugin module (``-p``), written at the root of the run's tree; a
+#: task file of that name is refused.
+TRACE_PLUGIN = "_atp_changed_lines"
+#: The JUnit property the plugin writes a failing test's executed changed lines to.
+TRACE_PROPERTY = "atp_changed_lines"
+_PLUGIN = """\
+# The pytest next-hop's trace of changed lines (atp_router.adapters.tools.testselect).
+import json
+import os
+import sys
+import threading
+
+import pytest
+
+CHANGED = {name: frozenset(lines) for name, lines in json.loads(%(changed)s).items()}
+_ROOT = os.getcwd()
+_files = {}
+
+
+def _rel(filename):
+    rel = _files.get(filename)
+    if rel is None:
+        path = filename if os.path.isabs(filename) else os.path.join(_ROOT, filename)
+        path = os.path.normpath(os.path.relpath(path, _ROOT)).replace(os.sep, "/")
+        rel = _files[filename] = path if path in CHANGED else ""
+    return rel
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    hits = {}
+
+    def tracer(frame, event, arg):
+        rel = _rel(frame.f_code.co_filename)
+        if not rel:
+            return None
+        lines = CHANGED[rel]
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno in lines:
+                key = (rel, frame.f_lineno)
+                hits.pop(key, None)
+                hits[key] = None
+            return local
+
+        return local
+
+    threading.settrace(tracer)
+    sys.settrace(tracer)
+    try:
+        outcome = yield
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+    if outcome.excinfo is not None and hits:
+        last = list(hits)[-%(max)d:]
+        item.user_properties.append((%(prop)r, " ".join("%%s:%%d" %% h for h in last)))
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,13 +268,38 @@ def frames(text: str, tree: str) -> list[tuple[str, int]]:
     return out[-MAX_FRAMES:]
 
 
-def changed_frame(entries: list[tuple[str, int]], change: ParsedChange) -> tuple[str, int] | None:
-    """The traceback entry a failure is placed at (module docstring): the deepest
-    of ``entries`` (:func:`frames`) on a changed line, else the deepest inside a
-    changed hunk, else ``None``."""
+def trace_plugin(change: ParsedChange) -> str | None:
+    """The source of the run's plugin module (:data:`TRACE_PLUGIN`) tracing
+    ``change``'s changed ``.py`` lines (module docstring); ``None`` when no
+    Python file changed."""
+    changed = {p: sorted(ns) for p, ns in change.changed.items() if p.endswith(".py") and ns}
+    if not changed:
+        return None
+    return _PLUGIN % {"changed": repr(json.dumps(changed)), "max": MAX_TRACED, "prop": TRACE_PROPERTY}
+
+
+def traced_lines(value: str, change: ParsedChange) -> list[tuple[str, int]]:
+    """The ``path:line`` items of the plugin's property ``value`` that are changed
+    lines of ``change``, in execution order (at most :data:`MAX_TRACED`)."""
+    out: list[tuple[str, int]] = []
+    for item in value.split()[-MAX_TRACED:]:
+        path, _, line = item.rpartition(":")
+        if line.isdigit() and int(line) in change.changed.get(path, ()):
+            out.append((path, int(line)))
+    return out
+
+
+def changed_frame(entries: list[tuple[str, int]], change: ParsedChange,
+                  traced: list[tuple[str, int]] | None = None) -> tuple[str, int] | None:
+    """Where a failure is placed (module docstring): the deepest of ``entries``
+    (:func:`frames`) on a changed line, else the last of ``traced``
+    (:func:`traced_lines`), else the deepest entry inside a changed hunk, else
+    ``None``."""
     for file, line in reversed(entries):
         if line in change.changed.get(file, ()):
             return file, line
+    if traced:
+        return traced[-1]
     hunks = {d.path: d.hunks for d in change.files if d.status != "deleted"}
     for file, line in reversed(entries):
         if any(line in h.new_range for h in hunks.get(file, ())):
