@@ -34,8 +34,10 @@ FIN/RST). Each FINAL is checked against spec §7.3 and scored:
   class (:mod:`atp_router.review.defects`: its rule, CWE or claim) is the
   defect's, and a finding on a ``negatives`` line is a false positive;
 * **tests as a reviewer** (issue 23 item 4): the tasks that ship tests (a
-  ``files`` path named as pytest collects tests, ``test_*.py`` / ``*_test.py``:
-  :func:`ships_tests`), of them those a pytest next-hop (RIB ``tool: pytest`` or
+  ``files`` path named as pytest collects tests, ``test_*.py`` / ``*_test.py``,
+  or, with ``--checkouts DIR``, an operator's checkout ``DIR/<task id>`` holding
+  one — sent as the task's ``repo``, which the pytest next-hop runs only inside
+  its RIB ``options.repos``: :func:`ships_tests`, :func:`with_checkouts`), of them those a pytest next-hop (RIB ``tool: pytest`` or
   ``tests``) reported on, and those it caught, by line and by the right reason
   (its own findings, before consensus) — a line of its own per variant
   (:func:`tests_line`). The golden format carries no tests (a BugsInPy task's
@@ -130,6 +132,7 @@ __all__ = [
     "ships_tests",
     "summarize",
     "tests_line",
+    "with_checkouts",
 ]
 
 #: Lines of slack each side when matching a finding to an expected defect.
@@ -203,7 +206,9 @@ class Expected(msgspec.Struct, frozen=True):
 class GoldenTask(msgspec.Struct, frozen=True):
     """One task line (fields as ``shared/golden/README.md`` describes them;
     ``buggy_commit`` and the other provenance fields may be absent, unknown
-    fields are ignored)."""
+    fields are ignored). ``checkout``: an operator's checkout of the task's
+    project on this host, sent as the task's ``repo``; ``checkout_tests``: it
+    holds a test file (both set by :func:`with_checkouts`)."""
 
     id: str
     diff: str
@@ -216,6 +221,8 @@ class GoldenTask(msgspec.Struct, frozen=True):
     negatives: list[dict[str, Any]] = []
     oracle: dict[str, Any] = {}
     split: str = "dev"
+    checkout: str = ""
+    checkout_tests: bool = False
 
     @property
     def per_task(self) -> bool:
@@ -555,8 +562,33 @@ def _agent_tallies(task: GoldenTask, reports: Mapping[str, Any],
 
 def ships_tests(task: GoldenTask) -> bool:
     """Whether ``task`` ships tests: a path of its ``files`` is a test file
-    (:data:`TEST_FILE`)."""
-    return any(TEST_FILE.search(p) for p in task.files)
+    (:data:`TEST_FILE`), or its ``checkout`` holds one."""
+    return task.checkout_tests or any(TEST_FILE.search(p) for p in task.files)
+
+
+#: Directory entries :func:`with_checkouts` reads per checkout looking for a test file.
+CHECKOUT_SCAN_MAX = 100_000
+
+
+def with_checkouts(tasks: Sequence[GoldenTask], root: Path) -> list[GoldenTask]:
+    """``tasks`` with ``checkout`` set to ``root/<task id>`` (absolute) where that
+    is a directory, and ``checkout_tests`` when a test file is among its first
+    :data:`CHECKOUT_SCAN_MAX` entries (``.git`` and symlinks not followed)."""
+    out = []
+    for t in tasks:
+        d = root.resolve() / t.id
+        if t.id in (".", "..") or "/" in t.id or not d.is_dir():
+            out.append(t)
+            continue
+        seen, found = 0, False
+        for dirpath, dirnames, filenames in os.walk(d):
+            dirnames[:] = [n for n in dirnames if n != ".git"]
+            seen += len(dirnames) + len(filenames)
+            found = any(TEST_FILE.search(f) for f in filenames)
+            if found or seen > CHECKOUT_SCAN_MAX:
+                break
+        out.append(msgspec.structs.replace(t, checkout=str(d), checkout_tests=found))
+    return out
 
 
 def _tests_flags(task: GoldenTask, agents: Mapping[str, AgentTally], analysers: Mapping[str, str]) -> dict[str, bool]:
@@ -779,9 +811,10 @@ def format_report(report: EvalReport, *, title: str = "golden dev set") -> str:
 
 def tests_line(report: EvalReport) -> str:
     """Tests as a reviewer, one line: ``<t>/<n> tasks ship tests (test files in
-    files); a pytest next-hop reported on <r>, caught <k> by line, <k2> for the
+    files or a checkout); a pytest next-hop reported on <r>, caught <k> by line, <k2> for the
     right reason``."""
-    return (f"{report.tests_tasks}/{report.n_tasks} tasks ship tests (test files in files); a pytest next-hop "
+    return (f"{report.tests_tasks}/{report.n_tasks} tasks ship tests (test files in files or a checkout); "
+            "a pytest next-hop "
             f"reported on {report.tests_ran}, caught {report.tests_caught} by line, {report.tests_right} for the "
             "right reason")
 
@@ -885,7 +918,8 @@ async def review_task(
     run = TaskRun(id=task.id, final=None, events=[])
     try:
         _, stream = await client.open_stream(
-            task=task_meta(task), budget=budget, content={"diff": task.diff, "files": task.files}
+            task=task_meta(task), budget=budget,
+            content={"diff": task.diff, "files": task.files, **({"repo": task.checkout} if task.checkout else {})},
         )
     except atp.ATPClientError as e:
         run.events.append("REFUSED")
@@ -1162,6 +1196,11 @@ def main(argv: list[str] | None = None, *, serve_router: ServeRouter, model_serv
     if not tasks:
         print(f"atp-router eval: no tasks to run in {args.tasks}", file=sys.stderr)
         return 2
+    if args.checkouts is not None:
+        if not args.checkouts.is_dir():
+            print(f"atp-router eval: --checkouts {args.checkouts}: not a directory", file=sys.stderr)
+            return 2
+        tasks = with_checkouts(tasks, args.checkouts)
     variants = _variants(args.policies, args.url)
     if variants is None:
         return 2
@@ -1247,6 +1286,10 @@ def _eval_parser() -> argparse.ArgumentParser:
     ap.add_argument("--leave-one-out", action="store_true",
                     help="run each task without the shipped semgrep rules written after reading it (their "
                          "metadata.source_tasks), in a copy of the RIB; the figures printed are then leave-one-out")
+    ap.add_argument("--checkouts", type=Path,
+                    help="a directory of the operator's checkouts, one per task (DIR/<task id>): each is sent as the "
+                         "task's repo, for a pytest next-hop whose options.repos allows it; a checkout holding a "
+                         "test file makes its task one that ships tests")
     ap.add_argument("--verbose", "-v", action="store_true", help="print each variant's per-task table and the router's log")
     return ap
 

@@ -142,7 +142,8 @@ async def test_a_failing_test_lands_on_the_changed_line_and_only_touching_tests_
 async def test_a_change_on_the_raising_line_is_cited_exactly():
     before = "def div(a, b):\n    if b == 0:\n        return 0\n    return a / b\n"
     after = "def div(a, b):\n    if b == 0:\n        return a / b\n    return a / b\n"
-    files = {"calc.py": after, "test_calc.py": "from calc import div\n\n\ndef test_div_zero():\n    assert div(1, 0) == 0\n"}
+    files = {"calc.py": after,
+             "test_calc.py": "from calc import div\n\n\ndef test_div_zero():\n    assert div(1, 0) == 0\n"}
     report = await review(runner(), {"files": files, "diff": diff_of("calc.py", before, after)})
     [f] = report.findings
     assert (f.file, f.start, f.end) == ("calc.py", 3, 3)
@@ -153,7 +154,8 @@ async def test_a_wrong_value_is_placed_at_the_changed_line_that_computed_it():
     """An ``assert`` on a wrong return value fails in the test, after the changed
     code returned: the traceback never reaches it, the trace of the changed lines
     the test executed does (line 3, the loop that now skips the first item)."""
-    before = "def total(xs):\n    n = 0\n    for x in xs:\n        n += x\n    return n\n\n\ndef mean(xs):\n    return total(xs) / len(xs)\n"
+    before = ("def total(xs):\n    n = 0\n    for x in xs:\n        n += x\n    return n\n\n\n"
+              "def mean(xs):\n    return total(xs) / len(xs)\n")
     after = before.replace("    for x in xs:", "    for x in xs[1:]:")
     files = {"stats.py": after, "helpers.py": "import stats\n", "test_helpers.py": (
         "from helpers import stats\n\n\ndef test_mean():\n    assert stats.mean([1, 2, 3]) == 2\n\n\n"
@@ -243,39 +245,66 @@ def test_no_shipped_golden_task_ships_tests():
     assert ev.ships_tests(ev.GoldenTask(id="x", diff="", files={"a/b_test.py": ""}, expected=[]))
 
 
-def test_the_eval_counts_what_the_pytest_next_hop_caught_on_tasks_shipping_tests(tmp_path: Path):
-    """``atp-router eval`` on a task file of one fixture task (made here, not a
-    golden task) whose files ship a test: a RIB with the pytest next-hop catches
-    it at the changed line, by line and for the right reason (a failing test is
-    a ``logic`` finding; the defect's claim says "wrong"), and the eval says so
-    on its own line."""
+def _eval(tmp_path: Path, task: dict, options: dict, *extra: str) -> tuple[list[str], dict]:
+    """``atp-router eval`` (a process, as a user runs it) on a task file of
+    ``task`` with a RIB of the pytest next-hop (``options``): its output lines
+    and its JSON report of the variant."""
     import subprocess
     import sys
 
     from tests.conftest import ROOT
 
-    after = {**PROJECT, "pkg/calc.py": CALC_AFTER}
-    del after["tests/test_words.py"]
-    task = {"id": "fixture-calc", "source": "fixture", "diff": diff_of("pkg/calc.py", CALC_BEFORE, CALC_AFTER),
-            "files": after, "expected": [{"file": "pkg/calc.py", "start": 6, "end": 6, "kind": "changed",
-                                          "claim": "add returns the wrong value without b"}]}
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps(task) + "\n")
     rib = tmp_path / "tests.yaml"
     rib.write_text(json.dumps({
         "agents": {"tests.pytest": {"layer": "L1", "tool": "pytest", "p95_ms": 3000, "timeout_ms": 60_000,
-                                    "strengths": ["code_review"]}},
+                                    "strengths": ["code_review"], "options": options}},
         "policies": [{"name": "tests", "match": {"task_type": "code_review"}, "fanout": ["tests.pytest"],
                       "deadline_ms": 120_000}],
     }))
     js = tmp_path / "e.json"
     proc = subprocess.run(
         [sys.executable, "-m", "atp_router.deploy.cli", "eval", "--tasks", str(tasks), "--png", str(tmp_path / "e.png"),
-         "--json", str(js), "--policies", str(rib)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+         "--json", str(js), "--policies", str(rib), *extra], check=False, capture_output=True, text=True, timeout=300,
+        cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert ("tests tests: 1/1 tasks ship tests (test files in files); a pytest next-hop reported on 1, caught 1 by "
-            "line, 1 for the right reason") in lines, proc.stdout
+    return proc.stdout.strip().splitlines(), json.loads(js.read_text())["tests"]
+
+
+FIXTURE_TASK = {"id": "fixture-calc", "source": "fixture", "diff": diff_of("pkg/calc.py", CALC_BEFORE, CALC_AFTER),
+                "expected": [{"file": "pkg/calc.py", "start": 6, "end": 6, "kind": "changed",
+                              "claim": "add returns the wrong value without b"}]}
+CAUGHT = ("tests tests: 1/1 tasks ship tests (test files in files or a checkout); a pytest next-hop reported on 1, "
+          "caught 1 by line, 1 for the right reason")
+
+
+def test_the_eval_counts_what_the_pytest_next_hop_caught_on_tasks_shipping_tests(tmp_path: Path):
+    """``atp-router eval`` on a task file of one fixture task (made here, not a
+    golden task) whose files ship a test: a RIB with the pytest next-hop catches
+    it at the changed line, by line and for the right reason (a failing test is
+    a ``logic`` finding; the defect's claim says "wrong"), and the eval says so
+    on its own line."""
+    after = {**PROJECT, "pkg/calc.py": CALC_AFTER}
+    del after["tests/test_words.py"]
+    lines, report = _eval(tmp_path, {**FIXTURE_TASK, "files": after}, {})
+    assert CAUGHT in lines, lines
     assert lines[-1].startswith("EVAL tasks=1 caught=1 ") and lines[-1].endswith(" right=1")
-    [t] = json.loads(js.read_text())["tests"]["tasks"]
+    [t] = report["tasks"]
     assert (t["ships_tests"], t["tests_ran"], t["tests_caught"], t["tests_right"]) == (True, True, True, True)
+
+
+def test_the_eval_sends_an_operators_checkout_as_the_tasks_repo(tmp_path: Path):
+    """The task's files hold only the changed source file (as a golden task's
+    do); ``--checkouts DIR`` finds the operator's checkout ``DIR/<task id>``,
+    which holds the tests: the task ships tests, its checkout is sent as
+    ``repo`` and the pytest next-hop (``options.repos: [DIR]``) catches it."""
+    checkouts = tmp_path / "checkouts"
+    for rel, text in PROJECT.items():
+        (checkouts / "fixture-calc" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (checkouts / "fixture-calc" / rel).write_text(text)
+    task = {**FIXTURE_TASK, "files": {"pkg/calc.py": CALC_AFTER}}
+    lines, report = _eval(tmp_path, task, {"repos": [str(checkouts)]}, "--checkouts", str(checkouts))
+    assert CAUGHT in lines, lines
+    [t] = report["tasks"]
+    assert t["matched_claims"] == ["pkg/calc.py:6-6 tests/test_api.py::test_add failed: KeyError: 'b'"]

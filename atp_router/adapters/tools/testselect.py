@@ -62,8 +62,8 @@ from dataclasses import dataclass
 
 from atp_router.task.change import ParsedChange
 
-__all__ = ["TEST_FILE", "TRACE_PLUGIN", "TRACE_PROPERTY", "Selection", "changed_frame", "frames", "module_names", "select_tests",
-           "trace_plugin", "traced_lines"]
+__all__ = ["TEST_FILE", "TRACE_PLUGIN", "TRACE_PROPERTY", "Selection", "changed_frame", "frames", "module_names",
+           "select_tests", "trace_plugin", "traced_lines"]
 
 #: A test file's name, as pytest's default ``python_files``.
 TEST_FILE = re.compile(r"(^|/)(test_[^/]*|[^/]*_test)\.py$")
