@@ -170,6 +170,17 @@ async def test_a_wrong_value_is_placed_at_the_changed_line_that_computed_it():
     assert (f.file, f.start, f.end) == ("test_helpers.py", 4, 5)
 
 
+async def test_a_selected_path_is_never_read_as_an_option():
+    """A test file under a directory named like a pytest option is selected and
+    run as a path: the JUnit report still comes back through the runner's pipe."""
+    files = {"calc.py": CALC_AFTER.replace("pkg", ""), "--junitxml=x/test_calc.py": (
+        "from calc import add\n\n\ndef test_add():\n    assert add(1, 2) == 3\n")}
+    report = await review(runner(), {"files": files, "diff": diff_of("calc.py", CALC_BEFORE, CALC_AFTER)})
+    assert report.summary == ("0 passed, 1 failed; ran 1 test file(s) touching the changed files: "
+                              "--junitxml=x/test_calc.py")
+    assert (report.findings[0].file, report.findings[0].start) == ("calc.py", 6)
+
+
 async def test_the_plugins_name_is_reserved():
     diff = diff_of("pkg/calc.py", CALC_BEFORE, CALC_AFTER)
     with pytest.raises(ClientInputError, match="_atp_changed_lines.py is the pytest next-hop's own module"):

@@ -348,7 +348,9 @@ class TestRunnerAdapter(ToolAdapter):
         if not chosen.tests:
             return [], "; ran pytest's discovery: no test file touches the changed files"
         shown = ", ".join(chosen.tests[:5]) + (", …" if len(chosen.tests) > 5 else "")
-        return list(chosen.tests), f"; ran {len(chosen.tests)} test file(s) touching the changed files: {shown}"
+        # "./": a path is never read as an option (pytest pre-parses some, e.g. --junitxml, even after "--").
+        return [f"./{t}" for t in chosen.tests], (f"; ran {len(chosen.tests)} test file(s) touching the changed "
+                                                   f"files: {shown}")
 
     def _allowed_repo(self, repo: Any) -> str | None:
         if repo is None:
