@@ -41,7 +41,7 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-import bench_gateway as bg  # noqa: E402
+import bench_gateway as bg
 
 KEY = "bench-store-syscalls"
 #: ``name(fd</path>...`` as ``strace -y`` prints a syscall on a descriptor.
