@@ -160,18 +160,31 @@ def bench(args: argparse.Namespace) -> int:
         started = gw.start_mock(tmp, procs)
         if started is None:
             return 1
-        mock_port, _ = started
+        mock_port, mock = started
         urls, pids = {}, {}
+        exe = None
+        if args.pin_client is not None:
+            others = sorted(os.sched_getaffinity(0) - {args.pin_client})
+            if args.pin_client not in os.sched_getaffinity(0) or not others:
+                print(f"bench_workers: --pin-client {args.pin_client} needs that CPU and at least one other "
+                      f"(this process may use {sorted(os.sched_getaffinity(0))})", file=sys.stderr)
+                return 2
+            # The routers (their workers inherit it) on every other CPU; the load generator alone on its own.
+            exe = ["taskset", "-c", ",".join(map(str, others)), str(Path(sys.executable).parent / "atp-router")]
+            os.sched_setaffinity(mock.pid, others)
+            print(f"routers and the mock on CPUs {others}, the load generator on CPU {args.pin_client}", flush=True)
         for n in (1, 2):
             name = f"w{n}"
             print(f"starting: atp-router --workers {n}", flush=True)
             r = gw.start_router(tmp / name, gw.RIB.format(port=mock_port) + TENANT_BUDGET.format(), procs, key=key,
-                                args=["--workers", str(n)], timeout_s=90)
+                                args=["--workers", str(n)], timeout_s=90, exe=exe)
             if r is None:
                 return 1
             urls[name], pids[name] = r.url, r.proc.pid
         print(f"part 1: closed loop, {args.in_flight} in flight over HTTP+SSE, {args.seconds:g} s x "
               f"{args.repeats} per router, interleaved", flush=True)
+        if args.pin_client is not None:
+            os.sched_setaffinity(0, {args.pin_client})
         res = trio.run(throughput, args, urls, key, pids)
     finally:
         gw.stop_procs(procs, 20)
@@ -184,7 +197,8 @@ def bench(args: argparse.Namespace) -> int:
         cpu = r["cpu"] / max(r["tasks"], 1) * 1000
         print(f"{'--workers ' + name[1:]:<22}{best[name]:>14.1f}{statistics.median(r['tasks_s']):>10.1f}"
               f"{cpu:>20.2f}{r['failed']:>8}")
-    print(f"load generator CPU {res['client_cpu_ms']:.2f} ms a task (same cores)")
+    where = f"CPU {args.pin_client} alone" if args.pin_client is not None else "same cores"
+    print(f"load generator CPU {res['client_cpu_ms']:.2f} ms a task ({where})")
     print(f"speed-up 2 workers / 1: {best['w2'] / best['w1']:.2f}x")
     print()
     print(f"ledger per task (open account, reserve, commit, close), µs: single-process {ledger['single']:.0f}, "
@@ -202,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per router")
     ap.add_argument("--in-flight", type=int, default=32, help="tasks in flight in the closed loop")
     ap.add_argument("--tasks", type=int, default=3000, help="ledger tasks timed in part 2")
+    ap.add_argument("--pin-client", type=int, default=None, metavar="CPU",
+                    help="part 1's load generator alone on this CPU, the routers (taskset) and mock on the others")
     return bench(ap.parse_args(argv))
 
 
