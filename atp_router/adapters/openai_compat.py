@@ -51,7 +51,6 @@ import trio
 from httpx._utils import URLPattern, get_environment_proxies
 
 from atp_router.adapters import upstream
-
 from atp_router.adapters.base import (
     CHARS_PER_TOKEN,
     CallStats,

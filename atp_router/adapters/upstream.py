@@ -57,7 +57,13 @@ import httpx
 import msgspec
 import trio
 
-from atp_router.adapters.http import NO_RETRY, ErrorOf, RetryPolicy, retry_wait_ms, status_error
+from atp_router.adapters.http import (
+    NO_RETRY,
+    ErrorOf,
+    RetryPolicy,
+    retry_wait_ms,
+    status_error,
+)
 from atp_router.wire.errors import AgentError, ErrorCode
 
 __all__ = [
