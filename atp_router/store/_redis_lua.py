@@ -654,11 +654,13 @@ return v
 """),
     # --------------------------------------------------------------------- audit
     # A: seq, JSON, expected head seq ('' any) -> 1 appended | 0 the head moved
+    # A: seq, JSON, the head's seq it is chained to ('' unchecked) -> 1 | {the head record's JSON ('' none)}
+    #   (a chained append that lost the race answers the head it must be chained to: no second read)
     "append_audit": ("", """
 local au = P .. 'au'
 if A[3] ~= '' then
   local top = redis.call('ZREVRANGE', au, 0, 0, 'WITHSCORES')
-  if tonumber(top[2] or '0') ~= tonumber(A[3]) then return 0 end
+  if tonumber(top[2] or '0') ~= tonumber(A[3]) then return {top[1] or ''} end
 end
 if redis.call('ZCOUNT', au, A[1], A[1]) > 0 then return redis.error_reply('ATPDUP audit ' .. A[1]) end
 redis.call('ZADD', au, A[1], A[2])

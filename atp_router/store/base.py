@@ -226,6 +226,11 @@ class Store(ABC):
     Tenant data is keyed by tenant: streams, idempotency keys and event logs by
     ``(tenant, session_id, stream_id)`` or ``(tenant, key)``."""
 
+    #: Whether this store's client may be called from several threads at once: a
+    #: trio caller then makes its calls in store threads, off the event loop
+    #: (:func:`atp_router.store.threads.off_loop`; the Redis store several routers share).
+    threaded: bool = False
+
     # ------------------------------------------------------------ budget ledgers
     @abstractmethod
     def open_account(self, key: str, parent: str | None, limit: Allowance) -> None:

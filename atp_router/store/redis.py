@@ -30,7 +30,10 @@ Failures:
   off. A connection error or timeout raises
   :class:`~atp_router.store.base.StoreUnavailable`, and for ``backoff_s`` (0.5 s)
   after it every call raises it at once, without I/O; then one call probes
-  again. So the caller's thread is never held longer than one socket timeout,
+  again — never one from the thread :meth:`RedisStore.probe_off` names (a
+  cluster router's trio loop, which then waits for a stalled Redis at most
+  once per outage: its store threads and lease thread probe). So the caller's
+  thread is never held longer than one socket timeout,
   and :attr:`RedisStore.available` says which state the store is in. A write
   that timed out may or may not have been applied — or be applied later, when
   Redis reads it from the closed connection's buffer. So a shared reserve is
@@ -71,8 +74,9 @@ So are shared tenant quotas (:meth:`RedisStore.quota_open`, one script per SYN:
 written) and :meth:`RedisStore.rate_take`.
 :meth:`RedisStore.update` is a compare-and-set script retried on conflict.
 
-:meth:`RedisStore.batch` buffers the stream and kv writes made inside it
-(:meth:`put_stream`, :meth:`close_stream`, :meth:`append_event`, :meth:`put`)
+:meth:`RedisStore.batch` buffers the stream, kv and quota-close writes made inside it
+(:meth:`put_stream`, :meth:`close_stream`, :meth:`append_event`, :meth:`put`,
+:meth:`quota_close`, which then returns False)
 and sends them in one pipeline when it ends — the group commit of outbound
 events. Each write is still atomic on its own, but its errors (an unknown
 stream, a full one, a duplicate event) are raised when the batch ends, not at
@@ -170,7 +174,7 @@ _MAX_AMOUNT = 2**53
 _UNAVAILABLE_CODES = frozenset({"LOADING", "BUSY", "MASTERDOWN", "READONLY", "NOREPLICAS", "OOM", "TRYAGAIN",
                                 "CLUSTERDOWN", "NOAUTH"})
 #: Operations :meth:`RedisStore.batch` buffers.
-_DEFERRED = frozenset({"put_stream", "close_stream", "append_event", "kv_put"})
+_DEFERRED = frozenset({"put_stream", "close_stream", "append_event", "kv_put", "quota_close"})
 #: The least deadline of an operation, ms (it is twice the socket timeout): what a
 #: loaded machine may take between building a call and Redis running it.
 MIN_DEADLINE_MS = 1_000
@@ -203,6 +207,10 @@ class RedisStore(Store):
     """:class:`~atp_router.store.base.Store` on a Redis server shared by several routers
     (see the module docstring). Build it with :meth:`open`."""
 
+    #: redis-py's connection pool is thread-safe; so are the fast-fail state and the batch
+    #: (thread-local): the router calls it from store threads (atp_router.store.threads).
+    threaded = True
+
     def __init__(self, client: redis.Redis, *, url: str, namespace: str, epoch: str, max_event_bytes: int,
                  max_events_per_stream: int, backoff_s: float) -> None:
         self._client = client
@@ -219,6 +227,8 @@ class RedisStore(Store):
         # Fast fail: while monotonic() < _retry_at after a failure, calls raise at once.
         self._up = True
         self._retry_at = 0.0
+        #: The thread that never probes a store found down (:meth:`probe_off`), or None.
+        self._no_probe: int | None = None
         self._down_reason = ""
         self._lost = False
         #: The operations' deadline budget, ms: twice the client's own socket timeout,
@@ -232,6 +242,9 @@ class RedisStore(Store):
         self._fence: tuple[str, str] | None = None
         self._round_trips = 0
         self._trips_lock = threading.Lock()
+        #: The audit chain's head as this store last saw it (seq, hash): the next chained
+        #: append's guess (:meth:`append_audit_chained`); None: read it first.
+        self._audit_head: tuple[int, str] | None = None
 
     # ----------------------------------------------------------------- opening
     @classmethod
@@ -313,9 +326,18 @@ class RedisStore(Store):
             raise self._lost_error()
         if not self._up:
             now = time.monotonic()
-            if now < self._retry_at:
+            if now < self._retry_at or threading.get_ident() == self._no_probe:
                 raise StoreUnavailable(self._down_reason)
             self._retry_at = now + self.backoff_s
+
+    def probe_off(self, thread_id: int | None) -> None:
+        """While the store is down, calls from thread ``thread_id`` (a cluster
+        router's trio loop) raise :class:`~atp_router.store.base.StoreUnavailable`
+        at once, past the back-off too: only the other threads (its store
+        threads and lease thread, which call it every fraction of a second)
+        probe it, so the loop waits for a stalled Redis at most once per outage
+        (the call that found it). None: every thread probes (the default)."""
+        self._no_probe = thread_id
 
     def _lost_error(self) -> StoreUnavailable:
         return StoreUnavailable(f"redis lost its data: the epoch marker of namespace {self.namespace!r} at "
@@ -384,7 +406,8 @@ class RedisStore(Store):
         if b.depth and name in _DEFERRED:
             # Buffered: no I/O now, so it must not take the probe of a back-off (the
             # batch's own round trip at its end is the probe).
-            if self._lost or (not self._up and time.monotonic() < self._retry_at):
+            if self._lost or (not self._up and (time.monotonic() < self._retry_at
+                                                 or threading.get_ident() == self._no_probe)):
                 self._check()
             b.ops.append((name, args))
             return None
@@ -644,6 +667,38 @@ class RedisStore(Store):
                                       0, 0, request, REQUEST_TTL_MS, *_record_args(record))
         return SharedResult(totals=_totals(_rows(raw)), charge=Charge(int(t), int(u), int(ot), int(ou)))
 
+    def settle_many(self, ops: Sequence[tuple[str, Reservation, int, int, str, CallRecord | None]]
+                    ) -> list[SharedResult | StoreError]:
+        """Several settlements of shared reservations in one pipeline (one round
+        trip; each its own atomic script): ``(mode, reservation, tokens,
+        usd_micros, request, record)`` with mode ``"commit"``
+        (:meth:`commit_shared`), ``"recommit"`` (:meth:`recommit_shared`) or
+        ``"release"`` (:meth:`release_shared`; amounts, request and record
+        unused). Each one's result or store error, in order (issue 22 item 2:
+        the commits of concurrent calls together). Raises
+        :class:`~atp_router.store.base.StoreUnavailable` when the pipeline failed
+        as a whole (each may or may not have applied: settle them again by name)."""
+        calls: list[tuple[str, tuple[Any, ...]]] = []
+        for mode, r, t, u, request, record in ops:
+            if mode == "release":
+                calls.append(("settle", (r.id, "release", 0, 0, 0, 0)))
+            else:
+                if mode == "recommit" and not request:
+                    raise ValueError("a recommit needs the request the first commit was named")
+                calls.append(("settle", (r.id, "actual" if mode == "commit" else "recommit", _amount(t), _amount(u),
+                                         0, 0, request, REQUEST_TTL_MS, *_record_args(record))))
+        self._check()
+        out: list[SharedResult | StoreError] = []
+        for (mode, *_), reply in zip(ops, self._pipeline(calls), strict=True):
+            err = self._reply_error(reply)
+            if err is not None:
+                out.append(err)
+                continue
+            raw, ct, cu, ot, ou = reply
+            out.append(SharedResult(totals=_totals(_rows(raw)), charge=None if mode == "release" else
+                                    Charge(int(ct), int(cu), int(ot), int(ou))))
+        return out
+
     def call_record(self, key: str) -> StoredCall | None:
         """The call record a commit stored under ``key`` (:class:`~atp_router.flow.budget.CallRecord`),
         with what that commit charged; None when there is none (never
@@ -816,12 +871,23 @@ class RedisStore(Store):
         self._run("append_audit", record.seq, msgspec.json.encode(record), "")
 
     def append_audit_chained(self, build: Callable[[int, str], AuditRecord]) -> AuditRecord:
+        """:meth:`Store.append_audit_chained <atp_router.store.base.Store.append_audit_chained>`
+        in one round trip when no other writer appended since this store's last
+        append: chained to the head it last saw, and on a race to the head the
+        refusing script answers (one more round trip per race, never a read)."""
+        head = self._audit_head
         while True:
-            head = self.audit_head()
-            seq, h = (head.seq, head.hash) if head is not None else (0, GENESIS)
-            r = build(seq, h)
-            if self._run("append_audit", r.seq, msgspec.json.encode(r), seq):
+            if head is None:
+                got = self.audit_head()
+                head = (got.seq, got.hash) if got is not None else (0, GENESIS)
+            r = build(*head)
+            reply = self._run("append_audit", r.seq, msgspec.json.encode(r), head[0])
+            if reply == 1:
+                self._audit_head = (r.seq, r.hash)
                 return r
+            top = msgspec.json.decode(reply[0], type=AuditRecord) if reply[0] else None
+            head = (top.seq, top.hash) if top is not None else (0, GENESIS)
+            self._audit_head = head
 
     def audit_records(self, after: int = 0, limit: int | None = None) -> list[AuditRecord]:
         raw = self._run("audit_records", after, -1 if limit is None else limit)

@@ -409,3 +409,99 @@ def test_batch_is_sent_when_it_ends_and_forgotten_scripts_reload(redis_server: R
         for i in range(1, 4):
             s.append_event("t", "sess", "b", i, "PARTIAL", b"x")
     assert [e.event_id for e in other.events("t", "sess", "b")] == [1, 2, 3]
+
+
+def test_a_chained_audit_append_is_one_round_trip_unless_another_writer_raced(redis_server: RedisServer):
+    """Issue 22 item 2: a chained append guesses the head this store saw last —
+    one round trip; when another writer appended meanwhile the script refuses it
+    and answers the head, and the append is chained to that (one more round trip,
+    no read). The chain stays whole either way."""
+    from atp_router.security.audit import chain_record, verify
+
+    name = ns()
+    a, b = RedisStore.open(redis_server.url, namespace=name), RedisStore.open(redis_server.url, namespace=name)
+
+    def build(actor: str):
+        return lambda seq, head: chain_record(seq, head, kind="admin", actor=actor, tenant=None, detail={}, now_ms=1)
+
+    a.append_audit_chained(build("a"))  # the first: the head read once (none known yet)
+    trips = a.round_trips
+    a.append_audit_chained(build("a"))
+    assert a.round_trips == trips + 1  # its own head was the store's
+    b.append_audit_chained(build("b"))  # another writer moves the head
+    trips = a.round_trips
+    r = a.append_audit_chained(build("a"))
+    assert a.round_trips == trips + 2 and r.seq == 4  # refused with the head, chained to it
+    records = a.audit_records()
+    assert [x.actor for x in records] == ["a", "a", "b", "a"]
+    assert verify(records, [], b"k", max_unsigned=10).ok
+
+
+def test_a_thread_that_never_probes_waits_for_a_stopped_redis_once(redis_server: RedisServer):
+    """Issue 22 item 2 (:meth:`RedisStore.probe_off`): the thread named (a
+    cluster router's trio loop) waits for a stopped Redis one socket timeout,
+    the first time; past the back-off its calls still fail at once while
+    another thread probes, and they go through again once a probe answered."""
+    with start_redis() as server:
+        store = RedisStore.open(server.url, namespace=ns(), socket_timeout_s=0.3, backoff_s=0.2)
+        store.probe_off(threading.get_ident())
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                store.get("k")  # the call that finds it down: one socket timeout
+            assert 0.25 < time.monotonic() - t0 < 2.0
+            time.sleep(0.5)  # past the back-off
+            t0 = time.monotonic()
+            for _ in range(20):
+                with pytest.raises(StoreUnavailable):
+                    store.get("k")
+            assert time.monotonic() - t0 < 0.1  # never a probe from this thread
+            probe: list[BaseException | None] = []
+
+            def other() -> None:
+                try:
+                    store.get("k")
+                    probe.append(None)
+                except StoreUnavailable as e:
+                    probe.append(e)
+
+            t = threading.Thread(target=other)
+            t.start()
+            t.join(5)
+            assert isinstance(probe[0], StoreUnavailable)  # another thread probed (and waited) instead
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        time.sleep(0.3)
+        with pytest.raises(StoreUnavailable):
+            store.get("k")  # still no probe from here, Redis up or not
+        t = threading.Thread(target=lambda: until_available(store))
+        t.start()
+        t.join(10)
+        assert store.available and store.get("k") is None  # a probe answered: this thread's calls go through
+
+
+def test_settle_many_is_one_round_trip_and_each_settlement_its_own(redis_server: RedisServer):
+    """Issue 22 item 2 (``RedisStore.settle_many``, the cluster's committer): commits,
+    a re-commit by name and a release in one pipeline — one round trip —, each
+    atomic on its own: a re-commit of a commit that ran returns its charge (not
+    charged twice), an unknown reservation is that item's own NotFound."""
+    from atp_router.store import NotFound
+
+    store = RedisStore.open(redis_server.url, namespace=ns())
+    store.open_shared("client:t", None, Allowance(tokens=10_000), owner=None)
+    r1 = store.reserve_shared("client:t", 100, 0, owner="r.a").reservation
+    r2 = store.reserve_shared("client:t", 100, 0, owner="r.a").reservation
+    r3 = store.reserve_shared("client:t", 100, 0, owner="r.a").reservation
+    gone = Reservation(id=999_999, key="client:t", tokens=5, usd_micros=0)
+    trips = store.round_trips
+    out = store.settle_many([("commit", r1, 80, 0, "q1", None), ("commit", r2, 300, 0, "q2", None),
+                             ("release", r3, 0, 0, "", None), ("commit", gone, 5, 0, "q4", None)])
+    assert store.round_trips == trips + 1
+    assert [o.charge.tokens if not isinstance(o, Exception) and o.charge else o.__class__.__name__ for o in out] \
+        == [80, 300, "SharedResult", "NotFound"]
+    assert isinstance(out[3], NotFound)
+    again = store.settle_many([("recommit", r1, 80, 0, "q1", None)])[0]
+    assert again.charge.tokens == 80  # the first ran: its charge, not a second one
+    t = store.shared_totals("client:t").totals[0]
+    assert (t.committed_tokens, t.reserved_tokens) == (380, 0)
