@@ -24,8 +24,8 @@ RIB               a reload on one router (the API, or its own ``--policies``
 leases            each router renews its lease every ``lease_ms / 5``
                   (:meth:`Store.heartbeat <atp_router.store.base.Store.heartbeat>`,
                   with the URL of its HTTP API, ``--advertise-url``) from a
-                  thread of its own: a router whose trio loop is busy (its
-                  store calls are synchronous) keeps its lease; one whose
+                  thread of its own: a router whose trio loop is busy (some
+                  store calls are still made on it) keeps its lease; one whose
                   loop has not run for :attr:`LeaseClock.stall_s` stops
                   renewing it (it cannot serve: the others settle it)
 quotas            a tenant's ``max_streams``, open rate and learning rate
@@ -80,6 +80,16 @@ owns (``/v1/streams/{id}/events|frames|feedback``, an idempotent open, A2A
 owner of an open stream is lost and not yet settled, a request about it answers
 503 ``EAGENTDOWN`` with ``Retry-After: 1``.
 
+**Off the loop** (issue 22 item 2): the group commit of stream events (with the
+quota entries of the streams that closed), the commits and releases of calls
+(:meth:`ClusterLedger.run_committer`, several in one pipeline) and the store's polls
+(lost routers, RIB, breakers, learning, expiry) run in store threads
+(:mod:`atp_router.store.threads`); while the store is down the loop's own calls
+fail at once and only those threads probe it (:meth:`RedisStore.probe_off
+<atp_router.store.redis.RedisStore.probe_off>`). Still on the loop: a SYN's quota,
+stream account and stream record, a call's reservation, the audit records, the
+learning rate — the sans-IO admission and SYN stages call them synchronously.
+
 **Fail closed**: when the store cannot be reached
 (:class:`~atp_router.store.base.StoreUnavailable`) no new spend is allowed — a stream
 open is refused (``EBUDGET`` "budget store unavailable: … retry", with
@@ -98,6 +108,7 @@ everything resumes when the store answers again, without a restart.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -107,6 +118,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from typing import TYPE_CHECKING, Any, Protocol
@@ -147,6 +159,7 @@ from atp_router.security.audit import AuditLog
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
 from atp_router.store import NotFound, StoreError, StoreUnavailable, StreamRecord
+from atp_router.store.threads import off_loop
 from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import ATPError, ErrorCode, IdempotencyConflict
 from atp_router.wire.frame import Frame, PayloadType
@@ -277,7 +290,9 @@ class ClusterLedger(SharedBudgetLedger):
       that the runtime waits for before the call's FINAL: the queued commit
       applies the full usage when the store answers (the store checking the
       headroom then, as for any commit), and the FINAL's signed usage reports
-      what it charged — the ledger always equals the FINALs.
+      what it charged — the ledger always equals the FINALs. While
+      :meth:`run_committer` runs (a router's background service) every
+      commit and release takes that path, applied off the trio loop.
 
     A reservation or account the store no longer has (:class:`~atp_router.store.base.NotFound`:
     another router settled this one after its lease lapsed, or a retried
@@ -295,12 +310,13 @@ class ClusterLedger(SharedBudgetLedger):
         super().__init__(shared, owner=owner)
         self.on_unavailable = on_unavailable
         self.on_settled = on_settled
-        #: Settlements the store could not take yet: (stored reservation, usage or None: release, account).
-        #: The commit's request name (SharedAccounts.recommit_shared; "" for a release).
-        #: The call record each (the answer its commit pays for), or None.
-        #: The commit's PendingCharge with its local reservation id (None for a release).
-        self._unsettled: list[tuple[Reservation, tuple[int, int] | None, _Account, str, CallRecord | None,
-                                    tuple[int, PendingCharge] | None]] = []
+        #: Settlements the store has not taken yet, in order: those it could not take, and
+        #: while :meth:`run_committer` runs every commit and release (applied off the loop).
+        self._unsettled: list[_Settle] = []
+        #: Set to wake :meth:`run_committer`; None while it does not run (settled at once).
+        self._wake: trio.Event | None = None
+        #: How many of the first settlements the committer is applying in a store thread.
+        self._inflight = 0
         #: Commits accepted but not applied yet, by local reservation id (pending_charge).
         self._pending: dict[int, PendingCharge] = {}
         self.shared: RecordingAccounts = shared
@@ -322,8 +338,12 @@ class ClusterLedger(SharedBudgetLedger):
 
     @property
     def unsettled(self) -> int:
-        """Commits, releases and reserve cancels waiting for the store."""
-        return len(self._unsettled) + len(self._cancels)
+        """Commits, releases and reserve cancels waiting for the store: those it
+        could not take, and those queued behind them (not those the committer
+        is about to apply: :meth:`run_committer`)."""
+        queued = self._unsettled
+        waiting = len(queued) if queued and (self._wake is None or queued[0].tried) else 0
+        return waiting + len(self._cancels)
 
     def _down(self, op: str, e: StoreError) -> None:
         if self.on_unavailable is not None:
@@ -406,9 +426,10 @@ class ClusterLedger(SharedBudgetLedger):
         usage = (actual_tokens, actual_usd_micros)
         certain = _certain(reservation, usage)
         pending = (reservation.id, PendingCharge())
-        if self._unsettled:
-            # Settled in order: an earlier settlement still waits for the store.
-            self._unsettled.append((stored, usage, acct, self.new_request(), record, pending))
+        if self._unsettled or self._wake is not None:
+            # Settled in order (an earlier settlement still waits for the store), or by the
+            # committer in a store thread: the call's FINAL waits for its pending charge.
+            self._queue(_Settle(stored, usage, acct, self.new_request(), record, pending))
             self._pending[reservation.id] = pending[1]
             return certain
         charge = self._settle_stored(stored, usage, acct, record=record, pending=pending)
@@ -428,10 +449,15 @@ class ClusterLedger(SharedBudgetLedger):
         self._records.pop(reservation.id, None)
         acct = self._forget(reservation)
         stored = self._stored(reservation)
-        if self._unsettled:
-            self._unsettled.append((stored, None, acct, "", None, None))
+        if self._unsettled or self._wake is not None:
+            self._queue(_Settle(stored, None, acct, "", None, None))
             return
         self._settle_stored(stored, None, acct)
+
+    def _queue(self, settle: _Settle) -> None:
+        self._unsettled.append(settle)
+        if self._wake is not None:
+            self._wake.set()
 
     def _settle_stored(self, stored: Reservation, usage: tuple[int, int] | None, acct: _Account,
                 *, queue: bool = True, request: str = "", record: CallRecord | None = None,
@@ -464,7 +490,8 @@ class ClusterLedger(SharedBudgetLedger):
             if usage is not None:
                 log.warning("reservation %d on %s: the store cannot be reached; its commit (%s) waits for it, "
                             "and so does the call's FINAL", stored.id, stored.key, usage)
-            self._unsettled.append((stored, usage, acct, request, record, pending if usage is not None else None))
+            self._unsettled.append(_Settle(stored, usage, acct, request, record,
+                                           pending if usage is not None else None, tried=True))
             return None
         except NotFound:
             log.warning("reservation %d on %s is no longer in the store (settled by another router, or a retried "
@@ -483,7 +510,10 @@ class ClusterLedger(SharedBudgetLedger):
         releases the store could not take, in order, until it cannot be reached
         again; returns how many are left (:attr:`unsettled`). One the store
         refuses otherwise is logged and dropped (its reservation stays held in
-        the store until this router's state is settled)."""
+        the store until this router's state is settled). Nothing while the
+        committer applies some (:meth:`run_committer`)."""
+        if self._inflight:
+            return self.unsettled
         while self._cancels:
             request = self._cancels[0]
             try:
@@ -495,22 +525,152 @@ class ClusterLedger(SharedBudgetLedger):
                 log.exception("reserve %s timed out; cancelling it failed; dropped", request)
             self._cancels.pop(0)
         while self._unsettled:
-            stored, usage, acct, request, record, pending = self._unsettled[0]
+            st = self._unsettled[0]
             charge: Charge | None
             try:
-                charge = self._settle_stored(stored, usage, acct, queue=False, request=request, record=record)
+                # Always by name (a recommit): a first attempt may have run, or run late.
+                charge = self._settle_stored(st.stored, st.usage, st.acct, queue=False, request=st.request,
+                                             record=st.record)
             except StoreUnavailable:
                 break
             except StoreError:
-                log.exception("reservation %d on %s: settling it failed; dropped", stored.id, stored.key)
-                acct.open -= 1
-                charge = Charge(0, 0, *usage) if usage is not None else None
+                log.exception("reservation %d on %s: settling it failed; dropped", st.stored.id, st.stored.key)
+                st.acct.open -= 1
+                charge = Charge(0, 0, *st.usage) if st.usage is not None else None
             self._unsettled.pop(0)
-            if pending is not None:
-                del self._pending[pending[0]]
-                assert charge is not None
-                pending[1].resolve(charge)
+            self._resolve(st, charge)
         return self.unsettled
+
+    def _resolve(self, st: _Settle, charge: Charge | None) -> None:
+        if st.pending is not None:
+            del self._pending[st.pending[0]]
+            assert charge is not None
+            st.pending[1].resolve(charge)
+
+    async def run_committer(self) -> None:
+        """Apply the commits and releases in order, off the trio loop (a store
+        thread: :func:`~atp_router.store.threads.off_loop`), until cancelled — a
+        background service of the router (issue 22 item 2). While it runs,
+        :meth:`commit` and :meth:`release` queue their settlement and return at
+        once (a commit: the usage within the reservation and a pending charge
+        the call's FINAL waits for). A first attempt is a named commit, a retry
+        a re-commit by that name; one the store could not take waits for
+        :meth:`settle_pending` (the router's retry, once the store answers).
+        Cancelled, it waits for the settlements in flight (a thread cannot be
+        interrupted: they may apply) and accounts for them."""
+        self._wake = wake = trio.Event()
+        try:
+            while True:
+                await wake.wait()
+                self._wake = wake = trio.Event()
+                batch = self._unsettled[:_COMMIT_BATCH]
+                if self._cancels or not batch or self._inflight or batch[0].tried:
+                    continue  # a cancel, or a settlement that failed, first: settle_pending's turn
+                self._inflight = len(batch)
+                try:
+                    outcomes = await off_loop(self.shared, self._apply, batch)
+                except Exception:
+                    log.exception("applying %d commits and releases failed: retried by name", len(batch))
+                    continue
+                finally:
+                    self._inflight = 0
+                if self._applied(batch, outcomes) and self._unsettled:
+                    wake.set()
+        finally:
+            self._wake = None
+
+    def _apply(self, batch: list[_Settle]) -> list[SharedResult | StoreError]:
+        """The store's side of :meth:`run_committer` (a store thread): each
+        settlement's outcome, in order, up to the first the store could not take."""
+        many = getattr(self.shared, "settle_many", None)
+        if many is not None and len(batch) > 1 and not self._kill_after_commit:
+            # (The fault hook kills right after one commit: one at a time then.)
+            return self._apply_many(many, batch)
+        out: list[SharedResult | StoreError] = []
+        for st in batch:
+            first, st.tried = not st.tried, True  # tried before it is sent: it may apply whatever we hear
+            try:
+                if st.usage is None:
+                    got = self.shared.release_shared(st.stored)
+                elif first:
+                    got = self.shared.commit_shared(st.stored, *st.usage, request=st.request, record=st.record)
+                else:
+                    got = self.shared.recommit_shared(st.stored, *st.usage, request=st.request, record=st.record)
+            except StoreError as e:
+                out.append(e)
+                if isinstance(e, StoreUnavailable):
+                    break
+                continue
+            out.append(got)
+            if self._kill_after_commit and st.usage is not None:
+                log.error("%s=1: killing this router right after a commit (fault injection)", KILL_AFTER_COMMIT_ENV)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    def _apply_many(self, many: Callable[..., list[SharedResult | StoreError]],
+                    batch: list[_Settle]) -> list[SharedResult | StoreError]:
+        """:meth:`_apply` in one pipeline (:meth:`RedisStore.settle_many
+        <atp_router.store.redis.RedisStore.settle_many>`): one round trip for the
+        commits of concurrent calls. A pipeline that failed as a whole leaves
+        every one of them to be settled again by name."""
+        ops = []
+        for st in batch:
+            mode = "release" if st.usage is None else ("recommit" if st.tried else "commit")
+            st.tried = True  # before it is sent: it may apply whatever we hear
+            ops.append((mode, st.stored, *(st.usage or (0, 0)), st.request, st.record))
+        try:
+            out = many(ops)
+        except StoreUnavailable as e:
+            return [e]
+        cut = next((i for i, got in enumerate(out) if isinstance(got, StoreUnavailable)), None)
+        return out if cut is None else out[:cut + 1]
+
+    def _applied(self, batch: list[_Settle], outcomes: list[SharedResult | StoreError]) -> bool:
+        """On the trio side, after :meth:`_apply`: each settlement done is
+        mirrored here and its pending charge resolved; False when the store
+        could not take one (it and those after it stay queued)."""
+        for st, got in zip(batch, outcomes, strict=False):
+            if isinstance(got, StoreUnavailable):
+                self._down("commit" if st.usage is not None else "release", got)
+                return False
+            assert self._unsettled[0] is st
+            self._unsettled.pop(0)
+            usage = st.usage
+            charge: Charge | None = None
+            if isinstance(got, SharedResult):
+                self._mirror(got)
+                charge = got.charge
+            elif isinstance(got, NotFound):
+                log.warning("reservation %d on %s is no longer in the store (settled by another router): forgotten "
+                            "here", st.stored.id, st.stored.key)
+                charge = Charge(0, 0, *usage) if usage is not None else None
+            else:
+                log.error("reservation %d on %s: settling it failed (%s); dropped", st.stored.id, st.stored.key, got)
+                charge = Charge(0, 0, *usage) if usage is not None else None
+            st.acct.open -= 1
+            self._resolve(st, charge)
+        return True
+
+
+#: Settlements the committer applies in one store-thread call (each its own atomic script).
+_COMMIT_BATCH = 64
+
+
+@dataclass(slots=True, eq=False)
+class _Settle:
+    """A commit (``usage``) or release (None) of ``stored`` the store has not
+    taken yet: its ``account`` here, the commit's name (``request``; "" for a
+    release), the call record it stores (the answer it pays for), its
+    :class:`~atp_router.flow.budget.PendingCharge` with the local reservation id,
+    and whether an attempt was sent (a retry is then a re-commit by name)."""
+
+    stored: Reservation
+    usage: tuple[int, int] | None
+    acct: _Account
+    request: str
+    record: CallRecord | None
+    pending: tuple[int, PendingCharge] | None
+    tried: bool = False
 
 
 def _certain(r: Reservation, usage: tuple[int, int]) -> Charge:
@@ -707,6 +867,8 @@ class ClusterNode(SynGate):
         router.streams.persistence.on_store_unavailable = self.store_unavailable
         router.streams.persistence.flush_gate = self._writes_allowed
         router.streams.persistence.on_fenced = lambda: self._found_settled("")
+        # A stream's quota entry is removed with its last events: one round trip, off the loop.
+        self.quotas.defer = router.streams.persistence.defer
         #: The lease thread's and the trio side's shared view (under _lease_lock).
         self._lease = LeaseClock(self.lease_ms, now=time.monotonic())
         self._heartbeat()  # the lease exists before this router owns anything
@@ -920,6 +1082,9 @@ class ClusterNode(SynGate):
         thread = threading.Thread(target=self._lease_thread_main, name=f"atp-lease-{self.owner}", daemon=True)
         self._lease_thread = thread
         thread.start()
+        # While the store is down, the loop's calls fail at once: the lease thread and the
+        # store threads (atp_router.store.threads) probe it, so a stalled Redis holds the loop once.
+        self.store.probe_off(threading.get_ident())
         try:
             while True:
                 before = time.monotonic()
@@ -934,6 +1099,7 @@ class ClusterNode(SynGate):
                                 self.lease_ms)
                 self._lease_news()
         finally:
+            self.store.probe_off(None)  # at shutdown the loop's last calls may probe (nothing else will)
             self._lease_stop.set()
             thread.join(timeout=5)  # the thread waits on the event: it ends at once unless in a store call
             if thread.is_alive():
@@ -971,19 +1137,24 @@ class ClusterNode(SynGate):
             if not self._store_ok or time.monotonic() < self._reap_after:
                 continue
             try:
-                self.reap()
+                # The poll in a store thread (off the loop: a stalled store holds the thread);
+                # the rare settling of a lost router on the loop, with the audit log it writes.
+                lost = await off_loop(self.store, functools.partial(self.store.lost_owners, now_ms=_now_ms()))
+                if [o for o in lost if o != self.owner]:
+                    self.reap(lost)
             except StoreUnavailable as e:
                 self.store_unavailable("reap", e)
             except Exception:
                 log.exception("settling lost routers failed")
 
-    def reap(self) -> dict[str, dict[str, int]]:
-        """Settle every lost router this one wins the claim of (module
-        docstring): ``owner → counts`` of what was settled. Raises
-        :class:`~atp_router.store.base.StoreError`."""
+    def reap(self, lost: list[str] | None = None) -> dict[str, dict[str, int]]:
+        """Settle every lost router (``lost``: the store's
+        :meth:`~atp_router.store.base.Store.lost_owners`, read here when None)
+        this one wins the claim of (module docstring): ``owner → counts`` of
+        what was settled. Raises :class:`~atp_router.store.base.StoreError`."""
         now = _now_ms()
         done: dict[str, dict[str, int]] = {}
-        for owner in self.store.lost_owners(now_ms=now):
+        for owner in self.store.lost_owners(now_ms=now) if lost is None else lost:
             if owner == self.owner:
                 continue  # this router's own lease lapsed: the next heartbeat renews it (and fences)
             if not self.store.claim("settle/" + owner, self.owner, ttl_ms=2 * self.lease_ms, now_ms=now):
@@ -1006,7 +1177,9 @@ class ClusterNode(SynGate):
     def _services(self, router: Router) -> list[Callable[[], Awaitable[None]]]:
         """The cluster's background services: the lease, the reaper of lost
         routers and the settling of what the store could not take."""
-        return [self._leases, self._reaper, self._settle_commits]
+        ledger = self.ledger
+        assert isinstance(ledger, ClusterLedger)
+        return [self._leases, self._reaper, self._settle_commits, ledger.run_committer]
 
     # ------------------------------------------------------------ forwarding
     @property

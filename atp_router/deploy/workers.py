@@ -137,6 +137,7 @@ from atp_router.security.identity import Identity
 from atp_router.security.tls import hypercorn_ssl
 from atp_router.store import SqliteStore, Store, StoreError, StoreUnavailable
 from atp_router.store.sqlite import sync_mode
+from atp_router.store.threads import off_loop
 from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import ATPError, ErrorCode, PolicyError
 from atp_router.wire.frame import Frame
@@ -272,7 +273,8 @@ class SharedRib:
         while True:
             await trio.sleep(RIB_POLL_S)
             try:
-                if self.store.active_rib_version() in (router.gen.version, self.refused, None):
+                if await off_loop(self.store, self.store.active_rib_version) in (router.gen.version, self.refused,
+                                                                                None):
                     continue
                 if self.adopt(router):
                     log.info("RIB generation %d loaded (reloaded by another router process)", router.gen.version)

@@ -128,6 +128,7 @@ from atp_router.security.redact import DataScopeGuard
 from atp_router.security.redact import warm as redact_warm
 from atp_router.security.signing import DurableReplayGuard, UsageSigner
 from atp_router.store import Store, StoreUnavailable
+from atp_router.store.threads import off_loop
 from atp_router.wire.codec import FrameCodec, KeyRing
 from atp_router.wire.errors import (
     ATPError,
@@ -580,7 +581,7 @@ class Router:
             try:
                 self.audit_log.flush_spool()  # records spooled while the store was away, in order
                 self.audit_log.tick(now_ms)
-                self.store.expire(now_ms - retain_ms)
+                await off_loop(self.store, self.store.expire, now_ms - retain_ms)  # a store thread, when threaded
             except StoreUnavailable:
                 continue  # a shared store that cannot be reached: done when it answers (atp_router.deploy.cluster)
             except Exception:

@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import trio
@@ -294,7 +294,7 @@ class Learning:
         self.shared = True
         self.learner.share()
 
-    def sync_shared(self) -> dict[str, int]:
+    def sync_shared(self, index_raw: bytes | None | Literal[False] = False) -> dict[str, int]:
         """One merge with the shared store (the module doc): push every arm and
         the live statistics that learned since their last sync, adopt the merged
         results, read back what the index says others changed. Synchronous
@@ -303,14 +303,15 @@ class Learning:
         call: nothing is lost. (A push the store applied but whose answer
         was lost — the connection cut at that instant — is pushed again, so
         that interval of this router's learning counts twice.) Returns
-        ``{"pushed": n, "pulled": n}`` (arms and the live document)."""
+        ``{"pushed": n, "pulled": n}`` (arms and the live document).
+        ``index_raw``: the index (:data:`SEQ_KEY`) as read off the loop (False: read here)."""
         store = self.store
         gen = self.control.gen
         self.sync(gen)
         rib = self._version or 0
         self._syncs += 1
         full = self._syncs % _FULL_PULL_EVERY == 1
-        raw = store.get(SEQ_KEY)
+        raw = store.get(SEQ_KEY) if index_raw is False else index_raw
         try:
             index = json.loads(raw) if raw else {}
         except ValueError:

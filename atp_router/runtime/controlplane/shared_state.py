@@ -43,13 +43,15 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
 from atp_router.flow.breaker import BreakerBoard, BreakerShare, BreakerTransition
+from atp_router.runtime.controlplane.learn_entries import SEQ_KEY
 from atp_router.runtime.controlplane.learning import SHARED_SYNC_S
 from atp_router.store import StoreError
+from atp_router.store.threads import off_loop
 
 if TYPE_CHECKING:
     from atp_router.runtime.controlplane.control import ControlPlane
@@ -125,9 +127,9 @@ class _Outage:
         self.down = False
 
 
-def _sync_once(learning: Learning, outage: _Outage) -> None:
+def _sync_once(learning: Learning, outage: _Outage, index_raw: bytes | None | Literal[False] = False) -> None:
     try:
-        learning.sync_shared()
+        learning.sync_shared(index_raw)
     except StoreError as e:
         outage.failed(e)
     except Exception:
@@ -141,7 +143,14 @@ async def _sync_learning(learning: Learning) -> None:
     try:
         while True:
             await trio.sleep(SHARED_SYNC_S)
-            _sync_once(learning, outage)
+            try:
+                # Its first read in a store thread: a store that stalls holds that thread, and
+                # the writes that follow fail fast (the store's back-off) instead of blocking here.
+                index_raw = await off_loop(learning.store, learning.store.get, SEQ_KEY)
+            except StoreError as e:
+                outage.failed(e)
+                continue
+            _sync_once(learning, outage, index_raw)
     finally:
         _sync_once(learning, outage)  # synchronous store calls: runs to the end when cancelled
 
@@ -187,7 +196,7 @@ async def _follow_breakers(store: Store, breakers: BreakerBoard, control: Contro
     outage = _Outage("breaker follower")
     while True:
         try:
-            items = store.items(BREAKER_PREFIX)
+            items = await off_loop(store, store.items, BREAKER_PREFIX)  # a store thread: a stalled store holds it
         except StoreError as e:
             outage.failed(e)
             items = None

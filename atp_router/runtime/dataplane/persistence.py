@@ -34,6 +34,7 @@ from atp_router.store.base import (
     StoreUnavailable,
     StreamRecord,
 )
+from atp_router.store.threads import off_loop
 from atp_router.wire.frame import Window
 
 if TYPE_CHECKING:
@@ -126,6 +127,13 @@ class StreamPersistence:
         #: anyway and their writes stay queued until it can (atp_router.deploy.single: no other
         #: router reads this store, and a full disk must not stall the running streams).
         self.hold_unstored = True
+        #: The writes of the group commit being written off the loop (still "unstored").
+        self._inflight: list[tuple[StreamCtx, LoggedEvent | StreamRecord | None]] = []
+        #: Streams dropped (:meth:`drop`) while a group commit was in flight: none of their
+        #: writes are queued again if it fails.
+        self._dropped: set[int] = set()
+        #: Other parts' store writes for the next group commit, after its events (:meth:`defer`).
+        self._writes: list[Callable[[], object]] = []
 
     def persist_open(self, ctx: StreamCtx) -> None:
         """Store the record of a stream just opened (its meta with secrets masked,
@@ -212,6 +220,19 @@ class StreamPersistence:
             self._flush_wanted.set()
         self._pending.append((ctx, ev))
 
+    def defer(self, write: Callable[[], object]) -> bool:
+        """Queue ``write`` — a store write of another part of the router, made
+        when a stream closes (a shared quota's close) — for the next group
+        commit, after its events: one store round trip with them, off the trio
+        loop, retried with them while the store cannot be reached. False when no
+        group commit runs (the caller writes at once)."""
+        if not self.group_commit:
+            return False
+        if not self._pending and not self._writes:
+            self._flush_wanted.set()
+        self._writes.append(write)
+        return True
+
     def flush(self) -> bool:
         """Write every queued event and close in one store transaction (group
         commit), then let the followers send them. A store failure loses no
@@ -223,15 +244,45 @@ class StreamPersistence:
         router may serve the stream from the store: a client must never hold
         an event the store has not; with :attr:`hold_unstored` False the events
         are sent and only their writes wait). Returns False in that case."""
-        if not self._pending:
-            return True
-        if self.flush_gate is not None and not self.flush_gate():
-            return False  # the store is not confirmed back yet (atp_router.deploy.cluster): the writes wait
-        pending, self._pending = self._pending, []
+        taken = self._take()
+        if taken is None:
+            return not self._pending and not self._writes
+        return self._written(*taken, self._write(*taken))
+
+    async def flush_off_loop(self) -> bool:
+        """:meth:`flush` with the store's writes made in a store thread when the
+        store is threaded (:func:`~atp_router.store.threads.off_loop`: a shared
+        store that stalls holds that thread, not the trio loop); events queued
+        meanwhile wait for the next group commit. Cancelled, it still waits for
+        the thread (the writes may apply) and accounts for them."""
+        taken = self._take()
+        if taken is None:
+            return not self._pending and not self._writes
         assert self.store is not None
+        return self._written(*taken, await off_loop(self.store, self._write, *taken))
+
+    def _take(self) -> tuple[list[tuple[StreamCtx, LoggedEvent | StreamRecord | None]],
+                             list[Callable[[], object]]] | None:
+        """The queued writes, taken for one group commit (their events encoded),
+        and the deferred ones (:meth:`defer`); None when there are none or the
+        flush gate holds them."""
+        if not self._pending and not self._writes:
+            return None
+        if self.flush_gate is not None and not self.flush_gate():
+            return None  # the store is not confirmed back yet (atp_router.deploy.cluster): the writes wait
+        pending, self._pending = self._pending, []
+        writes, self._writes = self._writes, []
         for _, ev in pending:
             if isinstance(ev, LoggedEvent):
                 ev.json_bytes()  # encoded before the store's write lock is taken
+        self._inflight = pending
+        return pending, writes
+
+    def _write(self, pending: list[tuple[StreamCtx, LoggedEvent | StreamRecord | None]],
+               writes: list[Callable[[], object]]) -> BaseException | None:
+        """The store's side of a group commit (any thread: it reads only what
+        :meth:`_take` froze): None, or the store error that stopped it."""
+        assert self.store is not None
         self._flushing = True
         try:
             with self.store.batch():
@@ -242,26 +293,39 @@ class StreamPersistence:
                         self.store.put_stream(ev)
                     else:
                         self._store_event(ctx, ev)
-        except StoreUnavailable as e:
-            self._pending[:0] = pending  # in order, before what came meanwhile
+                for write in writes:
+                    write()
+        except StoreError as e:
+            return e
+        finally:
+            self._flushing = False
+        return None
+
+    def _written(self, pending: list[tuple[StreamCtx, LoggedEvent | StreamRecord | None]],
+                 writes: list[Callable[[], object]], error: BaseException | None) -> bool:
+        """On the trio side, after :meth:`_write`: mark the events sent, or queue
+        the writes again (in order, before what came meanwhile) when the store
+        could not take them or fenced this router."""
+        self._inflight = []
+        dropped, self._dropped = self._dropped, set()
+        if isinstance(error, StoreUnavailable | Fenced):
+            self._pending[:0] = [(c, e) for c, e in pending if id(c) not in dropped]
+            self._writes[:0] = writes
+            if isinstance(error, Fenced):
+                # Another router settled this one: nothing is sent until the streams it
+                # settled are dropped here (on_fenced: the cluster's fence) and the writes
+                # carry the new lease epoch; the rest go then, in order.
+                log.warning("state store: a batch of %d writes was refused: %s", len(pending), error)
+                if self.on_fenced is not None:
+                    self.on_fenced()
+                return False
             if self.on_store_unavailable is not None:
-                self.on_store_unavailable("events", e)
+                self.on_store_unavailable("events", error)
             if not self.hold_unstored:
                 self._mark_sent(pending)
             return False
-        except Fenced as e:
-            # Another router settled this one: nothing is sent until the streams it
-            # settled are dropped here (on_fenced: the cluster's fence) and the writes
-            # carry the new lease epoch; the rest go then, in order.
-            self._pending[:0] = pending
-            log.warning("state store: a batch of %d writes was refused: %s", len(pending), e)
-            if self.on_fenced is not None:
-                self.on_fenced()
-            return False
-        except StoreError:
-            log.exception("state store: a batch of %d writes failed", len(pending))
-        finally:
-            self._flushing = False
+        if error is not None:
+            log.error("state store: a batch of %d writes failed", len(pending), exc_info=error)
         self._mark_sent(pending)
         return True
 
@@ -284,7 +348,7 @@ class StreamPersistence:
                 self._flush_wanted = trio.Event()
                 # One scheduler pass: the tasks already runnable add their events first.
                 await trio.lowlevel.cancel_shielded_checkpoint()
-                if not self.flush():
+                if not await self.flush_off_loop():
                     await trio.sleep(_FLUSH_RETRY_S)  # the store is unreachable: its writes wait
                     self._flush_wanted.set()
         finally:
@@ -292,12 +356,18 @@ class StreamPersistence:
             self.flush()
 
     def unstored(self) -> set[int]:
-        """Ids of the streams whose events or close are queued for the store (group commit)."""
-        return {id(c) for c, _ in self._pending} if self._pending else set()
+        """Ids of the streams whose events or close are queued for the store, or
+        being written off the loop (group commit)."""
+        if not self._pending and not self._inflight:
+            return set()
+        return {id(c) for c, _ in self._pending} | {id(c) for c, _ in self._inflight}
 
     def drop(self, ctx: StreamCtx) -> None:
-        """Forget the queued writes of ``ctx`` (settled in the store by another router)."""
+        """Forget the queued writes of ``ctx`` (settled in the store by another
+        router), and those of the group commit in flight if it fails."""
         self._pending = [(c, e) for c, e in self._pending if c is not ctx]
+        if self._inflight:
+            self._dropped.add(id(ctx))
 
     def find(self, tenant: str, *, stream_id: str | None = None,
              idempotency_key: str | None = None) -> StreamRecord | None:

@@ -42,6 +42,7 @@ meanwhile holds no shared entry (the shared count misses it until it closes).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -102,6 +103,11 @@ class SharedQuotas:
         self.held: set[tuple[str, str]] = set()
         #: Closes the store could not take, retried by :meth:`run`.
         self.unreleased: set[tuple[str, str]] = set()
+        #: When set, :meth:`release` hands its store write to it (True: taken) — the stream
+        #: table's group commit, where the close goes in one round trip with the stream's
+        #: last events, off the trio loop, and is retried with them (atp_router.deploy.cluster:
+        #: :meth:`StreamPersistence.defer <atp_router.runtime.dataplane.persistence.StreamPersistence.defer>`).
+        self.defer: Callable[[Callable[[], object]], bool] | None = None
         self._down = False
 
     def _now_ms(self) -> int:
@@ -146,6 +152,9 @@ class SharedQuotas:
         if key not in self.held:
             return
         self.held.discard(key)
+        if self.defer is not None and self.defer(functools.partial(self.store.quota_close, tenant, stream_id,
+                                                                   owner=self.owner)):
+            return
         try:
             self.store.quota_close(tenant, stream_id, owner=self.owner)
         except StoreError as e:
