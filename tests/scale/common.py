@@ -20,6 +20,11 @@ BILLED = 1_000
 #: own (tests/store/test_redis_store.py, tests/scale/test_cluster.py,
 #: tests/scale/test_ready_cluster.py) with short timeouts.
 PATIENT_STORE = "?socket_timeout=5&socket_connect_timeout=5"
+#: The environment of a cluster router (tests/scale/test_cluster*.py): the tenants' and the
+#: operator's bearer tokens, and the audit log's key.
+CLUSTER_ENV = {"ATP_ROUTER_TOKENS": ",".join([f"alice:{TOKENS['alice']}", f"bob:{TOKENS['bob']}",
+                                              f"ops:{TOKENS['ops']}:admin+operator"]),
+               "ATP_AUDIT_KEY": "cluster-test-audit-key-0123456789"}
 
 
 def auth(tenant: str) -> dict[str, str]:

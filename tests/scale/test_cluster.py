@@ -50,6 +50,7 @@ from tests.replay_server import BillingModel, serve
 from tests.scale.common import (
     ALICE_TOKENS,
     BILLED,
+    CLUSTER_ENV,
     CONTENT,
     PATIENT_STORE,
     TASK,
@@ -60,9 +61,6 @@ from tests.scale.common import (
 from tests.unit.test_router_ws import WINDOW, connect
 
 LEASE_MS = 1_500
-_ENV = {"ATP_ROUTER_TOKENS": ",".join([f"alice:{TOKENS['alice']}", f"bob:{TOKENS['bob']}",
-                                       f"ops:{TOKENS['ops']}:admin+operator"]),
-        "ATP_AUDIT_KEY": "cluster-test-audit-key-0123456789"}
 
 
 class Cluster:
@@ -81,7 +79,7 @@ class Cluster:
         return RouterProcess("--store", store_url or self.redis.url + PATIENT_STORE, "--policies", self.policies,
                              "--state-dir",
                              self.dir / f"s{i}", "--http-port", "0", "--ws-port", "0", "--no-watch", "--lease-ms",
-                             str(LEASE_MS), *args, env={**_ENV, **(env or {})})
+                             str(LEASE_MS), *args, env={**CLUSTER_ENV, **(env or {})})
 
     def totals(self, tenant: str) -> tuple[int, int, int]:
         """``(committed, reserved, overage)`` tokens of ``client:<tenant>`` in the store."""

@@ -1,0 +1,129 @@
+"""The store path of a router on Redis (issue 22 item 2), on real ``atp-router`` and
+``redis-server`` processes:
+
+* the store round trips a one-call task makes (``atp_store_round_trips_total``
+  around sequential tasks, less the background's over as long idle), held to
+  :data:`MAX_TRIPS_PER_TASK` — a regression bound at the figure reached, not the
+  issue's target of 3 (README "Several routers");
+* Redis stopped (SIGSTOP) for several seconds: the router's event loop is not
+  held by it — ``GET /v1/health`` is served about as often as in the same
+  stretch before the stop (the same run's baseline), at most one request waits
+  the store's socket timeout (the store's polls and group commits run in store
+  threads, and the loop's own calls fail at once while those threads probe), and
+  ``GET /v1/ready`` says the store is away without waiting for it.
+
+No absolute speed is asserted here (bench/bench_cluster.py measures it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import trio
+
+from tests.helpers import router_metric
+from tests.peers import start_redis
+from tests.replay_server import BillingModel, serve
+from tests.scale.common import BILLED, CONTENT, TASK, TOKENS, auth
+from tests.scale.test_cluster import Cluster
+
+#: Store round trips a one-call task may make (issue 22 item 2): measured 11.1 here (14.3
+#: before it; the issue's target is 3), with room for how a task's events fall into group
+#: commits (two or three).
+MAX_TRIPS_PER_TASK = 12
+
+
+async def _task(h: httpx.AsyncClient) -> None:
+    """One one-call task over HTTP+SSE: open, then its events to the end."""
+    r = await h.post("/v1/streams", json={"task": TASK, "content": CONTENT}, headers=auth("bob"))
+    assert r.status_code == 201, r.text
+    async with h.stream("GET", f"/v1/streams/{r.json()['stream_id']}/events", headers=auth("bob")) as ev:
+        assert ev.status_code == 200
+        text = (await ev.aread()).decode()
+    assert "event: FIN" in text, text[-500:]
+
+
+async def _trips(url: str) -> float:
+    return sum((await router_metric(url, "atp_store_round_trips_total", TOKENS["ops"])).values())
+
+
+async def test_a_one_call_task_makes_few_store_round_trips(nursery, tmp_path):
+    model = await serve(nursery, BillingModel(BILLED))
+    with start_redis() as redis:
+        cluster = Cluster(redis, tmp_path, model, 1)
+        try:
+            url = await cluster.routers[0].wait_listening()
+            async with httpx.AsyncClient(base_url=url, timeout=60) as h:
+                for _ in range(5):
+                    await _task(h)  # warm: scripts loaded, RIB adopted, connections pooled
+                n = 30
+                t0, c0 = time.monotonic(), await _trips(url)
+                for _ in range(n):
+                    await _task(h)
+                busy_s, busy = time.monotonic() - t0, await _trips(url) - c0
+                c0 = await _trips(url)
+                await trio.sleep(busy_s)  # the background's round trips (lease, polls) over as long
+                idle = await _trips(url) - c0
+        finally:
+            cluster.stop()
+    per_task = (busy - idle) / n
+    assert 5 <= per_task <= MAX_TRIPS_PER_TASK, (busy, idle, per_task)
+
+
+#: The store's socket timeout in :func:`test_a_stopped_redis_does_not_hold_the_event_loop`, s:
+#: a store call made on the loop while Redis is stopped holds the loop this long.
+_SOCKET_TIMEOUT_S = 1.0
+#: How long that test probes ``/v1/health`` before and while Redis is stopped, s.
+_WINDOW_S = 6.0
+
+
+async def _health_served(h: httpx.AsyncClient, window_s: float) -> list[float]:
+    """``GET /v1/health`` one after the other (0.1 s apart) for ``window_s``:
+    each one's latency, s."""
+    took: list[float] = []
+    end = time.monotonic() + window_s
+    while time.monotonic() < end:
+        t0 = time.monotonic()
+        assert (await h.get("/v1/health", headers=auth("alice"))).status_code == 200
+        took.append(time.monotonic() - t0)
+        await trio.sleep(0.1)
+    return took
+
+
+async def test_a_stopped_redis_does_not_hold_the_event_loop(nursery, tmp_path):
+    model = await serve(nursery, BillingModel(BILLED))
+    with start_redis() as redis:
+        cluster = Cluster(redis, tmp_path, model, 0)
+        # Calls wait up to 1 s for Redis: each one made on the loop would stall it that long.
+        t = int(_SOCKET_TIMEOUT_S)
+        router = cluster._start(0, store_url=redis.url + f"?socket_timeout={t}&socket_connect_timeout={t}")
+        cluster.routers.append(router)
+        try:
+            url = await router.wait_listening()
+            async with httpx.AsyncClient(base_url=url, timeout=30) as h:
+                await _task(h)
+                baseline = await _health_served(h, _WINDOW_S)  # the same run, Redis up
+                os.kill(redis.proc.pid, signal.SIGSTOP)
+                try:
+                    took = await _health_served(h, _WINDOW_S)
+                    t0 = time.monotonic()
+                    ready = await h.get("/v1/ready", headers=auth("ops"))
+                    ready_s = time.monotonic() - t0
+                finally:
+                    os.kill(redis.proc.pid, signal.SIGCONT)
+                await trio.sleep(1.0)
+                await _task(h)  # served again without a restart
+        finally:
+            cluster.stop()
+    # Before issue 22 item 2 the store's polls (RIB, breakers, learning, lost routers, expiry)
+    # ran on the loop, each stalling it a socket timeout: 4 s of these 6 (measured), so about
+    # a third of the baseline's requests were served. Now at most the one loop call that may
+    # find Redis stopped first (a quota renewal) waits a socket timeout.
+    waited = [x for x in took if x >= 0.9 * _SOCKET_TIMEOUT_S]
+    assert len(waited) <= 1, (waited, took)
+    assert len(took) >= 0.7 * len(baseline), (len(took), len(baseline), took)
+    # Readiness says the store is away from what it knows, without a store call of its own.
+    assert ready.status_code == 503 and ready_s < 0.9 * _SOCKET_TIMEOUT_S, (ready.status_code, ready_s)
