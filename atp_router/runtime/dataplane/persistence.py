@@ -174,12 +174,14 @@ class StreamPersistence:
         if self.group_commit:
             self._queue(ctx, ev)
             return
-        self._store_event(ctx, ev)
+        self._store_event(ctx, ev, ev.json_bytes())
 
-    def _store_event(self, ctx: StreamCtx, ev: LoggedEvent) -> None:
+    def _store_event(self, ctx: StreamCtx, ev: LoggedEvent, data: bytes) -> None:
+        """Append ``ev`` (``data``: its frame as JSON) to ``ctx``'s stored events;
+        a failure marks the stream unstored (or, in a group commit, stops it)."""
         assert self.store is not None
         try:
-            self.store.append_event(ctx.tenant, ctx.session_id, ctx.stream_id, ev.id, ev.type, ev.json_bytes())
+            self.store.append_event(ctx.tenant, ctx.session_id, ctx.stream_id, ev.id, ev.type, data)
         except StoreUnavailable:
             if self._flushing:
                 raise  # the whole batch waits for the store (flush)
@@ -249,18 +251,6 @@ class StreamPersistence:
             return not self._pending and not self._writes
         return self._written(*taken, self._write(*taken))
 
-    async def flush_off_loop(self) -> bool:
-        """:meth:`flush` with the store's writes made in a store thread when the
-        store is threaded (:func:`~atp_router.store.threads.off_loop`: a shared
-        store that stalls holds that thread, not the trio loop); events queued
-        meanwhile wait for the next group commit. Cancelled, it still waits for
-        the thread (the writes may apply) and accounts for them."""
-        taken = self._take()
-        if taken is None:
-            return not self._pending and not self._writes
-        assert self.store is not None
-        return self._written(*taken, await off_loop(self.store, self._write, *taken))
-
     def _take(self) -> tuple[list[tuple[StreamCtx, LoggedEvent | StreamRecord | None]],
                              list[Callable[[], object]]] | None:
         """The queued writes, taken for one group commit (their events encoded),
@@ -292,7 +282,7 @@ class StreamPersistence:
                     elif isinstance(ev, StreamRecord):
                         self.store.put_stream(ev)
                     else:
-                        self._store_event(ctx, ev)
+                        self._store_event(ctx, ev, ev.json_bytes())
                 for write in writes:
                     write()
         except StoreError as e:
@@ -348,8 +338,19 @@ class StreamPersistence:
                 self._flush_wanted = trio.Event()
                 # One scheduler pass: the tasks already runnable add their events first.
                 await trio.lowlevel.cancel_shielded_checkpoint()
-                if not await self.flush_off_loop():
-                    await trio.sleep(_FLUSH_RETRY_S)  # the store is unreachable: its writes wait
+                # The writes in a store thread when the store is threaded (off_loop: a shared
+                # store that stalls holds that thread, not the trio loop); events queued
+                # meanwhile wait for the next group commit. Cancelled, it still waits for the
+                # thread (the writes may apply) and accounts for them.
+                taken = self._take()
+                if taken is None:
+                    done = not self._pending and not self._writes
+                else:
+                    done = self._written(*taken, await off_loop(self.store, self._write, *taken))
+                    # Not kept alive by this frame while it waits: the batch's streams and events.
+                    taken = None
+                if not done:
+                    await trio.sleep(_FLUSH_RETRY_S)  # the store is unreachable or not confirmed back: the writes wait
                     self._flush_wanted.set()
         finally:
             self.group_commit = False
