@@ -160,6 +160,16 @@ LR_C = 1.0
 #: well as TF-IDF (0.672 vs 0.668), so the warm start's loss is the online choice (the λ step:
 #: :data:`atp_router.policy.bandit.LAM_STEP`), not the features.
 WARM_PRIOR_PRECISION = 10.0
+#: The posterior-draw scale (the policy's ``explore``) of the bandit warm-started by that fit (``warm=``): 0,
+#: greedy on the posterior means (exploring only where a draw would flip the choice costs more than it
+#: teaches once the arms start from 7,000 labelled rows). Chosen by ``--validate`` (5 folds of seed 0's TRAIN
+#: half, never the test half), online APGR of the fitted warm start, paired against its own offline ranking
+#: (0.672): explore 0.25 / 0.1 / 0: 0.667 / 0.670 / 0.674 (0 − 0.25: +0.007); on a second fold assignment
+#: (folds and draws reseeded) 0.1 / 0.05 / 0: 0.660 / 0.662 / 0.662. Rejected on the same folds: starting λ at
+#: the train scores' quantile of the spend target (0.672 vs 0.674 at λ = 0), no λ decay (0.674); prior
+#: precision by feature kind (meta 10, text 3 / 1 / 0.3: 0.669 / 0.664 / 0.647), IDF prior at text precision
+#: 3 / 1 (0.670 / 0.664), 2**18 weights (0.672; text 1: 0.669), text slots seen in < 2 rows frozen (±0.000).
+WARM_EXPLORE = 0.0
 #: Share points the offline (score-ranking) routers are evaluated at.
 SHARES = tuple(i / 100 for i in range(101))
 
@@ -171,7 +181,8 @@ SPLIT_ROUTERS = {
     "bandit zero": "meta (subject) + hashed prompt words, online from zero on the test half",
     "bandit warm update": "same, after update() over the train half (both outcomes), then online",
     "bandit fit, ranked": "same arms fitted, not online: test prompts ranked by mean(strong) − mean(weak)",
-    "bandit warm fit": "same, arms fitted to the train half (MAP + Laplace, prior precision 10), then online",
+    "bandit warm fit .25": "same, arms fitted to the train half (MAP + Laplace, prior precision 10), then online",
+    "bandit warm fit": "same fit, then online with explore 0 (greedy on the posterior means)",
     "bandit zero+gain": "same features, online from zero, with a gain model (strong − weak)",
     "bandit warm+gain": "same as warm fit, plus a fitted gain model it chooses by, then online",
     "random": "nothing",
@@ -190,7 +201,7 @@ def split_main(args: argparse.Namespace) -> int:
     rows = load_rows(args.data)
     n = len(rows)
     print(f"replay --split {args.split}: {n} prompts from {args.data}; {args.seeds} seeds; "
-          f"bandit explore={EXPLORE}, 2**{BITS} weights per arm, {len(TARGETS)} spend targets; "
+          f"bandit explore={EXPLORE} (warm={WARM_EXPLORE}), 2**{BITS} weights per arm, {len(TARGETS)} spend targets; "
           f"LR C={LR_C} (fixed a priori), gain target (strong − weak + 1)/2")
     curves: dict[str, list[Curve]] = {k: [] for k in SPLIT_ROUTERS}
     feat = Featurizer(bits=BITS, text=True)
@@ -219,10 +230,13 @@ def split_main(args: argparse.Namespace) -> int:
         fitted = warm_fit(train, ctx_tr, bits=BITS, explore=EXPLORE, prior_precision=WARM_PRIOR_PRECISION, gain=False)
         fitted_gain = warm_fit(train, ctx_tr, bits=BITS, explore=EXPLORE, prior_precision=WARM_PRIOR_PRECISION)
         curves["bandit fit, ranked"].append(score_curve("bandit fit, ranked", test, _arm_gain(fitted, ctx_te), SHARES))
-        for name, start, gain in (("bandit zero", None, False), ("bandit warm update", warm, False),
-                                  ("bandit warm fit", fitted, False), ("bandit zero+gain", None, True),
-                                  ("bandit warm+gain", fitted_gain, True)):
-            pts = [run_bandit(test, t, text=True, seed=seed, explore=EXPLORE, bits=BITS, contexts=ctx_te, warm=start,
+        for name, start, gain, ex in (("bandit zero", None, False, EXPLORE),
+                                      ("bandit warm update", warm, False, EXPLORE),
+                                      ("bandit warm fit .25", fitted, False, EXPLORE),
+                                      ("bandit warm fit", fitted, False, WARM_EXPLORE),
+                                      ("bandit zero+gain", None, True, EXPLORE),
+                                      ("bandit warm+gain", fitted_gain, True, EXPLORE)):
+            pts = [run_bandit(test, t, text=True, seed=seed, explore=ex, bits=BITS, contexts=ctx_te, warm=start,
                               gain=gain) for t in TARGETS]
             curves[name].append(Curve(name, tuple(p[0] for p in pts), tuple(p[1] for p in pts)))
         curves["random"].append(random_curve(test, TARGETS, rng))
@@ -281,8 +295,8 @@ def _idf_precision(rows: list[Row], q0: float) -> np.ndarray:
 
 
 def _online(rows: list[Row], contexts: list[Context], warm: Bandit | None, step: tuple[float, float], wk: float,
-            st: float) -> float:
-    pts = [run_bandit(rows, t, text=True, seed=0, explore=EXPLORE, bits=BITS, contexts=contexts, warm=warm,
+            st: float, explore: float = EXPLORE) -> float:
+    pts = [run_bandit(rows, t, text=True, seed=0, explore=explore, bits=BITS, contexts=contexts, warm=warm,
                       lam_step=step[0], lam_tau=step[1]) for t in TARGETS]
     return apgr(Curve("o", tuple(p[0] for p in pts), tuple(p[1] for p in pts)), wk, st)
 
@@ -323,6 +337,9 @@ def _validate_fold(train: list[Row], ctx: list[Context], fold: np.ndarray) -> di
         for name, step in steps:
             out[f"{start}, online, λ {name}"] = _online(val, cv, fits["fit q=10, ranked"] if start != "from zero"
                                                        else None, step, wk, st)
+    for ex in (0.1, WARM_EXPLORE):
+        out[f"fit q=10, online, explore {ex}"] = _online(val, cv, fits["fit q=10, ranked"], LAM_CANDIDATES[3][1], wk,
+                                                         st, explore=ex)
     return out
 
 

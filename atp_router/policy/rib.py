@@ -336,7 +336,8 @@ class BanditSpec(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     and cut to ``fanout_k`` again.
 
     ``explore``: scale of the posterior draws (0: greedy; the replay bench found
-    0.25 best on MMLU); ``lambda``: fixed cost weight, quality points per call of
+    0.25 best on MMLU learning from zero, and 0 for arms warm-started by
+    ``atp-router learn --method fit``, both on validation); ``lambda``: fixed cost weight, quality points per call of
     the dearest arm; ``target_cost``: instead, a spend rate (0..1 of the dearest
     arm's cost per task) that λ tracks by dual ascent; with neither, λ comes
     from the stream's budget (the dearest arm's expected USD per call over the

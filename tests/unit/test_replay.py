@@ -2,6 +2,7 @@
 hand-made data, and the online replay through the router's bandit."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,27 @@ def test_bench_last_line(tmp_path):
     assert all(len(v.split(".")[1]) == 3 for v in fields.values())
     assert float(fields["bandit"]) > float(fields["random"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_split_bench_last_line_names_every_router(tmp_path):
+    """``--split``: the anchors train on one half, every router is scored on the other; the last line is
+    exactly ``APGR bandit=<x> warm=<w> offline=<o> random=<r> oracle=<z>`` and the warm start (the fit on the
+    train half, then online) routes better than random on a learnable stream."""
+    rows = []
+    rng = np.random.default_rng(7)
+    for i in range(400):
+        hard = rng.random() < 0.4
+        rows.append({"prompt": f"p{i} {'integral' if hard else 'capital'}", "subject": "m" if hard else "g",
+                     "weak_correct": bool(not hard and rng.random() < 0.9), "strong_correct": bool(rng.random() < 0.9)})
+    data = _write(tmp_path, rows)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "replay_routing.py"), "--data", str(data),
+                          "--split", "0.5", "--seeds", "1"], capture_output=True, text=True, timeout=300, check=True)
+    last = out.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"APGR bandit=\d\.\d{3} warm=\d\.\d{3} offline=\d\.\d{3} random=\d\.\d{3} oracle=\d\.\d{3}",
+                        last), last
+    fields = {k: float(v) for k, v in (kv.split("=") for kv in last.split()[1:])}
+    assert fields["warm"] > fields["random"] + 0.1
+    assert fields["oracle"] >= fields["offline"]
 
 
 def test_hindsight_subject_router_sends_the_best_subject_first(tmp_path):
