@@ -103,14 +103,19 @@ def test_online_bandit_beats_random_where_subjects_differ():
     assert pgr > 0.75  # a random router at 30 % strong calls gets PGR ≈ 0.3
 
 
-def test_bench_last_line(tmp_path):
+def _learnable_rows(seed: int) -> list[dict]:
+    """400 replay rows where the subject tells when only the strong model is right (40 % hard)."""
     rows = []
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
     for i in range(400):
         hard = rng.random() < 0.4
         rows.append({"prompt": f"p{i} {'integral' if hard else 'capital'}", "subject": "m" if hard else "g",
                      "weak_correct": bool(not hard and rng.random() < 0.9), "strong_correct": bool(rng.random() < 0.9)})
-    data = _write(tmp_path, rows)
+    return rows
+
+
+def test_bench_last_line(tmp_path):
+    data = _write(tmp_path, _learnable_rows(5))
     png = tmp_path / "curves.png"
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "replay_routing.py"), "--data", str(data),
                           "--seeds", "2", "--png", str(png)], capture_output=True, text=True, timeout=300, check=True)
@@ -126,13 +131,7 @@ def test_split_bench_last_line_names_every_router(tmp_path):
     """``--split``: the anchors train on one half, every router is scored on the other; the last line is
     exactly ``APGR bandit=<x> warm=<w> offline=<o> random=<r> oracle=<z>`` and the warm start (the fit on the
     train half, then online) routes better than random on a learnable stream."""
-    rows = []
-    rng = np.random.default_rng(7)
-    for i in range(400):
-        hard = rng.random() < 0.4
-        rows.append({"prompt": f"p{i} {'integral' if hard else 'capital'}", "subject": "m" if hard else "g",
-                     "weak_correct": bool(not hard and rng.random() < 0.9), "strong_correct": bool(rng.random() < 0.9)})
-    data = _write(tmp_path, rows)
+    data = _write(tmp_path, _learnable_rows(7))
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "replay_routing.py"), "--data", str(data),
                           "--split", "0.5", "--seeds", "1"], capture_output=True, text=True, timeout=300, check=True)
     last = out.stdout.strip().splitlines()[-1]
