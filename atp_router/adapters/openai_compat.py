@@ -10,7 +10,9 @@ The OpenAI-compatible adapter speaks to any server of the ``POST {base_url}/chat
 
 1. builds a code-review conversation from ``content["diff"]``: hunks rendered with
    after-diff line numbers so the model can cite ``file:line``; the prompt is cut
-   to fit ``ctx_tokens - max_out_tokens``;
+   to fit ``ctx_tokens - max_out_tokens``. A chat body (``{"messages"}``, the
+   OpenAI ingress's) is sent as its own conversation (:func:`conversation`: one
+   system prompt, then the client's turns, the newest kept when it must be cut);
 2. streams the answer over SSE (``stream: true``, ``stream_options.include_usage``),
    yielding a PARTIAL :class:`Fragment` per text delta with the cumulative usage so
    far (estimated until the server reports it);
@@ -41,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -76,6 +78,7 @@ from atp_router.adapters.http import (
 )
 from atp_router.consensus.types import AgentFinding, AgentReport, Severity
 from atp_router.observability import tracing
+from atp_router.task.body import Chat, ChatTurn
 from atp_router.task.change import ParsedChange, parse_change
 from atp_router.task.diff import FileDiff
 from atp_router.wire.errors import AgentError, ErrorCode
@@ -310,11 +313,18 @@ class ChatModelAdapter(HTTPNextHop):
 
     def messages(self, prompt: Prompt) -> list[dict[str, str]]:
         """The chat messages for ``prompt``: the review system prompt and the
-        numbered diff (``code_review``), or the instruction and JSON content
-        (other task types), cut to ``ctx_tokens - max_out_tokens``. With
+        numbered diff (``code_review``); a chat body's own conversation
+        (``{"messages"}``, the OpenAI ingress's: :func:`conversation`); or the
+        instruction and JSON content (other task types). Cut to ``ctx_tokens -
+        max_out_tokens`` (tokens, at :data:`CHARS_PER_TOKEN`). With
         ``context_in_prompt`` the system prompt ends with the Agent Context
         Message as JSON, ``securityContext`` removed."""
         change = change_of(prompt)
+        raw = prompt.task.agent_context
+        context = CONTEXT_PROMPT + prompt_context(raw) if self.context_in_prompt and isinstance(raw, Mapping) else ""
+        if change is None and isinstance(body_ := prompt.body, Chat):
+            return conversation(body_.messages, prompt.instruction + context,
+                                (self.ctx_tokens - self.max_out_tokens) * CHARS_PER_TOKEN)
         if change is not None:
             system = SYSTEM_PROMPT
             head = (prompt.instruction + "\n\n" if prompt.instruction else "") + "Review this diff:\n\n"
@@ -323,9 +333,7 @@ class ChatModelAdapter(HTTPNextHop):
             system = "You are a precise assistant. Answer concisely."
             head = (prompt.instruction or prompt.task_type) + "\n\n"
             body = json.dumps(prompt.content, ensure_ascii=False, indent=1)
-        raw = prompt.task.agent_context
-        if self.context_in_prompt and isinstance(raw, Mapping):
-            system += CONTEXT_PROMPT + prompt_context(raw)
+        system += context
         room = (self.ctx_tokens - self.max_out_tokens - 2 * _MSG_OVERHEAD) * CHARS_PER_TOKEN - len(system) - len(head)
         return [{"role": "system", "content": system}, {"role": "user", "content": head + _cut(body, max(room, 0))}]
 
@@ -499,6 +507,60 @@ def render_diff(diffs: Iterable[FileDiff]) -> str:
                 out.append(f"{num:>5} {dl.kind} {dl.text}")
         out.append("")
     return "\n".join(out)
+
+
+def conversation(turns: Sequence[ChatTurn], system: str, room_chars: int) -> list[dict[str, str]]:
+    """A chat body's turns as the model's messages: one system message first —
+    ``system`` (the RIB's instruction and the Agent Context, when any), then the
+    client's ``system`` and ``developer`` turns, in order, joined by a blank
+    line (chat templates accept a system prompt only at the start, and only
+    one) — then the other turns in order with their role, content and ``name``.
+    Fitted to ``room_chars`` characters with :data:`_MSG_OVERHEAD` tokens a
+    message counted: the system message is kept (cut to the room when it alone
+    does not fit), then the newest turns as they fit; the turn that does not fit
+    keeps its head with a ``[truncated: N more characters]`` marker, older ones
+    are dropped (a ``[N earlier messages omitted]`` system note in their place)."""
+    prompts = [system] if system else []
+    prompts += [t.content for t in turns if t.role in ("system", "developer") and t.content]
+    rest = [t for t in turns if t.role not in ("system", "developer")]
+    overhead = _MSG_OVERHEAD * CHARS_PER_TOKEN
+    left = room_chars - overhead * 2 - _NOTE_CHARS  # the omitted-messages note's room kept
+    head = [{"role": "system", "content": _cut_text("\n\n".join(prompts), left - overhead)}] if prompts else []
+    left -= sum(overhead + len(m["content"]) for m in head)
+    kept: list[dict[str, str]] = []
+    for t in reversed(rest):
+        if kept and len(t.content) > left - overhead and left - overhead < _MIN_CUT:
+            break  # neither fits nor leaves enough to cut: it and the older turns are omitted
+        m = _message(t)
+        m["content"] = _cut_text(m["content"], left - overhead)
+        left -= overhead + len(m["content"])
+        kept.append(m)
+    omitted = len(rest) - len(kept)
+    note = [{"role": "system", "content": f"[{omitted} earlier messages omitted]"}] if omitted else []
+    return head + note + kept[::-1]
+
+
+def _message(turn: ChatTurn) -> dict[str, str]:
+    m = {"role": turn.role, "content": turn.content}
+    if turn.name is not None:
+        m["name"] = turn.name
+    return m
+
+
+_MARKER = "\n[truncated: {} more characters]"
+#: A turn is cut only when at least this many characters of it can stay; else it is omitted.
+_MIN_CUT = 64
+_NOTE_CHARS = len("[999 earlier messages omitted]")
+
+
+def _cut_text(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` characters (≥ 0): its head and the marker."""
+    if len(text) <= limit:
+        return text
+    if limit < len(_MARKER) + 12:
+        return text[: max(limit, 0)]
+    head = text[: limit - len(_MARKER) - 12]
+    return head + _MARKER.format(len(text) - len(head))
 
 
 def _cut(text: str, limit: int) -> str:

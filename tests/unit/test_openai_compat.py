@@ -608,3 +608,52 @@ def test_completion_text_marks_a_finding_the_change_silenced():
                                   consensus=ConsensusInfo(strategy="union_tiebreak", agreement=1.0)))
     lines = text.splitlines()
     assert lines[1].endswith("[lint.ruff#1]" + SILENCED) and lines[2].endswith("[lint.ruff#1]"), text
+
+
+# --- a chat body (the OpenAI ingress's messages) --------------------------------------
+
+
+def _chat(*turns: tuple[str, str], **kw: Any) -> Prompt:
+    return Prompt(task_type="chat", content={"messages": [{"role": r, "content": c} for r, c in turns]}, **kw)
+
+
+def test_a_chat_body_reaches_the_model_as_its_own_conversation() -> None:
+    adapter = OpenAICompatAdapter("a", base_url="http://x", model="m", max_out_tokens=200, ctx_tokens=4000)
+    prompt = Prompt(task_type="chat", content={"messages": [
+        {"role": "system", "content": "You answer in French."},
+        {"role": "user", "content": "Hello", "name": "ann"},
+        {"role": "assistant", "content": "Bonjour"},
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "How are\nyou?"},
+    ]}, instruction="Policy says: be polite.")
+    msgs = adapter.messages(prompt)
+    assert msgs == [
+        {"role": "system", "content": "Policy says: be polite.\n\nYou answer in French.\n\nBe brief."},
+        {"role": "user", "content": "Hello", "name": "ann"},
+        {"role": "assistant", "content": "Bonjour"},
+        {"role": "user", "content": "How are\nyou?"},
+    ]
+    # no JSON rendering of the body, no generic system prompt
+    assert not any("precise assistant" in m["content"] or '"role"' in m["content"] for m in msgs)
+    est = adapter.estimate(prompt)
+    assert est.in_tokens == adapter._count(msgs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["user", "assistant", "system"]), st.text(max_size=3000)), min_size=1,
+                max_size=30), st.integers(min_value=400, max_value=3000))  # rooms of 800+ characters
+def test_a_chat_conversation_is_fitted_newest_first(turns: list[tuple[str, str]], ctx: int) -> None:
+    adapter = OpenAICompatAdapter("a", base_url="http://x", model="m", max_out_tokens=200, ctx_tokens=ctx)
+    msgs = adapter.messages(_chat(*turns))
+    room = (ctx - 200) * 4
+    # the contents fit the room left by each message's framing (all empty when not even the framing fits)
+    assert sum(len(m["content"]) for m in msgs) <= max(room - 16 * len(msgs), 0)
+    rest = [c for r, c in turns if r != "system"]
+    shown = [m["content"] for m in msgs if m["role"] != "system"]
+    if rest:  # the newest turns, in order, each whole or its head (marked when there was room for the marker)
+        assert shown and len(shown) <= len(rest)
+        for got, sent in zip(shown, rest[len(rest) - len(shown):], strict=True):
+            head = got.split("\n[truncated: ")[0]
+            assert sent.startswith(head) and (got == sent or len(got) < len(sent) or "[truncated: " in got)
+    omitted = [m for m in msgs if m["content"].endswith("earlier messages omitted]")]
+    assert len(omitted) <= 1

@@ -249,6 +249,27 @@ async def test_max_tokens_is_the_models_output_cap_not_the_budget(nursery, tmp_p
     assert len(model.requests) == 2  # refused before the call: 1,024 output tokens do not fit in 300
 
 
+async def test_a_model_next_hop_gets_the_clients_conversation(nursery, tmp_path):
+    """The client's system prompt and turns reach an OpenAI-compatible model next-hop as
+    chat messages in order (its system and developer messages as the one system prompt
+    first, as chat templates require), not rendered as JSON text."""
+    model = await serve(nursery, BillingModel(billed=60))
+    rib = {"models": {"m": {"provider": "openai_compat", "base_url": model.url, "model": "m", "ctx": "8k",
+                            "cost": 1, "max_out_tokens": 64}},
+           "agents": {"talker": {"layer": "L2", "p95_ms": 500, "model": "m"}},
+           "policies": [{"name": "chat", "match": {"task_type": "chat"}, "fanout": ["talker"]}],
+           "clients": {"alice": {}}}
+    env = await start_router_on(nursery, tmp_path, rib, client_tokens={"alice": KEYS["alice"]})
+    turns = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Salut"}, {"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": "And you?"}]
+    resp = await call(client(env).chat.completions.create, model="chat", messages=turns)
+    assert resp.choices[0].message.content == "done"
+    sent = model.requests[-1][1]["messages"]
+    assert sent == [{"role": "system", "content": "Answer in French.\n\nBe brief."}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Salut"}, {"role": "user", "content": "And you?"}]
+
+
 async def test_router_level_404_and_405_are_json_error_objects(env):
     """Issue 24: a path the router does not serve and a method a route does not
     take answer the JSON error object OpenAI clients parse (the official client's
