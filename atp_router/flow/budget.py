@@ -50,6 +50,7 @@ invariant above holds across processes too.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 _MICROS = Decimal(1_000_000)
 
 
+@functools.lru_cache(maxsize=4096)  # pure; prices and budgets repeat (a miss costs the Decimal path, ~1 µs)
 def usd_to_micros(usd: float | str | Decimal) -> int:
     """USD (float, int, decimal string or Decimal) → integer USD micros,
     rounded half-even. A float is read through its shortest repr, so

@@ -76,6 +76,7 @@ import argparse
 import collections
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import hmac
 import json
@@ -241,6 +242,7 @@ def _hash_of(r: AuditRecord) -> str:
     return record_hash(r.seq, r.ts_ms, r.kind, r.actor, r.tenant, r.detail, r.prev)
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of a key name; records repeat a few dozen names
 def _secret_name(name: str) -> bool:
     if name.lower() in SAFE_DETAIL_KEYS:
         return False
