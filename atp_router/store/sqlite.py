@@ -1409,8 +1409,12 @@ def _prepare(conn: sqlite3.Connection, path: Path, marker: Path, *, create: bool
     conn.execute(f"PRAGMA synchronous={synchronous}")
     if not autocheckpoint:
         conn.execute("PRAGMA wal_autocheckpoint=0")
+    # The marker first: another process opening the same new directory writes it only
+    # after its schema, so a marker seen before an empty schema means state was lost,
+    # while an empty schema read before that process's marker is just a new store.
+    marked = create and marker.exists()
     held = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] > 0
-    if not held and create and marker.exists():
+    if not held and marked:
         raise StoreError(_empty_refusal(path, marker))
     if held and check_s > 0:
         _quick_check(conn, path, check_s)

@@ -217,3 +217,42 @@ def test_per_call_cost(tmp_path: Path):
         commit_us = (time.perf_counter() - t0) / n * 1e6
     print(f"append_event {append_us:.0f} µs, commit {commit_us:.0f} µs per call")
     assert append_us < 2_000 and commit_us < 2_000
+
+
+def test_two_processes_opening_a_new_state_dir_at_once_both_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``--workers`` and bench processes open one new state directory together. The
+    race, made deterministic: B reads the empty schema, then A opens the store whole
+    (schema, then marker), then B checks the marker. B must start — the marker is
+    read before the schema, so a marker written after B's read is a new store's, not
+    a sign of lost state (a marker seen *before* an empty schema still refuses)."""
+    import atp_router.store.sqlite as sq
+
+    d = tmp_path / "state"
+    real_connect = sq._connect
+
+    class RaceConn:
+        def __init__(self, conn: sqlite3.Connection) -> None:
+            self.conn, self.raced = conn, False
+
+        def execute(self, sql: str, *a: object) -> sqlite3.Cursor:
+            cur = self.conn.execute(sql, *a)
+            if "sqlite_master" in sql and not self.raced:
+                self.raced = True
+                rows = cur.fetchall()
+                with monkeypatch.context() as m:
+                    m.setattr(sq, "_connect", real_connect)
+                    SqliteStore.open(d, multiprocess=True).close()  # process A, between B's read and B's marker check
+                return self.conn.execute("SELECT ?", (rows[0][0],))
+            return cur
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.conn, name)
+
+    monkeypatch.setattr(sq, "_connect", lambda *a: RaceConn(real_connect(*a)))
+    b = SqliteStore.open(d, multiprocess=True)  # B: starts on the store A made
+    monkeypatch.setattr(sq, "_connect", real_connect)
+    b.close()
+    assert (d / STATE_MARKER).exists()
+    (d / "state.db").write_bytes(b"")  # state lost behind a marker: still refused
+    with pytest.raises(StoreError, match="state"):
+        SqliteStore.open(d, multiprocess=True)
