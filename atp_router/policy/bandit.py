@@ -109,6 +109,7 @@ MAX_LIST_ITEMS = 16
 MAX_VALUE_CHARS = 128
 
 _WORD = re.compile(r"[a-z0-9_]+")
+_NONE = np.zeros(0, dtype=np.uint64)
 
 
 def _h(token: str) -> int:
@@ -121,6 +122,10 @@ class Context:
 
     idx: np.ndarray
     val: np.ndarray
+    #: The gain model's columns (:mod:`atp_router.policy.textgain`) when the
+    #: featurizer holds its vocabulary; not in :meth:`to_json` (a decision
+    #: restored from JSON teaches the gain model nothing).
+    aux: Context | None = None
 
     def to_json(self) -> dict[str, list]:
         return {"idx": self.idx.tolist(), "val": [round(v, 6) for v in self.val.tolist()]}
@@ -136,13 +141,43 @@ class Context:
         return cls(idx, val)
 
 
+def indicator_tokens(meta: Mapping[str, Any]) -> list[str]:
+    """The ``key=value`` indicator tokens of ``meta``'s :data:`META_KEYS` (lists: one per item)."""
+    out = []
+    for key in META_KEYS:
+        v = meta.get(key)
+        if v is None:
+            continue
+        items = v[:MAX_LIST_ITEMS] if isinstance(v, (list, tuple)) else (v,)
+        for item in items:
+            if isinstance(item, (str, int, float, bool)):
+                out.append(f"{key}={str(item)[:MAX_VALUE_CHARS]}")
+    return out
+
+
+def meta_key(token: str) -> int:
+    """The gain vocabulary's key of an indicator token (CRC-32 tagged ``1 << 33``)."""
+    return zlib.crc32(token.encode("utf-8", "surrogatepass")) | (1 << 33)
+
+
+def text_grams(text: str) -> tuple[np.ndarray, np.ndarray]:
+    """The hashes (uint64, 32-bit values) of the words of ``text``'s first
+    :data:`TEXT_CHARS` characters (at most :data:`MAX_WORDS`) and of their
+    bigrams: CRC-32 per word, a bigram's combined from its two in numpy."""
+    words = _WORD.findall(text[:TEXT_CHARS].lower())[:MAX_WORDS]
+    h = np.fromiter(map(zlib.crc32, map(str.encode, words)), dtype=np.uint64, count=len(words))
+    return h, ((h[:-1] * np.uint64(1_000_003)) ^ h[1:]) & np.uint64(0xFFFFFFFF)
+
+
 class Featurizer:
     """Task meta (+ prompt text) → :class:`Context` (see the module doc).
 
     ``bits``: hashed dimension 2**bits; ``text``: read prompt text too.
+    ``vocab``: a :class:`~atp_router.policy.textgain.TermVocab` (or None): the
+    context's ``aux`` gets its columns (the policy's gain model's features).
     """
 
-    __slots__ = ("_mask", "bits", "text", "text_weight")
+    __slots__ = ("_mask", "bits", "text", "text_weight", "vocab")
 
     def __init__(self, *, bits: int = DEFAULT_BITS, text: bool = False, text_weight: float = 0.5):
         if not 4 <= bits <= 20:
@@ -151,6 +186,7 @@ class Featurizer:
         self.text = text
         self.text_weight = text_weight
         self._mask = (1 << bits) - 1
+        self.vocab: Any = None
 
     def index(self, token: str) -> int:
         """The weight index of indicator ``token`` (e.g. ``"tenant=acme"``)."""
@@ -168,14 +204,9 @@ class Featurizer:
                 feats[i] = feats.get(i, 0.0) + value
 
         add("\x00bias")
-        for key in META_KEYS:
-            v = meta.get(key)
-            if v is None:
-                continue
-            items = v[:MAX_LIST_ITEMS] if isinstance(v, (list, tuple)) else (v,)
-            for item in items:
-                if isinstance(item, (str, int, float, bool)):
-                    add(f"{key}={str(item)[:MAX_VALUE_CHARS]}")
+        meta_tokens = indicator_tokens(meta)
+        for token in meta_tokens:
+            add(token)
         for key in SIZE_KEYS:
             v = meta.get(key)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and math.isfinite(v):
@@ -186,22 +217,23 @@ class Featurizer:
             add(f"\x00len~{int(math.log2(1 + len(text)))}")
         idx = np.fromiter(feats.keys(), dtype=np.int64, count=len(feats))
         val = np.fromiter(feats.values(), dtype=np.float64, count=len(feats))
-        if self.text and text:
-            words = _WORD.findall(text[:TEXT_CHARS].lower())[:MAX_WORDS]
-            if words:
-                # Unigram hashes by CRC-32; bigram hashes combined from them in numpy.
-                h = np.fromiter(map(zlib.crc32, map(str.encode, words)), dtype=np.uint64, count=len(words))
-                grams = np.concatenate((h, ((h[:-1] * np.uint64(1_000_003)) ^ h[1:]) & np.uint64(0xFFFFFFFF)))
-                scale = self.text_weight / math.sqrt(len(grams))
-                t_idx = ((grams >> np.uint64(1)) & np.uint64(mask)).astype(np.int64)
-                t_val = np.where((grams & np.uint64(1)).astype(bool), scale, -scale)
-                idx = np.concatenate((idx, t_idx))
-                val = np.concatenate((val, t_val))
-                idx, inverse = np.unique(idx, return_inverse=True)
-                val = np.bincount(inverse, weights=val, minlength=len(idx))
+        uni, bi = text_grams(text) if text and (self.text or self.vocab is not None) else (_NONE, _NONE)
+        if self.text and text and len(uni):
+            # Unigram hashes by CRC-32; bigram hashes combined from them in numpy (text_grams).
+            grams = np.concatenate((uni, bi))
+            scale = self.text_weight / math.sqrt(len(grams))
+            t_idx = ((grams >> np.uint64(1)) & np.uint64(mask)).astype(np.int64)
+            t_val = np.where((grams & np.uint64(1)).astype(bool), scale, -scale)
+            idx = np.concatenate((idx, t_idx))
+            val = np.concatenate((val, t_val))
+            idx, inverse = np.unique(idx, return_inverse=True)
+            val = np.bincount(inverse, weights=val, minlength=len(idx))
         if len(idx) > MAX_FEATURES:
             idx, val = idx[:MAX_FEATURES], val[:MAX_FEATURES]
-        return Context(idx, val)
+        if self.vocab is None:
+            return Context(idx, val)
+        keys = np.concatenate((uni, bi | np.uint64(1 << 32)))
+        return Context(idx, val, self.vocab.context(keys, [meta_key(t) for t in meta_tokens]))
 
 
 def _sigmoid(z: float) -> float:
@@ -407,8 +439,8 @@ class Bandit:
     posterior mean (the direct-method estimate of the unseen arm).
     """
 
-    __slots__ = ("_pair", "_top", "arms", "bar", "choices", "cost", "explore", "gain", "lam", "lam_step", "lam_tau",
-                 "spent", "target_cost")
+    __slots__ = ("_pair", "_top", "arms", "bar", "choices", "cost", "explore", "gain", "gain_weight", "lam",
+                 "lam_step", "lam_tau", "spent", "target_cost")
 
     def __init__(
         self,
@@ -441,7 +473,8 @@ class Bandit:
         self.bar = bar
         self.spent = 0.0
         self.choices = 0
-        self.gain: ArmModel | None = None
+        self.gain: Any = None  # ArmModel, or a TextGain (set_gain)
+        self.gain_weight = 1.0
         self._pair: tuple[str, str] | None = None
         if gain:
             if len(arms) != 2:
@@ -449,6 +482,28 @@ class Bandit:
             cheap, dear = sorted(arms, key=lambda a: arms[a])
             self._pair = (cheap, dear)
             self.gain = ArmModel(bits=bits, prior=0.5, prior_precision=prior_precision)
+
+    def set_gain(self, model: Any, weight: float = 1.0, *, pair: tuple[str, str] | None = None) -> None:
+        """Choose by ``model`` — a :class:`~atp_router.policy.textgain.TextGain`
+        (e.g. warm-started from an offline fit) or an :class:`ArmModel` — as
+        the gain of the dearer of two arms over the cheaper, as ``gain`` does
+        (class doc), with ``weight`` (0..1): the dear arm's draw is ``(1 − w)
+        ×`` its own arm's draw ``+ w × (`` the cheap arm's draw ``+`` the
+        gain's ``)``, the average of the two estimates of its quality at ½;
+        None: by the arms alone again. ``pair``: the ``(cheap, dear)`` arms
+        (default: by cost, then name). Raises ValueError unless the bandit has
+        two arms (``pair``'s) and ``weight`` is in 0..1."""
+        if model is not None and len(self.arms) != 2:
+            raise ValueError("a gain model needs exactly two arms")
+        if not 0.0 <= weight <= 1.0:
+            raise ValueError("the gain weight must be in 0..1")
+        self.gain_weight = float(weight)
+        if pair is not None and (len(pair) != 2 or set(pair) != set(self.arms)):
+            raise ValueError("the gain pair must be the bandit's two arms")
+        cheap, dear = (pair or sorted(self.arms, key=lambda a: (self.cost[a], a))) if model is not None \
+            else (None, None)
+        self.gain = model
+        self._pair = (cheap, dear) if model is not None and cheap is not None and dear is not None else None
 
     @property
     def pair(self) -> tuple[str, str] | None:
@@ -479,7 +534,9 @@ class Bandit:
         if self.gain is not None and self._pair is not None and self._pair[0] in sampled \
                 and self._pair[1] in sampled:
             cheap, dear = self._pair
-            sampled[dear] = sampled[cheap] + 2.0 * self.gain.sample(ctx, rng, self.explore) - 1.0
+            w = self.gain_weight
+            sampled[dear] = (1.0 - w) * sampled[dear] + w * (sampled[cheap] + 2.0 * self.gain.sample(ctx, rng,
+                                                                                                    self.explore) - 1.0)
         utility = {a: sampled[a] - lam * self.cost[a] for a in names}
         if self.bar > 0 and any(sampled[a] >= self.bar for a in names):
             order = sorted(names, key=lambda a: (sampled[a] < self.bar,
