@@ -2,7 +2,7 @@
 outcomes (issue 23; spec §6.2, §18), into the router's learned state.
 
     atp-router learn --from FILE --policy NAME [--policies DIR] [--state-dir D | --store URL]
-                     [--arms WEAK,STRONG] [--method update|fit]
+                     [--arms WEAK,STRONG] [--method update|fit|gain]
 
 ``FILE``: JSON lines, the replay format (``../shared/routing-replay``): ``prompt``,
 ``weak_correct``/``strong_correct`` (booleans, or qualities in 0..1) and optional
@@ -18,8 +18,15 @@ Each row is featurized as the live router featurizes a task of that policy
 own learning step, one observation per row and arm; ``fit`` — a batch fit
 (:func:`~atp_router.policy.offline.fit_arm`: the MAP under the arm's current
 posterior and its Laplace precision; ``--prior-precision`` sets that prior's
-precision for arms that have learned nothing yet). The arms start from what the store holds
-for them (same agent fingerprint), so running ``learn`` again adds to it.
+precision for arms that have learned nothing yet); ``gain`` — the arms as ``fit``,
+and the policy's text gain model (:class:`~atp_router.policy.textgain.TextGain`:
+a TF-IDF vocabulary of the rows' prompts + meta and an L2 logistic regression
+of ``(strong − weak + 1)/2``, ``--gain-c``, on the rows with both outcomes)
+that the bandit then chooses by, the dear arm's estimate averaged
+``--gain-weight`` : 1 − w between the cheap arm plus the gain and its own arm
+(both keep learning online). The arms start from what the store holds
+for them (same agent fingerprint), so running ``learn`` again adds to it; the
+gain model is fitted afresh (an entry ``gain/<policy>`` replaced whole).
 
 Written to the store the router reads at start: ``--state-dir``'s SQLite store
 (one router's save format), or with ``--store redis://…`` the store several
@@ -48,8 +55,10 @@ from atp_router.policy.bandit import Context
 from atp_router.policy.learn import RoutingLearner, SharedArm
 from atp_router.policy.loader import load_rib
 from atp_router.policy.offline import fit_arm
+from atp_router.policy.textgain import TermVocab, TextGain
 from atp_router.runtime.controlplane.learn_entries import (
     ARM_PREFIX,
+    GAIN_PREFIX,
     SEQ_KEY,
     bump_index,
     decode_arm,
@@ -104,10 +113,16 @@ def _parser(default_state_dir: Path | None) -> argparse.ArgumentParser:
     ap.add_argument("--store-namespace", default="atp", metavar="NS", help="the routers' --store-namespace")
     ap.add_argument("--arms", metavar="WEAK,STRONG",
                     help="agents of weak_correct and strong_correct (default: cheapest, dearest of the fanout)")
-    ap.add_argument("--method", choices=("update", "fit"), default="update",
-                    help="update: the live router's online step per row; fit: one batch MAP fit (Laplace)")
+    ap.add_argument("--method", choices=("update", "fit", "gain"), default="update",
+                    help="update: the live router's online step per row; fit: one batch MAP fit (Laplace); "
+                         "gain: fit, plus a TF-IDF gain model (strong − weak) the bandit chooses by")
+    ap.add_argument("--gain-c", type=float, default=0.3, metavar="C",
+                    help="with --method gain: the gain regression's inverse regularisation "
+                         "(bench/replay_routing.py --validate gain chose 0.3 on MMLU)")
+    ap.add_argument("--gain-weight", type=float, default=0.5, metavar="W",
+                    help="with --method gain: the gain's share of the dear arm's estimate, 0..1 (validated: 0.5)")
     ap.add_argument("--prior-precision", type=float, default=None, metavar="Q",
-                    help="with --method fit: the prior precision of arms that have learned nothing yet "
+                    help="with --method fit or gain: the prior precision of arms that have learned nothing yet "
                          "(bench/replay_routing.py chose 10 on MMLU; default: the router's, 1)")
     return ap
 
@@ -124,7 +139,7 @@ def _learn(bandit: Any, ctxs: list[Context], rows: list[tuple[dict[str, Any], st
            args: argparse.Namespace) -> None:
     """Learn ``rows`` (their contexts ``ctxs``) into ``bandit``: through its
     ``update`` (``--method update``) or one batch fit per arm (``fit``)."""
-    if args.method == "update":
+    if args.method == "update":  # fit and gain: the batch fit
         for ctx, (_, _, q) in zip(ctxs, rows, strict=True):
             bandit.update(ctx, {a: v for a, v in q.items() if a in bandit.arms})
         return
@@ -133,6 +148,33 @@ def _learn(bandit: Any, ctxs: list[Context], rows: list[tuple[dict[str, Any], st
             arm.q[:] = args.prior_precision
         mine: list[Context] = [c for c, (_, _, q) in zip(ctxs, rows, strict=True) if a in q]
         fit_arm(arm, mine, [q[a] for _, _, q in rows if a in q])
+
+
+def _fit_gain(bandit: Any, featurizer: Any, rows: list[tuple[dict[str, Any], str, dict[str, float]]],
+              pair: tuple[str, str], args: argparse.Namespace) -> tuple[TextGain, list[Context]]:
+    """The text gain model of ``rows`` with both of ``pair``'s outcomes (cheap,
+    dear); sets ``featurizer``'s vocabulary and returns the model and every
+    row's context (with the gain columns). Raises ValueError without such rows."""
+    cheap, dear = pair
+    both = [(m, t, q) for m, t, q in rows if cheap in q and dear in q]
+    if not both:
+        raise ValueError(f"--method gain: no row has both {cheap} and {dear} outcomes")
+    featurizer.vocab = TermVocab.fit([t for _, t, _ in both], [m for m, _, _ in both])
+    ctxs = [featurizer(meta, text) for meta, text, _ in rows]
+    model = TextGain(featurizer.vocab).fit(
+        [c for c, (_, _, q) in zip(ctxs, rows, strict=True) if cheap in q and dear in q],
+        [(q[dear] - q[cheap] + 1.0) / 2.0 for _, _, q in both], C=args.gain_c)
+    bandit.set_gain(model, args.gain_weight, pair=pair)
+    return model, ctxs
+
+
+def _write_gain(store: Store, policy: str, model: TextGain, pair: tuple[str, str], fps: Mapping[str, str],
+                weight: float) -> None:
+    store.put(f"{GAIN_PREFIX}{policy}", msgspec.msgpack.encode(
+        {"policy": policy, "arms": list(pair), "fingerprints": [fps[pair[0]], fps[pair[1]]], "weight": weight,
+         "state": model.state()}))
+    print(f"gain {pair[1]} over {pair[0]}: {len(model.vocab.keys)} terms, {len(model.vocab.meta)} meta values, "
+          f"{model.count:g} rows")
 
 
 def _write(store: Store, policy: str, learned: list[str], bandit: Any, bases: dict[str, Any],
@@ -160,8 +202,10 @@ def learn_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
     """The ``learn`` subcommand (module doc); returns the exit status."""
     ap = _parser(default_state_dir)
     args = ap.parse_args(argv)
-    if args.prior_precision is not None and not (args.prior_precision > 0 and args.method == "fit"):
-        ap.error("--prior-precision: a positive number, with --method fit")
+    if args.prior_precision is not None and not (args.prior_precision > 0 and args.method in ("fit", "gain")):
+        ap.error("--prior-precision: a positive number, with --method fit or gain")
+    if not (args.gain_c > 0 and 0.0 <= args.gain_weight <= 1.0):
+        ap.error("--gain-c: a positive number; --gain-weight: in 0..1")
     try:
         rib = load_rib(args.policies)
     except PolicyError as e:
@@ -197,9 +241,19 @@ def learn_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
         except (OSError, ValueError) as e:
             ap.error(str(e))
         bases = {a: m.copy() for a, m in bandit.arms.items()}
-        _learn(bandit, [featurizer(meta, text) for meta, text, _ in rows], rows, args)
+        gain = None
+        if args.method == "gain":
+            try:
+                gain, ctxs = _fit_gain(bandit, featurizer, rows, (weak, strong), args)
+            except ValueError as e:
+                ap.error(str(e))
+        else:
+            ctxs = [featurizer(meta, text) for meta, text, _ in rows]
+        _learn(bandit, ctxs, rows, args)
         learned = [a for a in bandit.arms if bandit.arms[a].count != bases[a].count]
         _write(store, args.policy, learned, bandit, bases, learner.fingerprints(args.policy), shared=shared)
+        if gain is not None:
+            _write_gain(store, args.policy, gain, (weak, strong), learner.fingerprints(args.policy), args.gain_weight)
     print(f"LEARN policy={args.policy} rows={len(rows)} arms={','.join(learned)}")
     return 0
 

@@ -65,6 +65,7 @@ import numpy as np
 
 from atp_router.policy.bandit import ArmDelta, ArmModel, Bandit, Context, Featurizer
 from atp_router.policy.rib import AgentSpec, BanditSpec, Rib
+from atp_router.policy.textgain import TextGain
 
 __all__ = [
     "MIN_OBS",
@@ -568,7 +569,7 @@ def _escalation_key(policy: str) -> str:
 
 
 class _PolicyBandit:
-    __slots__ = ("bandit", "escalation", "escalation_fp", "featurizer", "fingerprints", "last", "spec")
+    __slots__ = ("bandit", "escalation", "escalation_fp", "featurizer", "fingerprints", "gain_key", "last", "spec")
 
     def __init__(self, spec: BanditSpec, bandit: Bandit, fingerprints: dict[str, str]):
         self.spec = spec
@@ -580,6 +581,8 @@ class _PolicyBandit:
         self.bandit = bandit
         self.featurizer = Featurizer(bits=spec.bits, text=spec.text_features)
         self.fingerprints = fingerprints
+        #: ``(cheap, dear, cheap fingerprint, dear fingerprint)`` of the gain model in use (None: none).
+        self.gain_key: tuple[str, str, str, str] | None = None
 
 
 class TenantShares:
@@ -665,6 +668,10 @@ class RoutingLearner:
         self._priors: dict[str, float] = {}
         #: (policy, arm) pairs whose state changed since the store saved them.
         self.dirty: set[tuple[str, str]] = set()
+        #: Policies whose text gain model learned since the store saved it.
+        self.dirty_gain: set[str] = set()
+        #: Gain model entries read back from the store (:meth:`load_gain`), by policy.
+        self._saved_gain: dict[str, Mapping[str, Any]] = {}
         #: Arm states read back from the store, waiting for a RIB that has them.
         self._saved: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
         #: Sharing (:meth:`share`): each arm with the base it last synced.
@@ -747,6 +754,7 @@ class RoutingLearner:
                 pb.last = old.last
             if p.escalation is not None:
                 self._sync_escalation(name, p, rib, pb, old)
+            self._attach_gain(name, pb, old)
         self._bandits = new
         self._track()
 
@@ -777,6 +785,54 @@ class RoutingLearner:
         if old is not None and old.escalation is not None and old.escalation_fp == fp:
             b.lam, b.spent, b.choices = old.escalation.lam, old.escalation.spent, old.escalation.choices
         pb.escalation, pb.escalation_fp = b, fp
+
+    def _attach_gain(self, name: str, pb: _PolicyBandit, old: _PolicyBandit | None) -> None:
+        """The policy's text gain model (``atp-router learn --method gain``): kept
+        across a reload while its two arms' agents are unchanged, else the
+        stored entry's when its arms and fingerprints are the policy's two."""
+        if len(pb.bandit.arms) != 2:
+            return
+        if old is not None and old.gain_key is not None and old.spec.bits == pb.spec.bits \
+                and old.gain_key[2:] == tuple(pb.fingerprints.get(a) for a in old.gain_key[:2]):
+            model, weight, key = old.bandit.gain, old.bandit.gain_weight, old.gain_key
+        else:
+            entry = self._saved_gain.get(name)
+            try:
+                cheap, dear = (str(a) for a in entry["arms"]) if entry is not None else ("", "")
+                fps = tuple(str(f) for f in entry["fingerprints"]) if entry is not None else ()
+                if entry is None or {cheap, dear} != set(pb.bandit.arms) \
+                        or fps != (pb.fingerprints[cheap], pb.fingerprints[dear]):
+                    return
+                model, weight = TextGain.from_state(entry["state"]), float(entry["weight"])
+            except (KeyError, TypeError, ValueError):
+                return
+            key = (cheap, dear, *fps)
+        try:
+            pb.bandit.set_gain(model, weight, pair=(key[0], key[1]))
+        except ValueError:
+            return
+        pb.featurizer.vocab = model.vocab
+        pb.gain_key = key
+
+    def load_gain(self, entries: Iterable[Mapping[str, Any]]) -> None:
+        """Saved text gain entries ``{policy, arms: [cheap, dear], fingerprints,
+        weight, state: TextGain.state()}`` from the store; applied by the next :meth:`sync`."""
+        for e in entries:
+            if isinstance(e, Mapping) and isinstance(e.get("policy"), str):
+                self._saved_gain[e["policy"]] = e
+
+    def dirty_gains(self) -> list[dict[str, Any]]:
+        """The entries (:meth:`load_gain`'s form) of the gain models changed
+        since the last call (the router saves them; the set is cleared)."""
+        out = []
+        for policy in sorted(self.dirty_gain):
+            pb = self._bandits.get(policy)
+            if pb is not None and pb.gain_key is not None:
+                cheap, dear, fc, fd = pb.gain_key
+                out.append({"policy": policy, "arms": [cheap, dear], "fingerprints": [fc, fd],
+                            "weight": pb.bandit.gain_weight, "state": pb.bandit.gain.state()})
+        self.dirty_gain.clear()
+        return out
 
     def load_arms(self, rows: Iterable[tuple[str, str, str, dict[str, Any]]]) -> None:
         """Saved arm states ``(policy, arm, fingerprint, ArmModel.state())``
@@ -906,6 +962,8 @@ class RoutingLearner:
         for a, q in rewards.items():
             pb.bandit.update(decision.context, {a: q}, weights[a], only=only)
         self.dirty.update((decision.policy, a) for a in rewards)
+        if pb.gain_key is not None and rewards and decision.context.aux is not None and only is None:
+            self.dirty_gain.add(decision.policy)
 
     def observe_escalation(self, decision: Decision, outcome: Mapping[str, float], *, weight: float = 1.0,
                            tenant_only: bool = False) -> None:

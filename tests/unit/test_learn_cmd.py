@@ -47,7 +47,7 @@ def _first_choice(router, subject: str, prompt: str) -> str:
     return bandit.choose(ctx, np.random.default_rng(0)).order[0]
 
 
-@pytest.mark.parametrize("method", [["update"], ["fit"], ["fit", "--prior-precision", "10"]])
+@pytest.mark.parametrize("method", [["update"], ["fit"], ["fit", "--prior-precision", "10"], ["gain"]])
 def test_a_router_started_after_learn_routes_with_the_warm_state(tmp_path, method, capsys):
     rib = tmp_path / "rib.yaml"
     rib.write_text(RIB)
@@ -64,7 +64,9 @@ def test_a_router_started_after_learn_routes_with_the_warm_state(tmp_path, metho
         cold.close_state()
     assert learn_main(["--from", str(data), "--policy", "qa", "--policies", str(rib), "--state-dir", str(state),
                        "--arms", f"{WEAK},{STRONG}", "--method", *method]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == f"LEARN policy=qa rows=60 arms={WEAK},{STRONG}"
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == f"LEARN policy=qa rows=60 arms={WEAK},{STRONG}"
+    assert any(line.startswith(f"gain {STRONG} over {WEAK}:") for line in out) == (method == ["gain"])
     with SqliteStore.open(state, create=False) as store:
         entries = {k: decode_arm(v) for k, v in store.items(ARM_PREFIX)}
     assert set(entries) == {f"{ARM_PREFIX}qa/{WEAK}", f"{ARM_PREFIX}qa/{STRONG}"}
@@ -104,3 +106,49 @@ def test_unknown_policy_arms_and_bad_rows_are_refused(tmp_path, capsys):
     any_arms = tmp_path / "any.jsonl"
     any_arms.write_text('{"prompt": "p", "meta": {"task_type": "qa"}, "outcomes": {"lint.ruff": 0.25}}\n')
     assert read_outcomes(any_arms, WEAK, STRONG) == [({"task_type": "qa"}, "p", {"lint.ruff": 0.25})]
+
+
+def test_a_gain_warm_start_is_the_routers_model_learns_online_and_survives_a_restart(tmp_path, capsys):
+    """``--method gain``: the stored gain model (vocabulary + weights) is what the
+    router's policy chooses by on the SYN path (the featurizer fills its columns);
+    online feedback updates it, the router's save keeps that, a restart reads it."""
+    from atp_router.policy.learn import Decision
+    from atp_router.policy.textgain import TextGain
+    from atp_router.runtime.controlplane.learn_entries import GAIN_PREFIX, decode_gain
+
+    rib = tmp_path / "rib.yaml"
+    rib.write_text(RIB)
+    data = tmp_path / "outcomes.jsonl"
+    _outcomes(data, 60)
+    state = tmp_path / "state"
+    assert learn_main(["--from", str(data), "--policy", "qa", "--policies", str(rib), "--state-dir", str(state),
+                       "--arms", f"{WEAK},{STRONG}", "--method", "gain", "--gain-weight", "1"]) == 0
+    with SqliteStore.open(state, create=False) as store:
+        entry = decode_gain(store.get(f"{GAIN_PREFIX}qa"))
+    assert entry["arms"] == [WEAK, STRONG] and entry["weight"] == 1.0
+    stored = TextGain.from_state(entry["state"])
+    assert stored.count == 60
+    router = single.build(RouterConfig(policies=rib, state_dir=state))
+    try:
+        learner = router.learning.learner
+        bandit, feat = learner.policy_bandit("qa")
+        assert isinstance(bandit.gain, TextGain) and feat.vocab is not None and bandit.pair == (WEAK, STRONG)
+        ctx = feat({"task_type": "qa", "subject": "math"}, "prove the integral 7")
+        assert ctx.aux is not None and bandit.gain.logit(ctx) == pytest.approx(stored.logit(ctx))
+        assert _first_choice(router, "math", "prove the integral 3") == STRONG
+        assert _first_choice(router, "geo", "name the capital 3") == WEAK
+        # online: a decision's feedback teaches the gain model, and the save keeps it
+        before = bandit.gain.logit(ctx)
+        learner.observe(Decision("qa", (STRONG, WEAK), 1, ctx, 0.0, called=[STRONG]), {STRONG: 0.0})
+        assert bandit.gain.logit(ctx) < before
+        assert learner.dirty_gain == {"qa"}
+        router.learning.save()
+    finally:
+        router.close_state()
+    with SqliteStore.open(state, create=False) as store:
+        assert TextGain.from_state(decode_gain(store.get(f"{GAIN_PREFIX}qa"))["state"]).count == 61
+    again = single.build(RouterConfig(policies=rib, state_dir=state))
+    try:
+        assert again.learning.learner.policy_bandit("qa")[0].gain.count == 61
+    finally:
+        again.close_state()

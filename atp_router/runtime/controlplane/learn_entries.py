@@ -7,6 +7,12 @@ router's :class:`~atp_router.store.Store`: pure encoders, decoders and the
   ``{policy, arm, fingerprint, state}`` (a single router's save), or that
   merged across routers (:func:`~atp_router.policy.learn.merge_arm_entry`),
   zlib-compressed msgpack;
+* ``gain/<policy>`` (:data:`GAIN_PREFIX`) — a policy's text gain model
+  (:class:`~atp_router.policy.textgain.TextGain`, ``atp-router learn --method
+  gain``): msgpack ``{policy, arms: [cheap, dear], fingerprints, weight,
+  state}``; written whole (by ``learn``, and by a router's save as it learns
+  online; routers sharing a store read it at start and do not merge its
+  online updates);
 * ``live/stats`` (:data:`LIVE_KEY`) — the live FIB statistics, JSON
   (:func:`~atp_router.policy.learn.merge_live_state` when shared);
 * ``learn/seqs`` (:data:`SEQ_KEY`) — a shared store's index, JSON: each key
@@ -25,10 +31,12 @@ import msgspec
 from atp_router.policy.bandit import ArmDelta
 from atp_router.policy.learn import SharedArm, merge_arm_entry, merge_live_state
 
-__all__ = ["ARM_PREFIX", "LIVE_KEY", "SEQ_KEY", "bump_index", "decode_arm", "decode_live", "push_arm", "push_live"]
+__all__ = ["ARM_PREFIX", "GAIN_PREFIX", "LIVE_KEY", "SEQ_KEY", "bump_index", "decode_arm", "decode_gain", "decode_live", "push_arm", "push_live"]
 
 #: Store key prefix of the bandit arms (``bandit/<policy>/<arm>``).
 ARM_PREFIX = "bandit/"
+#: Store key prefix of the policies' text gain models (``gain/<policy>``).
+GAIN_PREFIX = "gain/"
 #: Store key of the live statistics.
 LIVE_KEY = "live/stats"
 #: Store key of a shared store's index of learned-state keys.
@@ -54,6 +62,17 @@ def decode_arm(raw: bytes | None) -> dict[str, Any] | None:
             raw = zlib.decompress(raw)
         entry = msgspec.msgpack.decode(raw)
     except (msgspec.DecodeError, zlib.error):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def decode_gain(raw: bytes | None) -> dict[str, Any] | None:
+    """A stored gain entry (msgpack map); None when unreadable."""
+    if raw is None:
+        return None
+    try:
+        entry = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
         return None
     return entry if isinstance(entry, dict) else None
 

@@ -61,10 +61,12 @@ from atp_router.policy.learn import (
 from atp_router.policy.rib import PolicySpec
 from atp_router.runtime.controlplane.learn_entries import (
     ARM_PREFIX,
+    GAIN_PREFIX,
     LIVE_KEY,
     SEQ_KEY,
     bump_index,
     decode_arm,
+    decode_gain,
     decode_live,
     push_arm,
     push_live,
@@ -237,6 +239,7 @@ class Learning:
             except (KeyError, TypeError):
                 log.warning("learning: unreadable arm state %s skipped", key)
         self.learner.load_arms(rows)
+        self.learner.load_gain(e for _, raw in store.items(GAIN_PREFIX) if (e := decode_gain(raw)) is not None)
         live_raw = store.get(LIVE_KEY)
         if live_raw:
             try:
@@ -251,6 +254,8 @@ class Learning:
         for policy, arm, fp, state in self.learner.dirty_arms():
             store.put(f"{ARM_PREFIX}{policy}/{arm}",
                       msgspec.msgpack.encode({"policy": policy, "arm": arm, "fingerprint": fp, "state": state}))
+        for entry in self.learner.dirty_gains():
+            store.put(f"{GAIN_PREFIX}{entry['policy']}", msgspec.msgpack.encode(entry))
         live = self.learner.live
         if live.changed:
             live.changed.clear()
