@@ -56,7 +56,9 @@ from atp_router.policy.replay import (
     score_curve,
     warm_bandit,
     warm_fit,
+    warm_text_gain,
 )
+from atp_router.policy.textgain import TermVocab, TextGain
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DATA = HERE.parent.parent / "shared" / "routing-replay" / "mmlu.jsonl"
@@ -81,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", default=str(HERE / "results" / "replay_routing.png"))
     ap.add_argument("--split", type=float, default=None,
                     help="train share (e.g. 0.5): anchors trained on it, every router scored on the rest")
-    ap.add_argument("--validate", action="store_true",
+    ap.add_argument("--validate", nargs="?", const="all", choices=("all", "gain"), default=None,
                     help="with --split: 5-fold cross-validation inside seed 0's TRAIN half only (the figures "
-                         "the bench's choices were made on); the test half is not read")
+                         "the bench's choices were made on); the test half is not read. 'gain': only the "
+                         "text-gain warm start's candidates")
     args = ap.parse_args(argv)
     if args.seeds < 1:
         ap.error("--seeds must be ≥ 1")
@@ -170,6 +173,16 @@ WARM_PRIOR_PRECISION = 10.0
 #: precision by feature kind (meta 10, text 3 / 1 / 0.3: 0.669 / 0.664 / 0.647), IDF prior at text precision
 #: 3 / 1 (0.670 / 0.664), 2**18 weights (0.672; text 1: 0.669), text slots seen in < 2 rows frozen (±0.000).
 WARM_EXPLORE = 0.0
+#: The text-gain warm start (``warm=``, :func:`~atp_router.policy.replay.warm_text_gain`; ``atp-router learn
+#: --method gain``): the arms fitted as above plus the offline anchor's model — a logistic regression of the gain on
+#: TF-IDF word 1–2-grams + meta (:class:`~atp_router.policy.textgain.TextGain`) — with inverse regularisation
+#: ``WARM_GAIN_C`` and the dear arm's estimate averaged ``WARM_GAIN_WEIGHT`` : 1 − w between (cheap arm + gain) and
+#: its own arm, both learning online, explore 0. Chosen by ``--validate gain`` (seed 0's TRAIN half only; README):
+#: C 0.1 / 0.3 / 1 ranked 0.6726 / 0.6726 / 0.6670 on 5 folds (the arms 0.6720); online (C 0.3) w = 1 / ½ vs the
+#: fitted arms alone: 5 folds −0.0024 / +0.0011, 2 × 2 halves +0.0049 / +0.0061 (frozen gain: −0.0072 / −0.0032 and
+#: +0.0031 / +0.0094): w = ½ learning is the one candidate at or above the arms alone on both.
+WARM_GAIN_C = 0.3
+WARM_GAIN_WEIGHT = 0.5
 #: Share points the offline (score-ranking) routers are evaluated at.
 SHARES = tuple(i / 100 for i in range(101))
 
@@ -183,6 +196,9 @@ SPLIT_ROUTERS = {
     "bandit fit, ranked": "same arms fitted, not online: test prompts ranked by mean(strong) − mean(weak)",
     "bandit warm fit .25": "same, arms fitted to the train half (MAP + Laplace, prior precision 10), then online",
     "bandit warm fit": "same fit, then online with explore 0 (greedy on the posterior means)",
+    "text gain, ranked": "prompt TF-IDF + meta, the router's TextGain fitted on the train half (C 0.3), not online",
+    "bandit warm text gain": "hashed words + meta (arms) and TF-IDF + meta (gain): fitted arms + TextGain, "
+                             "½ : ½, then online, explore 0",
     "bandit zero+gain": "same features, online from zero, with a gain model (strong − weak)",
     "bandit warm+gain": "same as warm fit, plus a fitted gain model it chooses by, then online",
     "random": "nothing",
@@ -230,6 +246,12 @@ def split_main(args: argparse.Namespace) -> int:
         fitted = warm_fit(train, ctx_tr, bits=BITS, explore=EXPLORE, prior_precision=WARM_PRIOR_PRECISION, gain=False)
         fitted_gain = warm_fit(train, ctx_tr, bits=BITS, explore=EXPLORE, prior_precision=WARM_PRIOR_PRECISION)
         curves["bandit fit, ranked"].append(score_curve("bandit fit, ranked", test, _arm_gain(fitted, ctx_te), SHARES))
+        text_warm, ctx_te_aux = _text_gain_start(train, test)
+        curves["text gain, ranked"].append(score_curve("text gain, ranked", test,
+                                                       [text_warm.gain.logit(c) for c in ctx_te_aux], SHARES))
+        pts = [run_bandit(test, t, text=True, seed=seed, explore=WARM_EXPLORE, bits=BITS, contexts=ctx_te_aux,
+                          warm=text_warm) for t in TARGETS]
+        curves["bandit warm text gain"].append(Curve("w", tuple(p[0] for p in pts), tuple(p[1] for p in pts)))
         for name, start, gain, ex in (("bandit zero", None, False, EXPLORE),
                                       ("bandit warm update", warm, False, EXPLORE),
                                       ("bandit warm fit .25", fitted, False, EXPLORE),
@@ -250,20 +272,33 @@ def split_main(args: argparse.Namespace) -> int:
         perm = np.random.default_rng(seed).permutation(n)
         test = [rows[i] for i in perm[round(args.split * n):]]
         halves.append((sum(r.weak for r in test) / len(test), sum(r.strong for r in test) / len(test)))
-    print(f"\n{'router':<20} {'APGR':>14} {'CPT(50%)':>18} {'CPT(80%)':>18}  features")
+    print(f"\n{'router':<22} {'APGR':>14} {'CPT(50%)':>18} {'CPT(80%)':>18}  features")
     summary: dict[str, float] = {}
     for name, cs in curves.items():
         a = [apgr(c, *halves[i]) for i, c in enumerate(cs)]
         summary[name] = statistics.mean(a)
         sd = statistics.pstdev(a) if len(a) > 1 else 0.0
-        print(f"{name:<20} {summary[name]:8.3f} ± {sd:.3f} "
+        print(f"{name:<22} {summary[name]:8.3f} ± {sd:.3f} "
               f"{_fmt_cpt([cpt(c, *halves[i], 0.5) for i, c in enumerate(cs)]):>18} "
               f"{_fmt_cpt([cpt(c, *halves[i], 0.8) for i, c in enumerate(cs)]):>18}  {SPLIT_ROUTERS[name]}")
     best = max(("LR prompt", "LR prompt+subject"), key=lambda k: summary[k])
     print(f"\noffline = {best} (the better offline LR anchor); {time.perf_counter() - t0:.0f} s")
-    print(f"APGR bandit={summary['bandit zero']:.3f} warm={summary['bandit warm fit']:.3f} offline={summary[best]:.3f} "
+    print(f"APGR bandit={summary['bandit zero']:.3f} warm={summary['bandit warm text gain']:.3f} "
+          f"offline={summary[best]:.3f} "
           f"random={summary['random']:.3f} oracle={summary['oracle']:.3f}")
     return 0
+
+
+def _text_gain_start(train: list[Row], test: list[Row]) -> tuple[Bandit, list[Context]]:
+    """The text-gain warm start fitted on ``train`` (as ``atp-router learn --method gain``) and the test
+    rows' contexts from the policy featurizer holding its vocabulary."""
+    vocab = TermVocab.fit([r.prompt for r in train], [_meta(r) for r in train])
+    feat = Featurizer(bits=BITS, text=True)
+    feat.vocab = vocab
+    ctx_tr = [feat(_meta(r), r.prompt) for r in train]
+    bandit = warm_text_gain(train, ctx_tr, vocab, bits=BITS, explore=WARM_EXPLORE,
+                            prior_precision=WARM_PRIOR_PRECISION, C=WARM_GAIN_C, weight=WARM_GAIN_WEIGHT)
+    return bandit, [feat(_meta(r), r.prompt) for r in test]
 
 
 def _arm_gain(bandit: Bandit, contexts: list[Context]) -> np.ndarray:
@@ -343,6 +378,47 @@ def _validate_fold(train: list[Row], ctx: list[Context], fold: np.ndarray) -> di
     return out
 
 
+class _FrozenGain(TextGain):
+    """A candidate (``--validate gain``): the text gain model that never learns online."""
+
+    __slots__ = ()
+
+    def update(self, ctx: Context, label: float, weight: float = 1.0, *, only: int | None = None) -> None:
+        return
+
+
+def _validate_gain_fold(train: list[Row], ctx: list[Context], fold: np.ndarray) -> dict[str, float]:
+    """One fold's text-gain candidates (:func:`warm_text_gain`), fitted on the rest of the train half."""
+    rest = np.setdiff1d(np.arange(len(train)), fold)
+    fit_rows, val = [train[i] for i in rest], [train[i] for i in fold]
+    wk, st = sum(r.weak for r in val) / len(val), sum(r.strong for r in val) / len(val)
+    vocab = TermVocab.fit([r.prompt for r in fit_rows], [_meta(r) for r in fit_rows])
+    feat = Featurizer(bits=BITS, text=True)
+    feat.vocab = vocab
+    cf, cv = [feat(_meta(r), r.prompt) for r in fit_rows], [feat(_meta(r), r.prompt) for r in val]
+    out: dict[str, float] = {}
+    y = np.array([gain_label(r.weak, r.strong) for r in fit_rows])
+    vec = Tfidf().fit([r.prompt for r in fit_rows], [r.subject for r in fit_rows])
+    lr = fit_logistic(vec.transform([r.prompt for r in fit_rows], [r.subject for r in fit_rows]), y, C=LR_C)
+    out["LR TF-IDF + subject, ranked"] = apgr(score_curve(
+        "lr", val, lr.logit(vec.transform([r.prompt for r in val], [r.subject for r in val])), SHARES), wk, st)
+    b = warm_fit(fit_rows, cf, bits=BITS, explore=0.0, prior_precision=WARM_PRIOR_PRECISION, gain=False)
+    out["fit q=10, ranked"] = apgr(score_curve("a", val, _arm_gain(b, cv), SHARES), wk, st)
+    step = LAM_CANDIDATES[3][1]
+    out["fit q=10, online, explore 0"] = _online(val, cv, b, step, wk, st, 0.0)
+    for c in (0.1, 1.0, WARM_GAIN_C):
+        g = TextGain(vocab).fit(cf, y, C=c)
+        out[f"text gain C={c}, ranked"] = apgr(score_curve("g", val, [g.logit(x) for x in cv], SHARES), wk, st)
+    for w in (1.0, WARM_GAIN_WEIGHT):
+        for frozen in (False, True):
+            gm = (_FrozenGain if frozen else TextGain)(vocab)
+            gm.m, gm.q = g.m.copy(), g.q.copy()
+            b.set_gain(gm, w)
+            out[f"text gain C={WARM_GAIN_C} w={w}{' frozen' if frozen else ''}, online"] = _online(
+                val, cv, b, step, wk, st, explore=0.0)
+    return out
+
+
 def validate_main(args: argparse.Namespace) -> int:
     """``--split --validate``: the candidates of each choice, by 5-fold cross-validation of seed 0's
     train half (the split :func:`split_main` uses for seed 0); the test half is never read."""
@@ -353,20 +429,32 @@ def validate_main(args: argparse.Namespace) -> int:
     feat = Featurizer(bits=BITS, text=True)
     ctx = [feat(_meta(r), r.prompt) for r in train]
     folds = np.array_split(np.random.default_rng(1).permutation(len(train)), 5)
+    if args.validate == "gain":  # also as the split run scores: fit on one half, online over the other (2 × 2)
+        halves = [np.random.default_rng(10 + s).permutation(len(train)) for s in range(2)]
+        folds += [h for p in halves for h in (p[:len(p) // 2], p[len(p) // 2:])]
     print(f"validate: 5 folds of seed 0's train half ({len(train)} of {len(rows)} prompts); explore={EXPLORE}, "
           f"2**{BITS} weights, {len(TARGETS)} spend targets online")
     res: dict[str, list[float]] = {}
     for i, fold in enumerate(folds):
-        for k, v in _validate_fold(train, ctx, fold).items():
+        for k, v in (_validate_gain_fold if args.validate == "gain" else _validate_fold)(train, ctx, fold).items():
             res.setdefault(k, []).append(v)
         print(f"  fold {i} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    base = res["fit q=10, ranked"]
-    print(f"\n{'candidate':<36} {'APGR':>7}  paired − 'fit q=10, ranked' (mean ± s.e.)")
-    for k, v in res.items():
-        d = [a - b for a, b in zip(v, base, strict=True)]
-        print(f"{k:<36} {statistics.mean(v):7.4f}  {statistics.mean(d):+.4f} ± {statistics.stdev(d) / math.sqrt(len(d)):.4f}")
+    if args.validate == "gain":
+        _report(res, "fit q=10, online, explore 0", slice(0, 5), "5 folds")
+        _report(res, "fit q=10, online, explore 0", slice(5, 9), "2 × 2 halves (fit on one, online over the other)")
+    else:
+        _report(res, "fit q=10, ranked", slice(0, 5), "5 folds")
     print(f"({time.perf_counter() - t0:.0f} s)")
     return 0
+
+
+def _report(res: dict[str, list[float]], base_key: str, sl: slice, title: str) -> None:
+    base = res[base_key][sl]
+    print(f"\n{title}\n{'candidate':<40} {'APGR':>7}  paired − '{base_key}' (mean ± s.e.)")
+    for k, v in res.items():
+        d = [a - b for a, b in zip(v[sl], base, strict=True)]
+        print(f"{k:<40} {statistics.mean(v[sl]):7.4f}  {statistics.mean(d):+.4f} ± "
+              f"{statistics.stdev(d) / math.sqrt(len(d)):.4f}")
 
 
 def _plot(png: Path, curves: dict[str, list[Curve]], oracle: Curve, weak: float, strong: float) -> None:

@@ -34,9 +34,10 @@ import numpy as np
 
 from atp_router.policy.bandit import LAM_STEP, LAM_STEP_TAU, Bandit, Featurizer
 from atp_router.policy.offline import fit_arm, gain_label
+from atp_router.policy.textgain import TermVocab, TextGain
 
 __all__ = ["Curve", "Row", "apgr", "cpt", "hindsight_subject_curve", "load_rows", "oracle_curve", "random_curve",
-           "run_bandit", "score_curve", "warm_bandit", "warm_fit"]
+           "run_bandit", "score_curve", "warm_bandit", "warm_fit", "warm_text_gain"]
 
 WEAK, STRONG = "weak", "strong"
 
@@ -229,4 +230,19 @@ def warm_fit(rows: Sequence[Row], contexts: Sequence, *, bits: int = 14, explore
     fit_arm(bandit.arms[STRONG], contexts, [float(r.strong) for r in rows])
     if bandit.gain is not None:
         fit_arm(bandit.gain, contexts, [gain_label(r.weak, r.strong) for r in rows])
+    return bandit
+
+
+def warm_text_gain(rows: Sequence[Row], contexts: Sequence, vocab: TermVocab, *, bits: int = 14,
+                   explore: float = 0.0, prior_precision: float = 10.0, C: float = 0.3,
+                   weight: float = 0.5) -> Bandit:
+    """The warm start ``atp-router learn --method gain`` writes: the arms fitted
+    as :func:`warm_fit` (without its hashed gain model) and a
+    :class:`~atp_router.policy.textgain.TextGain` over ``vocab`` — the offline
+    anchor's TF-IDF logistic regression of ``(strong − weak + 1)/2``, C = ``C``
+    — that the bandit chooses by with ``weight`` (:meth:`Bandit.set_gain
+    <atp_router.policy.bandit.Bandit.set_gain>`). ``contexts`` must carry ``aux``
+    (a featurizer holding ``vocab``)."""
+    bandit = warm_fit(rows, contexts, bits=bits, explore=explore, prior_precision=prior_precision, gain=False)
+    bandit.set_gain(TextGain(vocab).fit(contexts, [gain_label(r.weak, r.strong) for r in rows], C=C), weight)
     return bandit
