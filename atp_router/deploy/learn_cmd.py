@@ -26,7 +26,8 @@ that the bandit then chooses by, the dear arm's estimate averaged
 ``--gain-weight`` : 1 − w between the cheap arm plus the gain and its own arm
 (both keep learning online). The arms start from what the store holds
 for them (same agent fingerprint), so running ``learn`` again adds to it; the
-gain model is fitted afresh (an entry ``gain/<policy>`` replaced whole).
+gain model is fitted afresh (an entry ``gain/<policy>`` replaced whole; routers
+sharing a store adopt it at their next sync and merge their online updates into it).
 
 Written to the store the router reads at start: ``--state-dir``'s SQLite store
 (one router's save format), or with ``--store redis://…`` the store several
@@ -169,10 +170,15 @@ def _fit_gain(bandit: Any, featurizer: Any, rows: list[tuple[dict[str, Any], str
 
 
 def _write_gain(store: Store, policy: str, model: TextGain, pair: tuple[str, str], fps: Mapping[str, str],
-                weight: float) -> None:
-    store.put(f"{GAIN_PREFIX}{policy}", msgspec.msgpack.encode(
+                weight: float, *, shared: bool) -> None:
+    """Store the gain model whole (a shared store's index bumped: the routers adopt it at their next sync)."""
+    seq = int(time.time() * 1000)
+    key = f"{GAIN_PREFIX}{policy}"
+    store.put(key, msgspec.msgpack.encode(
         {"policy": policy, "arms": list(pair), "fingerprints": [fps[pair[0]], fps[pair[1]]], "weight": weight,
-         "state": model.state()}))
+         "state": model.state(), "seq": seq}))
+    if shared:
+        store.update(SEQ_KEY, functools.partial(bump_index, {key: seq}))
     print(f"gain {pair[1]} over {pair[0]}: {len(model.vocab.keys)} terms, {len(model.vocab.meta)} meta values, "
           f"{model.count:g} rows")
 
@@ -253,7 +259,8 @@ def learn_main(argv: list[str], *, default_state_dir: Path | None = None) -> int
         learned = [a for a in bandit.arms if bandit.arms[a].count != bases[a].count]
         _write(store, args.policy, learned, bandit, bases, learner.fingerprints(args.policy), shared=shared)
         if gain is not None:
-            _write_gain(store, args.policy, gain, (weak, strong), learner.fingerprints(args.policy), args.gain_weight)
+            _write_gain(store, args.policy, gain, (weak, strong), learner.fingerprints(args.policy), args.gain_weight,
+                        shared=shared)
     print(f"LEARN policy={args.policy} rows={len(rows)} arms={','.join(learned)}")
     return 0
 

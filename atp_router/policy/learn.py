@@ -676,6 +676,8 @@ class RoutingLearner:
         self._saved: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
         #: Sharing (:meth:`share`): each arm with the base it last synced.
         self._shared: dict[tuple[str, str], SharedArm] | None = None
+        #: Sharing: each policy's gain model's state as it last synced.
+        self._gain_base: dict[str, TextGain] = {}
 
     # ----------------------------------------------------------- sharing
     def share(self) -> None:
@@ -708,11 +710,51 @@ class RoutingLearner:
                 s = SharedArm(policy, a, fp, model, model.copy())
             new[(policy, a)] = s
         self._shared = new
+        bases = {}
+        for name, pb in self._bandits.items():
+            if pb.gain_key is not None:
+                b = self._gain_base.get(name)
+                bases[name] = b if b is not None and b.vocab is pb.bandit.gain.vocab else pb.bandit.gain.copy()
+        self._gain_base = bases
 
     @property
     def priors(self) -> Mapping[str, float]:
         """The running RIB's agents and their ``win30d`` (as of the last :meth:`sync`)."""
         return self._priors
+
+    def shared_gains(self) -> list[tuple[str, TextGain, TextGain]]:
+        """``(policy, gain model, its sync base)`` per policy with a text gain
+        model (empty unless :meth:`share` was called)."""
+        return [(name, self._bandits[name].bandit.gain, base) for name, base in self._gain_base.items()
+                if name in self._bandits]
+
+    def adopt_gain(self, policy: str, entry: Mapping[str, Any]) -> bool:
+        """Route by a shared store's gain entry (merged, or fitted anew by
+        ``learn``): in place over the same vocabulary, else attached anew; it
+        becomes the sync base. Returns whether the policy routes by it."""
+        pb = self._bandits.get(policy)
+        if pb is None or not isinstance(entry, Mapping):
+            return False
+        self._saved_gain[policy] = entry
+        cur = pb.bandit.gain if pb.gain_key is not None else None
+        try:
+            model = TextGain.from_state(entry["state"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        if cur is not None and model.vocab.digest == cur.vocab.digest \
+                and list(entry.get("arms", ())) == list(pb.gain_key[:2] if pb.gain_key else ()):
+            cur.m, cur.q, cur.count = model.m.copy(), model.q.copy(), model.count
+        else:
+            pb.gain_key = None
+            self._attach_gain(policy, pb, None)
+            if pb.gain_key is None:
+                pb.bandit.set_gain(None)
+                pb.featurizer.vocab = None
+                self._gain_base.pop(policy, None)
+                return False
+        if self._shared is not None:
+            self._gain_base[policy] = pb.bandit.gain.copy()
+        return True
 
     def shared_arms(self) -> list[SharedArm]:
         """Every arm with its sync base (empty unless :meth:`share` was called)."""

@@ -32,8 +32,10 @@ router computes on the SYN path and keeps updating online.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,7 +43,7 @@ import numpy as np
 from atp_router.policy.bandit import Context, indicator_tokens, meta_key, text_grams
 from atp_router.policy.offline import Sparse, fit_logistic
 
-__all__ = ["TermVocab", "TextGain", "term_keys"]
+__all__ = ["GainDelta", "TermVocab", "TextGain", "term_keys"]
 
 _BIGRAM = np.uint64(1 << 32)
 _META = np.uint64(1 << 33)
@@ -61,7 +63,7 @@ class TermVocab:
     """Hashed TF-IDF vocabulary (module doc): sorted text ``keys`` with their
     ``idf``, sorted ``meta`` keys. Columns: text terms, meta tokens, intercept."""
 
-    __slots__ = ("idf", "keys", "meta")
+    __slots__ = ("_digest", "idf", "keys", "meta")
 
     def __init__(self, keys: np.ndarray, idf: np.ndarray, meta: np.ndarray):
         if keys.shape != idf.shape or len(keys) + len(meta) > MAX_TERMS:
@@ -69,6 +71,16 @@ class TermVocab:
         self.keys = keys.astype(np.uint64)
         self.idf = idf.astype(np.float64)
         self.meta = meta.astype(np.uint64)
+        self._digest = ""
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 (hex, 16 digits) of the keys and meta keys: which vocabulary a delta was learned over."""
+        if not self._digest:
+            h = hashlib.sha256(self.keys.astype("<u8").tobytes())
+            h.update(self.meta.astype("<u8").tobytes())
+            self._digest = h.hexdigest()[:16]
+        return self._digest
 
     @property
     def n_cols(self) -> int:
@@ -109,6 +121,22 @@ class TermVocab:
             mcol = np.zeros(0, np.int64)
         idx = np.concatenate((col.astype(np.int64), mcol.astype(np.int64), [self.n_cols - 1]))
         return Context(idx, np.concatenate((val, np.ones(len(mcol) + 1))))
+
+
+@dataclass(frozen=True, slots=True)
+class GainDelta:
+    """What a :class:`TextGain` learned since a base state over the vocabulary
+    ``digest``: Δ(precision × mean) ``eta``, Δprecision ``q``, Δ``count`` —
+    natural parameters, which add (as :class:`~atp_router.policy.bandit.ArmDelta`'s)."""
+
+    digest: str
+    eta: np.ndarray
+    q: np.ndarray
+    count: float
+
+    @property
+    def empty(self) -> bool:
+        return self.count == 0 and not self.eta.any() and not self.q.any()
 
 
 def _sigmoid(z: float) -> float:
@@ -186,6 +214,36 @@ class TextGain:
         self.q = np.append(1.0 / C + X.sq_tdot(w), INTERCEPT_PRECISION + float(w.sum()))
         self.count += float(len(contexts))
         return self
+
+    # ------------------------------------------------------------ merging
+    def copy(self) -> TextGain:
+        """An independent copy of the posterior (the vocabulary is shared: it never changes)."""
+        g = TextGain.__new__(TextGain)
+        g.vocab, g.m, g.q, g.count = self.vocab, self.m.copy(), self.q.copy(), self.count
+        return g
+
+    def delta(self, base: TextGain) -> GainDelta:
+        """What this model learned since ``base`` (the state it last shared);
+        raises ValueError when ``base`` is over another vocabulary."""
+        if base.vocab.digest != self.vocab.digest:
+            raise ValueError("gain delta: another vocabulary")
+        return GainDelta(self.vocab.digest, self.q * self.m - base.q * base.m, self.q - base.q,
+                         self.count - base.count)
+
+    def merge(self, delta: GainDelta) -> None:
+        """Add another learner's :class:`GainDelta`. Raises ValueError (and
+        changes nothing) when its vocabulary differs or a precision would not
+        stay positive and finite."""
+        if delta.digest != self.vocab.digest or delta.q.shape != self.q.shape or delta.eta.shape != self.m.shape:
+            raise ValueError("gain merge: the delta is over another vocabulary")
+        if delta.empty:
+            return
+        q = self.q + delta.q
+        eta = self.q * self.m + delta.eta
+        if not (np.all(q > 0) and np.all(np.isfinite(q)) and np.all(np.isfinite(eta))):
+            raise ValueError("gain merge: the merged precision is not positive and finite")
+        self.q, self.m = q, eta / q
+        self.count += delta.count
 
     # ------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:

@@ -126,3 +126,67 @@ def test_tenants_decides_whether_one_tenant_may_hold_only_its_share():
 def test_the_learning_share_is_the_limits_only_on_a_router_that_tells_tenants_apart(parts):
     assert parts.learning(tenants=True).learner.shares.share == 0.25
     assert parts.learning(tenants=False).learner.shares.share == 1.0
+
+
+GAIN_RIB = """
+agents:
+  lint.ruff: {layer: L1, tool: ruff, p95_ms: 200}
+  sec.bandit: {layer: L1, tool: bandit, p95_ms: 200}
+policies:
+  - name: qa
+    match: {task_type: qa}
+    fanout: [lint.ruff, sec.bandit]
+    fanout_k: 1
+    bandit: {text_features: true, bits: 10, explore: 0}
+"""
+
+
+def test_routers_sharing_a_store_merge_the_text_gain_models_online_updates(tmp_path):
+    """``atp-router learn --method gain`` into the store two routers share: both route by the
+    stored model; what one learns online is pushed, merged and adopted by the other, and a router
+    started afterwards reads the merged model."""
+    import json
+
+    import msgspec
+    import numpy as np
+
+    from atp_router.deploy.learn_cmd import learn_main
+    from atp_router.policy.learn import Decision
+    from atp_router.runtime.controlplane.learn_entries import GAIN_PREFIX, decode_gain
+
+    rib = tmp_path / "rib.yaml"
+    rib.write_text(GAIN_RIB)
+    data = tmp_path / "o.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{'prove the integral' if i % 2 else 'name the capital'} {i}",
+                                        "subject": "math" if i % 2 else "geo", "weak_correct": not i % 2,
+                                        "strong_correct": bool(i % 2)}) + "\n" for i in range(40)))
+    assert learn_main(["--from", str(data), "--policy", "qa", "--policies", str(rib), "--state-dir",
+                       str(tmp_path / "state"), "--arms", "lint.ruff,sec.bandit", "--method", "gain"]) == 0
+    metrics, ledger = RouterMetrics(), BudgetLedger()
+    gates = FlowGates(WindowTable(DEFAULT_AGENT_WINDOW), SlotGate(QosScheduler(4, gold_reserved=1), lambda _: None),
+                      BreakerBoard(), RetryPolicy(), rng=random.Random(0))
+    control = ControlPlane(rib, ledger=ledger, gates=gates, metrics=metrics, on_leg=lambda _: None)
+    with SqliteStore.open(tmp_path / "state") as store:
+        parts = Parts(store, ledger, metrics, control, [])
+        a, b = parts.learning(), parts.learning()
+        for x in (a, b):
+            x.share()
+            x.sync_shared()
+        ga = a.learner.policy_bandit("qa")[0].gain
+        gb = b.learner.policy_bandit("qa")[0].gain
+        assert ga is not None and gb is not None and ga.count == gb.count == 40
+        feat = a.learner.policy_bandit("qa")[1]
+        ctx = feat({"task_type": "qa", "subject": "math"}, "prove the integral 7")
+        before = gb.logit(ctx)
+        for _ in range(5):
+            a.learner.observe(Decision("qa", ("sec.bandit", "lint.ruff"), 1, ctx, 0.0, called=["sec.bandit"]),
+                              {"sec.bandit": 0.0})
+        assert a.sync_shared()["pushed"] >= 1
+        assert b.sync_shared()["pulled"] >= 1
+        assert gb.count == 45 and gb.logit(ctx) == pytest.approx(ga.logit(ctx)) and gb.logit(ctx) < before
+        stored = decode_gain(store.get(f"{GAIN_PREFIX}qa"))
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(stored))["state"]["count"] == 45
+        c = parts.learning()
+        c.sync(control.gen)
+        assert c.learner.policy_bandit("qa")[0].gain.count == 45
+        assert np.isfinite(c.learner.policy_bandit("qa")[0].gain.logit(ctx))

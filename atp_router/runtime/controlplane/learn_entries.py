@@ -10,9 +10,9 @@ router's :class:`~atp_router.store.Store`: pure encoders, decoders and the
 * ``gain/<policy>`` (:data:`GAIN_PREFIX`) — a policy's text gain model
   (:class:`~atp_router.policy.textgain.TextGain`, ``atp-router learn --method
   gain``): msgpack ``{policy, arms: [cheap, dear], fingerprints, weight,
-  state}``; written whole (by ``learn``, and by a router's save as it learns
-  online; routers sharing a store read it at start and do not merge its
-  online updates);
+  state, seq}``; written whole by ``learn`` and by a router's save; on a
+  shared store each router's online updates merge into it
+  (:func:`push_gain`: natural parameters add, over the same vocabulary);
 * ``live/stats`` (:data:`LIVE_KEY`) — the live FIB statistics, JSON
   (:func:`~atp_router.policy.learn.merge_live_state` when shared);
 * ``learn/seqs`` (:data:`SEQ_KEY`) — a shared store's index, JSON: each key
@@ -30,8 +30,10 @@ import msgspec
 
 from atp_router.policy.bandit import ArmDelta
 from atp_router.policy.learn import SharedArm, merge_arm_entry, merge_live_state
+from atp_router.policy.textgain import GainDelta, TextGain
 
-__all__ = ["ARM_PREFIX", "GAIN_PREFIX", "LIVE_KEY", "SEQ_KEY", "bump_index", "decode_arm", "decode_gain", "decode_live", "push_arm", "push_live"]
+__all__ = ["ARM_PREFIX", "GAIN_PREFIX", "LIVE_KEY", "SEQ_KEY", "bump_index", "decode_arm", "decode_gain", "decode_live",
+           "push_arm", "push_gain", "push_live"]
 
 #: Store key prefix of the bandit arms (``bandit/<policy>/<arm>``).
 ARM_PREFIX = "bandit/"
@@ -75,6 +77,22 @@ def decode_gain(raw: bytes | None) -> dict[str, Any] | None:
     except msgspec.DecodeError:
         return None
     return entry if isinstance(entry, dict) else None
+
+
+def push_gain(delta: GainDelta, seq: int, old: bytes | None) -> bytes | None:
+    """``Store.update`` function of a policy's gain entry (pure): ``delta``
+    merged into the stored model; the entry unchanged when there is none, it is
+    unreadable or over another vocabulary (``learn`` fitted a new one: the
+    router then adopts that)."""
+    entry = decode_gain(old)
+    if entry is None:
+        return old
+    try:
+        model = TextGain.from_state(entry["state"])
+        model.merge(delta)
+    except (KeyError, TypeError, ValueError):
+        return old
+    return msgspec.msgpack.encode({**entry, "state": model.state(), "seq": seq})
 
 
 def push_live(deltas: Mapping[str, Any], rib: int, agents: tuple[str, ...], seq: int,

@@ -69,6 +69,7 @@ from atp_router.runtime.controlplane.learn_entries import (
     decode_gain,
     decode_live,
     push_arm,
+    push_gain,
     push_live,
 )
 from atp_router.runtime.controlplane.shadow import ShadowIO, agreement_quality
@@ -205,6 +206,8 @@ class Learning:
         #: :meth:`SharedQuotas.may_learn <atp_router.runtime.dataplane.quotas.SharedQuotas.may_learn>`.
         self.shared_rate: Callable[[str, float, int], bool | None] | None = None
         self._live_seq: int | None = None
+        #: Each gain entry's ``seq`` as this router last adopted it.
+        self._gain_seq: dict[str, Any] = {}
         self._live_raw: bytes | None = None
         self._syncs = 0
         self._load()
@@ -308,11 +311,10 @@ class Learning:
         call: nothing is lost. (A push the store applied but whose answer
         was lost — the connection cut at that instant — is pushed again, so
         that interval of this router's learning counts twice.) Returns
-        ``{"pushed": n, "pulled": n}`` (arms and the live document).
+        ``{"pushed": n, "pulled": n}`` (arms, gain models and the live document).
         ``index_raw``: the index (:data:`SEQ_KEY`) as read off the loop (False: read here)."""
         store = self.store
-        gen = self.control.gen
-        self.sync(gen)
+        self.sync(self.control.gen)
         rib = self._version or 0
         self._syncs += 1
         full = self._syncs % _FULL_PULL_EVERY == 1
@@ -355,10 +357,35 @@ class Learning:
                     live.adopt(live_stats_of(doc), priors, pushed=False)
                     self._live_seq, self._live_raw = doc.get("seq"), new
                     pulled += 1
+            pulled += self._sync_gains(index, seq, full, written)
         finally:
             if written:
                 store.update(SEQ_KEY, functools.partial(bump_index, written))
         return {"pushed": len(written), "pulled": pulled}
+
+    def _sync_gains(self, index: Mapping[str, Any], seq: int, full: bool, written: dict[str, int]) -> int:
+        """The gain models' part of :meth:`sync_shared`: push what each learned
+        (:func:`push_gain`), adopt the merged entry; pull one another changed."""
+        pulled = 0
+        gains = {policy: (model, base) for policy, model, base in self.learner.shared_gains()}
+        # a gain entry ``learn`` wrote for a policy that routes without one yet
+        fresh = [k[len(GAIN_PREFIX):] for k, s in index.items() if k.startswith(GAIN_PREFIX)
+                 and k[len(GAIN_PREFIX):] not in gains and s != self._gain_seq.get(k[len(GAIN_PREFIX):])]
+        for policy in [*gains, *fresh]:
+            key = f"{GAIN_PREFIX}{policy}"
+            delta = gains[policy][0].delta(gains[policy][1]) if policy in gains else None
+            if delta is not None and not delta.empty:
+                entry = decode_gain(self.store.update(key, functools.partial(push_gain, delta, seq)))
+                if entry is not None and self.learner.adopt_gain(policy, entry):
+                    self._gain_seq[policy] = entry.get("seq")
+                    written[key] = int(entry.get("seq") or seq)
+            elif full or policy in fresh or index.get(key) != self._gain_seq.get(policy):
+                entry = decode_gain(self.store.get(key))
+                if entry is not None and entry.get("seq") != self._gain_seq.get(policy) \
+                        and self.learner.adopt_gain(policy, entry):
+                    self._gain_seq[policy] = entry.get("seq")
+                    pulled += 1
+        return pulled
 
     # ----------------------------------------------------------- decisions
     def sync(self, gen: Generation) -> None:
