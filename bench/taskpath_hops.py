@@ -15,7 +15,8 @@ the FINAL's SSE write; functions the router also runs while idle — timers,
 tickers, over an idle period as long as the tasks took — are subtracted):
 
 * ``task_path`` — **the hops**: the runtime functions (``atp_router.runtime`` and
-  ``atp_router.deploy``: ingresses, data plane, control plane, composition roots)
+  ``atp_router.deploy``: ingresses, data plane, control plane, composition roots;
+  not the HTTP server the API runs on, :data:`TRANSPORT`, as hypercorn's were not)
   on the call stack at each point of the task's path — each SYN stage run, the
   task spawned, the next-hop called, each frame appended to the stream's log
   (SYN+ACK, PARTIAL, FINAL, FIN), each frame taken for the client or the store —
@@ -62,6 +63,13 @@ from tests.conftest import start_router  # noqa: E402
 from tests.helpers import serve_scripted  # noqa: E402
 
 RUNTIME = ("atp_router.runtime.", "atp_router.deploy.")
+#: The HTTP server the API runs on (issue 25 item 4): a transport, as hypercorn was (a
+#: library, never counted) — its per-connection frames are not the router's path.
+TRANSPORT = frozenset({"atp_router.runtime.ingress.server", "atp_router.deploy.http_serve"})
+
+
+def _runtime(module: str) -> bool:
+    return module.startswith(RUNTIME) and module not in TRANSPORT
 DIFF = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
 RIB = """
 agents:
@@ -83,7 +91,7 @@ def _milestone(module: str, qualname: str, caller: FrameType | None) -> bool:
     if module == "atp_router.runtime.dataplane.eventlog" and qualname in ("EventLog.append", "LoggedEvent.json_bytes"):
         return True
     return (module.startswith("trio.") and qualname.endswith("Nursery.start_soon") and caller is not None
-            and caller.f_globals.get("__name__", "").startswith(RUNTIME))
+            and _runtime(caller.f_globals.get("__name__", "")))
 
 
 class Profile:
@@ -105,7 +113,7 @@ class Profile:
             f: FrameType | None = frame  # the point itself when it is the runtime's (a SYN stage, the log)
             while f is not None:
                 m = f.f_globals.get("__name__", "")
-                if m.startswith(RUNTIME) and "__create_fn__" not in f.f_code.co_qualname:
+                if _runtime(m) and "__create_fn__" not in f.f_code.co_qualname:
                     self.spine.add((m, f.f_code.co_qualname))
                 f = f.f_back
         if not module.startswith("atp_router."):
@@ -113,12 +121,12 @@ class Profile:
         self.entered[(module, frame.f_code.co_qualname)] += 1
         caller = frame.f_back
         cmod = caller.f_globals.get("__name__", "") if caller is not None else ""
-        if caller is not None and cmod.startswith(RUNTIME) and module.startswith(RUNTIME) and cmod != module:
+        if caller is not None and _runtime(cmod) and _runtime(module) and cmod != module:
             self.crossings.add((cmod, caller.f_code.co_qualname, module, frame.f_code.co_qualname))
-        if module.startswith(RUNTIME):
+        if _runtime(module):
             depth, f = 0, frame
             while f is not None:
-                if f.f_globals.get("__name__", "").startswith(RUNTIME):
+                if _runtime(f.f_globals.get("__name__", "")):
                     depth += 1
                 f = f.f_back
             self.depth = max(self.depth, depth)
@@ -174,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also list every runtime function entered and every call between runtime modules")
     args = ap.parse_args(argv)
     busy, idle = trio.run(measure, args.tasks)
-    entered = sorted(k for k in busy.entered if k[0].startswith(RUNTIME) and k not in idle.entered)
-    core = Counter(k[0].split(".")[1] for k in busy.entered if not k[0].startswith(RUNTIME) and k not in idle.entered)
+    entered = sorted(k for k in busy.entered if _runtime(k[0]) and k not in idle.entered)
+    core = Counter(k[0].split(".")[1] for k in busy.entered
+                   if not k[0].startswith(RUNTIME) and k not in idle.entered)
     edges = sorted(busy.crossings - idle.crossings)
     spine = sorted(busy.spine - idle.spine)
     if args.all:

@@ -113,8 +113,6 @@ from typing import Any, TypeVar
 
 import trio
 import yaml  # type: ignore[import-untyped]  # PyYAML ships no stubs (types-PyYAML is not a dependency)
-from hypercorn.config import Config as HyperConfig
-from hypercorn.trio import serve as hyper_serve
 
 from atp_router.adapters import local_model
 from atp_router.adapters.context import install_log_redaction
@@ -123,6 +121,7 @@ from atp_router.adapters.tools.semgrep import rule_sources
 from atp_router.cliutil.helpfmt import DefaultsHelpFormatter
 from atp_router.deploy import cluster, single
 from atp_router.deploy.cluster import is_cluster_store
+from atp_router.deploy.http_serve import serve_http
 from atp_router.deploy.learn_cmd import learn_main
 from atp_router.deploy.review_cmd import main as review_main
 from atp_router.deploy.workers import WorkerSpec, supervise, worker_main
@@ -143,7 +142,7 @@ from atp_router.security.audit import (
 )
 from atp_router.security.authn import new_api_key
 from atp_router.security.policy_guard import PolicySecrets
-from atp_router.security.tls import ServerTls, hypercorn_ssl
+from atp_router.security.tls import ServerTls
 from atp_router.store import StoreError
 from atp_router.wire.codec import KeyRing
 from atp_router.wire.errors import PolicyError
@@ -158,20 +157,12 @@ async def run(config: RouterConfig, *,
     """
     deployed = single.deploy(config) if config.store == "sqlite" else cluster.deploy(config)
     router = deployed.router
-    hc = HyperConfig()
-    hc.bind = [f"{config.host}:{config.http_port}"]
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("hypercorn.error")
-    hc.graceful_timeout = 1.0
-    hc.backlog = 1024  # hypercorn's default (100) drops SYNs of a burst of clients; as the workers' _listen
-    if config.tls is not None:
-        hypercorn_ssl(hc, config.tls)  # HTTPS, TLS 1.3, the same reloadable context as WSS
     app = build_app(router)
     # Several routers on one store (atp_router.deploy.cluster): requests about another router's streams are forwarded.
     middleware = deployed.http_middleware
     forwarding = middleware(app) if middleware is not None else None
     try:
-        await _serve(deployed, app if forwarding is None else forwarding, hc, config, task_status)
+        await _serve(deployed, app if forwarding is None else forwarding, config, task_status)
     finally:
         if forwarding is not None:  # the forwarding clients
             with trio.CancelScope(shield=True):
@@ -191,7 +182,7 @@ async def serve_private(policies: Path, state_dir: Path, *, task_status: trio.Ta
         task_status.started(http_port)
 
 
-async def _serve(deployed: single.Deployed, app: Any, hc: HyperConfig, config: RouterConfig,
+async def _serve(deployed: single.Deployed, app: Any, config: RouterConfig,
                  task_status: trio.TaskStatus[tuple[Router, int, int]]) -> None:
     router = deployed.router
     async with trio.open_nursery() as nursery:
@@ -199,7 +190,8 @@ async def _serve(deployed: single.Deployed, app: Any, hc: HyperConfig, config: R
         await nursery.start(router.authenticator.run)  # JWKS refresh (returns at once without JWT)
         if config.tls is not None:
             nursery.start_soon(config.tls.watch, 30.0)
-        binds = await nursery.start(lambda task_status: hyper_serve(app, hc, task_status=task_status))
+        binds = await nursery.start(lambda task_status: serve_http(  # lean or hypercorn (--http-server)
+            app, config, [f"{config.host}:{config.http_port}"], task_status=task_status))
         ws_server = await nursery.start(lambda task_status: serve_ws(router, config.host, config.ws_port, task_status=task_status))
         http_port = int(binds[0].rsplit(":", 1)[1])
         if deployed.advertise is not None:
@@ -291,6 +283,9 @@ def _security_args(sec: argparse._ArgumentGroup, d: RouterConfig) -> None:
                      help="HTTP request body limit (413 above)")
     sec.add_argument("--max-policy-bytes", type=_positive(int), default=d.max_policy_bytes,
                      help="policy reload body limit (413 above)")
+    sec.add_argument("--http-server", choices=("auto", "lean", "hypercorn"), default=d.http_server,
+                     help="the HTTP API's server: lean (HTTP/1.1, httptools), hypercorn (+ HTTP/2 under TLS); "
+                          "auto: lean without --tls-cert, hypercorn with it")
 
 
 def _state_args(sec: argparse._ArgumentGroup, d: RouterConfig) -> None:
@@ -479,7 +474,7 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
             tenant_rate_per_s=args.tenant_rate_per_s, tenant_rate_burst=args.tenant_rate_burst,
             max_body_bytes=args.max_body_bytes, max_policy_bytes=args.max_policy_bytes,
             max_ws_message_bytes=args.max_ws_message_bytes,
-            ws_deflate=not args.no_ws_deflate,
+            ws_deflate=not args.no_ws_deflate, http_server=args.http_server,
             repo=args.repo.resolve() if args.repo is not None else None,
             state_dir=args.state_dir, state_sync=args.state_sync.upper(), watch_policies=not args.no_watch,
             cache_max_bytes=args.cache_max_bytes, store=args.store, store_namespace=args.store_namespace,

@@ -114,11 +114,10 @@ from typing import Any
 import httpx
 import msgspec
 import trio
-from hypercorn.config import Config as HyperConfig
-from hypercorn.trio import serve as hyper_serve
 from prometheus_client import Counter
 
 from atp_router.deploy import single
+from atp_router.deploy.http_serve import serve_http
 from atp_router.deploy.single import end_interrupted
 from atp_router.flow.budget import SharedBudgetLedger
 from atp_router.observability.metrics import RouterMetrics
@@ -134,7 +133,6 @@ from atp_router.runtime.router import Router
 from atp_router.security.audit import AuditLog
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
-from atp_router.security.tls import hypercorn_ssl
 from atp_router.store import SqliteStore, Store, StoreError, StoreUnavailable
 from atp_router.store.sqlite import sync_mode
 from atp_router.store.threads import off_loop
@@ -726,9 +724,7 @@ async def _serve_worker(config: RouterConfig, spec: WorkerSpec, router: Router, 
     app = build_app(router)
     public = ForwardingApp(app, router, worker, private=False)
     private = ForwardingApp(app, router, worker, private=True)
-    hc = _hyper_config(config, [f"fd://{spec.http_fd}"], tls=True)
     sock_path = worker_socket(router.state_dir, spec.slot)
-    hc_private = _hyper_config(config, [f"unix:{sock_path}"], tls=False)
     ws_sock = socket.socket(fileno=spec.ws_fd)
     try:
         async with trio.open_nursery() as nursery:
@@ -737,13 +733,12 @@ async def _serve_worker(config: RouterConfig, spec: WorkerSpec, router: Router, 
             await nursery.start(router.authenticator.run)
             if config.tls is not None:
                 nursery.start_soon(config.tls.watch, 30.0)
-            # hypercorn types an ASGI app's scope and events as TypedDicts; ForwardingApp, like the
-            # Starlette app it wraps, as MutableMapping[str, Any] (Scope, Receive, Send above): the
-            # two typings of one protocol do not unify, in either direction.
-            await nursery.start(lambda task_status: hyper_serve(
-                public, hc, task_status=task_status))  # type: ignore[arg-type]
-            await nursery.start(lambda task_status: hyper_serve(
-                private, hc_private, task_status=task_status))  # type: ignore[arg-type]
+            # The public port (inherited from the supervisor) and this worker's private socket, served
+            # by the lean server or hypercorn as --http-server says (atp_router.deploy.http_serve).
+            await nursery.start(lambda task_status: serve_http(
+                public, config, [f"fd://{spec.http_fd}"], task_status=task_status))
+            await nursery.start(lambda task_status: serve_http(
+                private, config, [f"unix:{sock_path}"], tls=False, task_status=task_status))
             await nursery.start(lambda task_status: serve_ws(router, config.host, 0, sock=ws_sock,
                                                              task_status=task_status))
             importlib.import_module("anyio._backends._trio")
@@ -756,17 +751,6 @@ async def _serve_worker(config: RouterConfig, spec: WorkerSpec, router: Router, 
     finally:
         with trio.CancelScope(shield=True):
             await public.aclose()
-
-
-def _hyper_config(config: RouterConfig, binds: list[str], *, tls: bool) -> HyperConfig:
-    hc = HyperConfig()
-    hc.bind = binds
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("hypercorn.error")
-    hc.graceful_timeout = 1.0
-    if tls and config.tls is not None:
-        hypercorn_ssl(hc, config.tls)
-    return hc
 
 
 # ---------------------------------------------------------------------- supervisor

@@ -132,9 +132,13 @@ async def setup(nursery, tmp_path, request):
 
 async def test_a_tenant_budget_is_exact_across_workers(setup):
     """Sixty concurrent streams of one tenant, on both workers, each call billing
-    ten times its estimate: the tenant is charged exactly its limit."""
-    sup, _, _ = setup
+    ten times its estimate: the tenant is charged exactly its limit. The model holds
+    the calls until no more arrive, so both workers' calls are in flight (reserved)
+    before the first commit — which worker wins the last tokens is then the ledger's
+    decision, not which worker happened to start first."""
+    sup, model, _ = setup
     opened: list[tuple[str, str]] = []
+    model.hold = trio.Event()
 
     async def one() -> None:
         body, slot = await _open(sup.url, "alice")
@@ -144,6 +148,13 @@ async def test_a_tenant_budget_is_exact_across_workers(setup):
         for _ in range(60):
             n.start_soon(one)
     assert Counter(slot for _, slot in opened).keys() == {"0", "1"}, opened  # the kernel spread them
+    with trio.fail_after(60):
+        seen, still = -1, 0
+        while still < 10 and model.waiting < 60:  # no new call for 1 s
+            seen, still = model.waiting, still + 1 if model.waiting == seen else 0
+            await trio.sleep(0.1)
+    model.hold.set()
+    model.hold = None
     ends = []
 
     async def follow(sid: str) -> None:

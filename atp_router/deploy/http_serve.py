@@ -1,0 +1,70 @@
+"""What serves the HTTP API (issue 25 item 4): the lean HTTP/1.1 server
+(:mod:`atp_router.runtime.ingress.server`) or hypercorn, as
+:attr:`RouterConfig.http_server <atp_router.runtime.config.RouterConfig>` says
+(``auto``: lean for plain HTTP, hypercorn with TLS, where it adds HTTP/2).
+
+:func:`serve_http` takes binds as hypercorn spells them — ``host:port``,
+``fd://N`` (a listening socket inherited from the ``--workers`` supervisor),
+``unix:PATH`` — so both deployment modes choose the server in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import trio
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio import serve as hyper_serve
+
+from atp_router.runtime.config import RouterConfig
+from atp_router.runtime.ingress.server import ServerLimits, listen_tcp, listen_unix, serve_lean
+from atp_router.security.tls import hypercorn_ssl
+
+__all__ = ["server_of", "serve_http"]
+
+#: The listen backlog: a burst of clients' SYNs is queued, not dropped (hypercorn's default is 100).
+BACKLOG = 1024
+
+
+def server_of(config: RouterConfig) -> Literal["lean", "hypercorn"]:
+    """The server ``config`` asks for, ``auto`` resolved (module docstring)."""
+    if config.http_server == "auto":
+        return "hypercorn" if config.tls is not None else "lean"
+    return config.http_server
+
+
+async def serve_http(app: Any, config: RouterConfig, binds: Sequence[str], *, tls: bool = True,
+                     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``app`` on ``binds`` until cancelled, over ``config.tls`` when
+    ``tls`` (and the config has it). ``task_status.started`` receives the bound
+    addresses (``…host:port`` or ``unix:…``). Raises :class:`OSError` when a bind
+    fails; :class:`RuntimeError` when the app's startup fails."""
+    if server_of(config) == "hypercorn":
+        hc = HyperConfig()
+        hc.bind = list(binds)
+        hc.accesslog = None
+        hc.errorlog = logging.getLogger("hypercorn.error")
+        hc.graceful_timeout = 1.0
+        hc.backlog = BACKLOG
+        if tls and config.tls is not None:
+            hypercorn_ssl(hc, config.tls)  # HTTPS, TLS 1.3, h2 and http/1.1, the same reloadable context as WSS
+        await hyper_serve(app, hc, task_status=task_status)
+        return
+    ctx = config.tls.context_for(("http/1.1",)) if tls and config.tls is not None else None
+    # The server's body bound is a backstop above the app's own (read_body: the JSON 413 a client gets).
+    limits = ServerLimits(max_body_bytes=2 * max(config.max_body_bytes, config.max_policy_bytes), backlog=BACKLOG)
+    sockets = [_socket(b) for b in binds]
+    await serve_lean(app, sockets, ssl_context=ctx, limits=limits, task_status=task_status)
+
+
+def _socket(bind: str) -> socket.socket:
+    """The listening socket of one hypercorn-style bind."""
+    if bind.startswith("fd://"):
+        return socket.socket(fileno=int(bind.removeprefix("fd://")))
+    if bind.startswith("unix:"):
+        return listen_unix(bind.removeprefix("unix:"), BACKLOG)
+    host, _, port = bind.rpartition(":")
+    return listen_tcp(host.strip("[]"), int(port), BACKLOG)

@@ -1,0 +1,273 @@
+"""The lean HTTP/1.1 server (``atp_router.runtime.ingress.server``) on real sockets:
+a Starlette app served by it, driven by httpx (keep-alive, SSE, HEAD, TLS) and by raw
+sockets for the shapes a well-behaved client never sends (pipelining, oversize heads
+and bodies, slow-loris, malformed requests, upgrades, a client that leaves mid-stream)."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trustme
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from atp_router.runtime.ingress.server import ServerLimits, listen_tcp, serve_lean
+
+
+class Events:
+    def __init__(self) -> None:
+        self.sse_cancelled = trio.Event()
+        self.lifespan: list[str] = []
+
+
+def make_app(ev: Events) -> Starlette:
+    async def echo(request: Request) -> Response:
+        body = await request.body()
+        return JSONResponse({"n": len(body), "path": request.url.path, "q": request.url.query,
+                             "head": request.headers.get("x-h", "")})
+
+    async def sse(request: Request) -> Response:
+        async def gen() -> Any:
+            try:
+                for i in range(int(request.query_params.get("n", "1000000"))):
+                    yield f"data: {i}\n\n"
+                    await trio.sleep(0.01)
+            except BaseException:
+                ev.sse_cancelled.set()
+                raise
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    async def boom(request: Request) -> Response:
+        raise ValueError("secret detail")
+
+    async def empty(request: Request) -> Response:
+        return Response(status_code=204)
+
+    async def lifespan(app: Starlette) -> Any:
+        ev.lifespan.append("startup")
+        yield
+        ev.lifespan.append("shutdown")
+
+    from contextlib import asynccontextmanager
+    return Starlette(routes=[Route("/echo", echo, methods=["GET", "POST", "HEAD"]), Route("/sse", sse),
+                             Route("/boom", boom), Route("/empty", empty)],
+                     lifespan=asynccontextmanager(lifespan))
+
+
+LIMITS = ServerLimits(max_head_bytes=8 * 1024, max_headers=20, max_body_bytes=1 << 20, head_timeout_s=0.5,
+                      keep_alive_s=1.0, body_timeout_s=0.5, max_connections=64)
+
+
+async def start(nursery: trio.Nursery, ev: Events, tls: ssl.SSLContext | None = None,
+                limits: ServerLimits = LIMITS) -> int:
+    sock = listen_tcp("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    await nursery.start(lambda task_status: serve_lean(make_app(ev), [sock], ssl_context=tls, limits=limits,
+                                                       task_status=task_status))
+    return port
+
+
+async def raw(port: int, data: bytes, *, read_until_close: bool = True, timeout: float = 5.0) -> bytes:
+    s = await trio.open_tcp_stream("127.0.0.1", port)
+    await s.send_all(data)
+    out = b""
+    with trio.move_on_after(timeout):
+        while True:
+            chunk = await s.receive_some(65536)
+            if not chunk:
+                break
+            out += chunk
+            if not read_until_close and b"\r\n\r\n" in out:
+                break
+    await s.aclose()
+    return out
+
+
+async def test_keep_alive_json_and_query_through_httpx(nursery: trio.Nursery) -> None:
+    ev = Events()
+    port = await start(nursery, ev)
+    assert ev.lifespan == ["startup"]
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+        for i in range(3):
+            r = await c.post(f"/echo?x={i}", content=b"a" * (1000 * i), headers={"x-h": "v"})
+            assert r.status_code == 200 and r.json() == {"n": 1000 * i, "path": "/echo", "q": f"x={i}", "head": "v"}
+            assert r.headers["date"] and r.http_version == "HTTP/1.1"
+        r = await c.head("/echo")
+        assert r.status_code == 200 and r.content == b""
+        r = await c.get("/empty")
+        assert r.status_code == 204 and "content-length" not in r.headers
+        r = await c.get("/nowhere")
+        assert r.status_code == 404
+
+
+async def test_sse_is_streamed_chunked_and_ends(nursery: trio.Nursery) -> None:
+    port = await start(nursery, Events())
+    async with httpx.AsyncClient() as c, c.stream("GET", f"http://127.0.0.1:{port}/sse?n=5") as r:
+        assert r.headers["transfer-encoding"] == "chunked"
+        got = [line async for line in r.aiter_lines() if line]
+    assert got == [f"data: {i}" for i in range(5)]
+
+
+async def test_a_client_leaving_mid_stream_cancels_the_handler(nursery: trio.Nursery) -> None:
+    ev = Events()
+    port = await start(nursery, ev)
+    s = await trio.open_tcp_stream("127.0.0.1", port)
+    await s.send_all(b"GET /sse HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert b"data: 0" in await s.receive_some(65536)
+    await s.aclose()
+    with trio.fail_after(5):
+        await ev.sse_cancelled.wait()
+
+
+async def test_pipelined_requests_are_answered_in_order(nursery: trio.Nursery) -> None:
+    port = await start(nursery, Events())
+    reqs = b"".join(b"GET /echo?i=%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(3))
+    out = await raw(port, reqs + b"GET /echo?i=9 HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    assert out.count(b"HTTP/1.1 200 OK") == 4
+    assert [out.index(b'"q":"i=%d"' % i) for i in (0, 1, 2, 9)] == sorted(out.index(b'"q":"i=%d"' % i)
+                                                                       for i in (0, 1, 2, 9))
+    assert out.rstrip().endswith(b'"head":""}')  # closed after the last, as asked
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"GET /echo HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 9000 + b"\r\n\r\n", b"431"),
+    (b"GET /echo HTTP/1.1\r\nhost: x\r\n" + b"".join(b"x-%d: 1\r\n" % i for i in range(25)) + b"\r\n", b"431"),
+    (b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2000000\r\n\r\n" + b"a" * 1_100_000, b"413"),
+    (b"GET /echo HTTP/1.1\r\nhost: x\r\ncontent-length: zz\r\n\r\n", b"400"),
+    (b"NOT A REQUEST\r\n\r\n", b"400"),
+    (b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n", b"501"),
+    (b"GET /%ff HTTP/1.1\r\nhost: x\r\n\r\n", b"404"),  # percent-escapes are the app's to read
+    (b"GET /\xff HTTP/1.1\r\nhost: x\r\n\r\n", b"400"),
+], ids=["head-bytes", "header-count", "declared-body", "bad-length", "garbage", "upgrade", "escaped", "non-ascii"])
+async def test_bad_requests_get_a_status_and_the_connection_closes(nursery: trio.Nursery, request_bytes: bytes,
+                                                                   status: bytes) -> None:
+    port = await start(nursery, Events())
+    out = await raw(port, request_bytes)
+    assert out.startswith(b"HTTP/1.1 " + status), out[:200]
+    if status != b"404":
+        assert b"connection: close" in out and b"Traceback" not in out
+
+
+async def test_a_streamed_body_past_the_limit_is_413(nursery: trio.Nursery) -> None:
+    port = await start(nursery, Events())
+    s = await trio.open_tcp_stream("127.0.0.1", port)
+    await s.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
+    out = b""
+    with trio.move_on_after(5):
+        for _ in range(40):
+            try:
+                await s.send_all(b"10000\r\n" + b"a" * 0x10000 + b"\r\n")
+            except trio.BrokenResourceError:
+                break
+    with trio.move_on_after(5):
+        while chunk := await s.receive_some(65536):
+            out += chunk
+    assert out.startswith(b"HTTP/1.1 413")
+
+
+async def test_an_app_error_is_a_plain_500_without_the_traceback(nursery: trio.Nursery) -> None:
+    port = await start(nursery, Events())
+    out = await raw(port, b"GET /boom HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 500") and b"secret detail" not in out and b"Traceback" not in out
+
+
+async def test_slow_loris_and_idle_connections_are_closed(nursery: trio.Nursery) -> None:
+    port = await start(nursery, Events())
+    s = await trio.open_tcp_stream("127.0.0.1", port)
+    t0 = trio.current_time()
+    with trio.fail_after(5):
+        for part in (b"GET /echo HTTP/1.1\r\n", b"host: x\r\n", b"x-a: 1\r\n", b"x-b: 1\r\n", b"x-c: 1\r\n"):
+            try:
+                await s.send_all(part)
+            except trio.BrokenResourceError:
+                break
+            await trio.sleep(0.2)
+        assert await s.receive_some(100) == b""  # closed by the head timeout (0.5 s), nothing answered
+    assert trio.current_time() - t0 < 2.0
+    idle = await trio.open_tcp_stream("127.0.0.1", port)
+    with trio.fail_after(5):
+        assert await idle.receive_some(100) == b""  # keep-alive 1 s
+
+
+async def test_expect_100_continue(nursery: trio.Nursery) -> None:
+    port = await start(nursery, Events())
+    s = await trio.open_tcp_stream("127.0.0.1", port)
+    await s.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\nexpect: 100-continue\r\n\r\n")
+    with trio.fail_after(5):
+        assert (await s.receive_some(100)).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await s.send_all(b"abc")
+        assert b'"n":3' in await s.receive_some(65536)
+    await s.aclose()
+
+
+async def test_connections_beyond_the_bound_wait_for_a_slot(nursery: trio.Nursery) -> None:
+    limits = ServerLimits(max_connections=2, keep_alive_s=30)
+    port = await start(nursery, Events(), limits=limits)
+    held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
+    for h in held:
+        await h.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert b"200 OK" in await h.receive_some(65536)
+    third = await trio.open_tcp_stream("127.0.0.1", port)  # in the backlog
+    await third.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
+    with trio.move_on_after(0.5):
+        await third.receive_some(65536)
+        pytest.fail("a third connection was served past max_connections=2")
+    await held[0].aclose()
+    with trio.fail_after(5):
+        assert b"200 OK" in await third.receive_some(65536)
+
+
+async def test_tls_http11(nursery: trio.Nursery, tmp_path: Path) -> None:
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    leaf.configure_cert(server_ctx)
+    server_ctx.set_alpn_protocols(["http/1.1"])
+    port = await start(nursery, Events(), tls=server_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    async with httpx.AsyncClient(verify=client_ctx) as c:
+        r = await c.post(f"https://127.0.0.1:{port}/echo", content=b"xyz")
+        assert r.status_code == 200 and r.json()["n"] == 3
+    out = await raw(port, b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")  # plain HTTP to the TLS port
+    assert b"200 OK" not in out
+
+
+def test_the_http_server_option_resolves_auto_by_tls(tmp_path: Path) -> None:
+    from atp_router.deploy.http_serve import server_of
+    from atp_router.runtime.config import RouterConfig
+
+    ca = trustme.CA()
+    leaf = ca.issue_cert("localhost")
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    leaf.cert_chain_pems[0].write_to_path(str(cert))
+    leaf.private_key_pem.write_to_path(str(key))
+    from atp_router.security.tls import ServerTls
+
+    tls = ServerTls(cert, key)
+    assert server_of(RouterConfig(policies=tmp_path)) == "lean"
+    assert server_of(RouterConfig(policies=tmp_path, tls=tls)) == "hypercorn"  # HTTP/2 kept for HTTPS
+    assert server_of(RouterConfig(policies=tmp_path, tls=tls, http_server="lean")) == "lean"
+    assert server_of(RouterConfig(policies=tmp_path, http_server="hypercorn")) == "hypercorn"
+
+
+@pytest.mark.parametrize("kind", ["lean", "hypercorn"])
+async def test_serve_http_serves_the_app_with_either_server(nursery: trio.Nursery, tmp_path: Path, kind: str) -> None:
+    from atp_router.deploy.http_serve import serve_http
+    from atp_router.runtime.config import RouterConfig
+
+    ev = Events()
+    config = RouterConfig(policies=tmp_path, http_server=kind)  # type: ignore[arg-type]
+    binds = await nursery.start(lambda task_status: serve_http(make_app(ev), config, ["127.0.0.1:0"],
+                                                               task_status=task_status))
+    port = int(binds[0].rsplit(":", 1)[1])
+    async with httpx.AsyncClient() as c:
+        r = await c.post(f"http://127.0.0.1:{port}/echo?a=1", content=b"abc")
+    assert r.json() == {"n": 3, "path": "/echo", "q": "a=1", "head": ""} and ev.lifespan == ["startup"]
