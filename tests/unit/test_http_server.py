@@ -5,7 +5,9 @@ and bodies, slow-loris, malformed requests, upgrades, a client that leaves mid-s
 
 from __future__ import annotations
 
+import socket
 import ssl
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -271,3 +273,48 @@ async def test_serve_http_serves_the_app_with_either_server(nursery: trio.Nurser
     async with httpx.AsyncClient() as c:
         r = await c.post(f"http://127.0.0.1:{port}/echo?a=1", content=b"abc")
     assert r.json() == {"n": 3, "path": "/echo", "q": "a=1", "head": ""} and ev.lifespan == ["startup"]
+
+
+async def test_pipelined_bytes_during_a_stream_are_not_read_past_the_next_request(nursery: trio.Nursery) -> None:
+    """A client that pipelines while a response streams: the server parses the next
+    request's head, then reads no further until the stream ends (the socket's buffers
+    fill and the client blocks) — its queue of requests is bounded, not its sending."""
+    port = await start(nursery, Events(), limits=ServerLimits(keep_alive_s=30))
+    s = await trio.open_tcp_stream("127.0.0.1", port)
+    await s.send_all(b"GET /sse?n=300 HTTP/1.1\r\nhost: x\r\n\r\n")  # ~3 s of events
+    assert b"data: 0" in await s.receive_some(65536)
+    one = b"GET /echo HTTP/1.1\r\nhost: x\r\nx-pad: " + b"p" * 4000 + b"\r\n\r\n"
+    sent = 0
+    with trio.move_on_after(1.5):
+        while sent < 256 * 1024 * 1024:
+            await s.send_all(one * 64)
+            sent += len(one) * 64
+    assert sent < 64 * 1024 * 1024, f"the server read {sent} pipelined bytes during one stream"
+    await s.aclose()
+
+
+async def test_a_send_after_the_client_left_is_a_disconnect_not_an_app_error(
+        nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
+    """A raw ASGI app streaming without watching ``receive``: once the client is gone its
+    sends fail quietly and ``receive`` says ``http.disconnect`` (no "app failed" log)."""
+    finished, seen = trio.Event(), []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(2000):
+            await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+        seen.append((await receive())["type"])
+        finished.set()
+
+    sock = listen_tcp("127.0.0.1", 0)
+    await nursery.start(lambda task_status: serve_lean(app, [sock], limits=LIMITS, task_status=task_status))
+    s = await trio.open_tcp_stream("127.0.0.1", sock.getsockname()[1])
+    await s.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert (await s.receive_some(65536)).startswith(b"HTTP/1.1 200")
+    s.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    await s.aclose()  # a reset: the server's next writes fail
+    with trio.fail_after(10):
+        await finished.wait()
+    assert seen == ["http.disconnect"] and "the app failed" not in caplog.text

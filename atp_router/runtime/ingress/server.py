@@ -11,7 +11,9 @@ What it keeps of a production server, with :class:`ServerLimits`:
 
 * **HTTP/1.1 with keep-alive and pipelining**: requests on a connection are
   answered in order; a request's callbacks go to its own :class:`_Request`, so a
-  pipelined next request is parsed into a queue, never into the current one.
+  pipelined next request is parsed into a queue, never into the current one;
+  while a response streams, reading stops once a next request has begun (at
+  most one read, ``read_size`` bytes, is queued).
 * **Bounds**: the request head (request line and headers) at most
   ``max_head_bytes`` (431) and ``max_headers`` fields (431); a body larger than
   ``max_body_bytes`` (declared or streamed) is 413 — the app's own, tighter
@@ -34,7 +36,8 @@ What it keeps of a production server, with :class:`ServerLimits`:
 * **TLS**: a :class:`ssl.SSLContext` (``ServerTls.context_for(("http/1.1",))``):
   the handshake per connection within ``head_timeout_s``; ALPN offers only
   ``http/1.1`` — this server does not speak HTTP/2 (``--http-server hypercorn``
-  does); the verified client certificate goes in the scope's ``tls`` extension.
+  does). Like hypercorn, it does not put the client's certificate in the scope:
+  HTTP callers authenticate with a key or JWT (mTLS identities: the WebSocket ingress).
 * The ASGI **lifespan** (startup before the first accept, shutdown at exit).
 
 Out of scope: HTTP/2, WebSocket, trailers.
@@ -206,6 +209,7 @@ class _Exchange:
         self.body_done = False  # the last http.request message was given
         self.continued = False
         self.no_body = req.method == b"HEAD"
+        self.done = trio.Event()  # the response is complete
 
     async def receive(self) -> Message:
         req, conn = self.req, self.conn
@@ -256,8 +260,13 @@ class _Exchange:
         elif self.chunked:
             body = (b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + (b"" if more else b"0\r\n\r\n")
         self.complete = not more
-        if out or body:
-            await self.conn.stream.send_all(out + body if out else body)
+        try:
+            if out or body:
+                await self.conn.stream.send_all(out + body if out else body)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.conn.eof = True  # the client left: receive() says http.disconnect, as a read would
+        if self.complete or self.conn.eof:
+            self.done.set()
 
     def _head(self, more: bool, n: int) -> bytes:
         """The response head; decides the framing (length, chunked, or close)."""
@@ -307,9 +316,14 @@ class _Conn:
 
     async def wait_disconnect(self, ex: _Exchange) -> None:
         """Wait until the client goes away (``eof``) or the response completes;
-        bytes of a pipelined next request are parsed into its own request."""
+        bytes of a pipelined next request are parsed into its own request, and
+        once one has begun nothing more is read until this response is complete
+        (the queue of requests is bounded; the client's sending blocks)."""
         if ex.complete or self.error is not None:
             self.eof = self.eof or self.error is not None
+            return
+        if len(self.parser.requests) > 1:
+            await ex.done.wait()
             return
         try:
             await self.read()
