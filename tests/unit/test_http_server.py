@@ -318,3 +318,40 @@ async def test_a_send_after_the_client_left_is_a_disconnect_not_an_app_error(
     with trio.fail_after(10):
         await finished.wait()
     assert seen == ["http.disconnect"] and "the app failed" not in caplog.text
+
+
+async def test_lean_under_server_tls_is_tls13_http11_and_keeps_mtls(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """``--http-server lean`` with ``--tls-cert``: the router's own ServerTls context
+    (TLS 1.3 only, client certificates required when configured); ALPN offers only
+    http/1.1, so a client asking for HTTP/2 gets HTTP/1.1 (what lean gives up)."""
+    from atp_router.deploy.http_serve import serve_http
+    from atp_router.runtime.config import RouterConfig
+    from atp_router.security.tls import ServerTls
+
+    ca = trustme.CA()
+    paths = {n: tmp_path / f"{n}.pem" for n in ("cert", "key", "ca")}
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    leaf.cert_chain_pems[0].write_to_path(str(paths["cert"]))
+    leaf.private_key_pem.write_to_path(str(paths["key"]))
+    ca.cert_pem.write_to_path(str(paths["ca"]))
+    tls = ServerTls(paths["cert"], paths["key"], client_ca_file=paths["ca"], require_client_cert=True)
+    config = RouterConfig(policies=tmp_path, tls=tls, http_server="lean")
+    binds = await nursery.start(lambda task_status: serve_http(make_app(Events()), config, ["127.0.0.1:0"],
+                                                               task_status=task_status))
+    url = f"https://localhost:{int(binds[0].rsplit(':', 1)[1])}/echo"
+
+    def client_ctx(with_cert: bool, max_version: ssl.TLSVersion = ssl.TLSVersion.MAXIMUM_SUPPORTED) -> ssl.SSLContext:
+        ctx = ssl.create_default_context()
+        ca.configure_trust(ctx)
+        ctx.maximum_version = max_version
+        if with_cert:
+            ca.issue_cert("client@example").configure_cert(ctx)
+        return ctx
+
+    async with httpx.AsyncClient(verify=client_ctx(True), http2=True) as c:
+        r = await c.post(url, content=b"ab")
+    assert (r.status_code, r.http_version, r.json()["n"]) == (200, "HTTP/1.1", 2)
+    for ctx in (client_ctx(False), client_ctx(True, ssl.TLSVersion.TLSv1_2)):
+        async with httpx.AsyncClient(verify=ctx) as c:
+            with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+                await c.post(url, content=b"ab")

@@ -77,7 +77,7 @@ ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message],
 class ServerLimits:
     """The server's bounds (module docstring): bytes, counts and seconds."""
 
-    max_head_bytes: int = 64 * 1024
+    max_head_bytes: int = 16 * 1024  # hypercorn's (h11_max_incomplete_size)
     max_headers: int = 128
     max_body_bytes: int = 64 * 1024 * 1024
     head_timeout_s: float = 10.0
