@@ -1,6 +1,6 @@
 """The HTTP API's server alone: hypercorn vs the lean server (issue 25 item 4).
 
-Run: ``python bench/bench_http_server.py [--rounds 3] [--requests 3000] [--in-flight 16]``.
+Run: ``python bench/bench_http_server.py [--rounds 3] [--requests 3000] [--in-flight 16] [--tls]``.
 Plain script, ≈ 1 min on 2 cores. Two server processes (this script with
 ``--serve KIND PORT``) serve the **same** Starlette app — a small JSON ``POST``
 (the shape of ``POST /v1/streams``) and an SSE ``GET`` of 8 events (the shape of
@@ -12,9 +12,12 @@ lean HTTP/1.1 server (``atp_router.runtime.ingress.server``). One load generator
 ``--rounds`` rounds (order rotated). Reported per server and shape: **server CPU
 µs per request** (utime + stime of its process, ``/proc``) and requests/s, the
 median over the rounds (never a best of); the load average before and after.
+``--tls``: both servers serve HTTPS with the router's ``ServerTls`` (a trustme
+certificate; TLS 1.3), the client speaking HTTP/1.1 to both (the lean server
+offers no HTTP/2; hypercorn's HTTP/2 is not measured here).
 
 The last line is ``HTTP_SERVER cpu_us_per_request json hypercorn=<a> lean=<b>
-sse hypercorn=<c> lean=<d>`` (medians).
+sse hypercorn=<c> lean=<d> tls=<on|off>`` (medians).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -60,8 +64,14 @@ def serve(kind: str, port: int) -> None:
     from atp_router.deploy.http_serve import serve_http
     from atp_router.runtime.config import RouterConfig
 
-    config = RouterConfig(policies=Path("."), http_server=kind)  # type: ignore[arg-type]
+    from atp_router.security.tls import ServerTls
+
+    tls = ServerTls(os.environ["BENCH_TLS_CERT"], os.environ["BENCH_TLS_KEY"]) if "BENCH_TLS_CERT" in os.environ else None
+    config = RouterConfig(policies=Path("."), http_server=kind, tls=tls)  # type: ignore[arg-type]
     trio.run(lambda: serve_http(app(), config, [f"127.0.0.1:{port}"]))
+
+
+VERIFY: Any = True  # the client's TLS context under --tls
 
 
 async def drive(url: str, shape: str, n: int, k: int) -> float:
@@ -71,7 +81,7 @@ async def drive(url: str, shape: str, n: int, k: int) -> float:
 
     body = b'{"task": {"task_type": "chat"}, "content": {"messages": [{"role": "user", "content": "hi"}]}}'
     left = n
-    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=k)) as c:
+    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=k), verify=VERIFY) as c:
         async def worker() -> None:
             nonlocal left
             while left > 0:
@@ -100,12 +110,28 @@ def bench(args: argparse.Namespace) -> int:
 
     import bench_gateway as gw
 
+    global VERIFY
     load0 = os.getloadavg()
     procs, urls = {}, {}
+    env, scheme = dict(os.environ), "http"
+    if args.tls:
+        import ssl
+        import tempfile
+
+        import trustme
+
+        ca, tmp = trustme.CA(), Path(tempfile.mkdtemp(prefix="bench-http-tls-"))
+        leaf = ca.issue_cert("127.0.0.1")
+        leaf.cert_chain_pems[0].write_to_path(str(tmp / "cert.pem"))
+        leaf.private_key_pem.write_to_path(str(tmp / "key.pem"))
+        env.update(BENCH_TLS_CERT=str(tmp / "cert.pem"), BENCH_TLS_KEY=str(tmp / "key.pem"))
+        VERIFY = ssl.create_default_context()
+        ca.configure_trust(VERIFY)
+        scheme = "https"
     for kind in SERVERS:
         port = gw.free_port()
-        procs[kind] = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port)])
-        urls[kind] = f"http://127.0.0.1:{port}"
+        procs[kind] = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port)], env=env)
+        urls[kind] = f"{scheme}://127.0.0.1:{port}"
     try:
         for kind in SERVERS:
             for _ in range(200):
@@ -135,7 +161,7 @@ def bench(args: argparse.Namespace) -> int:
         print(f"  {kind:9} {shape:4}: {us:6.0f} µs CPU a request, {rps:6.0f} requests/s")
     print(f"HTTP_SERVER cpu_us_per_request json hypercorn={med['hypercorn', 'json'][0]:.0f} "
           f"lean={med['lean', 'json'][0]:.0f} sse hypercorn={med['hypercorn', 'sse'][0]:.0f} "
-          f"lean={med['lean', 'sse'][0]:.0f}")
+          f"lean={med['lean', 'sse'][0]:.0f} tls={'on' if args.tls else 'off'}")
     return 0
 
 
@@ -144,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--in-flight", type=int, default=16)
+    ap.add_argument("--tls", action="store_true", help="both servers over TLS 1.3 (HTTP/1.1)")
     ap.add_argument("--serve", nargs=2, metavar=("KIND", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
