@@ -147,7 +147,10 @@ async def test_pipelined_requests_are_answered_in_order(nursery: trio.Nursery) -
     (b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n", b"501"),
     (b"GET /%ff HTTP/1.1\r\nhost: x\r\n\r\n", b"404"),  # percent-escapes are the app's to read
     (b"GET /\xff HTTP/1.1\r\nhost: x\r\n\r\n", b"400"),
-], ids=["head-bytes", "header-count", "declared-body", "bad-length", "garbage", "upgrade", "escaped", "non-ascii"])
+    (b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n", b"400"),
+    (b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabcd", b"400"),
+], ids=["head-bytes", "header-count", "declared-body", "bad-length", "garbage", "upgrade", "escaped", "non-ascii",
+        "smuggling-te-and-cl", "smuggling-two-cl"])
 async def test_bad_requests_get_a_status_and_the_connection_closes(nursery: trio.Nursery, request_bytes: bytes,
                                                                    status: bytes) -> None:
     port = await start(nursery, Events())
