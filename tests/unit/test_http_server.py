@@ -17,7 +17,11 @@ import trio
 import trustme
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import (
+    JSONResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 from atp_router.runtime.ingress.server import ServerLimits, listen_tcp, serve_lean
@@ -358,3 +362,18 @@ async def test_lean_under_server_tls_is_tls13_http11_and_keeps_mtls(nursery: tri
         async with httpx.AsyncClient(verify=ctx) as c:
             with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
                 await c.post(url, content=b"ab")
+
+
+async def test_cancelling_the_server_runs_the_lifespan_shutdown_and_closes_the_listener() -> None:
+    """Shutdown (the CLI cancels on SIGTERM): open connections end, the app's lifespan
+    shutdown runs (shielded, at most 5 s), the listening socket is closed."""
+    ev = Events()
+    async with trio.open_nursery() as nursery:
+        port = await start(nursery, ev, limits=ServerLimits(keep_alive_s=30))
+        held = await trio.open_tcp_stream("127.0.0.1", port)  # an idle keep-alive connection
+        nursery.cancel_scope.cancel()
+    assert ev.lifespan == ["startup", "shutdown"]
+    with trio.fail_after(5):
+        assert await held.receive_some(100) == b""
+    with pytest.raises(OSError):
+        await trio.open_tcp_stream("127.0.0.1", port)

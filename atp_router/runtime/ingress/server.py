@@ -38,9 +38,7 @@ What it keeps of a production server, with :class:`ServerLimits`:
   ``http/1.1`` — this server does not speak HTTP/2 (``--http-server hypercorn``
   does). Like hypercorn, it does not put the client's certificate in the scope:
   HTTP callers authenticate with a key or JWT (mTLS identities: the WebSocket ingress).
-* The ASGI **lifespan** (startup before the first accept, shutdown at exit).
-
-Out of scope: HTTP/2, WebSocket, trailers.
+* The ASGI **lifespan** (startup before the first accept, shutdown at exit). Out of scope: HTTP/2, WebSocket, trailers.
 """
 
 from __future__ import annotations
@@ -53,13 +51,13 @@ import os
 import socket
 import ssl
 import time
-from contextlib import asynccontextmanager
-from http import HTTPStatus
-from urllib.parse import unquote
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
+from urllib.parse import unquote
 
 import httptools
 import trio
@@ -477,11 +475,13 @@ def listen_unix(path: str, backlog: int = 1024) -> socket.socket:
 
 @asynccontextmanager
 async def lifespan(app: ASGIApp, state: dict[str, Any]) -> AsyncIterator[None]:
-    """The app's ASGI lifespan around the block: startup before, shutdown after.
-    An app that refuses the lifespan scope (raises at once) runs without one;
-    a failed startup raises :class:`RuntimeError` with the app's message."""
+    """The app's ASGI lifespan around the block: startup before, shutdown after
+    (also when the block is cancelled: the app's lifespan task is shielded until
+    it answered ``lifespan.shutdown``, at most 5 s). An app that refuses the
+    lifespan scope (raises at once) runs without one; a failed startup raises
+    :class:`RuntimeError` with the app's message."""
     send_in, recv_in = trio.open_memory_channel[Message](2)
-    started, stopped = trio.Event(), trio.Event()
+    started, stopped, shield = trio.Event(), trio.Event(), trio.CancelScope(shield=True)
     failure: list[str] = []
 
     async def send(m: Message) -> None:
@@ -492,26 +492,28 @@ async def lifespan(app: ASGIApp, state: dict[str, Any]) -> AsyncIterator[None]:
 
     async def run() -> None:
         scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": state}
-        try:
-            await app(scope, recv_in.receive, send)
-        except Exception:  # noqa: BLE001 - an app without lifespan support raises at once (ASGI spec)
-            log.debug("the app has no ASGI lifespan", exc_info=True)
+        with shield:
+            try:
+                await app(scope, recv_in.receive, send)
+            except Exception:
+                log.debug("the app has no ASGI lifespan", exc_info=True)
         started.set()
         stopped.set()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run)
-        await send_in.send({"type": "lifespan.startup"})
-        await started.wait()
-        if failure:
-            raise RuntimeError(f"the app's startup failed: {failure[0]}")
         try:
+            await send_in.send({"type": "lifespan.startup"})
+            await started.wait()
+            if failure:
+                raise RuntimeError(f"the app's startup failed: {failure[0]}")
             yield
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5.0):
-                await send_in.send({"type": "lifespan.shutdown"})
-                await stopped.wait()
-            nursery.cancel_scope.cancel()
+                if started.is_set() and not failure:
+                    await send_in.send({"type": "lifespan.shutdown"})
+                    await stopped.wait()
+            shield.cancel()
 
 
 # ------------------------------------------------------------------ the server
