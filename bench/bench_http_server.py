@@ -39,7 +39,7 @@ SERVERS = ("hypercorn", "lean")
 EVENTS = 8
 
 
-def app():  # noqa: ANN201 - a Starlette app
+def app():
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, StreamingResponse
@@ -50,7 +50,7 @@ def app():  # noqa: ANN201 - a Starlette app
         return JSONResponse({"stream_id": "s-1", "session_id": "x", "bytes": len(body)}, status_code=201)
 
     async def events(request: Request) -> StreamingResponse:
-        async def gen():  # noqa: ANN202
+        async def gen():
             for i in range(EVENTS):
                 yield f"event: PARTIAL\nid: {i}\ndata: {{\"delta\": \"tok{i}\"}}\n\n".encode()
         return StreamingResponse(gen(), media_type="text/event-stream")
@@ -63,7 +63,6 @@ def serve(kind: str, port: int) -> None:
 
     from atp_router.deploy.http_serve import serve_http
     from atp_router.runtime.config import RouterConfig
-
     from atp_router.security.tls import ServerTls
 
     tls = ServerTls(os.environ["BENCH_TLS_CERT"], os.environ["BENCH_TLS_KEY"]) if "BENCH_TLS_CERT" in os.environ else None
@@ -106,9 +105,8 @@ def cpu_s(pid: int) -> float:
 
 
 def bench(args: argparse.Namespace) -> int:
-    import trio
-
     import bench_gateway as gw
+    import trio
 
     global VERIFY
     load0 = os.getloadavg()
