@@ -128,6 +128,13 @@ def build(config: RouterConfig, *, lock: bool = True, **kw: Any) -> Router:
     kw.setdefault("store_refusal", _refusal)
     router = Router(config, open_state(config, lock=lock), **kw)
     router.streams.persistence.hold_unstored = False  # one router on its own store: a full disk stalls no stream
+    journal = router.ledger.journal
+    if isinstance(journal, StoreJournal):
+        # A stream's end settlements (commit, release, close) go in the group commit of its
+        # events: the FINAL and its commit in one transaction (StoreJournal.defer).
+        journal.defer = router.streams.persistence.defer
+    # Routine audit records (session open and close) in the same group commit, MACed once stored.
+    router.audit_log.defer = router.streams.persistence.defer
     return router
 
 

@@ -894,6 +894,13 @@ class AuditLog:
         self.sinks = list(sinks)
         head = store.audit_head()
         self._seq, self._hash = (head.seq, head.hash) if head is not None else (0, GENESIS)
+        #: ``defer(write, done) -> bool``: hand a record's store write to the router's group
+        #: commit (:meth:`StreamPersistence.defer <atp_router.runtime.dataplane.persistence.StreamPersistence.defer>`,
+        #: one transaction with the events queued with it; False: none runs, written at once).
+        #: Not shared logs only. Checkpoints MAC only what is stored (:meth:`checkpoint`).
+        self.defer: Callable[[Callable[[], object], Callable[[], None] | None], bool] | None = None
+        #: ``(seq, hash)`` of the last record known stored (behind the head while deferred ones wait).
+        self._stored = (self._seq, self._hash)
         if shared:
             latest = store.audit_checkpoint()
             self._signed = latest.seq if latest is not None else 0
@@ -1034,8 +1041,15 @@ class AuditLog:
         else:
             rec = chain_record(self._seq, self._hash, kind=kind, actor=actor, tenant=tenant, detail=detail,
                                now_ms=now_ms)
+            if self.defer is not None and self.defer(functools.partial(self.store.append_audit, rec),
+                                                     functools.partial(self._on_stored, rec)):
+                self._seq, self._hash = rec.seq, rec.hash
+                self._pending += 1
+                if self._first_pending_ms is None:
+                    self._first_pending_ms = now_ms
+                return rec  # checkpointed once stored (_on_stored) or by tick
             self.store.append_audit(rec)
-        self._seq, self._hash = rec.seq, rec.hash
+        self._stored = self._seq, self._hash = rec.seq, rec.hash
         self._pending += 1
         if self._first_pending_ms is None:
             self._first_pending_ms = now_ms
@@ -1046,6 +1060,17 @@ class AuditLog:
         if self._seq - self._signed >= self.every or now_ms - self._first_pending_ms >= self.interval_ms:
             self.checkpoint()
         return rec
+
+    def _on_stored(self, rec: AuditRecord) -> None:
+        """A deferred record is in the store (the group commit that carried it is
+        durable): it may be MACed; a checkpoint when ``every`` are unsigned."""
+        if rec.seq > self._stored[0]:
+            self._stored = rec.seq, rec.hash
+        if self._stored[0] - self._signed >= self.every:
+            try:
+                self.checkpoint()
+            except (AuditError, StoreError) as e:  # tried again by the next record or tick
+                log.error("audit: a checkpoint after a group commit failed: %s", e)
 
     def next_checkpoint_ms(self) -> int | None:
         """When the unsigned tail is due for a checkpoint (Unix ms), or ``None``."""
@@ -1061,13 +1086,18 @@ class AuditLog:
         then each sink); ``None`` when the log is empty. Raises
         :class:`AuditError` when a sink failed (after trying every sink; the
         local checkpoint is written)."""
-        if self._seq == 0:
-            return None
-        cp = make_checkpoint(self._seq, self._hash, self._key)
+        # A shared log's head is stored when chained; a deferred record is MACed only
+        # once stored (a crash never leaves a checkpoint past the stored chain).
+        seq, head = (self._seq, self._hash) if self.shared else self._stored
+        if seq == 0 or (seq <= self._signed and self._seq > seq):
+            return None  # nothing stored since the last one: the deferred records are not MACed yet
+        cp = make_checkpoint(seq, head, self._key)
         if self.head_path is not None:
             _write_head_file(self.head_path, cp)
         self.store.put_audit_checkpoint(cp)
-        self._pending, self._first_pending_ms = 0, None
+        self._pending = self._seq - seq
+        if not self._pending:
+            self._first_pending_ms = None
         self._signed = max(self._signed, cp.seq)
         failed: list[str] = []
         for sink in self.sinks:

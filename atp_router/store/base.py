@@ -699,12 +699,24 @@ class StoreJournal:
     * new spend — :meth:`on_open`, :meth:`on_reserve` — first writes what is
       kept and raises :class:`StoreUnavailable` while it cannot: the ledger
       undoes it (:class:`~atp_router.flow.budget.BudgetLedger`) and the caller
-      refuses it."""
+      refuses it.
+
+    With :attr:`defer` set (the router's group commit,
+    :meth:`StreamPersistence.defer <atp_router.runtime.dataplane.persistence.StreamPersistence.defer>`),
+    the settlements at a stream's end — commit, release, close — are not
+    written alone but in the next group commit, in the same transaction as the
+    events queued with them (issue 25 item 2): a call's commit is made before
+    its stream's FINAL is queued, so the FINAL is sent only once its commit is
+    stored, and a crash before that leaves the reservation in the store (the
+    restart commits it at its reserved amount; no FINAL was sent)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self._pending: list[Callable[[], None]] = []
         self._fault: StoreUnavailable | None = None
+        #: ``defer(write) -> bool``: hand a settlement to the next group commit (False:
+        #: none runs, it is written at once). None: every settlement written at once.
+        self.defer: Callable[[Callable[[], object]], bool] | None = None
 
     @property
     def pending(self) -> int:
@@ -744,11 +756,18 @@ class StoreJournal:
                 _log.error("budget ledger: %s; the settlement is kept and written when the store takes writes", e)
         self._pending.append(write)
 
+    def _settle_later(self, write: Callable[[], None]) -> None:
+        """A settlement at a stream's end: in the next group commit (:attr:`defer`)
+        unless settlements are kept (they go first, in order), else as :meth:`_settle`."""
+        if self.defer is not None and not self._pending and self.defer(write):
+            return
+        self._settle(write)
+
     def on_open(self, key: str, parent: str | None, limit: Allowance) -> None:
         self._spend(lambda: self.store.open_account(key, parent, limit))
 
     def on_close(self, key: str) -> None:
-        self._settle(lambda: self.store.close_account(key))
+        self._settle_later(lambda: self.store.close_account(key))
 
     def on_reserve(self, reservation: Reservation) -> None:
         self._spend(lambda: self.store.reserve(reservation))
@@ -757,10 +776,10 @@ class StoreJournal:
         self._settle(lambda: self.store.reserve(reservation))
 
     def on_commit(self, reservation: Reservation, charge: Charge) -> None:
-        self._settle(lambda: self.store.commit(reservation.id, charge))
+        self._settle_later(lambda: self.store.commit(reservation.id, charge))
 
     def on_release(self, reservation: Reservation) -> None:
-        self._settle(lambda: self.store.release(reservation.id))
+        self._settle_later(lambda: self.store.release(reservation.id))
 
     def on_set_limit(self, key: str, limit: Allowance) -> None:
         self._settle(lambda: self.store.set_limit(key, limit))

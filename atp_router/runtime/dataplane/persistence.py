@@ -48,6 +48,9 @@ log = logging.getLogger("atp_router.runtime")
 _FLUSH_RETRY_S = 0.25
 #: Key of the SYN+ACK route info kept with a stored stream's meta.
 _ROUTE_KEY = "_atp_route"
+#: A write another part deferred to the group commit (:meth:`StreamPersistence.defer`) and
+#: what to tell once it is stored (None: nothing).
+_Deferred = tuple[Callable[[], object], Callable[[], None] | None]
 
 
 def _now_ms() -> int:
@@ -133,7 +136,7 @@ class StreamPersistence:
         #: writes are queued again if it fails.
         self._dropped: set[int] = set()
         #: Other parts' store writes for the next group commit, after its events (:meth:`defer`).
-        self._writes: list[Callable[[], object]] = []
+        self._writes: list[_Deferred] = []
 
     def persist_open(self, ctx: StreamCtx) -> None:
         """Store the record of a stream just opened (its meta with secrets masked,
@@ -222,17 +225,21 @@ class StreamPersistence:
             self._flush_wanted.set()
         self._pending.append((ctx, ev))
 
-    def defer(self, write: Callable[[], object]) -> bool:
-        """Queue ``write`` — a store write of another part of the router, made
-        when a stream closes (a shared quota's close) — for the next group
-        commit, after its events: one store round trip with them, off the trio
-        loop, retried with them while the store cannot be reached. False when no
-        group commit runs (the caller writes at once)."""
+    def defer(self, write: Callable[[], object], done: Callable[[], None] | None = None) -> bool:
+        """Queue ``write`` — a store write of another part of the router: a
+        shared quota's close, a ledger settlement at a stream's end
+        (:class:`~atp_router.store.base.StoreJournal`), an audit record — for
+        the next group commit, after its events: one store transaction (one
+        round trip) with them, off the trio loop, retried with them while the
+        store cannot be reached; ``done()`` is called on the trio side once it
+        is stored. A write that raises a store error other than unreachable or
+        fenced is logged and dropped alone (the group commit's other writes
+        stand). False when no group commit runs (the caller writes at once)."""
         if not self.group_commit:
             return False
         if not self._pending and not self._writes:
             self._flush_wanted.set()
-        self._writes.append(write)
+        self._writes.append((write, done))
         return True
 
     def flush(self) -> bool:
@@ -252,7 +259,7 @@ class StreamPersistence:
         return self._written(*taken, self._write(*taken))
 
     def _take(self) -> tuple[list[tuple[StreamCtx, LoggedEvent | StreamRecord | None]],
-                             list[Callable[[], object]]] | None:
+                             list[_Deferred]] | None:
         """The queued writes, taken for one group commit (their events encoded),
         and the deferred ones (:meth:`defer`); None when there are none or the
         flush gate holds them."""
@@ -269,7 +276,7 @@ class StreamPersistence:
         return pending, writes
 
     def _write(self, pending: list[tuple[StreamCtx, LoggedEvent | StreamRecord | None]],
-               writes: list[Callable[[], object]]) -> BaseException | None:
+               writes: list[_Deferred]) -> BaseException | None:
         """The store's side of a group commit (any thread: it reads only what
         :meth:`_take` froze): None, or the store error that stopped it."""
         assert self.store is not None
@@ -283,16 +290,26 @@ class StreamPersistence:
                         self.store.put_stream(ev)
                     else:
                         self._store_event(ctx, ev, ev.json_bytes())
-                for write in writes:
-                    write()
+                for write, _ in writes:
+                    self._deferred(write)
         except StoreError as e:
             return e
         finally:
             self._flushing = False
         return None
 
+    @staticmethod
+    def _deferred(write: Callable[[], object]) -> None:
+        """One deferred write inside the group commit (:meth:`defer`)."""
+        try:
+            write()
+        except (StoreUnavailable, Fenced):
+            raise  # the whole group commit is kept and tried again (or waits for the fence)
+        except StoreError:
+            log.exception("state store: a deferred write was refused; dropped")
+
     def _written(self, pending: list[tuple[StreamCtx, LoggedEvent | StreamRecord | None]],
-                 writes: list[Callable[[], object]], error: BaseException | None) -> bool:
+                 writes: list[_Deferred], error: BaseException | None) -> bool:
         """On the trio side, after :meth:`_write`: mark the events sent, or queue
         the writes again (in order, before what came meanwhile) when the store
         could not take them or fenced this router."""
@@ -317,6 +334,10 @@ class StreamPersistence:
         if error is not None:
             log.error("state store: a batch of %d writes failed", len(pending), exc_info=error)
         self._mark_sent(pending)
+        if error is None:
+            for _, done in writes:
+                if done is not None:
+                    done()
         return True
 
     @staticmethod
