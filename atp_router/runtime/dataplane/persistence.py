@@ -130,6 +130,9 @@ class StreamPersistence:
         #: anyway and their writes stay queued until it can (atp_router.deploy.single: no other
         #: router reads this store, and a full disk must not stall the running streams).
         self.hold_unstored = True
+        #: True: a stream's record is written in the group commit of its first events, not
+        #: alone at open (atp_router.deploy.single: no other router looks it up meanwhile).
+        self.record_in_group_commit = False
         #: The writes of the group commit being written off the loop (still "unstored").
         self._inflight: list[tuple[StreamCtx, LoggedEvent | StreamRecord | None]] = []
         #: Streams dropped (:meth:`drop`) while a group commit was in flight: none of their
@@ -140,8 +143,10 @@ class StreamPersistence:
 
     def persist_open(self, ctx: StreamCtx) -> None:
         """Store the record of a stream just opened (its meta with secrets masked,
-        its route and window): at once, or — the store unreachable under group
-        commit — before the next flush's events."""
+        its route and window): at once, or — under group commit with
+        :attr:`record_in_group_commit`, or the store unreachable — in the next
+        flush, before its events (its SYN+ACK is sent once that transaction is
+        durable)."""
         if self.store is None:
             return
         route = {"policy": ctx.route.policy, "next_hops": [h.agent for h in ctx.route.next_hops],
@@ -156,6 +161,9 @@ class StreamPersistence:
             # Stored meta has its secrets masked (spec §11, §19): the store is not cleared for them.
             idempotency_key=ctx.idempotency_key, meta={**redact_meta(ctx.meta), _ROUTE_KEY: route}, qos=ctx.qos,
             budget=ctx.budget, created_ms=_now_ms(), owner=self.owner)
+        if self.group_commit and self.record_in_group_commit:
+            self._queue(ctx, record)  # one transaction with its first events (issue 25 item 2)
+            return
         try:
             self.store.put_stream(record)
         except StoreUnavailable as e:
@@ -220,7 +228,7 @@ class StreamPersistence:
         except StoreError:
             log.exception("state store: close_stream failed")
 
-    def _queue(self, ctx: StreamCtx, ev: LoggedEvent | None) -> None:
+    def _queue(self, ctx: StreamCtx, ev: LoggedEvent | StreamRecord | None) -> None:
         if not self._pending:
             self._flush_wanted.set()
         self._pending.append((ctx, ev))
@@ -241,6 +249,33 @@ class StreamPersistence:
             self._flush_wanted.set()
         self._writes.append((write, done))
         return True
+
+    def write_with(self, write: Callable[[], None]) -> None:
+        """``write`` — new spend that must be stored before its caller goes on (a
+        reservation before its call) — now, in one store transaction with the
+        writes queued for the next group commit (a stream's record and SYN+ACK
+        with its first reservation), on an unthreaded store (else alone, as
+        without group commit). Raises what ``write`` or the store raised; then
+        nothing of the transaction is stored and the queued writes are queued
+        again, in order, for the flusher."""
+        taken = self._take() if self.group_commit and self.store is not None and not self.store.threaded else None
+        if taken is None:
+            write()
+            return
+        assert self.store is not None
+        error: BaseException | None = None
+        try:
+            with self.store.batch():
+                error = self._write(*taken)
+                if isinstance(error, StoreUnavailable):
+                    raise error
+                write()
+        except BaseException:
+            self._inflight = []
+            self._pending[:0], self._writes[:0] = taken
+            self._flush_wanted.set()
+            raise
+        self._written(*taken, error)
 
     def flush(self) -> bool:
         """Write every queued event and close in one store transaction (group

@@ -1,0 +1,157 @@
+"""A task on the embedded SQLite store in few write transactions (issue 25 item 2).
+
+Real :class:`~atp_router.store.sqlite.SqliteStore` files, a real
+:class:`~atp_router.flow.budget.BudgetLedger` journaled by
+:class:`~atp_router.store.base.StoreJournal`, a real
+:class:`~atp_router.runtime.dataplane.persistence.StreamPersistence` (its group
+commit driven by hand: ``group_commit`` on, :meth:`flush` where the flusher
+would run) and a real :class:`~atp_router.security.audit.AuditLog`; then a real
+router on a state directory. Write transactions are counted as the SQLite
+connection's ``COMMIT`` statements (its trace callback).
+
+* a stream's end settlements (commit, close) wait for the group commit: until
+  it runs the store still holds the reservation (a crash there: the restart
+  commits it at its reserved amount, and no FINAL was sent — it is in the same
+  group commit), after it the charge and nothing held;
+* new spend (a reservation) takes the queued writes with it in one
+  transaction, and when it fails they stay queued and a later group commit
+  writes them;
+* a deferred audit record is MACed only once stored;
+* a one-call task through a real router (a scripted next-hop whose usage
+  extends its reservation once) costs at most 5 write transactions: its
+  account; its record, SYN+ACK and session_open audit record; its
+  reservation; the extension; its events, close, commit, account close and
+  session_close audit record (7 before this change, by the same count).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+import httpx
+import pytest
+
+from atp_router.adapters.testing import ScriptedAdapter
+from atp_router.consensus.types import Usage
+from atp_router.flow.budget import Allowance, BudgetLedger
+from atp_router.runtime.dataplane.persistence import StreamPersistence
+from atp_router.security.audit import AuditLog
+from atp_router.store.base import NotFound, StoreJournal
+from atp_router.store.sqlite import SqliteStore
+from tests.helpers import start_router_on
+from tests.unit.test_router_dispatch import CLEAN, scripted_agent
+
+
+def _commits(conn: sqlite3.Connection) -> list[int]:
+    """A one-element list counting the ``COMMIT`` statements ``conn`` runs from now on."""
+    n = [0]
+
+    def trace(sql: str) -> None:
+        if sql.strip().upper() == "COMMIT":
+            n[0] += 1
+
+    conn.set_trace_callback(trace)
+    return n
+
+
+@pytest.fixture
+def parts(tmp_path):
+    store = SqliteStore.open(tmp_path / "state")
+    persistence = StreamPersistence(store)
+    persistence.group_commit = True  # what run_flusher sets; flush() below is its pass
+    journal = StoreJournal(store)
+    journal.defer, journal.spend_with = persistence.defer, persistence.write_with
+    ledger = BudgetLedger(journal=journal)
+    ledger.open("tenant:a", Allowance(tokens=10_000, usd_micros=None))
+    ledger.open("stream:a/s1", Allowance(tokens=5_000, usd_micros=None), parent="tenant:a")
+    yield store, persistence, ledger
+    store.close()
+
+
+def test_the_commit_and_close_wait_for_the_group_commit_and_are_one_transaction(parts):
+    store, persistence, ledger = parts
+    r = ledger.reserve("stream:a/s1", 300, 0)
+    assert not hasattr(r, "reason"), r
+    ledger.commit(r, 250, 0)
+    ledger.close("stream:a/s1")
+    held = store.load_ledger()
+    # Not stored yet: a crash here leaves the reservation (committed at 300 by the restart).
+    assert [x.id for x in held.reservations] == [r.id]
+    commits = _commits(store._conn)
+    assert persistence.flush()
+    assert commits[0] == 1  # commit and close in one transaction (with the events queued with them)
+    after = store.load_ledger()
+    assert after.reservations == ()
+    tenant = next(a for a in after.accounts if a.key == "tenant:a")
+    assert tenant.committed_tokens == 250
+    assert "stream:a/s1" not in [a.key for a in after.accounts]
+
+
+def test_new_spend_takes_the_queued_writes_in_one_transaction_and_keeps_them_when_it_fails(parts):
+    store, persistence, ledger = parts
+    assert persistence.defer(lambda: store.put("queued.1", b"one"))
+    commits = _commits(store._conn)
+    r = ledger.reserve("stream:a/s1", 100, 0)
+    assert commits[0] == 1 and store.get("queued.1") == b"one"
+    assert [x.id for x in store.load_ledger().reservations] == [r.id]
+    # A spend the store refuses: nothing of its transaction is stored, the queued write waits.
+    assert persistence.defer(lambda: store.put("queued.2", b"two"))
+
+    def refused() -> None:
+        raise NotFound("no open budget account 'stream:a/gone'")
+
+    with pytest.raises(NotFound):
+        persistence.write_with(refused)
+    assert store.get("queued.2") is None
+    assert persistence.flush()
+    assert store.get("queued.2") == b"two"
+
+
+def test_a_deferred_audit_record_is_macced_only_once_stored(tmp_path):
+    store = SqliteStore.open(tmp_path / "state")
+    persistence = StreamPersistence(store)
+    persistence.group_commit = True
+    log = AuditLog(store, b"k" * 32, head_path=tmp_path / "audit.head", every=1)
+    log.defer = persistence.defer
+    log.record("session_open", "alice", "alice", {"stream_id": "s1"}, 1_000)
+    assert store.audit_head() is None
+    assert log.checkpoint() is None  # nothing stored: nothing to MAC
+    assert store.audit_checkpoint() is None and not (tmp_path / "audit.head").exists()
+    assert persistence.flush()
+    head = store.audit_head()
+    assert head is not None and head.seq == 1
+    cp = store.audit_checkpoint()
+    assert cp is not None and (cp.seq, cp.hash) == (1, head.hash)  # made once the record was stored
+    store.close()
+
+
+TOKENS = {"alice": "tok-alice-1111"}
+RIB = {"agents": {"m.a": scripted_agent()},
+       "policies": [{"name": "p", "match": {"task_type": "review"}, "fanout": ["m.a"]}],
+       "clients": {"alice": {"budget": {"tokens": 10_000_000}}}}
+
+
+async def test_a_one_call_task_costs_at_most_five_write_transactions(nursery, tmp_path, scripted):
+    scripted["m.a"] = ScriptedAdapter.returning("m.a", partials=["part"], usage=Usage(in_tokens=20, out_tokens=20, usd_micros=80))
+    env = await start_router_on(nursery, tmp_path, RIB, client_tokens=TOKENS, state_dir=tmp_path / "state")
+    store = env.router.store
+    assert isinstance(store, SqliteStore)
+    async with httpx.AsyncClient(base_url=env.url, headers={"Authorization": f"Bearer {TOKENS['alice']}"},
+                                 timeout=30) as h:
+        async def task() -> None:
+            r = await h.post("/v1/streams", json={"task": {"task_type": "review"}, "content": CLEAN})
+            assert r.status_code == 201, r.text
+            body = (await h.get(f"/v1/streams/{r.json()['stream_id']}/events")).content
+            assert b"event: FINAL" in body, body
+
+        await task()  # warm: the tenant's account opened
+        commits = _commits(store._conn)
+        n = 10
+        for _ in range(n):
+            await task()
+        per_task = commits[0] / n
+    assert per_task <= 5, per_task
+    held = store.load_ledger()
+    assert held.reservations == ()
+    tenant = next(a for a in held.accounts if a.key.startswith("client:") or a.key.endswith("alice"))
+    assert tenant.committed_tokens > 0
