@@ -869,6 +869,8 @@ class ClusterNode(SynGate):
         router.streams.persistence.on_fenced = lambda: self._found_settled("")
         # A stream's quota entry is removed with its last events: one round trip, off the loop.
         self.quotas.defer = router.streams.persistence.defer
+        # Audit records chained to the shared chain in the group commit of the events beside them.
+        router.audit_log.defer = router.streams.persistence.defer
         #: The lease thread's and the trio side's shared view (under _lease_lock).
         self._lease = LeaseClock(self.lease_ms, now=time.monotonic())
         self._heartbeat()  # the lease exists before this router owns anything

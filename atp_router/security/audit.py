@@ -1033,11 +1033,22 @@ class AuditLog:
         return True
 
     def _append(self, kind: str, actor: str, tenant: str | None, detail: Mapping[str, Any] | None,
-                now_ms: int) -> AuditRecord:
-        """Chain one record now (:meth:`record` without the spool). Store errors propagate."""
+                now_ms: int) -> AuditRecord | None:
+        """Chain one record now (:meth:`record` without the spool), or hand it to
+        the group commit (:attr:`defer`: None returned, a shared log's record
+        chained there). Store errors propagate."""
         if self.shared:
-            rec = self.store.append_audit_chained(lambda seq, head: chain_record(
-                seq, head, kind=kind, actor=actor, tenant=tenant, detail=detail, now_ms=now_ms))
+            def build(seq: int, head: str) -> AuditRecord:
+                return chain_record(seq, head, kind=kind, actor=actor, tenant=tenant, detail=detail, now_ms=now_ms)
+
+            if self.defer is not None:
+                chained: list[AuditRecord] = []
+                # Chained to the store's head in the group commit (a store thread); this
+                # writer's head and checkpoints follow on the trio side once it is stored.
+                if self.defer(lambda: chained.append(self.store.append_audit_chained(build)),
+                              lambda: self._chained(chained[-1], now_ms)):
+                    return None
+            rec = self.store.append_audit_chained(build)
         else:
             rec = chain_record(self._seq, self._hash, kind=kind, actor=actor, tenant=tenant, detail=detail,
                                now_ms=now_ms)
@@ -1049,6 +1060,10 @@ class AuditLog:
                     self._first_pending_ms = now_ms
                 return rec  # checkpointed once stored (_on_stored) or by tick
             self.store.append_audit(rec)
+        return self._chained(rec, now_ms)
+
+    def _chained(self, rec: AuditRecord, now_ms: int) -> AuditRecord:
+        """``rec`` is stored: this writer's head, and a checkpoint when due."""
         self._stored = self._seq, self._hash = rec.seq, rec.hash
         self._pending += 1
         if self._first_pending_ms is None:

@@ -242,8 +242,13 @@ class StreamPersistence:
         store cannot be reached; ``done()`` is called on the trio side once it
         is stored. A write that raises a store error other than unreachable or
         fenced is logged and dropped alone (the group commit's other writes
-        stand). False when no group commit runs (the caller writes at once)."""
+        stand). False when no group commit runs, or when called off the trio
+        loop (a store thread): the caller writes at once."""
         if not self.group_commit:
+            return False
+        try:
+            trio.lowlevel.current_task()
+        except RuntimeError:
             return False
         if not self._pending and not self._writes:
             self._flush_wanted.set()
@@ -372,7 +377,10 @@ class StreamPersistence:
         if error is None:
             for _, done in writes:
                 if done is not None:
-                    done()
+                    try:
+                        done()
+                    except Exception:  # the writes are stored; what follows them must not stop the flusher
+                        log.exception("state store: acting on a stored write failed")
         return True
 
     @staticmethod
