@@ -505,3 +505,40 @@ def test_settle_many_is_one_round_trip_and_each_settlement_its_own(redis_server:
     assert again.charge.tokens == 80  # the first ran: its charge, not a second one
     t = store.shared_totals("client:t").totals[0]
     assert (t.committed_tokens, t.reserved_tokens) == (380, 0)
+
+
+async def test_audit_records_of_a_shared_chain_go_in_the_group_commit_with_the_events(redis_server: RedisServer):
+    """Issue 22 item 2: with ``AuditLog.defer`` (the router's group commit) a
+    record of the shared chain is not a round trip of its own on the trio loop:
+    nothing reaches Redis when it is recorded, and the group commit (one
+    pipeline in a store thread, with the events queued beside it) chains it;
+    this writer's head follows once it is stored. A record asked from a thread
+    outside trio (a reaper settling a lost router) is written at once."""
+    import trio
+
+    from atp_router.runtime.dataplane.persistence import StreamPersistence
+    from atp_router.security.audit import AuditLog, verify
+
+    store = RedisStore.open(redis_server.url, namespace=ns())
+    log = AuditLog(store, b"k" * 32, shared=True, every=1000)
+    persistence = StreamPersistence(store)
+    persistence.group_commit = True
+    log.defer = persistence.defer
+    trips = store.round_trips
+    assert log.record("session_open", "alice", "alice", {"stream_id": "s1"}, 1) is None
+    assert persistence.defer(lambda: store.put("beside", b"1"))
+    assert store.round_trips == trips and store.audit_records() == []
+    assert persistence.flush()  # the first: the head read once (none known yet)
+    assert [r.kind for r in store.audit_records()] == ["session_open"] and store.get("beside") == b"1"
+    assert log.head[0] == 1
+    assert persistence.defer(lambda: store.put("beside", b"2"))  # buffered: sent with the record
+    assert log.record("session_close", "alice", "alice", {"stream_id": "s1"}, 2) is None
+    trips = store.round_trips
+    assert persistence.flush()
+    assert store.round_trips - trips == 1  # the write before it and the record: one pipeline
+    assert log.head[0] == 2 and store.get("beside") == b"2"
+    rec = await trio.to_thread.run_sync(lambda: log.record("admin", "reaper", None, {}, 3))
+    assert rec is not None and rec.seq == 3  # off the trio loop: at once
+    records = store.audit_records()
+    assert [r.seq for r in records] == [1, 2, 3] and verify(records, [], b"k" * 32, max_unsigned=10).ok
+    store.close()
