@@ -1041,7 +1041,8 @@ class AuditLog:
             def build(seq: int, head: str) -> AuditRecord:
                 return chain_record(seq, head, kind=kind, actor=actor, tenant=tenant, detail=detail, now_ms=now_ms)
 
-            if self.defer is not None:
+            # Only while the store answers: one found away spools the record (bounded, counted).
+            if self.defer is not None and self.store.available:
                 chained: list[AuditRecord] = []
                 # Chained to the store's head in the group commit (a store thread); this
                 # writer's head and checkpoints follow on the trio side once it is stored.
