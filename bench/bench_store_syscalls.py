@@ -20,7 +20,9 @@ Prints the table (store syscalls by name, per task), then exactly one last line:
 
 ``ATP_BENCH_KEEP_TRACE=FILE`` keeps strace's output there (which file, which lock).
 Measured 2026-11-28: ~8 write transactions a task (the WAL write lock, byte 120 of
-``-shm``, taken 8.1 times a task), ~7 ``pwrite64`` each.
+``-shm``, taken 8.1 times a task), ~7 ``pwrite64`` each. 2026-11-29, after a
+stream's end settlements, record and audit records joined the group commit:
+~4 transactions a task, ``fcntl`` 48 → ~24, ``pwrite64`` still ~61.
 
 Baseline in the same run: ``all_per_task`` (every syscall the router makes a
 task) beside the store's share; the issue's target is ``per_task ≤ 20``.

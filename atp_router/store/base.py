@@ -75,7 +75,6 @@ embedded store's disk is full: spend is refused while it lasts).
 
 from __future__ import annotations
 
-import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping
@@ -709,10 +708,7 @@ class StoreJournal:
     events queued with them (issue 25 item 2): a call's commit is made before
     its stream's FINAL is queued, so the FINAL is sent only once its commit is
     stored, and a crash before that leaves the reservation in the store (the
-    restart commits it at its reserved amount; no FINAL was sent). With
-    :attr:`spend_with` set, new spend — still written before the caller goes
-    on — takes the group commit's queued writes with it (a stream's record and
-    SYN+ACK with its reservation: one transaction)."""
+    restart commits it at its reserved amount; no FINAL was sent)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -721,9 +717,6 @@ class StoreJournal:
         #: ``defer(write) -> bool``: hand a settlement to the next group commit (False:
         #: none runs, it is written at once). None: every settlement written at once.
         self.defer: Callable[[Callable[[], object]], bool] | None = None
-        #: ``spend_with(write)``: write new spend (an account opened, a reservation) now, in one
-        #: transaction with the group commit's queued writes (raising as ``write`` would). None: alone.
-        self.spend_with: Callable[[Callable[[], None]], None] | None = None
 
     @property
     def pending(self) -> int:
@@ -751,10 +744,7 @@ class StoreJournal:
         if not self.flush():
             assert self._fault is not None
             raise self._fault
-        if self.spend_with is not None:
-            self.spend_with(write)
-        else:
-            write()
+        write()
 
     def _settle(self, write: Callable[[], None]) -> None:
         if self.flush():
@@ -783,9 +773,7 @@ class StoreJournal:
         self._spend(lambda: self.store.reserve(reservation))
 
     def on_extend(self, reservation: Reservation) -> None:
-        write = functools.partial(self.store.reserve, reservation)
-        # Held spend, stored before the call goes on (with the queued writes: spend_with).
-        self._settle(write if self.spend_with is None else functools.partial(self.spend_with, write))
+        self._settle(lambda: self.store.reserve(reservation))
 
     def on_commit(self, reservation: Reservation, charge: Charge) -> None:
         self._settle_later(lambda: self.store.commit(reservation.id, charge))

@@ -255,33 +255,6 @@ class StreamPersistence:
         self._writes.append((write, done))
         return True
 
-    def write_with(self, write: Callable[[], None]) -> None:
-        """``write`` — new spend that must be stored before its caller goes on (a
-        reservation before its call) — now, in one store transaction with the
-        writes queued for the next group commit (a stream's record and SYN+ACK
-        with its first reservation), on an unthreaded store (else alone, as
-        without group commit). Raises what ``write`` or the store raised; then
-        nothing of the transaction is stored and the queued writes are queued
-        again, in order, for the flusher."""
-        taken = self._take() if self.group_commit and self.store is not None and not self.store.threaded else None
-        if taken is None:
-            write()
-            return
-        assert self.store is not None
-        error: BaseException | None = None
-        try:
-            with self.store.batch():
-                error = self._write(*taken)
-                if isinstance(error, StoreUnavailable):
-                    raise error
-                write()
-        except BaseException:
-            self._inflight = []
-            self._pending[:0], self._writes[:0] = taken
-            self._flush_wanted.set()
-            raise
-        self._written(*taken, error)
-
     def flush(self) -> bool:
         """Write every queued event and close in one store transaction (group
         commit), then let the followers send them. A store failure loses no
