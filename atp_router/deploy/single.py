@@ -133,6 +133,7 @@ def build(config: RouterConfig, *, lock: bool = True, **kw: Any) -> Router:
         # A stream's end settlements (commit, release, close) go in the group commit of its
         # events: the FINAL and its commit in one transaction (StoreJournal.defer).
         journal.defer = router.streams.persistence.defer
+        journal.flush_deferred = router.streams.persistence.flush
     # A stream's record in the group commit of its first events (its SYN+ACK).
     router.streams.persistence.record_in_group_commit = True
     # Routine audit records (session open and close) in the same group commit, MACed once stored.

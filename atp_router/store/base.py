@@ -714,9 +714,15 @@ class StoreJournal:
         self.store = store
         self._pending: list[Callable[[], None]] = []
         self._fault: StoreUnavailable | None = None
-        #: ``defer(write) -> bool``: hand a settlement to the next group commit (False:
-        #: none runs, it is written at once). None: every settlement written at once.
-        self.defer: Callable[[Callable[[], object]], bool] | None = None
+        #: ``defer(write, done) -> bool``: hand a settlement to the next group commit
+        #: (False: none runs, it is written at once), ``done()`` called once it is
+        #: stored. None: every settlement written at once.
+        self.defer: Callable[[Callable[[], object], Callable[[], None] | None], bool] | None = None
+        #: Write the group commit now (with :attr:`defer`): an account opened again
+        #: under a key whose close is still deferred has that close stored first.
+        self.flush_deferred: Callable[[], object] | None = None
+        #: Account keys whose close waits in the group commit.
+        self._closing: set[str] = set()
 
     @property
     def pending(self) -> int:
@@ -759,15 +765,25 @@ class StoreJournal:
     def _settle_later(self, write: Callable[[], None]) -> None:
         """A settlement at a stream's end: in the next group commit (:attr:`defer`)
         unless settlements are kept (they go first, in order), else as :meth:`_settle`."""
-        if self.defer is not None and not self._pending and self.defer(write):
+        if self.defer is not None and not self._pending and self.defer(write, None):
             return
         self._settle(write)
 
     def on_open(self, key: str, parent: str | None, limit: Allowance) -> None:
+        if key in self._closing and self.flush_deferred is not None:
+            self.flush_deferred()  # a stream id reused at once: its old account's close is stored first
         self._spend(lambda: self.store.open_account(key, parent, limit))
 
     def on_close(self, key: str) -> None:
-        self._settle_later(lambda: self.store.close_account(key))
+        def close() -> None:
+            self.store.close_account(key)
+
+        if self.defer is not None and not self._pending:
+            self._closing.add(key)
+            if self.defer(close, lambda: self._closing.discard(key)):
+                return
+            self._closing.discard(key)
+        self._settle(close)
 
     def on_reserve(self, reservation: Reservation) -> None:
         self._spend(lambda: self.store.reserve(reservation))

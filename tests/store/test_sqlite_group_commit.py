@@ -134,3 +134,33 @@ async def test_a_one_call_task_costs_fewer_write_transactions(nursery, tmp_path,
     assert held.reservations == ()
     tenant = next(a for a in held.accounts if a.key.startswith("client:") or a.key.endswith("alice"))
     assert tenant.committed_tokens > 0
+
+
+def test_an_account_reopened_while_its_close_is_deferred_has_the_close_stored_first(tmp_path) -> None:
+    """A stream id reused at once (a client's next stream, another session): its
+    account key is opened again while the old account's close waits in the group
+    commit. The open must not meet the old account still open in the store
+    ("already open"): the journal has the deferred close written first."""
+    store = SqliteStore.open(tmp_path / "state")
+    journal = StoreJournal(store)
+    queued: list[tuple[object, object]] = []
+    journal.defer = lambda write, done=None: queued.append((write, done)) or True
+
+    def flush() -> bool:
+        for write, done in queued:
+            write()
+            if done is not None:
+                done()
+        queued.clear()
+        return True
+
+    journal.flush_deferred = flush
+    ledger = BudgetLedger(journal=journal)
+    ledger.open("stream:bob:t1", Allowance(tokens=100))
+    ledger.close("stream:bob:t1")
+    assert queued  # the close is deferred, not yet in the store
+    ledger.open("stream:bob:t1", Allowance(tokens=50))  # reused: the deferred close goes first
+    assert not queued and journal._closing == set()
+    ledger.close("stream:bob:t1")
+    flush()
+    store.close()
