@@ -133,7 +133,9 @@ async def test_feedback_is_the_stream_tenants_once_and_after_final(nursery, tmp_
     # Alice's feedback is hers (clients.alice.feedback defaults to "tenant"): only the
     # router's own consensus verdict moved the shared live quality.
     assert live.quality_obs == pytest.approx(1.0)
-    kinds = [r.kind for r in env.router.store.audit_records()]
+    with trio.move_on_after(5):  # audit records are written behind, in the next group commit
+        while "feedback" not in (kinds := [r.kind for r in env.router.store.audit_records()]):
+            await trio.sleep(0.02)
     assert "feedback" in kinds
 
 

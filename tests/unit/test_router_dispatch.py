@@ -336,8 +336,15 @@ async def test_each_stream_reports_its_own_escalation_triggers_when_many_finish_
             n.start_soon(one, i % 2 == 0)
     async with atp.Client(env.url) as c:
         assert 'atp_escalations_total{trigger="no_findings"} 4.0' in await c.metrics()
-    audited = [r.detail for r in env.router.store.audit_records() if r.kind == "escalation"]
-    assert sorted(d["stream_id"] for d in audited) == sorted(sid for sid, clean in ran.items() if clean)
+    want = sorted(sid for sid, clean in ran.items() if clean)
+    def escalations() -> list[dict]:
+        return [r.detail for r in env.router.store.audit_records() if r.kind == "escalation"]
+
+    with trio.move_on_after(5):  # audit records are written behind, in the next group commit
+        while sorted(d["stream_id"] for d in escalations()) != want:
+            await trio.sleep(0.02)
+    audited = escalations()
+    assert sorted(d["stream_id"] for d in audited) == want
     assert all(d["triggers"] == ["no_findings"] for d in audited)
 
 
