@@ -24,6 +24,7 @@ shown too: without one, a rollback to an older checkpoint passes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ import socket
 import sqlite3
 import subprocess
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,8 +179,16 @@ def prod_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run
 
 
-def db(run: Run) -> sqlite3.Connection:
-    return sqlite3.connect(run.state / "state.db", isolation_level=None)
+@contextlib.contextmanager
+def db(run: Run) -> Iterator[sqlite3.Connection]:
+    """A connection to ``run``'s store, **closed** at the block's end (``with
+    sqlite3.connect(...)`` does not close it: left to the garbage collector, its close
+    removed the WAL while a later test copied the directory)."""
+    c = sqlite3.connect(run.state / "state.db", isolation_level=None)
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 def delete_and_rehash(run: Run, gone: int) -> None:
