@@ -343,6 +343,15 @@ LAM_CANDIDATES = (("step 0.02", (0.02, 1e-9)), ("step 0.01", (0.01, 1e-9)), ("st
                   ("0.02→0.005 τ=100", (0.005, 100.0)), ("0.02→0.005 τ=1000", (0.005, 1000.0)))
 
 
+def _lr_ranked(fit_rows: list[Row], val: list[Row], wk: float, st: float) -> float:
+    """APGR on ``val`` of the offline anchor (TF-IDF + subject gain regression) fitted on ``fit_rows``."""
+    y = np.array([gain_label(r.weak, r.strong) for r in fit_rows])
+    vec = Tfidf().fit([r.prompt for r in fit_rows], [r.subject for r in fit_rows])
+    lr = fit_logistic(vec.transform([r.prompt for r in fit_rows], [r.subject for r in fit_rows]), y, C=LR_C)
+    return apgr(score_curve(
+        "lr", val, lr.logit(vec.transform([r.prompt for r in val], [r.subject for r in val])), SHARES), wk, st)
+
+
 def _validate_fold(train: list[Row], ctx: list[Context], fold: np.ndarray) -> dict[str, float]:
     """One fold's candidates: fitted on the rest of the train half, scored on ``fold``."""
     rest = np.setdiff1d(np.arange(len(train)), fold)
@@ -350,11 +359,7 @@ def _validate_fold(train: list[Row], ctx: list[Context], fold: np.ndarray) -> di
     cf, cv = [ctx[i] for i in rest], [ctx[i] for i in fold]
     wk, st = sum(r.weak for r in val) / len(val), sum(r.strong for r in val) / len(val)
     out: dict[str, float] = {}
-    y = np.array([gain_label(r.weak, r.strong) for r in fit_rows])
-    vec = Tfidf().fit([r.prompt for r in fit_rows], [r.subject for r in fit_rows])
-    lr = fit_logistic(vec.transform([r.prompt for r in fit_rows], [r.subject for r in fit_rows]), y, C=LR_C)
-    out["LR TF-IDF + subject, ranked"] = apgr(score_curve(
-        "lr", val, lr.logit(vec.transform([r.prompt for r in val], [r.subject for r in val])), SHARES), wk, st)
+    out["LR TF-IDF + subject, ranked"] = _lr_ranked(fit_rows, val, wk, st)
     fits = {}
     for name, q in (("fit q=10, ranked", WARM_PRIOR_PRECISION), ("fit q=3, ranked", 3.0), ("fit q=30, ranked", 30.0),
                     ("fit q=10 + IDF prior, ranked", None)):
@@ -397,11 +402,8 @@ def _validate_gain_fold(train: list[Row], ctx: list[Context], fold: np.ndarray) 
     feat.vocab = vocab
     cf, cv = [feat(_meta(r), r.prompt) for r in fit_rows], [feat(_meta(r), r.prompt) for r in val]
     out: dict[str, float] = {}
+    out["LR TF-IDF + subject, ranked"] = _lr_ranked(fit_rows, val, wk, st)
     y = np.array([gain_label(r.weak, r.strong) for r in fit_rows])
-    vec = Tfidf().fit([r.prompt for r in fit_rows], [r.subject for r in fit_rows])
-    lr = fit_logistic(vec.transform([r.prompt for r in fit_rows], [r.subject for r in fit_rows]), y, C=LR_C)
-    out["LR TF-IDF + subject, ranked"] = apgr(score_curve(
-        "lr", val, lr.logit(vec.transform([r.prompt for r in val], [r.subject for r in val])), SHARES), wk, st)
     b = warm_fit(fit_rows, cf, bits=BITS, explore=0.0, prior_precision=WARM_PRIOR_PRECISION, gain=False)
     out["fit q=10, ranked"] = apgr(score_curve("a", val, _arm_gain(b, cv), SHARES), wk, st)
     step = LAM_CANDIDATES[3][1]
