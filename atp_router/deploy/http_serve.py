@@ -20,7 +20,8 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
 from atp_router.runtime.config import RouterConfig
-from atp_router.runtime.ingress.server import ServerLimits, listen_tcp, listen_unix, serve_lean
+from atp_router.runtime.ingress.listen import listen_tcp, listen_unix
+from atp_router.runtime.ingress.server import ServerLimits, serve_lean
 from atp_router.security.tls import hypercorn_ssl
 
 __all__ = ["server_of", "serve_http"]
@@ -55,7 +56,8 @@ async def serve_http(app: Any, config: RouterConfig, binds: Sequence[str], *, tl
         return
     ctx = config.tls.context_for(("http/1.1",)) if tls and config.tls is not None else None
     # The server's body bound is a backstop above the app's own (read_body: the JSON 413 a client gets).
-    limits = ServerLimits(max_body_bytes=2 * max(config.max_body_bytes, config.max_policy_bytes), backlog=BACKLOG)
+    limits = ServerLimits(max_body_bytes=2 * max(config.max_body_bytes, config.max_policy_bytes), backlog=BACKLOG,
+                          max_connections_per_peer=config.http_conns_per_peer)
     sockets = [_socket(b) for b in binds]
     await serve_lean(app, sockets, ssl_context=ctx, limits=limits, task_status=task_status)
 

@@ -140,6 +140,10 @@ class RouterConfig:
     #: at most ``ws_pending_per_peer`` such connections per peer address (atp_router.runtime.ingress.ws_gate).
     ws_handshake_timeout_s: float = 10.0
     ws_pending_per_peer: int = 32
+    #: The lean HTTP server serves at most this many connections from one peer IP
+    #: address at once (more: 503 at accept; atp_router.runtime.ingress.server).
+    #: Behind a load balancer every client shares its address: raise it there.
+    http_conns_per_peer: int = 256
     tls: ServerTls | None = None
     state_dir: Path | None = None
     state_sync: str = "NORMAL"

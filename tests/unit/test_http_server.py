@@ -24,7 +24,8 @@ from starlette.responses import (
 )
 from starlette.routing import Route
 
-from atp_router.runtime.ingress.server import ServerLimits, listen_tcp, serve_lean
+from atp_router.runtime.ingress.listen import listen_tcp
+from atp_router.runtime.ingress.server import ServerLimits, serve_lean
 
 
 class Events:
@@ -231,6 +232,45 @@ async def test_connections_beyond_the_bound_wait_for_a_slot(nursery: trio.Nurser
     await held[0].aclose()
     with trio.fail_after(5):
         assert b"200 OK" in await third.receive_some(65536)
+
+
+async def test_one_peer_cannot_hold_the_slots_of_others(nursery: trio.Nursery) -> None:
+    """Over ``max_connections_per_peer`` a peer's connection is answered 503 and
+    closed at accept; another address is served meanwhile; a freed slot is reused."""
+    limits = ServerLimits(max_connections=64, max_connections_per_peer=2, keep_alive_s=30)
+    port = await start(nursery, Events(), limits=limits)
+    get = b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n"
+    held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
+    for h in held:
+        await h.send_all(get)
+        assert b"200 OK" in await h.receive_some(65536)
+    refused = await raw(port, get)
+    assert refused.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in refused, refused
+    other = await trio.open_tcp_stream("127.0.0.1", port, local_address="127.0.0.2")
+    await other.send_all(get)
+    with trio.fail_after(5):
+        assert b"200 OK" in await other.receive_some(65536)
+    await other.aclose()
+    await held[0].aclose()
+    with trio.fail_after(5):
+        while True:  # the server sees the close when its connection task next reads
+            again = await raw(port, get, read_until_close=False)
+            if b"200 OK" in again:
+                break
+            await trio.sleep(0.05)
+    await held[1].aclose()
+
+
+def test_peer_slots_bookkeeping() -> None:
+    from atp_router.flow.peer_slots import PeerSlots
+
+    slots = PeerSlots(2)
+    assert slots.admit("a") and slots.admit("a") and not slots.admit("a") and slots.admit("b")
+    assert (slots.pending("a"), slots.refused, slots.peers()) == (2, 1, 2)
+    slots.done("a"), slots.done("a"), slots.done("b")
+    assert slots.peers() == 0 and slots.admit("a")
+    with pytest.raises(ValueError):
+        PeerSlots(0)
 
 
 async def test_tls_http11(nursery: trio.Nursery, tmp_path: Path) -> None:

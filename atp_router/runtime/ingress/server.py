@@ -21,7 +21,10 @@ What it keeps of a production server, with :class:`ServerLimits`:
   ``head_timeout_s`` of its first byte (slow-loris), an idle keep-alive
   connection is closed after ``keep_alive_s``, a body read waits at most
   ``body_timeout_s``; at most ``max_connections`` connections are served at
-  once (the others wait in the listen backlog, ``backlog``).
+  once (the others wait in the listen backlog, ``backlog``), and at most
+  ``max_connections_per_peer`` from one peer IP address: a connection over that
+  is answered ``503`` (``Retry-After: 1``; over TLS closed without one) and
+  closed at accept, so one client cannot hold the router-wide slots.
 * **Streaming**: a response without ``content-length`` is sent chunked (HTTP/1.1)
   or close-delimited (HTTP/1.0) as the app sends it, each ``http.response.body``
   written before ``send`` returns (backpressure); ``receive`` returns
@@ -52,8 +55,7 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -62,7 +64,10 @@ from urllib.parse import unquote
 import httptools
 import trio
 
-__all__ = ["ServerLimits", "serve_lean"]
+from atp_router.flow.peer_slots import PeerSlots
+from atp_router.runtime.ingress.listen import lifespan, listen_tcp, listen_unix
+
+__all__ = ["ServerLimits", "listen_tcp", "listen_unix", "serve_lean"]
 
 log = logging.getLogger("atp_router.ingress.server")
 
@@ -82,6 +87,7 @@ class ServerLimits:
     keep_alive_s: float = 5.0
     body_timeout_s: float = 30.0
     max_connections: int = 4096
+    max_connections_per_peer: int = 256
     backlog: int = 1024
     read_size: int = 64 * 1024
 
@@ -442,80 +448,6 @@ def _refusal(e: BaseException) -> tuple[int, str]:
     return 400, f"malformed request: {e}"
 
 
-# ------------------------------------------------------------------ listeners and lifespan
-def listen_tcp(host: str, port: int, backlog: int = 1024) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (``SO_REUSEADDR``; IPv6 when ``host`` is one)."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(backlog)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def listen_unix(path: str, backlog: int = 1024) -> socket.socket:
-    """A listening Unix socket at ``path`` (a stale file there is replaced), mode 0600."""
-    if os.path.exists(path):
-        os.unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(path)
-        os.chmod(path, 0o600)
-        sock.listen(backlog)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-@asynccontextmanager
-async def lifespan(app: ASGIApp, state: dict[str, Any]) -> AsyncIterator[None]:
-    """The app's ASGI lifespan around the block: startup before, shutdown after
-    (also when the block is cancelled: the app's lifespan task is shielded until
-    it answered ``lifespan.shutdown``, at most 5 s). An app that refuses the
-    lifespan scope (raises at once) runs without one; a failed startup raises
-    :class:`RuntimeError` with the app's message."""
-    send_in, recv_in = trio.open_memory_channel[Message](2)
-    started, stopped, shield = trio.Event(), trio.Event(), trio.CancelScope(shield=True)
-    failure: list[str] = []
-
-    async def send(m: Message) -> None:
-        kind = m["type"]
-        if kind in ("lifespan.startup.failed", "lifespan.shutdown.failed"):
-            failure.append(str(m.get("message", "")))
-        (started if kind.startswith("lifespan.startup") else stopped).set()
-
-    async def run() -> None:
-        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": state}
-        with shield:
-            try:
-                await app(scope, recv_in.receive, send)
-            except Exception:
-                log.debug("the app has no ASGI lifespan", exc_info=True)
-        started.set()
-        stopped.set()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(run)
-        try:
-            await send_in.send({"type": "lifespan.startup"})
-            await started.wait()
-            if failure:
-                raise RuntimeError(f"the app's startup failed: {failure[0]}")
-            yield
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(5.0):
-                if started.is_set() and not failure:
-                    await send_in.send({"type": "lifespan.shutdown"})
-                    await stopped.wait()
-            shield.cancel()
-
-
 # ------------------------------------------------------------------ the server
 _ACCEPT_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
@@ -532,7 +464,7 @@ async def serve_lean(app: ASGIApp, sockets: Sequence[socket.socket], *, ssl_cont
     listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(s)) for s in sockets]
     bound = [_address(s) for s in sockets]
     state: dict[str, Any] = {}
-    slots = trio.Semaphore(limits.max_connections)
+    slots = _Slots(trio.Semaphore(limits.max_connections), PeerSlots(limits.max_connections_per_peer))
     try:
         async with lifespan(app, state), trio.open_nursery() as nursery:
             for listener, addr, sock in zip(listeners, bound, sockets, strict=True):
@@ -557,34 +489,69 @@ def _base_scope(sock: socket.socket, tls: bool, state: dict[str, Any]) -> Scope:
             "root_path": "", "server": server, "client": None, "state": state, "extensions": {}}
 
 
-async def _accept(listener: trio.SocketListener, nursery: trio.Nursery, slots: trio.Semaphore, app: ASGIApp,
+@dataclass(frozen=True, slots=True)
+class _Slots:
+    """The server's connection bounds: router-wide and per peer IP address."""
+
+    total: trio.Semaphore
+    per_peer: PeerSlots
+
+
+_OVER_PEER = (b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\nconnection: close\r\n"
+              b"content-type: text/plain\r\ncontent-length: 40\r\n\r\ntoo many connections from this address\r\n")
+
+
+def _peer_ip(stream: trio.SocketStream) -> tuple[Any, str | None]:
+    """The socket's peer address and its IP (None: a Unix socket, not bounded per peer).
+    Raises OSError when the peer is already gone."""
+    peer = stream.socket.getpeername()
+    return peer, (str(peer[0]) if isinstance(peer, tuple) else None)
+
+
+async def _refuse_peer(stream: trio.SocketStream, plain: bool) -> None:
+    """A connection over its peer's bound: the 503 (plain HTTP only) and close, within 100 ms."""
+    with trio.move_on_after(0.1):
+        if plain:
+            await stream.send_all(_OVER_PEER)
+        await stream.aclose()
+    await trio.aclose_forcefully(stream)
+
+
+async def _accept(listener: trio.SocketListener, nursery: trio.Nursery, slots: _Slots, app: ASGIApp,
                   limits: ServerLimits, tls: ssl.SSLContext | None, base: Scope) -> None:
-    """Accept connections while a slot is free (``max_connections``); each runs in its own task."""
+    """Accept connections while a slot is free (``max_connections``, and
+    ``max_connections_per_peer`` of the peer's IP); each runs in its own task."""
     while True:
-        await slots.acquire()
+        await slots.total.acquire()
         try:
             stream = await listener.accept()
         except OSError as e:
-            slots.release()
+            slots.total.release()
             if e.errno not in _ACCEPT_ERRORS:
                 raise
             log.error("accept: %s; retrying in 100 ms", os.strerror(e.errno))
             await trio.sleep(0.1)
             continue
         except BaseException:
-            slots.release()
+            slots.total.release()
             raise
-        nursery.start_soon(_connection, stream, slots, app, limits, tls, base)
+        try:
+            peer, ip = _peer_ip(stream)
+        except OSError:
+            slots.total.release()
+            await trio.aclose_forcefully(stream)
+            continue
+        if ip is not None and not slots.per_peer.admit(ip):
+            slots.total.release()
+            await _refuse_peer(stream, tls is None)
+            continue
+        nursery.start_soon(_connection, stream, peer, ip, slots, app, limits, tls, base)
 
 
-async def _connection(stream: trio.SocketStream, slots: trio.Semaphore, app: ASGIApp, limits: ServerLimits,
-                      tls: ssl.SSLContext | None, base: Scope) -> None:
+async def _connection(stream: trio.SocketStream, peer: Any, ip: str | None, slots: _Slots, app: ASGIApp,
+                      limits: ServerLimits, tls: ssl.SSLContext | None, base: Scope) -> None:
     s: trio.abc.Stream = stream
     try:
-        try:
-            peer = stream.socket.getpeername()
-        except OSError:
-            return
         scope = dict(base, client=tuple(peer[:2]) if isinstance(peer, tuple) else None)
         if tls is not None:
             s = trio.SSLStream(stream, tls, server_side=True, https_compatible=True)
@@ -596,5 +563,7 @@ async def _connection(stream: trio.SocketStream, slots: trio.Semaphore, app: ASG
     except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
         pass  # the client went away or broke the protocol below HTTP: only this connection ends
     finally:
-        slots.release()
+        if ip is not None:
+            slots.per_peer.done(ip)
+        slots.total.release()
         await trio.aclose_forcefully(s)

@@ -18,6 +18,8 @@ from wsproto.events import AcceptConnection
 from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import CloseReason
 
+from atp_router.flow.peer_slots import PeerSlots
+
 __all__ = [
     "Bound",
     "BoundedPerMessageDeflate",
@@ -94,38 +96,14 @@ async def accept_with_deflate(request: WebSocketRequest, subprotocol: str | None
     return conn
 
 
-class HandshakeGate:
+class HandshakeGate(PeerSlots):
     """Sockets on the WebSocket port that have not finished their opening
     handshake (TLS, then the HTTP upgrade), per peer address: at most
-    ``per_peer`` at once (sans-IO bookkeeping; :class:`GatedListener` acts on
-    it). :attr:`refused` counts the sockets closed at accept for being over."""
+    ``per_peer`` at once (:class:`~atp_router.flow.peer_slots.PeerSlots`;
+    :class:`GatedListener` acts on it). :attr:`refused` counts the sockets
+    closed at accept for being over."""
 
-    def __init__(self, per_peer: int) -> None:
-        if per_peer <= 0:
-            raise ValueError(f"per_peer must be > 0, got {per_peer}")
-        self.per_peer = per_peer
-        self._pending: dict[str, int] = {}
-        self.refused = 0
-
-    def pending(self, peer: str) -> int:
-        return self._pending.get(peer, 0)
-
-    def admit(self, peer: str) -> bool:
-        """A socket from ``peer`` was accepted: may it try its handshake?"""
-        n = self._pending.get(peer, 0)
-        if n >= self.per_peer:
-            self.refused += 1
-            return False
-        self._pending[peer] = n + 1
-        return True
-
-    def done(self, peer: str) -> None:
-        """A socket ``admit`` let in finished its handshake or was closed."""
-        n = self._pending.get(peer, 0) - 1
-        if n > 0:
-            self._pending[peer] = n
-        else:
-            self._pending.pop(peer, None)
+    __slots__ = ()
 
 
 class PendingStream(trio.abc.HalfCloseableStream):
