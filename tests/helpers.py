@@ -154,14 +154,20 @@ class RouterProcess:
         self.proc.wait(10)
 
     def stop(self, timeout: float = 30) -> int | None:
-        """SIGTERM (SIGKILL after ``timeout`` s); the exit status."""
+        """SIGTERM, and a second one after 1 s (a router still draining running
+        streams then stops at once: a test's teardown does not wait ``--drain-s``);
+        SIGKILL after ``timeout`` s; the exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(1.0)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
         return self.proc.returncode
 
 

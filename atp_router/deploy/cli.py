@@ -130,6 +130,7 @@ from atp_router.observability import logs, tracing
 from atp_router.policy.check import policy_main
 from atp_router.runtime.admin.taskpath import routes_main
 from atp_router.runtime.config import RouterConfig, build_authenticator
+from atp_router.runtime.controlplane.drain import drain
 from atp_router.runtime.dataplane.opening import DEFAULT_STAGES, describe
 from atp_router.runtime.ingress.http_api import build_app
 from atp_router.runtime.ingress.ws import serve_ws
@@ -286,6 +287,9 @@ def _security_args(sec: argparse._ArgumentGroup, d: RouterConfig) -> None:
     sec.add_argument("--http-server", choices=("auto", "lean", "hypercorn"), default=d.http_server,
                      help="the HTTP API's server: lean (HTTP/1.1, httptools), hypercorn (+ HTTP/2 under TLS); "
                           "auto: lean without --tls-cert, hypercorn with it")
+    sec.add_argument("--drain-s", type=_non_negative(float), default=d.drain_s,
+                     help="on SIGTERM/SIGINT, seconds to let running streams finish while new ones are refused "
+                          "(EAGENTDOWN, 503) and /v1/ready fails; a second signal stops at once; 0: stop at once")
 
 
 def _state_args(sec: argparse._ArgumentGroup, d: RouterConfig) -> None:
@@ -474,7 +478,7 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
             tenant_rate_per_s=args.tenant_rate_per_s, tenant_rate_burst=args.tenant_rate_burst,
             max_body_bytes=args.max_body_bytes, max_policy_bytes=args.max_policy_bytes,
             max_ws_message_bytes=args.max_ws_message_bytes,
-            ws_deflate=not args.no_ws_deflate, http_server=args.http_server,
+            ws_deflate=not args.no_ws_deflate, http_server=args.http_server, drain_s=args.drain_s,
             repo=args.repo.resolve() if args.repo is not None else None,
             state_dir=args.state_dir, state_sync=args.state_sync.upper(), watch_policies=not args.no_watch,
             cache_max_bytes=args.cache_max_bytes, store=args.store, store_namespace=args.store_namespace,
@@ -630,8 +634,11 @@ def _serve_main(config: RouterConfig) -> int:
                       f"(RIB generation {router.gen.version}: {', '.join(router.rib_summary()['agents'])})"
                       + (f" router={owner}" if owner else ""), flush=True)
                 async for _ in signals:
-                    nursery.cancel_scope.cancel()
                     break
+                # Running streams finish first (--drain-s; a second signal stops at once).
+                why = await drain(router.drain, lambda: router.open_count, config.drain_s, signals)
+                logging.getLogger("atp_router.deploy").warning("stopping: %s", why)
+                nursery.cancel_scope.cancel()
 
     trio.run(main_async)
     if refused is not None:

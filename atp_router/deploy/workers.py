@@ -106,7 +106,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    MutableMapping,
+    Sequence,
+)
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -124,6 +131,7 @@ from atp_router.observability.metrics import RouterMetrics
 from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.controlplane import shared_state
 from atp_router.runtime.controlplane.control import BODY_SOURCE
+from atp_router.runtime.controlplane.drain import drain
 from atp_router.runtime.dataplane.opening import DEFAULT_STAGES
 from atp_router.runtime.dataplane.quotas import SharedQuotas, with_shared_quotas
 from atp_router.runtime.deployment import StateParts, SynGate
@@ -747,6 +755,9 @@ async def _serve_worker(config: RouterConfig, spec: WorkerSpec, router: Router, 
                 report("ready")  # after the handler: a SIGTERM right after "ready" is a clean stop
                 async for _ in signals:
                     break
+                # Running streams finish first (--drain-s; the supervisor's second SIGTERM stops at once).
+                why = await drain(router.drain, lambda: router.open_count, config.drain_s, signals)
+                log.warning("worker %d stopping: %s", spec.slot, why)
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
@@ -888,7 +899,8 @@ class _Supervisor:
 
     async def _serve(self, summary: dict[str, Any]) -> None:
         """Start every slot, print the ``listening`` line, wait for SIGINT or
-        SIGTERM, stop the workers (SIGTERM, SIGKILL after :data:`STOP_GRACE_S`);
+        SIGTERM, stop the workers (SIGTERM: each drains up to ``drain_s``; SIGKILL
+        :data:`STOP_GRACE_S` after that; a second signal is passed on);
         returns once every slot settled its worker."""
         async with trio.open_nursery() as nursery:
             async with trio.open_nursery() as starting:  # all at once; each reports ready
@@ -897,6 +909,7 @@ class _Supervisor:
             if self.failed:
                 self._stop()
                 print(f"atp-router: {'; '.join(self.failed)}", file=sys.stderr)
+                await self._await_workers(STOP_GRACE_S, None)
             else:
                 c = self.config
                 http_scheme, ws_scheme = ("https", "wss") if c.tls is not None else ("http", "ws")
@@ -907,11 +920,23 @@ class _Supervisor:
                           f"{', '.join(summary['agents'])}) workers={self.n}", flush=True)
                     async for _ in signals:
                         break
-                self._stop()
-            with trio.move_on_after(STOP_GRACE_S):
+                    self._stop()  # the workers drain (--drain-s); a second signal is passed on: they stop at once
+                    await self._await_workers(c.drain_s + STOP_GRACE_S, signals)
+            _signal_all(self.slots, signal.SIGKILL)
+
+    async def _await_workers(self, seconds: float, signals: AsyncIterator[int] | None) -> None:
+        """Wait up to ``seconds`` for every worker to exit; each of ``signals`` meanwhile
+        is passed on to them (SIGTERM)."""
+        with trio.move_on_after(seconds):
+            async with trio.open_nursery() as nursery:
+                if signals is not None:
+                    async def forward() -> None:
+                        async for _ in signals:
+                            _signal_all(self.slots, signal.SIGTERM)
+                    nursery.start_soon(forward)
                 while any(s.proc is not None and s.proc.returncode is None for s in self.slots):
                     await trio.sleep(0.05)
-            _signal_all(self.slots, signal.SIGKILL)
+                nursery.cancel_scope.cancel()
 
     def _stop(self) -> None:
         self.stopping = True

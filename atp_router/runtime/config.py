@@ -144,6 +144,9 @@ class RouterConfig:
     #: address at once (more: 503 at accept; atp_router.runtime.ingress.server).
     #: Behind a load balancer every client shares its address: raise it there.
     http_conns_per_peer: int = 256
+    #: On SIGTERM/SIGINT the router drains up to this long, s: new streams are
+    #: refused (EAGENTDOWN, 503), running ones finish (atp_router.runtime.controlplane.drain).
+    drain_s: float = 10.0
     tls: ServerTls | None = None
     state_dir: Path | None = None
     state_sync: str = "NORMAL"

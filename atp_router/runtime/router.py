@@ -95,6 +95,7 @@ from atp_router.observability.tracing import RouterTracing
 from atp_router.policy.rib import ClientSpec, RateSpec
 from atp_router.runtime.config import RouterConfig, build_authenticator
 from atp_router.runtime.controlplane.control import ControlPlane, Generation
+from atp_router.runtime.controlplane.drain import DrainGate
 from atp_router.runtime.controlplane.learning import Learning, LearnLimits, has_tenants
 from atp_router.runtime.dataplane import memory
 from atp_router.runtime.dataplane.cache import ResponseCache
@@ -196,7 +197,9 @@ class Router:
         self.services = tuple(services)
         self.rib_version = rib_version
         #: The deployment's hooks on the SYN path, in order (atp_router.runtime.deployment.SynGate).
-        self.syn_gates = tuple(syn_gates)
+        #: Refuses new streams once the router drains before it stops (atp_router.runtime.controlplane.drain).
+        self.drain = DrainGate(lambda tenant, key: self.streams.resumable(tenant, key) is not None)
+        self.syn_gates = (self.drain, *syn_gates)
         self.store_refusal = store_refusal
         self.metrics = metrics if metrics is not None else RouterMetrics()
         #: Data-scope redaction and refusal at dispatch (spec §11), one for every stream.

@@ -53,7 +53,7 @@ async def test_a_full_disk_makes_the_router_not_ready_until_space_returns(nurser
                 assert r.status_code == 200, r.text
                 assert r.json()["status"] == "ready"
                 assert {c["name"]: c["ok"] for c in r.json()["checks"]} == {
-                    "store": True, "rib": True, "state_dir": True, "audit": True}
+                    "store": True, "rib": True, "state_dir": True, "audit": True, "drain": True}
                 anon = await h.get("/v1/ready")  # a load balancer's probe: the verdict, no reasons
                 assert anon.status_code == 200 and all("reason" not in c for c in anon.json()["checks"])
 

@@ -17,6 +17,9 @@ The decision is sans-IO: :func:`decide` takes the facts a handler gathered
                fsync'd and removed): usage keys, the audit head, the lock live there
 ``audit``      no audit record waits in the spool for the store
                (:class:`~atp_router.security.audit.AuditSpool`): the chain is current
+``drain``      the router is not draining before it stops (SIGTERM:
+               :mod:`atp_router.runtime.controlplane.drain`): its running streams
+               finish, new ones are refused
 =============  ================================================================
 
 Ready is every check passing: 200 ``{"status": "ready", "checks": [...]}``.
@@ -77,7 +80,8 @@ class ReadyFacts:
     generation and policy count; ``state_dir``: None when the state directory
     took a write, else why not; ``audit_spooled`` audit records waiting for the
     store, ``audit_spool_max`` the spool's record bound, ``audit_dropped``
-    records dropped since start (the spool was full)."""
+    records dropped since start (the spool was full); ``draining``: None, or the
+    streams still running while the router drains before it stops."""
 
     store: str | None
     rib_version: int
@@ -86,6 +90,7 @@ class ReadyFacts:
     audit_spooled: int = 0
     audit_spool_max: int = 0
     audit_dropped: int = 0
+    draining: int | None = None
 
 
 def decide(facts: ReadyFacts) -> Readiness:
@@ -97,6 +102,8 @@ def decide(facts: ReadyFacts) -> Readiness:
               else f"generation {facts.rib_version} has no policy: nothing can be routed"),
         Check("state_dir", facts.state_dir is None, facts.state_dir or "writable"),
         Check("audit", facts.audit_spooled == 0, _audit_reason(facts)),
+        Check("drain", facts.draining is None, "serving" if facts.draining is None
+              else f"draining before a stop: {facts.draining} streams still running, new ones refused"),
     ]
     checks.sort(key=lambda c: c.ok)  # stable: failing first, each group in the table's order
     return Readiness(status="ready" if all(c.ok for c in checks) else "not_ready", checks=checks)

@@ -52,7 +52,7 @@ def _state_dir_fault(state_dir: Path) -> str | None:
 async def _readiness(router: Router) -> Readiness:
     """Gather the facts of ``router``'s readiness — the deployment's store check
     and the state directory's write, off the event loop and within
-    :data:`READY_PROBE_S`; the RIB; the audit spool — and decide
+    :data:`READY_PROBE_S`; the RIB; the audit spool; a drain — and decide
     (:func:`~atp_router.runtime.admin.readiness.decide`)."""
     def probe() -> tuple[str | None, str | None]:
         return router.state.store_check(), _state_dir_fault(router.state_dir)
@@ -65,7 +65,8 @@ async def _readiness(router: Router) -> Readiness:
     gen = router.gen
     return decide(ReadyFacts(store=store, rib_version=gen.version, rib_policies=len(gen.rib.policies),
                              state_dir=state_dir, audit_spooled=len(spool), audit_spool_max=spool.max_records,
-                             audit_dropped=spool.dropped))
+                             audit_dropped=spool.dropped,
+                             draining=router.open_count if router.drain.draining else None))
 
 
 def _ready_response(verdict: Readiness) -> Response:

@@ -58,9 +58,11 @@ def render_error(e: ATPError, status: int | None = None) -> Response:
                                  for x in e.errors])
         status = status or 422
     status = status or getattr(e, "status", None)  # e.g. IdempotencyConflict: 409
-    if status is None and e.code in (ErrorCode.EWINDOW, ErrorCode.EBUDGET) and e.retry_after_ms is not None:
+    if status is None and e.code in (ErrorCode.EWINDOW, ErrorCode.EBUDGET, ErrorCode.EAGENTDOWN) \
+            and e.retry_after_ms is not None:
         # EWINDOW: the tenant's stream quota or open rate (spec §11); EBUDGET: the
-        # shared budget store cannot be reached (atp_router.deploy.cluster). Try again later.
+        # shared budget store cannot be reached (atp_router.deploy.cluster); EAGENTDOWN:
+        # this router drains before it stops (atp_router.runtime.controlplane.drain). Try again later.
         resp = json_response(ErrorResponse(error=body), 429 if e.code is ErrorCode.EWINDOW else 503)
         resp.headers["Retry-After"] = str(max(1, -(-e.retry_after_ms // 1000)))
         return resp

@@ -1,0 +1,146 @@
+"""Draining before a stop (``atp_router.runtime.controlplane.drain``), on a real
+``atp-router`` process and a real loopback model server (tests.replay_server's
+BillingModel, which holds its calls while told to): on SIGTERM the running
+stream finishes with its FINAL, a new stream is refused ``503`` ``EAGENTDOWN``
+with ``Retry-After``, ``/v1/ready`` fails its ``drain`` check, and the process
+exits 0 once nothing runs; a second SIGTERM stops it at once."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import atp
+import httpx
+import trio
+
+from tests import helpers
+from tests.replay_server import BillingModel, serve
+
+TOKEN = "tok-alice-0123456789"
+TASK = {"task_type": "summarize"}
+
+
+def _rib(model_url: str) -> str:
+    return (
+        "models:\n"
+        f"  m: {{provider: openai_compat, ctx: 8k, cost: 1, base_url: '{model_url}', model: m, max_out_tokens: 64}}\n"
+        "agents:\n"
+        "  summarizer: {layer: L2, p95_ms: 500, model: m, timeout_ms: 60000}\n"
+        "policies:\n"
+        "  - {name: summarize, match: {task_type: summarize}, fanout: [summarizer]}\n"
+    )
+
+
+async def _router(tmp_path: Path, model: BillingModel, *extra: str) -> helpers.RouterProcess:
+    rib = tmp_path / "rib.yaml"
+    rib.write_text(_rib(model.url))
+    proc = helpers.RouterProcess("--policies", rib, "--state-dir", tmp_path / "state", "--http-port", "0",
+                                 "--ws-port", "0", *extra, env={"ATP_ROUTER_TOKENS": f"alice:{TOKEN}"})
+    await proc.wait_listening()
+    return proc
+
+
+async def _exit_code(proc: helpers.RouterProcess, within: float) -> int:
+    with trio.fail_after(within):
+        while proc.proc.poll() is None:
+            await trio.sleep(0.05)
+    return proc.proc.returncode
+
+
+async def _held_stream(url: str, model: BillingModel) -> str:
+    """Open a stream whose model call waits in ``model`` (its hold is set); its id."""
+    async with atp.Client(url, TOKEN) as c:
+        _, st = await c.open_stream(task=TASK, content={"text": "summarise this"})
+    with trio.fail_after(20):
+        while model.waiting < 1:
+            await trio.sleep(0.02)
+    return st.stream_id
+
+
+async def test_sigterm_lets_the_running_stream_finish_and_refuses_new_ones(nursery, tmp_path):
+    model = await serve(nursery, BillingModel(billed=100))
+    model.hold = trio.Event()
+    proc = await _router(tmp_path, model, "--drain-s", "30")
+    try:
+        stream_id = await _held_stream(proc.url, model)
+        proc.proc.send_signal(signal.SIGTERM)
+        async with httpx.AsyncClient(base_url=proc.url, headers={"Authorization": f"Bearer {TOKEN}"}) as h:
+            with trio.fail_after(10):
+                while True:  # the signal is handled asynchronously
+                    ready = await h.get("/v1/ready")
+                    if ready.status_code == 503:
+                        break
+                    await trio.sleep(0.05)
+            checks = {c["name"]: c for c in ready.json()["checks"]}
+            assert not checks["drain"]["ok"] and "1 streams still running" in checks["drain"]["reason"], checks
+            assert ready.headers["retry-after"]
+            refused = await h.post("/v1/streams", json={"task": TASK, "content": {"text": "another"}})
+            assert refused.status_code == 503, refused.text
+            assert "EAGENTDOWN" in refused.text and "draining" in refused.text
+            assert refused.headers.get("retry-after") == "1"
+            assert proc.proc.poll() is None  # still serving the running stream
+            model.hold.set()
+            async with atp.Client(proc.url, TOKEN) as c:
+                with trio.fail_after(30):
+                    types = [ev.type async for ev in c.events(stream_id)]
+        assert types[-2:] == ["FINAL", "FIN"], types
+        assert await _exit_code(proc, 15) == 0
+        assert any("stopping: every stream finished" in line for line in proc.lines), proc.lines
+        assert len(model.requests) == 1  # the refused open never reached the model
+    finally:
+        proc.stop()
+
+
+async def test_a_second_sigterm_stops_at_once(nursery, tmp_path):
+    model = await serve(nursery, BillingModel(billed=100))
+    model.hold = trio.Event()
+    proc = await _router(tmp_path, model, "--drain-s", "60")
+    try:
+        await _held_stream(proc.url, model)
+        proc.proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(10):
+            while not any("draining: 1 streams running" in line for line in proc.lines):
+                await trio.sleep(0.05)
+        t0 = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)
+        assert await _exit_code(proc, 15) == 0
+        assert time.monotonic() - t0 < 10  # not the 60 s drain
+        assert any("stopping: a second signal" in line for line in proc.lines), proc.lines
+    finally:
+        model.hold.set()
+        proc.stop()
+
+
+async def test_without_streams_sigterm_stops_at_once(nursery, tmp_path):
+    model = await serve(nursery, BillingModel(billed=100))
+    proc = await _router(tmp_path, model, "--drain-s", "60")
+    try:
+        proc.proc.send_signal(signal.SIGTERM)
+        assert await _exit_code(proc, 15) == 0
+    finally:
+        proc.stop()
+
+
+async def test_workers_drain_behind_their_supervisor(nursery, tmp_path):
+    """``--workers 2``: the supervisor's SIGTERM reaches the workers, which drain:
+    the held stream (on whichever worker took it) ends with its FINAL, then all exit 0."""
+    model = await serve(nursery, BillingModel(billed=100))
+    model.hold = trio.Event()
+    proc = await _router(tmp_path, model, "--drain-s", "30", "--workers", "2")
+    try:
+        stream_id = await _held_stream(proc.url, model)
+        proc.proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(10):
+            while not any("draining: 1 streams running" in line for line in proc.lines):
+                await trio.sleep(0.05)
+        model.hold.set()
+        async with atp.Client(proc.url, TOKEN) as c:
+            with trio.fail_after(30):
+                types = [ev.type async for ev in c.events(stream_id)]
+        assert types[-2:] == ["FINAL", "FIN"], types
+        assert await _exit_code(proc, 20) == 0
+    finally:
+        model.hold.set()
+        proc.stop()
