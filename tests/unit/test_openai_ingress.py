@@ -487,3 +487,14 @@ def test_an_undecided_reserve_is_not_a_budget_cut():
     from atp_router.runtime.ingress.openai_schema import error_response
     r = error_response(e, after_run=False)
     assert r.status_code == 503 and r.headers["retry-after"] == "2"
+
+
+async def test_a_draining_router_answers_503_with_retry_after_and_calls_nothing(env, scripted):
+    """While the router drains before a stop (atp_router.runtime.controlplane.drain),
+    a completion is refused in OpenAI's shape — 503, ``Retry-After``, EAGENTDOWN — so
+    the OpenAI SDK retries elsewhere; no next-hop is called."""
+    env.router.drain.begin()
+    err = await refused(client(env).chat.completions.create, model="policy:chat", messages=USER)
+    assert err.status_code == 503 and err.response.headers["retry-after"] == "1"
+    assert "draining" in err.message and err.code == "EAGENTDOWN"
+    assert scripted["writer"].calls == []
