@@ -143,7 +143,7 @@ class RouterConfig:
     #: The lean HTTP server serves at most this many connections from one peer IP
     #: address at once (more: 503 at accept; atp_router.runtime.ingress.server).
     #: Behind a load balancer every client shares its address: raise it there.
-    http_conns_per_peer: int = 256
+    http_conns_per_peer: int = 1024
     #: On SIGTERM/SIGINT the router drains up to this long, s: new streams are
     #: refused (EAGENTDOWN, 503), running ones finish (atp_router.runtime.controlplane.drain).
     drain_s: float = 10.0

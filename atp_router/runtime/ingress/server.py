@@ -87,7 +87,7 @@ class ServerLimits:
     keep_alive_s: float = 5.0
     body_timeout_s: float = 30.0
     max_connections: int = 4096
-    max_connections_per_peer: int = 256
+    max_connections_per_peer: int = 1024
     backlog: int = 1024
     read_size: int = 64 * 1024
 
