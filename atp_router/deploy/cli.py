@@ -287,6 +287,9 @@ def _security_args(sec: argparse._ArgumentGroup, d: RouterConfig) -> None:
     sec.add_argument("--http-server", choices=("auto", "lean", "hypercorn"), default=d.http_server,
                      help="the HTTP API's server: lean (HTTP/1.1, httptools), hypercorn (+ HTTP/2 under TLS); "
                           "auto: lean without --tls-cert, hypercorn with it")
+    sec.add_argument("--http-conns-per-peer", type=_positive(int), default=d.http_conns_per_peer,
+                     help="the lean HTTP server's connections from one IP address at once (more: 503 at accept); "
+                          "raise it behind a load balancer whose clients share its address")
     sec.add_argument("--drain-s", type=_non_negative(float), default=d.drain_s,
                      help="on SIGTERM/SIGINT, seconds to let running streams finish while new ones are refused "
                           "(EAGENTDOWN, 503) and /v1/ready fails; a second signal stops at once; 0: stop at once")
@@ -479,6 +482,7 @@ def _parse(argv: list[str] | None, env: Mapping[str, str]) -> tuple[argparse.Nam
             max_body_bytes=args.max_body_bytes, max_policy_bytes=args.max_policy_bytes,
             max_ws_message_bytes=args.max_ws_message_bytes,
             ws_deflate=not args.no_ws_deflate, http_server=args.http_server, drain_s=args.drain_s,
+            http_conns_per_peer=args.http_conns_per_peer,
             repo=args.repo.resolve() if args.repo is not None else None,
             state_dir=args.state_dir, state_sync=args.state_sync.upper(), watch_policies=not args.no_watch,
             cache_max_bytes=args.cache_max_bytes, store=args.store, store_namespace=args.store_namespace,
