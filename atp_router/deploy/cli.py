@@ -288,7 +288,7 @@ def _security_args(sec: argparse._ArgumentGroup, d: RouterConfig) -> None:
                      help="the HTTP API's server: lean (HTTP/1.1, httptools), hypercorn (+ HTTP/2 under TLS); "
                           "auto: lean without --tls-cert, hypercorn with it")
     sec.add_argument("--http-conns-per-peer", type=_positive(int), default=d.http_conns_per_peer,
-                     help="the lean HTTP server's connections from one IP address at once (more: 503 at accept); "
+                     help="the lean HTTP server's connections from one IP address at once (more: 429 EWINDOW at accept); "
                           "raise it behind a load balancer whose clients share its address")
     sec.add_argument("--drain-s", type=_non_negative(float), default=d.drain_s,
                      help="on SIGTERM/SIGINT, seconds to let running streams finish while new ones are refused "

@@ -141,7 +141,7 @@ class RouterConfig:
     ws_handshake_timeout_s: float = 10.0
     ws_pending_per_peer: int = 32
     #: The lean HTTP server serves at most this many connections from one peer IP
-    #: address at once (more: 503 at accept; atp_router.runtime.ingress.server).
+    #: address at once (more: 429 EWINDOW at accept; atp_router.runtime.ingress.server).
     #: Behind a load balancer every client shares its address: raise it there.
     http_conns_per_peer: int = 1024
     #: On SIGTERM/SIGINT the router drains up to this long, s: new streams are

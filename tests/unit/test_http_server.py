@@ -5,6 +5,7 @@ and bodies, slow-loris, malformed requests, upgrades, a client that leaves mid-s
 
 from __future__ import annotations
 
+import json
 import socket
 import ssl
 import struct
@@ -235,7 +236,7 @@ async def test_connections_beyond_the_bound_wait_for_a_slot(nursery: trio.Nurser
 
 
 async def test_one_peer_cannot_hold_the_slots_of_others(nursery: trio.Nursery) -> None:
-    """Over ``max_connections_per_peer`` a peer's connection is answered 503 and
+    """Over ``max_connections_per_peer`` a peer's connection is answered 429 EWINDOW and
     closed at accept; another address is served meanwhile; a freed slot is reused."""
     limits = ServerLimits(max_connections=64, max_connections_per_peer=2, keep_alive_s=30)
     port = await start(nursery, Events(), limits=limits)
@@ -245,7 +246,10 @@ async def test_one_peer_cannot_hold_the_slots_of_others(nursery: trio.Nursery) -
         await h.send_all(get)
         assert b"200 OK" in await h.receive_some(65536)
     refused = await raw(port, get)
-    assert refused.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in refused, refused
+    assert refused.startswith(b"HTTP/1.1 429 ") and b"retry-after: 1" in refused, refused
+    head, _, body = refused.partition(b"\r\n\r\n")
+    assert json.loads(body) == {"error": {"code": "EWINDOW", "reason": "too many connections from this address"}}
+    assert int(head.split(b"content-length: ")[1].split(b"\r\n")[0]) == len(body)
     other = await trio.open_tcp_stream("127.0.0.1", port, local_address="127.0.0.2")
     await other.send_all(get)
     with trio.fail_after(5):

@@ -23,7 +23,8 @@ What it keeps of a production server, with :class:`ServerLimits`:
   ``body_timeout_s``; at most ``max_connections`` connections are served at
   once (the others wait in the listen backlog, ``backlog``), and at most
   ``max_connections_per_peer`` from one peer IP address: a connection over that
-  is answered ``503`` (``Retry-After: 1``; over TLS closed without one) and
+  is answered ``429`` ``EWINDOW`` in the control API's error shape (parallelism
+  over its window, spec §10; ``Retry-After: 1``; over TLS closed without one) and
   closed at accept, so one client cannot hold the router-wide slots.
 * **Streaming**: a response without ``content-length`` is sent chunked (HTTP/1.1)
   or close-delimited (HTTP/1.0) as the app sends it, each ``http.response.body``
@@ -497,8 +498,9 @@ class _Slots:
     per_peer: PeerSlots
 
 
-_OVER_PEER = (b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\nconnection: close\r\n"
-              b"content-type: text/plain\r\ncontent-length: 40\r\n\r\ntoo many connections from this address\r\n")
+_OVER_PEER_BODY = b'{"error": {"code": "EWINDOW", "reason": "too many connections from this address"}}'
+_OVER_PEER = (b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 1\r\nconnection: close\r\n"
+              b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(_OVER_PEER_BODY), _OVER_PEER_BODY))
 
 
 def _peer_ip(stream: trio.SocketStream) -> tuple[Any, str | None]:
@@ -509,7 +511,7 @@ def _peer_ip(stream: trio.SocketStream) -> tuple[Any, str | None]:
 
 
 async def _refuse_peer(stream: trio.SocketStream, plain: bool) -> None:
-    """A connection over its peer's bound: the 503 (plain HTTP only) and close, within 100 ms."""
+    """A connection over its peer's bound: the 429 (plain HTTP only) and close, within 100 ms."""
     with trio.move_on_after(0.1):
         if plain:
             await stream.send_all(_OVER_PEER)
