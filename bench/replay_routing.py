@@ -53,6 +53,7 @@ from atp_router.policy.replay import (
     hindsight_subject_curve,
     load_rows,
     oracle_curve,
+    picks_curve,
     random_curve,
     run_bandit,
     score_curve,
@@ -227,6 +228,7 @@ def split_main(args: argparse.Namespace) -> int:
           f"bandit explore={EXPLORE} (warm={WARM_EXPLORE}), 2**{BITS} weights per arm, {len(TARGETS)} spend targets; "
           f"LR C={LR_C} (fixed a priori), gain target (strong − weak + 1)/2")
     curves: dict[str, list[Curve]] = {k: [] for k in SPLIT_ROUTERS}
+    halves_apgr: dict[str, list[list[float]]] = {}
     feat = Featurizer(bits=BITS, text=True)
     contexts_all = [feat(_meta(r), r.prompt) for r in rows]
     for seed in range(args.seeds):
@@ -239,10 +241,12 @@ def split_main(args: argparse.Namespace) -> int:
         wk = sum(r.weak for r in test) / len(test)
         st = sum(r.strong for r in test) / len(test)
         y = np.array([gain_label(r.weak, r.strong) for r in train])
+        ranked: dict[str, np.ndarray] = {}  # the offline routers' test scores, for the stream halves
         for name, meta in (("LR prompt", False), ("LR prompt+subject", True)):
             vec = Tfidf().fit([r.prompt for r in train], [r.subject for r in train] if meta else None)
             model = fit_logistic(vec.transform([r.prompt for r in train], [r.subject for r in train]), y, C=LR_C)
             scores = model.logit(vec.transform([r.prompt for r in test], [r.subject for r in test]))
+            ranked[name] = np.asarray(scores)
             curves[name].append(score_curve(name, test, scores, GRID))
         table = gain_table([r.subject for r in train], [2 * g - 1 for g in y])
         curves["subject gain table"].append(
@@ -254,11 +258,13 @@ def split_main(args: argparse.Namespace) -> int:
         fitted_gain = warm_fit(train, ctx_tr, bits=BITS, explore=EXPLORE, prior_precision=WARM_PRIOR_PRECISION)
         curves["bandit fit, ranked"].append(score_curve("bandit fit, ranked", test, _arm_gain(fitted, ctx_te), GRID))
         text_warm, ctx_te_aux = _text_gain_start(train, test)
-        curves["text gain, ranked"].append(score_curve("text gain, ranked", test,
-                                                       [text_warm.gain.logit(c) for c in ctx_te_aux], GRID))
+        ranked["text gain, ranked"] = np.array([text_warm.gain.logit(c) for c in ctx_te_aux])
+        curves["text gain, ranked"].append(score_curve("text gain, ranked", test, ranked["text gain, ranked"], GRID))
+        picks: list[list[bool]] = [[] for _ in TARGETS]
         pts = [run_bandit(test, t, text=True, seed=seed, explore=WARM_EXPLORE, bits=BITS, contexts=ctx_te_aux,
-                          warm=text_warm) for t in TARGETS]
+                          warm=text_warm, picks=p) for t, p in zip(TARGETS, picks, strict=True)]
         curves["bandit warm text gain"].append(Curve("w", tuple(p[0] for p in pts), tuple(p[1] for p in pts)))
+        _stream_halves(halves_apgr, test, ranked, picks)
         for name, start, gain, ex in (("bandit zero", None, False, EXPLORE),
                                       ("bandit warm update", warm, False, EXPLORE),
                                       ("bandit warm fit .25", fitted, False, EXPLORE),
@@ -288,12 +294,42 @@ def split_main(args: argparse.Namespace) -> int:
         print(f"{name:<22} {summary[name]:8.3f} ± {sd:.3f} "
               f"{_fmt_cpt([cpt(c, *halves[i], 0.5) for i, c in enumerate(cs)]):>18} "
               f"{_fmt_cpt([cpt(c, *halves[i], 0.8) for i, c in enumerate(cs)]):>18}  {SPLIT_ROUTERS[name]}")
+    _print_halves(halves_apgr)
     best = max(("LR prompt", "LR prompt+subject"), key=lambda k: summary[k])
     print(f"\noffline = {best} (the better offline LR anchor); {time.perf_counter() - t0:.0f} s")
     print(f"APGR bandit={summary['bandit zero']:.3f} warm={summary['bandit warm text gain']:.3f} "
           f"offline={summary[best]:.3f} "
           f"random={summary['random']:.3f} oracle={summary['oracle']:.3f}")
     return 0
+
+
+def _stream_halves(out: dict[str, list[list[float]]], test: list[Row], ranked: dict[str, np.ndarray],
+                   picks: list[list[bool]]) -> None:
+    """One seed's APGR on each half of the test stream, in the order the online routers saw it: the
+    warm-started bandit (its choices on those rows, made while it learned from the rows before) against the
+    offline routers ranking the same rows (fixed: they learn nothing from the stream)."""
+    m = len(test) // 2
+    for h, part in enumerate((slice(0, m), slice(m, None))):
+        sub = test[part]
+        wk, st = sum(r.weak for r in sub) / len(sub), sum(r.strong for r in sub) / len(sub)
+        for name in ("LR prompt+subject", "text gain, ranked"):
+            out.setdefault(name, [[], []])[h].append(apgr(score_curve(name, sub, ranked[name][part], GRID), wk, st))
+        out.setdefault("bandit warm text gain", [[], []])[h].append(
+            apgr(picks_curve("w", test, picks, part), wk, st))
+
+
+def _print_halves(out: dict[str, list[list[float]]]) -> None:
+    """The stream-halves table (:func:`_stream_halves`): mean ± std over the seeds, and warm − offline paired."""
+    print("\nthe test stream in halves (online routers learn from the first half before the second; the offline "
+          "ones are fixed)")
+    print(f"{'router':<22} {'APGR 1st half':>16} {'APGR 2nd half':>16}")
+    for name, (a, b) in out.items():
+        sd = [statistics.pstdev(x) if len(x) > 1 else 0.0 for x in (a, b)]
+        print(f"{name:<22} {statistics.mean(a):9.3f} ± {sd[0]:.3f} {statistics.mean(b):9.3f} ± {sd[1]:.3f}")
+    w, o = out["bandit warm text gain"], out["LR prompt+subject"]
+    d = [[x - y for x, y in zip(w[h], o[h], strict=True)] for h in (0, 1)]
+    print(f"{'warm − offline, paired':<22} " + " ".join(
+        f"{statistics.mean(x):+9.3f} ± {statistics.pstdev(x) if len(x) > 1 else 0.0:.3f}" for x in d))
 
 
 def _text_gain_start(train: list[Row], test: list[Row]) -> tuple[Bandit, list[Context]]:

@@ -36,8 +36,8 @@ from atp_router.policy.bandit import LAM_STEP, LAM_STEP_TAU, Bandit, Featurizer
 from atp_router.policy.offline import fit_arm, gain_label
 from atp_router.policy.textgain import TermVocab, TextGain
 
-__all__ = ["Curve", "Row", "apgr", "cpt", "hindsight_subject_curve", "load_rows", "oracle_curve", "random_curve",
-           "run_bandit", "score_curve", "warm_bandit", "warm_fit", "warm_text_gain"]
+__all__ = ["Curve", "Row", "apgr", "cpt", "hindsight_subject_curve", "load_rows", "oracle_curve", "picks_curve",
+           "random_curve", "run_bandit", "score_curve", "warm_bandit", "warm_fit", "warm_text_gain"]
 
 WEAK, STRONG = "weak", "strong"
 
@@ -177,6 +177,7 @@ def run_bandit(
     warm: Bandit | None = None,
     gain: bool = False,
     lam_tau: float = LAM_STEP_TAU,
+    picks: list[bool] | None = None,
 ) -> tuple[float, float]:
     """One online pass of the router's :class:`~atp_router.policy.bandit.Bandit` over
     ``rows`` (in the given order) with strong-call spend target
@@ -186,7 +187,9 @@ def run_bandit(
     featurizing again. ``warm``: start from (a copy of) this bandit's learned
     arms instead of from zero (:func:`warm_bandit`); ``gain``: from zero with
     a gain model (:class:`~atp_router.policy.bandit.Bandit`'s ``gain``); ``lam_step``, ``lam_tau``: λ's
-    dual-ascent step and its decay (:class:`~atp_router.policy.bandit.Bandit`)."""
+    dual-ascent step and its decay (:class:`~atp_router.policy.bandit.Bandit`);
+    ``picks``: a list the pass appends each row's choice to (True: the strong
+    model), for scoring part of the stream (:func:`picks_curve`)."""
     rng = np.random.default_rng(seed)
     if warm is not None:
         bandit = copy.deepcopy(warm)
@@ -205,8 +208,25 @@ def run_bandit(
         ok = r.strong if arm == STRONG else r.weak
         strong_calls += arm == STRONG
         correct += ok
+        if picks is not None:
+            picks.append(arm == STRONG)
         bandit.update(ctx, {arm: 1.0 if ok else 0.0})
     return strong_calls / len(rows), correct / len(rows)
+
+
+def picks_curve(name: str, rows: Sequence[Row], picks: Sequence[Sequence[bool]], part: slice) -> Curve:
+    """The curve of online passes (one ``picks`` list per spend target, as
+    :func:`run_bandit` fills it) scored on ``rows[part]`` only: each pass's
+    strong-call share and accuracy over those rows."""
+    sub = rows[part]
+    weak = np.fromiter((r.weak for r in sub), dtype=bool)
+    strong = np.fromiter((r.strong for r in sub), dtype=bool)
+    out_s, out_a = [], []
+    for p in picks:
+        pick = np.asarray(p[part], dtype=bool)
+        out_s.append(float(pick.mean()))
+        out_a.append(float(np.where(pick, strong, weak).mean()))
+    return Curve(name, tuple(out_s), tuple(out_a))
 
 
 def warm_bandit(rows: Sequence[Row], contexts: Sequence, *, bits: int = 14, explore: float = 1.0) -> Bandit:

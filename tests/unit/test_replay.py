@@ -17,6 +17,7 @@ from atp_router.policy.replay import (
     cpt,
     load_rows,
     oracle_curve,
+    picks_curve,
     random_curve,
     run_bandit,
 )
@@ -103,6 +104,21 @@ def test_online_bandit_beats_random_where_subjects_differ():
     assert pgr > 0.75  # a random router at 30 % strong calls gets PGR ≈ 0.3
 
 
+def test_picks_score_a_part_of_the_stream_as_the_pass_scored_all_of_it():
+    """``run_bandit(picks=...)`` records each row's choice: over the whole stream they
+    give the pass's own share and accuracy; over a part, that part's."""
+    rows = [Row(f"q{i}", weak=i % 3 != 0, strong=i % 5 != 0, subject="a" if i % 2 else "b") for i in range(600)]
+    picks: list[bool] = []
+    share, acc = run_bandit(rows, 0.4, text=False, seed=1, explore=0.25, bits=10, picks=picks)
+    assert len(picks) == len(rows)
+    whole = picks_curve("w", rows, [picks], slice(None))
+    assert whole.share == (pytest.approx(share),) and whole.accuracy == (pytest.approx(acc),)
+    late = picks_curve("w", rows, [picks], slice(300, None))
+    expect = [r.strong if p else r.weak for r, p in zip(rows[300:], picks[300:], strict=True)]
+    assert late.share == (pytest.approx(sum(picks[300:]) / 300),)
+    assert late.accuracy == (pytest.approx(sum(expect) / 300),)
+
+
 def _learnable_rows(seed: int) -> list[dict]:
     """400 replay rows where the subject tells when only the strong model is right (40 % hard)."""
     rows = []
@@ -140,6 +156,8 @@ def test_split_bench_last_line_names_every_router(tmp_path):
     fields = {k: float(v) for k, v in (kv.split("=") for kv in last.split()[1:])}
     assert fields["warm"] > fields["random"] + 0.1
     assert fields["oracle"] >= fields["offline"]
+    halves = out.stdout[out.stdout.index("the test stream in halves"):]
+    assert re.search(r"warm − offline, paired\s+[+-]\d\.\d{3} ± \d\.\d{3}\s+[+-]\d\.\d{3} ± \d\.\d{3}", halves), halves
 
 
 def test_hindsight_subject_router_sends_the_best_subject_first(tmp_path):
