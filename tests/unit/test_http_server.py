@@ -134,6 +134,23 @@ async def test_a_client_leaving_mid_stream_cancels_the_handler(nursery: trio.Nur
         await ev.sse_cancelled.wait()
 
 
+async def test_a_client_resetting_mid_stream_is_a_disconnect_not_an_app_error(nursery: trio.Nursery,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A client that resets the connection (RST) while a response streams: the
+    handler sees ``http.disconnect`` and is cancelled; nothing is logged as the app failing."""
+    ev = Events()
+    port = await start(nursery, ev)
+    s = await trio.open_tcp_stream("127.0.0.1", port)
+    await s.send_all(b"GET /sse HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert b"data: 0" in await s.receive_some(65536)
+    s.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    await s.aclose()  # SO_LINGER 0: the close is a reset
+    with trio.fail_after(5):
+        await ev.sse_cancelled.wait()
+    await trio.sleep(0.1)
+    assert not [r for r in caplog.records if "the app failed" in r.getMessage()], caplog.text
+
+
 async def test_pipelined_requests_are_answered_in_order(nursery: trio.Nursery) -> None:
     port = await start(nursery, Events())
     reqs = b"".join(b"GET /echo?i=%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(3))

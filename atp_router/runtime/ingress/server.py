@@ -312,8 +312,12 @@ class _Conn:
 
     async def read(self) -> None:
         """One read fed to the parser (its callbacks fill the requests); sets
-        :attr:`eof` when the client closed."""
-        data = await self.stream.receive_some(self.limits.read_size)
+        :attr:`eof` when the client closed — or reset the connection, which a
+        handler waiting on ``receive`` sees as ``http.disconnect``, not an error."""
+        try:
+            data = await self.stream.receive_some(self.limits.read_size)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            data = b""
         if not data:
             self.eof = True
             return
