@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Self
 
@@ -497,6 +497,17 @@ class Store(ABC):
         :class:`NotFound` for an unknown stream, :class:`StoreLimitError` when
         the frame or the stream's event count passes the store's bounds,
         :class:`StoreError` when another event is stored under ``event_id``."""
+
+    def append_events(self, tenant: str, session_id: str, stream_id: str,
+                      events: Sequence[tuple[int, str, bytes]]) -> None:
+        """:meth:`append_event` for each ``(event_id, type, frame)`` of ``events``
+        in order (consecutive ids of one stream: a group commit's run), stopping
+        at the first that raises (the ones before it stay appended; inside a
+        :meth:`batch` whose errors are raised when it ends, as Redis', every one
+        is tried). A store may write them in fewer statements; the outcome is the
+        same."""
+        for event_id, type, frame in events:
+            self.append_event(tenant, session_id, stream_id, event_id, type, frame)
 
     @abstractmethod
     def events(self, tenant: str, session_id: str, stream_id: str, after: int = 0) -> list[StoredEvent]:

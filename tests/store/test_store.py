@@ -5,6 +5,7 @@ cache, and a real kill -9 of a writing process (issue 7 item 7, issue 12)."""
 
 from __future__ import annotations
 
+
 import os
 import signal
 import subprocess
@@ -210,6 +211,31 @@ def test_event_bounds_and_errors(backend: Backend):
         s.append_event("t", "sess", "s", 4, "FIN", b"")
     assert e.value.limit == "events_per_stream"
     assert [ev.frame for ev in s.events("t", "sess", "s")] == [b"x" * 64, b"x" * 64, b"z"]
+
+
+def test_a_run_of_events_is_stored_as_one_by_one(backend: Backend):
+    """``append_events`` (a group commit's run of one stream's events): stored as
+    ``append_event`` would, in a batch too; a retried run is a no-op; a run past the
+    event bound or with an id stored as another event stores the ones before the
+    failing one and raises as ``append_event`` does; an unknown stream is NotFound."""
+    s = backend.open(max_event_bytes=64, max_events_per_stream=6)
+    s.put_stream(stream("t", "s"))
+    run = [(1, "SYN_ACK", b"a"), (2, "PARTIAL", b"b"), (3, "PARTIAL", b"c")]
+    with s.batch():
+        s.append_events("t", "sess", "s", run)
+        s.append_events("t", "sess", "s", run)  # retried whole: nothing changes, nothing counts twice
+    assert [(e.event_id, e.type, e.frame) for e in s.events("t", "sess", "s")] == run
+    s.append_events("t", "sess", "s", [(3, "PARTIAL", b"c"), (4, "FINAL", b"d"), (5, "FIN", b"")])
+    with pytest.raises(StoreError, match="event 5 of stream s is already stored"):
+        s.append_events("t", "sess", "s", [(5, "OTHER", b"z"), (6, "X", b"never")])
+    with pytest.raises(StoreLimitError, match="limit of 6 events") as e:
+        s.append_events("t", "sess", "s", [(6, "X", b"e"), (7, "Y", b"f")])
+    assert e.value.limit == "events_per_stream"
+    assert [(e.event_id, e.frame) for e in s.events("t", "sess", "s")][3:] == [(4, b"d"), (5, b""), (6, b"e")]
+    with pytest.raises(StoreLimitError, match="65 bytes"):
+        s.append_events("t", "sess", "s", [(7, "X", b"x" * 65), (8, "Y", b"f")])
+    with pytest.raises(NotFound, match="no stream t/sess/nope"):
+        s.append_events("t", "sess", "nope", run)
 
 
 def test_batch_groups_writes_and_reports_their_errors(backend: Backend):

@@ -193,19 +193,36 @@ class StreamPersistence:
         assert self.store is not None
         try:
             self.store.append_event(ctx.tenant, ctx.session_id, ctx.stream_id, ev.id, ev.type, data)
-        except StoreUnavailable:
-            if self._flushing:
-                raise  # the whole batch waits for the store (flush)
-            ctx.unstored = True
-            log.exception("stream %s/%s: event %d not stored", ctx.tenant, ctx.stream_id, ev.id)
-        except StoreLimitError as e:
-            # The client still gets every frame live; after a restart the stream
-            # reads as interrupted at the last stored event.
-            ctx.unstored = True  # its whole log is only in memory: kept for its full age
-            log.warning("stream %s/%s: event %d not stored: %s", ctx.tenant, ctx.stream_id, ev.id, e)
-        except StoreError:
-            ctx.unstored = True
-            log.exception("stream %s/%s: event %d not stored", ctx.tenant, ctx.stream_id, ev.id)
+        except StoreError as e:
+            self._not_stored(ctx, f"event {ev.id}", e)
+
+    def _store_events(self, ctx: StreamCtx, run: list[tuple[int, str, bytes]]) -> None:
+        """:meth:`_store_event` for a group commit's run of ``ctx``'s consecutive
+        events ``(id, type, frame JSON)`` at once (:meth:`~atp_router.store.base.Store.append_events`)."""
+        assert self.store is not None
+        try:
+            if len(run) == 1:
+                self.store.append_event(ctx.tenant, ctx.session_id, ctx.stream_id, *run[0])
+            else:
+                self.store.append_events(ctx.tenant, ctx.session_id, ctx.stream_id, run)
+        except StoreError as e:
+            # A run: those before the failing one are stored (the error names it).
+            self._not_stored(ctx, f"event {run[0][0]}" if len(run) == 1
+                             else f"events {run[0][0]}..{run[-1][0]} (not all)", e)
+
+    def _not_stored(self, ctx: StreamCtx, what: str, e: StoreError) -> None:
+        """A store error appending ``ctx``'s events (``what``): an unreachable store
+        stops a group commit (raised: the whole batch waits for the store, flush);
+        else the stream is marked unstored — the client still gets every frame
+        live; after a restart the stream reads as interrupted at the last stored
+        event, and its log, only in memory, is kept for its full age."""
+        if isinstance(e, StoreUnavailable) and self._flushing:
+            raise e
+        ctx.unstored = True
+        if isinstance(e, StoreLimitError):
+            log.warning("stream %s/%s: %s not stored: %s", ctx.tenant, ctx.stream_id, what, e)
+        else:
+            log.error("stream %s/%s: %s not stored", ctx.tenant, ctx.stream_id, what, exc_info=e)
 
     def persist_close(self, ctx: StreamCtx) -> None:
         """Store that ``ctx`` closed (after its events): at once, or queued for the next :meth:`flush`."""
@@ -296,13 +313,18 @@ class StreamPersistence:
         self._flushing = True
         try:
             with self.store.batch():
-                for ctx, ev in pending:
-                    if ev is None:
+                run: list[tuple[int, str, bytes]] = []  # consecutive events of one stream: one append_events
+                for i, (ctx, ev) in enumerate(pending):
+                    if isinstance(ev, LoggedEvent):
+                        run.append((ev.id, ev.type, ev.json_bytes()))
+                        nxt = pending[i + 1] if i + 1 < len(pending) else None
+                        if nxt is None or nxt[0] is not ctx or not isinstance(nxt[1], LoggedEvent):
+                            self._store_events(ctx, run)
+                            run = []
+                    elif ev is None:
                         self._store_close(ctx)
-                    elif isinstance(ev, StreamRecord):
-                        self.store.put_stream(ev)
                     else:
-                        self._store_event(ctx, ev, ev.json_bytes())
+                        self.store.put_stream(ev)
                 for write, _ in writes:
                     self._deferred(write)
         except StoreError as e:
