@@ -7,7 +7,10 @@
   (:func:`lock_state_dir`: two routers on one directory would interleave
   ledgers and the audit chain); None is a private temporary directory removed
   at shutdown (the same code path, nothing kept);
-* the :class:`~atp_router.store.sqlite.SqliteStore` in it (``config.state_sync``);
+* the :class:`~atp_router.store.sqlite.SqliteStore` in it (``config.state_sync``),
+  opened ``exclusive``: this process is the file's only user while it runs (no
+  lock syscalls per transaction; another process opening it — ``sqlite3``, an
+  ``atp-router`` command on the directory — is refused with one line);
 * the budget ledger as the store has it (spec §5 across a crash,
   :func:`restore_ledger`): calls in flight at the crash committed at their
   reservation, stream accounts closed, every later mutation journaled;
@@ -201,7 +204,9 @@ def open_state(config: RouterConfig, *, lock: bool = True) -> StateParts:
     state_dir, tmp, held = state_directory(config, lock=lock)
     store: SqliteStore | None = None
     try:
-        store = SqliteStore.open(state_dir, synchronous=sync_mode(config.state_sync))
+        # The process holds the state directory (its lock, or the --workers supervisor's before any
+        # worker starts): the store is its alone — no lock syscalls per transaction, no -shm.
+        store = SqliteStore.open(state_dir, synchronous=sync_mode(config.state_sync), exclusive=True)
         ledger = restore_ledger(store)
         audit_log = AuditLog.open(store, state_dir, options=config.audit, warn=tmp is None)
     except BaseException:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sqlite3
 
 import atp
 import pytest
@@ -173,11 +172,9 @@ async def test_the_five_bypasses_never_reach_an_uncleared_model_and_meta_is_stor
         prompt = json.dumps(body, ensure_ascii=False)
         assert name in prompt and "REDACTED" in prompt  # the file reached the model, masked
         assert leaks(body, PROBES) == [], name
-    con = sqlite3.connect(state / "state.db")
-    try:
-        stored = [json.loads(r[0])["meta"] for r in con.execute("SELECT body FROM stream")]
-    finally:
-        con.close()
+    store = env.router.store  # the stored bytes, through the router's own connection: its store is exclusive
+    with store._lock:
+        stored = [json.loads(r[0])["meta"] for r in store._conn.execute("SELECT body FROM stream")]
     assert len(stored) == len(FIVE) and all("[REDACTED:" in m["note"] for m in stored)
     assert all(m["task_type"] == "summarize" and m["data_scope"] == ["no_secrets"] for m in stored)
     assert leaks(stored, PROBES) == []

@@ -20,7 +20,7 @@ import base64
 import json
 import sqlite3
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, closing
 from pathlib import Path
 
 import msgspec
@@ -105,12 +105,13 @@ async def replay_refused(peer: Peer, message: str, stream_id: str) -> str:
 
 def audited_esec(db: Path) -> list[dict]:
     """The ``esec`` records of the audit trail in the state database ``db``."""
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as c:
         return [json.loads(d) for (d,) in c.execute("SELECT detail FROM audit WHERE kind = 'esec' ORDER BY seq")]
 
 
 def committed(db: Path, account: str) -> int:
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+    # Closed, not left to the GC: an open connection keeps a lock the next router's (exclusive) open waits for.
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as c:
         return c.execute("SELECT committed_tokens FROM account WHERE key = ?", (account,)).fetchone()[0]
 
 

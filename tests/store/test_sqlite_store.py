@@ -9,6 +9,7 @@ import contextlib
 import os
 import sqlite3
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -256,3 +257,74 @@ def test_two_processes_opening_a_new_state_dir_at_once_both_start(tmp_path: Path
     (d / "state.db").write_bytes(b"")  # state lost behind a marker: still refused
     with pytest.raises(StoreError, match="state"):
         SqliteStore.open(d, multiprocess=True)
+
+
+_OPEN_IN_ANOTHER_PROCESS = """
+import sys, time
+from atp_router.store import SqliteStore, StoreError
+t0 = time.monotonic()
+try:
+    SqliteStore.open(sys.argv[1], multiprocess=sys.argv[2] == "multiprocess", exclusive=sys.argv[2] == "exclusive")
+except StoreError as e:
+    print(f"refused in {time.monotonic() - t0:.1f} s: {e}")
+    sys.exit(2)
+print("opened")
+"""
+
+
+def test_an_exclusive_store_is_its_process_alone_and_a_second_process_is_refused_at_once(tmp_path: Path):
+    """``exclusive`` (the single router's store): no ``-shm``, no lock syscall per
+    transaction (bench_store_syscalls.py), and a second process opening the file —
+    plain, ``multiprocess`` or exclusive — is refused at once with one line (not after
+    SQLite's 10 s busy timeout, not a traceback); a plain sqlite3 reader gets SQLite's
+    'database is locked'. Closed, the file opens as before, with what was written."""
+    d = tmp_path / "state"
+    with pytest.raises(ValueError, match="exclusive"):
+        SqliteStore.open(d, exclusive=True, multiprocess=True)
+    with SqliteStore.open(d, exclusive=True) as s:
+        s.put("k", b"v")
+        assert s._conn.execute("PRAGMA locking_mode").fetchone()[0] == "exclusive"
+        assert not (d / "state.db-shm").exists() and (d / "state.db-wal").stat().st_size > 0
+        for mode in ("plain", "multiprocess", "exclusive"):
+            t0 = time.monotonic()
+            p = subprocess.run([sys.executable, "-c",
+                                _OPEN_IN_ANOTHER_PROCESS, str(d), mode], capture_output=True, text=True, timeout=60,
+                               cwd=ROOT, env=_env(), check=False)
+            assert p.returncode == 2 and p.stderr == "", (mode, p.stdout, p.stderr)
+            assert time.monotonic() - t0 < 8, mode
+            assert len(p.stdout.splitlines()) == 1 and str(d / "state.db") in p.stdout, p.stdout
+        raw = sqlite3.connect(d / "state.db", timeout=0)
+        try:
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                raw.execute("SELECT value FROM kv").fetchall()
+        finally:
+            raw.close()
+        s.put("k2", b"v2")  # the owner goes on writing
+    with SqliteStore.open(d) as s:
+        assert s.get("k") == b"v" and s.get("k2") == b"v2"
+
+
+def test_an_exclusive_store_keeps_what_it_committed_across_kill9(tmp_path: Path):
+    """Kill -9 of a process on an exclusive store (the WAL index was in its memory):
+    every committed write is there at the next open, which replays the WAL."""
+    d = tmp_path / "state"
+    code = ("import sys, time\nfrom atp_router.store import SqliteStore\n"
+            "s = SqliteStore.open(sys.argv[1], exclusive=True)\n"
+            "for i in range(200):\n    s.put(f'k{i}', b'v' * 300)\n"
+            "print('written', flush=True)\ntime.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, str(d)], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "written"
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+    assert (d / "state.db-wal").stat().st_size > 0  # nothing checkpointed at a clean close: the WAL is replayed
+    with SqliteStore.open(d, exclusive=True) as s:
+        assert all(s.get(f"k{i}") == b"v" * 300 for i in range(200))
+
+
+def _env() -> dict[str, str]:
+    """This environment with the tree under test first on the path (a subprocess imports it)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
