@@ -68,7 +68,9 @@ entry and ``rate_bucket`` time written) and each :meth:`SqliteStore.rate_take`.
 The schema is versioned in the ``meta`` table (:data:`SCHEMA_VERSION`); a
 state directory written by a newer router is refused with
 :class:`~atp_router.store.base.SchemaError` rather than misread; an older one is
-migrated in place (version 1 → 2: the ``reserved_*`` and ``owner`` columns). The state directory
+migrated in place (version 1 → 2: the ``reserved_*`` and ``owner`` columns; 2 → 3: streams
+numbered, ``sno``, and their events keyed by it — the stream and event rows copied in the
+migration's one transaction, so a first start on a large state directory takes a moment). The state directory
 is created with mode 0700 and ``state.db`` with 0600.
 
 Faults (issue 22 item 5). At start, :meth:`SqliteStore.open` refuses with a one-line
@@ -145,7 +147,7 @@ __all__ = ["PROBE_ROOM_BYTES", "QUICK_CHECK_S", "RIB_KEPT", "SCHEMA_VERSION", "S
 log = logging.getLogger("atp_router.store.sqlite")
 
 #: Version of the schema below; bump it with a migration in ``_migrate``.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: Room (bytes) :meth:`SqliteStore.writable` wants free beside the database: the next
 #: transactions grow its WAL and pages (a write that only reuses WAL space can
 #: succeed on a disk where a stream open no longer fits).
@@ -187,16 +189,16 @@ CREATE TABLE account (
 CREATE TABLE reservation (id INTEGER PRIMARY KEY, account TEXT NOT NULL, tokens INTEGER NOT NULL,
     usd_micros INTEGER NOT NULL, owner TEXT);
 CREATE TABLE stream (
+    sno INTEGER PRIMARY KEY,
     tenant TEXT NOT NULL, session_id TEXT NOT NULL, stream_id TEXT NOT NULL, idempotency_key TEXT,
     state TEXT NOT NULL, close_reason TEXT, created_ms INTEGER NOT NULL, closed_ms INTEGER,
     n_events INTEGER NOT NULL DEFAULT 0, body BLOB NOT NULL, owner TEXT,
-    PRIMARY KEY (tenant, session_id, stream_id));
+    UNIQUE (tenant, session_id, stream_id));
 CREATE INDEX stream_idem ON stream (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;
 CREATE INDEX stream_done ON stream (state, closed_ms);
 CREATE TABLE event (
-    tenant TEXT NOT NULL, session_id TEXT NOT NULL, stream_id TEXT NOT NULL, event_id INTEGER NOT NULL,
-    type TEXT NOT NULL, frame BLOB NOT NULL,
-    PRIMARY KEY (tenant, session_id, stream_id, event_id)) WITHOUT ROWID;
+    sno INTEGER NOT NULL, event_id INTEGER NOT NULL, type TEXT NOT NULL, frame BLOB NOT NULL,
+    UNIQUE (sno, event_id));
 CREATE TABLE rib (n INTEGER PRIMARY KEY AUTOINCREMENT, version INTEGER NOT NULL, text TEXT NOT NULL,
     source TEXT NOT NULL, actor TEXT NOT NULL);
 CREATE TABLE audit (seq INTEGER PRIMARY KEY, ts_ms INTEGER NOT NULL, kind TEXT NOT NULL, actor TEXT NOT NULL,
@@ -272,6 +274,41 @@ _MIGRATE_2 = [
     "CREATE INDEX reservation_owner ON reservation (owner) WHERE owner IS NOT NULL",
     "CREATE INDEX account_owner ON account (owner) WHERE owner IS NOT NULL",
 ]
+
+# Schema 2 → 3 (issue 25 item 2): a stream is numbered (``sno``, its rowid, kept
+# explicit so a VACUUM cannot renumber it) and its events are keyed by that number
+# instead of (tenant, session, stream), in a rowid table: a task's events are appended
+# at the end of the table (SQLite's quick balance: one new page) and their small
+# (sno, event_id) index entries at the end of the index, instead of 3 KB a task going
+# to random places of a WITHOUT ROWID B-tree, whose leaves split and rebalanced 4-5
+# pages a task (~9 WAL frames of events a task, bench/bench_store_syscalls.py; keyed by
+# sno but still WITHOUT ROWID, 7.7: an index B-tree rebalances three siblings on every
+# full leaf, even at its end). The rows are copied in the migration's transaction.
+_MIGRATE_3 = [
+    """CREATE TABLE stream_v3 (
+    sno INTEGER PRIMARY KEY,
+    tenant TEXT NOT NULL, session_id TEXT NOT NULL, stream_id TEXT NOT NULL, idempotency_key TEXT,
+    state TEXT NOT NULL, close_reason TEXT, created_ms INTEGER NOT NULL, closed_ms INTEGER,
+    n_events INTEGER NOT NULL DEFAULT 0, body BLOB NOT NULL, owner TEXT,
+    UNIQUE (tenant, session_id, stream_id))""",
+    ("INSERT INTO stream_v3 (sno, tenant, session_id, stream_id, idempotency_key, state, close_reason, created_ms, "
+     "closed_ms, n_events, body, owner) SELECT rowid, tenant, session_id, stream_id, idempotency_key, state, "
+     "close_reason, created_ms, closed_ms, n_events, body, owner FROM stream ORDER BY rowid"),
+    """CREATE TABLE event_v3 (
+    sno INTEGER NOT NULL, event_id INTEGER NOT NULL, type TEXT NOT NULL, frame BLOB NOT NULL,
+    UNIQUE (sno, event_id))""",
+    ("INSERT INTO event_v3 (sno, event_id, type, frame) SELECT s.sno, e.event_id, e.type, e.frame FROM event e "
+     "JOIN stream_v3 s ON s.tenant = e.tenant AND s.session_id = e.session_id AND s.stream_id = e.stream_id "
+     "ORDER BY s.sno, e.event_id"),
+    "DROP TABLE event",
+    "DROP TABLE stream",
+    "ALTER TABLE stream_v3 RENAME TO stream",
+    "ALTER TABLE event_v3 RENAME TO event",
+    "CREATE INDEX stream_idem ON stream (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL",
+    "CREATE INDEX stream_done ON stream (state, closed_ms)",
+]
+#: A stream's number by its key (the events' key, schema 3).
+_SNO = "SELECT sno FROM stream WHERE tenant = ? AND session_id = ? AND stream_id = ?"
 
 
 # The account and every ancestor, for a charge (and a change of what is held)
@@ -820,7 +857,7 @@ class SqliteStore(Store):
     def put_stream(self, record: StreamRecord) -> None:
         key = (record.tenant, record.session_id, record.stream_id)
         with self._tx() as c:
-            c.execute("DELETE FROM event WHERE tenant = ? AND session_id = ? AND stream_id = ?", key)
+            c.execute(f"DELETE FROM event WHERE sno = ({_SNO})", key)
             c.execute(
                 f"INSERT OR REPLACE INTO stream ({_STREAM_COLS}, n_events, owner) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
@@ -859,25 +896,25 @@ class SqliteStore(Store):
                                                  f"bytes is over the store's limit of {self.max_event_bytes}")
         key = (tenant, session_id, stream_id)
         with self._tx() as c:
-            cur = c.execute("UPDATE stream SET n_events = n_events + 1 WHERE tenant = ? AND session_id = ? "
-                            "AND stream_id = ? AND n_events < ?", (*key, self.max_events_per_stream))
-            if cur.rowcount == 0:
-                if c.execute("SELECT 1 FROM stream WHERE tenant = ? AND session_id = ? AND stream_id = ?",
-                             key).fetchone() is None:
+            row = c.execute("UPDATE stream SET n_events = n_events + 1 WHERE tenant = ? AND session_id = ? "
+                            "AND stream_id = ? AND n_events < ? RETURNING sno",
+                            (*key, self.max_events_per_stream)).fetchone()
+            if row is None:
+                if c.execute(_SNO, key).fetchone() is None:
                     raise NotFound(f"no stream {tenant}/{session_id}/{stream_id}")
                 raise StoreLimitError("events_per_stream", f"stream {stream_id} has the store's limit of "
                                                            f"{self.max_events_per_stream} events")
+            sno = row[0]
             try:
-                c.execute("INSERT INTO event VALUES (?, ?, ?, ?, ?, ?)", (*key, event_id, type, frame))
+                c.execute("INSERT INTO event (sno, event_id, type, frame) VALUES (?, ?, ?, ?)",
+                          (sno, event_id, type, frame))
             except sqlite3.IntegrityError:
-                same = c.execute("SELECT 1 FROM event WHERE tenant = ? AND session_id = ? AND stream_id = ? "
-                                 "AND event_id = ? AND type = ? AND frame = ?",
-                                 (*key, event_id, type, frame)).fetchone()
+                same = c.execute("SELECT 1 FROM event WHERE sno = ? AND event_id = ? AND type = ? AND frame = ?",
+                                 (sno, event_id, type, frame)).fetchone()
                 if same is None:
                     raise StoreError(f"event {event_id} of stream {stream_id} is already stored") from None
                 # The same event again (a retried write): it does not count twice.
-                c.execute("UPDATE stream SET n_events = n_events - 1 WHERE tenant = ? AND session_id = ? "
-                          "AND stream_id = ?", key)
+                c.execute("UPDATE stream SET n_events = n_events - 1 WHERE sno = ?", (sno,))
 
     def append_events(self, tenant: str, session_id: str, stream_id: str,
                       events: Sequence[tuple[int, str, bytes]]) -> None:
@@ -905,8 +942,8 @@ class SqliteStore(Store):
     def events(self, tenant: str, session_id: str, stream_id: str, after: int = 0) -> list[StoredEvent]:
         with self._lock:
             rows = self._conn.execute(
-                "SELECT event_id, type, frame FROM event WHERE tenant = ? AND session_id = ? AND stream_id = ? "
-                "AND event_id > ? ORDER BY event_id", (tenant, session_id, stream_id, after)).fetchall()
+                f"SELECT event_id, type, frame FROM event WHERE sno = ({_SNO}) AND event_id > ? ORDER BY event_id",
+                (tenant, session_id, stream_id, after)).fetchall()
         return [StoredEvent(event_id=i, type=t, frame=bytes(f)) for i, t, f in rows]
 
     def interrupt_open_streams(self, reason: str, *, now_ms: int, owner: str | None = None) -> list[StreamRecord]:
@@ -921,8 +958,8 @@ class SqliteStore(Store):
 
     def expire(self, before_ms: int) -> int:
         with self._tx() as c:
-            done = "SELECT tenant, session_id, stream_id FROM stream WHERE state != 'open' AND closed_ms < ?"
-            c.execute(f"DELETE FROM event WHERE (tenant, session_id, stream_id) IN ({done})", (before_ms,))
+            done = "SELECT sno FROM stream WHERE state != 'open' AND closed_ms < ?"
+            c.execute(f"DELETE FROM event WHERE sno IN ({done})", (before_ms,))
             n = c.execute("DELETE FROM stream WHERE state != 'open' AND closed_ms < ?", (before_ms,)).rowcount
             c.execute("DELETE FROM account WHERE open = 0 AND key NOT IN "
                       "(SELECT parent FROM account WHERE open = 1 AND parent IS NOT NULL)")
@@ -1424,6 +1461,10 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> None:
                     conn.execute(stmt)
                 for key, t, u in conn.execute("SELECT account, tokens, usd_micros FROM reservation").fetchall():
                     conn.execute(_CHAIN_UPDATE, {"key": key, **_moves(rt=t, ru=u)})
+            if version <= 2:
+                for stmt in _MIGRATE_3:
+                    conn.execute(stmt)
+            if version < SCHEMA_VERSION:
                 conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
         for stmt in _CACHE_SCHEMA + _STREAM_READS + _LEASE_SCHEMA + _NONCE_SCHEMA + _QUOTA_SCHEMA:
             conn.execute(stmt)

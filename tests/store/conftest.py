@@ -98,3 +98,23 @@ def rib_count(store: Store) -> int:
         return store._conn.execute("SELECT COUNT(*) FROM rib").fetchone()[0]
     assert isinstance(store, RedisStore)
     return store._client.llen(store._prefix + "rib")
+
+
+#: Schema 2's stream and event tables (SQLite store), as routers before schema 3 wrote
+#: them: a script turning a new store's into them, for the migration tests.
+STREAM_EVENT_V2 = """
+DROP TABLE event; DROP TABLE stream;
+CREATE TABLE stream (
+    tenant TEXT NOT NULL, session_id TEXT NOT NULL, stream_id TEXT NOT NULL, idempotency_key TEXT,
+    state TEXT NOT NULL, close_reason TEXT, created_ms INTEGER NOT NULL, closed_ms INTEGER,
+    n_events INTEGER NOT NULL DEFAULT 0, body BLOB NOT NULL, owner TEXT,
+    PRIMARY KEY (tenant, session_id, stream_id));
+CREATE INDEX stream_idem ON stream (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;
+CREATE INDEX stream_done ON stream (state, closed_ms);
+CREATE INDEX stream_by_id ON stream (tenant, stream_id);
+CREATE TABLE event (
+    tenant TEXT NOT NULL, session_id TEXT NOT NULL, stream_id TEXT NOT NULL, event_id INTEGER NOT NULL,
+    type TEXT NOT NULL, frame BLOB NOT NULL,
+    PRIMARY KEY (tenant, session_id, stream_id, event_id)) WITHOUT ROWID;
+UPDATE meta SET value = '2' WHERE key = 'schema_version';
+"""

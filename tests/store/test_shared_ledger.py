@@ -45,7 +45,8 @@ from atp_router.flow.budget import (
 )
 from atp_router.security.audit import AuditLog, verify
 from atp_router.store import NotFound, SqliteStore, StoreJournal, StreamRecord
-from tests.store.conftest import Backend
+from atp_router.store.sqlite import SCHEMA_VERSION
+from tests.store.conftest import STREAM_EVENT_V2, Backend
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -314,6 +315,7 @@ def test_schema_1_is_migrated(tmp_path: Path):
         lg.open("stream:t:x", Allowance(), parent="client:t")
         lg.reserve("stream:t:x", 120, 7)
     with sqlite3.connect(tmp_path / "state.db") as c:  # back to what schema 1 was
+        c.executescript(STREAM_EVENT_V2)  # schema 2's streams and events (stream.owner dropped below)
         c.execute("DROP INDEX reservation_owner")
         c.execute("DROP INDEX account_owner")
         for table, col in (("account", "reserved_tokens"), ("account", "reserved_usd"), ("account", "owner"),
@@ -321,7 +323,7 @@ def test_schema_1_is_migrated(tmp_path: Path):
             c.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
         c.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     with SqliteStore.open(tmp_path, multiprocess=True) as s:
-        assert s._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "2"
+        assert s._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
         totals = {t.key: t for t in s.shared_totals("stream:t:x").totals}
         assert totals["client:t"].reserved_tokens == totals["stream:t:x"].reserved_tokens == 120
         assert totals["client:t"].reserved_usd_micros == 7

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from atp_router.flow.budget import Allowance, BudgetLedger, Charge, Refusal, Reservation
@@ -27,6 +28,7 @@ from atp_router.store import (
 )
 from atp_router.store.sqlite import STATE_MARKER
 from atp_router.wire.frame import Budget, QoS
+from tests.store.conftest import STREAM_EVENT_V2
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -328,3 +330,39 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     return env
+
+
+def test_schema_2_streams_and_events_are_migrated_to_numbered_streams(tmp_path: Path):
+    """A schema 2 state directory (events keyed by tenant, session and stream) opens
+    as schema 3: every stream keeps its record, state, event count and events, in
+    order; idempotency and by-id lookups, expiry and new events work on it."""
+    d = tmp_path / "state"
+    with SqliteStore.open(d):
+        pass
+    c = sqlite3.connect(d / "state.db", isolation_level=None)
+    try:
+        c.executescript(STREAM_EVENT_V2)
+        for i, sid in enumerate(("b", "a", "c")):  # rowid order is not key order
+            rec = stream("t", sid, key=f"idem-{sid}", created=1_000 + i)
+            c.execute("INSERT INTO stream (tenant, session_id, stream_id, idempotency_key, state, created_ms, "
+                      "closed_ms, n_events, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                      ("t", "sess", sid, f"idem-{sid}", "closed" if sid == "c" else "open", rec.created_ms,
+                       2_000 if sid == "c" else None, 3, msgspec.json.encode(rec)))
+            for e in (1, 2, 3):
+                c.execute("INSERT INTO event VALUES (?, ?, ?, ?, ?, ?)", ("t", "sess", sid, e, "PARTIAL",
+                                                                           f"{sid}{e}".encode()))
+    finally:
+        c.close()
+    with SqliteStore.open(d) as s:
+        assert s._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "3"
+        for sid in ("a", "b", "c"):
+            assert [(e.event_id, e.frame) for e in s.events("t", "sess", sid)] == [
+                (i, f"{sid}{i}".encode()) for i in (1, 2, 3)]
+            assert s.events("t", "sess", sid, after=2)[0].frame == f"{sid}3".encode()
+            found = s.find_idempotent("t", f"idem-{sid}")
+            assert found is not None and found.stream_id == sid and s.find_stream("t", sid) is not None
+        s.append_event("t", "sess", "a", 4, "FINAL", b"a4")
+        assert [e.event_id for e in s.events("t", "sess", "a")] == [1, 2, 3, 4]
+        assert s.expire(3_000) == 1 and s.get_stream("t", "sess", "c") is None  # the closed one, with its events
+        assert s._conn.execute("SELECT count(*) FROM event").fetchone()[0] == 7
+        assert s._conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
