@@ -308,11 +308,13 @@ async def test_a_long_lived_websocket_does_not_keep_the_streams_it_carried(nurse
 def test_reading_a_stream_by_its_id_is_an_index_search_also_in_an_older_state_dir(tmp_path):
     """A stream no longer in memory is found by (tenant, stream id) with an index
     search, not a scan of the tenant's stored streams; a state directory made
-    before the index gains it when opened."""
+    before any index for it (schema 2 without ``stream_by_id``) gains one when
+    opened (schema 3's unique key, ordered tenant, stream id, session)."""
     from atp_router.store.sqlite import SqliteStore
+    from tests.store.conftest import STREAM_EVENT_V2
 
     store = SqliteStore.open(tmp_path)
-    store._conn.execute("DROP INDEX stream_by_id")  # as a state directory from before it
+    store._conn.executescript(STREAM_EVENT_V2 + "DROP INDEX stream_by_id;")  # as a state directory from before it
     store.close()
     store = SqliteStore.open(tmp_path)
     statements: list[str] = []
@@ -322,7 +324,7 @@ def test_reading_a_stream_by_its_id_is_an_index_search_also_in_an_older_state_di
     [query] = [s for s in statements if s.lstrip().upper().startswith("SELECT")]
     plan = store._conn.execute("EXPLAIN QUERY PLAN " + query).fetchall()
     store.close()
-    assert any("USING INDEX stream_by_id (tenant=? AND stream_id=?)" in row[-1] for row in plan), plan
+    assert any("USING INDEX sqlite_autoindex_stream_1 (tenant=? AND stream_id=?)" in row[-1] for row in plan), plan
 
 
 # ------------------------------------------------------------------ idle trim
