@@ -142,7 +142,7 @@ from atp_router.store.base import (
     nonce_limit_error,
 )
 
-__all__ = ["PROBE_ROOM_BYTES", "QUICK_CHECK_S", "RIB_KEPT", "SCHEMA_VERSION", "STATE_MARKER", "SqliteStore", "ledger_snapshot", "write_fault"]
+__all__ = ["EVENT_ID_BITS", "PROBE_ROOM_BYTES", "QUICK_CHECK_S", "RIB_KEPT", "SCHEMA_VERSION", "STATE_MARKER", "SqliteStore", "ledger_snapshot", "write_fault"]
 
 log = logging.getLogger("atp_router.store.sqlite")
 
@@ -152,6 +152,10 @@ SCHEMA_VERSION = 3
 #: transactions grow its WAL and pages (a write that only reuses WAL space can
 #: succeed on a disk where a stream open no longer fits).
 PROBE_ROOM_BYTES = 256 * 1024
+#: Bits of a stored event's rowid that hold its id, below its stream's number (schema 3,
+#: ``_event_key``): a stream's event ids are 1 .. 2**24 - 1.
+EVENT_ID_BITS = 24
+_EVENT_IDS = 1 << EVENT_ID_BITS
 #: RIB versions kept in history (the newest is the active one).
 RIB_KEPT = 16
 #: ``PRAGMA synchronous`` of a store (:meth:`SqliteStore.open`): ``NORMAL`` survives a
@@ -196,9 +200,7 @@ CREATE TABLE stream (
     UNIQUE (tenant, stream_id, session_id));
 CREATE INDEX stream_idem ON stream (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;
 CREATE INDEX stream_done ON stream (state, closed_ms);
-CREATE TABLE event (
-    sno INTEGER NOT NULL, event_id INTEGER NOT NULL, type TEXT NOT NULL, frame BLOB NOT NULL,
-    UNIQUE (sno, event_id));
+CREATE TABLE event (id INTEGER PRIMARY KEY, type TEXT NOT NULL, frame BLOB NOT NULL);
 CREATE TABLE rib (n INTEGER PRIMARY KEY AUTOINCREMENT, version INTEGER NOT NULL, text TEXT NOT NULL,
     source TEXT NOT NULL, actor TEXT NOT NULL);
 CREATE TABLE audit (seq INTEGER PRIMARY KEY, ts_ms INTEGER NOT NULL, kind TEXT NOT NULL, actor TEXT NOT NULL,
@@ -277,14 +279,16 @@ _MIGRATE_2 = [
 ]
 
 # Schema 2 → 3 (issue 25 item 2): a stream is numbered (``sno``, its rowid, kept
-# explicit so a VACUUM cannot renumber it) and its events are keyed by that number
-# instead of (tenant, session, stream), in a rowid table: a task's events are appended
-# at the end of the table (SQLite's quick balance: one new page) and their small
-# (sno, event_id) index entries at the end of the index, instead of 3 KB a task going
-# to random places of a WITHOUT ROWID B-tree, whose leaves split and rebalanced 4-5
-# pages a task (~9 WAL frames of events a task, bench/bench_store_syscalls.py; keyed by
-# sno but still WITHOUT ROWID, 7.7: an index B-tree rebalances three siblings on every
-# full leaf, even at its end). The rows are copied in the migration's transaction.
+# explicit so a VACUUM cannot renumber it) and its events are keyed by that number:
+# an event's rowid is ``sno << EVENT_ID_BITS | event_id`` (:func:`_event_key`), one
+# B-tree and no index. A task's events are appended at the end of the table (SQLite's
+# quick balance: one new page), instead of 3 KB a task going to random places of a
+# WITHOUT ROWID B-tree keyed (tenant, session, stream, event), whose leaves split and
+# rebalanced 4-5 pages a task (~9 WAL frames of events a task,
+# bench/bench_store_syscalls.py; keyed (sno, event_id) but still WITHOUT ROWID: 7.7, an
+# index B-tree rebalances three siblings on every full leaf, even at its end; a rowid
+# table with a (sno, event_id) index: 6.5; this: 4). The rows are copied in the
+# migration's transaction (refused if an event id does not fit, never truncated).
 _MIGRATE_3 = [
     """CREATE TABLE stream_v3 (
     sno INTEGER PRIMARY KEY,
@@ -295,12 +299,10 @@ _MIGRATE_3 = [
     ("INSERT INTO stream_v3 (sno, tenant, session_id, stream_id, idempotency_key, state, close_reason, created_ms, "
      "closed_ms, n_events, body, owner) SELECT rowid, tenant, session_id, stream_id, idempotency_key, state, "
      "close_reason, created_ms, closed_ms, n_events, body, owner FROM stream ORDER BY rowid"),
-    """CREATE TABLE event_v3 (
-    sno INTEGER NOT NULL, event_id INTEGER NOT NULL, type TEXT NOT NULL, frame BLOB NOT NULL,
-    UNIQUE (sno, event_id))""",
-    ("INSERT INTO event_v3 (sno, event_id, type, frame) SELECT s.sno, e.event_id, e.type, e.frame FROM event e "
+    "CREATE TABLE event_v3 (id INTEGER PRIMARY KEY, type TEXT NOT NULL, frame BLOB NOT NULL)",
+    (f"INSERT INTO event_v3 (id, type, frame) SELECT (s.sno << {EVENT_ID_BITS}) | e.event_id, e.type, e.frame FROM event e "
      "JOIN stream_v3 s ON s.tenant = e.tenant AND s.session_id = e.session_id AND s.stream_id = e.stream_id "
-     "ORDER BY s.sno, e.event_id"),
+     "ORDER BY 1"),
     "DROP TABLE event",
     "DROP TABLE stream",
     "ALTER TABLE stream_v3 RENAME TO stream",
@@ -310,6 +312,11 @@ _MIGRATE_3 = [
 ]
 #: A stream's number by its key (the events' key, schema 3).
 _SNO = "SELECT sno FROM stream WHERE tenant = ? AND session_id = ? AND stream_id = ?"
+
+
+def _event_key(sno: int, event_id: int) -> int:
+    """The rowid of event ``event_id`` of stream ``sno`` (schema 3)."""
+    return sno << EVENT_ID_BITS | event_id
 
 
 # The account and every ancestor, for a charge (and a change of what is held)
@@ -386,6 +393,8 @@ class SqliteStore(Store):
         another process has it open through this class."""
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', got {synchronous!r}")
+        if not 0 < max_events_per_stream < _EVENT_IDS:
+            raise ValueError(f"max_events_per_stream must be 1 .. {_EVENT_IDS - 1}, got {max_events_per_stream}")
         if exclusive and multiprocess:
             raise ValueError("an exclusive store cannot be shared by several processes (multiprocess)")
         d = Path(state_dir)
@@ -858,7 +867,9 @@ class SqliteStore(Store):
     def put_stream(self, record: StreamRecord) -> None:
         key = (record.tenant, record.session_id, record.stream_id)
         with self._tx() as c:
-            c.execute(f"DELETE FROM event WHERE sno = ({_SNO})", key)
+            old = c.execute(_SNO, key).fetchone()
+            if old is not None:
+                c.execute("DELETE FROM event WHERE id > ? AND id < ?", (_event_key(old[0], 0), _event_key(old[0] + 1, 0)))
             c.execute(
                 f"INSERT OR REPLACE INTO stream ({_STREAM_COLS}, n_events, owner) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
@@ -895,6 +906,9 @@ class SqliteStore(Store):
         if len(frame) > self.max_event_bytes:
             raise StoreLimitError("event_bytes", f"event {event_id} of stream {stream_id}: frame of {len(frame)} "
                                                  f"bytes is over the store's limit of {self.max_event_bytes}")
+        if not 0 < event_id < _EVENT_IDS:
+            raise StoreLimitError("events_per_stream", f"event {event_id} of stream {stream_id}: the store keeps "
+                                                       f"event ids 1 .. {_EVENT_IDS - 1}")
         key = (tenant, session_id, stream_id)
         with self._tx() as c:
             row = c.execute("UPDATE stream SET n_events = n_events + 1 WHERE tenant = ? AND session_id = ? "
@@ -907,11 +921,10 @@ class SqliteStore(Store):
                                                            f"{self.max_events_per_stream} events")
             sno = row[0]
             try:
-                c.execute("INSERT INTO event (sno, event_id, type, frame) VALUES (?, ?, ?, ?)",
-                          (sno, event_id, type, frame))
+                c.execute("INSERT INTO event (id, type, frame) VALUES (?, ?, ?)", (_event_key(sno, event_id), type, frame))
             except sqlite3.IntegrityError:
-                same = c.execute("SELECT 1 FROM event WHERE sno = ? AND event_id = ? AND type = ? AND frame = ?",
-                                 (sno, event_id, type, frame)).fetchone()
+                same = c.execute("SELECT 1 FROM event WHERE id = ? AND type = ? AND frame = ?",
+                                 (_event_key(sno, event_id), type, frame)).fetchone()
                 if same is None:
                     raise StoreError(f"event {event_id} of stream {stream_id} is already stored") from None
                 # The same event again (a retried write): it does not count twice.
@@ -942,10 +955,13 @@ class SqliteStore(Store):
 
     def events(self, tenant: str, session_id: str, stream_id: str, after: int = 0) -> list[StoredEvent]:
         with self._lock:
+            row = self._conn.execute(_SNO, (tenant, session_id, stream_id)).fetchone()
+            if row is None:
+                return []
             rows = self._conn.execute(
-                f"SELECT event_id, type, frame FROM event WHERE sno = ({_SNO}) AND event_id > ? ORDER BY event_id",
-                (tenant, session_id, stream_id, after)).fetchall()
-        return [StoredEvent(event_id=i, type=t, frame=bytes(f)) for i, t, f in rows]
+                "SELECT id, type, frame FROM event WHERE id > ? AND id < ? ORDER BY id",
+                (_event_key(row[0], max(0, min(after, _EVENT_IDS - 1))), _event_key(row[0] + 1, 0))).fetchall()
+        return [StoredEvent(event_id=i & (_EVENT_IDS - 1), type=t, frame=bytes(f)) for i, t, f in rows]
 
     def interrupt_open_streams(self, reason: str, *, now_ms: int, owner: str | None = None) -> list[StreamRecord]:
         mine, args = ("", ()) if owner is None else (" AND owner = ?", (owner,))
@@ -959,8 +975,9 @@ class SqliteStore(Store):
 
     def expire(self, before_ms: int) -> int:
         with self._tx() as c:
-            done = "SELECT sno FROM stream WHERE state != 'open' AND closed_ms < ?"
-            c.execute(f"DELETE FROM event WHERE sno IN ({done})", (before_ms,))
+            done = c.execute("SELECT sno FROM stream WHERE state != 'open' AND closed_ms < ?", (before_ms,)).fetchall()
+            c.executemany("DELETE FROM event WHERE id > ? AND id < ?",
+                          [(_event_key(sno, 0), _event_key(sno + 1, 0)) for (sno,) in done])
             n = c.execute("DELETE FROM stream WHERE state != 'open' AND closed_ms < ?", (before_ms,)).rowcount
             c.execute("DELETE FROM account WHERE open = 0 AND key NOT IN "
                       "(SELECT parent FROM account WHERE open = 1 AND parent IS NOT NULL)")
@@ -1463,8 +1480,7 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> None:
                 for key, t, u in conn.execute("SELECT account, tokens, usd_micros FROM reservation").fetchall():
                     conn.execute(_CHAIN_UPDATE, {"key": key, **_moves(rt=t, ru=u)})
             if version <= 2:
-                for stmt in _MIGRATE_3:
-                    conn.execute(stmt)
+                _migrate_3(conn, path)
             if version < SCHEMA_VERSION:
                 conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
         for stmt in _CACHE_SCHEMA + _LEASE_SCHEMA + _NONCE_SCHEMA + _QUOTA_SCHEMA:
@@ -1473,6 +1489,18 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> None:
         conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
+
+
+def _migrate_3(conn: sqlite3.Connection, path: Path) -> None:
+    """Schema 2 → 3 (:data:`_MIGRATE_3`) inside the caller's transaction; raises
+    :class:`SchemaError` when an event id does not fit the schema 3 key (none is
+    changed: the caller rolls back)."""
+    bad = conn.execute("SELECT count(*) FROM event WHERE event_id < 1 OR event_id >= ?", (_EVENT_IDS,)).fetchone()[0]
+    if bad:
+        raise SchemaError(f"{path}: {bad} stored events have ids outside 1 .. {_EVENT_IDS - 1}; this {_APP} "
+                          "cannot migrate the state directory (use the previous version, or another --state-dir)")
+    for stmt in _MIGRATE_3:
+        conn.execute(stmt)
 
 
 def _owner_lock(d: Path, path: Path, *, exclusive: bool, create: bool) -> int:

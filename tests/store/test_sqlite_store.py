@@ -24,6 +24,7 @@ from atp_router.store import (
     StoreError,
     StoreFull,
     StoreJournal,
+    StoreLimitError,
     StreamRecord,
 )
 from atp_router.store.sqlite import STATE_MARKER
@@ -366,3 +367,37 @@ def test_schema_2_streams_and_events_are_migrated_to_numbered_streams(tmp_path: 
         assert s.expire(3_000) == 1 and s.get_stream("t", "sess", "c") is None  # the closed one, with its events
         assert s._conn.execute("SELECT count(*) FROM event").fetchone()[0] == 7
         assert s._conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_event_ids_past_the_schema_3_key_are_refused_not_folded(tmp_path: Path):
+    """Schema 3 keys an event by its stream's number and its id (:data:`EVENT_ID_BITS`
+    bits): an id that does not fit is refused (a bound, as the event count is), never
+    stored under another stream's key; a schema 2 file holding one is not migrated."""
+    from atp_router.store.sqlite import EVENT_ID_BITS
+
+    d = tmp_path / "state"
+    with SqliteStore.open(d) as s:
+        s.put_stream(stream("t", "a"))
+        s.put_stream(stream("t", "b"))
+        with pytest.raises(StoreLimitError) as e:
+            s.append_event("t", "sess", "a", 1 << EVENT_ID_BITS, "PARTIAL", b"x")
+        assert e.value.limit == "events_per_stream"
+        s.append_event("t", "sess", "a", (1 << EVENT_ID_BITS) - 1, "PARTIAL", b"last")
+        assert s.events("t", "sess", "b") == [] and [x.frame for x in s.events("t", "sess", "a")] == [b"last"]
+    with pytest.raises(ValueError, match="max_events_per_stream"):
+        SqliteStore.open(d, max_events_per_stream=1 << EVENT_ID_BITS)
+    c = sqlite3.connect(d / "state.db", isolation_level=None)
+    try:
+        c.executescript(STREAM_EVENT_V2)
+        c.execute("INSERT INTO stream (tenant, session_id, stream_id, state, created_ms, body) "
+                  "VALUES ('t', 's', 'a', 'open', 1, x'7b7d')")
+        c.execute("INSERT INTO event VALUES ('t', 's', 'a', ?, 'PARTIAL', x'00')", (1 << EVENT_ID_BITS,))
+    finally:
+        c.close()
+    with pytest.raises(SchemaError, match="cannot migrate"):
+        SqliteStore.open(d)
+    c = sqlite3.connect(d / "state.db")
+    try:
+        assert c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "2"
+    finally:
+        c.close()
