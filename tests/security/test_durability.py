@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import subprocess
+import time
 from pathlib import Path
 
 import atp
@@ -160,6 +161,13 @@ async def test_kill9_keeps_spend_results_and_interrupted_streams(nursery, tmp_pa
         routes = await h.get(url + "/v1/routes", headers={"Authorization": f"Bearer {TOKENS['ops']}"})
         assert routes.status_code == 200
         assert "hot_reloaded" in routes.text and reloaded_version == 2
+    # (f0) While it runs, the router's store is its alone (exclusive): the audit command on its
+    # state directory is refused at once, in one line, not after SQLite's busy timeout.
+    t0 = time.monotonic()
+    live = _audit(state)
+    assert live.returncode == 2 and live.stdout == "", live.stdout + live.stderr
+    assert live.stderr.count("\n") == 1 and "held by a running atp-router" in live.stderr, live.stderr
+    assert time.monotonic() - t0 < 8
     second.stop()
 
     # (f) The audit chain: intact, then edited, then with a record deleted.
