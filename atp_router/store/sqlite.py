@@ -936,19 +936,19 @@ class SqliteStore(Store):
         the rows inserted together) when every frame is within the bounds and no
         id is stored yet; else one by one, as :meth:`append_event` (the same
         errors, the same partial outcome)."""
-        if len(events) < 2 or any(len(f) > self.max_event_bytes for _, _, f in events):
+        if len(events) < 2 or any(len(f) > self.max_event_bytes or not 0 < i < _EVENT_IDS for i, _, f in events):
             super().append_events(tenant, session_id, stream_id, events)
             return
         key = (tenant, session_id, stream_id)
         try:
             with self._tx() as c:
-                cur = c.execute("UPDATE stream SET n_events = n_events + ? WHERE tenant = ? AND session_id = ? "
-                                "AND stream_id = ? AND n_events + ? <= ?",
-                                (len(events), *key, len(events), self.max_events_per_stream))
-                if cur.rowcount == 0:
+                row = c.execute("UPDATE stream SET n_events = n_events + ? WHERE tenant = ? AND session_id = ? "
+                                "AND stream_id = ? AND n_events + ? <= ? RETURNING sno",
+                                (len(events), *key, len(events), self.max_events_per_stream)).fetchone()
+                if row is None:
                     raise _SlowPath
-                c.executemany("INSERT INTO event VALUES (?, ?, ?, ?, ?, ?)",
-                              [(*key, event_id, type, frame) for event_id, type, frame in events])
+                c.executemany("INSERT INTO event (id, type, frame) VALUES (?, ?, ?)",
+                              [(_event_key(row[0], i), type, frame) for i, type, frame in events])
         except (_SlowPath, sqlite3.IntegrityError):
             # Undone whole: an unknown stream, its event bound, an id already stored (a retry).
             super().append_events(tenant, session_id, stream_id, events)
