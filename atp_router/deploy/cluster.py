@@ -145,6 +145,7 @@ from atp_router.flow.budget import (
     StoredCall,
     _Account,
 )
+from atp_router.flow.quota import QuotaAsk, QuotaGrant
 from atp_router.observability.metrics import RouterMetrics
 from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.controlplane import shared_state
@@ -365,6 +366,33 @@ class ClusterLedger(SharedBudgetLedger):
         except NotFound as e:
             raise ATPError(ErrorCode.EBUDGET, self._settled("open", parent or key, e).reason,
                            retry_after_ms=RETRY_AFTER_MS) from None
+
+    def open_admitted(self, ask: QuotaAsk, key: str, limit: Allowance, parent: str, ttl_ms: int) -> QuotaGrant:
+        """The atomic OPEN of a stream (issue 22 item 2): :meth:`open` of its
+        account ``key`` under ``parent`` with ``ask``'s entry in its tenant's
+        shared quota (held ``ttl_ms``) taken in the same store step
+        (:meth:`RedisStore.open_stream_shared
+        <atp_router.store.redis.RedisStore.open_stream_shared>`, carrying the
+        lease epoch and a deadline): both or neither. Returns the grant.
+        Raises :class:`~atp_router.store.base.StoreUnavailable` (nothing opened:
+        :class:`~atp_router.runtime.dataplane.quotas.SharedQuotas` falls back and
+        reports it) or :class:`~atp_router.wire.errors.ATPError` ``EBUDGET``
+        (``parent`` settled by another router)."""
+        grant: QuotaGrant | None = None
+
+        def opener(skey: str, pkey: str | None, lim: Allowance, *, owner: str | None) -> SharedResult | None:
+            nonlocal grant
+            grant, out = self.shared.open_stream_shared(skey, pkey or "", lim, owner=owner or self.owner, ask=ask,
+                                                        ttl_ms=ttl_ms)
+            return out
+
+        try:
+            self.open_with(key, limit, parent, opener)
+        except NotFound as e:
+            raise ATPError(ErrorCode.EBUDGET, self._settled("open", parent, e).reason,
+                           retry_after_ms=RETRY_AFTER_MS) from None
+        assert grant is not None
+        return grant
 
     def close(self, key: str) -> AccountState:
         try:
@@ -693,6 +721,9 @@ class RecordingAccounts(SharedAccounts, Protocol):
 
     def call_record(self, key: str) -> StoredCall | None: ...
 
+    def open_stream_shared(self, key: str, parent: str, limit: Allowance, *, owner: str, ask: QuotaAsk,
+                           ttl_ms: int) -> tuple[QuotaGrant, SharedResult | None]: ...
+
 
 # ----------------------------------------------------------------------- leases
 class LeaseClock:
@@ -855,6 +886,8 @@ class ClusterNode(SynGate):
         #: A tenant's quotas counted across the routers in the store (atp_router.runtime.dataplane.quotas).
         self.quotas = SharedQuotas(self.store, owner=self.owner, metrics=self.metrics,
                                    on_unavailable=self.store_unavailable)
+        # The atomic OPEN: a SYN's quota entry and its stream's account in one store step.
+        self.quotas.opener = self.ledger.open_admitted
         # Merged learning and breaker propagation through the store (atp_router.runtime.controlplane.shared_state).
         self.router = router = Router(
             config, state, rib_version=self.rib.next_version,
@@ -864,6 +897,10 @@ class ClusterNode(SynGate):
             syn_stages=with_shared_quotas(kw.pop("syn_stages", DEFAULT_STAGES), self.quotas), **kw)
         router.learning.shared_rate = self.quotas.may_learn
         router.streams.persistence.owner = self.owner
+        # A stream's record goes in the group commit of its SYN+ACK (one round trip less; another
+        # router cannot look it up before: the client learns its id from that SYN+ACK, and a new
+        # idempotency key is held by the open claim meanwhile, _keyed_syn).
+        router.streams.persistence.record_in_group_commit = True
         router.streams.persistence.on_store_unavailable = self.store_unavailable
         router.streams.persistence.flush_gate = self._writes_allowed
         router.streams.persistence.on_fenced = lambda: self._found_settled("")
@@ -1125,6 +1162,8 @@ class ClusterNode(SynGate):
             rec = self.store.get_stream(ctx.tenant, ctx.session_id, ctx.stream_id)
             if rec is not None and rec.state == "open" and rec.owner == self.owner:
                 continue
+            if rec is None and not ctx.log.durable:
+                continue  # its record is still queued (group commit): not in the store, so settled by no one
             log.warning("stream %s/%s was settled by another router while this one was cut from the store: "
                         "stopped here", ctx.tenant, ctx.stream_id)
             self.router.stream_closed(

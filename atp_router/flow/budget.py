@@ -696,12 +696,22 @@ class SharedBudgetLedger(BudgetLedger):
         return self._skeys[key]
 
     def open(self, key: str, limit: Allowance, *, parent: str | None = None) -> None:
+        self.open_with(key, limit, parent, self.shared.open_shared)
+
+    def open_with(self, key: str, limit: Allowance, parent: str | None,
+                  opener: Callable[..., SharedResult | None]) -> bool:
+        """:meth:`open`, the shared step made by ``opener(store key, parent's
+        store key or None, limit, owner=...)`` — :meth:`SharedAccounts.open_shared`,
+        or a step that opens the account together with something else and may
+        refuse (None: nothing opened here either). True when opened."""
         if key in self._accounts:
             raise ValueError(f"budget account {key!r} already open")
         up = self._get(parent) if parent is not None else None
         skey = key if parent is None else f"{key}@{self.owner}"
-        out = self.shared.open_shared(skey, self._skeys[parent] if parent is not None else None, limit,
-                                      owner=None if parent is None else self.owner)
+        out = opener(skey, self._skeys[parent] if parent is not None else None, limit,
+                     owner=None if parent is None else self.owner)
+        if out is None:
+            return False
         acct = _Account(key, up, limit.tokens, limit.usd_micros)
         acct.chain = [acct, *(up.chain if up is not None else [])]
         if up is not None:
@@ -709,6 +719,7 @@ class SharedBudgetLedger(BudgetLedger):
         self._accounts[key] = acct
         self._skeys[key], self._lkeys[skey] = skey, key
         self._mirror(out)
+        return True
 
     def close(self, key: str) -> AccountState:
         acct = self._get(key)

@@ -182,6 +182,18 @@ local function close_acct(key)
   if h[3] and h[3] ~= '' then redis.call('SREM', P .. 'aw:' .. h[3], key) end
   return true
 end
+-- Open account key (checked closed) under parent (checked open, '' none), limits lt / lu ('' none).
+local function open_acct(key, parent, lt, lu, owner)
+  redis.call('HSET', akey(key), 'p', parent, 'lt', lt, 'lu', lu, 'ct', '0', 'cu', '0', 'ot', '0', 'ou', '0',
+             'rt', '0', 'ru', '0', 'o', '1', 'w', owner)
+  redis.call('SADD', P .. 'ao', key)
+  redis.call('SREM', P .. 'ac', key)
+  if parent ~= '' then redis.call('HINCRBY', akey(parent), 'kids', 1) end
+  if owner ~= '' then
+    redis.call('SADD', P .. 'aw:' .. owner, key)
+    redis.call('SADD', P .. 'owners', owner)
+  end
+end
 -- BudgetLedger.set_limit on rows[1]: mode 'clamp' or 'strict'; false when refused.
 local function set_limit(rows, lt, lu, mode)
   local r = rows[1]
@@ -231,6 +243,29 @@ local function gcra(rk, per_s, burst, now)
   redis.call('SET', rk, string.format('%.3f', new), 'PX', I(math.max(1, math.ceil(new - now))))
   return 0
 end
+-- Take a stream's entry in a tenant's shared quota (quota_open): tkey JSON [tenant], member JSON
+-- [owner, stream], went its owner entry; admitted, the entry is held ttl ms. Refused: nothing but
+-- the tenant's expired entries is changed. -> admitted 1|0, open, refused ('' | 'streams' | 'rate'), retry ms
+local function quota_take(tkey, member, went, owner, max_streams, per_s, burst, ttl_ms, rate_key)
+  local now = now_ms()
+  local zk, ttl = P .. 'q:' .. tkey, tonumber(ttl_ms)
+  redis.call('ZREMRANGEBYSCORE', zk, '-inf', I(now))
+  local n = redis.call('ZCARD', zk)
+  local again = redis.call('ZSCORE', zk, member)
+  if not again then
+    if n >= tonumber(max_streams) then return 0, n, 'streams', 0 end
+    local wait = gcra(P .. 'qr:' .. rate_key, tonumber(per_s), tonumber(burst), now)
+    if wait > 0 then return 0, n, 'rate', wait end
+    n = n + 1
+  end
+  redis.call('ZADD', zk, I(now + ttl), member)
+  keep(zk, ttl)
+  local wk = P .. 'qw:' .. owner
+  redis.call('SADD', wk, went)
+  keep(wk, ttl)
+  redis.call('SADD', P .. 'owners', owner)
+  return 1, n, '', 0
+end
 """
 
 _CACHE = """
@@ -264,15 +299,7 @@ if A[6] == 'shared' and parent == '' and is_open(key) then
 end
 if parent ~= '' and not is_open(parent) then return nf('acct', parent) end
 if is_open(key) then return redis.error_reply('ATPOPEN ' .. key) end
-redis.call('HSET', akey(key), 'p', parent, 'lt', A[3], 'lu', A[4], 'ct', '0', 'cu', '0', 'ot', '0', 'ou', '0',
-           'rt', '0', 'ru', '0', 'o', '1', 'w', owner)
-redis.call('SADD', P .. 'ao', key)
-redis.call('SREM', P .. 'ac', key)
-if parent ~= '' then redis.call('HINCRBY', akey(parent), 'kids', 1) end
-if owner ~= '' then
-  redis.call('SADD', P .. 'aw:' .. owner, key)
-  redis.call('SADD', P .. 'owners', owner)
-end
+open_acct(key, parent, A[3], A[4], owner)
 return encode(chain(key))
 """),
     # A: key
@@ -812,24 +839,21 @@ return {tonumber(t[1] or '0'), tonumber(t[2] or '0')}
     # A: JSON [tenant], member JSON [owner, stream], owner entry, owner, max streams, per_s, burst, ttl ms,
     #    rate key -> {admitted 1|0, open, refused ('' | 'streams' | 'rate'), retry ms}
     "quota_open": (_QUOTA, """
-local now = now_ms()
-local zk, member, owner, ttl = P .. 'q:' .. A[1], A[2], A[4], tonumber(A[8])
-redis.call('ZREMRANGEBYSCORE', zk, '-inf', I(now))
-local n = redis.call('ZCARD', zk)
-local function hold()
-  redis.call('ZADD', zk, I(now + ttl), member)
-  keep(zk, ttl)
-  local wk = P .. 'qw:' .. owner
-  redis.call('SADD', wk, A[3])
-  keep(wk, ttl)
-  redis.call('SADD', P .. 'owners', owner)
-end
-if redis.call('ZSCORE', zk, member) then hold(); return {1, n, '', 0} end
-if n >= tonumber(A[5]) then return {0, n, 'streams', 0} end
-local wait = gcra(P .. 'qr:' .. A[9], tonumber(A[6]), tonumber(A[7]), now)
-if wait > 0 then return {0, n, 'rate', wait} end
-hold()
-return {1, n + 1, '', 0}
+local ok, n, why, wait = quota_take(A[1], A[2], A[3], A[4], A[5], A[6], A[7], A[8], A[9])
+return {ok, n, why, wait}
+"""),
+    # The atomic OPEN of a stream (issue 22 item 2): its shared quota (quota_open) and its budget
+    # account (open_account, a child: never adopted) in one step, or neither.
+    # A: key, parent, lt, lu, owner, then quota_open's nine arguments
+    #   -> {admitted 1|0, open, refused ('' | 'streams' | 'rate'), retry ms, chain ({} when refused)}
+    "open_stream": (_LEDGER + _QUOTA, """
+local key, parent, owner = A[1], A[2], A[5]
+if parent ~= '' and not is_open(parent) then return nf('acct', parent) end
+if is_open(key) then return redis.error_reply('ATPOPEN ' .. key) end
+local ok, n, why, wait = quota_take(A[6], A[7], A[8], A[9], A[10], A[11], A[12], A[13], A[14])
+if ok == 0 then return {0, n, why, wait, {}} end
+open_acct(key, parent, A[3], A[4], owner)
+return {1, n, '', 0, encode(chain(key))}
 """),
     # A: JSON [tenant], member, owner, owner entry -> 1 removed | 0 none
     "quota_close": ("", """

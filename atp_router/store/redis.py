@@ -182,7 +182,7 @@ MIN_DEADLINE_MS = 1_000
 #: fencing token (:meth:`RedisStore.fence_as`): refused once another router
 #: settled it. A cancel, a lease renewal, a claim, the settling of another
 #: router and reads carry none.
-_FENCED = frozenset({"open_account", "close_account", "reserve_shared", "extend_shared", "settle",
+_FENCED = frozenset({"open_account", "open_stream", "close_account", "reserve_shared", "extend_shared", "settle",
                      "put_stream", "close_stream", "append_event"})
 #: The operations that carry a deadline: those writes, a limit change, a quota's open
 #: and its rate (a late open must not hold a slot: it is refused). A read, a
@@ -615,6 +615,26 @@ class RedisStore(Store):
     def open_shared(self, key: str, parent: str | None, limit: Allowance, *, owner: str | None) -> SharedResult:
         rows = self._run("open_account", key, parent or "", *_limit(limit), owner or "", "shared")
         return SharedResult(totals=_totals(_rows(rows)))
+
+    def open_stream_shared(self, key: str, parent: str, limit: Allowance, *, owner: str, ask: QuotaAsk,
+                           ttl_ms: int) -> tuple[QuotaGrant, SharedResult | None]:
+        """The atomic OPEN of a stream (issue 22 item 2): ``ask``'s entry in its
+        tenant's shared quota (:meth:`quota_open`, held for ``owner`` ``ttl_ms``)
+        and child account ``key`` under ``parent`` (:meth:`open_shared`) in one
+        script, one round trip, carrying this store's fencing token and
+        deadline — both, or neither. Returns the grant and, admitted, the new
+        account's chain (None: refused, nothing opened). Raises
+        :class:`~atp_router.store.base.NotFound` (``parent`` not open),
+        :class:`~atp_router.store.base.StoreError` (``key`` open already),
+        ``Fenced``, :class:`~atp_router.store.base.StoreUnavailable`."""
+        check_quota_args(ask, owner, ttl_ms)
+        tkey, member = _quota_keys(ask.tenant, owner, ask.stream_id)
+        ok, n, refused, wait, rows = self._run(
+            "open_stream", key, parent, *_limit(limit), owner, tkey, member, json.dumps([tkey, member]), owner,
+            ask.max_streams, repr(float(ask.per_s)), ask.burst, ttl_ms, "open/" + ask.tenant)
+        why = refused.decode() or None
+        grant = QuotaGrant(bool(ok), int(n), why, int(wait) if why == "rate" else None)
+        return grant, (SharedResult(totals=_totals(_rows(rows))) if ok else None)
 
     def close_shared(self, key: str) -> None:
         self.close_account(key)

@@ -88,7 +88,7 @@ if TYPE_CHECKING:
     from atp_router.flow.budget import BudgetLedger
     from atp_router.policy.fib import Route
     from atp_router.policy.learn import Decision
-    from atp_router.policy.rib import ClientSpec
+    from atp_router.policy.rib import ClientSpec, RateSpec
     from atp_router.runtime.controlplane.control import ControlPlane, Generation
     from atp_router.runtime.controlplane.learning import Learning
     from atp_router.runtime.dataplane.streams import StreamTable
@@ -156,7 +156,10 @@ class OpenCtx:
     asked, then capped by admission), ``admitted_qos`` (None: the route's),
     ``gen`` (the RIB generation routed on), ``route``, ``decision`` (the
     bandit's, None without one), ``budget`` (the stream's: the tighter of the
-    client's and the route's)."""
+    client's and the route's), ``shared_quota`` (``(max_streams, rate)`` of a
+    tenant quota shared across routers that ``budget_open`` takes with the
+    stream's account in one store step, :mod:`~atp_router.runtime.dataplane.quotas`;
+    None: decided by ``tenant_admission``)."""
 
     identity: Identity
     session_id: str
@@ -175,6 +178,7 @@ class OpenCtx:
     route: Route | None = None
     decision: Decision | None = None
     budget: Budget | None = None
+    shared_quota: tuple[int, RateSpec] | None = None
 
     @property
     def tenant(self) -> str:

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import trio
 
+from atp_router.flow.budget import Allowance
 from atp_router.flow.quota import QuotaAsk, QuotaGrant
 from atp_router.policy.fib import data_scope_labels
 from atp_router.policy.rib import RateSpec
@@ -60,6 +61,8 @@ from atp_router.runtime.dataplane.opening import (
     OpenParts,
     Stage,
     StageType,
+    min_budget,
+    refusal,
     replace_stage,
 )
 from atp_router.security.authz import (
@@ -68,9 +71,11 @@ from atp_router.security.authz import (
     rate_refusal,
     streams_refusal,
 )
-from atp_router.store.base import Store, StoreError
+from atp_router.store.base import Store, StoreError, StoreUnavailable
+from atp_router.wire.errors import ATPError
 
 if TYPE_CHECKING:
+    from atp_router.flow.budget import BudgetLedger
     from atp_router.observability.metrics import RouterMetrics
     from atp_router.policy.rib import ClientSpec
     from atp_router.runtime.dataplane.streams import StreamTable
@@ -108,6 +113,12 @@ class SharedQuotas:
         #: last events, off the trio loop, and is retried with them (atp_router.deploy.cluster:
         #: :meth:`StreamPersistence.defer <atp_router.runtime.dataplane.persistence.StreamPersistence.defer>`).
         self.defer: Callable[[Callable[[], object]], bool] | None = None
+        #: When set, the atomic OPEN (issue 22 item 2; atp_router.deploy.cluster):
+        #: ``opener(ask, account, limit, parent, ttl_ms)`` opens a stream's budget account
+        #: with its quota entry in one store step and returns the grant (refused: neither
+        #: taken); :func:`with_shared_quotas` then has ``budget_open`` decide the quota
+        #: (:class:`SharedBudgetOpen`). Raises StoreUnavailable or ATPError (EBUDGET).
+        self.opener: Callable[[QuotaAsk, str, Allowance, str, int], QuotaGrant] | None = None
         self._down = False
 
     def _now_ms(self) -> int:
@@ -141,6 +152,28 @@ class SharedQuotas:
         self._ok()
         if grant.admitted:
             self.held.add((tenant, stream_id))
+        else:
+            self.metrics.quota_refused.labels(grant.refused or "").inc()
+        return grant
+
+    def open_with_account(self, ask: QuotaAsk, account: str, limit: Allowance, parent: str) -> QuotaGrant | None:
+        """:meth:`open` together with the stream's budget ``account`` (``limit``,
+        under ``parent``) in one atomic store step (:attr:`opener`): the grant
+        (admitted: both taken; refused: neither). None: the store could not
+        decide — nothing was opened (fall back to this router's own limits; the
+        account's own open then refuses while the store is away). Raises
+        :class:`~atp_router.wire.errors.ATPError` (``EBUDGET``: the tenant's
+        account was settled by another router)."""
+        assert self.opener is not None, "open_with_account needs an opener"
+        try:
+            grant = self.opener(ask, account, limit, parent, self.ttl_ms)
+        except StoreUnavailable as e:
+            self._failed("open", e)
+            self.metrics.quota_fallback.labels("streams").inc()
+            return None
+        self._ok()
+        if grant.admitted:
+            self.held.add((ask.tenant, ask.stream_id))
         else:
             self.metrics.quota_refused.labels(grant.refused or "").inc()
         return grant
@@ -206,19 +239,22 @@ class SharedTenantAdmission:
     """Spec §11 AuthZ: role, task types, data categories (ESEC); stream quota and rate shared across routers (EWINDOW)."""
 
     name: ClassVar[str] = "tenant_admission"
-    __slots__ = ("admission", "client_spec", "quotas", "streams")
+    __slots__ = ("admission", "client_spec", "joined", "quotas", "streams")
 
     def __init__(self, admission: StreamAdmission, client_spec: Callable[[str], ClientSpec], streams: StreamTable,
-                 quotas: SharedQuotas) -> None:
+                 quotas: SharedQuotas, *, joined: bool = False) -> None:
         self.admission = admission
         self.client_spec = client_spec
         self.streams = streams
         self.quotas = quotas
+        #: The quota is decided by ``budget_open`` with the stream's account (:class:`SharedBudgetOpen`):
+        #: this stage leaves its limits in ``o.shared_quota``.
+        self.joined = joined
 
     @classmethod
-    def using(cls, quotas: SharedQuotas) -> StageType:
+    def using(cls, quotas: SharedQuotas, *, joined: bool = False) -> StageType:
         """The stage type that builds this stage on ``quotas`` (for ``Router(syn_stages=...)``)."""
-        return _Using(quotas)
+        return _Using(quotas, joined)
 
     def __call__(self, o: OpenCtx) -> Continue | Refuse:
         tenant = o.tenant
@@ -228,15 +264,12 @@ class SharedTenantAdmission:
         if isinstance(decision, Refuse):
             return decision
         max_streams, rate = self.admission.limits(spec)
-        grant = self.quotas.open(tenant, o.stream_id, max_streams, rate)
-        if grant is None:  # the store is away: this router's own limits
-            refused = self.admission.quota(tenant, spec, open_streams=self.streams.tenant_open[tenant], now=o.now)
+        if self.joined:
+            o.shared_quota = (max_streams, rate)  # decided with the stream's account (SharedBudgetOpen)
+        else:
+            refused = _decided(self.quotas.open(tenant, o.stream_id, max_streams, rate), self, o)
             if refused is not None:
                 return refused
-        elif grant.refused == "streams":
-            return streams_refusal(tenant, max_streams)
-        elif grant.refused is not None:
-            return rate_refusal(tenant, rate, grant.retry_after_ms or 1)
         o.client_budget, o.admitted_qos = decision.budget, decision.qos
         return CONTINUE
 
@@ -245,23 +278,95 @@ class SharedTenantAdmission:
         self.quotas.release(tenant, stream_id)
 
 
+def _decided(grant: QuotaGrant | None, stage: SharedTenantAdmission | SharedBudgetOpen, o: OpenCtx) -> Refuse | None:
+    """The refusal of a shared quota's ``grant`` for ``o`` (its single-router codes,
+    reasons and retry hints); None: admitted. ``grant`` None (the store could not
+    decide): this router's own limits decide."""
+    tenant = o.tenant
+    spec = stage.client_spec(tenant)
+    max_streams, rate = stage.admission.limits(spec)
+    if grant is None:
+        return stage.admission.quota(tenant, spec, open_streams=stage.streams.tenant_open[tenant], now=o.now)
+    if grant.refused == "streams":
+        return streams_refusal(tenant, max_streams)
+    if grant.refused is not None:
+        return rate_refusal(tenant, rate, grant.retry_after_ms or 1)
+    return None
+
+
+class SharedBudgetOpen:
+    """The stream's ledger account opened with its shared quota entry in one store step (EWINDOW, EBUDGET)."""
+
+    name: ClassVar[str] = "budget_open"
+    __slots__ = ("admission", "client_account", "client_spec", "ledger", "quotas", "streams")
+
+    def __init__(self, parts: OpenParts, quotas: SharedQuotas) -> None:
+        self.ledger: BudgetLedger = parts.ledger
+        self.client_account = parts.client_account
+        self.admission = parts.admission
+        self.client_spec = parts.client_spec
+        self.streams = parts.streams
+        self.quotas = quotas
+
+    def __call__(self, o: OpenCtx) -> Continue | Refuse:
+        """The atomic OPEN (issue 22 item 2): ``o.shared_quota`` (left by
+        :class:`SharedTenantAdmission`) and the stream's account at the tighter
+        of client and policy budget, both or neither (:meth:`SharedQuotas.open_with_account`).
+        The store away: this router's own limits, then the account's own open
+        (which refuses ``EBUDGET`` "budget store unavailable")."""
+        assert o.route is not None, "budget_open runs after route"
+        o.budget = budget = min_budget(o.client_budget, o.route.budget)
+        limit, parent = Allowance.from_budget(budget), self.client_account(o.tenant)
+        try:
+            if o.shared_quota is not None:
+                max_streams, rate = o.shared_quota
+                ask = QuotaAsk(o.tenant, o.stream_id, max_streams, rate.per_s, rate.burst)
+                grant = self.quotas.open_with_account(ask, o.account, limit, parent)
+                refused = _decided(grant, self, o)
+                if refused is not None or grant is not None:
+                    return CONTINUE if refused is None else refused
+            self.ledger.open(o.account, limit, parent=parent)  # no shared quota, or the store away
+        except ATPError as e:
+            return refusal(e)
+        return CONTINUE
+
+
 class _Using:
     """:meth:`SharedTenantAdmission.using`: a stage type bound to its :class:`SharedQuotas`."""
 
     name = SharedTenantAdmission.name
     __doc__ = SharedTenantAdmission.__doc__
 
+    def __init__(self, quotas: SharedQuotas, joined: bool) -> None:
+        self.quotas = quotas
+        self.joined = joined
+
+    def of(self, parts: OpenParts) -> Stage:
+        return SharedTenantAdmission(parts.admission, parts.client_spec, parts.streams, self.quotas,
+                                     joined=self.joined)
+
+
+class _Joined:
+    """:class:`SharedBudgetOpen` bound to its :class:`SharedQuotas`."""
+
+    name = SharedBudgetOpen.name
+    __doc__ = SharedBudgetOpen.__doc__
+
     def __init__(self, quotas: SharedQuotas) -> None:
         self.quotas = quotas
 
     def of(self, parts: OpenParts) -> Stage:
-        return SharedTenantAdmission(parts.admission, parts.client_spec, parts.streams, self.quotas)
+        return SharedBudgetOpen(parts, self.quotas)
 
 
 def with_shared_quotas(stages: Sequence[StageType], quotas: SharedQuotas) -> list[StageType]:
     """``stages`` with their ``tenant_admission`` deciding the tenant's quota and
     open rate in ``quotas`` (:class:`SharedTenantAdmission`); unchanged when
-    they have none."""
+    they have none. With :attr:`SharedQuotas.opener` set and a ``budget_open``
+    stage, the quota is decided there instead, with the stream's account in
+    one store step (:class:`SharedBudgetOpen`: the atomic OPEN)."""
     if not any(s.name == SharedTenantAdmission.name for s in stages):
         return list(stages)
-    return replace_stage(stages, SharedTenantAdmission.name, SharedTenantAdmission.using(quotas))
+    joined = quotas.opener is not None and any(s.name == SharedBudgetOpen.name for s in stages)
+    out = replace_stage(stages, SharedTenantAdmission.name, SharedTenantAdmission.using(quotas, joined=joined))
+    return replace_stage(out, SharedBudgetOpen.name, _Joined(quotas)) if joined else out

@@ -1,0 +1,97 @@
+"""The atomic OPEN of a stream on Redis (issue 22 item 2,
+:meth:`RedisStore.open_stream_shared <atp_router.store.redis.RedisStore.open_stream_shared>`),
+on a real redis-server: a SYN's entry in its tenant's shared quota and its stream's
+budget account are taken in one script — one round trip — or neither: a quota
+refusal (``streams``, ``rate``) opens no account, a parent account that is not
+open takes no quota entry, and a write from a fenced router or one Redis runs
+after its deadline changes nothing."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from atp_router.flow.budget import Allowance
+from atp_router.flow.quota import QuotaAsk
+from atp_router.store import Fenced, NotFound, StoreUnavailable
+from atp_router.store.redis import RedisStore
+from tests.peers import start_redis
+
+TTL = 60_000
+
+
+def _ask(stream: str, *, max_streams: int = 2, per_s: float = 1_000.0, burst: int = 1_000) -> QuotaAsk:
+    return QuotaAsk("alice", stream, max_streams, per_s, burst)
+
+
+def _open(store: RedisStore, stream: str, **kw: float) -> bool:
+    grant, out = store.open_stream_shared(f"stream:{stream}@r.a", "client:alice", Allowance(tokens=500),
+                                          owner="r.a", ask=_ask(stream, **kw), ttl_ms=TTL)  # type: ignore[arg-type]
+    assert (out is not None) == grant.admitted
+    return grant.admitted
+
+
+def _accounts(store: RedisStore) -> set[str]:
+    return {a.key for a in store.load_ledger().accounts if a.key.startswith("stream:")}
+
+
+def _count(store: RedisStore) -> int:
+    return store.quota_open_count("alice", now_ms=0)
+
+
+def test_quota_and_account_are_opened_together_in_one_round_trip_or_not_at_all():
+    with start_redis() as server:
+        store = RedisStore.open(server.url, namespace="t" + uuid.uuid4().hex[:10])
+        store.open_shared("client:alice", None, Allowance(tokens=1_000), owner=None)
+        trips = store.round_trips
+        grant, out = store.open_stream_shared("stream:s1@r.a", "client:alice", Allowance(tokens=500), owner="r.a",
+                                              ask=_ask("s1"), ttl_ms=TTL)
+        assert store.round_trips == trips + 1
+        assert (grant.admitted, grant.open, grant.refused) == (True, 1, None)
+        assert out is not None and [t.key for t in out.totals] == ["stream:s1@r.a", "client:alice"]
+        assert _open(store, "s2")
+        assert (_accounts(store), _count(store)) == ({"stream:s1@r.a", "stream:s2@r.a"}, 2)
+        # max_streams reached: refused, and no account opened for it.
+        grant, out = store.open_stream_shared("stream:s3@r.a", "client:alice", Allowance(tokens=500), owner="r.a",
+                                              ask=_ask("s3"), ttl_ms=TTL)
+        assert (grant.admitted, grant.refused, out) == (False, "streams", None)
+        assert (_accounts(store), _count(store)) == ({"stream:s1@r.a", "stream:s2@r.a"}, 2)
+        # The open rate spent: refused with a wait, no account, no entry.
+        assert _open(store, "r1", max_streams=10, per_s=0.001, burst=3)  # a slow bucket (one per 1,000 s): taken
+        # Burst 1 on that bucket: spent.
+        grant, _ = store.open_stream_shared("stream:r9@r.a", "client:alice", Allowance(tokens=500), owner="r.a",
+                                            ask=_ask("r9", max_streams=10, per_s=0.001, burst=1), ttl_ms=TTL)
+        assert (grant.admitted, grant.refused) == (False, "rate") and (grant.retry_after_ms or 0) > 0
+        assert "stream:r9@r.a" not in _accounts(store) and _count(store) == 3
+        # A parent that is not open: refused before anything is taken.
+        with pytest.raises(NotFound):
+            store.open_stream_shared("stream:x@r.a", "client:bob", Allowance(tokens=5), owner="r.a",
+                                     ask=_ask("x", max_streams=10), ttl_ms=TTL)
+        assert "stream:x@r.a" not in _accounts(store) and _count(store) == 3
+        # The account open already: refused, the quota entry not taken.
+        with pytest.raises(Exception, match="already open"):
+            store.open_stream_shared("stream:s1@r.a", "client:alice", Allowance(tokens=5), owner="r.a",
+                                     ask=_ask("other", max_streams=10), ttl_ms=TTL)
+        assert _count(store) == 3
+
+
+def test_an_open_from_a_fenced_router_or_after_its_deadline_changes_nothing():
+    with start_redis() as server:
+        store = RedisStore.open(server.url, namespace="t" + uuid.uuid4().hex[:10], socket_timeout_s=0.5)
+        other = RedisStore.open(server.url, namespace=store.namespace)
+        store.open_shared("client:alice", None, Allowance(tokens=1_000), owner=None)
+        assert store.heartbeat("r.a", ttl_ms=5_000, now_ms=0, info={}) == 0
+        store.fence_as("r.a", 0)
+        assert _open(store, "s1")
+        # Late: Redis' clock is past the deadline the open carries (a write that waited in its buffer).
+        store.clock_offset_ms -= 60_000
+        with pytest.raises(StoreUnavailable, match="after its deadline"):
+            _open(store, "late")
+        store.sync_clock()
+        assert other.fence_owner("r.a") == 1  # another router settles r.a
+        with pytest.raises(Fenced):
+            _open(store, "fenced")
+        assert (_accounts(other), _count(other)) == ({"stream:s1@r.a"}, 1)
+        store.fence_as("r.a", 1)
+        assert _open(store, "s2") and _count(other) == 2
