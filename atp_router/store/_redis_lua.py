@@ -243,6 +243,19 @@ local function gcra(rk, per_s, burst, now)
   redis.call('SET', rk, string.format('%.3f', new), 'PX', I(math.max(1, math.ceil(new - now))))
   return 0
 end
+-- Up to n takes of GCRA bucket rk at now: taken (>= 1, its time moved by as many) and 0, else 0 and
+-- the ms until one would pass.
+local function gcra_upto(rk, per_s, burst, n, now)
+  local T = 1000 / per_s
+  local v = redis.call('GET', rk)
+  local base = now
+  if v then base = math.max(tonumber(v), now) end
+  local k = math.min(n, math.floor((now + burst * T - base) / T + 1e-9))
+  if k < 1 then return 0, math.max(1, math.ceil(base + T - now - burst * T)) end
+  local new = base + k * T
+  redis.call('SET', rk, string.format('%.3f', new), 'PX', I(math.max(1, math.ceil(new - now))))
+  return k, 0
+end
 -- Take a stream's entry in a tenant's shared quota (quota_open): tkey JSON [tenant], member JSON
 -- [owner, stream], went its owner entry; admitted, the entry is held ttl ms. Refused: nothing but
 -- the tenant's expired entries is changed. -> admitted 1|0, open, refused ('' | 'streams' | 'rate'), retry ms
@@ -900,6 +913,11 @@ return redis.call('ZCOUNT', P .. 'q:' .. A[1], '(' .. I(now_ms()), '+inf')
     # A: key, per_s, burst -> 0 taken | ms until one would pass
     "rate_take": (_QUOTA, """
 return gcra(P .. 'qr:' .. A[1], tonumber(A[2]), tonumber(A[3]), now_ms())
+"""),
+    # A: key, per_s, burst, n -> {taken (0..n), ms until one would pass (0 when taken)}
+    "rate_take_upto": (_QUOTA, """
+local k, wait = gcra_upto(P .. 'qr:' .. A[1], tonumber(A[2]), tonumber(A[3]), tonumber(A[4]), now_ms())
+return {k, wait}
 """),
     # ------------------------------------------------------------ replay nonces
     # A: JSON [tenant], JSON [kid, nonce], now ms, expires ms, max per tenant, sweep

@@ -432,6 +432,20 @@ class Store(ABC):
         Redis times it by its own clock. Raises ``ValueError`` unless
         ``per_s > 0`` and ``burst >= 1``."""
 
+    def rate_take_upto(self, key: str, n: int, *, per_s: float, burst: int, now_ms: int) -> tuple[int, int | None]:
+        """Up to ``n`` takes of :meth:`rate_take`'s bucket ``key`` in one atomic
+        step (a slice a process hands out locally: the learning rate across
+        routers, :meth:`SharedQuotas.may_learn
+        <atp_router.runtime.dataplane.quotas.SharedQuotas.may_learn>`):
+        ``(taken, None)`` with ``1 <= taken <= n`` (as many as the bucket
+        holds), or ``(0, ms until one would pass)``. This default takes one;
+        Redis takes the slice in one script. Raises ``ValueError`` as
+        :meth:`rate_take`, and for ``n < 1``."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        wait = self.rate_take(key, per_s=per_s, burst=burst, now_ms=now_ms)
+        return (1, None) if wait is None else (0, wait)
+
     @abstractmethod
     def update(self, key: str, fn: Callable[[bytes | None], bytes | None]) -> bytes | None:
         """Atomic read-modify-write of kv ``key``: ``fn(current value or None)``

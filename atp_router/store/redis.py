@@ -188,7 +188,7 @@ _FENCED = frozenset({"open_account", "open_stream", "close_account", "reserve_sh
 #: and its rate (a late open must not hold a slot: it is refused). A read, a
 #: lease renewal (late is harmless: the router is alive, and its writes are fenced), a
 #: claim (bounded by its own TTL) or a cancel (it must always apply) carries none.
-_DEADLINED = _FENCED | {"set_limit", "quota_open", "rate_take"}
+_DEADLINED = _FENCED | {"set_limit", "quota_open", "rate_take", "rate_take_upto"}
 
 
 @dataclass
@@ -802,6 +802,13 @@ class RedisStore(Store):
         check_rate_args(per_s, burst)
         wait = int(self._run("rate_take", key, repr(float(per_s)), burst))
         return wait or None
+
+    def rate_take_upto(self, key: str, n: int, *, per_s: float, burst: int, now_ms: int) -> tuple[int, int | None]:
+        check_rate_args(per_s, burst)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        taken, wait = self._run("rate_take_upto", key, repr(float(per_s)), burst, n)
+        return (int(taken), None) if int(taken) else (0, int(wait))
 
     # ------------------------------------------- replay nonces (signed frames)
     def record_nonce(self, tenant: str, kid: str, nonce: str, *, now_ms: int, expires_ms: int,

@@ -8,12 +8,16 @@ after its deadline changes nothing."""
 
 from __future__ import annotations
 
+import math
+import time
 import uuid
 
 import pytest
 
 from atp_router.flow.budget import Allowance
 from atp_router.flow.quota import QuotaAsk
+from atp_router.observability.metrics import RouterMetrics
+from atp_router.runtime.dataplane.quotas import LEARN_SLICE_S, SharedQuotas
 from atp_router.store import Fenced, NotFound, StoreUnavailable
 from atp_router.store.redis import RedisStore
 from tests.peers import start_redis
@@ -95,3 +99,37 @@ def test_an_open_from_a_fenced_router_or_after_its_deadline_changes_nothing():
         assert (_accounts(other), _count(other)) == ({"stream:s1@r.a"}, 1)
         store.fence_as("r.a", 1)
         assert _open(store, "s2") and _count(other) == 2
+
+
+def test_learning_tokens_are_taken_in_slices_never_past_the_shared_rate():
+    """Issue 22 item 2 (budget leases): a router takes a tenant's learning tokens
+    from the shared bucket a slice at a time (:data:`LEARN_SLICE_S` of its rate,
+    at most a quarter of its burst) and hands them out without a round trip;
+    two routers together never get more than the bucket holds."""
+    with start_redis() as server:
+        a = RedisStore.open(server.url, namespace="t" + uuid.uuid4().hex[:10])
+        b = RedisStore.open(server.url, namespace=a.namespace)
+        # The store step itself: up to n, as many as the bucket holds, then a wait.
+        assert a.rate_take_upto("k", 3, per_s=0.001, burst=5, now_ms=0) == (3, None)
+        assert a.rate_take_upto("k", 3, per_s=0.001, burst=5, now_ms=0) == (2, None)
+        taken, wait = a.rate_take_upto("k", 3, per_s=0.001, burst=5, now_ms=0)
+        assert taken == 0 and wait is not None and wait > 900_000  # one in 1,000 s
+        # 40 a second, burst 40: slices of min(40 * 0.25, 40 // 4) = 10.
+        quotas = [SharedQuotas(s, owner=o, metrics=RouterMetrics()) for s, o in ((a, "r.a"), (b, "r.b"))]
+        trips = a.round_trips
+        assert all(quotas[0].may_learn("alice", 40.0, 40) for _ in range(10))
+        assert a.round_trips == trips + 1  # one slice
+        assert quotas[0].may_learn("alice", 40.0, 40) and a.round_trips == trips + 2
+        t0 = time.monotonic()
+        got = sum(bool(quotas[i % 2].may_learn("alice", 40.0, 40)) for i in range(200))
+        elapsed = time.monotonic() - t0
+        # Router a holds 9 of its second slice, the bucket 40 - 20 and it refills at 40 a second:
+        # never more than that; at least what is left after each router's last slice runs out unused.
+        assert 29 - 2 * 9 <= got <= 29 + math.ceil(40 * elapsed) + 1, (got, elapsed)
+        assert elapsed < LEARN_SLICE_S  # the slices did not expire meanwhile (the bounds above assume it)
+        # Refused, the store's wait is kept: no round trip until it passes.
+        slow = SharedQuotas(a, owner="r.c", metrics=RouterMetrics())
+        assert slow.may_learn("carol", 0.001, 1) is True
+        trips = a.round_trips
+        assert slow.may_learn("carol", 0.001, 1) is False and a.round_trips == trips + 1
+        assert slow.may_learn("carol", 0.001, 1) is False and a.round_trips == trips + 1

@@ -26,9 +26,17 @@ deployment mode injects, never overrides of the SYN path:
   released when a later stage refuses the SYN and when the stream closes;
   built with :meth:`SharedTenantAdmission.using` (``Router(syn_stages=
   with_shared_quotas(stages, quotas))``, :func:`with_shared_quotas`);
+* :class:`SharedBudgetOpen` — the **atomic OPEN** where the store can make it
+  (:attr:`SharedQuotas.opener`: a cluster router on Redis): ``tenant_admission``
+  leaves the quota's limits in ``o.shared_quota`` and ``budget_open`` takes the
+  stream's entry and opens its budget account in one store step, both or
+  neither (same codes, reasons and retry hints; a SYN refused for its quota
+  is then refused after the route and bandit stages, not before);
 * :meth:`SharedQuotas.may_learn` — a tenant's learning rate as a shared GCRA
   bucket (``learn/<tenant>``), :attr:`Learning.shared_rate
-  <atp_router.runtime.controlplane.learning.Learning.shared_rate>`.
+  <atp_router.runtime.controlplane.learning.Learning.shared_rate>`, taken in
+  slices of :data:`LEARN_SLICE_S` of its rate handed out locally (one store
+  step per slice, not per finished task).
 
 **The store down**: a decision the store cannot make
 (:class:`~atp_router.store.base.StoreError`) falls back to this router's own limit —
@@ -80,13 +88,22 @@ if TYPE_CHECKING:
     from atp_router.policy.rib import ClientSpec
     from atp_router.runtime.dataplane.streams import StreamTable
 
-__all__ = ["QUOTA_TTL_MS", "SharedQuotas", "SharedTenantAdmission", "with_shared_quotas"]
+__all__ = ["LEARN_SLICE_S", "QUOTA_TTL_MS", "SharedBudgetOpen", "SharedQuotas", "SharedTenantAdmission",
+           "with_shared_quotas"]
 
 log = logging.getLogger("atp_router.runtime.quotas")
 
 #: How long a quota entry outlives its owner's last renewal (ms): the backstop for
 #: an owner gone and never settled. Renewed every quarter of it.
 QUOTA_TTL_MS = 60_000
+#: A tenant's learning tokens are taken from the shared bucket in slices (the budget-lease
+#: pattern, issue 22 item 2): up to this long of its rate (and at most a quarter of its
+#: burst, so several routers hold slices at once), handed out here until used or this old
+#: — an unused token is lost, never lent again: the shared rate is never exceeded, at worst
+#: under-used. s; chosen a priori (a quarter second: a slice outlives no reload by much).
+LEARN_SLICE_S = 0.25
+#: Tenants whose learning slices are kept before the expired ones are dropped.
+_SLICES_KEPT = 1024
 
 
 class SharedQuotas:
@@ -119,6 +136,9 @@ class SharedQuotas:
         #: taken); :func:`with_shared_quotas` then has ``budget_open`` decide the quota
         #: (:class:`SharedBudgetOpen`). Raises StoreUnavailable or ATPError (EBUDGET).
         self.opener: Callable[[QuotaAsk, str, Allowance, str, int], QuotaGrant] | None = None
+        #: tenant -> (learning tokens left in this router's slice, when it expires: time.monotonic());
+        #: (-1, t): the shared bucket refused, none before t.
+        self._slices: dict[str, tuple[int, float]] = {}
         self._down = False
 
     def _now_ms(self) -> int:
@@ -196,16 +216,35 @@ class SharedQuotas:
 
     def may_learn(self, tenant: str, rate_per_s: float, burst: int) -> bool | None:
         """Whether ``tenant`` may teach the routing state one more finished task
-        (its shared learning bucket ``learn/<tenant>``). None: the store could
-        not say (the caller's own bucket decides)."""
+        (its shared learning bucket ``learn/<tenant>``): a token of this
+        router's slice while it lasts (:data:`LEARN_SLICE_S`), else a new slice
+        taken from the store in one step
+        (:meth:`Store.rate_take_upto <atp_router.store.base.Store.rate_take_upto>`);
+        refused, the store's wait is kept and refuses here until it passes.
+        None: the store could not say (the caller's own bucket decides)."""
+        now = time.monotonic()
+        left, until = self._slices.get(tenant, (0, 0.0))
+        if now < until and left:
+            if left < 0:
+                return False  # the shared bucket had none, and gets none before `until` (others only take)
+            self._slices[tenant] = (left - 1, until)
+            return True
+        n = max(1, min(int(rate_per_s * LEARN_SLICE_S), burst // 4))
         try:
-            wait = self.store.rate_take("learn/" + tenant, per_s=rate_per_s, burst=burst, now_ms=self._now_ms())
+            taken, wait = self.store.rate_take_upto("learn/" + tenant, n, per_s=rate_per_s, burst=burst,
+                                                 now_ms=self._now_ms())
         except StoreError as e:
             self._failed("open", e)
             self.metrics.quota_fallback.labels("learn").inc()
             return None
         self._ok()
-        return wait is None
+        if len(self._slices) >= _SLICES_KEPT:
+            self._slices = {t: v for t, v in self._slices.items() if v[1] > now}
+        if not taken:
+            self._slices[tenant] = (-1, now + (wait or 1) / 1000)
+            return False
+        self._slices[tenant] = (taken - 1, now + LEARN_SLICE_S)
+        return True
 
     def renew(self) -> int:
         """Retry the closes the store could not take, then renew the entries of
