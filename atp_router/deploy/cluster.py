@@ -329,6 +329,11 @@ class ClusterLedger(SharedBudgetLedger):
         self._kill_after_commit = os.environ.get(KILL_AFTER_COMMIT_ENV) == "1"
         #: Reserve calls whose answer was lost, to cancel (SharedAccounts.cancel_reserve_shared).
         self._cancels: list[str] = []
+        #: When set, :meth:`run_committer` applies its settlements in the stream table's next
+        #: group commit (:meth:`StreamPersistence.defer
+        #: <atp_router.runtime.dataplane.persistence.StreamPersistence.defer>`): one round trip
+        #: with the events queued beside them, not one of its own (issue 22 item 2).
+        self.defer: Callable[..., bool] | None = None
 
     def attach(self, reservation: Reservation, record: CallRecord) -> None:
         """Store ``record`` (the answer ``reservation``'s call gave) in the same
@@ -596,7 +601,7 @@ class ClusterLedger(SharedBudgetLedger):
                     continue  # a cancel, or a settlement that failed, first: settle_pending's turn
                 self._inflight = len(batch)
                 try:
-                    outcomes = await off_loop(self.shared, self._apply, batch)
+                    outcomes = await self._settle_batch(batch)
                 except Exception:
                     log.exception("applying %d commits and releases failed: retried by name", len(batch))
                     continue
@@ -606,6 +611,28 @@ class ClusterLedger(SharedBudgetLedger):
                     wake.set()
         finally:
             self._wake = None
+
+    async def _settle_batch(self, batch: list[_Settle]) -> list[SharedResult | StoreError]:
+        """:meth:`_apply` of ``batch`` off the trio loop: in the stream table's
+        next group commit (:attr:`defer`; the commits in the same pipeline as
+        the events queued beside them — a call's last events —, kept and tried
+        again with them while the store cannot be reached, by name), else in a
+        store thread of its own. The outcomes, or none (the group commit ended
+        without running it: left queued, settled again by name)."""
+        box: list[list[SharedResult | StoreError]] = []
+        over = trio.Event()
+
+        def write() -> None:
+            got = self._apply(batch)
+            down = next((e for e in got if isinstance(e, StoreUnavailable)), None)
+            if down is not None:
+                raise down  # the whole group commit is kept and tried again (these as re-commits by name)
+            box[:] = [got]
+
+        if self.defer is not None and self.defer(write, over=over.set):
+            await over.wait()
+            return box[0] if box else []
+        return await off_loop(self.shared, self._apply, batch)
 
     def _apply(self, batch: list[_Settle]) -> list[SharedResult | StoreError]:
         """The store's side of :meth:`run_committer` (a store thread): each
@@ -908,6 +935,8 @@ class ClusterNode(SynGate):
         self.quotas.defer = router.streams.persistence.defer
         # Audit records chained to the shared chain in the group commit of the events beside them.
         router.audit_log.defer = router.streams.persistence.defer
+        # The commits of calls in the group commit of the events beside them (a call's last events).
+        self.ledger.defer = router.streams.persistence.defer
         #: The lease thread's and the trio side's shared view (under _lease_lock).
         self._lease = LeaseClock(self.lease_ms, now=time.monotonic())
         self._heartbeat()  # the lease exists before this router owns anything

@@ -695,7 +695,8 @@ class RedisStore(Store):
         (:meth:`commit_shared`), ``"recommit"`` (:meth:`recommit_shared`) or
         ``"release"`` (:meth:`release_shared`; amounts, request and record
         unused). Each one's result or store error, in order (issue 22 item 2:
-        the commits of concurrent calls together). Raises
+        the commits of concurrent calls together). Inside :meth:`batch` the
+        writes it buffered are sent first in the same pipeline. Raises
         :class:`~atp_router.store.base.StoreUnavailable` when the pipeline failed
         as a whole (each may or may not have applied: settle them again by name)."""
         calls: list[tuple[str, tuple[Any, ...]]] = []
@@ -708,8 +709,14 @@ class RedisStore(Store):
                 calls.append(("settle", (r.id, "actual" if mode == "commit" else "recommit", _amount(t), _amount(u),
                                          0, 0, request, REQUEST_TTL_MS, *_record_args(record))))
         self._check()
+        b = self._local.batch
+        ahead: list[tuple[str, tuple]] = []
+        if b.depth:  # inside a batch (a group commit): its buffered writes go first, in this pipeline
+            ahead, b.ops = b.ops, []
+        replies = self._pipeline([*ahead, *calls])
+        b.errors.extend(e for e in map(self._reply_error, replies[:len(ahead)]) if e is not None)
         out: list[SharedResult | StoreError] = []
-        for (mode, *_), reply in zip(ops, self._pipeline(calls), strict=True):
+        for (mode, *_), reply in zip(ops, replies[len(ahead):], strict=True):
             err = self._reply_error(reply)
             if err is not None:
                 out.append(err)

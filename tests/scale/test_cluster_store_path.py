@@ -30,11 +30,12 @@ from tests.replay_server import BillingModel, serve
 from tests.scale.common import BILLED, CONTENT, TASK, TOKENS, auth
 from tests.scale.test_cluster import Cluster
 
-#: Store round trips a one-call task may make (issue 22 item 2): measured 7.5 here since the
-#: atomic OPEN (quota entry and stream account in one script) and the stream record in the
-#: SYN+ACK's group commit (9.5 before, 11.1 and 14.3 earlier; the issue's target is 3), with
-#: room for how a task's events fall into group commits (two or three).
-MAX_TRIPS_PER_TASK = 9
+#: Store round trips a one-call task may make (issue 22 item 2): measured 5.3–5.9 here since
+#: the atomic OPEN (quota entry and stream account in one script), the stream record in the
+#: SYN+ACK's group commit, the commits in the group commit of the call's last events and the
+#: learning rate in slices (9.5 before, 11.1 and 14.3 earlier; the issue's target is 3), with
+#: room for how a task's events fall into group commits (three or four).
+MAX_TRIPS_PER_TASK = 7
 
 
 async def _task(h: httpx.AsyncClient) -> None:
@@ -71,6 +72,7 @@ async def test_a_one_call_task_makes_few_store_round_trips(nursery, tmp_path):
         finally:
             cluster.stop()
     per_task = (busy - idle) / n
+    print(f"store round trips a one-call task: {per_task:.2f} ({busy} busy, {idle} idle over as long)")
     assert 5 <= per_task <= MAX_TRIPS_PER_TASK, (busy, idle, per_task)
 
 

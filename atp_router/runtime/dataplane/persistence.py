@@ -48,9 +48,9 @@ log = logging.getLogger("atp_router.runtime")
 _FLUSH_RETRY_S = 0.25
 #: Key of the SYN+ACK route info kept with a stored stream's meta.
 _ROUTE_KEY = "_atp_route"
-#: A write another part deferred to the group commit (:meth:`StreamPersistence.defer`) and
-#: what to tell once it is stored (None: nothing).
-_Deferred = tuple[Callable[[], object], Callable[[], None] | None]
+#: A write another part deferred to the group commit (:meth:`StreamPersistence.defer`), what
+#: to tell once it is stored and once its group commit is over (None: nothing).
+_Deferred = tuple[Callable[[], object], Callable[[], None] | None, Callable[[], None] | None]
 
 
 def _now_ms() -> int:
@@ -250,7 +250,8 @@ class StreamPersistence:
             self._flush_wanted.set()
         self._pending.append((ctx, ev))
 
-    def defer(self, write: Callable[[], object], done: Callable[[], None] | None = None) -> bool:
+    def defer(self, write: Callable[[], object], done: Callable[[], None] | None = None, *,
+              over: Callable[[], None] | None = None) -> bool:
         """Queue ``write`` — a store write of another part of the router: a
         shared quota's close, a ledger settlement at a stream's end
         (:class:`~atp_router.store.base.StoreJournal`), an audit record — for
@@ -259,8 +260,11 @@ class StreamPersistence:
         store cannot be reached; ``done()`` is called on the trio side once it
         is stored. A write that raises a store error other than unreachable or
         fenced is logged and dropped alone (the group commit's other writes
-        stand). False when no group commit runs, or when called off the trio
-        loop (a store thread): the caller writes at once."""
+        stand). ``over()`` is called on the trio side once the group commit
+        that ran it is over and not kept for a retry, stored or not (a write
+        that keeps its own outcome: the cluster's commits). False when no
+        group commit runs, or when called off the trio loop (a store thread):
+        the caller writes at once."""
         if not self.group_commit:
             return False
         try:
@@ -269,7 +273,7 @@ class StreamPersistence:
             return False
         if not self._pending and not self._writes:
             self._flush_wanted.set()
-        self._writes.append((write, done))
+        self._writes.append((write, done, over))
         return True
 
     def flush(self) -> bool:
@@ -325,7 +329,7 @@ class StreamPersistence:
                         self._store_close(ctx)
                     else:
                         self.store.put_stream(ev)
-                for write, _ in writes:
+                for write, _, _ in writes:
                     self._deferred(write)
         except StoreError as e:
             return e
@@ -369,11 +373,11 @@ class StreamPersistence:
         if error is not None:
             log.error("state store: a batch of %d writes failed", len(pending), exc_info=error)
         self._mark_sent(pending)
-        if error is None:
-            for _, done in writes:
-                if done is not None:
+        for _, done, over in writes:
+            for told in (done if error is None else None, over):
+                if told is not None:
                     try:
-                        done()
+                        told()
                     except Exception:  # the writes are stored; what follows them must not stop the flusher
                         log.exception("state store: acting on a stored write failed")
         return True

@@ -1,10 +1,12 @@
-"""The atomic OPEN of a stream on Redis (issue 22 item 2,
-:meth:`RedisStore.open_stream_shared <atp_router.store.redis.RedisStore.open_stream_shared>`),
-on a real redis-server: a SYN's entry in its tenant's shared quota and its stream's
-budget account are taken in one script — one round trip — or neither: a quota
-refusal (``streams``, ``rate``) opens no account, a parent account that is not
-open takes no quota entry, and a write from a fenced router or one Redis runs
-after its deadline changes nothing."""
+"""The hot path of a cluster router on Redis (issue 22 item 2: few store round trips
+a task), on a real redis-server: the atomic OPEN
+(:meth:`RedisStore.open_stream_shared <atp_router.store.redis.RedisStore.open_stream_shared>`)
+— a SYN's entry in its tenant's shared quota and its stream's budget account in one
+script, one round trip, or neither: a quota refusal (``streams``, ``rate``) opens no
+account, a parent account that is not open takes no quota entry, and a write from
+a fenced router or one Redis runs after its deadline changes nothing; the commits
+of calls sent in the same pipeline as a group commit's events; the learning rate
+taken in slices (budget leases), never past the shared bucket."""
 
 from __future__ import annotations
 
@@ -14,11 +16,16 @@ import uuid
 
 import pytest
 
-from atp_router.flow.budget import Allowance
+from atp_router.flow.budget import (
+    Allowance,
+    Reservation,
+    SharedBudgetLedger,
+    SharedResult,
+)
 from atp_router.flow.quota import QuotaAsk
 from atp_router.observability.metrics import RouterMetrics
 from atp_router.runtime.dataplane.quotas import LEARN_SLICE_S, SharedQuotas
-from atp_router.store import Fenced, NotFound, StoreUnavailable
+from atp_router.store import Fenced, NotFound, StoreUnavailable, StreamRecord
 from atp_router.store.redis import RedisStore
 from tests.peers import start_redis
 
@@ -133,3 +140,32 @@ def test_learning_tokens_are_taken_in_slices_never_past_the_shared_rate():
         trips = a.round_trips
         assert slow.may_learn("carol", 0.001, 1) is False and a.round_trips == trips + 1
         assert slow.may_learn("carol", 0.001, 1) is False and a.round_trips == trips + 1
+
+
+def test_commits_inside_a_group_commit_share_its_round_trip():
+    """The committer's settlements in the stream table's group commit
+    (:meth:`RedisStore.settle_many <atp_router.store.redis.RedisStore.settle_many>`
+    inside :meth:`~atp_router.store.redis.RedisStore.batch`): the events buffered
+    before them and the commits go in one pipeline, each applied."""
+    with start_redis() as server:
+        store = RedisStore.open(server.url, namespace="t" + uuid.uuid4().hex[:10])
+        lg = SharedBudgetLedger(store, owner="r.a")
+        lg.open("client:t", Allowance(tokens=10_000))
+        lg.open("stream:1", Allowance(), parent="client:t")
+        held = [lg.reserve("stream:1", 100, 0) for _ in range(2)]
+        assert all(isinstance(r, Reservation) for r in held)
+        stored = [Reservation(id=r.id, key=lg.store_key("stream:1"), tokens=100, usd_micros=0)
+                  for r in held if isinstance(r, Reservation)]
+        store.put_stream(StreamRecord(tenant="t", session_id="s", stream_id="1", idempotency_key=None, meta={},
+                                      qos=None, budget=None, created_ms=1))
+        trips = store.round_trips
+        with store.batch():
+            store.append_event("t", "s", "1", 1, "PARTIAL", b"{}")
+            out = store.settle_many([("commit", stored[0], 150, 0, "q1", None), ("release", stored[1], 0, 0, "", None)])
+            store.append_event("t", "s", "1", 2, "FINAL", b"{}")
+        assert store.round_trips == trips + 2  # the event and both settlements; the FINAL at the end
+        assert [e.event_id for e in store.events("t", "s", "1")] == [1, 2]
+        first = out[0]
+        assert isinstance(first, SharedResult) and first.charge is not None and first.charge.tokens == 150
+        t = store.shared_totals(lg.store_key("client:t")).totals[0]
+        assert (t.committed_tokens, t.reserved_tokens) == (150, 0)
