@@ -334,6 +334,10 @@ class ClusterLedger(SharedBudgetLedger):
         #: <atp_router.runtime.dataplane.persistence.StreamPersistence.defer>`): one round trip
         #: with the events queued beside them, not one of its own (issue 22 item 2).
         self.defer: Callable[..., bool] | None = None
+        #: Store keys of the accounts whose close waits in the group commit (:meth:`close`).
+        self._closing: set[str] = set()
+        #: Accounts closed in the store at their stream's close, kept here until :meth:`close`.
+        self._closed_early: set[str] = set()
 
     def attach(self, reservation: Reservation, record: CallRecord) -> None:
         """Store ``record`` (the answer ``reservation``'s call gave) in the same
@@ -364,6 +368,7 @@ class ClusterLedger(SharedBudgetLedger):
 
     def open(self, key: str, limit: Allowance, *, parent: str | None = None) -> None:
         try:
+            self._closed_first(key, parent)
             super().open(key, limit, parent=parent)
         except StoreUnavailable as e:
             self._down("open", e)
@@ -392,6 +397,7 @@ class ClusterLedger(SharedBudgetLedger):
             return out
 
         try:
+            self._closed_first(key, parent)
             self.open_with(key, limit, parent, opener)
         except NotFound as e:
             raise ATPError(ErrorCode.EBUDGET, self._settled("open", parent, e).reason,
@@ -400,20 +406,67 @@ class ClusterLedger(SharedBudgetLedger):
         return grant
 
     def close(self, key: str) -> AccountState:
+        """:meth:`~atp_router.flow.budget.SharedBudgetLedger.close`; a stream's
+        account (a child, nothing open under it) is closed in the store by the
+        next group commit (:attr:`defer`: off the trio loop, with the events of
+        other streams; tried again with them while the store cannot be reached)."""
+        acct = self._get(key)
+        if key in self._closed_early and not acct.open and not acct.children:
+            self._closed_early.discard(key)
+            return self._forget_account(key)  # closed in the store at its stream's close
+        if self.defer is not None and acct.parent is not None and not acct.open and not acct.children:
+            skey = self._skeys[key]
+            self._closing.add(skey)
+            if self.defer(functools.partial(self._close_later, skey),
+                          over=functools.partial(self._closing.discard, skey)):
+                return self._forget_account(key)
+            self._closing.discard(skey)
         try:
             return super().close(key)
         except StoreUnavailable as e:
             self._down("close", e)
             raise ValueError(f"budget account {key!r}: the store cannot be reached") from None
         except NotFound:
-            # Closed by the router that settled this one: forget it here too.
-            acct = self._get(key)
-            state = self.state(key)
-            if acct.parent is not None:
-                acct.parent.children -= 1
-            del self._accounts[key]
-            del self._lkeys[self._skeys.pop(key)]
-            return state
+            return self._forget_account(key)  # closed by the router that settled this one: forgotten here too
+
+    def close_early(self, key: str) -> None:
+        """Stream account ``key`` will take no more spend (its stream closed, its
+        calls settled): closed in the store by the next group commit — the one
+        of the stream's last events — while this ledger keeps its copy until
+        :meth:`close` (the stream leaves memory; no store call then). Nothing
+        when a reservation is still open on it (:meth:`close` closes it)."""
+        acct = self._accounts.get(key)
+        if self.defer is None or acct is None or acct.parent is None or acct.open or acct.children:
+            return
+        skey = self._skeys[key]
+        self._closing.add(skey)
+        if self.defer(functools.partial(self._close_later, skey), over=functools.partial(self._closing.discard, skey)):
+            self._closed_early.add(key)
+        else:
+            self._closing.discard(skey)
+
+    def _forget_account(self, key: str) -> AccountState:
+        state = self.state(key)
+        acct = self._get(key)
+        if acct.parent is not None:
+            acct.parent.children -= 1
+        del self._accounts[key]
+        del self._lkeys[self._skeys.pop(key)]
+        return state
+
+    def _close_later(self, skey: str) -> None:
+        """A deferred close (a store thread, in a group commit): skipped when a
+        re-open of the same key closed it at once meanwhile (:meth:`_closed_first`)."""
+        if skey in self._closing:
+            self.shared.close_shared_if_open(skey)
+
+    def _closed_first(self, key: str, parent: str | None) -> None:
+        """Before account ``key`` is opened again: its close still waiting in the
+        group commit is made now (a stream id reused at once)."""
+        skey = key if parent is None else f"{key}@{self.owner}"
+        if skey in self._closing:
+            self._closing.discard(skey)
+            self.shared.close_shared_if_open(skey)
 
     def reserve(self, key: str, tokens: int, usd_micros: int) -> Reservation | Refusal:
         request = self.new_request()
@@ -751,6 +804,8 @@ class RecordingAccounts(SharedAccounts, Protocol):
     def open_stream_shared(self, key: str, parent: str, limit: Allowance, *, owner: str, ask: QuotaAsk,
                            ttl_ms: int) -> tuple[QuotaGrant, SharedResult | None]: ...
 
+    def close_shared_if_open(self, key: str) -> None: ...
+
 
 # ----------------------------------------------------------------------- leases
 class LeaseClock:
@@ -913,8 +968,10 @@ class ClusterNode(SynGate):
         #: A tenant's quotas counted across the routers in the store (atp_router.runtime.dataplane.quotas).
         self.quotas = SharedQuotas(self.store, owner=self.owner, metrics=self.metrics,
                                    on_unavailable=self.store_unavailable)
-        # The atomic OPEN: a SYN's quota entry and its stream's account in one store step.
+        # The atomic OPEN: a SYN's quota entry and its stream's account in one store step; the
+        # account closed in the store with the stream's last events (the END).
         self.quotas.opener = self.ledger.open_admitted
+        self.quotas.closer = self.ledger.close_early
         # Merged learning and breaker propagation through the store (atp_router.runtime.controlplane.shared_state).
         self.router = router = Router(
             config, state, rib_version=self.rib.next_version,

@@ -320,6 +320,11 @@ return encode(chain(key))
 if not close_acct(A[1]) then return nf('acct', A[1]) end
 return 1
 """),
+    # A: key -> 1 closed | 0 it was not open (closed by the router that settled its owner)
+    "close_account_if_open": (_LEDGER, """
+if not close_acct(A[1]) then return 0 end
+return 1
+"""),
     # A: id, key, t, u: record (or grow to these totals) a reservation of the local ledger.
     "reserve": (_LEDGER, """
 local id, key = A[1], A[2]

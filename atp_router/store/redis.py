@@ -76,7 +76,7 @@ written) and :meth:`RedisStore.rate_take`.
 
 :meth:`RedisStore.batch` buffers the stream, kv and quota-close writes made inside it
 (:meth:`put_stream`, :meth:`close_stream`, :meth:`append_event`, :meth:`put`,
-:meth:`quota_close`, which then returns False)
+:meth:`close_shared_if_open`, :meth:`quota_close`, which then returns False)
 and sends them in one pipeline when it ends — the group commit of outbound
 events. Each write is still atomic on its own, but its errors (an unknown
 stream, a full one, a duplicate event) are raised when the batch ends, not at
@@ -174,7 +174,8 @@ _MAX_AMOUNT = 2**53
 _UNAVAILABLE_CODES = frozenset({"LOADING", "BUSY", "MASTERDOWN", "READONLY", "NOREPLICAS", "OOM", "TRYAGAIN",
                                 "CLUSTERDOWN", "NOAUTH"})
 #: Operations :meth:`RedisStore.batch` buffers.
-_DEFERRED = frozenset({"put_stream", "close_stream", "append_event", "kv_put", "quota_close"})
+_DEFERRED = frozenset({"put_stream", "close_stream", "append_event", "kv_put", "quota_close",
+                       "close_account_if_open"})
 #: The least deadline of an operation, ms (it is twice the socket timeout): what a
 #: loaded machine may take between building a call and Redis running it.
 MIN_DEADLINE_MS = 1_000
@@ -182,7 +183,7 @@ MIN_DEADLINE_MS = 1_000
 #: fencing token (:meth:`RedisStore.fence_as`): refused once another router
 #: settled it. A cancel, a lease renewal, a claim, the settling of another
 #: router and reads carry none.
-_FENCED = frozenset({"open_account", "open_stream", "close_account", "reserve_shared", "extend_shared", "settle",
+_FENCED = frozenset({"open_account", "open_stream", "close_account", "close_account_if_open", "reserve_shared", "extend_shared", "settle",
                      "put_stream", "close_stream", "append_event"})
 #: The operations that carry a deadline: those writes, a limit change, a quota's open
 #: and its rate (a late open must not hold a slot: it is refused). A read, a
@@ -638,6 +639,13 @@ class RedisStore(Store):
 
     def close_shared(self, key: str) -> None:
         self.close_account(key)
+
+    def close_shared_if_open(self, key: str) -> None:
+        """Close child account ``key`` unless it is closed already (by the router
+        that settled its owner): no ``NotFound``, so inside :meth:`batch` it is
+        buffered like the stream writes (a stream's account closed in a group
+        commit, off the trio loop). Fenced and deadlined like :meth:`close_shared`."""
+        self._run("close_account_if_open", key)
 
     def reserve_shared(self, key: str, tokens: int, usd_micros: int, *, owner: str,
                        request: str = "") -> SharedResult:

@@ -2,7 +2,8 @@
 ``redis-server`` processes:
 
 * the store round trips a one-call task makes (``atp_store_round_trips_total``
-  around sequential tasks, less the background's over as long idle), held to
+  around sequential tasks and until their streams left memory, less the
+  background's at the rate measured idle just before), held to
   :data:`MAX_TRIPS_PER_TASK` — a regression bound at the figure reached, not the
   issue's target of 3 (README "Several routers");
 * Redis stopped (SIGSTOP) for several seconds: the router's event loop is not
@@ -22,6 +23,7 @@ import signal
 import time
 
 import httpx
+import pytest
 import trio
 
 from tests.helpers import router_metric
@@ -38,6 +40,12 @@ from tests.scale.test_cluster import Cluster
 MAX_TRIPS_PER_TASK = 7
 
 
+#: How long the round-trip test lets closed streams leave memory (their sweep: every 1 s), s.
+_SETTLE_S = 2.5
+#: How long it measures the background's round trips, s.
+_IDLE_S = 3.0
+
+
 async def _task(h: httpx.AsyncClient) -> None:
     """One one-call task over HTTP+SSE: open, then its events to the end."""
     r = await h.post("/v1/streams", json={"task": TASK, "content": CONTENT}, headers=auth("bob"))
@@ -52,28 +60,38 @@ async def _trips(url: str) -> float:
     return sum((await router_metric(url, "atp_store_round_trips_total", TOKENS["ops"])).values())
 
 
-async def test_a_one_call_task_makes_few_store_round_trips(nursery, tmp_path):
+@pytest.mark.parametrize("retain", [(), ("--retain-closed-s", "0")], ids=["retained", "left-at-once"])
+async def test_a_one_call_task_makes_few_store_round_trips(nursery, tmp_path, retain):
+    """A stream's budget account is closed in the store with its last events,
+    whether the closed stream stays in memory or leaves it at once
+    (``--retain-closed-s 0``): none is left open, and the count includes them."""
     model = await serve(nursery, BillingModel(BILLED))
     with start_redis() as redis:
-        cluster = Cluster(redis, tmp_path, model, 1)
+        cluster = Cluster(redis, tmp_path, model, 0)
+        cluster.routers.append(cluster._start(0, args=retain))
         try:
             url = await cluster.routers[0].wait_listening()
             async with httpx.AsyncClient(base_url=url, timeout=60) as h:
                 for _ in range(5):
                     await _task(h)  # warm: scripts loaded, RIB adopted, connections pooled
+                await trio.sleep(_SETTLE_S)  # the warm-up's streams leave memory
+                c0 = await _trips(url)
+                await trio.sleep(_IDLE_S)  # the background's round trips (lease, polls)
+                idle_per_s = (await _trips(url) - c0) / _IDLE_S
                 n = 30
                 t0, c0 = time.monotonic(), await _trips(url)
                 for _ in range(n):
                     await _task(h)
-                busy_s, busy = time.monotonic() - t0, await _trips(url) - c0
-                c0 = await _trips(url)
-                await trio.sleep(busy_s)  # the background's round trips (lease, polls) over as long
-                idle = await _trips(url) - c0
+                await trio.sleep(_SETTLE_S)  # their streams leave memory (left-at-once: accounts closed)
+                took_s, busy = time.monotonic() - t0, await _trips(url) - c0
+                left = [a.key for a in cluster.store.load_ledger().accounts if a.key.startswith("stream:")]
         finally:
             cluster.stop()
-    per_task = (busy - idle) / n
-    print(f"store round trips a one-call task: {per_task:.2f} ({busy} busy, {idle} idle over as long)")
-    assert 5 <= per_task <= MAX_TRIPS_PER_TASK, (busy, idle, per_task)
+    per_task = (busy - idle_per_s * took_s) / n
+    print(f"store round trips a one-call task: {per_task:.2f} ({busy} in {took_s:.1f} s, background "
+          f"{idle_per_s:.1f}/s)")
+    assert 5 <= per_task <= MAX_TRIPS_PER_TASK, (busy, idle_per_s, took_s, per_task)
+    assert left == []  # each closed with its stream's last events (the END), retained in memory or not
 
 
 #: The store's socket timeout in :func:`test_a_stopped_redis_does_not_hold_the_event_loop`, s:

@@ -146,7 +146,8 @@ def test_commits_inside_a_group_commit_share_its_round_trip():
     """The committer's settlements in the stream table's group commit
     (:meth:`RedisStore.settle_many <atp_router.store.redis.RedisStore.settle_many>`
     inside :meth:`~atp_router.store.redis.RedisStore.batch`): the events buffered
-    before them and the commits go in one pipeline, each applied."""
+    before them and the commits go in one pipeline, each applied; a stream's
+    account closed with its last events (buffered: closed already is no error)."""
     with start_redis() as server:
         store = RedisStore.open(server.url, namespace="t" + uuid.uuid4().hex[:10])
         lg = SharedBudgetLedger(store, owner="r.a")
@@ -163,7 +164,10 @@ def test_commits_inside_a_group_commit_share_its_round_trip():
             store.append_event("t", "s", "1", 1, "PARTIAL", b"{}")
             out = store.settle_many([("commit", stored[0], 150, 0, "q1", None), ("release", stored[1], 0, 0, "", None)])
             store.append_event("t", "s", "1", 2, "FINAL", b"{}")
-        assert store.round_trips == trips + 2  # the event and both settlements; the FINAL at the end
+            store.close_shared_if_open(lg.store_key("stream:1"))  # the END: buffered with the FINAL
+        assert store.round_trips == trips + 2  # the event and both settlements; the FINAL and the close at the end
+        assert "stream:1@r.a" not in {a.key for a in store.load_ledger().accounts}
+        store.close_shared_if_open(lg.store_key("stream:1"))  # closed already (by a settling router): no error
         assert [e.event_id for e in store.events("t", "s", "1")] == [1, 2]
         first = out[0]
         assert isinstance(first, SharedResult) and first.charge is not None and first.charge.tokens == 150

@@ -73,6 +73,7 @@ from atp_router.runtime.dataplane.opening import (
     refusal,
     replace_stage,
 )
+from atp_router.runtime.dataplane.stream import stream_account
 from atp_router.security.authz import (
     Refuse,
     StreamAdmission,
@@ -136,6 +137,9 @@ class SharedQuotas:
         #: taken); :func:`with_shared_quotas` then has ``budget_open`` decide the quota
         #: (:class:`SharedBudgetOpen`). Raises StoreUnavailable or ATPError (EBUDGET).
         self.opener: Callable[[QuotaAsk, str, Allowance, str, int], QuotaGrant] | None = None
+        #: When set (atp_router.deploy.cluster): ``closer(account)`` closes a closed stream's budget
+        #: account in the store with its last events (:meth:`SharedBudgetOpen.release`).
+        self.closer: Callable[[str], None] | None = None
         #: tenant -> (learning tokens left in this router's slice, when it expires: time.monotonic());
         #: (-1, t): the shared bucket refused, none before t.
         self._slices: dict[str, tuple[int, float]] = {}
@@ -368,6 +372,14 @@ class SharedBudgetOpen:
         except ATPError as e:
             return refusal(e)
         return CONTINUE
+
+    def release(self, tenant: str, stream_id: str) -> None:
+        """:class:`~atp_router.runtime.dataplane.opening.Holding`: the stream
+        closed — its account is closed in the store in the group commit of its
+        last events (:attr:`SharedQuotas.closer`; the router's own copy stays
+        until the stream leaves memory)."""
+        if self.quotas.closer is not None:
+            self.quotas.closer(stream_account(tenant, stream_id))
 
 
 class _Using:
