@@ -80,15 +80,18 @@ owns (``/v1/streams/{id}/events|frames|feedback``, an idempotent open, A2A
 owner of an open stream is lost and not yet settled, a request about it answers
 503 ``EAGENTDOWN`` with ``Retry-After: 1``.
 
-**Off the loop** (issue 22 item 2): the group commit of stream events (with the
-quota entries of the streams that closed), the commits and releases of calls
-(:meth:`ClusterLedger.run_committer`, several in one pipeline) and the store's polls
-(lost routers, RIB, breakers, learning, expiry) run in store threads
-(:mod:`atp_router.store.threads`); while the store is down the loop's own calls
-fail at once and only those threads probe it (:meth:`RedisStore.probe_off
-<atp_router.store.redis.RedisStore.probe_off>`). Still on the loop: a SYN's quota,
-stream account and stream record, a call's reservation, the audit records, the
-learning rate — the sans-IO admission and SYN stages call them synchronously.
+**Off the loop** (issue 22 item 2): the group commit of stream events — with the
+stream's record (in its SYN+ACK's), the commits and releases of calls
+(:meth:`ClusterLedger.run_committer` hands them to the next group commit: one
+pipeline with a call's last events), audit records, and at a stream's end its
+quota entry's removal and its budget account's close (:meth:`ClusterLedger.close_early`)
+— and the store's polls (lost routers, RIB, breakers, learning, expiry) run in
+store threads (:mod:`atp_router.store.threads`); while the store is down the loop's
+own calls fail at once and only those threads probe it (:meth:`RedisStore.probe_off
+<atp_router.store.redis.RedisStore.probe_off>`). Still on the loop, one round trip
+each: a SYN's **atomic OPEN** (its quota entry and stream account in one script,
+:meth:`ClusterLedger.open_admitted`), a call's reservation, a learning slice — the
+sans-IO admission and SYN stages call them synchronously.
 
 **Fail closed**: when the store cannot be reached
 (:class:`~atp_router.store.base.StoreUnavailable`) no new spend is allowed — a stream
