@@ -1106,8 +1106,7 @@ class ClusterNode(SynGate):
         the outcome goes to :attr:`_lease` (:class:`LeaseClock`). False when the
         store cannot be reached."""
         try:
-            epoch = self.store.heartbeat(self.owner, ttl_ms=self.lease_ms, now_ms=_now_ms(), info=self._info())
-            peers = self.store.live_owners(now_ms=_now_ms())
+            epoch, peers = self.store.renew_lease(self.owner, ttl_ms=self.lease_ms, now_ms=_now_ms(), info=self._info())
         except StoreUnavailable as e:
             with self._lease_lock:
                 self._lease.failed(time.monotonic(), e)

@@ -526,6 +526,19 @@ redis.call('SADD', P .. 'ls', A[1])
 local tm = redis.call('TIME')
 return {redis.call('GET', P .. 'le:' .. A[1]) or '0', tm[1], tm[2]}
 """),
+    # A: owner, ttl ms, info JSON -> {its lease epoch, Redis TIME seconds, microseconds, {owner, info, ...}}:
+    #    heartbeat and live_owners in one step (a cluster router's renewal)
+    "renew_lease": ("", """
+redis.call('SET', P .. 'l:' .. A[1], A[3], 'PX', A[2])
+redis.call('SADD', P .. 'ls', A[1])
+local tm = redis.call('TIME')
+local out = {}
+for _, o in ipairs(redis.call('SMEMBERS', P .. 'ls')) do
+  local v = redis.call('GET', P .. 'l:' .. o)
+  if v then out[#out + 1] = o; out[#out + 1] = v else redis.call('SREM', P .. 'ls', o) end
+end
+return {redis.call('GET', P .. 'le:' .. A[1]) or '0', tm[1], tm[2], out}
+"""),
     # A: owner -> its new lease epoch: every write it made with the old one is refused from now on
     "fence_owner": ("", """
 return redis.call('INCR', P .. 'le:' .. A[1])

@@ -363,6 +363,14 @@ class Store(ABC):
         """``owner -> info`` of every lease that has not expired at ``now_ms``
         (Unix ms; Redis: by its own clock)."""
 
+    def renew_lease(self, owner: str, *, ttl_ms: int, now_ms: int,
+                    info: Mapping[str, Any]) -> tuple[int, dict[str, dict[str, Any]]]:
+        """:meth:`heartbeat` then :meth:`live_owners`: the lease epoch and the live
+        owners (a cluster router's renewal). This default makes the two calls;
+        Redis makes them one script, one round trip."""
+        epoch = self.heartbeat(owner, ttl_ms=ttl_ms, now_ms=now_ms, info=info)
+        return epoch, self.live_owners(now_ms=now_ms)
+
     @abstractmethod
     def drop_lease(self, owner: str) -> None:
         """Remove ``owner``'s lease (a clean shutdown); nothing if it has none."""

@@ -771,9 +771,17 @@ class RedisStore(Store):
         return int(epoch)
 
     def live_owners(self, *, now_ms: int) -> dict[str, dict[str, Any]]:
-        flat = self._run("live_owners")
-        return {flat[i].decode(): json.loads(flat[i + 1]) for i in sorted(range(0, len(flat), 2),
-                                                                          key=lambda i: flat[i])}
+        return _owners(self._run("live_owners"))
+
+    def renew_lease(self, owner: str, *, ttl_ms: int, now_ms: int,
+                    info: Mapping[str, Any]) -> tuple[int, dict[str, dict[str, Any]]]:
+        """:meth:`heartbeat` and :meth:`live_owners` in one script (one round trip)."""
+        if ttl_ms < 1:
+            raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
+        t0 = time.time()
+        epoch, sec, usec, flat = self._run("renew_lease", owner, ttl_ms, json.dumps(dict(info), ensure_ascii=False))
+        self._clock(int(sec), int(usec), t0, time.time())
+        return int(epoch), _owners(flat)
 
     def drop_lease(self, owner: str) -> None:
         self._run("drop_lease", owner)
@@ -1006,6 +1014,11 @@ def mask_url(url: str) -> str:
         return url
     # urlunsplit drops the empty authority of unix:///path: keep the "//" of the original.
     return parts.scheme + "://" + urlunsplit(("", netloc, parts.path, query, parts.fragment)).removeprefix("//")
+
+
+def _owners(flat: list) -> dict[str, dict[str, Any]]:
+    """A flat ``[owner, info JSON, …]`` reply as ``owner -> info``, by owner."""
+    return {flat[i].decode(): json.loads(flat[i + 1]) for i in sorted(range(0, len(flat), 2), key=lambda i: flat[i])}
 
 
 def _quota_keys(tenant: str, owner: str, stream_id: str) -> tuple[str, str]:

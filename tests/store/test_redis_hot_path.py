@@ -173,3 +173,24 @@ def test_commits_inside_a_group_commit_share_its_round_trip():
         assert isinstance(first, SharedResult) and first.charge is not None and first.charge.tokens == 150
         t = store.shared_totals(lg.store_key("client:t")).totals[0]
         assert (t.committed_tokens, t.reserved_tokens) == (150, 0)
+
+
+def test_a_lease_renewal_and_the_live_routers_are_one_round_trip():
+    """A cluster router's renewal (:meth:`RedisStore.renew_lease
+    <atp_router.store.redis.RedisStore.renew_lease>`): its lease epoch and the
+    live routers, as :meth:`~atp_router.store.redis.RedisStore.heartbeat` and
+    :meth:`~atp_router.store.redis.RedisStore.live_owners` answer them, in one
+    script; an expired lease is not among them."""
+    with start_redis() as server:
+        a = RedisStore.open(server.url, namespace="t" + uuid.uuid4().hex[:10])
+        b = RedisStore.open(server.url, namespace=a.namespace)
+        b.heartbeat("r.b", ttl_ms=5_000, now_ms=0, info={"url": "http://b"})
+        b.heartbeat("r.gone", ttl_ms=1, now_ms=0, info={})
+        time.sleep(0.05)
+        assert b.fence_owner("r.a") == 1
+        trips = a.round_trips
+        epoch, peers = a.renew_lease("r.a", ttl_ms=5_000, now_ms=0, info={"url": "http://a"})
+        assert a.round_trips == trips + 1
+        assert (epoch, peers) == (1, {"r.a": {"url": "http://a"}, "r.b": {"url": "http://b"}})
+        assert peers == a.live_owners(now_ms=0)
+        assert abs(a.clock_offset_ms) < 1000
