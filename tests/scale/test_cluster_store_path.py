@@ -32,7 +32,7 @@ from tests.replay_server import BillingModel, serve
 from tests.scale.common import BILLED, CONTENT, TASK, TOKENS, auth
 from tests.scale.test_cluster import Cluster
 
-#: Store round trips a one-call task may make (issue 22 item 2): measured 5.3–5.9 here since
+#: Store round trips a one-call task may make (issue 22 item 2): measured 5.3–6.3 here since
 #: the atomic OPEN (quota entry and stream account in one script), the stream record in the
 #: SYN+ACK's group commit, the commits in the group commit of the call's last events and the
 #: learning rate in slices (9.5 before, 11.1 and 14.3 earlier; the issue's target is 3), with
