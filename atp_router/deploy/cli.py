@@ -163,7 +163,9 @@ async def run(config: RouterConfig, *,
     middleware = deployed.http_middleware
     forwarding = middleware(app) if middleware is not None else None
     try:
-        await _serve(deployed, app if forwarding is None else forwarding, config, task_status)
+        served: Any = app if forwarding is None else forwarding  # an ASGI app (ClosingApp declares only aclose)
+        # Requests in progress are waited for by the drain at a stop (atp_router.runtime.controlplane.drain).
+        await _serve(deployed, router.drain.track(served), config, task_status)
     finally:
         if forwarding is not None:  # the forwarding clients
             with trio.CancelScope(shield=True):

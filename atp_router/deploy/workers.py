@@ -730,8 +730,10 @@ async def _serve_worker(config: RouterConfig, spec: WorkerSpec, router: Router, 
     SIGINT/SIGTERM or the supervisor's exit; ``report("ready")`` once every
     ingress listens."""
     app = build_app(router)
-    public = ForwardingApp(app, router, worker, private=False)
-    private = ForwardingApp(app, router, worker, private=True)
+    forwarding = ForwardingApp(app, router, worker, private=False)
+    # Requests in progress (an event read forwarded to another worker too) are waited for by the drain.
+    public = router.drain.track(forwarding)
+    private = router.drain.track(ForwardingApp(app, router, worker, private=True))
     sock_path = worker_socket(router.state_dir, spec.slot)
     ws_sock = socket.socket(fileno=spec.ws_fd)
     try:
@@ -755,13 +757,18 @@ async def _serve_worker(config: RouterConfig, spec: WorkerSpec, router: Router, 
                 report("ready")  # after the handler: a SIGTERM right after "ready" is a clean stop
                 async for _ in signals:
                     break
-                # Running streams finish first (--drain-s; the supervisor's second SIGTERM stops at once).
-                why = await drain(router.drain, lambda: router.open_count, config.drain_s, signals)
+                # Running streams finish first (--drain-s; the supervisor's second SIGTERM stops at once),
+                # every worker's: a worker keeps serving (forwarding event reads) until the router's last
+                # stream ends, as one router process would, instead of resetting the connections it accepts.
+                store = router.store
+                assert isinstance(store, SqliteStore)
+                why = await drain(router.drain, lambda: router.open_count + store.open_stream_count(),
+                                  config.drain_s, signals)
                 log.warning("worker %d stopping: %s", spec.slot, why)
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
-            await public.aclose()
+            await forwarding.aclose()
 
 
 # ---------------------------------------------------------------------- supervisor

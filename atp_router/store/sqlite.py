@@ -930,6 +930,12 @@ class SqliteStore(Store):
                 # The same event again (a retried write): it does not count twice.
                 c.execute("UPDATE stream SET n_events = n_events - 1 WHERE sno = ?", (sno,))
 
+    def open_stream_count(self) -> int:
+        """Streams open now in the file, whoever runs them (``--workers``: every
+        worker's; the index on ``state``)."""
+        with self._lock:
+            return int(self._conn.execute("SELECT count(*) FROM stream WHERE state = 'open'").fetchone()[0])
+
     def append_events(self, tenant: str, session_id: str, stream_id: str,
                       events: Sequence[tuple[int, str, bytes]]) -> None:
         """A run of one stream's events in two statements (the count raised once,

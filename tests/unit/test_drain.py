@@ -59,6 +59,24 @@ async def _held_stream(url: str, model: BillingModel) -> str:
     return st.stream_id
 
 
+async def _follow_then_release(url: str, stream_id: str, model: BillingModel) -> list[str]:
+    """Follow the stream's events (as its client does, live) and release the held
+    model call once the follower is attached; the event types through FIN."""
+    types: list[str] = []
+    async with atp.Client(url, TOKEN) as c, trio.open_nursery() as n:
+        async def follow() -> None:
+            async for ev in c.events(stream_id):
+                types.append(ev.type)
+
+        n.start_soon(follow)
+        with trio.fail_after(10):
+            while not types:  # the SYN+ACK replayed: the follower is attached
+                await trio.sleep(0.02)
+        assert model.hold is not None
+        model.hold.set()
+    return types
+
+
 async def test_sigterm_lets_the_running_stream_finish_and_refuses_new_ones(nursery, tmp_path):
     model = await serve(nursery, BillingModel(billed=100))
     model.hold = trio.Event()
@@ -81,10 +99,8 @@ async def test_sigterm_lets_the_running_stream_finish_and_refuses_new_ones(nurse
             assert "EAGENTDOWN" in refused.text and "draining" in refused.text
             assert refused.headers.get("retry-after") == "1"
             assert proc.proc.poll() is None  # still serving the running stream
-            model.hold.set()
-            async with atp.Client(proc.url, TOKEN) as c:
-                with trio.fail_after(30):
-                    types = [ev.type async for ev in c.events(stream_id)]
+            with trio.fail_after(30):
+                types = await _follow_then_release(proc.url, stream_id, model)
         assert types[-2:] == ["FINAL", "FIN"], types
         assert await _exit_code(proc, 15) == 0
         assert any("stopping: every stream finished" in line for line in proc.lines), proc.lines
@@ -135,10 +151,8 @@ async def test_workers_drain_behind_their_supervisor(nursery, tmp_path):
         with trio.fail_after(10):
             while not any("draining: 1 streams running" in line for line in proc.lines):
                 await trio.sleep(0.05)
-        model.hold.set()
-        async with atp.Client(proc.url, TOKEN) as c:
-            with trio.fail_after(30):
-                types = [ev.type async for ev in c.events(stream_id)]
+        with trio.fail_after(30):
+            types = await _follow_then_release(proc.url, stream_id, model)
         assert types[-2:] == ["FINAL", "FIN"], types
         assert await _exit_code(proc, 20) == 0
     finally:

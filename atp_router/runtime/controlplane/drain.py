@@ -17,7 +17,8 @@ stop, its reservation kept for recovery.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
 
 import trio
 
@@ -29,6 +30,12 @@ from atp_router.wire.errors import ErrorCode
 from atp_router.wire.frame import Frame
 
 __all__ = ["DRAIN_RETRY_AFTER_MS", "DrainGate", "drain"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 log = logging.getLogger("atp_router.drain")
 #: How often :func:`drain` looks at the open-stream count, s.
@@ -44,13 +51,29 @@ class DrainGate(SynGate):
     ``running(tenant, idempotency_key)``: whether a stream of that key runs
     here (its SYN resumes it, so it is let through)."""
 
-    __slots__ = ("draining", "refused", "running")
+    __slots__ = ("draining", "refused", "requests", "running")
 
     def __init__(self, running: Callable[[str, str], bool]) -> None:
         self.running = running
         self.draining = False
         #: SYNs refused while draining.
         self.refused = 0
+        #: HTTP requests in progress in the apps :meth:`track` wraps (e.g. an event
+        #: read forwarded to another ``--workers`` worker): the drain waits for them too.
+        self.requests = 0
+
+    def track(self, app: ASGIApp) -> ASGIApp:
+        """``app`` counting its HTTP requests in progress in :attr:`requests`."""
+        async def tracked(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            self.requests += 1
+            try:
+                await app(scope, receive, send)
+            finally:
+                self.requests -= 1
+        return tracked
 
     def begin(self) -> None:
         """Stop taking new streams (idempotent)."""
@@ -70,12 +93,13 @@ class DrainGate(SynGate):
 async def drain(gate: DrainGate, open_count: Callable[[], int], seconds: float,
                 signals: AsyncIterator[int]) -> str:
     """Drain (module doc): :meth:`DrainGate.begin`, then return once no stream is
-    open (``open_count()``), after ``seconds``, or at the next of ``signals`` (a
+    open (``open_count()``) and no request the gate tracks is in progress, after
+    ``seconds``, or at the next of ``signals`` (a
     second SIGTERM/SIGINT: stop now), whichever is first. Returns which, in
     words, for the stop's log line."""
     gate.begin()
     running = open_count()
-    if seconds <= 0 or running == 0:
+    if seconds <= 0 or running + gate.requests == 0:
         return f"{running} streams running, no drain"
     log.warning("draining: %d streams running; stopping when they finish or after %g s (a second signal stops "
                 "at once); new streams are refused", running, seconds)
@@ -91,7 +115,7 @@ async def drain(gate: DrainGate, open_count: Callable[[], int], seconds: float,
                     return
 
             nursery.start_soon(second_signal)
-            while open_count() > 0:
+            while open_count() > 0 or gate.requests > 0:
                 await trio.sleep(_POLL_S)
             why = "every stream finished"
             nursery.cancel_scope.cancel()
