@@ -17,25 +17,15 @@ import trio
 
 from tests import helpers
 from tests.replay_server import BillingModel, serve
+from tests.scale.common import TOKENS, summarize_rib
 
-TOKEN = "tok-alice-0123456789"
+TOKEN = TOKENS["alice"]
 TASK = {"task_type": "summarize"}
-
-
-def _rib(model_url: str) -> str:
-    return (
-        "models:\n"
-        f"  m: {{provider: openai_compat, ctx: 8k, cost: 1, base_url: '{model_url}', model: m, max_out_tokens: 64}}\n"
-        "agents:\n"
-        "  summarizer: {layer: L2, p95_ms: 500, model: m, timeout_ms: 60000}\n"
-        "policies:\n"
-        "  - {name: summarize, match: {task_type: summarize}, fanout: [summarizer]}\n"
-    )
 
 
 async def _router(tmp_path: Path, model: BillingModel, *extra: str) -> helpers.RouterProcess:
     rib = tmp_path / "rib.yaml"
-    rib.write_text(_rib(model.url))
+    rib.write_text(summarize_rib(model.url))
     proc = helpers.RouterProcess("--policies", rib, "--state-dir", tmp_path / "state", "--http-port", "0",
                                  "--ws-port", "0", *extra, env={"ATP_ROUTER_TOKENS": f"alice:{TOKEN}"})
     await proc.wait_listening()
