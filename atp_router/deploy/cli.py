@@ -121,7 +121,7 @@ from atp_router.adapters.tools.semgrep import rule_sources
 from atp_router.cliutil.helpfmt import DefaultsHelpFormatter
 from atp_router.deploy import cluster, single
 from atp_router.deploy.cluster import is_cluster_store
-from atp_router.deploy.http_serve import serve_http
+from atp_router.deploy.http_serve import serve_http, track_requests
 from atp_router.deploy.learn_cmd import learn_main
 from atp_router.deploy.review_cmd import main as review_main
 from atp_router.deploy.workers import WorkerSpec, supervise, worker_main
@@ -165,7 +165,7 @@ async def run(config: RouterConfig, *,
     try:
         served: Any = app if forwarding is None else forwarding  # an ASGI app (ClosingApp declares only aclose)
         # Requests in progress are waited for by the drain at a stop (atp_router.runtime.controlplane.drain).
-        await _serve(deployed, router.drain.track(served), config, task_status)
+        await _serve(deployed, track_requests(served, router.drain), config, task_status)
     finally:
         if forwarding is not None:  # the forwarding clients
             with trio.CancelScope(shield=True):

@@ -5,7 +5,8 @@
 
 :func:`serve_http` takes binds as hypercorn spells them — ``host:port``,
 ``fd://N`` (a listening socket inherited from the ``--workers`` supervisor),
-``unix:PATH`` — so both deployment modes choose the server in one place.
+``unix:PATH`` — so both deployment modes choose the server in one place; :func:`track_requests`
+counts the requests in progress that a drain before a stop waits for.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from typing import Any, Literal
 import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from atp_router.runtime.config import RouterConfig
+from atp_router.runtime.controlplane.drain import DrainGate
 from atp_router.runtime.ingress.listen import listen_tcp, listen_unix
 from atp_router.runtime.ingress.server import ServerLimits, serve_lean
 from atp_router.security.tls import hypercorn_ssl
 
-__all__ = ["server_of", "serve_http"]
+__all__ = ["serve_http", "server_of", "track_requests"]
 
 #: The listen backlog: a burst of clients' SYNs is queued, not dropped (hypercorn's default is 100).
 BACKLOG = 1024
@@ -70,3 +73,18 @@ def _socket(bind: str) -> socket.socket:
         return listen_unix(bind.removeprefix("unix:"), BACKLOG)
     host, _, port = bind.rpartition(":")
     return listen_tcp(host.strip("[]"), int(port), BACKLOG)
+
+
+def track_requests(app: ASGIApp, gate: DrainGate) -> ASGIApp:
+    """``app`` counting its HTTP requests in progress in ``gate.requests``, which a
+    drain before a stop waits for (:mod:`atp_router.runtime.controlplane.drain`)."""
+    async def tracked(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        gate.requests += 1
+        try:
+            await app(scope, receive, send)
+        finally:
+            gate.requests -= 1
+    return tracked

@@ -124,7 +124,7 @@ import trio
 from prometheus_client import Counter
 
 from atp_router.deploy import single
-from atp_router.deploy.http_serve import serve_http
+from atp_router.deploy.http_serve import serve_http, track_requests
 from atp_router.deploy.single import end_interrupted
 from atp_router.flow.budget import SharedBudgetLedger
 from atp_router.observability.metrics import RouterMetrics
@@ -732,8 +732,8 @@ async def _serve_worker(config: RouterConfig, spec: WorkerSpec, router: Router, 
     app = build_app(router)
     forwarding = ForwardingApp(app, router, worker, private=False)
     # Requests in progress (an event read forwarded to another worker too) are waited for by the drain.
-    public = router.drain.track(forwarding)
-    private = router.drain.track(ForwardingApp(app, router, worker, private=True))
+    public = track_requests(forwarding, router.drain)
+    private = track_requests(ForwardingApp(app, router, worker, private=True), router.drain)
     sock_path = worker_socket(router.state_dir, spec.slot)
     ws_sock = socket.socket(fileno=spec.ws_fd)
     try:

@@ -17,8 +17,7 @@ stop, its reservation kept for recovery.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 import trio
 
@@ -30,12 +29,6 @@ from atp_router.wire.errors import ErrorCode
 from atp_router.wire.frame import Frame
 
 __all__ = ["DRAIN_RETRY_AFTER_MS", "DrainGate", "drain"]
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 log = logging.getLogger("atp_router.drain")
 #: How often :func:`drain` looks at the open-stream count, s.
@@ -51,29 +44,15 @@ class DrainGate(SynGate):
     ``running(tenant, idempotency_key)``: whether a stream of that key runs
     here (its SYN resumes it, so it is let through)."""
 
-    __slots__ = ("draining", "refused", "requests", "running")
+    __slots__ = ("draining", "requests", "running")
 
     def __init__(self, running: Callable[[str, str], bool]) -> None:
         self.running = running
         self.draining = False
-        #: SYNs refused while draining.
-        self.refused = 0
-        #: HTTP requests in progress in the apps :meth:`track` wraps (e.g. an event
-        #: read forwarded to another ``--workers`` worker): the drain waits for them too.
+        #: HTTP requests in progress (e.g. an event read forwarded to another
+        #: ``--workers`` worker), counted by the server's app wrapper
+        #: (:func:`atp_router.deploy.http_serve.track_requests`): the drain waits for them too.
         self.requests = 0
-
-    def track(self, app: ASGIApp) -> ASGIApp:
-        """``app`` counting its HTTP requests in progress in :attr:`requests`."""
-        async def tracked(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http":
-                await app(scope, receive, send)
-                return
-            self.requests += 1
-            try:
-                await app(scope, receive, send)
-            finally:
-                self.requests -= 1
-        return tracked
 
     def begin(self) -> None:
         """Stop taking new streams (idempotent)."""
@@ -85,7 +64,6 @@ class DrainGate(SynGate):
         key = task.idempotency_key if task is not None else None
         if key and self.running(identity.tenant, key):
             return None
-        self.refused += 1
         return Refuse(ErrorCode.EAGENTDOWN, "this router is draining (shutting down): open the stream on "
                                             "another router", DRAIN_RETRY_AFTER_MS)
 

@@ -201,7 +201,7 @@ class StreamPersistence:
         events ``(id, type, frame JSON)`` at once (:meth:`~atp_router.store.base.Store.append_events`)."""
         assert self.store is not None
         try:
-            if len(run) == 1:
+            if len(run) == 1:  # the common case, straight to the one-event write
                 self.store.append_event(ctx.tenant, ctx.session_id, ctx.stream_id, *run[0])
             else:
                 self.store.append_events(ctx.tenant, ctx.session_id, ctx.stream_id, run)

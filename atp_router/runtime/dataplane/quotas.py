@@ -173,12 +173,7 @@ class SharedQuotas:
             self._failed("open", e)
             self.metrics.quota_fallback.labels("streams").inc()
             return None
-        self._ok()
-        if grant.admitted:
-            self.held.add((tenant, stream_id))
-        else:
-            self.metrics.quota_refused.labels(grant.refused or "").inc()
-        return grant
+        return self._granted(grant, tenant, stream_id)
 
     def open_with_account(self, ask: QuotaAsk, account: str, limit: Allowance, parent: str) -> QuotaGrant | None:
         """:meth:`open` together with the stream's budget ``account`` (``limit``,
@@ -195,9 +190,13 @@ class SharedQuotas:
             self._failed("open", e)
             self.metrics.quota_fallback.labels("streams").inc()
             return None
+        return self._granted(grant, ask.tenant, ask.stream_id)
+
+    def _granted(self, grant: QuotaGrant, tenant: str, stream_id: str) -> QuotaGrant:
+        """The store decided ``grant``: held until :meth:`release` when admitted, else counted refused."""
         self._ok()
         if grant.admitted:
-            self.held.add((ask.tenant, ask.stream_id))
+            self.held.add((tenant, stream_id))
         else:
             self.metrics.quota_refused.labels(grant.refused or "").inc()
         return grant

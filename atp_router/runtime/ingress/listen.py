@@ -7,19 +7,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
+from starlette.types import ASGIApp, Message
 
 __all__ = ["lifespan", "listen_tcp", "listen_unix"]
 
 log = logging.getLogger("atp_router.ingress.server")
-
-Message = MutableMapping[str, Any]
-ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]],
-                   Awaitable[None]]
 
 
 def listen_tcp(host: str, port: int, backlog: int = 1024) -> socket.socket:
