@@ -130,7 +130,7 @@ from atp_router.observability import logs, tracing
 from atp_router.policy.check import policy_main
 from atp_router.runtime.admin.taskpath import routes_main
 from atp_router.runtime.config import RouterConfig, build_authenticator
-from atp_router.runtime.controlplane.drain import drain
+from atp_router.runtime.controlplane.drain import drain, stopping_signals
 from atp_router.runtime.dataplane.opening import DEFAULT_STAGES, describe
 from atp_router.runtime.ingress.http_api import build_app
 from atp_router.runtime.ingress.ws import serve_ws
@@ -645,6 +645,7 @@ def _serve_main(config: RouterConfig) -> int:
                 why = await drain(router.drain, lambda: router.open_count, config.drain_s, signals)
                 logging.getLogger("atp_router.deploy").warning("stopping: %s", why)
                 nursery.cancel_scope.cancel()
+            stopping_signals()  # the shutdown below is not cut by a later signal
 
     trio.run(main_async)
     if refused is not None:

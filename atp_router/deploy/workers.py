@@ -131,7 +131,7 @@ from atp_router.observability.metrics import RouterMetrics
 from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.controlplane import shared_state
 from atp_router.runtime.controlplane.control import BODY_SOURCE
-from atp_router.runtime.controlplane.drain import drain
+from atp_router.runtime.controlplane.drain import drain, stopping_signals
 from atp_router.runtime.dataplane.opening import DEFAULT_STAGES
 from atp_router.runtime.dataplane.quotas import SharedQuotas, with_shared_quotas
 from atp_router.runtime.deployment import StateParts, SynGate
@@ -765,6 +765,7 @@ async def _serve_worker(config: RouterConfig, spec: WorkerSpec, router: Router, 
                 why = await drain(router.drain, lambda: router.open_count + store.open_stream_count(),
                                   config.drain_s, signals)
                 log.warning("worker %d stopping: %s", spec.slot, why)
+            stopping_signals()  # the shutdown below is not cut by a later signal
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
@@ -929,6 +930,7 @@ class _Supervisor:
                         break
                     self._stop()  # the workers drain (--drain-s); a second signal is passed on: they stop at once
                     await self._await_workers(c.drain_s + STOP_GRACE_S, signals)
+                stopping_signals()  # settling the workers and closing the store are not cut by a later signal
             _signal_all(self.slots, signal.SIGKILL)
 
     async def _await_workers(self, seconds: float, signals: AsyncIterator[int] | None) -> None:

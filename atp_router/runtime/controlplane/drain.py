@@ -17,6 +17,8 @@ stop, its reservation kept for recovery.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 
 import trio
@@ -28,7 +30,7 @@ from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import ErrorCode
 from atp_router.wire.frame import Frame
 
-__all__ = ["DRAIN_RETRY_AFTER_MS", "DrainGate", "drain"]
+__all__ = ["DRAIN_RETRY_AFTER_MS", "DrainGate", "drain", "stopping_signals"]
 
 log = logging.getLogger("atp_router.drain")
 #: How often :func:`drain` looks at the open-stream count, s.
@@ -98,3 +100,16 @@ async def drain(gate: DrainGate, open_count: Callable[[], int], seconds: float,
             why = "every stream finished"
             nursery.cancel_scope.cancel()
     return f"{why}; {open_count()} streams still running"
+
+
+def stopping_signals() -> None:
+    """Once a stop is under way (the drain over, the shutdown running): a further
+    SIGTERM or SIGINT is noted on stderr and ignored, so the shutdown — the
+    store's last checkpoint, the workers' settlement — ends with status 0
+    instead of being cut by the signal's default action (SIGKILL still stops
+    at once). Call from the main thread after the signal receiver's block."""
+    def noted(signum: int, _frame: object) -> None:
+        os.write(2, b"atp-router: already stopping; signal %d ignored (SIGKILL stops at once)\n" % signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, noted)
