@@ -267,7 +267,9 @@ class Store(ABC):
     def load_ledger(self) -> LedgerSnapshot:
         """The open accounts and reservations as a
         :class:`~atp_router.flow.budget.LedgerSnapshot` for
-        :meth:`~atp_router.flow.budget.BudgetLedger.restore`."""
+        :meth:`~atp_router.flow.budget.BudgetLedger.restore`; its ``next_id``
+        is past every reservation id ever recorded (no lower than the ledger's,
+        maybe higher: a store may mark ids used a block at a time)."""
 
     @abstractmethod
     def recover(self, owner: str | None = None) -> list[Reservation]:

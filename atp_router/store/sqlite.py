@@ -156,6 +156,11 @@ PROBE_ROOM_BYTES = 256 * 1024
 #: ``_event_key``): a stream's event ids are 1 .. 2**24 - 1.
 EVENT_ID_BITS = 24
 _EVENT_IDS = 1 << EVENT_ID_BITS
+#: Reservation ids the store marks used at a time (``meta.next_reservation_id``, the
+#: hi/lo pattern): the mark is written with the first reservation past it, not with
+#: every one, so a reservation writes no ``meta`` page; a restart starts past the
+#: mark (ids are never reused; up to this many are skipped).
+RESERVATION_ID_BLOCK = 1024
 #: RIB versions kept in history (the newest is the active one).
 RIB_KEPT = 16
 #: ``PRAGMA synchronous`` of a store (:meth:`SqliteStore.open`): ``NORMAL`` survives a
@@ -599,10 +604,12 @@ class SqliteStore(Store):
                 (r.id, r.key, r.tokens, r.usd_micros),
             )
             c.execute(_CHAIN_UPDATE, {"key": r.key, **_moves(rt=r.tokens - old[0], ru=r.usd_micros - old[1])})
-            # The ledger's next id survives a restart, so ids are never reused.
-            c.execute("INSERT INTO meta (key, value) VALUES ('next_reservation_id', ?) ON CONFLICT (key) "
-                      "DO UPDATE SET value = MAX(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER))",
-                      (str(r.id + 1),))
+            # The ledger's next id survives a restart, so ids are never reused: marked a block at a
+            # time (RESERVATION_ID_BLOCK), never lowered (MAX: another process may have marked more).
+            # The statement changes no row (writes no page) while the mark is past this id.
+            c.execute("INSERT INTO meta (key, value) VALUES ('next_reservation_id', :mark) ON CONFLICT (key) "
+                      "DO UPDATE SET value = :mark WHERE CAST(value AS INTEGER) <= :id",
+                      {"mark": str(r.id + RESERVATION_ID_BLOCK), "id": r.id})
 
     def release(self, reservation_id: int) -> None:
         with self._tx() as c:
