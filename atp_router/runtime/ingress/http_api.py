@@ -265,9 +265,13 @@ async def stream_events(router: Router, request: Request, identity: Identity) ->
         # detached and stays resumable for the grace period (spec §8).
         ctx.attach()
         try:
-            async for ev in ctx.log.follow(after):
-                # The frame's JSON is encoded once (the store write) and shared.
-                yield b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.id, ev.type.encode(), ev.json_bytes())
+            async for batch in ctx.log.follow_batches(after):
+                # The frame's JSON is encoded once (the store write) and shared; the events
+                # stored together go in one chunk (one socket write).
+                parts = []
+                for ev in batch:
+                    parts.append(b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.id, ev.type.encode(), ev.json_bytes()))
+                yield b"".join(parts)
         finally:
             ctx.detach()
 

@@ -493,23 +493,27 @@ async def _sse(router: Router, req: ChatCompletionRequest, ctx: StreamCtx, cid: 
     try:
         yield chunk(choices=[ChunkChoice(0, ChunkDelta(role="assistant", content=""))])
         live: list[str] = []
-        async for ev in ctx.log.follow():
-            text = out.see(ev)
-            if text:
-                live.append(text)
-                yield chunk(choices=[ChunkChoice(0, ChunkDelta(content=text))])
+        # The events stored together go out in one chunk (one socket write), as does the end.
+        async for batch in ctx.log.follow_batches():
+            parts = []
+            for ev in batch:
+                text = out.see(ev)
+                if text:
+                    live.append(text)
+                    parts.append(chunk(choices=[ChunkChoice(0, ChunkDelta(content=text))]))
+            if parts:
+                yield b"".join(parts)
         if out.final is None:
             e = out.failure()
             status = error_response(e).status_code
-            yield b"data: " + _enc.encode(error_body(e, status)) + b"\n\n"
-            yield b"data: [DONE]\n\n"
+            yield b"data: " + _enc.encode(error_body(e, status)) + b"\n\ndata: [DONE]\n\n"
             return
         rest = remaining_text(completion_text(out.final.result), "".join(live))
-        if rest:
-            yield chunk(choices=[ChunkChoice(0, ChunkDelta(content=rest))])
-        yield chunk(choices=[ChunkChoice(0, ChunkDelta(), out.finish_reason)], atp=out.atp(ctx))
+        tail = [chunk(choices=[ChunkChoice(0, ChunkDelta(content=rest))])] if rest else []
+        tail.append(chunk(choices=[ChunkChoice(0, ChunkDelta(), out.finish_reason)], atp=out.atp(ctx)))
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk(choices=[], usage=out.usage())
-        yield b"data: [DONE]\n\n"
+            tail.append(chunk(choices=[], usage=out.usage()))
+        tail.append(b"data: [DONE]\n\n")
+        yield b"".join(tail)
     finally:
         _let_go(router, ctx)
