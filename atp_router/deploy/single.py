@@ -206,9 +206,11 @@ def open_state(config: RouterConfig, *, lock: bool = True) -> StateParts:
     try:
         # The process holds the state directory (its lock, or the --workers supervisor's before any
         # worker starts): the store is its alone — no lock syscalls per transaction, no -shm.
-        store = SqliteStore.open(state_dir, synchronous=sync_mode(config.state_sync), exclusive=True)
+        sync = sync_mode(config.state_sync)
+        store = SqliteStore.open(state_dir, synchronous=sync, exclusive=True)
         ledger = restore_ledger(store)
-        audit_log = AuditLog.open(store, state_dir, options=config.audit, warn=tmp is None)
+        # audit.head as durable as the store: fsynced only when the store survives an OS crash too.
+        audit_log = AuditLog.open(store, state_dir, options=config.audit, warn=tmp is None, fsync_head=sync == "FULL")
     except BaseException:
         # Refused: nothing stays open (the directory can be opened again, in this process too).
         if store is not None:

@@ -304,10 +304,10 @@ def open_worker_state(config: RouterConfig, owner: str) -> tuple[StateParts, Sha
     :class:`SharedRib` returned with it)."""
     state_dir = config.state_dir
     assert state_dir is not None, "--workers needs a --state-dir"
-    store = SqliteStore.open(state_dir, synchronous=sync_mode(config.state_sync), multiprocess=True,
-                             autocheckpoint=False)
+    sync = sync_mode(config.state_sync)
+    store = SqliteStore.open(state_dir, synchronous=sync, multiprocess=True, autocheckpoint=False)
     ledger = SharedBudgetLedger(store, owner=owner)
-    audit_log = AuditLog.open(store, state_dir, shared=True, options=config.audit)
+    audit_log = AuditLog.open(store, state_dir, shared=True, options=config.audit, fsync_head=sync == "FULL")
     rib = SharedRib(store)
     return StateParts(state_dir=state_dir, store=store, audit_log=audit_log, ledger=ledger,
                       close=single.closing(audit_log, store), store_check=single.store_check(store, ledger),
@@ -894,7 +894,8 @@ class _Supervisor:
     async def run(self, summary: dict[str, Any]) -> int:
         sync = sync_mode(self.config.state_sync)
         self.store = SqliteStore.open(self.state_dir, synchronous=sync, multiprocess=True)
-        self.audit = AuditLog.open(self.store, self.state_dir, shared=True, options=self.config.audit)
+        self.audit = AuditLog.open(self.store, self.state_dir, shared=True, options=self.config.audit,
+                                   fsync_head=sync == "FULL")
         try:
             async with trio.open_nursery() as outer:
                 checkpointing = await outer.start(self._checkpoints)

@@ -679,15 +679,20 @@ def read_head_file(path: Path) -> AuditCheckpoint | None:
         raise AuditError(f"{path} is not an audit checkpoint: {e}") from None
 
 
-def _write_head_file(path: Path, cp: AuditCheckpoint) -> None:
+def _write_head_file(path: Path, cp: AuditCheckpoint, *, fsync: bool = True) -> None:
+    """Replace ``path`` with ``cp``'s line, atomically (a rename); ``fsync``: durable
+    across an OS crash too (the file and its directory fsynced), else across a
+    process crash (the page cache), as the store's ``synchronous`` mode is."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: workers checkpoint at once
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(_checkpoint_line(cp) + b"\n")
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    if fsync:
+        _fsync_dir(path.parent)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -882,10 +887,15 @@ class AuditLog:
 
     def __init__(self, store: Store, key: bytes, *, head_path: Path | None = None, every: int = DEFAULT_EVERY,
                  interval_ms: int = DEFAULT_INTERVAL_MS, shared: bool = False, sinks: Iterable[Any] = (),
-                 anchor: Path | None = None, spool: AuditSpool | None = None) -> None:
+                 anchor: Path | None = None, spool: AuditSpool | None = None, fsync_head: bool = True) -> None:
         if every < 1 or interval_ms < 0:
             raise ValueError("every must be >= 1 and interval_ms >= 0")
         self.store, self._key, self.head_path = store, key, head_path
+        #: ``head_path`` fsynced at each checkpoint (file and directory): False when the store
+        #: itself survives a process crash only (SQLite ``synchronous=NORMAL``, the default) —
+        #: an fsynced head ahead of a store that lost its last commits in an OS crash would make
+        #: the log look cut, and the two fsyncs held the event loop at every checkpoint.
+        self.fsync_head = fsync_head
         #: Records the store could not take yet, chained in order when it can (:meth:`flush_spool`).
         self.spool = spool if spool is not None else AuditSpool()
         self._spool_cause: StoreUnavailable | None = None
@@ -932,9 +942,10 @@ class AuditLog:
     @classmethod
     def open(cls, store: Store, state_dir: Path, *, env: Mapping[str, str] | None = None,
              every: int | None = None, interval_ms: int | None = None, shared: bool = False,
-             options: AuditOptions | None = None, warn: bool = True) -> AuditLog:
+             options: AuditOptions | None = None, warn: bool = True, fsync_head: bool = True) -> AuditLog:
         """The writer for ``state_dir`` with ``options`` (:class:`AuditOptions`;
-        ``every`` / ``interval_ms`` override its cadence): the key from
+        ``every`` / ``interval_ms`` override its cadence; ``fsync_head`` as the
+        constructor's, from the store's durability): the key from
         :func:`resolve_audit_key` (``<state_dir>/audit.key`` created if no other
         is given — logged once per process as the development setting, unless
         not ``warn``), checkpoints also in ``<state_dir>/audit.head``, the
@@ -959,7 +970,8 @@ class AuditLog:
                          every=opts.every if every is None else every,
                          interval_ms=opts.interval_ms if interval_ms is None else interval_ms,
                          shared=shared, sinks=sinks, anchor=opts.anchor,
-                         spool=AuditSpool(opts.spool_records, opts.spool_bytes, directory=Path(state_dir)))
+                         spool=AuditSpool(opts.spool_records, opts.spool_bytes, directory=Path(state_dir)),
+                         fsync_head=fsync_head)
             # Records a process that is gone spooled on disk: chained now when the store takes
             # them (else by the router's periodic flush), whichever process opened the log first.
             opened.flush_spool()
@@ -1109,7 +1121,7 @@ class AuditLog:
             return None  # nothing stored since the last one: the deferred records are not MACed yet
         cp = make_checkpoint(seq, head, self._key)
         if self.head_path is not None:
-            _write_head_file(self.head_path, cp)
+            _write_head_file(self.head_path, cp, fsync=self.fsync_head)
         self.store.put_audit_checkpoint(cp)
         self._pending = self._seq - seq
         if not self._pending:

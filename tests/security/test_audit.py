@@ -232,6 +232,33 @@ def test_writer_resumes_the_chain_and_checkpoints_on_cadence(tmp_path: Path):
         assert log.head[0] == 6
 
 
+@pytest.mark.parametrize("state_sync", ["normal", "full"])
+def test_the_head_file_is_as_durable_as_the_store(tmp_path: Path, monkeypatch, state_sync: str):
+    """audit.head is fsynced (file and directory) only when the store survives an OS
+    crash too (--state-sync full): under the default, an fsynced head could outlive
+    the store's last commits in an OS crash and make the log look cut. Either way
+    the head is replaced atomically and verifies."""
+    from atp_router.deploy.single import open_state
+    from atp_router.runtime.config import RouterConfig
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    d = tmp_path / "state"
+    parts = open_state(RouterConfig(policies=tmp_path, state_dir=d, state_sync=state_sync))
+    try:
+        log = parts.audit_log
+        assert log.fsync_head is (state_sync == "full")
+        log.record("session_open", "alice-key", "alice", {}, now_ms=10_000)
+        synced.clear()
+        cp = log.checkpoint()
+        assert read_head_file(d / "audit.head") == cp
+        assert len(synced) == (2 if state_sync == "full" else 0), synced  # the file, then its directory
+    finally:
+        parts.close()
+    assert not list(d.glob("audit.head.*.tmp"))
+
+
 def test_chain_record_is_pure_and_canonical():
     a = chain_record(0, GENESIS, kind="esec", actor="bob", tenant="bob", detail={"b": 1, "a": [1, 2]}, now_ms=5)
     b = chain_record(0, GENESIS, kind="esec", actor="bob", tenant="bob", detail={"a": (1, 2), "b": 1}, now_ms=5)
