@@ -41,7 +41,7 @@ async def test_a_batch_is_bounded_and_resumes_after_an_id():
     assert [[ev.id for ev in b] async for b in log.follow_batches(most=64)] == [[1, 2, 3, 4, 5]]
 
 
-async def test_sse_sends_the_stored_events_of_a_stream_in_one_body_message(nursery, tmp_path):
+async def test_sse_sends_the_stored_events_of_a_stream_in_one_body_message(nursery, tmp_path, bodies_expected=1):
     """Through a real router's HTTP app: a finished stream's events, read from the
     start, are one ``http.response.body`` message (one socket write), each event
     framed as SSE, in order — one message an event before (issue 25: sends a task)."""
@@ -72,7 +72,24 @@ async def test_sse_sends_the_stored_events_of_a_stream_in_one_body_message(nurse
         await build_app(env.router)(scope, receive, send)
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200, sent[0]
     bodies = [m["body"] for m in sent[1:] if m.get("body")]
-    assert len(bodies) == 1, [len(b) for b in bodies]
-    blocks = [b for b in bodies[0].decode().split("\n\n") if b]
+    if bodies_expected is not None:
+        assert len(bodies) == bodies_expected, [len(b) for b in bodies]
+    else:  # cut at SSE_CHUNK_BYTES: each chunk ends with a whole event, and past the bound only by its last one
+        from atp_router.runtime.ingress.http_api import SSE_CHUNK_BYTES
+
+        assert len(bodies) > 1 and all(b.endswith(b"\n\n") for b in bodies)
+        for b in bodies:
+            events = [e + b"\n\n" for e in b.split(b"\n\n") if e]
+            assert b"".join(events) == b and sum(map(len, events[:-1])) < SSE_CHUNK_BYTES
+    blocks = [b for b in b"".join(bodies).decode().split("\n\n") if b]
     assert [int(b.splitlines()[0][4:]) for b in blocks] == list(range(1, len(types) + 1))
     assert [b.splitlines()[1][7:] for b in blocks] == types
+
+
+async def test_a_batch_of_large_events_is_cut_into_bounded_chunks(nursery, tmp_path, monkeypatch):
+    """The same read with SSE_CHUNK_BYTES small: several body messages, each
+    cut at an event's end once past the bound, together every event once."""
+    import atp_router.runtime.ingress.http_api as http_api
+
+    monkeypatch.setattr(http_api, "SSE_CHUNK_BYTES", 200)
+    await test_sse_sends_the_stored_events_of_a_stream_in_one_body_message(nursery, tmp_path, bodies_expected=None)

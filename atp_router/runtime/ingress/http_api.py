@@ -174,7 +174,11 @@ from atp_router.wire.codec import FrameCodec
 from atp_router.wire.errors import ATPError, ErrorCode
 from atp_router.wire.frame import Frame, RouteUpdate
 
-__all__ = ["ROUTES", "build_app", "served_routes"]
+__all__ = ["ROUTES", "SSE_CHUNK_BYTES", "build_app", "served_routes"]
+
+#: An SSE chunk of stored events is cut once it reaches this size (bytes): the events
+#: stored together go out in one write, but a batch of large frames is not one buffer.
+SSE_CHUNK_BYTES = 64 * 1024
 
 def _unknown_stream(sid: str) -> Response:
     # One answer for an id that never existed and an id of another tenant.
@@ -267,11 +271,16 @@ async def stream_events(router: Router, request: Request, identity: Identity) ->
         try:
             async for batch in ctx.log.follow_batches(after):
                 # The frame's JSON is encoded once (the store write) and shared; the events
-                # stored together go in one chunk (one socket write).
-                parts = []
+                # stored together go in one chunk (one socket write) of about SSE_CHUNK_BYTES at most.
+                parts, size = [], 0
                 for ev in batch:
                     parts.append(b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.id, ev.type.encode(), ev.json_bytes()))
-                yield b"".join(parts)
+                    size += len(parts[-1])
+                    if size >= SSE_CHUNK_BYTES:
+                        yield b"".join(parts)
+                        parts, size = [], 0
+                if parts:
+                    yield b"".join(parts)
         finally:
             ctx.detach()
 
