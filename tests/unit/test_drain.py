@@ -3,11 +3,15 @@
 BillingModel, which holds its calls while told to): on SIGTERM the running
 stream finishes with its FINAL, a new stream is refused ``503`` ``EAGENTDOWN``
 with ``Retry-After``, ``/v1/ready`` fails its ``drain`` check, and the process
-exits 0 once nothing runs; a second SIGTERM stops it at once."""
+exits 0 once nothing runs; a second SIGTERM stops it at once. Once the stop is
+under way, a further signal is ignored (``stop_signal_receiver``), also in the
+interpreter's last moments, on a plain Python process that stops as the router does."""
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -148,3 +152,48 @@ async def test_workers_drain_behind_their_supervisor(nursery, tmp_path):
     finally:
         model.hold.set()
         proc.stop()
+
+
+#: A process that stops as a router does (``stop_signal_receiver``: the first
+#: SIGTERM received in the block), then meets one more SIGTERM where ``WHEN`` says.
+_STOPPING = """
+import os, signal, trio
+from trio._signals import get_pending_signal_count  # trio's helper for tests
+from atp_router.runtime.controlplane.drain import stop_signal_receiver
+
+async def main():
+    with stop_signal_receiver() as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        async for _ in signals:
+            break
+        if WHEN == "as the block is left":  # received by trio, not taken: re-delivered when the block is left
+            os.kill(os.getpid(), signal.SIGTERM)
+            with trio.fail_after(60):
+                while not get_pending_signal_count(signals):
+                    await trio.sleep(0.01)
+
+class LastWords:
+    def __del__(self, kill=os.kill, pid=os.getpid(), write=os.write):
+        if WHEN == "in the finalization":  # module teardown: after Python reset its signal handlers
+            kill(pid, signal.SIGTERM)
+        write(1, b"finalized\\n")
+
+last_words = LastWords()
+trio.run(main)
+"""
+
+
+def _stopping(when: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", f"WHEN = {when!r}\n" + _STOPPING], capture_output=True, text=True,
+                          check=False, timeout=120, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_a_signal_that_comes_as_the_stop_block_is_left_is_ignored():
+    r = _stopping("as the block is left")
+    assert (r.returncode, r.stdout) == (0, "finalized\n"), r
+    assert "already stopping; signal 15 ignored" in r.stderr, r.stderr
+
+
+def test_a_signal_during_the_interpreters_finalization_is_ignored():
+    r = _stopping("in the finalization")
+    assert (r.returncode, r.stdout) == (0, "finalized\n"), r
