@@ -104,7 +104,6 @@ import importlib
 import ipaddress
 import logging
 import os
-import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -130,7 +129,7 @@ from atp_router.observability import logs, tracing
 from atp_router.policy.check import policy_main
 from atp_router.runtime.admin.taskpath import routes_main
 from atp_router.runtime.config import RouterConfig, build_authenticator
-from atp_router.runtime.controlplane.drain import drain, stopping_signals
+from atp_router.runtime.controlplane.drain import drain, stop_signal_receiver
 from atp_router.runtime.dataplane.opening import DEFAULT_STAGES, describe
 from atp_router.runtime.ingress.http_api import build_app
 from atp_router.runtime.ingress.ws import serve_ws
@@ -634,8 +633,9 @@ def _serve_main(config: RouterConfig) -> int:
                 return
             http, ws = ("https", "wss") if config.tls is not None else ("http", "ws")
             owner = router.streams.persistence.owner  # a router on a shared store names itself (its streams' owner)
-            # The handler is in place before "listening": a supervisor's SIGTERM right after it is a clean stop.
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            # The handler is in place before "listening": a supervisor's SIGTERM right after it is a clean stop;
+            # once the block is left, a later signal is ignored: the shutdown is not cut by it.
+            with stop_signal_receiver() as signals:
                 print(f"atp-router listening {http}://{config.host}:{http_port} {ws}://{config.host}:{ws_port} "
                       f"(RIB generation {router.gen.version}: {', '.join(router.rib_summary()['agents'])})"
                       + (f" router={owner}" if owner else ""), flush=True)
@@ -645,7 +645,6 @@ def _serve_main(config: RouterConfig) -> int:
                 why = await drain(router.drain, lambda: router.open_count, config.drain_s, signals)
                 logging.getLogger("atp_router.deploy").warning("stopping: %s", why)
                 nursery.cancel_scope.cancel()
-            stopping_signals()  # the shutdown below is not cut by a later signal
 
     trio.run(main_async)
     if refused is not None:

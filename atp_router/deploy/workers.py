@@ -131,7 +131,7 @@ from atp_router.observability.metrics import RouterMetrics
 from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.controlplane import shared_state
 from atp_router.runtime.controlplane.control import BODY_SOURCE
-from atp_router.runtime.controlplane.drain import drain, stopping_signals
+from atp_router.runtime.controlplane.drain import drain, stop_signal_receiver
 from atp_router.runtime.dataplane.opening import DEFAULT_STAGES
 from atp_router.runtime.dataplane.quotas import SharedQuotas, with_shared_quotas
 from atp_router.runtime.deployment import StateParts, SynGate
@@ -753,7 +753,7 @@ async def _serve_worker(config: RouterConfig, spec: WorkerSpec, router: Router, 
                                                              task_status=task_status))
             importlib.import_module("anyio._backends._trio")
             gc.freeze()
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            with stop_signal_receiver() as signals:  # a later signal: ignored, the shutdown not cut by it
                 report("ready")  # after the handler: a SIGTERM right after "ready" is a clean stop
                 async for _ in signals:
                     break
@@ -765,7 +765,6 @@ async def _serve_worker(config: RouterConfig, spec: WorkerSpec, router: Router, 
                 why = await drain(router.drain, lambda: router.open_count + store.open_stream_count(),
                                   config.drain_s, signals)
                 log.warning("worker %d stopping: %s", spec.slot, why)
-            stopping_signals()  # the shutdown below is not cut by a later signal
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
@@ -923,7 +922,8 @@ class _Supervisor:
                 c = self.config
                 http_scheme, ws_scheme = ("https", "wss") if c.tls is not None else ("http", "ws")
                 host = c.host if ":" not in c.host else f"[{c.host}]"
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                # After the block, a later signal is ignored: settling the workers and closing the store are not cut.
+                with stop_signal_receiver() as signals:
                     print(f"atp-router listening {http_scheme}://{host}:{self.http.getsockname()[1]} "
                           f"{ws_scheme}://{host}:{self.ws.getsockname()[1]} (RIB generation {summary['version']}: "
                           f"{', '.join(summary['agents'])}) workers={self.n}", flush=True)
@@ -931,7 +931,6 @@ class _Supervisor:
                         break
                     self._stop()  # the workers drain (--drain-s); a second signal is passed on: they stop at once
                     await self._await_workers(c.drain_s + STOP_GRACE_S, signals)
-                stopping_signals()  # settling the workers and closing the store are not cut by a later signal
             _signal_all(self.slots, signal.SIGKILL)
 
     async def _await_workers(self, seconds: float, signals: AsyncIterator[int] | None) -> None:

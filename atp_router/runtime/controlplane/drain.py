@@ -16,10 +16,13 @@ stop, its reservation kept for recovery.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import trio
 
@@ -30,7 +33,7 @@ from atp_router.task.meta import TaskMeta
 from atp_router.wire.errors import ErrorCode
 from atp_router.wire.frame import Frame
 
-__all__ = ["DRAIN_RETRY_AFTER_MS", "DrainGate", "drain", "stopping_signals"]
+__all__ = ["DRAIN_RETRY_AFTER_MS", "STOP_SIGNALS", "DrainGate", "drain", "stop_signal_receiver"]
 
 log = logging.getLogger("atp_router.drain")
 #: How often :func:`drain` looks at the open-stream count, s.
@@ -102,14 +105,43 @@ async def drain(gate: DrainGate, open_count: Callable[[], int], seconds: float,
     return f"{why}; {open_count()} streams still running"
 
 
-def stopping_signals() -> None:
-    """Once a stop is under way (the drain over, the shutdown running): a further
-    SIGTERM or SIGINT is noted on stderr and ignored, so the shutdown — the
-    store's last checkpoint, the workers' settlement — ends with status 0
-    instead of being cut by the signal's default action (SIGKILL still stops
-    at once). Call from the main thread after the signal receiver's block."""
-    def noted(signum: int, _frame: object) -> None:
-        os.write(2, b"atp-router: already stopping; signal %d ignored (SIGKILL stops at once)\n" % signum)
+#: The signals that stop a router process: the first drains, a second stops at once.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, noted)
+
+@contextlib.contextmanager
+def stop_signal_receiver() -> Iterator[AsyncIterator[int]]:
+    """``trio.open_signal_receiver(SIGINT, SIGTERM)`` for a router process's stop
+    (the single router, a ``--workers`` worker and their supervisor): the block
+    receives the stop signal and, while :func:`drain` runs, a second one. Once the
+    block is left — the stop under way: the store's last checkpoint, the workers'
+    settlement, the interpreter's exit — a further SIGTERM or SIGINT is noted on
+    stderr and ignored, so the process ends with its own status instead of being
+    cut by the signal's default action (status -15). That covers a signal that
+    came as the block was left (trio re-delivers it to the handler it restores:
+    the noting one installed here before the block, not the default action) and
+    one during the interpreter's finalization (Python resets a Python-level
+    handler to the default action there: an ``atexit`` hook ignores both signals
+    first). SIGKILL still stops at once. Main thread, inside ``trio.run``."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _noted)
+    _ignore_at_exit()
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        yield signals
+
+
+def _noted(signum: int, _frame: object) -> None:
+    os.write(2, b"atp-router: already stopping; signal %d ignored (SIGKILL stops at once)\n" % signum)
+
+
+def _ignore() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+@functools.cache
+def _ignore_at_exit() -> None:
+    """Register (once) the ``atexit`` hook that ignores :data:`STOP_SIGNALS`:
+    SIG_IGN, which the interpreter's finalization keeps (it resets handlers
+    written in Python to the default action)."""
+    atexit.register(_ignore)
