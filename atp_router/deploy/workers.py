@@ -20,7 +20,8 @@ frames, SSE and next-hop calls). With ``--workers N`` a **supervisor** process:
    committed at their reserved amount and its stream accounts closed (the
    crash rule: a budget never comes back), its open streams end with an RST
    saying they were interrupted (spec §8) — the others keep serving;
-5. on SIGINT/SIGTERM stops the workers (SIGTERM, then SIGKILL after 10 s),
+5. on SIGINT/SIGTERM stops the workers (SIGTERM: each drains up to ``--drain-s``;
+   SIGKILL after that plus :data:`STOP_GRACE_S`; a second signal is passed on: they stop at once),
    settles them and exits 0. Workers stop when it is gone (they watch their
    parent) and hold its inherited lock, so no second router starts on the
    directory while one of them lives.
@@ -160,7 +161,7 @@ WORKER_INTERRUPTED = ("interrupted: the router worker running the stream stopped
                       "open a new stream (new idempotency_key) to run it again")
 #: How often the supervisor copies the workers' WAL back into the database, s.
 CHECKPOINT_S = 0.5
-#: SIGTERM → SIGKILL grace for a worker at shutdown, s.
+#: SIGTERM → SIGKILL grace for a worker at shutdown beyond its drain (``drain_s``), s.
 STOP_GRACE_S = 10.0
 #: A worker that ran less than this before dying is restarted after a backoff, s.
 _QUICK_DEATH_S = 5.0
