@@ -534,12 +534,20 @@ class ClusterLedger(SharedBudgetLedger):
         Raises :class:`~atp_router.store.base.StoreError`."""
         acct = self._get(key)
         lease = self._lease_of(acct)
-        if lease is None or lease.id is None or lease.busy or lease.free == (0, 0):
+        if (lease is None or lease.id is None or lease.busy or lease.take is not None or lease.returning
+                or lease.free == (0, 0)):
             return False
         ft, fu = lease.free
         lease.aim = (0, 0)
-        _, t, u, out = self.shared.lease_take(self._skeys[lease.parent], lease.id, -ft, -fu,
-                                              owner=self.owner)
+        lease.take = (self.new_request(), -ft, -fu)  # its answer lost: run_leases sends it again by name
+        try:
+            _, t, u, out = self.shared.lease_take(self._skeys[lease.parent], lease.id, -ft, -fu,
+                                                  owner=self.owner, request=lease.take[0])
+        except StoreError as e:
+            if not isinstance(e, StoreUnavailable):
+                lease.take = None
+            raise
+        lease.take = None
         lease.granted(lease.id, t, u)
         self._mirror(out)
         return t < 0 or u < 0
@@ -644,29 +652,44 @@ class ClusterLedger(SharedBudgetLedger):
             now = time.monotonic()
             for key, lease in list(self._leases.items()):
                 want = lease.want()
-                if key not in self._accounts:
+                if lease.take is not None:
+                    await self._grow_lease(key, lease, lease.take[1:])  # its answer was lost: again, by name
+                elif key not in self._accounts:
                     self._leases.pop(key, None)
-                elif (lease.aim == (0, 0) and lease.limited != (False, False)) or lease.idle(now):
+                elif lease.retired or lease.returning or lease.idle(now):
                     await self._return_lease(key, lease)
-                    if key in self._leases and lease.aim == (0, 0) and lease.free != (0, 0) and lease.id is not None:
+                    if (key in self._leases and lease.retired and not lease.returning and lease.free != (0, 0)
+                            and lease.id is not None):
                         await self._grow_lease(key, lease, (-lease.free[0], -lease.free[1]))  # give back what is unused
                 elif want is not None and (lease.id is None or want != (0, 0)):
                     await self._grow_lease(key, lease, want)
 
-    async def _grow_lease(self, key: str, lease: BudgetLease, want: tuple[int, int]) -> None:
+    async def _grow_lease(self, key: str, lease: BudgetLease, want: tuple[int, ...]) -> None:
+        """Take, grow or shrink ``lease`` by ``want`` (tokens, USD micros) in one
+        named store step (:meth:`RedisStore.lease_take
+        <atp_router.store.redis.RedisStore.lease_take>`). Its answer lost (the
+        store unavailable: it may have run, or run late), the step is kept in
+        ``lease.take`` and sent again under the same name by the next round —
+        applied once, its grant learnt — before anything else is done with the
+        slice; no call reserves in it meanwhile."""
+        if lease.take is None:
+            lease.take = (self.new_request(), want[0], want[1])
+        request, wt, wu = lease.take
         lease.busy = True
         try:
             lid, t, u, out = await off_loop(self.shared, functools.partial(
-                self.shared.lease_take, self._skeys[key], lease.id, *want, owner=self.owner))
+                self.shared.lease_take, self._skeys[key], lease.id, wt, wu, owner=self.owner, request=request))
         except StoreError as e:
             if isinstance(e, StoreUnavailable):
                 self._down("lease", e)
             else:
+                lease.take = None
                 log.warning("budget lease on %s: not taken (%s); calls reserve in the store", key, e)
                 self._leases.pop(key, None)
             return
         finally:
             lease.busy = False
+        lease.take = None
         lease.granted(lid, t, u)
         self._mirror(out)
 
@@ -681,9 +704,12 @@ class ClusterLedger(SharedBudgetLedger):
             self._mirror(await off_loop(self.shared, self.shared.release_shared, back))
         except StoreUnavailable as e:
             self._down("lease", e)
-            self._leases[key] = lease  # returned on the next try (or by the settling of this router)
+            # Returned on the next try (or by the settling of this router); it may have been
+            # released already (the answer lost): no call reserves in it from now on.
+            lease.returning = True
+            self._leases[key] = lease
         except NotFound:
-            pass  # settled by another router meanwhile
+            pass  # released by a first try whose answer was lost, or settled by another router meanwhile
 
     def _mirror(self, out: SharedResult) -> None:
         """:meth:`SharedBudgetLedger._mirror`, as this router sees it: what its
@@ -1128,7 +1154,7 @@ class RecordingAccounts(SharedAccounts, Protocol):
     def close_shared_if_open(self, key: str) -> None: ...
 
     def lease_take(self, parent: str, lease_id: int | None, tokens: int, usd_micros: int, *,
-                   owner: str) -> tuple[int, int, int, SharedResult]: ...
+                   owner: str, request: str = "") -> tuple[int, int, int, SharedResult]: ...
 
     def lease_settle(self, lease: Reservation, room: tuple[int | None, int | None], tokens: int, usd_micros: int,
                      *, request: str, recommit: bool = False, record: CallRecord | None = None,

@@ -75,6 +75,13 @@ class BudgetLease:
     aim: tuple[int, int] = (0, 0)
     #: A take or a return is in flight (no other is started).
     busy: bool = False
+    #: A take sent and not answered yet, or whose answer was lost (the store timed out: it
+    #: may have run, or run late): (its request name, tokens, USD micros), sent again under
+    #: that name — applied once — before anything else is done with the slice. No call
+    #: reserves in the slice meanwhile (what the store holds is not known).
+    take: tuple[str, int, int] | None = None
+    #: A return sent whose answer was lost: sent again; no call reserves in the slice.
+    returning: bool = False
     #: When a call last reserved in it (the caller's monotonic clock, s).
     used_at: float = 0.0
 
@@ -85,11 +92,17 @@ class BudgetLease:
 
     def covers(self, tokens: int, usd_micros: int) -> bool:
         """Whether a call of ``tokens`` / ``usd_micros`` fits in what is free
-        (never while a store step on the slice is in flight, nor once retired)."""
+        (never while a store step on the slice is in flight or unanswered, nor
+        once retired)."""
         ft, fu = self.free
-        retired = self.aim == (0, 0) and self.limited != (False, False)
-        return (self.id is not None and not self.busy and not retired
+        return (self.id is not None and not self.busy and not self.retired and self.take is None
+                and not self.returning
                 and (not self.limited[0] or tokens <= ft) and (not self.limited[1] or usd_micros <= fu))
+
+    @property
+    def retired(self) -> bool:
+        """No longer worth it (the tenant near its limit, aim 0): to be returned."""
+        return self.aim == (0, 0) and self.limited != (False, False)
 
     def carve(self, tokens: int, usd_micros: int, now: float) -> None:
         """Hold a call's reservation inside the slice (:meth:`covers` first)."""
@@ -141,8 +154,8 @@ class BudgetLease:
 
     def want(self) -> tuple[int, int] | None:
         """What to ask the store for now (per axis, up to the aim), or None:
-        nothing while a step is in flight or more than half the aim is free."""
-        if self.busy:
+        nothing while a step is in flight or unanswered, or more than half the aim is free."""
+        if self.busy or self.take is not None or self.returning:
             return None
         ft, fu = self.free
         low = any(lim and f * 2 < a for lim, f, a in zip(self.limited, (ft, fu), self.aim, strict=True))
@@ -158,5 +171,5 @@ class BudgetLease:
 
     def idle(self, now: float) -> bool:
         """Whether the slice is unused (no open call in it) for :data:`LEASE_IDLE_S`."""
-        return (self.id is not None and not self.busy and self.alloc_t == 0 and self.alloc_u == 0
-                and now - self.used_at >= LEASE_IDLE_S)
+        return (self.id is not None and not self.busy and self.take is None and self.alloc_t == 0
+                and self.alloc_u == 0 and now - self.used_at >= LEASE_IDLE_S)

@@ -509,11 +509,21 @@ return 1
     # ------------------------------------------------ budget leases (issue 22 item 2)
     # A router's slice of a tenant's remaining budget: a reservation (r:<id>, owner w) on the
     # stream's parent account, so a lost router's slice is released with its reservations.
-    # A: parent key, lease id ('' a new one), want t, want u, owner
+    # A: parent key, lease id ('' a new one), want t, want u, owner, request ('' none), request ttl ms
     #   -> {id, granted t, granted u, chain}: the slice grown by min(want, the chain's free room), or
-    #   shrunk by -want (a negative want, at most what it holds: given back)
+    #   shrunk by -want (a negative want, at most what it holds: given back). Named: a take sent
+    #   again under its request (its answer was lost) returns what the first one did, applied once.
     "lease_take": (_LEDGER, """
-local key, id, owner = A[1], A[2], A[5]
+local key, id, owner, q = A[1], A[2], A[5], A[6]
+local qk = P .. 'rq:' .. q
+if q ~= '' then
+  local done = redis.call('GET', qk)
+  if done then
+    local did, dt, du = string.match(done, '^L(%d+)|(-?%d+)|(-?%d+)$')
+    if not did then return redis.error_reply('ATPCANCELLED lease take ' .. q .. ' is not a lease take') end
+    return {tonumber(did), tonumber(dt), tonumber(du), encode(chain(key))}
+  end
+end
 local rows = chain(key)
 if #rows == 0 or not rows[1][10] then return nf('acct', key) end
 local room_t, room_u = INF, INF
@@ -539,6 +549,7 @@ else
   redis.call('SADD', P .. 'owners', owner)
 end
 move(rows, 0, 0, 0, 0, t, u)
+if q ~= '' then redis.call('SET', qk, 'L' .. id .. '|' .. I(t) .. '|' .. I(u), 'PX', A[7]) end
 return {tonumber(id), t, u, encode(rows)}
 """),
     # The commit of a call reserved in a lease (no reservation of its own in the store).

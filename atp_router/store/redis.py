@@ -737,15 +737,18 @@ class RedisStore(Store):
 
     # ------------------------------------------------- budget leases
     def lease_take(self, parent: str, lease_id: int | None, tokens: int, usd_micros: int, *,
-                   owner: str) -> tuple[int, int, int, SharedResult]:
+                   owner: str, request: str = "") -> tuple[int, int, int, SharedResult]:
         """Take (``lease_id`` None) or grow a **budget lease** (issue 22 item 2):
         ``owner``'s slice of account ``parent``'s remaining budget, held in the
         store as a reservation of ``owner`` on ``parent`` (so the settling of a
         lost router releases it with its other reservations). Grows it by
         ``min(want, the chain's free room)`` per axis (tokens, USD micros; a
         negative amount shrinks it by as much, at most what it holds), in
-        one script carrying the fencing token and a deadline. Returns ``(lease
-        id, granted tokens, granted usd_micros, parent's chain)``. Raises
+        one script carrying the fencing token and a deadline, named ``request``
+        (sent again under the same name after its answer was lost, it returns
+        what the first one granted — applied once, whichever Redis ran first).
+        Returns ``(lease id, granted tokens, granted usd_micros, parent's
+        chain)``. Raises
         :class:`~atp_router.store.base.NotFound` (``parent`` not open, or the
         lease gone: settled by another router), ``Fenced``,
         :class:`~atp_router.store.base.StoreUnavailable`, ``StoreError``."""
@@ -754,7 +757,7 @@ class RedisStore(Store):
         if lease_id is None and (tokens < 0 or usd_micros < 0):
             raise ValueError("a new lease cannot be taken with a negative amount")
         got = self._run("lease_take", parent, "" if lease_id is None else lease_id, _amount(tokens),
-                        _amount(usd_micros), owner)
+                        _amount(usd_micros), owner, request, REQUEST_TTL_MS)
         lid, t, u, raw = got
         return int(lid), int(t), int(u), SharedResult(totals=_totals(_rows(raw)))
 

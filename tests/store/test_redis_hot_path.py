@@ -25,7 +25,13 @@ from atp_router.flow.budget import (
 from atp_router.flow.quota import QuotaAsk
 from atp_router.observability.metrics import RouterMetrics
 from atp_router.runtime.dataplane.quotas import LEARN_SLICE_S, SharedQuotas
-from atp_router.store import Fenced, NotFound, StoreUnavailable, StreamRecord
+from atp_router.store import (
+    Fenced,
+    NotFound,
+    StoreError,
+    StoreUnavailable,
+    StreamRecord,
+)
 from atp_router.store.redis import RedisStore
 from tests.peers import start_redis
 
@@ -226,6 +232,31 @@ def test_budget_leases_never_hold_more_than_the_limit_and_a_lost_routers_slice_i
         store.fence_owner("r.a")
         assert [r.id for r in store.release_owned("r.a")] == [lid_a]
         assert _reserved(store) == 500
+
+
+def test_a_lease_take_sent_again_by_name_is_applied_once():
+    """A take, a growth and a give-back whose answers were lost are sent again
+    under their names: each returns what the first attempt granted, and the
+    slice (one reservation) holds what was applied once."""
+    with start_redis() as server:
+        store = _lease_store(server)
+        first = store.lease_take("client:alice", None, 300, 0, owner="r.a", request="t1")
+        assert store.lease_take("client:alice", None, 300, 0, owner="r.a", request="t1")[:3] == first[:3]
+        lid = first[0]
+        assert first[1:3] == (300, 0) and _reserved(store) == 300
+        for _ in range(2):
+            assert store.lease_take("client:alice", lid, 200, 0, owner="r.a", request="t2")[:3] == (lid, 200, 0)
+        assert _reserved(store) == 500
+        for _ in range(2):
+            assert store.lease_take("client:alice", lid, -100, 0, owner="r.a", request="t3")[:3] == (lid, -100, 0)
+        assert _reserved(store) == 400
+        assert [(r.id, r.tokens) for r in store.load_ledger().reservations] == [(lid, 400)]
+        # A name another step used (a reserve's) is not taken for a lease's.
+        store.open_shared("stream:s@r.a", "client:alice", Allowance(), owner="r.a")
+        store.reserve_shared("stream:s@r.a", 10, 0, owner="r.a", request="q9")
+        with pytest.raises(StoreError, match="not a lease take"):
+            store.lease_take("client:alice", lid, 10, 0, owner="r.a", request="q9")
+        assert _reserved(store) == 410
 
 
 def test_a_commit_inside_a_lease_charges_once_by_name_and_a_fenced_one_is_refused():
