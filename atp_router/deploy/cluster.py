@@ -589,13 +589,15 @@ class ClusterLedger(SharedBudgetLedger):
         stored = Reservation(id=lease.id or 0, key=self._skeys[reservation.key], tokens=cap[0], usd_micros=cap[1])
         request = self.new_request()
         if self._kill_after_commit or not lease.certain(held, usage):
-            # The store decides, like any commit, on the call's own reservation (cap = held); the
-            # FINAL waits for it. (The fault hook kills right after a commit, before the FINAL exists.)
-            stored = Reservation(id=lease.id or 0, key=self._skeys[reservation.key], tokens=held[0],
-                                 usd_micros=held[1])
+            # The store decides, like any commit, on the call's reservation and all that the slice
+            # has free (cap: held for it until answered, so near the limit no slice keeps budget a
+            # call's usage could have been charged); the FINAL waits for it. (The fault hook kills
+            # right after a commit, before the FINAL exists.)
+            lease.hold_for(held, cap)
             pending = (reservation.id, PendingCharge())
             self._pending[reservation.id] = pending[1]
-            self._queue(_Settle(stored, usage, acct, request, record, pending, lease=_LeaseCall(lease, held, room)))
+            self._queue(_Settle(stored, usage, acct, request, record, pending,
+                                lease=_LeaseCall(lease, held, room, cap)))
             return _certain(reservation, usage)
         ct = usage[0] if room[0] is None else max(0, min(usage[0], room[0]))
         cu = usage[1] if room[1] is None else max(0, min(usage[1], room[1]))
@@ -735,15 +737,18 @@ class ClusterLedger(SharedBudgetLedger):
     def _lease_answered(self, st: _Settle, charge: Charge | None) -> None:
         """A queued commit of a call reserved inside a lease answered (after its
         chain was mirrored): its reservation leaves the lease, the part of the
-        charge it covered leaves the lease's hold."""
+        charge it covered leaves the lease's hold (what it held there: its
+        reservation and the slice's free part held for it, ``cap``)."""
         lc = st.lease
         if lc is None or lc.held is None:
             return
-        r = lc.held
+        r, c = lc.held, lc.cap
         got = (0, 0) if charge is None else (charge.tokens, charge.usd_micros)
-        lc.lease.settle(r, r, got)
+        lc.lease.settle(c, c, got)
         self._local_hold(st.acct, -r[0], -r[1])
-        kept = (min(got[0], r[0]) if lc.lease.limited[0] else 0, min(got[1], r[1]) if lc.lease.limited[1] else 0)
+        # Seen on the ancestors: the slice's free part changed by c - min(got, c), the call's r left.
+        lim = lc.lease.limited
+        kept = (min(got[0], c[0]) - c[0] + r[0] if lim[0] else 0, min(got[1], c[1]) - c[1] + r[1] if lim[1] else 0)
         for a in st.acct.chain[1:]:
             a.reserved_tokens += kept[0]
             a.reserved_usd += kept[1]
@@ -1120,12 +1125,15 @@ class _Settle:
 @dataclass(slots=True, eq=False)
 class _LeaseCall:
     """A queued commit of a call reserved inside ``lease``: what it ``held`` there
-    (None: the lease's books were settled when it was sent, a certain charge) and
-    the router's room on its stream account (None: unbounded), per axis."""
+    (None: the lease's books were settled when it was sent, a certain charge),
+    the router's room on its stream account (None: unbounded) and the most the
+    slice may give it (``cap``: its reservation and the slice's free part, held
+    for it until answered), per axis."""
 
     lease: BudgetLease
     held: tuple[int, int] | None
     room: tuple[int | None, int | None]
+    cap: tuple[int, int] = (0, 0)
 
 
 def _certain(r: Reservation, usage: tuple[int, int]) -> Charge:

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis as redis_py
 import trio
 
 from atp_router.deploy.cluster import KILL_AFTER_COMMIT_ENV, ClusterLedger
@@ -58,23 +57,13 @@ from tests.scale.common import (
     TASK,
     TOKENS,
     auth,
+    held,
+    leases_only,
     summarize_rib,
 )
 from tests.unit.test_router_ws import WINDOW, connect
 
 LEASE_MS = 1_500
-
-#: The reserved tokens on ``client:<tenant>`` and every open reservation (account, tokens,
-#: owner), read in one script (atomic: a router's take or return of a slice between two
-#: reads would look like a leak). KEYS: the store's prefix; ARGV: the tenant's account key.
-_HELD_LUA = """
-local out = {redis.call('HGET', KEYS[1] .. 'a:' .. ARGV[1], 'rt') or '0'}
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1] .. 'rs', 0, -1)) do
-  local h = redis.call('HMGET', KEYS[1] .. 'r:' .. id, 'a', 't', 'w')
-  if h[1] then out[#out + 1] = {h[1], h[2], h[3] or ''} end
-end
-return out
-"""
 
 
 class Cluster:
@@ -101,26 +90,15 @@ class Cluster:
         return t.committed_tokens, t.reserved_tokens, t.overage_tokens
 
     def held(self, tenant: str) -> tuple[int, list[tuple[str, int, str]]]:
-        """The tokens ``client:<tenant>`` holds reserved and every open
-        reservation in the store (account, tokens, owner), read at one instant."""
-        raw = redis_py.Redis.from_url(self.redis.url, socket_timeout=10.0)
-        try:
-            reserved, *held = raw.eval(_HELD_LUA, 1, self.store.namespace + ":", f"client:{tenant}")
-        finally:
-            raw.close()
-        return int(reserved), [(a.decode(), int(t), w.decode()) for a, t, w in held]
+        """:func:`tests.scale.common.held` of this cluster's store."""
+        return held(self.redis.url, tenant, self.store.namespace)
 
-    def slices(self, tenant: str, owners: set[str] | None = None) -> int:
-        """The tokens ``client:<tenant>`` holds reserved, checked to be exactly
-        budget leases (issue 22 item 2: reservations on the tenant's own account)
-        of ``owners`` (None: the routers whose process runs) — a call's
-        reservation left over on a stream account, or a slice of a router that
-        is gone, fails here."""
+    def slices(self, tenant: str, owners: set[str | None] | None = None) -> int:
+        """:func:`tests.scale.common.leases_only` of ``owners`` (None: the routers
+        whose process runs) — a call's reservation left over, or a slice of a
+        router that is gone, fails here."""
         live = {r.owner for r in self.routers if r.proc.poll() is None} if owners is None else owners
-        reserved, held = self.held(tenant)
-        mine = [h for h in held if h[0] == f"client:{tenant}"]
-        assert int(reserved) == sum(t for _, t, _ in mine) and {w for _, _, w in mine} <= live, (reserved, held, live)
-        return int(reserved)
+        return leases_only(self.redis.url, tenant, live, self.store.namespace)
 
     async def settled(self, tenant: str, committed: int, timeout: float = 10 * LEASE_IDLE_S) -> None:
         """``tenant``'s calls are over: ``committed`` tokens charged, what stays
