@@ -88,10 +88,18 @@ quota entry's removal and its budget account's close (:meth:`ClusterLedger.close
 — and the store's polls (lost routers, RIB, breakers, learning, expiry) run in
 store threads (:mod:`atp_router.store.threads`); while the store is down the loop's
 own calls fail at once and only those threads probe it (:meth:`RedisStore.probe_off
-<atp_router.store.redis.RedisStore.probe_off>`). Still on the loop, one round trip
-each: a SYN's **atomic OPEN** (its quota entry and stream account in one script,
-:meth:`ClusterLedger.open_admitted`), a call's reservation, a learning slice — the
-sans-IO admission and SYN stages call them synchronously.
+<atp_router.store.redis.RedisStore.probe_off>`). **Budget leases**
+(:mod:`atp_router.flow.lease`): a router takes a slice of a tenant's remaining
+budget (a reservation of its own on ``client:<tenant>``, taken and refilled by
+:meth:`ClusterLedger.run_leases` off the loop, returned when idle, released with
+its other reservations when it is settled) and reserves its calls inside it
+without a round trip; a call whose usage the slice covers has its charge known
+at once, so its commit goes in the group commit of its FINAL, before it. Still
+on the loop, one round trip each: a SYN's **atomic OPEN** (its quota entry and
+stream account in one script, :meth:`ClusterLedger.open_admitted`), a call's
+reservation when no slice covers it (near the tenant's limit slices are not
+used: exact as before), a learning slice — the sans-IO admission and SYN
+stages call them synchronously.
 
 **Fail closed**: when the store cannot be reached
 (:class:`~atp_router.store.base.StoreUnavailable`) no new spend is allowed — a stream
@@ -147,7 +155,10 @@ from atp_router.flow.budget import (
     SharedResult,
     StoredCall,
     _Account,
+    _check_amounts,
+    refusal,
 )
+from atp_router.flow.lease import BudgetLease, lease_aim
 from atp_router.flow.quota import QuotaAsk, QuotaGrant
 from atp_router.observability.metrics import RouterMetrics
 from atp_router.runtime.config import RouterConfig
@@ -341,6 +352,19 @@ class ClusterLedger(SharedBudgetLedger):
         self._closing: set[str] = set()
         #: Accounts closed in the store at their stream's close, kept here until :meth:`close`.
         self._closed_early: set[str] = set()
+        #: Budget leases (atp_router.flow.lease), by the local key of the account they slice.
+        self._leases: dict[str, BudgetLease] = {}
+        #: Calls reserved inside a lease (local ids, negative) -> their lease.
+        self._carved: dict[int, BudgetLease] = {}
+        #: What calls reserved inside leases hold on each stream account, (tokens, USD micros).
+        self._carved_on: dict[str, list[int]] = {}
+        #: Lease commits sent in a group commit and not yet over, by lease (no return before).
+        self._lease_inflight: dict[int, int] = {}
+        self._next_carve = 0
+        #: Set to wake :meth:`run_leases` (a take or a return is due).
+        self._lease_wake = trio.Event()
+        #: How many routers share the store (a slice's size divides by it): set by the node.
+        self.routers: Callable[[], int] = lambda: 1
 
     def attach(self, reservation: Reservation, record: CallRecord) -> None:
         """Store ``record`` (the answer ``reservation``'s call gave) in the same
@@ -448,6 +472,287 @@ class ClusterLedger(SharedBudgetLedger):
         else:
             self._closing.discard(skey)
 
+    # ------------------------------------------------------------ budget leases
+    def _lease_of(self, acct: _Account) -> BudgetLease | None:
+        return None if acct.parent is None else self._leases.get(acct.parent.key)
+
+    def _local_hold(self, acct: _Account, tokens: int, usd_micros: int) -> None:
+        """A call inside a lease holds (or gives back) ``tokens`` / ``usd_micros``
+        on ``acct``'s chain as this router sees it (the store holds it in the lease)."""
+        for a in acct.chain:
+            a.reserved_tokens += tokens
+            a.reserved_usd += usd_micros
+        on = self._carved_on.setdefault(acct.key, [0, 0])
+        on[0] += tokens
+        on[1] += usd_micros
+        if on == [0, 0]:
+            del self._carved_on[acct.key]
+
+    def _reserve_in_lease(self, key: str, tokens: int, usd_micros: int) -> Reservation | None:
+        """A call's reservation inside its tenant's lease (no store round trip),
+        or None: reserve in the store (and a lease is asked for when worth it)."""
+        acct = self._get(key)
+        lease = self._lease_of(acct)
+        fits = tokens <= acct.free_tokens() and usd_micros <= acct.free_usd()  # the stream's own account
+        if lease is None or not fits or not lease.covers(tokens, usd_micros):
+            self._want_lease(acct, tokens, usd_micros)
+            return None
+        lease.carve(tokens, usd_micros, time.monotonic())
+        self._next_carve -= 1
+        r = Reservation(id=self._next_carve, key=key, tokens=tokens, usd_micros=usd_micros)
+        self._local_hold(acct, tokens, usd_micros)
+        acct.open += 1
+        self._open[r.id] = r
+        self._carved[r.id] = lease
+        if lease.want() is not None:
+            self._lease_wake.set()
+        return r
+
+    def _want_lease(self, acct: _Account, tokens: int, usd_micros: int) -> None:
+        """Size (or retire) the lease of ``acct``'s parent from what is free
+        along its chain, as last seen, and wake :meth:`run_leases` when a step is due."""
+        if acct.parent is None or self._wake is None:
+            return  # a root's own spend, or no committer running (no group commit to settle in)
+        up = acct.parent
+        free = (min(a.free_tokens() for a in up.chain), min(a.free_usd() for a in up.chain))
+        lease = self._leases.get(up.key)
+        aim = lease_aim(free, self.routers(), (tokens, usd_micros))
+        if lease is None:
+            if aim is None:
+                return
+            limited = (any(a.limit_tokens is not None for a in up.chain),
+                       any(a.limit_usd is not None for a in up.chain))
+            lease = self._leases[up.key] = BudgetLease(up.key, limited, used_at=time.monotonic())
+        lease.aim = aim if aim is not None else (0, 0)
+        if aim is None or lease.want() is not None:
+            self._lease_wake.set()
+
+    def _give_back(self, key: str) -> bool:
+        """Give the unused part of the lease over ``key``'s parent back to the
+        tenant now (a store reserve was refused while it held some: the tenant
+        is near its limit) and retire the lease. True when something went back.
+        Raises :class:`~atp_router.store.base.StoreError`."""
+        acct = self._get(key)
+        lease = self._lease_of(acct)
+        if (lease is None or lease.id is None or lease.busy or lease.take is not None or lease.returning
+                or lease.free == (0, 0)):
+            return False
+        ft, fu = lease.free
+        lease.aim = (0, 0)
+        lease.take = (self.new_request(), -ft, -fu)  # its answer lost: run_leases sends it again by name
+        try:
+            _, t, u, out = self.shared.lease_take(self._skeys[lease.parent], lease.id, -ft, -fu,
+                                                  owner=self.owner, request=lease.take[0])
+        except StoreError as e:
+            if not isinstance(e, StoreUnavailable):
+                lease.take = None
+            raise
+        lease.take = None
+        lease.granted(lease.id, t, u)
+        self._mirror(out)
+        return t < 0 or u < 0
+
+    def _extend_in_lease(self, reservation: Reservation, tokens: int, usd_micros: int) -> Reservation | Refusal:
+        _check_amounts(tokens, usd_micros)
+        if self._open.get(reservation.id) != reservation:
+            raise ValueError(f"reservation {reservation.id} on {reservation.key!r} is not open")
+        lease, acct = self._carved[reservation.id], self._get(reservation.key)
+        if not (tokens <= acct.free_tokens() and usd_micros <= acct.free_usd() and lease.covers(tokens, usd_micros)):
+            ft, fu = lease.free
+            left = Allowance(tokens=max(0, min(ft, int(min(acct.free_tokens(), ft)))) if lease.limited[0] else None,
+                             usd_micros=max(0, fu) if lease.limited[1] else None)
+            return refusal(reservation.key, f"extend by {tokens} tokens / {usd_micros} usd_micros on "
+                           f"{reservation.key!r}", left)
+        lease.carve(tokens, usd_micros, time.monotonic())
+        self._local_hold(acct, tokens, usd_micros)
+        grown = Reservation(id=reservation.id, key=reservation.key, tokens=reservation.tokens + tokens,
+                            usd_micros=reservation.usd_micros + usd_micros)
+        self._open[grown.id] = grown
+        if lease.want() is not None:
+            self._lease_wake.set()
+        return grown
+
+    def _commit_in_lease(self, reservation: Reservation, usage: tuple[int, int]) -> Charge:
+        """The commit of a call reserved inside a lease. When the lease covers its
+        usage the charge is known here (``min(usage, the stream's room)``, the
+        store's rule): returned at once, the commit sent in the next group commit
+        before the call's FINAL (one round trip with the stream's last events).
+        Otherwise the lease's free part is held for it and the store decides,
+        like any commit (:meth:`pending_charge`)."""
+        lease = self._carved.pop(reservation.id)
+        record = self._records.pop(reservation.id, None)
+        acct = self._forget(reservation)
+        held = (reservation.tokens, reservation.usd_micros)
+        room = (None if acct.limit_tokens is None else int(acct.free_tokens()) + held[0],
+                None if acct.limit_usd is None else int(acct.free_usd()) + held[1])
+        cap = lease.cap(held)
+        stored = Reservation(id=lease.id or 0, key=self._skeys[reservation.key], tokens=cap[0], usd_micros=cap[1])
+        request = self.new_request()
+        if self._kill_after_commit or not lease.certain(held, usage):
+            # The store decides, like any commit, on the call's reservation and all that the slice
+            # has free (cap: held for it until answered, so near the limit no slice keeps budget a
+            # call's usage could have been charged); the FINAL waits for it. (The fault hook kills
+            # right after a commit, before the FINAL exists.)
+            lease.hold_for(held, cap)
+            pending = (reservation.id, PendingCharge())
+            self._pending[reservation.id] = pending[1]
+            self._queue(_Settle(stored, usage, acct, request, record, pending,
+                                lease=_LeaseCall(lease, held, room, cap)))
+            return _certain(reservation, usage)
+        ct = usage[0] if room[0] is None else max(0, min(usage[0], room[0]))
+        cu = usage[1] if room[1] is None else max(0, min(usage[1], room[1]))
+        charge = Charge(ct, cu, usage[0] - ct, usage[1] - cu)
+        lease.settle(held, cap, (ct, cu))
+        self._local_hold(acct, -held[0], -held[1])
+        for a in acct.chain:
+            a.committed_tokens += ct
+            a.committed_usd += cu
+            a.overage_tokens += charge.overage_tokens
+            a.overage_usd += charge.overage_usd_micros
+        acct.open -= 1
+        self._send_lease_commit(lease, stored, room, usage, request, record, acct)
+        if lease.want() is not None:
+            self._lease_wake.set()
+        return charge
+
+    def _send_lease_commit(self, lease: BudgetLease, stored: Reservation, room: tuple[int | None, int | None],
+                           usage: tuple[int, int], request: str, record: CallRecord | None, acct: _Account) -> None:
+        """A certain lease commit into the next group commit, before its events
+        (a retry of the group commit sends it again as a re-commit by name);
+        without a group commit, queued like any settlement (no pending charge)."""
+        sent = [False]
+        lid = stored.id
+
+        def write() -> None:
+            again, sent[0] = sent[0], True
+            self.shared.lease_settle(stored, room, *usage, request=request, recommit=again, record=record)
+
+        def over() -> None:
+            self._lease_inflight[lid] -= 1
+            if not self._lease_inflight[lid]:
+                del self._lease_inflight[lid]
+
+        self._lease_inflight[lid] = self._lease_inflight.get(lid, 0) + 1
+        if self.defer is not None and self.defer(write, over=over, first=True):
+            return
+        over()
+        acct.open += 1  # the queued settlement accounts for it (_applied)
+        self._queue(_Settle(stored, usage, acct, request, record, None, lease=_LeaseCall(lease, held=None, room=room)))
+
+    async def run_leases(self) -> None:
+        """Take, refill and return budget leases off the trio loop (a store
+        thread), until cancelled — a background service of the router: a
+        lease is taken or grown when it has less than half its aim free
+        (:class:`~atp_router.flow.lease.BudgetLease`), returned when idle
+        (:data:`~atp_router.flow.lease.LEASE_IDLE_S`) or when slices no longer
+        pay (the tenant near its limit). Cancelled, the router's stop settles
+        what it holds (its reservations are released)."""
+        while True:
+            with trio.move_on_after(0.5):
+                await self._lease_wake.wait()
+            self._lease_wake = trio.Event()
+            now = time.monotonic()
+            for key, lease in list(self._leases.items()):
+                want = lease.want()
+                if lease.take is not None:
+                    await self._grow_lease(key, lease, lease.take[1:])  # its answer was lost: again, by name
+                elif key not in self._accounts:
+                    self._leases.pop(key, None)
+                elif lease.retired or lease.returning or lease.idle(now):
+                    await self._return_lease(key, lease)
+                    if (key in self._leases and lease.retired and not lease.returning and lease.free != (0, 0)
+                            and lease.id is not None):
+                        await self._grow_lease(key, lease, (-lease.free[0], -lease.free[1]))  # give back what is unused
+                elif want is not None and (lease.id is None or want != (0, 0)):
+                    await self._grow_lease(key, lease, want)
+
+    async def _grow_lease(self, key: str, lease: BudgetLease, want: tuple[int, ...]) -> None:
+        """Take, grow or shrink ``lease`` by ``want`` (tokens, USD micros) in one
+        named store step (:meth:`RedisStore.lease_take
+        <atp_router.store.redis.RedisStore.lease_take>`). Its answer lost (the
+        store unavailable: it may have run, or run late), the step is kept in
+        ``lease.take`` and sent again under the same name by the next round —
+        applied once, its grant learnt — before anything else is done with the
+        slice; no call reserves in it meanwhile."""
+        if lease.take is None:
+            lease.take = (self.new_request(), want[0], want[1])
+        request, wt, wu = lease.take
+        lease.busy = True
+        try:
+            lid, t, u, out = await off_loop(self.shared, functools.partial(
+                self.shared.lease_take, self._skeys[key], lease.id, wt, wu, owner=self.owner, request=request))
+        except StoreError as e:
+            if isinstance(e, StoreUnavailable):
+                self._down("lease", e)
+            else:
+                lease.take = None
+                log.warning("budget lease on %s: not taken (%s); calls reserve in the store", key, e)
+                self._leases.pop(key, None)
+            return
+        finally:
+            lease.busy = False
+        lease.take = None
+        lease.granted(lid, t, u)
+        self._mirror(out)
+
+    async def _return_lease(self, key: str, lease: BudgetLease) -> None:
+        if lease.alloc_t or lease.alloc_u or lease.id is None or self._lease_inflight.get(lease.id):
+            if lease.id is None:
+                self._leases.pop(key, None)
+            return  # calls still hold part of it, or their commits are on their way
+        del self._leases[key]
+        back = Reservation(id=lease.id, key=self._skeys[key], tokens=lease.hold_t, usd_micros=lease.hold_u)
+        try:
+            self._mirror(await off_loop(self.shared, self.shared.release_shared, back))
+        except StoreUnavailable as e:
+            self._down("lease", e)
+            # Returned on the next try (or by the settling of this router); it may have been
+            # released already (the answer lost): no call reserves in it from now on.
+            lease.returning = True
+            self._leases[key] = lease
+        except NotFound:
+            pass  # released by a first try whose answer was lost, or settled by another router meanwhile
+
+    def _mirror(self, out: SharedResult) -> None:
+        """:meth:`SharedBudgetLedger._mirror`, as this router sees it: what its
+        own leases hold but no call of it uses is free here, and what its
+        calls hold inside them is held on their stream accounts."""
+        super()._mirror(out)
+        for t in out.totals:
+            key = self._lkeys.get(t.key, "")
+            a = self._accounts.get(key)
+            if a is None:
+                continue
+            on = self._carved_on.get(key)
+            if on is not None:
+                a.reserved_tokens += on[0]
+                a.reserved_usd += on[1]
+            for lease in self._leases.values():
+                up = self._accounts.get(lease.parent)
+                if up is not None and any(x is a for x in up.chain):
+                    ft, fu = lease.free
+                    a.reserved_tokens -= ft
+                    a.reserved_usd -= fu
+
+    def _lease_answered(self, st: _Settle, charge: Charge | None) -> None:
+        """A queued commit of a call reserved inside a lease answered (after its
+        chain was mirrored): its reservation leaves the lease, the part of the
+        charge it covered leaves the lease's hold (what it held there: its
+        reservation and the slice's free part held for it, ``cap``)."""
+        lc = st.lease
+        if lc is None or lc.held is None:
+            return
+        r, c = lc.held, lc.cap
+        got = (0, 0) if charge is None else (charge.tokens, charge.usd_micros)
+        lc.lease.settle(c, c, got)
+        self._local_hold(st.acct, -r[0], -r[1])
+        # Seen on the ancestors: the slice's free part changed by c - min(got, c), the call's r left.
+        lim = lc.lease.limited
+        kept = (min(got[0], c[0]) - c[0] + r[0] if lim[0] else 0, min(got[1], c[1]) - c[1] + r[1] if lim[1] else 0)
+        for a in st.acct.chain[1:]:
+            a.reserved_tokens += kept[0]
+            a.reserved_usd += kept[1]
+
     def _forget_account(self, key: str) -> AccountState:
         state = self.state(key)
         acct = self._get(key)
@@ -472,9 +777,16 @@ class ClusterLedger(SharedBudgetLedger):
             self.shared.close_shared_if_open(skey)
 
     def reserve(self, key: str, tokens: int, usd_micros: int) -> Reservation | Refusal:
+        carved = self._reserve_in_lease(key, tokens, usd_micros)
+        if carved is not None:
+            return carved
         request = self.new_request()
         try:
-            return self.reserve_as(key, tokens, usd_micros, request=request)
+            got = self.reserve_as(key, tokens, usd_micros, request=request)
+            if isinstance(got, Refusal) and self._give_back(key):
+                # Near the limit: this router's unused slice went back to the tenant; once more.
+                got = self.reserve_as(key, tokens, usd_micros, request=self.new_request())
+            return got
         except StoreUnavailable as e:
             self._down("reserve", e)
             # A timeout: the reserve may have been applied, or may be later (from the
@@ -487,6 +799,8 @@ class ClusterLedger(SharedBudgetLedger):
             return self._settled("reserve", key, e)
 
     def extend(self, reservation: Reservation, tokens: int, usd_micros: int) -> Reservation | Refusal:
+        if reservation.id in self._carved:
+            return self._extend_in_lease(reservation, tokens, usd_micros)
         try:
             return super().extend(reservation, tokens, usd_micros)
         except StoreUnavailable as e:
@@ -509,6 +823,8 @@ class ClusterLedger(SharedBudgetLedger):
     def commit(self, reservation: Reservation, actual_tokens: int, actual_usd_micros: int) -> Charge:
         if actual_tokens < 0 or actual_usd_micros < 0:
             return super().commit(reservation, actual_tokens, actual_usd_micros)  # its ValueError
+        if reservation.id in self._carved:
+            return self._commit_in_lease(reservation, (actual_tokens, actual_usd_micros))
         record = self._records.pop(reservation.id, None)
         acct = self._forget(reservation)
         stored = self._stored(reservation)
@@ -537,6 +853,12 @@ class ClusterLedger(SharedBudgetLedger):
     def release(self, reservation: Reservation) -> None:
         self._records.pop(reservation.id, None)
         acct = self._forget(reservation)
+        lease = self._carved.pop(reservation.id, None)
+        if lease is not None:  # held inside a lease: given back to it, no store step
+            lease.uncarve(reservation.tokens, reservation.usd_micros)
+            self._local_hold(acct, -reservation.tokens, -reservation.usd_micros)
+            acct.open -= 1
+            return
         stored = self._stored(reservation)
         if self._unsettled or self._wake is not None:
             self._queue(_Settle(stored, None, acct, "", None, None))
@@ -550,7 +872,7 @@ class ClusterLedger(SharedBudgetLedger):
 
     def _settle_stored(self, stored: Reservation, usage: tuple[int, int] | None, acct: _Account,
                 *, queue: bool = True, request: str = "", record: CallRecord | None = None,
-                pending: tuple[int, PendingCharge] | None = None) -> Charge | None:
+                pending: tuple[int, PendingCharge] | None = None, lease: _LeaseCall | None = None) -> Charge | None:
         """Commit (``usage``) or release ``stored`` in the store; on
         :class:`StoreUnavailable` queue it (``queue``, with its ``pending``
         charge) or raise. Returns the charge.
@@ -566,7 +888,11 @@ class ClusterLedger(SharedBudgetLedger):
         if usage is not None and not request:
             request = self.new_request()
         try:
-            if usage is None:
+            if lease is not None and usage is not None:
+                out = self.shared.lease_settle(stored, lease.room, *usage, request=request, recommit=not queue,
+                                               record=record, buffered=False)
+                assert out is not None
+            elif usage is None:
                 out = self.shared.release_shared(stored)
             elif queue:
                 out = self.shared.commit_shared(stored, *usage, request=request, record=record)
@@ -619,7 +945,7 @@ class ClusterLedger(SharedBudgetLedger):
             try:
                 # Always by name (a recommit): a first attempt may have run, or run late.
                 charge = self._settle_stored(st.stored, st.usage, st.acct, queue=False, request=st.request,
-                                             record=st.record)
+                                             record=st.record, lease=st.lease)
             except StoreUnavailable:
                 break
             except StoreError:
@@ -631,6 +957,7 @@ class ClusterLedger(SharedBudgetLedger):
         return self.unsettled
 
     def _resolve(self, st: _Settle, charge: Charge | None) -> None:
+        self._lease_answered(st, charge)
         if st.pending is not None:
             del self._pending[st.pending[0]]
             assert charge is not None
@@ -694,14 +1021,16 @@ class ClusterLedger(SharedBudgetLedger):
         """The store's side of :meth:`run_committer` (a store thread): each
         settlement's outcome, in order, up to the first the store could not take."""
         many = getattr(self.shared, "settle_many", None)
-        if many is not None and len(batch) > 1 and not self._kill_after_commit:
+        if many is not None and len(batch) > 1 and not self._kill_after_commit and not any(st.lease for st in batch):
             # (The fault hook kills right after one commit: one at a time then.)
             return self._apply_many(many, batch)
         out: list[SharedResult | StoreError] = []
         for st in batch:
             first, st.tried = not st.tried, True  # tried before it is sent: it may apply whatever we hear
             try:
-                if st.usage is None:
+                if st.lease is not None and st.usage is not None:
+                    got = self._lease_commit(st, recommit=not first)
+                elif st.usage is None:
                     got = self.shared.release_shared(st.stored)
                 elif first:
                     got = self.shared.commit_shared(st.stored, *st.usage, request=st.request, record=st.record)
@@ -716,6 +1045,13 @@ class ClusterLedger(SharedBudgetLedger):
             if self._kill_after_commit and st.usage is not None:
                 log.error("%s=1: killing this router right after a commit (fault injection)", KILL_AFTER_COMMIT_ENV)
                 os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    def _lease_commit(self, st: _Settle, *, recommit: bool) -> SharedResult:
+        assert st.lease is not None and st.usage is not None
+        out = self.shared.lease_settle(st.stored, st.lease.room, *st.usage, request=st.request, recommit=recommit,
+                                       record=st.record, buffered=False)
+        assert out is not None
         return out
 
     def _apply_many(self, many: Callable[..., list[SharedResult | StoreError]],
@@ -782,6 +1118,22 @@ class _Settle:
     record: CallRecord | None
     pending: tuple[int, PendingCharge] | None
     tried: bool = False
+    #: A call reserved inside a budget lease: ``stored`` names the lease (id) and the stream account.
+    lease: _LeaseCall | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _LeaseCall:
+    """A queued commit of a call reserved inside ``lease``: what it ``held`` there
+    (None: the lease's books were settled when it was sent, a certain charge),
+    the router's room on its stream account (None: unbounded) and the most the
+    slice may give it (``cap``: its reservation and the slice's free part, held
+    for it until answered), per axis."""
+
+    lease: BudgetLease
+    held: tuple[int, int] | None
+    room: tuple[int | None, int | None]
+    cap: tuple[int, int] = (0, 0)
 
 
 def _certain(r: Reservation, usage: tuple[int, int]) -> Charge:
@@ -808,6 +1160,13 @@ class RecordingAccounts(SharedAccounts, Protocol):
                            ttl_ms: int) -> tuple[QuotaGrant, SharedResult | None]: ...
 
     def close_shared_if_open(self, key: str) -> None: ...
+
+    def lease_take(self, parent: str, lease_id: int | None, tokens: int, usd_micros: int, *,
+                   owner: str, request: str = "") -> tuple[int, int, int, SharedResult]: ...
+
+    def lease_settle(self, lease: Reservation, room: tuple[int | None, int | None], tokens: int, usd_micros: int,
+                     *, request: str, recommit: bool = False, record: CallRecord | None = None,
+                     buffered: bool = True) -> SharedResult | None: ...
 
 
 # ----------------------------------------------------------------------- leases
@@ -975,6 +1334,7 @@ class ClusterNode(SynGate):
         # account closed in the store with the stream's last events (the END).
         self.quotas.opener = self.ledger.open_admitted
         self.quotas.closer = self.ledger.close_early
+        self.ledger.routers = lambda: max(1, len(self.peers))  # budget leases: a slice per live router
         # Merged learning and breaker propagation through the store (atp_router.runtime.controlplane.shared_state).
         self.router = router = Router(
             config, state, rib_version=self.rib.next_version,
@@ -1308,7 +1668,7 @@ class ClusterNode(SynGate):
         routers and the settling of what the store could not take."""
         ledger = self.ledger
         assert isinstance(ledger, ClusterLedger)
-        return [self._leases, self._reaper, self._settle_commits, ledger.run_committer]
+        return [self._leases, self._reaper, self._settle_commits, ledger.run_committer, ledger.run_leases]
 
     # ------------------------------------------------------------ forwarding
     @property

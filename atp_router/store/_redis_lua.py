@@ -506,6 +506,108 @@ move(chain(h[1]), 0, 0, 0, 0, -tonumber(h[2]), -tonumber(h[3]))
 del_res(id, h[4])
 return 1
 """),
+    # ------------------------------------------------ budget leases (issue 22 item 2)
+    # A router's slice of a tenant's remaining budget: a reservation (r:<id>, owner w) on the
+    # stream's parent account, so a lost router's slice is released with its reservations.
+    # A: parent key, lease id ('' a new one), want t, want u, owner, request ('' none), request ttl ms
+    #   -> {id, granted t, granted u, chain}: the slice grown by min(want, the chain's free room), or
+    #   shrunk by -want (a negative want, at most what it holds: given back). Named: a take sent
+    #   again under its request (its answer was lost) returns what the first one did, applied once.
+    "lease_take": (_LEDGER, """
+local key, id, owner, q = A[1], A[2], A[5], A[6]
+local qk = P .. 'rq:' .. q
+if q ~= '' then
+  local done = redis.call('GET', qk)
+  if done then
+    local did, dt, du = string.match(done, '^L(%d+)|(-?%d+)|(-?%d+)$')
+    if not did then return redis.error_reply('ATPCANCELLED lease take ' .. q .. ' is not a lease take') end
+    return {tonumber(did), tonumber(dt), tonumber(du), encode(chain(key))}
+  end
+end
+local rows = chain(key)
+if #rows == 0 or not rows[1][10] then return nf('acct', key) end
+local room_t, room_u = INF, INF
+for _, r in ipairs(rows) do
+  room_t = math.min(room_t, free(r[2], r[4], r[6]))
+  room_u = math.min(room_u, free(r[3], r[5], r[7]))
+end
+local t = math.max(0, math.min(tonumber(A[3]), room_t))
+local u = math.max(0, math.min(tonumber(A[4]), room_u))
+if id ~= '' then
+  local h = redis.call('HMGET', P .. 'r:' .. id, 'a', 'w', 't', 'u')
+  if not h[1] then return nf('res', id) end
+  if h[1] ~= key or h[2] ~= owner then return redis.error_reply('ATPHELD ' .. id) end
+  if tonumber(A[3]) < 0 then t = -math.min(-tonumber(A[3]), tonumber(h[3])) end
+  if tonumber(A[4]) < 0 then u = -math.min(-tonumber(A[4]), tonumber(h[4])) end
+  redis.call('HINCRBY', P .. 'r:' .. id, 't', I(t))
+  redis.call('HINCRBY', P .. 'r:' .. id, 'u', I(u))
+else
+  id = redis.call('INCR', P .. 'rid')
+  redis.call('HSET', P .. 'r:' .. id, 'a', key, 't', I(t), 'u', I(u), 'w', owner)
+  redis.call('ZADD', P .. 'rs', id, id)
+  redis.call('SADD', P .. 'rw:' .. owner, id)
+  redis.call('SADD', P .. 'owners', owner)
+end
+move(rows, 0, 0, 0, 0, t, u)
+if q ~= '' then redis.call('SET', qk, 'L' .. id .. '|' .. I(t) .. '|' .. I(u), 'PX', A[7]) end
+return {tonumber(id), t, u, encode(rows)}
+"""),
+    # The commit of a call reserved in a lease (no reservation of its own in the store).
+    # A: lease id, stream key, cap t, cap u (what the lease may give the call), stream room t, u
+    #   ('' unbounded: the router's own room on the stream account), actual t, u, mode ('actual' |
+    #   'recommit'), request, request ttl ms[, call record key, its value, its ttl ms]
+    #   -> {chain, t, u, ot, ou} charged: per axis min(actual, the stream room, each ancestor's free
+    #   room plus what the lease gives), the rest overage; the lease's part leaves its hold. Named
+    #   and recorded like 'settle' (a recommit returns the first attempt's charge if it ran).
+    "lease_settle": (_LEDGER, """
+local id, skey, mode, q = A[1], A[2], A[9], A[10]
+local qk = P .. 'rq:' .. q
+if q ~= '' then
+  local done = redis.call('GET', qk)
+  if mode == 'recommit' then
+    redis.call('SET', qk, 'x', 'PX', A[11])
+    if done and done ~= 'x' then
+      local key, dt, du, dot, dou = string.match(done, '^(.*)|(%d+)|(%d+)|(%d+)|(%d+)$')
+      return {encode(chain(key)), tonumber(dt), tonumber(du), tonumber(dot), tonumber(dou)}
+    end
+  elseif done then
+    return redis.error_reply('ATPCANCELLED commit ' .. q .. ' was settled again before it ran')
+  end
+end
+local h = redis.call('HMGET', P .. 'r:' .. id, 'a', 't', 'u')
+if not h[1] then return nf('res', id) end
+local rows = chain(skey)
+if #rows < 2 or rows[2][1] ~= h[1] then return redis.error_reply('ATPHELD ' .. id) end
+local capt, capu = math.min(tonumber(A[3]), tonumber(h[2])), math.min(tonumber(A[4]), tonumber(h[3]))
+local s = rows[1]
+local room_t, room_u = free(s[2], s[4], s[6]), free(s[3], s[5], s[7])
+if A[5] ~= '' then room_t = math.min(room_t, tonumber(A[5])) end
+if A[6] ~= '' then room_u = math.min(room_u, tonumber(A[6])) end
+local up = {}
+for i = 2, #rows do
+  local r = rows[i]
+  up[#up + 1] = r
+  room_t = math.min(room_t, free(r[2], r[4], r[6]) + capt)
+  room_u = math.min(room_u, free(r[3], r[5], r[7]) + capu)
+end
+local t, u = tonumber(A[7]), tonumber(A[8])
+local ct, cu = math.max(0, math.min(t, room_t)), math.max(0, math.min(u, room_u))
+local ot, ou = t - ct, u - cu
+local lt, lu = math.min(ct, capt), math.min(cu, capu)
+move({s}, ct, cu, ot, ou, 0, 0)
+move(up, ct, cu, ot, ou, -lt, -lu)
+if lt ~= 0 then redis.call('HINCRBY', P .. 'r:' .. id, 't', I(-lt)) end
+if lu ~= 0 then redis.call('HINCRBY', P .. 'r:' .. id, 'u', I(-lu)) end
+if q ~= '' and mode ~= 'recommit' then
+  redis.call('SET', qk, skey .. '|' .. I(ct) .. '|' .. I(cu) .. '|' .. I(ot) .. '|' .. I(ou), 'PX', A[11])
+end
+if (A[12] or '') ~= '' then
+  local ck = P .. 'cm:' .. A[12]
+  redis.call('HSET', ck, 'v', A[13], 't', I(ct), 'u', I(cu))
+  redis.call('PEXPIRE', ck, A[14])
+end
+return {encode(rows), ct, cu, ot, ou}
+"""),
     # A: call record key -> {value, charged t, charged u} | false
     "call_record": ("", """
 local h = redis.call('HMGET', P .. 'cm:' .. A[1], 'v', 't', 'u')
@@ -953,6 +1055,9 @@ redis.call('PEXPIRE', zk, I(math.max(1, tonumber(last[2]) - now)))
 return 1
 """),
 }
+
+# The same commit unbuffered by RedisStore.batch (its answer is needed at once).
+_BODIES["lease_commit"] = _BODIES["lease_settle"]
 
 #: name -> Lua source (the prelude, the helpers it needs, its body).
 SCRIPTS: dict[str, str] = {name: _PRELUDE + helpers + body for name, (helpers, body) in _BODIES.items()}

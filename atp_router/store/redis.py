@@ -175,7 +175,7 @@ _UNAVAILABLE_CODES = frozenset({"LOADING", "BUSY", "MASTERDOWN", "READONLY", "NO
                                 "CLUSTERDOWN", "NOAUTH"})
 #: Operations :meth:`RedisStore.batch` buffers.
 _DEFERRED = frozenset({"put_stream", "close_stream", "append_event", "kv_put", "quota_close",
-                       "close_account_if_open"})
+                       "close_account_if_open", "lease_settle"})
 #: The least deadline of an operation, ms (it is twice the socket timeout): what a
 #: loaded machine may take between building a call and Redis running it.
 MIN_DEADLINE_MS = 1_000
@@ -184,7 +184,8 @@ MIN_DEADLINE_MS = 1_000
 #: settled it. A cancel, a lease renewal, a claim, the settling of another
 #: router and reads carry none.
 _FENCED = frozenset({"open_account", "open_stream", "close_account", "close_account_if_open", "reserve_shared", "extend_shared", "settle",
-                     "put_stream", "close_stream", "append_event"})
+                     "put_stream", "close_stream", "append_event", "lease_take", "lease_settle",
+                     "lease_commit"})
 #: The operations that carry a deadline: those writes, a limit change, a quota's open
 #: and its rate (a late open must not hold a slot: it is refused). A read, a
 #: lease renewal (late is harmless: the router is alive, and its writes are fenced), a
@@ -733,6 +734,61 @@ class RedisStore(Store):
             out.append(SharedResult(totals=_totals(_rows(raw)), charge=None if mode == "release" else
                                     Charge(int(ct), int(cu), int(ot), int(ou))))
         return out
+
+    # ------------------------------------------------- budget leases
+    def lease_take(self, parent: str, lease_id: int | None, tokens: int, usd_micros: int, *,
+                   owner: str, request: str = "") -> tuple[int, int, int, SharedResult]:
+        """Take (``lease_id`` None) or grow a **budget lease** (issue 22 item 2):
+        ``owner``'s slice of account ``parent``'s remaining budget, held in the
+        store as a reservation of ``owner`` on ``parent`` (so the settling of a
+        lost router releases it with its other reservations). Grows it by
+        ``min(want, the chain's free room)`` per axis (tokens, USD micros; a
+        negative amount shrinks it by as much, at most what it holds), in
+        one script carrying the fencing token and a deadline, named ``request``
+        (sent again under the same name after its answer was lost, it returns
+        what the first one granted — applied once, whichever Redis ran first).
+        Returns ``(lease id, granted tokens, granted usd_micros, parent's
+        chain)``. Raises
+        :class:`~atp_router.store.base.NotFound` (``parent`` not open, or the
+        lease gone: settled by another router), ``Fenced``,
+        :class:`~atp_router.store.base.StoreUnavailable`, ``StoreError``."""
+        if not owner:
+            raise ValueError("lease_take needs an owner")
+        if lease_id is None and (tokens < 0 or usd_micros < 0):
+            raise ValueError("a new lease cannot be taken with a negative amount")
+        got = self._run("lease_take", parent, "" if lease_id is None else lease_id, _amount(tokens),
+                        _amount(usd_micros), owner, request, REQUEST_TTL_MS)
+        lid, t, u, raw = got
+        return int(lid), int(t), int(u), SharedResult(totals=_totals(_rows(raw)))
+
+    def lease_settle(self, lease: Reservation, room: tuple[int | None, int | None], tokens: int, usd_micros: int,
+                     *, request: str, recommit: bool = False, record: CallRecord | None = None,
+                     buffered: bool = True) -> SharedResult | None:
+        """The commit of a call reserved inside a budget lease (no reservation
+        of its own in the store): ``lease`` names the lease (its id), the
+        call's stream account (``key``, a child of the lease's account) and what
+        the lease may give the call (``tokens`` / ``usd_micros``: the cap);
+        ``room`` is the router's own room on the stream account (None:
+        unbounded). Charges per axis ``min(actual, room, each ancestor's free
+        room plus the cap)`` (:meth:`commit_shared`'s rule), the rest overage,
+        in one script with the call record (``record``), named ``request``
+        (``recommit``: the retry of a first attempt whose answer was lost —
+        nothing applied twice). Inside :meth:`batch` it is buffered like the
+        stream writes (returns None; its errors are the batch's) unless not
+        ``buffered`` (the answer is needed: sent then, with what is buffered). Raises
+        :class:`~atp_router.store.base.NotFound` (the lease gone), ``Fenced``,
+        :class:`~atp_router.store.base.StoreUnavailable`."""
+        if not request:
+            raise ValueError("lease_settle needs a request name")
+        got = self._run("lease_settle" if buffered else "lease_commit", lease.id, lease.key, _amount(lease.tokens),
+                        _amount(lease.usd_micros),
+                        "" if room[0] is None else _amount(room[0]), "" if room[1] is None else _amount(room[1]),
+                        _amount(tokens), _amount(usd_micros), "recommit" if recommit else "actual", request,
+                        REQUEST_TTL_MS, *_record_args(record))
+        if got is None:
+            return None
+        raw, t, u, ot, ou = got
+        return SharedResult(totals=_totals(_rows(raw)), charge=Charge(int(t), int(u), int(ot), int(ou)))
 
     def call_record(self, key: str) -> StoredCall | None:
         """The call record a commit stored under ``key`` (:class:`~atp_router.flow.budget.CallRecord`),

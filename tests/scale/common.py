@@ -4,6 +4,8 @@ billing model (:class:`tests.replay_server.BillingModel`)."""
 
 from __future__ import annotations
 
+import redis as redis_py
+
 TOKENS = {"alice": "tok-alice-0123456789", "bob": "tok-bob-0123456789", "ops": "tok-ops-0123456789"}
 TASK = {"task_type": "summarize"}
 CONTENT = {"text": "summarise this"}
@@ -48,3 +50,38 @@ def summarize_rib(model_url: str, extra: str = "") -> str:
         f"  alice: {{budget: {{tokens: {ALICE_TOKENS}}}, max_streams: 500, rate: {{per_s: 500, burst: 500}}}}\n"
         "  bob: {budget: {tokens: 10000000}, max_streams: 500, rate: {per_s: 500, burst: 500}}\n"
     )
+
+
+#: The reserved tokens on ``client:<tenant>`` and every open reservation (account, tokens,
+#: owner), read in one script (atomic: a router's take or return of a slice between two
+#: reads would look like a leak). KEYS: the store's prefix; ARGV: the tenant's account key.
+_HELD_LUA = """
+local out = {redis.call('HGET', KEYS[1] .. 'a:' .. ARGV[1], 'rt') or '0'}
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1] .. 'rs', 0, -1)) do
+  local h = redis.call('HMGET', KEYS[1] .. 'r:' .. id, 'a', 't', 'w')
+  if h[1] then out[#out + 1] = {h[1], h[2], h[3] or ''} end
+end
+return out
+"""
+
+
+def held(redis_url: str, tenant: str, namespace: str = "atp") -> tuple[int, list[tuple[str, int, str]]]:
+    """The tokens ``client:<tenant>`` holds reserved in the store at ``redis_url``
+    and every open reservation there (account, tokens, owner), read at one instant."""
+    raw = redis_py.Redis.from_url(redis_url, socket_timeout=10.0)
+    try:
+        reserved, *rows = raw.eval(_HELD_LUA, 1, namespace + ":", f"client:{tenant}")
+    finally:
+        raw.close()
+    return int(reserved), [(a.decode(), int(t), w.decode()) for a, t, w in rows]
+
+
+def leases_only(redis_url: str, tenant: str, live: set[str | None], namespace: str = "atp") -> int:
+    """The tokens ``client:<tenant>`` holds reserved, checked to be exactly budget
+    leases (issue 22 item 2: reservations on the tenant's own account) of the
+    routers ``live`` — a call's reservation left over on a stream account, or a
+    slice of a router that is gone, fails here."""
+    reserved, rows = held(redis_url, tenant, namespace)
+    mine = [r for r in rows if r[0] == f"client:{tenant}"]
+    assert reserved == sum(t for _, t, _ in mine) and {w for _, _, w in mine} <= live, (reserved, rows, live)
+    return reserved

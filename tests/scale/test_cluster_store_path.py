@@ -32,12 +32,14 @@ from tests.replay_server import BillingModel, serve
 from tests.scale.common import BILLED, CONTENT, TASK, TOKENS, auth
 from tests.scale.test_cluster import Cluster
 
-#: Store round trips a one-call task may make (issue 22 item 2): measured 5.3–6.3 here since
-#: the atomic OPEN (quota entry and stream account in one script), the stream record in the
-#: SYN+ACK's group commit, the commits in the group commit of the call's last events and the
-#: learning rate in slices (9.5 before, 11.1 and 14.3 earlier; the issue's target is 3), with
-#: room for how a task's events fall into group commits (three or four).
-MAX_TRIPS_PER_TASK = 7
+#: Store round trips a one-call task may make (issue 22 item 2): measured 4.35–4.40 here (3.5–3.7
+#: counted with Redis MONITOR over 20–30 sequential tasks, without this test's background estimate) since
+#: budget leases (the call reserved inside its router's slice of the tenant's budget, no round
+#: trip; its charge known here, so its commit goes in the group commit of its FINAL and the
+#: END): the atomic OPEN, the SYN+ACK's group commit, the commit with the END, and a learning
+#: slice every second task (5.3–6.3 before leases, 9.5 before the atomic OPEN; the issue's
+#: target is 3), with room for how a task's events fall into group commits.
+MAX_TRIPS_PER_TASK = 4.5
 
 
 #: How long the round-trip test lets closed streams leave memory (their sweep: every 1 s), s.
@@ -90,7 +92,7 @@ async def test_a_one_call_task_makes_few_store_round_trips(nursery, tmp_path, re
     per_task = (busy - idle_per_s * took_s) / n
     print(f"store round trips a one-call task: {per_task:.2f} ({busy} in {took_s:.1f} s, background "
           f"{idle_per_s:.1f}/s)")
-    assert 5 <= per_task <= MAX_TRIPS_PER_TASK, (busy, idle_per_s, took_s, per_task)
+    assert 2.5 <= per_task <= MAX_TRIPS_PER_TASK, (busy, idle_per_s, took_s, per_task)
     assert left == []  # each closed with its stream's last events (the END), retained in memory or not
 
 

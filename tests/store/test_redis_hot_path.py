@@ -25,7 +25,13 @@ from atp_router.flow.budget import (
 from atp_router.flow.quota import QuotaAsk
 from atp_router.observability.metrics import RouterMetrics
 from atp_router.runtime.dataplane.quotas import LEARN_SLICE_S, SharedQuotas
-from atp_router.store import Fenced, NotFound, StoreUnavailable, StreamRecord
+from atp_router.store import (
+    Fenced,
+    NotFound,
+    StoreError,
+    StoreUnavailable,
+    StreamRecord,
+)
 from atp_router.store.redis import RedisStore
 from tests.peers import start_redis
 
@@ -194,3 +200,134 @@ def test_a_lease_renewal_and_the_live_routers_are_one_round_trip():
         assert (epoch, peers) == (1, {"r.a": {"url": "http://a"}, "r.b": {"url": "http://b"}})
         assert peers == a.live_owners(now_ms=0)
         assert abs(a.clock_offset_ms) < 1000
+
+
+# ------------------------------------------------------------------ budget leases
+def _lease_store(server) -> RedisStore:
+    store = RedisStore.open(server.url, namespace="t" + uuid.uuid4().hex[:10])
+    store.open_shared("client:alice", None, Allowance(tokens=1_000), owner=None)
+    return store
+
+
+def _reserved(store: RedisStore) -> int:
+    return store.shared_totals("client:alice").totals[0].reserved_tokens
+
+
+def test_budget_leases_never_hold_more_than_the_limit_and_a_lost_routers_slice_is_released():
+    with start_redis() as server:
+        store = _lease_store(server)
+        got = {o: store.lease_take("client:alice", None, 600, 0, owner=o) for o in ("r.a", "r.b", "r.c")}
+        granted = {o: g[1] for o, g in got.items()}
+        assert granted == {"r.a": 600, "r.b": 400, "r.c": 0}  # never past the limit, whoever asks
+        assert _reserved(store) == 1_000
+        # The tenant's budget is all in slices: a reserve in the store is refused (EBUDGET's refusal).
+        store.open_shared("stream:s@r.c", "client:alice", Allowance(), owner="r.c")
+        assert store.reserve_shared("stream:s@r.c", 1, 0, owner="r.c").refusal is not None
+        # Refill and give back: r.a returns 100 of its slice, r.b grows by what is free.
+        lid_a = got["r.a"][0]
+        assert store.lease_take("client:alice", lid_a, -100, 0, owner="r.a")[1] == -100
+        assert store.lease_take("client:alice", got["r.b"][0], 500, 0, owner="r.b")[1] == 100
+        assert _reserved(store) == 1_000
+        # r.a is lost: its settling releases its slice with its other reservations.
+        store.fence_owner("r.a")
+        assert [r.id for r in store.release_owned("r.a")] == [lid_a]
+        assert _reserved(store) == 500
+
+
+def test_a_lease_take_sent_again_by_name_is_applied_once():
+    """A take, a growth and a give-back whose answers were lost are sent again
+    under their names: each returns what the first attempt granted, and the
+    slice (one reservation) holds what was applied once."""
+    with start_redis() as server:
+        store = _lease_store(server)
+        first = store.lease_take("client:alice", None, 300, 0, owner="r.a", request="t1")
+        assert store.lease_take("client:alice", None, 300, 0, owner="r.a", request="t1")[:3] == first[:3]
+        lid = first[0]
+        assert first[1:3] == (300, 0) and _reserved(store) == 300
+        for _ in range(2):
+            assert store.lease_take("client:alice", lid, 200, 0, owner="r.a", request="t2")[:3] == (lid, 200, 0)
+        assert _reserved(store) == 500
+        for _ in range(2):
+            assert store.lease_take("client:alice", lid, -100, 0, owner="r.a", request="t3")[:3] == (lid, -100, 0)
+        assert _reserved(store) == 400
+        assert [(r.id, r.tokens) for r in store.load_ledger().reservations] == [(lid, 400)]
+        # A name another step used (a reserve's) is not taken for a lease's.
+        store.open_shared("stream:s@r.a", "client:alice", Allowance(), owner="r.a")
+        store.reserve_shared("stream:s@r.a", 10, 0, owner="r.a", request="q9")
+        with pytest.raises(StoreError, match="not a lease take"):
+            store.lease_take("client:alice", lid, 10, 0, owner="r.a", request="q9")
+        assert _reserved(store) == 410
+
+
+def test_a_commit_inside_a_lease_charges_once_by_name_and_a_fenced_one_is_refused():
+    with start_redis() as server:
+        store = _lease_store(server)
+        store.fence_as("r.a", 0)
+        lid, t, _, _ = store.lease_take("client:alice", None, 400, 0, owner="r.a")
+        store.open_shared("stream:s@r.a", "client:alice", Allowance(tokens=300), owner="r.a")
+        cap = Reservation(id=lid, key="stream:s@r.a", tokens=400, usd_micros=0)
+        # Usage 350 on a stream whose own limit leaves 300: 300 charged, 50 overage; the lease's part leaves it.
+        out = store.lease_settle(cap, (300, None), 350, 0, request="q1", buffered=False)
+        assert out is not None and out.charge is not None
+        assert (out.charge.tokens, out.charge.overage_tokens) == (300, 50)
+        totals = store.shared_totals("client:alice").totals[0]
+        assert (totals.committed_tokens, totals.reserved_tokens, totals.overage_tokens) == (300, 100, 50)
+        # A retry by name (its answer lost) returns the first one's charge: nothing applied twice.
+        again = store.lease_settle(cap, (300, None), 350, 0, request="q1", recommit=True, buffered=False)
+        assert again is not None and again.charge == out.charge
+        assert store.shared_totals("client:alice").totals[0].committed_tokens == 300
+        # Inside a group commit it is buffered (one pipeline with the events).
+        trips = store.round_trips
+        with store.batch():
+            assert store.lease_settle(Reservation(id=lid, key="stream:s@r.a", tokens=100, usd_micros=0),
+                                      (0, None), 0, 0, request="q2") is None
+        assert store.round_trips == trips + 1
+        # Another router settled r.a: its lease commit and its lease's growth are refused.
+        store.fence_owner("r.a")
+        with pytest.raises(Fenced):
+            store.lease_settle(cap, (None, None), 10, 0, request="q3", buffered=False)
+        with pytest.raises(Fenced):
+            store.lease_take("client:alice", lid, 10, 0, owner="r.a")
+        assert store.shared_totals("client:alice").totals[0].committed_tokens == 300
+
+
+async def test_a_cluster_ledger_reserves_inside_its_lease_and_exhaustion_refuses_with_ebudget():
+    import trio
+
+    from atp_router.deploy.cluster import ClusterLedger
+    from atp_router.flow.budget import Refusal
+    from atp_router.wire.errors import ErrorCode
+
+    with start_redis() as server:
+        store = RedisStore.open(server.url, namespace="t" + uuid.uuid4().hex[:10])
+        ledger = ClusterLedger(store, owner="r.a")
+        ledger.open("client:alice", Allowance(tokens=100_000))
+        ledger.open("s1", Allowance(), parent="client:alice")
+        async with trio.open_nursery() as n:
+            n.start_soon(ledger.run_committer)
+            n.start_soon(ledger.run_leases)
+            await trio.sleep(0.01)
+            first = ledger.reserve("s1", 100, 0)  # in the store; a slice is asked for
+            assert isinstance(first, Reservation) and first.id > 0
+            with trio.fail_after(5):
+                while (lease := ledger._leases.get("client:alice")) is None or lease.id is None:
+                    await trio.sleep(0.01)
+            assert lease.hold_t == 100_000 // 4  # a quarter of what was free (as seen), one router
+            trips = store.round_trips
+            inside = ledger.reserve("s1", 100, 0)
+            assert isinstance(inside, Reservation) and inside.id < 0 and store.round_trips == trips  # no round trip
+            charge = ledger.commit(inside, 150, 0)  # covered by the slice: known at once
+            assert (charge.tokens, charge.overage_tokens) == (150, 0) and ledger.pending_charge(inside.id) is None
+            ledger.release(first)
+            with trio.fail_after(5):
+                while store.shared_totals("client:alice").totals[0].committed_tokens != 150:
+                    await trio.sleep(0.01)
+            # More than the tenant has left: refused with EBUDGET, like a store reserve.
+            big = ledger.reserve("s1", 200_000, 0)
+            assert isinstance(big, Refusal) and big.code is ErrorCode.EBUDGET
+            # Idle, the slice goes back to the tenant: nothing stays reserved.
+            with trio.fail_after(10):
+                while store.shared_totals("client:alice").totals[0].reserved_tokens:
+                    await trio.sleep(0.1)
+            n.cancel_scope.cancel()
+        assert store.shared_totals("client:alice").totals[0].committed_tokens == 150

@@ -49,8 +49,9 @@ _FLUSH_RETRY_S = 0.25
 #: Key of the SYN+ACK route info kept with a stored stream's meta.
 _ROUTE_KEY = "_atp_route"
 #: A write another part deferred to the group commit (:meth:`StreamPersistence.defer`), what
-#: to tell once it is stored and once its group commit is over (None: nothing).
-_Deferred = tuple[Callable[[], object], Callable[[], None] | None, Callable[[], None] | None]
+#: to tell once it is stored and once its group commit is over (None: nothing), and whether it
+#: goes before the events (``first``).
+_Deferred = tuple[Callable[[], object], Callable[[], None] | None, Callable[[], None] | None, bool]
 
 
 def _now_ms() -> int:
@@ -251,7 +252,7 @@ class StreamPersistence:
         self._pending.append((ctx, ev))
 
     def defer(self, write: Callable[[], object], done: Callable[[], None] | None = None, *,
-              over: Callable[[], None] | None = None) -> bool:
+              over: Callable[[], None] | None = None, first: bool = False) -> bool:
         """Queue ``write`` — a store write of another part of the router: a
         shared quota's close, a ledger settlement at a stream's end
         (:class:`~atp_router.store.base.StoreJournal`), an audit record — for
@@ -262,7 +263,9 @@ class StreamPersistence:
         fenced is logged and dropped alone (the group commit's other writes
         stand). ``over()`` is called on the trio side once the group commit
         that ran it is over and not kept for a retry, stored or not (a write
-        that keeps its own outcome: the cluster's commits). False when no
+        that keeps its own outcome: the cluster's commits). ``first``: it goes
+        before the events in the group commit (a call's commit before the
+        FINAL that reports it: the FINAL is never stored without it). False when no
         group commit runs, or when called off the trio loop (a store thread):
         the caller writes at once."""
         if not self.group_commit:
@@ -273,7 +276,7 @@ class StreamPersistence:
             return False
         if not self._pending and not self._writes:
             self._flush_wanted.set()
-        self._writes.append((write, done, over))
+        self._writes.append((write, done, over, first))
         return True
 
     def flush(self) -> bool:
@@ -317,6 +320,9 @@ class StreamPersistence:
         self._flushing = True
         try:
             with self.store.batch():
+                for write, _, _, first in writes:
+                    if first:
+                        self._deferred(write)
                 run: list[tuple[int, str, bytes]] = []  # consecutive events of one stream: one append_events
                 for i, (ctx, ev) in enumerate(pending):
                     if isinstance(ev, LoggedEvent):
@@ -329,8 +335,9 @@ class StreamPersistence:
                         self._store_close(ctx)
                     else:
                         self.store.put_stream(ev)
-                for write, _, _ in writes:
-                    self._deferred(write)
+                for write, _, _, first in writes:
+                    if not first:
+                        self._deferred(write)
         except StoreError as e:
             return e
         finally:
@@ -373,7 +380,7 @@ class StreamPersistence:
         if error is not None:
             log.error("state store: a batch of %d writes failed", len(pending), exc_info=error)
         self._mark_sent(pending)
-        for _, done, over in writes:
+        for _, done, over, _ in writes:
             for told in (done if error is None else None, over):
                 if told is not None:
                     try:
