@@ -354,6 +354,8 @@ class ClusterLedger(SharedBudgetLedger):
         self._closed_early: set[str] = set()
         #: Budget leases (atp_router.flow.lease), by the local key of the account they slice.
         self._leases: dict[str, BudgetLease] = {}
+        #: Slices whose return was unanswered while a new slice of the same account was taken.
+        self._returning: list[tuple[str, BudgetLease]] = []
         #: Calls reserved inside a lease (local ids, negative) -> their lease.
         self._carved: dict[int, BudgetLease] = {}
         #: What calls reserved inside leases hold on each stream account, (tokens, USD micros).
@@ -539,16 +541,16 @@ class ClusterLedger(SharedBudgetLedger):
             return False
         ft, fu = lease.free
         lease.aim = (0, 0)
-        lease.take = (self.new_request(), -ft, -fu)  # its answer lost: run_leases sends it again by name
+        request = self.new_request()
+        lease.ask(request, -ft, -fu)  # its answer lost: run_leases sends it again by name
         try:
             _, t, u, out = self.shared.lease_take(self._skeys[lease.parent], lease.id, -ft, -fu,
-                                                  owner=self.owner, request=lease.take[0])
+                                                  owner=self.owner, request=request)
         except StoreError as e:
             if not isinstance(e, StoreUnavailable):
                 lease.take = None
             raise
-        lease.take = None
-        lease.granted(lease.id, t, u)
+        lease.answered(lease.id, t, u)
         self._mirror(out)
         return t < 0 or u < 0
 
@@ -652,6 +654,9 @@ class ClusterLedger(SharedBudgetLedger):
                 await self._lease_wake.wait()
             self._lease_wake = trio.Event()
             now = time.monotonic()
+            returning, self._returning = self._returning, []
+            for key, lease in returning:
+                await self._return_lease(key, lease)
             for key, lease in list(self._leases.items()):
                 want = lease.want()
                 if lease.take is not None:
@@ -675,7 +680,8 @@ class ClusterLedger(SharedBudgetLedger):
         applied once, its grant learnt — before anything else is done with the
         slice; no call reserves in it meanwhile."""
         if lease.take is None:
-            lease.take = (self.new_request(), want[0], want[1])
+            lease.ask(self.new_request(), want[0], want[1])
+            assert lease.take is not None
         request, wt, wu = lease.take
         lease.busy = True
         try:
@@ -691,8 +697,7 @@ class ClusterLedger(SharedBudgetLedger):
             return
         finally:
             lease.busy = False
-        lease.take = None
-        lease.granted(lid, t, u)
+        lease.answered(lid, t, u)
         self._mirror(out)
 
     async def _return_lease(self, key: str, lease: BudgetLease) -> None:
@@ -700,16 +705,20 @@ class ClusterLedger(SharedBudgetLedger):
             if lease.id is None:
                 self._leases.pop(key, None)
             return  # calls still hold part of it, or their commits are on their way
-        del self._leases[key]
+        if self._leases.get(key) is lease:
+            del self._leases[key]
         back = Reservation(id=lease.id, key=self._skeys[key], tokens=lease.hold_t, usd_micros=lease.hold_u)
         try:
             self._mirror(await off_loop(self.shared, self.shared.release_shared, back))
         except StoreUnavailable as e:
             self._down("lease", e)
             # Returned on the next try (or by the settling of this router); it may have been
-            # released already (the answer lost): no call reserves in it from now on.
+            # released already (the answer lost): no call reserves in it from now on. A new
+            # slice of the same account taken meanwhile stays the one calls use; this one is
+            # returned beside it.
             lease.returning = True
-            self._leases[key] = lease
+            if self._leases.setdefault(key, lease) is not lease:
+                self._returning.append((key, lease))
         except NotFound:
             pass  # released by a first try whose answer was lost, or settled by another router meanwhile
 

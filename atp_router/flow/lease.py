@@ -78,7 +78,9 @@ class BudgetLease:
     #: A take sent and not answered yet, or whose answer was lost (the store timed out: it
     #: may have run, or run late): (its request name, tokens, USD micros), sent again under
     #: that name — applied once — before anything else is done with the slice. No call
-    #: reserves in the slice meanwhile (what the store holds is not known).
+    #: reserves in the slice meanwhile (what the store holds is not known); a shrink is
+    #: already off :attr:`hold` (:meth:`ask`). A take the store refused is dropped with its
+    #: shrink kept off: the store then holds more than seen here, released with the slice.
     take: tuple[str, int, int] | None = None
     #: A return sent whose answer was lost: sent again; no call reserves in the slice.
     returning: bool = False
@@ -131,7 +133,7 @@ class BudgetLease:
         """The most the slice may give a call holding ``reserved``: its own
         reservation and all that is free (0 on an unlimited axis)."""
         ft, fu = self.free
-        return (reserved[0] + ft if self.limited[0] else 0, reserved[1] + fu if self.limited[1] else 0)
+        return (reserved[0] + max(0, ft) if self.limited[0] else 0, reserved[1] + max(0, fu) if self.limited[1] else 0)
 
     def settle(self, held: tuple[int, int], cap: tuple[int, int], charged: tuple[int, int]) -> None:
         """A call's commit made: what it ``held`` in the slice (its reservation,
@@ -163,8 +165,30 @@ class BudgetLease:
             return None
         return (max(0, self.aim[0] - ft) if self.limited[0] else 0, max(0, self.aim[1] - fu) if self.limited[1] else 0)
 
+    def ask(self, request: str, tokens: int, usd_micros: int) -> None:
+        """A take sent to the store under the name ``request``: grow the slice
+        by ``tokens`` / ``usd_micros``, or shrink it (negative amounts: given
+        back). A shrink leaves :attr:`hold` at once — from the moment it is sent
+        the part given back is not this router's to use, whether the store has
+        applied it yet or not (its answer may come late, or be lost and the
+        take sent again by name) —, so no call's charge is decided on it
+        (:meth:`certain`, :meth:`cap`); a grow counts only once answered
+        (:meth:`answered`). ``hold`` is thus never more than the store holds."""
+        self.take = (request, tokens, usd_micros)
+        self.hold_t += min(0, tokens)
+        self.hold_u += min(0, usd_micros)
+
+    def answered(self, lease_id: int, tokens: int, usd_micros: int) -> None:
+        """The store's answer to the take in flight (:meth:`ask`): the slice
+        ``lease_id`` changed by ``tokens`` / ``usd_micros`` (negative: given
+        back; a shrink was already taken off :attr:`hold` when sent)."""
+        assert self.take is not None
+        _, wt, wu = self.take
+        self.take = None
+        self.granted(lease_id, tokens - min(0, wt), usd_micros - min(0, wu))
+
     def granted(self, lease_id: int, tokens: int, usd_micros: int) -> None:
-        """The store's answer to a take: the slice grew by these amounts."""
+        """The slice ``lease_id`` grew by these amounts (the store's answer)."""
         self.id = lease_id
         self.hold_t += tokens
         self.hold_u += usd_micros

@@ -342,8 +342,9 @@ return 1
     #   [, call record key, its value, its ttl ms]]
     #   -> {chain, t, u, ot, ou} charged. A named commit records 'key|t|u|ot|ou' under rq:<request>;
     #   'recommit' (the retry of a named commit whose answer was lost) returns that record's charge if
-    #   the first attempt ran (nothing applied twice), else settles like 'actual' and marks the name so
-    #   the first is refused.
+    #   an attempt ran (nothing applied twice), else settles like 'actual' and records its charge under
+    #   the name, so the first attempt arriving late is refused and a further retry returns it. A
+    #   charge is never negative (an account already past its limit: 0, the rest overage).
     #   A call record (the answer the charge paid for) is stored in the same step under cm:<key>
     #   (hash v, t, u: the value and the charge), so a re-run finds the answer iff it was charged.
     "settle": (_LEDGER, """
@@ -358,11 +359,11 @@ end
 if q ~= '' then
   local done = redis.call('GET', qk)
   if mode == 'recommit' then
-    redis.call('SET', qk, 'x', 'PX', A[8])
     if done and done ~= 'x' then
       local key, dt, du, dot, dou = string.match(done, '^(.*)|(%d+)|(%d+)|(%d+)|(%d+)$')
       return {encode(chain(key)), tonumber(dt), tonumber(du), tonumber(dot), tonumber(dou)}
     end
+    redis.call('SET', qk, 'x', 'PX', A[8])
     mode = 'actual'
   elseif done then
     return redis.error_reply('ATPCANCELLED commit ' .. q .. ' was settled again before it ran')
@@ -382,12 +383,12 @@ elseif mode == 'actual' then
     room_u = math.min(room_u, free(r[3], r[5], r[7]))
   end
   local t, u = tonumber(A[3]), tonumber(A[4])
-  ct, cu = math.min(t, room_t + ht), math.min(u, room_u + hu)
+  ct, cu = math.max(0, math.min(t, room_t + ht)), math.max(0, math.min(u, room_u + hu))
   ot, ou = t - ct, u - cu
 end
 move(rows, ct, cu, ot, ou, -ht, -hu)
 del_res(id, h[4])
-if q ~= '' and A[2] ~= 'recommit' then
+if q ~= '' then
   redis.call('SET', qk, h[1] .. '|' .. I(ct) .. '|' .. I(cu) .. '|' .. I(ot) .. '|' .. I(ou), 'PX', A[8])
 end
 if mode ~= 'release' then record(ct, cu) end
@@ -557,19 +558,20 @@ return {tonumber(id), t, u, encode(rows)}
     #   ('' unbounded: the router's own room on the stream account), actual t, u, mode ('actual' |
     #   'recommit'), request, request ttl ms[, call record key, its value, its ttl ms]
     #   -> {chain, t, u, ot, ou} charged: per axis min(actual, the stream room, each ancestor's free
-    #   room plus what the lease gives), the rest overage; the lease's part leaves its hold. Named
-    #   and recorded like 'settle' (a recommit returns the first attempt's charge if it ran).
+    #   room plus what the lease gives), the rest overage; the lease's part leaves its hold (a cap
+    #   is never below 0: a slice never grows by a commit). Named and recorded like 'settle' (a
+    #   recommit returns the charge of whichever attempt ran).
     "lease_settle": (_LEDGER, """
 local id, skey, mode, q = A[1], A[2], A[9], A[10]
 local qk = P .. 'rq:' .. q
 if q ~= '' then
   local done = redis.call('GET', qk)
   if mode == 'recommit' then
-    redis.call('SET', qk, 'x', 'PX', A[11])
     if done and done ~= 'x' then
       local key, dt, du, dot, dou = string.match(done, '^(.*)|(%d+)|(%d+)|(%d+)|(%d+)$')
       return {encode(chain(key)), tonumber(dt), tonumber(du), tonumber(dot), tonumber(dou)}
     end
+    redis.call('SET', qk, 'x', 'PX', A[11])
   elseif done then
     return redis.error_reply('ATPCANCELLED commit ' .. q .. ' was settled again before it ran')
   end
@@ -578,7 +580,8 @@ local h = redis.call('HMGET', P .. 'r:' .. id, 'a', 't', 'u')
 if not h[1] then return nf('res', id) end
 local rows = chain(skey)
 if #rows < 2 or rows[2][1] ~= h[1] then return redis.error_reply('ATPHELD ' .. id) end
-local capt, capu = math.min(tonumber(A[3]), tonumber(h[2])), math.min(tonumber(A[4]), tonumber(h[3]))
+local capt = math.max(0, math.min(tonumber(A[3]), tonumber(h[2])))
+local capu = math.max(0, math.min(tonumber(A[4]), tonumber(h[3])))
 local s = rows[1]
 local room_t, room_u = free(s[2], s[4], s[6]), free(s[3], s[5], s[7])
 if A[5] ~= '' then room_t = math.min(room_t, tonumber(A[5])) end
@@ -598,7 +601,7 @@ move({s}, ct, cu, ot, ou, 0, 0)
 move(up, ct, cu, ot, ou, -lt, -lu)
 if lt ~= 0 then redis.call('HINCRBY', P .. 'r:' .. id, 't', I(-lt)) end
 if lu ~= 0 then redis.call('HINCRBY', P .. 'r:' .. id, 'u', I(-lu)) end
-if q ~= '' and mode ~= 'recommit' then
+if q ~= '' then
   redis.call('SET', qk, skey .. '|' .. I(ct) .. '|' .. I(cu) .. '|' .. I(ot) .. '|' .. I(ou), 'PX', A[11])
 end
 if (A[12] or '') ~= '' then

@@ -18,6 +18,7 @@ import pytest
 
 from atp_router.flow.budget import (
     Allowance,
+    Charge,
     Reservation,
     SharedBudgetLedger,
     SharedResult,
@@ -289,6 +290,55 @@ def test_a_commit_inside_a_lease_charges_once_by_name_and_a_fenced_one_is_refuse
         with pytest.raises(Fenced):
             store.lease_take("client:alice", lid, 10, 0, owner="r.a")
         assert store.shared_totals("client:alice").totals[0].committed_tokens == 300
+
+
+def test_a_retry_by_name_that_ran_but_whose_answer_was_lost_is_not_applied_again():
+    """The first attempt of a named commit never reached Redis, its retry (a
+    recommit) ran but its answer was lost too (a Redis killed mid-pipeline),
+    and the group commit is sent once more: the second retry returns the
+    charge the first applied — on a call's own reservation and on a call inside
+    a budget lease (where the slice would otherwise pay for it twice)."""
+    with start_redis() as server:
+        store = _lease_store(server)
+        store.open_shared("stream:s@r.a", "client:alice", Allowance(), owner="r.a")
+        own = store.reserve_shared("stream:s@r.a", 100, 0, owner="r.a").reservation
+        assert own is not None
+        charges = [store.recommit_shared(own, 150, 0, request="c1").charge for _ in range(3)]
+        assert charges == [Charge(150, 0, 0, 0)] * 3
+        lid = store.lease_take("client:alice", None, 400, 0, owner="r.a")[0]
+        cap = Reservation(id=lid, key="stream:s@r.a", tokens=300, usd_micros=0)
+        settled = [store.lease_settle(cap, (None, None), 200, 0, request="c2", recommit=True, buffered=False)
+                   for _ in range(3)]
+        assert {s.charge for s in settled if s is not None} == {Charge(200, 0, 0, 0)}
+        totals = store.shared_totals("client:alice").totals[0]
+        assert (totals.committed_tokens, totals.reserved_tokens) == (350, 200)  # the slice: 400 - 200
+        # The first attempt, arriving late, is refused: its name was settled.
+        with pytest.raises(StoreError, match="settled again"):
+            store.lease_settle(cap, (None, None), 200, 0, request="c2", buffered=False)
+        assert store.shared_totals("client:alice").totals[0].committed_tokens == 350
+
+
+def test_a_charge_is_never_negative_and_a_commit_never_grows_a_slice():
+    """Defence in depth in the store's rule: a commit on an account already past
+    its limit (an operator lowered it under what is held) charges 0 and counts
+    the usage as overage — never a negative charge —, and a lease commit whose
+    cap is below 0 (a router's books gone wrong) gives the call nothing and
+    leaves the slice as it was, instead of growing it past the limit."""
+    with start_redis() as server:
+        store = _lease_store(server)
+        store.open_shared("stream:s@r.a", "client:alice", Allowance(), owner="r.a")
+        r1, r2 = (store.reserve_shared("stream:s@r.a", 100, 0, owner="r.a").reservation for _ in range(2))
+        assert r1 is not None and r2 is not None
+        store.set_limit("client:alice", Allowance(tokens=50))  # 200 held under a limit of 50
+        assert store.commit_shared(r1, 80, 0, request="n1").charge == Charge(0, 0, 80, 0)
+        store.set_limit("client:alice", Allowance(tokens=1_000))
+        lid = store.lease_take("client:alice", None, 300, 0, owner="r.a")[0]
+        before = store.shared_totals("client:alice").totals[0]
+        bad = Reservation(id=lid, key="stream:s@r.a", tokens=-490, usd_micros=0)
+        out = store.lease_settle(bad, (None, None), 0, 0, request="n2", buffered=False)
+        assert out is not None and out.charge == Charge(0, 0, 0, 0)
+        assert store.shared_totals("client:alice").totals[0] == before
+        assert [(r.id, r.tokens) for r in store.load_ledger().reservations if r.id == lid] == [(lid, 300)]
 
 
 async def test_a_cluster_ledger_reserves_inside_its_lease_and_exhaustion_refuses_with_ebudget():
