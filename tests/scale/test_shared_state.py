@@ -224,7 +224,8 @@ async def test_both_routers_learn_the_sum_of_their_observations(pair):
     assert sum(calls.values()) == 2 * n
     want_count = 2 * n * (1 + 2)  # one consensus observation and one feedback (weight 2) per stream
     seen: dict[int, tuple[float, dict[str, float]]] = {}
-    with trio.fail_after(10 * SHARED_SYNC_S + 10):
+    stored, live_in = 0.0, False
+    with trio.move_on_after(10 * SHARED_SYNC_S + 10) as waited:
         while True:
             stored = sum(_count(raw) for a in calls if (raw := routers.read(f"bandit/summarize/{a}")) is not None)
             for i in (0, 1):
@@ -238,6 +239,16 @@ async def test_both_routers_learn_the_sum_of_their_observations(pair):
             if stored == want_count and all(c == want_count for c, _ in seen.values()) and live_in:
                 break
             await trio.sleep(0.2)
+    if waited.cancelled_caught:  # what each router learned and skipped: a failure's diagnosis
+        skipped = []
+        for i in (0, 1):
+            async with routers.client(i, "ops") as h:
+                text = (await h.get("/v1/metrics")).text
+            skipped.append([line for line in text.splitlines() if line.startswith(("atp_learning_skipped",
+                                                                                  "atp_quota_fallback"))])
+        raise AssertionError(f"the routers did not converge on {want_count} observations: stored {stored}, "
+                             f"each router's FIB count and live calls {seen}, live stats stored {live_in}; "
+                             f"learning skipped / quota fallbacks per router {skipped}")
     # Every call counted once in the decayed call count, whichever router made it: Σ (1-α)^i.
     live = json.loads(routers.read("live/stats"))
     for agent, k in calls.items():
