@@ -554,6 +554,8 @@ def decode_frame(data: bytes | bytearray | memoryview | str, encoding: Encoding 
             ) from None
         raise LocalProtocolError(ErrorCode.EPROTO, f"invalid frame: {msg}") from None
     except msgspec.DecodeError as e:
+        if "utf-8" in str(e).lower():  # one reason across msgspec versions (its wording changed in 0.23)
+            raise LocalProtocolError(ErrorCode.EPROTO, f"malformed json: invalid UTF-8 ({e})") from None
         raise LocalProtocolError(ErrorCode.EPROTO, f"malformed json: {e}") from None
     except UnicodeDecodeError as e:
         raise LocalProtocolError(ErrorCode.EPROTO, f"malformed {encoding}: invalid UTF-8 ({e.reason})") from None
