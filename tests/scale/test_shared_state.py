@@ -222,6 +222,8 @@ async def test_both_routers_learn_the_sum_of_their_observations(pair):
             assert r.status_code == 200 and r.json()["bandit"] is True, r.text
     calls = {"summarizer": len(one.requests), "summarizer2": len(two.requests)}
     assert sum(calls.values()) == 2 * n
+    # The bandit may send every task to one arm (seen: 24 of 24): only an agent called has live stats.
+    calls = {a: k for a, k in calls.items() if k}
     want_count = 2 * n * (1 + 2)  # one consensus observation and one feedback (weight 2) per stream
     seen: dict[int, tuple[float, dict[str, float]]] = {}
     stored, live_in = 0.0, False
