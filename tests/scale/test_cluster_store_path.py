@@ -103,6 +103,11 @@ async def test_a_one_call_task_makes_few_store_round_trips(nursery, tmp_path, re
     assert left == []  # each closed with its stream's last events (the END), retained in memory or not
 
 
+#: Tasks of 30 that may wait longer than LEARN_SLICE_S for their learning step on a loaded
+#: machine (their router's slice expired meanwhile: one taken at once).
+_SLOW_TASKS = 2
+
+
 async def _trips_by_op(url: str) -> dict[str, float]:
     """The router's store round trips by operation (``atp_store_round_trips_by_op_total``)."""
     return {k.removeprefix('op="').removesuffix('"'): v for k, v in
@@ -139,10 +144,16 @@ async def test_a_one_call_task_on_a_busy_router_makes_three_store_round_trips(nu
     task_trips = sum(d.values()) - background
     print(f"the task's store round trips a one-call task: {task_trips / n:.2f} ({background:.0f} background; "
           f"{ {op: v for op, v in d.items() if v} })")
+    alone = {op: v for op, v in d.items() if v and op not in BACKGROUND_OPS and op not in ("time", "pipeline")}
     assert d["open_stream"] == n  # the atomic OPEN, one a task
-    assert d.get("rate_take_upto", 0) == 0  # the learning slices rode the group commits
-    assert task_trips == n + d["pipeline"]  # any other script sent alone is the background's
-    assert 2 * n <= d["pipeline"] <= 3 * n  # two group commits a task, a third when its events were split
+    # The learning slices rode the group commits (before: about n / 2 taken alone); one is taken at
+    # once only after a task took longer than LEARN_SLICE_S (a loaded machine), and the budget
+    # lease may grow while the tasks spend it — nothing else is sent alone.
+    assert d.get("rate_take_upto", 0) <= _SLOW_TASKS, d
+    assert set(alone) <= {"open_stream", "rate_take_upto", "lease_take"}, alone
+    split = d["pipeline"] - 2 * n  # tasks whose events fell into a third group commit
+    assert 0 <= split <= n, d
+    assert task_trips - split <= 3 * n + _SLOW_TASKS + d.get("lease_take", 0), d
 
 
 #: The store's socket timeout in :func:`test_a_stopped_redis_does_not_hold_the_event_loop`, s:
