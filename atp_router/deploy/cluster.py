@@ -1335,7 +1335,7 @@ class ClusterNode(SynGate):
         #: The router's metrics (atp_store_up, atp_store_unavailable_total), reported before it exists.
         self.metrics = RouterMetrics()
         state = self._open_state(config)
-        self.metrics.store_round_trips.set_function(lambda: self.store.round_trips)
+        self._export_round_trips()
         #: A tenant's quotas counted across the routers in the store (atp_router.runtime.dataplane.quotas).
         self.quotas = SharedQuotas(self.store, owner=self.owner, metrics=self.metrics,
                                    on_unavailable=self.store_unavailable)
@@ -1374,6 +1374,12 @@ class ClusterNode(SynGate):
         log.info("router %s on the shared store %s (lease %d ms)", self.owner, self.store.describe(), self.lease_ms)
 
     # ------------------------------------------------------------ durable state
+    def _export_round_trips(self) -> None:
+        """The store's round trips in the router's metrics: all, the background's, by operation."""
+        self.metrics.store_round_trips.set_function(lambda: self.store.round_trips)
+        self.metrics.store_background_round_trips.set_function(lambda: self.store.background_round_trips)
+        self.metrics.store_round_trips_by_op.set_function(lambda: self.store.round_trips_by_op)
+
     def _open_state(self, config: RouterConfig) -> StateParts:
         """This router's state: its own state directory locked
         (:func:`~atp_router.deploy.single.state_directory`), the shared store opened

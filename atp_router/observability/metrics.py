@@ -43,6 +43,29 @@ class FunctionCounter(Collector):
             yield CounterMetricFamily(self.name, self.documentation, value=self._fn())
 
 
+class LabeledFunctionCounter(Collector):
+    """A :class:`FunctionCounter` by one label: the callable returns ``{label
+    value: total}`` at scrape time."""
+
+    def __init__(self, name: str, documentation: str, label: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.label = name, documentation, label
+        self._fn: Callable[[], dict[str, int]] | None = None
+        registry.register(self)
+
+    def set_function(self, fn: Callable[[], dict[str, int]]) -> None:
+        self._fn = fn
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=[self.label])
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        if self._fn is not None:
+            fam = CounterMetricFamily(self.name, self.documentation, labels=[self.label])
+            for value, total in sorted(self._fn().items()):
+                fam.add_metric([value], total)
+            yield fam
+
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -134,6 +157,13 @@ class RouterMetrics:
         self.store_round_trips = FunctionCounter(
             "atp_store_round_trips", "Requests sent to a shared state store (Redis) and waited for: a script or a "
             "pipeline of them is one (lease renewals included)", r)
+        self.store_background_round_trips = FunctionCounter(
+            "atp_store_background_round_trips", "Of atp_store_round_trips_total, those of the router's periodic "
+            "work, whatever its tasks: lease renewals, polls for lost routers, a new RIB and breaker states, "
+            "expiry, quota renewals (a group commit is never one)", r)
+        self.store_round_trips_by_op = LabeledFunctionCounter(
+            "atp_store_round_trips_by_op", "atp_store_round_trips_total by operation: a script's name, pipeline "
+            "(a group commit: several scripts in one round trip), time, script_load", "op", r)
         self.store_unavailable = Counter(
             "atp_store_unavailable", "Store operations that found the store unreachable, by operation (open, "
             "reserve, extend, set_limit, commit, release, close, events, lease, reap, read)", ["op"], registry=r)

@@ -456,6 +456,18 @@ class Store(ABC):
         wait = self.rate_take(key, per_s=per_s, burst=burst, now_ms=now_ms)
         return (1, None) if wait is None else (0, wait)
 
+    def rate_take_upto_then(self, key: str, n: int, then: Callable[[tuple[int, int | None]], None], *, per_s: float,
+                            burst: int, now_ms: int) -> None:
+        """:meth:`rate_take_upto`, its answer handed to ``then`` — at once here;
+        inside :meth:`batch` on a store that buffers (Redis) it goes in the
+        batch's round trip and ``then`` is called when that answers (not at
+        all if the batch failed as a whole, or the take was refused with an
+        error: nothing was taken). So a slice can be refilled in a group commit
+        the router makes anyway (:meth:`SharedQuotas.may_learn
+        <atp_router.runtime.dataplane.quotas.SharedQuotas.may_learn>`). Raises
+        as :meth:`rate_take_upto`."""
+        then(self.rate_take_upto(key, n, per_s=per_s, burst=burst, now_ms=now_ms))
+
     @abstractmethod
     def update(self, key: str, fn: Callable[[bytes | None], bytes | None]) -> bytes | None:
         """Atomic read-modify-write of kv ``key``: ``fn(current value or None)``

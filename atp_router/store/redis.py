@@ -159,7 +159,7 @@ from atp_router.store.base import (
 )
 from atp_router.store.sqlite import RIB_KEPT, _remaining, _totals, ledger_snapshot
 
-__all__ = ["EXPIRE_STEP", "MIN_DEADLINE_MS", "REQUEST_TTL_MS", "RedisStore"]
+__all__ = ["BACKGROUND_OPS", "EXPIRE_STEP", "MIN_DEADLINE_MS", "REQUEST_TTL_MS", "RedisStore"]
 
 _APP = "atp-router"
 #: Streams :meth:`RedisStore.expire` drops per script (Redis runs one script at a time).
@@ -191,6 +191,15 @@ _FENCED = frozenset({"open_account", "open_stream", "close_account", "close_acco
 #: lease renewal (late is harmless: the router is alive, and its writes are fenced), a
 #: claim (bounded by its own TTL) or a cancel (it must always apply) carries none.
 _DEADLINED = _FENCED | {"set_limit", "quota_open", "rate_take", "rate_take_upto"}
+#: The scripts only a router's periodic work runs, whatever its tasks: its lease renewal,
+#: the polls for lost routers, a new RIB and the breakers' states, the expiry of closed
+#: streams, the renewal of its quota entries, the shared learning's sync (once a second:
+#: its reads and compare-and-sets; so are the breakers' state changes and feedback's reads)
+#: and the audit chain's checkpoint (its read of the latest and its write, once an interval)
+#: (:attr:`RedisStore.background_round_trips`). Every other operation counts as its tasks'.
+BACKGROUND_OPS = frozenset({"heartbeat", "renew_lease", "live_owners", "lost_owners", "active_rib_version",
+                         "kv_items", "kv_get", "kv_cas", "expire", "quota_renew", "audit_read",
+                         "put_audit_checkpoint"})
 
 
 @dataclass
@@ -198,6 +207,8 @@ class _Batch:
     depth: int = 0
     ops: list[tuple[str, tuple]] = field(default_factory=list)
     errors: list[StoreError] = field(default_factory=list)
+    #: id(args) of a buffered op -> what its reply is handed to (:meth:`RedisStore.rate_take_upto_then`).
+    then: dict[int, Callable[[Any], None]] = field(default_factory=dict)
 
 
 class _Local(threading.local):
@@ -243,6 +254,8 @@ class RedisStore(Store):
         #: The fencing token this process's writes carry: (owner, lease epoch) or None.
         self._fence: tuple[str, str] | None = None
         self._round_trips = 0
+        self._background_trips = 0
+        self._trips_by_op: dict[str, int] = {}
         self._trips_lock = threading.Lock()
         #: The audit chain's head as this store last saw it (seq, hash): the next chained
         #: append's guess (:meth:`append_audit_chained`); None: read it first.
@@ -364,7 +377,7 @@ class RedisStore(Store):
         :class:`~atp_router.store.base.StoreUnavailable`."""
         self._check()
         try:
-            self._trip()
+            self._trip("time", background=True)
             t0 = time.time()
             sec, usec = self._client.time()
             t1 = time.time()
@@ -406,17 +419,13 @@ class RedisStore(Store):
         buffered write (None), else send it with the buffered writes before it."""
         b = self._local.batch
         if b.depth and name in _DEFERRED:
-            # Buffered: no I/O now, so it must not take the probe of a back-off (the
-            # batch's own round trip at its end is the probe).
-            if self._lost or (not self._up and (time.monotonic() < self._retry_at
-                                                 or threading.get_ident() == self._no_probe)):
-                self._check()
-            b.ops.append((name, args))
+            self._buffer(b, name, args)
             return None
         self._check()
         if b.depth and b.ops:
             ops, b.ops = [*b.ops, (name, args)], []
             replies = self._pipeline(ops)
+            self._answer(b, ops, replies)
             b.errors.extend(e for e in map(self._reply_error, replies[:-1]) if e is not None)
             reply = replies[-1]
             err = self._reply_error(reply)
@@ -424,12 +433,13 @@ class RedisStore(Store):
                 raise err
             return reply
         try:
+            background = name in BACKGROUND_OPS
             try:
-                reply = self._eval(self._args(name, args))
+                reply = self._eval(name, self._args(name, args), background)
             except NoScriptError:  # Redis restarted (scripts are not persisted): load and run again
-                self._trip()
+                self._trip("script_load", background)
                 self._client.script_load(SCRIPTS[name])
-                reply = self._eval(self._args(name, args))
+                reply = self._eval(name, self._args(name, args), background)
         except ResponseError as e:
             self._up = True
             raise self._error(e) from None
@@ -447,15 +457,54 @@ class RedisStore(Store):
         bench/bench_cluster.py divides it by the tasks run)."""
         return self._round_trips
 
-    def _trip(self) -> None:
+    @property
+    def background_round_trips(self) -> int:
+        """Of :attr:`round_trips`, those of a script only the router's periodic
+        work runs (:data:`BACKGROUND_OPS`: lease renewals, polls, expiry, quota
+        renewals) and the ``TIME`` at open — what a router makes however many
+        tasks it runs (``atp_store_background_round_trips_total``); a pipeline
+        (a group commit) is never one."""
+        return self._background_trips
+
+    @property
+    def round_trips_by_op(self) -> dict[str, int]:
+        """:attr:`round_trips` by operation: a script's name, ``pipeline`` (a
+        group commit, a batch of commits: several scripts in one round trip),
+        ``time`` (``TIME``), ``script_load`` (scripts loaded again after a Redis
+        restart) — ``atp_store_round_trips_by_op_total{op}``."""
+        with self._trips_lock:
+            return dict(self._trips_by_op)
+
+    def _trip(self, op: str, background: bool = False) -> None:
         with self._trips_lock:
             self._round_trips += 1
+            self._background_trips += background
+            self._trips_by_op[op] = self._trips_by_op.get(op, 0) + 1
 
-    def _eval(self, args: tuple) -> Any:
+    def _buffer(self, b: _Batch, name: str, args: tuple[Any, ...]) -> None:
+        """Buffer op ``name`` in batch ``b``: no I/O now, so it must not take the
+        probe of a back-off (the batch's own round trip at its end is the probe)."""
+        if self._lost or (not self._up and (time.monotonic() < self._retry_at
+                                             or threading.get_ident() == self._no_probe)):
+            self._check()
+        b.ops.append((name, args))
+
+    @staticmethod
+    def _answer(b: _Batch, ops: list[tuple[str, tuple[Any, ...]]], replies: list[Any]) -> None:
+        """Hand the replies of ``ops`` (a pipeline just sent) that a buffered op
+        waits for to its ``then`` (:meth:`rate_take_upto_then`); an error reply
+        to none (it is the batch's error, as any buffered write's)."""
+        if b.then:
+            for (_, args), reply in zip(ops, replies, strict=False):
+                then = b.then.pop(id(args), None)
+                if then is not None and not isinstance(reply, Exception):
+                    then(reply)
+
+    def _eval(self, name: str, args: tuple, background: bool = False) -> Any:
         """``EVALSHA args`` on a pooled connection: redis-py's ``execute_command``
         without its retry and instrumentation layers (about a quarter of the
         client's CPU per call). A connection that failed is dropped."""
-        self._trip()
+        self._trip(name, background)
         pool = self._client.connection_pool
         conn = pool.get_connection()
         try:
@@ -477,7 +526,7 @@ class RedisStore(Store):
             pipe = self._client.pipeline(transaction=False)
             for name, args in ops:
                 pipe.execute_command("EVALSHA", *self._args(name, args))
-            self._trip()
+            self._trip("pipeline")
             replies = pipe.execute(raise_on_error=False)
             redo = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
             if redo:
@@ -487,7 +536,7 @@ class RedisStore(Store):
                 for i in redo:
                     name, args = ops[i]
                     pipe.execute_command("EVALSHA", *self._args(name, args))
-                self._trip()
+                self._trip("pipeline")
                 for i, r in zip(redo, pipe.execute(raise_on_error=False)[len(SCRIPTS):], strict=True):
                     replies[i] = r
         except (RedisConnectionError, RedisTimeoutError) as e:
@@ -554,15 +603,21 @@ class RedisStore(Store):
             if b.depth == 0:
                 b.ops.clear()
                 b.errors.clear()
+                b.then.clear()
             raise
         b.depth -= 1
         if b.depth:
             return
         ops, b.ops = b.ops, []
         errors, b.errors = b.errors, []
-        if ops:
-            self._check()
-            errors += [e for e in map(self._reply_error, self._pipeline(ops)) if e is not None]
+        try:
+            if ops:
+                self._check()
+                replies = self._pipeline(ops)
+                self._answer(b, ops, replies)
+                errors += [e for e in map(self._reply_error, replies) if e is not None]
+        finally:
+            b.then.clear()  # a batch that failed as a whole answers none
         fenced = next((e for e in errors if isinstance(e, Fenced)), None)
         if fenced is not None:
             raise fenced  # the whole batch waits for the fence (its other errors are its writes' own)
@@ -723,6 +778,7 @@ class RedisStore(Store):
         if b.depth:  # inside a batch (a group commit): its buffered writes go first, in this pipeline
             ahead, b.ops = b.ops, []
         replies = self._pipeline([*ahead, *calls])
+        self._answer(b, ahead, replies)
         b.errors.extend(e for e in map(self._reply_error, replies[:len(ahead)]) if e is not None)
         out: list[SharedResult | StoreError] = []
         for (mode, *_), reply in zip(ops, replies[len(ahead):], strict=True):
@@ -886,8 +942,24 @@ class RedisStore(Store):
         check_rate_args(per_s, burst)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        taken, wait = self._run("rate_take_upto", key, repr(float(per_s)), burst, n)
-        return (int(taken), None) if int(taken) else (0, int(wait))
+        return _taken(self._run("rate_take_upto", key, repr(float(per_s)), burst, n))
+
+    def rate_take_upto_then(self, key: str, n: int, then: Callable[[tuple[int, int | None]], None], *, per_s: float,
+                            burst: int, now_ms: int) -> None:
+        """:meth:`Store.rate_take_upto_then <atp_router.store.base.Store.rate_take_upto_then>`:
+        inside :meth:`batch`, buffered like the stream writes (no round trip of
+        its own) and ``then`` called with its answer when the batch's pipeline
+        answers, on that thread; outside, at once."""
+        b = self._local.batch
+        if not b.depth:
+            then(self.rate_take_upto(key, n, per_s=per_s, burst=burst, now_ms=now_ms))
+            return
+        check_rate_args(per_s, burst)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        args = (key, repr(float(per_s)), burst, n)
+        self._buffer(b, "rate_take_upto", args)
+        b.then[id(args)] = lambda reply: then(_taken(reply))
 
     # ------------------------------------------- replay nonces (signed frames)
     def record_nonce(self, tenant: str, kid: str, nonce: str, *, now_ms: int, expires_ms: int,
@@ -1088,6 +1160,12 @@ def _record_args(record: CallRecord | None) -> tuple[Any, ...]:
     if not record.key or record.ttl_ms < 1:
         raise ValueError("a call record needs a key and a ttl_ms >= 1")
     return (record.key, record.value, record.ttl_ms)
+
+
+def _taken(reply: list[Any]) -> tuple[int, int | None]:
+    """A ``rate_take_upto`` reply as ``(taken, None)`` or ``(0, wait ms)``."""
+    taken, wait = reply
+    return (int(taken), None) if int(taken) else (0, int(wait))
 
 
 def _sk(tenant: str, session_id: str, stream_id: str) -> bytes:

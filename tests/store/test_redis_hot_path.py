@@ -10,6 +10,7 @@ taken in slices (budget leases), never past the shared bucket."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import uuid
@@ -147,6 +148,57 @@ def test_learning_tokens_are_taken_in_slices_never_past_the_shared_rate():
         trips = a.round_trips
         assert slow.may_learn("carol", 0.001, 1) is False and a.round_trips == trips + 1
         assert slow.may_learn("carol", 0.001, 1) is False and a.round_trips == trips + 1
+
+
+async def test_a_learning_slice_is_refilled_in_the_group_commit_under_way():
+    """The next learning slice rides the group commit the router makes anyway
+    (a finished task's FINAL): taken when its last token is handed out, sent in
+    that pipeline (no round trip of its own), its answer handed out after it —
+    and refused until just now, the slice is asked for the same way (the
+    asking task refused, the next one served). Never past the shared bucket."""
+    import trio
+
+    from atp_router.runtime.dataplane.persistence import StreamPersistence
+
+    with start_redis() as server:
+        store = RedisStore.open(server.url, namespace="t" + uuid.uuid4().hex[:10])
+        persistence = StreamPersistence(store)
+        persistence.group_commit = True
+        quotas = SharedQuotas(store, owner="r.a", metrics=RouterMetrics())
+        quotas.defer = persistence.defer
+        # Buffered in a batch, the take's answer comes with the batch's one round trip.
+        got: list[tuple[int, int | None]] = []
+        trips = store.round_trips
+        with store.batch():
+            store.put("k0", b"v")
+            store.rate_take_upto_then("other", 3, got.append, per_s=0.001, burst=5, now_ms=0)
+            assert got == []
+        assert (got, store.round_trips) == ([(3, None)], trips + 1)
+        # 40 a second, burst 40: slices of 10. The last token of the first one asks for the next.
+        t0 = time.monotonic()
+        trips = store.round_trips
+        assert all(quotas.may_learn("alice", 40.0, 40) for _ in range(10))
+        assert store.round_trips == trips + 1  # the first slice, at once
+        persistence.defer(functools.partial(store.put, "k", b"v"))  # a write of the next group commit
+        assert persistence.flush()
+        assert store.round_trips == trips + 2 and store.get("k") == b"v"  # the write and the refill: one pipeline
+        trips = store.round_trips
+        assert all(quotas.may_learn("alice", 40.0, 40) for _ in range(10))  # the refilled slice
+        assert store.round_trips == trips
+        # The bucket gave 20 (and refills at 40 a second): what is left of it is the rest.
+        left, _ = store.rate_take_upto("learn/alice", 40, per_s=40.0, burst=40, now_ms=0)
+        assert 20 <= left <= 20 + math.ceil(40 * (time.monotonic() - t0)) + 1, left
+        assert time.monotonic() - t0 < LEARN_SLICE_S  # the slices did not expire meanwhile
+        # 20 a second, burst 4: slices of one. Spent, the store's wait is kept (no round trip) …
+        while quotas.may_learn("bob", 20.0, 4):
+            assert persistence.flush()
+        trips = store.round_trips
+        assert quotas.may_learn("bob", 20.0, 4) is False and store.round_trips == trips
+        await trio.sleep(0.06)  # … until it passed (one in 50 ms); asked for just after it: refused here, and
+        assert quotas.may_learn("bob", 20.0, 4) is False and store.round_trips == trips  # the slice rides the
+        persistence.defer(functools.partial(store.put, "k", b"w"))  # next group commit
+        assert persistence.flush() and store.round_trips == trips + 1
+        assert quotas.may_learn("bob", 20.0, 4) is True and store.round_trips == trips + 1  # served from it
 
 
 def test_commits_inside_a_group_commit_share_its_round_trip():

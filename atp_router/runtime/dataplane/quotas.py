@@ -36,7 +36,9 @@ deployment mode injects, never overrides of the SYN path:
   bucket (``learn/<tenant>``), :attr:`Learning.shared_rate
   <atp_router.runtime.controlplane.learning.Learning.shared_rate>`, taken in
   slices of :data:`LEARN_SLICE_S` of its rate handed out locally (one store
-  step per slice, not per finished task).
+  step per slice, not per finished task); when a slice's last token is handed
+  out, the next one is taken in the group commit under way (the finished
+  task's FINAL: no round trip of its own, :meth:`SharedQuotas.may_learn`).
 
 **The store down**: a decision the store cannot make
 (:class:`~atp_router.store.base.StoreError`) falls back to this router's own limit —
@@ -130,7 +132,7 @@ class SharedQuotas:
         #: table's group commit, where the close goes in one round trip with the stream's
         #: last events, off the trio loop, and is retried with them (atp_router.deploy.cluster:
         #: :meth:`StreamPersistence.defer <atp_router.runtime.dataplane.persistence.StreamPersistence.defer>`).
-        self.defer: Callable[[Callable[[], object]], bool] | None = None
+        self.defer: Callable[..., bool] | None = None
         #: When set, the atomic OPEN (issue 22 item 2; atp_router.deploy.cluster):
         #: ``opener(ask, account, limit, parent, ttl_ms)`` opens a stream's budget account
         #: with its quota entry in one store step and returns the grant (refused: neither
@@ -143,6 +145,8 @@ class SharedQuotas:
         #: tenant -> (learning tokens left in this router's slice, when it expires: time.monotonic());
         #: (-1, t): the shared bucket refused, none before t.
         self._slices: dict[str, tuple[int, float]] = {}
+        #: Tenants whose next learning slice is being taken in a group commit (:meth:`_refill`).
+        self._refilling: set[str] = set()
         self._down = False
 
     def _now_ms(self) -> int:
@@ -224,15 +228,24 @@ class SharedQuotas:
         taken from the store in one step
         (:meth:`Store.rate_take_upto <atp_router.store.base.Store.rate_take_upto>`);
         refused, the store's wait is kept and refuses here until it passes.
-        None: the store could not say (the caller's own bucket decides)."""
+        The slice's last token handed out, the next slice is taken in the
+        group commit under way (:meth:`_refill`); so is a slice asked for less
+        than :data:`LEARN_SLICE_S` after such a wait passed (the tenant
+        finishes tasks faster than its rate here: this task is refused, the
+        slice serves the next ones — as many learn a second). None: the store
+        could not say (the caller's own bucket decides)."""
         now = time.monotonic()
         left, until = self._slices.get(tenant, (0, 0.0))
+        n = max(1, min(int(rate_per_s * LEARN_SLICE_S), burst // 4))
         if now < until and left:
             if left < 0:
                 return False  # the shared bucket had none, and gets none before `until` (others only take)
             self._slices[tenant] = (left - 1, until)
+            if left == 1:
+                self._refill(tenant, n, rate_per_s, burst)
             return True
-        n = max(1, min(int(rate_per_s * LEARN_SLICE_S), burst // 4))
+        if left < 0 and now < until + LEARN_SLICE_S and self._refill(tenant, n, rate_per_s, burst):
+            return False
         try:
             taken, wait = self.store.rate_take_upto("learn/" + tenant, n, per_s=rate_per_s, burst=burst,
                                                  now_ms=self._now_ms())
@@ -247,7 +260,54 @@ class SharedQuotas:
             self._slices[tenant] = (-1, now + (wait or 1) / 1000)
             return False
         self._slices[tenant] = (taken - 1, now + LEARN_SLICE_S)
+        if taken == 1:
+            self._refill(tenant, n, rate_per_s, burst)
         return True
+
+    def _refill(self, tenant: str, n: int, rate_per_s: float, burst: int) -> bool:
+        """Take ``tenant``'s next learning slice (up to ``n`` tokens) in the next
+        group commit (:attr:`defer`: the FINAL of the task that used the last
+        token — no round trip of its own), handed out from when that answers
+        (:meth:`_refilled`). Its tokens are taken from the shared bucket like a
+        slice taken at once, and handed out at most :data:`LEARN_SLICE_S` after
+        the group commit was sent: the shared rate is never exceeded; a slice
+        the router does not use in time is lost (under-used, as any slice).
+        Whether one is on its way (False: no group commit runs, or this is not
+        the trio loop)."""
+        if tenant in self._refilling:
+            return True
+        if self.defer is None:
+            return False
+        sent: list[float] = []
+        answer: list[tuple[int, int | None]] = []
+
+        def write() -> None:
+            sent[:] = [time.monotonic()]  # sent after this: its tokens expire LEARN_SLICE_S from here
+            answer.clear()
+            self.store.rate_take_upto_then("learn/" + tenant, n, answer.append, per_s=rate_per_s, burst=burst,
+                                           now_ms=self._now_ms())
+
+        # first: buffered ahead of the group commit's audit record, whose chained append sends it.
+        if not self.defer(write, over=functools.partial(self._refilled, tenant, sent, answer), first=True):
+            return False
+        self._refilling.add(tenant)
+        return True
+
+    def _refilled(self, tenant: str, sent: list[float], answer: list[tuple[int, int | None]]) -> None:
+        """The group commit of :meth:`_refill` is over: its slice (the store's
+        ``answer`` ``(taken, wait)``, taken after ``sent``; no answer: none)
+        handed out here unless a slice taken at once meanwhile still serves."""
+        self._refilling.discard(tenant)
+        if not answer:
+            return
+        (taken, wait), base = answer[0], sent[0]
+        left, until = self._slices.get(tenant, (0, 0.0))
+        now = time.monotonic()
+        if left > 0 and now < until:
+            return  # its tokens are lost: under-used, never over
+        if len(self._slices) >= _SLICES_KEPT:
+            self._slices = {t: v for t, v in self._slices.items() if v[1] > now}
+        self._slices[tenant] = (taken, base + LEARN_SLICE_S) if taken else (-1, base + (wait or 1) / 1000)
 
     def renew(self) -> int:
         """Retry the closes the store could not take, then renew the entries of
