@@ -526,6 +526,7 @@ class ClusterLedger(SharedBudgetLedger):
                        any(a.limit_usd is not None for a in up.chain))
             lease = self._leases[up.key] = BudgetLease(up.key, limited, used_at=time.monotonic())
         lease.aim = aim if aim is not None else (0, 0)
+        lease.call = (tokens, usd_micros)
         if aim is None or lease.want() is not None:
             self._lease_wake.set()
 
@@ -658,6 +659,10 @@ class ClusterLedger(SharedBudgetLedger):
             for key, lease in returning:
                 await self._return_lease(key, lease)
             for key, lease in list(self._leases.items()):
+                up = self._accounts.get(key)
+                if up is not None:  # the tenant near its limit as last seen: retired between calls too
+                    lease.resize((min(a.free_tokens() for a in up.chain), min(a.free_usd() for a in up.chain)),
+                                 self.routers())
                 want = lease.want()
                 if lease.take is not None:
                     await self._grow_lease(key, lease, lease.take[1:])  # its answer was lost: again, by name

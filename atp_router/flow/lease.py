@@ -73,6 +73,9 @@ class BudgetLease:
     alloc_t: int = 0
     alloc_u: int = 0
     aim: tuple[int, int] = (0, 0)
+    #: The last call's reservation the slice was sized for (tokens, USD micros): what
+    #: :meth:`resize` checks the aim against between calls.
+    call: tuple[int, int] = (0, 0)
     #: A take or a return is in flight (no other is started).
     busy: bool = False
     #: A take sent and not answered yet, or whose answer was lost (the store timed out: it
@@ -192,6 +195,19 @@ class BudgetLease:
         self.id = lease_id
         self.hold_t += tokens
         self.hold_u += usd_micros
+
+    def resize(self, free: tuple[float, float], routers: int) -> bool:
+        """Retire the slice when the tenant's ``free`` budget (as last seen:
+        tokens, USD micros; ``inf`` unlimited), shared by ``routers``, no longer
+        pays for one (:func:`lease_aim` None for the last call's size): called
+        between calls too, so a router that has no call to make gives its
+        slice back as soon as it sees the tenant near its limit, not only once
+        idle — a slice's free part is not another router's. True when it was
+        retired now."""
+        if self.retired or self.id is None or lease_aim(free, routers, self.call) is not None:
+            return False
+        self.aim = (0, 0)
+        return True
 
     def idle(self, now: float) -> bool:
         """Whether the slice is unused (no open call in it) for :data:`LEASE_IDLE_S`."""

@@ -68,3 +68,19 @@ def test_a_certain_commit_takes_its_charge_off_the_slice_and_its_reservation_off
     cap = lease.cap((100, 0))
     lease.settle((100, 0), cap, (900, 0))
     assert (lease.hold_t, lease.alloc_t, lease.free) == (100, 0, (100, 0))
+
+
+def test_a_slice_retires_between_calls_once_the_tenant_is_near_its_limit():
+    """A router with no call to make gives its slice back as soon as it sees the
+    tenant near its limit (a slice's free part is not another router's): the
+    same rule that sizes a slice, checked on every tick of the lease service."""
+    lease = _slice()
+    lease.call = (100, 0)
+    inf = float("inf")
+    # 3 routers, 100-token calls: a slice pays while a quarter of a third of the free
+    # budget holds 8 calls, i.e. from 9,600 tokens free.
+    assert not lease.resize((9_600.0, inf), 3) and not lease.retired
+    assert lease.resize((9_599.0, inf), 3) and lease.retired and not lease.covers(1, 0)
+    assert not lease.resize((0.0, inf), 3)  # once
+    fresh = BudgetLease("client:t", limited=(True, False), aim=(1_000, 0), call=(100, 0))
+    assert not fresh.resize((0.0, inf), 3)  # not taken yet: nothing to give back
