@@ -614,9 +614,22 @@ class ClusterLedger(SharedBudgetLedger):
             a.overage_usd += charge.overage_usd_micros
         acct.open -= 1
         self._send_lease_commit(lease, stored, room, usage, request, record, acct)
-        if lease.want() is not None:
+        if lease.want() is not None or self._near_limit(lease, acct):
             self._lease_wake.set()
         return charge
+
+    def _near_limit(self, lease: BudgetLease, acct: _Account) -> bool:
+        """After a call in ``lease`` gave back part of what it held (a release,
+        a commit below it): when the tenant (``acct``'s parent) is near its
+        limit, the slice is retired (:meth:`BudgetLease.resize`) and the lease
+        service woken to give that part back at once — near the limit other
+        routers' calls need it, and a slice's free part is not theirs."""
+        up = acct.parent
+        if up is None or not (lease.retired or lease.resize(
+                (min(a.free_tokens() for a in up.chain), min(a.free_usd() for a in up.chain)), self.routers())):
+            return False
+        self._lease_wake.set()
+        return True
 
     def _send_lease_commit(self, lease: BudgetLease, stored: Reservation, room: tuple[int | None, int | None],
                            usage: tuple[int, int], request: str, record: CallRecord | None, acct: _Account) -> None:
@@ -766,6 +779,7 @@ class ClusterLedger(SharedBudgetLedger):
         for a in st.acct.chain[1:]:
             a.reserved_tokens += kept[0]
             a.reserved_usd += kept[1]
+        self._near_limit(lc.lease, st.acct)
 
     def _forget_account(self, key: str) -> AccountState:
         state = self.state(key)
@@ -872,6 +886,7 @@ class ClusterLedger(SharedBudgetLedger):
             lease.uncarve(reservation.tokens, reservation.usd_micros)
             self._local_hold(acct, -reservation.tokens, -reservation.usd_micros)
             acct.open -= 1
+            self._near_limit(lease, acct)
             return
         stored = self._stored(reservation)
         if self._unsettled or self._wake is not None:
