@@ -166,6 +166,25 @@ local function no_room(rows, t, u)
   end
   return 0
 end
+-- The guard of a named commit (request q; mode 'recommit': the retry of one whose answer was
+-- lost): a recommit of a name an attempt already ran returns that attempt's reply (nothing
+-- applied twice), else marks the name ('x', ttl ms) so the first attempt arriving late is
+-- refused; a first attempt whose name was settled by a recommit is refused. nil: go on.
+local function named_commit(q, mode, ttl)
+  if q == '' then return nil end
+  local qk = P .. 'rq:' .. q
+  local done = redis.call('GET', qk)
+  if mode == 'recommit' then
+    if done and done ~= 'x' then
+      local key, dt, du, dot, dou = string.match(done, '^(.*)|(%d+)|(%d+)|(%d+)|(%d+)$')
+      return {encode(chain(key)), tonumber(dt), tonumber(du), tonumber(dot), tonumber(dou)}
+    end
+    redis.call('SET', qk, 'x', 'PX', ttl)
+  elseif done then
+    return redis.error_reply('ATPCANCELLED commit ' .. q .. ' was settled again before it ran')
+  end
+  return nil
+end
 local function del_res(id, w)
   redis.call('DEL', P .. 'r:' .. id)
   redis.call('ZREM', P .. 'rs', id)
@@ -356,19 +375,9 @@ local function record(t, u)
   redis.call('HSET', ck, 'v', A[10], 't', I(t), 'u', I(u))
   redis.call('PEXPIRE', ck, A[11])
 end
-if q ~= '' then
-  local done = redis.call('GET', qk)
-  if mode == 'recommit' then
-    if done and done ~= 'x' then
-      local key, dt, du, dot, dou = string.match(done, '^(.*)|(%d+)|(%d+)|(%d+)|(%d+)$')
-      return {encode(chain(key)), tonumber(dt), tonumber(du), tonumber(dot), tonumber(dou)}
-    end
-    redis.call('SET', qk, 'x', 'PX', A[8])
-    mode = 'actual'
-  elseif done then
-    return redis.error_reply('ATPCANCELLED commit ' .. q .. ' was settled again before it ran')
-  end
-end
+local again = named_commit(q, mode, A[8])
+if again then return again end
+if mode == 'recommit' then mode = 'actual' end
 local h = redis.call('HMGET', P .. 'r:' .. id, 'a', 't', 'u', 'w')
 if not h[1] then return nf('res', id) end
 local ht, hu = tonumber(h[2]), tonumber(h[3])
@@ -564,18 +573,8 @@ return {tonumber(id), t, u, encode(rows)}
     "lease_settle": (_LEDGER, """
 local id, skey, mode, q = A[1], A[2], A[9], A[10]
 local qk = P .. 'rq:' .. q
-if q ~= '' then
-  local done = redis.call('GET', qk)
-  if mode == 'recommit' then
-    if done and done ~= 'x' then
-      local key, dt, du, dot, dou = string.match(done, '^(.*)|(%d+)|(%d+)|(%d+)|(%d+)$')
-      return {encode(chain(key)), tonumber(dt), tonumber(du), tonumber(dot), tonumber(dou)}
-    end
-    redis.call('SET', qk, 'x', 'PX', A[11])
-  elseif done then
-    return redis.error_reply('ATPCANCELLED commit ' .. q .. ' was settled again before it ran')
-  end
-end
+local again = named_commit(q, mode, A[11])
+if again then return again end
 local h = redis.call('HMGET', P .. 'r:' .. id, 'a', 't', 'u')
 if not h[1] then return nf('res', id) end
 local rows = chain(skey)
