@@ -516,9 +516,8 @@ class ClusterLedger(SharedBudgetLedger):
         if acct.parent is None or self._wake is None:
             return  # a root's own spend, or no committer running (no group commit to settle in)
         up = acct.parent
-        free = (min(a.free_tokens() for a in up.chain), min(a.free_usd() for a in up.chain))
         lease = self._leases.get(up.key)
-        aim = lease_aim(free, self.routers(), (tokens, usd_micros))
+        aim = lease_aim(up.chain_free(), self.routers(), (tokens, usd_micros))
         if lease is None:
             if aim is None:
                 return
@@ -625,8 +624,7 @@ class ClusterLedger(SharedBudgetLedger):
         service woken to give that part back at once — near the limit other
         routers' calls need it, and a slice's free part is not theirs."""
         up = acct.parent
-        if up is None or not (lease.retired or lease.resize(
-                (min(a.free_tokens() for a in up.chain), min(a.free_usd() for a in up.chain)), self.routers())):
+        if up is None or not (lease.retired or lease.resize(up.chain_free(), self.routers())):
             return False
         self._lease_wake.set()
         return True
@@ -674,8 +672,7 @@ class ClusterLedger(SharedBudgetLedger):
             for key, lease in list(self._leases.items()):
                 up = self._accounts.get(key)
                 if up is not None:  # the tenant near its limit as last seen: retired between calls too
-                    lease.resize((min(a.free_tokens() for a in up.chain), min(a.free_usd() for a in up.chain)),
-                                 self.routers())
+                    lease.resize(up.chain_free(), self.routers())
                 want = lease.want()
                 if lease.take is not None:
                     await self._grow_lease(key, lease, lease.take[1:])  # its answer was lost: again, by name

@@ -266,6 +266,11 @@ class _Account:
             return math.inf
         return self.limit_usd - self.committed_usd - self.reserved_usd
 
+    def chain_free(self) -> tuple[float, float]:
+        """What this account could still take (tokens, USD micros): per axis the
+        smallest free headroom along its chain (``inf``: unlimited)."""
+        return min(a.free_tokens() for a in self.chain), min(a.free_usd() for a in self.chain)
+
 
 class BudgetLedger:
     """Hierarchical reserve/commit ledger (see the module docstring).

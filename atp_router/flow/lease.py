@@ -188,13 +188,9 @@ class BudgetLease:
         assert self.take is not None
         _, wt, wu = self.take
         self.take = None
-        self.granted(lease_id, tokens - min(0, wt), usd_micros - min(0, wu))
-
-    def granted(self, lease_id: int, tokens: int, usd_micros: int) -> None:
-        """The slice ``lease_id`` grew by these amounts (the store's answer)."""
         self.id = lease_id
-        self.hold_t += tokens
-        self.hold_u += usd_micros
+        self.hold_t += tokens - min(0, wt)
+        self.hold_u += usd_micros - min(0, wu)
 
     def resize(self, free: tuple[float, float], routers: int) -> bool:
         """Retire the slice when the tenant's ``free`` budget (as last seen:
