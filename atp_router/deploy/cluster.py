@@ -132,7 +132,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import msgspec
 import trio
@@ -406,33 +406,43 @@ class ClusterLedger(SharedBudgetLedger):
             raise ATPError(ErrorCode.EBUDGET, self._settled("open", parent or key, e).reason,
                            retry_after_ms=RETRY_AFTER_MS) from None
 
-    def open_admitted(self, ask: QuotaAsk, key: str, limit: Allowance, parent: str, ttl_ms: int) -> QuotaGrant:
-        """The atomic OPEN of a stream (issue 22 item 2): :meth:`open` of its
-        account ``key`` under ``parent`` with ``ask``'s entry in its tenant's
-        shared quota (held ``ttl_ms``) taken in the same store step
+    def open_admitted(self, ask: QuotaAsk, key: str, limit: Allowance, parent: str,
+                      ttl_ms: int) -> tuple[Callable[[], Any], Callable[[Any], QuotaGrant]]:
+        """The atomic OPEN of a stream (issue 22 item 2) as a store step: :meth:`open`
+        of its account ``key`` under ``parent`` with ``ask``'s entry in its
+        tenant's shared quota (held ``ttl_ms``) taken in the same store step
         (:meth:`RedisStore.open_stream_shared
         <atp_router.store.redis.RedisStore.open_stream_shared>`, carrying the
-        lease epoch and a deadline): both or neither. Returns the grant.
-        Raises :class:`~atp_router.store.base.StoreUnavailable` (nothing opened:
+        lease epoch and a deadline): both or neither. Returns ``(run, then)``
+        (a :class:`~atp_router.runtime.dataplane.opening.StoreStep`'s parts):
+        ``run()`` makes the store call and touches nothing else here (a worker
+        thread may run it); ``then(outcome)``, on the router's thread, opens the
+        account here too and returns the grant, or raises what ``run`` raised:
+        :class:`~atp_router.store.base.StoreUnavailable` (nothing opened:
         :class:`~atp_router.runtime.dataplane.quotas.SharedQuotas` falls back and
         reports it) or :class:`~atp_router.wire.errors.ATPError` ``EBUDGET``
-        (``parent`` settled by another router)."""
-        grant: QuotaGrant | None = None
+        (``parent`` settled by another router). Raises ValueError (``key`` open)."""
+        skey, pkey = self.open_keys(key, parent)
+        reopened = skey in self._closing  # its close still waits in the group commit: made first
+        self._closing.discard(skey)
 
-        def opener(skey: str, pkey: str | None, lim: Allowance, *, owner: str | None) -> SharedResult | None:
-            nonlocal grant
-            grant, out = self.shared.open_stream_shared(skey, pkey or "", lim, owner=owner or self.owner, ask=ask,
-                                                        ttl_ms=ttl_ms)
-            return out
+        def run() -> tuple[QuotaGrant, SharedResult | None]:
+            if reopened:
+                self.shared.close_shared_if_open(skey)
+            return self.shared.open_stream_shared(skey, pkey or "", limit, owner=self.owner, ask=ask, ttl_ms=ttl_ms)
 
-        try:
-            self._closed_first(key, parent)
-            self.open_with(key, limit, parent, opener)
-        except NotFound as e:
-            raise ATPError(ErrorCode.EBUDGET, self._settled("open", parent, e).reason,
-                           retry_after_ms=RETRY_AFTER_MS) from None
-        assert grant is not None
-        return grant
+        def then(outcome: Any) -> QuotaGrant:
+            if isinstance(outcome, NotFound):
+                raise ATPError(ErrorCode.EBUDGET, self._settled("open", parent, outcome).reason,
+                               retry_after_ms=RETRY_AFTER_MS) from None
+            if isinstance(outcome, BaseException):
+                raise outcome
+            grant, out = outcome
+            if out is not None:
+                self.opened(key, parent, limit, out)
+            return cast(QuotaGrant, grant)
+
+        return run, then
 
     def close(self, key: str) -> AccountState:
         """:meth:`~atp_router.flow.budget.SharedBudgetLedger.close`; a stream's

@@ -55,7 +55,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
-from typing import Annotated, Protocol
+from typing import Annotated, Any, Protocol
 
 from msgspec import Meta, Struct
 
@@ -701,22 +701,23 @@ class SharedBudgetLedger(BudgetLedger):
         return self._skeys[key]
 
     def open(self, key: str, limit: Allowance, *, parent: str | None = None) -> None:
-        self.open_with(key, limit, parent, self.shared.open_shared)
+        skey, pkey = self.open_keys(key, parent)
+        self.opened(key, parent, limit, self.shared.open_shared(skey, pkey, limit,
+                                                                owner=None if parent is None else self.owner))
 
-    def open_with(self, key: str, limit: Allowance, parent: str | None,
-                  opener: Callable[..., SharedResult | None]) -> bool:
-        """:meth:`open`, the shared step made by ``opener(store key, parent's
-        store key or None, limit, owner=...)`` — :meth:`SharedAccounts.open_shared`,
-        or a step that opens the account together with something else and may
-        refuse (None: nothing opened here either). True when opened."""
+    def open_keys(self, key: str, parent: str | None) -> tuple[str, str | None]:
+        """The store keys of account ``key`` about to be opened under ``parent``
+        (its own, its parent's or None). Raises ValueError when ``key`` is open
+        already or ``parent`` is not."""
         if key in self._accounts:
             raise ValueError(f"budget account {key!r} already open")
+        pkey = self._skeys[self._get(parent).key] if parent is not None else None
+        return (key if parent is None else f"{key}@{self.owner}"), pkey
+
+    def opened(self, key: str, parent: str | None, limit: Allowance, out: SharedResult) -> None:
+        """Account ``key`` (:meth:`open_keys`) was opened in the store with ``out``: opened here too."""
         up = self._get(parent) if parent is not None else None
         skey = key if parent is None else f"{key}@{self.owner}"
-        out = opener(skey, self._skeys[parent] if parent is not None else None, limit,
-                     owner=None if parent is None else self.owner)
-        if out is None:
-            return False
         acct = _Account(key, up, limit.tokens, limit.usd_micros)
         acct.chain = [acct, *(up.chain if up is not None else [])]
         if up is not None:
@@ -724,7 +725,6 @@ class SharedBudgetLedger(BudgetLedger):
         self._accounts[key] = acct
         self._skeys[key], self._lkeys[skey] = skey, key
         self._mirror(out)
-        return True
 
     def close(self, key: str) -> AccountState:
         acct = self._get(key)
@@ -854,3 +854,15 @@ def _fmt(v: int | None) -> str:
 def _check_amounts(tokens: int, usd_micros: int) -> None:
     if tokens < 0 or usd_micros < 0:
         raise ValueError(f"amounts must be >= 0, got {tokens} tokens / {usd_micros} usd_micros")
+
+
+def min_budget(client: Budget | None, policy: Any) -> Budget:
+    """The tighter of the client's and the policy's budget (anything with ``usd`` and
+    ``tokens``: a RIB policy's) on each axis."""
+    pu = getattr(policy, "usd", None) if policy is not None else None
+    pt = getattr(policy, "tokens", None) if policy is not None else None
+    cu = client.usd if client is not None else None
+    ct = client.tokens if client is not None else None
+    usd = min((x for x in (pu, cu) if x is not None), default=None)
+    tokens = min((x for x in (pt, ct) if x is not None), default=None)
+    return Budget(usd=usd, tokens=tokens)

@@ -108,7 +108,7 @@ from atp_router.runtime.dataplane.opening import (
 )
 from atp_router.runtime.dataplane.plan import LegOutcome
 from atp_router.runtime.dataplane.plane import DataPlane
-from atp_router.runtime.dataplane.stream import Closed, OpenStream, StreamCtx
+from atp_router.runtime.dataplane.stream import Closed, OpenStream, OpenStreamAsync, StreamCtx
 from atp_router.runtime.dataplane.streams import (
     StreamTable,
 )
@@ -486,9 +486,14 @@ class Router:
 
     @property
     def open_stream(self) -> OpenStream:
-        """:meth:`DataPlane.open_stream <atp_router.runtime.dataplane.plane.DataPlane.open_stream>`
-        itself (the data plane's bound method: an ingress's call goes straight to it)."""
+        """:meth:`DataPlane.open_stream <atp_router.runtime.dataplane.plane.DataPlane.open_stream>` itself."""
         return self.data.open_stream
+
+    @property
+    def open_stream_async(self) -> OpenStreamAsync:
+        """:meth:`DataPlane.open_stream_async <atp_router.runtime.dataplane.plane.DataPlane.open_stream_async>`
+        itself (the data plane's bound method: an ingress's call goes straight to it)."""
+        return self.data.open_stream_async
 
     def stream_closed(self, closed: Closed | None) -> None:
         """:meth:`DataPlane.stream_closed <atp_router.runtime.dataplane.plane.DataPlane.stream_closed>`."""

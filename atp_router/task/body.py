@@ -41,14 +41,18 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeAlias
 
 import msgspec
 from msgspec import Meta, Struct
 
+from atp_router.wire.errors import ErrorCode, LocalProtocolError
+
 __all__ = [
     "BODIES",
+    "ERROR_FIELD",
     "MAX_FILES",
     "MAX_MESSAGES",
     "MAX_MESSAGE_CHARS",
@@ -64,7 +68,9 @@ __all__ = [
     "TaskBody",
     "Text",
     "TextPart",
+    "check_task",
     "decode_body",
+    "task_body",
 ]
 
 #: Messages per chat request, characters per message, text parts per message.
@@ -189,3 +195,38 @@ def decode_body(task_type: str, content: Mapping[str, Any]) -> TaskBody:
     else:
         return Opaque()
     return msgspec.convert(content, kind, strict=True)
+
+
+#: The top-level meta field a msgspec validation error names (``- at `$.budget.usd```).
+ERROR_FIELD = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def task_body(task_type: str, content: Any) -> TaskBody:
+    """``content`` checked (:func:`check_task`, the shapes the router reads) and
+    decoded into its task type's body Struct
+    (:func:`~atp_router.task.body.decode_body`): once per task, at its SYN or
+    when its task message arrives. Raises LocalProtocolError(EPROTO) naming
+    the field (``task content.question: Expected `str` of length >= 1 - at `$.question```)."""
+    check_task(content)
+    try:
+        return decode_body(task_type, content)
+    except msgspec.ValidationError as e:
+        where = ERROR_FIELD.search(str(e))
+        raise LocalProtocolError(ErrorCode.EPROTO, f"task content.{where.group(1)}: {e}" if where
+                                 else f"task content: {e}") from None
+
+
+def check_task(content: Any) -> None:
+    """The task body fields the router itself reads (``diff`` for ``diff_loc``,
+    ``files`` for consensus evidence) must have their documented shapes:
+    ``{"diff": str, "files": {path: text}}``. Raises LocalProtocolError(EPROTO)."""
+    if not isinstance(content, dict):
+        raise LocalProtocolError(ErrorCode.EPROTO, "task content must be an object")
+    diff = content.get("diff")
+    if diff is not None and not isinstance(diff, str):
+        raise LocalProtocolError(ErrorCode.EPROTO, "task content.diff must be a string (a unified diff)")
+    files = content.get("files")
+    if files is not None and not (
+        isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+    ):
+        raise LocalProtocolError(ErrorCode.EPROTO, "task content.files must map paths to file text")

@@ -40,6 +40,7 @@ from atp_router.runtime.dataplane.opening import (
     describe,
     insert_stage,
     replace_stage,
+    run_inline,
     run_stages,
 )
 from atp_router.runtime.router import Router
@@ -199,7 +200,7 @@ def test_task_meta_decodes_the_typed_fields_once_after_the_stages_that_add_to_th
     counted ``diff_loc``) is in the typed view; the match keys are not."""
     o = syn({**META, "data_scope": ["no_secrets"], "agent_context": EXAMPLE, "idempotency_key": "k1",
              "resume_after": 3}, CLEAN)
-    assert run_stages([ContextScope(), TaskShape(), DecodeMeta()], o) is None
+    assert run_inline(run_stages([ContextScope(), TaskShape(), DecodeMeta()], o)) is None
     assert o.task == TaskMeta(task_type="code_review", idempotency_key="k1", resume_after=3, diff_loc=2,
                               data_scope=["no_secrets", "acp.policy:P001", "acp.policy:P002"],
                               agent_context=EXAMPLE)
@@ -323,10 +324,10 @@ def test_the_pipeline_stops_at_the_first_refusal():
     ran: list[str] = []
     no = Refuse(ErrorCode.ESEC, "no")
     stages = [Recorder("a", ran), Recorder("b", ran, no), Recorder("c", ran, Refuse(ErrorCode.EPROTO, "late"))]
-    assert run_stages(stages, syn()) is no
+    assert run_inline(run_stages(stages, syn())) is no
     assert ran == ["a", "b"]
     ran.clear()
-    assert run_stages([Recorder("a", ran), Recorder("c", ran)], syn()) is None and ran == ["a", "c"]
+    assert run_inline(run_stages([Recorder("a", ran), Recorder("c", ran)], syn())) is None and ran == ["a", "c"]
 
 
 def test_the_default_pipeline_checks_in_the_shipped_order():
@@ -339,10 +340,10 @@ def test_the_default_pipeline_checks_in_the_shipped_order():
 def test_an_earlier_refusal_wins_over_a_later_one(router):
     # A bad agent_context, a bad task body and a bad budget together: context_scope speaks first.
     o = syn({**META, "agent_context": "{x", "budget": {"usd": "x"}}, {"diff": 1})
-    r = run_stages(router.syn_stages, o)
+    r = run_inline(run_stages(router.syn_stages, o))
     assert r is not None and r.code is ErrorCode.EPROTO and r.reason.startswith("agent_context: not JSON")
     o = syn({**META, "budget": {"usd": "x"}}, {"diff": 1})
-    assert run_stages(router.syn_stages, o) == Refuse(
+    assert run_inline(run_stages(router.syn_stages, o)) == Refuse(
         ErrorCode.EPROTO, "task content.diff must be a string (a unified diff)")
 
 

@@ -15,8 +15,8 @@ import msgspec
 import pytest
 import trio
 
-import atp_router.runtime.dataplane.opening
 import atp_router.runtime.dataplane.plane
+import atp_router.task.body
 import atp_router.task.diff
 from atp_router.adapters.a2a import A2AAdapter
 from atp_router.adapters.base import Prompt, change_of
@@ -311,13 +311,13 @@ async def test_a_syns_task_body_is_checked_once(nursery, tmp_path, scripted, mon
     body, a message of its own) is checked when it arrives. (Before, a SYN's
     body was checked twice.)"""
     checked: list[object] = []
-    original = atp_router.runtime.dataplane.opening.check_task
+    original = atp_router.task.body.check_task
 
     def counting(content: object) -> None:
         checked.append(content)
         original(content)
 
-    monkeypatch.setattr(atp_router.runtime.dataplane.opening, "check_task", counting)
+    monkeypatch.setattr(atp_router.task.body, "check_task", counting)
     scripted["m.one"] = ScriptedAdapter.returning("m.one")
     doc = {"agents": {"m.one": scripted_agent()},
            "policies": [{"name": "p", "match": {"task_type": "code_review"}, "fanout": ["m.one"]}]}

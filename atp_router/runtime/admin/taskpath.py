@@ -58,7 +58,7 @@ def task_path(table: Sequence[ApiRoute] = ROUTES,
     following = [r for r in table if r.task == "follows"]
     width = max((len(name) for name, _ in stages), default=0)
     out = ["client", *(f"  │ {line}" for line in _rows(opening)), "  ▼",
-           f"{_mod(DataPlane.open_stream)}: the SYN", "  │",
+           f"{_mod(DataPlane.open_stream_async)}: the SYN", "  │",
            "┌─ SYN stages (each Continue or Refuse; the first Refuse stops them)"]
     out += [f"│ {i}. {name:<{width}}  {doc}" for i, (name, doc) in enumerate(stages, 1)]
     out += ["└─", "  │ a Refuse: the stream reset (RST) with its spec §10 code; the opening route answers that error",

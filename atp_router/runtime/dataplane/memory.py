@@ -20,11 +20,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["TRIM_EVERY_S", "trim"]
+__all__ = ["TRIM_EVERY_S", "IdleTrim", "trim"]
 
 #: At most one trim this often, s (the router trims when it went idle).
 TRIM_EVERY_S = 10.0
@@ -54,3 +56,19 @@ def trim() -> float:
     if _TRIM is not None:
         _TRIM(0)
     return (time.perf_counter() - t0) * 1000
+
+
+@dataclass(slots=True)
+class IdleTrim:
+    """The stream table's idle trim (:mod:`atp_router.runtime.dataplane.streams`):
+    ``trim()`` (:func:`trim`) is called when the router went idle (no open
+    stream, streams left memory since the last call), at most every
+    :data:`TRIM_EVERY_S`."""
+
+    trim: Callable[[], float] | None
+    #: A trim timer is scheduled.
+    due: bool = False
+    #: Not before then (memory freed since settles first), trio time, s.
+    at: float = -math.inf
+    #: When the last trim ran, trio time, s.
+    trimmed_at: float = -math.inf

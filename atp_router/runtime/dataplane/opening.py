@@ -9,7 +9,10 @@ what earlier stages decided from ``o``, writes its own decision there, and
 returns :data:`CONTINUE` or a :class:`Refuse` (spec §10 ``code``, ``reason``,
 ``retry_after_ms`` or None). :func:`run_stages` stops at the first refusal and
 returns it (None: every stage let the SYN through). No stage reads a clock or
-awaits: time is ``o.now`` (trio seconds).
+awaits: time is ``o.now`` (trio seconds). A stage whose decision needs a store
+round trip (a shared ledger's atomic OPEN) returns a :class:`StoreStep` — the
+blocking call and what to decide from its outcome — that :func:`run_stages`
+runs on a worker thread (or inline: :func:`run_inline`).
 
 The default pipeline, :data:`DEFAULT_STAGES`, in order (``atp-router policy check
 --stages`` prints it, :func:`describe`):
@@ -57,8 +60,7 @@ tracing, audit, task start) is the router's.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import (
     TYPE_CHECKING,
@@ -66,23 +68,27 @@ from typing import (
     ClassVar,
     Final,
     Protocol,
+    TypeVar,
+    cast,
     runtime_checkable,
 )
 
 import msgspec
+import trio
 
 from atp_router.adapters.context import with_context_scope
-from atp_router.flow.budget import Allowance, usd_to_micros
+from atp_router.flow.budget import Allowance, min_budget, usd_to_micros
 from atp_router.policy.fib import data_scope_labels
-from atp_router.runtime.dataplane.stream import stream_account
+from atp_router.runtime.dataplane.stream import change_of_task, stream_account
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
-from atp_router.task.body import TaskBody, decode_body
+from atp_router.store.threads import off_loop
+from atp_router.task.body import ERROR_FIELD, TaskBody, check_task, task_body
 from atp_router.task.change import ParsedChange
 from atp_router.task.diff import count_changed_lines
 from atp_router.task.meta import TaskMeta, decode_meta
-from atp_router.wire.errors import ATPError, ErrorCode, LocalProtocolError
-from atp_router.wire.frame import Budget, QoS, Window
+from atp_router.wire.errors import ATPError, ErrorCode
+from atp_router.wire.frame import Budget, PayloadType, QoS, Window
 
 if TYPE_CHECKING:
     from atp_router.flow.budget import BudgetLedger
@@ -93,6 +99,9 @@ if TYPE_CHECKING:
     from atp_router.runtime.controlplane.learning import Learning
     from atp_router.runtime.dataplane.streams import StreamTable
     from atp_router.security.authz import StreamAdmission
+    from atp_router.wire.session import StreamOpened
+
+T = TypeVar("T")
 
 __all__ = [
     "CONTINUE",
@@ -109,6 +118,7 @@ __all__ = [
     "Refuse",
     "Stage",
     "StageType",
+    "StoreStep",
     "StreamSlot",
     "TaskShape",
     "TenantAdmission",
@@ -117,8 +127,10 @@ __all__ = [
     "holding",
     "insert_stage",
     "min_budget",
+    "open_ctx",
     "refusal",
     "replace_stage",
+    "run_inline",
     "run_stages",
     "syn_task",
     "task_body",
@@ -159,7 +171,8 @@ class OpenCtx:
     client's and the route's), ``shared_quota`` (``(max_streams, rate)`` of a
     tenant quota shared across routers that ``budget_open`` takes with the
     stream's account in one store step, :mod:`~atp_router.runtime.dataplane.quotas`;
-    None: decided by ``tenant_admission``)."""
+    None: decided by ``tenant_admission``); ``qos_asked``: the class the SYN asked
+    for when the router clamped it to the tenant's ``qos_max`` (else None)."""
 
     identity: Identity
     session_id: str
@@ -179,6 +192,7 @@ class OpenCtx:
     decision: Decision | None = None
     budget: Budget | None = None
     shared_quota: tuple[int, RateSpec] | None = None
+    qos_asked: QoS | None = None
 
     @property
     def tenant(self) -> str:
@@ -208,12 +222,34 @@ class OpenParts:
     client_account: Callable[[str], str]
 
 
+@dataclass(frozen=True, slots=True)
+class StoreStep:
+    """What a stage asks to be done before it decides (sans-IO): ``run()``, a
+    blocking call of ``store`` that touches nothing else (one of the store's
+    threads may run it: :func:`~atp_router.store.threads.off_loop`), then
+    ``then(outcome)`` on the trio thread — ``outcome`` is what ``run`` returned
+    or the :class:`Exception` it raised — giving the stage's :data:`CONTINUE` or
+    :class:`Refuse`."""
+
+    run: Callable[[], Any]
+    then: Callable[[Any], Continue | Refuse]
+    store: Any
+
+    def outcome(self) -> Any:
+        """``run()``'s result, or the exception it raised (not raised)."""
+        try:
+            return self.run()
+        except Exception as e:  # noqa: BLE001 - handed to then(), which decides
+            return e
+
+
 class Stage(Protocol):
-    """One step of the pipeline: ``stage(o)`` is :data:`CONTINUE` or a :class:`Refuse`."""
+    """One step of the pipeline: ``stage(o)`` is :data:`CONTINUE`, a :class:`Refuse`
+    or a :class:`StoreStep`."""
 
     name: ClassVar[str]
 
-    def __call__(self, o: OpenCtx, /) -> Continue | Refuse: ...
+    def __call__(self, o: OpenCtx, /) -> Continue | Refuse | StoreStep: ...
 
 
 @runtime_checkable
@@ -235,10 +271,6 @@ class StageType(Protocol):
     def name(self) -> str: ...
 
     def of(self, parts: OpenParts, /) -> Stage: ...
-
-
-#: The top-level meta field a msgspec validation error names (``- at `$.budget.usd```).
-_FIELD = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
 def refusal(e: ATPError) -> Refuse:
@@ -340,7 +372,7 @@ class DecodeMeta:
             try:
                 o.task = task = decode_meta(o.meta)
             except msgspec.ValidationError as e:
-                where = _FIELD.search(str(e))
+                where = ERROR_FIELD.search(str(e))
                 return Refuse(ErrorCode.EPROTO, f"meta.{where.group(1)}: {e}" if where else f"meta: {e}")
         o.client_budget = task.budget
         return CONTINUE
@@ -459,19 +491,47 @@ DEFAULT_STAGES: Final[tuple[StageType, ...]] = (
 
 
 # ------------------------------------------------------------------ the pipeline
-def run_stages(stages: Sequence[Stage], o: OpenCtx) -> Refuse | None:
+async def run_stages(stages: Sequence[Stage], o: OpenCtx, streams: StreamTable | None = None) -> Refuse | None:
     """Run ``stages`` on ``o`` in order; the first :class:`Refuse` stops them and
     is returned, and every :class:`Holding` stage that let the SYN through
     before it releases what it took for it. None: every stage continued (``o``
-    holds their decisions)."""
+    holds their decisions). A :class:`StoreStep` runs in a store thread while
+    the trio loop serves other streams (issue 22: no store round trip blocks
+    it), the SYN counted open in ``streams`` meanwhile
+    (:meth:`~atp_router.runtime.dataplane.streams.StreamTable.opening`) — only
+    for a SYN on a session of its own, which no other frame reaches meanwhile;
+    ``streams`` None: on this thread, nothing awaited (:func:`run_inline`)."""
     for i, stage in enumerate(stages):
         r = stage(o)
+        if type(r) is StoreStep:
+            if streams is None:
+                r = r.then(r.outcome())
+            else:
+                with streams.opening(o.tenant, o.session_id):
+                    outcome = await off_loop(r.store, r.outcome)
+                r = r.then(outcome)
         if r is not CONTINUE:
-            assert isinstance(r, Refuse), f"stage {stage.name} returned {r!r}"
-            for passed in holding(stages[:i]):
-                passed.release(o.tenant, o.stream_id)
-            return r
+            return _stopped(stages, i, o, r)
     return None
+
+
+def run_inline(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end on this thread: one that never suspends (each
+    await in it returns without waiting, e.g. :func:`run_stages` without ``streams``)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    coro.close()
+    raise AssertionError(f"{coro!r} suspended: it was to run inline")
+
+
+def _stopped(stages: Sequence[Stage], i: int, o: OpenCtx, r: object) -> Refuse:
+    """Stage ``i`` refused ``o`` with ``r``: the :class:`Holding` stages before it release; ``r``."""
+    assert isinstance(r, Refuse), f"stage {stages[i].name} returned {r!r}"
+    for passed in holding(stages[:i]):
+        passed.release(o.tenant, o.stream_id)
+    return r
 
 
 def holding(stages: Sequence[Stage]) -> list[Holding]:
@@ -516,6 +576,14 @@ def describe(stages: Sequence[StageType | Stage]) -> list[tuple[str, str]]:
 
 
 # ------------------------------------------------------------------ helpers
+def open_ctx(identity: Identity, session_id: str, ev: StreamOpened, *, change: ParsedChange | None,
+             task: TaskMeta | None, qos_asked: QoS | None) -> OpenCtx:
+    """The :class:`OpenCtx` of a SYN its session accepted (``ev``): its task content, if any."""
+    content = ev.payload.content if ev.payload is not None and ev.payload.type is PayloadType.TASK else None
+    return OpenCtx(identity, session_id, ev.stream_id, dict(ev.meta), content, ev.qos, ev.window,
+                   trio.current_time(), change=change_of_task(content, change), task=task, qos_asked=qos_asked)
+
+
 def syn_task(meta: Any) -> TaskMeta | None:
     """A SYN's ``meta`` decoded (:func:`~atp_router.task.meta.decode_meta`), once,
     where the SYN is received — what resumption (its idempotency key and resume
@@ -526,46 +594,3 @@ def syn_task(meta: Any) -> TaskMeta | None:
         return decode_meta(meta)
     except msgspec.ValidationError:
         return None
-
-
-def task_body(task_type: str, content: Any) -> TaskBody:
-    """``content`` checked (:func:`check_task`, the shapes the router reads) and
-    decoded into its task type's body Struct
-    (:func:`~atp_router.task.body.decode_body`): once per task, at its SYN or
-    when its task message arrives. Raises LocalProtocolError(EPROTO) naming
-    the field (``task content.question: Expected `str` of length >= 1 - at `$.question```)."""
-    check_task(content)
-    try:
-        return decode_body(task_type, content)
-    except msgspec.ValidationError as e:
-        where = _FIELD.search(str(e))
-        raise LocalProtocolError(ErrorCode.EPROTO, f"task content.{where.group(1)}: {e}" if where
-                                 else f"task content: {e}") from None
-
-
-def check_task(content: Any) -> None:
-    """The task body fields the router itself reads (``diff`` for ``diff_loc``,
-    ``files`` for consensus evidence) must have their documented shapes:
-    ``{"diff": str, "files": {path: text}}``. Raises LocalProtocolError(EPROTO)."""
-    if not isinstance(content, dict):
-        raise LocalProtocolError(ErrorCode.EPROTO, "task content must be an object")
-    diff = content.get("diff")
-    if diff is not None and not isinstance(diff, str):
-        raise LocalProtocolError(ErrorCode.EPROTO, "task content.diff must be a string (a unified diff)")
-    files = content.get("files")
-    if files is not None and not (
-        isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
-    ):
-        raise LocalProtocolError(ErrorCode.EPROTO, "task content.files must map paths to file text")
-
-
-def min_budget(client: Budget | None, policy: Any) -> Budget:
-    """The tighter of the client's and the policy's budget on each axis."""
-    pu = getattr(policy, "usd", None) if policy is not None else None
-    pt = getattr(policy, "tokens", None) if policy is not None else None
-    cu = client.usd if client is not None else None
-    ct = client.tokens if client is not None else None
-    usd = min((x for x in (pu, cu) if x is not None), default=None)
-    tokens = min((x for x in (pt, ct) if x is not None), default=None)
-    return Budget(usd=usd, tokens=tokens)
-

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +36,8 @@ from atp_router.runtime.dataplane.opening import (
     Stage,
     holding,
     min_budget,
+    open_ctx,
+    run_inline,
     run_stages,
     syn_task,
     task_body,
@@ -52,6 +53,7 @@ from atp_router.runtime.dataplane.stream import (
     frame_kind,
     min_window,
     signed_final,
+    synthesized_syn,
     task_digest,
 )
 from atp_router.runtime.dataplane.streams import StreamTable
@@ -94,7 +96,6 @@ DEFAULT_WINDOW = Window(max_parallel=4, max_tokens=120_000, max_usd_micros=1_250
 AuditSink = Callable[..., None]
 
 
-
 class DataPlane:
     """Frames in, SYNs, tasks and closes for one router (module doc). ``nursery``
     is set while the router serves (tasks and shadow runs start in it);
@@ -116,8 +117,6 @@ class DataPlane:
         self.holding = holding(self.syn_stages)
         self.window_update_interval_ms, self.window_update_delta = window_update_interval_ms, window_update_delta
         self.window_update_keepalive_ms = window_update_keepalive_ms
-        #: The class of the SYN being received when qos_max lowered it (_receive → _open).
-        self._qos_asked: QoS | None = None
         self.nursery: trio.Nursery | None = None
         #: Answers already charged in an earlier run of a stream's key (None: streams are never re-run).
         self.journal = journal
@@ -203,61 +202,67 @@ class DataPlane:
         ``atp_errors``), before its session sees it: no stream, no RST.
         """
         try:
-            return self._receive(frame, identity=identity, now=now, change=None,
-                                 task=syn_task(frame.meta) if Flag.SYN in frame.flags else None)
+            if Flag.SYN in frame.flags:
+                return run_inline(self._receive_syn(frame, identity=identity, now=now, change=None,
+                                                    task=syn_task(frame.meta), resume_checked=False, inline=True))
+            return self._receive(frame, identity=identity, now=now)
         except IdempotencyConflict as e:  # a key re-used with another task: a lone ERROR, nothing opened
             self.metrics.errors.labels(str(e.code)).inc()
             return [connection_error(frame.session_id, frame.stream_id, e.code, e.reason)]
 
-    def _receive(self, frame: Frame, *, identity: Identity, now: float, change: ParsedChange | None,
-                 task: TaskMeta | None, resume_checked: bool = False) -> list[Frame]:
-        """:meth:`receive_frame`; a SYN's task diff already parsed into ``change``
-        by the ingress that read it (:meth:`open_stream`), or None; ``task``: a
-        SYN's meta decoded once (:func:`~atp_router.runtime.dataplane.opening.syn_task`;
-        None: malformed, or not a SYN) — what the gates, resumption and the SYN
-        stages read; ``resume_checked``: the caller asked :meth:`resume_point`
-        already. Raises :class:`~atp_router.wire.errors.IdempotencyConflict` (a
-        SYN's key names another task: :meth:`resume_point`, or a gate such as
-        the cluster's re-run)."""
-        if Flag.SYN in frame.flags:
-            gated = self._syn_gates(frame, identity, task, resume_checked)
-            if isinstance(gated, list):
-                return gated
-            frame = gated
-        else:
-            self.metrics.frames.labels("in", frame_kind(frame)).inc()
-        tenant = identity.tenant
-        try:
-            sess = self.streams.session(tenant, frame.session_id, now=now)
-            if Flag.SYN not in frame.flags and self._closed_by_us(tenant, sess, frame.stream_id):
-                return self._late_frame(frame)
-            direct: list[Frame] = []
-            for ev in sess.receive_frame(frame, now):
-                if type(ev) is not S.StreamOpened:
-                    self._on_session_event(ev, sess, identity=identity, direct=direct)
-                    continue
-                # A SYN the session accepted goes through the SYN stages (opening.py); refused, it
-                # is reset with the stage's code, else opened. The session dropped a SYN at ttl 0;
-                # this hop takes one off the rest (§4.2).
-                content = ev.payload.content if ev.payload is not None and ev.payload.type is PayloadType.TASK \
-                    else None
-                o = OpenCtx(identity, sess.session_id, ev.stream_id, dict(ev.meta), content, ev.qos, ev.window,
-                            trio.current_time(), change=change_of_task(content, change), task=task)
-                refused = run_stages(self.syn_stages, o)
-                if refused is not None:
-                    self._refuse_syn(sess, o, refused, direct)
-                else:
-                    self._open(sess, ev, o, S.forward_ttl(frame).ttl)
-        finally:
-            self._qos_asked = None  # never carried over to another SYN, whatever was raised
+    def _receive(self, frame: Frame, *, identity: Identity, now: float) -> list[Frame]:
+        """:meth:`receive_frame` of a frame other than a SYN (:meth:`_receive_syn`)."""
+        self.metrics.frames.labels("in", frame_kind(frame)).inc()
+        sess = self.streams.session(identity.tenant, frame.session_id, now=now)
+        if self._closed_by_us(identity.tenant, sess, frame.stream_id):
+            return self._late_frame(frame)
+        direct: list[Frame] = []
+        for ev in sess.receive_frame(frame, now):
+            self._on_session_event(ev, sess, identity=identity, direct=direct)
+        return direct
+
+    async def _receive_syn(self, syn: Frame, *, identity: Identity, now: float, change: ParsedChange | None,
+                           task: TaskMeta | None, resume_checked: bool, inline: bool) -> list[Frame]:
+        """:meth:`receive_frame` of a SYN: the frames to answer with at once.
+        ``change``: its task diff as the ingress that read it parsed it
+        (:meth:`open_stream_async`), or None; ``task``: its meta decoded once
+        (:func:`~atp_router.runtime.dataplane.opening.syn_task`; None: malformed)
+        — what the gates, resumption and the stages read; ``resume_checked``: the
+        caller asked :meth:`resume_point` already. A stage's store step runs off
+        the trio loop — only for a SYN on a session of its own, which no other
+        frame reaches meanwhile (:meth:`open_stream_async`) — else ``inline``
+        (:func:`~atp_router.runtime.dataplane.opening.run_stages`).
+        Raises :class:`~atp_router.wire.errors.IdempotencyConflict` (a SYN's key
+        names another task: :meth:`resume_point`, or a gate such as the
+        cluster's re-run)."""
+        gated = self._syn_gates(syn, identity, task, resume_checked)
+        if isinstance(gated, list):
+            return gated
+        syn, asked = gated
+        sess = self.streams.session(identity.tenant, syn.session_id, now=now)
+        direct: list[Frame] = []
+        for ev in sess.receive_frame(syn, now):
+            if type(ev) is not S.StreamOpened:
+                self._on_session_event(ev, sess, identity=identity, direct=direct)
+                continue
+            # A SYN the session accepted goes through the SYN stages (opening.py); refused, it
+            # is reset with the stage's code, else opened. The session dropped a SYN at ttl 0;
+            # this hop takes one off the rest (§4.2).
+            o = open_ctx(identity, sess.session_id, ev, change=change, task=task, qos_asked=asked)
+            refused = await run_stages(self.syn_stages, o, None if inline else self.streams)
+            if refused is not None:
+                self._refuse_syn(sess, o, refused, direct)
+            else:
+                self._open(sess, ev, o, S.forward_ttl(syn).ttl)
         return direct
 
     def _syn_gates(self, syn: Frame, identity: Identity, task: TaskMeta | None,
-                   resume_checked: bool) -> Frame | list[Frame]:
+                   resume_checked: bool) -> tuple[Frame, QoS | None] | list[Frame]:
         """A SYN before its session sees it: a deployment gate's refusal (a lone
         ERROR) or a resumed stream (nothing to answer: ``[]``) is the list of
         frames to answer with; else the SYN, its class clamped to the tenant's
-        ``qos_max``. ``resume_checked``: the caller asked :meth:`resume_point` already."""
+        ``qos_max``, and the class asked when it was clamped (else None).
+        ``resume_checked``: the caller asked :meth:`resume_point` already."""
         for gate in self.syn_gates:
             refused = gate.refuse(syn, identity, task)
             if refused is not None:
@@ -270,10 +275,9 @@ class DataPlane:
         # The session confirms the SYN's class in its SYN+ACK (§8 step 2): it must
         # see the class StreamAdmission serves (authz.clamp_qos, the one rule).
         qos = clamp_qos(syn.qos, self.client_spec(identity.tenant).qos_max)
-        if qos is not syn.qos:
-            self._qos_asked = syn.qos  # read by _open in the caller's same call: no await between
-            syn = msgspec.structs.replace(syn, qos=qos)
-        return syn
+        if qos is syn.qos:
+            return syn, None
+        return msgspec.structs.replace(syn, qos=qos), syn.qos
 
     def _on_session_event(self, ev: Any, sess: S.Session, *, identity: Identity, direct: list[Frame]) -> None:
         """Act on one event ``sess`` made of an inbound frame other than a SYN it
@@ -362,7 +366,7 @@ class DataPlane:
                         o.now, gen=gen, ttl=ttl, account=o.account, idempotency_key=task.idempotency_key, task=task,
                         task_digest=task_digest(o.meta, o.content)
                         if task.idempotency_key and o.content is not None else None,
-                        qos_asked=self._qos_asked if self._qos_asked is not qos else None)
+                        qos_asked=o.qos_asked if o.qos_asked is not qos else None)
         ctx.decision = o.decision
         self.control.hold(ctx)
         self.streams.insert(ctx)
@@ -544,9 +548,25 @@ class DataPlane:
     def open_stream(self, *, task: dict[str, Any], content: dict[str, Any] | None, budget: Budget | None,
                     qos: QoS | None, window: Window | None, idempotency_key: str | None,
                     identity: Identity, change: ParsedChange | None = None) -> StreamCtx:
-        """Open a stream for ``identity`` (HTTP API, OpenAI ingress, A2A server)
-        by synthesising its SYN frame on a new session. ``change``: ``content``'s
-        ``diff`` as the ingress already parsed it
+        """:meth:`open_stream_async` with a stage's store step run on this thread,
+        for a caller that cannot await
+        (:func:`~atp_router.runtime.dataplane.opening.run_inline`)."""
+        return run_inline(self.open_stream_async(
+            task=task, content=content, budget=budget, qos=qos, window=window, idempotency_key=idempotency_key,
+            identity=identity, change=change, inline=True))
+
+    async def open_stream_async(self, *, task: dict[str, Any], content: dict[str, Any] | None,
+                                budget: Budget | None, qos: QoS | None, window: Window | None,
+                                idempotency_key: str | None, identity: Identity,
+                                change: ParsedChange | None = None, inline: bool = False) -> StreamCtx:
+        """Open a stream for ``identity`` (HTTP API, OpenAI ingress, A2A server, MCP)
+        by synthesising its SYN frame on a new session
+        (:func:`~atp_router.runtime.dataplane.stream.synthesized_syn`). A SYN
+        stage's store round trip (a cluster router's atomic OPEN on Redis,
+        :class:`~atp_router.runtime.dataplane.opening.StoreStep`) runs on a worker
+        thread while the loop serves every other stream (issue 22 item 2);
+        ``inline``: on this thread (:meth:`open_stream`). ``change``:
+        ``content``'s ``diff`` as the ingress already parsed it
         (:func:`~atp_router.runtime.dataplane.plan.parse_off_loop`): the SYN counts
         ``diff_loc`` from it and every next-hop gets it, so the diff is not parsed
         again (it must be the parse of ``content["diff"]``; :func:`change_of_task`).
@@ -556,36 +576,22 @@ class DataPlane:
         Raises :class:`ATPError` with the code the SYN was reset with (or the
         deployment's ``store_refusal`` when the store could not be reached).
         """
-        session_id = "sess_" + secrets.token_hex(8)
-        stream_id = "task_" + secrets.token_hex(8)
-        meta = dict(task)
-        if budget is not None:
-            meta["budget"] = msgspec.to_builtins(budget)
-        if idempotency_key is not None:
-            meta["idempotency_key"] = idempotency_key
-        syn = Frame(
-            v=1, session_id=session_id, stream_id=stream_id, msg_seq=0, flags=[Flag.SYN],
-            qos=qos or QoS.SILVER, window=window, meta=meta,
-            payload=Payload(type=PayloadType.TASK, content=content) if content is not None else None,
-        )
-        # The SYN's typed meta from the typed arguments: the budget is not turned
-        # into a dict and decoded back (the frame's meta carries it for the record).
-        typed = syn_task(task)
-        if typed is not None and (budget is not None or idempotency_key is not None):
-            typed = msgspec.structs.replace(
-                typed, budget=budget if budget is not None else typed.budget,
-                idempotency_key=idempotency_key if idempotency_key is not None else typed.idempotency_key)
+        syn, typed = synthesized_syn(task, content, budget, qos, window, idempotency_key)
         try:
             if idempotency_key is not None and (resumed := self.resume_point(
                     syn, identity=identity, task=typed)) is not None:
                 return resumed[0]
-            direct = self._receive(syn, identity=identity, now=trio.current_time(), change=change, task=typed,
-                                   resume_checked=idempotency_key is not None)
+            direct = await self._receive_syn(syn, identity=identity, now=trio.current_time(), change=change,
+                                             task=typed, resume_checked=idempotency_key is not None, inline=inline)
         except StoreUnavailable as e:
             if self.store_refusal is None:
                 raise
             raise self.store_refusal("open", e) from None
-        ctx = self.streams.get(identity.tenant, session_id, stream_id)
+        return self._opened(identity, syn, direct)
+
+    def _opened(self, identity: Identity, syn: Frame, direct: list[Frame]) -> StreamCtx:
+        """The stream ``syn`` opened, or the :class:`ATPError` it was refused with (``direct``'s ERROR)."""
+        ctx = self.streams.get(identity.tenant, syn.session_id, syn.stream_id)
         if ctx is None:
             err = error_of_frames(direct)
             raise ATPError(err.code if err else ErrorCode.EPROTO, err.reason if err else "stream refused",

@@ -56,7 +56,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import trio
 
@@ -71,6 +71,7 @@ from atp_router.runtime.dataplane.opening import (
     OpenParts,
     Stage,
     StageType,
+    StoreStep,
     min_budget,
     refusal,
     replace_stage,
@@ -135,10 +136,12 @@ class SharedQuotas:
         self.defer: Callable[..., bool] | None = None
         #: When set, the atomic OPEN (issue 22 item 2; atp_router.deploy.cluster):
         #: ``opener(ask, account, limit, parent, ttl_ms)`` opens a stream's budget account
-        #: with its quota entry in one store step and returns the grant (refused: neither
-        #: taken); :func:`with_shared_quotas` then has ``budget_open`` decide the quota
-        #: (:class:`SharedBudgetOpen`). Raises StoreUnavailable or ATPError (EBUDGET).
-        self.opener: Callable[[QuotaAsk, str, Allowance, str, int], QuotaGrant] | None = None
+        #: with its quota entry in one store step, as ``(run, then)``: ``run()`` the store call,
+        #: ``then(outcome)`` the grant (refused: neither taken), raising StoreUnavailable or
+        #: ATPError (EBUDGET); :func:`with_shared_quotas` then has ``budget_open`` decide the
+        #: quota (:class:`SharedBudgetOpen`, a :class:`~atp_router.runtime.dataplane.opening.StoreStep`).
+        self.opener: Callable[[QuotaAsk, str, Allowance, str, int],
+                              tuple[Callable[[], Any], Callable[[Any], QuotaGrant]]] | None = None
         #: When set (atp_router.deploy.cluster): ``closer(account)`` closes a closed stream's budget
         #: account in the store with its last events (:meth:`SharedBudgetOpen.release`).
         self.closer: Callable[[str], None] | None = None
@@ -179,22 +182,30 @@ class SharedQuotas:
             return None
         return self._granted(grant, tenant, stream_id)
 
-    def open_with_account(self, ask: QuotaAsk, account: str, limit: Allowance, parent: str) -> QuotaGrant | None:
+    def open_with_account(self, ask: QuotaAsk, account: str, limit: Allowance,
+                          parent: str) -> tuple[Callable[[], Any], Callable[[Any], QuotaGrant | None]]:
         """:meth:`open` together with the stream's budget ``account`` (``limit``,
-        under ``parent``) in one atomic store step (:attr:`opener`): the grant
-        (admitted: both taken; refused: neither). None: the store could not
-        decide — nothing was opened (fall back to this router's own limits; the
-        account's own open then refuses while the store is away). Raises
+        under ``parent``) in one atomic store step (:attr:`opener`), as ``(run,
+        then)``: ``run()`` the store call (a worker thread may run it),
+        ``then(outcome)`` on the router's thread the grant (admitted: both
+        taken; refused: neither). None: the store could not decide — nothing
+        was opened (fall back to this router's own limits; the account's own
+        open then refuses while the store is away). ``then`` raises
         :class:`~atp_router.wire.errors.ATPError` (``EBUDGET``: the tenant's
         account was settled by another router)."""
         assert self.opener is not None, "open_with_account needs an opener"
-        try:
-            grant = self.opener(ask, account, limit, parent, self.ttl_ms)
-        except StoreUnavailable as e:
-            self._failed("open", e)
-            self.metrics.quota_fallback.labels("streams").inc()
-            return None
-        return self._granted(grant, ask.tenant, ask.stream_id)
+        run, opened = self.opener(ask, account, limit, parent, self.ttl_ms)
+
+        def then(outcome: Any) -> QuotaGrant | None:
+            try:
+                grant = opened(outcome)
+            except StoreUnavailable as e:
+                self._failed("open", e)
+                self.metrics.quota_fallback.labels("streams").inc()
+                return None
+            return self._granted(grant, ask.tenant, ask.stream_id)
+
+        return run, then
 
     def _granted(self, grant: QuotaGrant, tenant: str, stream_id: str) -> QuotaGrant:
         """The store decided ``grant``: held until :meth:`release` when admitted, else counted refused."""
@@ -410,23 +421,38 @@ class SharedBudgetOpen:
         self.streams = parts.streams
         self.quotas = quotas
 
-    def __call__(self, o: OpenCtx) -> Continue | Refuse:
+    def __call__(self, o: OpenCtx) -> Continue | Refuse | StoreStep:
         """The atomic OPEN (issue 22 item 2): ``o.shared_quota`` (left by
         :class:`SharedTenantAdmission`) and the stream's account at the tighter
-        of client and policy budget, both or neither (:meth:`SharedQuotas.open_with_account`).
-        The store away: this router's own limits, then the account's own open
-        (which refuses ``EBUDGET`` "budget store unavailable")."""
+        of client and policy budget, both or neither (:meth:`SharedQuotas.open_with_account`),
+        as a :class:`~atp_router.runtime.dataplane.opening.StoreStep` (the store
+        round trip off the trio loop). The store away: this router's own limits,
+        then the account's own open (which refuses ``EBUDGET`` "budget store unavailable")."""
         assert o.route is not None, "budget_open runs after route"
         o.budget = budget = min_budget(o.client_budget, o.route.budget)
         limit, parent = Allowance.from_budget(budget), self.client_account(o.tenant)
+        if o.shared_quota is None:
+            return self._own_open(o, limit, parent)
+        max_streams, rate = o.shared_quota
+        ask = QuotaAsk(o.tenant, o.stream_id, max_streams, rate.per_s, rate.burst)
+        run, then = self.quotas.open_with_account(ask, o.account, limit, parent)
+        return StoreStep(run, functools.partial(self._decide, o, then, limit, parent), self.quotas.store)
+
+    def _decide(self, o: OpenCtx, then: Callable[[Any], QuotaGrant | None], limit: Allowance, parent: str,
+                outcome: Any) -> Continue | Refuse:
+        """The store step's ``outcome``: the grant's refusal, or the stream let
+        through; the store could not decide: this router's limits, then the account's own open."""
         try:
-            if o.shared_quota is not None:
-                max_streams, rate = o.shared_quota
-                ask = QuotaAsk(o.tenant, o.stream_id, max_streams, rate.per_s, rate.burst)
-                grant = self.quotas.open_with_account(ask, o.account, limit, parent)
-                refused = _decided(grant, self, o)
-                if refused is not None or grant is not None:
-                    return CONTINUE if refused is None else refused
+            grant = then(outcome)
+        except ATPError as e:
+            return refusal(e)
+        refused = _decided(grant, self, o)
+        if refused is not None or grant is not None:
+            return CONTINUE if refused is None else refused
+        return self._own_open(o, limit, parent)
+
+    def _own_open(self, o: OpenCtx, limit: Allowance, parent: str) -> Continue | Refuse:
+        try:
             self.ledger.open(o.account, limit, parent=parent)  # no shared quota, or the store away
         except ATPError as e:
             return refusal(e)

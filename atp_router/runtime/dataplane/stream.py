@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from atp_router.runtime.dataplane.eventlog import EventLog
 from atp_router.security.identity import Identity
 from atp_router.security.signing import UsageSigner
 from atp_router.task.change import ParsedChange
-from atp_router.task.meta import TaskMeta
+from atp_router.task.meta import TaskMeta, decode_meta
 from atp_router.wire import session as S
 from atp_router.wire.errors import ErrorCode
 from atp_router.wire.frame import (
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Closed",
     "OpenStream",
+    "OpenStreamAsync",
     "StreamCtx",
     "StreamKey",
     "change_of_task",
@@ -62,6 +64,7 @@ __all__ = [
     "min_window",
     "signed_final",
     "stream_account",
+    "synthesized_syn",
 ]
 
 #: A stream's identity in the table: (tenant, session_id, stream_id).
@@ -342,6 +345,14 @@ class OpenStream(Protocol):
                  identity: Identity, change: ParsedChange | None = None) -> StreamCtx: ...
 
 
+class OpenStreamAsync(Protocol):
+    """:meth:`DataPlane.open_stream_async`'s signature, as the router facade hands it to the ingresses."""
+
+    async def __call__(self, *, task: dict[str, Any], content: dict[str, Any] | None, budget: Budget | None,
+                       qos: QoS | None, window: Window | None, idempotency_key: str | None,
+                       identity: Identity, change: ParsedChange | None = None) -> StreamCtx: ...
+
+
 def signed_final(ctx: StreamCtx, final: FinalResult, signer: UsageSigner, rib_version: int) -> FinalResult:
     """``final`` with its telemetry's signed usage summary (spec §19: a client
     can prove what it was charged; ``GET /v1/keys`` has the public key):
@@ -357,3 +368,28 @@ def signed_final(ctx: StreamCtx, final: FinalResult, signer: UsageSigner, rib_ve
                "closed_at_ms": int(time.time() * 1000)}
     usage = SignedUsage(summary=summary, jws=signer.sign(summary))
     return msgspec.structs.replace(final, telemetry=msgspec.structs.replace(t, usage=usage))
+
+
+def synthesized_syn(task: dict[str, Any], content: Any, budget: Budget | None, qos: QoS | None,
+                    window: Window | None, idempotency_key: str | None) -> tuple[Frame, TaskMeta | None]:
+    """The SYN an ingress opens a stream with, on a new session and stream id,
+    and its typed meta (:func:`~atp_router.task.meta.decode_meta`, None when
+    malformed), the budget and key from the typed arguments, not decoded back
+    from the frame's meta that records them."""
+    meta = dict(task)
+    if budget is not None:
+        meta["budget"] = msgspec.to_builtins(budget)
+    if idempotency_key is not None:
+        meta["idempotency_key"] = idempotency_key
+    syn = Frame(v=1, session_id="sess_" + secrets.token_hex(8), stream_id="task_" + secrets.token_hex(8),
+                msg_seq=0, flags=[Flag.SYN], qos=qos or QoS.SILVER, window=window, meta=meta,
+                payload=Payload(type=PayloadType.TASK, content=content) if content is not None else None)
+    try:
+        typed: TaskMeta | None = decode_meta(task)
+    except msgspec.ValidationError:
+        typed = None  # the task_meta stage refuses it, EPROTO naming the field
+    if typed is not None and (budget is not None or idempotency_key is not None):
+        typed = msgspec.structs.replace(
+            typed, budget=budget if budget is not None else typed.budget,
+            idempotency_key=idempotency_key if idempotency_key is not None else typed.idempotency_key)
+    return syn, typed

@@ -54,19 +54,19 @@ so the router's loop is ``for closed in await table.next_timers(): ...``.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
 from atp_router.flow.budget import AccountState
-from atp_router.runtime.dataplane.memory import TRIM_EVERY_S
+from atp_router.runtime.dataplane.memory import TRIM_EVERY_S, IdleTrim
 from atp_router.runtime.dataplane.persistence import StreamPersistence
 from atp_router.runtime.dataplane.stream import (
     Closed,
@@ -122,21 +122,6 @@ class Accounts(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class _IdleTrim:
-    """The idle trim (module docstring): ``trim()`` is called when the router
-    went idle (no open stream, streams left memory since the last call), at
-    most every ``TRIM_EVERY_S``: atp_router.runtime.dataplane.memory.trim."""
-
-    trim: Callable[[], float] | None
-    #: A trim timer is scheduled.
-    due: bool = False
-    #: Not before then (memory freed since settles first), trio time, s.
-    at: float = -math.inf
-    #: When the last trim ran, trio time, s.
-    trimmed_at: float = -math.inf
-
-
 class StreamTable:
     """The streams and sessions of every tenant (module docstring).
 
@@ -170,7 +155,7 @@ class StreamTable:
         self.retain_closed_s = retain_closed_s
         self.retain_closed_max = retain_closed_max
         self.retain_closed_bytes = retain_closed_bytes
-        self._idle = _IdleTrim(idle_trim)
+        self._idle = IdleTrim(idle_trim)
         self.resume_grace_s = resume_grace_s
         self.idle_task_s = idle_task_s
         self.hb_interval_s = hb_interval_s
@@ -278,6 +263,20 @@ class StreamTable:
         if not self._remove(old):
             raise LocalProtocolError(ErrorCode.EPROTO, f"stream_id {stream_id!r} is still settling its spend; retry")
 
+    @contextlib.contextmanager
+    def opening(self, tenant: str, session_id: str) -> Iterator[None]:
+        """A SYN that passed :meth:`admit` and waits on the store: it counts as
+        open (the table's room, its tenant's streams) and its session stays."""
+        self.open_count += 1
+        self.tenant_open[tenant] += 1
+        self._session_streams[(tenant, session_id)] += 1
+        try:
+            yield
+        finally:
+            self.open_count -= 1
+            _decrement(self.tenant_open, tenant)
+            _decrement(self._session_streams, (tenant, session_id))
+
     def insert(self, ctx: StreamCtx) -> None:
         """Add a stream just accepted (after :meth:`admit`): it counts as open,
         its idempotency key (if any) now resumes it, and it is reset if it gets
@@ -325,9 +324,7 @@ class StreamTable:
         self.open_count -= 1
         if not self.open_count:
             self._want_trim(ctx.closed_at)
-        self.tenant_open[ctx.tenant] -= 1
-        if not self.tenant_open[ctx.tenant]:
-            del self.tenant_open[ctx.tenant]
+        _decrement(self.tenant_open, ctx.tenant)
         self.metrics.open_streams.dec()
         assert ctx.closed_at is not None
         self._keep(ctx, ctx.closed_at)
@@ -461,9 +458,7 @@ class StreamTable:
             self.retained_bytes -= size
             self.metrics.retained_bytes.set(self.retained_bytes)
             self.metrics.retained_streams.set(len(self._retained))
-        left = self._session_streams[key[:2]] = self._session_streams[key[:2]] - 1
-        if left <= 0:
-            del self._session_streams[key[:2]]
+        _decrement(self._session_streams, key[:2])
         self._gone += 1
         if self._gone > _TIMERS_PURGE_AT and self._gone * 4 > len(self._timers):  # amortised O(1) a removal
             self._purge_timers()
@@ -593,3 +588,10 @@ class StreamTable:
         # Not sleeping: what is scheduled while handling is seen by the next get_timer.
         self._sleeping_until = -math.inf
         return self.handle_timer(trio.current_time())
+
+
+def _decrement(counts: Counter[Any], key: Any) -> None:
+    """One fewer ``key`` in ``counts``; dropped at 0."""
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]

@@ -306,8 +306,8 @@ async def _open_task(router: Router, book: _TaskBook, params: Mapping[str, Any],
         if refusal is not None:
             return book.remember(identity, _rejected(router, identity, stored, context, refusal))
     try:
-        ctx = router.open_stream(task=meta, content=content, budget=budget, qos=None, window=None,
-                                 idempotency_key=f"a2a:{message_id}", identity=identity, change=change)
+        ctx = await router.open_stream_async(task=meta, content=content, budget=budget, qos=None, window=None,
+                                             idempotency_key=f"a2a:{message_id}", identity=identity, change=change)
     except ATPError as e:
         code = -32602 if e.code is ErrorCode.EPROTO else -32603
         raise RpcError(code, f"{e.code}: {e.reason}", {"code": str(e.code), "reason": e.reason}) from None

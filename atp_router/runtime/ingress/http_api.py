@@ -206,7 +206,7 @@ async def open_stream(router: Router, request: Request, identity: Identity) -> R
     try:
         req = await decode_off_loop(_decode_open, await read_body(request, router.config.max_body_bytes))
         release_body(request)  # decoded: the raw bytes are done with
-        ctx = router.open_stream(
+        ctx = await router.open_stream_async(
             task=req.task, content=req.content, budget=req.budget, qos=req.qos, window=req.window,
             idempotency_key=req.idempotency_key, identity=identity,
         )

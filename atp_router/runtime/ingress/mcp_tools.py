@@ -197,14 +197,16 @@ class _Tools:
             refused = await complete_from_repo(self.router, meta, content, change)
             if refused is not None:
                 raise ATPError(ErrorCode.EPROTO, refused)
-        sctx = self.router.open_stream(task=meta, content=content, budget=args.budget, qos=None, window=None,
-                                       idempotency_key=args.idempotency_key, identity=identity, change=change)
+        sctx = await self.router.open_stream_async(task=meta, content=content, budget=args.budget, qos=None,
+                                                   window=None, idempotency_key=args.idempotency_key,
+                                                   identity=identity, change=change)
         return await self._follow(ctx, sctx)
 
     async def _route(self, ctx: ServerRequestContext[Any], identity: Identity,
                      args: RouteTask) -> types.CallToolResult:
-        sctx = self.router.open_stream(task=args.task, content=args.content, budget=args.budget, qos=args.qos,
-                                       window=None, idempotency_key=args.idempotency_key, identity=identity)
+        sctx = await self.router.open_stream_async(task=args.task, content=args.content, budget=args.budget,
+                                                   qos=args.qos, window=None, idempotency_key=args.idempotency_key,
+                                                   identity=identity)
         return await self._follow(ctx, sctx)
 
     async def _follow(self, ctx: ServerRequestContext[Any], sctx: StreamCtx) -> types.CallToolResult:

@@ -423,8 +423,9 @@ class _Ingress:
         cap = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if cap is not None:
             meta["max_out_tokens"] = cap  # the output cap of each model next-hop, as OpenAI means it
-        ctx = self.router.open_stream(task=meta, content=content, budget=opts.budget, qos=opts.qos, window=None,
-                                      idempotency_key=opts.idempotency_key, identity=identity, change=change)
+        ctx = await self.router.open_stream_async(task=meta, content=content, budget=opts.budget, qos=opts.qos,
+                                                  window=None, idempotency_key=opts.idempotency_key,
+                                                  identity=identity, change=change)
         return req, ctx
 
     async def chat(self, request: Request, identity: Identity) -> Response:
