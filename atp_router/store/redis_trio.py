@@ -19,13 +19,15 @@ kept for the next call.
 
 Failures: connect and reply each bounded by the client's timeouts; a timeout or
 a connection error raises :class:`TrioRedisError` and drops that connection (a
-late reply is never read as another call's). The call is shielded from
+late reply is never read as another call's); an idle connection the server
+closed (a Redis restarted) is dropped before it is used. The call is shielded from
 cancellation: once sent, its reply is waited for (at most the timeout), as a
 store thread is never abandoned — the caller always learns whether it ran.
 """
 
 from __future__ import annotations
 
+import select
 from typing import Any
 
 import hiredis
@@ -89,7 +91,7 @@ class TrioRedis:
         :class:`TrioRedisError` (not reached, or no reply within the timeout)."""
         async with self._slots:
             with trio.CancelScope(shield=True):
-                conn = self._idle.pop() if self._idle else await self._connect()
+                conn = await self._take() or await self._connect()
                 try:
                     reply = await self._round_trip(conn, hiredis.pack_command(args))
                 except BaseException:
@@ -97,6 +99,17 @@ class TrioRedis:
                     raise
                 self._idle.append(conn)
                 return reply
+
+    async def _take(self) -> _Conn | None:
+        """An idle connection still fit for a command: one the server closed, or
+        that holds bytes nobody asked for, is dropped (as redis-py's pool does at
+        checkout), so a Redis restarted meanwhile is not taken for one that failed."""
+        while self._idle:
+            conn = self._idle.pop()
+            if not _readable(conn.stream):
+                return conn
+            await trio.aclose_forcefully(conn.stream)
+        return None
 
     async def _round_trip(self, conn: _Conn, data: bytes) -> Any:
         with trio.move_on_after(self.socket_timeout_s) as timer:
@@ -147,3 +160,10 @@ class TrioRedis:
         idle, self._idle = self._idle, []
         for conn in idle:
             await trio.aclose_forcefully(conn.stream)
+
+
+def _readable(stream: trio.abc.Stream) -> bool:
+    """Whether ``stream``'s socket has something to read now (EOF included): no wait."""
+    poller = select.poll()
+    poller.register(stream.socket.fileno(), select.POLLIN)  # type: ignore[attr-defined]
+    return bool(poller.poll(0))

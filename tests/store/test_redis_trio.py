@@ -4,7 +4,7 @@ and its reply over TCP and a Unix socket, with the URL's password (``AUTH``) and
 database (``SELECT``); an error reply returned, not raised; connections reused; a
 Redis that does not answer within the timeout, or is not there, raises
 :class:`~atp_router.store.redis_trio.TrioRedisError` and the next call connects
-afresh; a cancelled caller still waits for the reply of a command it sent."""
+afresh; a Redis restarted while a connection sat idle answers the next call; a cancelled caller still waits for the reply of a command it sent."""
 
 from __future__ import annotations
 
@@ -58,6 +58,15 @@ async def test_a_silent_or_absent_redis_fails_within_the_timeout_and_the_next_ca
         assert await c.execute("PING") == b"PONG"
     with pytest.raises(TrioRedisError, match="connecting"):
         await client(f"redis://127.0.0.1:{free_port()}/0").execute("PING")
+
+
+async def test_a_restarted_redis_is_not_taken_for_a_failed_one():
+    with start_redis(appendonly=False) as server:
+        c = client(server.url)
+        assert await c.execute("PING") == b"PONG"
+        server.stop()
+        server.start()  # same port: the idle connection is closed on the other side
+        assert await c.execute("PING") == b"PONG"
 
 
 async def test_a_cancelled_caller_still_gets_the_reply_of_what_it_sent():
