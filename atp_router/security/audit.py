@@ -1058,7 +1058,7 @@ class AuditLog:
                 chained: list[AuditRecord] = []
                 # Chained to the store's head in the group commit (a store thread); this
                 # writer's head and checkpoints follow on the trio side once it is stored.
-                if self.defer(lambda: chained.append(self.store.append_audit_chained(build)),
+                if self.defer(lambda: self.store.append_audit_chained_then(build, chained.append),
                               lambda: self._chained(chained[-1], now_ms)):
                     return None
             rec = self.store.append_audit_chained(build)

@@ -815,14 +815,17 @@ redis.call('SET', P .. 'ribseq', I(v))
 return v
 """),
     # --------------------------------------------------------------------- audit
-    # A: seq, JSON, expected head seq ('' any) -> 1 appended | 0 the head moved
-    # A: seq, JSON, the head's seq it is chained to ('' unchecked) -> 1 | {the head record's JSON ('' none)}
-    #   (a chained append that lost the race answers the head it must be chained to: no second read)
+    # A: seq, JSON, the head's seq it is chained to ('' unchecked), [the head's hash ('' unchecked)]
+    #   -> 1 appended | {the head record's JSON ('' none)}: a chained append that lost the race answers
+    #   the head it must be chained to (no second read); with the hash, one chained to a record of
+    #   the same seq that is not the head's (a pipelined append behind one that lost) is refused too
     "append_audit": ("", """
 local au = P .. 'au'
 if A[3] ~= '' then
   local top = redis.call('ZREVRANGE', au, 0, 0, 'WITHSCORES')
   if tonumber(top[2] or '0') ~= tonumber(A[3]) then return {top[1] or ''} end
+  -- The head's hash too: a record chained to one of ours that was refused is refused.
+  if (A[4] or '') ~= '' and top[1] and cjson.decode(top[1])['hash'] ~= A[4] then return {top[1]} end
 end
 if redis.call('ZCOUNT', au, A[1], A[1]) > 0 then return redis.error_reply('ATPDUP audit ' .. A[1]) end
 redis.call('ZADD', au, A[1], A[2])

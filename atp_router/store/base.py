@@ -592,6 +592,12 @@ class Store(ABC):
         stored head (``(0, GENESIS)`` when empty) — in one atomic step, so
         several processes extend one chain; returns it."""
 
+    def append_audit_chained_then(self, build: Callable[[int, str], AuditRecord],
+                                  then: Callable[[AuditRecord], None]) -> None:
+        """:meth:`append_audit_chained`, the record handed to ``then`` once stored
+        (a store may buffer it in its :meth:`batch`: the Redis store)."""
+        then(self.append_audit_chained(build))
+
     @abstractmethod
     def audit_records(self, after: int = 0, limit: int | None = None) -> list[AuditRecord]:
         """Audit records with ``seq`` > ``after``, in ``seq`` order, at most

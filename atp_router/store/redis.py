@@ -109,6 +109,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -163,6 +164,12 @@ from atp_router.store.sqlite import RIB_KEPT, _remaining, _totals, ledger_snapsh
 
 __all__ = ["BACKGROUND_OPS", "EXPIRE_STEP", "MIN_DEADLINE_MS", "REQUEST_TTL_MS", "RedisStore"]
 
+log = logging.getLogger("atp_router.store.redis")
+
+#: Races to the audit chain's head a group commit's chained records are sent again in one
+#: pipeline for, before they are chained one by one (:meth:`RedisStore.append_audit_chained_then`).
+AUDIT_RACES = 8
+
 _APP = "atp-router"
 #: Streams :meth:`RedisStore.expire` drops per script (Redis runs one script at a time).
 EXPIRE_STEP = 500
@@ -211,6 +218,9 @@ class _Batch:
     errors: list[StoreError] = field(default_factory=list)
     #: id(args) of a buffered op -> what its reply is handed to (:meth:`RedisStore.rate_take_upto_then`).
     then: dict[int, Callable[[Any], None]] = field(default_factory=dict)
+    #: Chained audit appends buffered (:meth:`RedisStore.append_audit_chained_then`): (build, then).
+    audits: list[tuple[Callable[[int, str], AuditRecord], Callable[[AuditRecord], None]]] = \
+        field(default_factory=list)
 
 
 class _Local(threading.local):
@@ -528,10 +538,14 @@ class RedisStore(Store):
     def _buffer(self, b: _Batch, name: str, args: tuple[Any, ...]) -> None:
         """Buffer op ``name`` in batch ``b``: no I/O now, so it must not take the
         probe of a back-off (the batch's own round trip at its end is the probe)."""
+        self._fail_fast()
+        b.ops.append((name, args))
+
+    def _fail_fast(self) -> None:
+        """:meth:`_check` for a write buffered in a batch: raise while lost or backing off, never probe."""
         if self._lost or (not self._up and (time.monotonic() < self._retry_at
                                              or threading.get_ident() == self._no_probe)):
             self._check()
-        b.ops.append((name, args))
 
     @staticmethod
     def _answer(b: _Batch, ops: list[tuple[str, tuple[Any, ...]]], replies: list[Any]) -> None:
@@ -648,18 +662,23 @@ class RedisStore(Store):
                 b.ops.clear()
                 b.errors.clear()
                 b.then.clear()
+                b.audits.clear()
             raise
         b.depth -= 1
         if b.depth:
             return
         ops, b.ops = b.ops, []
+        audits, b.audits = b.audits, []
         errors, b.errors = b.errors, []
         try:
-            if ops:
+            if ops or audits:
                 self._check()
-                replies = self._pipeline(ops)
-                self._answer(b, ops, replies)
-                errors += [e for e in map(self._reply_error, replies) if e is not None]
+                records = self._chain(audits)
+                replies = self._pipeline([*ops, *(("append_audit", (r.seq, msgspec.json.encode(r), r.seq - 1, r.prev))
+                                                   for r in records)])
+                self._answer(b, ops, replies[:len(ops)])
+                errors += [e for e in map(self._reply_error, replies[:len(ops)]) if e is not None]
+                self._chained(audits, records, replies[len(ops):])
         finally:
             b.then.clear()  # a batch that failed as a whole answers none
         fenced = next((e for e in errors if isinstance(e, Fenced)), None)
@@ -1103,13 +1122,78 @@ class RedisStore(Store):
                 got = self.audit_head()
                 head = (got.seq, got.hash) if got is not None else (0, GENESIS)
             r = build(*head)
-            reply = self._run("append_audit", r.seq, msgspec.json.encode(r), head[0])
+            reply = self._run("append_audit", r.seq, msgspec.json.encode(r), head[0], head[1])
             if reply == 1:
                 self._audit_head = (r.seq, r.hash)
                 return r
             top = msgspec.json.decode(reply[0], type=AuditRecord) if reply[0] else None
             head = (top.seq, top.hash) if top is not None else (0, GENESIS)
             self._audit_head = head
+
+    def append_audit_chained_then(self, build: Callable[[int, str], AuditRecord],
+                                  then: Callable[[AuditRecord], None]) -> None:
+        """:meth:`append_audit_chained`, the record handed to ``then`` once stored.
+        Inside :meth:`batch` it is buffered: the batch's chained records are built
+        from this store's last head, one behind the other, and sent in its
+        pipeline (no round trip of their own); each carries the seq and hash of
+        the record it follows, so after one that lost a race to another writer
+        every later one is refused too, and those are chained again to the head
+        the refusal answered (:meth:`_chained`)."""
+        b = self._local.batch
+        if not b.depth:
+            then(self.append_audit_chained(build))
+            return
+        self._fail_fast()
+        b.audits.append((build, then))
+
+    def _chain(self, audits: list[tuple[Callable[[int, str], AuditRecord], Callable[[AuditRecord], None]]]
+               ) -> list[AuditRecord]:
+        """The records of ``audits`` built one behind the other from this store's last head."""
+        if not audits:
+            return []
+        head = self._audit_head
+        if head is None:
+            got = self.audit_head()
+            head = (got.seq, got.hash) if got is not None else (0, GENESIS)
+        records = []
+        for build, _ in audits:
+            r = build(*head)
+            records.append(r)
+            head = (r.seq, r.hash)
+        return records
+
+    def _chained(self, audits: list[tuple[Callable[[int, str], AuditRecord], Callable[[AuditRecord], None]]],
+                 records: list[AuditRecord], replies: list[Any]) -> None:
+        """The pipelined chained appends' ``replies``: each stored one handed to its
+        ``then``; from the first that lost a race on, built again from the head
+        the refusal answered and sent again in one pipeline (a round trip a race,
+        not a record), at most :data:`AUDIT_RACES` times, then one by one. A
+        refused one (not a race) is logged and dropped with those behind it, as a
+        deferred write's store error is (the batch's other writes stand)."""
+        for race in range(AUDIT_RACES + 1):
+            for i, ((_, then), r, reply) in enumerate(zip(audits, records, replies, strict=True)):
+                if reply == 1:
+                    self._audit_head = (r.seq, r.hash)
+                    then(r)
+                    continue
+                err = self._reply_error(reply)
+                if err is not None:
+                    self._audit_head = None  # read again before the next chained append
+                    log.error("audit: %d chained records refused by the store (%s); dropped", len(audits) - i, err)
+                    return
+                top = msgspec.json.decode(reply[0], type=AuditRecord) if reply[0] else None
+                self._audit_head = (top.seq, top.hash) if top is not None else (0, GENESIS)
+                audits = audits[i:]
+                break
+            else:
+                return
+            if race == AUDIT_RACES:
+                for build, then in audits:
+                    then(self.append_audit_chained(build))
+                return
+            records = self._chain(audits)
+            replies = self._pipeline([("append_audit", (r.seq, msgspec.json.encode(r), r.seq - 1, r.prev))
+                                      for r in records])
 
     def audit_records(self, after: int = 0, limit: int | None = None) -> list[AuditRecord]:
         raw = self._run("audit_records", after, -1 if limit is None else limit)

@@ -437,6 +437,50 @@ def test_a_chained_audit_append_is_one_round_trip_unless_another_writer_raced(re
     assert verify(records, [], b"k", max_unsigned=10).ok
 
 
+def test_a_group_commits_chained_audit_records_ride_in_its_pipeline_and_survive_a_race(redis_server: RedisServer):
+    """Issue 22 item 2: the chained audit records of a group commit
+    (:meth:`RedisStore.append_audit_chained_then` inside :meth:`RedisStore.batch`)
+    are built one behind the other from the head this store saw last and sent in
+    the batch's one pipeline, no round trip of their own. When another writer
+    appended meanwhile, the first is refused with the head, and so is every one
+    behind it — also the next, whose seq now matches the head but whose chained
+    hash does not (the script checks both) — and they are chained again to the head
+    and sent again together: one round trip more a race. The chain stays whole,
+    each record handed to its ``then`` once."""
+    from atp_router.security.audit import chain_record, verify
+
+    name = ns()
+    a, b = RedisStore.open(redis_server.url, namespace=name), RedisStore.open(redis_server.url, namespace=name)
+
+    def build(actor: str):
+        return lambda seq, head: chain_record(seq, head, kind="admin", actor=actor, tenant=None, detail={}, now_ms=1)
+
+    a.append_audit_chained(build("a0"))  # a's head known
+    got: list = []
+    trips = dict(a.round_trips_by_op)
+    with a.batch():
+        a.put("k", b"v")
+        for i in range(3):
+            a.append_audit_chained_then(build(f"a{i + 1}"), got.append)
+        assert got == []  # buffered
+    assert [r.seq for r in got] == [2, 3, 4]
+    ops = {op: n - trips.get(op, 0) for op, n in a.round_trips_by_op.items() if n != trips.get(op, 0)}
+    assert ops == {"pipeline": 1}  # the kv write and three records: one round trip
+    b.append_audit_chained(build("b"))  # another writer moves the head to 5
+    got.clear()
+    trips = dict(a.round_trips_by_op)
+    with a.batch():
+        for i in range(3):
+            a.append_audit_chained_then(build(f"c{i}"), got.append)
+    assert [(r.seq, r.actor) for r in got] == [(6, "c0"), (7, "c1"), (8, "c2")]
+    ops = {op: n - trips.get(op, 0) for op, n in a.round_trips_by_op.items() if n != trips.get(op, 0)}
+    assert ops == {"pipeline": 2}  # refused with the head, the three sent again together
+    records = a.audit_records()
+    assert [x.actor for x in records] == ["a0", "a1", "a2", "a3", "b", "c0", "c1", "c2"]
+    assert [x.seq for x in records] == list(range(1, 9))
+    assert verify(records, [], b"k", max_unsigned=10).ok
+
+
 def test_a_thread_that_never_probes_waits_for_a_stopped_redis_once(redis_server: RedisServer):
     """Issue 22 item 2 (:meth:`RedisStore.probe_off`): the thread named (a
     cluster router's trio loop) waits for a stopped Redis one socket timeout,
