@@ -164,7 +164,7 @@ from atp_router.observability.metrics import RouterMetrics
 from atp_router.runtime.config import RouterConfig
 from atp_router.runtime.controlplane import shared_state
 from atp_router.runtime.dataplane.journal import CallJournal
-from atp_router.runtime.dataplane.opening import DEFAULT_STAGES, StoreStep
+from atp_router.runtime.dataplane.opening import DEFAULT_STAGES
 from atp_router.runtime.dataplane.persistence import stored_task_digest
 from atp_router.runtime.dataplane.quotas import SharedQuotas, with_shared_quotas
 from atp_router.runtime.dataplane.stream import task_digest
@@ -407,19 +407,17 @@ class ClusterLedger(SharedBudgetLedger):
                            retry_after_ms=RETRY_AFTER_MS) from None
 
     def open_admitted(self, ask: QuotaAsk, key: str, limit: Allowance, parent: str,
-                      ttl_ms: int) -> StoreStep[QuotaGrant]:
+                      ttl_ms: int) -> tuple[Callable[[], Any], Callable[[Any], QuotaGrant]]:
         """The atomic OPEN of a stream (issue 22 item 2) as a store step: :meth:`open`
         of its account ``key`` under ``parent`` with ``ask``'s entry in its
         tenant's shared quota (held ``ttl_ms``) taken in the same store step
         (:meth:`RedisStore.open_stream_shared
         <atp_router.store.redis.RedisStore.open_stream_shared>`, carrying the
-        lease epoch and a deadline): both or neither, as a
-        :class:`~atp_router.runtime.dataplane.opening.StoreStep`: the store call
-        (``run()``, which a store thread may run, or ``arun()`` on the trio loop
-        without blocking it: :meth:`RedisStore.open_stream_shared_async
-        <atp_router.store.redis.RedisStore.open_stream_shared_async>`), touching
-        nothing else here; ``then(outcome)``, on the router's thread, opens the
-        account here too and returns the grant, or raises what the call raised:
+        lease epoch and a deadline): both or neither. Returns ``(run, then)``
+        (a :class:`~atp_router.runtime.dataplane.opening.StoreStep`'s parts):
+        ``run()`` makes the store call and touches nothing else here (a worker
+        thread may run it); ``then(outcome)``, on the router's thread, opens the
+        account here too and returns the grant, or raises what ``run`` raised:
         :class:`~atp_router.store.base.StoreUnavailable` (nothing opened:
         :class:`~atp_router.runtime.dataplane.quotas.SharedQuotas` falls back and
         reports it) or :class:`~atp_router.wire.errors.ATPError` ``EBUDGET``
@@ -428,13 +426,10 @@ class ClusterLedger(SharedBudgetLedger):
         reopened = skey in self._closing  # its close still waits in the group commit: made first
         self._closing.discard(skey)
 
-        opening = functools.partial(self.shared.open_stream_shared, skey, pkey or "", limit, owner=self.owner,
-                                    ask=ask, ttl_ms=ttl_ms)
-
         def run() -> tuple[QuotaGrant, SharedResult | None]:
             if reopened:
                 self.shared.close_shared_if_open(skey)
-            return opening()
+            return self.shared.open_stream_shared(skey, pkey or "", limit, owner=self.owner, ask=ask, ttl_ms=ttl_ms)
 
         def then(outcome: Any) -> QuotaGrant:
             if isinstance(outcome, NotFound):
@@ -447,9 +442,7 @@ class ClusterLedger(SharedBudgetLedger):
                 self.opened(key, parent, limit, out)
             return cast(QuotaGrant, grant)
 
-        arun = None if reopened or not self.shared.loop_ready else functools.partial(
-            self.shared.open_stream_shared_async, *opening.args, **opening.keywords)
-        return StoreStep(run, then, self.shared, arun)
+        return run, then
 
     def close(self, key: str) -> AccountState:
         """:meth:`~atp_router.flow.budget.SharedBudgetLedger.close`; a stream's
@@ -1201,12 +1194,6 @@ class RecordingAccounts(SharedAccounts, Protocol):
 
     def open_stream_shared(self, key: str, parent: str, limit: Allowance, *, owner: str, ask: QuotaAsk,
                            ttl_ms: int) -> tuple[QuotaGrant, SharedResult | None]: ...
-
-    async def open_stream_shared_async(self, key: str, parent: str, limit: Allowance, *, owner: str, ask: QuotaAsk,
-                                       ttl_ms: int) -> tuple[QuotaGrant, SharedResult | None]: ...
-
-    @property
-    def loop_ready(self) -> bool: ...
 
     def close_shared_if_open(self, key: str) -> None: ...
 

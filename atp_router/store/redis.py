@@ -121,7 +121,6 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
 import redis
-import trio
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
@@ -159,7 +158,6 @@ from atp_router.store.base import (
     check_rate_args,
     nonce_limit_error,
 )
-from atp_router.store.redis_trio import TrioRedis, TrioRedisError
 from atp_router.store.sqlite import RIB_KEPT, _remaining, _totals, ledger_snapshot
 
 __all__ = ["BACKGROUND_OPS", "EXPIRE_STEP", "MIN_DEADLINE_MS", "REQUEST_TTL_MS", "RedisStore"]
@@ -272,8 +270,6 @@ class RedisStore(Store):
         #: The audit chain's head as this store last saw it (seq, hash): the next chained
         #: append's guess (:meth:`append_audit_chained`); None: read it first.
         self._audit_head: tuple[int, str] | None = None
-        #: (trio run token, its loop connections: :meth:`_loop_client`).
-        self._trio: tuple[object, TrioRedis | None] | None = None
 
     # ----------------------------------------------------------------- opening
     @classmethod
@@ -462,46 +458,6 @@ class RedisStore(Store):
         except RedisError as e:
             raise StoreError(f"redis at {mask_url(self._url)}: {e}") from None
         self._up = True
-        return reply
-
-    def _loop_client(self) -> TrioRedis | None:
-        """The connections of this trio run's loop (:mod:`atp_router.store.redis_trio`;
-        None for a TLS URL: the caller uses a store thread)."""
-        token = trio.lowlevel.current_trio_token()
-        if self._trio is None or self._trio[0] is not token:
-            kw = self._client.connection_pool.connection_kwargs
-            self._trio = (token, TrioRedis.of(self._client.connection_pool,
-                                              connect_timeout_s=float(kw.get("socket_connect_timeout") or 0.5),
-                                              socket_timeout_s=float(kw.get("socket_timeout") or 0.5)))
-        return self._trio[1]
-
-    @property
-    def loop_ready(self) -> bool:
-        """Whether :meth:`run_async` runs on the trio loop itself (False: a TLS URL,
-        whose calls go to a store thread)."""
-        return self._loop_client() is not None
-
-    async def run_async(self, name: str, *args: Any) -> Any:
-        """:meth:`_run` (outside a batch) on the router's trio loop without
-        blocking it (:class:`~atp_router.store.redis_trio.TrioRedis`): the same
-        script, fencing token and deadline, errors and fast fail. Needs
-        :attr:`loop_ready`."""
-        aio = self._loop_client()
-        assert aio is not None, "run_async needs loop_ready (not a TLS URL)"
-        self._check()
-        background = name in BACKGROUND_OPS
-        try:
-            self._trip(name, background)
-            reply = await aio.execute("EVALSHA", *self._args(name, args))
-            if isinstance(reply, ResponseError) and str(reply).startswith("NOSCRIPT"):
-                self._trip("script_load", background)  # Redis restarted: scripts are not persisted
-                await aio.execute("SCRIPT", "LOAD", SCRIPTS[name])
-                reply = await aio.execute("EVALSHA", *self._args(name, args))
-        except TrioRedisError as e:
-            raise self._down(e) from None
-        self._up = True
-        if isinstance(reply, ResponseError):
-            raise self._error(reply) from None
         return reply
 
     @property
@@ -747,14 +703,14 @@ class RedisStore(Store):
         :class:`~atp_router.store.base.NotFound` (``parent`` not open),
         :class:`~atp_router.store.base.StoreError` (``key`` open already),
         ``Fenced``, :class:`~atp_router.store.base.StoreUnavailable`."""
-        return _opened_stream(self._run("open_stream", *_open_stream_args(key, parent, limit, owner, ask, ttl_ms)))
-
-    async def open_stream_shared_async(self, key: str, parent: str, limit: Allowance, *, owner: str,
-                                       ask: QuotaAsk, ttl_ms: int) -> tuple[QuotaGrant, SharedResult | None]:
-        """:meth:`open_stream_shared` on the router's trio loop without blocking it
-        (:meth:`run_async`; needs :attr:`loop_ready`)."""
-        return _opened_stream(await self.run_async("open_stream",
-                                                   *_open_stream_args(key, parent, limit, owner, ask, ttl_ms)))
+        check_quota_args(ask, owner, ttl_ms)
+        tkey, member = _quota_keys(ask.tenant, owner, ask.stream_id)
+        ok, n, refused, wait, rows = self._run(
+            "open_stream", key, parent, *_limit(limit), owner, tkey, member, json.dumps([tkey, member]), owner,
+            ask.max_streams, repr(float(ask.per_s)), ask.burst, ttl_ms, "open/" + ask.tenant)
+        why = refused.decode() or None
+        grant = QuotaGrant(bool(ok), int(n), why, int(wait) if why == "rate" else None)
+        return grant, (SharedResult(totals=_totals(_rows(rows))) if ok else None)
 
     def close_shared(self, key: str) -> None:
         self.close_account(key)
@@ -1338,20 +1294,3 @@ def _stream(raw: list | None) -> StreamRecord | None:
     rec = msgspec.json.decode(body, type=StreamRecord)
     return msgspec.structs.replace(rec, state=state.decode(), close_reason=None if reason is None else reason.decode(),
                                    closed_ms=None if closed is None else int(closed))
-
-
-def _open_stream_args(key: str, parent: str, limit: Allowance, owner: str, ask: QuotaAsk,
-                      ttl_ms: int) -> tuple[Any, ...]:
-    """The ``open_stream`` script's arguments (:meth:`RedisStore.open_stream_shared`)."""
-    check_quota_args(ask, owner, ttl_ms)
-    tkey, member = _quota_keys(ask.tenant, owner, ask.stream_id)
-    return (key, parent, *_limit(limit), owner, tkey, member, json.dumps([tkey, member]), owner,
-            ask.max_streams, repr(float(ask.per_s)), ask.burst, ttl_ms, "open/" + ask.tenant)
-
-
-def _opened_stream(reply: Any) -> tuple[QuotaGrant, SharedResult | None]:
-    """The grant and, admitted, the account's chain of an ``open_stream`` reply."""
-    ok, n, refused, wait, rows = reply
-    why = refused.decode() or None
-    grant = QuotaGrant(bool(ok), int(n), why, int(wait) if why == "rate" else None)
-    return grant, (SharedResult(totals=_totals(_rows(rows))) if ok else None)

@@ -11,8 +11,8 @@ returns :data:`CONTINUE` or a :class:`Refuse` (spec §10 ``code``, ``reason``,
 returns it (None: every stage let the SYN through). No stage reads a clock or
 awaits: time is ``o.now`` (trio seconds). A stage whose decision needs a store
 round trip (a shared ledger's atomic OPEN) returns a :class:`StoreStep` — the
-store call and what to decide from its outcome, :mod:`~atp_router.runtime.dataplane.steps`
-— that :func:`run_stages` runs off the loop (or inline: :func:`run_inline`).
+blocking call and what to decide from its outcome — that :func:`run_stages`
+runs on a worker thread (or inline: :func:`run_inline`).
 
 The default pipeline, :data:`DEFAULT_STAGES`, in order (``atp-router policy check
 --stages`` prints it, :func:`describe`):
@@ -60,9 +60,18 @@ tracing, audit, task start) is the router's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Final,
+    Protocol,
+    TypeVar,
+    cast,
+    runtime_checkable,
+)
 
 import msgspec
 import trio
@@ -70,10 +79,10 @@ import trio
 from atp_router.adapters.context import with_context_scope
 from atp_router.flow.budget import Allowance, min_budget, usd_to_micros
 from atp_router.policy.fib import data_scope_labels
-from atp_router.runtime.dataplane.steps import StoreStep, run_inline
 from atp_router.runtime.dataplane.stream import change_of_task, stream_account
 from atp_router.security.authz import Refuse
 from atp_router.security.identity import Identity
+from atp_router.store.threads import off_loop
 from atp_router.task.body import ERROR_FIELD, TaskBody, check_task, task_body
 from atp_router.task.change import ParsedChange
 from atp_router.task.diff import count_changed_lines
@@ -91,6 +100,8 @@ if TYPE_CHECKING:
     from atp_router.runtime.dataplane.streams import StreamTable
     from atp_router.security.authz import StreamAdmission
     from atp_router.wire.session import StreamOpened
+
+T = TypeVar("T")
 
 __all__ = [
     "CONTINUE",
@@ -211,13 +222,34 @@ class OpenParts:
     client_account: Callable[[str], str]
 
 
+@dataclass(frozen=True, slots=True)
+class StoreStep:
+    """What a stage asks to be done before it decides (sans-IO): ``run()``, a
+    blocking call of ``store`` that touches nothing else (one of the store's
+    threads may run it: :func:`~atp_router.store.threads.off_loop`), then
+    ``then(outcome)`` on the trio thread — ``outcome`` is what ``run`` returned
+    or the :class:`Exception` it raised — giving the stage's :data:`CONTINUE` or
+    :class:`Refuse`."""
+
+    run: Callable[[], Any]
+    then: Callable[[Any], Continue | Refuse]
+    store: Any
+
+    def outcome(self) -> Any:
+        """``run()``'s result, or the exception it raised (not raised)."""
+        try:
+            return self.run()
+        except Exception as e:  # noqa: BLE001 - handed to then(), which decides
+            return e
+
+
 class Stage(Protocol):
     """One step of the pipeline: ``stage(o)`` is :data:`CONTINUE`, a :class:`Refuse`
     or a :class:`StoreStep`."""
 
     name: ClassVar[str]
 
-    def __call__(self, o: OpenCtx, /) -> Continue | Refuse | StoreStep[Continue | Refuse]: ...
+    def __call__(self, o: OpenCtx, /) -> Continue | Refuse | StoreStep: ...
 
 
 @runtime_checkable
@@ -463,8 +495,8 @@ async def run_stages(stages: Sequence[Stage], o: OpenCtx, streams: StreamTable |
     """Run ``stages`` on ``o`` in order; the first :class:`Refuse` stops them and
     is returned, and every :class:`Holding` stage that let the SYN through
     before it releases what it took for it. None: every stage continued (``o``
-    holds their decisions). A :class:`StoreStep` runs without blocking the trio
-    loop (awaited on it, or in a store thread) while it serves other streams (issue 22: no store round trip blocks
+    holds their decisions). A :class:`StoreStep` runs in a store thread while
+    the trio loop serves other streams (issue 22: no store round trip blocks
     it), the SYN counted open in ``streams`` meanwhile
     (:meth:`~atp_router.runtime.dataplane.streams.StreamTable.opening`) — only
     for a SYN on a session of its own, which no other frame reaches meanwhile;
@@ -476,11 +508,22 @@ async def run_stages(stages: Sequence[Stage], o: OpenCtx, streams: StreamTable |
                 r = r.then(r.outcome())
             else:
                 with streams.opening(o.tenant, o.session_id):
-                    outcome = await r.outcome_off_loop()
+                    outcome = await off_loop(r.store, r.outcome)
                 r = r.then(outcome)
         if r is not CONTINUE:
             return _stopped(stages, i, o, r)
     return None
+
+
+def run_inline(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end on this thread: one that never suspends (each
+    await in it returns without waiting, e.g. :func:`run_stages` without ``streams``)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    coro.close()
+    raise AssertionError(f"{coro!r} suspended: it was to run inline")
 
 
 def _stopped(stages: Sequence[Stage], i: int, o: OpenCtx, r: object) -> Refuse:

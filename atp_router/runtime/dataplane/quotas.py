@@ -136,11 +136,12 @@ class SharedQuotas:
         self.defer: Callable[..., bool] | None = None
         #: When set, the atomic OPEN (issue 22 item 2; atp_router.deploy.cluster):
         #: ``opener(ask, account, limit, parent, ttl_ms)`` opens a stream's budget account
-        #: with its quota entry in one store step, a :class:`~atp_router.runtime.dataplane.opening.StoreStep`
-        #: whose ``then(outcome)`` is the grant (refused: neither taken), raising StoreUnavailable
-        #: or ATPError (EBUDGET); :func:`with_shared_quotas` then has ``budget_open`` decide the
-        #: quota (:class:`SharedBudgetOpen`).
-        self.opener: Callable[[QuotaAsk, str, Allowance, str, int], StoreStep[QuotaGrant]] | None = None
+        #: with its quota entry in one store step, as ``(run, then)``: ``run()`` the store call,
+        #: ``then(outcome)`` the grant (refused: neither taken), raising StoreUnavailable or
+        #: ATPError (EBUDGET); :func:`with_shared_quotas` then has ``budget_open`` decide the
+        #: quota (:class:`SharedBudgetOpen`, a :class:`~atp_router.runtime.dataplane.opening.StoreStep`).
+        self.opener: Callable[[QuotaAsk, str, Allowance, str, int],
+                              tuple[Callable[[], Any], Callable[[Any], QuotaGrant]]] | None = None
         #: When set (atp_router.deploy.cluster): ``closer(account)`` closes a closed stream's budget
         #: account in the store with its last events (:meth:`SharedBudgetOpen.release`).
         self.closer: Callable[[str], None] | None = None
@@ -182,27 +183,29 @@ class SharedQuotas:
         return self._granted(grant, tenant, stream_id)
 
     def open_with_account(self, ask: QuotaAsk, account: str, limit: Allowance,
-                          parent: str) -> StoreStep[QuotaGrant | None]:
+                          parent: str) -> tuple[Callable[[], Any], Callable[[Any], QuotaGrant | None]]:
         """:meth:`open` together with the stream's budget ``account`` (``limit``,
-        under ``parent``) in one atomic store step (:attr:`opener`), whose
-        ``then(outcome)`` is the grant (admitted: both taken; refused: neither).
-        None: the store could not decide — nothing was opened (fall back to this
-        router's own limits; the account's own open then refuses while the store
-        is away). ``then`` raises :class:`~atp_router.wire.errors.ATPError`
-        (``EBUDGET``: the tenant's account was settled by another router)."""
+        under ``parent``) in one atomic store step (:attr:`opener`), as ``(run,
+        then)``: ``run()`` the store call (a worker thread may run it),
+        ``then(outcome)`` on the router's thread the grant (admitted: both
+        taken; refused: neither). None: the store could not decide — nothing
+        was opened (fall back to this router's own limits; the account's own
+        open then refuses while the store is away). ``then`` raises
+        :class:`~atp_router.wire.errors.ATPError` (``EBUDGET``: the tenant's
+        account was settled by another router)."""
         assert self.opener is not None, "open_with_account needs an opener"
-        step = self.opener(ask, account, limit, parent, self.ttl_ms)
+        run, opened = self.opener(ask, account, limit, parent, self.ttl_ms)
 
         def then(outcome: Any) -> QuotaGrant | None:
             try:
-                grant = step.then(outcome)
+                grant = opened(outcome)
             except StoreUnavailable as e:
                 self._failed("open", e)
                 self.metrics.quota_fallback.labels("streams").inc()
                 return None
             return self._granted(grant, ask.tenant, ask.stream_id)
 
-        return step.deciding(then)
+        return run, then
 
     def _granted(self, grant: QuotaGrant, tenant: str, stream_id: str) -> QuotaGrant:
         """The store decided ``grant``: held until :meth:`release` when admitted, else counted refused."""
@@ -418,7 +421,7 @@ class SharedBudgetOpen:
         self.streams = parts.streams
         self.quotas = quotas
 
-    def __call__(self, o: OpenCtx) -> Continue | Refuse | StoreStep[Continue | Refuse]:
+    def __call__(self, o: OpenCtx) -> Continue | Refuse | StoreStep:
         """The atomic OPEN (issue 22 item 2): ``o.shared_quota`` (left by
         :class:`SharedTenantAdmission`) and the stream's account at the tighter
         of client and policy budget, both or neither (:meth:`SharedQuotas.open_with_account`),
@@ -432,8 +435,8 @@ class SharedBudgetOpen:
             return self._own_open(o, limit, parent)
         max_streams, rate = o.shared_quota
         ask = QuotaAsk(o.tenant, o.stream_id, max_streams, rate.per_s, rate.burst)
-        step = self.quotas.open_with_account(ask, o.account, limit, parent)
-        return step.deciding(functools.partial(self._decide, o, step.then, limit, parent))
+        run, then = self.quotas.open_with_account(ask, o.account, limit, parent)
+        return StoreStep(run, functools.partial(self._decide, o, then, limit, parent), self.quotas.store)
 
     def _decide(self, o: OpenCtx, then: Callable[[Any], QuotaGrant | None], limit: Allowance, parent: str,
                 outcome: Any) -> Continue | Refuse:
