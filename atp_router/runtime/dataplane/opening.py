@@ -12,7 +12,7 @@ returns it (None: every stage let the SYN through). No stage reads a clock or
 awaits: time is ``o.now`` (trio seconds). A stage whose decision needs a store
 round trip (a shared ledger's atomic OPEN) returns a :class:`StoreStep` — the
 blocking call and what to decide from its outcome — that :func:`run_stages`
-runs on a worker thread (or inline: :func:`run_inline`).
+runs in one of the store's threads (or inline: :func:`run_inline`).
 
 The default pipeline, :data:`DEFAULT_STAGES`, in order (``atp-router policy check
 --stages`` prints it, :func:`describe`):
