@@ -423,8 +423,7 @@ class ClusterLedger(SharedBudgetLedger):
         reports it) or :class:`~atp_router.wire.errors.ATPError` ``EBUDGET``
         (``parent`` settled by another router). Raises ValueError (``key`` open)."""
         skey, pkey = self.open_keys(key, parent)
-        reopened = skey in self._closing  # its close still waits in the group commit: made first
-        self._closing.discard(skey)
+        reopened = self._reopening(skey)
 
         def run() -> tuple[QuotaGrant, SharedResult | None]:
             if reopened:
@@ -806,10 +805,17 @@ class ClusterLedger(SharedBudgetLedger):
     def _closed_first(self, key: str, parent: str | None) -> None:
         """Before account ``key`` is opened again: its close still waiting in the
         group commit is made now (a stream id reused at once)."""
-        skey = key if parent is None else f"{key}@{self.owner}"
-        if skey in self._closing:
-            self._closing.discard(skey)
+        skey = self._new_store_key(key, parent)
+        if self._reopening(skey):
             self.shared.close_shared_if_open(skey)
+
+    def _reopening(self, skey: str) -> bool:
+        """Whether store account ``skey``, about to be opened again, still has its
+        close waiting in the group commit — taken from it: the opener makes it first."""
+        if skey not in self._closing:
+            return False
+        self._closing.discard(skey)
+        return True
 
     def reserve(self, key: str, tokens: int, usd_micros: int) -> Reservation | Refusal:
         carved = self._reserve_in_lease(key, tokens, usd_micros)

@@ -712,12 +712,16 @@ class SharedBudgetLedger(BudgetLedger):
         if key in self._accounts:
             raise ValueError(f"budget account {key!r} already open")
         pkey = self._skeys[self._get(parent).key] if parent is not None else None
-        return (key if parent is None else f"{key}@{self.owner}"), pkey
+        return self._new_store_key(key, parent), pkey
+
+    def _new_store_key(self, key: str, parent: str | None) -> str:
+        """The store key account ``key`` is opened under: a root's own, a child's this ledger's (``key@owner``)."""
+        return key if parent is None else f"{key}@{self.owner}"
 
     def opened(self, key: str, parent: str | None, limit: Allowance, out: SharedResult) -> None:
         """Account ``key`` (:meth:`open_keys`) was opened in the store with ``out``: opened here too."""
         up = self._get(parent) if parent is not None else None
-        skey = key if parent is None else f"{key}@{self.owner}"
+        skey = self._new_store_key(key, parent)
         acct = _Account(key, up, limit.tokens, limit.usd_micros)
         acct.chain = [acct, *(up.chain if up is not None else [])]
         if up is not None:

@@ -630,8 +630,7 @@ class RedisStore(Store):
             if ops or audits:
                 self._check()
                 records = self._chain(audits)
-                replies = self._pipeline([*ops, *(("append_audit", (r.seq, msgspec.json.encode(r), r.seq - 1, r.prev))
-                                                   for r in records)])
+                replies = self._pipeline([*ops, *map(_audit_op, records)])
                 self._answer(b, ops, replies[:len(ops)])
                 errors += [e for e in map(self._reply_error, replies[:len(ops)]) if e is not None]
                 self._chained(audits, records, replies[len(ops):])
@@ -1078,7 +1077,8 @@ class RedisStore(Store):
                 got = self.audit_head()
                 head = (got.seq, got.hash) if got is not None else (0, GENESIS)
             r = build(*head)
-            reply = self._run("append_audit", r.seq, msgspec.json.encode(r), head[0], head[1])
+            name, args = _audit_op(r)  # chained to head: (r.seq - 1, r.prev)
+            reply = self._run(name, *args)
             if reply == 1:
                 self._audit_head = (r.seq, r.hash)
                 return r
@@ -1148,8 +1148,7 @@ class RedisStore(Store):
                     then(self.append_audit_chained(build))
                 return
             records = self._chain(audits)
-            replies = self._pipeline([("append_audit", (r.seq, msgspec.json.encode(r), r.seq - 1, r.prev))
-                                      for r in records])
+            replies = self._pipeline(list(map(_audit_op, records)))
 
     def audit_records(self, after: int = 0, limit: int | None = None) -> list[AuditRecord]:
         raw = self._run("audit_records", after, -1 if limit is None else limit)
@@ -1294,3 +1293,9 @@ def _stream(raw: list | None) -> StreamRecord | None:
     rec = msgspec.json.decode(body, type=StreamRecord)
     return msgspec.structs.replace(rec, state=state.decode(), close_reason=None if reason is None else reason.decode(),
                                    closed_ms=None if closed is None else int(closed))
+
+
+def _audit_op(r: AuditRecord) -> tuple[str, tuple[Any, ...]]:
+    """The ``append_audit`` script call of chained record ``r``: checked against the
+    head it is chained to (its seq ``r.seq - 1`` and hash ``r.prev``)."""
+    return "append_audit", (r.seq, msgspec.json.encode(r), r.seq - 1, r.prev)

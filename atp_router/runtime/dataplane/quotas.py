@@ -298,7 +298,7 @@ class SharedQuotas:
             self.store.rate_take_upto_then("learn/" + tenant, n, answer.append, per_s=rate_per_s, burst=burst,
                                            now_ms=self._now_ms())
 
-        # first: buffered ahead of the group commit's audit record, whose chained append sends it.
+        # first: ahead of the group commit's events, in its one pipeline.
         if not self.defer(write, over=functools.partial(self._refilled, tenant, sent, answer), first=True):
             return False
         self._refilling.add(tenant)
