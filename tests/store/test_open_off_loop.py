@@ -67,3 +67,41 @@ async def test_the_atomic_open_runs_off_the_loop_and_counts_as_open_meanwhile(nu
         sid = opened[0].json()["stream_id"]
         assert env.router.streams.open_count == 1
         assert env.router.find_stream(ANONYMOUS, sid) is not None
+
+
+async def test_a_tenants_opens_waiting_on_the_store_count_against_its_quota_here(nursery, tmp_path, redis_server):
+    """A second tenant's view: while a tenant's opens wait on the store, they count as
+    its open streams on this router, so past its ``max_streams`` (2 here) a further
+    open is refused at once (429 EWINDOW) without a store step — one tenant's queued
+    opens cannot fill the router's stream table for the others."""
+    env = await start_router(nursery, MECHANICS_RIB, state_dir=tmp_path / "state", store=redis_server.url,
+                             store_namespace="t" + uuid.uuid4().hex[:12], tenant_max_streams=2)
+    store = env.router.store
+    assert isinstance(store, RedisStore)
+    calls: list[object] = []
+    release = threading.Event()
+    original = store.open_stream_shared
+
+    def held(*args: Any, **kw: Any) -> Any:
+        calls.append(args)
+        release.wait(HOLD_S)
+        return original(*args, **kw)
+
+    store.open_stream_shared = held  # type: ignore[method-assign]
+    async with httpx.AsyncClient(base_url=env.url, timeout=60) as http:
+        opened: list[httpx.Response] = []
+
+        async def open_one() -> None:
+            opened.append(await http.post("/v1/streams", json={"task": {"task_type": "code_review"}}))
+
+        async with trio.open_nursery() as n:
+            for _ in range(2):
+                n.start_soon(open_one)
+            with trio.fail_after(30):
+                while env.router.streams.tenant_open[ANONYMOUS.tenant] < 2:
+                    await trio.sleep(0.01)
+            third = await http.post("/v1/streams", json={"task": {"task_type": "code_review"}})
+            assert third.status_code == 429 and third.json()["error"]["code"] == "EWINDOW", third.text
+            assert len(calls) == 2  # refused here, before any store step
+            release.set()
+        assert sorted(r.status_code for r in opened) == [201, 201]

@@ -378,6 +378,10 @@ class SharedTenantAdmission:
             return decision
         max_streams, rate = self.admission.limits(spec)
         if self.joined:
+            if self.streams.tenant_open[tenant] >= max_streams:
+                # Already at the limit on this router alone (its opens waiting on the store
+                # counted): no store step — a tenant's queued opens never fill the router's table.
+                return streams_refusal(tenant, max_streams)
             o.shared_quota = (max_streams, rate)  # decided with the stream's account (SharedBudgetOpen)
         else:
             refused = _decided(self.quotas.open(tenant, o.stream_id, max_streams, rate), self, o)
