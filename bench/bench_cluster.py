@@ -100,9 +100,12 @@ async def measure(args: argparse.Namespace, urls: dict[str, str], key: str, pids
     import redis as redis_client
     import trio
 
+    from lean_load import LeanDrivers
+
+    driver = LeanDrivers if args.client == "lean" else gw.Drivers
     drivers = {}
     for name, url in urls.items():
-        drivers[name] = await gw.Drivers({"atp_http": url}, {"atp_http": key}).__aenter__()
+        drivers[name] = await driver({"atp_http": url}, {"atp_http": key}).__aenter__()
     configs = {"r1": ["a"], "r2": ["a", "b"], "r3": ["a", "b", "c"], "sqlite": ["sqlite"]}
     out: dict = {c: {"tasks_s": [], "tasks": 0, "failed": 0, "cpu": 0.0, "redis_cpu": 0.0, "client_cpu": 0.0}
                  for c in configs}
@@ -110,7 +113,7 @@ async def measure(args: argparse.Namespace, urls: dict[str, str], key: str, pids
         print("warm-up: 1.5 s closed loop on each router ...", flush=True)
         for name in urls:
             await gw.closed_loop(drivers[name], "atp_http", args.in_flight, 1.5)
-        print(f"throughput: closed loop, {args.in_flight} in flight over HTTP+SSE, {args.seconds:g} s x "
+        print(f"throughput: closed loop, {args.in_flight} in flight over HTTP+SSE ({args.client} client), {args.seconds:g} s x "
               f"{args.repeats}, configurations rotated", flush=True)
         order = list(configs)
         for rep in range(args.repeats):
@@ -298,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rotated repeats per configuration")
     ap.add_argument("--in-flight", type=int, default=32, help="tasks in flight in the closed loop (all routers)")
     ap.add_argument("--latency-tasks", type=int, default=150, help="sequential tasks per store for the latency")
+    ap.add_argument("--client", choices=("lean", "httpx"), default="lean",
+                    help="load generator: lean_load.py's raw HTTP/1.1 (default) or bench_gateway.py's httpx Drivers")
     ap.add_argument("--skip-store-ops", action="store_true", help="do not run bench_store.py")
     return bench(ap.parse_args(argv))
 
