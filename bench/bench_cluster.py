@@ -4,7 +4,7 @@ shared Redis store, what the store adds to a task and the store round trips a ta
 makes (issues 12 and 22).
 
 Run: ``python bench/bench_cluster.py [--seconds 6] [--repeats 3] [--in-flight 32]
-[--latency-tasks 150] [--skip-store-ops]``. Plain script, ≈ 3 min on 2 cores; needs
+[--latency-tasks 150] [--client lean|httpx] [--skip-store-ops]``. Plain script, ≈ 3 min on 2 cores; needs
 Debian's redis-server (scripts/peers/redis.sh). Everything compared in the same run:
 
 1. **Processes.** bench_gateway.py's fast mock OpenAI upstream (its own process,
@@ -16,9 +16,12 @@ Debian's redis-server (scripts/peers/redis.sh). Everything compared in the same 
    bench_gateway.py's ``start_router``: three on the first Redis (``--store
    redis://…``, each its own state directory and ports), one on the second, and one
    on the embedded SQLite store (``--store sqlite``, the default).
-2. **Throughput.** One load generator (this process: trio + httpx, bench_gateway.py's
-   ``Drivers`` over HTTP+SSE: ``POST /v1/streams`` then ``GET /v1/streams/{id}/events``
-   to the FINAL) keeps ``--in-flight`` tasks in flight for ``--seconds`` s, spread
+2. **Throughput.** One load generator (this process: ``lean_load.py``'s pre-built
+   requests on kept-alive connections, ~0.3 ms of CPU a task, or with ``--client
+   httpx`` bench_gateway.py's ``Drivers``, 3–4.5 ms a task — a core of this machine
+   at ~230 tasks/s, which then bounds the SQLite router's figure; over HTTP+SSE:
+   ``POST /v1/streams`` then ``GET /v1/streams/{id}/events`` to the FINAL) keeps
+   ``--in-flight`` tasks in flight for ``--seconds`` s, spread
    round-robin over 1, 2 or 3 of the Redis routers, and over the SQLite router alone;
    configurations rotated per repeat: tasks/s best and median, CPU ms per task of
    the routers, of redis-server and of the load generator (``/proc``). On 2 cores the
