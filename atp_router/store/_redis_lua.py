@@ -753,6 +753,31 @@ redis.call('ZADD', e, id, A[3])
 redis.call('HINCRBY', s, 'n', 1)
 return 1
 """),
+    # A: sk, max events per stream, then (event id, member) pairs: append_event for each in
+    # order, in one call (a group commit's run of one stream), stopping at the first error
+    # (the ones before it stay applied).
+    "append_events": (_STREAMS, """
+local sk = A[1]
+local s = skey(sk)
+local n = redis.call('HGET', s, 'n')
+if not n then return nf('stream', sk) end
+n = tonumber(n)
+local max, e, added, err = tonumber(A[2]), P .. 'e:' .. sk, 0, nil
+for i = 3, #A - 1, 2 do
+  local id, m = A[i], A[i + 1]
+  if n + added >= max then err = 'ATPLIMIT events_per_stream ' .. sk; break end
+  local have = redis.call('ZRANGEBYSCORE', e, id, id)
+  if #have == 0 then
+    redis.call('ZADD', e, id, m)
+    added = added + 1
+  elseif have[1] ~= m then
+    err = 'ATPDUP event ' .. id .. ' ' .. sk; break
+  end
+end
+if added > 0 then redis.call('HINCRBY', s, 'n', added) end
+if err then return redis.error_reply(err) end
+return 1
+"""),
     # A: sk, after -> members in id order
     "events": (_STREAMS, """
 return redis.call('ZRANGEBYSCORE', P .. 'e:' .. A[1], '(' .. A[2], '+inf')

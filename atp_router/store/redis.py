@@ -181,7 +181,7 @@ _MAX_AMOUNT = 2**53
 _UNAVAILABLE_CODES = frozenset({"LOADING", "BUSY", "MASTERDOWN", "READONLY", "NOREPLICAS", "OOM", "TRYAGAIN",
                                 "CLUSTERDOWN", "NOAUTH"})
 #: Operations :meth:`RedisStore.batch` buffers.
-_DEFERRED = frozenset({"put_stream", "close_stream", "append_event", "kv_put", "quota_close",
+_DEFERRED = frozenset({"put_stream", "close_stream", "append_event", "append_events", "kv_put", "quota_close",
                        "close_account_if_open", "lease_settle"})
 #: The least deadline of an operation, ms (it is twice the socket timeout): what a
 #: loaded machine may take between building a call and Redis running it.
@@ -191,7 +191,7 @@ MIN_DEADLINE_MS = 1_000
 #: settled it. A cancel, a lease renewal, a claim, the settling of another
 #: router and reads carry none.
 _FENCED = frozenset({"open_account", "open_stream", "close_account", "close_account_if_open", "reserve_shared", "extend_shared", "settle",
-                     "put_stream", "close_stream", "append_event", "lease_take", "lease_settle",
+                     "put_stream", "close_stream", "append_event", "append_events", "lease_take", "lease_settle",
                      "lease_commit"})
 #: The operations that carry a deadline: those writes, a limit change, a quota's open
 #: and its rate (a late open must not hold a slot: it is refused). A read, a
@@ -1018,6 +1018,28 @@ class RedisStore(Store):
         t = type.encode()
         member = b"%d %d %s%s" % (event_id, len(t), t, frame)
         self._run("append_event", _sk(tenant, session_id, stream_id), event_id, member, self.max_events_per_stream)
+
+    def append_events(self, tenant: str, session_id: str, stream_id: str,
+                      events: Sequence[tuple[int, str, bytes]]) -> None:
+        """:meth:`append_event` for each ``(event_id, type, frame)`` of ``events``
+        in order, in **one** script call (a group commit's run: one ``EVALSHA``, one
+        epoch, fence and deadline check, not one an event), stopping at the first that
+        fails: the ones before it stay appended and its error is raised (in a
+        :meth:`batch`: when the batch ends). A frame over ``max_event_bytes`` raises
+        :class:`StoreLimitError` at once, after the events before it were sent."""
+        args: list[int | bytes] = []
+        over: StoreLimitError | None = None
+        for event_id, type, frame in events:
+            if len(frame) > self.max_event_bytes:
+                over = StoreLimitError("event_bytes", f"event {event_id} of stream {stream_id}: frame of "
+                                       f"{len(frame)} bytes is over the store's limit of {self.max_event_bytes}")
+                break
+            t = type.encode()
+            args += (event_id, b"%d %d %s%s" % (event_id, len(t), t, frame))
+        if args:
+            self._run("append_events", _sk(tenant, session_id, stream_id), self.max_events_per_stream, *args)
+        if over is not None:
+            raise over
 
     def events(self, tenant: str, session_id: str, stream_id: str, after: int = 0) -> list[StoredEvent]:
         out = []

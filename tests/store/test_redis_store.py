@@ -411,6 +411,27 @@ def test_batch_is_sent_when_it_ends_and_forgotten_scripts_reload(redis_server: R
     assert [e.event_id for e in other.events("t", "sess", "b")] == [1, 2, 3]
 
 
+def test_a_run_of_events_is_one_script_call(redis_server: RedisServer):
+    """A group commit's run of one stream's events (``append_events``) is one
+    ``EVALSHA`` — one epoch, fence and deadline check — not one an event; stored as
+    one by one (tests/store/test_store.py holds the outcomes)."""
+    s, other = RedisStore.open(redis_server.url, namespace=ns()), RedisStore.open(redis_server.url, namespace=ns())
+    raw = redis.Redis.from_url(redis_server.url)
+    s.put_stream(record("a"))
+
+    def evalsha() -> int:
+        return raw.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+
+    run = [(i, "PARTIAL", b"%d" % i) for i in range(1, 11)]
+    calls, trips = evalsha(), s.round_trips
+    with s.batch():
+        s.append_events("t", "sess", "a", run)
+        s.close_stream("t", "sess", "a", reason="FIN", closed_ms=9)
+    assert (evalsha() - calls, s.round_trips - trips) == (2, 1)
+    assert [(e.event_id, e.frame) for e in s.events("t", "sess", "a")] == [(i, f) for i, _, f in run]
+    assert other.events("t", "sess", "a") == []  # another namespace
+
+
 def test_a_chained_audit_append_is_one_round_trip_unless_another_writer_raced(redis_server: RedisServer):
     """Issue 22 item 2: a chained append guesses the head this store saw last —
     one round trip; when another writer appended meanwhile the script refuses it
