@@ -736,26 +736,10 @@ end
 if not best then return false end
 return redis.call('HMGET', skey(best), 'b', 'st', 'cr', 'cm')
 """),
-    # A: sk, event id, member, max events per stream
-    "append_event": (_STREAMS, """
-local sk, id = A[1], A[2]
-local s = skey(sk)
-local n = redis.call('HGET', s, 'n')
-if not n then return nf('stream', sk) end
-if tonumber(n) >= tonumber(A[4]) then return redis.error_reply('ATPLIMIT events_per_stream ' .. sk) end
-local e = P .. 'e:' .. sk
-local have = redis.call('ZRANGEBYSCORE', e, id, id)
-if #have > 0 then
-  if have[1] == A[3] then return 1 end  -- a retried write whose first attempt was applied
-  return redis.error_reply('ATPDUP event ' .. id .. ' ' .. sk)
-end
-redis.call('ZADD', e, id, A[3])
-redis.call('HINCRBY', s, 'n', 1)
-return 1
-"""),
-    # A: sk, max events per stream, then (event id, member) pairs: append_event for each in
-    # order, in one call (a group commit's run of one stream), stopping at the first error
-    # (the ones before it stay applied).
+    # A: sk, max events per stream, then (event id, member) pairs: each event appended in
+    # order (one for append_event, a group commit's run of one stream for append_events),
+    # stopping at the first error (the ones before it stay applied). An event already
+    # stored exactly so (a retried write whose first attempt was applied) changes nothing.
     "append_events": (_STREAMS, """
 local sk = A[1]
 local s = skey(sk)

@@ -181,7 +181,7 @@ _MAX_AMOUNT = 2**53
 _UNAVAILABLE_CODES = frozenset({"LOADING", "BUSY", "MASTERDOWN", "READONLY", "NOREPLICAS", "OOM", "TRYAGAIN",
                                 "CLUSTERDOWN", "NOAUTH"})
 #: Operations :meth:`RedisStore.batch` buffers.
-_DEFERRED = frozenset({"put_stream", "close_stream", "append_event", "append_events", "kv_put", "quota_close",
+_DEFERRED = frozenset({"put_stream", "close_stream", "append_events", "kv_put", "quota_close",
                        "close_account_if_open", "lease_settle"})
 #: The least deadline of an operation, ms (it is twice the socket timeout): what a
 #: loaded machine may take between building a call and Redis running it.
@@ -191,7 +191,7 @@ MIN_DEADLINE_MS = 1_000
 #: settled it. A cancel, a lease renewal, a claim, the settling of another
 #: router and reads carry none.
 _FENCED = frozenset({"open_account", "open_stream", "close_account", "close_account_if_open", "reserve_shared", "extend_shared", "settle",
-                     "put_stream", "close_stream", "append_event", "append_events", "lease_take", "lease_settle",
+                     "put_stream", "close_stream", "append_events", "lease_take", "lease_settle",
                      "lease_commit"})
 #: The operations that carry a deadline: those writes, a limit change, a quota's open
 #: and its rate (a late open must not hold a slot: it is refused). A read, a
@@ -1012,12 +1012,8 @@ class RedisStore(Store):
 
     def append_event(self, tenant: str, session_id: str, stream_id: str, event_id: int, type: str,
                      frame: bytes) -> None:
-        if len(frame) > self.max_event_bytes:
-            raise StoreLimitError("event_bytes", f"event {event_id} of stream {stream_id}: frame of {len(frame)} "
-                                                 f"bytes is over the store's limit of {self.max_event_bytes}")
-        t = type.encode()
-        member = b"%d %d %s%s" % (event_id, len(t), t, frame)
-        self._run("append_event", _sk(tenant, session_id, stream_id), event_id, member, self.max_events_per_stream)
+        member = self._event_member(stream_id, event_id, type, frame)
+        self._run("append_events", _sk(tenant, session_id, stream_id), self.max_events_per_stream, event_id, member)
 
     def append_events(self, tenant: str, session_id: str, stream_id: str,
                       events: Sequence[tuple[int, str, bytes]]) -> None:
@@ -1030,16 +1026,24 @@ class RedisStore(Store):
         args: list[int | bytes] = []
         over: StoreLimitError | None = None
         for event_id, type, frame in events:
-            if len(frame) > self.max_event_bytes:
-                over = StoreLimitError("event_bytes", f"event {event_id} of stream {stream_id}: frame of "
-                                       f"{len(frame)} bytes is over the store's limit of {self.max_event_bytes}")
+            try:
+                args += (event_id, self._event_member(stream_id, event_id, type, frame))
+            except StoreLimitError as e:
+                over = e
                 break
-            t = type.encode()
-            args += (event_id, b"%d %d %s%s" % (event_id, len(t), t, frame))
         if args:
             self._run("append_events", _sk(tenant, session_id, stream_id), self.max_events_per_stream, *args)
         if over is not None:
             raise over
+
+    def _event_member(self, stream_id: str, event_id: int, type: str, frame: bytes) -> bytes:
+        """An event as stored (``b"<id> <len(type)> <type><frame>"``, the sorted set's
+        member). Raises :class:`StoreLimitError` for a frame over ``max_event_bytes``."""
+        if len(frame) > self.max_event_bytes:
+            raise StoreLimitError("event_bytes", f"event {event_id} of stream {stream_id}: frame of {len(frame)} "
+                                                 f"bytes is over the store's limit of {self.max_event_bytes}")
+        t = type.encode()
+        return b"%d %d %s%s" % (event_id, len(t), t, frame)
 
     def events(self, tenant: str, session_id: str, stream_id: str, after: int = 0) -> list[StoredEvent]:
         out = []
