@@ -24,6 +24,7 @@ and :func:`change_of` (a prompt's diff, parsed once per task).
 from __future__ import annotations
 
 import abc
+import bisect
 import functools
 import math
 from collections import deque
@@ -154,25 +155,39 @@ def usd_micros_ceil(usd: float) -> int:
 class CallStats:
     """Outcomes of the last ``size`` calls of a next-hop, summarised as
     :class:`Health` (p95 latency in ms by nearest rank, error rate 0..1). Pure:
-    callers pass the measured latency."""
+    callers pass the measured latency.
+
+    The window is kept sorted as calls come and go (a bisect insert and delete per
+    call) with its error count, so :meth:`health` — read by the FIB lookup of
+    every SYN — is O(1), not a sort of the window."""
 
     def __init__(self, size: int = 100) -> None:
-        self._calls: deque[tuple[float, bool]] = deque(maxlen=size)
+        self._calls: deque[tuple[float, bool]] = deque()
+        self._size = size
+        self._sorted: list[float] = []  # the window's latencies, ascending
+        self._errors = 0
         self._up = True
 
     def record(self, latency_ms: float, *, ok: bool, down: bool = False) -> None:
         """Add one call; ``down`` marks the next-hop unreachable until a call that
-        is not ``down`` is recorded."""
+        is not ``down`` is recorded. A latency that is not a number counts as 0 ms
+        (it would break the window's order)."""
+        if latency_ms != latency_ms:  # NaN
+            latency_ms = 0.0
+        if len(self._calls) >= self._size:
+            old_ms, old_ok = self._calls.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old_ms)]
+            self._errors -= not old_ok
         self._calls.append((latency_ms, ok))
+        bisect.insort(self._sorted, latency_ms)
+        self._errors += not ok
         self._up = not down
 
     def health(self) -> Health:
-        if not self._calls:
+        n = len(self._sorted)
+        if not n:
             return Health(up=self._up)
-        lat = sorted(ms for ms, _ in self._calls)
-        p95 = lat[max(0, math.ceil(0.95 * len(lat)) - 1)]
-        errors = sum(1 for _, ok in self._calls if not ok)
-        return Health(p95_ms=p95, error_rate=errors / len(self._calls), up=self._up)
+        return Health(p95_ms=self._sorted[max(0, math.ceil(0.95 * n) - 1)], error_rate=self._errors / n, up=self._up)
 
 
 class ProviderAdapter(abc.ABC):

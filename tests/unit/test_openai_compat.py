@@ -503,6 +503,29 @@ def test_call_stats_p95_and_error_rate() -> None:
     assert not stats.health().up
 
 
+def test_call_stats_incremental_window_matches_a_sort_of_the_last_calls() -> None:
+    """The window kept sorted as calls come and go gives what sorting the last
+    ``size`` calls gives (ties, evictions of equal latencies, errors leaving)."""
+    import math
+    import random
+
+    rng = random.Random(7)
+    for size in (1, 3, 100):
+        stats, calls = CallStats(size=size), []
+        for _ in range(700):
+            ms, ok = float(rng.choice([rng.randint(1, 20), rng.random() * 50])), rng.random() > 0.2
+            stats.record(ms, ok=ok)
+            calls = (calls + [(ms, ok)])[-size:]
+            lat = sorted(m for m, _ in calls)
+            want = Health(p95_ms=lat[max(0, math.ceil(0.95 * len(lat)) - 1)],
+                          error_rate=sum(not o for _, o in calls) / len(calls))
+            assert stats.health() == want
+    stats = CallStats(size=2)
+    stats.record(float("nan"), ok=True)  # counted as 0 ms, the order kept
+    stats.record(3.0, ok=True)
+    assert stats.health().p95_ms == 3.0
+
+
 # --- registry: model providers ------------------------------------------------------------
 
 
