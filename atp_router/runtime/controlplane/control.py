@@ -21,7 +21,7 @@ the RIB.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,6 +31,7 @@ import trio
 
 from atp_router.adapters.base import ProviderAdapter
 from atp_router.adapters.registry import build_adapter
+from atp_router.flow.breaker import BreakerBoard
 from atp_router.flow.budget import Allowance, BudgetLedger
 from atp_router.observability.metrics import RouterMetrics
 from atp_router.policy.cache import CachePlan, compile_cache
@@ -96,6 +97,36 @@ def policy_texts(policies: Path) -> tuple[tuple[str, str], ...]:
         except OSError:
             continue
     return tuple(texts)
+
+
+class LiveHealth(Mapping[str, Health]):
+    """:meth:`ControlPlane.health` of one generation at one instant, each next-hop's
+    computed when first looked up (a SYN's FIB lookup reads only its policy's
+    next-hops, not every agent of the RIB), then kept."""
+
+    __slots__ = ("_adapters", "_breakers", "_now", "_seen")
+
+    def __init__(self, adapters: Mapping[str, ProviderAdapter], breakers: BreakerBoard, now: float) -> None:
+        self._adapters = adapters
+        self._breakers = breakers
+        self._now = now
+        self._seen: dict[str, Health] = {}
+
+    def __getitem__(self, name: str) -> Health:
+        got = self._seen.get(name)
+        if got is None:
+            adapter = self._adapters[name]
+            h = adapter.health()
+            b = self._breakers.health(name, self._now)
+            up = b.up and (h.up or not adapter.live_health)
+            got = self._seen[name] = Health(p95_ms=h.p95_ms, error_rate=max(h.error_rate, b.error_rate), up=up)
+        return got
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._adapters)
+
+    def __len__(self) -> int:
+        return len(self._adapters)
 
 
 class ControlPlane:
@@ -269,7 +300,7 @@ class ControlPlane:
             else:
                 self._unclosed.append((name, adapter))
 
-    def health(self, gen: Generation, now: float) -> dict[str, Health]:
+    def health(self, gen: Generation, now: float) -> Mapping[str, Health]:
         """Live next-hop health for the FIB (spec §5.3, §6.2) at trio time ``now``:
         the adapter's p95 and the worse of its and the breaker's error rate score
         the next-hop; the circuit breaker decides that it is down (open), and so
@@ -277,13 +308,7 @@ class ControlPlane:
         itself, e.g. a 2389 agent re-announcing); other adapters' "unreachable"
         flags are not used: nothing would ever call them again to find them
         back, whereas an open breaker half-opens for a probe."""
-        out: dict[str, Health] = {}
-        for name, adapter in gen.adapters.items():
-            h = adapter.health()
-            b = self.gates.breakers.health(name, now)
-            up = b.up and (h.up or not adapter.live_health)
-            out[name] = Health(p95_ms=h.p95_ms, error_rate=max(h.error_rate, b.error_rate), up=up)
-        return out
+        return LiveHealth(gen.adapters, self.gates.breakers, now)
 
     def rib_summary(self) -> dict[str, Any]:
         """``{"version": int, "policies": int, "agents": [name, ...]}`` of the running RIB."""
