@@ -74,6 +74,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -86,10 +87,10 @@ ROUTER_ARGS = ["--tenant-rate-per-s", "100000", "--tenant-rate-burst", "100000"]
 
 
 class RoundRobin:
-    """bench_gateway.py ``Drivers`` of several routers as one: each task goes to
-    the next router in turn."""
+    """Drivers of several routers as one (``lean_load.LeanDrivers`` or
+    bench_gateway.py's ``Drivers``): each task goes to the next router in turn."""
 
-    def __init__(self, drivers: list[gw.Drivers]) -> None:
+    def __init__(self, drivers: list[Any]) -> None:
         self.drivers = drivers
         self.n = 0
 
