@@ -10,6 +10,8 @@
 * :class:`RouterProcess` — ``atp-router ARGS`` as a child process a test kills,
   restarts or runs several of (its ``listening`` URLs, its output);
 * :func:`router_metric` — one metric's samples from a router's ``/v1/metrics``;
+* :func:`durable_db` — a stopped or killed router's ``state.db`` with its redo log
+  replayed (what the next start reads), for a test that reads the file itself;
 * :func:`model_rib` — the model tests' RIB: SmolLM2 at the session's llama
   server (the ``llama_base_url`` fixture of tests/conftest.py) beside ruff.
 """
@@ -230,3 +232,17 @@ def rib_with_root(rib: Path, tmp_path: Path) -> Path:
     out = tmp_path / "example-rib.yaml"
     out.write_text(text.replace(SHIPPED_ROOTS, f'roots: [".", "../shared", {str(tmp_path)!r}]'))
     return out
+
+
+def durable_db(db: Path) -> Path:
+    """``db`` — the ``state.db`` of a router that stopped or was killed — with what its
+    redo log holds replayed into it (:mod:`atp_router.store.redo`: a kill -9 leaves a
+    single router's latest transactions in ``state.db.redo`` until the store is opened
+    again), as the next start would; returns ``db``. A test reading the file itself
+    with :mod:`sqlite3` calls this first."""
+    from atp_router.store import SqliteStore
+
+    log = db.with_name(db.name + ".redo")
+    if log.exists() and log.stat().st_size > 0:
+        SqliteStore.open(db.parent, create=False, check_s=0).close()
+    return db

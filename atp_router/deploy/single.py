@@ -207,7 +207,7 @@ def open_state(config: RouterConfig, *, lock: bool = True) -> StateParts:
         # The process holds the state directory (its lock, or the --workers supervisor's before any
         # worker starts): the store is its alone — no lock syscalls per transaction, no -shm.
         sync = sync_mode(config.state_sync)
-        store = SqliteStore.open(state_dir, synchronous=sync, exclusive=True)
+        store = SqliteStore.open(state_dir, synchronous=sync, exclusive=True, redo=True)
         ledger = restore_ledger(store)
         # audit.head as durable as the store: fsynced only when the store survives an OS crash too.
         audit_log = AuditLog.open(store, state_dir, options=config.audit, warn=tmp is None, fsync_head=sync == "FULL")

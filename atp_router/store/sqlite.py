@@ -123,6 +123,7 @@ from atp_router.flow.budget import (
 )
 from atp_router.flow.quota import QuotaAsk, QuotaGrant, decide, gcra
 from atp_router.store.audit_records import GENESIS, AuditCheckpoint, AuditRecord
+from atp_router.store.redo import RecordingConnection, RedoLog
 from atp_router.store.base import (
     NONCE_SWEEP,
     CachePut,
@@ -315,6 +316,9 @@ _MIGRATE_3 = [
     "CREATE INDEX stream_idem ON stream (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL",
     "CREATE INDEX stream_done ON stream (state, closed_ms)",
 ]
+#: The redo log's last sequence number SQLite has committed (atp_router.store.redo).
+_SET_REDO_LSN = ("INSERT INTO meta (key, value) VALUES ('redo_lsn', ?) "
+                 "ON CONFLICT (key) DO UPDATE SET value = excluded.value")
 #: A stream's number by its key (the events' key, schema 3).
 _SNO = "SELECT sno FROM stream WHERE tenant = ? AND session_id = ? AND stream_id = ?"
 
@@ -357,7 +361,8 @@ class SqliteStore(Store):
     Build it with :meth:`open`."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path, *, max_event_bytes: int,
-                 max_events_per_stream: int, write_lock: int | None = None, owner_lock: int | None = None) -> None:
+                 max_events_per_stream: int, write_lock: int | None = None, owner_lock: int | None = None,
+                 redo: RedoLog | None = None) -> None:
         self._conn = conn
         self.path = path
         self.max_event_bytes = max_event_bytes
@@ -370,12 +375,20 @@ class SqliteStore(Store):
         self._wdepth = 0
         # exclusive: the flock'ed ``state.db.owner`` held for the store's life (module docstring).
         self._ofd = owner_lock
+        # redo: write transactions made durable in the redo log, committed to SQLite now and then
+        # (atp_router.store.redo); _tx_open: a logical write transaction (savepoint ``tx``) is open.
+        self._redo = redo
+        self._tx_open = False
+        self._committed_at = time.monotonic()
+        #: Why SQLite refused the last commit of the long transaction (None: it took it).
+        self._fault: StoreUnavailable | None = None
 
     @classmethod
     def open(cls, state_dir: Path | str, *, create: bool = True,
              synchronous: SyncMode = "NORMAL", max_event_bytes: int = 1 << 20,
              max_events_per_stream: int = 10_000, multiprocess: bool = False,
-             autocheckpoint: bool = True, check_s: float = QUICK_CHECK_S, exclusive: bool = False) -> SqliteStore:
+             autocheckpoint: bool = True, check_s: float = QUICK_CHECK_S, exclusive: bool = False,
+             redo: bool = False) -> SqliteStore:
         """Open (``create``: and create, directory 0700, file 0600) the store in
         ``state_dir/state.db``; ``multiprocess``: other processes write it at the
         same time (see the module docstring); not ``autocheckpoint``: commits never
@@ -383,7 +396,10 @@ class SqliteStore(Store):
         calls :meth:`checkpoint` instead; ``exclusive``: this process alone uses the
         file for the life of the store (``PRAGMA locking_mode=EXCLUSIVE``: no lock
         syscalls per transaction, the WAL index in the process's memory, no ``-shm``;
-        module docstring, Exclusive) — never with ``multiprocess``.
+        module docstring, Exclusive) — never with ``multiprocess``; ``redo`` (only
+        ``exclusive``): each write transaction made durable by one record in
+        ``state.db.redo`` and committed to SQLite in groups (:mod:`atp_router.store.redo`);
+        the log a crash left is replayed here, before anything reads the store.
 
         Start-up checks (module docstring, Faults): ``PRAGMA quick_check`` for at
         most ``check_s`` seconds (0: none; a ``multiprocess`` open skips it, the
@@ -396,12 +412,7 @@ class SqliteStore(Store):
         or foreign schema. Refused the same way (one line) while another process
         holds the file ``exclusive`` — or, for an ``exclusive`` open, while
         another process has it open through this class."""
-        if synchronous not in ("NORMAL", "FULL"):
-            raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', got {synchronous!r}")
-        if not 0 < max_events_per_stream < _EVENT_IDS:
-            raise ValueError(f"max_events_per_stream must be 1 .. {_EVENT_IDS - 1}, got {max_events_per_stream}")
-        if exclusive and multiprocess:
-            raise ValueError("an exclusive store cannot be shared by several processes (multiprocess)")
+        _check_open(synchronous, max_events_per_stream, multiprocess=multiprocess, exclusive=exclusive, redo=redo)
         d = Path(state_dir)
         path = d / "state.db"
         marker = d / STATE_MARKER
@@ -409,7 +420,7 @@ class SqliteStore(Store):
             raise StoreError(f"no state in {d} (no state.db)")
         ofd = _owner_lock(d, path, exclusive=exclusive, create=create)
         try:
-            conn = _connect(d, path, marker, create)
+            conn = _connect(d, path, marker, create, recording=redo)
         except BaseException:
             os.close(ofd)
             raise
@@ -419,18 +430,19 @@ class SqliteStore(Store):
         try:
             _prepare(conn, path, marker, create=create, synchronous=synchronous, autocheckpoint=autocheckpoint,
                      check_s=0 if multiprocess else check_s, exclusive=exclusive)
+            # Also without ``redo``: what a crashed exclusive router left in its log is replayed first.
+            log_ = _open_redo(conn, path, fsync=synchronous == "FULL", keep=redo)
         except BaseException as e:
             conn.close()
             if ofd is not None:
                 os.close(ofd)
-            if isinstance(e, sqlite3.DatabaseError):
-                raise StoreError(_open_refusal(path, e)) from None
-            if isinstance(e, OSError):
-                raise StoreError(_unusable(d, e, d)) from None
+            if isinstance(e, sqlite3.DatabaseError | OSError):
+                raise StoreError(_open_refusal(path, e) if isinstance(e, sqlite3.DatabaseError)
+                                 else _unusable(d, e, d)) from None
             raise
         wfd = os.open(d / "state.db.wlock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600) if multiprocess else None
         return cls(conn, path, max_event_bytes=max_event_bytes, max_events_per_stream=max_events_per_stream,
-                   write_lock=wfd, owner_lock=ofd)
+                   write_lock=wfd, owner_lock=ofd, redo=log_)
 
     @contextmanager
     def _writing(self) -> Iterator[None]:
@@ -460,7 +472,7 @@ class SqliteStore(Store):
             yield
         except sqlite3.Error as e:
             if self._batch_depth == 0:
-                _rollback(self._conn)
+                self._abort()
             fault = write_fault(self.path, e)
             if fault is None:
                 raise
@@ -485,13 +497,111 @@ class SqliteStore(Store):
                 c.execute("RELEASE op")
                 return
             with self._writing():
-                c.execute("BEGIN IMMEDIATE")
+                self._begin()
                 try:
                     yield c
                 except BaseException:
-                    _rollback(c)
+                    self._abort()
                     raise
-                c.execute("COMMIT")
+                self._end()
+
+    def _begin(self) -> None:
+        """Start a write transaction: ``BEGIN IMMEDIATE``; with the redo log a
+        savepoint inside the long transaction, its statements recorded. While
+        SQLite refuses to commit (:attr:`_fault`: the disk full), the commit is
+        tried first and the write refused with that fault as long as it fails —
+        as every write was refused before the log (module docstring, Faults)."""
+        c = self._conn
+        if self._redo is None:
+            c.execute("BEGIN IMMEDIATE")
+            return
+        if self._fault is not None or self._redo.due(time.monotonic() - self._committed_at):
+            # The commit due (or refused last time) first: a write is refused as soon as it fails.
+            self._open_long()
+            self._commit_redo()
+            if self._fault is not None:
+                raise self._fault
+        self._open_long()
+        c.execute("SAVEPOINT tx")
+        assert isinstance(c, RecordingConnection)
+        c.recording = []
+        self._tx_open = True
+
+    def _open_long(self) -> None:
+        """The long transaction of the redo log open (and the log replayed into it
+        when SQLite rolled the last one back by itself, a fault)."""
+        c, redo = self._conn, self._redo
+        assert redo is not None
+        if c.in_transaction:
+            return
+        c.execute("BEGIN IMMEDIATE")
+        if redo.pending:
+            try:
+                redo.replay(c, redo.committed_lsn)
+            except BaseException:
+                _rollback(c)
+                raise
+
+    def _end(self) -> None:
+        """Make the write transaction durable: ``COMMIT``; with the redo log its
+        record written (one ``write``), then the savepoint released (the long
+        transaction is committed to SQLite when due, at the next :meth:`_begin`)."""
+        c = self._conn
+        if self._redo is None:
+            c.execute("COMMIT")
+            return
+        assert isinstance(c, RecordingConnection)
+        statements, c.recording = c.recording, None
+        if statements:
+            try:
+                self._redo.append(statements)
+            except BaseException:
+                self._abort()
+                raise
+        self._tx_open = False
+        c.execute("RELEASE tx")
+
+    def _abort(self) -> None:
+        """Undo the open write transaction (idempotent): ``ROLLBACK``; with the redo
+        log back to its savepoint (what earlier transactions did stays)."""
+        c = self._conn
+        if self._redo is None:
+            _rollback(c)
+            return
+        if not self._tx_open:
+            return
+        self._tx_open = False
+        assert isinstance(c, RecordingConnection)
+        c.recording = None
+        if c.in_transaction:  # else SQLite rolled it all back: the next _begin replays the log
+            with suppress(sqlite3.Error):
+                c.execute("ROLLBACK TO tx")
+                c.execute("RELEASE tx")
+
+    def _commit_redo(self) -> None:
+        """Commit the long transaction to SQLite with the log's last sequence number
+        (``meta.redo_lsn``), then empty the log. A commit SQLite refuses keeps the log
+        (logged; tried again at the next commit point)."""
+        redo, c = self._redo, self._conn
+        assert redo is not None
+        self._committed_at = time.monotonic()
+        if not c.in_transaction or self._tx_open:
+            return
+        last = redo.next_lsn - 1
+        try:
+            sqlite3.Connection.execute(c, _SET_REDO_LSN, (str(last),))
+            sqlite3.Connection.execute(c, "COMMIT")
+        except sqlite3.Error as e:
+            fault = write_fault(self.path, e)
+            if self._fault is None:
+                log.warning("state store %s: commit of %d logged transactions refused (%s); they stay in %s",
+                            self.path, redo.pending, e, redo.path)
+            self._fault = fault or StoreUnavailable(f"state store {self.path}: commit refused: {e}")
+            return
+        if self._fault is not None:
+            log.warning("state store %s takes commits again", self.path)
+        self._fault = None
+        redo.reset(last)
 
     @contextmanager
     def batch(self) -> Iterator[None]:
@@ -506,18 +616,17 @@ class SqliteStore(Store):
                 finally:
                     self._batch_depth -= 1
                 return
-            c = self._conn
             with self._faults(), self._writing():
-                c.execute("BEGIN IMMEDIATE")
+                self._begin()
                 self._batch_depth = 1
                 try:
                     yield
                 except BaseException:
                     self._batch_depth = 0
-                    _rollback(c)
+                    self._abort()
                     raise
                 self._batch_depth = 0
-                c.execute("COMMIT")
+                self._end()
 
     def checkpoint(self) -> tuple[int, int]:
         """Copy what the WAL holds back into the database file, without blocking
@@ -526,11 +635,16 @@ class SqliteStore(Store):
         off: the router workers' commits then never wait for a checkpoint's
         copy and fsync — the supervisor runs it aside."""
         with self._lock:
+            if self._redo is not None:
+                self._commit_redo()  # a checkpoint copies only what is committed
             _, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         return frames, copied
 
     def _one(self, sql: str, args: tuple | dict = ()) -> sqlite3.Cursor:
         """One writing statement (its own transaction, or part of a batch)."""
+        if self._redo is not None and not self._batch_depth:
+            with self._tx() as c:
+                return c.execute(sql, args)
         with self._lock, self._faults(), self._writing():
             return self._conn.execute(sql, args)
 
@@ -575,6 +689,14 @@ class SqliteStore(Store):
 
     def close(self) -> None:
         with self._lock:
+            if self._redo is not None:
+                self._commit_redo()
+                if self._redo.pending == 0:
+                    self._conn.close()  # committed: the log is empty and goes
+                    with suppress(OSError):
+                        self._redo.path.unlink()
+                self._redo.close()
+                self._redo = None
             self._conn.close()
             if self._wfd is not None:
                 os.close(self._wfd)
@@ -1548,7 +1670,59 @@ def _unusable(d: Path, e: OSError, where: Path) -> str:
             "the router needs it readable and writable")
 
 
-def _connect(d: Path, path: Path, marker: Path, create: bool) -> sqlite3.Connection:
+def _check_open(synchronous: str, max_events_per_stream: int, *, multiprocess: bool, exclusive: bool,
+                redo: bool) -> None:
+    """:meth:`SqliteStore.open`'s arguments checked (``ValueError``)."""
+    if synchronous not in ("NORMAL", "FULL"):
+        raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', got {synchronous!r}")
+    if not 0 < max_events_per_stream < _EVENT_IDS:
+        raise ValueError(f"max_events_per_stream must be 1 .. {_EVENT_IDS - 1}, got {max_events_per_stream}")
+    if exclusive and multiprocess:
+        raise ValueError("an exclusive store cannot be shared by several processes (multiprocess)")
+    if redo and not exclusive:
+        raise ValueError("a redo log needs an exclusive store (the only process on the file)")
+
+
+def _open_redo(conn: sqlite3.Connection, path: Path, *, fsync: bool, keep: bool) -> RedoLog | None:
+    """The redo log beside ``path`` (:mod:`atp_router.store.redo`), what a crash left
+    in it replayed into the database and committed, the log emptied; not ``keep``:
+    then closed and removed (None; nothing is made when there is no log)."""
+    where = path.with_name(path.name + ".redo")
+    if not keep and not where.exists():
+        return None
+    redo = RedoLog.open(where, fsync=fsync)
+    if keep:
+        # The savepoint of each transaction inside the long one keeps the pages it changes in a
+        # statement journal: in memory, not a temporary file past its first 64 KiB.
+        conn.execute("PRAGMA temp_store=MEMORY")
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'redo_lsn'").fetchone()
+            n = redo.replay(conn, int(row[0]) if row is not None else 0)
+            if n:
+                conn.execute(_SET_REDO_LSN, (str(redo.next_lsn - 1),))
+        except BaseException:
+            _rollback(conn)
+            raise
+        conn.execute("COMMIT")
+        if n:
+            log.warning("state store %s: %d transactions a crash left in %s replayed", path, n, redo.path)
+        redo.reset(redo.next_lsn - 1)
+        if not keep:
+            redo.close()
+            where.unlink()
+            return None
+    except sqlite3.Error as e:
+        redo.close()
+        raise StoreError(f"{redo.path}: cannot be replayed into {path}: {e}") from None
+    except BaseException:
+        redo.close()
+        raise
+    return redo
+
+
+def _connect(d: Path, path: Path, marker: Path, create: bool, *, recording: bool = False) -> sqlite3.Connection:
     """A connection to ``path`` (``create``: the directory 0700 and the file 0600
     made first); refused (:class:`StoreError`, one line) when the marker says the
     directory held state its database no longer has, or the directory or file
@@ -1562,7 +1736,8 @@ def _connect(d: Path, path: Path, marker: Path, create: bool) -> sqlite3.Connect
                 os.chmod(d, 0o700)
             if not path.exists():
                 os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
-        return sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+        return sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0,
+                               factory=RecordingConnection if recording else sqlite3.Connection)
     except OSError as e:
         raise StoreError(_unusable(d, e, path)) from None
     except sqlite3.Error as e:

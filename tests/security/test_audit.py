@@ -30,6 +30,7 @@ from atp_router.security.audit import (
     verify,
 )
 from atp_router.store import SqliteStore
+from tests.helpers import durable_db
 from atp_router.store.audit_records import GENESIS, AuditCheckpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +59,7 @@ def check(state: Path) -> tuple[int, str]:
 
 
 def db(state: Path) -> sqlite3.Connection:
-    return sqlite3.connect(state / "state.db", isolation_level=None)
+    return sqlite3.connect(durable_db(state / "state.db"), isolation_level=None)
 
 
 @pytest.fixture

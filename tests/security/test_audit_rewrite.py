@@ -42,7 +42,7 @@ import trio
 
 from atp_router.security.audit import make_checkpoint, record_hash
 from atp_router.store.audit_records import GENESIS
-from tests.helpers import ROUTER, RouterProcess
+from tests.helpers import ROUTER, RouterProcess, durable_db
 
 ROOT = Path(__file__).resolve().parents[2]
 ALICE, OPS = "tok-alice-0123456789", "tok-ops-0123456789"
@@ -184,7 +184,7 @@ def db(run: Run) -> Iterator[sqlite3.Connection]:
     """A connection to ``run``'s store, **closed** at the block's end (``with
     sqlite3.connect(...)`` does not close it: left to the garbage collector, its close
     removed the WAL while a later test copied the directory)."""
-    c = sqlite3.connect(run.state / "state.db", isolation_level=None)
+    c = sqlite3.connect(durable_db(run.state / "state.db"), isolation_level=None)
     try:
         yield c
     finally:

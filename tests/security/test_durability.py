@@ -173,7 +173,7 @@ async def test_kill9_keeps_spend_results_and_interrupted_streams(nursery, tmp_pa
     # (f) The audit chain: intact, then edited, then with a record deleted.
     ok = _audit(state)
     assert ok.returncode == 0 and ok.stdout.startswith("audit: OK"), ok.stdout + ok.stderr
-    db = sqlite3.connect(state / "state.db")
+    db = sqlite3.connect(helpers.durable_db(state / "state.db"))
     tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
     audit_table = next(t for t in tables if t.startswith("audit") and "check" not in t)
     cols = [r[1] for r in db.execute(f"PRAGMA table_info({audit_table})")]

@@ -41,7 +41,7 @@ from atp_router.wire import session as S
 from atp_router.wire.codec import FrameCodec, KeyRing
 from atp_router.wire.errors import ErrorCode, LocalProtocolError
 from atp_router.wire.frame import Flag, Frame, Payload, PayloadType
-from tests.helpers import RouterProcess
+from tests.helpers import RouterProcess, durable_db
 from tests.peers import start_redis
 from tests.replay_server import BillingModel, serve
 from tests.scale.common import BILLED, CONTENT, TASK, TOKENS, held, summarize_rib
@@ -106,13 +106,13 @@ async def replay_refused(peer: Peer, message: str, stream_id: str) -> str:
 
 def audited_esec(db: Path) -> list[dict]:
     """The ``esec`` records of the audit trail in the state database ``db``."""
-    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as c:
+    with closing(sqlite3.connect(f"file:{durable_db(db)}?mode=ro", uri=True)) as c:
         return [json.loads(d) for (d,) in c.execute("SELECT detail FROM audit WHERE kind = 'esec' ORDER BY seq")]
 
 
 def committed(db: Path, account: str) -> int:
     # Closed, not left to the GC: an open connection keeps a lock the next router's (exclusive) open waits for.
-    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as c:
+    with closing(sqlite3.connect(f"file:{durable_db(db)}?mode=ro", uri=True)) as c:
         return c.execute("SELECT committed_tokens FROM account WHERE key = ?", (account,)).fetchone()[0]
 
 

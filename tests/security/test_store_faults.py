@@ -34,6 +34,7 @@ import httpx
 import pytest
 import trio
 
+from atp_router.store.redo import COMMIT_EVERY_S
 from tests import helpers
 from tests.replay_server import BillingModel, serve
 
@@ -96,7 +97,7 @@ def _fill(fs: Path) -> Path:
 
 def _ledger(state: Path) -> tuple[int, int]:
     """``(bob's committed tokens, open reservations)`` as the state directory holds them."""
-    db = sqlite3.connect(f"file:{state / 'state.db'}?mode=ro", uri=True)
+    db = sqlite3.connect(f"file:{helpers.durable_db(state / 'state.db')}?mode=ro", uri=True)
     try:
         row = db.execute("SELECT committed_tokens FROM account WHERE key = 'client:bob'").fetchone()
         committed = 0 if row is None else row[0]  # no account: bob never opened a stream on this ledger
@@ -145,6 +146,10 @@ async def test_a_full_disk_refuses_new_streams_keeps_spend_and_recovers_by_itsel
                 while model.waiting == 0:
                     await trio.sleep(0.05)
             filler = _fill(fs)
+            # A single router's writes go to its redo log and are committed to SQLite at most
+            # COMMIT_EVERY_S apart (atp_router.store.redo): the next write after that commits
+            # first, finds no room and is refused, as every write from then on.
+            await trio.sleep(COMMIT_EVERY_S + 0.2)
 
             # New streams: 503 + Retry-After, the reason naming the file; no call is made.
             for _ in range(3):

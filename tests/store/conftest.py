@@ -1,6 +1,7 @@
 """The store tests' backends: every test of the :class:`~atp_router.store.Store`
 interface takes the ``backend`` fixture and runs on the embedded SQLite store
-and on Redis (a real redis-server on loopback, one per session, a fresh
+(as ``--workers`` opens it, and as a single router opens it: exclusive, with its
+redo log, ``sqlite-redo``) and on Redis (a real redis-server on loopback, one per session, a fresh
 namespace per test; its tests are marked ``peers``)."""
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ class Backend:
     opened: list[Store] = field(default_factory=list)
 
     def open(self, **options: Any) -> Store:
+        if self.name == "sqlite-redo" and not options.get("multiprocess") and any(
+                isinstance(s, SqliteStore) and s.path.parent == Path(self.spec.partition(":")[2])
+                and s._ofd is not None for s in self.opened):
+            # Exclusive: a second handle on the file is refused (tests/store/test_sqlite_store.py checks that).
+            pytest.skip("the single router's store has one handle at a time")
         store = self.opener(**options)
         self.opened.append(store)
         return store
@@ -46,8 +52,8 @@ class Backend:
     def fresh(self, n: int) -> Backend:
         """Another, empty state of the same backend (the ``n``-th)."""
         kind, _, rest = self.spec.partition(":")
-        if kind == "sqlite":
-            spec = f"sqlite:{rest}-{n}"
+        if kind in ("sqlite", "sqlite-redo"):
+            spec = f"{kind}:{rest}-{n}"
         else:
             ns, _, url = rest.partition(":")
             spec = f"redis:{ns}-{n}:{url}"
@@ -61,6 +67,13 @@ def open_spec(spec: str, **options: Any) -> Store:
     kind, _, rest = spec.partition(":")
     if kind == "sqlite":
         return SqliteStore.open(rest, **options)
+    if kind == "sqlite-redo":
+        # The single router's store (atp_router.deploy.single): exclusive, write transactions in
+        # the redo log (atp_router.store.redo); a multiprocess open of the same file is the
+        # --workers store that replays what the log holds first.
+        if options.get("multiprocess"):
+            return SqliteStore.open(rest, **options)
+        return SqliteStore.open(rest, exclusive=True, redo=True, **options)
     options.pop("multiprocess", None)
     # These tests check accounting, not fast fail (tests/store/test_redis_store.py does, with its own
     # timeouts): a Redis on a loaded machine may answer slower than the router's 0.5 s default.
@@ -70,10 +83,10 @@ def open_spec(spec: str, **options: Any) -> Store:
     return RedisStore.open(url, namespace=ns, **options)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.peers)])
+@pytest.fixture(params=["sqlite", "sqlite-redo", pytest.param("redis", marks=pytest.mark.peers)])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    if request.param == "sqlite":
-        spec = f"sqlite:{tmp_path / 'state'}"
+    if request.param in ("sqlite", "sqlite-redo"):
+        spec = f"{request.param}:{tmp_path / 'state'}"
     else:
         server = request.getfixturevalue("redis_server")
         spec = f"redis:t{uuid.uuid4().hex[:12]}:{server.url}"

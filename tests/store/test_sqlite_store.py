@@ -252,7 +252,7 @@ def test_two_processes_opening_a_new_state_dir_at_once_both_start(tmp_path: Path
         def __getattr__(self, name: str) -> object:
             return getattr(self.conn, name)
 
-    monkeypatch.setattr(sq, "_connect", lambda *a: RaceConn(real_connect(*a)))
+    monkeypatch.setattr(sq, "_connect", lambda *a, **k: RaceConn(real_connect(*a, **k)))
     b = SqliteStore.open(d, multiprocess=True)  # B: starts on the store A made
     monkeypatch.setattr(sq, "_connect", real_connect)
     b.close()
