@@ -10,7 +10,10 @@
 * the :class:`~atp_router.store.sqlite.SqliteStore` in it (``config.state_sync``),
   opened ``exclusive``: this process is the file's only user while it runs (no
   lock syscalls per transaction; another process opening it — ``sqlite3``, an
-  ``atp-router`` command on the directory — is refused with one line);
+  ``atp-router`` command on the directory — is refused with one line), with its
+  redo log (:mod:`atp_router.store.redo`): each write transaction durable by one
+  record in ``state.db.redo``, SQLite committed in groups — one ``write`` a
+  transaction instead of two ``pwrite`` a changed page;
 * the budget ledger as the store has it (spec §5 across a crash,
   :func:`restore_ledger`): calls in flight at the crash committed at their
   reservation, stream accounts closed, every later mutation journaled;

@@ -88,14 +88,15 @@ class RecordingConnection(sqlite3.Connection):
         cur = super().execute(sql, parameters)
         rec = self.recording
         if rec is not None and not sql.lstrip()[:6].upper().startswith(_READS):
-            rec.append((sql, parameters))
+            # A copy: the caller may reuse its list or dict for the next statement.
+            rec.append((sql, dict(parameters) if isinstance(parameters, dict) else tuple(parameters)))
         return cur
 
     def executemany(self, sql: str, seq_of_parameters: Iterable[Any], /) -> sqlite3.Cursor:
         rec = self.recording
         if rec is None:
             return super().executemany(sql, seq_of_parameters)
-        rows = list(seq_of_parameters)  # a generator is read once: kept for the record
+        rows = [dict(r) if isinstance(r, dict) else tuple(r) for r in seq_of_parameters]  # read once, copied
         cur = super().executemany(sql, rows)
         rec.append((sql, rows, 1))
         return cur

@@ -5,7 +5,11 @@ Durability: WAL journal, ``synchronous=NORMAL`` by default. Every mutating call
 is one transaction committed before it returns (``append_event`` is the only
 two-statement one: bump the stream's event count, insert the event), so a
 change that was acknowledged survives a **kill -9** of the router process
-(the WAL is in the OS page cache). An **OS crash or power loss** may lose the
+(the WAL is in the OS page cache). A store opened ``exclusive`` with ``redo`` (the
+single router, :mod:`atp_router.deploy.single`) makes each of those transactions
+durable by one record in ``state.db.redo`` instead and commits SQLite in groups
+(:mod:`atp_router.store.redo`); any later open replays what a crash
+left there first. An **OS crash or power loss** may lose the
 last transactions under ``NORMAL`` (never corrupting the file); pass
 ``synchronous="FULL"`` to fsync every commit and lose none, at the price of one
 fsync per call.
@@ -123,7 +127,6 @@ from atp_router.flow.budget import (
 )
 from atp_router.flow.quota import QuotaAsk, QuotaGrant, decide, gcra
 from atp_router.store.audit_records import GENESIS, AuditCheckpoint, AuditRecord
-from atp_router.store.redo import RecordingConnection, RedoLog
 from atp_router.store.base import (
     NONCE_SWEEP,
     CachePut,
@@ -142,6 +145,7 @@ from atp_router.store.base import (
     check_rate_args,
     nonce_limit_error,
 )
+from atp_router.store.redo import RecordingConnection, RedoLog
 
 __all__ = ["EVENT_ID_BITS", "PROBE_ROOM_BYTES", "QUICK_CHECK_S", "RIB_KEPT", "SCHEMA_VERSION", "STATE_MARKER", "SqliteStore", "ledger_snapshot", "write_fault"]
 

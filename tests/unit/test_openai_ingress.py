@@ -11,6 +11,7 @@ as the router sent it.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import atp
@@ -405,6 +406,32 @@ async def test_a_streaming_client_that_goes_away_resets_its_stream(env, scripted
     assert "went away" in events[-1].payload["reason"]
     assert len([e for e in events if e.type == "PARTIAL"]) < 50  # stopped, not run to its end
     assert len(scripted["writer"].calls) == 1
+
+
+async def test_a_client_that_leaves_a_silent_stream_resets_it_at_once(env, scripted):
+    """The model silent for seconds between two chunks: a client that leaves meanwhile
+    has its stream reset within a second (the HTTP server's disconnect watch), not at
+    the model's next chunk — the call stops spending."""
+    slow = ScriptedAdapter.returning("writer", partials=["a", "b", "c"], summary="abc")
+    scripted["writer"].fragments, scripted["writer"].delay_s = slow.fragments, 2.0
+    oa = client(env)
+
+    def first_content() -> float:
+        with oa.chat.completions.create(model="chat", messages=USER, stream=True) as s:
+            for chunk in s:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    return time.monotonic()  # gone: the stream is closed here
+        raise AssertionError("no content")
+
+    left = await trio.to_thread.run_sync(first_content)
+    with trio.fail_after(10):
+        while not (done := [ctx for ctx in env.router.streams.values() if ctx.log.closed]):
+            await trio.sleep(0.02)
+    reset_after = time.monotonic() - left
+    events = done[0].log.events
+    assert events[-1].type == "RST" and "went away" in events[-1].frame.payload.content["reason"]
+    assert reset_after < 1.5, reset_after  # the next chunk was 2 s away
+    assert [e.type for e in events].count("PARTIAL") == 1
 
 
 async def test_code_review_with_real_analysers(router_env):

@@ -26,11 +26,11 @@ What it keeps of a production server, with :class:`ServerLimits`:
   is answered ``429`` ``EWINDOW`` in the control API's error shape (parallelism
   over its window, spec §10; ``Retry-After: 1``; over TLS closed without one) and
   closed at accept, so one client cannot hold the router-wide slots.
-* **Streaming**: a response without ``content-length`` is sent chunked (HTTP/1.1)
-  or close-delimited (HTTP/1.0) as the app sends it, each ``http.response.body``
-  written before ``send`` returns (backpressure); ``receive`` returns
-  ``http.disconnect`` when the client closes mid-response, so a streaming handler
-  (SSE) is cancelled by the app's own disconnect watch.
+* **Streaming** (ASGI 2.4): a response without ``content-length`` is sent chunked
+  (HTTP/1.1) or close-delimited (HTTP/1.0), each ``http.response.body`` written
+  before ``send`` returns (backpressure); once the client has left, ``send`` raises
+  ``ClientGone`` and ``receive`` returns ``http.disconnect``; a response streaming for 50 ms
+  is watched, its app cancelled when the client leaves (:mod:`atp_router.runtime.ingress.watches`).
 * ``Expect: 100-continue`` answered when the app first reads the body; ``HEAD``
   answered without a body; 204/304 never carry one; ``Date`` on every response.
 * **Errors**: a malformed request is 400, an upgrade (WebSocket, h2c) 501 — the
@@ -67,6 +67,7 @@ import trio
 
 from atp_router.flow.peer_slots import PeerSlots
 from atp_router.runtime.ingress.listen import lifespan, listen_tcp, listen_unix
+from atp_router.runtime.ingress.watches import ClientGone, DisconnectWatches
 
 __all__ = ["ServerLimits", "listen_tcp", "listen_unix", "serve_lean"]
 
@@ -214,7 +215,9 @@ class _Exchange:
         self.body_done = False  # the last http.request message was given
         self.continued = False
         self.no_body = req.method == b"HEAD"
-        self.done = trio.Event()  # the response is complete
+        self.done = trio.Event()  # the response is complete, or the client left
+        # The app's call (cancelled when the client leaves mid-stream), the watch's read and end (watches.py).
+        self.app_scope, self.watch_scope, self.watched = trio.CancelScope(), trio.CancelScope(), None
 
     async def receive(self) -> Message:
         req, conn = self.req, self.conn
@@ -272,6 +275,11 @@ class _Exchange:
             self.conn.eof = True  # the client left: receive() says http.disconnect, as a read would
         if self.complete or self.conn.eof:
             self.done.set()
+            self.watch_scope.cancel()
+            if self.conn.eof and not self.complete:
+                raise ClientGone("the client closed the connection")  # ASGI 2.4: the app stops sending
+        elif out and self.conn.watches is not None:
+            self.conn.watches.add(self)  # a streaming response: watched for the client leaving
 
     def _head(self, more: bool, n: int) -> bytes:
         """The response head; decides the framing (length, chunked, or close)."""
@@ -303,21 +311,27 @@ class _Exchange:
 class _Conn:
     """One client connection: its requests in order (module docstring)."""
 
-    def __init__(self, stream: trio.abc.Stream, app: ASGIApp, limits: ServerLimits, base: Scope) -> None:
+    def __init__(self, stream: trio.abc.Stream, app: ASGIApp, limits: ServerLimits, base: Scope,
+                 watches: DisconnectWatches | None = None) -> None:
         self.stream, self.app, self.limits, self.base = stream, app, limits, base
         self.parser = _Parser(limits)
         self.eof = False
         self.error: BaseException | None = None  # a pipelined request refused while the app ran
         self.timer = trio.CancelScope()
+        # Streaming responses' disconnect watches (None: none); a read under way; the watch reads.
+        self.watches, self.reading, self.watching = watches, False, False
 
     async def read(self) -> None:
         """One read fed to the parser (its callbacks fill the requests); sets
         :attr:`eof` when the client closed — or reset the connection, which a
         handler waiting on ``receive`` sees as ``http.disconnect``, not an error."""
+        self.reading = True
         try:
             data = await self.stream.receive_some(self.limits.read_size)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             data = b""
+        finally:
+            self.reading = False
         if not data:
             self.eof = True
             return
@@ -331,8 +345,8 @@ class _Conn:
         if ex.complete or self.error is not None:
             self.eof = self.eof or self.error is not None
             return
-        if len(self.parser.requests) > 1:
-            await ex.done.wait()
+        if len(self.parser.requests) > 1 or self.watching:
+            await ex.done.wait()  # (while watched, the watch is the one reader: it sets done)
             return
         try:
             await self.read()
@@ -378,10 +392,18 @@ class _Conn:
         ex = _Exchange(self, req)
         scope = self._scope(req)  # raises _Refuse (400) before the app runs
         try:
-            await self.app(scope, ex.receive, ex.send)
+            with ex.app_scope:
+                await self.app(scope, ex.receive, ex.send)
         except Exception:
-            if self.error is None:
+            if self.error is None and not self.eof:  # (the client gone: the app's sending was stopped)
                 log.exception("HTTP %s %s: the app failed", req.method.decode("latin-1"), bytes(req.url[:200]))
+        finally:
+            if self.watches is not None:
+                self.watches.discard(ex)
+            if ex.watched is not None:
+                ex.watch_scope.cancel()
+                with trio.CancelScope(shield=True):
+                    await ex.watched.wait()  # the watch's read is over before the next one
         if self.error is not None:  # the request broke a bound or the protocol while the app read it
             if not ex.head_sent:
                 await self._refuse(*_refusal(self.error))
@@ -472,10 +494,13 @@ async def serve_lean(app: ASGIApp, sockets: Sequence[socket.socket], *, ssl_cont
     slots = _Slots(trio.Semaphore(limits.max_connections), PeerSlots(limits.max_connections_per_peer))
     try:
         async with lifespan(app, state), trio.open_nursery() as nursery:
+            watches = DisconnectWatches(nursery, _REFUSED)
+            nursery.start_soon(watches.run, name="disconnect watches")
             for listener, addr, sock in zip(listeners, bound, sockets, strict=True):
                 tls = ssl_context if sock.family != socket.AF_UNIX else None
                 base = _base_scope(sock, tls is not None, state)
-                nursery.start_soon(_accept, listener, nursery, slots, app, limits, tls, base, name=f"accept {addr}")
+                nursery.start_soon(_accept, listener, nursery, slots, app, limits, tls, base, watches,
+                                   name=f"accept {addr}")
             task_status.started(bound)
     finally:
         for listener in listeners:
@@ -490,7 +515,7 @@ def _address(sock: socket.socket) -> str:
 
 def _base_scope(sock: socket.socket, tls: bool, state: dict[str, Any]) -> Scope:
     server = None if sock.family == socket.AF_UNIX else tuple(sock.getsockname()[:2])
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "scheme": "https" if tls else "http",
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "scheme": "https" if tls else "http",
             "root_path": "", "server": server, "client": None, "state": state, "extensions": {}}
 
 
@@ -524,7 +549,7 @@ async def _refuse_peer(stream: trio.SocketStream, plain: bool) -> None:
 
 
 async def _accept(listener: trio.SocketListener, nursery: trio.Nursery, slots: _Slots, app: ASGIApp,
-                  limits: ServerLimits, tls: ssl.SSLContext | None, base: Scope) -> None:
+                  limits: ServerLimits, tls: ssl.SSLContext | None, base: Scope, watches: DisconnectWatches) -> None:
     """Accept connections while a slot is free (``max_connections``, and
     ``max_connections_per_peer`` of the peer's IP); each runs in its own task."""
     while True:
@@ -551,11 +576,11 @@ async def _accept(listener: trio.SocketListener, nursery: trio.Nursery, slots: _
             slots.total.release()
             await _refuse_peer(stream, tls is None)
             continue
-        nursery.start_soon(_connection, stream, peer, ip, slots, app, limits, tls, base)
+        nursery.start_soon(_connection, stream, peer, ip, slots, app, limits, tls, base, watches)
 
 
 async def _connection(stream: trio.SocketStream, peer: Any, ip: str | None, slots: _Slots, app: ASGIApp,
-                      limits: ServerLimits, tls: ssl.SSLContext | None, base: Scope) -> None:
+                      limits: ServerLimits, tls: ssl.SSLContext | None, base: Scope, watches: DisconnectWatches) -> None:
     s: trio.abc.Stream = stream
     try:
         scope = dict(base, client=tuple(peer[:2]) if isinstance(peer, tuple) else None)
@@ -565,7 +590,7 @@ async def _connection(stream: trio.SocketStream, peer: Any, ip: str | None, slot
                 await s.do_handshake()
             if handshake.cancelled_caught:
                 return
-        await _Conn(s, app, limits, scope).run()
+        await _Conn(s, app, limits, scope, watches).run()
     except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
         pass  # the client went away or broke the protocol below HTTP: only this connection ends
     finally:
