@@ -28,6 +28,10 @@ and schema 3 (a task's events appended at the end of one B-tree instead of at ra
 places of a WITHOUT ROWID one; the stream's unique key serving lookups by id):
 ``pwrite64`` 61.5 → 44.7 (about 22 WAL frames a task in its ~4 transactions, two
 ``pwrite64`` each), ``pread64`` 4.7 → 1.7 (the WAL checkpoint's reads), 91.1 → 46.6 in all.
+Session 18: the single router's redo log (atp_router/store/redo.py: a transaction is one
+``write`` of ``state.db.redo``; SQLite committed at most a second apart, a page its tasks
+all touch written once a commit): ``per_task`` 44.8 → 6.8 (200 tasks), 9.2 (1,000 tasks,
+the commits' share included: ``write`` 4.0, ``pwrite64`` ~4.5); 16 … 8 in flight 24.1 → 7.5.
 
 Baseline in the same run: ``all_per_task`` (every syscall the router makes a
 task) beside the store's share; the issue's target is ``per_task ≤ 20``.
