@@ -74,11 +74,13 @@ from atp_router.store import (
     StoreJournal,
     StoreUnavailable,
 )
+from atp_router.store.redo import COMMIT_EVERY_S
 from atp_router.store.sqlite import sync_mode
 from atp_router.wire.errors import ATPError, ErrorCode
 from atp_router.wire.frame import ErrorPayload, Flag, Frame, Payload, PayloadType
 
-__all__ = ["INTERRUPTED", "RETRY_AFTER_MS", "SETTLE_RETRY_S", "Deployed", "EmbeddedLedger", "build", "closing", "deploy",
+__all__ = ["INTERRUPTED", "RETRY_AFTER_MS", "SETTLE_RETRY_S", "Deployed", "EmbeddedLedger", "build", "closing",
+           "commit_store", "deploy",
            "end_interrupted", "lock_state_dir", "mark_interrupted", "open_state", "restore_ledger", "restore_rib",
            "settle_journal", "state_directory", "store_check", "store_fault_reason"]
 
@@ -130,7 +132,7 @@ def build(config: RouterConfig, *, lock: bool = True, **kw: Any) -> Router:
     :class:`~atp_router.wire.errors.PolicyError` if the RIB is refused, ``RuntimeError``
     when another process holds the state directory or it cannot be written,
     :class:`~atp_router.store.base.StoreError` when the store is refused (module docstring)."""
-    kw["services"] = (settle_journal, *kw.get("services", ()))
+    kw["services"] = (settle_journal, commit_store, *kw.get("services", ()))
     kw.setdefault("store_refusal", _refusal)
     router = Router(config, open_state(config, lock=lock), **kw)
     router.streams.persistence.hold_unstored = False  # one router on its own store: a full disk stalls no stream
@@ -198,6 +200,24 @@ def settle_journal(router: Router) -> Sequence[Callable[[], Awaitable[None]]]:
                 log.warning("state store takes writes again: %d kept budget settlements written", kept)
 
     return (settle,)
+
+
+def commit_store(router: Router) -> Sequence[Callable[[], Awaitable[None]]]:
+    """The router's service committing its store's redo log to SQLite once due even
+    when no write comes to do it (:meth:`SqliteStore.commit_due
+    <atp_router.store.sqlite.SqliteStore.commit_due>`): an idle router's ``state.db``
+    lags its acknowledged writes by at most about two commit intervals (a file copy
+    of the directory, a ``sqlite3`` look after a stop, see what was done)."""
+    store = router.store
+    if not isinstance(store, SqliteStore):
+        return ()
+
+    async def commit() -> None:
+        while True:
+            await trio.sleep(COMMIT_EVERY_S)
+            store.commit_due()
+
+    return (commit,)
 
 
 def open_state(config: RouterConfig, *, lock: bool = True) -> StateParts:

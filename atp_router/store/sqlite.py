@@ -582,6 +582,21 @@ class SqliteStore(Store):
                 c.execute("ROLLBACK TO tx")
                 c.execute("RELEASE tx")
 
+    def commit_due(self) -> bool:
+        """Commit the redo log's transactions to SQLite if a commit is due
+        (:meth:`~atp_router.store.redo.RedoLog.due`) and none is under way — for a
+        timer, so an idle store commits too. True when it committed; False when
+        nothing was due (or there is no redo log); a refused commit keeps its
+        fault for the next write (:meth:`_begin`)."""
+        redo = self._redo
+        if redo is None or not redo.pending or not redo.due(time.monotonic() - self._committed_at):
+            return False
+        with self._lock:
+            if self._tx_open or self._batch_depth or not self._conn.in_transaction:
+                return False
+            self._commit_redo()
+            return self._fault is None
+
     def _commit_redo(self) -> None:
         """Commit the long transaction to SQLite with the log's last sequence number
         (``meta.redo_lsn``), then empty the log. A commit SQLite refuses keeps the log

@@ -190,3 +190,27 @@ def _die(store: SqliteStore) -> None:
     assert store._ofd is not None
     os.close(store._ofd)
     store._ofd = None
+
+
+def test_an_idle_store_commits_when_due_and_full_sync_fsyncs_each_record(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """``commit_due`` (the single router's timer) commits what is due without a new write;
+    under ``synchronous=FULL`` each record is fdatasync'ed before its transaction returns."""
+    synced: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(redo_mod.os, "fdatasync", lambda fd: (synced.append(fd), real(fd))[1])
+    store = SqliteStore.open(tmp_path / "state", exclusive=True, redo=True, synchronous="FULL")
+    try:
+        assert store._redo is not None
+        store._redo.commit_every_s = 10.0**9
+        store.put("a", b"1")
+        store.put("b", b"2")
+        assert len(synced) == 2 and store._redo.pending == 2
+        assert store.commit_due() is False  # not due yet
+        store._redo.commit_every_s = 0.0
+        assert store.commit_due() is True
+        assert store._redo.pending == 0 and (tmp_path / "state" / "state.db.redo").stat().st_size == 0
+        assert store.commit_due() is False  # nothing left
+        assert (store.get("a"), store.get("b")) == (b"1", b"2")
+    finally:
+        store.close()
