@@ -1730,7 +1730,8 @@ def _open_redo(conn: sqlite3.Connection, path: Path, *, fsync: bool, keep: bool)
         redo.reset(redo.next_lsn - 1)
         if not keep:
             redo.close()
-            where.unlink()
+            with suppress(FileNotFoundError):  # another --workers process replayed it first
+                where.unlink()
             return None
     except sqlite3.Error as e:
         redo.close()
@@ -1788,6 +1789,9 @@ def _prepare(conn: sqlite3.Connection, path: Path, marker: Path, *, create: bool
         raise StoreError(_empty_refusal(path, marker))
     if held and check_s > 0:
         _quick_check(conn, path, check_s)
+    if held:
+        # What a crashed single router's redo log holds, replayed in the schema it was written in.
+        _open_redo(conn, path, fsync=False, keep=False)
     _migrate(conn, path)
     if create and not marker.exists():
         _write_marker(marker)
