@@ -85,11 +85,16 @@ class RecordingConnection(sqlite3.Connection):
     recording: list[Statement] | None = None
 
     def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
-        cur = super().execute(sql, parameters)
+        cur = _execute(self, sql, parameters)
         rec = self.recording
-        if rec is not None and not sql.lstrip()[:6].upper().startswith(_READS):
-            # A copy: the caller may reuse its list or dict for the next statement.
-            rec.append((sql, dict(parameters) if isinstance(parameters, dict) else tuple(parameters)))
+        if rec is not None:
+            writes = _WRITES.get(sql)
+            if writes is None:
+                writes = _classify(sql)
+            if writes:
+                # A copy: the caller may reuse its list or dict for the next statement.
+                rec.append((sql, parameters if type(parameters) is tuple
+                            else dict(parameters) if isinstance(parameters, dict) else tuple(parameters)))
         return cur
 
     def executemany(self, sql: str, seq_of_parameters: Iterable[Any], /) -> sqlite3.Cursor:
@@ -100,6 +105,20 @@ class RecordingConnection(sqlite3.Connection):
         cur = super().executemany(sql, rows)
         rec.append((sql, rows, 1))
         return cur
+
+
+_execute = sqlite3.Connection.execute
+#: Whether a statement's text writes (not ``SELECT`` / ``PRAGMA``), by text: the store's
+#: statements are a bounded set of constants (cleared past :data:`_WRITES_MAX`).
+_WRITES: dict[str, bool] = {}
+_WRITES_MAX = 4096
+
+
+def _classify(sql: str) -> bool:
+    if len(_WRITES) >= _WRITES_MAX:
+        _WRITES.clear()
+    writes = _WRITES[sql] = not sql.lstrip()[:6].upper().startswith(_READS)
+    return writes
 
 
 def _run(c: sqlite3.Connection, statements: list[list[Any]]) -> None:
