@@ -47,18 +47,22 @@ class DisconnectWatches:
         #: What a read raises for a request the server refuses (a pipelined one, while the response streams).
         self.refused = refused
         self.pending: dict[_Exchange, float] = {}
+        self._wake = trio.Event()  # set when a response is added: an idle server's timer sleeps
 
     def add(self, ex: _Exchange) -> None:
         self.pending[ex] = trio.current_time()
+        if not self._wake.is_set():
+            self._wake.set()
 
     def discard(self, ex: _Exchange) -> None:
         self.pending.pop(ex, None)
 
     async def run(self) -> None:
         while True:
-            await trio.sleep(WATCH_AFTER_S)
             if not self.pending:
-                continue
+                await self._wake.wait()
+                self._wake = trio.Event()
+            await trio.sleep(WATCH_AFTER_S)
             since = trio.current_time() - WATCH_AFTER_S
             for ex in [ex for ex, t in self.pending.items() if t <= since]:
                 del self.pending[ex]
