@@ -13,7 +13,7 @@ before a checkpoint), with the log's sequence number of its last transaction
 (``meta.redo_lsn``); then the log is emptied. A page a task's transactions all touch —
 the stream table's last leaf, the event table's, the audit chain's — is written to
 the WAL once per commit instead of once per transaction: measured at one task in
-flight, 44.8 store syscalls a task → see ``bench/bench_store_syscalls.py``.
+flight, 44.8 → 6.8 store syscalls a task (``bench/bench_store_syscalls.py``).
 
 A transaction is acknowledged once its record is written: a **kill -9** after that
 leaves the record in the OS page cache, and the next :meth:`RedoLog.replay` (at the
