@@ -431,6 +431,34 @@ async def test_a_silent_stream_whose_client_left_is_cancelled(nursery: trio.Nurs
             await trio.sleep(0.01)
     assert cancelled_at[0] - left < 1.0 and "the app failed" not in caplog.text
 
+    # A response whose head waits for its first chunk (an SSE stream waiting for its first
+    # event): its client leaving is seen too, and nothing is logged or answered.
+    async def held_app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        started_held.set()
+        try:
+            await trio.sleep(60)  # no chunk yet: nothing has gone out
+        except trio.Cancelled:
+            cancelled_held.append(trio.current_time())
+            raise
+
+    started_held, cancelled_held = trio.Event(), []
+    sock2 = listen_tcp("127.0.0.1", 0)
+    await nursery.start(lambda task_status: serve_lean(held_app, [sock2], limits=LIMITS, task_status=task_status))
+    s = await trio.open_tcp_stream("127.0.0.1", sock2.getsockname()[1])
+    await s.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    await started_held.wait()
+    left = trio.current_time()
+    await s.aclose()
+    with trio.fail_after(5):
+        while not cancelled_held:
+            await trio.sleep(0.01)
+    assert cancelled_held[0] - left < 1.0
+    await trio.sleep(0.1)
+    assert "without a complete response" not in caplog.text and "the app failed" not in caplog.text
+
     # A second connection, its client gone before the watch's delay: still cancelled.
     started = trio.Event()
     cancelled_at.clear()

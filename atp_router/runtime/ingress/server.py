@@ -255,6 +255,8 @@ class _Exchange:
             self.status = int(message["status"])
             self.headers = message.get("headers") or ()
             self.no_body = self.no_body or self.status in _NO_BODY or self.status < 200
+            if self.conn.watches is not None:  # watched for the client leaving, if it lasts (watches.py)
+                self.conn.watches.add(self)
             return
         if kind != "http.response.body" or not self.started or self.complete:
             raise RuntimeError(f"unexpected ASGI message {kind!r} (response started: {self.started}, "
@@ -278,8 +280,6 @@ class _Exchange:
             self.watch_scope.cancel()
             if self.conn.eof and not self.complete:
                 raise ClientGone("the client closed the connection")  # ASGI 2.4: the app stops sending
-        elif out and self.conn.watches is not None:
-            self.conn.watches.add(self)  # a streaming response: watched for the client leaving
 
     def _head(self, more: bool, n: int) -> bytes:
         """The response head; decides the framing (length, chunked, or close)."""
@@ -409,7 +409,7 @@ class _Conn:
                 await self._refuse(*_refusal(self.error))
             return False
         if not ex.complete:
-            if not ex.head_sent:
+            if not ex.head_sent and not self.eof:  # (the client gone, the app cancelled: nobody to answer)
                 log.error("HTTP %s: the app returned without a complete response", bytes(req.url[:200]))
                 await self._refuse(500, "internal server error")
             return False

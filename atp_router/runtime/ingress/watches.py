@@ -4,8 +4,9 @@ The server (:mod:`atp_router.runtime.ingress.server`) speaks ASGI 2.4: ``send`` 
 :class:`ClientGone` (an ``OSError``) once the client has left, so Starlette's streaming
 responses keep no disconnect watch of their own — before 2.4 each kept an anyio task
 group of two tasks a response, ~10 % of the router's CPU a task (``bench/bench_gateway.py``).
-What that watch gave is kept here, cheaper: a streaming response that has streamed
-:data:`WATCH_AFTER_S` gets one task (:func:`watch`) reading its connection; when the
+What that watch gave is kept here, cheaper: a response started :data:`WATCH_AFTER_S`
+ago and not complete (streaming, or its head held back until its first chunk: an SSE
+stream waiting for its first event) gets one task (:func:`watch`) reading its connection; when the
 client leaves, the app's call is cancelled at once — an SSE stream waiting on a silent
 model stops spending then, not at its next chunk. A response that completes sooner —
 most — never costs a task or a read. One timer task a server (:class:`DisconnectWatches`)
@@ -76,8 +77,10 @@ async def watch(conn: _Conn, ex: _Exchange, refused: tuple[type[Exception], ...]
     is cancelled. Ends when the response completes (its last ``send`` cancels the
     read); at once when the app is reading itself."""
     assert ex.watched is not None
-    if conn.reading:
-        ex.watched.set()  # the app waits on receive: it sees the client leave itself
+    if conn.reading or not ex.req.complete or ex.complete:
+        # The app waits on receive (it sees the client leave itself), or has not read the whole
+        # request (its body is the app's to read, at its pace), or the response is over.
+        ex.watched.set()
         return
     conn.watching = True
     try:
