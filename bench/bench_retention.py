@@ -8,7 +8,10 @@ keeps for resumption), then, in the same run:
 
 * **live**: the logs as they were kept before (``EventLog`` holding its frames);
 * **compacted**: the same logs after :meth:`EventLog.compact` (one msgpack
-  ``bytes`` each), as the router now keeps a closed stream nobody follows.
+  ``bytes`` of the frames' JSON each), as the router now keeps a closed stream nobody follows.
+
+Each event's JSON is encoded when it is appended, as the router's store write and
+followers encode it (the live logs hold it too).
 
 Prints, for each: a full ``gc.collect()`` (ms, best of 5), objects tracked by the
 GC, and the memory they hold (tracemalloc, MB); then the cost of compacting
@@ -66,7 +69,7 @@ def stream_log(i: int) -> EventLog:
         Frame(v=1, session_id=sid, stream_id=st, msg_seq=5, flags=[Flag.FIN]),
     ]
     for f in frames:
-        log.append(f)
+        log.append(f).json_bytes()  # as in the router: each event encoded once, for the store and followers
     return log
 
 

@@ -14,7 +14,6 @@ nobody follows is compacted into one compressed ``bytes`` (issue 10).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -28,9 +27,9 @@ __all__ = ["EventLog", "LoggedEvent", "event_type"]
 
 _frame_enc = msgspec.json.Encoder()
 _frame_dec = msgspec.json.Decoder(Frame)
-# A compacted event log: [(event id, event type, frame), ...] as msgpack.
+# A compacted event log: [(event id, event type, frame JSON), ...] as msgpack.
 _log_enc = msgspec.msgpack.Encoder()
-_log_dec = msgspec.msgpack.Decoder(list[tuple[int, str, Frame]])
+_log_dec = msgspec.msgpack.Decoder(list[tuple[int, str, bytes]])
 
 
 def event_type(frame: Frame) -> str:
@@ -84,12 +83,15 @@ class LoggedEvent:
 class EventLog:
     """Append-only outbound log of one stream with wake-ups for followers.
 
-    A closed log nobody follows is :meth:`compact`-ed into one zlib-compressed
-    msgpack ``bytes`` (issue 10): a retained closed stream then costs the garbage collector one
-    untracked object instead of a graph of frames, payloads and dicts, so gen-2
-    pauses no longer grow with the number of retained streams. ``events`` reads
-    it back (decoded on each access: closed logs are read rarely, for
-    resumption and A2A ``tasks/get``)."""
+    A closed log nobody follows is :meth:`compact`-ed into one msgpack ``bytes``
+    of its frames' JSON, as encoded for the store (issue 10): a retained closed
+    stream then costs the garbage collector one untracked object instead of a
+    graph of frames, payloads and dicts, so gen-2 pauses no longer grow with the
+    number of retained streams. Not compressed (issue 25): zlib took ~40 µs of a
+    task's ~1.5 ms of router CPU at every close for a 2.5× smaller log — the
+    retained bytes' budget (``retain_closed_bytes``) holds fewer streams, and an
+    older one is read back from the store. ``events`` reads it back (decoded on
+    each access: closed logs are read rarely, for resumption and A2A ``tasks/get``)."""
 
     _events: list[LoggedEvent] = field(default_factory=list)
     closed: bool = False
@@ -112,7 +114,7 @@ class EventLog:
         """The events in order (a fresh list when the log is compacted)."""
         if self._packed is None:
             return self._events
-        return [LoggedEvent(i, t, f) for i, t, f in _log_dec.decode(zlib.decompress(self._packed))]
+        return [LoggedEvent(i, t, _frame_dec.decode(js), js) for i, t, js in _log_dec.decode(self._packed)]
 
     def __len__(self) -> int:
         return len(self._events) if self._packed is None else self._packed_n
@@ -133,9 +135,8 @@ class EventLog:
     def compact(self) -> None:
         """Pack a closed log into bytes (see the class docstring); no-op while open."""
         if self.closed and self._packed is None:
-            # zlib level 1: ≈ 2.5× smaller (ids and keys repeat in every frame) for
-            # ≈ 25 µs at close and 8 µs a read (bench_retention.py, issue 10).
-            self._packed = zlib.compress(_log_enc.encode([(e.id, e.type, e.frame) for e in self._events]), 1)
+            # The JSON each event was encoded to for the store and its followers, not encoded again.
+            self._packed = _log_enc.encode([(e.id, e.type, e.json_bytes()) for e in self._events])
             self._packed_n = len(self._events)
             self._events = []
 
