@@ -136,7 +136,8 @@ class EventLog:
         """Pack a closed log into bytes (see the class docstring); no-op while open."""
         if self.closed and self._packed is None:
             # The JSON each event was encoded to for the store and its followers, not encoded again.
-            self._packed = _log_enc.encode([(e.id, e.type, e.json_bytes()) for e in self._events])
+            self._packed = _log_enc.encode([(e.id, e.type, e.json if e.json is not None else _frame_enc.encode(e.frame))
+                                            for e in self._events])
             self._packed_n = len(self._events)
             self._events = []
 
