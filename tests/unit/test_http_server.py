@@ -420,16 +420,9 @@ async def test_a_silent_stream_whose_client_left_is_cancelled(nursery: trio.Nurs
 
     sock = listen_tcp("127.0.0.1", 0)
     await nursery.start(lambda task_status: serve_lean(app, [sock], limits=LIMITS, task_status=task_status))
-    s = await trio.open_tcp_stream("127.0.0.1", sock.getsockname()[1])
-    await s.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-    await started.wait()
-    await trio.sleep(0.3)  # past the watch's delay: a streaming response that lasts is watched
-    left = trio.current_time()
-    await s.aclose()
-    with trio.fail_after(5):
-        while not cancelled_at:
-            await trio.sleep(0.01)
-    assert cancelled_at[0] - left < 1.0 and "the app failed" not in caplog.text
+    # past the watch's delay: a streaming response that lasts is watched
+    assert await _leave(sock, lambda: started, cancelled_at, after_s=0.3) < 1.0
+    assert "the app failed" not in caplog.text
 
     # A response whose head waits for its first chunk (an SSE stream waiting for its first
     # event): its client leaving is seen too, and nothing is logged or answered.
@@ -447,30 +440,29 @@ async def test_a_silent_stream_whose_client_left_is_cancelled(nursery: trio.Nurs
     started_held, cancelled_held = trio.Event(), []
     sock2 = listen_tcp("127.0.0.1", 0)
     await nursery.start(lambda task_status: serve_lean(held_app, [sock2], limits=LIMITS, task_status=task_status))
-    s = await trio.open_tcp_stream("127.0.0.1", sock2.getsockname()[1])
-    await s.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-    await started_held.wait()
-    left = trio.current_time()
-    await s.aclose()
-    with trio.fail_after(5):
-        while not cancelled_held:
-            await trio.sleep(0.01)
-    assert cancelled_held[0] - left < 1.0
+    assert await _leave(sock2, lambda: started_held, cancelled_held) < 1.0
     await trio.sleep(0.1)
     assert "without a complete response" not in caplog.text and "the app failed" not in caplog.text
 
     # A second connection, its client gone before the watch's delay: still cancelled.
     started = trio.Event()
     cancelled_at.clear()
+    assert await _leave(sock, lambda: started, cancelled_at) < 1.0
+
+
+async def _leave(sock: socket.socket, started: Any, cancelled: list[float], *, after_s: float = 0.0) -> float:
+    """A GET to ``sock``'s server; once its app has begun answering (``started()``'s event)
+    and ``after_s`` more, the client closes: how long (s) until the app was cancelled."""
     s = await trio.open_tcp_stream("127.0.0.1", sock.getsockname()[1])
     await s.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-    await started.wait()
+    await started().wait()
+    await trio.sleep(after_s)
     left = trio.current_time()
     await s.aclose()
     with trio.fail_after(5):
-        while not cancelled_at:
+        while not cancelled:
             await trio.sleep(0.01)
-    assert cancelled_at[0] - left < 1.0
+    return cancelled[0] - left
 
 
 async def test_lean_under_server_tls_is_tls13_http11_and_keeps_mtls(nursery: trio.Nursery, tmp_path: Path) -> None:
