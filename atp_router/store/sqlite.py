@@ -708,15 +708,16 @@ class SqliteStore(Store):
 
     def close(self) -> None:
         with self._lock:
-            if self._redo is not None:
+            redo = self._redo
+            if redo is not None:
                 self._commit_redo()
-                if self._redo.pending == 0:
-                    self._conn.close()  # committed: the log is empty and goes
-                    with suppress(OSError):
-                        self._redo.path.unlink()
-                self._redo.close()
                 self._redo = None
             self._conn.close()
+            if redo is not None:
+                redo.close()
+                if redo.pending == 0:  # committed: the log is empty and goes (else the next open replays it)
+                    with suppress(OSError):
+                        redo.path.unlink()
             if self._wfd is not None:
                 os.close(self._wfd)
                 self._wfd = None

@@ -9,7 +9,7 @@ read from it. A follower that connects late, or reconnects with
 listening when a frame was produced. Followers send an event only once it is
 durable (in the store: :attr:`EventLog.durable`, moved by the stream table's
 group commit, :mod:`atp_router.runtime.dataplane.persistence`). A closed log
-nobody follows is compacted into one compressed ``bytes`` (issue 10).
+nobody follows is compacted into one ``bytes`` (issue 10).
 """
 
 from __future__ import annotations

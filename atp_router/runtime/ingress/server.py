@@ -29,8 +29,8 @@ What it keeps of a production server, with :class:`ServerLimits`:
 * **Streaming** (ASGI 2.4): a response without ``content-length`` is sent chunked
   (HTTP/1.1) or close-delimited (HTTP/1.0), each ``http.response.body`` written
   before ``send`` returns (backpressure); once the client has left, ``send`` raises
-  ``ClientGone`` and ``receive`` returns ``http.disconnect``; a response streaming for 50 ms
-  is watched, its app cancelled when the client leaves (:mod:`atp_router.runtime.ingress.watches`).
+  ``ClientGone`` and ``receive`` returns ``http.disconnect``; a response not complete 50 ms
+  after its start is watched, its app cancelled when the client leaves (``watches.py``).
 * ``Expect: 100-continue`` answered when the app first reads the body; ``HEAD``
   answered without a body; 204/304 never carry one; ``Date`` on every response.
 * **Errors**: a malformed request is 400, an upgrade (WebSocket, h2c) 501 — the

@@ -29,7 +29,7 @@ __all__ = ["WATCH_AFTER_S", "ClientGone", "DisconnectWatches", "watch"]
 
 log = logging.getLogger("atp_router.ingress.server")
 
-#: A streaming response is watched for its client leaving once it has streamed this long, s.
+#: A response not complete this long after its start is watched for its client leaving, s.
 WATCH_AFTER_S = 0.05
 
 
@@ -39,9 +39,9 @@ class ClientGone(OSError):
 
 
 class DisconnectWatches:
-    """The streaming responses of one server waiting for their watch (module
-    docstring): :meth:`add` at a streaming response's head, :meth:`discard` at
-    its end, :meth:`run` (a task of the server's nursery) starts the watches due."""
+    """The responses of one server waiting for their watch (module docstring):
+    :meth:`add` at a response's start, :meth:`discard` at its end, :meth:`run`
+    (a task of the server's nursery) starts the watches due."""
 
     def __init__(self, nursery: trio.Nursery, refused: tuple[type[Exception], ...]) -> None:
         self.nursery = nursery
