@@ -185,6 +185,15 @@ WARM_EXPLORE = 0.0
 #: fitted arms alone: 5 folds −0.0024 / +0.0011, 2 × 2 halves +0.0049 / +0.0061 (frozen gain: −0.0072 / −0.0032 and
 #: +0.0031 / +0.0094): w = ½ learning is the one candidate at or above the arms alone on both.
 WARM_GAIN_C = 0.3
+#: Rejected in session 19 on the same folds (seed 0's TRAIN half; paired against the TF-IDF + subject anchor ranking
+#: each fold; this warm start online: +0.0070 on the 5 folds, +0.0061 on the 2 × 2 halves, each ± 0.010–0.015):
+#: λ started at the quantile of the spend target over out-of-fold train margins +0.0068 / +0.0079 (and with the
+#: step already at its floor +0.0068 / +0.0077); a step floor of 0.002 / 0.001 +0.0104 / +0.0107 on the folds but
+#: +0.0056 / +0.0046 on the halves (with that λ start +0.0097 / +0.0104 and +0.0071 / +0.0068); choosing by λ
+#: averaged over the last 100 / 500 choices +0.0038 / −0.0268 and −0.0045 / −0.0083. None is above the warm start
+#: on both fold sets by more than the noise. Features (scikit-learn, ranked, vs word 1–2-grams + subject at C 1):
+#: + character 2–5-grams −0.0063 (C 0.3) / −0.0238 (C 1), characters alone −0.0111, + log prompt length +0.0020 ±
+#: 0.0079; C 0.3 alone +0.0028 ± 0.0061 (kept above).
 WARM_GAIN_WEIGHT = 0.5
 #: Share points the offline (score-ranking) routers are evaluated at in ``--validate`` (ranked against ranked).
 SHARES = tuple(i / 100 for i in range(101))
