@@ -64,9 +64,11 @@ from tests.helpers import serve_scripted  # noqa: E402
 
 RUNTIME = ("atp_router.runtime.", "atp_router.deploy.")
 #: The HTTP server the API runs on (issue 25 item 4): a transport, as hypercorn was (a
-#: library, never counted) — its per-connection frames are not the router's path.
+#: library, never counted) — its per-connection frames are not the router's path; and the
+#: app's dispatch of a static route (hot_routes: Starlette's routing, a library never
+#: counted, without its route search).
 TRANSPORT = frozenset({"atp_router.runtime.ingress.server", "atp_router.runtime.ingress.listen",
-                       "atp_router.deploy.http_serve"})
+                       "atp_router.runtime.ingress.hot_routes", "atp_router.deploy.http_serve"})
 
 
 def _runtime(module: str) -> bool:

@@ -132,6 +132,7 @@ from atp_router.runtime.ingress.bodies import (
     read_body,
     release_body,
 )
+from atp_router.runtime.ingress.hot_routes import RoutedApp
 from atp_router.runtime.ingress.http_types import (
     OBJECT,
     STRING,
@@ -589,11 +590,11 @@ def served_routes(router: Router, table: Sequence[ApiRoute] = ROUTES,
 
 
 def build_app(router: Router) -> Starlette:
-    """The control API of ``router`` as an ASGI app: the routes of :data:`ROUTES`;
+    """The control API of ``router`` as an ASGI app (a :class:`RoutedApp`): the routes of :data:`ROUTES`;
     a route it does not have, or a method a route does not serve, is
     :func:`router_level_error`'s JSON 404 / 405."""
     # With tracing on (spec §12), a request's W3C traceparent is the parent of what it opens.
     middleware = [Middleware(TraceContextMiddleware)] if router.tracing is not None else []
     mcp = McpIngress(router)  # its SDK runs in the app's lifespan (atp_router.runtime.ingress.mcp)
-    return Starlette(middleware=middleware, routes=served_routes(router, mcp=mcp), lifespan=mcp.lifespan,
+    return RoutedApp(middleware=middleware, routes=served_routes(router, mcp=mcp), lifespan=mcp.lifespan,
                      exception_handlers={404: router_level_error, 405: router_level_error})
