@@ -99,8 +99,6 @@ Prints one ``listening`` line when ready; SIGINT/SIGTERM stop it.
 from __future__ import annotations
 
 import argparse
-import gc
-import importlib
 import ipaddress
 import logging
 import os
@@ -120,7 +118,7 @@ from atp_router.adapters.tools.semgrep import rule_sources
 from atp_router.cliutil.helpfmt import DefaultsHelpFormatter
 from atp_router.deploy import cluster, single
 from atp_router.deploy.cluster import is_cluster_store
-from atp_router.deploy.http_serve import serve_http, track_requests
+from atp_router.deploy.http_serve import serve_http, settle_heap, track_requests
 from atp_router.deploy.learn_cmd import learn_main
 from atp_router.deploy.review_cmd import main as review_main
 from atp_router.deploy.workers import WorkerSpec, supervise, worker_main
@@ -198,10 +196,7 @@ async def _serve(deployed: single.Deployed, app: Any, config: RouterConfig,
         http_port = int(binds[0].rsplit(":", 1)[1])
         if deployed.advertise is not None:
             deployed.advertise(config.advertise_url or _advertised(config, http_port))
-        # Long-lived start-up objects out of the GC's generations, and the SSE
-        # backend imported now: both stalled the event loop 20-70 ms mid-traffic.
-        importlib.import_module("anyio._backends._trio")
-        gc.freeze()
+        settle_heap()  # the SSE backend imported, start-up objects frozen, the GC's thresholds raised
         task_status.started((router, http_port, ws_server.port))
 
 

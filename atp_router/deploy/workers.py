@@ -96,8 +96,6 @@ listening port needs — and a worker being restarted accepts no connection.
 from __future__ import annotations
 
 import functools
-import gc
-import importlib
 import json
 import logging
 import os
@@ -125,7 +123,7 @@ import trio
 from prometheus_client import Counter
 
 from atp_router.deploy import single
-from atp_router.deploy.http_serve import serve_http, track_requests
+from atp_router.deploy.http_serve import serve_http, settle_heap, track_requests
 from atp_router.deploy.single import end_interrupted
 from atp_router.flow.budget import SharedBudgetLedger
 from atp_router.observability.metrics import RouterMetrics
@@ -752,8 +750,7 @@ async def _serve_worker(config: RouterConfig, spec: WorkerSpec, router: Router, 
                 private, config, [f"unix:{sock_path}"], tls=False, task_status=task_status))
             await nursery.start(lambda task_status: serve_ws(router, config.host, 0, sock=ws_sock,
                                                              task_status=task_status))
-            importlib.import_module("anyio._backends._trio")
-            gc.freeze()
+            settle_heap()  # the SSE backend imported, start-up objects frozen, the GC's thresholds raised
             with stop_signal_receiver() as signals:  # a later signal: ignored, the shutdown not cut by it
                 report("ready")  # after the handler: a SIGTERM right after "ready" is a clean stop
                 async for _ in signals:
