@@ -203,9 +203,17 @@ class Dispatcher:
             plan.tried.update(h.agent for h in hops)
             legs: dict[int, LegOutcome] = {}
             with trio.move_on_at(plan.deadline) as deadline:
-                async with trio.open_nursery() as nursery:
-                    for turn, hop in enumerate(hops):
-                        nursery.start_soon(self._leg, io, plan, hop, legs, turn)
+                if len(hops) == 1:
+                    # The one leg in this task (a task of its own cost ~14 us); what it raises
+                    # grouped as the nursery of several legs groups it (Cancelled included).
+                    try:
+                        await self._leg(io, plan, hops[0], legs, 0)
+                    except BaseException as e:
+                        raise BaseExceptionGroup("Exceptions from Trio nursery", [e]) from None
+                else:
+                    async with trio.open_nursery() as nursery:
+                        for turn, hop in enumerate(hops):
+                            nursery.start_soon(self._leg, io, plan, hop, legs, turn)
             if deadline.cancelled_caught:
                 for turn, hop in enumerate(hops):
                     self._deadline_error(io, plan, legs, turn, hop.agent)
