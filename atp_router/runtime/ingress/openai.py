@@ -125,7 +125,7 @@ OpenAI client's automatic retry would run — and charge — the task again.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -133,6 +133,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Send
 
 from atp_router.consensus.types import FinalResult, Result
 from atp_router.runtime.dataplane.dispatch import NEXT_HOP_FAILED
@@ -440,8 +441,8 @@ class _Ingress:
         created = int(time.time())
         cid = "chatcmpl-" + ctx.stream_id
         if req.stream:
-            return StreamingResponse(_sse(self.router, req, ctx, cid, created), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", **ctx.qos_headers()})
+            return _SSEResponse(_sse(self.router, req, ctx, cid, created), media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", **ctx.qos_headers()})
         out = StreamOutcome()
         ctx.attach()
         try:
@@ -472,6 +473,30 @@ def _check_policy(v: RibView, policy: str, meta: dict[str, Any], change: ParsedC
                else f"its match {match} does not accept it")
         raise IngressError(ErrorCode.EPROTO, f"policy {policy!r} does not take this request "
                            f"(task meta {meta}): {why}", param="model")
+
+
+class _LastChunk(bytes):
+    """The last chunk of a streaming answer's body (its ``data: [DONE]``)."""
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming answer whose body ends with the chunk :func:`_sse` marks
+    :class:`_LastChunk`: that chunk ends the body in the same ASGI message (one
+    socket write with HTTP's end of chunks, not two), then the generator is closed
+    (its ``finally`` runs, as when it returns). A body without one ends as
+    Starlette's does (an empty last message)."""
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body = self.body_iterator
+        async for chunk in body:
+            last = isinstance(chunk, _LastChunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if last:
+                if isinstance(body, AsyncGenerator):
+                    await body.aclose()
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _let_go(router: Router, ctx: StreamCtx) -> None:
@@ -507,7 +532,7 @@ async def _sse(router: Router, req: ChatCompletionRequest, ctx: StreamCtx, cid: 
         if out.final is None:
             e = out.failure()
             status = error_response(e).status_code
-            yield b"data: " + _enc.encode(error_body(e, status)) + b"\n\ndata: [DONE]\n\n"
+            yield _LastChunk(b"data: " + _enc.encode(error_body(e, status)) + b"\n\ndata: [DONE]\n\n")
             return
         rest = remaining_text(completion_text(out.final.result), "".join(live))
         tail = [chunk(choices=[ChunkChoice(0, ChunkDelta(content=rest))])] if rest else []
@@ -515,6 +540,6 @@ async def _sse(router: Router, req: ChatCompletionRequest, ctx: StreamCtx, cid: 
         if req.stream_options is not None and req.stream_options.include_usage:
             tail.append(chunk(choices=[], usage=out.usage()))
         tail.append(b"data: [DONE]\n\n")
-        yield b"".join(tail)
+        yield _LastChunk(b"".join(tail))
     finally:
         _let_go(router, ctx)
