@@ -52,8 +52,7 @@ class DisconnectWatches:
 
     def add(self, ex: _Exchange) -> None:
         self.pending[ex] = trio.current_time()
-        if not self._wake.is_set():
-            self._wake.set()
+        self._wake.set()
 
     def discard(self, ex: _Exchange) -> None:
         self.pending.pop(ex, None)
