@@ -134,7 +134,14 @@ def build(config: RouterConfig, *, lock: bool = True, **kw: Any) -> Router:
     :class:`~atp_router.store.base.StoreError` when the store is refused (module docstring)."""
     kw["services"] = (settle_journal, commit_store, *kw.get("services", ()))
     kw.setdefault("store_refusal", _refusal)
-    router = Router(config, open_state(config, lock=lock), **kw)
+    state = open_state(config, lock=lock)
+    try:
+        router = Router(config, state, **kw)
+    except BaseException:
+        # Refused (a policy, a key): the state closed as at a stop — the redo log's transactions
+        # committed to state.db, the audit chain checkpointed, the directory released.
+        state.close()
+        raise
     router.streams.persistence.hold_unstored = False  # one router on its own store: a full disk stalls no stream
     journal = router.ledger.journal
     if isinstance(journal, StoreJournal):

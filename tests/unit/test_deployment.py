@@ -31,7 +31,7 @@ from atp_router.security.identity import ANONYMOUS, Identity
 from atp_router.store import StoreUnavailable
 from atp_router.task.meta import TaskMeta
 from atp_router.wire import session as S
-from atp_router.wire.errors import ATPError, ErrorCode
+from atp_router.wire.errors import ATPError, ErrorCode, PolicyError
 from atp_router.wire.frame import ErrorPayload, Flag, Frame, QoS
 from tests.conftest import MECHANICS_RIB
 
@@ -166,3 +166,17 @@ async def test_services_start_with_the_router_and_rib_version_names_a_reload(tmp
         summary = router.reload(None)
         assert summary["version"] == 42 and router.gen.version == 42
         nursery.cancel_scope.cancel()
+
+
+def test_a_router_refused_at_start_closes_its_state_as_at_a_stop(tmp_path):
+    # The single router's store writes through its redo log (atp_router.store.redo): a start refused
+    # after the state was opened (here: a policy whose agent no policy body can name) must not leave
+    # it for the next start to replay as a crash's, nor hold the directory's lock.
+    state = tmp_path / "state"
+    build(tmp_path).close_state()  # a first, clean life: the directory exists, its store settled
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("agents: {a: {kind: nonsense}}\npolicies: []\n")
+    with pytest.raises(PolicyError):
+        single.build(RouterConfig(policies=bad, state_dir=state))
+    assert not (state / "state.db.redo").exists()
+    build(tmp_path).close_state()  # the directory was released: this process opens it again
