@@ -490,7 +490,9 @@ class Bandit:
         (class doc), with ``weight`` (0..1): the dear arm's draw is ``(1 − w)
         ×`` its own arm's draw ``+ w × (`` the cheap arm's draw ``+`` the
         gain's ``)``, the average of the two estimates of its quality at ½;
-        None: by the arms alone again. ``pair``: the ``(cheap, dear)`` arms
+        None: by the arms alone again. A 2-head TextGain (one model per arm)
+        learns each arm's observed outcome in its own head; the others the gain
+        label as the class doc says. ``pair``: the ``(cheap, dear)`` arms
         (default: by cost, then name). Raises ValueError unless the bandit has
         two arms (``pair``'s) and ``weight`` is in 0..1."""
         if model is not None and len(self.arms) != 2:
@@ -563,7 +565,9 @@ class Bandit:
         :meth:`ArmModel.update`; the gain model (if any) as the class doc says."""
         if self.gain is not None and self._pair is not None:
             cheap, dear = self._pair
-            if cheap in rewards or dear in rewards:
+            if getattr(self.gain, "heads", 1) == 2:  # a TextGain of both arms: each head its own arm's outcome
+                self.gain.observe(ctx, rewards.get(cheap), rewards.get(dear), weight, only=only)
+            elif cheap in rewards or dear in rewards:
                 qc = rewards[cheap] if cheap in rewards else self.arms[cheap].mean(ctx)
                 qd = rewards[dear] if dear in rewards else self.arms[dear].mean(ctx)
                 self.gain.update(ctx, (min(max(qd, 0.0), 1.0) - min(max(qc, 0.0), 1.0) + 1.0) / 2.0, weight,

@@ -20,7 +20,10 @@ router computes on the SYN path and keeps updating online.
   Mapping a prompt costs one ``searchsorted`` of its hashes.
 * :class:`TextGain` — a diagonal-Gaussian Bayesian logistic model over those
   columns (like :class:`~atp_router.policy.bandit.ArmModel`), of the gain of
-  the dear arm over the cheap one: ``E[q_dear − q_cheap] = 2σ(z) − 1``.
+  the dear arm over the cheap one: ``E[q_dear − q_cheap] = 2σ(z) − 1`` (1 head),
+  or ``σ(z_dear) − σ(z_cheap)`` from one such model of each arm's quality (2
+  heads, each learning only its own arm's observed outcomes online: what
+  ``atp-router learn --method gain`` writes by default).
   :meth:`TextGain.fit` is the offline anchor's fit (L-BFGS MAP of the log-loss
   under precision ``1/C`` on every weight but the intercept — scikit-learn's
   objective), with its Laplace precision; :meth:`TextGain.update` one Laplace
@@ -145,17 +148,28 @@ def _sigmoid(z: float) -> float:
 
 class TextGain:
     """The gain model (module doc): ``vocab``, posterior mean ``m`` and
-    precision ``q`` per column, ``count`` observations. Reads ``ctx.aux``; a
-    context without one (a featurizer without the vocabulary) gives the
-    intercept's gain and teaches nothing."""
+    precision ``q`` per column and head, ``count`` observations. Reads
+    ``ctx.aux``; a context without one (a featurizer without the vocabulary)
+    gives the intercept's gain and teaches nothing.
 
-    __slots__ = ("count", "m", "q", "vocab")
+    ``heads``: 1 — one logistic model of the gain label ``(q_dear − q_cheap +
+    1)/2`` (the offline anchor's form); 2 — two, of each arm's quality (cheap,
+    then dear), the gain ``σ(z_dear) − σ(z_cheap)``: each head learns online only
+    from its own arm's observed outcome (:meth:`observe`), never from a label the
+    other arm's estimate filled in. ``m`` and ``q`` hold the heads one after the
+    other (``heads × vocab.n_cols``), so a delta, a merge and a state carry both."""
 
-    def __init__(self, vocab: TermVocab, *, prior_precision: float = 1.0):
+    __slots__ = ("count", "heads", "m", "q", "vocab")
+
+    def __init__(self, vocab: TermVocab, *, prior_precision: float = 1.0, heads: int = 1):
+        if heads not in (1, 2):
+            raise ValueError("a gain model has 1 head (the gain) or 2 (the cheap and the dear arm)")
         self.vocab = vocab
-        self.m = np.zeros(vocab.n_cols)
-        self.q = np.full(vocab.n_cols, float(prior_precision))
-        self.q[-1] = INTERCEPT_PRECISION
+        self.heads = heads
+        n = vocab.n_cols
+        self.m = np.zeros(heads * n)
+        self.q = np.full(heads * n, float(prior_precision))
+        self.q[n - 1::n] = INTERCEPT_PRECISION
         self.count = 0.0
 
     def _aux(self, ctx: Context) -> Context:
@@ -164,54 +178,100 @@ class TextGain:
             return Context(np.array([self.vocab.n_cols - 1]), np.ones(1))
         return aux
 
+    def _z(self, aux: Context, head: int) -> float:
+        off = head * self.vocab.n_cols
+        return float(self.m[aux.idx + off] @ aux.val) if off else float(self.m[aux.idx] @ aux.val)
+
+    def _var(self, aux: Context, head: int) -> float:
+        return float((aux.val * aux.val) @ (1.0 / self.q[aux.idx + head * self.vocab.n_cols]))
+
     def logit(self, ctx: Context) -> float:
+        """The logit of :meth:`mean` (1 head: the model's own logit)."""
         aux = self._aux(ctx)
-        return float(self.m[aux.idx] @ aux.val)
+        if self.heads == 1:
+            return self._z(aux, 0)
+        p = min(max(self.mean(ctx), 1e-12), 1.0 - 1e-12)
+        return math.log(p / (1.0 - p))
 
     def mean(self, ctx: Context) -> float:
-        """σ of the posterior-mean logit: ``(E[gain] + 1) / 2``."""
-        return _sigmoid(self.logit(ctx))
+        """``(E[gain] + 1) / 2`` at the posterior means: σ of the logit (1 head),
+        ``(σ(z_dear) − σ(z_cheap) + 1)/2`` (2 heads)."""
+        aux = self._aux(ctx)
+        if self.heads == 1:
+            return _sigmoid(self._z(aux, 0))
+        return (_sigmoid(self._z(aux, 1)) - _sigmoid(self._z(aux, 0)) + 1.0) / 2.0
 
     def std(self, ctx: Context) -> float:
+        """The posterior std of the logit (2 heads: of the two logits' difference)."""
         aux = self._aux(ctx)
-        return math.sqrt(float((aux.val * aux.val) @ (1.0 / self.q[aux.idx])))
+        return math.sqrt(sum(self._var(aux, h) for h in range(self.heads)))
 
     def sample(self, ctx: Context, rng: np.random.Generator, explore: float = 1.0) -> float:
-        """A Thompson draw (``explore`` × std on the logit; 0: the mean)."""
-        z = self.logit(ctx)
-        if explore > 0:
-            z += explore * self.std(ctx) * float(rng.standard_normal())
-        return _sigmoid(z)
+        """A Thompson draw of ``(gain + 1)/2`` (``explore`` × std on each logit; 0: the mean)."""
+        if explore <= 0:
+            return self.mean(ctx)
+        aux = self._aux(ctx)
+        z = [self._z(aux, h) + explore * math.sqrt(self._var(aux, h)) * float(rng.standard_normal())
+             for h in range(self.heads)]
+        return _sigmoid(z[0]) if self.heads == 1 else (_sigmoid(z[1]) - _sigmoid(z[0]) + 1.0) / 2.0
+
+    def _step(self, aux: Context, head: int, y: float, weight: float) -> None:
+        """One Laplace step of ``head`` on the label ``y`` in 0..1."""
+        idx = aux.idx + head * self.vocab.n_cols if head else aux.idx
+        m = self.m[idx]
+        p = _sigmoid(float(m @ aux.val))
+        q = self.q[idx] + weight * p * (1.0 - p) * aux.val * aux.val
+        self.q[idx] = q
+        self.m[idx] = m + weight * (min(max(float(y), 0.0), 1.0) - p) * aux.val / q
 
     def update(self, ctx: Context, label: float, weight: float = 1.0, *, only: int | None = None) -> None:
-        """One Laplace step on the label ``(q_dear − q_cheap + 1)/2`` in 0..1.
-        Nothing is learned from a context without ``aux`` or with ``only``
-        (a tenant-scoped update: the gain model has no tenant features)."""
+        """One Laplace step on the label ``(q_dear − q_cheap + 1)/2`` in 0..1 (1
+        head). Nothing is learned from a context without ``aux`` or with ``only``
+        (a tenant-scoped update: the gain model has no tenant features).
+        Raises ValueError on a 2-head model (it learns by :meth:`observe`)."""
+        if self.heads != 1:
+            raise ValueError("a 2-head gain model learns each arm's outcome (observe), not a gain label")
         if ctx.aux is None or only is not None:
             return
-        aux = self._aux(ctx)
-        y = min(max(float(label), 0.0), 1.0)
-        m = self.m[aux.idx]
-        p = _sigmoid(float(m @ aux.val))
-        q = self.q[aux.idx] + weight * p * (1.0 - p) * aux.val * aux.val
-        self.q[aux.idx] = q
-        self.m[aux.idx] = m + weight * (y - p) * aux.val / q
+        self._step(self._aux(ctx), 0, label, weight)
         self.count += weight
 
-    def fit(self, contexts: Sequence[Context], labels: Sequence[float] | np.ndarray, *, C: float = 1.0) -> TextGain:
+    def observe(self, ctx: Context, cheap: float | None, dear: float | None, weight: float = 1.0, *,
+                only: int | None = None) -> None:
+        """A 2-head model's online step: each arm's head on its observed quality
+        in 0..1 (None: that arm was not called, its head learns nothing). As
+        :meth:`update` for ``aux`` and ``only``; raises ValueError on 1 head."""
+        if self.heads != 2:
+            raise ValueError("a 1-head gain model learns a gain label (update)")
+        if ctx.aux is None or only is not None or (cheap is None and dear is None):
+            return
+        aux = self._aux(ctx)
+        for head, y in ((0, cheap), (1, dear)):
+            if y is not None:
+                self._step(aux, head, y, weight)
+        self.count += weight
+
+    def fit(self, contexts: Sequence[Context], labels: Sequence[Any] | np.ndarray, *, C: float = 1.0) -> TextGain:
         """The offline anchor's fit on ``contexts``' ``aux`` rows (module doc): the
         MAP with precision ``1/C`` (intercept unpenalised) and its Laplace
-        precision. Replaces the posterior; ``count`` grows by the rows. Returns self."""
+        precision, per head. ``labels``: the gain label per row (1 head), or
+        ``(cheap, dear)`` qualities in 0..1 per row (2 heads; shape ``(n, 2)``).
+        Replaces the posterior; ``count`` grows by the rows. Returns self.
+        Raises ValueError when the labels' shape does not fit the heads."""
+        y = np.asarray(labels, dtype=np.float64)
+        if y.shape != ((len(contexts),) if self.heads == 1 else (len(contexts), 2)):
+            raise ValueError(f"gain fit: labels of shape {y.shape} for {len(contexts)} rows and {self.heads} head(s)")
         rows = [(c.aux.idx[:-1], c.aux.val[:-1]) if c.aux is not None else (np.zeros(0, np.int64), np.zeros(0))
                 for c in contexts]
-        d = self.vocab.n_cols - 1
-        X = Sparse.from_rows(rows, d)
-        model = fit_logistic(X, np.asarray(labels, dtype=np.float64), C=C)
-        self.m = np.append(model.coef, model.intercept)
-        z = model.logit(X)
-        w = 1.0 / (1.0 + np.exp(-z))
-        w = w * (1.0 - w)
-        self.q = np.append(1.0 / C + X.sq_tdot(w), INTERCEPT_PRECISION + float(w.sum()))
+        X = Sparse.from_rows(rows, self.vocab.n_cols - 1)
+        ms, qs = [], []
+        for h in range(self.heads):
+            model = fit_logistic(X, y if self.heads == 1 else y[:, h], C=C)
+            w = 1.0 / (1.0 + np.exp(-model.logit(X)))
+            w = w * (1.0 - w)
+            ms.append(np.append(model.coef, model.intercept))
+            qs.append(np.append(1.0 / C + X.sq_tdot(w), INTERCEPT_PRECISION + float(w.sum())))
+        self.m, self.q = np.concatenate(ms), np.concatenate(qs)
         self.count += float(len(contexts))
         return self
 
@@ -219,14 +279,14 @@ class TextGain:
     def copy(self) -> TextGain:
         """An independent copy of the posterior (the vocabulary is shared: it never changes)."""
         g = TextGain.__new__(TextGain)
-        g.vocab, g.m, g.q, g.count = self.vocab, self.m.copy(), self.q.copy(), self.count
+        g.vocab, g.heads, g.m, g.q, g.count = self.vocab, self.heads, self.m.copy(), self.q.copy(), self.count
         return g
 
     def delta(self, base: TextGain) -> GainDelta:
         """What this model learned since ``base`` (the state it last shared);
         raises ValueError when ``base`` is over another vocabulary."""
-        if base.vocab.digest != self.vocab.digest:
-            raise ValueError("gain delta: another vocabulary")
+        if base.vocab.digest != self.vocab.digest or base.heads != self.heads:
+            raise ValueError("gain delta: another vocabulary or another number of heads")
         return GainDelta(self.vocab.digest, self.q * self.m - base.q * base.m, self.q - base.q,
                          self.count - base.count)
 
@@ -247,11 +307,11 @@ class TextGain:
 
     # ------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
-        """``{keys, idf, meta, m, q: bytes, count}`` (little-endian u8 / f8)."""
+        """``{keys, idf, meta, m, q: bytes, count, heads}`` (little-endian u8 / f8)."""
         v = self.vocab
         return {"keys": v.keys.astype("<u8").tobytes(), "idf": v.idf.astype("<f8").tobytes(),
                 "meta": v.meta.astype("<u8").tobytes(), "m": self.m.astype("<f8").tobytes(),
-                "q": self.q.astype("<f8").tobytes(), "count": self.count}
+                "q": self.q.astype("<f8").tobytes(), "count": self.count, "heads": self.heads}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> TextGain:
@@ -260,9 +320,12 @@ class TextGain:
         vocab = TermVocab(keys, np.frombuffer(state["idf"], dtype="<f8"), np.frombuffer(state["meta"], dtype="<u8"))
         if len(keys) > 1 and not np.all(keys[1:] > keys[:-1]):
             raise ValueError("gain state: the vocabulary is not sorted")
-        g = cls(vocab)
+        heads = state.get("heads", 1)  # states written before 2-head models: 1
+        if heads not in (1, 2) or isinstance(heads, bool):
+            raise ValueError("gain state: heads must be 1 or 2")
+        g = cls(vocab, heads=int(heads))
         m, q = np.frombuffer(state["m"], dtype="<f8"), np.frombuffer(state["q"], dtype="<f8")
-        if m.shape != (vocab.n_cols,) or q.shape != m.shape or not np.all(q > 0) \
+        if m.shape != (g.heads * vocab.n_cols,) or q.shape != m.shape or not np.all(q > 0) \
                 or not np.all(np.isfinite(m)) or not np.all(np.isfinite(q)) or not np.all(np.isfinite(vocab.idf)):
             raise ValueError("gain state: wrong shape, non-finite value or non-positive precision")
         g.m, g.q, g.count = m.astype(np.float64), q.astype(np.float64), float(state["count"])

@@ -116,6 +116,79 @@ def test_the_bandit_averages_the_dear_arms_two_estimates():
     assert g.logit(c) < m0 and g.count == 201
 
 
+def test_two_heads_are_the_anchors_regression_of_each_arm():
+    """2 heads: each is :func:`fit_logistic` of its arm's correctness on the same TF-IDF
+    columns; the gain is σ(z_dear) − σ(z_cheap)."""
+    rows = _rows(300)
+    vocab, feat = _featurizer(rows)
+    ctx = [feat({"subject": s}, p) for p, s, *_ in rows]
+    g = TextGain(vocab, heads=2).fit(ctx, [(float(w), float(s)) for _, _, w, s in rows], C=0.3)
+    vec = Tfidf().fit([p for p, *_ in rows], [s for _, s, *_ in rows])
+    X = vec.transform([p for p, *_ in rows], [s for _, s, *_ in rows])
+    pc = 1 / (1 + np.exp(-fit_logistic(X, np.array([float(w) for _, _, w, _ in rows]), C=0.3).logit(X)))
+    pd = 1 / (1 + np.exp(-fit_logistic(X, np.array([float(s) for _, _, _, s in rows]), C=0.3).logit(X)))
+    np.testing.assert_allclose([2 * g.mean(c) - 1 for c in ctx], pd - pc, atol=2e-3)
+    assert len(g.m) == len(g.q) == 2 * vocab.n_cols and g.count == 300
+    hi = feat({"subject": "m"}, "evaluate the integral of beta")
+    lo = feat({"subject": "m"}, "name the capital of beta")
+    # 'integral': only the strong model answers (gain ≈ 0.9); 'capital': both do, 9 times in 10 (gain ≈ 0)
+    assert g.mean(hi) > 0.85 and abs(g.mean(lo) - 0.5) < 0.05
+    assert g.logit(hi) > 1 and g.std(hi) > 0
+    with pytest.raises(ValueError):  # one label per row is a 1-head fit
+        TextGain(vocab, heads=2).fit(ctx, [gain_label(w, s) for _, _, w, s in rows])
+    with pytest.raises(ValueError):
+        TextGain(vocab, heads=3)
+
+
+def test_two_heads_learn_each_arms_own_outcome_only():
+    """Online, each head learns only its own arm's observed outcome: no label is
+    filled in from the other arm's estimate (the bandit's partial feedback)."""
+    rows = _rows(200)
+    vocab, feat = _featurizer(rows)
+    ctx = [feat({"subject": s}, p) for p, s, *_ in rows]
+    g = TextGain(vocab, heads=2).fit(ctx, [(float(w), float(s)) for _, _, w, s in rows])
+    b = Bandit({"weak": 0.1, "strong": 1.0}, bits=10, explore=0.0)
+    b.set_gain(g, 1.0)
+    c = feat({"subject": "m"}, "evaluate the integral of beta")
+    n = vocab.n_cols
+    got = b.choose(c, np.random.default_rng(0)).sampled
+    assert got["strong"] - got["weak"] == pytest.approx(2 * g.mean(c) - 1)
+    cheap, dear = g.m[:n].copy(), g.m[n:].copy()
+    b.update(c, {"strong": 0.0})
+    assert np.array_equal(g.m[:n], cheap) and not np.array_equal(g.m[n:], dear) and g.count == 201
+    dear = g.m[n:].copy()
+    b.update(c, {"weak": 1.0})
+    assert not np.array_equal(g.m[:n], cheap) and np.array_equal(g.m[n:], dear)
+    g.observe(c, 1.0, 1.0, only=3)  # tenant-scoped: nothing
+    assert g.count == 202
+    with pytest.raises(ValueError):
+        g.update(c, 0.5)
+    with pytest.raises(ValueError):
+        TextGain(vocab).observe(c, 1.0, None)
+    # state: both heads round-trip; a delta against a 1-head base is refused; an old state reads as 1 head
+    back = TextGain.from_state(g.state())
+    assert back.heads == 2 and [back.mean(x) for x in ctx] == [g.mean(x) for x in ctx]
+    base = g.copy()
+    g.observe(c, 0.0, 1.0)
+    merged = base.copy()
+    merged.merge(g.delta(base))
+    np.testing.assert_allclose(merged.m, g.m)
+    one = TextGain(vocab)
+    with pytest.raises(ValueError):
+        g.delta(one)
+    with pytest.raises(ValueError):
+        one.merge(g.delta(base))
+    old = one.state()
+    del old["heads"]
+    assert TextGain.from_state(old).heads == 1
+    bad = dict(g.state(), heads=3)
+    with pytest.raises(ValueError):
+        TextGain.from_state(bad)
+    bad = dict(g.state(), heads=1)  # 2 heads' arrays under 1 head
+    with pytest.raises(ValueError):
+        TextGain.from_state(bad)
+
+
 def test_featurizer_cost_stays_bounded_with_a_large_vocabulary():
     """The gain columns of a 2 KB prompt: one searchsorted, whatever the vocabulary's size."""
     rng = np.random.default_rng(0)
