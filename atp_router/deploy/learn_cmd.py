@@ -2,7 +2,7 @@
 outcomes (issue 23; spec §6.2, §18), into the router's learned state.
 
     atp-router learn --from FILE --policy NAME [--policies DIR] [--state-dir D | --store URL]
-                     [--arms WEAK,STRONG] [--method update|fit|gain]
+                     [--arms WEAK,STRONG] [--method update|fit|gain] [--gain-heads 1|2]
 
 ``FILE``: JSON lines, the replay format (``../shared/routing-replay``): ``prompt``,
 ``weak_correct``/``strong_correct`` (booleans, or qualities in 0..1) and optional
@@ -20,11 +20,13 @@ own learning step, one observation per row and arm; ``fit`` — a batch fit
 posterior and its Laplace precision; ``--prior-precision`` sets that prior's
 precision for arms that have learned nothing yet); ``gain`` — the arms as ``fit``,
 and the policy's text gain model (:class:`~atp_router.policy.textgain.TextGain`:
-a TF-IDF vocabulary of the rows' prompts + meta and an L2 logistic regression
-of ``(strong − weak + 1)/2``, ``--gain-c``, on the rows with both outcomes)
-that the bandit then chooses by, the dear arm's estimate averaged
-``--gain-weight`` : 1 − w between the cheap arm plus the gain and its own arm
-(both keep learning online). The arms start from what the store holds
+a TF-IDF vocabulary of the rows' prompts + meta and, on the rows with both
+outcomes, L2 logistic regressions, ``--gain-c``: ``--gain-heads 2`` (default)
+one of each arm's correctness, the gain their difference, each learning only its
+own arm's outcomes online; ``1`` one of ``(strong − weak + 1)/2``) that the
+bandit then chooses by, the dear arm's estimate averaged ``--gain-weight`` : 1 − w
+between the cheap arm plus the gain and its own arm (default 1 with 2 heads, ½
+with 1; both keep learning online). The arms start from what the store holds
 for them (same agent fingerprint), so running ``learn`` again adds to it; the
 gain model is fitted afresh (an entry ``gain/<policy>`` replaced whole; routers
 sharing a store adopt it at their next sync and merge their online updates into it).
@@ -120,8 +122,13 @@ def _parser(default_state_dir: Path | None) -> argparse.ArgumentParser:
     ap.add_argument("--gain-c", type=float, default=0.3, metavar="C",
                     help="with --method gain: the gain regression's inverse regularisation "
                          "(bench/replay_routing.py --validate gain chose 0.3 on MMLU)")
-    ap.add_argument("--gain-weight", type=float, default=0.5, metavar="W",
-                    help="with --method gain: the gain's share of the dear arm's estimate, 0..1 (validated: 0.5)")
+    ap.add_argument("--gain-heads", type=int, choices=(1, 2), default=2,
+                    help="with --method gain: 2 — one TF-IDF regression per arm's correctness, the gain their "
+                         "difference, each learning its own arm's outcomes online; 1 — one regression of the gain "
+                         "label (strong − weak + 1)/2 (bench/replay_routing.py --validate gain chose 2 on MMLU)")
+    ap.add_argument("--gain-weight", type=float, default=None, metavar="W",
+                    help="with --method gain: the gain's share of the dear arm's estimate, 0..1 "
+                         "(default, validated on MMLU: 1 with 2 heads, 0.5 with 1)")
     ap.add_argument("--prior-precision", type=float, default=None, metavar="Q",
                     help="with --method fit or gain: the prior precision of arms that have learned nothing yet "
                          "(bench/replay_routing.py chose 10 on MMLU; default: the router's, 1)")
@@ -154,7 +161,7 @@ def _learn(bandit: Any, ctxs: list[Context], rows: list[tuple[dict[str, Any], st
 def _fit_gain(bandit: Any, featurizer: Any, rows: list[tuple[dict[str, Any], str, dict[str, float]]],
               pair: tuple[str, str], args: argparse.Namespace) -> tuple[TextGain, list[Context]]:
     """The text gain model of ``rows`` with both of ``pair``'s outcomes (cheap,
-    dear); sets ``featurizer``'s vocabulary and returns the model and every
+    dear; ``--gain-heads``); sets ``featurizer``'s vocabulary and returns the model and every
     row's context (with the gain columns). Raises ValueError without such rows."""
     cheap, dear = pair
     both = [(m, t, q) for m, t, q in rows if cheap in q and dear in q]
@@ -162,9 +169,10 @@ def _fit_gain(bandit: Any, featurizer: Any, rows: list[tuple[dict[str, Any], str
         raise ValueError(f"--method gain: no row has both {cheap} and {dear} outcomes")
     featurizer.vocab = TermVocab.fit([t for _, t, _ in both], [m for m, _, _ in both])
     ctxs = [featurizer(meta, text) for meta, text, _ in rows]
-    model = TextGain(featurizer.vocab).fit(
-        [c for c, (_, _, q) in zip(ctxs, rows, strict=True) if cheap in q and dear in q],
-        [(q[dear] - q[cheap] + 1.0) / 2.0 for _, _, q in both], C=args.gain_c)
+    labels: list[Any] = ([(q[dear] - q[cheap] + 1.0) / 2.0 for _, _, q in both] if args.gain_heads == 1
+                         else [(q[cheap], q[dear]) for _, _, q in both])
+    model = TextGain(featurizer.vocab, heads=args.gain_heads).fit(
+        [c for c, (_, _, q) in zip(ctxs, rows, strict=True) if cheap in q and dear in q], labels, C=args.gain_c)
     bandit.set_gain(model, args.gain_weight, pair=pair)
     return model, ctxs
 
@@ -204,14 +212,21 @@ def _write(store: Store, policy: str, learned: list[str], bandit: Any, bases: di
         store.update(SEQ_KEY, functools.partial(bump_index, written))
 
 
+def _checked(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with ``--gain-weight``'s default for ``--gain-heads``; exits (usage, 2) on a bad value."""
+    if args.prior_precision is not None and not (args.prior_precision > 0 and args.method in ("fit", "gain")):
+        ap.error("--prior-precision: a positive number, with --method fit or gain")
+    if args.gain_weight is None:
+        args.gain_weight = 1.0 if args.gain_heads == 2 else 0.5
+    if not (args.gain_c > 0 and 0.0 <= args.gain_weight <= 1.0):
+        ap.error("--gain-c: a positive number; --gain-weight: in 0..1")
+    return args
+
+
 def learn_main(argv: list[str], *, default_state_dir: Path | None = None) -> int:
     """The ``learn`` subcommand (module doc); returns the exit status."""
     ap = _parser(default_state_dir)
-    args = ap.parse_args(argv)
-    if args.prior_precision is not None and not (args.prior_precision > 0 and args.method in ("fit", "gain")):
-        ap.error("--prior-precision: a positive number, with --method fit or gain")
-    if not (args.gain_c > 0 and 0.0 <= args.gain_weight <= 1.0):
-        ap.error("--gain-c: a positive number; --gain-weight: in 0..1")
+    args = _checked(ap, ap.parse_args(argv))
     try:
         rib = load_rib(args.policies)
     except PolicyError as e:

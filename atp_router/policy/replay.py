@@ -29,6 +29,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -255,14 +256,18 @@ def warm_fit(rows: Sequence[Row], contexts: Sequence, *, bits: int = 14, explore
 
 def warm_text_gain(rows: Sequence[Row], contexts: Sequence, vocab: TermVocab, *, bits: int = 14,
                    explore: float = 0.0, prior_precision: float = 10.0, C: float = 0.3,
-                   weight: float = 0.5) -> Bandit:
+                   weight: float = 1.0, heads: int = 2) -> Bandit:
     """The warm start ``atp-router learn --method gain`` writes: the arms fitted
     as :func:`warm_fit` (without its hashed gain model) and a
-    :class:`~atp_router.policy.textgain.TextGain` over ``vocab`` — the offline
-    anchor's TF-IDF logistic regression of ``(strong − weak + 1)/2``, C = ``C``
-    — that the bandit chooses by with ``weight`` (:meth:`Bandit.set_gain
-    <atp_router.policy.bandit.Bandit.set_gain>`). ``contexts`` must carry ``aux``
-    (a featurizer holding ``vocab``)."""
+    :class:`~atp_router.policy.textgain.TextGain` over ``vocab``, C = ``C``, that
+    the bandit chooses by with ``weight`` (:meth:`Bandit.set_gain
+    <atp_router.policy.bandit.Bandit.set_gain>`): ``heads`` 2 — the offline
+    anchor's TF-IDF logistic regression of each arm's correctness (the gain their
+    difference; each learns its own arm's outcomes online); 1 — of the gain label
+    ``(strong − weak + 1)/2``. ``contexts`` must carry ``aux`` (a featurizer
+    holding ``vocab``)."""
     bandit = warm_fit(rows, contexts, bits=bits, explore=explore, prior_precision=prior_precision, gain=False)
-    bandit.set_gain(TextGain(vocab).fit(contexts, [gain_label(r.weak, r.strong) for r in rows], C=C), weight)
+    labels: list[Any] = ([gain_label(r.weak, r.strong) for r in rows] if heads == 1
+                         else [(float(r.weak), float(r.strong)) for r in rows])
+    bandit.set_gain(TextGain(vocab, heads=heads).fit(contexts, labels, C=C), weight)
     return bandit

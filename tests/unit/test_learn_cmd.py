@@ -108,10 +108,12 @@ def test_unknown_policy_arms_and_bad_rows_are_refused(tmp_path, capsys):
     assert read_outcomes(any_arms, WEAK, STRONG) == [({"task_type": "qa"}, "p", {"lint.ruff": 0.25})]
 
 
-def test_a_gain_warm_start_is_the_routers_model_learns_online_and_survives_a_restart(tmp_path, capsys):
-    """``--method gain``: the stored gain model (vocabulary + weights) is what the
-    router's policy chooses by on the SYN path (the featurizer fills its columns);
-    online feedback updates it, the router's save keeps that, a restart reads it."""
+@pytest.mark.parametrize("heads", [1, 2])
+def test_a_gain_warm_start_is_the_routers_model_learns_online_and_survives_a_restart(tmp_path, capsys, heads):
+    """``--method gain``: the stored gain model (vocabulary + weights; 2 heads, one per
+    arm, by default; 1, of the gain label) is what the router's policy chooses by on the
+    SYN path (the featurizer fills its columns); online feedback updates it, the
+    router's save keeps that, a restart reads it."""
     from atp_router.policy.learn import Decision
     from atp_router.policy.textgain import TextGain
     from atp_router.runtime.controlplane.learn_entries import GAIN_PREFIX, decode_gain
@@ -122,12 +124,12 @@ def test_a_gain_warm_start_is_the_routers_model_learns_online_and_survives_a_res
     _outcomes(data, 60)
     state = tmp_path / "state"
     assert learn_main(["--from", str(data), "--policy", "qa", "--policies", str(rib), "--state-dir", str(state),
-                       "--arms", f"{WEAK},{STRONG}", "--method", "gain", "--gain-weight", "1"]) == 0
+                       "--arms", f"{WEAK},{STRONG}", "--method", "gain", "--gain-weight", "1"] + (["--gain-heads", "1"] if heads == 1 else [])) == 0
     with SqliteStore.open(state, create=False) as store:
         entry = decode_gain(store.get(f"{GAIN_PREFIX}qa"))
     assert entry["arms"] == [WEAK, STRONG] and entry["weight"] == 1.0
     stored = TextGain.from_state(entry["state"])
-    assert stored.count == 60
+    assert stored.count == 60 and stored.heads == heads
     router = single.build(RouterConfig(policies=rib, state_dir=state))
     try:
         learner = router.learning.learner
@@ -150,5 +152,6 @@ def test_a_gain_warm_start_is_the_routers_model_learns_online_and_survives_a_res
     again = single.build(RouterConfig(policies=rib, state_dir=state))
     try:
         assert again.learning.learner.policy_bandit("qa")[0].gain.count == 61
+        assert again.learning.learner.policy_bandit("qa")[0].gain.heads == heads
     finally:
         again.close_state()

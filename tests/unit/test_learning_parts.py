@@ -175,6 +175,7 @@ def test_routers_sharing_a_store_merge_the_text_gain_models_online_updates(tmp_p
         ga = a.learner.policy_bandit("qa")[0].gain
         gb = b.learner.policy_bandit("qa")[0].gain
         assert ga is not None and gb is not None and ga.count == gb.count == 40
+        assert ga.heads == gb.heads == 2  # learn's default: one head per arm
         feat = a.learner.policy_bandit("qa")[1]
         ctx = feat({"task_type": "qa", "subject": "math"}, "prove the integral 7")
         before = gb.logit(ctx)

@@ -169,10 +169,12 @@ def test_hindsight_subject_router_sends_the_best_subject_first(tmp_path):
     assert c.accuracy == pytest.approx((0.4, 0.8, 0.6))
 
 
-def test_the_text_gain_warm_start_starts_as_the_offline_anchor_and_routes_online():
+@pytest.mark.parametrize("heads", [1, 2])
+def test_the_text_gain_warm_start_starts_as_the_offline_anchor_and_routes_online(heads):
     """``warm_text_gain`` (the split bench's ``warm=``, ``atp-router learn --method gain``): its gain
-    model ranks held-out prompts as the offline TF-IDF regression with the same C does, and the warm
-    bandit replayed online (explore 0) spends its strong calls where the gain is."""
+    model ranks held-out prompts as the offline TF-IDF regression with the same C does (1 head: of the
+    gain label; 2 heads: of each arm's correctness, the gain their difference), and the warm bandit
+    replayed online (explore 0) spends its strong calls where the gain is."""
     from atp_router.policy.bandit import Featurizer
     from atp_router.policy.offline import Tfidf, fit_logistic, gain_label
     from atp_router.policy.replay import score_curve, warm_text_gain
@@ -185,12 +187,20 @@ def test_the_text_gain_warm_start_starts_as_the_offline_anchor_and_routes_online
     feat = Featurizer(bits=10, text=True)
     feat.vocab = vocab
     ctx = [feat(m, r.prompt) for m, r in zip(meta, rows, strict=True)]
-    bandit = warm_text_gain(train, ctx[:200], vocab, bits=10, C=0.3, weight=0.5)
+    bandit = warm_text_gain(train, ctx[:200], vocab, bits=10, C=0.3, weight=0.5 if heads == 1 else 1.0, heads=heads)
     vec = Tfidf().fit([r.prompt for r in train], [r.subject for r in train])
-    lr = fit_logistic(vec.transform([r.prompt for r in train], [r.subject for r in train]),
-                      np.array([gain_label(r.weak, r.strong) for r in train]), C=0.3)
-    ours = [bandit.gain.logit(c) for c in ctx[200:]]
-    theirs = lr.logit(vec.transform([r.prompt for r in test], [r.subject for r in test]))
+    X, Xt = (vec.transform([r.prompt for r in part], [r.subject for r in part]) for part in (train, test))
+
+    def lr(y: list[float]) -> np.ndarray:
+        return fit_logistic(X, np.array(y, dtype=float), C=0.3).logit(Xt)
+
+    if heads == 1:
+        ours = [bandit.gain.logit(c) for c in ctx[200:]]
+        theirs = lr([gain_label(r.weak, r.strong) for r in train])
+    else:
+        ours = [2 * bandit.gain.mean(c) - 1 for c in ctx[200:]]
+        theirs = 1 / (1 + np.exp(-lr([float(r.strong) for r in train]))) - 1 / (1 + np.exp(-lr(
+            [float(r.weak) for r in train])))
     np.testing.assert_allclose(ours, theirs, atol=2e-3)
     weak = sum(r.weak for r in test) / len(test)
     strong = sum(r.strong for r in test) / len(test)
