@@ -10,7 +10,7 @@ with 50 calls per next-hop. Per operation, µs of CPU (best of 3 runs of ``--n``
   hashed (unigrams + bigrams);
 * learning one quality observation, and one call's live statistics;
 * the same choice and learning with a text gain model (``atp-router learn --method
-  gain``, :mod:`atp_router.policy.textgain`) on a two-next-hop policy: a
+  gain``, :mod:`atp_router.policy.textgain`: 2 heads, weight 1) on a two-next-hop policy: a
   vocabulary of 60,000 terms (random keys plus every term of the prompt, so all
   of them are looked up and found) — the TF-IDF columns of the prompt too.
 """
@@ -60,10 +60,10 @@ def _gain_learner(rib: Rib) -> RoutingLearner:
     rng = np.random.default_rng(0)
     keys = np.unique(np.concatenate((rng.integers(0, 1 << 34, size=60_000, dtype=np.uint64), term_keys(TEXT), term_keys(PROSE))))
     vocab = TermVocab(keys, rng.uniform(1.0, 9.0, size=len(keys)), np.zeros(0, np.uint64))
-    model = TextGain(vocab)
+    model = TextGain(vocab, heads=2)  # what ``learn --method gain`` writes by default (one head per arm)
     model.m[:] = rng.normal(0.0, 0.1, size=len(model.m))
     fps = learner.fingerprints("g")
-    learner.load_gain([{"policy": "g", "arms": ["a", "c"], "fingerprints": [fps["a"], fps["c"]], "weight": 0.5,
+    learner.load_gain([{"policy": "g", "arms": ["a", "c"], "fingerprints": [fps["a"], fps["c"]], "weight": 1.0,
                         "state": model.state()}])
     learner.sync(msgspec.convert(RIB, Rib))  # a reload: the stored gain model is attached
     return learner

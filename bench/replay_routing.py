@@ -179,7 +179,7 @@ WARM_EXPLORE = 0.0
 #: The text-gain warm start (``warm=``, :func:`~atp_router.policy.replay.warm_text_gain`; ``atp-router learn
 #: --method gain``): the arms fitted as above plus the offline anchor's model — a logistic regression of the gain on
 #: TF-IDF word 1–2-grams + meta (:class:`~atp_router.policy.textgain.TextGain`) — with inverse regularisation
-#: ``WARM_GAIN_C`` and the dear arm's estimate averaged ``WARM_GAIN_WEIGHT`` : 1 − w between (cheap arm + gain) and
+#: ``WARM_GAIN_C`` and the dear arm's estimate averaged ``WARM_GAIN_WEIGHT_1HEAD`` : 1 − w between (cheap arm + gain) and
 #: its own arm, both learning online, explore 0. Chosen by ``--validate gain`` (seed 0's TRAIN half only; README):
 #: C 0.1 / 0.3 / 1 ranked 0.6726 / 0.6726 / 0.6670 on 5 folds (the arms 0.6720); online (C 0.3) w = 1 / ½ vs the
 #: fitted arms alone: 5 folds −0.0024 / +0.0011, 2 × 2 halves +0.0049 / +0.0061 (frozen gain: −0.0072 / −0.0032 and
@@ -194,7 +194,19 @@ WARM_GAIN_C = 0.3
 #: on both fold sets by more than the noise. Features (scikit-learn, ranked, vs word 1–2-grams + subject at C 1):
 #: + character 2–5-grams −0.0063 (C 0.3) / −0.0238 (C 1), characters alone −0.0111, + log prompt length +0.0020 ±
 #: 0.0079; C 0.3 alone +0.0028 ± 0.0061 (kept above).
-WARM_GAIN_WEIGHT = 0.5
+WARM_GAIN_WEIGHT_1HEAD = 0.5
+#: The warm start's gain model since session 20 (``warm=``; ``atp-router learn --method gain`` by default): 2 heads —
+#: the offline anchor's TF-IDF + meta logistic regression of EACH ARM's correctness (C ``WARM_GAIN_C``), the gain
+#: their difference, each head learning online only from its own arm's observed outcome (the 1-head model learns a
+#: label whose unseen half the hashed arms fill in) — chosen by with weight 1 (the hashed arms keep learning but
+#: do not choose). Chosen on seed 0's TRAIN half by ``--validate gain``'s protocol (5 folds × 2 fold assignments,
+#: its candidates since; the session's script ran only these; paired
+#: against the 1-head warm start above, online): 2 heads C 0.3 +0.0030 ± 0.0020 / +0.0049 ± 0.0035 (se), C 1
+#: +0.0029 / −0.0063, 2 heads with the 1-head gain at ½ +0.0013 / +0.0002. First seen offline with scikit-learn
+#: (ranked, same folds, vs the gain-label regression at C 1): P(strong) − P(weak) +0.0096 ± 0.0019, P(+1) −
+#: P(−1) +0.0084, multinomial E[gain] +0.0077, ridge on the gain −0.0055.
+WARM_GAIN_HEADS = 2
+WARM_GAIN_WEIGHT = 1.0
 #: Share points the offline (score-ranking) routers are evaluated at in ``--validate`` (ranked against ranked).
 SHARES = tuple(i / 100 for i in range(101))
 #: Share points every router of the ``--split`` table is scored at: the online routers' spend targets, so each
@@ -213,9 +225,12 @@ SPLIT_ROUTERS = {
     "bandit fit, ranked": "same arms fitted, not online: test prompts ranked by mean(strong) − mean(weak)",
     "bandit warm fit .25": "same, arms fitted to the train half (MAP + Laplace, prior precision 10), then online",
     "bandit warm fit": "same fit, then online with explore 0 (greedy on the posterior means)",
-    "text gain, ranked": "prompt TF-IDF + meta, the router's TextGain fitted on the train half (C 0.3), not online",
-    "bandit warm text gain": "hashed words + meta (arms) and TF-IDF + meta (gain): fitted arms + TextGain, "
-                             "½ : ½, then online, explore 0",
+    "text gain, ranked": "prompt TF-IDF + meta, the router's TextGain (2 heads) fitted on the train half (C 0.3), "
+                         "not online",
+    "bandit warm text gain": "TF-IDF + meta: each arm's fitted regression (C 0.3, TextGain 2 heads) chooses, "
+                             "then online (each head its own arm's outcomes), explore 0",
+    "bandit warm gain label": "hashed words + meta (arms) and TF-IDF + meta (gain label): fitted arms + TextGain "
+                              "1 head, ½ : ½, then online, explore 0 (the warm start before session 20)",
     "bandit zero+gain": "same features, online from zero, with a gain model (strong − weak)",
     "bandit warm+gain": "same as warm fit, plus a fitted gain model it chooses by, then online",
     "random": "nothing",
@@ -267,12 +282,16 @@ def split_main(args: argparse.Namespace) -> int:
         fitted_gain = warm_fit(train, ctx_tr, bits=BITS, explore=EXPLORE, prior_precision=WARM_PRIOR_PRECISION)
         curves["bandit fit, ranked"].append(score_curve("bandit fit, ranked", test, _arm_gain(fitted, ctx_te), GRID))
         text_warm, ctx_te_aux = _text_gain_start(train, test)
-        ranked["text gain, ranked"] = np.array([text_warm.gain.logit(c) for c in ctx_te_aux])
+        ranked["text gain, ranked"] = np.array([text_warm.gain.mean(c) for c in ctx_te_aux])
         curves["text gain, ranked"].append(score_curve("text gain, ranked", test, ranked["text gain, ranked"], GRID))
         picks: list[list[bool]] = [[] for _ in TARGETS]
         pts = [run_bandit(test, t, text=True, seed=seed, explore=WARM_EXPLORE, bits=BITS, contexts=ctx_te_aux,
                           warm=text_warm, picks=p) for t, p in zip(TARGETS, picks, strict=True)]
         curves["bandit warm text gain"].append(Curve("w", tuple(p[0] for p in pts), tuple(p[1] for p in pts)))
+        label_warm, _ = _text_gain_start(train, test, heads=1)
+        pts = [run_bandit(test, t, text=True, seed=seed, explore=WARM_EXPLORE, bits=BITS, contexts=ctx_te_aux,
+                          warm=label_warm) for t in TARGETS]
+        curves["bandit warm gain label"].append(Curve("l", tuple(p[0] for p in pts), tuple(p[1] for p in pts)))
         _stream_halves(halves_apgr, test, ranked, picks)
         for name, start, gain, ex in (("bandit zero", None, False, EXPLORE),
                                       ("bandit warm update", warm, False, EXPLORE),
@@ -341,15 +360,16 @@ def _print_halves(out: dict[str, list[list[float]]]) -> None:
         f"{statistics.mean(x):+9.3f} ± {statistics.pstdev(x) if len(x) > 1 else 0.0:.3f}" for x in d))
 
 
-def _text_gain_start(train: list[Row], test: list[Row]) -> tuple[Bandit, list[Context]]:
-    """The text-gain warm start fitted on ``train`` (as ``atp-router learn --method gain``) and the test
-    rows' contexts from the policy featurizer holding its vocabulary."""
+def _text_gain_start(train: list[Row], test: list[Row], heads: int = WARM_GAIN_HEADS) -> tuple[Bandit, list[Context]]:
+    """The text-gain warm start fitted on ``train`` (as ``atp-router learn --method gain --gain-heads``) and the
+    test rows' contexts from the policy featurizer holding its vocabulary."""
     vocab = TermVocab.fit([r.prompt for r in train], [_meta(r) for r in train])
     feat = Featurizer(bits=BITS, text=True)
     feat.vocab = vocab
     ctx_tr = [feat(_meta(r), r.prompt) for r in train]
     bandit = warm_text_gain(train, ctx_tr, vocab, bits=BITS, explore=WARM_EXPLORE,
-                            prior_precision=WARM_PRIOR_PRECISION, C=WARM_GAIN_C, weight=WARM_GAIN_WEIGHT)
+                            prior_precision=WARM_PRIOR_PRECISION, C=WARM_GAIN_C, heads=heads,
+                            weight=WARM_GAIN_WEIGHT if heads == 2 else WARM_GAIN_WEIGHT_1HEAD)
     return bandit, [feat(_meta(r), r.prompt) for r in test]
 
 
@@ -488,16 +508,21 @@ def _validate_gain_fold(train: list[Row], ctx: list[Context], fold: np.ndarray) 
     for c in (0.1, 1.0, WARM_GAIN_C):
         g = TextGain(vocab).fit(cf, y, C=c)
         out[f"text gain C={c}, ranked"] = apgr(score_curve("g", val, [g.logit(x) for x in cv], SHARES), wk, st)
-    for w in (1.0, WARM_GAIN_WEIGHT):
+    for w in (1.0, WARM_GAIN_WEIGHT_1HEAD):
         for frozen in (False, True):
             gm = (_FrozenGain if frozen else TextGain)(vocab)
             gm.m, gm.q = g.m.copy(), g.q.copy()
             b.set_gain(gm, w)
             out[f"text gain C={WARM_GAIN_C} w={w}{' frozen' if frozen else ''}, online"] = _online(
                 val, cv, b, step, wk, st, explore=0.0)
-    b.set_gain(g, WARM_GAIN_WEIGHT)
+    for c in (1.0, WARM_GAIN_C):
+        two = TextGain(vocab, heads=2).fit(cf, [(float(r.weak), float(r.strong)) for r in fit_rows], C=c)
+        out[f"text gain 2 heads C={c}, ranked"] = apgr(score_curve("2", val, [two.mean(x) for x in cv], SHARES), wk, st)
+        b.set_gain(two, 1.0)
+        out[f"text gain 2 heads C={c} w=1, online"] = _online(val, cv, b, step, wk, st, explore=0.0)
+    b.set_gain(g, WARM_GAIN_WEIGHT_1HEAD)
     for window in (500, 2000):
-        out[f"same w={WARM_GAIN_WEIGHT}, quantile threshold W={window}"] = _online_quantile(val, cv, b, window, wk, st)
+        out[f"same w={WARM_GAIN_WEIGHT_1HEAD}, quantile threshold W={window}"] = _online_quantile(val, cv, b, window, wk, st)
     return out
 
 
