@@ -199,9 +199,10 @@ WARM_GAIN_WEIGHT_1HEAD = 0.5
 #: the offline anchor's TF-IDF + meta logistic regression of EACH ARM's correctness (C ``WARM_GAIN_C``), the gain
 #: their difference, each head learning online only from its own arm's observed outcome (the 1-head model learns a
 #: label whose unseen half the hashed arms fill in) — chosen by with weight 1 (the hashed arms keep learning but
-#: do not choose). Chosen on seed 0's TRAIN half by ``--validate gain``'s protocol (5 folds × 2 fold assignments,
-#: its candidates since; the session's script ran only these; paired
-#: against the 1-head warm start above, online): 2 heads C 0.3 +0.0030 ± 0.0020 / +0.0049 ± 0.0035 (se), C 1
+#: do not choose). Chosen on seed 0's TRAIN half: ``--validate gain`` (bench/results/replay_routing_validate_gain.txt)
+#: ranks it first on both its protocols, online 0.6779 on the 5 folds and 0.6749 on the 2 × 2 halves (the 1-head
+#: start above: 0.6749 / 0.6691); a script with two fold assignments of 5 folds (paired against the 1-head
+#: warm start, online): 2 heads C 0.3 +0.0030 ± 0.0020 / +0.0049 ± 0.0035 (se), C 1
 #: +0.0029 / −0.0063, 2 heads with the 1-head gain at ½ +0.0013 / +0.0002. First seen offline with scikit-learn
 #: (ranked, same folds, vs the gain-label regression at C 1): P(strong) − P(weak) +0.0096 ± 0.0019, P(+1) −
 #: P(−1) +0.0084, multinomial E[gain] +0.0077, ridge on the gain −0.0055.
