@@ -282,14 +282,13 @@ def split_main(args: argparse.Namespace) -> int:
         fitted = warm_fit(train, ctx_tr, bits=BITS, explore=EXPLORE, prior_precision=WARM_PRIOR_PRECISION, gain=False)
         fitted_gain = warm_fit(train, ctx_tr, bits=BITS, explore=EXPLORE, prior_precision=WARM_PRIOR_PRECISION)
         curves["bandit fit, ranked"].append(score_curve("bandit fit, ranked", test, _arm_gain(fitted, ctx_te), GRID))
-        text_warm, ctx_te_aux = _text_gain_start(train, test)
+        text_warm, label_warm, ctx_te_aux = _text_gain_starts(train, test)
         ranked["text gain, ranked"] = np.array([text_warm.gain.mean(c) for c in ctx_te_aux])
         curves["text gain, ranked"].append(score_curve("text gain, ranked", test, ranked["text gain, ranked"], GRID))
         picks: list[list[bool]] = [[] for _ in TARGETS]
         pts = [run_bandit(test, t, text=True, seed=seed, explore=WARM_EXPLORE, bits=BITS, contexts=ctx_te_aux,
                           warm=text_warm, picks=p) for t, p in zip(TARGETS, picks, strict=True)]
         curves["bandit warm text gain"].append(Curve("w", tuple(p[0] for p in pts), tuple(p[1] for p in pts)))
-        label_warm, _ = _text_gain_start(train, test, heads=1)
         pts = [run_bandit(test, t, text=True, seed=seed, explore=WARM_EXPLORE, bits=BITS, contexts=ctx_te_aux,
                           warm=label_warm) for t in TARGETS]
         curves["bandit warm gain label"].append(Curve("l", tuple(p[0] for p in pts), tuple(p[1] for p in pts)))
@@ -361,17 +360,18 @@ def _print_halves(out: dict[str, list[list[float]]]) -> None:
         f"{statistics.mean(x):+9.3f} ± {statistics.pstdev(x) if len(x) > 1 else 0.0:.3f}" for x in d))
 
 
-def _text_gain_start(train: list[Row], test: list[Row], heads: int = WARM_GAIN_HEADS) -> tuple[Bandit, list[Context]]:
-    """The text-gain warm start fitted on ``train`` (as ``atp-router learn --method gain --gain-heads``) and the
-    test rows' contexts from the policy featurizer holding its vocabulary."""
+def _text_gain_starts(train: list[Row], test: list[Row]) -> tuple[Bandit, Bandit, list[Context]]:
+    """The text-gain warm starts fitted on ``train`` (as ``atp-router learn --method gain``): 2 heads (``warm=``)
+    and 1 head (session 19's), over one vocabulary, and the test rows' contexts from the policy featurizer
+    holding it."""
     vocab = TermVocab.fit([r.prompt for r in train], [_meta(r) for r in train])
     feat = Featurizer(bits=BITS, text=True)
     feat.vocab = vocab
     ctx_tr = [feat(_meta(r), r.prompt) for r in train]
-    bandit = warm_text_gain(train, ctx_tr, vocab, bits=BITS, explore=WARM_EXPLORE,
-                            prior_precision=WARM_PRIOR_PRECISION, C=WARM_GAIN_C, heads=heads,
-                            weight=WARM_GAIN_WEIGHT if heads == 2 else WARM_GAIN_WEIGHT_1HEAD)
-    return bandit, [feat(_meta(r), r.prompt) for r in test]
+    two, one = (warm_text_gain(train, ctx_tr, vocab, bits=BITS, explore=WARM_EXPLORE,
+                               prior_precision=WARM_PRIOR_PRECISION, C=WARM_GAIN_C, heads=heads, weight=weight)
+                for heads, weight in ((WARM_GAIN_HEADS, WARM_GAIN_WEIGHT), (1, WARM_GAIN_WEIGHT_1HEAD)))
+    return two, one, [feat(_meta(r), r.prompt) for r in test]
 
 
 def _arm_gain(bandit: Bandit, contexts: list[Context]) -> np.ndarray:

@@ -178,18 +178,20 @@ class TextGain:
             return Context(np.array([self.vocab.n_cols - 1]), np.ones(1))
         return aux
 
+    def _cols(self, aux: Context, head: int) -> np.ndarray:
+        """``head``'s positions in ``m`` and ``q`` of the context's columns."""
+        return aux.idx + head * self.vocab.n_cols if head else aux.idx
+
     def _z(self, aux: Context, head: int) -> float:
-        off = head * self.vocab.n_cols
-        return float(self.m[aux.idx + off] @ aux.val) if off else float(self.m[aux.idx] @ aux.val)
+        return float(self.m[self._cols(aux, head)] @ aux.val)
 
     def _var(self, aux: Context, head: int) -> float:
-        return float((aux.val * aux.val) @ (1.0 / self.q[aux.idx + head * self.vocab.n_cols]))
+        return float((aux.val * aux.val) @ (1.0 / self.q[self._cols(aux, head)]))
 
     def logit(self, ctx: Context) -> float:
         """The logit of :meth:`mean` (1 head: the model's own logit)."""
-        aux = self._aux(ctx)
         if self.heads == 1:
-            return self._z(aux, 0)
+            return self._z(self._aux(ctx), 0)
         p = min(max(self.mean(ctx), 1e-12), 1.0 - 1e-12)
         return math.log(p / (1.0 - p))
 
@@ -217,7 +219,7 @@ class TextGain:
 
     def _step(self, aux: Context, head: int, y: float, weight: float) -> None:
         """One Laplace step of ``head`` on the label ``y`` in 0..1."""
-        idx = aux.idx + head * self.vocab.n_cols if head else aux.idx
+        idx = self._cols(aux, head)
         m = self.m[idx]
         p = _sigmoid(float(m @ aux.val))
         q = self.q[idx] + weight * p * (1.0 - p) * aux.val * aux.val
